@@ -1,0 +1,5 @@
+import sys
+
+from egressd.main import main
+
+sys.exit(main())

@@ -1,0 +1,314 @@
+"""Configuration from the environment and ``--flags`` (flags win). Pure: env and argv in, Config out."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class ConfigError(ValueError):
+    """One-line reason the daemon refuses to start."""
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    env: str
+    flag: str
+    help: str
+    default: str | None = None
+    boolean: bool = False
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("OPENSANDBOX_EGRESS_PROFILE", "--profile", "sidecar or fleet", "sidecar"),
+    Option("OPENSANDBOX_EGRESS_HTTP_ADDR", "--http-addr", "HTTP listener host:port (fleet 127.0.0.1:18080)"),
+    Option(
+        "EGRESSD_ALLOW_NON_LOOPBACK",
+        "--allow-non-loopback",
+        "fleet: allow a non-loopback HTTP address",
+        boolean=True,
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_PENDING_PUSH_TTL",
+        "--pending-push-ttl",
+        "seconds pushes for unknown UIDs are kept",
+        "30",
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_BLOCK_DOH_443",
+        "--block-doh-443",
+        "drop TCP 443 to the DoH blocklist",
+        boolean=True,
+    ),
+    Option("OPENSANDBOX_EGRESS_DOH_BLOCKLIST", "--doh-blocklist", "comma-separated IPs/CIDRs", ""),
+    Option(
+        "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT",
+        "--mitmproxy-transparent",
+        "enable the shared MITM",
+        boolean=True,
+    ),
+    Option("OPENSANDBOX_EGRESS_MITMPROXY_PORT", "--mitmproxy-port", "MITM listener port", "18081"),
+    Option(
+        "OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR",
+        "--mitmproxy-upstream-trust-dir",
+        "CA directory the MITM trusts upstream",
+        "/etc/ssl/certs",
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE",
+        "--mitmproxy-ssl-insecure",
+        "skip upstream TLS checks",
+        boolean=True,
+    ),
+    Option("EGRESSD_MITM_CONFDIR", "--mitm-confdir", "the MITM's private directory", "/var/lib/egressd/mitm"),
+    Option("OPENSANDBOX_EGRESS_DNS_UPSTREAM", "--dns-upstream", "comma-separated ip[:port] resolvers"),
+    Option(
+        "OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT",
+        "--dns-upstream-timeout",
+        "seconds per upstream attempt",
+        "5",
+    ),
+    Option("OPENSANDBOX_EGRESS_TOKEN", "--token", "sidecar: API token"),
+    Option("OPENSANDBOX_EGRESS_RULES", "--rules", "sidecar: initial policy JSON"),
+    Option("OPENSANDBOX_EGRESS_POLICY_FILE", "--policy-file", "sidecar: initial policy file"),
+    Option("OPENSANDBOX_EGRESS_MODE", "--mode", "sidecar: dns or dns+nft", "dns+nft"),
+    Option("OPENSANDBOX_EGRESS_MAX_RULES", "--max-rules", "rule cap (0 = unlimited)", "4096"),
+    Option("EGRESSD_DNS_ADDR", "--dns-addr", "shared DNS proxy listener", "0.0.0.0:15353"),
+    Option("EGRESSD_NFT_TABLE", "--nft-table", "nft table name"),
+    Option(
+        "EGRESSD_ALWAYS_RULES_DIR",
+        "--always-rules-dir",
+        "directory of deny.always/allow.always",
+        "/var/egress/rules",
+    ),
+    Option("EGRESSD_VAULT_KEYS_DIR", "--vault-keys-dir", "fleet: sealed-vault key directory"),
+    Option("EGRESSD_LOG_FORMAT", "--log-format", "json or console", "json"),
+    Option(
+        "EGRESSD_ALLOW_BRIDGE_BYPASS",
+        "--allow-bridge-bypass",
+        "start even though bridged sandbox-to-sandbox traffic would bypass the forward hook",
+        boolean=True,
+    ),
+)
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    profile: str
+    http_host: str
+    http_port: int
+    allow_non_loopback: bool
+    pending_push_ttl: int
+    block_doh_443: bool
+    doh_blocklist: tuple[IPNetwork, ...]
+    mitm_transparent: bool
+    mitm_port: int
+    mitm_upstream_trust_dir: Path
+    mitm_ssl_insecure: bool
+    mitm_confdir: Path
+    dns_upstream: str | None
+    dns_upstream_timeout: float
+    dns_host: str
+    dns_port: int
+    token: str | None
+    rules: str | None
+    policy_file: Path | None
+    mode: str
+    max_rules: int
+    nft_table: str
+    always_rules_dir: Path
+    vault_keys_dir: Path | None
+    log_format: str
+    allow_bridge_bypass: bool
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="egressd",
+        description="Egress control plane for AI-agent sandboxes. Every flag also reads its environment variable.",
+    )
+    for opt in OPTIONS:
+        default = f" (default {opt.default!r})" if opt.default not in (None, "") else ""
+        parser.add_argument(
+            opt.flag, dest=opt.env, metavar="VALUE", help=f"{opt.help}; env {opt.env}{default}"
+        )
+    return parser
+
+
+class _ArgError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _ArgError(message)
+
+
+def raw_settings(env: Mapping[str, str], argv: Sequence[str]) -> dict[str, str | None]:
+    parser = build_arg_parser()
+    quiet = _Parser(prog=parser.prog, description=parser.description, add_help=True)
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        quiet.add_argument(*action.option_strings, dest=action.dest, metavar="VALUE", help=action.help)
+    try:
+        ns = quiet.parse_args(list(argv))
+    except _ArgError as exc:
+        raise ConfigError(str(exc)) from None
+    out: dict[str, str | None] = {}
+    for opt in OPTIONS:
+        flag_value = getattr(ns, opt.env)
+        out[opt.env] = flag_value if flag_value is not None else env.get(opt.env, opt.default)
+    return out
+
+
+def _bool(name: str, value: str | None) -> bool:
+    v = (value or "").strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ConfigError(f"{name}: expected a boolean (1/0, true/false), got {value!r}")
+
+
+def _int(name: str, value: str | None, lo: int, hi: int) -> int:
+    try:
+        n = int((value or "").strip())
+    except ValueError:
+        raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
+    if not lo <= n <= hi:
+        raise ConfigError(f"{name}: {n} is outside {lo}..{hi}")
+    return n
+
+
+def parse_hostport(name: str, value: str) -> tuple[str, int]:
+    text = value.strip()
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ConfigError(f"{name}: expected [v6]:port, got {value!r}")
+        port_text = rest[1:]
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep:
+            raise ConfigError(f"{name}: expected host:port, got {value!r}")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if host != "localhost":
+            raise ConfigError(f"{name}: {host!r} is not an IP address") from None
+    return host, _int(name, port_text, 1, 65535)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    return ipaddress.ip_address(host).is_loopback
+
+
+def parse_doh_blocklist(value: str) -> tuple[IPNetwork, ...]:
+    nets: list[IPNetwork] = []
+    for raw in value.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        try:
+            nets.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ConfigError(f"OPENSANDBOX_EGRESS_DOH_BLOCKLIST: invalid entry {item!r}") from None
+    return tuple(nets)
+
+
+def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
+    raw = raw_settings(env, argv)
+    profile = (raw["OPENSANDBOX_EGRESS_PROFILE"] or "").strip().lower()
+    if profile not in ("sidecar", "fleet"):
+        raise ConfigError(f"OPENSANDBOX_EGRESS_PROFILE: expected sidecar or fleet, got {profile!r}")
+    http_default = "127.0.0.1:18080" if profile == "fleet" else "0.0.0.0:18080"
+    http_host, http_port = parse_hostport(
+        "OPENSANDBOX_EGRESS_HTTP_ADDR", raw["OPENSANDBOX_EGRESS_HTTP_ADDR"] or http_default
+    )
+    allow_non_loopback = _bool("EGRESSD_ALLOW_NON_LOOPBACK", raw["EGRESSD_ALLOW_NON_LOOPBACK"])
+    if profile == "fleet" and not is_loopback(http_host) and not allow_non_loopback:
+        raise ConfigError(
+            f"OPENSANDBOX_EGRESS_HTTP_ADDR: {http_host} is not loopback; the fleet API must not be reachable "
+            "from sandboxes (set EGRESSD_ALLOW_NON_LOOPBACK=1 to override)"
+        )
+    ttl_text = (raw["OPENSANDBOX_EGRESS_PENDING_PUSH_TTL"] or "").strip()
+    try:
+        ttl = int(ttl_text)
+    except ValueError:
+        ttl = 30
+    if ttl <= 0:
+        ttl = 30  # BEHAVIOUR §4: default/<=0/invalid -> 30
+    try:
+        timeout = float((raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT"] or "5").strip())
+    except ValueError:
+        timeout = 5.0
+    if not timeout > 0:
+        timeout = 5.0
+    timeout = min(timeout, 120.0)
+    dns_host, dns_port = parse_hostport("EGRESSD_DNS_ADDR", raw["EGRESSD_DNS_ADDR"] or "0.0.0.0:15353")
+    mode = (raw["OPENSANDBOX_EGRESS_MODE"] or "dns+nft").strip().lower()
+    if mode not in ("dns", "dns+nft"):
+        raise ConfigError(f"OPENSANDBOX_EGRESS_MODE: expected dns or dns+nft, got {mode!r}")
+    table = (
+        raw["EGRESSD_NFT_TABLE"] or ("opensandbox-fleet" if profile == "fleet" else "opensandbox")
+    ).strip()
+    if (
+        not table
+        or not all(c.isalnum() or c in "_-" for c in table)
+        or not table[0].isalpha()
+        or len(table) > 64
+    ):
+        raise ConfigError(f"EGRESSD_NFT_TABLE: {table!r} is not a valid nft table name")
+    log_format = (raw["EGRESSD_LOG_FORMAT"] or "json").strip().lower()
+    if log_format not in ("json", "console"):
+        raise ConfigError(f"EGRESSD_LOG_FORMAT: expected json or console, got {log_format!r}")
+    policy_file = raw["OPENSANDBOX_EGRESS_POLICY_FILE"]
+    vault_dir = raw["EGRESSD_VAULT_KEYS_DIR"]
+    mitm_port = _int("OPENSANDBOX_EGRESS_MITMPROXY_PORT", raw["OPENSANDBOX_EGRESS_MITMPROXY_PORT"], 1, 65535)
+    if mitm_port in (http_port, dns_port):
+        raise ConfigError("OPENSANDBOX_EGRESS_MITMPROXY_PORT: collides with the HTTP or DNS port")
+    return Config(
+        profile=profile,
+        http_host=http_host,
+        http_port=http_port,
+        allow_non_loopback=allow_non_loopback,
+        pending_push_ttl=ttl,
+        block_doh_443=_bool("OPENSANDBOX_EGRESS_BLOCK_DOH_443", raw["OPENSANDBOX_EGRESS_BLOCK_DOH_443"]),
+        doh_blocklist=parse_doh_blocklist(raw["OPENSANDBOX_EGRESS_DOH_BLOCKLIST"] or ""),
+        mitm_transparent=_bool(
+            "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT", raw["OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT"]
+        ),
+        mitm_port=mitm_port,
+        mitm_upstream_trust_dir=Path(
+            raw["OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR"] or "/etc/ssl/certs"
+        ),
+        mitm_ssl_insecure=_bool(
+            "OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE", raw["OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE"]
+        ),
+        mitm_confdir=Path(raw["EGRESSD_MITM_CONFDIR"] or "/var/lib/egressd/mitm"),
+        dns_upstream=raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM"],
+        dns_upstream_timeout=timeout,
+        dns_host=dns_host,
+        dns_port=dns_port,
+        token=raw["OPENSANDBOX_EGRESS_TOKEN"] or None,
+        rules=raw["OPENSANDBOX_EGRESS_RULES"],
+        policy_file=Path(policy_file) if policy_file else None,
+        mode=mode,
+        max_rules=_int("OPENSANDBOX_EGRESS_MAX_RULES", raw["OPENSANDBOX_EGRESS_MAX_RULES"], 0, 10_000_000),
+        nft_table=table,
+        always_rules_dir=Path(raw["EGRESSD_ALWAYS_RULES_DIR"] or "/var/egress/rules"),
+        vault_keys_dir=Path(vault_dir) if vault_dir else None,
+        log_format=log_format,
+        allow_bridge_bypass=_bool("EGRESSD_ALLOW_BRIDGE_BYPASS", raw["EGRESSD_ALLOW_BRIDGE_BYPASS"]),
+    )

@@ -1,0 +1,384 @@
+"""Operation handling (BEHAVIOUR.md §3): actions in, kernel transactions and registry commits out.
+
+Every mutation of a subject runs under that subject's lock, and every kernel step runs under
+one global lock so the cross-subject bookkeeping (who still uses a gateway or an IP) is read
+and changed atomically with the transaction that depends on it. Kernel first, registry second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+
+from egressd.actionhandler.envelope import HookName, LifecycleHook, RemoveBinding, SetBinding
+from egressd.fleet.inputs import InputError, parse_binding_input
+from egressd.fleetnft.applier import NftError, Transactions
+from egressd.fleetnft.builder import (
+    DeleteBatch,
+    SubjectNft,
+    TableConfig,
+    deny_first_script,
+    dispatch_deletes,
+    dispatch_entries,
+    header_script,
+    policy_script,
+    removal_batch,
+)
+from egressd.metrics import EgressMetrics
+from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy, effective_policy
+from egressd.subject.model import IPAddress
+from egressd.subject.registry import (
+    AddKeys,
+    ApplyPolicy,
+    Binding,
+    DropStaleKeys,
+    Entry,
+    InstallDenyFirst,
+    KernelView,
+    Outcome,
+    Plan,
+    Registry,
+    RemoveAll,
+    SetBindingRequest,
+    State,
+    Step,
+    plan_data_plane_ready,
+    plan_hook_fence,
+    plan_remove,
+    plan_set_binding,
+)
+
+log = structlog.get_logger("egressd.fleet")
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    status: int
+    reason: str = ""
+
+
+OK = Result(200)
+
+
+class SubjectListener(Protocol):
+    """Per-subject extras (vault, pending pushes, DNS leases) follow the subject's lifecycle."""
+
+    async def registered(self, entry: Entry) -> None: ...  # after a successful non-null SET_BINDING
+
+    async def unbound(self, uid: str) -> None: ...  # SET_BINDING(null)
+
+    async def reset(self, uid: str) -> None: ...  # rebind or deny-first reinstall: drop learned state
+
+    async def removed(self, uid: str) -> None: ...  # REMOVE_BINDING (also for absent uids)
+
+
+class StepFailed(Exception):
+    def __init__(self, step: Step, reason: str) -> None:
+        super().__init__(reason)
+        self.step = step
+        self.reason = reason
+
+
+class _SubjectLocks:
+    """One asyncio lock per uid, freed when nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, uid: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(uid, (asyncio.Lock(), 0))
+        self._locks[uid] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[uid]
+            if users <= 1:
+                del self._locks[uid]
+            else:
+                self._locks[uid] = (lock, users - 1)
+
+
+class ControlPlane:
+    def __init__(
+        self,
+        table: TableConfig,
+        tx: Transactions,
+        *,
+        always: AlwaysRules = EMPTY_ALWAYS,
+        metrics: EgressMetrics | None = None,
+        conntrack_flush: Callable[[IPAddress], Any] | None = None,
+    ) -> None:
+        self.table = table
+        self.tx = tx
+        self.always = always
+        self.metrics = metrics
+        self.registry = Registry()
+        self.listeners: list[SubjectListener] = []
+        self._locks = _SubjectLocks()
+        self._kernel_lock = asyncio.Lock()
+        self._conntrack_flush = conntrack_flush
+        self.enforcement_ready = False
+
+    # ---- start-up -------------------------------------------------------------------------
+
+    async def reset_table(self) -> None:
+        """Reset the table to the deny-all header (startup; failure is fatal to the caller)."""
+        async with self._kernel_lock:
+            await self.tx.reset_table(
+                header_script(self.table, delete_existing=True),
+                header_script(self.table, delete_existing=False),
+            )
+        self.enforcement_ready = True
+
+    # ---- effective policy ------------------------------------------------------------------
+
+    def effective(self, user: NetworkPolicy) -> NetworkPolicy:
+        return effective_policy(user, self.always)
+
+    async def set_always_rules(self, always: AlwaysRules) -> list[str]:
+        """Swap always-rules and re-apply every active subject; returns uids that failed."""
+        self.always = always
+        failed: list[str] = []
+        for entry in self.registry:
+            if entry.state is not State.ACTIVE or entry.policy is None:
+                continue
+            async with self._locks.hold(entry.uid):
+                current = self.registry.get(entry.uid)
+                if current is None or current.state is not State.ACTIVE or current.policy is None:
+                    continue
+                try:
+                    await self._step(current, ApplyPolicy(current.policy))
+                except StepFailed:
+                    failed.append(entry.uid)
+        return failed
+
+    # ---- actions ---------------------------------------------------------------------------
+
+    async def handle(self, action: SetBinding | LifecycleHook | RemoveBinding) -> Result:
+        if isinstance(action, SetBinding):
+            return await self.set_binding(action)
+        if isinstance(action, LifecycleHook):
+            return await self.hook(action)
+        return await self.remove(action)
+
+    async def set_binding(self, action: SetBinding) -> Result:
+        policy: NetworkPolicy | None = None
+        if action.input is not None:
+            try:
+                policy = parse_binding_input(action.input).policy
+            except InputError as exc:
+                return Result(400, f"invalid binding input: {exc}")
+        binding = None
+        if action.attachment is not None:
+            binding = Binding(action.attachment.ip, action.attachment.gateway)
+        req = SetBindingRequest(action.uid, action.fence, action.spec_generation, binding, policy)
+        async with self._locks.hold(action.uid):
+            entry = self.registry.get(action.uid)
+            conflict = self.registry.check_claims(action.uid, binding or (entry.binding if entry else None))
+            if conflict is not None:
+                return Result(409, conflict)
+            plan = plan_set_binding(entry, req)
+            if plan.rebind or (policy is None and entry is not None):
+                for listener in self.listeners:
+                    await (listener.reset(action.uid) if plan.rebind else listener.unbound(action.uid))
+            result = await self._execute(entry, plan, failure_prefix="deny-first install")
+            if result.status == 200 and policy is not None:
+                committed = self.registry.get(action.uid)
+                if committed is not None:
+                    for listener in self.listeners:
+                        await listener.registered(committed)
+            return result
+
+    async def hook(self, action: LifecycleHook) -> Result:
+        async with self._locks.hold(action.uid):
+            entry = self.registry.get(action.uid)
+            if action.hook is HookName.RUNTIME_READY:
+                plan = plan_hook_fence(entry, action.fence)
+            else:
+                plan = plan_data_plane_ready(
+                    entry, action.fence, kernel_objects=self.registry.kernel(action.uid).objects
+                )
+            return await self._execute(entry, plan, failure_prefix="policy apply")
+
+    async def remove(self, action: RemoveBinding) -> Result:
+        async with self._locks.hold(action.uid):
+            entry = self.registry.get(action.uid)
+            plan = plan_remove(entry, action.fence)
+            result = await self._execute(entry, plan, failure_prefix="removal")
+            if result.status == 200 and plan.removed:
+                for listener in self.listeners:
+                    await listener.removed(action.uid)
+            return result
+
+    # ---- plan execution --------------------------------------------------------------------
+
+    async def _execute(self, entry: Entry | None, plan: Plan, *, failure_prefix: str) -> Result:
+        if plan.outcome is Outcome.CONFLICT:
+            return Result(409, plan.reason)
+        if plan.outcome is Outcome.NOOP:
+            return OK
+        target = plan.on_success if plan.on_success is not None else plan.on_failure
+        assert target is not None
+        uid = target.uid
+        try:
+            for step in plan.steps:
+                await self._step(target, step)
+        except StepFailed as exc:
+            self._commit(entry, plan.on_failure, uid)
+            log.warning(
+                "subject.kernel_failed",
+                subject=target.subject,
+                step=type(exc.step).__name__,
+                error=exc.reason,
+            )
+            return Result(500, f"{failure_prefix}: {exc.reason}")
+        self._commit(entry, plan.on_success, uid)
+        return OK
+
+    def _commit(self, old: Entry | None, new: Entry | None, uid: str) -> None:
+        if new is None:
+            self.registry.drop(uid)
+        else:
+            self.registry.put(new)
+        old_state = old.state if old else State.ABSENT
+        new_state = new.state if new else State.ABSENT
+        ref = new or old
+        if ref is not None and (old_state != new_state or (old and new and old.fence != new.fence)):
+            log.info(
+                "subject.transition",
+                subject=ref.subject,
+                **{"from": old_state.value, "to": new_state.value},
+                runtime_instance_id=ref.fence.runtime_instance_id,
+                attachment_id=ref.fence.attachment_id,
+            )
+            if self.metrics:
+                self.metrics.transitions.inc(old_state.value, new_state.value)
+
+    async def _step(self, entry: Entry, step: Step) -> None:
+        uid = entry.uid
+        async with self._kernel_lock:
+            view = self.registry.kernel(uid)
+            try:
+                view = await self._run_step(entry, step, view)
+            except NftError as exc:
+                raise StepFailed(step, str(exc)) from None
+            except _Refused as exc:
+                raise StepFailed(step, str(exc)) from None
+            self.registry.set_kernel(uid, view)
+
+    async def _run_step(self, entry: Entry, step: Step, view: KernelView) -> KernelView:
+        nid = entry.nft_id
+        if isinstance(step, InstallDenyFirst):
+            subj = self._subject_nft(nid, step.binding)
+            try:
+                script = deny_first_script(self.table, subj)
+            except ValueError as exc:
+                raise _Refused(str(exc)) from None
+            had_objects = view.objects
+            await self.tx.run_script(script, op="deny_first")
+            assert subj.gateway is not None
+            new_view = KernelView(True, view.keys | {(subj.ip, subj.gateway)})
+            if had_objects:
+                await self._flush_conntrack([k[0] for k in new_view.keys])
+            return new_view
+        if isinstance(step, ApplyPolicy):
+            await self.tx.run_script(
+                policy_script(self.table, nid, self.effective(step.policy)), op="static_apply"
+            )
+            return view
+        if isinstance(step, AddKeys):
+            subj = self._subject_nft(nid, step.binding)
+            await self.tx.run_script(dispatch_entries(self.table, subj), op="dispatch_update")
+            return KernelView(view.objects, view.keys | {(subj.ip, subj.gateway)})
+        if isinstance(step, DropStaleKeys):
+            keep = step.keep
+            stale = [k for k in view.keys if keep is None or k != (keep.ip, keep.gateway)]
+            if not stale:
+                return view
+            ops = []
+            for ip, gw in stale:
+                drop_ip = keep is None or ip != keep.ip
+                release = gw if self._gateway_releasable(uid=entry.uid, gw=gw, keep=keep) else None
+                if drop_ip:
+                    ops += dispatch_deletes(self.table, ip, release_gateway=release)
+                elif release is not None:
+                    ops += dispatch_deletes(self.table, ip, release_gateway=release)[-1:]
+            if ops:
+                await self.tx.run_deletes(DeleteBatch(self.table.table, tuple(ops)), op="dispatch_update")
+            await self._flush_conntrack([k[0] for k in stale if keep is None or k[0] != keep.ip])
+            remaining = frozenset(k for k in view.keys if k not in stale)
+            return KernelView(view.objects, remaining)
+        assert isinstance(step, RemoveAll)
+        if not view.objects and not view.keys:
+            return view
+        ops = []
+        for ip, gw in view.keys:
+            release = gw if self._gateway_releasable(uid=entry.uid, gw=gw, keep=None) else None
+            ops += dispatch_deletes(self.table, ip, release_gateway=release)
+        batch = removal_batch(self.table, nid, None, release_gateway=None)
+        all_ops = (*ops, *(batch.ops if view.objects else ()))
+        await self.tx.run_deletes(DeleteBatch(self.table.table, all_ops), op="remove")
+        await self._flush_conntrack([k[0] for k in view.keys])
+        return KernelView()
+
+    def _gateway_releasable(self, *, uid: str, gw: IPAddress, keep: Binding | None) -> bool:
+        if keep is not None and keep.gateway == gw:
+            return False
+        return not self.registry.gateway_in_use(gw, excluding=uid)
+
+    def _subject_nft(self, nid: str, binding: Binding) -> SubjectNft:
+        if binding.gateway is None:
+            raise _Refused("attachment.network.gateway is required for the DNS redirect")
+        return SubjectNft(nid, binding.ip, binding.gateway)
+
+    async def _flush_conntrack(self, ips: list[IPAddress]) -> None:
+        """Cut established flows of sources whose access just narrowed (best effort)."""
+        if self._conntrack_flush is None:
+            return
+        for ip in ips:
+            try:
+                await self._conntrack_flush(ip)
+            except Exception as exc:  # the kernel already refuses new flows; log and go on
+                log.warning("conntrack.flush_failed", source_ip=str(ip), error=str(exc)[:200])
+
+    # ---- read side -------------------------------------------------------------------------
+
+    def state_counts(self) -> dict[tuple[str, ...], float]:
+        counts = self.registry.counts()
+        return {(s.value,): float(n) for s, n in counts.items()}
+
+    def describe(self) -> list[dict[str, Any]]:
+        out = []
+        for e in sorted(self.registry, key=lambda e: e.uid):
+            pol = e.policy if e.state is State.ACTIVE else None
+            out.append(
+                {
+                    "subject": e.subject,
+                    "uid": e.uid,
+                    "state": e.state.value,
+                    "sourceIp": str(e.binding.ip) if e.binding else None,
+                    "gateway": str(e.binding.gateway) if e.binding and e.binding.gateway else None,
+                    "specGeneration": e.spec_generation,
+                    "pending": e.pending is not None,
+                    "kernelInstalled": self.registry.kernel(e.uid).objects,
+                    "policy": _policy_summary(pol),
+                }
+            )
+        return out
+
+
+def _policy_summary(policy: NetworkPolicy | None) -> dict[str, Any] | None:
+    if policy is None:
+        return None
+    return {"defaultAction": policy.default_action.value, "rules": len(policy.egress)}
+
+
+class _Refused(Exception):
+    pass

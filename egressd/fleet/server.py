@@ -1,0 +1,163 @@
+"""aiohttp surface of the fleet profile (INTERFACE.md "HTTP surface, fleet profile")."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from egressd.actionhandler.envelope import (
+    API_VERSION,
+    MAX_BODY_BYTES,
+    EnvelopeError,
+    LifecycleHook,
+    RemoveBinding,
+    SetBinding,
+    parse_action,
+)
+from egressd.fleet.control import ControlPlane, Result
+from egressd.metrics import EgressMetrics
+
+log = structlog.get_logger("egressd.http")
+
+ACTIONS_PATH = "/_fastlet/v1/actions"
+STATUS_PATH = "/_fastlet/v1/actions/status"
+
+_OPERATION_NAMES = {
+    SetBinding: "SET_BINDING",
+    LifecycleHook: "LIFECYCLE_HOOK",
+    RemoveBinding: "REMOVE_BINDING",
+}
+
+
+def new_instance_id() -> str:
+    return f"egress-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_limited(request: web.Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """Read the body, refusing (before buffering it whole) anything over ``limit`` bytes."""
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLarge
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_chunked(64 * 1024):
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def text(status: int, message: str, **kw: Any) -> web.Response:
+    return web.Response(
+        status=status, text=message.replace("\n", " ") + "\n", content_type="text/plain", **kw
+    )
+
+
+class FleetHTTP:
+    def __init__(
+        self,
+        control: ControlPlane,
+        metrics: EgressMetrics,
+        *,
+        instance_id: str | None = None,
+        extra_health: Callable[[], str | None] | None = None,
+        status_extra: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self.control = control
+        self.metrics = metrics
+        self.instance_id = instance_id or new_instance_id()
+        self._extra_health = extra_health
+        self._status_extra = status_extra
+
+    def health_problem(self) -> str | None:
+        if not self.control.enforcement_ready:
+            return "enforcement not installed"
+        if self._extra_health is not None:
+            return self._extra_health()
+        return None
+
+    def app(self) -> web.Application:
+        # client_max_size is a second line of defence; read_limited refuses first.
+        app = web.Application(client_max_size=MAX_BODY_BYTES + 1)
+        app.router.add_route("*", "/healthz", self.healthz)
+        app.router.add_route("*", STATUS_PATH, self.status)
+        app.router.add_route("*", ACTIONS_PATH, self.actions)
+        app.router.add_route("*", "/metrics", self.metrics_handler)
+        app.router.add_route("*", "/v1/subjects", self.subjects)
+        return app
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        if request.method not in ("GET", "HEAD"):
+            return text(405, "method not allowed", headers={"Allow": "GET"})
+        problem = self.health_problem()
+        if problem:
+            return text(503, problem)
+        return text(200, "ok")
+
+    async def status(self, request: web.Request) -> web.Response:
+        if request.method != "GET":
+            return text(405, "method not allowed", headers={"Allow": "GET"})
+        body: dict[str, Any] = {
+            "apiVersion": API_VERSION,
+            "ready": self.health_problem() is None,
+            "instanceId": self.instance_id,
+        }
+        if self._status_extra is not None:
+            body.update(self._status_extra())
+        return web.json_response(body)
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        if request.method != "GET":
+            return text(405, "method not allowed", headers={"Allow": "GET"})
+        return web.Response(
+            text=self.metrics.render(),
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Content-Type-Options": "nosniff"},
+        )
+
+    async def subjects(self, request: web.Request) -> web.Response:
+        """Operator view for egressctl (loopback only, like the rest of the fleet API)."""
+        if request.method != "GET":
+            return text(405, "method not allowed", headers={"Allow": "GET"})
+        return web.json_response({"subjects": self.control.describe()})
+
+    async def actions(self, request: web.Request) -> web.Response:
+        if request.method != "POST":
+            return text(405, "method not allowed", headers={"Allow": "POST"})
+        try:
+            body = await read_limited(request)
+        except BodyTooLarge:
+            self.metrics.actions.inc("unknown", "413")
+            return text(413, f"request body exceeds {MAX_BODY_BYTES} bytes", headers={"Connection": "close"})
+        try:
+            action = parse_action(body)
+        except EnvelopeError as exc:
+            self.metrics.actions.inc("invalid", "400")
+            return text(400, f"invalid action envelope: {exc}")
+        op = _OPERATION_NAMES[type(action)]
+        try:
+            result = await self.control.handle(action)
+        except Exception:
+            # Never a traceback to the caller; the subject is left as closed as the plan allows.
+            log.exception("action.crashed", operation=op, uid=action.uid)
+            result = Result(500, "internal error")
+        self.metrics.actions.inc(op, str(result.status))
+        if result.status == 200:
+            return web.json_response({})
+        log.info("action.refused", operation=op, uid=action.uid, code=result.status, reason=result.reason)
+        return text(result.status, result.reason)
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))

@@ -1,0 +1,156 @@
+"""Start-up proof that this network namespace supports every kernel feature the ruleset uses.
+
+Each probe runs in a scratch table that is deleted afterwards; the first failure refuses
+start-up with a one-line reason instead of running silently open or silently dead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from egressd.fleetnft.applier import NftError
+from egressd.fleetnft.builder import DeleteBatch, NetlinkDelete, ObjKind
+
+
+class SelfTestError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class BridgeReport:
+    bridges: tuple[str, ...]
+    nf_call_iptables: str | None  # "1", "0" or None when the sysctl is absent
+    unisolated_ports: tuple[str, ...]
+
+    @property
+    def bypass_risk(self) -> bool:
+        """Bridged sandbox-to-sandbox frames skip the forward hook when the sysctl is 0."""
+        return bool(self.bridges) and self.nf_call_iptables != "1" and bool(self.unisolated_ports)
+
+    def describe(self) -> str:
+        if not self.bridges:
+            return "no bridge in this namespace"
+        return (
+            f"bridges {','.join(self.bridges)}: net.bridge.bridge-nf-call-iptables="
+            f"{self.nf_call_iptables or 'absent'}, non-isolated ports: {len(self.unisolated_ports)}"
+        )
+
+
+def bridge_report(
+    sys_root: Path = Path("/sys/class/net"), proc_root: Path = Path("/proc/sys")
+) -> BridgeReport:
+    bridges: list[str] = []
+    unisolated: list[str] = []
+    try:
+        links = sorted(os.listdir(sys_root))
+    except OSError:
+        links = []
+    for name in links:
+        if (sys_root / name / "bridge").is_dir():
+            bridges.append(name)
+            brif = sys_root / name / "brif"
+            try:
+                ports = sorted(os.listdir(brif))
+            except OSError:
+                ports = []
+            for port in ports:
+                try:
+                    isolated = (brif / port / "isolated").read_text().strip()
+                except OSError:
+                    isolated = "0"
+                if isolated != "1":
+                    unisolated.append(port)
+    try:
+        value: str | None = (proc_root / "net/bridge/bridge-nf-call-iptables").read_text().strip()
+    except OSError:
+        value = None
+    return BridgeReport(tuple(bridges), value, tuple(unisolated))
+
+
+def _probes(t: str) -> list[tuple[str, str]]:
+    return [
+        ("table creation", f"add table inet {t}"),
+        ("regular chains", f"add chain inet {t} c1\nadd chain inet {t} c2"),
+        (
+            "base chains (prerouting/forward/input hooks)",
+            f"add chain inet {t} pre {{ type filter hook prerouting priority 0; policy accept; }}\n"
+            f"add chain inet {t} fwd_ {{ type filter hook forward priority 0; policy accept; }}\n"
+            f"add chain inet {t} in_ {{ type filter hook input priority 0; policy accept; }}",
+        ),
+        (
+            "interval sets",
+            f"add set inet {t} iv4 {{ type ipv4_addr; flags interval; elements = {{ 10.0.0.0/24, 10.1.0.1 }} }}\n"
+            f"add set inet {t} iv6 {{ type ipv6_addr; flags interval; elements = {{ 2001:db8::/32 }} }}",
+        ),
+        (
+            "timeout sets",
+            f"add set inet {t} tv4 {{ type ipv4_addr; flags timeout; timeout 360s; "
+            f"elements = {{ 192.0.2.1 timeout 90s expires 90s }} }}",
+        ),
+        (
+            "verdict maps",
+            f"add map inet {t} vm {{ type ipv4_addr : verdict; elements = {{ 10.0.0.5 : jump c1 }} }}\n"
+            f"add rule inet {t} fwd_ ip saddr vmap @vm",
+        ),
+        (
+            "packet marks",
+            f"add rule inet {t} pre meta mark set meta mark & 0xfffffffd\n"
+            f"add rule inet {t} c1 ip daddr @iv4 meta mark set 0x2\n"
+            f"add rule inet {t} fwd_ meta mark & 0x2 != 0x2 drop",
+        ),
+        (
+            "conntrack matches",
+            f"add rule inet {t} fwd_ ct state established,related accept\n"
+            f"add rule inet {t} c2 ct original ip daddr @iv4 accept\n"
+            f"add rule inet {t} in_ tcp dport 18081 ct status dnat ip saddr vmap @vm",
+        ),
+        (
+            "redirect/DNAT (nat hook)",
+            f"add chain inet {t} nat {{ type nat hook prerouting priority dstnat; policy accept; }}\n"
+            f"add set inet {t} gw {{ type ipv4_addr; elements = {{ 10.0.0.1 }} }}\n"
+            f"add rule inet {t} nat ip daddr @gw udp dport 53 redirect to :15353\n"
+            f"add map inet {t} dn {{ type ipv4_addr : ipv4_addr . inet_service; "
+            f"elements = {{ 10.0.0.5 : 10.0.0.1 . 18081 }} }}\n"
+            f"add rule inet {t} nat tcp dport {{ 80, 443 }} dnat ip to ip saddr map @dn",
+        ),
+    ]
+
+
+def run_selftest(
+    cmd: Callable[[str], None],
+    deletes: Callable[[DeleteBatch], None],
+    *,
+    table_prefix: str,
+) -> None:
+    """Probe the kernel through the same paths the daemon uses; raise SelfTestError."""
+    t = f"{table_prefix}-selftest-{os.getpid()}"
+    try:
+        cmd(f"add table inet {t}\ndelete table inet {t}")
+    except NftError as exc:
+        raise SelfTestError(f"nftables unusable in this namespace (need CAP_NET_ADMIN): {exc}") from None
+    try:
+        for feature, script in _probes(t):
+            try:
+                cmd(script)
+            except NftError as exc:
+                raise SelfTestError(f"kernel feature missing: {feature}: {exc}") from None
+        batch = DeleteBatch(
+            t,
+            (
+                NetlinkDelete(ObjKind.ELEMENT, "vm", ipaddress.ip_address("10.0.0.5"), "ipv4_addr"),
+                NetlinkDelete(ObjKind.CHAIN, "c2"),
+                NetlinkDelete(ObjKind.SET, "iv6"),
+            ),
+        )
+        try:
+            deletes(batch)
+        except Exception as exc:
+            raise SelfTestError(f"kernel feature missing: netlink delete batches: {exc}") from None
+    finally:
+        with contextlib.suppress(NftError):
+            cmd(f"delete table inet {t}")

@@ -1,0 +1,144 @@
+"""``egressd`` entry point: configuration, start-up order (BEHAVIOUR §3 "Startup"), serving, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+import structlog
+from aiohttp import web
+
+from egressd.config import Config, ConfigError, parse_config
+from egressd.fleet.control import ControlPlane
+from egressd.fleet.server import FleetHTTP
+from egressd.fleetnft.applier import KernelTransactions, NftError
+from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.conntrack import flush_source
+from egressd.fleetnft.selftest import SelfTestError, bridge_report, run_selftest
+from egressd.logsetup import configure
+from egressd.metrics import EgressMetrics
+from egressd.policy import AlwaysRulesError, load_always_rules
+
+log = structlog.get_logger("egressd")
+
+
+class StartupError(Exception):
+    """One-line reason start-up was refused."""
+
+
+def table_config(cfg: Config) -> TableConfig:
+    return TableConfig(
+        table=cfg.nft_table,
+        dns_port=cfg.dns_port,
+        mitm=cfg.mitm_transparent,
+        mitm_port=cfg.mitm_port,
+        block_doh_443=cfg.block_doh_443,
+        doh_blocklist=cfg.doh_blocklist,
+    )
+
+
+async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
+    try:
+        always = load_always_rules(cfg.always_rules_dir)
+    except AlwaysRulesError as exc:
+        raise StartupError(f"always-rules: {exc}") from None
+
+    metrics = EgressMetrics()
+    tx = KernelTransactions(metrics)
+    try:
+        try:
+            tx.run_sync(lambda: run_selftest(tx._cmd, tx._deletes, table_prefix=cfg.nft_table))
+        except SelfTestError as exc:
+            raise StartupError(str(exc)) from None
+        bridges = bridge_report()
+        log.info("kernel.selftest_passed", bridge=bridges.describe())
+        if bridges.bypass_risk and not cfg.allow_bridge_bypass:
+            raise StartupError(
+                "net.bridge.bridge-nf-call-iptables is not 1 on a bridge with non-isolated ports: bridged "
+                "sandbox-to-sandbox traffic would bypass enforcement (set it to 1, isolate the ports, or "
+                "EGRESSD_ALLOW_BRIDGE_BYPASS=1)"
+            )
+
+        control = ControlPlane(
+            table_config(cfg), tx, always=always, metrics=metrics, conntrack_flush=flush_source
+        )
+        metrics.subjects._collect = control.state_counts
+        try:
+            await control.reset_table()
+        except NftError as exc:
+            raise StartupError(f"cannot reset nft table {cfg.nft_table}: {exc}") from None
+        log.info(
+            "egress.loaded",
+            **{"opensandbox.event": "egress.loaded"},
+            profile="fleet",
+            table=cfg.nft_table,
+            always_deny=len(always.deny),
+            always_allow=len(always.allow),
+        )
+
+        def mitm_health() -> str | None:
+            return "mitmproxy not ready" if cfg.mitm_transparent else None
+
+        http = FleetHTTP(
+            control,
+            metrics,
+            extra_health=mitm_health,
+            status_extra=lambda: {"bridgeNfCallIptables": bridges.nf_call_iptables},
+        )
+        runner = web.AppRunner(http.app(), access_log=None, handle_signals=False)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, cfg.http_host, cfg.http_port, reuse_address=True)
+            try:
+                await site.start()
+            except OSError as exc:
+                raise StartupError(
+                    f"cannot listen on {cfg.http_host}:{cfg.http_port}: {exc.strerror}"
+                ) from None
+            log.info("http.listening", addr=f"{cfg.http_host}:{cfg.http_port}", instance_id=http.instance_id)
+            stop = stop or asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            await stop.wait()
+            log.info("shutdown", reason="signal", table_kept=cfg.nft_table)
+        finally:
+            await runner.cleanup()
+    finally:
+        await tx.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        from egressd.config import build_arg_parser
+
+        build_arg_parser().print_help()
+        return 0
+    try:
+        cfg = parse_config(os.environ, args)
+    except ConfigError as exc:
+        print(f"egressd: {exc}", file=sys.stderr)
+        return 2
+    configure(cfg.log_format)
+    if cfg.profile != "fleet":
+        print(
+            "egressd: the sidecar profile is not available yet in this build; set OPENSANDBOX_EGRESS_PROFILE=fleet",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        asyncio.run(run_fleet(cfg))
+    except StartupError as exc:
+        print(f"egressd: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

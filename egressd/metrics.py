@@ -1,0 +1,189 @@
+"""A small Prometheus text-exposition registry (counters, gauges, histograms with labels).
+
+Label values are only ever operation names, states, codes and reasons chosen by the code,
+never request data, so nothing sensitive can reach /metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Sequence
+
+_DEFAULT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def _fmt_labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
+    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)]
+    if extra:
+        parts.append(extra)
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _num(v: float) -> str:
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    if v == int(v):
+        return str(int(v))
+    return repr(v)
+
+
+class _Metric:
+    kind = ""
+
+    def __init__(self, name: str, help_: str, labels: Sequence[str] = ()) -> None:
+        self.name = name
+        self.help = help_
+        self.labels = tuple(labels)
+        self._lock = threading.Lock()
+
+    def render(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}", *self._samples()]
+
+    def _samples(self) -> list[str]:
+        raise NotImplementedError
+
+
+class Counter(_Metric):
+    kind = "counter"
+
+    def __init__(self, name: str, help_: str, labels: Sequence[str] = ()) -> None:
+        super().__init__(name, help_, labels)
+        self._values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, *labels: str, amount: float = 1.0) -> None:
+        with self._lock:
+            self._values[labels] = self._values.get(labels, 0.0) + amount
+
+    def value(self, *labels: str) -> float:
+        return self._values.get(labels, 0.0)
+
+    def _samples(self) -> list[str]:
+        with self._lock:
+            items = sorted(self._values.items())
+        if not items and not self.labels:
+            items = [((), 0.0)]
+        return [f"{self.name}{_fmt_labels(self.labels, k)} {_num(v)}" for k, v in items]
+
+
+class Gauge(_Metric):
+    kind = "gauge"
+
+    def __init__(
+        self,
+        name: str,
+        help_: str,
+        labels: Sequence[str] = (),
+        collect: Callable[[], dict[tuple[str, ...], float]] | None = None,
+    ) -> None:
+        super().__init__(name, help_, labels)
+        self._values: dict[tuple[str, ...], float] = {}
+        self._collect = collect
+
+    def set(self, value: float, *labels: str) -> None:
+        with self._lock:
+            self._values[labels] = value
+
+    def _samples(self) -> list[str]:
+        if self._collect is not None:
+            items = sorted(self._collect().items())
+        else:
+            with self._lock:
+                items = sorted(self._values.items())
+        if not items and not self.labels:
+            items = [((), 0.0)]
+        return [f"{self.name}{_fmt_labels(self.labels, k)} {_num(v)}" for k, v in items]
+
+
+class Histogram(_Metric):
+    kind = "histogram"
+
+    def __init__(
+        self, name: str, help_: str, labels: Sequence[str] = (), buckets: Sequence[float] = _DEFAULT_BUCKETS
+    ) -> None:
+        super().__init__(name, help_, labels)
+        self.buckets = tuple(sorted(buckets))
+        self._series: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
+
+    def observe(self, value: float, *labels: str) -> None:
+        with self._lock:
+            counts, sums = self._series.setdefault(labels, ([0] * (len(self.buckets) + 1), [0.0]))
+            for i, bound in enumerate(self.buckets):
+                if value <= bound:
+                    counts[i] += 1
+            counts[-1] += 1
+            sums[0] += value
+
+    def _samples(self) -> list[str]:
+        with self._lock:
+            series = sorted((k, (list(c), s[0])) for k, (c, s) in self._series.items())
+        if not series and not self.labels:
+            series = [((), ([0] * (len(self.buckets) + 1), 0.0))]
+        out: list[str] = []
+        for key, (counts, total) in series:
+            for bound, count in zip((*self.buckets, math.inf), counts, strict=True):
+                le = 'le="' + _num(bound) + '"'
+                out.append(f"{self.name}_bucket{_fmt_labels(self.labels, key, le)} {count}")
+            out.append(f"{self.name}_sum{_fmt_labels(self.labels, key)} {_num(total)}")
+            out.append(f"{self.name}_count{_fmt_labels(self.labels, key)} {counts[-1]}")
+        return out
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._metrics: list[_Metric] = []
+
+    def register[M: _Metric](self, metric: M) -> M:
+        self._metrics.append(metric)
+        return metric
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for m in self._metrics:
+            lines.extend(m.render())
+        return "\n".join(lines) + "\n"
+
+
+class EgressMetrics:
+    """The instruments egressd exposes (BEHAVIOUR.md §12 plus egressd's own)."""
+
+    def __init__(self, subjects_by_state: Callable[[], dict[tuple[str, ...], float]] | None = None) -> None:
+        r = self.registry = Registry()
+        self.subjects = r.register(
+            Gauge("egressd_subjects", "Registered subjects by state.", ["state"], collect=subjects_by_state)
+        )
+        self.actions = r.register(
+            Counter(
+                "egressd_actions_total",
+                "Fastlet actions by operation and HTTP status code.",
+                ["operation", "code"],
+            )
+        )
+        self.nft_updates = r.register(
+            Counter("egress_nftables_updates_total", "nftables transactions applied.", ["operation"])
+        )
+        self.nft_failures = r.register(
+            Counter(
+                "egress_nftables_updates_failed_total", "nftables transactions that failed.", ["operation"]
+            )
+        )
+        self.nft_latency = r.register(
+            Histogram(
+                "egressd_nft_transaction_duration_seconds", "nftables transaction latency.", ["operation"]
+            )
+        )
+        self.nft_rules = r.register(Gauge("egress_nftables_rules_count", "Subjects with rules installed."))
+        self.transitions = r.register(
+            Counter("egressd_subject_transitions_total", "Subject state transitions.", ["from", "to"])
+        )
+        self.pending_pushes = r.register(
+            Gauge("egressd_pending_pushes", "Credential pushes cached for unknown UIDs.")
+        )
+        self.policy_denied = r.register(Counter("egress_policy_denied_total", "Denied DNS queries."))
+
+    def render(self) -> str:
+        return self.registry.render()

@@ -1,0 +1,57 @@
+"""Incremental edits behind the ``/policy`` PATCH and DELETE endpoints (§5)."""
+
+from __future__ import annotations
+
+from egressd.policy.model import NetworkPolicy, PolicyError, Rule, json_type, parse_rule
+
+
+def merge_patch(policy: NetworkPolicy, patch_body: object) -> NetworkPolicy:
+    """Patch rules then existing rules, keyed by lower-cased target, first occurrence kept.
+
+    ``patch_body`` is the decoded JSON body and must be a non-empty array of rule objects.
+    The defaultAction is unchanged.
+    """
+    if not isinstance(patch_body, list):
+        raise PolicyError(f"PATCH body must be a non-empty JSON array of rules, got {json_type(patch_body)}")
+    if not patch_body:
+        raise PolicyError("PATCH body must be a non-empty JSON array of rules, got an empty array")
+    patch = [parse_rule(item, f"[{i}]") for i, item in enumerate(patch_body)]
+    seen: set[str] = set()
+    merged: list[Rule] = []
+    for rule in (*patch, *policy.egress):
+        key = rule.target.lower()
+        if key in seen:
+            continue
+        seen.add(key)
+        merged.append(rule)
+    return NetworkPolicy(policy.default_action, tuple(merged))
+
+
+def delete_targets(policy: NetworkPolicy, body: object) -> tuple[NetworkPolicy, int]:
+    """Remove rules whose lower-cased target equals a trimmed, lower-cased entry of ``body``.
+
+    ``body`` must be a non-empty array of strings; blank entries match nothing. Returns the
+    new policy (``policy`` itself when nothing matched) and the number of rules removed.
+    """
+    if not isinstance(body, list) or not body:
+        got = "an empty array" if isinstance(body, list) else json_type(body)
+        raise PolicyError(f"DELETE body must be a non-empty JSON array of target strings, got {got}")
+    keys: set[str] = set()
+    for i, entry in enumerate(body):
+        if not isinstance(entry, str):
+            raise PolicyError(f"must be a string, got {json_type(entry)}", f"[{i}]")
+        key = entry.strip().lower()
+        if key:
+            keys.add(key)
+    kept = tuple(r for r in policy.egress if r.target.lower() not in keys)
+    removed = len(policy.egress) - len(kept)
+    if not removed:
+        return policy, 0
+    return NetworkPolicy(policy.default_action, kept), removed
+
+
+def check_rule_cap(policy: NetworkPolicy, cap: int) -> bool:
+    """True when ``policy`` has at most ``cap`` rules; ``cap`` 0 means unlimited."""
+    if cap < 0:
+        raise ValueError(f"rule cap must be >= 0, got {cap}")
+    return cap == 0 or len(policy.egress) <= cap

@@ -1,0 +1,252 @@
+"""The network policy document (§5): parsing, validation and the canonical model.
+
+Everything here is pure: JSON text or decoded JSON in, frozen dataclasses out. Every
+rejection is a :class:`PolicyError` whose message names the offending field, so the
+HTTP layer can return it verbatim as a 400 reason.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import json
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
+from typing import Any, Final, Literal
+
+IPNetwork = IPv4Network | IPv6Network
+PolicyMode = Literal["deny_all", "allow_all", "enforcing"]
+
+MAX_ECHO: Final = 80
+MAX_DOMAIN_LEN: Final = 253
+MAX_LABEL_LEN: Final = 63
+
+
+def echo(value: str) -> str:
+    """User input quoted for an error message: repr()'d, at most MAX_ECHO characters of it."""
+    if len(value) <= MAX_ECHO:
+        return repr(value)
+    return repr(value[:MAX_ECHO]) + "..."
+
+
+class PolicyError(ValueError):
+    """A policy document (or part of one) is invalid; maps to HTTP 400.
+
+    ``field`` names where the problem is (``"egress[2].target"``, ``"defaultAction"``) or is
+    None for document-level problems; ``reason`` is the problem alone. ``str()`` is
+    ``"<field>: <reason>"`` (or just the reason) on one line.
+    """
+
+    def __init__(self, reason: str, field: str | None = None) -> None:
+        self.reason = reason
+        self.field = field
+        super().__init__(f"{field}: {reason}" if field else reason)
+
+
+class Verdict(enum.StrEnum):
+    ALLOW = "allow"
+    DENY = "deny"
+
+
+class TargetKind(enum.StrEnum):
+    DOMAIN = "domain"
+    IP = "ip"
+    CIDR = "cidr"
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One egress rule.
+
+    ``target`` is the normalised text: domains are lower-cased with one trailing dot removed;
+    IP and CIDR targets keep the user's trimmed text (so PATCH/DELETE by target still match).
+    ``network`` is the /32 or /128 for an IP, the masked network for a CIDR, None for a domain.
+    """
+
+    action: Verdict
+    target: str
+    kind: TargetKind
+    network: IPv4Network | IPv6Network | None
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkPolicy:
+    default_action: Verdict
+    egress: tuple[Rule, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The wire form; ``egress`` is always a list (never null)."""
+        return {
+            "defaultAction": self.default_action.value,
+            "egress": [{"action": r.action.value, "target": r.target} for r in self.egress],
+        }
+
+
+DENY_ALL: Final = NetworkPolicy(Verdict.DENY, ())
+
+
+def json_type(obj: object) -> str:
+    """The JSON name of a decoded value's type, for error messages."""
+    if obj is None:
+        return "null"
+    if isinstance(obj, bool):
+        return "boolean"
+    if isinstance(obj, int | float):
+        return "number"
+    if isinstance(obj, str):
+        return "string"
+    if isinstance(obj, list):
+        return "array"
+    if isinstance(obj, dict):
+        return "object"
+    return type(obj).__name__
+
+
+def _parse_verdict(value: object, field: str) -> Verdict:
+    """``defaultAction`` / rule ``action``: absent or null or blank -> deny."""
+    if value is None:
+        return Verdict.DENY
+    if not isinstance(value, str):
+        raise PolicyError(f"must be a string, got {json_type(value)}", field)
+    text = value.strip().lower()
+    if not text:
+        return Verdict.DENY
+    try:
+        return Verdict(text)
+    except ValueError:
+        raise PolicyError(f"must be 'allow' or 'deny', got {echo(value)}", field) from None
+
+
+def _reject_scope(address: IPv4Address | IPv6Address, text: str, field: str) -> None:
+    if isinstance(address, IPv6Address) and address.scope_id is not None:
+        raise PolicyError(f"IPv6 zone/scope ids are not supported (got {echo(text)})", field)
+
+
+def _parse_cidr(text: str, field: str) -> IPNetwork:
+    addr, _, plen = text.partition("/")
+    try:
+        address = ipaddress.ip_address(addr)
+    except ValueError:
+        raise PolicyError(
+            f"'/' is only allowed in an address/prefix CIDR (got {echo(text)})", field
+        ) from None
+    _reject_scope(address, text, field)
+    if not (plen.isascii() and plen.isdigit()):
+        raise PolicyError(f"CIDR prefix length must be a decimal number (got {echo(text)})", field)
+    try:
+        return ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        raise PolicyError(f"invalid CIDR {echo(text)}", field) from None
+
+
+def _validate_domain(name: str, original: str, field: str) -> None:
+    if not name:
+        raise PolicyError(f"not a valid domain (got {echo(original)})", field)
+    if any(c.isspace() for c in name):
+        raise PolicyError(f"whitespace is not allowed inside a domain (got {echo(original)})", field)
+    if "/" in name:
+        raise PolicyError(f"'/' is only allowed in an address/prefix CIDR (got {echo(original)})", field)
+    if name == "*":
+        raise PolicyError("a bare '*' is not a target; use defaultAction 'allow' instead", field)
+    if "*" in name[1:] or (name.startswith("*") and not name.startswith("*.")):
+        raise PolicyError(f"'*' is only allowed as a leading '*.' (got {echo(original)})", field)
+    if all(c.isdigit() or c == "." for c in name):
+        raise PolicyError(f"not a valid IP address or domain (got {echo(original)})", field)
+    if len(name) > MAX_DOMAIN_LEN:
+        raise PolicyError(f"domain longer than {MAX_DOMAIN_LEN} characters (got {echo(original)})", field)
+    for label in name.split("."):
+        if not label:
+            raise PolicyError(f"domain has an empty label (got {echo(original)})", field)
+        if len(label) > MAX_LABEL_LEN:
+            raise PolicyError(
+                f"domain label longer than {MAX_LABEL_LEN} characters (got {echo(original)})", field
+            )
+
+
+def parse_target(text: str, field: str = "target") -> tuple[str, TargetKind, IPNetwork | None]:
+    """Classify and normalise one rule target: ``(normalised text, kind, network)``.
+
+    IP literal -> IP (a /32 or /128); ``addr/len`` -> CIDR (host bits masked); otherwise a
+    domain, lower-cased with one trailing dot removed. Raises PolicyError naming ``field``.
+    """
+    trimmed = text.strip()
+    if not trimmed:
+        raise PolicyError("must not be empty", field)
+    try:
+        address = ipaddress.ip_address(trimmed)
+    except ValueError:
+        pass
+    else:
+        _reject_scope(address, trimmed, field)
+        return trimmed, TargetKind.IP, ipaddress.ip_network(address)
+    if "/" in trimmed:
+        return trimmed, TargetKind.CIDR, _parse_cidr(trimmed, field)
+    name = trimmed.lower()
+    if name.endswith("."):
+        name = name[:-1]
+    _validate_domain(name, trimmed, field)
+    return name, TargetKind.DOMAIN, None
+
+
+def parse_rule(obj: object, where: str) -> Rule:
+    """One ``{"action": ..., "target": ...}`` object; ``where`` prefixes field names (``egress[2]``)."""
+    if not isinstance(obj, dict):
+        raise PolicyError(f"rule must be an object, got {json_type(obj)}", where)
+    action = _parse_verdict(obj.get("action"), f"{where}.action")
+    raw_target = obj.get("target")
+    if raw_target is None:
+        raise PolicyError("is required", f"{where}.target")
+    if not isinstance(raw_target, str):
+        raise PolicyError(f"must be a string, got {json_type(raw_target)}", f"{where}.target")
+    target, kind, network = parse_target(raw_target, f"{where}.target")
+    return Rule(action, target, kind, network)
+
+
+def parse_policy_obj(obj: object) -> NetworkPolicy:
+    """An already-decoded policy document; None means deny-all."""
+    if obj is None:
+        return DENY_ALL
+    if not isinstance(obj, dict):
+        raise PolicyError(f"policy must be a JSON object, got {json_type(obj)}")
+    default_action = _parse_verdict(obj.get("defaultAction"), "defaultAction")
+    egress = obj.get("egress")
+    if egress is None:
+        egress = []
+    if not isinstance(egress, list):
+        raise PolicyError(f"must be an array, got {json_type(egress)}", "egress")
+    rules = tuple(parse_rule(item, f"egress[{i}]") for i, item in enumerate(egress))
+    if default_action is Verdict.DENY and not rules:
+        return DENY_ALL
+    return NetworkPolicy(default_action, rules)
+
+
+def parse_policy(raw: str | bytes | None) -> NetworkPolicy:
+    """Raw JSON text. None, blank, ``null`` and ``{}`` all mean deny-all.
+
+    Error messages never echo the text itself.
+    """
+    if raw is None:
+        return DENY_ALL
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise PolicyError(f"policy is not valid UTF-8 (bad byte at offset {e.start})") from None
+    if not raw.strip():
+        return DENY_ALL
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise PolicyError(f"policy is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise PolicyError("policy is not valid JSON: nested too deeply") from None
+    return parse_policy_obj(obj)
+
+
+def policy_mode(policy: NetworkPolicy | None) -> PolicyMode:
+    """``deny_all`` (no policy, or deny + no rules), ``allow_all`` (allow + no rules), else ``enforcing``."""
+    if policy is None:
+        return "deny_all"
+    if not policy.egress:
+        return "allow_all" if policy.default_action is Verdict.ALLOW else "deny_all"
+    return "enforcing"

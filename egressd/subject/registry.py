@@ -1,0 +1,319 @@
+"""The fenced subject registry (BEHAVIOUR.md §2) as a pure state machine plus an index.
+
+:func:`plan_set_binding`, :func:`plan_hook` and :func:`plan_remove` decide, without I/O,
+what one action does to one subject: the kernel steps to run (in order), the registry entry
+to commit when all of them succeed, and the entry to keep when one fails. The control plane
+runs the steps ("kernel first, registry second") under the subject's lock.
+
+:class:`Registry` holds the committed entries and the hot-path index source IP -> subject.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from egressd.policy import NetworkPolicy
+from egressd.subject.model import Fence, IPAddress, Subject, nft_id, subject_for_uid
+
+
+class State(enum.StrEnum):
+    ABSENT = "absent"
+    DENYING = "denying"
+    ACTIVE = "active"
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """Network identity of an attachment: the dispatch key and the DNS/MITM gateway."""
+
+    ip: IPAddress
+    gateway: IPAddress | None
+
+
+@dataclass(frozen=True, slots=True)
+class KernelView:
+    """What this subject has in the kernel right now, as far as the daemon applied it.
+
+    ``keys`` are the (source ip, gateway) pairs present in the dispatch maps; more than one
+    only between the steps of a re-key. ``objects`` says whether chains and sets exist.
+    """
+
+    objects: bool = False
+    keys: frozenset[tuple[IPAddress, IPAddress]] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One registered subject. Never holds the raw binding input."""
+
+    uid: str
+    fence: Fence
+    state: State
+    binding: Binding | None
+    spec_generation: int = 0
+    pending: NetworkPolicy | None = None  # user policy waiting for data-plane-ready
+    policy: NetworkPolicy | None = None  # user policy in force (active only)
+
+    @property
+    def subject(self) -> Subject:
+        return subject_for_uid(self.uid)
+
+    @property
+    def nft_id(self) -> str:
+        return nft_id(self.subject)
+
+
+# Kernel steps, executed in order by the control plane.
+@dataclass(frozen=True, slots=True)
+class InstallDenyFirst:
+    """Declare + empty the subject's objects, drop-all content, dispatch entries for ``binding``."""
+
+    binding: Binding
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyPolicy:
+    policy: NetworkPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class DropStaleKeys:
+    """Remove every dispatch key except the one of ``keep`` (after a re-key)."""
+
+    keep: Binding | None
+
+
+@dataclass(frozen=True, slots=True)
+class AddKeys:
+    """Point ``binding`` at the subject's existing chains (re-key of an active subject)."""
+
+    binding: Binding
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveAll:
+    pass
+
+
+Step = InstallDenyFirst | ApplyPolicy | DropStaleKeys | AddKeys | RemoveAll
+
+
+class Outcome(enum.StrEnum):
+    OK = "ok"
+    NOOP = "noop"  # 200 without touching anything
+    CONFLICT = "conflict"  # 409
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    outcome: Outcome
+    reason: str = ""
+    steps: tuple[Step, ...] = ()
+    on_success: Entry | None = None  # None = unregister
+    on_failure: Entry | None = None  # None = stay absent
+    rebind: bool = False  # a new fence replaced an old one (drop per-subject extras)
+    removed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SetBindingRequest:
+    uid: str
+    fence: Fence
+    spec_generation: int
+    binding: Binding | None
+    policy: NetworkPolicy | None  # parsed input; None = the JSON null
+
+
+def _conflict(reason: str) -> Plan:
+    return Plan(Outcome.CONFLICT, reason)
+
+
+def plan_set_binding(entry: Entry | None, req: SetBindingRequest) -> Plan:
+    """SET_BINDING (§2 table, §3). ``req.policy`` has already been parsed successfully."""
+    if entry is None:
+        if req.binding is None:
+            # PROPOSED: null for an absent subject without attachment is a no-op.
+            return Plan(Outcome.NOOP, "nothing bound")
+        new = Entry(req.uid, req.fence, State.DENYING, req.binding, req.spec_generation, pending=req.policy)
+        failed = replace(new, pending=None)
+        return Plan(Outcome.OK, steps=(InstallDenyFirst(req.binding),), on_success=new, on_failure=failed)
+
+    binding = req.binding or entry.binding
+    if entry.fence != req.fence:
+        # Rebind: nothing of the old attachment survives, not even on failure.
+        new = Entry(req.uid, req.fence, State.DENYING, binding, req.spec_generation, pending=req.policy)
+        failed = replace(new, pending=None)
+        steps: tuple[Step, ...] = ()
+        steps = (InstallDenyFirst(binding), DropStaleKeys(binding)) if binding is not None else (RemoveAll(),)
+        return Plan(
+            Outcome.OK,
+            steps=steps,
+            on_success=new,
+            on_failure=failed,
+            rebind=True,
+        )
+
+    rekey = binding is not None and binding != entry.binding
+    base = replace(entry, binding=binding, spec_generation=req.spec_generation)
+    if entry.state is State.ACTIVE:
+        if req.policy is None:
+            # Revert: kernel to deny-first first, then the registry forgets the policy.
+            assert binding is not None
+            steps = (InstallDenyFirst(binding), DropStaleKeys(binding))
+            new = replace(base, state=State.DENYING, policy=None, pending=None)
+            return Plan(
+                Outcome.OK, steps=steps, on_success=new, on_failure=replace(new, binding=entry.binding)
+            )
+        steps = ()
+        if rekey:
+            assert binding is not None
+            # Old key out before the new one in: every intermediate state is closed.
+            steps = (DropStaleKeys(None), AddKeys(binding))
+        steps = (*steps, ApplyPolicy(req.policy))
+        new = replace(base, policy=req.policy)
+        # A failed in-place apply keeps the old policy (kernel first, registry second).
+        return Plan(
+            Outcome.OK,
+            steps=steps,
+            on_success=new,
+            on_failure=replace(entry, spec_generation=req.spec_generation),
+        )
+
+    # Denying, same fence: idempotent deny-first re-run; the latest input is pending.
+    assert binding is not None
+    # A failed re-run keeps the previous pending policy: the new input was never accepted.
+    return Plan(
+        Outcome.OK,
+        steps=(InstallDenyFirst(binding), DropStaleKeys(binding)),
+        on_success=replace(base, pending=req.policy),
+        on_failure=base,
+    )
+
+
+def plan_data_plane_ready(entry: Entry | None, fence: Fence, *, kernel_objects: bool) -> Plan:
+    if entry is None:
+        return _conflict("subject not registered")
+    if entry.fence != fence:
+        return _conflict("stale fence")
+    if entry.pending is None:
+        if entry.state is State.ACTIVE:
+            return Plan(Outcome.NOOP, "already active")  # PROPOSED: idempotent retry
+        return _conflict("no pending policy")
+    steps: tuple[Step, ...] = (ApplyPolicy(entry.pending),)
+    if not kernel_objects and entry.binding is not None:
+        # Deny-first never made it into the kernel: activation must not skip it.
+        steps = (InstallDenyFirst(entry.binding), *steps)
+    new = replace(entry, state=State.ACTIVE, policy=entry.pending, pending=None)
+    # Failure keeps the pending policy so the retried hook succeeds.
+    return Plan(Outcome.OK, steps=steps, on_success=new, on_failure=entry)
+
+
+def plan_hook_fence(entry: Entry | None, fence: Fence) -> Plan:
+    """runtime-ready: fenced, otherwise a no-op."""
+    if entry is None:
+        return _conflict("subject not registered")
+    if entry.fence != fence:
+        return _conflict("stale fence")
+    return Plan(Outcome.NOOP, "runtime-ready")
+
+
+def plan_remove(entry: Entry | None, fence: Fence) -> Plan:
+    if entry is None:
+        return Plan(Outcome.NOOP, "not registered", removed=True)
+    if entry.fence != fence:
+        return Plan(Outcome.NOOP, "stale fence ignored")
+    # Until the kernel removal succeeds the subject stays registered, so a retry resumes.
+    return Plan(Outcome.OK, steps=(RemoveAll(),), on_success=None, on_failure=entry, removed=True)
+
+
+class RegistryConflict(Exception):
+    pass
+
+
+_EMPTY_KERNEL = KernelView()
+
+
+class Registry:
+    """Committed entries, indexed by uid, by source IP (hot path) and by nft id.
+
+    It also records what each subject has in the kernel (:class:`KernelView`), updated after
+    every successful transaction, independently of the entry: a multi-step plan can fail
+    half-way, and the next deletion must know exactly what exists.
+    """
+
+    def __init__(self) -> None:
+        self._by_uid: dict[str, Entry] = {}
+        self._kernel: dict[str, KernelView] = {}
+        self._by_ip: dict[IPAddress, str] = {}
+        self._by_nft_id: dict[str, str] = {}
+
+    def get(self, uid: str) -> Entry | None:
+        return self._by_uid.get(uid)
+
+    def resolve(self, source_ip: IPAddress) -> Entry | None:
+        """Hot path: source IP -> entry, a plain map lookup."""
+        uid = self._by_ip.get(source_ip)
+        return None if uid is None else self._by_uid.get(uid)
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(list(self._by_uid.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_uid)
+
+    def check_claims(self, uid: str, binding: Binding | None) -> str | None:
+        """Why ``uid`` cannot take these keys (409), or None."""
+        other = self._by_nft_id.get(nft_id(subject_for_uid(uid)))
+        if other is not None and other != uid:
+            return f"subject id collides with registered sandbox {other!r}"
+        if binding is not None:
+            owner = self._by_ip.get(binding.ip)
+            if owner is not None and owner != uid:
+                return f"ip {binding.ip} already dispatches to another sandbox"
+            for e in self._by_uid.values():
+                if e.uid != uid and any(k[0] == binding.ip for k in self.kernel(e.uid).keys):
+                    return f"ip {binding.ip} is still installed for another sandbox"
+        return None
+
+    def put(self, entry: Entry) -> None:
+        old = self._by_uid.get(entry.uid)
+        if old is not None and old.binding is not None and self._by_ip.get(old.binding.ip) == entry.uid:
+            del self._by_ip[old.binding.ip]
+        self._by_uid[entry.uid] = entry
+        self._by_nft_id[entry.nft_id] = entry.uid
+        if entry.binding is not None:
+            self._by_ip[entry.binding.ip] = entry.uid
+
+    def drop(self, uid: str) -> None:
+        old = self._by_uid.pop(uid, None)
+        if old is None:
+            return
+        if old.binding is not None and self._by_ip.get(old.binding.ip) == uid:
+            del self._by_ip[old.binding.ip]
+        if self._by_nft_id.get(old.nft_id) == uid:
+            del self._by_nft_id[old.nft_id]
+
+    def kernel(self, uid: str) -> KernelView:
+        return self._kernel.get(uid, _EMPTY_KERNEL)
+
+    def set_kernel(self, uid: str, view: KernelView) -> None:
+        if view == _EMPTY_KERNEL:
+            self._kernel.pop(uid, None)
+        else:
+            self._kernel[uid] = view
+
+    def gateway_in_use(self, gateway: IPAddress, *, excluding: str) -> bool:
+        return any(
+            u != excluding and any(k[1] == gateway for k in view.keys) for u, view in self._kernel.items()
+        )
+
+    def ip_in_use(self, ip: IPAddress, *, excluding: str) -> bool:
+        return any(u != excluding and any(k[0] == ip for k in view.keys) for u, view in self._kernel.items())
+
+    def counts(self) -> dict[State, int]:
+        out = {State.DENYING: 0, State.ACTIVE: 0}
+        for e in self._by_uid.values():
+            out[e.state] += 1
+        return out
