@@ -1,0 +1,243 @@
+"""Fleet enforcement against the real kernel, with real connections from sandbox namespaces."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+from tests.kernel.topology import GATEWAY, UPSTREAM_IPS, Daemon, Topology, envelope
+
+UP_A, UP_B, UP_C, UP_D = UPSTREAM_IPS[0], UPSTREAM_IPS[1], UPSTREAM_IPS[2], UPSTREAM_IPS[3]
+DPR = "sandbox.data-plane-ready"
+
+
+def allow_ips(*ips: str, deny: tuple[str, ...] = ()) -> dict[str, object]:
+    rules = [{"action": "allow", "target": ip} for ip in ips] + [{"action": "deny", "target": ip} for ip in deny]
+    return {"defaultAction": "deny", "egress": rules}
+
+
+def bind(d: Daemon, i: int, policy: object, *, uid: str | None = None, rid: str = "r1", aid: str = "a1") -> None:
+    code, body = d.post(envelope("SET_BINDING", uid or f"sb{i}", rid=rid, aid=aid, ip=Topology.sb_ip(i), policy=policy))
+    assert (code, body) == (200, "{}"), body
+
+
+def activate(d: Daemon, uid: str, *, rid: str = "r1", aid: str = "a1") -> None:
+    code, body = d.post(envelope("LIFECYCLE_HOOK", uid, rid=rid, aid=aid, hook=DPR))
+    assert (code, body) == (200, "{}"), body
+
+
+def test_unknown_and_denying_sources_reach_nothing(topo: Topology, daemon: Daemon) -> None:
+    # sb1 never registered; sb2 registered but not yet data-plane-ready.
+    bind(daemon, 2, allow_ips(UP_A))
+    assert not topo.reaches(1, UP_A)
+    assert not topo.reaches(2, UP_A)
+    assert not topo.reaches(2, UP_B)
+
+
+def test_active_subject_reaches_exactly_its_allowed_ips(topo: Topology, daemon: Daemon) -> None:
+    policy = {
+        "defaultAction": "deny",
+        "egress": [
+            {"action": "allow", "target": UP_A},
+            {"action": "allow", "target": "10.204.0.0/29"},  # .0-.7: UP_B..UP_F
+            {"action": "deny", "target": UP_C},  # deny beats allow at the IP layer
+        ],
+    }
+    bind(daemon, 1, policy)
+    activate(daemon, "sb1")
+    assert topo.reaches(1, UP_A)
+    assert topo.reaches(1, UP_B)
+    assert not topo.reaches(1, UP_C)
+    assert not topo.reaches(1, UPSTREAM_IPS[6])  # .8, outside the /29
+    assert topo.reaches(1, UP_A, port=8080)
+    # Unknown source and another sandbox with no binding stay closed.
+    assert not topo.reaches(3, UP_A)
+
+
+def test_sibling_policies_are_isolated_and_sandboxes_cannot_reach_each_other(topo: Topology, daemon: Daemon) -> None:
+    bind(daemon, 1, allow_ips(UP_A))
+    bind(daemon, 2, allow_ips(UP_B))
+    activate(daemon, "sb1")
+    activate(daemon, "sb2")
+    assert topo.reaches(1, UP_A) and not topo.reaches(1, UP_B)
+    assert topo.reaches(2, UP_B) and not topo.reaches(2, UP_A)
+    # Bridged sandbox-to-sandbox traffic is forwarded through the hook and dropped.
+    topo.spawn(topo.sb(2), "python3", "-m", "http.server", "8000", "--bind", topo.sb_ip(2))
+    time.sleep(0.3)
+    assert topo.curl(1, f"http://{topo.sb_ip(2)}:8000/") == 0
+
+
+def test_default_allow_with_ip_deny(topo: Topology, daemon: Daemon) -> None:
+    bind(daemon, 1, {"defaultAction": "allow", "egress": [{"action": "deny", "target": UP_B}]})
+    activate(daemon, "sb1")
+    assert topo.reaches(1, UP_A)
+    assert not topo.reaches(1, UP_B)
+
+
+def test_policy_update_applies_in_place_and_null_closes(topo: Topology, daemon: Daemon) -> None:
+    bind(daemon, 1, allow_ips(UP_A))
+    activate(daemon, "sb1")
+    assert topo.reaches(1, UP_A)
+
+    # In-place update: same fence, new policy, no hook needed; no window where both apply.
+    bind(daemon, 1, allow_ips(UP_B))
+    assert topo.reaches(1, UP_B)
+    assert not topo.reaches(1, UP_A)
+
+    # Updates while traffic flows: every probe is either the old or the new policy.
+    for n in range(5):
+        target = [UP_A, UP_B][n % 2]
+        bind(daemon, 1, allow_ips(target))
+        assert topo.reaches(1, target)
+
+    # SET_BINDING(null) reverts to deny-first.
+    code, body = daemon.post(envelope("SET_BINDING", "sb1", ip=topo.sb_ip(1), policy=None))
+    assert code == 200, body
+    assert not topo.reaches(1, UP_A)
+    assert not topo.reaches(1, UP_B)
+    # And a later data-plane-ready has nothing pending.
+    code, _ = daemon.post(envelope("LIFECYCLE_HOOK", "sb1", hook=DPR))
+    assert code == 409
+
+
+def test_remove_leaves_nothing_of_the_subject_while_others_keep_working(topo: Topology, daemon: Daemon) -> None:
+    bind(daemon, 1, allow_ips(UP_A))
+    bind(daemon, 2, allow_ips(UP_B))
+    activate(daemon, "sb1")
+    activate(daemon, "sb2")
+    assert "subj_s_sb1_allow_v4" in daemon.object_names()
+    code, body = daemon.post(envelope("REMOVE_BINDING", "sb1"))
+    assert (code, body) == (200, "{}")
+    names = daemon.object_names()
+    assert not {n for n in names if "sb1" in n}, names
+    assert topo.sb_ip(1) not in daemon.map_keys("dispatch_v4")
+    assert topo.sb_ip(1) not in daemon.map_keys("marking_v4")
+    assert not topo.reaches(1, UP_A)
+    assert topo.reaches(2, UP_B)
+    # The shared gateway redirect stays while sb2 uses it.
+    assert GATEWAY in daemon.nft("list", "set", "inet", daemon.table, "dns_gw_v4")
+    daemon.post(envelope("REMOVE_BINDING", "sb2"))
+    assert GATEWAY not in daemon.nft("list", "set", "inet", daemon.table, "dns_gw_v4")
+    assert not any(n.startswith(("subj_", "mark_")) for n in daemon.object_names())
+
+
+def test_rebind_never_carries_the_old_policy_over(topo: Topology, daemon: Daemon) -> None:
+    bind(daemon, 1, allow_ips(UP_A))
+    activate(daemon, "sb1")
+    assert topo.reaches(1, UP_A)
+    # New runtime instance, same uid: denying until its own data-plane-ready.
+    bind(daemon, 1, allow_ips(UP_B), rid="r2")
+    assert not topo.reaches(1, UP_A)
+    assert not topo.reaches(1, UP_B)
+    # A delayed hook of the previous instance must not activate the new one.
+    code, _ = daemon.post(envelope("LIFECYCLE_HOOK", "sb1", rid="r1", hook=DPR))
+    assert code == 409
+    assert not topo.reaches(1, UP_B)
+    activate(daemon, "sb1", rid="r2")
+    assert topo.reaches(1, UP_B)
+    assert not topo.reaches(1, UP_A)
+
+
+def test_rebind_to_another_ip_leaves_no_stale_dispatch(topo: Topology, daemon: Daemon) -> None:
+    bind(daemon, 1, allow_ips(UP_A))
+    activate(daemon, "sb1")
+    # Same uid moves to sb3's address under a new attachment.
+    code, body = daemon.post(envelope("SET_BINDING", "sb1", aid="a2", ip=topo.sb_ip(3), policy=json.dumps(allow_ips(UP_A))))
+    assert code == 200, body
+    assert daemon.map_keys("dispatch_v4") == {topo.sb_ip(3)}
+    activate(daemon, "sb1", aid="a2")
+    assert topo.reaches(3, UP_A)
+    assert not topo.reaches(1, UP_A)
+
+
+def test_deny_first_window_never_reaches_upstream(topo: Topology, daemon: Daemon) -> None:
+    bind(daemon, 4, allow_ips(UP_D))
+    marker = f"/deny-first-{time.monotonic_ns()}"
+    for _ in range(3):
+        assert topo.curl(4, f"http://{UP_D}{marker}", timeout=0.5) == 0
+    code, _ = daemon.post(envelope("LIFECYCLE_HOOK", "sb4", hook="sandbox.runtime-ready"))
+    assert code == 200
+    assert topo.curl(4, f"http://{UP_D}{marker}", timeout=0.5) == 0
+    seen = [r for r in topo.upstream_requests() if str(r["path"]).startswith(marker)]
+    assert seen == [], "a request made before data-plane-ready reached the upstream"
+    activate(daemon, "sb4")
+    assert topo.curl(4, f"http://{UP_D}{marker}-after") == 200
+    assert [r["client"] for r in topo.upstream_requests() if str(r["path"]).startswith(marker)] == [topo.sb_ip(4)]
+
+
+def test_nft_failure_leaves_subject_denying_and_retry_converges(topo: Topology, daemon: Daemon) -> None:
+    # A real kernel refusal: an object with the subject's set name but the wrong type.
+    daemon.nft("add", "set", "inet", daemon.table, "subj_s_sb1_allow_v4", "{ type inet_service; }")
+    code, body = daemon.post(envelope("SET_BINDING", "sb1", ip=topo.sb_ip(1), policy=json.dumps(allow_ips(UP_A))))
+    assert code == 500, body
+    assert body.startswith("deny-first install:")
+    assert not topo.reaches(1, UP_A)
+    code, _ = daemon.post(envelope("LIFECYCLE_HOOK", "sb1", hook=DPR))
+    assert code in (409, 500)
+    assert not topo.reaches(1, UP_A)
+    daemon.nft("delete", "set", "inet", daemon.table, "subj_s_sb1_allow_v4")
+    # The Fastlet retries the same action; it converges.
+    code, body = daemon.post(envelope("SET_BINDING", "sb1", ip=topo.sb_ip(1), policy=json.dumps(allow_ips(UP_A))))
+    assert (code, body) == (200, "{}")
+    activate(daemon, "sb1")
+    assert topo.reaches(1, UP_A)
+
+
+def test_failed_activation_keeps_pending_and_retry_succeeds(topo: Topology, daemon: Daemon) -> None:
+    bind(daemon, 1, allow_ips(UP_A))
+    # While denying, nothing references the dyn set; without it the policy swap's mark
+    # rules cannot be added, so the kernel refuses the activation transaction.
+    daemon.nft("delete", "set", "inet", daemon.table, "subj_s_sb1_dyn_v4")
+    code, body = daemon.post(envelope("LIFECYCLE_HOOK", "sb1", hook=DPR))
+    assert code == 500, body
+    assert not topo.reaches(1, UP_A)
+    daemon.nft("add", "set", "inet", daemon.table, "subj_s_sb1_dyn_v4", "{ type ipv4_addr; flags timeout; timeout 360s; }")
+    # Pending was kept: the retried hook activates the same policy.
+    activate(daemon, "sb1")
+    assert topo.reaches(1, UP_A)
+    # And a second retry of the same hook is idempotent.
+    activate(daemon, "sb1")
+
+
+def test_kill9_restart_resets_then_replay_restores(topo: Topology, daemon: Daemon) -> None:
+    bind(daemon, 1, allow_ips(UP_A))
+    bind(daemon, 2, allow_ips(UP_B))
+    activate(daemon, "sb1")
+    before_id = daemon.status()["instanceId"]
+    assert topo.reaches(1, UP_A) and not topo.reaches(2, UP_B)
+    before = _normalised_table(daemon)
+
+    daemon.kill(signal.SIGKILL)
+    # Dead daemon: the table stays and keeps enforcing.
+    assert topo.reaches(1, UP_A) and not topo.reaches(2, UP_B)
+    daemon.start(wait=False)
+    # The moment HTTP answers, the table is already reset to the deny-all header.
+    deadline = time.monotonic() + 15
+    while daemon.get("/healthz")[0] != 200:
+        assert time.monotonic() < deadline, daemon.log_text()
+        time.sleep(0.02)
+    assert not any(n.startswith(("subj_", "mark_")) for n in daemon.object_names())
+    assert not topo.reaches(1, UP_A)
+    after_id = daemon.status()["instanceId"]
+    assert after_id != before_id
+
+    # The Fastlet replays the latest SET_BINDING and the reached hooks per live sandbox.
+    bind(daemon, 1, allow_ips(UP_A))
+    bind(daemon, 2, allow_ips(UP_B))
+    activate(daemon, "sb1")
+    assert _normalised_table(daemon) == before
+    assert topo.reaches(1, UP_A) and not topo.reaches(2, UP_B)
+
+
+def _normalised_table(d: Daemon) -> list[str]:
+    items = []
+    for item in d.table_json():
+        for kind, obj in item.items():
+            if kind == "metainfo" or not isinstance(obj, dict):
+                continue
+            o = {k: v for k, v in obj.items() if k != "handle"}
+            if "elem" in o:
+                o["elem"] = sorted(json.dumps(e, sort_keys=True) for e in o["elem"])
+            items.append(json.dumps({kind: o}, sort_keys=True))
+    return sorted(items)

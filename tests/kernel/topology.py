@@ -1,0 +1,372 @@
+"""Throwaway network-namespace topology for kernel tests.
+
+    sandboxes (sb1..sbN)            pod (egressd runs here)              upstream
+    eth0 10.203.0.1x ---- vhN -- br0 10.203.0.1 | uplink 10.204.0.1 ---- eth0 10.204.0.2..9
+         fd00:203::1x             fd00:203::1  | fd00:204::1             fd00:204::2..9
+
+Nothing is created in the root namespace: veth pairs are created with both ends directly
+inside our namespaces, no namespace has a default route, and the upstream only routes back
+to the sandbox subnet. Everything is removed in :meth:`Topology.down`, also after failures;
+stale namespaces of a killed run (owner pid gone) are removed on the next start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_PY = REPO / ".venv" / "bin" / "python"
+STATE_DIR = Path("/tmp/egressd-test-netns")
+
+SB_NET = "10.203.0"
+UP_NET = "10.204.0"
+GATEWAY = f"{SB_NET}.1"
+GATEWAY6 = "fd00:203::1"
+UPSTREAM_IPS = [f"{UP_NET}.{i}" for i in range(2, 10)]
+UPSTREAM_IPS6 = [f"fd00:204::{i}" for i in range(2, 10)]
+
+
+def sh(*args: str, check: bool = True, timeout: float = 20, input_: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(args), check=check, capture_output=True, text=True, timeout=timeout, input=input_)
+
+
+def netns_list() -> list[str]:
+    out = sh("ip", "-j", "netns", "list", check=False).stdout.strip()
+    if not out:
+        return []
+    return [n["name"] for n in json.loads(out)]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def kill_netns_processes(ns: str) -> None:
+    pids = sh("ip", "netns", "pids", ns, check=False).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def cleanup_stale() -> None:
+    """Remove namespaces left by test runs whose owner process is gone."""
+    if not STATE_DIR.is_dir():
+        return
+    for owner in STATE_DIR.glob("*.owner"):
+        prefix = owner.stem
+        try:
+            pid = int(owner.read_text().strip())
+        except ValueError:
+            pid = -1
+        if pid > 0 and _pid_alive(pid):
+            continue
+        for ns in netns_list():
+            if ns.startswith(prefix + "-"):
+                kill_netns_processes(ns)
+                sh("ip", "netns", "del", ns, check=False)
+        owner.unlink(missing_ok=True)
+
+
+@dataclass
+class Topology:
+    prefix: str
+    sandboxes: int = 3
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="egressd-topo-")))
+    procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    created: list[str] = field(default_factory=list)
+
+    @property
+    def pod(self) -> str:
+        return f"{self.prefix}-pod"
+
+    @property
+    def up(self) -> str:
+        return f"{self.prefix}-up"
+
+    def sb(self, i: int) -> str:
+        return f"{self.prefix}-sb{i}"
+
+    @staticmethod
+    def sb_ip(i: int) -> str:
+        return f"{SB_NET}.{10 + i}"
+
+    @staticmethod
+    def sb_ip6(i: int) -> str:
+        return f"fd00:203::{10 + i:x}"
+
+    @property
+    def upstream_log(self) -> Path:
+        return self.workdir / "upstream.jsonl"
+
+    def ns(self, ns: str, *cmd: str, check: bool = True, timeout: float = 20) -> subprocess.CompletedProcess[str]:
+        return sh("ip", "netns", "exec", ns, *cmd, check=check, timeout=timeout)
+
+    # ---- build / teardown ------------------------------------------------------------------
+
+    def up_(self) -> Topology:
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        (STATE_DIR / f"{self.prefix}.owner").write_text(str(os.getpid()))
+        root_links_before = sh("ip", "-o", "link", "show").stdout
+        try:
+            self._build()
+        except BaseException:
+            self.down()
+            raise
+        # Safety invariant: the root namespace did not gain a link.
+        assert sh("ip", "-o", "link", "show").stdout.count("\n") == root_links_before.count("\n")
+        return self
+
+    def _add_ns(self, name: str) -> None:
+        sh("ip", "netns", "add", name)
+        self.created.append(name)
+        self.ns(name, "ip", "link", "set", "lo", "up")
+
+    def _build(self) -> None:
+        pod, up = self.pod, self.up
+        self._add_ns(pod)
+        self._add_ns(up)
+        p = lambda *c: self.ns(pod, *c)  # noqa: E731
+        p("sysctl", "-qw", "net.ipv4.ip_forward=1")
+        p("sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")
+        p("ip", "link", "add", "br0", "type", "bridge")
+        p("ip", "addr", "add", f"{GATEWAY}/24", "dev", "br0")
+        p("ip", "addr", "add", f"{GATEWAY6}/64", "dev", "br0", "nodad")
+        p("ip", "link", "set", "br0", "up")
+        # Bridged sandbox-to-sandbox frames must traverse the inet forward hook.
+        p("sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1")
+        p("sysctl", "-qw", "net.bridge.bridge-nf-call-ip6tables=1")
+
+        sh("ip", "link", "add", "uplink", "netns", pod, "type", "veth", "peer", "name", "eth0", "netns", up)
+        p("ip", "addr", "add", f"{UP_NET}.1/24", "dev", "uplink")
+        p("ip", "addr", "add", "fd00:204::1/64", "dev", "uplink", "nodad")
+        p("ip", "link", "set", "uplink", "up")
+        u = lambda *c: self.ns(up, *c)  # noqa: E731
+        for ip in UPSTREAM_IPS:
+            u("ip", "addr", "add", f"{ip}/24", "dev", "eth0")
+        for ip in UPSTREAM_IPS6:
+            u("ip", "addr", "add", f"{ip}/64", "dev", "eth0", "nodad")
+        u("ip", "link", "set", "eth0", "up")
+        u("ip", "route", "add", f"{SB_NET}.0/24", "via", f"{UP_NET}.1")
+        u("ip", "-6", "route", "add", "fd00:203::/64", "via", "fd00:204::1")
+
+        for i in range(1, self.sandboxes + 1):
+            self.add_sandbox(i)
+
+        log = self.upstream_log
+        log.touch()
+        self.spawn(up, str(VENV_PY), str(REPO / "scripts" / "fleet_upstream.py"), "--http-ports", "80,8080",
+                   "--log", str(log), ready_line="ready")
+
+    def add_sandbox(self, i: int) -> None:
+        sb = self.sb(i)
+        self._add_ns(sb)
+        sh("ip", "link", "add", f"vh{i}", "netns", self.pod, "type", "veth", "peer", "name", "eth0", "netns", sb)
+        self.ns(self.pod, "ip", "link", "set", f"vh{i}", "master", "br0")
+        self.ns(self.pod, "ip", "link", "set", f"vh{i}", "up")
+        s = lambda *c: self.ns(sb, *c)  # noqa: E731
+        s("ip", "addr", "add", f"{self.sb_ip(i)}/24", "dev", "eth0")
+        s("ip", "addr", "add", f"{self.sb_ip6(i)}/64", "dev", "eth0", "nodad")
+        s("ip", "link", "set", "eth0", "up")
+        s("ip", "route", "add", "default", "via", GATEWAY)
+        s("ip", "-6", "route", "add", "default", "via", GATEWAY6)
+
+    def spawn(self, ns: str, *cmd: str, env: dict[str, str] | None = None, ready_line: str | None = None,
+              log: Path | None = None) -> subprocess.Popen[str]:
+        out = open(log, "a") if log else subprocess.PIPE  # noqa: SIM115
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, *cmd],
+            stdout=out if ready_line is None else subprocess.PIPE,
+            stderr=out if log else subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.procs.append(proc)
+        if ready_line is not None:
+            assert proc.stdout is not None
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                line = proc.stdout.readline()
+                if ready_line in line:
+                    break
+                if not line and proc.poll() is not None:
+                    raise RuntimeError(f"{cmd[0]} exited early in {ns}")
+            else:
+                raise RuntimeError(f"{cmd[0]} not ready in {ns}")
+        return proc
+
+    def stop(self, proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> None:
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        if proc in self.procs:
+            self.procs.remove(proc)
+
+    def down(self) -> None:
+        for proc in list(self.procs):
+            with contextlib.suppress(Exception):
+                self.stop(proc)
+        for ns in reversed(self.created):
+            kill_netns_processes(ns)
+            sh("ip", "netns", "del", ns, check=False)
+        self.created.clear()
+        (STATE_DIR / f"{self.prefix}.owner").unlink(missing_ok=True)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # ---- traffic ---------------------------------------------------------------------------
+
+    def curl(self, sb: int, url: str, timeout: float = 1.0) -> int:
+        """HTTP status from sandbox ``sb`` (0 = no connection)."""
+        r = self.ns(self.sb(sb), "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--connect-timeout",
+                    str(timeout), "-m", str(timeout + 1), url, check=False, timeout=timeout + 10)
+        try:
+            return int(r.stdout.strip() or 0)
+        except ValueError:
+            return 0
+
+    def reaches(self, sb: int, ip: str, port: int = 80, timeout: float = 1.0) -> bool:
+        host = f"[{ip}]" if ":" in ip else ip
+        return self.curl(sb, f"http://{host}:{port}/probe", timeout) == 200
+
+    def upstream_requests(self) -> list[dict[str, object]]:
+        lines = self.upstream_log.read_text().splitlines()
+        return [json.loads(ln) for ln in lines if ln.strip()]
+
+
+@dataclass
+class Daemon:
+    """An egressd process in the pod namespace, driven over its loopback HTTP port."""
+
+    topo: Topology
+    table: str
+    port: int = 18080
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[str] | None = None
+    log: Path | None = None
+
+    def start(self, wait: bool = True, extra_args: Sequence[str] = ()) -> Daemon:
+        rules = self.topo.workdir / "rules"
+        rules.mkdir(exist_ok=True)
+        self.log = self.topo.workdir / f"egressd-{self.table}.log"
+        env = {
+            "OPENSANDBOX_EGRESS_PROFILE": "fleet",
+            "OPENSANDBOX_EGRESS_HTTP_ADDR": f"127.0.0.1:{self.port}",
+            "EGRESSD_NFT_TABLE": self.table,
+            "EGRESSD_ALWAYS_RULES_DIR": str(rules),
+            "EGRESSD_DNS_ADDR": "0.0.0.0:15353",
+            **self.env,
+        }
+        self.proc = self.topo.spawn(self.topo.pod, str(REPO / ".venv" / "bin" / "egressd"), *extra_args,
+                                    env=env, log=self.log)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 15) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"egressd exited {self.proc.returncode}: {self.log_text()[-2000:]}")
+            if self.get("/healthz")[0] == 200:
+                return
+            time.sleep(0.05)
+        raise RuntimeError("egressd not ready: " + self.log_text()[-2000:])
+
+    def log_text(self) -> str:
+        return self.log.read_text() if self.log and self.log.exists() else ""
+
+    def _curl(self, *args: str) -> tuple[int, str]:
+        r = self.topo.ns(self.topo.pod, "curl", "-s", "-m", "10", "-w", "\n%{http_code}", *args, check=False)
+        body, _, code = r.stdout.rpartition("\n")
+        try:
+            return int(code), body
+        except ValueError:
+            return 0, r.stdout
+
+    def get(self, path: str) -> tuple[int, str]:
+        return self._curl(f"http://127.0.0.1:{self.port}{path}")
+
+    def post(self, body: dict[str, object] | str) -> tuple[int, str]:
+        data = body if isinstance(body, str) else json.dumps(body)
+        path = self.topo.workdir / "body.json"
+        path.write_text(data)
+        return self._curl("-X", "POST", "-H", "Content-Type: application/json", "--data-binary", f"@{path}",
+                          f"http://127.0.0.1:{self.port}/_fastlet/v1/actions")
+
+    def status(self) -> dict[str, object]:
+        code, body = self.get("/_fastlet/v1/actions/status")
+        assert code == 200, body
+        return dict(json.loads(body))
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None:
+            self.topo.stop(self.proc, sig)
+            self.proc = None
+
+    def nft(self, *args: str, check: bool = True) -> str:
+        return self.topo.ns(self.topo.pod, "nft", *args, check=check).stdout
+
+    def table_json(self) -> list[dict[str, object]]:
+        out = self.nft("-j", "list", "table", "inet", self.table)
+        return list(json.loads(out)["nftables"])
+
+    def object_names(self) -> set[str]:
+        names = set()
+        for item in self.table_json():
+            for kind in ("set", "map", "chain"):
+                if kind in item:
+                    names.add(str(item[kind]["name"]))  # type: ignore[index]
+        return names
+
+    def map_keys(self, name: str) -> set[str]:
+        for item in self.table_json():
+            m = item.get("map")
+            if isinstance(m, dict) and m.get("name") == name:
+                elems = m.get("elem", [])
+                return {str(e[0]) if isinstance(e, list) else str(e) for e in elems}
+        return set()
+
+
+def envelope(op: str, uid: str, *, rid: str = "r1", aid: str = "a1", ip: str | None = None,
+             gateway: str | None = GATEWAY, policy: object = "__absent__", hook: str | None = None,
+             generation: int = 1) -> dict[str, object]:
+    env: dict[str, object] = {
+        "apiVersion": "sandbox.fast.io/actions/v1",
+        "operation": op,
+        "sandbox": {"uid": uid},
+        "revision": {"runtimeInstanceId": rid, "attachmentId": aid, "specGeneration": generation},
+    }
+    if ip is not None:
+        net: dict[str, object] = {"ip": ip, "hostVeth": f"vh-{uid}"}
+        if gateway is not None:
+            net["gateway"] = gateway
+        env["attachment"] = {"network": net}
+    if policy != "__absent__":
+        env["binding"] = {"input": policy if policy is None or isinstance(policy, str) else json.dumps(policy)}
+    if hook is not None:
+        env["hook"] = {"name": hook}
+    return env
+
+
+def quote(s: str) -> str:
+    return urllib.parse.quote(s)
