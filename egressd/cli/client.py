@@ -170,7 +170,9 @@ class DaemonClient:
                 body=data,
             )
         except TimeoutError:
-            raise CliError(f"{method} {path} to egressd at {self.addr}: timed out after {self.timeout:g}s") from None
+            raise CliError(
+                f"{method} {path} to egressd at {self.addr}: timed out after {self.timeout:g}s"
+            ) from None
         except socket.gaierror as exc:
             raise CliError(f"cannot resolve egressd address {self.addr}: {exc.strerror or exc}") from None
         except OSError as exc:
@@ -178,7 +180,9 @@ class DaemonClient:
             raise CliError(f"cannot reach egressd at {self.addr}: {reason}") from None
         except http.client.HTTPException as exc:
             reason = str(exc) or type(exc).__name__
-            raise CliError(f"{method} {path} to egressd at {self.addr}: bad HTTP response: {reason}") from None
+            raise CliError(
+                f"{method} {path} to egressd at {self.addr}: bad HTTP response: {reason}"
+            ) from None
         finally:
             conn.close()
 

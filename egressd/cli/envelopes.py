@@ -53,7 +53,9 @@ def default_gateway(ip: IPAddress) -> IPAddress:
         raise CliError(f"--gateway is required for the IPv6 address {ip} (only IPv4 has a default)")
     gateway = ipaddress.IPv4Network(f"{v4}/24", strict=False).network_address + 1
     if gateway == v4:
-        raise CliError(f"--ip {v4} is the .1 address of its /24, which would be the default gateway; pass --gateway")
+        raise CliError(
+            f"--ip {v4} is the .1 address of its /24, which would be the default gateway; pass --gateway"
+        )
     return gateway
 
 
@@ -63,7 +65,9 @@ def normalise_hook(name: str) -> str:
     full = text if text.startswith("sandbox.") else f"sandbox.{text}"
     if full not in HOOK_NAMES:
         short = ", ".join(h.removeprefix("sandbox.") for h in HOOK_NAMES)
-        raise CliError(f"unknown hook {name!r} (expected one of {short}, optionally prefixed with 'sandbox.')")
+        raise CliError(
+            f"unknown hook {name!r} (expected one of {short}, optionally prefixed with 'sandbox.')"
+        )
     return full
 
 

@@ -155,7 +155,9 @@ class FleetHTTP:
         self.metrics.actions.inc(op, str(result.status))
         if result.status == 200:
             return web.json_response({})
-        log.info("action.refused", operation=op, uid=action.uid, code=result.status, reason=result.reason)
+        # A 400 reason can quote part of the binding input, which is never logged.
+        reason = "invalid binding input" if result.status == 400 else result.reason
+        log.info("action.refused", operation=op, uid=action.uid, code=result.status, reason=reason)
         return text(result.status, result.reason)
 
 

@@ -1,0 +1,559 @@
+"""egressctl: operator / dispatcher CLI over the egressd HTTP surface (INTERFACE.md).
+
+Commands (global options ``--addr``, ``--json``, ``--timeout`` go before or after the command)::
+
+    egressctl status
+    egressctl subjects
+    egressctl send set-binding --uid U --ip IP [--gateway GW] [--host-veth V]
+                               [--runtime-instance-id R] [--attachment-id A] [--spec-generation N]
+                               [--policy JSON | --policy-file PATH|- | --null]
+    egressctl send hook {runtime-ready|data-plane-ready|sandbox.*} --uid U [--runtime-instance-id R]
+                        [--attachment-id A]
+    egressctl send remove --uid U [--runtime-instance-id R] [--attachment-id A]
+    egressctl send raw --file PATH|-
+
+Exit codes: 0 success; 1 the daemon answered but not with success (non-200 action, not ready,
+unexpected reply); 2 connection errors and bad local input. Every failure is one line
+``egressctl: <reason>`` on stderr, never a traceback.
+
+Extension point: the command tree is declarative. Each :class:`Command` names its arguments
+(``configure``), its handler (``run``) and optional sub-commands (``children``). Top-level
+commands live in :data:`COMMANDS`; a new one (``vault put|get|delete``, ``ca``, ``explain``) is a
+``Command`` appended there (or passed to :func:`register`) whose handler takes a
+:class:`Context` (lazy :class:`~egressd.cli.client.DaemonClient`, ``--json`` flag, output
+helpers) and returns the exit code. Handlers raise :class:`~egressd.cli.client.CliError` for
+one-line failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, NoReturn
+
+from egressd.cli.client import (
+    DEFAULT_ADDR,
+    EXIT_FAILURE,
+    EXIT_LOCAL,
+    EXIT_OK,
+    CliError,
+    DaemonClient,
+    Response,
+    one_line,
+)
+from egressd.cli.envelopes import (
+    binding_envelope,
+    default_gateway,
+    hook_envelope,
+    parse_ip,
+    remove_envelope,
+)
+
+__all__ = ["COMMANDS", "Command", "Context", "build_parser", "main", "register"]
+
+PROG = "egressctl"
+ADDR_ENV = "EGRESSCTL_ADDR"
+DEFAULT_TIMEOUT = 10.0
+
+HEALTH_PATH = "/healthz"
+STATUS_PATH = "/_fastlet/v1/actions/status"
+ACTIONS_PATH = "/_fastlet/v1/actions"
+SUBJECTS_PATH = "/v1/subjects"
+
+DEFAULT_RUNTIME_INSTANCE_ID = "r1"
+DEFAULT_ATTACHMENT_ID = "a1"
+DEFAULT_SPEC_GENERATION = 1
+DENY_ALL_POLICY = "{}"
+
+_STATE_ORDER = ("active", "denying")
+
+
+# --------------------------------------------------------------------------- framework
+
+
+@dataclass
+class Context:
+    """What a command handler gets besides its parsed arguments."""
+
+    addr: str
+    timeout: float
+    json_output: bool
+
+    @cached_property
+    def client(self) -> DaemonClient:
+        # Lazy: commands that never talk to the daemon are not failed by a bad --addr.
+        return DaemonClient(self.addr, self.timeout)
+
+    def out(self, line: str = "") -> None:
+        print(line, file=sys.stdout)
+
+    def note(self, message: str) -> None:
+        print(f"{PROG}: note: {message}", file=sys.stderr)
+
+    def emit_json(self, obj: Any) -> None:
+        print(json.dumps(obj, separators=(", ", ": ")), file=sys.stdout)
+
+
+Handler = Callable[[Context, argparse.Namespace], int]
+
+
+@dataclass(frozen=True)
+class Command:
+    """One node of the command tree: a runnable leaf (``run``) or a group (``children``)."""
+
+    name: str
+    help: str
+    run: Handler | None = None
+    configure: Callable[[argparse.ArgumentParser], None] | None = None
+    children: tuple[Command, ...] = ()
+    description: str | None = None
+    epilog: str | None = None
+    aliases: tuple[str, ...] = field(default=())
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors become one ``egressctl: <reason>`` line (exit 2) instead of usage + message."""
+
+    def error(self, message: str) -> NoReturn:
+        where = self.prog.removeprefix(PROG).strip()
+        raise CliError(f"{where}: {message}" if where else message, EXIT_LOCAL)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= 2**64 - 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in [0, 2^64-1]")
+    return value
+
+
+def _add_global_options(parser: argparse.ArgumentParser, *, with_defaults: bool) -> None:
+    """Global options. Sub-commands repeat them with suppressed defaults so they may follow the command."""
+
+    def default(value: Any) -> Any:
+        return value if with_defaults else argparse.SUPPRESS
+
+    env_addr = os.environ.get(ADDR_ENV, "").strip()
+    parser.add_argument(
+        "--addr",
+        metavar="HOST:PORT",
+        default=default(env_addr or DEFAULT_ADDR),
+        help=f"daemon HTTP address (default ${ADDR_ENV} or {DEFAULT_ADDR})",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=default(False),
+        help="machine-readable JSON output",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        metavar="SECONDS",
+        default=default(DEFAULT_TIMEOUT),
+        help=f"per-request timeout in seconds (default {DEFAULT_TIMEOUT:g})",
+    )
+
+
+def _add_commands(
+    parser: argparse.ArgumentParser, commands: Sequence[Command], *, dest: str, title: str
+) -> None:
+    sub = parser.add_subparsers(dest=dest, title=title, metavar="COMMAND", required=True)
+    for cmd in commands:
+        child = sub.add_parser(
+            cmd.name,
+            aliases=list(cmd.aliases),
+            help=cmd.help,
+            description=cmd.description or cmd.help,
+            epilog=cmd.epilog,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        _add_global_options(child, with_defaults=False)
+        if cmd.configure is not None:
+            cmd.configure(child)
+        if cmd.children:
+            _add_commands(child, cmd.children, dest=f"{dest}_{cmd.name}", title="commands")
+        elif cmd.run is not None:
+            child.set_defaults(_handler=cmd.run)
+
+
+def build_parser(commands: Sequence[Command] | None = None) -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Operator and dispatcher CLI for the egressd HTTP API.",
+        epilog=(
+            "exit codes: 0 success; 1 the daemon answered but not with success; "
+            "2 connection error or bad local input"
+        ),
+    )
+    _add_global_options(parser, with_defaults=True)
+    _add_commands(parser, COMMANDS if commands is None else commands, dest="command", title="commands")
+    return parser
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _read_input(path: str, *, what: str) -> bytes:
+    """Bytes of ``path``, or of stdin for ``-``; unreadable -> CliError (exit 2)."""
+    try:
+        if path == "-":
+            buffer = getattr(sys.stdin, "buffer", None)
+            if buffer is not None:
+                data: bytes = buffer.read()
+                return data
+            return sys.stdin.read().encode("utf-8")
+        return Path(path).read_bytes()
+    except OSError as exc:
+        name = "stdin" if path == "-" else path
+        raise CliError(f"{what}: cannot read {name}: {exc.strerror or exc}") from None
+
+
+def _expect_ok(resp: Response, method: str, path: str) -> None:
+    if resp.status != 200:
+        raise CliError(f"{method} {path}: {resp.summary()}", EXIT_FAILURE)
+
+
+def _encode(doc: dict[str, Any]) -> bytes:
+    # ensure_ascii: anything odd in argv (lone surrogates) is escaped, and the daemon judges it.
+    return json.dumps(doc, separators=(",", ":")).encode("ascii")
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+    lines = []
+    for row in (headers, *rows):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return lines
+
+
+def _fetch_subjects(ctx: Context) -> list[dict[str, Any]]:
+    resp = ctx.client.get(SUBJECTS_PATH)
+    _expect_ok(resp, "GET", SUBJECTS_PATH)
+    payload = resp.json()
+    subjects = payload.get("subjects") if isinstance(payload, dict) else None
+    if not isinstance(subjects, list) or not all(isinstance(s, dict) for s in subjects):
+        raise CliError(f"GET {SUBJECTS_PATH}: unexpected payload (no subjects list)", EXIT_FAILURE)
+    return subjects
+
+
+def _cell(value: Any) -> str:
+    if value is None or value == "":
+        return "-"
+    return one_line(str(value), limit=80)
+
+
+def _policy_cell(policy: Any) -> str:
+    if not isinstance(policy, dict):
+        return "-"
+    rules = policy.get("rules")
+    count = f"{rules} rule{'' if rules == 1 else 's'}" if isinstance(rules, int) else "? rules"
+    return f"{_cell(policy.get('defaultAction'))}+{count}"
+
+
+def _state_counts(subjects: Sequence[dict[str, Any]]) -> str:
+    counts = Counter(str(s.get("state", "?")) for s in subjects)
+    order = [s for s in _STATE_ORDER if s in counts] + sorted(s for s in counts if s not in _STATE_ORDER)
+    detail = ", ".join(f"{state} {counts[state]}" for state in order)
+    return f"{len(subjects)} ({detail})" if detail else "0"
+
+
+# --------------------------------------------------------------------------- status
+
+
+def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
+    resp = ctx.client.get(STATUS_PATH)
+    _expect_ok(resp, "GET", STATUS_PATH)
+    status = resp.json()
+    if not isinstance(status, dict):
+        raise CliError(f"GET {STATUS_PATH}: unexpected payload (not an object)", EXIT_FAILURE)
+    ready = status.get("ready") is True
+
+    health = ctx.client.get(HEALTH_PATH)
+    healthy = health.status == 200
+    health_text = one_line(health.text()) or health.reason
+
+    if ctx.json_output:
+        ctx.emit_json({"status": status, "healthy": healthy, "health": health_text})
+    else:
+        rows: list[tuple[str, str]] = [
+            ("instance", _cell(status.get("instanceId"))),
+            ("ready", "yes" if ready else "no"),
+            ("health", health_text if healthy else f"{health.status} {health_text}"),
+        ]
+        if status.get("mitmCaFingerprint"):
+            rows.append(("mitm-ca", _cell(status.get("mitmCaFingerprint"))))
+        try:
+            rows.append(("subjects", _state_counts(_fetch_subjects(ctx))))
+        except CliError as exc:
+            rows.append(("subjects", f"unavailable ({exc.reason})"))
+        width = max(len(k) for k, _ in rows)
+        for key, value in rows:
+            ctx.out(f"{key.ljust(width)}  {value}")
+    return EXIT_OK if ready else EXIT_FAILURE
+
+
+# --------------------------------------------------------------------------- subjects
+
+
+def cmd_subjects(ctx: Context, args: argparse.Namespace) -> int:
+    subjects = _fetch_subjects(ctx)
+    if ctx.json_output:
+        ctx.emit_json(subjects)
+        return EXIT_OK
+    headers = ("SUBJECT", "STATE", "SOURCE-IP", "GATEWAY", "POLICY", "PENDING")
+    rows = [
+        (
+            _cell(s.get("subject")),
+            _cell(s.get("state")),
+            _cell(s.get("sourceIp")),
+            _cell(s.get("gateway")),
+            _policy_cell(s.get("policy")),
+            "yes" if s.get("pending") else "no",
+        )
+        for s in subjects
+    ]
+    for line in _table(headers, rows):
+        ctx.out(line)
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- send
+
+
+def _post_action(ctx: Context, body: bytes) -> int:
+    resp = ctx.client.post_json(ACTIONS_PATH, body)
+    if ctx.json_output:
+        ctx.emit_json({"code": resp.status, "body": resp.payload()})
+    else:
+        ctx.out(resp.summary())
+    return EXIT_OK if resp.ok else EXIT_FAILURE
+
+
+def _add_identity(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--uid", required=True, help="sandbox UID (subject s-<uid>)")
+    parser.add_argument(
+        "--runtime-instance-id",
+        default=DEFAULT_RUNTIME_INSTANCE_ID,
+        metavar="R",
+        help=f"fence: revision.runtimeInstanceId (default {DEFAULT_RUNTIME_INSTANCE_ID!r})",
+    )
+    parser.add_argument(
+        "--attachment-id",
+        default=DEFAULT_ATTACHMENT_ID,
+        metavar="A",
+        help=f"fence: revision.attachmentId (default {DEFAULT_ATTACHMENT_ID!r})",
+    )
+
+
+def _configure_set_binding(parser: argparse.ArgumentParser) -> None:
+    _add_identity(parser)
+    parser.add_argument(
+        "--ip", help="attachment.network.ip, the sandbox source address (required unless --null)"
+    )
+    parser.add_argument(
+        "--gateway",
+        help="attachment.network.gateway (default for IPv4: the .1 address of the ip's /24; required for IPv6)",
+    )
+    parser.add_argument("--host-veth", metavar="V", help="attachment.network.hostVeth (default veth-<uid>)")
+    parser.add_argument(
+        "--spec-generation",
+        type=_non_negative_int,
+        default=DEFAULT_SPEC_GENERATION,
+        metavar="N",
+        help=f"revision.specGeneration (default {DEFAULT_SPEC_GENERATION})",
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--policy", metavar="JSON", help="binding.input string, sent verbatim")
+    source.add_argument("--policy-file", metavar="PATH", help="read binding.input from PATH ('-' = stdin)")
+    source.add_argument(
+        "--null", action="store_true", help="send binding.input null (binding removed; --ip optional)"
+    )
+
+
+def cmd_send_set_binding(ctx: Context, args: argparse.Namespace) -> int:
+    null: bool = args.null
+    ip = parse_ip(args.ip) if args.ip is not None else None
+    if ip is None and not null:
+        raise CliError("send set-binding: --ip is required (unless --null)")
+    gateway = parse_ip(args.gateway, what="--gateway") if args.gateway is not None else None
+    if gateway is None and ip is not None:
+        gateway = default_gateway(ip)
+
+    binding_input: str | None
+    if null:
+        binding_input = None
+    elif args.policy is not None:
+        binding_input = args.policy
+    elif args.policy_file is not None:
+        raw = _read_input(args.policy_file, what="--policy-file")
+        try:
+            binding_input = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            name = "stdin" if args.policy_file == "-" else args.policy_file
+            raise CliError(f"--policy-file: {name} is not valid UTF-8") from None
+    else:
+        ctx.note(f"no --policy, --policy-file or --null given; sending the deny-all policy {DENY_ALL_POLICY}")
+        binding_input = DENY_ALL_POLICY
+
+    doc = binding_envelope(
+        uid=args.uid,
+        runtime_instance_id=args.runtime_instance_id,
+        attachment_id=args.attachment_id,
+        spec_generation=args.spec_generation,
+        binding_input=binding_input,
+        ip=ip,
+        gateway=gateway,
+        host_veth=args.host_veth if args.host_veth is not None else f"veth-{args.uid}",
+    )
+    return _post_action(ctx, _encode(doc))
+
+
+def _configure_hook(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "name",
+        metavar="NAME",
+        help="runtime-ready, data-plane-ready, or the full sandbox.runtime-ready / sandbox.data-plane-ready",
+    )
+    _add_identity(parser)
+
+
+def cmd_send_hook(ctx: Context, args: argparse.Namespace) -> int:
+    doc = hook_envelope(
+        uid=args.uid,
+        hook=args.name,
+        runtime_instance_id=args.runtime_instance_id,
+        attachment_id=args.attachment_id,
+    )
+    return _post_action(ctx, _encode(doc))
+
+
+def cmd_send_remove(ctx: Context, args: argparse.Namespace) -> int:
+    doc = remove_envelope(
+        uid=args.uid, runtime_instance_id=args.runtime_instance_id, attachment_id=args.attachment_id
+    )
+    return _post_action(ctx, _encode(doc))
+
+
+def _configure_raw(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--file", required=True, metavar="PATH", help="envelope to POST as-is ('-' = stdin)")
+
+
+def cmd_send_raw(ctx: Context, args: argparse.Namespace) -> int:
+    return _post_action(ctx, _read_input(args.file, what="--file"))
+
+
+# --------------------------------------------------------------------------- registry
+
+STATUS = Command(
+    "status",
+    "daemon readiness, health and subject counts",
+    run=cmd_status,
+    epilog="exit 0 when ready, 1 when the daemon answers but is not ready, 2 when it cannot be reached",
+)
+
+SUBJECTS = Command("subjects", "list registered subjects", run=cmd_subjects)
+
+SEND = Command(
+    "send",
+    "act as a Fastlet dispatcher: POST one action envelope",
+    description=(
+        "Build and POST one sandbox.fast.io/actions/v1 envelope to " + ACTIONS_PATH + ".\n"
+        "Prints '200 OK' or '<code> <reason>'; exit 0 on 200, 1 on any other status."
+    ),
+    children=(
+        Command(
+            "set-binding",
+            "SET_BINDING: register / update a subject and its policy",
+            run=cmd_send_set_binding,
+            configure=_configure_set_binding,
+            epilog=(
+                "Without --policy, --policy-file or --null the deny-all policy {} is sent (a note goes to stderr).\n"
+                "The default gateway is the .1 address of the ip's /24 (IPv4 only)."
+            ),
+        ),
+        Command(
+            "hook",
+            "LIFECYCLE_HOOK: runtime-ready or data-plane-ready",
+            run=cmd_send_hook,
+            configure=_configure_hook,
+        ),
+        Command(
+            "remove", "REMOVE_BINDING: unregister a subject", run=cmd_send_remove, configure=_add_identity
+        ),
+        Command("raw", "POST an envelope file as-is (debugging)", run=cmd_send_raw, configure=_configure_raw),
+    ),
+)
+
+#: Top-level commands, in help order. Later additions (not implemented yet):
+#: ``vault`` (children put/get/delete, acting as the proxy route on
+#: /v1/sandboxfleets/{id}/egress/credential-vault...), ``ca`` (print the MITM CA certificate)
+#: and ``explain`` (evaluate a policy for a host/IP) are appended here via :func:`register`.
+COMMANDS: list[Command] = [STATUS, SUBJECTS, SEND]
+
+
+def register(command: Command) -> None:
+    """Add a top-level command (names must be unique)."""
+    taken = {name for c in COMMANDS for name in (c.name, *c.aliases)}
+    if command.name in taken or taken.intersection(command.aliases):
+        raise ValueError(f"command {command.name!r} is already registered")
+    COMMANDS.append(command)
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help
+            if exc.code is None:
+                return EXIT_OK
+            return exc.code if isinstance(exc.code, int) else EXIT_LOCAL
+        handler: Handler | None = getattr(args, "_handler", None)
+        if handler is None:  # a group without a runnable leaf; argparse normally refuses first
+            raise CliError("no command given (see egressctl --help)")
+        ctx = Context(addr=args.addr, timeout=args.timeout, json_output=args.json)
+        return handler(ctx, args)
+    except CliError as exc:
+        print(f"{PROG}: {exc.reason}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # stdout closed early (e.g. `| head`): silence the interpreter's final flush.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILURE
+    except Exception as exc:  # never a traceback
+        print(f"{PROG}: internal error: {one_line(f'{type(exc).__name__}: {exc}')}", file=sys.stderr)
+        return EXIT_LOCAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())
