@@ -1,0 +1,1025 @@
+#!/usr/bin/env python3
+"""Fleet-profile benchmark: action latency, removal scaling, update throughput, libnftables vs exec.
+
+Run as root from the repository root::
+
+    .venv/bin/python scripts/bench/bench_fleet.py [--sizes 10,100,1000] [--quick] [--json-out FILE]
+
+Everything kernel-related happens in a network namespace this script creates (``egbench-<pid>``,
+loopback only, no route out) and deletes again, also on failure or SIGINT/SIGTERM/SIGHUP. The
+script re-executes itself inside that namespace (``--inner``); the outer process only creates
+and deletes the namespace, forwards signals and prints the report. The root namespace never
+gets an nft table, route or link. See README.md next to this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import ipaddress
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+EGRESSD = ROOT / ".venv" / "bin" / "egressd"
+NS_PREFIX = "egbench-"
+HTTP_PORT = 18480
+ACTIONS = "/_fastlet/v1/actions"
+API = "sandbox.fast.io/actions/v1"
+DAEMON_TABLE = "egbench_fleet"
+DIRECT_TABLE = "egbench_direct"
+GATEWAY = "10.100.0.1"
+BG_BASE = int(ipaddress.IPv4Address("10.100.0.16"))
+MEASURED_BASE = int(ipaddress.IPv4Address("10.101.0.16"))
+HTTP_TIMEOUT_S = 120.0
+CONCURRENCY = 8
+
+# Targets (from the brief); printed next to the figures.
+T_SET_P99_MS = 5.0
+T_SET_AT = 1000
+T_REMOVE_RATIO = 2.0
+T_UPDATES_PER_S = 1000.0
+T_UPDATES_AT = 100
+T_INPROC_SPEEDUP = 10.0
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+class Interrupted(BaseException):  # BaseException so nothing swallows it
+    pass
+
+
+def _raise_interrupted(signum: int, _frame: object) -> None:
+    raise Interrupted(f"signal {signal.Signals(signum).name}")
+
+
+def install_signal_handlers() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupted)
+
+
+def ignore_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics
+
+
+def pct(values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile (p99 of 30 samples is the maximum)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def summary_ms(seconds: Sequence[float]) -> dict[str, float]:
+    ms = [s * 1000.0 for s in seconds]
+    return {
+        "n": len(ms),
+        "p50_ms": pct(ms, 50),
+        "p99_ms": pct(ms, 99),
+        "mean_ms": sum(ms) / len(ms) if ms else math.nan,
+        "min_ms": min(ms) if ms else math.nan,
+        "max_ms": max(ms) if ms else math.nan,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# workload: subjects, policies, envelopes
+
+
+def bg_ip(i: int) -> str:
+    return str(ipaddress.IPv4Address(BG_BASE + i))
+
+
+def measured_ip(i: int) -> str:
+    return str(ipaddress.IPv4Address(MEASURED_BASE + i))
+
+
+def policy_text(k: int, variant: int) -> str:
+    """A few IP/CIDR rules (v4 + v6) plus one domain rule; ``variant`` changes the content."""
+    return json.dumps(
+        {
+            "defaultAction": "deny",
+            "egress": [
+                {"action": "allow", "target": f"203.0.113.{k % 250 + 1}"},
+                {"action": "allow", "target": f"198.51.{variant % 250}.0/24"},
+                {"action": "deny", "target": f"192.0.2.{variant % 250 + 1}"},
+                {"action": "allow", "target": f"2001:db8:{k % 65535:x}::/48"},
+                {"action": "allow", "target": "pypi.org"},
+            ],
+        },
+        separators=(",", ":"),
+    )
+
+
+def _revision(uid: str, generation: int | None = None) -> dict[str, Any]:
+    rev: dict[str, Any] = {"runtimeInstanceId": f"rt-{uid}", "attachmentId": "att-1"}
+    if generation is not None:
+        rev["specGeneration"] = generation
+    return rev
+
+
+def set_binding_body(uid: str, ip: str, policy: str, generation: int = 1) -> bytes:
+    return json.dumps(
+        {
+            "apiVersion": API,
+            "operation": "SET_BINDING",
+            "sandbox": {"uid": uid},
+            "revision": _revision(uid, generation),
+            "attachment": {"network": {"ip": ip, "gateway": GATEWAY, "hostVeth": f"vh-{uid}"[:15]}},
+            "binding": {"input": policy},
+        }
+    ).encode()
+
+
+def hook_body(uid: str) -> bytes:
+    return json.dumps(
+        {
+            "apiVersion": API,
+            "operation": "LIFECYCLE_HOOK",
+            "sandbox": {"uid": uid},
+            "revision": _revision(uid),
+            "hook": {"name": "sandbox.data-plane-ready", "sequence": 1},
+        }
+    ).encode()
+
+
+def remove_body(uid: str) -> bytes:
+    return json.dumps(
+        {
+            "apiVersion": API,
+            "operation": "REMOVE_BINDING",
+            "sandbox": {"uid": uid},
+            "revision": _revision(uid),
+        }
+    ).encode()
+
+
+# ---------------------------------------------------------------------------------------------
+# inner side (runs inside the namespace)
+
+
+def assert_in_bench_netns(ns: str, outer_ino: int) -> None:
+    """Refuse to touch nft unless this process sits in the namespace the outer side created."""
+    mine = os.stat("/proc/self/ns/net").st_ino
+    expected = os.stat(f"/run/netns/{ns}").st_ino
+    if mine == outer_ino or mine != expected:
+        raise BenchError(f"safety: not inside netns {ns} (self={mine} outer={outer_ino} expected={expected})")
+
+
+class Client:
+    """One keep-alive HTTP/1.1 connection to the daemon (http.client)."""
+
+    def __init__(self, port: int) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=HTTP_TIMEOUT_S)
+
+    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes, float]:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        t0 = time.perf_counter()
+        self.conn.request(method, path, body=body, headers=headers)
+        resp = self.conn.getresponse()
+        data = resp.read()
+        return resp.status, data, time.perf_counter() - t0
+
+    def action(self, body: bytes, what: str) -> float:
+        status, data, dt = self.request("POST", ACTIONS, body)
+        if status != 200:
+            raise BenchError(f"{what}: HTTP {status}: {data.decode(errors='replace').strip()[:300]}")
+        return dt
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+_METRIC_RE = re.compile(
+    r'^egressd_nft_transaction_duration_seconds_(sum|count)\{operation="([a-z_]+)"\} ([0-9.eE+-]+)$'
+)
+
+
+def nft_metrics(client: Client) -> dict[str, dict[str, float]]:
+    status, data, _ = client.request("GET", "/metrics")
+    if status != 200:
+        raise BenchError(f"/metrics: HTTP {status}")
+    out: dict[str, dict[str, float]] = {}
+    for line in data.decode().splitlines():
+        m = _METRIC_RE.match(line)
+        if m:
+            out.setdefault(m.group(2), {"sum": 0.0, "count": 0.0})[m.group(1)] = float(m.group(3))
+    return out
+
+
+def nft_delta_ms(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Mean server-side nft transaction time per operation between two scrapes."""
+    out: dict[str, Any] = {}
+    for op, a in after.items():
+        b = before.get(op, {"sum": 0.0, "count": 0.0})
+        n = a["count"] - b["count"]
+        if n > 0:
+            out[op] = {"count": int(n), "mean_ms": (a["sum"] - b["sum"]) / n * 1000.0}
+    return out
+
+
+class Daemon:
+    def __init__(self, workdir: Path, port: int, table: str) -> None:
+        self.port = port
+        self.table = table
+        self.rules_dir = workdir / "always-rules"
+        self.rules_dir.mkdir(exist_ok=True)
+        self.log_path = workdir / "egressd.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, ready_timeout_s: float = 60.0) -> float:
+        env = dict(os.environ)
+        env.update(
+            {
+                "OPENSANDBOX_EGRESS_PROFILE": "fleet",
+                "EGRESSD_ALWAYS_RULES_DIR": str(self.rules_dir),
+                "EGRESSD_NFT_TABLE": self.table,
+                "OPENSANDBOX_EGRESS_HTTP_ADDR": f"127.0.0.1:{self.port}",
+                "EGRESSD_LOG_FORMAT": "json",
+            }
+        )
+        t0 = time.perf_counter()
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen(
+                [str(EGRESSD)], env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf
+            )
+        deadline = time.monotonic() + ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BenchError(
+                    f"egressd exited with {self.proc.returncode} during start:\n{self.log_tail()}"
+                )
+            try:
+                c = Client(self.port)
+                try:
+                    status, _, _ = c.request("GET", "/healthz")
+                finally:
+                    c.close()
+                if status == 200:
+                    return time.perf_counter() - t0
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise BenchError(f"egressd not ready after {ready_timeout_s}s:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+
+def nft_delete_table(table: str) -> None:
+    subprocess.run(["nft", "delete", "table", "inet", table], capture_output=True, timeout=120, check=False)
+
+
+# ---- (a) (b) (c): through the daemon -----------------------------------------------------------
+
+
+class FleetRun:
+    def __init__(self, client: Client, port: int) -> None:
+        self.client = client
+        self.port = port
+        self.registered = 0
+        self.generation: dict[int, int] = {}  # bg index -> last policy variant / specGeneration
+        self.measured_seq = 0
+
+    def register_background(self, upto: int) -> dict[str, Any]:
+        """SET_BINDING + data-plane-ready for bg-<i> until ``upto`` active subjects exist."""
+        start_n = self.registered
+        t0 = time.perf_counter()
+        set_t: list[float] = []
+        hook_t: list[float] = []
+        while self.registered < upto:
+            i = self.registered
+            uid = f"bg-{i}"
+            set_t.append(
+                self.client.action(set_binding_body(uid, bg_ip(i), policy_text(i, 0)), f"SET_BINDING {uid}")
+            )
+            hook_t.append(self.client.action(hook_body(uid), f"data-plane-ready {uid}"))
+            self.generation[i] = 1
+            self.registered += 1
+            if self.registered % 100 == 0:
+                log(f"  registered {self.registered}/{upto} background subjects")
+        wall = time.perf_counter() - t0
+        return {
+            "from": start_n,
+            "to": upto,
+            "wall_s": wall,
+            "set_binding": summary_ms(set_t) if set_t else None,
+            "activate": summary_ms(hook_t) if hook_t else None,
+        }
+
+    def measure_lifecycle(self, size: int, samples: int, warmup: int) -> dict[str, Any]:
+        """(a) + (b): per sample a NEW subject: SET_BINDING, data-plane-ready, REMOVE_BINDING."""
+        set_t: list[float] = []
+        hook_t: list[float] = []
+        rem_t: list[float] = []
+        before = None
+        for j in range(warmup + samples):
+            if j == warmup:
+                before = nft_metrics(self.client)
+            idx = self.measured_seq
+            self.measured_seq += 1
+            uid = f"m{size}-{j}"
+            ip = measured_ip(idx)
+            body_set = set_binding_body(uid, ip, policy_text(100000 + idx, idx))
+            body_hook = hook_body(uid)
+            body_rem = remove_body(uid)
+            a = self.client.action(body_set, f"SET_BINDING {uid}")
+            b = self.client.action(body_hook, f"data-plane-ready {uid}")
+            c = self.client.action(body_rem, f"REMOVE_BINDING {uid}")
+            if j >= warmup:
+                set_t.append(a)
+                hook_t.append(b)
+                rem_t.append(c)
+        after = nft_metrics(self.client)
+        # HTTP + handler floor: REMOVE_BINDING of a uid that was never registered (no nft work).
+        floor = [self.client.action(remove_body(f"absent-{size}-{k}"), "noop remove") for k in range(samples)]
+        return {
+            "size": size,
+            "set_binding": summary_ms(set_t),
+            "activate": summary_ms(hook_t),
+            "remove": summary_ms(rem_t),
+            "noop_action": summary_ms(floor),
+            "server_nft": nft_delta_ms(before or {}, after),
+        }
+
+    def _update_body(self, i: int) -> bytes:
+        gen = self.generation[i] + 1
+        self.generation[i] = gen
+        return set_binding_body(f"bg-{i}", bg_ip(i), policy_text(i, gen), gen)
+
+    def measure_updates(self, size: int, sequential: int, concurrent: int) -> dict[str, Any]:
+        """(c): SET_BINDING with a changed policy, same fence, to active subjects."""
+        n_subj = min(size, self.registered)
+        # Sequential, one keep-alive connection.
+        bodies = [self._update_body(k % n_subj) for k in range(sequential)]
+        before = nft_metrics(self.client)
+        lat: list[float] = []
+        t0 = time.perf_counter()
+        for k, body in enumerate(bodies):
+            lat.append(self.client.action(body, f"policy update #{k}"))
+        seq_wall = time.perf_counter() - t0
+        mid = nft_metrics(self.client)
+
+        # CONCURRENCY requests in flight: one thread + connection each, disjoint subjects.
+        per_thread: list[list[bytes]] = [[] for _ in range(CONCURRENCY)]
+        per_thread_n = max(1, concurrent // CONCURRENCY)
+        for t in range(CONCURRENCY):
+            mine = [i for i in range(n_subj) if i % CONCURRENCY == t] or [t % n_subj]
+            per_thread[t] = [self._update_body(mine[k % len(mine)]) for k in range(per_thread_n)]
+        results: list[list[float]] = [[] for _ in range(CONCURRENCY)]
+        errors: list[str] = []
+        barrier = threading.Barrier(CONCURRENCY + 1)
+
+        def worker(t: int) -> None:
+            c = Client(self.port)
+            try:
+                c.request("GET", "/healthz")  # open the connection before the clock starts
+                barrier.wait()
+                for body in per_thread[t]:
+                    results[t].append(c.action(body, f"concurrent update (thread {t})"))
+            except BaseException as exc:
+                errors.append(str(exc)[:300])
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    barrier.abort()
+            finally:
+                c.close()
+
+        threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(CONCURRENCY)]
+        for th in threads:
+            th.start()
+        with contextlib.suppress(threading.BrokenBarrierError):
+            barrier.wait(timeout=60)
+        t1 = time.perf_counter()
+        for th in threads:
+            th.join(timeout=600)
+        conc_wall = time.perf_counter() - t1
+        if errors or any(th.is_alive() for th in threads):
+            raise BenchError(f"concurrent updates failed: {errors[:3] or 'worker thread did not finish'}")
+        after = nft_metrics(self.client)
+        conc_lat = [x for r in results for x in r]
+        return {
+            "size": size,
+            "subjects_updated": n_subj,
+            "sequential": {
+                "requests": len(lat),
+                "wall_s": seq_wall,
+                "per_s": len(lat) / seq_wall,
+                "latency": summary_ms(lat),
+                "server_nft": nft_delta_ms(before, mid),
+            },
+            "concurrent": {
+                "in_flight": CONCURRENCY,
+                "requests": len(conc_lat),
+                "wall_s": conc_wall,
+                "per_s": len(conc_lat) / conc_wall,
+                "latency": summary_ms(conc_lat),
+                "server_nft": nft_delta_ms(mid, after),
+            },
+        }
+
+
+def run_daemon_phases(
+    workdir: Path, sizes: list[int], updates_at: int, prm: dict[str, int]
+) -> dict[str, Any]:
+    daemon = Daemon(workdir, HTTP_PORT, DAEMON_TABLE)
+    out: dict[str, Any] = {"lifecycle": [], "registration": [], "updates": None}
+    try:
+        out["daemon_start_s"] = daemon.start()
+        log(
+            f"egressd ready after {out['daemon_start_s']:.2f}s (pid {daemon.proc.pid if daemon.proc else '?'})"
+        )
+        client = Client(HTTP_PORT)
+        try:
+            run = FleetRun(client, HTTP_PORT)
+            for size in sizes:
+                log(f"daemon: growing to {size} active background subjects")
+                reg = run.register_background(size)
+                out["registration"].append(reg)
+                log(
+                    f"daemon: {size} subjects registered ({reg['wall_s']:.1f}s); measuring {prm['samples']} samples"
+                )
+                res = run.measure_lifecycle(size, prm["samples"], prm["warmup"])
+                out["lifecycle"].append(res)
+                log(
+                    f"  size {size}: SET_BINDING p50 {res['set_binding']['p50_ms']:.2f} ms "
+                    f"p99 {res['set_binding']['p99_ms']:.2f} ms; REMOVE p50 {res['remove']['p50_ms']:.2f} ms"
+                )
+                if size == updates_at:
+                    log(f"daemon: policy updates at {size} subjects")
+                    out["updates"] = run.measure_updates(size, prm["updates_seq"], prm["updates_conc"])
+                    u = out["updates"]
+                    log(
+                        f"  sequential {u['sequential']['per_s']:.0f}/s, "
+                        f"{CONCURRENCY} in flight {u['concurrent']['per_s']:.0f}/s"
+                    )
+                if not daemon.alive():
+                    raise BenchError(f"egressd died:\n{daemon.log_tail()}")
+        finally:
+            client.close()
+    except (BenchError, OSError, http.client.HTTPException) as exc:
+        tail = daemon.log_tail()
+        raise BenchError(f"{exc}\n--- egressd log tail ---\n{tail}") from None
+    finally:
+        daemon.stop()
+        nft_delete_table(DAEMON_TABLE)  # shutdown keeps the table; it would skew later phases
+    return out
+
+
+# ---- (d): libnftables in-process vs nft -f - ---------------------------------------------------
+
+
+def run_direct_phase(sizes: list[int], reps: int) -> list[dict[str, Any]]:
+    import nftables
+
+    from egressd.fleet.inputs import parse_binding_input
+    from egressd.fleetnft.builder import (
+        SubjectNft,
+        TableConfig,
+        deny_first_script,
+        header_script,
+        policy_script,
+    )
+    from egressd.subject.model import nft_id, subject_for_uid
+
+    cfg = TableConfig(table=DIRECT_TABLE)
+    ctx = nftables.Nftables()  # created inside the netns: bound to it
+    ctx.set_echo_output(False)
+    ctx.set_handle_output(False)
+
+    def inproc(script: str) -> float:
+        t0 = time.perf_counter()
+        rc, _out, err = ctx.cmd(script)
+        dt = time.perf_counter() - t0
+        if rc != 0:
+            raise BenchError(f"libnftables rc={rc}: {str(err).strip()[:400]}")
+        return dt
+
+    def execd(script: str) -> float:
+        t0 = time.perf_counter()
+        p = subprocess.run(
+            ["nft", "-f", "-"], input=script.encode(), capture_output=True, timeout=120, check=False
+        )
+        dt = time.perf_counter() - t0
+        if p.returncode != 0:
+            raise BenchError(f"nft -f - rc={p.returncode}: {p.stderr.decode(errors='replace').strip()[:400]}")
+        return dt
+
+    def subj(i: int) -> SubjectNft:
+        return SubjectNft(
+            nft_id(subject_for_uid(f"bg-{i}")), ipaddress.ip_address(bg_ip(i)), ipaddress.ip_address(GATEWAY)
+        )
+
+    def pol(i: int, variant: int) -> Any:
+        return parse_binding_input(policy_text(i, variant)).policy
+
+    results = []
+    for size in sizes:
+        nft_delete_table(DIRECT_TABLE)
+        t0 = time.perf_counter()
+        inproc(header_script(cfg, delete_existing=False))
+        chunk = 100
+        for lo in range(0, size, chunk):
+            parts = []
+            for i in range(lo, min(size, lo + chunk)):
+                s = subj(i)
+                parts.append(deny_first_script(cfg, s))
+                parts.append(policy_script(cfg, s.nft_id, pol(i, 0)))
+            inproc("".join(parts))
+        build_s = time.perf_counter() - t0
+        log(f"direct: table with {size} subjects built in {build_s:.2f}s; {reps} reps per method")
+
+        variant = 1
+        timings: dict[str, dict[str, list[float]]] = {
+            "policy_swap": {"inproc": [], "exec": []},
+            "deny_first": {"inproc": [], "exec": []},
+        }
+        # Warm-up (not recorded): one of each.
+        inproc(policy_script(cfg, subj(0).nft_id, pol(0, 999)))
+        execd(policy_script(cfg, subj(0).nft_id, pol(0, 998)))
+        for r in range(reps):
+            a, b = r % size, (r + size // 2) % size
+            sa = policy_script(cfg, subj(a).nft_id, pol(a, variant))
+            sb = policy_script(cfg, subj(b).nft_id, pol(b, variant + 1))
+            variant += 2
+            # alternate the order so drift does not favour one method
+            if r % 2 == 0:
+                timings["policy_swap"]["inproc"].append(inproc(sa))
+                timings["policy_swap"]["exec"].append(execd(sb))
+            else:
+                timings["policy_swap"]["exec"].append(execd(sb))
+                timings["policy_swap"]["inproc"].append(inproc(sa))
+        for r in range(reps):
+            a, b = r % size, (r + size // 2) % size
+            da, db = deny_first_script(cfg, subj(a)), deny_first_script(cfg, subj(b))
+            if r % 2 == 0:
+                timings["deny_first"]["inproc"].append(inproc(da))
+                timings["deny_first"]["exec"].append(execd(db))
+            else:
+                timings["deny_first"]["exec"].append(execd(db))
+                timings["deny_first"]["inproc"].append(inproc(da))
+        row: dict[str, Any] = {"size": size, "build_s": build_s}
+        for txn, by in timings.items():
+            ip_s, ex_s = summary_ms(by["inproc"]), summary_ms(by["exec"])
+            row[txn] = {"inproc": ip_s, "exec": ex_s, "speedup_p50": ex_s["p50_ms"] / ip_s["p50_ms"]}
+        results.append(row)
+        log(
+            f"  size {size}: policy swap in-process p50 {row['policy_swap']['inproc']['p50_ms']:.2f} ms vs exec "
+            f"{row['policy_swap']['exec']['p50_ms']:.2f} ms; deny-first "
+            f"{row['deny_first']['inproc']['p50_ms']:.2f} vs {row['deny_first']['exec']['p50_ms']:.2f} ms"
+        )
+        nft_delete_table(DIRECT_TABLE)
+    return results
+
+
+def inner_main(args: argparse.Namespace) -> int:
+    install_signal_handlers()
+    workdir = Path(args.workdir)
+    sizes = [int(x) for x in args.sizes.split(",")]
+    prm = json.loads(args.params)
+    results: dict[str, Any] = {}
+    try:
+        assert_in_bench_netns(args.ns, args.outer_netns)
+        t0 = time.perf_counter()
+        results["direct"] = run_direct_phase(sizes, prm["direct_reps"])
+        results["direct_wall_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        results["daemon"] = run_daemon_phases(workdir, sizes, prm["updates_at"], prm)
+        results["daemon_wall_s"] = time.perf_counter() - t1
+    except BenchError as exc:
+        print(f"bench: FAILED: {exc}", file=sys.stderr, flush=True)
+        results["error"] = str(exc)
+        (workdir / "results.json").write_text(json.dumps(results, indent=2))
+        return 1
+    except Interrupted as exc:
+        print(f"bench: interrupted ({exc})", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        nft_delete_table(DIRECT_TABLE)
+        nft_delete_table(DAEMON_TABLE)
+    (workdir / "results.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# outer side (root netns: only `ip netns add/exec/pids/del`, never nft)
+
+
+def _run(cmd: list[str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def netns_pids(ns: str) -> list[int]:
+    p = _run(["ip", "netns", "pids", ns])
+    return [int(x) for x in p.stdout.split() if x.strip().isdigit()]
+
+
+def kill_netns_pids(ns: str) -> None:
+    """Everything left in our namespace was started by this run: TERM, wait, KILL, by pid."""
+    pids = netns_pids(ns)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if _pid_alive(p)]
+        time.sleep(0.1)
+    for pid in netns_pids(ns):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def cleanup_stale_namespaces() -> None:
+    """Namespaces of an earlier run that was killed before it could clean up (owner pid dead)."""
+    try:
+        names = os.listdir("/run/netns")
+    except FileNotFoundError:
+        return
+    for name in names:
+        if not name.startswith(NS_PREFIX):
+            continue
+        owner = name[len(NS_PREFIX) :]
+        if owner.isdigit() and not _pid_alive(int(owner)):
+            if netns_pids(name):
+                log(f"stale namespace {name} still has processes; leaving it alone")
+                continue
+            log(f"removing stale namespace {name} (owner {owner} is gone)")
+            _run(["ip", "netns", "del", name])
+
+
+@contextlib.contextmanager
+def bench_namespace() -> Iterator[str]:
+    ns = f"{NS_PREFIX}{os.getpid()}"
+    created = False
+    try:
+        p = _run(["ip", "netns", "add", ns])
+        if p.returncode != 0:
+            raise BenchError(f"ip netns add {ns}: {p.stderr.strip()}")
+        created = True
+        p = _run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"])
+        if p.returncode != 0:
+            raise BenchError(f"lo up in {ns}: {p.stderr.strip()}")
+        routes = _run(["ip", "netns", "exec", ns, "ip", "-4", "route", "show", "default"]).stdout.strip()
+        if routes:
+            raise BenchError(f"safety: new namespace has a default route: {routes}")
+        yield ns
+    finally:
+        if created:
+            ignore_signals()
+            kill_netns_pids(ns)
+            p = _run(["ip", "netns", "del", ns])
+            if p.returncode != 0:
+                log(f"WARNING: ip netns del {ns} failed: {p.stderr.strip()}")
+
+
+def stop_inner(inner: subprocess.Popen[bytes]) -> None:
+    """Let the inner side stop egressd and drop its tables; KILL it if it hangs."""
+    if inner.poll() is not None:
+        return
+    ignore_signals()
+    inner.send_signal(signal.SIGTERM)
+    try:
+        inner.wait(30)
+    except subprocess.TimeoutExpired:
+        inner.kill()
+        inner.wait(10)
+
+
+def outer_main(args: argparse.Namespace) -> int:
+    if os.geteuid() != 0:
+        print("bench: must run as root (network namespaces, nftables)", file=sys.stderr)
+        return 2
+    for tool in ("ip", "nft"):
+        if shutil.which(tool) is None:
+            print(f"bench: {tool} not found", file=sys.stderr)
+            return 2
+    if not EGRESSD.exists():
+        print(f"bench: {EGRESSD} missing (run scripts/install.sh)", file=sys.stderr)
+        return 2
+
+    if args.quick:
+        sizes = [10, 50]
+        prm = {"samples": 10, "warmup": 2, "updates_seq": 100, "updates_conc": 160, "direct_reps": 10}
+    else:
+        sizes = sorted({int(x) for x in args.sizes.split(",") if x.strip()})
+        prm = {"samples": 30, "warmup": 3, "updates_seq": 500, "updates_conc": 800, "direct_reps": 30}
+    if args.samples:
+        prm["samples"] = args.samples
+        prm["direct_reps"] = args.samples
+    if any(s < 1 for s in sizes):
+        raise SystemExit("bench: sizes must be >= 1")
+    under = [s for s in sizes if s <= T_UPDATES_AT]
+    prm["updates_at"] = T_UPDATES_AT if T_UPDATES_AT in sizes else (max(under) if under else min(sizes))
+
+    install_signal_handlers()
+    workdir = Path(tempfile.mkdtemp(prefix="egbench-"))
+    inner: subprocess.Popen[bytes] | None = None
+    rc = 1
+    started = time.time()
+    try:
+        cleanup_stale_namespaces()
+        with bench_namespace() as ns:
+            log(f"namespace {ns}, workdir {workdir}, sizes {sizes}, params {prm}")
+            cmd = [
+                "ip", "netns", "exec", ns, sys.executable, str(Path(__file__).resolve()),
+                "--inner", "--ns", ns, "--workdir", str(workdir),
+                "--outer-netns", str(os.stat("/proc/self/ns/net").st_ino),
+                "--sizes", ",".join(map(str, sizes)), "--params", json.dumps(prm),
+            ]  # fmt: skip
+            inner = subprocess.Popen(cmd, cwd=ROOT)
+            try:
+                rc = inner.wait()
+            finally:
+                stop_inner(inner)
+            res_path = workdir / "results.json"
+            results = json.loads(res_path.read_text()) if res_path.exists() else {}
+            if rc == 0:
+                report = build_report(results, sizes, prm, quick=args.quick, started=started)
+                print(render_report(report))
+                if args.json_out:
+                    Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
+                    log(f"JSON written to {args.json_out}")
+            else:
+                print(f"bench: inner run failed (rc={rc})", file=sys.stderr)
+    except Interrupted as exc:
+        log(f"interrupted ({exc}); cleaning up")
+        rc = 130
+    except BenchError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        rc = 1
+    finally:
+        ignore_signals()
+        if inner is not None:
+            stop_inner(inner)
+        shutil.rmtree(workdir, ignore_errors=True)
+    log(f"total {time.time() - started:.1f}s")
+    return rc
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def _verdict(ok: bool) -> str:
+    return "MET" if ok else "MISSED"
+
+
+def build_report(
+    results: dict[str, Any], sizes: list[int], prm: dict[str, Any], *, quick: bool, started: float
+) -> dict[str, Any]:
+    daemon = results["daemon"]
+    life = {r["size"]: r for r in daemon["lifecycle"]}
+    direct = {r["size"]: r for r in results["direct"]}
+    targets: list[dict[str, Any]] = []
+
+    big, small = max(sizes), min(sizes)
+    set_at = T_SET_AT if T_SET_AT in life else big
+    p99 = life[set_at]["set_binding"]["p99_ms"]
+    targets.append(
+        {
+            "name": f"SET_BINDING p99 at {set_at} subjects",
+            "value": p99,
+            "unit": "ms",
+            "target": f"<= {T_SET_P99_MS} ms at {T_SET_AT}",
+            "met": p99 <= T_SET_P99_MS,
+            "note": "" if set_at == T_SET_AT else f"target size {T_SET_AT} not run; measured at {set_at}",
+        }
+    )
+    ratio50 = life[big]["remove"]["p50_ms"] / life[small]["remove"]["p50_ms"]
+    ratio99 = life[big]["remove"]["p99_ms"] / life[small]["remove"]["p99_ms"]
+    targets.append(
+        {
+            "name": f"REMOVE_BINDING p50 at {big} / at {small}",
+            "value": ratio50,
+            "unit": "x",
+            "target": f"<= {T_REMOVE_RATIO}x (1000 vs 10)",
+            "met": ratio50 <= T_REMOVE_RATIO,
+            "note": f"p99 ratio {ratio99:.2f}x"
+            + ("" if (big, small) == (1000, 10) else f"; target is 1000 vs 10, measured {big} vs {small}"),
+        }
+    )
+    upd = daemon.get("updates")
+    if upd:
+        for mode in ("sequential", "concurrent"):
+            label = "1 connection, sequential" if mode == "sequential" else f"{CONCURRENCY} in flight"
+            v = upd[mode]["per_s"]
+            targets.append(
+                {
+                    "name": f"policy updates/s at {upd['size']} subjects ({label})",
+                    "value": v,
+                    "unit": "/s",
+                    "target": f">= {T_UPDATES_PER_S:.0f}/s at {T_UPDATES_AT}",
+                    "met": v >= T_UPDATES_PER_S,
+                    "note": "" if upd["size"] == T_UPDATES_AT else f"target size {T_UPDATES_AT} not run",
+                }
+            )
+    for size in sorted(direct):
+        d = direct[size]
+        worst = min(d["policy_swap"]["speedup_p50"], d["deny_first"]["speedup_p50"])
+        targets.append(
+            {
+                "name": f"in-process vs nft -f - at {size} subjects (p50, worse of the two txns)",
+                "value": worst,
+                "unit": "x",
+                "target": f">= {T_INPROC_SPEEDUP:.0f}x",
+                "met": worst >= T_INPROC_SPEEDUP,
+                "note": f"policy swap {d['policy_swap']['speedup_p50']:.1f}x, "
+                f"deny-first {d['deny_first']['speedup_p50']:.1f}x",
+            }
+        )
+
+    nft_v = _run(["nft", "--version"]).stdout.strip()
+    return {
+        "meta": {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "duration_s": time.time() - started,
+            "quick": quick,
+            "sizes": sizes,
+            "params": prm,
+            "host": platform.node(),
+            "kernel": platform.release(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "nft": nft_v,
+            "percentiles": "nearest rank; p99 of n<=100 samples is the maximum",
+        },
+        "lifecycle": daemon["lifecycle"],
+        "registration": daemon["registration"],
+        "updates": upd,
+        "direct": results["direct"],
+        "daemon_start_s": daemon.get("daemon_start_s"),
+        "targets": targets,
+    }
+
+
+def _pp(s: dict[str, Any]) -> str:
+    return f"{s['p50_ms']:8.2f} {s['p99_ms']:8.2f}"
+
+
+def render_report(rep: dict[str, Any]) -> str:
+    m = rep["meta"]
+    lines = [
+        "",
+        f"egressd fleet benchmark  ({m['started']}, {m['cpus']} CPUs, kernel {m['kernel']}, {m['nft']}, "
+        f"Python {m['python']}{', QUICK' if m['quick'] else ''})",
+        f"samples per size {m['params']['samples']} (+{m['params']['warmup']} warm-up); "
+        f"percentiles: {m['percentiles']}",
+        "",
+        "(a)/(b) one NEW subject per sample via the daemon (HTTP keep-alive, inside the netns); ms",
+        f"{'subjects':>8} | {'SET_BINDING':>17} | {'data-plane-ready':>17} | {'REMOVE_BINDING':>17} |"
+        f" {'no-op action':>8} | server nft mean ms",
+        f"{'':>8} | {'p50':>8} {'p99':>8} | {'p50':>8} {'p99':>8} | {'p50':>8} {'p99':>8} | {'p50':>8} |"
+        " deny_first / static_apply / remove",
+    ]
+    for r in rep["lifecycle"]:
+        sn = r["server_nft"]
+
+        def mean(op: str, sn: dict[str, Any] = sn) -> str:
+            return f"{sn[op]['mean_ms']:.2f}" if op in sn else "-"
+
+        lines.append(
+            f"{r['size']:>8} | {_pp(r['set_binding'])} | {_pp(r['activate'])} | {_pp(r['remove'])} |"
+            f" {r['noop_action']['p50_ms']:8.2f} | {mean('deny_first')} / {mean('static_apply')} / {mean('remove')}"
+        )
+    lines.append("")
+    lines.append("background registration (SET_BINDING + data-plane-ready per subject, sequential):")
+    for g in rep["registration"]:
+        if g["set_binding"]:
+            lines.append(
+                f"  {g['from']:>5} -> {g['to']:<5} {g['wall_s']:7.1f}s   SET_BINDING p50 {g['set_binding']['p50_ms']:.2f}"
+                f" max {g['set_binding']['max_ms']:.2f} ms; activate p50 {g['activate']['p50_ms']:.2f}"
+                f" max {g['activate']['max_ms']:.2f} ms"
+            )
+    u = rep["updates"]
+    if u:
+        lines.append("")
+        lines.append(
+            f"(c) policy updates at {u['size']} active subjects (SET_BINDING, same fence, changed policy)"
+        )
+        for mode in ("sequential", "concurrent"):
+            x = u[mode]
+            label = (
+                "sequential, 1 connection"
+                if mode == "sequential"
+                else f"{x['in_flight']} in flight (threads)"
+            )
+            nft = x["server_nft"].get("static_apply", {}).get("mean_ms", math.nan)
+            lines.append(
+                f"  {label:<26} {x['requests']:>5} req in {x['wall_s']:6.2f}s = {x['per_s']:7.0f}/s"
+                f"   latency p50 {x['latency']['p50_ms']:.2f} p99 {x['latency']['p99_ms']:.2f} ms"
+                f"   server nft static_apply mean {nft:.2f} ms"
+            )
+    lines.append("")
+    lines.append("(d) same transaction, libnftables in-process (context reused) vs one `nft -f -` exec; ms")
+    lines.append(
+        f"{'subjects':>8} | {'txn':<12} | {'in-process':>17} | {'nft -f -':>17} | speedup p50 | table build"
+    )
+    lines.append(f"{'':>8} | {'':<12} | {'p50':>8} {'p99':>8} | {'p50':>8} {'p99':>8} |")
+    for d in rep["direct"]:
+        for txn in ("policy_swap", "deny_first"):
+            t = d[txn]
+            lines.append(
+                f"{d['size']:>8} | {txn:<12} | {_pp(t['inproc'])} | {_pp(t['exec'])} | {t['speedup_p50']:10.1f}x |"
+                + (f" {d['build_s']:.2f}s" if txn == "policy_swap" else "")
+            )
+    lines.append("")
+    lines.append("ratios:")
+    life = {r["size"]: r for r in rep["lifecycle"]}
+    sz = sorted(life)
+    base = life[sz[0]]
+    for s in sz[1:]:
+        lines.append(
+            f"  {s} vs {sz[0]} subjects: SET_BINDING p50 {life[s]['set_binding']['p50_ms'] / base['set_binding']['p50_ms']:.2f}x"
+            f" p99 {life[s]['set_binding']['p99_ms'] / base['set_binding']['p99_ms']:.2f}x;"
+            f" REMOVE p50 {life[s]['remove']['p50_ms'] / base['remove']['p50_ms']:.2f}x"
+            f" p99 {life[s]['remove']['p99_ms'] / base['remove']['p99_ms']:.2f}x"
+        )
+    lines.append("")
+    lines.append("targets:")
+    for t in rep["targets"]:
+        val = f"{t['value']:.2f} {t['unit']}" if t["unit"] != "/s" else f"{t['value']:.0f}/s"
+        note = f"  ({t['note']})" if t["note"] else ""
+        lines.append(f"  [{_verdict(t['met']):<6}] {t['name']}: {val}   target {t['target']}{note}")
+    lines.append(f"\ntotal {m['duration_s']:.0f}s")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="10,100,1000", help="background subject counts (default 10,100,1000)")
+    p.add_argument("--quick", action="store_true", help="sizes 10,50 and fewer samples (CI, < 60 s)")
+    p.add_argument("--samples", type=int, default=0, help="override samples per size")
+    p.add_argument("--json-out", help="also write the results as JSON here")
+    p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ns", help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    p.add_argument("--params", help=argparse.SUPPRESS)
+    p.add_argument("--outer-netns", type=int, default=0, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.inner:
+        return inner_main(args)
+    return outer_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
