@@ -177,6 +177,9 @@ class ControlPlane:
                 return Result(400, f"invalid binding input: {exc}")
         binding = None
         if action.attachment is not None:
+            problem = _dispatch_key_problem(action.attachment.ip, action.attachment.gateway)
+            if problem is not None:
+                return Result(400, f"invalid action envelope: {problem}")
             binding = Binding(action.attachment.ip, action.attachment.gateway)
         req = SetBindingRequest(action.uid, action.fence, action.spec_generation, binding, policy)
         async with self._locks.hold(action.uid):
@@ -378,6 +381,15 @@ def _policy_summary(policy: NetworkPolicy | None) -> dict[str, Any] | None:
     if policy is None:
         return None
     return {"defaultAction": policy.default_action.value, "rules": len(policy.egress)}
+
+
+def _dispatch_key_problem(ip: IPAddress, gateway: IPAddress | None) -> str | None:
+    """A source IP that cannot identify one sandbox would dispatch someone else's traffic."""
+    if ip.is_unspecified or ip.is_loopback or ip.is_multicast or ip.is_link_local:
+        return f"attachment.network.ip {ip} cannot identify a sandbox"
+    if gateway is not None and gateway == ip:
+        return "attachment.network.gateway equals the sandbox ip"
+    return None
 
 
 class _Refused(Exception):

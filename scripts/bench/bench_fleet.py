@@ -615,6 +615,25 @@ def run_direct_phase(sizes: list[int], reps: int) -> list[dict[str, Any]]:
     return results
 
 
+def run_exec_floors(reps: int) -> dict[str, Any]:
+    """Diagnostics: what one process spawn costs here, and the `conntrack -D` egressd runs per removal."""
+    out: dict[str, Any] = {}
+    cmds = {
+        "true": ["true"],
+        "conntrack -D -s <ip>": ["conntrack", "-D", "-f", "ipv4", "-s", "10.101.255.254"],
+    }
+    for name, cmd in cmds.items():
+        if shutil.which(cmd[0]) is None:
+            continue
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            subprocess.run(cmd, capture_output=True, timeout=30, check=False)
+            ts.append(time.perf_counter() - t0)
+        out[name] = summary_ms(ts)
+    return out
+
+
 def inner_main(args: argparse.Namespace) -> int:
     install_signal_handlers()
     workdir = Path(args.workdir)
@@ -624,6 +643,7 @@ def inner_main(args: argparse.Namespace) -> int:
     try:
         assert_in_bench_netns(args.ns, args.outer_netns)
         t0 = time.perf_counter()
+        results["exec_floors"] = run_exec_floors(prm["direct_reps"])
         results["direct"] = run_direct_phase(sizes, prm["direct_reps"])
         results["direct_wall_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -752,7 +772,13 @@ def outer_main(args: argparse.Namespace) -> int:
 
     if args.quick:
         sizes = [10, 50]
-        prm = {"samples": 10, "warmup": 2, "updates_seq": 100, "updates_conc": 160, "direct_reps": 10}
+        prm: dict[str, Any] = {
+            "samples": 10,
+            "warmup": 2,
+            "updates_seq": 100,
+            "updates_conc": 160,
+            "direct_reps": 10,
+        }
     else:
         sizes = sorted({int(x) for x in args.sizes.split(",") if x.strip()})
         prm = {"samples": 30, "warmup": 3, "updates_seq": 500, "updates_conc": 800, "direct_reps": 30}
@@ -764,6 +790,7 @@ def outer_main(args: argparse.Namespace) -> int:
     under = [s for s in sizes if s <= T_UPDATES_AT]
     prm["updates_at"] = T_UPDATES_AT if T_UPDATES_AT in sizes else (max(under) if under else min(sizes))
 
+    prm["loadavg_start"] = list(os.getloadavg())
     install_signal_handlers()
     workdir = Path(tempfile.mkdtemp(prefix="egbench-"))
     inner: subprocess.Popen[bytes] | None = None
@@ -895,11 +922,14 @@ def build_report(
             "python": platform.python_version(),
             "nft": nft_v,
             "percentiles": "nearest rank; p99 of n<=100 samples is the maximum",
+            "loadavg_start": prm.get("loadavg_start"),
+            "loadavg_end": list(os.getloadavg()),
         },
         "lifecycle": daemon["lifecycle"],
         "registration": daemon["registration"],
         "updates": upd,
         "direct": results["direct"],
+        "exec_floors": results.get("exec_floors", {}),
         "daemon_start_s": daemon.get("daemon_start_s"),
         "targets": targets,
     }
@@ -917,6 +947,11 @@ def render_report(rep: dict[str, Any]) -> str:
         f"Python {m['python']}{', QUICK' if m['quick'] else ''})",
         f"samples per size {m['params']['samples']} (+{m['params']['warmup']} warm-up); "
         f"percentiles: {m['percentiles']}",
+        "load average (1/5/15 min) at start "
+        + "/".join(f"{x:.2f}" for x in m["loadavg_start"] or [])
+        + ", at end "
+        + "/".join(f"{x:.2f}" for x in m["loadavg_end"])
+        + " (other work on this machine skews the figures)",
         "",
         "(a)/(b) one NEW subject per sample via the daemon (HTTP keep-alive, inside the netns); ms",
         f"{'subjects':>8} | {'SET_BINDING':>17} | {'data-plane-ready':>17} | {'REMOVE_BINDING':>17} |"
@@ -975,6 +1010,12 @@ def render_report(rep: dict[str, Any]) -> str:
                 f"{d['size']:>8} | {txn:<12} | {_pp(t['inproc'])} | {_pp(t['exec'])} | {t['speedup_p50']:10.1f}x |"
                 + (f" {d['build_s']:.2f}s" if txn == "policy_swap" else "")
             )
+    fl = rep.get("exec_floors") or {}
+    if fl:
+        lines.append(
+            "    process-spawn floors in the netns (subprocess.run): "
+            + ", ".join(f"`{k}` p50 {v['p50_ms']:.2f} ms" for k, v in fl.items())
+        )
     lines.append("")
     lines.append("ratios:")
     life = {r["size"]: r for r in rep["lifecycle"]}

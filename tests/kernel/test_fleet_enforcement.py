@@ -241,3 +241,61 @@ def _normalised_table(d: Daemon) -> list[str]:
                 o["elem"] = sorted(json.dumps(e, sort_keys=True) for e in o["elem"])
             items.append(json.dumps({kind: o}, sort_keys=True))
     return sorted(items)
+
+
+def test_other_subjects_changes_never_touch_a_subjects_leases(topo: Topology, daemon: Daemon) -> None:
+    bind(daemon, 1, allow_ips())
+    activate(daemon, "sb1")
+    # A DNS-learned lease (what the DNS proxy adds), put in place directly.
+    daemon.nft("add", "element", "inet", daemon.table, "subj_s_sb1_dyn_v4", f"{{ {UP_C} timeout 300s }}")
+    assert topo.reaches(1, UP_C)
+    # Add, update, rebind and remove other subjects; sb1's lease and access must survive.
+    bind(daemon, 2, allow_ips(UP_A))
+    activate(daemon, "sb2")
+    bind(daemon, 2, allow_ips(UP_B))
+    bind(daemon, 3, allow_ips(UP_A))
+    bind(daemon, 3, allow_ips(UP_A), rid="r2")
+    assert daemon.post(envelope("REMOVE_BINDING", "sb2"))[0] == 200
+    assert daemon.post(envelope("REMOVE_BINDING", "sb3", rid="r2"))[0] == 200
+    # An in-place policy update of sb1 itself keeps its leases too (only a revert drops them).
+    bind(daemon, 1, allow_ips(UP_D))
+    assert UP_C in daemon.nft("list", "set", "inet", daemon.table, "subj_s_sb1_dyn_v4")
+    assert topo.reaches(1, UP_C)
+    assert topo.reaches(1, UP_D)
+
+
+def test_in_place_updates_have_no_transient_window(topo: Topology, daemon: Daemon) -> None:
+    """Probe continuously while the policy flips between {A} and {A, B}.
+
+    A is allowed by both versions, so every probe to A must pass (no transient closure);
+    C is allowed by neither, so no probe to C may pass (no transient opening).
+    """
+    bind(daemon, 1, allow_ips(UP_A))
+    activate(daemon, "sb1")
+    script = (
+        "import socket,sys,time\n"
+        "ok=bad=0\n"
+        "end=time.time()+float(sys.argv[1])\n"
+        "while time.time()<end:\n"
+        "  for ip,want in ((sys.argv[2],True),(sys.argv[3],False)):\n"
+        "    s=socket.socket(); s.settimeout(0.3)\n"
+        "    try:\n"
+        "      s.connect((ip,80)); got=True\n"
+        "    except OSError:\n"
+        "      got=False\n"
+        "    s.close()\n"
+        "    if got==want: ok+=1\n"
+        "    else: bad+=1; print('WRONG',ip,got,flush=True)\n"
+        "print('DONE',ok,bad,flush=True)\n"
+    )
+    prober = topo.spawn(topo.sb(1), "python3", "-c", script, "4", UP_A, UP_C)
+    deadline = time.monotonic() + 3.5
+    flips = 0
+    while time.monotonic() < deadline and flips < 200:
+        bind(daemon, 1, allow_ips(UP_A, UP_B) if flips % 2 == 0 else allow_ips(UP_A))
+        flips += 1
+    out, _ = prober.communicate(timeout=15)
+    assert flips >= 10
+    assert "WRONG" not in out, out
+    ok = int(out.split("DONE")[1].split()[0])
+    assert ok > 10, out
