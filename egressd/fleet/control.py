@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,18 +20,20 @@ from egressd.fleet.inputs import InputError, parse_binding_input
 from egressd.fleetnft.applier import NftError, Transactions
 from egressd.fleetnft.builder import (
     DeleteBatch,
+    NetlinkDelete,
     SubjectNft,
     TableConfig,
     deny_first_script,
     dispatch_deletes,
     dispatch_entries,
+    gateway_release,
     header_script,
     policy_script,
     removal_batch,
 )
 from egressd.metrics import EgressMetrics
 from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy, effective_policy
-from egressd.subject.model import IPAddress
+from egressd.subject.model import IPAddress, nft_id, subject_for_uid
 from egressd.subject.registry import (
     AddKeys,
     ApplyPolicy,
@@ -124,6 +126,8 @@ class ControlPlane:
         self._locks = _SubjectLocks()
         self._kernel_lock = asyncio.Lock()
         self._conntrack_flush = conntrack_flush
+        self._claims_ip: dict[IPAddress, str] = {}
+        self._claims_nft: dict[str, str] = {}
         self.enforcement_ready = False
 
     # ---- start-up -------------------------------------------------------------------------
@@ -184,20 +188,50 @@ class ControlPlane:
         req = SetBindingRequest(action.uid, action.fence, action.spec_generation, binding, policy)
         async with self._locks.hold(action.uid):
             entry = self.registry.get(action.uid)
-            conflict = self.registry.check_claims(action.uid, binding or (entry.binding if entry else None))
+            claim = binding or (entry.binding if entry else None)
+            conflict = self.registry.check_claims(action.uid, claim) or self._in_flight_conflict(
+                action.uid, claim
+            )
             if conflict is not None:
                 return Result(409, conflict)
-            plan = plan_set_binding(entry, req)
-            if plan.rebind or (policy is None and entry is not None):
-                for listener in self.listeners:
-                    await (listener.reset(action.uid) if plan.rebind else listener.unbound(action.uid))
-            result = await self._execute(entry, plan, failure_prefix="deny-first install")
+            # Reserved before the first await: a concurrent SET_BINDING of another uid for the
+            # same ip or nft id sees the claim and gets 409 instead of sharing kernel objects.
+            with self._reserve(action.uid, claim):
+                plan = plan_set_binding(entry, req)
+                if plan.rebind or (policy is None and entry is not None):
+                    for listener in self.listeners:
+                        await (listener.reset(action.uid) if plan.rebind else listener.unbound(action.uid))
+                result = await self._execute(entry, plan, failure_prefix="deny-first install")
             if result.status == 200 and policy is not None:
                 committed = self.registry.get(action.uid)
                 if committed is not None:
                     for listener in self.listeners:
                         await listener.registered(committed)
             return result
+
+    def _in_flight_conflict(self, uid: str, binding: Binding | None) -> str | None:
+        other = self._claims_nft.get(nft_id(subject_for_uid(uid)))
+        if other is not None and other != uid:
+            return f"subject id collides with sandbox {other!r} being bound"
+        if binding is not None:
+            other = self._claims_ip.get(binding.ip)
+            if other is not None and other != uid:
+                return f"ip {binding.ip} is being bound to another sandbox"
+        return None
+
+    @contextlib.contextmanager
+    def _reserve(self, uid: str, binding: Binding | None) -> Iterator[None]:
+        nid = nft_id(subject_for_uid(uid))
+        self._claims_nft[nid] = uid
+        if binding is not None:
+            self._claims_ip[binding.ip] = uid
+        try:
+            yield
+        finally:
+            if self._claims_nft.get(nid) == uid:
+                del self._claims_nft[nid]
+            if binding is not None and self._claims_ip.get(binding.ip) == uid:
+                del self._claims_ip[binding.ip]
 
     async def hook(self, action: LifecycleHook) -> Result:
         async with self._locks.hold(action.uid):
@@ -269,14 +303,17 @@ class ControlPlane:
         async with self._kernel_lock:
             view = self.registry.kernel(uid)
             try:
-                view = await self._run_step(entry, step, view)
-            except NftError as exc:
-                raise StepFailed(step, str(exc)) from None
-            except _Refused as exc:
+                view, cut = await self._run_step(entry, step, view)
+            except (NftError, _Refused) as exc:
                 raise StepFailed(step, str(exc)) from None
             self.registry.set_kernel(uid, view)
+        # Outside the kernel lock: cutting flows is slow (a subprocess) and only narrows access.
+        await self._flush_conntrack(cut)
 
-    async def _run_step(self, entry: Entry, step: Step, view: KernelView) -> KernelView:
+    async def _run_step(
+        self, entry: Entry, step: Step, view: KernelView
+    ) -> tuple[KernelView, list[IPAddress]]:
+        """Run one step; return the new kernel view and the sources whose flows to cut."""
         nid = entry.nft_id
         if isinstance(step, InstallDenyFirst):
             subj = self._subject_nft(nid, step.binding)
@@ -284,52 +321,53 @@ class ControlPlane:
                 script = deny_first_script(self.table, subj)
             except ValueError as exc:
                 raise _Refused(str(exc)) from None
-            had_objects = view.objects
             await self.tx.run_script(script, op="deny_first")
-            assert subj.gateway is not None
             new_view = KernelView(True, view.keys | {(subj.ip, subj.gateway)})
-            if had_objects:
-                await self._flush_conntrack([k[0] for k in new_view.keys])
-            return new_view
+            # A reinstall over existing objects is a revert or rebind: old flows must end.
+            return new_view, (_ips(new_view.keys) if view.objects else [])
         if isinstance(step, ApplyPolicy):
             await self.tx.run_script(
                 policy_script(self.table, nid, self.effective(step.policy)), op="static_apply"
             )
-            return view
+            return view, []
         if isinstance(step, AddKeys):
             subj = self._subject_nft(nid, step.binding)
             await self.tx.run_script(dispatch_entries(self.table, subj), op="dispatch_update")
-            return KernelView(view.objects, view.keys | {(subj.ip, subj.gateway)})
+            return KernelView(view.objects, view.keys | {(subj.ip, subj.gateway)}), []
         if isinstance(step, DropStaleKeys):
             keep = step.keep
-            stale = [k for k in view.keys if keep is None or k != (keep.ip, keep.gateway)]
-            if not stale:
-                return view
-            ops = []
-            for ip, gw in stale:
-                drop_ip = keep is None or ip != keep.ip
-                release = gw if self._gateway_releasable(uid=entry.uid, gw=gw, keep=keep) else None
-                if drop_ip:
-                    ops += dispatch_deletes(self.table, ip, release_gateway=release)
-                elif release is not None:
-                    ops += dispatch_deletes(self.table, ip, release_gateway=release)[-1:]
+            kept: frozenset[tuple[IPAddress, IPAddress]] = frozenset(
+                {(keep.ip, keep.gateway)} if keep is not None and keep.gateway is not None else set()
+            )
+            stale = view.keys - kept
+            ops = self._key_deletes(entry.uid, stale, keep)
             if ops:
                 await self.tx.run_deletes(DeleteBatch(self.table.table, tuple(ops)), op="dispatch_update")
-            await self._flush_conntrack([k[0] for k in stale if keep is None or k[0] != keep.ip])
-            remaining = frozenset(k for k in view.keys if k not in stale)
-            return KernelView(view.objects, remaining)
+            return KernelView(view.objects, view.keys & kept), [
+                ip for ip in _ips(stale) if ip not in _ips(kept)
+            ]
         assert isinstance(step, RemoveAll)
         if not view.objects and not view.keys:
-            return view
-        ops = []
-        for ip, gw in view.keys:
-            release = gw if self._gateway_releasable(uid=entry.uid, gw=gw, keep=None) else None
-            ops += dispatch_deletes(self.table, ip, release_gateway=release)
-        batch = removal_batch(self.table, nid, None, release_gateway=None)
-        all_ops = (*ops, *(batch.ops if view.objects else ()))
-        await self.tx.run_deletes(DeleteBatch(self.table.table, all_ops), op="remove")
-        await self._flush_conntrack([k[0] for k in view.keys])
-        return KernelView()
+            return view, []
+        ops = self._key_deletes(entry.uid, view.keys, None)
+        if view.objects:
+            ops += removal_batch(self.table, nid, None, release_gateway=None).ops
+        await self.tx.run_deletes(DeleteBatch(self.table.table, tuple(ops)), op="remove")
+        return KernelView(), _ips(view.keys)
+
+    def _key_deletes(
+        self, uid: str, stale: frozenset[tuple[IPAddress, IPAddress]], keep: Binding | None
+    ) -> list[NetlinkDelete]:
+        """Deletions for stale dispatch keys: each map element and gateway exactly once."""
+        ops: list[NetlinkDelete] = []
+        keep_ip = keep.ip if keep is not None else None
+        for ip in _ips(stale):
+            if ip != keep_ip:
+                ops += dispatch_deletes(self.table, ip, release_gateway=None)
+        for gw in sorted({k[1] for k in stale}, key=str):
+            if self._gateway_releasable(uid=uid, gw=gw, keep=keep):
+                ops.append(gateway_release(gw))
+        return ops
 
     def _gateway_releasable(self, *, uid: str, gw: IPAddress, keep: Binding | None) -> bool:
         if keep is not None and keep.gateway == gw:
@@ -390,6 +428,10 @@ def _dispatch_key_problem(ip: IPAddress, gateway: IPAddress | None) -> str | Non
     if gateway is not None and gateway == ip:
         return "attachment.network.gateway equals the sandbox ip"
     return None
+
+
+def _ips(keys: frozenset[tuple[IPAddress, IPAddress]]) -> list[IPAddress]:
+    return sorted({k[0] for k in keys}, key=str)
 
 
 class _Refused(Exception):

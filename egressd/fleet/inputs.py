@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from egressd.policy import NetworkPolicy, PolicyError, parse_policy, parse_policy_obj
@@ -37,7 +38,17 @@ def parse_binding_input(text: str) -> BindingInput:
     try:
         return BindingInput(parse_policy(text))
     except PolicyError as exc:
-        raise InputError(f"invalid policy: {exc}") from None
+        raise InputError(f"invalid policy: {_redacted(exc)}") from None
+
+
+# Policy errors quote the offending value at the end of their reason; the binding input is
+# never echoed back (nor logged), so that quote is cut off and only the field is named.
+_QUOTE_TAIL = re.compile(r"""(\s*\(got ['"].*|,\s*got ['"].*|(?<=invalid CIDR)\s+['"].*)$""", re.DOTALL)
+
+
+def _redacted(exc: PolicyError) -> str:
+    reason = _QUOTE_TAIL.sub("", exc.reason)
+    return f"{exc.field}: {reason}" if exc.field else reason
 
 
 def _parse_wrapper(obj: dict[str, object]) -> BindingInput:
@@ -45,13 +56,13 @@ def _parse_wrapper(obj: dict[str, object]) -> BindingInput:
         raise InputError("osbEgressInput must be 1")
     unknown = sorted(k for k in obj if k not in _WRAPPER_KEYS)
     if unknown:
-        raise InputError(f"unknown wrapper key {unknown[0]!r}"[:120])
+        raise InputError("unknown wrapper key (allowed: osbEgressInput, policy, vault)")
     if "policy" not in obj:
         raise InputError("wrapper policy is required")
     try:
         policy = parse_policy_obj(obj["policy"])
     except PolicyError as exc:
-        raise InputError(f"invalid policy: {exc}") from None
+        raise InputError(f"invalid policy: {_redacted(exc)}") from None
     vault = obj.get("vault")
     if vault is not None:
         raise InputError("vault: unknown kid (no vault keys are configured)")

@@ -15,6 +15,8 @@ Shape, and why it differs from the reference blueprint where it does:
   which needs no cache at all, so removal cost does not grow with the fleet.
 * The DNS redirect is per gateway: a gateway set feeds two shared redirect rules, and the
   gateway element lives exactly as long as some subject uses that gateway.
+* With MITM, interception is a REDIRECT for sources in ``mitm_src_v4/v6`` (feasibility
+  measured REDIRECT and DNAT-to-gateway as equivalent: both keep the original destination).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from egressd.policy import IpSets, NetworkPolicy, Verdict, format_element, ip_sets
+from egressd.policy import IpSets, NetworkPolicy, Verdict, format_element, ip_sets, normalise_networks
 from egressd.subject.model import IPAddress
 
 ALLOW_MARK = 0x2
@@ -131,14 +133,6 @@ def _vmap_decl(name: str, fam: str, elements: Sequence[str] = ()) -> str:
     return f"{name} {{ {body} }}"
 
 
-def _dnat_map_decl(name: str, fam: str, elements: Sequence[str] = ()) -> str:
-    t = _addr_type(fam)
-    body = f"type {t} : {t} . inet_service;"
-    if elements:
-        body += f" elements = {{ {', '.join(elements)} }}"
-    return f"{name} {{ {body} }}"
-
-
 # Table-wide object names.
 def dispatch_map(fam: str) -> str:
     return f"dispatch_{fam}"
@@ -152,8 +146,8 @@ def mitm_in_map(fam: str) -> str:
     return f"mitm_in_{fam}"
 
 
-def mitm_dnat_map(fam: str) -> str:
-    return f"mitm_dnat_{fam}"
+def mitm_src_set(fam: str) -> str:
+    return f"mitm_src_{fam}"
 
 
 def gateway_set(fam: str) -> str:
@@ -165,10 +159,13 @@ def doh_set(fam: str) -> str:
 
 
 def _split_doh(nets: Iterable[IPNetwork]) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {"v4": [], "v6": []}
-    for net in nets:
-        out[family(net)].append(format_element(net))
-    return out
+    """Normalised per family: overlapping entries would make nft refuse the header."""
+    v4 = [n for n in nets if isinstance(n, ipaddress.IPv4Network)]
+    v6 = [n for n in nets if isinstance(n, ipaddress.IPv6Network)]
+    return {
+        "v4": [format_element(n) for n in normalise_networks(v4)],
+        "v6": [format_element(n) for n in normalise_networks(v6)],
+    }
 
 
 def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
@@ -187,7 +184,7 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
         s.obj("add", "set", _plain_set_decl(gateway_set(fam), fam))
         if cfg.mitm:
             s.obj("add", "map", _vmap_decl(mitm_in_map(fam), fam))
-            s.obj("add", "map", _dnat_map_decl(mitm_dnat_map(fam), fam))
+            s.obj("add", "set", _plain_set_decl(mitm_src_set(fam), fam))
     doh = _split_doh(cfg.doh_blocklist)
     if cfg.block_doh_443 and cfg.doh_blocklist:
         for fam in ("v4", "v6"):
@@ -239,11 +236,14 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
                 "nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} {proto} dport 53 redirect to :{cfg.dns_port}"
             )
     if cfg.mitm:
+        # REDIRECT (to the address of the interface the packet came in on: the sandbox's
+        # gateway) instead of a per-source DNAT target: the source set carries no data, so
+        # a gateway change can never collide with an existing element.
         for fam in ("v4", "v6"):
             s.rule("nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} tcp dport {{ 80, 443 }} return")
             s.rule(
                 "nat",
-                f"tcp dport {{ 80, 443 }} dnat {l3_of(fam)} to {l3_of(fam)} saddr map @{mitm_dnat_map(fam)}",
+                f"{l3_of(fam)} saddr @{mitm_src_set(fam)} tcp dport {{ 80, 443 }} redirect to :{cfg.mitm_port}",
             )
     return s.text()
 
@@ -304,11 +304,7 @@ def _dispatch_entries(s: _Script, cfg: TableConfig, subj: SubjectNft) -> None:
     s.obj("add", "set", _plain_set_decl(gateway_set(gfam), gfam, [str(subj.gateway)]))
     if cfg.mitm:
         s.obj("add", "map", _vmap_decl(mitm_in_map(fam), fam, [f"{ip} : jump {n.in_chain}"]))
-        s.obj(
-            "add",
-            "map",
-            _dnat_map_decl(mitm_dnat_map(fam), fam, [f"{ip} : {subj.gateway} . {cfg.mitm_port}"]),
-        )
+        s.obj("add", "set", _plain_set_decl(mitm_src_set(fam), fam, [ip]))
 
 
 def deny_first_script(cfg: TableConfig, subj: SubjectNft) -> str:
@@ -398,6 +394,11 @@ class DeleteBatch:
         return "\n".join(parts) + ("\n" if parts else "")
 
 
+def gateway_release(gateway: IPAddress) -> NetlinkDelete:
+    gfam = family(gateway)
+    return NetlinkDelete(ObjKind.ELEMENT, gateway_set(gfam), gateway, _addr_type(gfam))
+
+
 def dispatch_deletes(
     cfg: TableConfig, ip: IPAddress, *, release_gateway: IPAddress | None
 ) -> list[NetlinkDelete]:
@@ -405,11 +406,10 @@ def dispatch_deletes(
     fam = family(ip)
     maps = [marking_map(fam), dispatch_map(fam)]
     if cfg.mitm:
-        maps += [mitm_dnat_map(fam), mitm_in_map(fam)]
+        maps += [mitm_src_set(fam), mitm_in_map(fam)]
     ops = [NetlinkDelete(ObjKind.ELEMENT, m, ip, _addr_type(fam)) for m in maps]
     if release_gateway is not None:
-        gfam = family(release_gateway)
-        ops.append(NetlinkDelete(ObjKind.ELEMENT, gateway_set(gfam), release_gateway, _addr_type(gfam)))
+        ops.append(gateway_release(release_gateway))
     return ops
 
 

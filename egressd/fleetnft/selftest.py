@@ -114,9 +114,8 @@ def _probes(t: str) -> list[tuple[str, str]]:
             f"add chain inet {t} nat {{ type nat hook prerouting priority dstnat; policy accept; }}\n"
             f"add set inet {t} gw {{ type ipv4_addr; elements = {{ 10.0.0.1 }} }}\n"
             f"add rule inet {t} nat ip daddr @gw udp dport 53 redirect to :15353\n"
-            f"add map inet {t} dn {{ type ipv4_addr : ipv4_addr . inet_service; "
-            f"elements = {{ 10.0.0.5 : 10.0.0.1 . 18081 }} }}\n"
-            f"add rule inet {t} nat tcp dport {{ 80, 443 }} dnat ip to ip saddr map @dn",
+            f"add rule inet {t} nat ip saddr @gw tcp dport {{ 80, 443 }} redirect to :18081\n"
+            f"add rule inet {t} nat ip daddr 10.0.0.1 tcp dport 8443 dnat ip to 10.0.0.1:18081",
         ),
     ]
 

@@ -1,6 +1,7 @@
 """The fenced subject registry (BEHAVIOUR.md §2) as a pure state machine plus an index.
 
-:func:`plan_set_binding`, :func:`plan_hook` and :func:`plan_remove` decide, without I/O,
+:func:`plan_set_binding`, :func:`plan_data_plane_ready`, :func:`plan_hook_fence` and
+:func:`plan_remove` decide, without I/O,
 what one action does to one subject: the kernel steps to run (in order), the registry entry
 to commit when all of them succeed, and the entry to keep when one fails. The control plane
 runs the steps ("kernel first, registry second") under the subject's lock.

@@ -13,12 +13,18 @@ DPR = "sandbox.data-plane-ready"
 
 
 def allow_ips(*ips: str, deny: tuple[str, ...] = ()) -> dict[str, object]:
-    rules = [{"action": "allow", "target": ip} for ip in ips] + [{"action": "deny", "target": ip} for ip in deny]
+    rules = [{"action": "allow", "target": ip} for ip in ips] + [
+        {"action": "deny", "target": ip} for ip in deny
+    ]
     return {"defaultAction": "deny", "egress": rules}
 
 
-def bind(d: Daemon, i: int, policy: object, *, uid: str | None = None, rid: str = "r1", aid: str = "a1") -> None:
-    code, body = d.post(envelope("SET_BINDING", uid or f"sb{i}", rid=rid, aid=aid, ip=Topology.sb_ip(i), policy=policy))
+def bind(
+    d: Daemon, i: int, policy: object, *, uid: str | None = None, rid: str = "r1", aid: str = "a1"
+) -> None:
+    code, body = d.post(
+        envelope("SET_BINDING", uid or f"sb{i}", rid=rid, aid=aid, ip=Topology.sb_ip(i), policy=policy)
+    )
     assert (code, body) == (200, "{}"), body
 
 
@@ -55,7 +61,9 @@ def test_active_subject_reaches_exactly_its_allowed_ips(topo: Topology, daemon: 
     assert not topo.reaches(3, UP_A)
 
 
-def test_sibling_policies_are_isolated_and_sandboxes_cannot_reach_each_other(topo: Topology, daemon: Daemon) -> None:
+def test_sibling_policies_are_isolated_and_sandboxes_cannot_reach_each_other(
+    topo: Topology, daemon: Daemon
+) -> None:
     bind(daemon, 1, allow_ips(UP_A))
     bind(daemon, 2, allow_ips(UP_B))
     activate(daemon, "sb1")
@@ -101,7 +109,9 @@ def test_policy_update_applies_in_place_and_null_closes(topo: Topology, daemon: 
     assert code == 409
 
 
-def test_remove_leaves_nothing_of_the_subject_while_others_keep_working(topo: Topology, daemon: Daemon) -> None:
+def test_remove_leaves_nothing_of_the_subject_while_others_keep_working(
+    topo: Topology, daemon: Daemon
+) -> None:
     bind(daemon, 1, allow_ips(UP_A))
     bind(daemon, 2, allow_ips(UP_B))
     activate(daemon, "sb1")
@@ -143,7 +153,9 @@ def test_rebind_to_another_ip_leaves_no_stale_dispatch(topo: Topology, daemon: D
     bind(daemon, 1, allow_ips(UP_A))
     activate(daemon, "sb1")
     # Same uid moves to sb3's address under a new attachment.
-    code, body = daemon.post(envelope("SET_BINDING", "sb1", aid="a2", ip=topo.sb_ip(3), policy=json.dumps(allow_ips(UP_A))))
+    code, body = daemon.post(
+        envelope("SET_BINDING", "sb1", aid="a2", ip=topo.sb_ip(3), policy=json.dumps(allow_ips(UP_A)))
+    )
     assert code == 200, body
     assert daemon.map_keys("dispatch_v4") == {topo.sb_ip(3)}
     activate(daemon, "sb1", aid="a2")
@@ -163,13 +175,17 @@ def test_deny_first_window_never_reaches_upstream(topo: Topology, daemon: Daemon
     assert seen == [], "a request made before data-plane-ready reached the upstream"
     activate(daemon, "sb4")
     assert topo.curl(4, f"http://{UP_D}{marker}-after") == 200
-    assert [r["client"] for r in topo.upstream_requests() if str(r["path"]).startswith(marker)] == [topo.sb_ip(4)]
+    assert [r["client"] for r in topo.upstream_requests() if str(r["path"]).startswith(marker)] == [
+        topo.sb_ip(4)
+    ]
 
 
 def test_nft_failure_leaves_subject_denying_and_retry_converges(topo: Topology, daemon: Daemon) -> None:
     # A real kernel refusal: an object with the subject's set name but the wrong type.
     daemon.nft("add", "set", "inet", daemon.table, "subj_s_sb1_allow_v4", "{ type inet_service; }")
-    code, body = daemon.post(envelope("SET_BINDING", "sb1", ip=topo.sb_ip(1), policy=json.dumps(allow_ips(UP_A))))
+    code, body = daemon.post(
+        envelope("SET_BINDING", "sb1", ip=topo.sb_ip(1), policy=json.dumps(allow_ips(UP_A)))
+    )
     assert code == 500, body
     assert body.startswith("deny-first install:")
     assert not topo.reaches(1, UP_A)
@@ -178,7 +194,9 @@ def test_nft_failure_leaves_subject_denying_and_retry_converges(topo: Topology, 
     assert not topo.reaches(1, UP_A)
     daemon.nft("delete", "set", "inet", daemon.table, "subj_s_sb1_allow_v4")
     # The Fastlet retries the same action; it converges.
-    code, body = daemon.post(envelope("SET_BINDING", "sb1", ip=topo.sb_ip(1), policy=json.dumps(allow_ips(UP_A))))
+    code, body = daemon.post(
+        envelope("SET_BINDING", "sb1", ip=topo.sb_ip(1), policy=json.dumps(allow_ips(UP_A)))
+    )
     assert (code, body) == (200, "{}")
     activate(daemon, "sb1")
     assert topo.reaches(1, UP_A)
@@ -192,7 +210,14 @@ def test_failed_activation_keeps_pending_and_retry_succeeds(topo: Topology, daem
     code, body = daemon.post(envelope("LIFECYCLE_HOOK", "sb1", hook=DPR))
     assert code == 500, body
     assert not topo.reaches(1, UP_A)
-    daemon.nft("add", "set", "inet", daemon.table, "subj_s_sb1_dyn_v4", "{ type ipv4_addr; flags timeout; timeout 360s; }")
+    daemon.nft(
+        "add",
+        "set",
+        "inet",
+        daemon.table,
+        "subj_s_sb1_dyn_v4",
+        "{ type ipv4_addr; flags timeout; timeout 360s; }",
+    )
     # Pending was kept: the retried hook activates the same policy.
     activate(daemon, "sb1")
     assert topo.reaches(1, UP_A)

@@ -14,8 +14,13 @@ DPR = "sandbox.data-plane-ready"
 def _run_egressd(topo: Topology, env: dict[str, str], *pre: str) -> subprocess.CompletedProcess[str]:
     rules = topo.workdir / "rules"
     rules.mkdir(exist_ok=True)
-    full = {"OPENSANDBOX_EGRESS_PROFILE": "fleet", "EGRESSD_ALWAYS_RULES_DIR": str(rules),
-            "OPENSANDBOX_EGRESS_HTTP_ADDR": "127.0.0.1:18199", "EGRESSD_NFT_TABLE": "egt-refuse", **env}
+    full = {
+        "OPENSANDBOX_EGRESS_PROFILE": "fleet",
+        "EGRESSD_ALWAYS_RULES_DIR": str(rules),
+        "OPENSANDBOX_EGRESS_HTTP_ADDR": "127.0.0.1:18199",
+        "EGRESSD_NFT_TABLE": "egt-refuse",
+        **env,
+    }
     cmd = ["ip", "netns", "exec", topo.pod, *pre, str(REPO / ".venv" / "bin" / "egressd")]
     import os
 
@@ -55,7 +60,9 @@ def test_startup_refuses_bad_config_with_one_line(topo: Topology) -> None:
 def test_ipv6_sandbox_dispatch(topo: Topology, daemon: Daemon) -> None:
     ip6 = topo.sb_ip6(1)
     policy = {"defaultAction": "deny", "egress": [{"action": "allow", "target": UPSTREAM_IPS6[0]}]}
-    code, body = daemon.post(envelope("SET_BINDING", "v6sb", ip=ip6, gateway=GATEWAY6, policy=json.dumps(policy)))
+    code, body = daemon.post(
+        envelope("SET_BINDING", "v6sb", ip=ip6, gateway=GATEWAY6, policy=json.dumps(policy))
+    )
     assert code == 200, body
     assert not topo.reaches(1, UPSTREAM_IPS6[0])
     assert daemon.post(envelope("LIFECYCLE_HOOK", "v6sb", hook=DPR))[0] == 200
@@ -105,7 +112,9 @@ def test_no_binding_input_in_logs(topo: Topology, daemon: Daemon) -> None:
     planted = "planted-value-7f3a"
     policy = {"defaultAction": "deny", "egress": [{"action": "allow", "target": f"{planted}.example.com"}]}
     assert daemon.post(envelope("SET_BINDING", "sb1", ip=topo.sb_ip(1), policy=json.dumps(policy)))[0] == 200
-    assert daemon.post(envelope("SET_BINDING", "sb1", ip=topo.sb_ip(1), policy="not-json " + planted))[0] == 400
+    assert (
+        daemon.post(envelope("SET_BINDING", "sb1", ip=topo.sb_ip(1), policy="not-json " + planted))[0] == 400
+    )
     assert daemon.post(envelope("LIFECYCLE_HOOK", "sb1", hook=DPR))[0] == 200
     assert planted not in daemon.log_text()
     assert planted not in daemon.get("/metrics")[1]

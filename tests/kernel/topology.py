@@ -37,8 +37,12 @@ UPSTREAM_IPS = [f"{UP_NET}.{i}" for i in range(2, 10)]
 UPSTREAM_IPS6 = [f"fd00:204::{i}" for i in range(2, 10)]
 
 
-def sh(*args: str, check: bool = True, timeout: float = 20, input_: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(args), check=check, capture_output=True, text=True, timeout=timeout, input=input_)
+def sh(
+    *args: str, check: bool = True, timeout: float = 20, input_: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(args), check=check, capture_output=True, text=True, timeout=timeout, input=input_
+    )
 
 
 def netns_list() -> list[str]:
@@ -115,7 +119,9 @@ class Topology:
     def upstream_log(self) -> Path:
         return self.workdir / "upstream.jsonl"
 
-    def ns(self, ns: str, *cmd: str, check: bool = True, timeout: float = 20) -> subprocess.CompletedProcess[str]:
+    def ns(
+        self, ns: str, *cmd: str, check: bool = True, timeout: float = 20
+    ) -> subprocess.CompletedProcess[str]:
         return sh("ip", "netns", "exec", ns, *cmd, check=check, timeout=timeout)
 
     # ---- build / teardown ------------------------------------------------------------------
@@ -171,13 +177,35 @@ class Topology:
 
         log = self.upstream_log
         log.touch()
-        self.spawn(up, str(VENV_PY), str(REPO / "scripts" / "fleet_upstream.py"), "--http-ports", "80,8080",
-                   "--log", str(log), ready_line="ready")
+        self.spawn(
+            up,
+            str(VENV_PY),
+            str(REPO / "scripts" / "fleet_upstream.py"),
+            "--http-ports",
+            "80,8080",
+            "--log",
+            str(log),
+            ready_line="ready",
+        )
 
     def add_sandbox(self, i: int) -> None:
         sb = self.sb(i)
         self._add_ns(sb)
-        sh("ip", "link", "add", f"vh{i}", "netns", self.pod, "type", "veth", "peer", "name", "eth0", "netns", sb)
+        sh(
+            "ip",
+            "link",
+            "add",
+            f"vh{i}",
+            "netns",
+            self.pod,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            sb,
+        )
         self.ns(self.pod, "ip", "link", "set", f"vh{i}", "master", "br0")
         self.ns(self.pod, "ip", "link", "set", f"vh{i}", "up")
         s = lambda *c: self.ns(sb, *c)  # noqa: E731
@@ -187,8 +215,14 @@ class Topology:
         s("ip", "route", "add", "default", "via", GATEWAY)
         s("ip", "-6", "route", "add", "default", "via", GATEWAY6)
 
-    def spawn(self, ns: str, *cmd: str, env: dict[str, str] | None = None, ready_line: str | None = None,
-              log: Path | None = None) -> subprocess.Popen[str]:
+    def spawn(
+        self,
+        ns: str,
+        *cmd: str,
+        env: dict[str, str] | None = None,
+        ready_line: str | None = None,
+        log: Path | None = None,
+    ) -> subprocess.Popen[str]:
         out = open(log, "a") if log else subprocess.PIPE  # noqa: SIM115
         proc = subprocess.Popen(
             ["ip", "netns", "exec", ns, *cmd],
@@ -237,8 +271,22 @@ class Topology:
 
     def curl(self, sb: int, url: str, timeout: float = 1.0) -> int:
         """HTTP status from sandbox ``sb`` (0 = no connection)."""
-        r = self.ns(self.sb(sb), "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--connect-timeout",
-                    str(timeout), "-m", str(timeout + 1), url, check=False, timeout=timeout + 10)
+        r = self.ns(
+            self.sb(sb),
+            "curl",
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--connect-timeout",
+            str(timeout),
+            "-m",
+            str(timeout + 1),
+            url,
+            check=False,
+            timeout=timeout + 10,
+        )
         try:
             return int(r.stdout.strip() or 0)
         except ValueError:
@@ -276,8 +324,9 @@ class Daemon:
             "EGRESSD_DNS_ADDR": "0.0.0.0:15353",
             **self.env,
         }
-        self.proc = self.topo.spawn(self.topo.pod, str(REPO / ".venv" / "bin" / "egressd"), *extra_args,
-                                    env=env, log=self.log)
+        self.proc = self.topo.spawn(
+            self.topo.pod, str(REPO / ".venv" / "bin" / "egressd"), *extra_args, env=env, log=self.log
+        )
         if wait:
             self.wait_ready()
         return self
@@ -310,8 +359,15 @@ class Daemon:
         data = body if isinstance(body, str) else json.dumps(body)
         path = self.topo.workdir / "body.json"
         path.write_text(data)
-        return self._curl("-X", "POST", "-H", "Content-Type: application/json", "--data-binary", f"@{path}",
-                          f"http://127.0.0.1:{self.port}/_fastlet/v1/actions")
+        return self._curl(
+            "-X",
+            "POST",
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            f"@{path}",
+            f"http://127.0.0.1:{self.port}/_fastlet/v1/actions",
+        )
 
     def status(self) -> dict[str, object]:
         code, body = self.get("/_fastlet/v1/actions/status")
@@ -347,9 +403,18 @@ class Daemon:
         return set()
 
 
-def envelope(op: str, uid: str, *, rid: str = "r1", aid: str = "a1", ip: str | None = None,
-             gateway: str | None = GATEWAY, policy: object = "__absent__", hook: str | None = None,
-             generation: int = 1) -> dict[str, object]:
+def envelope(
+    op: str,
+    uid: str,
+    *,
+    rid: str = "r1",
+    aid: str = "a1",
+    ip: str | None = None,
+    gateway: str | None = GATEWAY,
+    policy: object = "__absent__",
+    hook: str | None = None,
+    generation: int = 1,
+) -> dict[str, object]:
     env: dict[str, object] = {
         "apiVersion": "sandbox.fast.io/actions/v1",
         "operation": op,
@@ -362,7 +427,9 @@ def envelope(op: str, uid: str, *, rid: str = "r1", aid: str = "a1", ip: str | N
             net["gateway"] = gateway
         env["attachment"] = {"network": net}
     if policy != "__absent__":
-        env["binding"] = {"input": policy if policy is None or isinstance(policy, str) else json.dumps(policy)}
+        env["binding"] = {
+            "input": policy if policy is None or isinstance(policy, str) else json.dumps(policy)
+        }
     if hook is not None:
         env["hook"] = {"name": hook}
     return env

@@ -127,7 +127,7 @@ def test_header_mitm() -> None:
     assert f"add chain inet {T} input {{ type filter hook input priority 0; policy accept; }}" in text
     for fam, typ in (("v4", "ipv4_addr"), ("v6", "ipv6_addr")):
         assert f"add map inet {T} mitm_in_{fam} {{ type {typ} : verdict; }}" in text
-        assert f"add map inet {T} mitm_dnat_{fam} {{ type {typ} : {typ} . inet_service; }}" in text
+        assert f"add set inet {T} mitm_src_{fam} {{ type {typ}; }}" in text
     assert rules_of(script, "input") == [
         "ct state established,related accept",
         "tcp dport 18081 ct status dnat ip saddr vmap @mitm_in_v4",
@@ -136,12 +136,12 @@ def test_header_mitm() -> None:
     ]
     nat = rules_of(script, "nat")
     assert "ip daddr @dns_gw_v4 tcp dport { 80, 443 } return" in nat
-    assert "tcp dport { 80, 443 } dnat ip to ip saddr map @mitm_dnat_v4" in nat
+    assert "ip saddr @mitm_src_v4 tcp dport { 80, 443 } redirect to :18081" in nat
     assert "ip6 daddr @dns_gw_v6 tcp dport { 80, 443 } return" in nat
-    assert "tcp dport { 80, 443 } dnat ip6 to ip6 saddr map @mitm_dnat_v6" in nat
-    # The gateway exemption precedes the DNAT of the same family.
+    assert "ip6 saddr @mitm_src_v6 tcp dport { 80, 443 } redirect to :18081" in nat
+    # The gateway exemption precedes the interception of the same family.
     assert nat.index("ip daddr @dns_gw_v4 tcp dport { 80, 443 } return") < nat.index(
-        "tcp dport { 80, 443 } dnat ip to ip saddr map @mitm_dnat_v4"
+        "ip saddr @mitm_src_v4 tcp dport { 80, 443 } redirect to :18081"
     )
     assert rules_of(script, "dispatch")[-1] == "meta mark & 0x2 != 0x2 drop"
 
@@ -217,14 +217,11 @@ def test_header_blocklist_ignored_when_blocking_is_off() -> None:
     assert "443 drop" not in script
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: DoH blocklist elements are not normalised (§8.1 'normalised add element'); "
-    "overlapping entries make nft refuse the header ('conflicting intervals specified')",
-)
 def test_header_doh_blocklist_is_normalised() -> None:
     nets = parse_doh_blocklist("1.1.1.0/24, 1.1.1.1, 8.8.8.8, 8.8.8.8, 2001:db8::/32, 2001:db8::1")
-    script = header_script(TableConfig(table=T, block_doh_443=True, doh_blocklist=nets), delete_existing=False)
+    script = header_script(
+        TableConfig(table=T, block_doh_443=True, doh_blocklist=nets), delete_existing=False
+    )
     assert "doh_block_v4 { type ipv4_addr; flags interval; elements = { 1.1.1.0/24, 8.8.8.8 } }" in script
     assert "doh_block_v6 { type ipv6_addr; flags interval; elements = { 2001:db8::/32 } }" in script
 
@@ -258,7 +255,9 @@ def test_deny_first_flushes_chains_and_all_six_sets_before_content() -> None:
     ]
     for name in SETS6:
         assert f"flush set inet {T} {name}" in text
-    last_decl = max(i for i, ln in enumerate(text) if ln.startswith(("add set", "add chain")) and "subj" in ln)
+    last_decl = max(
+        i for i, ln in enumerate(text) if ln.startswith(("add set", "add chain")) and "subj" in ln
+    )
     first_flush = min(i for i, ln in enumerate(text) if ln.startswith("flush"))
     last_flush = max(i for i, ln in enumerate(text) if ln.startswith("flush"))
     first_rule = min(i for i, ln in enumerate(text) if ln.startswith("add rule"))
@@ -323,10 +322,7 @@ def test_deny_first_mitm() -> None:
         f"add map inet {T} mitm_in_v4 {{ type ipv4_addr : verdict; elements = {{ 10.0.0.5 : jump subj_s_u_1_in }} }}"
         in text
     )
-    assert (
-        f"add map inet {T} mitm_dnat_v4 {{ type ipv4_addr : ipv4_addr . inet_service; "
-        f"elements = {{ 10.0.0.5 : 10.0.0.1 . 18081 }} }}" in text
-    )
+    assert f"add set inet {T} mitm_src_v4 {{ type ipv4_addr; elements = {{ 10.0.0.5 }} }}" in text
     assert rules_of(script, "subj_s_u_1")[-1] == "drop"
 
 
@@ -354,8 +350,14 @@ def test_policy_script_for_the_spec_example() -> None:
         f"flush set inet {T} subj_s_u_1_deny_v4",
         f"flush set inet {T} subj_s_u_1_deny_v6",
     ]
-    assert f"add set inet {T} subj_s_u_1_allow_v4 {{ type ipv4_addr; flags interval; elements = {{ 8.8.8.8 }} }}" in text
-    assert f"add set inet {T} subj_s_u_1_deny_v4 {{ type ipv4_addr; flags interval; elements = {{ 1.2.3.4 }} }}" in text
+    assert (
+        f"add set inet {T} subj_s_u_1_allow_v4 {{ type ipv4_addr; flags interval; elements = {{ 8.8.8.8 }} }}"
+        in text
+    )
+    assert (
+        f"add set inet {T} subj_s_u_1_deny_v4 {{ type ipv4_addr; flags interval; elements = {{ 1.2.3.4 }} }}"
+        in text
+    )
     assert rules_of(script, "subj_s_u_1") == [
         "ip daddr @subj_s_u_1_deny_v4 drop",
         "ip6 daddr @subj_s_u_1_deny_v6 drop",
@@ -375,7 +377,7 @@ def test_policy_script_never_touches_dyn_sets_jumps_or_header() -> None:
     assert "flush set inet T subj_s_u_1_dyn" not in script
     assert not any(ln.startswith(f"add set inet {T} subj_s_u_1_dyn") for ln in lines(script))
     assert not any(
-        name in script for name in ("dispatch_v4", "marking_v4", "dns_gw", "mitm_dnat", "mitm_in", "add table")
+        name in script for name in ("dispatch_v4", "marking_v4", "dns_gw", "mitm_src", "mitm_in", "add table")
     )
     assert not any(ln.startswith("delete") for ln in lines(script))
     assert "drop" not in rules_of(script, "subj_s_u_1")  # no deny-first tail once active
@@ -466,7 +468,7 @@ def test_removal_batch_releases_the_gateway_with_mitm() -> None:
     assert elements == [
         ("marking_v4", SUBJ.ip),
         ("dispatch_v4", SUBJ.ip),
-        ("mitm_dnat_v4", SUBJ.ip),
+        ("mitm_src_v4", SUBJ.ip),
         ("mitm_in_v4", SUBJ.ip),
         ("dns_gw_v4", SUBJ.gateway),
     ]

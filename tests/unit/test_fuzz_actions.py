@@ -24,8 +24,28 @@ BASE: dict[str, Any] = {
     "binding": {"input": '{"defaultAction":"deny","egress":[{"action":"allow","target":"8.8.8.8"}]}'},
     "hook": {"name": "sandbox.data-plane-ready"},
 }
-VALUES: list[Any] = [None, "", "x", 0, -1, 2**64, 1.5, True, [], {}, "10.0.0.6", "::1", "SET_BINDING",
-                     "LIFECYCLE_HOOK", "REMOVE_BINDING", "sandbox.data-plane-ready", "\u0000", "a/b", "{}", "null"]
+VALUES: list[Any] = [
+    None,
+    "",
+    "x",
+    0,
+    -1,
+    2**64,
+    1.5,
+    True,
+    [],
+    {},
+    "10.0.0.6",
+    "::1",
+    "SET_BINDING",
+    "LIFECYCLE_HOOK",
+    "REMOVE_BINDING",
+    "sandbox.data-plane-ready",
+    "\u0000",
+    "a/b",
+    "{}",
+    "null",
+]
 
 
 class FlakyTx:
@@ -82,7 +102,9 @@ async def test_random_envelopes_never_crash(aiohttp_client: Any) -> None:
     seen: set[int] = set()
     for _ in range(600):
         env = _mutate(rng, BASE)
-        env["operation"] = rng.choice(["SET_BINDING", "LIFECYCLE_HOOK", "REMOVE_BINDING", env.get("operation")])
+        env["operation"] = rng.choice(
+            ["SET_BINDING", "LIFECYCLE_HOOK", "REMOVE_BINDING", env.get("operation")]
+        )
         resp = await client.post("/_fastlet/v1/actions", data=json.dumps(env))
         text = await resp.text()
         assert resp.status in (200, 400, 409, 500), (resp.status, text)

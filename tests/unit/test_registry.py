@@ -228,7 +228,9 @@ def test_stale_data_plane_ready_never_consumes_the_new_pending_policy() -> None:
     assert plan.on_success is None
 
 
-@pytest.mark.parametrize("entry", [denying(P_NEW), denying(None), active()], ids=["pending", "empty", "active"])
+@pytest.mark.parametrize(
+    "entry", [denying(P_NEW), denying(None), active()], ids=["pending", "empty", "active"]
+)
 def test_runtime_ready_same_fence_is_a_noop(entry: Entry) -> None:
     plan = plan_hook_fence(entry, FENCE)
     assert plan.outcome is Outcome.NOOP

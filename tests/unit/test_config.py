@@ -1,0 +1,352 @@
+"""Configuration (INTERFACE.md "Environment"): env and --flags in, Config out; flags win."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+import pytest
+
+from egressd.config import OPTIONS, Config, ConfigError, parse_config, parse_doh_blocklist
+from egressd.main import main
+
+FLEET = {"OPENSANDBOX_EGRESS_PROFILE": "fleet"}
+BOOLEAN_ENVS = [o.env for o in OPTIONS if o.boolean]
+
+
+def refused(env: dict[str, str], argv: list[str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(env, argv or [])
+    text = str(info.value)
+    assert text
+    assert "\n" not in text
+    assert "Traceback" not in text
+    return text
+
+
+# --------------------------------------------------------------------------- defaults
+
+
+def test_sidecar_defaults() -> None:
+    cfg = parse_config({})
+    assert cfg == Config(
+        profile="sidecar",
+        http_host="0.0.0.0",
+        http_port=18080,
+        allow_non_loopback=False,
+        pending_push_ttl=30,
+        block_doh_443=False,
+        doh_blocklist=(),
+        mitm_transparent=False,
+        mitm_port=18081,
+        mitm_upstream_trust_dir=Path("/etc/ssl/certs"),
+        mitm_ssl_insecure=False,
+        mitm_confdir=Path("/var/lib/egressd/mitm"),
+        dns_upstream=None,
+        dns_upstream_timeout=5.0,
+        dns_host="0.0.0.0",
+        dns_port=15353,
+        token=None,
+        rules=None,
+        policy_file=None,
+        mode="dns+nft",
+        max_rules=4096,
+        nft_table="opensandbox",
+        always_rules_dir=Path("/var/egress/rules"),
+        vault_keys_dir=None,
+        log_format="json",
+        allow_bridge_bypass=False,
+    )
+
+
+def test_fleet_defaults() -> None:
+    cfg = parse_config(FLEET)
+    assert cfg.profile == "fleet"
+    assert (cfg.http_host, cfg.http_port) == ("127.0.0.1", 18080)
+    assert cfg.nft_table == "opensandbox-fleet"
+    assert (cfg.dns_host, cfg.dns_port) == ("0.0.0.0", 15353)
+    assert cfg.mitm_port == 18081
+    assert cfg.pending_push_ttl == 30
+    assert cfg.dns_upstream_timeout == 5.0
+    assert cfg.mode == "dns+nft"
+    assert cfg.log_format == "json"
+
+
+def test_fleet_profile_from_flag_gets_fleet_defaults() -> None:
+    cfg = parse_config({}, ["--profile", "fleet"])
+    assert cfg.http_host == "127.0.0.1"
+    assert cfg.nft_table == "opensandbox-fleet"
+
+
+def test_profile_is_case_insensitive() -> None:
+    assert parse_config({"OPENSANDBOX_EGRESS_PROFILE": " Fleet "}).profile == "fleet"
+
+
+# --------------------------------------------------------------------------- flags win over env
+
+
+def test_flags_win_over_env() -> None:
+    env = {
+        "OPENSANDBOX_EGRESS_PROFILE": "sidecar",
+        "EGRESSD_NFT_TABLE": "from-env",
+        "EGRESSD_DNS_ADDR": "127.0.0.1:5353",
+        "OPENSANDBOX_EGRESS_PENDING_PUSH_TTL": "10",
+        "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT": "1",
+    }
+    cfg = parse_config(
+        env,
+        [
+            "--profile",
+            "fleet",
+            "--nft-table",
+            "from-flag",
+            "--dns-addr=127.0.0.2:5354",
+            "--pending-push-ttl",
+            "20",
+            "--mitmproxy-transparent",
+            "0",
+        ],
+    )
+    assert cfg.profile == "fleet"
+    assert cfg.nft_table == "from-flag"
+    assert (cfg.dns_host, cfg.dns_port) == ("127.0.0.2", 5354)
+    assert cfg.pending_push_ttl == 20
+    assert cfg.mitm_transparent is False
+
+
+def test_env_used_when_no_flag() -> None:
+    cfg = parse_config({**FLEET, "EGRESSD_NFT_TABLE": "t1", "OPENSANDBOX_EGRESS_MITMPROXY_PORT": "19000"})
+    assert cfg.nft_table == "t1"
+    assert cfg.mitm_port == 19000
+
+
+def test_every_option_has_a_flag() -> None:
+    for opt in OPTIONS:
+        assert opt.flag.startswith("--")
+    envs = {o.env for o in OPTIONS}
+    for name in (
+        "OPENSANDBOX_EGRESS_PROFILE",
+        "OPENSANDBOX_EGRESS_HTTP_ADDR",
+        "OPENSANDBOX_EGRESS_PENDING_PUSH_TTL",
+        "OPENSANDBOX_EGRESS_BLOCK_DOH_443",
+        "OPENSANDBOX_EGRESS_DOH_BLOCKLIST",
+        "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT",
+        "OPENSANDBOX_EGRESS_MITMPROXY_PORT",
+        "OPENSANDBOX_EGRESS_DNS_UPSTREAM",
+        "OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT",
+        "EGRESSD_DNS_ADDR",
+        "EGRESSD_NFT_TABLE",
+        "EGRESSD_ALWAYS_RULES_DIR",
+        "EGRESSD_VAULT_KEYS_DIR",
+        "EGRESSD_LOG_FORMAT",
+        "EGRESSD_ALLOW_NON_LOOPBACK",
+    ):
+        assert name in envs
+
+
+def test_unknown_flag_is_a_config_error() -> None:
+    assert "--bogus" in refused({}, ["--bogus", "1"])
+
+
+# --------------------------------------------------------------------------- profile
+
+
+@pytest.mark.parametrize("profile", ["both", "", "  ", "fleet2"])
+def test_bad_profile_is_one_line_error(profile: str) -> None:
+    text = refused({"OPENSANDBOX_EGRESS_PROFILE": profile})
+    assert "OPENSANDBOX_EGRESS_PROFILE" in text
+
+
+def test_main_exits_nonzero_with_one_line_reason(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("OPENSANDBOX_EGRESS_PROFILE", "nonsense")
+    assert main([]) != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "OPENSANDBOX_EGRESS_PROFILE" in err
+    assert "Traceback" not in err
+
+
+# --------------------------------------------------------------------------- loopback guard
+
+
+@pytest.mark.parametrize("addr", ["0.0.0.0:18080", "10.0.0.1:18080", "[::]:18080"])
+def test_fleet_non_loopback_refused(addr: str) -> None:
+    text = refused({**FLEET, "OPENSANDBOX_EGRESS_HTTP_ADDR": addr})
+    assert "EGRESSD_ALLOW_NON_LOOPBACK" in text
+
+
+@pytest.mark.parametrize("allow", ["1", "true"])
+def test_fleet_non_loopback_allowed_with_override(allow: str) -> None:
+    cfg = parse_config(
+        {**FLEET, "OPENSANDBOX_EGRESS_HTTP_ADDR": "0.0.0.0:9000", "EGRESSD_ALLOW_NON_LOOPBACK": allow}
+    )
+    assert (cfg.http_host, cfg.http_port) == ("0.0.0.0", 9000)
+    assert cfg.allow_non_loopback
+
+
+def test_fleet_non_loopback_override_by_flag() -> None:
+    cfg = parse_config(FLEET, ["--http-addr", "0.0.0.0:9000", "--allow-non-loopback", "1"])
+    assert cfg.http_host == "0.0.0.0"
+
+
+def test_fleet_override_set_to_zero_still_refuses() -> None:
+    refused({**FLEET, "OPENSANDBOX_EGRESS_HTTP_ADDR": "0.0.0.0:9000", "EGRESSD_ALLOW_NON_LOOPBACK": "0"})
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1:18080", "127.0.0.5:1", "[::1]:18080", "localhost:18080"])
+def test_fleet_loopback_addresses(addr: str) -> None:
+    parse_config({**FLEET, "OPENSANDBOX_EGRESS_HTTP_ADDR": addr})
+
+
+def test_sidecar_may_listen_everywhere() -> None:
+    assert parse_config({"OPENSANDBOX_EGRESS_HTTP_ADDR": "0.0.0.0:18080"}).http_host == "0.0.0.0"
+
+
+@pytest.mark.parametrize(
+    "addr", ["18080", "example.com:80", "127.0.0.1:0", "127.0.0.1:65536", "127.0.0.1:x", "[::1]"]
+)
+def test_bad_http_addr(addr: str) -> None:
+    assert "OPENSANDBOX_EGRESS_HTTP_ADDR" in refused({**FLEET, "OPENSANDBOX_EGRESS_HTTP_ADDR": addr})
+
+
+# --------------------------------------------------------------------------- DoH blocklist
+
+
+def test_doh_blocklist_parsing() -> None:
+    cfg = parse_config(
+        {
+            "OPENSANDBOX_EGRESS_BLOCK_DOH_443": "1",
+            "OPENSANDBOX_EGRESS_DOH_BLOCKLIST": " 1.1.1.1, 9.9.9.9/24,,2606:4700::/32 , 2001:db8::1",
+        }
+    )
+    assert cfg.block_doh_443
+    assert cfg.doh_blocklist == (
+        ipaddress.ip_network("1.1.1.1/32"),
+        ipaddress.ip_network("9.9.9.0/24"),
+        ipaddress.ip_network("2606:4700::/32"),
+        ipaddress.ip_network("2001:db8::1/128"),
+    )
+
+
+@pytest.mark.parametrize("entry", ["dns.google", "1.1.1.1/33", "300.1.1.1", "1.1.1.1/x", "::g"])
+def test_invalid_doh_entry_is_an_error(entry: str) -> None:
+    text = refused({"OPENSANDBOX_EGRESS_DOH_BLOCKLIST": f"1.1.1.1,{entry}"})
+    assert "OPENSANDBOX_EGRESS_DOH_BLOCKLIST" in text
+    assert entry in text
+    with pytest.raises(ConfigError):
+        parse_doh_blocklist(entry)
+
+
+def test_empty_doh_blocklist() -> None:
+    assert parse_doh_blocklist("") == ()
+    assert parse_doh_blocklist(" , ") == ()
+
+
+# --------------------------------------------------------------------------- numbers
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("abc", 30), ("0", 30), ("-5", 30), ("", 30), ("1.5", 30), ("45", 45), (" 7 ", 7)]
+)
+def test_pending_push_ttl(value: str, expected: int) -> None:
+    assert parse_config({"OPENSANDBOX_EGRESS_PENDING_PUSH_TTL": value}).pending_push_ttl == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("abc", 5.0),
+        ("0", 5.0),
+        ("-1", 5.0),
+        ("", 5.0),
+        ("nan", 5.0),
+        ("2", 2.0),
+        ("0.5", 0.5),
+        ("120", 120.0),
+        ("121", 120.0),
+        ("100000", 120.0),
+        ("inf", 120.0),
+    ],
+)
+def test_dns_upstream_timeout(value: str, expected: float) -> None:
+    cfg = parse_config({"OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT": value})
+    assert cfg.dns_upstream_timeout == expected
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "abc", " "])
+def test_bad_mitm_port(port: str) -> None:
+    assert "OPENSANDBOX_EGRESS_MITMPROXY_PORT" in refused({"OPENSANDBOX_EGRESS_MITMPROXY_PORT": port})
+    assert "OPENSANDBOX_EGRESS_MITMPROXY_PORT" in refused({}, ["--mitmproxy-port", port])
+
+
+def test_mitm_port_colliding_with_dns_port() -> None:
+    refused({"EGRESSD_DNS_ADDR": "0.0.0.0:18081"})
+
+
+# --------------------------------------------------------------------------- booleans
+
+
+@pytest.mark.parametrize("name", BOOLEAN_ENVS)
+@pytest.mark.parametrize("value", ["maybe", "2", "yes please", "y"])
+def test_bad_booleans(name: str, value: str) -> None:
+    assert name in refused({name: value})
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("1", True),
+        ("true", True),
+        ("YES", True),
+        ("on", True),
+        ("0", False),
+        ("false", False),
+        ("Off", False),
+        ("no", False),
+        ("", False),
+    ],
+)
+def test_boolean_spellings(value: str, expected: bool) -> None:
+    cfg = parse_config(
+        {"OPENSANDBOX_EGRESS_BLOCK_DOH_443": value, "OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE": value}
+    )
+    assert cfg.block_doh_443 is expected
+    assert cfg.mitm_ssl_insecure is expected
+
+
+# --------------------------------------------------------------------------- table name, mode, log format
+
+
+@pytest.mark.parametrize("table", ["1table", "has space", "semi;colon", "  ", 'quo"te', "new\nline", "t{x}"])
+def test_invalid_table_name(table: str) -> None:
+    assert "EGRESSD_NFT_TABLE" in refused({"EGRESSD_NFT_TABLE": table})
+
+
+@pytest.mark.parametrize("table", ["t", "egress-test_1", "A" + "b" * 63])
+def test_valid_table_names(table: str) -> None:
+    assert parse_config({**FLEET, "EGRESSD_NFT_TABLE": table}).nft_table == table
+
+
+def test_bad_mode_and_log_format() -> None:
+    assert "OPENSANDBOX_EGRESS_MODE" in refused({"OPENSANDBOX_EGRESS_MODE": "iptables"})
+    assert "EGRESSD_LOG_FORMAT" in refused({"EGRESSD_LOG_FORMAT": "xml"})
+    assert parse_config({"OPENSANDBOX_EGRESS_MODE": "DNS"}).mode == "dns"
+    assert parse_config({"EGRESSD_LOG_FORMAT": "console"}).log_format == "console"
+
+
+def test_paths_and_optional_strings() -> None:
+    cfg = parse_config(
+        {
+            **FLEET,
+            "EGRESSD_VAULT_KEYS_DIR": "/keys",
+            "EGRESSD_ALWAYS_RULES_DIR": "/rules",
+            "OPENSANDBOX_EGRESS_DNS_UPSTREAM": "1.1.1.1,8.8.8.8:53",
+            "OPENSANDBOX_EGRESS_TOKEN": "",
+        }
+    )
+    assert cfg.vault_keys_dir == Path("/keys")
+    assert cfg.always_rules_dir == Path("/rules")
+    assert cfg.dns_upstream == "1.1.1.1,8.8.8.8:53"
+    assert cfg.token is None

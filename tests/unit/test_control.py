@@ -1,0 +1,1034 @@
+"""§3 operation handling: ControlPlane driven with parsed actions against a fake kernel.
+
+:class:`FakeKernel` implements the ``Transactions`` protocol. It records every call, can be
+told to fail (``NftError``) on the Nth call or on scripts/batches containing a substring,
+and keeps a small model of the table so tests can look at what is "installed". The model
+only enforces kernel behaviour verified with nft 1.0 on Linux (see the test report):
+
+* a transaction is atomic: a failing one changes nothing;
+* re-adding a map element with *different* data fails (``File exists``);
+* deleting an element, chain or set that does not exist fails (``No such file or directory``),
+  also when the same batch already deleted it;
+* rules may only reference declared sets/maps and live in declared chains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from ipaddress import ip_address
+from typing import Any
+
+import pytest
+
+from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
+from egressd.fleet.control import ControlPlane, Result
+from egressd.fleetnft.applier import NftError
+from egressd.fleetnft.builder import DeleteBatch, ObjKind, TableConfig
+from egressd.policy import parse_policy
+from egressd.subject.registry import Entry, KernelView, State
+
+TABLE = "T"
+GW = "10.0.0.1"
+
+
+# --------------------------------------------------------------------------- fake kernel
+
+
+@dataclass
+class Call:
+    n: int
+    kind: str  # "script" | "deletes" | "reset"
+    op: str
+    text: str
+    ok: bool = True
+
+
+@dataclass
+class _Fault:
+    match: str | None
+    op: str | None
+    call: int | None
+    times: int
+
+
+@dataclass
+class _State:
+    table: bool = False
+    chains: dict[str, list[str]] = field(default_factory=dict)
+    sets: dict[str, dict[str, str]] = field(default_factory=dict)  # name -> key -> data ("" for sets)
+    maps: set[str] = field(default_factory=set)
+
+
+_ELEMENTS = re.compile(r"elements = \{ (.*) \} \}$")
+
+
+class FakeKernel:
+    def __init__(self, *, yield_each_call: bool = True) -> None:
+        self.calls: list[Call] = []
+        self.state = _State()
+        self._faults: list[_Fault] = []
+        self._yield = yield_each_call
+
+    # -- fault injection ---------------------------------------------------------------
+
+    def fail(
+        self, *, match: str | None = None, op: str | None = None, call: int | None = None, times: int = 1
+    ) -> None:
+        """Fail the next ``times`` calls matching all given criteria (``call`` is 1-based)."""
+        self._faults.append(_Fault(match, op, call, times))
+
+    def _fault_for(self, n: int, op: str, text: str) -> bool:
+        for f in self._faults:
+            if f.times <= 0:
+                continue
+            if f.call is not None and f.call != n:
+                continue
+            if f.op is not None and f.op != op:
+                continue
+            if f.match is not None and f.match not in text:
+                continue
+            f.times -= 1
+            return True
+        return False
+
+    # -- Transactions protocol -----------------------------------------------------------
+
+    async def run_script(self, script: str, *, op: str) -> None:
+        await self._run("script", op, script, lambda st: self._apply_script(st, script))
+
+    async def run_deletes(self, batch: DeleteBatch, *, op: str) -> None:
+        assert batch.table == TABLE
+        await self._run("deletes", op, batch.describe(), lambda st: self._apply_deletes(st, batch))
+
+    async def reset_table(self, header_with_delete: str, header: str) -> None:
+        await self._run(
+            "reset", "reset", header_with_delete, lambda st: self._reset(st, header_with_delete, header)
+        )
+
+    async def close(self) -> None:
+        pass
+
+    async def _run(self, kind: str, op: str, text: str, apply: Any) -> None:
+        if self._yield:
+            await asyncio.sleep(0)  # the real applier hops to its worker thread
+        n = len(self.calls) + 1
+        call = Call(n, kind, op, text)
+        self.calls.append(call)
+        if self._fault_for(n, op, text):
+            call.ok = False
+            raise NftError(f"injected failure of call {n}")
+        scratch = copy.deepcopy(self.state)
+        try:
+            apply(scratch)
+        except NftError:
+            call.ok = False
+            raise
+        self.state = scratch
+
+    # -- model -----------------------------------------------------------------------------
+
+    def _reset(self, st: _State, with_delete: str, header: str) -> None:
+        try:
+            self._apply_script(st, with_delete)
+        except NftError:
+            fresh = _State()
+            self._apply_script(fresh, header)
+            st.__dict__.update(fresh.__dict__)
+
+    @staticmethod
+    def _err(msg: str) -> NftError:
+        return NftError(f"Error: Could not process rule: {msg}")
+
+    def _apply_script(self, st: _State, script: str) -> None:
+        for line in script.splitlines():
+            verb, kind, fam, table, *rest = line.split(" ", 4)
+            assert fam == "inet" and table == TABLE, line
+            body = rest[0] if rest else ""
+            if kind == "table":
+                if verb == "delete":
+                    if not st.table:
+                        raise self._err("No such file or directory")
+                    st.__dict__.update(_State().__dict__)
+                else:
+                    st.table = True
+                continue
+            if not st.table:
+                raise self._err("No such file or directory")
+            name = body.split(" ", 1)[0]
+            if kind == "chain":
+                if verb == "add":
+                    st.chains.setdefault(name, [])
+                elif verb == "flush":
+                    if name not in st.chains:
+                        raise self._err("No such file or directory")
+                    st.chains[name] = []
+                else:
+                    raise AssertionError(line)
+            elif kind in ("set", "map"):
+                if verb == "add":
+                    elements = st.sets.setdefault(name, {})
+                    if kind == "map":
+                        st.maps.add(name)
+                    m = _ELEMENTS.search(body)
+                    if m:
+                        for element in m.group(1).split(", "):
+                            key, _, data = element.partition(" : ")
+                            key = key.split(" ")[0]
+                            if key in elements and elements[key] != data:
+                                raise self._err("File exists")
+                            elements[key] = data
+                elif verb == "flush":
+                    if name not in st.sets:
+                        raise self._err("No such file or directory")
+                    st.sets[name] = {}
+                else:
+                    raise AssertionError(line)
+            elif kind == "rule":
+                assert verb == "add", line
+                if name not in st.chains:
+                    raise self._err("No such file or directory")
+                rule = body.split(" ", 1)[1]
+                for ref in re.findall(r"@(\w+)", rule):
+                    if ref not in st.sets:
+                        raise self._err(f"Could not process rule: set {ref} does not exist")
+                st.chains[name].append(rule)
+            else:
+                raise AssertionError(line)
+
+    def _apply_deletes(self, st: _State, batch: DeleteBatch) -> None:
+        for op in batch.ops:
+            if op.kind is ObjKind.ELEMENT:
+                elements = st.sets.get(op.name)
+                if elements is None or str(op.key) not in elements:
+                    raise self._err("No such file or directory")
+                del elements[str(op.key)]
+            elif op.kind is ObjKind.CHAIN:
+                if op.name not in st.chains:
+                    raise self._err("No such file or directory")
+                if any(d == f"jump {op.name}" for els in st.sets.values() for d in els.values()):
+                    raise self._err("Device or resource busy")
+                del st.chains[op.name]
+            else:
+                if op.name not in st.sets:
+                    raise self._err("No such file or directory")
+                if any(f"@{op.name}" in r for rules in st.chains.values() for r in rules):
+                    raise self._err("Device or resource busy")
+                del st.sets[op.name]
+                st.maps.discard(op.name)
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def elements(self, name: str) -> dict[str, str]:
+        return dict(self.state.sets.get(name, {}))
+
+    def rules(self, chain: str) -> list[str]:
+        return list(self.state.chains.get(chain, []))
+
+    def has_chain(self, chain: str) -> bool:
+        return chain in self.state.chains
+
+    def subject_objects(self, nid: str) -> list[str]:
+        names = [*self.state.chains, *self.state.sets]
+        return sorted(n for n in names if n in (f"subj_{nid}", f"mark_{nid}") or n.startswith(f"subj_{nid}_"))
+
+    def ok_calls(self, op: str | None = None) -> list[Call]:
+        return [c for c in self.calls if c.ok and (op is None or c.op == op) and c.kind != "reset"]
+
+    def mark(self) -> int:
+        return len(self.calls)
+
+    def since(self, mark: int) -> list[Call]:
+        return self.calls[mark:]
+
+
+# --------------------------------------------------------------------------- envelopes
+
+
+def set_binding(
+    uid: str = "u-1",
+    policy: object = '{"defaultAction":"deny","egress":[{"action":"allow","target":"8.8.8.8"}]}',
+    *,
+    ip: str | None = "10.0.0.5",
+    gw: str | None = GW,
+    rid: str = "r1",
+    aid: str = "a1",
+    gen: int = 1,
+) -> SetBinding:
+    doc: dict[str, Any] = {
+        "apiVersion": API_VERSION,
+        "operation": "SET_BINDING",
+        "sandbox": {"uid": uid},
+        "revision": {"specGeneration": gen, "runtimeInstanceId": rid, "attachmentId": aid},
+        "binding": {"input": policy},
+    }
+    if ip is not None:
+        net: dict[str, str] = {"ip": ip, "hostVeth": "veth0"}
+        if gw is not None:
+            net["gateway"] = gw
+        doc["attachment"] = {"network": net}
+    action = parse_action(json.dumps(doc).encode())
+    assert isinstance(action, SetBinding)
+    return action
+
+
+def hook(
+    uid: str = "u-1", name: str = "sandbox.data-plane-ready", *, rid: str = "r1", aid: str = "a1"
+) -> LifecycleHook:
+    doc = {
+        "apiVersion": API_VERSION,
+        "operation": "LIFECYCLE_HOOK",
+        "sandbox": {"uid": uid},
+        "revision": {"runtimeInstanceId": rid, "attachmentId": aid},
+        "hook": {"name": name, "sequence": 1},
+    }
+    action = parse_action(json.dumps(doc).encode())
+    assert isinstance(action, LifecycleHook)
+    return action
+
+
+def remove(uid: str = "u-1", *, rid: str = "r1", aid: str = "a1") -> RemoveBinding:
+    doc = {
+        "apiVersion": API_VERSION,
+        "operation": "REMOVE_BINDING",
+        "sandbox": {"uid": uid},
+        "revision": {"runtimeInstanceId": rid, "attachmentId": aid},
+    }
+    action = parse_action(json.dumps(doc).encode())
+    assert isinstance(action, RemoveBinding)
+    return action
+
+
+POLICY_A = '{"defaultAction":"deny","egress":[{"action":"allow","target":"8.8.8.8"}]}'
+POLICY_B = '{"defaultAction":"deny","egress":[{"action":"allow","target":"9.9.9.9"}]}'
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+def kernel() -> FakeKernel:
+    return FakeKernel()
+
+
+async def make_control(kernel: FakeKernel, *, mitm: bool = False) -> ControlPlane:
+    control = ControlPlane(TableConfig(table=TABLE, dns_port=15353, mitm=mitm), kernel)
+    await control.reset_table()
+    assert control.enforcement_ready
+    return control
+
+
+@pytest.fixture
+async def control(kernel: FakeKernel) -> ControlPlane:
+    return await make_control(kernel)
+
+
+def entry(control: ControlPlane, uid: str = "u-1") -> Entry:
+    e = control.registry.get(uid)
+    assert e is not None, f"{uid} not registered"
+    return e
+
+
+def ok(result: Result) -> None:
+    assert result == Result(200), result
+
+
+def dispatched(kernel: FakeKernel, ip: str) -> str | None:
+    return kernel.elements("dispatch_v4").get(ip)
+
+
+async def activate(
+    control: ControlPlane, uid: str = "u-1", ip: str = "10.0.0.5", policy: str = POLICY_A
+) -> None:
+    ok(await control.handle(set_binding(uid, policy, ip=ip)))
+    ok(await control.handle(hook(uid)))
+    assert entry(control, uid).state is State.ACTIVE
+
+
+def assert_deny_first_installed(kernel: FakeKernel, nid: str = "s_u_1", ip: str = "10.0.0.5") -> None:
+    assert kernel.rules(f"subj_{nid}")[-1] == "drop"
+    assert kernel.rules(f"mark_{nid}") == []
+    for kind in ("allow_v4", "allow_v6", "deny_v4", "deny_v6", "dyn_v4", "dyn_v6"):
+        assert kernel.elements(f"subj_{nid}_{kind}") == {}
+    assert dispatched(kernel, ip) == f"jump subj_{nid}"
+    assert kernel.elements("marking_v4").get(ip) == f"jump mark_{nid}"
+
+
+# --------------------------------------------------------------------------- startup
+
+
+async def test_reset_table_installs_the_header_even_without_an_existing_table() -> None:
+    kernel = FakeKernel()
+    control = ControlPlane(TableConfig(table=TABLE), kernel)
+    assert not control.enforcement_ready
+    await control.reset_table()
+    assert control.enforcement_ready
+    assert kernel.rules("dispatch")[-1] == "meta mark & 0x2 != 0x2 drop"
+    assert kernel.elements("dispatch_v4") == {}
+
+
+# --------------------------------------------------------------------------- parse before mutate
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "not-json",
+        "yaml:\n- a",
+        '{"defaultAction":"sometimes"}',
+        '{"egress":[{"action":"allow","target":""}]}',
+        '{"egress":[{"action":"foo","target":"x.com"}]}',
+        "[1,2]",
+        '{"osbEgressInput":1,"policy":{},"vault":{"v":1,"kid":"k3","alg":"A256GCM","ct":"AAAA"}}',
+        '{"osbEgressInput":2,"policy":{}}',
+    ],
+)
+async def test_bad_policy_is_400_and_registers_nothing(
+    control: ControlPlane, kernel: FakeKernel, bad: str
+) -> None:
+    before = kernel.mark()
+    result = await control.handle(set_binding(policy=bad))
+    assert result.status == 400
+    assert "\n" not in result.reason
+    assert control.registry.get("u-1") is None
+    assert len(control.registry) == 0
+    assert kernel.since(before) == []
+
+
+async def test_bad_policy_for_an_active_subject_changes_nothing(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    await activate(control)
+    before_entry = entry(control)
+    before = kernel.mark()
+    result = await control.handle(set_binding(policy="{nope", gen=2))
+    assert result.status == 400
+    assert entry(control) == before_entry
+    assert kernel.since(before) == []
+
+
+@pytest.mark.parametrize("deny_all", ["", "null", "{}", "  "])
+async def test_deny_all_inputs_are_ordinary_strings(control: ControlPlane, deny_all: str) -> None:
+    ok(await control.handle(set_binding(policy=deny_all)))
+    assert entry(control).pending == parse_policy(None)
+
+
+@pytest.mark.parametrize(
+    ("ip", "gw"),
+    [("127.0.0.1", GW), ("0.0.0.0", GW), ("224.0.0.1", GW), ("169.254.1.1", GW), ("10.0.0.5", "10.0.0.5")],
+)
+async def test_unusable_dispatch_key_is_400_before_any_mutation(
+    control: ControlPlane, kernel: FakeKernel, ip: str, gw: str
+) -> None:
+    before = kernel.mark()
+    result = await control.handle(set_binding(ip=ip, gw=gw))
+    assert result.status == 400
+    assert control.registry.get("u-1") is None
+    assert kernel.since(before) == []
+
+
+class RecordingListener:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    async def registered(self, entry: Entry) -> None:
+        self.events.append(("registered", entry.uid))
+
+    async def unbound(self, uid: str) -> None:
+        self.events.append(("unbound", uid))
+
+    async def reset(self, uid: str) -> None:
+        self.events.append(("reset", uid))
+
+    async def removed(self, uid: str) -> None:
+        self.events.append(("removed", uid))
+
+
+async def test_listeners_follow_the_subject_lifecycle(control: ControlPlane, kernel: FakeKernel) -> None:
+    listener = RecordingListener()
+    control.listeners.append(listener)
+    ok(await control.handle(set_binding()))
+    assert listener.events == [("registered", "u-1")]
+    assert (await control.handle(set_binding(policy="{bad"))).status == 400
+    kernel.fail(op="deny_first")
+    assert (await control.handle(set_binding())).status == 500
+    assert listener.events == [("registered", "u-1")]  # nothing for refused or failed inputs
+    ok(await control.handle(set_binding(policy=None)))
+    assert listener.events[-1] == ("unbound", "u-1")
+    ok(await control.handle(set_binding(rid="r2")))
+    assert listener.events[-2:] == [("reset", "u-1"), ("registered", "u-1")]
+    kernel.fail(op="remove")
+    assert (await control.handle(remove(rid="r2"))).status == 500
+    assert listener.events[-1] != ("removed", "u-1")
+    ok(await control.handle(remove(rid="r2")))
+    assert listener.events[-1] == ("removed", "u-1")
+    ok(await control.handle(remove("never-registered")))
+    assert listener.events[-1] == ("removed", "never-registered")
+
+
+# --------------------------------------------------------------------------- SET_BINDING / activation
+
+
+async def test_set_binding_installs_deny_first_then_parks_the_policy(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    before = kernel.mark()
+    ok(await control.handle(set_binding()))
+    e = entry(control)
+    assert e.state is State.DENYING
+    assert e.pending == parse_policy(POLICY_A)
+    assert e.policy is None
+    assert e.spec_generation == 1
+    assert [c.op for c in kernel.since(before)] == ["deny_first"]
+    assert_deny_first_installed(kernel)
+    assert kernel.elements("dns_gw_v4") == {GW: ""}
+    assert control.registry.resolve(ip_address("10.0.0.5")) == e
+    assert control.registry.kernel("u-1") == KernelView(
+        True, frozenset({(ip_address("10.0.0.5"), ip_address(GW))})
+    )
+
+
+async def test_set_binding_while_denying_replaces_pending_latest_wins(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    ok(await control.handle(set_binding(policy=POLICY_A)))
+    ok(await control.handle(set_binding(policy=POLICY_B, gen=2)))
+    assert entry(control).pending == parse_policy(POLICY_B)
+    assert entry(control).state is State.DENYING
+    assert_deny_first_installed(kernel)
+    ok(await control.handle(hook()))
+    assert entry(control).policy == parse_policy(POLICY_B)
+    assert kernel.elements("subj_s_u_1_allow_v4") == {"9.9.9.9": ""}
+
+
+async def test_data_plane_ready_activates(control: ControlPlane, kernel: FakeKernel) -> None:
+    ok(await control.handle(set_binding()))
+    before = kernel.mark()
+    ok(await control.handle(hook()))
+    e = entry(control)
+    assert e.state is State.ACTIVE
+    assert e.policy == parse_policy(POLICY_A)
+    assert e.pending is None
+    assert [c.op for c in kernel.since(before)] == ["static_apply"]
+    assert kernel.elements("subj_s_u_1_allow_v4") == {"8.8.8.8": ""}
+    assert "drop" not in kernel.rules("subj_s_u_1")
+    assert "ip daddr @subj_s_u_1_allow_v4 meta mark set 0x2" in kernel.rules("mark_s_u_1")
+
+
+async def test_data_plane_ready_twice_is_idempotent(control: ControlPlane, kernel: FakeKernel) -> None:
+    await activate(control)
+    before = kernel.mark()
+    ok(await control.handle(hook()))
+    assert kernel.since(before) == []
+    assert entry(control).state is State.ACTIVE
+
+
+async def test_data_plane_ready_without_pending_while_denying_is_409(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    ok(await control.handle(set_binding(policy=None)))
+    assert entry(control).pending is None
+    before = kernel.mark()
+    result = await control.handle(hook())
+    assert result.status == 409
+    assert kernel.since(before) == []
+    assert entry(control).state is State.DENYING
+
+
+@pytest.mark.parametrize("name", ["sandbox.runtime-ready", "sandbox.data-plane-ready"])
+async def test_hooks_absent_and_stale_are_409(control: ControlPlane, kernel: FakeKernel, name: str) -> None:
+    assert (await control.handle(hook(name=name))).status == 409
+    ok(await control.handle(set_binding()))
+    before = kernel.mark()
+    assert (await control.handle(hook(name=name, rid="r0"))).status == 409
+    assert (await control.handle(hook(name=name, aid="a0"))).status == 409
+    assert kernel.since(before) == []
+    assert entry(control).state is State.DENYING
+    assert entry(control).pending is not None  # a stale hook never consumes the pending policy
+
+
+async def test_runtime_ready_is_a_noop(control: ControlPlane, kernel: FakeKernel) -> None:
+    ok(await control.handle(set_binding()))
+    before = kernel.mark()
+    ok(await control.handle(hook(name="sandbox.runtime-ready")))
+    assert kernel.since(before) == []
+    assert entry(control).state is State.DENYING
+
+
+async def test_in_place_update_of_an_active_subject(control: ControlPlane, kernel: FakeKernel) -> None:
+    await activate(control)
+    before = kernel.mark()
+    ok(await control.handle(set_binding(policy=POLICY_B, gen=5)))
+    assert [c.op for c in kernel.since(before)] == ["static_apply"]
+    e = entry(control)
+    assert e.state is State.ACTIVE
+    assert e.policy == parse_policy(POLICY_B)
+    assert e.spec_generation == 5
+    assert kernel.elements("subj_s_u_1_allow_v4") == {"9.9.9.9": ""}
+
+
+async def test_null_revert_of_an_active_subject(control: ControlPlane, kernel: FakeKernel) -> None:
+    await activate(control)
+    before = kernel.mark()
+    ok(await control.handle(set_binding(policy=None)))
+    assert kernel.since(before)[0].op == "deny_first"
+    e = entry(control)
+    assert e.state is State.DENYING
+    assert e.policy is None
+    assert e.pending is None
+    assert_deny_first_installed(kernel)
+    assert (await control.handle(hook())).status == 409
+
+
+async def test_null_for_absent_subject_without_attachment_is_a_noop(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    before = kernel.mark()
+    ok(await control.handle(set_binding(policy=None, ip=None)))
+    assert control.registry.get("u-1") is None
+    assert kernel.since(before) == []
+
+
+async def test_null_for_absent_subject_with_attachment_installs_deny_first(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    ok(await control.handle(set_binding(policy=None)))
+    assert entry(control).state is State.DENYING
+    assert entry(control).pending is None
+    assert_deny_first_installed(kernel)
+
+
+# --------------------------------------------------------------------------- failures and retries
+
+
+async def test_deny_first_failure_is_500_and_retry_converges(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    kernel.fail(op="deny_first")
+    result = await control.handle(set_binding())
+    assert result.status == 500
+    assert result.reason.startswith("deny-first install: ")
+    e = entry(control)
+    assert e.state is State.DENYING
+    assert e.policy is None
+    assert e.pending is None  # the failed input was never accepted
+    assert kernel.subject_objects("s_u_1") == []
+    assert dispatched(kernel, "10.0.0.5") is None
+    assert (await control.handle(hook())).status == 409  # never activates without deny-first
+
+    ok(await control.handle(set_binding()))
+    assert entry(control).pending == parse_policy(POLICY_A)
+    assert_deny_first_installed(kernel)
+    ok(await control.handle(hook()))
+    assert entry(control).state is State.ACTIVE
+
+
+async def test_failure_on_nth_call_is_500(control: ControlPlane, kernel: FakeKernel) -> None:
+    kernel.fail(call=kernel.mark() + 1)
+    assert (await control.handle(set_binding())).status == 500
+    ok(await control.handle(set_binding()))
+
+
+async def test_data_plane_ready_failure_keeps_pending_and_retry_activates(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    ok(await control.handle(set_binding()))
+    kernel.fail(op="static_apply")
+    result = await control.handle(hook())
+    assert result.status == 500
+    assert result.reason.startswith("policy apply: ")
+    e = entry(control)
+    assert e.state is State.DENYING
+    assert e.pending == parse_policy(POLICY_A)
+    assert e.policy is None
+    assert_deny_first_installed(kernel)
+    ok(await control.handle(hook()))
+    assert entry(control).state is State.ACTIVE
+    assert entry(control).pending is None
+
+
+async def test_in_place_update_failure_keeps_the_old_policy(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    await activate(control)
+    kernel.fail(match="9.9.9.9")
+    result = await control.handle(set_binding(policy=POLICY_B, gen=2))
+    assert result.status == 500
+    e = entry(control)
+    assert e.state is State.ACTIVE
+    assert e.policy == parse_policy(POLICY_A)
+    assert kernel.elements("subj_s_u_1_allow_v4") == {"8.8.8.8": ""}
+    ok(await control.handle(set_binding(policy=POLICY_B, gen=2)))
+    assert entry(control).policy == parse_policy(POLICY_B)
+
+
+async def test_revert_failure_is_500_and_never_left_active_by_retry(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    await activate(control)
+    kernel.fail(op="deny_first")
+    assert (await control.handle(set_binding(policy=None))).status == 500
+    assert entry(control).state is State.DENYING
+    ok(await control.handle(set_binding(policy=None)))
+    assert_deny_first_installed(kernel)
+    assert entry(control).policy is None
+
+
+async def test_remove(control: ControlPlane, kernel: FakeKernel) -> None:
+    await activate(control)
+    before = kernel.mark()
+    ok(await control.handle(remove()))
+    assert [c.kind for c in kernel.since(before)] == ["deletes"]
+    assert control.registry.get("u-1") is None
+    assert control.registry.resolve(ip_address("10.0.0.5")) is None
+    assert control.registry.kernel("u-1") == KernelView()
+    assert kernel.subject_objects("s_u_1") == []
+    assert kernel.elements("dispatch_v4") == {}
+    assert kernel.elements("marking_v4") == {}
+    assert kernel.elements("dns_gw_v4") == {}  # last user of the gateway
+
+
+async def test_remove_failure_keeps_the_subject_and_retry_removes(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    await activate(control)
+    kernel.fail(op="remove")
+    result = await control.handle(remove())
+    assert result.status == 500
+    assert result.reason.startswith("removal: ")
+    assert entry(control).state is State.ACTIVE
+    assert dispatched(kernel, "10.0.0.5") == "jump subj_s_u_1"
+    assert control.registry.kernel("u-1").objects
+    ok(await control.handle(remove()))
+    assert control.registry.get("u-1") is None
+    assert kernel.subject_objects("s_u_1") == []
+
+
+async def test_remove_other_fence_is_ignored_and_absent_is_200(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    ok(await control.handle(remove("nobody")))
+    await activate(control)
+    before = kernel.mark()
+    ok(await control.handle(remove(rid="r-old")))
+    assert kernel.since(before) == []
+    assert entry(control).state is State.ACTIVE
+
+
+async def test_remove_of_a_subject_whose_install_failed(control: ControlPlane, kernel: FakeKernel) -> None:
+    kernel.fail(op="deny_first")
+    assert (await control.handle(set_binding())).status == 500
+    before = kernel.mark()
+    ok(await control.handle(remove()))
+    assert control.registry.get("u-1") is None
+    assert kernel.since(before) == []  # nothing was installed, nothing to delete
+
+
+# --------------------------------------------------------------------------- claims and gateways
+
+
+async def test_ip_used_by_another_uid_is_409(control: ControlPlane, kernel: FakeKernel) -> None:
+    ok(await control.handle(set_binding("a", ip="10.0.0.5")))
+    before = kernel.mark()
+    result = await control.handle(set_binding("b", ip="10.0.0.5"))
+    assert result.status == 409
+    assert "10.0.0.5" in result.reason
+    assert control.registry.get("b") is None
+    assert control.registry.resolve(ip_address("10.0.0.5")) == entry(control, "a")
+    assert kernel.since(before) == []
+
+
+async def test_nft_id_collision_is_409(control: ControlPlane, kernel: FakeKernel) -> None:
+    ok(await control.handle(set_binding("a-b", ip="10.0.0.5")))
+    before = kernel.mark()
+    result = await control.handle(set_binding("a_b", ip="10.0.0.6"))
+    assert result.status == 409
+    assert control.registry.get("a_b") is None
+    assert kernel.since(before) == []
+
+
+async def test_missing_gateway_is_500_and_subject_stays_denying(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    before = kernel.mark()
+    result = await control.handle(set_binding(gw=None))
+    assert result.status == 500
+    assert "gateway" in result.reason
+    assert entry(control).state is State.DENYING
+    assert kernel.since(before) == []
+    assert (await control.handle(hook())).status == 409
+
+
+async def test_mitm_other_family_gateway_is_500() -> None:
+    kernel = FakeKernel()
+    control = await make_control(kernel, mitm=True)
+    result = await control.handle(set_binding(ip="10.0.0.5", gw="fd00::1"))
+    assert result.status == 500
+    assert entry(control).state is State.DENYING
+    assert kernel.subject_objects("s_u_1") == []
+
+
+async def test_mitm_lifecycle() -> None:
+    kernel = FakeKernel()
+    control = await make_control(kernel, mitm=True)
+    ok(await control.handle(set_binding()))
+    assert kernel.rules("subj_s_u_1_in")[-1] == "drop"
+    assert kernel.elements("mitm_src_v4") == {"10.0.0.5": ""}
+    assert kernel.elements("mitm_in_v4") == {"10.0.0.5": "jump subj_s_u_1_in"}
+    ok(await control.handle(hook()))
+    ok(await control.handle(remove()))
+    assert kernel.elements("mitm_src_v4") == {}
+    assert kernel.elements("mitm_in_v4") == {}
+    assert kernel.subject_objects("s_u_1") == []
+
+
+async def test_mitm_active_gateway_change_rekeys_in_place() -> None:
+    kernel = FakeKernel()
+    control = await make_control(kernel, mitm=True)
+    await activate(control)
+    ok(await control.handle(set_binding(gw="10.0.0.254", gen=2)))
+    e = entry(control)
+    assert e.state is State.ACTIVE
+    assert e.binding is not None
+    assert str(e.binding.gateway) == "10.0.0.254"
+    assert kernel.elements("mitm_src_v4") == {"10.0.0.5": ""}
+    assert kernel.elements("dns_gw_v4") == {"10.0.0.254": ""}
+    assert dispatched(kernel, "10.0.0.5") == "jump subj_s_u_1"
+
+
+async def test_rebind_to_new_ip_deletes_the_old_map_entries(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    await activate(control)
+    before = kernel.mark()
+    ok(await control.handle(set_binding(policy=POLICY_B, ip="10.0.0.6", rid="r2", aid="a2", gen=2)))
+    calls = kernel.since(before)
+    assert [c.op for c in calls] == ["deny_first", "dispatch_update"]
+    deletes = calls[1]
+    assert deletes.kind == "deletes"
+    assert "delete element inet T dispatch_v4 { 10.0.0.5 }" in deletes.text
+    assert "delete element inet T marking_v4 { 10.0.0.5 }" in deletes.text
+    assert "dns_gw_v4" not in deletes.text  # the new key uses the same gateway
+    e = entry(control)
+    assert e.state is State.DENYING
+    assert e.pending == parse_policy(POLICY_B)
+    assert e.policy is None
+    assert all(k[0] != ip_address("10.0.0.5") for k in control.registry.kernel("u-1").keys)
+    assert control.registry.resolve(ip_address("10.0.0.5")) is None
+    assert control.registry.resolve(ip_address("10.0.0.6")) == e
+    assert dispatched(kernel, "10.0.0.5") is None
+    assert_deny_first_installed(kernel, ip="10.0.0.6")
+    # The old address is free for another sandbox.
+    ok(await control.handle(set_binding("other", ip="10.0.0.5")))
+
+
+async def test_rebind_from_denying_with_new_gateway_releases_the_old_one(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    ok(await control.handle(set_binding()))
+    ok(await control.handle(set_binding(ip="10.1.0.5", gw="10.1.0.1", rid="r2")))
+    assert kernel.elements("dns_gw_v4") == {"10.1.0.1": ""}
+    assert control.registry.kernel("u-1").keys == frozenset(
+        {(ip_address("10.1.0.5"), ip_address("10.1.0.1"))}
+    )
+
+
+async def test_rebind_clears_learned_leases(control: ControlPlane, kernel: FakeKernel) -> None:
+    await activate(control)
+    kernel.state.sets["subj_s_u_1_dyn_v4"]["93.184.216.34"] = ""  # a DNS-learned lease
+    ok(await control.handle(set_binding(rid="r2")))
+    assert kernel.elements("subj_s_u_1_dyn_v4") == {}
+    assert entry(control).policy is None
+
+
+async def test_active_rekey_drops_old_keys_before_adding_new(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    await activate(control)
+    before = kernel.mark()
+    ok(await control.handle(set_binding(policy=POLICY_A, ip="10.0.0.6", gen=2)))
+    calls = kernel.since(before)
+    assert [(c.kind, c.op) for c in calls] == [
+        ("deletes", "dispatch_update"),
+        ("script", "dispatch_update"),
+        ("script", "static_apply"),
+    ]
+    assert "10.0.0.5" in calls[0].text
+    assert "10.0.0.6" in calls[1].text
+    assert entry(control).state is State.ACTIVE
+    assert dispatched(kernel, "10.0.0.5") is None
+    assert dispatched(kernel, "10.0.0.6") == "jump subj_s_u_1"
+    assert kernel.elements("dns_gw_v4") == {GW: ""}
+
+
+async def test_shared_gateway_released_only_with_the_last_subject(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    await activate(control, "a", "10.0.0.5")
+    await activate(control, "b", "10.0.0.6")
+    assert kernel.elements("dns_gw_v4") == {GW: ""}
+    before = kernel.mark()
+    ok(await control.handle(remove("a")))
+    assert "dns_gw_v4" not in "".join(c.text for c in kernel.since(before))
+    assert kernel.elements("dns_gw_v4") == {GW: ""}
+    assert dispatched(kernel, "10.0.0.6") == "jump subj_s_b"
+    before = kernel.mark()
+    ok(await control.handle(remove("b")))
+    assert "delete element inet T dns_gw_v4 { 10.0.0.1 }" in kernel.since(before)[0].text
+    assert kernel.elements("dns_gw_v4") == {}
+    assert kernel.elements("dispatch_v4") == {}
+
+
+async def test_remove_leaves_other_subjects_untouched(control: ControlPlane, kernel: FakeKernel) -> None:
+    await activate(control, "a", "10.0.0.5")
+    await activate(control, "b", "10.0.0.6", POLICY_B)
+    ok(await control.handle(remove("a")))
+    assert kernel.subject_objects("s_a") == []
+    assert kernel.elements("subj_s_b_allow_v4") == {"9.9.9.9": ""}
+    assert entry(control, "b").state is State.ACTIVE
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+async def test_fifty_concurrent_set_bindings(control: ControlPlane, kernel: FakeKernel) -> None:
+    actions = [set_binding(f"u{i}", ip=f"10.0.{i // 200}.{i % 200 + 10}") for i in range(50)]
+    results = await asyncio.gather(*(control.handle(a) for a in actions))
+    assert all(r == Result(200) for r in results)
+    assert len(control.registry) == 50
+    assert len(kernel.elements("dispatch_v4")) == 50
+    assert all(e.state is State.DENYING and e.pending is not None for e in control.registry)
+    results = await asyncio.gather(*(control.handle(hook(f"u{i}")) for i in range(50)))
+    assert all(r == Result(200) for r in results)
+    assert control.registry.counts()[State.ACTIVE] == 50
+
+
+def _applies_after_deny_first(calls: Iterable[Call], nid: str) -> int:
+    """Count the successful policy applies of ``nid``; each must follow a successful deny-first."""
+    installed = False
+    applied = 0
+    for c in calls:
+        if not c.ok:
+            continue
+        text = c.text.splitlines()
+        if c.op == "deny_first" and f"add chain inet T subj_{nid}" in text:
+            installed = True
+        if c.op == "static_apply" and f"flush chain inet T subj_{nid}" in text:
+            assert installed, "policy applied before any deny-first transaction"
+            applied += 1
+    return applied
+
+
+@pytest.mark.parametrize("hook_first", [True, False])
+async def test_concurrent_set_binding_and_data_plane_ready(
+    control: ControlPlane, kernel: FakeKernel, hook_first: bool
+) -> None:
+    for i in range(20):
+        uid = f"c{i}"
+        coros = [control.handle(set_binding(uid, ip=f"10.0.1.{i + 10}")), control.handle(hook(uid))]
+        if hook_first:
+            coros.reverse()
+        results = await asyncio.gather(*coros)
+        codes = sorted(r.status for r in results)
+        assert codes in ([200, 200], [200, 409])
+        e = entry(control, uid)
+        if e.state is State.ACTIVE:
+            assert codes == [200, 200]
+        else:
+            ok(await control.handle(hook(uid)))
+        assert entry(control, uid).state is State.ACTIVE
+        assert control.registry.kernel(uid).objects
+        assert _applies_after_deny_first(kernel.calls, f"s_c{i}") == 1
+
+
+@pytest.mark.parametrize("failures", [1, 2, 3])
+@pytest.mark.parametrize("hook_first", [True, False])
+async def test_concurrent_set_binding_and_data_plane_ready_with_failures(
+    control: ControlPlane, kernel: FakeKernel, failures: int, hook_first: bool
+) -> None:
+    kernel.fail(op="deny_first", times=failures)
+    coros = [
+        control.handle(set_binding()),
+        control.handle(hook()),
+        control.handle(set_binding()),
+        control.handle(hook()),
+        control.handle(set_binding()),
+        control.handle(hook()),
+    ]
+    if hook_first:
+        coros.reverse()
+    results = await asyncio.gather(*coros)
+    assert all(r.status in (200, 409, 500) for r in results)
+    _applies_after_deny_first(kernel.calls, "s_u_1")
+    if entry(control).state is State.ACTIVE:
+        assert control.registry.kernel("u-1").objects
+    # Whatever happened, the Fastlet's retries converge on an active subject.
+    ok(await control.handle(set_binding()))
+    ok(await control.handle(hook()))
+    assert entry(control).state is State.ACTIVE
+    assert _applies_after_deny_first(kernel.calls, "s_u_1") >= 1
+    assert kernel.elements("subj_s_u_1_allow_v4") == {"8.8.8.8": ""}
+
+
+# ------------------------------------------------------------- regressions (bugs found and fixed)
+
+
+async def test_concurrent_claims_of_the_same_ip(control: ControlPlane, kernel: FakeKernel) -> None:
+    results = await asyncio.gather(
+        control.handle(set_binding("a", ip="10.0.0.5")),
+        control.handle(set_binding("b", ip="10.0.0.5")),
+    )
+    assert sorted(r.status for r in results) == [200, 409]
+    winner = "a" if results[0].status == 200 else "b"
+    loser = "b" if winner == "a" else "a"
+    assert control.registry.get(loser) is None
+    assert control.registry.resolve(ip_address("10.0.0.5")) == entry(control, winner)
+
+
+async def test_concurrent_nft_id_collision(control: ControlPlane, kernel: FakeKernel) -> None:
+    results = await asyncio.gather(
+        control.handle(set_binding("a-b", ip="10.0.0.5")),
+        control.handle(set_binding("a_b", ip="10.0.0.6")),
+    )
+    assert sorted(r.status for r in results) == [200, 409]
+    assert len(control.registry) == 1
+
+
+@pytest.mark.parametrize(
+    ("new_ip", "new_gw"),
+    [("10.0.0.6", GW), ("10.0.0.5", "10.0.0.254")],
+    ids=["new-ip-same-gateway", "same-ip-new-gateway"],
+)
+async def test_remove_after_half_applied_rekey(
+    control: ControlPlane, kernel: FakeKernel, new_ip: str, new_gw: str
+) -> None:
+    ok(await control.handle(set_binding()))
+    kernel.fail(match="delete element")  # the DropStaleKeys batch of the re-key
+    result = await control.handle(set_binding(ip=new_ip, gw=new_gw, gen=2))
+    assert result.status == 500
+    assert len(control.registry.kernel("u-1").keys) == 2
+    ok(await control.handle(remove()))
+    assert control.registry.get("u-1") is None
+    assert kernel.elements("dispatch_v4") == {}
+    assert kernel.elements("dns_gw_v4") == {}
+
+
+@pytest.mark.parametrize(
+    ("rid", "active_first"),
+    [("r1", False), ("r2", False), ("r2", True)],
+    ids=["same-fence", "rebind", "rebind-active"],
+)
+async def test_mitm_gateway_change_for_the_same_ip(rid: str, active_first: bool) -> None:
+    kernel = FakeKernel()
+    control = await make_control(kernel, mitm=True)
+    ok(await control.handle(set_binding()))
+    if active_first:
+        ok(await control.handle(hook()))
+    ok(await control.handle(set_binding(gw="10.0.0.254", gen=2, rid=rid)))
+    assert entry(control).state is State.DENYING
+    assert kernel.elements("mitm_src_v4") == {"10.0.0.5": ""}
+    assert kernel.elements("dns_gw_v4") == {"10.0.0.254": ""}
