@@ -50,7 +50,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
     tx = KernelTransactions(metrics)
     try:
         try:
-            tx.run_sync(lambda: run_selftest(tx._cmd, tx._deletes, table_prefix=cfg.nft_table))
+            tx.run_sync(lambda: run_selftest(tx._cmd, tx._batch, table_prefix=cfg.nft_table))
         except SelfTestError as exc:
             raise StartupError(str(exc)) from None
         bridges = bridge_report()
@@ -65,7 +65,8 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
         control = ControlPlane(
             table_config(cfg), tx, always=always, metrics=metrics, conntrack_flush=flush_source
         )
-        metrics.subjects._collect = control.state_counts
+        metrics.subjects.collect_from(control.state_counts)
+        metrics.nft_rules.collect_from(control.rules_count)
         try:
             await control.reset_table()
         except NftError as exc:

@@ -84,6 +84,10 @@ class Gauge(_Metric):
         self._values: dict[tuple[str, ...], float] = {}
         self._collect = collect
 
+    def collect_from(self, collect: Callable[[], dict[tuple[str, ...], float]]) -> None:
+        """Compute the samples at scrape time instead of storing them."""
+        self._collect = collect
+
     def set(self, value: float, *labels: str) -> None:
         with self._lock:
             self._values[labels] = value
@@ -176,7 +180,9 @@ class EgressMetrics:
                 "egressd_nft_transaction_duration_seconds", "nftables transaction latency.", ["operation"]
             )
         )
-        self.nft_rules = r.register(Gauge("egress_nftables_rules_count", "Subjects with rules installed."))
+        self.nft_rules = r.register(
+            Gauge("egress_nftables_rules_count", "Per-subject nftables rules installed.")
+        )
         self.transitions = r.register(
             Counter("egressd_subject_transitions_total", "Subject state transitions.", ["from", "to"])
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import structlog
@@ -19,18 +19,19 @@ from egressd.actionhandler.envelope import HookName, LifecycleHook, RemoveBindin
 from egressd.fleet.inputs import InputError, parse_binding_input
 from egressd.fleetnft.applier import NftError, Transactions
 from egressd.fleetnft.builder import (
-    DeleteBatch,
-    NetlinkDelete,
     SubjectNft,
     TableConfig,
-    deny_first_script,
     dispatch_deletes,
     dispatch_entries,
+    flush_subject_sets,
     gateway_release,
     header_script,
-    policy_script,
+    policy_swap,
     removal_batch,
+    subject_objects_script,
+    subject_rules,
 )
+from egressd.fleetnft.ops import NetlinkBatch, Op
 from egressd.metrics import EgressMetrics
 from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy, effective_policy
 from egressd.subject.model import IPAddress, nft_id, subject_for_uid
@@ -239,9 +240,8 @@ class ControlPlane:
             if action.hook is HookName.RUNTIME_READY:
                 plan = plan_hook_fence(entry, action.fence)
             else:
-                plan = plan_data_plane_ready(
-                    entry, action.fence, kernel_objects=self.registry.kernel(action.uid).objects
-                )
+                view = self.registry.kernel(action.uid)
+                plan = plan_data_plane_ready(entry, action.fence, kernel_objects=view.objects and view.rules)
             return await self._execute(entry, plan, failure_prefix="policy apply")
 
     async def remove(self, action: RemoveBinding) -> Result:
@@ -300,40 +300,53 @@ class ControlPlane:
 
     async def _step(self, entry: Entry, step: Step) -> None:
         uid = entry.uid
+
+        def save(view: KernelView) -> None:
+            # Recorded after every transaction, so a step failing half-way leaves an exact view.
+            self.registry.set_kernel(uid, view)
+
         async with self._kernel_lock:
-            view = self.registry.kernel(uid)
             try:
-                view, cut = await self._run_step(entry, step, view)
+                cut = await self._run_step(entry, step, self.registry.kernel(uid), save)
             except (NftError, _Refused) as exc:
                 raise StepFailed(step, str(exc)) from None
-            self.registry.set_kernel(uid, view)
         # Outside the kernel lock: cutting flows is slow (a subprocess) and only narrows access.
         await self._flush_conntrack(cut)
 
     async def _run_step(
-        self, entry: Entry, step: Step, view: KernelView
-    ) -> tuple[KernelView, list[IPAddress]]:
-        """Run one step; return the new kernel view and the sources whose flows to cut."""
+        self, entry: Entry, step: Step, view: KernelView, save: Callable[[KernelView], None]
+    ) -> list[IPAddress]:
+        """Run one step's transactions in order; return the sources whose flows to cut."""
         nid = entry.nft_id
+        table = self.table.table
         if isinstance(step, InstallDenyFirst):
             subj = self._subject_nft(nid, step.binding)
             try:
-                script = deny_first_script(self.table, subj)
+                script = subject_objects_script(self.table, subj)
             except ValueError as exc:
                 raise _Refused(str(exc)) from None
+            cut: list[IPAddress] = []
+            if view.objects:
+                # Revert or rebind: empty every set first, before any new key points at them.
+                await self.tx.run_batch(flush_subject_sets(table, nid), op="deny_first")
+                cut = _ips(view.keys)
             await self.tx.run_script(script, op="deny_first")
-            new_view = KernelView(True, view.keys | {(subj.ip, subj.gateway)})
-            # A reinstall over existing objects is a revert or rebind: old flows must end.
-            return new_view, (_ips(new_view.keys) if view.objects else [])
+            view = replace(view, objects=True, keys=view.keys | {(subj.ip, subj.gateway)})
+            save(view)
+            if not view.rules:
+                await self.tx.run_batch(subject_rules(self.table, nid), op="deny_first")
+                save(replace(view, rules=True))
+            return cut
         if isinstance(step, ApplyPolicy):
-            await self.tx.run_script(
-                policy_script(self.table, nid, self.effective(step.policy)), op="static_apply"
-            )
-            return view, []
+            if not (view.objects and view.rules):
+                raise _Refused("subject has no deny-first state in the kernel")
+            await self.tx.run_batch(policy_swap(table, nid, self.effective(step.policy)), op="static_apply")
+            return []
         if isinstance(step, AddKeys):
             subj = self._subject_nft(nid, step.binding)
             await self.tx.run_script(dispatch_entries(self.table, subj), op="dispatch_update")
-            return KernelView(view.objects, view.keys | {(subj.ip, subj.gateway)}), []
+            save(replace(view, keys=view.keys | {(subj.ip, subj.gateway)}))
+            return []
         if isinstance(step, DropStaleKeys):
             keep = step.keep
             kept: frozenset[tuple[IPAddress, IPAddress]] = frozenset(
@@ -342,24 +355,24 @@ class ControlPlane:
             stale = view.keys - kept
             ops = self._key_deletes(entry.uid, stale, keep)
             if ops:
-                await self.tx.run_deletes(DeleteBatch(self.table.table, tuple(ops)), op="dispatch_update")
-            return KernelView(view.objects, view.keys & kept), [
-                ip for ip in _ips(stale) if ip not in _ips(kept)
-            ]
+                await self.tx.run_batch(NetlinkBatch(table, tuple(ops)), op="dispatch_update")
+            save(replace(view, keys=view.keys & kept))
+            return [ip for ip in _ips(stale) if ip not in _ips(kept)]
         assert isinstance(step, RemoveAll)
         if not view.objects and not view.keys:
-            return view, []
+            return []
         ops = self._key_deletes(entry.uid, view.keys, None)
         if view.objects:
             ops += removal_batch(self.table, nid, None, release_gateway=None).ops
-        await self.tx.run_deletes(DeleteBatch(self.table.table, tuple(ops)), op="remove")
-        return KernelView(), _ips(view.keys)
+        await self.tx.run_batch(NetlinkBatch(table, tuple(ops)), op="remove")
+        save(KernelView())
+        return _ips(view.keys)
 
     def _key_deletes(
         self, uid: str, stale: frozenset[tuple[IPAddress, IPAddress]], keep: Binding | None
-    ) -> list[NetlinkDelete]:
+    ) -> list[Op]:
         """Deletions for stale dispatch keys: each map element and gateway exactly once."""
-        ops: list[NetlinkDelete] = []
+        ops: list[Op] = []
         keep_ip = keep.ip if keep is not None else None
         for ip in _ips(stale):
             if ip != keep_ip:
@@ -390,6 +403,12 @@ class ControlPlane:
                 log.warning("conntrack.flush_failed", source_ip=str(ip), error=str(exc)[:200])
 
     # ---- read side -------------------------------------------------------------------------
+
+    def rules_count(self) -> dict[tuple[str, ...], float]:
+        """Rules in the table: the header's plus each installed subject's fixed rules."""
+        per_subject = 6 + (7 if self.table.mitm else 0)
+        installed = sum(1 for e in self.registry if self.registry.kernel(e.uid).rules)
+        return {(): float(per_subject * installed)}
 
     def state_counts(self) -> dict[tuple[str, ...], float]:
         counts = self.registry.counts()

@@ -1,18 +1,24 @@
 """Pure generation of the fleet nftables ruleset (BEHAVIOUR.md §8).
 
 Everything here returns text (libnftables scripts, one script = one atomic transaction) or
-plain data describing netlink deletions; nothing touches the kernel.
+:class:`~egressd.fleetnft.ops.NetlinkBatch` data (one batch = one atomic transaction);
+nothing touches the kernel.
 
 Shape, and why it differs from the reference blueprint where it does:
 
 * Dispatch by source IP goes through verdict maps (``dispatch_v4`` … ``marking_v6``) instead
   of one ``ip saddr X jump`` rule per subject: one lookup per packet at any fleet size, and a
   subject's entry can be removed without knowing rule handles.
-* Elements are only ever *added* by re-declaring a set or map with inline ``elements``:
-  libnftables 1.0.6 fetches every interval set of the netns before an ``add element``
-  (~1 s at 1000 subjects), a re-declaration does not.
-* Elements, chains and sets are *deleted* through one raw netlink batch (:class:`NetlinkDelete`),
-  which needs no cache at all, so removal cost does not grow with the fleet.
+* A subject's rules are fixed for its lifetime (deny sets drop; allow and dyn sets mark
+  ``0x2``); its state lives only in its set contents. Deny-first is "all six sets empty":
+  nothing is marked, so the unmarked-drop tail drops everything. ``defaultAction: allow`` is
+  ``0.0.0.0/0`` and ``::/0`` in the allow sets. So activation, policy updates and reverts are
+  set-content swaps, never rule changes.
+* libnftables 1.0.6 dumps every set of the netns before an ``add rule`` or a flush+add of a
+  set in one batch (~15 ms at 1000 subjects) and every interval set's elements before an
+  ``add element`` (~1 s). egressd only hands libnftables cache-free declarations (sets,
+  chains, map elements re-declared inline); rules, content swaps and deletions go through
+  raw netlink batches (:mod:`egressd.fleetnft.ops`), whose cost does not grow with the fleet.
 * The DNS redirect is per gateway: a gateway set feeds two shared redirect rules, and the
   gateway element lives exactly as long as some subject uses that gateway.
 * With MITM, interception is a REDIRECT for sources in ``mitm_src_v4/v6`` (feasibility
@@ -23,13 +29,26 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 
+from egressd.fleetnft.ops import (
+    ALLOW_MARK,
+    AddIntervals,
+    AddRule,
+    AddTimed,
+    DeleteChain,
+    DeleteElement,
+    DeleteSet,
+    FlushSet,
+    MatchRule,
+    NetlinkBatch,
+    Op,
+    Outcome,
+    VerdictRule,
+)
 from egressd.policy import IpSets, NetworkPolicy, Verdict, format_element, ip_sets, normalise_networks
 from egressd.subject.model import IPAddress
 
-ALLOW_MARK = 0x2
 SETS = ("allow_v4", "allow_v6", "deny_v4", "deny_v6", "dyn_v4", "dyn_v6")
 STATIC_SETS = ("allow_v4", "allow_v6", "deny_v4", "deny_v6")
 DYN_TIMEOUT_S = 360
@@ -252,20 +271,39 @@ def l3_of(fam: str) -> str:
     return "ip" if fam == "v4" else "ip6"
 
 
-def _in_chain_rules(s: _Script, n: Names, final: str) -> None:
-    """IN(x) of §8.2: the policy applied to the conntrack original destination."""
-    for kind, verdict in (("deny", "drop"), ("dyn", "accept"), ("allow", "accept")):
-        for fam in ("v4", "v6"):
-            s.rule(n.in_chain, f"ct original {l3_of(fam)} daddr @{n.set(f'{kind}_{fam}')} {verdict}")
-    s.rule(n.in_chain, final)
+def subject_rules(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
+    """The subject's fixed rules, added once when its chains are first created.
 
-
-def _deny_drops(s: _Script, n: Names) -> None:
+    ``subj_<id>``: deny sets drop. ``mark_<id>``: allow and dyn sets mark 0x2.
+    ``subj_<id>_in`` (MITM): IN(drop) of §8.2 on the conntrack original destination.
+    """
+    n = Names(nft_id)
+    ops: list[Op] = []
     for fam in ("v4", "v6"):
-        s.rule(n.chain, f"{l3_of(fam)} daddr @{n.set(f'deny_{fam}')} drop")
+        ops.append(AddRule(n.chain, MatchRule(fam, n.set(f"deny_{fam}"), Outcome.DROP)))
+    for kind in ("allow", "dyn"):
+        for fam in ("v4", "v6"):
+            ops.append(AddRule(n.mark_chain, MatchRule(fam, n.set(f"{kind}_{fam}"), Outcome.MARK)))
+    if cfg.mitm:
+        for kind, outcome in (("deny", Outcome.DROP), ("dyn", Outcome.ACCEPT), ("allow", Outcome.ACCEPT)):
+            for fam in ("v4", "v6"):
+                ops.append(
+                    AddRule(n.in_chain, MatchRule(fam, n.set(f"{kind}_{fam}"), outcome, ct_original=True))
+                )
+        ops.append(AddRule(n.in_chain, VerdictRule(Outcome.DROP)))
+    return NetlinkBatch(cfg.table, tuple(ops))
 
 
-def _declare_subject_objects(s: _Script, cfg: TableConfig, n: Names) -> None:
+def subject_objects_script(cfg: TableConfig, subj: SubjectNft) -> str:
+    """Declare the subject's sets and chains (no-op when they exist) and point its keys at them.
+
+    Contains no rules and no flushes, so libnftables runs it without a cache fill. Callers
+    empty the sets first when the subject already had content (revert, rebind).
+    """
+    if cfg.mitm and subj.gateway.version != subj.ip.version:
+        raise ValueError("gateway and sandbox ip are of different address families")
+    s = _Script(cfg.table)
+    n = Names(subj.nft_id)
     for kind in STATIC_SETS:
         s.obj("add", "set", _set_decl(n.set(kind), kind[-2:], "interval"))
     for fam in ("v4", "v6"):
@@ -276,15 +314,14 @@ def _declare_subject_objects(s: _Script, cfg: TableConfig, n: Names) -> None:
     s.obj("add", "chain", n.mark_chain)
     if cfg.mitm:
         s.obj("add", "chain", n.in_chain)
+    _dispatch_entries(s, cfg, subj)
+    return s.text()
 
 
-def _flush_subject(s: _Script, cfg: TableConfig, n: Names, *, with_dyn: bool) -> None:
-    s.obj("flush", "chain", n.chain)
-    s.obj("flush", "chain", n.mark_chain)
-    if cfg.mitm:
-        s.obj("flush", "chain", n.in_chain)
-    for kind in SETS if with_dyn else STATIC_SETS:
-        s.obj("flush", "set", n.set(kind))
+def flush_subject_sets(table: str, nft_id: str) -> NetlinkBatch:
+    """Deny-first content: all six sets empty (leases included, so a rebind never keeps them)."""
+    n = Names(nft_id)
+    return NetlinkBatch(table, tuple(FlushSet(n.set(kind)) for kind in SETS))
 
 
 def dispatch_entries(cfg: TableConfig, subj: SubjectNft) -> str:
@@ -307,107 +344,43 @@ def _dispatch_entries(s: _Script, cfg: TableConfig, subj: SubjectNft) -> None:
         s.obj("add", "set", _plain_set_decl(mitm_src_set(fam), fam, [ip]))
 
 
-def deny_first_script(cfg: TableConfig, subj: SubjectNft) -> str:
-    """§8.2/§8.4 in one idempotent transaction.
-
-    Declares the subject's sets and chains (no-op when they exist), empties them (all six
-    sets, so a rebind or revert never keeps leases), installs the drop-everything content
-    and only then points the dispatch maps at the chains. Used for first install, retried
-    install, revert (``null``) and rebind.
-    """
-    if cfg.mitm and subj.gateway.version != subj.ip.version:
-        raise ValueError("gateway and sandbox ip are of different address families")
-    s = _Script(cfg.table)
-    n = Names(subj.nft_id)
-    _declare_subject_objects(s, cfg, n)
-    _flush_subject(s, cfg, n, with_dyn=True)
-    _deny_drops(s, n)
-    s.rule(n.chain, "drop")
-    if cfg.mitm:
-        _in_chain_rules(s, n, "drop")
-    _dispatch_entries(s, cfg, subj)
-    return s.text()
+_ALL_V4 = ipaddress.IPv4Network("0.0.0.0/0")
+_ALL_V6 = ipaddress.IPv6Network("::/0")
 
 
-def _elements(nets: Sequence[IPNetwork]) -> list[str]:
-    return [format_element(net) for net in nets]
-
-
-def policy_script(cfg: TableConfig, nft_id: str, effective: NetworkPolicy) -> str:
-    """§8.3: swap an active (or activating) subject's policy in place, leases kept."""
+def policy_contents(effective: NetworkPolicy) -> dict[str, tuple[IPNetwork, ...]]:
+    """Contents of the four static sets for an effective policy (§5 IP layer)."""
     sets: IpSets = ip_sets(effective)
-    contents: dict[str, list[str]] = {
-        "allow_v4": _elements(sets.allow_v4),
-        "allow_v6": _elements(sets.allow_v6),
-        "deny_v4": _elements(sets.deny_v4),
-        "deny_v6": _elements(sets.deny_v6),
-    }
-    s = _Script(cfg.table)
-    n = Names(nft_id)
-    _flush_subject(s, cfg, n, with_dyn=False)
-    for kind, elements in contents.items():
-        if elements:
-            s.obj("add", "set", _set_decl(n.set(kind), kind[-2:], "interval", elements))
-    _deny_drops(s, n)
+    allow_v4: tuple[IPNetwork, ...] = sets.allow_v4
+    allow_v6: tuple[IPNetwork, ...] = sets.allow_v6
     if effective.default_action is Verdict.ALLOW:
-        s.rule(n.mark_chain, f"meta mark set {ALLOW_MARK:#x}")
-    else:
-        for kind in ("allow", "dyn"):
-            for fam in ("v4", "v6"):
-                s.rule(
-                    n.mark_chain,
-                    f"{l3_of(fam)} daddr @{n.set(f'{kind}_{fam}')} meta mark set {ALLOW_MARK:#x}",
-                )
-    if cfg.mitm:
-        _in_chain_rules(s, n, "accept" if effective.default_action is Verdict.ALLOW else "drop")
-    return s.text()
+        # Everything is allowed unless denied: the whole address space, one prefix per family.
+        allow_v4, allow_v6 = (_ALL_V4,), (_ALL_V6,)
+    return {"allow_v4": allow_v4, "allow_v6": allow_v6, "deny_v4": sets.deny_v4, "deny_v6": sets.deny_v6}
 
 
-class ObjKind(StrEnum):
-    ELEMENT = "element"
-    CHAIN = "chain"
-    SET = "set"
+def policy_swap(table: str, nft_id: str, effective: NetworkPolicy) -> NetlinkBatch:
+    """§8.3 as one atomic batch: each static set flushed and refilled; dyn sets untouched."""
+    n = Names(nft_id)
+    ops: list[Op] = []
+    for kind, nets in policy_contents(effective).items():
+        ops.append(FlushSet(n.set(kind)))
+        if nets:
+            ops.append(AddIntervals(n.set(kind), kind[-2:], nets))
+    return NetlinkBatch(table, tuple(ops))
 
 
-@dataclass(frozen=True, slots=True)
-class NetlinkDelete:
-    """One deletion in a raw netlink batch (no libnftables cache involved)."""
-
-    kind: ObjKind
-    name: str
-    key: IPAddress | None = None
-    key_type: str = ""
+def gateway_release(gateway: IPAddress) -> DeleteElement:
+    return DeleteElement(gateway_set(family(gateway)), gateway)
 
 
-@dataclass(frozen=True, slots=True)
-class DeleteBatch:
-    table: str
-    ops: tuple[NetlinkDelete, ...] = field(default_factory=tuple)
-
-    def describe(self) -> str:
-        parts = []
-        for op in self.ops:
-            if op.kind is ObjKind.ELEMENT:
-                parts.append(f"delete element inet {self.table} {op.name} {{ {op.key} }}")
-            else:
-                parts.append(f"delete {op.kind} inet {self.table} {op.name}")
-        return "\n".join(parts) + ("\n" if parts else "")
-
-
-def gateway_release(gateway: IPAddress) -> NetlinkDelete:
-    gfam = family(gateway)
-    return NetlinkDelete(ObjKind.ELEMENT, gateway_set(gfam), gateway, _addr_type(gfam))
-
-
-def dispatch_deletes(
-    cfg: TableConfig, ip: IPAddress, *, release_gateway: IPAddress | None
-) -> list[NetlinkDelete]:
+def dispatch_deletes(cfg: TableConfig, ip: IPAddress, *, release_gateway: IPAddress | None) -> list[Op]:
     """Remove a source IP from every dispatch map (and, when unused, its gateway)."""
     fam = family(ip)
     maps = [marking_map(fam), dispatch_map(fam)]
     if cfg.mitm:
         maps += [mitm_src_set(fam), mitm_in_map(fam)]
-    ops = [NetlinkDelete(ObjKind.ELEMENT, m, ip, _addr_type(fam)) for m in maps]
+    ops: list[Op] = [DeleteElement(m, ip) for m in maps]
     if release_gateway is not None:
         ops.append(gateway_release(release_gateway))
     return ops
@@ -419,38 +392,28 @@ def removal_batch(
     ip: IPAddress | None,
     *,
     release_gateway: IPAddress | None,
-) -> DeleteBatch:
+) -> NetlinkBatch:
     """§8.5 without the rebuild: one atomic batch dropping exactly this subject's objects.
 
     Map entries go first (they reference the chains), then chains (their rules reference
     the sets), then sets. Other subjects' objects and leases are untouched.
     """
     n = Names(nft_id)
-    ops: list[NetlinkDelete] = []
+    ops: list[Op] = []
     if ip is not None:
         ops += dispatch_deletes(cfg, ip, release_gateway=release_gateway)
     chains = [n.chain, n.mark_chain] + ([n.in_chain] if cfg.mitm else [])
-    ops += [NetlinkDelete(ObjKind.CHAIN, c) for c in chains]
-    ops += [NetlinkDelete(ObjKind.SET, n.set(kind)) for kind in SETS]
-    return DeleteBatch(cfg.table, tuple(ops))
+    ops += [DeleteChain(c) for c in chains]
+    ops += [DeleteSet(n.set(kind)) for kind in SETS]
+    return NetlinkBatch(cfg.table, tuple(ops))
 
 
-def dyn_add_script(cfg: TableConfig, nft_id: str, leases: Sequence[tuple[IPAddress, int]]) -> str:
-    """DNS learning (§7): add addresses with per-element timeouts, refreshing the expiry.
-
-    ``expires`` is set explicitly because re-adding an element with the same timeout does
-    not refresh it.
-    """
+def dyn_add(table: str, nft_id: str, leases: Sequence[tuple[IPAddress, int]]) -> NetlinkBatch:
+    """DNS learning (§7): addresses with per-element timeouts; re-adding refreshes the expiry."""
     n = Names(nft_id)
-    by_fam: dict[str, list[str]] = {"v4": [], "v6": []}
-    for ip, seconds in leases:
-        by_fam[family(ip)].append(f"{ip} timeout {seconds}s expires {seconds}s")
-    s = _Script(cfg.table)
-    for fam, elements in by_fam.items():
-        if elements:
-            s.obj(
-                "add",
-                "set",
-                _set_decl(n.set(f"dyn_{fam}"), fam, "timeout", elements, extra=f" timeout {DYN_TIMEOUT_S}s;"),
-            )
-    return s.text()
+    ops: list[Op] = []
+    for fam in ("v4", "v6"):
+        mine = tuple((ip, sec) for ip, sec in leases if family(ip) == fam)
+        if mine:
+            ops.append(AddTimed(n.set(f"dyn_{fam}"), fam, mine))
+    return NetlinkBatch(table, tuple(ops))

@@ -14,7 +14,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from egressd.fleetnft.applier import NftError
-from egressd.fleetnft.builder import DeleteBatch, NetlinkDelete, ObjKind
+from egressd.fleetnft.ops import (
+    AddIntervals,
+    AddRule,
+    AddTimed,
+    DeleteChain,
+    DeleteElement,
+    DeleteSet,
+    FlushSet,
+    MatchRule,
+    NetlinkBatch,
+    Outcome,
+    VerdictRule,
+)
 
 
 class SelfTestError(RuntimeError):
@@ -122,7 +134,7 @@ def _probes(t: str) -> list[tuple[str, str]]:
 
 def run_selftest(
     cmd: Callable[[str], None],
-    deletes: Callable[[DeleteBatch], None],
+    batch: Callable[[NetlinkBatch], None],
     *,
     table_prefix: str,
 ) -> None:
@@ -132,22 +144,60 @@ def run_selftest(
         cmd(f"add table inet {t}\ndelete table inet {t}")
     except NftError as exc:
         raise SelfTestError(f"nftables unusable in this namespace (need CAP_NET_ADMIN): {exc}") from None
+    v4 = ipaddress.IPv4Network
+    netlink_probes: list[tuple[str, NetlinkBatch]] = [
+        (
+            "netlink rules (set lookups, marks, conntrack original destination)",
+            NetlinkBatch(
+                t,
+                (
+                    AddRule("c1", MatchRule("v4", "iv4", Outcome.DROP)),
+                    AddRule("c1", MatchRule("v6", "iv6", Outcome.DROP)),
+                    AddRule("c1", MatchRule("v4", "iv4", Outcome.MARK)),
+                    AddRule("c2", MatchRule("v4", "iv4", Outcome.ACCEPT, ct_original=True)),
+                    AddRule("c2", VerdictRule(Outcome.DROP)),
+                ),
+            ),
+        ),
+        (
+            "netlink interval-set content swap",
+            NetlinkBatch(
+                t,
+                (
+                    FlushSet("iv4"),
+                    AddIntervals("iv4", "v4", (v4("0.0.0.0/8"), v4("10.0.0.0/24"), v4("255.255.255.0/24"))),
+                ),
+            ),
+        ),
+        (
+            "netlink timeout elements",
+            NetlinkBatch(t, (AddTimed("tv4", "v4", ((ipaddress.IPv4Address("192.0.2.2"), 60),)),)),
+        ),
+        (
+            "netlink delete batches",
+            NetlinkBatch(
+                t,
+                (
+                    DeleteElement("vm", ipaddress.IPv4Address("10.0.0.5")),
+                    DeleteChain("c2"),
+                    FlushSet("tv4"),
+                ),
+            ),
+        ),
+    ]
     try:
         for feature, script in _probes(t):
             try:
                 cmd(script)
             except NftError as exc:
                 raise SelfTestError(f"kernel feature missing: {feature}: {exc}") from None
-        batch = DeleteBatch(
-            t,
-            (
-                NetlinkDelete(ObjKind.ELEMENT, "vm", ipaddress.ip_address("10.0.0.5"), "ipv4_addr"),
-                NetlinkDelete(ObjKind.CHAIN, "c2"),
-                NetlinkDelete(ObjKind.SET, "iv6"),
-            ),
-        )
+        for feature, nl in netlink_probes:
+            try:
+                batch(nl)
+            except Exception as exc:
+                raise SelfTestError(f"kernel feature missing: {feature}: {exc}") from None
         try:
-            deletes(batch)
+            batch(NetlinkBatch(t, (DeleteChain("c1"), DeleteSet("iv6"))))
         except Exception as exc:
             raise SelfTestError(f"kernel feature missing: netlink delete batches: {exc}") from None
     finally:

@@ -38,11 +38,13 @@ class KernelView:
     """What this subject has in the kernel right now, as far as the daemon applied it.
 
     ``keys`` are the (source ip, gateway) pairs present in the dispatch maps; more than one
-    only between the steps of a re-key. ``objects`` says whether chains and sets exist.
+    only between the steps of a re-key. ``objects`` says whether chains and sets exist,
+    ``rules`` whether the subject's fixed rules were added to them.
     """
 
     objects: bool = False
     keys: frozenset[tuple[IPAddress, IPAddress]] = frozenset()
+    rules: bool = False
 
 
 @dataclass(frozen=True, slots=True)

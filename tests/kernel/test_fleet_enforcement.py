@@ -204,25 +204,31 @@ def test_nft_failure_leaves_subject_denying_and_retry_converges(topo: Topology, 
 
 def test_failed_activation_keeps_pending_and_retry_succeeds(topo: Topology, daemon: Daemon) -> None:
     bind(daemon, 1, allow_ips(UP_A))
-    # While denying, nothing references the dyn set; without it the policy swap's mark
-    # rules cannot be added, so the kernel refuses the activation transaction.
-    daemon.nft("delete", "set", "inet", daemon.table, "subj_s_sb1_dyn_v4")
+    # Sabotage for a real kernel refusal: take away the v6 allow set (and the one rule that
+    # references it), so the activation's content swap names a set that does not exist.
+    rule = "ip6 daddr @subj_s_sb1_allow_v6 meta mark set 0x00000002"
+    handle = _rule_handle(daemon, "mark_s_sb1", rule)
+    daemon.nft("delete", "rule", "inet", daemon.table, "mark_s_sb1", "handle", handle)
+    daemon.nft("delete", "set", "inet", daemon.table, "subj_s_sb1_allow_v6")
     code, body = daemon.post(envelope("LIFECYCLE_HOOK", "sb1", hook=DPR))
     assert code == 500, body
     assert not topo.reaches(1, UP_A)
+    # Repair, then the retried hook activates the same (kept) pending policy.
     daemon.nft(
-        "add",
-        "set",
-        "inet",
-        daemon.table,
-        "subj_s_sb1_dyn_v4",
-        "{ type ipv4_addr; flags timeout; timeout 360s; }",
+        "add", "set", "inet", daemon.table, "subj_s_sb1_allow_v6", "{ type ipv6_addr; flags interval; }"
     )
-    # Pending was kept: the retried hook activates the same policy.
+    daemon.nft("add", "rule", "inet", daemon.table, "mark_s_sb1", *rule.split())
     activate(daemon, "sb1")
     assert topo.reaches(1, UP_A)
     # And a second retry of the same hook is idempotent.
     activate(daemon, "sb1")
+
+
+def _rule_handle(d: Daemon, chain: str, text: str) -> str:
+    for line in d.nft("-a", "list", "chain", "inet", d.table, chain).splitlines():
+        if text in line and "# handle" in line:
+            return line.rsplit("# handle", 1)[1].strip()
+    raise AssertionError(f"rule {text!r} not found in {chain}")
 
 
 def test_kill9_restart_resets_then_replay_restores(topo: Topology, daemon: Daemon) -> None:

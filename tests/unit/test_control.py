@@ -1,15 +1,19 @@
 """§3 operation handling: ControlPlane driven with parsed actions against a fake kernel.
 
-:class:`FakeKernel` implements the ``Transactions`` protocol. It records every call, can be
-told to fail (``NftError``) on the Nth call or on scripts/batches containing a substring,
-and keeps a small model of the table so tests can look at what is "installed". The model
-only enforces kernel behaviour verified with nft 1.0 on Linux (see the test report):
+:class:`FakeKernel` implements the ``Transactions`` protocol. It records every call (netlink
+batches as their nft-syntax :meth:`NetlinkBatch.describe`), can be told to fail (``NftError``)
+on the Nth call or on scripts/batches containing a substring, and keeps a small model of the
+table so tests can look at what is "installed". libnftables scripts (header, subject objects,
+dispatch entries) are parsed as text; netlink batches are applied op by op. The model only
+enforces kernel behaviour verified with nft 1.0 on Linux (see the test report):
 
-* a transaction is atomic: a failing one changes nothing;
+* a transaction (script or batch) is atomic: a failing one changes nothing;
 * re-adding a map element with *different* data fails (``File exists``);
 * deleting an element, chain or set that does not exist fails (``No such file or directory``),
-  also when the same batch already deleted it;
-* rules may only reference declared sets/maps and live in declared chains.
+  also when the same batch already deleted it; so does flushing or filling a missing set;
+* rules may only reference declared sets/maps and live in declared chains;
+* a chain still referenced by a map element (``jump``) and a set still referenced by a rule
+  cannot be deleted (``Device or resource busy``); deleting a chain deletes its rules.
 """
 
 from __future__ import annotations
@@ -19,18 +23,32 @@ import copy
 import json
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from ipaddress import ip_address
+from dataclasses import dataclass, field, replace
+from ipaddress import ip_address, ip_network
 from typing import Any
 
 import pytest
 
+import egressd.fleet.control as control_mod
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
 from egressd.fleet.control import ControlPlane, Result
 from egressd.fleetnft.applier import NftError
-from egressd.fleetnft.builder import DeleteBatch, ObjKind, TableConfig
-from egressd.policy import parse_policy
-from egressd.subject.registry import Entry, KernelView, State
+from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.ops import (
+    AddIntervals,
+    AddRule,
+    AddTimed,
+    DeleteChain,
+    DeleteElement,
+    DeleteSet,
+    FlushSet,
+    MatchRule,
+    NetlinkBatch,
+    Outcome,
+    VerdictRule,
+)
+from egressd.policy import format_element, parse_policy
+from egressd.subject.registry import Entry, KernelView, State, plan_data_plane_ready
 
 TABLE = "T"
 GW = "10.0.0.1"
@@ -42,7 +60,7 @@ GW = "10.0.0.1"
 @dataclass
 class Call:
     n: int
-    kind: str  # "script" | "deletes" | "reset"
+    kind: str  # "script" | "batch" | "reset"
     op: str
     text: str
     ok: bool = True
@@ -101,9 +119,9 @@ class FakeKernel:
     async def run_script(self, script: str, *, op: str) -> None:
         await self._run("script", op, script, lambda st: self._apply_script(st, script))
 
-    async def run_deletes(self, batch: DeleteBatch, *, op: str) -> None:
+    async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
         assert batch.table == TABLE
-        await self._run("deletes", op, batch.describe(), lambda st: self._apply_deletes(st, batch))
+        await self._run("batch", op, batch.describe(), lambda st: self._apply_batch(st, batch))
 
     async def reset_table(self, header_with_delete: str, header: str) -> None:
         await self._run(
@@ -200,23 +218,49 @@ class FakeKernel:
             else:
                 raise AssertionError(line)
 
-    def _apply_deletes(self, st: _State, batch: DeleteBatch) -> None:
+    def _apply_batch(self, st: _State, batch: NetlinkBatch) -> None:
+        if batch.ops and not st.table:
+            raise self._err("No such file or directory")
         for op in batch.ops:
-            if op.kind is ObjKind.ELEMENT:
+            if isinstance(op, AddRule):
+                if op.chain not in st.chains:
+                    raise self._err("No such file or directory")
+                rule = op.rule.render()
+                for ref in re.findall(r"@(\w+)", rule):
+                    if ref not in st.sets:
+                        raise self._err(f"Could not process rule: set {ref} does not exist")
+                st.chains[op.chain].append(rule)
+            elif isinstance(op, FlushSet):
+                if op.name not in st.sets:
+                    raise self._err("No such file or directory")
+                st.sets[op.name] = {}
+            elif isinstance(op, AddIntervals | AddTimed):
+                elements = st.sets.get(op.name)
+                if elements is None:
+                    raise self._err("No such file or directory")
+                keys = (
+                    [format_element(n) for n in op.nets]
+                    if isinstance(op, AddIntervals)
+                    else [str(ip) for ip, _ in op.leases]
+                )
+                for key in keys:
+                    elements[key] = ""
+            elif isinstance(op, DeleteElement):
                 elements = st.sets.get(op.name)
                 if elements is None or str(op.key) not in elements:
                     raise self._err("No such file or directory")
                 del elements[str(op.key)]
-            elif op.kind is ObjKind.CHAIN:
+            elif isinstance(op, DeleteChain):
                 if op.name not in st.chains:
                     raise self._err("No such file or directory")
                 if any(d == f"jump {op.name}" for els in st.sets.values() for d in els.values()):
                     raise self._err("Device or resource busy")
-                del st.chains[op.name]
+                del st.chains[op.name]  # with its rules
             else:
+                assert isinstance(op, DeleteSet), op
                 if op.name not in st.sets:
                     raise self._err("No such file or directory")
-                if any(f"@{op.name}" in r for rules in st.chains.values() for r in rules):
+                if any(op.name in re.findall(r"@(\w+)", r) for rules in st.chains.values() for r in rules):
                     raise self._err("Device or resource busy")
                 del st.sets[op.name]
                 st.maps.discard(op.name)
@@ -349,10 +393,45 @@ async def activate(
     assert entry(control, uid).state is State.ACTIVE
 
 
-def assert_deny_first_installed(kernel: FakeKernel, nid: str = "s_u_1", ip: str = "10.0.0.5") -> None:
-    assert kernel.rules(f"subj_{nid}")[-1] == "drop"
-    assert kernel.rules(f"mark_{nid}") == []
-    for kind in ("allow_v4", "allow_v6", "deny_v4", "deny_v6", "dyn_v4", "dyn_v6"):
+SET_KINDS = ("allow_v4", "allow_v6", "deny_v4", "deny_v6", "dyn_v4", "dyn_v6")
+
+
+def subj_rules(nid: str = "s_u_1") -> list[str]:
+    return [f"ip daddr @subj_{nid}_deny_v4 drop", f"ip6 daddr @subj_{nid}_deny_v6 drop"]
+
+
+def mark_rules(nid: str = "s_u_1") -> list[str]:
+    return [
+        f"{l3} daddr @subj_{nid}_{kind}_{fam} meta mark set 0x2"
+        for kind in ("allow", "dyn")
+        for l3, fam in (("ip", "v4"), ("ip6", "v6"))
+    ]
+
+
+def in_rules(nid: str = "s_u_1") -> list[str]:
+    return [
+        *(
+            f"ct original {l3} daddr @subj_{nid}_{kind}_{fam} {verdict}"
+            for kind, verdict in (("deny", "drop"), ("dyn", "accept"), ("allow", "accept"))
+            for l3, fam in (("ip", "v4"), ("ip6", "v6"))
+        ),
+        "drop",
+    ]
+
+
+def assert_fixed_rules(kernel: FakeKernel, nid: str = "s_u_1", *, mitm: bool = False) -> None:
+    """The subject's rules, exactly once: they never change while it exists."""
+    assert kernel.rules(f"subj_{nid}") == subj_rules(nid)
+    assert kernel.rules(f"mark_{nid}") == mark_rules(nid)
+    assert kernel.rules(f"subj_{nid}_in") == (in_rules(nid) if mitm else [])
+
+
+def assert_deny_first_installed(
+    kernel: FakeKernel, nid: str = "s_u_1", ip: str = "10.0.0.5", *, mitm: bool = False
+) -> None:
+    """Deny-first = the fixed rules with all six sets empty (nothing marked: all dropped)."""
+    assert_fixed_rules(kernel, nid, mitm=mitm)
+    for kind in SET_KINDS:
         assert kernel.elements(f"subj_{nid}_{kind}") == {}
     assert dispatched(kernel, ip) == f"jump subj_{nid}"
     assert kernel.elements("marking_v4").get(ip) == f"jump mark_{nid}"
@@ -483,12 +562,19 @@ async def test_set_binding_installs_deny_first_then_parks_the_policy(
     assert e.pending == parse_policy(POLICY_A)
     assert e.policy is None
     assert e.spec_generation == 1
-    assert [c.op for c in kernel.since(before)] == ["deny_first"]
+    calls = kernel.since(before)
+    # Objects (libnftables, no rules), then the fixed rules (one netlink batch).
+    assert [(c.kind, c.op) for c in calls] == [("script", "deny_first"), ("batch", "deny_first")]
+    assert "add rule" not in calls[0].text and "flush" not in calls[0].text
+    assert calls[1].text.splitlines() == [
+        *(f"add rule inet T subj_s_u_1 {r}" for r in subj_rules()),
+        *(f"add rule inet T mark_s_u_1 {r}" for r in mark_rules()),
+    ]
     assert_deny_first_installed(kernel)
     assert kernel.elements("dns_gw_v4") == {GW: ""}
     assert control.registry.resolve(ip_address("10.0.0.5")) == e
     assert control.registry.kernel("u-1") == KernelView(
-        True, frozenset({(ip_address("10.0.0.5"), ip_address(GW))})
+        True, frozenset({(ip_address("10.0.0.5"), ip_address(GW))}), rules=True
     )
 
 
@@ -513,9 +599,11 @@ async def test_data_plane_ready_activates(control: ControlPlane, kernel: FakeKer
     assert e.state is State.ACTIVE
     assert e.policy == parse_policy(POLICY_A)
     assert e.pending is None
-    assert [c.op for c in kernel.since(before)] == ["static_apply"]
+    calls = kernel.since(before)
+    assert [(c.kind, c.op) for c in calls] == [("batch", "static_apply")]
+    assert "add rule" not in calls[0].text  # activation is a set-content swap, never a rule change
     assert kernel.elements("subj_s_u_1_allow_v4") == {"8.8.8.8": ""}
-    assert "drop" not in kernel.rules("subj_s_u_1")
+    assert_fixed_rules(kernel)
     assert "ip daddr @subj_s_u_1_allow_v4 meta mark set 0x2" in kernel.rules("mark_s_u_1")
 
 
@@ -563,7 +651,8 @@ async def test_in_place_update_of_an_active_subject(control: ControlPlane, kerne
     await activate(control)
     before = kernel.mark()
     ok(await control.handle(set_binding(policy=POLICY_B, gen=5)))
-    assert [c.op for c in kernel.since(before)] == ["static_apply"]
+    assert [(c.kind, c.op) for c in kernel.since(before)] == [("batch", "static_apply")]
+    assert_fixed_rules(kernel)
     e = entry(control)
     assert e.state is State.ACTIVE
     assert e.policy == parse_policy(POLICY_B)
@@ -575,7 +664,10 @@ async def test_null_revert_of_an_active_subject(control: ControlPlane, kernel: F
     await activate(control)
     before = kernel.mark()
     ok(await control.handle(set_binding(policy=None)))
-    assert kernel.since(before)[0].op == "deny_first"
+    calls = kernel.since(before)
+    assert calls[0].op == "deny_first"
+    # Flush the sets, re-declare the objects; the rules are already there and stay as they are.
+    assert [(c.kind, c.op) for c in calls] == [("batch", "deny_first"), ("script", "deny_first")]
     e = entry(control)
     assert e.state is State.DENYING
     assert e.policy is None
@@ -682,7 +774,7 @@ async def test_remove(control: ControlPlane, kernel: FakeKernel) -> None:
     await activate(control)
     before = kernel.mark()
     ok(await control.handle(remove()))
-    assert [c.kind for c in kernel.since(before)] == ["deletes"]
+    assert [c.kind for c in kernel.since(before)] == ["batch"]
     assert control.registry.get("u-1") is None
     assert control.registry.resolve(ip_address("10.0.0.5")) is None
     assert control.registry.kernel("u-1") == KernelView()
@@ -777,9 +869,12 @@ async def test_mitm_lifecycle() -> None:
     control = await make_control(kernel, mitm=True)
     ok(await control.handle(set_binding()))
     assert kernel.rules("subj_s_u_1_in")[-1] == "drop"
+    assert_deny_first_installed(kernel, mitm=True)
     assert kernel.elements("mitm_src_v4") == {"10.0.0.5": ""}
     assert kernel.elements("mitm_in_v4") == {"10.0.0.5": "jump subj_s_u_1_in"}
     ok(await control.handle(hook()))
+    assert_fixed_rules(kernel, mitm=True)  # the IN chain is not rewritten on activation
+    assert kernel.elements("subj_s_u_1_allow_v4") == {"8.8.8.8": ""}
     ok(await control.handle(remove()))
     assert kernel.elements("mitm_src_v4") == {}
     assert kernel.elements("mitm_in_v4") == {}
@@ -807,9 +902,11 @@ async def test_rebind_to_new_ip_deletes_the_old_map_entries(
     before = kernel.mark()
     ok(await control.handle(set_binding(policy=POLICY_B, ip="10.0.0.6", rid="r2", aid="a2", gen=2)))
     calls = kernel.since(before)
-    assert [c.op for c in calls] == ["deny_first", "dispatch_update"]
-    deletes = calls[1]
-    assert deletes.kind == "deletes"
+    # flush batch, objects script (rules kept), then the stale keys' deletions
+    assert [c.op for c in calls] == ["deny_first", "deny_first", "dispatch_update"]
+    assert [c.kind for c in calls[:2]] == ["batch", "script"]
+    deletes = calls[2]
+    assert deletes.kind == "batch"
     assert "delete element inet T dispatch_v4 { 10.0.0.5 }" in deletes.text
     assert "delete element inet T marking_v4 { 10.0.0.5 }" in deletes.text
     assert "dns_gw_v4" not in deletes.text  # the new key uses the same gateway
@@ -853,9 +950,9 @@ async def test_active_rekey_drops_old_keys_before_adding_new(
     ok(await control.handle(set_binding(policy=POLICY_A, ip="10.0.0.6", gen=2)))
     calls = kernel.since(before)
     assert [(c.kind, c.op) for c in calls] == [
-        ("deletes", "dispatch_update"),
+        ("batch", "dispatch_update"),
         ("script", "dispatch_update"),
-        ("script", "static_apply"),
+        ("batch", "static_apply"),
     ]
     assert "10.0.0.5" in calls[0].text
     assert "10.0.0.6" in calls[1].text
@@ -915,9 +1012,9 @@ def _applies_after_deny_first(calls: Iterable[Call], nid: str) -> int:
         if not c.ok:
             continue
         text = c.text.splitlines()
-        if c.op == "deny_first" and f"add chain inet T subj_{nid}" in text:
-            installed = True
-        if c.op == "static_apply" and f"flush chain inet T subj_{nid}" in text:
+        if c.op == "deny_first" and f"add rule inet T subj_{nid} ip daddr @subj_{nid}_deny_v4 drop" in text:
+            installed = True  # objects and fixed rules are in
+        if c.op == "static_apply" and f"flush set inet T subj_{nid}_allow_v4" in text:
             assert installed, "policy applied before any deny-first transaction"
             applied += 1
     return applied
@@ -942,6 +1039,8 @@ async def test_concurrent_set_binding_and_data_plane_ready(
             ok(await control.handle(hook(uid)))
         assert entry(control, uid).state is State.ACTIVE
         assert control.registry.kernel(uid).objects
+        assert control.registry.kernel(uid).rules
+        assert_fixed_rules(kernel, f"s_c{i}")
         assert _applies_after_deny_first(kernel.calls, f"s_c{i}") == 1
 
 
@@ -966,12 +1065,14 @@ async def test_concurrent_set_binding_and_data_plane_ready_with_failures(
     _applies_after_deny_first(kernel.calls, "s_u_1")
     if entry(control).state is State.ACTIVE:
         assert control.registry.kernel("u-1").objects
+        assert control.registry.kernel("u-1").rules
     # Whatever happened, the Fastlet's retries converge on an active subject.
     ok(await control.handle(set_binding()))
     ok(await control.handle(hook()))
     assert entry(control).state is State.ACTIVE
     assert _applies_after_deny_first(kernel.calls, "s_u_1") >= 1
     assert kernel.elements("subj_s_u_1_allow_v4") == {"8.8.8.8": ""}
+    assert_fixed_rules(kernel)  # however the failures fell, the rules went in exactly once
 
 
 # ------------------------------------------------------------- regressions (bugs found and fixed)
@@ -1032,3 +1133,225 @@ async def test_mitm_gateway_change_for_the_same_ip(rid: str, active_first: bool)
     assert entry(control).state is State.DENYING
     assert kernel.elements("mitm_src_v4") == {"10.0.0.5": ""}
     assert kernel.elements("dns_gw_v4") == {"10.0.0.254": ""}
+
+
+# ------------------------------------------------------------- fixed rules, content-only changes
+
+
+async def test_fake_kernel_refuses_like_the_kernel(kernel: FakeKernel) -> None:
+    """The model the tests above rely on: references are checked, batches are atomic."""
+    await make_control(kernel)
+    # A rule naming a set that does not exist is refused, and with it the whole batch.
+    bad = NetlinkBatch(
+        TABLE,
+        (
+            AddIntervals("dns_gw_v4", "v4", (ip_network("10.9.9.9/32"),)),
+            AddRule("dispatch", MatchRule("v4", "nope", Outcome.DROP)),
+        ),
+    )
+    with pytest.raises(NftError):
+        await kernel.run_batch(bad, op="t")
+    assert kernel.elements("dns_gw_v4") == {}
+    with pytest.raises(NftError):
+        await kernel.run_batch(NetlinkBatch(TABLE, (AddRule("nochain", VerdictRule(Outcome.DROP)),)), op="t")
+    with pytest.raises(NftError):
+        await kernel.run_batch(NetlinkBatch(TABLE, (FlushSet("nope"),)), op="t")
+    with pytest.raises(NftError):
+        await kernel.run_batch(NetlinkBatch(TABLE, (DeleteElement("dns_gw_v4", ip_address(GW)),)), op="t")
+    # A set still referenced by a rule, a chain still referenced by a map element: busy.
+    with pytest.raises(NftError, match="busy"):
+        await kernel.run_batch(NetlinkBatch(TABLE, (DeleteSet("dispatch_v4"),)), op="t")
+    control = await make_control(FakeKernel())
+    ok(await control.handle(set_binding()))
+    assert isinstance(control.tx, FakeKernel)
+    k = control.tx
+    with pytest.raises(NftError, match="busy"):
+        await k.run_batch(NetlinkBatch(TABLE, (DeleteChain("subj_s_u_1"),)), op="t")
+    with pytest.raises(NftError, match="busy"):
+        await k.run_batch(NetlinkBatch(TABLE, (DeleteSet("subj_s_u_1_deny_v4"),)), op="t")
+    # Deleting the chain takes its rules along, after which the set can go.
+    dispatch = (DeleteElement("dispatch_v4", ip_address("10.0.0.5")),)
+    await k.run_batch(
+        NetlinkBatch(TABLE, (*dispatch, DeleteChain("subj_s_u_1"), DeleteSet("subj_s_u_1_deny_v4"))), op="t"
+    )
+    assert not k.has_chain("subj_s_u_1")
+    # Prefixes are keyed by their nft text; a batch applies in order.
+    await k.run_batch(
+        NetlinkBatch(
+            TABLE,
+            (
+                AddIntervals(
+                    "subj_s_u_1_allow_v4", "v4", (ip_network("10.0.0.0/24"), ip_network("8.8.8.8/32"))
+                ),
+                FlushSet("subj_s_u_1_allow_v6"),
+            ),
+        ),
+        op="t",
+    )
+    assert k.elements("subj_s_u_1_allow_v4") == {"10.0.0.0/24": "", "8.8.8.8": ""}
+
+
+async def test_rules_failure_after_objects_is_retried_once(control: ControlPlane, kernel: FakeKernel) -> None:
+    kernel.fail(match="add rule inet T mark_s_u_1")  # the fixed-rules batch
+    result = await control.handle(set_binding())
+    assert result.status == 500
+    assert result.reason.startswith("deny-first install: ")
+    # The objects (and keys) went in; the rules did not, and the view says exactly that.
+    key = (ip_address("10.0.0.5"), ip_address(GW))
+    assert control.registry.kernel("u-1") == KernelView(True, frozenset({key}), rules=False)
+    assert kernel.has_chain("subj_s_u_1")
+    assert kernel.rules("subj_s_u_1") == [] and kernel.rules("mark_s_u_1") == []
+    assert dispatched(kernel, "10.0.0.5") == "jump subj_s_u_1"  # empty chains: nothing marked, dropped
+    e = entry(control)
+    assert e.state is State.DENYING and e.pending is None
+    assert (await control.handle(hook())).status == 409
+
+    before = kernel.mark()
+    ok(await control.handle(set_binding()))
+    calls = kernel.since(before)
+    assert [(c.kind, c.op) for c in calls] == [
+        ("batch", "deny_first"),  # flush (objects existed)
+        ("script", "deny_first"),
+        ("batch", "deny_first"),  # the rules, now
+    ]
+    assert "add rule" in calls[2].text
+    assert control.registry.kernel("u-1") == KernelView(True, frozenset({key}), rules=True)
+    assert_deny_first_installed(kernel)
+    # Further re-runs never add the rules again.
+    before = kernel.mark()
+    ok(await control.handle(set_binding(gen=2)))
+    assert not any("add rule" in c.text for c in kernel.since(before))
+    ok(await control.handle(hook()))
+    assert_fixed_rules(kernel)
+    assert sum("add rule inet T subj_s_u_1 " in c.text for c in kernel.ok_calls()) == 1
+
+
+async def test_rules_failure_with_mitm_is_retried_once() -> None:
+    kernel = FakeKernel()
+    control = await make_control(kernel, mitm=True)
+    kernel.fail(match="add rule inet T subj_s_u_1_in")
+    assert (await control.handle(set_binding())).status == 500
+    assert kernel.rules("subj_s_u_1_in") == []
+    ok(await control.handle(set_binding()))
+    ok(await control.handle(hook()))
+    assert_fixed_rules(kernel, mitm=True)
+
+
+async def test_remove_after_rules_failure_deletes_the_objects(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    kernel.fail(match="add rule inet T mark_s_u_1")
+    assert (await control.handle(set_binding())).status == 500
+    ok(await control.handle(remove()))
+    assert control.registry.get("u-1") is None
+    assert control.registry.kernel("u-1") == KernelView()
+    assert kernel.subject_objects("s_u_1") == []
+    assert kernel.elements("dispatch_v4") == {}
+    assert kernel.elements("dns_gw_v4") == {}
+    # A fresh bind installs everything, rules once.
+    ok(await control.handle(set_binding(rid="r2")))
+    assert_deny_first_installed(kernel)
+
+
+def _lose_rules(control: ControlPlane, kernel: FakeKernel, uid: str = "u-1", nid: str = "s_u_1") -> None:
+    """Objects without their rules (what a failed rules batch leaves), for an existing subject."""
+    for chain in (f"subj_{nid}", f"mark_{nid}"):
+        kernel.state.chains[chain] = []
+    control.registry.set_kernel(uid, replace(control.registry.kernel(uid), rules=False))
+
+
+async def test_apply_policy_without_rules_is_500_and_keeps_pending(
+    control: ControlPlane, kernel: FakeKernel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ok(await control.handle(set_binding()))
+    _lose_rules(control, kernel)
+    # A planner that trusted "objects" alone would go straight to ApplyPolicy: refused.
+    monkeypatch.setattr(
+        control_mod,
+        "plan_data_plane_ready",
+        lambda e, fence, *, kernel_objects: plan_data_plane_ready(e, fence, kernel_objects=True),
+    )
+    before = kernel.mark()
+    result = await control.handle(hook())
+    assert result.status == 500
+    assert result.reason.startswith("policy apply: ")
+    assert kernel.since(before) == []  # refused before any transaction
+    e = entry(control)
+    assert e.state is State.DENYING
+    assert e.pending == parse_policy(POLICY_A)
+    assert e.policy is None
+    monkeypatch.undo()
+    # The real planner sees the missing rules and re-runs deny-first (rules included) first.
+    before = kernel.mark()
+    ok(await control.handle(hook()))
+    assert [(c.kind, c.op) for c in kernel.since(before)] == [
+        ("batch", "deny_first"),
+        ("script", "deny_first"),
+        ("batch", "deny_first"),
+        ("batch", "static_apply"),
+    ]
+    assert entry(control).state is State.ACTIVE
+    assert_fixed_rules(kernel)
+    assert kernel.elements("subj_s_u_1_allow_v4") == {"8.8.8.8": ""}
+
+
+async def test_in_place_update_without_rules_is_500_and_keeps_the_old_policy(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    await activate(control)
+    _lose_rules(control, kernel)
+    before = kernel.mark()
+    result = await control.handle(set_binding(policy=POLICY_B, gen=2))
+    assert result.status == 500
+    assert kernel.since(before) == []
+    assert entry(control).policy == parse_policy(POLICY_A)
+    assert kernel.elements("subj_s_u_1_allow_v4") == {"8.8.8.8": ""}
+
+
+async def test_revert_flushes_the_sets_before_the_objects_script(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    await activate(control)
+    kernel.state.sets["subj_s_u_1_dyn_v4"]["93.184.216.34"] = ""  # a DNS-learned lease
+    before = kernel.mark()
+    ok(await control.handle(set_binding(policy=None)))
+    calls = kernel.since(before)
+    assert [(c.kind, c.op) for c in calls] == [("batch", "deny_first"), ("script", "deny_first")]
+    flush, script = calls
+    assert flush.n < script.n
+    assert flush.text.splitlines() == [f"flush set inet T subj_s_u_1_{k}" for k in SET_KINDS]
+    assert "flush" not in script.text and "add rule" not in script.text
+    assert_deny_first_installed(kernel)
+
+
+async def test_revert_whose_flush_fails_runs_no_script(control: ControlPlane, kernel: FakeKernel) -> None:
+    await activate(control)
+    kernel.fail(match="flush set")
+    before = kernel.mark()
+    assert (await control.handle(set_binding(policy=None))).status == 500
+    calls = kernel.since(before)
+    assert [(c.kind, c.ok) for c in calls] == [("batch", False)]
+    assert kernel.elements("subj_s_u_1_allow_v4") == {"8.8.8.8": ""}  # atomic: nothing flushed
+    ok(await control.handle(set_binding(policy=None)))
+    assert_deny_first_installed(kernel)
+
+
+async def test_default_allow_fills_the_allow_sets(control: ControlPlane, kernel: FakeKernel) -> None:
+    await activate(
+        control, policy='{"defaultAction":"allow","egress":[{"action":"deny","target":"1.2.3.4"}]}'
+    )
+    assert kernel.elements("subj_s_u_1_allow_v4") == {"0.0.0.0/0": ""}
+    assert kernel.elements("subj_s_u_1_allow_v6") == {"::/0": ""}
+    assert kernel.elements("subj_s_u_1_deny_v4") == {"1.2.3.4": ""}
+    assert_fixed_rules(kernel)
+    ok(await control.handle(set_binding(policy=POLICY_B, gen=2)))  # back to default deny
+    assert kernel.elements("subj_s_u_1_allow_v4") == {"9.9.9.9": ""}
+    assert kernel.elements("subj_s_u_1_allow_v6") == {}
+    assert kernel.elements("subj_s_u_1_deny_v4") == {}
+
+
+async def test_policy_swap_keeps_leases(control: ControlPlane, kernel: FakeKernel) -> None:
+    await activate(control)
+    kernel.state.sets["subj_s_u_1_dyn_v4"]["93.184.216.34"] = ""
+    ok(await control.handle(set_binding(policy=POLICY_B, gen=2)))
+    assert kernel.elements("subj_s_u_1_dyn_v4") == {"93.184.216.34": ""}

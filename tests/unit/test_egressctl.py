@@ -40,7 +40,7 @@ class FakeTx:
     async def run_script(self, script: str, *, op: str) -> None:
         return None
 
-    async def run_deletes(self, batch: Any, *, op: str) -> None:
+    async def run_batch(self, batch: Any, *, op: str) -> None:
         return None
 
     async def reset_table(self, header_with_delete: str, header: str) -> None:
@@ -56,7 +56,7 @@ class FailingTx(FakeTx):
     async def run_script(self, script: str, *, op: str) -> None:
         raise NftError(f"injected failure ({op})")
 
-    async def run_deletes(self, batch: Any, *, op: str) -> None:
+    async def run_batch(self, batch: Any, *, op: str) -> None:
         raise NftError(f"injected failure ({op})")
 
 

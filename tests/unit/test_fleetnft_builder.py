@@ -1,32 +1,53 @@
-"""§8 fleet nft blueprint: the builder's scripts compared as text.
+"""§8 fleet nft blueprint: the builder's scripts compared as text, its netlink batches as data.
 
 The builder deliberately deviates from the reference blueprint (module docstring): dispatch
-goes through verdict maps, the DNS redirect through per-family gateway sets, elements are
-added by re-declaring sets/maps with inline ``elements`` and deletions are netlink batches.
+goes through verdict maps, the DNS redirect through per-family gateway sets, a subject's
+rules are fixed for its lifetime (added once, via netlink) and its state lives only in its set
+contents; libnftables only gets cache-free declarations, everything else is a netlink batch.
+The pure netlink encoders of the applier are tested at the end.
 """
 
 from __future__ import annotations
 
-from ipaddress import ip_address, ip_network
+import struct
+import sys
+from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
+from typing import Any
 
 import pytest
 
 from egressd.config import parse_doh_blocklist
+from egressd.fleetnft.applier import interval_elements, rule_expressions
 from egressd.fleetnft.builder import (
-    DeleteBatch,
-    NetlinkDelete,
-    ObjKind,
     SubjectNft,
     TableConfig,
-    deny_first_script,
     dispatch_deletes,
     dispatch_entries,
-    dyn_add_script,
+    dyn_add,
+    flush_subject_sets,
+    gateway_release,
     header_script,
-    policy_script,
+    policy_contents,
+    policy_swap,
     removal_batch,
+    subject_objects_script,
+    subject_rules,
+)
+from egressd.fleetnft.ops import (
+    AddIntervals,
+    AddRule,
+    AddTimed,
+    DeleteChain,
+    DeleteElement,
+    DeleteSet,
+    FlushSet,
+    MatchRule,
+    NetlinkBatch,
+    Outcome,
+    VerdictRule,
 )
 from egressd.policy import parse_policy
+from egressd.subject.model import IPAddress
 
 T = "T"
 CFG = TableConfig(table=T, dns_port=15353)
@@ -34,7 +55,8 @@ MITM = TableConfig(table=T, dns_port=15353, mitm=True, mitm_port=18081)
 SUBJ = SubjectNft("s_u_1", ip_address("10.0.0.5"), ip_address("10.0.0.1"))
 SUBJ6 = SubjectNft("s_u_6", ip_address("fd00::5"), ip_address("fd00::1"))
 
-SETS6 = [f"subj_s_u_1_{k}_{f}" for k in ("allow", "deny", "dyn") for f in ("v4", "v6")]
+SET_KINDS = ("allow_v4", "allow_v6", "deny_v4", "deny_v6", "dyn_v4", "dyn_v6")
+SETS6 = [f"subj_s_u_1_{k}" for k in SET_KINDS]
 
 # BEHAVIOUR §8.3's example (example.com is a domain: DNS only, no set element).
 EXAMPLE = parse_policy(
@@ -44,6 +66,28 @@ EXAMPLE = parse_policy(
     '{"action":"deny","target":"1.2.3.4"}]}'
 )
 ALLOW_ALL = parse_policy('{"defaultAction":"allow"}')
+ALLOW_BUT = parse_policy('{"defaultAction":"allow","egress":[{"action":"deny","target":"1.2.3.4"}]}')
+
+# The fixed per-subject rules, in nft syntax.
+SUBJ_CHAIN_RULES = [
+    "ip daddr @subj_s_u_1_deny_v4 drop",
+    "ip6 daddr @subj_s_u_1_deny_v6 drop",
+]
+MARK_CHAIN_RULES = [
+    "ip daddr @subj_s_u_1_allow_v4 meta mark set 0x2",
+    "ip6 daddr @subj_s_u_1_allow_v6 meta mark set 0x2",
+    "ip daddr @subj_s_u_1_dyn_v4 meta mark set 0x2",
+    "ip6 daddr @subj_s_u_1_dyn_v6 meta mark set 0x2",
+]
+IN_CHAIN_RULES = [
+    "ct original ip daddr @subj_s_u_1_deny_v4 drop",
+    "ct original ip6 daddr @subj_s_u_1_deny_v6 drop",
+    "ct original ip daddr @subj_s_u_1_dyn_v4 accept",
+    "ct original ip6 daddr @subj_s_u_1_dyn_v6 accept",
+    "ct original ip daddr @subj_s_u_1_allow_v4 accept",
+    "ct original ip6 daddr @subj_s_u_1_allow_v6 accept",
+    "drop",
+]
 
 
 def lines(script: str) -> list[str]:
@@ -56,6 +100,61 @@ def lines(script: str) -> list[str]:
 def rules_of(script: str, chain: str) -> list[str]:
     prefix = f"add rule inet {T} {chain} "
     return [ln[len(prefix) :] for ln in lines(script) if ln.startswith(prefix)]
+
+
+def batch_rules(batch: NetlinkBatch, chain: str) -> list[str]:
+    return [op.rule.render() for op in batch.ops if isinstance(op, AddRule) and op.chain == chain]
+
+
+# ----------------------------------------------------------------- a model of the fixed rules
+#
+# What the header and the subject's fixed rules do with one packet of the subject, given the
+# contents of its six sets: forward path (marking chain, then dispatch chain, then the
+# header's unmarked-drop tail) and, with MITM, the input path (IN chain of §8.2).
+
+Contents = dict[str, tuple[IPv4Network | IPv6Network, ...]]
+
+
+def _matches(rule: MatchRule, contents: Contents, dst: IPAddress) -> bool:
+    if rule.fam != ("v4" if dst.version == 4 else "v6"):
+        return False
+    kind = rule.set_name.removeprefix("subj_s_u_1_")
+    return any(dst in net for net in contents.get(kind, ()))
+
+
+def forward_verdict(cfg: TableConfig, contents: Contents, dst: str) -> str:
+    addr = ip_address(dst)
+    batch = subject_rules(cfg, "s_u_1")
+    marked = False
+    for op in batch.ops:
+        assert isinstance(op, AddRule)
+        if op.chain == "mark_s_u_1":
+            assert isinstance(op.rule, MatchRule) and op.rule.outcome is Outcome.MARK
+            marked = marked or _matches(op.rule, contents, addr)
+    for op in batch.ops:
+        assert isinstance(op, AddRule)
+        if op.chain == "subj_s_u_1":
+            assert isinstance(op.rule, MatchRule)
+            if _matches(op.rule, contents, addr):
+                return op.rule.outcome.value
+    return "accept" if marked else "drop"  # meta mark & 0x2 != 0x2 drop
+
+
+def mitm_in_verdict(contents: Contents, dst: str) -> str:
+    addr = ip_address(dst)
+    for op in subject_rules(MITM, "s_u_1").ops:
+        assert isinstance(op, AddRule)
+        if op.chain != "subj_s_u_1_in":
+            continue
+        if isinstance(op.rule, VerdictRule):
+            return op.rule.outcome.value
+        if _matches(op.rule, contents, addr):
+            return op.rule.outcome.value
+    return "accept"  # the input chain's policy; never reached (the chain ends with a verdict)
+
+
+EMPTY: Contents = {}
+PROBES = ["8.8.8.8", "1.2.3.4", "9.9.9.9", "0.0.0.1", "255.255.255.255", "2001:db8::1", "::1"]
 
 
 # --------------------------------------------------------------------------- §8.1 header
@@ -226,11 +325,11 @@ def test_header_doh_blocklist_is_normalised() -> None:
     assert "doh_block_v6 { type ipv6_addr; flags interval; elements = { 2001:db8::/32 } }" in script
 
 
-# --------------------------------------------------------------------------- §8.2 deny-first
+# --------------------------------------------------------------------------- §8.2 subject objects
 
 
-def test_deny_first_declares_the_six_sets_and_the_chains() -> None:
-    text = lines(deny_first_script(CFG, SUBJ))
+def test_objects_script_declares_the_six_sets_and_the_chains() -> None:
+    text = lines(subject_objects_script(CFG, SUBJ))
     for kind in ("allow", "deny"):
         assert f"add set inet {T} subj_s_u_1_{kind}_v4 {{ type ipv4_addr; flags interval; }}" in text
         assert f"add set inet {T} subj_s_u_1_{kind}_v6 {{ type ipv6_addr; flags interval; }}" in text
@@ -243,40 +342,76 @@ def test_deny_first_declares_the_six_sets_and_the_chains() -> None:
     assert len(declared) == 6
 
 
-def test_deny_first_flushes_chains_and_all_six_sets_before_content() -> None:
-    text = lines(deny_first_script(CFG, SUBJ))
-    flushes = [ln for ln in text if ln.startswith("flush ")]
-    assert flushes == [
-        f"flush chain inet {T} subj_s_u_1",
-        f"flush chain inet {T} mark_s_u_1",
-        *(f"flush set inet {T} {s}" for s in ("subj_s_u_1_allow_v4", "subj_s_u_1_allow_v6")),
-        *(f"flush set inet {T} {s}" for s in ("subj_s_u_1_deny_v4", "subj_s_u_1_deny_v6")),
-        *(f"flush set inet {T} {s}" for s in ("subj_s_u_1_dyn_v4", "subj_s_u_1_dyn_v6")),
-    ]
-    for name in SETS6:
-        assert f"flush set inet {T} {name}" in text
-    last_decl = max(
-        i for i, ln in enumerate(text) if ln.startswith(("add set", "add chain")) and "subj" in ln
+def test_objects_script_has_no_rules_no_flushes_no_deletes() -> None:
+    """Cache-free for libnftables: declarations and inline map elements only."""
+    for cfg in (CFG, MITM):
+        text = lines(subject_objects_script(cfg, SUBJ))
+        assert all(ln.startswith(("add set ", "add chain ", "add map ")) for ln in text), text
+        assert not any(ln.startswith(("add rule", "flush", "delete", "add element")) for ln in text)
+        # Declarations of the subject's own sets never carry elements: content is netlink's job.
+        assert not any("elements" in ln for ln in text if f"inet {T} subj_" in ln)
+
+
+def test_objects_script_declarations_come_before_the_dispatch_entries() -> None:
+    text = lines(subject_objects_script(MITM, SUBJ))
+    own = (f"add set inet {T} subj_s_u_1_", f"add chain inet {T} ")
+    last_decl = max(i for i, ln in enumerate(text) if ln.startswith(own))
+    first_entry = min(i for i, ln in enumerate(text) if "elements" in ln)
+    assert last_decl < first_entry
+
+
+def test_subject_rules_are_the_fixed_rule_list() -> None:
+    batch = subject_rules(CFG, "s_u_1")
+    assert batch.table == T
+    assert batch.ops == (
+        AddRule("subj_s_u_1", MatchRule("v4", "subj_s_u_1_deny_v4", Outcome.DROP)),
+        AddRule("subj_s_u_1", MatchRule("v6", "subj_s_u_1_deny_v6", Outcome.DROP)),
+        AddRule("mark_s_u_1", MatchRule("v4", "subj_s_u_1_allow_v4", Outcome.MARK)),
+        AddRule("mark_s_u_1", MatchRule("v6", "subj_s_u_1_allow_v6", Outcome.MARK)),
+        AddRule("mark_s_u_1", MatchRule("v4", "subj_s_u_1_dyn_v4", Outcome.MARK)),
+        AddRule("mark_s_u_1", MatchRule("v6", "subj_s_u_1_dyn_v6", Outcome.MARK)),
     )
-    first_flush = min(i for i, ln in enumerate(text) if ln.startswith("flush"))
-    last_flush = max(i for i, ln in enumerate(text) if ln.startswith("flush"))
-    first_rule = min(i for i, ln in enumerate(text) if ln.startswith("add rule"))
-    assert last_decl < first_flush
-    assert last_flush < first_rule
+    assert batch_rules(batch, "subj_s_u_1") == SUBJ_CHAIN_RULES
+    assert batch_rules(batch, "mark_s_u_1") == MARK_CHAIN_RULES
+    assert batch_rules(batch, "subj_s_u_1_in") == []
+    # No unconditional verdict or mark: with empty sets the chains do nothing at all.
+    assert all(isinstance(op, AddRule) and isinstance(op.rule, MatchRule) for op in batch.ops)
+    assert not any(op.rule.ct_original for op in batch.ops if isinstance(op, AddRule))
 
 
-def test_deny_first_subject_chain_ends_with_drop_and_mark_chain_stays_empty() -> None:
-    script = deny_first_script(CFG, SUBJ)
-    assert rules_of(script, "subj_s_u_1") == [
-        "ip daddr @subj_s_u_1_deny_v4 drop",
-        "ip6 daddr @subj_s_u_1_deny_v6 drop",
-        "drop",
-    ]
-    assert rules_of(script, "mark_s_u_1") == []
+def test_subject_rules_mitm_in_chain() -> None:
+    batch = subject_rules(MITM, "s_u_1")
+    assert batch_rules(batch, "subj_s_u_1") == SUBJ_CHAIN_RULES
+    assert batch_rules(batch, "mark_s_u_1") == MARK_CHAIN_RULES
+    assert batch_rules(batch, "subj_s_u_1_in") == IN_CHAIN_RULES
+    in_ops = [op.rule for op in batch.ops if isinstance(op, AddRule) and op.chain == "subj_s_u_1_in"]
+    assert all(r.ct_original for r in in_ops if isinstance(r, MatchRule))
+    assert in_ops[-1] == VerdictRule(Outcome.DROP)
+    assert batch.ops[: len(subject_rules(CFG, "s_u_1").ops)] == subject_rules(CFG, "s_u_1").ops
 
 
-def test_deny_first_dispatch_entries_come_last_and_redeclare_the_maps() -> None:
-    text = lines(deny_first_script(CFG, SUBJ))
+def test_subject_rules_do_not_depend_on_anything_but_the_id() -> None:
+    assert subject_rules(CFG, "s_u_1") == subject_rules(TableConfig(table=T, dns_port=5300), "s_u_1")
+    assert subject_rules(MITM, "s_u_1") == subject_rules(MITM, "s_u_1")
+    assert "s_u_6" in subject_rules(CFG, "s_u_6").describe()
+
+
+def test_flush_subject_sets_empties_all_six_sets() -> None:
+    batch = flush_subject_sets(T, "s_u_1")
+    assert batch == NetlinkBatch(T, tuple(FlushSet(name) for name in SETS6))
+    assert batch.describe().splitlines() == [f"flush set inet {T} {name}" for name in SETS6]
+
+
+@pytest.mark.parametrize("dst", PROBES)
+def test_deny_first_drops_everything(dst: str) -> None:
+    """Deny-first = fixed rules + all six sets empty: nothing marked, the tail drops it."""
+    assert forward_verdict(CFG, EMPTY, dst) == "drop"
+    assert forward_verdict(MITM, EMPTY, dst) == "drop"
+    assert mitm_in_verdict(EMPTY, dst) == "drop"
+
+
+def test_objects_script_dispatch_entries_come_last_and_redeclare_the_maps() -> None:
+    text = lines(subject_objects_script(CFG, SUBJ))
     tail = [
         f"add map inet {T} dispatch_v4 {{ type ipv4_addr : verdict; elements = {{ 10.0.0.5 : jump subj_s_u_1 }} }}",
         f"add map inet {T} marking_v4 {{ type ipv4_addr : verdict; elements = {{ 10.0.0.5 : jump mark_s_u_1 }} }}",
@@ -287,8 +422,8 @@ def test_deny_first_dispatch_entries_come_last_and_redeclare_the_maps() -> None:
     assert dispatch_entries(CFG, SUBJ) == "\n".join(tail) + "\n"
 
 
-def test_deny_first_v6_subject() -> None:
-    script = deny_first_script(CFG, SUBJ6)
+def test_objects_script_v6_subject() -> None:
+    script = subject_objects_script(CFG, SUBJ6)
     text = lines(script)
     assert (
         f"add map inet {T} dispatch_v6 {{ type ipv6_addr : verdict; elements = {{ fd00::5 : jump subj_s_u_6 }} }}"
@@ -298,144 +433,173 @@ def test_deny_first_v6_subject() -> None:
     assert "dispatch_v4" not in script
 
 
-def test_deny_first_mixed_family_gateway_without_mitm_is_fine() -> None:
+def test_objects_script_mixed_family_gateway_without_mitm_is_fine() -> None:
     subj = SubjectNft("s_x", ip_address("10.0.0.5"), ip_address("fd00::1"))
-    script = deny_first_script(CFG, subj)
+    script = subject_objects_script(CFG, subj)
     assert f"add set inet {T} dns_gw_v6 {{ type ipv6_addr; elements = {{ fd00::1 }} }}" in lines(script)
 
 
-def test_deny_first_mitm() -> None:
-    script = deny_first_script(MITM, SUBJ)
+def test_objects_script_mitm() -> None:
+    script = subject_objects_script(MITM, SUBJ)
     text = lines(script)
     assert f"add chain inet {T} subj_s_u_1_in" in text
-    assert f"flush chain inet {T} subj_s_u_1_in" in text
-    assert rules_of(script, "subj_s_u_1_in") == [
-        "ct original ip daddr @subj_s_u_1_deny_v4 drop",
-        "ct original ip6 daddr @subj_s_u_1_deny_v6 drop",
-        "ct original ip daddr @subj_s_u_1_dyn_v4 accept",
-        "ct original ip6 daddr @subj_s_u_1_dyn_v6 accept",
-        "ct original ip daddr @subj_s_u_1_allow_v4 accept",
-        "ct original ip6 daddr @subj_s_u_1_allow_v6 accept",
-        "drop",
-    ]
+    assert rules_of(script, "subj_s_u_1_in") == []  # its rules come from subject_rules
     assert (
         f"add map inet {T} mitm_in_v4 {{ type ipv4_addr : verdict; elements = {{ 10.0.0.5 : jump subj_s_u_1_in }} }}"
         in text
     )
     assert f"add set inet {T} mitm_src_v4 {{ type ipv4_addr; elements = {{ 10.0.0.5 }} }}" in text
-    assert rules_of(script, "subj_s_u_1")[-1] == "drop"
+    assert dispatch_entries(MITM, SUBJ) == "\n".join(text[-5:]) + "\n"
 
 
-def test_deny_first_mitm_mismatched_gateway_family_raises() -> None:
+def test_objects_script_mitm_mismatched_gateway_family_raises() -> None:
     subj = SubjectNft("s_x", ip_address("10.0.0.5"), ip_address("fd00::1"))
     with pytest.raises(ValueError):
-        deny_first_script(MITM, subj)
+        subject_objects_script(MITM, subj)
 
 
-def test_deny_first_is_deterministic() -> None:
-    assert deny_first_script(MITM, SUBJ) == deny_first_script(MITM, SUBJ)
+def test_objects_script_is_deterministic() -> None:
+    assert subject_objects_script(MITM, SUBJ) == subject_objects_script(MITM, SUBJ)
+    assert subject_rules(MITM, "s_u_1") == subject_rules(MITM, "s_u_1")
 
 
 # --------------------------------------------------------------------------- §8.3 policy swap
 
 
-def test_policy_script_for_the_spec_example() -> None:
-    script = policy_script(CFG, "s_u_1", EXAMPLE)
-    text = lines(script)
-    assert text[:6] == [
-        f"flush chain inet {T} subj_s_u_1",
-        f"flush chain inet {T} mark_s_u_1",
-        f"flush set inet {T} subj_s_u_1_allow_v4",
-        f"flush set inet {T} subj_s_u_1_allow_v6",
-        f"flush set inet {T} subj_s_u_1_deny_v4",
-        f"flush set inet {T} subj_s_u_1_deny_v6",
-    ]
-    assert (
-        f"add set inet {T} subj_s_u_1_allow_v4 {{ type ipv4_addr; flags interval; elements = {{ 8.8.8.8 }} }}"
-        in text
+def test_policy_swap_for_the_spec_example() -> None:
+    batch = policy_swap(T, "s_u_1", EXAMPLE)
+    assert batch == NetlinkBatch(
+        T,
+        (
+            FlushSet("subj_s_u_1_allow_v4"),
+            AddIntervals("subj_s_u_1_allow_v4", "v4", (ip_network("8.8.8.8/32"),)),
+            FlushSet("subj_s_u_1_allow_v6"),
+            FlushSet("subj_s_u_1_deny_v4"),
+            AddIntervals("subj_s_u_1_deny_v4", "v4", (ip_network("1.2.3.4/32"),)),
+            FlushSet("subj_s_u_1_deny_v6"),
+        ),
     )
-    assert (
-        f"add set inet {T} subj_s_u_1_deny_v4 {{ type ipv4_addr; flags interval; elements = {{ 1.2.3.4 }} }}"
-        in text
-    )
-    assert rules_of(script, "subj_s_u_1") == [
-        "ip daddr @subj_s_u_1_deny_v4 drop",
-        "ip6 daddr @subj_s_u_1_deny_v6 drop",
-    ]
-    assert rules_of(script, "mark_s_u_1") == [
-        "ip daddr @subj_s_u_1_allow_v4 meta mark set 0x2",
-        "ip6 daddr @subj_s_u_1_allow_v6 meta mark set 0x2",
-        "ip daddr @subj_s_u_1_dyn_v4 meta mark set 0x2",
-        "ip6 daddr @subj_s_u_1_dyn_v6 meta mark set 0x2",
-    ]
-    assert "example.com" not in script
-    assert "subj_s_u_1_in" not in script
+    assert "example.com" not in batch.describe()
+    assert "subj_s_u_1_in" not in batch.describe()
 
 
-def test_policy_script_never_touches_dyn_sets_jumps_or_header() -> None:
-    script = policy_script(MITM, "s_u_1", EXAMPLE)
-    assert "flush set inet T subj_s_u_1_dyn" not in script
-    assert not any(ln.startswith(f"add set inet {T} subj_s_u_1_dyn") for ln in lines(script))
+def test_policy_swap_describe() -> None:
+    assert policy_swap(T, "s_u_1", EXAMPLE).describe() == (
+        "flush set inet T subj_s_u_1_allow_v4\n"
+        "add element inet T subj_s_u_1_allow_v4 { 8.8.8.8 }\n"
+        "flush set inet T subj_s_u_1_allow_v6\n"
+        "flush set inet T subj_s_u_1_deny_v4\n"
+        "add element inet T subj_s_u_1_deny_v4 { 1.2.3.4 }\n"
+        "flush set inet T subj_s_u_1_deny_v6\n"
+    )
+
+
+def test_policy_swap_never_touches_dyn_sets_rules_maps_or_header() -> None:
+    batch = policy_swap(T, "s_u_1", EXAMPLE)
+    touched = {op.name for op in batch.ops if isinstance(op, FlushSet | AddIntervals)}
+    assert touched == {f"subj_s_u_1_{k}" for k in ("allow_v4", "allow_v6", "deny_v4", "deny_v6")}
+    assert all(isinstance(op, FlushSet | AddIntervals) for op in batch.ops)  # no rules, no deletes
+    text = batch.describe()
+    assert "dyn" not in text
     assert not any(
-        name in script for name in ("dispatch_v4", "marking_v4", "dns_gw", "mitm_src", "mitm_in", "add table")
+        name in text for name in ("dispatch_v4", "marking_v4", "dns_gw", "mitm_src", "mitm_in", "table")
     )
-    assert not any(ln.startswith("delete") for ln in lines(script))
-    assert "drop" not in rules_of(script, "subj_s_u_1")  # no deny-first tail once active
+    # Every set is flushed before it is refilled.
+    for op in batch.ops:
+        if isinstance(op, AddIntervals):
+            assert batch.ops.index(FlushSet(op.name)) < batch.ops.index(op)
 
 
-def test_policy_script_empty_sets_get_no_elements() -> None:
-    script = policy_script(CFG, "s_u_1", EXAMPLE)
-    assert "elements" not in "\n".join(ln for ln in lines(script) if "allow_v6" in ln or "deny_v6" in ln)
-    assert not any(ln.startswith(f"add set inet {T} subj_s_u_1_allow_v6") for ln in lines(script))
-    assert not any(ln.startswith(f"add set inet {T} subj_s_u_1_deny_v6") for ln in lines(script))
-    deny_all = policy_script(CFG, "s_u_1", parse_policy("{}"))
-    assert "elements" not in deny_all
-    assert not any(ln.startswith("add set") for ln in lines(deny_all))
+def test_policy_swap_empty_sets_get_no_elements() -> None:
+    batch = policy_swap(T, "s_u_1", EXAMPLE)
+    filled = [op.name for op in batch.ops if isinstance(op, AddIntervals)]
+    assert filled == ["subj_s_u_1_allow_v4", "subj_s_u_1_deny_v4"]
+    deny_all = policy_swap(T, "s_u_1", parse_policy("{}"))
+    assert deny_all.ops == tuple(
+        FlushSet(f"subj_s_u_1_{k}") for k in ("allow_v4", "allow_v6", "deny_v4", "deny_v6")
+    )
+    assert "add element" not in deny_all.describe()
 
 
-def test_policy_script_v6_and_cidr_elements() -> None:
+def test_policy_swap_v6_and_cidr_elements() -> None:
     pol = parse_policy(
         '{"egress":[{"action":"allow","target":"2001:db8::/32"},{"action":"allow","target":"2001:db8::1"},'
         '{"action":"allow","target":"10.99.0.9/24"},{"action":"deny","target":"2001:db8::dead"}]}'
     )
-    text = lines(policy_script(CFG, "s_u_1", pol))
-    assert (
-        f"add set inet {T} subj_s_u_1_allow_v6 {{ type ipv6_addr; flags interval; elements = {{ 2001:db8::/32 }} }}"
-        in text
+    adds = {op.name: op for op in policy_swap(T, "s_u_1", pol).ops if isinstance(op, AddIntervals)}
+    assert adds == {
+        "subj_s_u_1_allow_v6": AddIntervals("subj_s_u_1_allow_v6", "v6", (ip_network("2001:db8::/32"),)),
+        "subj_s_u_1_allow_v4": AddIntervals("subj_s_u_1_allow_v4", "v4", (ip_network("10.99.0.0/24"),)),
+        "subj_s_u_1_deny_v6": AddIntervals("subj_s_u_1_deny_v6", "v6", (ip_network("2001:db8::dead/128"),)),
+    }
+    text = policy_swap(T, "s_u_1", pol).describe().splitlines()
+    assert f"add element inet {T} subj_s_u_1_allow_v6 {{ 2001:db8::/32 }}" in text
+    assert f"add element inet {T} subj_s_u_1_allow_v4 {{ 10.99.0.0/24 }}" in text
+    assert f"add element inet {T} subj_s_u_1_deny_v6 {{ 2001:db8::dead }}" in text
+
+
+def test_policy_swap_default_allow_fills_the_allow_sets_with_everything() -> None:
+    assert policy_contents(ALLOW_ALL) == {
+        "allow_v4": (ip_network("0.0.0.0/0"),),
+        "allow_v6": (ip_network("::/0"),),
+        "deny_v4": (),
+        "deny_v6": (),
+    }
+    batch = policy_swap(T, "s_u_1", ALLOW_ALL)
+    assert batch.ops == (
+        FlushSet("subj_s_u_1_allow_v4"),
+        AddIntervals("subj_s_u_1_allow_v4", "v4", (ip_network("0.0.0.0/0"),)),
+        FlushSet("subj_s_u_1_allow_v6"),
+        AddIntervals("subj_s_u_1_allow_v6", "v6", (ip_network("::/0"),)),
+        FlushSet("subj_s_u_1_deny_v4"),
+        FlushSet("subj_s_u_1_deny_v6"),
     )
-    assert (
-        f"add set inet {T} subj_s_u_1_allow_v4 {{ type ipv4_addr; flags interval; elements = {{ 10.99.0.0/24 }} }}"
-        in text
+    assert f"add element inet {T} subj_s_u_1_allow_v4 {{ 0.0.0.0/0 }}" in batch.describe()
+    assert f"add element inet {T} subj_s_u_1_allow_v6 {{ ::/0 }}" in batch.describe()
+
+
+def test_policy_contents_default_allow_ignores_explicit_allows_but_keeps_denies() -> None:
+    pol = parse_policy(
+        '{"defaultAction":"allow","egress":[{"action":"allow","target":"8.8.8.8"},'
+        '{"action":"deny","target":"1.2.3.4"},{"action":"deny","target":"2001:db8::/48"}]}'
     )
-    assert (
-        f"add set inet {T} subj_s_u_1_deny_v6 {{ type ipv6_addr; flags interval; elements = {{ 2001:db8::dead }} }}"
-        in text
-    )
+    assert policy_contents(pol) == {
+        "allow_v4": (ip_network("0.0.0.0/0"),),
+        "allow_v6": (ip_network("::/0"),),
+        "deny_v4": (ip_network("1.2.3.4/32"),),
+        "deny_v6": (ip_network("2001:db8::/48"),),
+    }
 
 
-def test_policy_script_default_allow_marks_everything() -> None:
-    script = policy_script(CFG, "s_u_1", ALLOW_ALL)
-    assert rules_of(script, "mark_s_u_1") == ["meta mark set 0x2"]
-    assert rules_of(script, "subj_s_u_1") == [
-        "ip daddr @subj_s_u_1_deny_v4 drop",
-        "ip6 daddr @subj_s_u_1_deny_v6 drop",
-    ]
+@pytest.mark.parametrize(
+    ("dst", "expected"),
+    [("8.8.8.8", "accept"), ("1.2.3.4", "drop"), ("9.9.9.9", "drop"), ("2001:db8::1", "drop")],
+)
+def test_example_policy_contents_enforce_the_example(dst: str, expected: str) -> None:
+    contents = policy_contents(EXAMPLE)
+    assert forward_verdict(CFG, contents, dst) == expected
+    assert mitm_in_verdict(contents, dst) == expected  # default deny: the IN chain ends in drop
 
 
-def test_policy_script_default_allow_with_mitm_accepts_in_chain() -> None:
-    script = policy_script(MITM, "s_u_1", ALLOW_ALL)
-    text = lines(script)
-    assert f"flush chain inet {T} subj_s_u_1_in" in text
-    in_rules = rules_of(script, "subj_s_u_1_in")
-    assert in_rules[0] == "ct original ip daddr @subj_s_u_1_deny_v4 drop"
-    assert in_rules[-1] == "accept"
-    assert len(in_rules) == 7
+@pytest.mark.parametrize(
+    ("dst", "expected"),
+    [("8.8.8.8", "accept"), ("1.2.3.4", "drop"), ("255.255.255.255", "accept"), ("2001:db8::1", "accept")],
+)
+def test_default_allow_contents_allow_everything_but_denies(dst: str, expected: str) -> None:
+    contents = policy_contents(ALLOW_BUT)
+    assert forward_verdict(CFG, contents, dst) == expected
+    assert mitm_in_verdict(contents, dst) == expected  # allow sets hold everything: IN accepts
 
 
-def test_policy_script_default_deny_with_mitm_drops_in_chain() -> None:
-    in_rules = rules_of(policy_script(MITM, "s_u_1", EXAMPLE), "subj_s_u_1_in")
-    assert in_rules[-1] == "drop"
-    assert "ct original ip daddr @subj_s_u_1_allow_v4 accept" in in_rules
+def test_dyn_leases_are_allowed_but_never_beat_a_deny() -> None:
+    contents = {
+        **policy_contents(EXAMPLE),
+        "dyn_v4": (ip_network("93.184.216.34/32"), ip_network("1.2.3.4/32")),
+    }
+    assert forward_verdict(CFG, contents, "93.184.216.34") == "accept"
+    assert mitm_in_verdict(contents, "93.184.216.34") == "accept"
+    assert forward_verdict(CFG, contents, "1.2.3.4") == "drop"
+    assert mitm_in_verdict(contents, "1.2.3.4") == "drop"
 
 
 # --------------------------------------------------------------------------- removal / netlink batches
@@ -446,25 +610,21 @@ def test_removal_batch_op_order() -> None:
     assert batch.table == T
     ip = SUBJ.ip
     assert batch.ops == (
-        NetlinkDelete(ObjKind.ELEMENT, "marking_v4", ip, "ipv4_addr"),
-        NetlinkDelete(ObjKind.ELEMENT, "dispatch_v4", ip, "ipv4_addr"),
-        NetlinkDelete(ObjKind.CHAIN, "subj_s_u_1"),
-        NetlinkDelete(ObjKind.CHAIN, "mark_s_u_1"),
-        *(NetlinkDelete(ObjKind.SET, f"subj_s_u_1_{k}") for k in _set_kinds()),
+        DeleteElement("marking_v4", ip),
+        DeleteElement("dispatch_v4", ip),
+        DeleteChain("subj_s_u_1"),
+        DeleteChain("mark_s_u_1"),
+        *(DeleteSet(f"subj_s_u_1_{k}") for k in SET_KINDS),
     )
-    kinds = [op.kind for op in batch.ops]
+    kinds = [type(op) for op in batch.ops]
     # map elements, then chains, then sets
-    assert kinds == sorted(kinds, key=[ObjKind.ELEMENT, ObjKind.CHAIN, ObjKind.SET].index)
+    assert kinds == sorted(kinds, key=[DeleteElement, DeleteChain, DeleteSet].index)
     assert not any(op.name.startswith("dns_gw") for op in batch.ops)
-
-
-def _set_kinds() -> list[str]:
-    return ["allow_v4", "allow_v6", "deny_v4", "deny_v6", "dyn_v4", "dyn_v6"]
 
 
 def test_removal_batch_releases_the_gateway_with_mitm() -> None:
     batch = removal_batch(MITM, "s_u_1", SUBJ.ip, release_gateway=SUBJ.gateway)
-    elements = [(op.name, op.key) for op in batch.ops if op.kind is ObjKind.ELEMENT]
+    elements = [(op.name, op.key) for op in batch.ops if isinstance(op, DeleteElement)]
     assert elements == [
         ("marking_v4", SUBJ.ip),
         ("dispatch_v4", SUBJ.ip),
@@ -472,18 +632,19 @@ def test_removal_batch_releases_the_gateway_with_mitm() -> None:
         ("mitm_in_v4", SUBJ.ip),
         ("dns_gw_v4", SUBJ.gateway),
     ]
-    chains = [op.name for op in batch.ops if op.kind is ObjKind.CHAIN]
+    chains = [op.name for op in batch.ops if isinstance(op, DeleteChain)]
     assert chains == ["subj_s_u_1", "mark_s_u_1", "subj_s_u_1_in"]
-    kinds = [op.kind for op in batch.ops]
-    assert kinds.index(ObjKind.CHAIN) > max(i for i, k in enumerate(kinds) if k is ObjKind.ELEMENT)
-    assert kinds.index(ObjKind.SET) > max(i for i, k in enumerate(kinds) if k is ObjKind.CHAIN)
+    kinds = [type(op) for op in batch.ops]
+    assert kinds.index(DeleteChain) > max(i for i, k in enumerate(kinds) if k is DeleteElement)
+    assert kinds.index(DeleteSet) > max(i for i, k in enumerate(kinds) if k is DeleteChain)
     assert batch.describe().splitlines()[4] == "delete element inet T dns_gw_v4 { 10.0.0.1 }"
 
 
 def test_removal_batch_without_ip_drops_only_objects() -> None:
     batch = removal_batch(CFG, "s_u_1", None, release_gateway=None)
-    assert all(op.kind is not ObjKind.ELEMENT for op in batch.ops)
+    assert all(not isinstance(op, DeleteElement) for op in batch.ops)
     assert len(batch.ops) == 8
+    assert len(removal_batch(MITM, "s_u_1", None, release_gateway=None).ops) == 9
 
 
 def test_removal_batch_describe() -> None:
@@ -494,38 +655,280 @@ def test_removal_batch_describe() -> None:
         "delete element inet T dns_gw_v4 { 10.0.0.1 }",
         "delete chain inet T subj_s_u_1",
         "delete chain inet T mark_s_u_1",
-        *(f"delete set inet T subj_s_u_1_{k}" for k in _set_kinds()),
+        *(f"delete set inet T subj_s_u_1_{k}" for k in SET_KINDS),
     ]
-    assert DeleteBatch(T).describe() == ""
+    assert text.endswith("\n")
+    assert NetlinkBatch(T).describe() == ""
+
+
+def test_removal_batch_describe_v6_with_mitm() -> None:
+    text = removal_batch(MITM, "s_u_6", SUBJ6.ip, release_gateway=SUBJ6.gateway).describe()
+    assert text.splitlines()[:5] == [
+        "delete element inet T marking_v6 { fd00::5 }",
+        "delete element inet T dispatch_v6 { fd00::5 }",
+        "delete element inet T mitm_src_v6 { fd00::5 }",
+        "delete element inet T mitm_in_v6 { fd00::5 }",
+        "delete element inet T dns_gw_v6 { fd00::1 }",
+    ]
+    assert "delete chain inet T subj_s_u_6_in" in text.splitlines()
 
 
 def test_dispatch_deletes_v6_and_gateway_of_other_family() -> None:
     ops = dispatch_deletes(CFG, ip_address("fd00::5"), release_gateway=ip_address("10.0.0.1"))
     assert ops == [
-        NetlinkDelete(ObjKind.ELEMENT, "marking_v6", ip_address("fd00::5"), "ipv6_addr"),
-        NetlinkDelete(ObjKind.ELEMENT, "dispatch_v6", ip_address("fd00::5"), "ipv6_addr"),
-        NetlinkDelete(ObjKind.ELEMENT, "dns_gw_v4", ip_address("10.0.0.1"), "ipv4_addr"),
+        DeleteElement("marking_v6", ip_address("fd00::5")),
+        DeleteElement("dispatch_v6", ip_address("fd00::5")),
+        DeleteElement("dns_gw_v4", ip_address("10.0.0.1")),
     ]
+    assert gateway_release(ip_address("fd00::1")) == DeleteElement("dns_gw_v6", ip_address("fd00::1"))
+
+
+def test_netlink_batch_truthiness_and_concatenation() -> None:
+    assert not NetlinkBatch(T)
+    flush = flush_subject_sets(T, "s_u_1")
+    rules = subject_rules(CFG, "s_u_1")
+    assert flush
+    joined = flush + rules
+    assert joined.table == T
+    assert joined.ops == flush.ops + rules.ops
+    assert joined.describe() == flush.describe() + rules.describe()
+
+
+def test_rule_render() -> None:
+    assert MatchRule("v4", "s", Outcome.DROP).render() == "ip daddr @s drop"
+    assert MatchRule("v6", "s", Outcome.ACCEPT).render() == "ip6 daddr @s accept"
+    assert MatchRule("v4", "s", Outcome.MARK).render() == "ip daddr @s meta mark set 0x2"
+    assert MatchRule("v6", "s", Outcome.DROP, ct_original=True).render() == "ct original ip6 daddr @s drop"
+    assert VerdictRule(Outcome.ACCEPT).render() == "accept"
 
 
 # --------------------------------------------------------------------------- DNS learning
 
 
-def test_dyn_add_script_sets_timeout_and_expires() -> None:
-    script = dyn_add_script(
-        CFG,
+def test_dyn_add_sets_timeout_and_expires() -> None:
+    batch = dyn_add(
+        T,
         "s_u_1",
         [(ip_address("93.184.216.34"), 90), (ip_address("2001:db8::1"), 61), (ip_address("1.1.1.1"), 360)],
     )
-    assert lines(script) == [
-        f"add set inet {T} subj_s_u_1_dyn_v4 {{ type ipv4_addr; flags timeout; timeout 360s; "
-        "elements = { 93.184.216.34 timeout 90s expires 90s, 1.1.1.1 timeout 360s expires 360s } }",
-        f"add set inet {T} subj_s_u_1_dyn_v6 {{ type ipv6_addr; flags timeout; timeout 360s; "
-        "elements = { 2001:db8::1 timeout 61s expires 61s } }",
+    assert batch.ops == (
+        AddTimed(
+            "subj_s_u_1_dyn_v4", "v4", ((ip_address("93.184.216.34"), 90), (ip_address("1.1.1.1"), 360))
+        ),
+        AddTimed("subj_s_u_1_dyn_v6", "v6", ((ip_address("2001:db8::1"), 61),)),
+    )
+    assert batch.describe().splitlines() == [
+        f"add element inet {T} subj_s_u_1_dyn_v4 "
+        "{ 93.184.216.34 timeout 90s expires 90s, 1.1.1.1 timeout 360s expires 360s }",
+        f"add element inet {T} subj_s_u_1_dyn_v6 {{ 2001:db8::1 timeout 61s expires 61s }}",
     ]
 
 
-def test_dyn_add_script_single_family() -> None:
-    script = dyn_add_script(CFG, "s_u_1", [(ip_address("93.184.216.34"), 90)])
-    assert "dyn_v6" not in script
-    assert "93.184.216.34 timeout 90s expires 90s" in script
+def test_dyn_add_single_family() -> None:
+    batch = dyn_add(T, "s_u_1", [(ip_address("93.184.216.34"), 90)])
+    assert "dyn_v6" not in batch.describe()
+    assert "93.184.216.34 timeout 90s expires 90s" in batch.describe()
+    assert not dyn_add(T, "s_u_1", [])
+
+
+# --------------------------------------------------------------------------- applier: netlink encoders
+
+END = ("NFTA_SET_ELEM_FLAGS", [1])  # NFT_SET_ELEM_INTERVAL_END, as pyroute2 wants it
+
+
+def _elem(key: bytes, *, end: bool = False) -> dict[str, Any]:
+    attrs: list[tuple[str, Any]] = [("NFTA_SET_ELEM_KEY", {"attrs": [("NFTA_DATA_VALUE", key)]})]
+    if end:
+        attrs.append(END)
+    return {"attrs": attrs}
+
+
+def _v4(addr: str) -> bytes:
+    return ip_address(addr).packed
+
+
+def test_interval_elements_single_host_v4() -> None:
+    assert interval_elements([ip_network("8.8.8.8/32")], "v4") == [
+        _elem(b"\x00\x00\x00\x00", end=True),  # the leading zero end-marker
+        _elem(b"\x08\x08\x08\x08"),
+        _elem(b"\x08\x08\x08\x09", end=True),  # end + 1
+    ]
+
+
+def test_interval_elements_sorted_pairs_v4() -> None:
+    nets = [ip_network("192.168.0.0/16"), ip_network("10.0.0.0/24"), ip_network("1.2.3.4/32")]
+    assert interval_elements(nets, "v4") == [
+        _elem(_v4("0.0.0.0"), end=True),
+        _elem(_v4("1.2.3.4")),
+        _elem(_v4("1.2.3.5"), end=True),
+        _elem(_v4("10.0.0.0")),
+        _elem(_v4("10.0.1.0"), end=True),
+        _elem(_v4("192.168.0.0")),
+        _elem(_v4("192.169.0.0"), end=True),
+    ]
+
+
+def test_interval_elements_range_starting_at_zero_has_no_zero_marker() -> None:
+    assert interval_elements([ip_network("0.0.0.0/8")], "v4") == [
+        _elem(_v4("0.0.0.0")),
+        _elem(_v4("1.0.0.0"), end=True),
+    ]
+
+
+def test_interval_elements_whole_address_space_has_no_end() -> None:
+    assert interval_elements([ip_network("0.0.0.0/0")], "v4") == [_elem(b"\x00" * 4)]
+    assert interval_elements([ip_network("::/0")], "v6") == [_elem(b"\x00" * 16)]
+
+
+def test_interval_elements_range_reaching_the_top_has_no_end() -> None:
+    assert interval_elements([ip_network("255.255.255.255/32")], "v4") == [
+        _elem(_v4("0.0.0.0"), end=True),
+        _elem(_v4("255.255.255.255")),
+    ]
+    assert interval_elements([ip_network("10.0.0.0/8"), ip_network("128.0.0.0/1")], "v4") == [
+        _elem(_v4("0.0.0.0"), end=True),
+        _elem(_v4("10.0.0.0")),
+        _elem(_v4("11.0.0.0"), end=True),
+        _elem(_v4("128.0.0.0")),
+    ]
+    assert interval_elements([ip_network("ffff::/16")], "v6") == [
+        _elem(b"\x00" * 16, end=True),
+        _elem(b"\xff\xff" + b"\x00" * 14),
+    ]
+
+
+def test_interval_elements_v6_keys_are_16_bytes_big_endian() -> None:
+    out = interval_elements([ip_network("2001:db9::dead/128"), ip_network("2001:db8::/32")], "v6")
+    assert out == [
+        _elem(b"\x00" * 16, end=True),
+        _elem(bytes.fromhex("20010db8000000000000000000000000")),
+        _elem(bytes.fromhex("20010db9000000000000000000000000"), end=True),
+        _elem(bytes.fromhex("20010db900000000000000000000dead")),
+        _elem(bytes.fromhex("20010db900000000000000000000deae"), end=True),
+    ]
+    keys = [e["attrs"][0][1]["attrs"][0][1] for e in interval_elements([ip_network("::1/128")], "v6")]
+    assert keys == [b"\x00" * 16, b"\x00" * 15 + b"\x01", b"\x00" * 15 + b"\x02"]
+    assert all(len(k) == 16 for k in keys)
+
+
+def test_interval_elements_adjacent_prefixes_keep_both_boundaries() -> None:
+    # Adjacent prefixes are not merged (policy normalisation keeps what the user wrote): the
+    # end of one and the start of the next share a key, which the kernel accepts (unlike two
+    # starts or two ends with the same key).
+    assert interval_elements([ip_network("10.0.1.0/24"), ip_network("10.0.2.0/24")], "v4") == [
+        _elem(_v4("0.0.0.0"), end=True),
+        _elem(_v4("10.0.1.0")),
+        _elem(_v4("10.0.2.0"), end=True),
+        _elem(_v4("10.0.2.0")),
+        _elem(_v4("10.0.3.0"), end=True),
+    ]
+
+
+def test_interval_elements_empty() -> None:
+    assert interval_elements([], "v4") == []
+    assert interval_elements([], "v6") == []
+
+
+def _expr(name: str, *attrs: tuple[str, Any]) -> dict[str, Any]:
+    return {"attrs": [("NFTA_EXPR_NAME", name), ("NFTA_EXPR_DATA", {"attrs": list(attrs)})]}
+
+
+def _verdict(code: int) -> dict[str, Any]:
+    data = {"attrs": [("NFTA_DATA_VERDICT", {"attrs": [("NFTA_VERDICT_CODE", code)]})]}
+    return _expr("immediate", ("NFTA_IMMEDIATE_DREG", 0), ("NFTA_IMMEDIATE_DATA", data))
+
+
+def _l3_match(nfproto: int, offset: int, length: int) -> list[dict[str, Any]]:
+    return [
+        _expr("meta", ("NFTA_META_DREG", 1), ("NFTA_META_KEY", 15)),  # NFT_META_NFPROTO
+        _expr(
+            "cmp",
+            ("NFTA_CMP_SREG", 1),
+            ("NFTA_CMP_OP", 0),  # NFT_CMP_EQ
+            ("NFTA_CMP_DATA", {"attrs": [("NFTA_DATA_VALUE", bytes([nfproto]))]}),
+        ),
+        _expr(
+            "payload",
+            ("NFTA_PAYLOAD_DREG", 1),
+            ("NFTA_PAYLOAD_BASE", 1),  # network header
+            ("NFTA_PAYLOAD_OFFSET", offset),
+            ("NFTA_PAYLOAD_LEN", length),
+        ),
+    ]
+
+
+def _lookup(name: str) -> dict[str, Any]:
+    return _expr("lookup", ("NFTA_LOOKUP_SET", name), ("NFTA_LOOKUP_SREG", 1))
+
+
+MARK_EXPRS = [
+    _expr(
+        "immediate",
+        ("NFTA_IMMEDIATE_DREG", 1),
+        ("NFTA_IMMEDIATE_DATA", {"attrs": [("NFTA_DATA_VALUE", struct.pack("=I", 0x2))]}),
+    ),
+    _expr("meta", ("NFTA_META_KEY", 3), ("NFTA_META_SREG", 1)),  # NFT_META_MARK
+]
+
+
+def test_rule_expressions_v4_drop() -> None:
+    # ip daddr @s drop  (inet: meta nfproto ipv4, then ip daddr = network header + 16, 4 bytes)
+    assert rule_expressions(MatchRule("v4", "s", Outcome.DROP)) == [
+        *_l3_match(2, 16, 4),
+        _lookup("s"),
+        _verdict(0),  # NF_DROP
+    ]
+
+
+def test_rule_expressions_v6_accept() -> None:
+    # ip6 daddr @s accept  (NFPROTO_IPV6 = 10; ip6 daddr = network header + 24, 16 bytes)
+    assert rule_expressions(MatchRule("v6", "s", Outcome.ACCEPT)) == [
+        *_l3_match(10, 24, 16),
+        _lookup("s"),
+        _verdict(1),  # NF_ACCEPT
+    ]
+
+
+@pytest.mark.parametrize(("fam", "nfproto", "offset", "length"), [("v4", 2, 16, 4), ("v6", 10, 24, 16)])
+def test_rule_expressions_mark(fam: str, nfproto: int, offset: int, length: int) -> None:
+    # ip daddr @s meta mark set 0x2: immediate reg 1 (host byte order), then meta set mark.
+    exprs = rule_expressions(MatchRule(fam, "subj_x_allow", Outcome.MARK))
+    assert exprs == [*_l3_match(nfproto, offset, length), _lookup("subj_x_allow"), *MARK_EXPRS]
+    assert struct.pack("=I", 0x2) == (0x2).to_bytes(4, sys.byteorder)  # meta mark: host order
+    assert not any(e["attrs"][0][1] == "immediate" and _is_verdict(e) for e in exprs)
+
+
+def _is_verdict(expr: dict[str, Any]) -> bool:
+    return ("NFTA_IMMEDIATE_DREG", 0) in expr["attrs"][1][1]["attrs"]
+
+
+@pytest.mark.parametrize(("fam", "key"), [("v4", 0x14), ("v6", 0x16)])
+@pytest.mark.parametrize(("outcome", "code"), [(Outcome.DROP, 0), (Outcome.ACCEPT, 1)])
+def test_rule_expressions_ct_original(fam: str, key: int, outcome: Outcome, code: int) -> None:
+    # ct original ip[6] daddr @s <verdict>: ct load dst_ip[6] (NFT_CT_DST_IP 0x14, NFT_CT_DST_IP6
+    # 0x16) in the original direction (0), no meta nfproto / payload load.
+    assert rule_expressions(MatchRule(fam, "s", outcome, ct_original=True)) == [
+        _expr("ct", ("NFTA_CT_DREG", 1), ("NFTA_CT_KEY", key), ("NFTA_CT_DIRECTION", 0)),
+        _lookup("s"),
+        _verdict(code),
+    ]
+
+
+@pytest.mark.parametrize(("outcome", "code"), [(Outcome.DROP, 0), (Outcome.ACCEPT, 1)])
+def test_rule_expressions_bare_verdict(outcome: Outcome, code: int) -> None:
+    assert rule_expressions(VerdictRule(outcome)) == [_verdict(code)]
+
+
+def test_rule_expressions_for_every_fixed_rule() -> None:
+    """Each rule of subject_rules encodes, and looks up exactly the set it renders."""
+    for op in subject_rules(MITM, "s_u_1").ops:
+        assert isinstance(op, AddRule)
+        exprs = rule_expressions(op.rule)
+        names = [e["attrs"][0][1] for e in exprs]
+        if isinstance(op.rule, VerdictRule):
+            assert names == ["immediate"]
+            continue
+        assert names.count("lookup") == 1
+        lookup = exprs[names.index("lookup")]
+        assert ("NFTA_LOOKUP_SET", op.rule.set_name) in lookup["attrs"][1][1]["attrs"]
+        assert names[0] == ("ct" if op.rule.ct_original else "meta")

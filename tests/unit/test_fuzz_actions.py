@@ -12,7 +12,8 @@ from aiohttp.test_utils import TestClient
 from egressd.fleet.control import ControlPlane
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.applier import NftError
-from egressd.fleetnft.builder import DeleteBatch, TableConfig
+from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.ops import NetlinkBatch
 from egressd.metrics import EgressMetrics
 
 BASE: dict[str, Any] = {
@@ -49,7 +50,7 @@ VALUES: list[Any] = [
 
 
 class FlakyTx:
-    """Fails roughly every fifth kernel transaction."""
+    """Fails roughly every fifth kernel transaction (libnftables script or netlink batch)."""
 
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
@@ -61,7 +62,7 @@ class FlakyTx:
     async def run_script(self, script: str, *, op: str) -> None:
         await self._maybe_fail()
 
-    async def run_deletes(self, batch: DeleteBatch, *, op: str) -> None:
+    async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
         await self._maybe_fail()
 
     async def reset_table(self, header_with_delete: str, header: str) -> None:
@@ -116,6 +117,8 @@ async def test_random_envelopes_never_crash(aiohttp_client: Any) -> None:
         for entry in control.registry:
             if entry.state.value == "active":
                 assert entry.policy is not None and entry.pending is None
-                assert control.registry.kernel(entry.uid).objects, "active without kernel objects"
+                view = control.registry.kernel(entry.uid)
+                assert view.objects, "active without kernel objects"
+                assert view.rules, "active without the subject's rules"
     assert {200, 400}.issubset(seen)
     assert (await client.get("/healthz")).status == 200

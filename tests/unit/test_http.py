@@ -17,7 +17,8 @@ from egressd.actionhandler.envelope import API_VERSION, MAX_BODY_BYTES
 from egressd.fleet.control import ControlPlane
 from egressd.fleet.server import ACTIONS_PATH, STATUS_PATH, FleetHTTP
 from egressd.fleetnft.applier import NftError
-from egressd.fleetnft.builder import DeleteBatch, TableConfig
+from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.ops import NetlinkBatch
 from egressd.metrics import EgressMetrics
 
 SECRET = "zz-PLANTED-SECRET-7f3a9c-zz"
@@ -25,7 +26,10 @@ SECRET = "zz-PLANTED-SECRET-7f3a9c-zz"
 
 @dataclass
 class RecordingTx:
-    """Transactions that record everything and fail while ``fail_on`` matches a script."""
+    """Transactions that record everything and fail while ``fail_on`` matches a script or batch.
+
+    Batches are recorded (and matched) as their nft-syntax rendering.
+    """
 
     scripts: list[tuple[str, str]] = field(default_factory=list)
     fail_on: str | None = None
@@ -36,7 +40,7 @@ class RecordingTx:
             raise NftError("Error: Could not process rule: injected")
         self.scripts.append((op, script))
 
-    async def run_deletes(self, batch: DeleteBatch, *, op: str) -> None:
+    async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
         if self.fail_on is not None and self.fail_on in batch.describe():
             raise NftError("Error: Could not process rule: injected")
         self.scripts.append((op, batch.describe()))

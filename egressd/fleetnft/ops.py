@@ -1,0 +1,137 @@
+"""Netlink batch operations as plain data (pure), with an nft-syntax rendering for tests and logs.
+
+A :class:`NetlinkBatch` is applied as one nf_tables transaction: all of it or nothing. These
+operations need no libnftables cache, so their cost does not grow with the fleet size.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+from dataclasses import dataclass
+
+from egressd.subject.model import IPAddress
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+ALLOW_MARK = 0x2
+
+
+class Outcome(enum.StrEnum):
+    DROP = "drop"
+    ACCEPT = "accept"
+    MARK = "mark"  # meta mark set ALLOW_MARK (then continue)
+
+
+@dataclass(frozen=True, slots=True)
+class MatchRule:
+    """``[ct original] ip|ip6 daddr @set <outcome>`` — the only per-subject rule shape."""
+
+    fam: str  # "v4" | "v6"
+    set_name: str
+    outcome: Outcome
+    ct_original: bool = False
+
+    def render(self) -> str:
+        l3 = "ip" if self.fam == "v4" else "ip6"
+        prefix = "ct original " if self.ct_original else ""
+        tail = f"meta mark set {ALLOW_MARK:#x}" if self.outcome is Outcome.MARK else self.outcome.value
+        return f"{prefix}{l3} daddr @{self.set_name} {tail}"
+
+
+@dataclass(frozen=True, slots=True)
+class VerdictRule:
+    outcome: Outcome  # DROP or ACCEPT
+
+    def render(self) -> str:
+        return self.outcome.value
+
+
+Rule = MatchRule | VerdictRule
+
+
+@dataclass(frozen=True, slots=True)
+class AddRule:
+    chain: str
+    rule: Rule
+
+
+@dataclass(frozen=True, slots=True)
+class FlushSet:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class AddIntervals:
+    """Add prefixes to an interval set (normalised: no overlaps, no strict subnets)."""
+
+    name: str
+    fam: str
+    nets: tuple[IPNetwork, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AddTimed:
+    """Add addresses with per-element timeouts to a timeout set (DNS leases)."""
+
+    name: str
+    fam: str
+    leases: tuple[tuple[IPAddress, int], ...]  # (address, seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteElement:
+    name: str
+    key: IPAddress
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteChain:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteSet:
+    name: str
+
+
+Op = AddRule | FlushSet | AddIntervals | AddTimed | DeleteElement | DeleteChain | DeleteSet
+
+
+def _fmt_net(net: IPNetwork) -> str:
+    return str(net.network_address) if net.prefixlen == net.max_prefixlen else str(net)
+
+
+@dataclass(frozen=True, slots=True)
+class NetlinkBatch:
+    table: str
+    ops: tuple[Op, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.ops)
+
+    def __add__(self, other: NetlinkBatch) -> NetlinkBatch:
+        assert other.table == self.table
+        return NetlinkBatch(self.table, self.ops + other.ops)
+
+    def describe(self) -> str:
+        """The batch in nft syntax (what ``nft -f`` would be given for the same change)."""
+        t = f"inet {self.table}"
+        out: list[str] = []
+        for op in self.ops:
+            if isinstance(op, AddRule):
+                out.append(f"add rule {t} {op.chain} {op.rule.render()}")
+            elif isinstance(op, FlushSet):
+                out.append(f"flush set {t} {op.name}")
+            elif isinstance(op, AddIntervals):
+                out.append(f"add element {t} {op.name} {{ {', '.join(_fmt_net(n) for n in op.nets)} }}")
+            elif isinstance(op, AddTimed):
+                elems = ", ".join(f"{ip} timeout {s}s expires {s}s" for ip, s in op.leases)
+                out.append(f"add element {t} {op.name} {{ {elems} }}")
+            elif isinstance(op, DeleteElement):
+                out.append(f"delete element {t} {op.name} {{ {op.key} }}")
+            elif isinstance(op, DeleteChain):
+                out.append(f"delete chain {t} {op.name}")
+            else:
+                out.append(f"delete set {t} {op.name}")
+        return "\n".join(out) + ("\n" if out else "")
