@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from egressd.dnsproxy.upstreams import Upstream, UpstreamError, parse_upstreams
+
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
@@ -88,6 +90,15 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("EGRESSD_VAULT_KEYS_DIR", "--vault-keys-dir", "fleet: sealed-vault key directory"),
     Option("EGRESSD_LOG_FORMAT", "--log-format", "json or console", "json"),
+    Option("EGRESSD_DNS_LEASE_MIN", "--dns-lease-min", "shortest DNS lease in seconds (tests)", "60"),
+    Option("EGRESSD_DNS_LEASE_MAX", "--dns-lease-max", "longest DNS lease in seconds (tests)", "360"),
+    Option("EGRESSD_REFRESH_INTERVAL", "--refresh-interval", "connection refresh period in seconds", "30"),
+    Option(
+        "EGRESSD_ALWAYS_RULES_RELOAD_INTERVAL",
+        "--always-rules-reload-interval",
+        "seconds between re-reads",
+        "60",
+    ),
     Option(
         "EGRESSD_ALLOW_BRIDGE_BYPASS",
         "--allow-bridge-bypass",
@@ -128,6 +139,11 @@ class Config:
     vault_keys_dir: Path | None
     log_format: str
     allow_bridge_bypass: bool
+    dns_upstreams: tuple[Upstream, ...] | None = None  # None: from /etc/resolv.conf at start-up
+    dns_lease_min: int = 60
+    dns_lease_max: int = 360
+    refresh_interval: float = 30.0
+    always_reload_interval: float = 60.0
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -278,7 +294,26 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
     mitm_port = _int("OPENSANDBOX_EGRESS_MITMPROXY_PORT", raw["OPENSANDBOX_EGRESS_MITMPROXY_PORT"], 1, 65535)
     if mitm_port in (http_port, dns_port):
         raise ConfigError("OPENSANDBOX_EGRESS_MITMPROXY_PORT: collides with the HTTP or DNS port")
+    upstreams = None
+    if raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM"] is not None:
+        try:
+            upstreams = parse_upstreams(raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM"])
+        except UpstreamError as exc:
+            raise ConfigError(str(exc)) from None
+    lease_min = _int("EGRESSD_DNS_LEASE_MIN", raw["EGRESSD_DNS_LEASE_MIN"], 1, 86400)
+    lease_max = _int("EGRESSD_DNS_LEASE_MAX", raw["EGRESSD_DNS_LEASE_MAX"], 1, 86400)
+    if lease_min > lease_max:
+        raise ConfigError("EGRESSD_DNS_LEASE_MIN is larger than EGRESSD_DNS_LEASE_MAX")
     return Config(
+        dns_upstreams=upstreams,
+        dns_lease_min=lease_min,
+        dns_lease_max=lease_max,
+        refresh_interval=float(_int("EGRESSD_REFRESH_INTERVAL", raw["EGRESSD_REFRESH_INTERVAL"], 1, 3600)),
+        always_reload_interval=float(
+            _int(
+                "EGRESSD_ALWAYS_RULES_RELOAD_INTERVAL", raw["EGRESSD_ALWAYS_RULES_RELOAD_INTERVAL"], 1, 86400
+            )
+        ),
         profile=profile,
         http_host=http_host,
         http_port=http_port,

@@ -7,12 +7,18 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import structlog
 from aiohttp import web
 
 from egressd.config import Config, ConfigError, parse_config
+from egressd.dnsproxy.forwarder import Forwarder
+from egressd.dnsproxy.server import DnsProxy
+from egressd.dnsproxy.upstreams import from_resolv_conf
+from egressd.fleet.always_reload import AlwaysRulesReloader
 from egressd.fleet.control import ControlPlane
+from egressd.fleet.refresh import LeaseRefresher
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.applier import KernelTransactions, NftError
 from egressd.fleetnft.builder import TableConfig
@@ -80,6 +86,32 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             always_allow=len(always.allow),
         )
 
+        upstreams = cfg.dns_upstreams
+        if upstreams is None:
+            try:
+                resolv = Path("/etc/resolv.conf").read_text()
+            except OSError:
+                resolv = ""
+            upstreams = from_resolv_conf(resolv)
+        forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
+        dns = DnsProxy(control, forwarder, metrics, lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max))
+        try:
+            await dns.start(cfg.dns_host, cfg.dns_port)
+        except OSError as exc:
+            raise StartupError(
+                f"cannot listen for DNS on {cfg.dns_host}:{cfg.dns_port}: {exc.strerror}"
+            ) from None
+        log.info(
+            "dns.listening", addr=f"{cfg.dns_host}:{cfg.dns_port}", upstreams=[str(u) for u in upstreams]
+        )
+        reloader = AlwaysRulesReloader(
+            cfg.always_rules_dir, always, control.set_always_rules, interval=cfg.always_reload_interval
+        )
+        refresher = LeaseRefresher(
+            control.uid_for, control.leases, control.renew_leases, interval=cfg.refresh_interval
+        )
+        background = [asyncio.create_task(reloader.run()), asyncio.create_task(refresher.run())]
+
         def mitm_health() -> str | None:
             return "mitmproxy not ready" if cfg.mitm_transparent else None
 
@@ -107,7 +139,10 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             await stop.wait()
             log.info("shutdown", reason="signal", table_kept=cfg.nft_table)
         finally:
+            for task in background:
+                task.cancel()
             await runner.cleanup()
+            await dns.close()
     finally:
         await tx.close()
 

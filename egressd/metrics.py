@@ -190,6 +190,12 @@ class EgressMetrics:
             Gauge("egressd_pending_pushes", "Credential pushes cached for unknown UIDs.")
         )
         self.policy_denied = r.register(Counter("egress_policy_denied_total", "Denied DNS queries."))
+        self.dns_latency = r.register(
+            Histogram("egress_dns_query_duration_seconds", "DNS proxy query handling time.")
+        )
+        self.dns_failed = r.register(
+            Counter("egress_dns_query_failed_total", "DNS queries answered SERVFAIL, by reason.", ["reason"])
+        )
 
     def render(self) -> str:
         return self.registry.render()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 import structlog
 
 from egressd.actionhandler.envelope import HookName, LifecycleHook, RemoveBinding, SetBinding
+from egressd.dnsproxy.server import Asker
 from egressd.fleet.inputs import InputError, parse_binding_input
 from egressd.fleetnft.applier import NftError, Transactions
 from egressd.fleetnft.builder import (
@@ -23,6 +25,7 @@ from egressd.fleetnft.builder import (
     TableConfig,
     dispatch_deletes,
     dispatch_entries,
+    dyn_add,
     flush_subject_sets,
     gateway_release,
     header_script,
@@ -34,7 +37,7 @@ from egressd.fleetnft.builder import (
 from egressd.fleetnft.ops import NetlinkBatch, Op
 from egressd.metrics import EgressMetrics
 from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy, effective_policy
-from egressd.subject.model import IPAddress, nft_id, subject_for_uid
+from egressd.subject.model import Fence, IPAddress, nft_id, subject_for_uid
 from egressd.subject.registry import (
     AddKeys,
     ApplyPolicy,
@@ -129,6 +132,9 @@ class ControlPlane:
         self._conntrack_flush = conntrack_flush
         self._claims_ip: dict[IPAddress, str] = {}
         self._claims_nft: dict[str, str] = {}
+        self._effective: dict[str, tuple[NetworkPolicy, AlwaysRules, NetworkPolicy]] = {}
+        # Mirror of each subject's DNS leases (ip -> monotonic expiry) for connection refresh.
+        self.leases: dict[str, dict[IPAddress, float]] = {}
         self.enforcement_ready = False
 
     # ---- start-up -------------------------------------------------------------------------
@@ -147,22 +153,82 @@ class ControlPlane:
     def effective(self, user: NetworkPolicy) -> NetworkPolicy:
         return effective_policy(user, self.always)
 
-    async def set_always_rules(self, always: AlwaysRules) -> list[str]:
-        """Swap always-rules and re-apply every active subject; returns uids that failed."""
-        self.always = always
-        failed: list[str] = []
-        for entry in self.registry:
-            if entry.state is not State.ACTIVE or entry.policy is None:
-                continue
-            async with self._locks.hold(entry.uid):
-                current = self.registry.get(entry.uid)
-                if current is None or current.state is not State.ACTIVE or current.policy is None:
-                    continue
-                try:
-                    await self._step(current, ApplyPolicy(current.policy))
-                except StepFailed:
-                    failed.append(entry.uid)
-        return failed
+    def effective_for(self, entry: Entry) -> NetworkPolicy | None:
+        """The entry's effective policy (user + always-rules), cached; None unless active."""
+        if entry.state is not State.ACTIVE or entry.policy is None:
+            return None
+        cached = self._effective.get(entry.uid)
+        if cached is not None and cached[0] is entry.policy and cached[1] is self.always:
+            return cached[2]
+        eff = self.effective(entry.policy)
+        self._effective[entry.uid] = (entry.policy, self.always, eff)
+        return eff
+
+    async def set_always_rules(self, always: AlwaysRules) -> None:
+        """Swap always-rules and re-apply every active subject in ONE transaction.
+
+        Raises NftError when the kernel refuses: then nothing changed, the old rules stay.
+        """
+        async with contextlib.AsyncExitStack() as stack:
+            uids = sorted(e.uid for e in self.registry if e.state is State.ACTIVE)
+            for uid in uids:
+                await stack.enter_async_context(self._locks.hold(uid))
+            async with self._kernel_lock:
+                batch = NetlinkBatch(self.table.table)
+                for uid in uids:
+                    entry = self.registry.get(uid)
+                    view = self.registry.kernel(uid)
+                    if (
+                        entry is None
+                        or entry.state is not State.ACTIVE
+                        or entry.policy is None
+                        or not view.rules
+                    ):
+                        continue
+                    batch = batch + policy_swap(
+                        self.table.table, entry.nft_id, effective_policy(entry.policy, always)
+                    )
+                if batch:
+                    await self.tx.run_batch(batch, op="static_apply")
+                self.always = always
+
+    # ---- DNS proxy side ----------------------------------------------------------------------
+
+    def asker(self, source_ip: IPAddress) -> Asker | None:
+        """Hot path for every DNS query: a map lookup and a cached effective policy."""
+        entry = self.registry.resolve(source_ip)
+        if entry is None:
+            return None
+        return Asker(entry.uid, entry.fence, self.effective_for(entry))
+
+    def uid_for(self, source_ip: IPAddress) -> str | None:
+        entry = self.registry.resolve(source_ip)
+        return entry.uid if entry is not None else None
+
+    async def renew_leases(self, uid: str, ips: list[IPAddress], seconds: int) -> None:
+        """Connection refresh: re-add still-used DNS leases (one transaction per subject)."""
+        entry = self.registry.get(uid)
+        if entry is not None:
+            await self.learn(uid, entry.fence, [(ip, seconds) for ip in ips])
+
+    async def learn(self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]]) -> None:
+        """Put DNS-learned addresses into the subject's dyn sets before the answer is sent.
+
+        Under the subject's lock and re-checked there: an answer that arrives after a revert,
+        rebind or removal of the asking subject must never reopen it.
+        """
+        async with self._locks.hold(uid):
+            entry = self.registry.get(uid)
+            if entry is None or entry.fence != fence or entry.state is not State.ACTIVE:
+                return
+            if not self.registry.kernel(uid).rules:
+                return
+            async with self._kernel_lock:
+                await self.tx.run_batch(dyn_add(self.table.table, entry.nft_id, leases), op="dynamic_add")
+            now = time.monotonic()
+            mirror = self.leases.setdefault(uid, {})
+            for ip, seconds in leases:
+                mirror[ip] = max(mirror.get(ip, 0.0), now + seconds)
 
     # ---- actions ---------------------------------------------------------------------------
 
@@ -329,6 +395,7 @@ class ControlPlane:
             if view.objects:
                 # Revert or rebind: empty every set first, before any new key points at them.
                 await self.tx.run_batch(flush_subject_sets(table, nid), op="deny_first")
+                self.leases.pop(entry.uid, None)
                 cut = _ips(view.keys)
             await self.tx.run_script(script, op="deny_first")
             view = replace(view, objects=True, keys=view.keys | {(subj.ip, subj.gateway)})
@@ -365,6 +432,8 @@ class ControlPlane:
         if view.objects:
             ops += removal_batch(self.table, nid, None, release_gateway=None).ops
         await self.tx.run_batch(NetlinkBatch(table, tuple(ops)), op="remove")
+        self.leases.pop(entry.uid, None)
+        self._effective.pop(entry.uid, None)
         save(KernelView())
         return _ips(view.keys)
 

@@ -35,6 +35,23 @@ GATEWAY = f"{SB_NET}.1"
 GATEWAY6 = "fd00:203::1"
 UPSTREAM_IPS = [f"{UP_NET}.{i}" for i in range(2, 10)]
 UPSTREAM_IPS6 = [f"fd00:204::{i}" for i in range(2, 10)]
+DNS_UPSTREAM = f"{UP_NET}.2"
+
+# The upstream's authoritative zone (scripts/fleet_upstream.py --zone).
+ZONE: list[dict[str, object]] = [
+    {"name": "a.test", "type": "A", "value": f"{UP_NET}.2", "ttl": 30},
+    {"name": "b.test", "type": "A", "value": f"{UP_NET}.3", "ttl": 30},
+    {"name": "www.a.test", "type": "CNAME", "value": "chain.test", "ttl": 30},
+    {"name": "chain.test", "type": "CNAME", "value": "deep.test", "ttl": 30},
+    {"name": "deep.test", "type": "A", "value": f"{UP_NET}.4", "ttl": 30},
+    {"name": "example.test", "type": "A", "value": f"{UP_NET}.5", "ttl": 30},
+    {"name": "api.example.test", "type": "A", "value": f"{UP_NET}.6", "ttl": 30},
+    {"name": "x.y.example.test", "type": "A", "value": f"{UP_NET}.7", "ttl": 30},
+    {"name": "blocked-ip.test", "type": "A", "value": f"{UP_NET}.8", "ttl": 30},
+    {"name": "short.test", "type": "A", "value": f"{UP_NET}.9", "ttl": 0},
+    {"name": "v6.test", "type": "AAAA", "value": "fd00:204::2", "ttl": 30},
+    {"name": "secret-exfil.test", "type": "A", "value": f"{UP_NET}.3", "ttl": 30},
+]
 
 
 def sh(
@@ -177,14 +194,18 @@ class Topology:
 
         log = self.upstream_log
         log.touch()
+        zone = self.workdir / "zone.json"
+        zone.write_text(json.dumps({"records": ZONE}))
         self.spawn(
             up,
             str(VENV_PY),
             str(REPO / "scripts" / "fleet_upstream.py"),
             "--http-ports",
-            "80,8080",
+            "80,8080,853",
             "--log",
             str(log),
+            "--zone",
+            str(zone),
             ready_line="ready",
         )
 
@@ -300,6 +321,27 @@ class Topology:
         lines = self.upstream_log.read_text().splitlines()
         return [json.loads(ln) for ln in lines if ln.strip()]
 
+    def upstream_queries(self) -> list[str]:
+        """Names the upstream DNS server was asked for."""
+        return [str(r["dns"]) for r in self.upstream_requests() if "dns" in r]
+
+    def dig(
+        self, sb: int, name: str, qtype: str = "A", *, server: str = GATEWAY, tcp: bool = False
+    ) -> tuple[str, list[str]]:
+        """(status, answers) of a real dig from sandbox ``sb`` to the gateway's port 53."""
+        args = ["dig", f"@{server}", name, qtype, "+time=2", "+tries=1", "+noall", "+comments", "+answer"]
+        if tcp:
+            args.append("+tcp")
+        out = self.ns(self.sb(sb), *args, check=False, timeout=15).stdout
+        status = "TIMEOUT"
+        answers: list[str] = []
+        for line in out.splitlines():
+            if "status:" in line:
+                status = line.split("status:", 1)[1].split(",", 1)[0].strip()
+            elif line and not line.startswith(";"):
+                answers.append(line.split()[-1])
+        return status, answers
+
 
 @dataclass
 class Daemon:
@@ -322,6 +364,8 @@ class Daemon:
             "EGRESSD_NFT_TABLE": self.table,
             "EGRESSD_ALWAYS_RULES_DIR": str(rules),
             "EGRESSD_DNS_ADDR": "0.0.0.0:15353",
+            "OPENSANDBOX_EGRESS_DNS_UPSTREAM": f"{DNS_UPSTREAM}:53",
+            "OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT": "2",
             **self.env,
         }
         self.proc = self.topo.spawn(

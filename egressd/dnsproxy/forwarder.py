@@ -1,0 +1,120 @@
+"""Forwarding allowed queries upstream: in order, per-attempt timeout, failover, SO_MARK 0x1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dnslib import DNSRecord
+
+from egressd.dnsproxy.decide import final_rcode
+from egressd.dnsproxy.upstreams import Upstream
+
+UPSTREAM_MARK = 0x1  # exempt from the sidecar's OUTPUT redirect/filter; not the fleet allow mark
+_MAX_UDP = 65535
+
+
+@dataclass(frozen=True, slots=True)
+class Forwarded:
+    reply: DNSRecord | None  # None: every upstream failed -> SERVFAIL
+    failure: str = ""  # last failure reason: upstream_error | empty_response | rcode | no_upstreams
+
+
+def _socket(up: Upstream, kind: int, mark: int | None) -> socket.socket:
+    fam = socket.AF_INET if up.family == 4 else socket.AF_INET6
+    sock = socket.socket(fam, kind)
+    try:
+        if mark is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, mark)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _matches(query: DNSRecord, reply: DNSRecord) -> bool:
+    if reply.header.id != query.header.id or not reply.header.qr:
+        return False
+    if not query.questions:
+        return True
+    return bool(reply.questions) and reply.q.qname == query.q.qname and reply.q.qtype == query.q.qtype
+
+
+class Forwarder:
+    def __init__(
+        self, upstreams: Sequence[Upstream], timeout: float, *, mark: int | None = UPSTREAM_MARK
+    ) -> None:
+        self.upstreams = tuple(upstreams)
+        self.timeout = timeout
+        self.mark = mark
+
+    async def forward(self, query: DNSRecord, *, tcp: bool = False) -> Forwarded:
+        if not self.upstreams:
+            return Forwarded(None, "no_upstreams")
+        wire = bytes(query.pack())
+        failure = "upstream_error"
+        for up in self.upstreams:
+            try:
+                if tcp:
+                    reply = await asyncio.wait_for(self._tcp(up, wire, query), self.timeout)
+                else:
+                    reply = await asyncio.wait_for(self._udp(up, wire, query), self.timeout)
+                    if reply is not None and reply.header.tc:
+                        reply = await asyncio.wait_for(self._tcp(up, wire, query), self.timeout)
+            except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError):
+                failure = "upstream_error"
+                continue
+            if reply is None:
+                failure = "empty_response"
+                continue
+            if not final_rcode(reply):
+                failure = "rcode"
+                continue
+            return Forwarded(reply)
+        return Forwarded(None, failure)
+
+    async def _udp(self, up: Upstream, wire: bytes, query: DNSRecord) -> DNSRecord | None:
+        loop = asyncio.get_running_loop()
+        sock = _socket(up, socket.SOCK_DGRAM, self.mark)
+        try:
+            await loop.sock_connect(sock, (up.host, up.port))
+            await loop.sock_sendall(sock, wire)
+            while True:  # ignore stray or spoofed datagrams until the timeout
+                data = await loop.sock_recv(sock, _MAX_UDP)
+                if not data:
+                    return None
+                try:
+                    reply = DNSRecord.parse(data)
+                except Exception:
+                    continue
+                if _matches(query, reply):
+                    return reply
+        finally:
+            sock.close()
+
+    async def _tcp(self, up: Upstream, wire: bytes, query: DNSRecord) -> DNSRecord | None:
+        loop = asyncio.get_running_loop()
+        sock = _socket(up, socket.SOCK_STREAM, self.mark)
+        try:
+            await loop.sock_connect(sock, (up.host, up.port))
+        except BaseException:
+            sock.close()
+            raise
+        reader, writer = await asyncio.open_connection(sock=sock)
+        try:
+            writer.write(struct.pack("!H", len(wire)) + wire)
+            await writer.drain()
+            (length,) = struct.unpack("!H", await reader.readexactly(2))
+            if length == 0:
+                return None
+            reply = DNSRecord.parse(await reader.readexactly(length))
+            return reply if _matches(query, reply) else None
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()

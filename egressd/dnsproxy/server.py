@@ -1,0 +1,202 @@
+"""The shared DNS proxy: UDP and TCP listeners, one policy decision per query, learning before replying."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+from dnslib import QTYPE, RCODE, DNSRecord
+
+from egressd.dnsproxy.decide import Action, answer_addresses, decide, lease_seconds, refusal, with_edns
+from egressd.dnsproxy.forwarder import Forwarder
+from egressd.metrics import EgressMetrics
+from egressd.policy import NetworkPolicy
+from egressd.subject.model import Fence, IPAddress, unmap_ip
+
+log = structlog.get_logger("egressd.dns")
+
+_LEARN_TIMEOUT_S = 5.0
+_CLASSIC_UDP = 512
+_TCP_IDLE_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Asker:
+    """Who asked: the subject behind a source IP, and its effective policy (None while denying)."""
+
+    uid: str
+    fence: Fence
+    policy: NetworkPolicy | None
+
+
+class Policies(Protocol):
+    def asker(self, source_ip: IPAddress) -> Asker | None: ...
+
+    async def learn(self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]]) -> None: ...
+
+
+class DnsProxy:
+    def __init__(
+        self,
+        policies: Policies,
+        forwarder: Forwarder,
+        metrics: EgressMetrics | None = None,
+        *,
+        lease_bounds: tuple[int, int] = (60, 360),
+    ) -> None:
+        self.policies = policies
+        self.forwarder = forwarder
+        self.metrics = metrics
+        self.lease_bounds = lease_bounds
+        self._transports: list[asyncio.DatagramTransport] = []
+        self._servers: list[asyncio.Server] = []
+
+    # ---- one query ---------------------------------------------------------------------------
+
+    async def answer(self, data: bytes, client: str, *, tcp: bool) -> bytes | None:
+        """The reply bytes for one query from ``client``, or None to stay silent (unparseable)."""
+        start = time.perf_counter()
+        try:
+            query = DNSRecord.parse(data)
+        except Exception:
+            return None
+        if query.header.qr:
+            return None  # a response, not a query
+        try:
+            ip = unmap_ip(ipaddress.ip_address(client.split("%", 1)[0]))
+        except ValueError:
+            return None
+        asker = self.policies.asker(ip)
+        decision = decide(query, asker.policy if asker else None, known_source=asker is not None)
+        if decision.action is not Action.FORWARD:
+            if self.metrics:
+                self.metrics.policy_denied.inc()
+            log.info(
+                f"[dns] denied query (remote={ip} question={decision.name or '-'} reason={decision.reason})",
+                remote=str(ip),
+                question=decision.name,
+                reason=decision.reason,
+                subject=f"s-{asker.uid}" if asker else None,
+            )
+            return self._finish(refusal(query, decision.action), query, tcp, start)
+        assert asker is not None
+        had_edns = any(rr.rtype == QTYPE.OPT for rr in query.ar)
+        forwarded = await self.forwarder.forward(with_edns(query), tcp=tcp)
+        if forwarded.reply is None:
+            if self.metrics:
+                self.metrics.dns_failed.inc(forwarded.failure)
+            servfail = query.reply()
+            servfail.header.rcode = RCODE.SERVFAIL
+            return self._finish(servfail, query, tcp, start)
+        reply = forwarded.reply
+        addresses = answer_addresses(reply)
+        if addresses:
+            lo, hi = self.lease_bounds
+            leases = [(addr, lease_seconds(ttl, lo, hi)) for addr, ttl in addresses]
+            try:
+                # The kernel must know the addresses before the client can try to connect.
+                await asyncio.wait_for(self.policies.learn(asker.uid, asker.fence, leases), _LEARN_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("dns.learn_failed", subject=f"s-{asker.uid}", error=str(exc)[:200])
+                if self.metrics:
+                    self.metrics.nft_failures.inc("dynamic_add")
+        if not had_edns:
+            reply.ar = [rr for rr in reply.ar if rr.rtype != QTYPE.OPT]
+        return self._finish(reply, query, tcp, start)
+
+    def _finish(self, reply: DNSRecord, query: DNSRecord, tcp: bool, start: float) -> bytes:
+        reply.header.id = query.header.id
+        wire = bytes(reply.pack())
+        if not tcp:
+            limit = _CLASSIC_UDP
+            for rr in query.ar:
+                if rr.rtype == QTYPE.OPT:
+                    limit = max(_CLASSIC_UDP, int(rr.rclass))
+            if len(wire) > limit:
+                wire = bytes(reply.truncate().pack())
+        if self.metrics:
+            self.metrics.dns_latency.observe(time.perf_counter() - start)
+        return wire
+
+    # ---- listeners ---------------------------------------------------------------------------
+
+    async def start(self, host: str, port: int) -> None:
+        """Listen on UDP and TCP; for 0.0.0.0 also on [::] (a v6 REDIRECT needs a v6 socket)."""
+        loop = asyncio.get_running_loop()
+        hosts = [host]
+        if host == "0.0.0.0" and socket.has_ipv6:
+            hosts.append("::")
+        for h in hosts:
+            fam = socket.AF_INET6 if ":" in h else socket.AF_INET
+            udp = socket.socket(fam, socket.SOCK_DGRAM)
+            tcp = socket.socket(fam, socket.SOCK_STREAM)
+            for s in (udp, tcp):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if fam == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                s.bind((h, port))
+            tcp.listen(256)
+            transport, _ = await loop.create_datagram_endpoint(lambda: _Udp(self), sock=udp)
+            self._transports.append(transport)
+            self._servers.append(await asyncio.start_server(self._serve_tcp, sock=tcp))
+
+    async def close(self) -> None:
+        for t in self._transports:
+            t.close()
+        for srv in self._servers:
+            srv.close()
+            with contextlib.suppress(Exception):
+                await srv.wait_closed()
+        self._transports.clear()
+        self._servers.clear()
+
+    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            while True:
+                head = await asyncio.wait_for(reader.readexactly(2), _TCP_IDLE_S)
+                (length,) = struct.unpack("!H", head)
+                data = await asyncio.wait_for(reader.readexactly(length), _TCP_IDLE_S)
+                reply = await self.answer(data, str(peer[0]), tcp=True)
+                if reply is None:
+                    break
+                writer.write(struct.pack("!H", len(reply)) + reply)
+                await writer.drain()
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+
+class _Udp(asyncio.DatagramProtocol):
+    def __init__(self, proxy: DnsProxy) -> None:
+        self.proxy = proxy
+        self.transport: asyncio.DatagramTransport | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.DatagramTransport)
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
+        task = asyncio.get_running_loop().create_task(self._reply(data, addr))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reply(self, data: bytes, addr: tuple[str | int, ...]) -> None:
+        try:
+            reply = await self.proxy.answer(data, str(addr[0]), tcp=False)
+        except Exception:
+            log.exception("dns.query_crashed")
+            return
+        if reply is not None and self.transport is not None and not self.transport.is_closing():
+            self.transport.sendto(reply, addr)

@@ -1,0 +1,128 @@
+"""Connection refresh (BEHAVIOUR §9): DNS leases of still-established TCP flows are renewed.
+
+The planner is pure; :class:`LeaseRefresher` reads ``/proc/net/nf_conntrack`` and applies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from egressd.subject.model import IPAddress, unmap_ip
+
+log = structlog.get_logger("egressd.refresh")
+
+ACTIVE_TCP_STATES = frozenset(
+    {"ESTABLISHED", "SYN_SENT", "SYN_RECV", "FIN_WAIT", "CLOSE_WAIT", "CLOSING", "LAST_ACK"}
+)
+RENEW_S = 360
+INTERVAL_S = 30.0
+
+
+def parse_conntrack(lines: Iterable[str]) -> dict[IPAddress, set[IPAddress]]:
+    """Active TCP flows by original source: src -> {original destinations}."""
+    out: dict[IPAddress, set[IPAddress]] = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 6 or parts[2] != "tcp":
+            continue
+        if not any(p in ACTIVE_TCP_STATES for p in parts[3:7]):
+            continue
+        src = dst = None
+        for p in parts:
+            if src is None and p.startswith("src="):
+                src = p[4:]
+            elif dst is None and p.startswith("dst="):
+                dst = p[4:]
+            if src is not None and dst is not None:
+                break
+        if src is None or dst is None:
+            continue
+        try:
+            s, d = unmap_ip(ipaddress.ip_address(src)), unmap_ip(ipaddress.ip_address(dst))
+        except ValueError:
+            continue
+        out.setdefault(s, set()).add(d)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class RefreshPlan:
+    renew: tuple[IPAddress, ...]
+    forget: tuple[IPAddress, ...]
+
+
+def plan_refresh(
+    mirror: dict[IPAddress, float], active_now: set[IPAddress], active_last: set[IPAddress], now: float
+) -> RefreshPlan:
+    """Renew tracked addresses active now, and once more those active last tick only
+    (a flow that closed between two ticks keeps its lease one extra round); forget tracked
+    addresses that expired and are not active."""
+    active = active_now | active_last
+    renew = tuple(sorted((ip for ip in mirror if ip in active), key=str))
+    forget = tuple(sorted((ip for ip, exp in mirror.items() if exp <= now and ip not in active), key=str))
+    return RefreshPlan(renew, forget)
+
+
+class LeaseRefresher:
+    """Every ``interval`` seconds: one renewal transaction per subject with live flows."""
+
+    def __init__(
+        self,
+        subjects_by_ip: Callable[[IPAddress], str | None],
+        leases: dict[str, dict[IPAddress, float]],
+        renew: Callable[[str, list[IPAddress], int], Awaitable[None]],
+        *,
+        interval: float = INTERVAL_S,
+        renew_s: int = RENEW_S,
+        path: Path = Path("/proc/net/nf_conntrack"),
+    ) -> None:
+        self.subjects_by_ip = subjects_by_ip
+        self.leases = leases
+        self.renew = renew
+        self.interval = interval
+        self.renew_s = renew_s
+        self.path = path
+        self._last: dict[str, set[IPAddress]] = {}
+
+    async def tick(self) -> None:
+        try:
+            text = await asyncio.to_thread(self.path.read_text)
+        except OSError as exc:
+            log.warning("refresh.read_failed", error=str(exc)[:200])
+            self._last.clear()
+            return
+        flows = parse_conntrack(text.splitlines())
+        now_by_uid: dict[str, set[IPAddress]] = {}
+        for src, dsts in flows.items():
+            uid = self.subjects_by_ip(src)
+            if uid is not None:
+                now_by_uid.setdefault(uid, set()).update(dsts)
+        now = time.monotonic()
+        for uid in list(self.leases):
+            mirror = self.leases.get(uid)
+            if mirror is None:
+                continue
+            plan = plan_refresh(mirror, now_by_uid.get(uid, set()), self._last.get(uid, set()), now)
+            for ip in plan.forget:
+                mirror.pop(ip, None)
+            if plan.renew:
+                try:
+                    await self.renew(uid, list(plan.renew), self.renew_s)
+                except Exception as exc:
+                    log.warning("refresh.renew_failed", subject=f"s-{uid}", error=str(exc)[:200])
+        self._last = now_by_uid
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("refresh.tick_crashed")

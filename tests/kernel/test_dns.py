@@ -1,0 +1,228 @@
+"""The shared DNS proxy against the real kernel: dig and curl from sandbox namespaces."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.kernel.topology import GATEWAY6, UP_NET, Daemon, Topology, envelope
+
+DPR = "sandbox.data-plane-ready"
+A_IP, B_IP, DEEP_IP = f"{UP_NET}.2", f"{UP_NET}.3", f"{UP_NET}.4"
+APEX_IP, API_IP, NESTED_IP = f"{UP_NET}.5", f"{UP_NET}.6", f"{UP_NET}.7"
+BLOCKED_IP, SHORT_IP = f"{UP_NET}.8", f"{UP_NET}.9"
+
+
+def rules(*allow: str, deny: tuple[str, ...] = (), default: str = "deny") -> dict[str, object]:
+    egress = [{"action": "deny", "target": t} for t in deny] + [
+        {"action": "allow", "target": t} for t in allow
+    ]
+    return {"defaultAction": default, "egress": egress}
+
+
+def activate(d: Daemon, i: int, policy: dict[str, object], uid: str | None = None, **kw: str) -> str:
+    uid = uid or f"sb{i}"
+    ip = kw.pop("ip", Topology.sb_ip(i))
+    code, body = d.post(envelope("SET_BINDING", uid, ip=ip, policy=json.dumps(policy), **kw))
+    assert code == 200, body
+    code, body = d.post(envelope("LIFECYCLE_HOOK", uid, hook=DPR))
+    assert code == 200, body
+    return uid
+
+
+def test_allowed_name_resolves_then_connects(topo: Topology, daemon: Daemon) -> None:
+    activate(daemon, 1, rules("a.test"))
+    assert not topo.reaches(1, A_IP), "an address must not pass before the sandbox resolved it"
+    assert topo.dig(1, "a.test") == ("NOERROR", [A_IP])
+    assert topo.reaches(1, A_IP)
+    # Only the address the name resolved to: a neighbour stays closed.
+    assert not topo.reaches(1, B_IP)
+
+
+def test_denied_name_is_nxdomain_and_never_reaches_upstream(topo: Topology, daemon: Daemon) -> None:
+    activate(daemon, 1, rules("a.test"))
+    for qtype in ("A", "AAAA", "TXT", "MX"):
+        assert topo.dig(1, "secret-exfil.test", qtype) == ("NXDOMAIN", [])
+    assert "secret-exfil.test" not in topo.upstream_queries()
+    assert not topo.reaches(1, B_IP)
+
+
+def test_unknown_and_denying_sources_get_nxdomain_unforwarded(topo: Topology, daemon: Daemon) -> None:
+    # sb2 is bound but not data-plane-ready; sb3 is unknown.
+    code, _ = daemon.post(
+        envelope("SET_BINDING", "sb2", ip=topo.sb_ip(2), policy=json.dumps(rules("b.test")))
+    )
+    assert code == 200
+    before = len(topo.upstream_queries())
+    assert topo.dig(2, "b.test") == ("NXDOMAIN", [])
+    assert topo.dig(3, "b.test") == ("NXDOMAIN", [])
+    assert topo.dig(3, "b.test", tcp=True) == ("NXDOMAIN", [])
+    assert len(topo.upstream_queries()) == before
+
+
+def test_learned_address_is_not_usable_by_a_sibling(topo: Topology, daemon: Daemon) -> None:
+    activate(daemon, 1, rules("a.test"))
+    activate(daemon, 2, rules("b.test"))
+    assert topo.dig(1, "a.test")[1] == [A_IP]
+    assert topo.reaches(1, A_IP)
+    assert not topo.reaches(2, A_IP)
+    # sb2 may not even learn it by asking: its policy does not allow the name.
+    assert topo.dig(2, "a.test") == ("NXDOMAIN", [])
+    assert not topo.reaches(2, A_IP)
+
+
+def test_wildcard_matches_subdomains_not_apex(topo: Topology, daemon: Daemon) -> None:
+    activate(daemon, 1, rules("*.example.test"))
+    assert topo.dig(1, "api.example.test") == ("NOERROR", [API_IP])
+    assert topo.dig(1, "x.y.example.test") == ("NOERROR", [NESTED_IP])
+    assert topo.dig(1, "example.test") == ("NXDOMAIN", [])
+    assert topo.dig(1, "API.Example.Test.")[0] == "NOERROR"
+    assert topo.reaches(1, API_IP) and not topo.reaches(1, APEX_IP)
+
+
+def test_allowed_name_resolving_into_the_deny_set_stays_blocked(topo: Topology, daemon: Daemon) -> None:
+    activate(daemon, 1, rules("blocked-ip.test", deny=(BLOCKED_IP,)))
+    assert topo.dig(1, "blocked-ip.test") == ("NOERROR", [BLOCKED_IP])
+    assert not topo.reaches(1, BLOCKED_IP)
+
+
+def test_cname_chain_targets_are_learned(topo: Topology, daemon: Daemon) -> None:
+    activate(daemon, 1, rules("www.a.test"))
+    status, answers = topo.dig(1, "www.a.test")
+    assert status == "NOERROR" and answers[-1] == DEEP_IP
+    assert topo.reaches(1, DEEP_IP)
+
+
+def test_tcp_dns(topo: Topology, daemon: Daemon) -> None:
+    activate(daemon, 1, rules("b.test"))
+    assert topo.dig(1, "b.test", tcp=True) == ("NOERROR", [B_IP])
+    assert topo.reaches(1, B_IP)
+
+
+def test_dot_is_blocked_even_to_allowed_addresses(topo: Topology, daemon: Daemon) -> None:
+    activate(daemon, 1, rules(A_IP))
+    assert topo.reaches(1, A_IP, port=80)
+    assert not topo.reaches(1, A_IP, port=853)
+
+
+def test_ipv6_aaaa_is_learned_and_usable(topo: Topology, daemon: Daemon) -> None:
+    activate(daemon, 1, rules("v6.test"), uid="v6", ip=topo.sb_ip6(1), gateway=GATEWAY6)
+    assert not topo.reaches(1, "fd00:204::2")
+    assert topo.dig(1, "v6.test", "AAAA", server=GATEWAY6) == ("NOERROR", ["fd00:204::2"])
+    assert topo.reaches(1, "fd00:204::2")
+
+
+def test_revert_forgets_learned_addresses(topo: Topology, daemon: Daemon) -> None:
+    activate(daemon, 1, rules("a.test"))
+    topo.dig(1, "a.test")
+    assert topo.reaches(1, A_IP)
+    code, _ = daemon.post(envelope("SET_BINDING", "sb1", ip=topo.sb_ip(1), policy=None))
+    assert code == 200
+    assert not topo.reaches(1, A_IP)
+    assert topo.dig(1, "a.test") == ("NXDOMAIN", [])
+
+
+def test_upstream_failover_and_servfail(topo: Topology) -> None:
+    # First upstream has nothing listening; the second answers.
+    d = Daemon(
+        topo,
+        table="egt-dnsfail",
+        port=18190,
+        env={
+            "OPENSANDBOX_EGRESS_DNS_UPSTREAM": f"{UP_NET}.9:5353,{UP_NET}.2:53",
+            "OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT": "1",
+        },
+    ).start()
+    try:
+        activate(d, 1, rules("a.test"))
+        assert topo.dig(1, "a.test") == ("NOERROR", [A_IP])
+    finally:
+        d.kill(15)
+        topo.ns(topo.pod, "nft", "delete", "table", "inet", d.table, check=False)
+    d = Daemon(
+        topo,
+        table="egt-dnsdead",
+        port=18191,
+        env={
+            "OPENSANDBOX_EGRESS_DNS_UPSTREAM": f"{UP_NET}.9:5353",
+            "OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT": "1",
+        },
+    ).start()
+    try:
+        activate(d, 1, rules("a.test"))
+        assert topo.dig(1, "a.test")[0] == "SERVFAIL"
+    finally:
+        d.kill(15)
+        topo.ns(topo.pod, "nft", "delete", "table", "inet", d.table, check=False)
+
+
+@pytest.fixture
+def short_leases(topo: Topology) -> Daemon:
+    return Daemon(
+        topo,
+        table="egt-lease",
+        port=18192,
+        env={"EGRESSD_DNS_LEASE_MIN": "3", "EGRESSD_DNS_LEASE_MAX": "3", "EGRESSD_REFRESH_INTERVAL": "1"},
+    )
+
+
+def test_lease_expiry_closes_idle_addresses_and_refresh_keeps_live_flows(
+    topo: Topology, short_leases: Daemon
+) -> None:
+    d = short_leases.start()
+    try:
+        activate(d, 1, rules("a.test", "b.test"))
+        assert topo.dig(1, "a.test")[1] == [A_IP]
+        assert topo.dig(1, "b.test")[1] == [B_IP]
+        # A long-lived connection to a.test's address keeps that lease alive.
+        holder = topo.spawn(
+            topo.sb(1),
+            "python3",
+            "-c",
+            (
+                "import socket,time\n"
+                f"s=socket.create_connection(('{A_IP}',8080),timeout=2)\n"
+                "s.sendall(b'GET /hold HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n'); s.recv(4096)\n"
+                "print('held',flush=True); time.sleep(8)\n"
+            ),
+            ready_line="held",
+        )
+        time.sleep(5.5)  # > the 3 s lease, several refresh ticks
+        assert topo.reaches(1, A_IP), "the lease of an address with a live flow must be renewed"
+        assert not topo.reaches(1, B_IP), "an idle address must expire after its lease"
+        topo.stop(holder)
+    finally:
+        d.kill(15)
+        topo.ns(topo.pod, "nft", "delete", "table", "inet", d.table, check=False)
+
+
+def test_always_rules_hot_reload(topo: Topology) -> None:
+    rules_dir = topo.workdir / "always-hot"
+    rules_dir.mkdir(exist_ok=True)
+    d = Daemon(
+        topo,
+        table="egt-always",
+        port=18193,
+        env={"EGRESSD_ALWAYS_RULES_DIR": str(rules_dir), "EGRESSD_ALWAYS_RULES_RELOAD_INTERVAL": "1"},
+    )
+    d.start()
+    try:
+        activate(d, 1, rules("a.test", A_IP))
+        assert topo.dig(1, "a.test")[0] == "NOERROR"
+        assert topo.reaches(1, A_IP)
+        (rules_dir / "deny.always").write_text("# operator block\na.test\n" + A_IP + "\n")
+        deadline = time.monotonic() + 6
+        while topo.dig(1, "a.test")[0] != "NXDOMAIN":
+            assert time.monotonic() < deadline, d.log_text()[-2000:]
+            time.sleep(0.3)
+        assert not topo.reaches(1, A_IP)  # the IP deny reached the kernel too
+        # A broken file keeps the last good rules.
+        (rules_dir / "deny.always").write_text("a.test\n*broken*\n")
+        time.sleep(2.5)
+        assert topo.dig(1, "a.test")[0] == "NXDOMAIN"
+        assert "always_rules.invalid_kept_last_good" in d.log_text()
+    finally:
+        d.kill(15)
+        topo.ns(topo.pod, "nft", "delete", "table", "inet", d.table, check=False)
