@@ -37,8 +37,10 @@ def lease_seconds(ttl: int, lo: int = LEASE_MIN_S, hi: int = LEASE_MAX_S) -> int
 
 def decide(query: DNSRecord, policy: NetworkPolicy | None, *, known_source: bool) -> Decision:
     """``policy`` is the subject's effective policy, or None when it has none (denying)."""
-    if not query.questions:
-        return Decision(Action.FORMERR, "no_question")
+    if len(query.questions) != 1:
+        # Only the first question would be policy-checked, but every answer would be learned:
+        # a second question could smuggle a denied name past the policy. Real clients send one.
+        return Decision(Action.FORMERR, "no_question" if not query.questions else "multiple_questions")
     name = str(query.q.qname)
     if not known_source:
         return Decision(Action.NXDOMAIN, "unknown_source", name)

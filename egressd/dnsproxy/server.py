@@ -25,6 +25,8 @@ log = structlog.get_logger("egressd.dns")
 _LEARN_TIMEOUT_S = 5.0
 _CLASSIC_UDP = 512
 _TCP_IDLE_S = 10.0
+MAX_IN_FLIGHT_PER_CLIENT = 64  # queries one source may have outstanding; more are dropped
+MAX_TCP_PER_CLIENT = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,34 @@ class DnsProxy:
         self.lease_bounds = lease_bounds
         self._transports: list[asyncio.DatagramTransport] = []
         self._servers: list[asyncio.Server] = []
+        self._in_flight: dict[str, int] = {}
+        self._tcp_conns: dict[str, int] = {}
+
+    def _admit(self, counter: dict[str, int], client: str, cap: int) -> bool:
+        """Bound one client's concurrent work so a flood cannot stall the other subjects."""
+        n = counter.get(client, 0)
+        if n >= cap:
+            if self.metrics:
+                self.metrics.dns_failed.inc("client_limit")
+            return False
+        counter[client] = n + 1
+        return True
+
+    @staticmethod
+    def _release(counter: dict[str, int], client: str) -> None:
+        n = counter.get(client, 1) - 1
+        if n <= 0:
+            counter.pop(client, None)
+        else:
+            counter[client] = n
+
+    async def bounded_answer(self, data: bytes, client: str, *, tcp: bool) -> bytes | None:
+        if not self._admit(self._in_flight, client, MAX_IN_FLIGHT_PER_CLIENT):
+            return None
+        try:
+            return await self.answer(data, client, tcp=tcp)
+        finally:
+            self._release(self._in_flight, client)
 
     # ---- one query ---------------------------------------------------------------------------
 
@@ -88,13 +118,14 @@ class DnsProxy:
             return self._finish(refusal(query, decision.action), query, tcp, start)
         assert asker is not None
         had_edns = any(rr.rtype == QTYPE.OPT for rr in query.ar)
+        limit = _udp_limit(query)  # the client's own limit, before we add EDNS for the upstream
         forwarded = await self.forwarder.forward(with_edns(query), tcp=tcp)
         if forwarded.reply is None:
             if self.metrics:
                 self.metrics.dns_failed.inc(forwarded.failure)
             servfail = query.reply()
             servfail.header.rcode = RCODE.SERVFAIL
-            return self._finish(servfail, query, tcp, start)
+            return self._finish(servfail, query, tcp, start, limit)
         reply = forwarded.reply
         addresses = answer_addresses(reply)
         if addresses:
@@ -109,16 +140,16 @@ class DnsProxy:
                     self.metrics.nft_failures.inc("dynamic_add")
         if not had_edns:
             reply.ar = [rr for rr in reply.ar if rr.rtype != QTYPE.OPT]
-        return self._finish(reply, query, tcp, start)
+        return self._finish(reply, query, tcp, start, limit)
 
-    def _finish(self, reply: DNSRecord, query: DNSRecord, tcp: bool, start: float) -> bytes:
+    def _finish(
+        self, reply: DNSRecord, query: DNSRecord, tcp: bool, start: float, limit: int | None = None
+    ) -> bytes:
         reply.header.id = query.header.id
         wire = bytes(reply.pack())
         if not tcp:
-            limit = _CLASSIC_UDP
-            for rr in query.ar:
-                if rr.rtype == QTYPE.OPT:
-                    limit = max(_CLASSIC_UDP, int(rr.rclass))
+            if limit is None:
+                limit = _udp_limit(query)
             if len(wire) > limit:
                 wire = bytes(reply.truncate().pack())
         if self.metrics:
@@ -159,12 +190,16 @@ class DnsProxy:
 
     async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        client = str(peer[0])
+        if not self._admit(self._tcp_conns, client, MAX_TCP_PER_CLIENT):
+            writer.close()
+            return
         try:
             while True:
                 head = await asyncio.wait_for(reader.readexactly(2), _TCP_IDLE_S)
                 (length,) = struct.unpack("!H", head)
                 data = await asyncio.wait_for(reader.readexactly(length), _TCP_IDLE_S)
-                reply = await self.answer(data, str(peer[0]), tcp=True)
+                reply = await self.bounded_answer(data, client, tcp=True)
                 if reply is None:
                     break
                 writer.write(struct.pack("!H", len(reply)) + reply)
@@ -172,9 +207,17 @@ class DnsProxy:
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self._release(self._tcp_conns, client)
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+
+def _udp_limit(query: DNSRecord) -> int:
+    for rr in query.ar:
+        if rr.rtype == QTYPE.OPT:
+            return max(_CLASSIC_UDP, int(rr.rclass))
+    return _CLASSIC_UDP
 
 
 class _Udp(asyncio.DatagramProtocol):
@@ -194,7 +237,7 @@ class _Udp(asyncio.DatagramProtocol):
 
     async def _reply(self, data: bytes, addr: tuple[str | int, ...]) -> None:
         try:
-            reply = await self.proxy.answer(data, str(addr[0]), tcp=False)
+            reply = await self.proxy.bounded_answer(data, str(addr[0]), tcp=False)
         except Exception:
             log.exception("dns.query_crashed")
             return

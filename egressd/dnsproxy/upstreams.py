@@ -28,7 +28,7 @@ class Upstream:
 
 
 def _port(text: str, item: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 65535:
         raise UpstreamError(f"OPENSANDBOX_EGRESS_DNS_UPSTREAM: invalid port in {item!r}")
     return int(text)
 

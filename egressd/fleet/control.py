@@ -165,32 +165,23 @@ class ControlPlane:
         return eff
 
     async def set_always_rules(self, always: AlwaysRules) -> None:
-        """Swap always-rules and re-apply every active subject in ONE transaction.
+        """Swap always-rules and re-apply every subject with a policy in ONE transaction.
 
-        Raises NftError when the kernel refuses: then nothing changed, the old rules stay.
+        Works from kernel truth under the kernel lock: every subject whose sets hold a policy
+        is re-applied with the new rules, and any transaction after this one already uses
+        them, so no activation racing this reload can keep the old rules. Raises NftError
+        when the kernel refuses: then nothing changed and the old rules stay.
         """
-        async with contextlib.AsyncExitStack() as stack:
-            uids = sorted(e.uid for e in self.registry if e.state is State.ACTIVE)
-            for uid in uids:
-                await stack.enter_async_context(self._locks.hold(uid))
-            async with self._kernel_lock:
-                batch = NetlinkBatch(self.table.table)
-                for uid in uids:
-                    entry = self.registry.get(uid)
-                    view = self.registry.kernel(uid)
-                    if (
-                        entry is None
-                        or entry.state is not State.ACTIVE
-                        or entry.policy is None
-                        or not view.rules
-                    ):
-                        continue
-                    batch = batch + policy_swap(
-                        self.table.table, entry.nft_id, effective_policy(entry.policy, always)
-                    )
-                if batch:
-                    await self.tx.run_batch(batch, op="static_apply")
-                self.always = always
+        async with self._kernel_lock:
+            table = self.table.table
+            batch = NetlinkBatch(table)
+            for entry in self.registry:
+                view = self.registry.kernel(entry.uid)
+                if view.rules and view.applied is not None:
+                    batch = batch + policy_swap(table, entry.nft_id, effective_policy(view.applied, always))
+            if batch:
+                await self.tx.run_batch(batch, op="static_apply")
+            self.always = always
 
     # ---- DNS proxy side ----------------------------------------------------------------------
 
@@ -395,6 +386,8 @@ class ControlPlane:
             if view.objects:
                 # Revert or rebind: empty every set first, before any new key points at them.
                 await self.tx.run_batch(flush_subject_sets(table, nid), op="deny_first")
+                view = replace(view, applied=None)
+                save(view)
                 self.leases.pop(entry.uid, None)
                 cut = _ips(view.keys)
             await self.tx.run_script(script, op="deny_first")
@@ -408,6 +401,7 @@ class ControlPlane:
             if not (view.objects and view.rules):
                 raise _Refused("subject has no deny-first state in the kernel")
             await self.tx.run_batch(policy_swap(table, nid, self.effective(step.policy)), op="static_apply")
+            save(replace(view, applied=step.policy))
             return []
         if isinstance(step, AddKeys):
             subj = self._subject_nft(nid, step.binding)

@@ -39,12 +39,14 @@ class KernelView:
 
     ``keys`` are the (source ip, gateway) pairs present in the dispatch maps; more than one
     only between the steps of a re-key. ``objects`` says whether chains and sets exist,
-    ``rules`` whether the subject's fixed rules were added to them.
+    ``rules`` whether the subject's fixed rules were added to them, ``applied`` which user
+    policy the sets currently enforce (None: deny-first content).
     """
 
     objects: bool = False
     keys: frozenset[tuple[IPAddress, IPAddress]] = frozenset()
     rules: bool = False
+    applied: NetworkPolicy | None = None  # the user policy whose content is in the sets
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,502 @@
+"""The DNS side of the fleet ControlPlane (§2, §5, §7, §9): asker, learn, renew, always-rules swap.
+
+``FakeTx`` implements the ``Transactions`` protocol: it records every script and netlink batch,
+can refuse batches of a given op with ``NftError`` and can hold a batch until released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
+from egressd.dnsproxy.server import Asker
+from egressd.fleet.control import ControlPlane, Result
+from egressd.fleetnft.applier import NftError
+from egressd.fleetnft.builder import TableConfig, dyn_add, policy_swap
+from egressd.fleetnft.ops import AddIntervals, AddTimed, NetlinkBatch
+from egressd.policy import (
+    EMPTY_ALWAYS,
+    AlwaysRules,
+    Verdict,
+    effective_policy,
+    evaluate_domain,
+    parse_always_text,
+    parse_policy,
+)
+from egressd.subject.model import Fence, IPAddress
+from egressd.subject.registry import State
+
+TABLE = "T"
+FENCE = Fence("r1", "a1")
+ALLOW_ALL = '{"defaultAction":"allow"}'
+ONLY_EXAMPLE = '{"defaultAction":"deny","egress":[{"action":"allow","target":"*.example.com"}]}'
+OLD = AlwaysRules(deny=parse_always_text("evil.com\n", "deny.always", Verdict.DENY), allow=())
+NEW = AlwaysRules(
+    deny=parse_always_text("evil.com\n1.2.3.4\nworse.com\n", "deny.always", Verdict.DENY),
+    allow=parse_always_text("pypi.org\n", "allow.always", Verdict.ALLOW),
+)
+
+
+def ip(text: str) -> IPAddress:
+    return ipaddress.ip_address(text)
+
+
+# --------------------------------------------------------------------------- fake kernel
+
+
+class FakeTx:
+    def __init__(self) -> None:
+        self.scripts: list[tuple[str, str]] = []
+        self.batches: list[tuple[str, NetlinkBatch]] = []
+        self.resets = 0
+        self.fail_ops: set[str] = set()
+        self.hold: Callable[[str, NetlinkBatch], asyncio.Event | None] = lambda op, batch: None
+        self.holding = asyncio.Event()
+
+    async def run_script(self, script: str, *, op: str) -> None:
+        await asyncio.sleep(0)
+        self.scripts.append((op, script))
+
+    async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
+        assert batch.table == TABLE
+        gate = self.hold(op, batch)
+        if gate is not None and not gate.is_set():
+            self.holding.set()
+            await gate.wait()
+        await asyncio.sleep(0)
+        if op in self.fail_ops:
+            raise NftError(f"injected failure of {op}")
+        self.batches.append((op, batch))
+
+    async def reset_table(self, header_with_delete: str, header: str) -> None:
+        self.resets += 1
+
+    async def close(self) -> None:
+        pass
+
+    def ops(self, op: str) -> list[NetlinkBatch]:
+        return [b for o, b in self.batches if o == op]
+
+    def clear(self) -> None:
+        self.scripts.clear()
+        self.batches.clear()
+
+
+def touches(batch: NetlinkBatch, nid: str) -> bool:
+    return any(getattr(o, "name", "").startswith(f"subj_{nid}_") for o in batch.ops)
+
+
+# --------------------------------------------------------------------------- envelopes
+
+
+def set_binding(
+    uid: str = "u-1",
+    policy: str | None = ALLOW_ALL,
+    *,
+    ip_: str = "10.0.0.5",
+    rid: str = "r1",
+    aid: str = "a1",
+    gen: int = 1,
+) -> SetBinding:
+    doc: dict[str, Any] = {
+        "apiVersion": API_VERSION,
+        "operation": "SET_BINDING",
+        "sandbox": {"uid": uid},
+        "revision": {"specGeneration": gen, "runtimeInstanceId": rid, "attachmentId": aid},
+        "binding": {"input": policy},
+        "attachment": {"network": {"ip": ip_, "gateway": "10.0.0.1", "hostVeth": "veth0"}},
+    }
+    action = parse_action(json.dumps(doc).encode())
+    assert isinstance(action, SetBinding)
+    return action
+
+
+def hook(uid: str = "u-1", *, rid: str = "r1", aid: str = "a1") -> LifecycleHook:
+    doc = {
+        "apiVersion": API_VERSION,
+        "operation": "LIFECYCLE_HOOK",
+        "sandbox": {"uid": uid},
+        "revision": {"runtimeInstanceId": rid, "attachmentId": aid},
+        "hook": {"name": "sandbox.data-plane-ready", "sequence": 1},
+    }
+    action = parse_action(json.dumps(doc).encode())
+    assert isinstance(action, LifecycleHook)
+    return action
+
+
+def remove(uid: str = "u-1", *, rid: str = "r1", aid: str = "a1") -> RemoveBinding:
+    doc = {
+        "apiVersion": API_VERSION,
+        "operation": "REMOVE_BINDING",
+        "sandbox": {"uid": uid},
+        "revision": {"runtimeInstanceId": rid, "attachmentId": aid},
+    }
+    action = parse_action(json.dumps(doc).encode())
+    assert isinstance(action, RemoveBinding)
+    return action
+
+
+def ok(result: Result) -> None:
+    assert result == Result(200), result
+
+
+@pytest.fixture
+def tx() -> FakeTx:
+    return FakeTx()
+
+
+async def make_control(tx: FakeTx, always: AlwaysRules = OLD) -> ControlPlane:
+    control = ControlPlane(TableConfig(table=TABLE, dns_port=15353), tx, always=always)
+    await control.reset_table()
+    return control
+
+
+@pytest.fixture
+async def control(tx: FakeTx) -> ControlPlane:
+    return await make_control(tx)
+
+
+async def activate(
+    control: ControlPlane, uid: str = "u-1", ip_: str = "10.0.0.5", policy: str = ALLOW_ALL
+) -> None:
+    ok(await control.handle(set_binding(uid, policy, ip_=ip_)))
+    ok(await control.handle(hook(uid)))
+    entry = control.registry.get(uid)
+    assert entry is not None and entry.state is State.ACTIVE
+
+
+# --------------------------------------------------------------------------- asker
+
+
+async def test_asker_unknown_ip_is_none(control: ControlPlane) -> None:
+    assert control.asker(ip("10.0.0.5")) is None
+    await activate(control)
+    assert control.asker(ip("10.0.0.6")) is None
+    assert control.asker(ip("fd00::5")) is None
+
+
+async def test_asker_of_a_denying_subject_has_no_policy(control: ControlPlane) -> None:
+    ok(await control.handle(set_binding()))
+    assert control.asker(ip("10.0.0.5")) == Asker("u-1", FENCE, None)
+
+
+async def test_asker_of_an_active_subject_has_the_effective_policy(control: ControlPlane) -> None:
+    await activate(control, policy=ALLOW_ALL)
+    asker = control.asker(ip("10.0.0.5"))
+    assert asker is not None
+    assert (asker.uid, asker.fence) == ("u-1", FENCE)
+    assert asker.policy is not None
+    assert asker.policy == effective_policy(parse_policy(ALLOW_ALL), OLD)
+    assert [r.target for r in asker.policy.egress] == ["evil.com"]
+    assert evaluate_domain(asker.policy, "evil.com").verdict is Verdict.DENY  # always-rule
+    assert evaluate_domain(asker.policy, "anything.org").verdict is Verdict.ALLOW  # user default
+
+
+async def test_asker_policy_is_cached(control: ControlPlane) -> None:
+    await activate(control)
+    first = control.asker(ip("10.0.0.5"))
+    second = control.asker(ip("10.0.0.5"))
+    assert first is not None and second is not None
+    assert first.policy is not None
+    assert first.policy is second.policy
+    entry = control.registry.get("u-1")
+    assert entry is not None
+    assert control.effective_for(entry) is first.policy
+
+
+async def test_asker_policy_is_refreshed_after_an_in_place_update(control: ControlPlane) -> None:
+    await activate(control, policy=ALLOW_ALL)
+    before = control.asker(ip("10.0.0.5"))
+    assert before is not None and before.policy is not None
+    assert evaluate_domain(before.policy, "other.org").verdict is Verdict.ALLOW
+    ok(await control.handle(set_binding(policy=ONLY_EXAMPLE, gen=2)))
+    after = control.asker(ip("10.0.0.5"))
+    assert after is not None and after.policy is not None
+    assert after.policy is not before.policy
+    assert after.policy == effective_policy(parse_policy(ONLY_EXAMPLE), OLD)
+    assert evaluate_domain(after.policy, "other.org").verdict is Verdict.DENY
+    assert evaluate_domain(after.policy, "www.example.com").verdict is Verdict.ALLOW
+    assert after.fence == FENCE
+
+
+async def test_failed_in_place_update_keeps_the_old_policy_for_dns(control: ControlPlane, tx: FakeTx) -> None:
+    await activate(control, policy=ALLOW_ALL)
+    tx.fail_ops.add("static_apply")
+    result = await control.handle(set_binding(policy=ONLY_EXAMPLE, gen=2))
+    assert result.status == 500
+    asker = control.asker(ip("10.0.0.5"))
+    assert asker is not None and asker.policy is not None
+    assert evaluate_domain(asker.policy, "other.org").verdict is Verdict.ALLOW
+
+
+async def test_asker_after_revert_and_removal(control: ControlPlane) -> None:
+    await activate(control)
+    ok(await control.handle(set_binding(policy=None)))
+    assert control.asker(ip("10.0.0.5")) == Asker("u-1", FENCE, None)
+    ok(await control.handle(remove()))
+    assert control.asker(ip("10.0.0.5")) is None
+
+
+async def test_effective_for_is_none_unless_active(control: ControlPlane) -> None:
+    ok(await control.handle(set_binding()))
+    entry = control.registry.get("u-1")
+    assert entry is not None and entry.state is State.DENYING
+    assert control.effective_for(entry) is None
+
+
+async def test_uid_for(control: ControlPlane) -> None:
+    ok(await control.handle(set_binding()))
+    assert control.uid_for(ip("10.0.0.5")) == "u-1"
+    assert control.uid_for(ip("10.0.0.9")) is None
+
+
+# --------------------------------------------------------------------------- learn
+
+
+LEASES = [(ip("93.184.216.34"), 90), (ip("2606:2800::1"), 60), (ip("93.184.216.35"), 360)]
+
+
+async def test_learn_adds_timed_elements_for_an_active_subject(control: ControlPlane, tx: FakeTx) -> None:
+    await activate(control)
+    tx.clear()
+    start = time.monotonic()
+    await control.learn("u-1", FENCE, LEASES)
+    assert [op for op, _ in tx.batches] == ["dynamic_add"]
+    (batch,) = tx.ops("dynamic_add")
+    assert batch == dyn_add(TABLE, "s_u_1", LEASES)
+    assert set(batch.ops) == {
+        AddTimed("subj_s_u_1_dyn_v4", "v4", ((ip("93.184.216.34"), 90), (ip("93.184.216.35"), 360))),
+        AddTimed("subj_s_u_1_dyn_v6", "v6", ((ip("2606:2800::1"), 60),)),
+    }
+    assert tx.scripts == []
+    mirror = control.leases["u-1"]
+    assert set(mirror) == {addr for addr, _ in LEASES}
+    for addr, seconds in LEASES:
+        assert start + seconds <= mirror[addr] <= time.monotonic() + seconds
+
+
+async def test_learn_keeps_the_later_expiry_in_the_mirror(control: ControlPlane) -> None:
+    await activate(control)
+    addr = ip("93.184.216.34")
+    await control.learn("u-1", FENCE, [(addr, 360)])
+    long = control.leases["u-1"][addr]
+    await control.learn("u-1", FENCE, [(addr, 60)])
+    assert control.leases["u-1"][addr] == long
+
+
+@pytest.mark.parametrize(
+    "fence",
+    [Fence("r0", "a1"), Fence("r1", "a0"), Fence("r2", "a2")],
+    ids=["old-instance", "old-attachment", "other"],
+)
+async def test_learn_with_a_stale_fence_adds_nothing(control: ControlPlane, tx: FakeTx, fence: Fence) -> None:
+    await activate(control)
+    tx.clear()
+    await control.learn("u-1", fence, LEASES)
+    assert tx.batches == []
+    assert control.leases.get("u-1", {}) == {}
+
+
+async def test_learn_for_a_denying_subject_adds_nothing(control: ControlPlane, tx: FakeTx) -> None:
+    ok(await control.handle(set_binding()))
+    tx.clear()
+    await control.learn("u-1", FENCE, LEASES)
+    assert tx.batches == []
+    assert control.leases.get("u-1", {}) == {}
+
+
+async def test_learn_for_a_removed_or_unknown_subject_adds_nothing(control: ControlPlane, tx: FakeTx) -> None:
+    await activate(control)
+    ok(await control.handle(remove()))
+    tx.clear()
+    await control.learn("u-1", FENCE, LEASES)
+    await control.learn("never", FENCE, LEASES)
+    assert tx.batches == []
+    assert "u-1" not in control.leases
+
+
+async def test_learn_after_a_revert_adds_nothing(control: ControlPlane, tx: FakeTx) -> None:
+    await activate(control)
+    ok(await control.handle(set_binding(policy=None)))
+    tx.clear()
+    await control.learn("u-1", FENCE, LEASES)
+    assert tx.batches == []
+
+
+async def test_learn_failure_propagates_and_leaves_the_mirror(control: ControlPlane, tx: FakeTx) -> None:
+    await activate(control)
+    tx.fail_ops.add("dynamic_add")
+    with pytest.raises(NftError):
+        await control.learn("u-1", FENCE, LEASES)
+    assert control.leases.get("u-1", {}) == {}
+
+
+async def test_revert_clears_the_lease_mirror(control: ControlPlane) -> None:
+    await activate(control)
+    await control.learn("u-1", FENCE, LEASES)
+    assert control.leases["u-1"]
+    ok(await control.handle(set_binding(policy=None)))
+    assert control.leases.get("u-1", {}) == {}
+
+
+async def test_rebind_clears_the_lease_mirror(control: ControlPlane) -> None:
+    await activate(control)
+    await control.learn("u-1", FENCE, LEASES)
+    ok(await control.handle(set_binding(rid="r2")))
+    assert control.leases.get("u-1", {}) == {}
+
+
+async def test_removal_clears_the_lease_mirror(control: ControlPlane) -> None:
+    await activate(control)
+    await control.learn("u-1", FENCE, LEASES)
+    ok(await control.handle(remove()))
+    assert "u-1" not in control.leases
+
+
+async def test_in_place_update_keeps_the_lease_mirror(control: ControlPlane) -> None:
+    await activate(control)
+    await control.learn("u-1", FENCE, LEASES)
+    before = dict(control.leases["u-1"])
+    ok(await control.handle(set_binding(policy=ONLY_EXAMPLE, gen=2)))
+    assert control.leases["u-1"] == before
+
+
+async def test_learn_is_per_subject(control: ControlPlane, tx: FakeTx) -> None:
+    await activate(control, "u-1", "10.0.0.5")
+    await activate(control, "u-2", "10.0.0.6")
+    tx.clear()
+    await control.learn("u-2", FENCE, LEASES[:1])
+    (batch,) = tx.ops("dynamic_add")
+    assert touches(batch, "s_u_2") and not touches(batch, "s_u_1")
+    assert "u-1" not in control.leases
+
+
+# --------------------------------------------------------------------------- renew_leases
+
+
+async def test_renew_leases_re_adds_with_the_given_timeout(control: ControlPlane, tx: FakeTx) -> None:
+    await activate(control)
+    tx.clear()
+    addrs = [ip("93.184.216.34"), ip("2606:2800::1")]
+    await control.renew_leases("u-1", addrs, 360)
+    (batch,) = tx.ops("dynamic_add")
+    assert batch == dyn_add(TABLE, "s_u_1", [(a, 360) for a in addrs])
+    assert set(control.leases["u-1"]) == set(addrs)
+
+
+async def test_renew_leases_for_unknown_or_denying_subject_does_nothing(
+    control: ControlPlane, tx: FakeTx
+) -> None:
+    await control.renew_leases("nobody", [ip("1.2.3.4")], 360)
+    ok(await control.handle(set_binding()))
+    tx.clear()
+    await control.renew_leases("u-1", [ip("1.2.3.4")], 360)
+    assert tx.batches == []
+
+
+# --------------------------------------------------------------------------- set_always_rules
+
+
+async def test_set_always_rules_is_one_batch_over_all_active_subjects(
+    control: ControlPlane, tx: FakeTx
+) -> None:
+    await activate(control, "u-1", "10.0.0.5", ALLOW_ALL)
+    await activate(control, "u-2", "10.0.0.6", ONLY_EXAMPLE)
+    ok(await control.handle(set_binding("u-3", ALLOW_ALL, ip_="10.0.0.7")))  # denying
+    tx.clear()
+    await control.set_always_rules(NEW)
+    assert len(tx.batches) == 1
+    op, batch = tx.batches[0]
+    assert op == "static_apply"
+    assert batch == policy_swap(TABLE, "s_u_1", effective_policy(parse_policy(ALLOW_ALL), NEW)) + policy_swap(
+        TABLE, "s_u_2", effective_policy(parse_policy(ONLY_EXAMPLE), NEW)
+    )
+    assert not touches(batch, "s_u_3")
+    assert tx.scripts == []
+    deny_v4 = [o for o in batch.ops if isinstance(o, AddIntervals) and o.name == "subj_s_u_1_deny_v4"]
+    assert [str(n) for o in deny_v4 for n in o.nets] == ["1.2.3.4/32"]
+    assert control.always is NEW
+
+
+async def test_set_always_rules_changes_what_dns_sees(control: ControlPlane) -> None:
+    await activate(control, policy=ALLOW_ALL)
+    before = control.asker(ip("10.0.0.5"))
+    assert before is not None and before.policy is not None
+    assert evaluate_domain(before.policy, "worse.com").verdict is Verdict.ALLOW
+    await control.set_always_rules(NEW)
+    after = control.asker(ip("10.0.0.5"))
+    assert after is not None and after.policy is not None
+    assert after.policy == effective_policy(parse_policy(ALLOW_ALL), NEW)
+    assert evaluate_domain(after.policy, "worse.com").verdict is Verdict.DENY
+    again = control.asker(ip("10.0.0.5"))
+    assert again is not None and again.policy is after.policy
+
+
+async def test_set_always_rules_refused_by_the_kernel_keeps_the_old_rules(
+    control: ControlPlane, tx: FakeTx
+) -> None:
+    await activate(control, "u-1", "10.0.0.5")
+    await activate(control, "u-2", "10.0.0.6")
+    tx.clear()
+    tx.fail_ops.add("static_apply")
+    with pytest.raises(NftError):
+        await control.set_always_rules(NEW)
+    assert control.always is OLD
+    assert tx.batches == []
+    asker = control.asker(ip("10.0.0.5"))
+    assert asker is not None and asker.policy is not None
+    assert asker.policy == effective_policy(parse_policy(ALLOW_ALL), OLD)
+    assert evaluate_domain(asker.policy, "worse.com").verdict is Verdict.ALLOW
+    # A later retry succeeds in one batch.
+    tx.fail_ops.clear()
+    await control.set_always_rules(NEW)
+    assert control.always is NEW
+    assert len(tx.batches) == 1
+
+
+async def test_set_always_rules_without_active_subjects_issues_no_batch(tx: FakeTx) -> None:
+    control = await make_control(tx, always=EMPTY_ALWAYS)
+    ok(await control.handle(set_binding()))  # denying only
+    tx.clear()
+    await control.set_always_rules(NEW)
+    assert tx.batches == []
+    assert control.always is NEW
+
+
+async def test_activation_after_set_always_rules_uses_the_new_rules(
+    control: ControlPlane, tx: FakeTx
+) -> None:
+    ok(await control.handle(set_binding()))
+    await control.set_always_rules(NEW)
+    tx.clear()
+    ok(await control.handle(hook()))
+    assert tx.ops("static_apply") == [
+        policy_swap(TABLE, "s_u_1", effective_policy(parse_policy(ALLOW_ALL), NEW))
+    ]
+
+
+async def test_activation_racing_an_always_rules_swap_ends_on_the_new_rules(
+    control: ControlPlane, tx: FakeTx
+) -> None:
+    await activate(control, "u-1", "10.0.0.5")
+    ok(await control.handle(set_binding("u-2", ALLOW_ALL, ip_="10.0.0.6")))  # denying, pending
+    gate = asyncio.Event()
+    tx.hold = lambda op, batch: gate if op == "static_apply" and touches(batch, "s_u_2") else None
+    activation = asyncio.create_task(control.handle(hook("u-2")))
+    await asyncio.wait_for(tx.holding.wait(), 2)  # u-2's activation is in the kernel now
+    swap = asyncio.create_task(control.set_always_rules(NEW))
+    await asyncio.sleep(0.01)
+    gate.set()
+    ok(await asyncio.wait_for(activation, 2))
+    await asyncio.wait_for(swap, 2)
+    assert control.always is NEW
+    last_for_u2 = [b for b in tx.ops("static_apply") if touches(b, "s_u_2")][-1]
+    expected = policy_swap(TABLE, "s_u_2", effective_policy(parse_policy(ALLOW_ALL), NEW))
+    assert all(op in last_for_u2.ops for op in expected.ops)
