@@ -27,6 +27,7 @@ _CLASSIC_UDP = 512
 _TCP_IDLE_S = 10.0
 MAX_IN_FLIGHT_PER_CLIENT = 64  # queries one source may have outstanding; more are dropped
 MAX_TCP_PER_CLIENT = 16
+DENY_LOGS_PER_CLIENT_PER_S = 20  # beyond this, denials are counted but not logged one by one
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,7 @@ class DnsProxy:
         self._transports: list[asyncio.DatagramTransport] = []
         self._servers: list[asyncio.Server] = []
         self._in_flight: dict[str, int] = {}
+        self._log_window: dict[IPAddress, tuple[int, int]] = {}  # ip -> (second, lines logged)
         self._tcp_conns: dict[str, int] = {}
 
     def _admit(self, counter: dict[str, int], client: str, cap: int) -> bool:
@@ -108,13 +110,14 @@ class DnsProxy:
         if decision.action is not Action.FORWARD:
             if self.metrics:
                 self.metrics.policy_denied.inc()
-            log.info(
-                f"[dns] denied query (remote={ip} question={decision.name or '-'} reason={decision.reason})",
-                remote=str(ip),
-                question=decision.name,
-                reason=decision.reason,
-                subject=f"s-{asker.uid}" if asker else None,
-            )
+            if self._may_log(ip):
+                log.info(
+                    f"[dns] denied query (remote={ip} question={decision.name or '-'} reason={decision.reason})",
+                    remote=str(ip),
+                    question=decision.name,
+                    reason=decision.reason,
+                    subject=f"s-{asker.uid}" if asker else None,
+                )
             return self._finish(refusal(query, decision.action), query, tcp, start)
         assert asker is not None
         had_edns = any(rr.rtype == QTYPE.OPT for rr in query.ar)
@@ -141,6 +144,21 @@ class DnsProxy:
         if not had_edns:
             reply.ar = [rr for rr in reply.ar if rr.rtype != QTYPE.OPT]
         return self._finish(reply, query, tcp, start, limit)
+
+    def _may_log(self, ip: IPAddress) -> bool:
+        second = int(time.monotonic())
+        window, count = self._log_window.get(ip, (second, 0))
+        if window != second:
+            window, count = second, 0
+        if len(self._log_window) > 4096:
+            self._log_window.clear()
+        self._log_window[ip] = (window, count + 1)
+        if count == DENY_LOGS_PER_CLIENT_PER_S:
+            log.warning(
+                "[dns] denial log rate limit reached; further denials this second are only counted",
+                remote=str(ip),
+            )
+        return count < DENY_LOGS_PER_CLIENT_PER_S
 
     def _finish(
         self, reply: DNSRecord, query: DNSRecord, tcp: bool, start: float, limit: int | None = None

@@ -226,3 +226,67 @@ def test_always_rules_hot_reload(topo: Topology) -> None:
     finally:
         d.kill(15)
         topo.ns(topo.pod, "nft", "delete", "table", "inet", d.table, check=False)
+
+
+def test_junk_and_floods_from_one_sandbox_do_not_stall_another(topo: Topology, daemon: Daemon) -> None:
+    activate(daemon, 1, rules("a.test"))
+    activate(daemon, 2, rules("b.test"))
+    flood = (
+        "import socket,struct,time\n"
+        "from dnslib import DNSRecord\n"
+        "gw=('10.203.0.1',53)\n"
+        "u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
+        "junk=[b'',b'\\x00',b'\\xff'*11,b'\\x12\\x34'+b'\\x00'*10,DNSRecord.question('a.test').pack()[:14]]\n"
+        "end=time.time()+3; n=0\n"
+        "while time.time()<end and n<20000:\n"
+        "  u.sendto(junk[n%len(junk)] if n%3 else DNSRecord.question(f'x{n}.a.test').pack(), gw); n+=1\n"
+        "for _ in range(5):\n"
+        "  t=socket.create_connection(gw,timeout=2); t.sendall(struct.pack('!H',65535)+b'\\x01'*100); t.close()\n"
+        "print('sent',n,flush=True)\n"
+    )
+    flooder = topo.spawn(topo.sb(1), str(topo_python()), "-c", flood)
+    time.sleep(0.5)
+    started = time.monotonic()
+    for _ in range(5):
+        assert topo.dig(2, "b.test") == ("NOERROR", [B_IP])
+    assert time.monotonic() - started < 10
+    flooder.communicate(timeout=30)
+    # The proxy is still healthy for the flooder too, and never learned junk.
+    assert topo.dig(1, "a.test") == ("NOERROR", [A_IP])
+    assert topo.dig(1, "a.test", tcp=True) == ("NOERROR", [A_IP])
+
+
+def topo_python() -> str:
+    from tests.kernel.topology import VENV_PY
+
+    return str(VENV_PY)
+
+
+def test_doh_blocklist_drops_443_to_listed_addresses_only(topo: Topology) -> None:
+    d = Daemon(
+        topo,
+        table="egt-doh",
+        port=18194,
+        env={
+            "OPENSANDBOX_EGRESS_BLOCK_DOH_443": "1",
+            "OPENSANDBOX_EGRESS_DOH_BLOCKLIST": f"{B_IP},fd00:204::9/128",
+        },
+    )
+    d.start()
+    try:
+        activate(d, 1, rules(A_IP, B_IP))
+        assert topo.reaches(1, A_IP, port=443)
+        assert not topo.reaches(1, B_IP, port=443)
+        assert topo.reaches(1, B_IP, port=80)
+    finally:
+        d.kill(15)
+        topo.ns(topo.pod, "nft", "delete", "table", "inet", d.table, check=False)
+    d = Daemon(topo, table="egt-doh-all", port=18195, env={"OPENSANDBOX_EGRESS_BLOCK_DOH_443": "1"})
+    d.start()
+    try:
+        activate(d, 1, rules(default="allow"))
+        assert not topo.reaches(1, A_IP, port=443), "with no blocklist every TCP 443 is dropped"
+        assert topo.reaches(1, A_IP, port=80)
+    finally:
+        d.kill(15)
+        topo.ns(topo.pod, "nft", "delete", "table", "inet", d.table, check=False)

@@ -201,7 +201,7 @@ class Topology:
             str(VENV_PY),
             str(REPO / "scripts" / "fleet_upstream.py"),
             "--http-ports",
-            "80,8080,853",
+            "80,8080,853,443",
             "--log",
             str(log),
             "--zone",
