@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fleet-profile benchmark: action latency, removal scaling, update throughput, libnftables vs exec.
+"""Fleet-profile benchmark: action latency, removal scaling, update throughput, in-process vs exec.
 
 Run as root from the repository root::
 
@@ -240,14 +240,22 @@ def nft_delta_ms(before: dict[str, dict[str, float]], after: dict[str, dict[str,
         b = before.get(op, {"sum": 0.0, "count": 0.0})
         n = a["count"] - b["count"]
         if n > 0:
-            out[op] = {"count": int(n), "mean_ms": (a["sum"] - b["sum"]) / n * 1000.0}
+            d = (a["sum"] - b["sum"]) * 1000.0
+            out[op] = {"count": int(n), "sum_ms": d, "mean_ms": d / n}
     return out
 
 
+def path_without(tool: str) -> str:
+    """``$PATH`` minus every directory holding ``tool`` (diagnostic: egressd then cannot exec it)."""
+    dirs = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d]
+    return os.pathsep.join(d for d in dirs if not os.access(os.path.join(d, tool), os.X_OK))
+
+
 class Daemon:
-    def __init__(self, workdir: Path, port: int, table: str) -> None:
+    def __init__(self, workdir: Path, port: int, table: str, *, hide_conntrack: bool = False) -> None:
         self.port = port
         self.table = table
+        self.hide_conntrack = hide_conntrack
         self.rules_dir = workdir / "always-rules"
         self.rules_dir.mkdir(exist_ok=True)
         self.log_path = workdir / "egressd.log"
@@ -264,6 +272,8 @@ class Daemon:
                 "EGRESSD_LOG_FORMAT": "json",
             }
         )
+        if self.hide_conntrack:
+            env["PATH"] = path_without("conntrack")
         t0 = time.perf_counter()
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
@@ -465,7 +475,7 @@ class FleetRun:
 def run_daemon_phases(
     workdir: Path, sizes: list[int], updates_at: int, prm: dict[str, int]
 ) -> dict[str, Any]:
-    daemon = Daemon(workdir, HTTP_PORT, DAEMON_TABLE)
+    daemon = Daemon(workdir, HTTP_PORT, DAEMON_TABLE, hide_conntrack=bool(prm.get("no_conntrack")))
     out: dict[str, Any] = {"lifecycle": [], "registration": [], "updates": None}
     try:
         out["daemon_start_s"] = daemon.start()
@@ -509,33 +519,64 @@ def run_daemon_phases(
     return out
 
 
-# ---- (d): libnftables in-process vs nft -f - ---------------------------------------------------
+# ---- (d): the same transaction three ways: netlink (daemon path), libnftables text, nft -f - -----
+
+DIRECT_METHODS = ("netlink", "libnft", "exec")
+DIRECT_TXNS = ("policy_swap", "create")
+FRESH_BASE = int(ipaddress.IPv4Address("10.102.0.16"))
+BUILD_CHUNK = 50  # subjects per build transaction (one libnftables script + one netlink batch)
+
+
+def _permutations3(r: int) -> tuple[int, int, int]:
+    """Method order for repetition ``r``: all six orders in turn, so drift favours no method."""
+    orders = ((0, 1, 2), (1, 2, 0), (2, 0, 1), (0, 2, 1), (2, 1, 0), (1, 0, 2))
+    return orders[r % len(orders)]
 
 
 def run_direct_phase(sizes: list[int], reps: int) -> list[dict[str, Any]]:
+    """(d) without a daemon, in table ``egbench_direct``.
+
+    Two transactions, each applied three ways at every table size:
+
+    * ``netlink``: egressd's own applier class (``applier._Netlink().run(batch)``, pyroute2,
+      socket reused), which is what the daemon does; for subject creation the cache-free
+      ``subject_objects_script`` goes through libnftables first, as in the daemon.
+    * ``libnft``: libnftables in-process (context created in the netns and reused) with the
+      same change as nft text (``batch.describe()``; for creation, script + rules text).
+    * ``exec``: one ``nft -f -`` per transaction with that same text.
+
+    Policy swaps go to background subjects spread over the whole table. Every creation uses a
+    fresh subject id (its rules are added exactly once); after each round the round's three
+    fresh subjects are removed again in one untimed netlink batch, so the table keeps its size.
+    """
     import nftables
 
     from egressd.fleet.inputs import parse_binding_input
+    from egressd.fleetnft.applier import NftError, _Netlink
     from egressd.fleetnft.builder import (
         SubjectNft,
         TableConfig,
-        deny_first_script,
         header_script,
-        policy_script,
+        policy_swap,
+        removal_batch,
+        subject_objects_script,
+        subject_rules,
     )
+    from egressd.fleetnft.ops import NetlinkBatch
     from egressd.subject.model import nft_id, subject_for_uid
 
     cfg = TableConfig(table=DIRECT_TABLE)
+    gateway = ipaddress.ip_address(GATEWAY)
     ctx = nftables.Nftables()  # created inside the netns: bound to it
-    ctx.set_echo_output(False)
+    ctx.set_echo_output(False)  # as in the daemon: echo forces a full cache fill
     ctx.set_handle_output(False)
 
-    def inproc(script: str) -> float:
+    def libnft(script: str) -> float:
         t0 = time.perf_counter()
         rc, _out, err = ctx.cmd(script)
         dt = time.perf_counter() - t0
         if rc != 0:
-            raise BenchError(f"libnftables rc={rc}: {str(err).strip()[:400]}")
+            raise BenchError(f"libnftables rc={rc}: {str(err).strip()[:400]}\n--- script ---\n{script[:600]}")
         return dt
 
     def execd(script: str) -> float:
@@ -549,69 +590,141 @@ def run_direct_phase(sizes: list[int], reps: int) -> list[dict[str, Any]]:
         return dt
 
     def subj(i: int) -> SubjectNft:
-        return SubjectNft(
-            nft_id(subject_for_uid(f"bg-{i}")), ipaddress.ip_address(bg_ip(i)), ipaddress.ip_address(GATEWAY)
-        )
+        return SubjectNft(nft_id(subject_for_uid(f"bg-{i}")), ipaddress.ip_address(bg_ip(i)), gateway)
 
     def pol(i: int, variant: int) -> Any:
         return parse_binding_input(policy_text(i, variant)).policy
 
-    results = []
-    for size in sizes:
-        nft_delete_table(DIRECT_TABLE)
-        t0 = time.perf_counter()
-        inproc(header_script(cfg, delete_existing=False))
-        chunk = 100
-        for lo in range(0, size, chunk):
-            parts = []
-            for i in range(lo, min(size, lo + chunk)):
-                s = subj(i)
-                parts.append(deny_first_script(cfg, s))
-                parts.append(policy_script(cfg, s.nft_id, pol(i, 0)))
-            inproc("".join(parts))
-        build_s = time.perf_counter() - t0
-        log(f"direct: table with {size} subjects built in {build_s:.2f}s; {reps} reps per method")
+    def elements(set_name: str) -> str:
+        p = _run(["nft", "list", "set", "inet", DIRECT_TABLE, set_name])
+        m = re.search(r"elements = \{([^}]*)\}", p.stdout)
+        return " ".join(m.group(1).split()) if m else ""
 
-        variant = 1
-        timings: dict[str, dict[str, list[float]]] = {
-            "policy_swap": {"inproc": [], "exec": []},
-            "deny_first": {"inproc": [], "exec": []},
-        }
-        # Warm-up (not recorded): one of each.
-        inproc(policy_script(cfg, subj(0).nft_id, pol(0, 999)))
-        execd(policy_script(cfg, subj(0).nft_id, pol(0, 998)))
-        for r in range(reps):
-            a, b = r % size, (r + size // 2) % size
-            sa = policy_script(cfg, subj(a).nft_id, pol(a, variant))
-            sb = policy_script(cfg, subj(b).nft_id, pol(b, variant + 1))
-            variant += 2
-            # alternate the order so drift does not favour one method
-            if r % 2 == 0:
-                timings["policy_swap"]["inproc"].append(inproc(sa))
-                timings["policy_swap"]["exec"].append(execd(sb))
-            else:
-                timings["policy_swap"]["exec"].append(execd(sb))
-                timings["policy_swap"]["inproc"].append(inproc(sa))
-        for r in range(reps):
-            a, b = r % size, (r + size // 2) % size
-            da, db = deny_first_script(cfg, subj(a)), deny_first_script(cfg, subj(b))
-            if r % 2 == 0:
-                timings["deny_first"]["inproc"].append(inproc(da))
-                timings["deny_first"]["exec"].append(execd(db))
-            else:
-                timings["deny_first"]["exec"].append(execd(db))
-                timings["deny_first"]["inproc"].append(inproc(da))
-        row: dict[str, Any] = {"size": size, "build_s": build_s}
-        for txn, by in timings.items():
-            ip_s, ex_s = summary_ms(by["inproc"]), summary_ms(by["exec"])
-            row[txn] = {"inproc": ip_s, "exec": ex_s, "speedup_p50": ex_s["p50_ms"] / ip_s["p50_ms"]}
-        results.append(row)
-        log(
-            f"  size {size}: policy swap in-process p50 {row['policy_swap']['inproc']['p50_ms']:.2f} ms vs exec "
-            f"{row['policy_swap']['exec']['p50_ms']:.2f} ms; deny-first "
-            f"{row['deny_first']['inproc']['p50_ms']:.2f} vs {row['deny_first']['exec']['p50_ms']:.2f} ms"
-        )
-        nft_delete_table(DIRECT_TABLE)
+    results = []
+    nl = _Netlink()  # created inside the netns: bound to it
+    try:
+
+        def netlink(batch: NetlinkBatch) -> float:
+            t0 = time.perf_counter()
+            try:
+                nl.run(batch)
+            except NftError as exc:
+                raise BenchError(f"netlink: {exc}\n--- batch ---\n{batch.describe()[:600]}") from None
+            return time.perf_counter() - t0
+
+        fresh_seq = 0
+        for size in sizes:
+            nft_delete_table(DIRECT_TABLE)
+            t0 = time.perf_counter()
+            libnft(header_script(cfg, delete_existing=False))
+            for lo in range(0, size, BUILD_CHUNK):
+                ids = range(lo, min(size, lo + BUILD_CHUNK))
+                libnft("".join(subject_objects_script(cfg, subj(i)) for i in ids))
+                batch = NetlinkBatch(DIRECT_TABLE)
+                for i in ids:
+                    batch = (
+                        batch
+                        + subject_rules(cfg, subj(i).nft_id)
+                        + policy_swap(DIRECT_TABLE, subj(i).nft_id, pol(i, 0))
+                    )
+                netlink(batch)
+            build_s = time.perf_counter() - t0
+            log(f"direct: table with {size} subjects built in {build_s:.2f}s; {reps} reps per method and txn")
+
+            times: dict[str, dict[str, list[float]]] = {
+                t: {m: [] for m in DIRECT_METHODS} for t in DIRECT_TXNS
+            }
+            split: dict[str, list[float]] = {"script": [], "rules": []}
+
+            # -- policy swap: a changed policy for an existing active subject (§8.3).
+            variant = 1
+
+            def swap(method: str, i: int) -> float:
+                nonlocal variant
+                variant += 1
+                batch = policy_swap(DIRECT_TABLE, subj(i).nft_id, pol(i, variant))
+                if method == "netlink":
+                    return netlink(batch)
+                if method == "libnft":
+                    return libnft(batch.describe())
+                return execd(batch.describe())
+
+            for k, m in enumerate(DIRECT_METHODS):  # warm-up, not recorded
+                swap(m, k % size)
+            # Sanity check: each method really swapped the set contents.
+            for k, m in enumerate(DIRECT_METHODS):
+                i = (k + 1) % size
+                swap(m, i)
+                want = f"198.51.{variant % 250}.0/24"
+                got = elements(f"subj_{subj(i).nft_id}_allow_v4")
+                if want not in got:
+                    raise BenchError(f"{m} policy swap not applied: want {want} in allow_v4, got {got!r}")
+            # Subjects spread over the whole table: the kernel finds a set by name with a linear
+            # walk of the table's set list, so a subject added late costs more than an early one.
+            for r in range(reps):
+                for k in _permutations3(r):
+                    m = DIRECT_METHODS[k]
+                    times["policy_swap"][m].append(swap(m, (r * 3 + k) * size // (3 * reps)))
+
+            # -- subject creation: declarations + the fixed rules, each time on a fresh subject id.
+            def create(method: str) -> tuple[SubjectNft, float, tuple[float, float] | None]:
+                nonlocal fresh_seq
+                s = SubjectNft(
+                    nft_id(subject_for_uid(f"new-{fresh_seq}")),
+                    ipaddress.ip_address(FRESH_BASE + fresh_seq),
+                    gateway,
+                )
+                fresh_seq += 1
+                script, rules = subject_objects_script(cfg, s), subject_rules(cfg, s.nft_id)
+                if method == "netlink":
+                    a = libnft(script)
+                    b = netlink(rules)
+                    return s, a + b, (a, b)
+                if method == "libnft":
+                    return s, libnft(script + rules.describe()), None
+                return s, execd(script + rules.describe()), None
+
+            def drop(created: list[SubjectNft]) -> None:
+                """Remove this round's fresh subjects (untimed), so the table stays at ``size``."""
+                batch = NetlinkBatch(DIRECT_TABLE)
+                for s in created:
+                    batch = batch + removal_batch(cfg, s.nft_id, s.ip, release_gateway=None)
+                netlink(batch)
+                time.sleep(0.01)  # let the kernel's deferred cleanup of the deleted objects run
+
+            drop([create(m)[0] for m in DIRECT_METHODS])  # warm-up
+            for r in range(reps):
+                created = []
+                for k in _permutations3(r):
+                    m = DIRECT_METHODS[k]
+                    s, dt, parts = create(m)
+                    created.append(s)
+                    times["create"][m].append(dt)
+                    if parts is not None:
+                        split["script"].append(parts[0])
+                        split["rules"].append(parts[1])
+                drop(created)
+
+            row: dict[str, Any] = {"size": size, "build_s": build_s}
+            for txn, by in times.items():
+                summ = {m: summary_ms(v) for m, v in by.items()}
+                ex = summ["exec"]["p50_ms"]
+                row[txn] = {
+                    **summ,
+                    "speedup_netlink_p50": ex / summ["netlink"]["p50_ms"],
+                    "speedup_libnft_p50": ex / summ["libnft"]["p50_ms"],
+                }
+            row["create"]["netlink_split"] = {k: summary_ms(v) for k, v in split.items()}
+            results.append(row)
+            for txn in DIRECT_TXNS:
+                x = row[txn]
+                log(
+                    f"  size {size} {txn}: p50 netlink {x['netlink']['p50_ms']:.2f} ms, libnft "
+                    f"{x['libnft']['p50_ms']:.2f} ms, exec {x['exec']['p50_ms']:.2f} ms"
+                )
+            nft_delete_table(DIRECT_TABLE)
+    finally:
+        nl.close()
     return results
 
 
@@ -790,6 +903,7 @@ def outer_main(args: argparse.Namespace) -> int:
     under = [s for s in sizes if s <= T_UPDATES_AT]
     prm["updates_at"] = T_UPDATES_AT if T_UPDATES_AT in sizes else (max(under) if under else min(sizes))
 
+    prm["no_conntrack"] = bool(args.no_conntrack)
     prm["loadavg_start"] = list(os.getloadavg())
     install_signal_handlers()
     workdir = Path(tempfile.mkdtemp(prefix="egbench-"))
@@ -893,20 +1007,24 @@ def build_report(
                     "note": "" if upd["size"] == T_UPDATES_AT else f"target size {T_UPDATES_AT} not run",
                 }
             )
-    for size in sorted(direct):
-        d = direct[size]
-        worst = min(d["policy_swap"]["speedup_p50"], d["deny_first"]["speedup_p50"])
-        targets.append(
-            {
-                "name": f"in-process vs nft -f - at {size} subjects (p50, worse of the two txns)",
-                "value": worst,
-                "unit": "x",
-                "target": f">= {T_INPROC_SPEEDUP:.0f}x",
-                "met": worst >= T_INPROC_SPEEDUP,
-                "note": f"policy swap {d['policy_swap']['speedup_p50']:.1f}x, "
-                f"deny-first {d['deny_first']['speedup_p50']:.1f}x",
-            }
-        )
+    for method, label in (
+        ("netlink", "daemon path: netlink"),
+        ("libnft", "libnftables text, for comparison"),
+    ):
+        for size in sorted(direct):
+            d = direct[size]
+            per = {txn: d[txn][f"speedup_{method}_p50"] for txn in DIRECT_TXNS}
+            worst = min(per.values())
+            targets.append(
+                {
+                    "name": f"in-process ({label}) vs nft -f - at {size} subjects (p50, worse txn)",
+                    "value": worst,
+                    "unit": "x",
+                    "target": f">= {T_INPROC_SPEEDUP:.0f}x",
+                    "met": worst >= T_INPROC_SPEEDUP,
+                    "note": f"policy swap {per['policy_swap']:.1f}x, subject creation {per['create']:.1f}x",
+                }
+            )
 
     nft_v = _run(["nft", "--version"]).stdout.strip()
     return {
@@ -947,6 +1065,11 @@ def render_report(rep: dict[str, Any]) -> str:
         f"Python {m['python']}{', QUICK' if m['quick'] else ''})",
         f"samples per size {m['params']['samples']} (+{m['params']['warmup']} warm-up); "
         f"percentiles: {m['percentiles']}",
+        *(
+            ["DIAGNOSTIC: egressd ran without conntrack on its PATH (no flow cutting on removal)"]
+            if m["params"].get("no_conntrack")
+            else []
+        ),
         "load average (1/5/15 min) at start "
         + "/".join(f"{x:.2f}" for x in m["loadavg_start"] or [])
         + ", at end "
@@ -955,15 +1078,18 @@ def render_report(rep: dict[str, Any]) -> str:
         "",
         "(a)/(b) one NEW subject per sample via the daemon (HTTP keep-alive, inside the netns); ms",
         f"{'subjects':>8} | {'SET_BINDING':>17} | {'data-plane-ready':>17} | {'REMOVE_BINDING':>17} |"
-        f" {'no-op action':>8} | server nft mean ms",
+        f" {'no-op action':>8} | server nft ms per action (transactions)",
         f"{'':>8} | {'p50':>8} {'p99':>8} | {'p50':>8} {'p99':>8} | {'p50':>8} {'p99':>8} | {'p50':>8} |"
         " deny_first / static_apply / remove",
     ]
     for r in rep["lifecycle"]:
         sn = r["server_nft"]
+        n_act = r["set_binding"]["n"]
 
-        def mean(op: str, sn: dict[str, Any] = sn) -> str:
-            return f"{sn[op]['mean_ms']:.2f}" if op in sn else "-"
+        def mean(op: str, sn: dict[str, Any] = sn, n_act: int = n_act) -> str:
+            if op not in sn or not n_act:
+                return "-"
+            return f"{sn[op]['sum_ms'] / n_act:.2f} ({sn[op]['count'] / n_act:g})"
 
         lines.append(
             f"{r['size']:>8} | {_pp(r['set_binding'])} | {_pp(r['activate'])} | {_pp(r['remove'])} |"
@@ -998,18 +1124,37 @@ def render_report(rep: dict[str, Any]) -> str:
                 f"   server nft static_apply mean {nft:.2f} ms"
             )
     lines.append("")
-    lines.append("(d) same transaction, libnftables in-process (context reused) vs one `nft -f -` exec; ms")
     lines.append(
-        f"{'subjects':>8} | {'txn':<12} | {'in-process':>17} | {'nft -f -':>17} | speedup p50 | table build"
+        "(d) the same transaction three ways, no daemon; ms. netlink = egressd's applier (pyroute2; creation:"
     )
-    lines.append(f"{'':>8} | {'':<12} | {'p50':>8} {'p99':>8} | {'p50':>8} {'p99':>8} |")
+    lines.append(
+        "    libnftables declarations + netlink rules), libnft = libnftables in-process with the same change"
+    )
+    lines.append("    as nft text, exec = one `nft -f -` with that text")
+    lines.append(
+        f"{'subjects':>8} | {'txn':<11} | {'netlink':>17} | {'libnft text':>17} | {'nft -f -':>17} |"
+        f" exec/netlink | exec/libnft | table build"
+    )
+    lines.append(
+        f"{'':>8} | {'':<11} | {'p50':>8} {'p99':>8} | {'p50':>8} {'p99':>8} | {'p50':>8} {'p99':>8} |"
+        f" {'p50':>12} | {'p50':>11} |"
+    )
     for d in rep["direct"]:
-        for txn in ("policy_swap", "deny_first"):
+        for txn in DIRECT_TXNS:
             t = d[txn]
             lines.append(
-                f"{d['size']:>8} | {txn:<12} | {_pp(t['inproc'])} | {_pp(t['exec'])} | {t['speedup_p50']:10.1f}x |"
+                f"{d['size']:>8} | {txn:<11} | {_pp(t['netlink'])} | {_pp(t['libnft'])} | {_pp(t['exec'])} |"
+                f" {t['speedup_netlink_p50']:11.1f}x | {t['speedup_libnft_p50']:10.1f}x |"
                 + (f" {d['build_s']:.2f}s" if txn == "policy_swap" else "")
             )
+    lines.append(
+        "    creation via netlink, split p50: "
+        + "; ".join(
+            f"{d['size']}: declarations (libnftables) {d['create']['netlink_split']['script']['p50_ms']:.2f}"
+            f" + rules (netlink) {d['create']['netlink_split']['rules']['p50_ms']:.2f} ms"
+            for d in rep["direct"]
+        )
+    )
     fl = rep.get("exec_floors") or {}
     if fl:
         lines.append(
@@ -1046,6 +1191,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sizes", default="10,100,1000", help="background subject counts (default 10,100,1000)")
     p.add_argument("--quick", action="store_true", help="sizes 10,50 and fewer samples (CI, < 60 s)")
     p.add_argument("--samples", type=int, default=0, help="override samples per size")
+    p.add_argument(
+        "--no-conntrack",
+        action="store_true",
+        help="diagnostic: start egressd with conntrack off its PATH (removal without the conntrack exec)",
+    )
     p.add_argument("--json-out", help="also write the results as JSON here")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ns", help=argparse.SUPPRESS)
