@@ -130,6 +130,7 @@ class ControlPlane:
         self._locks = _SubjectLocks()
         self._kernel_lock = asyncio.Lock()
         self._conntrack_flush = conntrack_flush
+        self._background: set[asyncio.Task[None]] = set()
         self._claims_ip: dict[IPAddress, str] = {}
         self._claims_nft: dict[str, str] = {}
         self._effective: dict[str, tuple[NetworkPolicy, AlwaysRules, NetworkPolicy]] = {}
@@ -368,7 +369,15 @@ class ControlPlane:
             except (NftError, _Refused) as exc:
                 raise StepFailed(step, str(exc)) from None
         # Outside the kernel lock: cutting flows is slow (a subprocess) and only narrows access.
-        await self._flush_conntrack(cut)
+        if isinstance(step, RemoveAll):
+            # The sandbox is going away and the kernel already refuses its new flows: its old
+            # flows are cut in the background instead of delaying the answer. A revert or a
+            # rebind waits, so its 200 means "no old flow survives".
+            task = asyncio.get_running_loop().create_task(self._flush_conntrack(cut))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        else:
+            await self._flush_conntrack(cut)
 
     async def _run_step(
         self, entry: Entry, step: Step, view: KernelView, save: Callable[[KernelView], None]

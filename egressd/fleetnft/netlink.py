@@ -1,0 +1,325 @@
+"""A small nf_tables netlink encoder for egressd's fixed set of batch operations.
+
+Why not pyroute2's generic encoder: profiling the daemon showed ~75% of every transaction in
+pyroute2's per-attribute Python machinery (about 3 ms for six rules) against 0.2 ms in the
+kernel. The messages egressd sends are few and fixed (two rule shapes, set elements, deletes),
+so they are built here with ``struct`` directly: encoding is pure and unit-tested against
+pyroute2's output, and :class:`NfTablesSocket` is the only I/O.
+
+Constants are the uapi values of ``linux/netlink.h``, ``linux/netfilter/nfnetlink.h`` and
+``linux/netfilter/nf_tables.h``.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import socket
+import struct
+from collections.abc import Iterable, Sequence
+
+from egressd.fleetnft.ops import (
+    ALLOW_MARK,
+    AddIntervals,
+    AddRule,
+    AddTimed,
+    DeleteChain,
+    DeleteElement,
+    DeleteSet,
+    FlushSet,
+    IPNetwork,
+    MatchRule,
+    NetlinkBatch,
+    Op,
+    Outcome,
+    Rule,
+)
+from egressd.subject.model import IPAddress
+
+NETLINK_NETFILTER = 12
+NLM_F_REQUEST = 0x1
+NLM_F_ACK = 0x4
+NLM_F_EXCL = 0x200
+NLM_F_CREATE = 0x400
+NLM_F_APPEND = 0x800
+NLMSG_ERROR = 0x2
+NLA_F_NESTED = 0x8000
+
+NFNL_SUBSYS_NFTABLES = 10
+NFNL_MSG_BATCH_BEGIN = 0x10
+NFNL_MSG_BATCH_END = 0x11
+NFPROTO_INET = 1
+
+NFT_MSG_DELCHAIN = 5
+NFT_MSG_NEWRULE = 6
+NFT_MSG_DELSET = 11
+NFT_MSG_NEWSETELEM = 12
+NFT_MSG_DELSETELEM = 14
+
+NFTA_LIST_ELEM = 1
+NFTA_CHAIN_TABLE, NFTA_CHAIN_NAME = 1, 3
+NFTA_RULE_TABLE, NFTA_RULE_CHAIN, NFTA_RULE_EXPRESSIONS = 1, 2, 4
+NFTA_SET_TABLE, NFTA_SET_NAME = 1, 2
+NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_LIST_SET, NFTA_SET_ELEM_LIST_ELEMENTS = 1, 2, 3
+NFTA_SET_ELEM_KEY, NFTA_SET_ELEM_FLAGS, NFTA_SET_ELEM_TIMEOUT, NFTA_SET_ELEM_EXPIRATION = 1, 3, 4, 5
+NFT_SET_ELEM_INTERVAL_END = 0x1
+NFTA_EXPR_NAME, NFTA_EXPR_DATA = 1, 2
+NFTA_DATA_VALUE, NFTA_DATA_VERDICT = 1, 2
+NFTA_VERDICT_CODE = 1
+NFTA_META_DREG, NFTA_META_KEY, NFTA_META_SREG = 1, 2, 3
+NFTA_CMP_SREG, NFTA_CMP_OP, NFTA_CMP_DATA = 1, 2, 3
+NFTA_PAYLOAD_DREG, NFTA_PAYLOAD_BASE, NFTA_PAYLOAD_OFFSET, NFTA_PAYLOAD_LEN = 1, 2, 3, 4
+NFTA_LOOKUP_SET, NFTA_LOOKUP_SREG = 1, 2
+NFTA_IMMEDIATE_DREG, NFTA_IMMEDIATE_DATA = 1, 2
+NFTA_CT_DREG, NFTA_CT_KEY, NFTA_CT_DIRECTION = 1, 2, 3
+
+NFT_REG_VERDICT, NFT_REG_1 = 0, 1
+NFT_META_MARK, NFT_META_NFPROTO = 3, 15
+NFT_CT_DST_IP, NFT_CT_DST_IP6 = 0x14, 0x16
+NFT_PAYLOAD_NETWORK_HEADER = 1
+NFT_CMP_EQ = 0
+NF_DROP, NF_ACCEPT = 0, 1
+NFPROTO_IPV4, NFPROTO_IPV6 = 2, 10
+
+_VERDICT = {Outcome.DROP: NF_DROP, Outcome.ACCEPT: NF_ACCEPT}
+
+
+class NetlinkError(RuntimeError):
+    """The kernel refused the batch (nothing of it was applied)."""
+
+    def __init__(self, code: int, op: str) -> None:
+        self.code = code
+        self.op = op
+        super().__init__(f"{os.strerror(code)} ({errno.errorcode.get(code, code)}) at: {op}")
+
+
+# ---- attribute encoding (pure) -------------------------------------------------------------
+
+
+def _attr(kind: int, payload: bytes) -> bytes:
+    length = 4 + len(payload)
+    return struct.pack("=HH", length, kind) + payload + b"\0" * (-length % 4)
+
+
+def _nest(kind: int, *children: bytes) -> bytes:
+    return _attr(kind | NLA_F_NESTED, b"".join(children))
+
+
+def _u32(kind: int, value: int) -> bytes:
+    return _attr(kind, struct.pack(">I", value))
+
+
+def _u64(kind: int, value: int) -> bytes:
+    return _attr(kind, struct.pack(">Q", value))
+
+
+def _str(kind: int, value: str) -> bytes:
+    return _attr(kind, value.encode() + b"\0")
+
+
+def _data_value(kind: int, value: bytes) -> bytes:
+    return _nest(kind, _attr(NFTA_DATA_VALUE, value))
+
+
+def _expr(name: str, *attrs: bytes) -> bytes:
+    return _nest(NFTA_LIST_ELEM, _str(NFTA_EXPR_NAME, name), _nest(NFTA_EXPR_DATA, *attrs))
+
+
+def _verdict(outcome: Outcome) -> bytes:
+    verdict = _nest(NFTA_DATA_VERDICT, _attr(NFTA_VERDICT_CODE, struct.pack(">i", _VERDICT[outcome])))
+    return _expr("immediate", _u32(NFTA_IMMEDIATE_DREG, NFT_REG_VERDICT), _nest(NFTA_IMMEDIATE_DATA, verdict))
+
+
+def rule_expressions(rule: Rule) -> bytes:
+    """The NFTA_RULE_EXPRESSIONS list: exactly what nft 1.0.6 generates for our two shapes."""
+    if not isinstance(rule, MatchRule):
+        return _verdict(rule.outcome)
+    parts: list[bytes] = []
+    if rule.ct_original:
+        key = NFT_CT_DST_IP if rule.fam == "v4" else NFT_CT_DST_IP6
+        parts.append(
+            _expr(
+                "ct", _u32(NFTA_CT_DREG, NFT_REG_1), _u32(NFTA_CT_KEY, key), _attr(NFTA_CT_DIRECTION, b"\0")
+            )
+        )
+    else:
+        proto = NFPROTO_IPV4 if rule.fam == "v4" else NFPROTO_IPV6
+        offset, length = (16, 4) if rule.fam == "v4" else (24, 16)
+        parts.append(_expr("meta", _u32(NFTA_META_DREG, NFT_REG_1), _u32(NFTA_META_KEY, NFT_META_NFPROTO)))
+        parts.append(
+            _expr(
+                "cmp",
+                _u32(NFTA_CMP_SREG, NFT_REG_1),
+                _u32(NFTA_CMP_OP, NFT_CMP_EQ),
+                _data_value(NFTA_CMP_DATA, bytes([proto])),
+            )
+        )
+        parts.append(
+            _expr(
+                "payload",
+                _u32(NFTA_PAYLOAD_DREG, NFT_REG_1),
+                _u32(NFTA_PAYLOAD_BASE, NFT_PAYLOAD_NETWORK_HEADER),
+                _u32(NFTA_PAYLOAD_OFFSET, offset),
+                _u32(NFTA_PAYLOAD_LEN, length),
+            )
+        )
+    parts.append(_expr("lookup", _str(NFTA_LOOKUP_SET, rule.set_name), _u32(NFTA_LOOKUP_SREG, NFT_REG_1)))
+    if rule.outcome is Outcome.MARK:
+        # meta mark is a host-endian u32 register value.
+        parts.append(
+            _expr(
+                "immediate",
+                _u32(NFTA_IMMEDIATE_DREG, NFT_REG_1),
+                _data_value(NFTA_IMMEDIATE_DATA, struct.pack("=I", ALLOW_MARK)),
+            )
+        )
+        parts.append(_expr("meta", _u32(NFTA_META_KEY, NFT_META_MARK), _u32(NFTA_META_SREG, NFT_REG_1)))
+    else:
+        parts.append(_verdict(rule.outcome))
+    return b"".join(parts)
+
+
+def _key(value: IPAddress | int, fam: str) -> bytes:
+    return _data_value(NFTA_SET_ELEM_KEY, int(value).to_bytes(4 if fam == "v4" else 16, "big"))
+
+
+def interval_keys(nets: Sequence[IPNetwork], fam: str) -> list[tuple[int, bool]]:
+    """(key, is_end) pairs as nft 1.0.6 sends an interval set: a zero end-marker when the first
+    range does not start at 0, then start / end+1 pairs (no end when a range reaches the top)."""
+    bits = 32 if fam == "v4" else 128
+    ordered = sorted(nets, key=lambda n: int(n.network_address))
+    keys: list[tuple[int, bool]] = []
+    if ordered and int(ordered[0].network_address) != 0:
+        keys.append((0, True))
+    for net in ordered:
+        keys.append((int(net.network_address), False))
+        end = int(net.broadcast_address) + 1
+        if end < 1 << bits:
+            keys.append((end, True))
+    return keys
+
+
+def _elements(items: Iterable[bytes]) -> bytes:
+    # Element nests are numbered 1..n, as libnftnl (and so nft) sends them.
+    return _nest(NFTA_SET_ELEM_LIST_ELEMENTS, *(_nest(n, i) for n, i in enumerate(items, 1)))
+
+
+def _elem_list(table: str, name: str, elements: bytes | None) -> bytes:
+    body = _str(NFTA_SET_ELEM_LIST_TABLE, table) + _str(NFTA_SET_ELEM_LIST_SET, name)
+    return body + elements if elements is not None else body
+
+
+def encode_op(table: str, op: Op) -> tuple[int, int, bytes]:
+    """(nf_tables message type, extra nlmsg flags, attributes) of one operation."""
+    if isinstance(op, AddRule):
+        body = (
+            _str(NFTA_RULE_TABLE, table)
+            + _str(NFTA_RULE_CHAIN, op.chain)
+            + _nest(NFTA_RULE_EXPRESSIONS, rule_expressions(op.rule))
+        )
+        return NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, body
+    if isinstance(op, FlushSet):
+        return NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, None)  # no element list = flush
+    if isinstance(op, AddIntervals):
+        elems = []
+        for key, is_end in interval_keys(op.nets, op.fam):
+            e = _key(key, op.fam)
+            if is_end:
+                e += _u32(NFTA_SET_ELEM_FLAGS, NFT_SET_ELEM_INTERVAL_END)
+            elems.append(e)
+        return NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.name, _elements(elems))
+    if isinstance(op, AddTimed):
+        elems = [
+            _key(ip, op.fam)
+            + _u64(NFTA_SET_ELEM_TIMEOUT, sec * 1000)
+            + _u64(NFTA_SET_ELEM_EXPIRATION, sec * 1000)
+            for ip, sec in op.leases
+        ]
+        return NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.name, _elements(elems))
+    if isinstance(op, DeleteElement):
+        fam = "v4" if op.key.version == 4 else "v6"
+        return NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, _elements([_key(op.key, fam)]))
+    if isinstance(op, DeleteChain):
+        return NFT_MSG_DELCHAIN, 0, _str(NFTA_CHAIN_TABLE, table) + _str(NFTA_CHAIN_NAME, op.name)
+    assert isinstance(op, DeleteSet)
+    return NFT_MSG_DELSET, 0, _str(NFTA_SET_TABLE, table) + _str(NFTA_SET_NAME, op.name)
+
+
+def _nlmsg(msg_type: int, flags: int, seq: int, family: int, res_id: int, body: bytes) -> bytes:
+    payload = struct.pack("=BB", family, 0) + struct.pack(">H", res_id) + body
+    return struct.pack("=IHHII", 16 + len(payload), msg_type, flags, seq, 0) + payload
+
+
+def encode_batch(batch: NetlinkBatch, first_seq: int) -> tuple[bytes, dict[int, Op]]:
+    """One nfnetlink batch (begin, the operations, end) and the seq of each operation."""
+    seq = itertools.count(first_seq)
+    parts = [_nlmsg(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, next(seq), 0, NFNL_SUBSYS_NFTABLES, b"")]
+    by_seq: dict[int, Op] = {}
+    for op in batch.ops:
+        msg_type, extra, body = encode_op(batch.table, op)
+        s = next(seq)
+        by_seq[s] = op
+        parts.append(
+            _nlmsg(
+                (NFNL_SUBSYS_NFTABLES << 8) | msg_type,
+                NLM_F_REQUEST | NLM_F_ACK | extra,
+                s,
+                NFPROTO_INET,
+                0,
+                body,
+            )
+        )
+    parts.append(_nlmsg(NFNL_MSG_BATCH_END, NLM_F_REQUEST, next(seq), 0, NFNL_SUBSYS_NFTABLES, b""))
+    return b"".join(parts), by_seq
+
+
+# ---- the socket (shell) --------------------------------------------------------------------
+
+
+class NfTablesSocket:
+    """A NETLINK_NETFILTER socket applying batches; one per kernel thread, bound to its netns."""
+
+    def __init__(self, timeout: float = 5.0) -> None:
+        self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        self._sock.bind((0, 0))
+        self._sock.settimeout(timeout)
+        self._seq = 1
+
+    def run(self, batch: NetlinkBatch) -> None:
+        if not batch.ops:
+            return
+        first = self._seq
+        data, by_seq = encode_batch(batch, first)
+        self._seq += len(batch.ops) + 2
+        self._sock.sendall(data)
+        pending = set(by_seq)
+        failure: NetlinkError | None = None
+        # One ACK or error per operation (every operation carries NLM_F_ACK). An error on the
+        # batch framing itself (e.g. EPERM) ends the wait at once.
+        while pending:
+            try:
+                buf = self._sock.recv(1 << 16)
+            except TimeoutError:
+                raise NetlinkError(errno.ETIMEDOUT, "waiting for the kernel's answer") from None
+            off = 0
+            while off + 20 <= len(buf):
+                length, msg_type, _flags, seq, _pid = struct.unpack_from("=IHHII", buf, off)
+                if length < 16:
+                    break
+                if msg_type == NLMSG_ERROR:
+                    (code,) = struct.unpack_from("=i", buf, off + 16)
+                    if seq in pending:
+                        pending.discard(seq)
+                        if code != 0 and failure is None:
+                            where = NetlinkBatch(batch.table, (by_seq[seq],)).describe().strip()
+                            failure = NetlinkError(-code, where)
+                    elif code != 0 and first <= seq < self._seq:
+                        raise NetlinkError(-code, "batch")
+                off += (length + 3) & ~3
+        if failure is not None:
+            raise failure
+
+    def close(self) -> None:
+        self._sock.close()
