@@ -330,3 +330,35 @@ def test_in_place_updates_have_no_transient_window(topo: Topology, daemon: Daemo
     assert "WRONG" not in out, out
     ok = int(out.split("DONE")[1].split()[0])
     assert ok > 10, out
+
+
+def test_revert_cuts_established_flows(topo: Topology, daemon: Daemon) -> None:
+    bind(daemon, 1, allow_ips(UP_A))
+    activate(daemon, "sb1")
+    # One keep-alive connection, used every 0.2 s; it prints whether each request got through.
+    holder = topo.spawn(
+        topo.sb(1),
+        "python3",
+        "-c",
+        (
+            "import socket,time\n"
+            f"s=socket.create_connection(('{UP_A}',80),timeout=1)\n"
+            "print('up',flush=True)\n"
+            "end=time.time()+4\n"
+            "while time.time()<end:\n"
+            "  try:\n"
+            "    s.sendall(b'GET /keep HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n'); d=s.recv(65536)\n"
+            "    print('ok' if d else 'dead',flush=True)\n"
+            "  except OSError:\n"
+            "    print('dead',flush=True)\n"
+            "  time.sleep(0.2)\n"
+        ),
+        ready_line="up",
+    )
+    time.sleep(1.0)
+    code, _ = daemon.post(envelope("SET_BINDING", "sb1", ip=topo.sb_ip(1), policy=None))
+    assert code == 200
+    out, _ = holder.communicate(timeout=15)
+    results = out.split()
+    assert "ok" in results, out
+    assert results[-1] == "dead", "the established flow survived the revert: " + out
