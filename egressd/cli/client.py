@@ -101,6 +101,11 @@ class Response:
     def ok(self) -> bool:
         return self.status == 200
 
+    @property
+    def success(self) -> bool:
+        """Any 2xx (vault answers use 201, 202 and 204 as well as 200)."""
+        return 200 <= self.status < 300
+
     def text(self) -> str:
         return self.body.decode("utf-8", errors="replace")
 

@@ -6,14 +6,17 @@ Commands (global options ``--addr``, ``--json``, ``--timeout`` go before or afte
     egressctl subjects
     egressctl send set-binding --uid U --ip IP [--gateway GW] [--host-veth V]
                                [--runtime-instance-id R] [--attachment-id A] [--spec-generation N]
-                               [--policy JSON | --policy-file PATH|- | --null]
+                               [--policy JSON | --policy-file PATH|- | --input-file PATH|- | --null]
     egressctl send hook {runtime-ready|data-plane-ready|sandbox.*} --uid U [--runtime-instance-id R]
                         [--attachment-id A]
     egressctl send remove --uid U [--runtime-instance-id R] [--attachment-id A]
     egressctl send raw --file PATH|-
+    egressctl vault seal --uid U --policy-file P [--vault-file V --key-file K [--kid KID]] [--out FILE]
+    egressctl vault put|post|patch --uid U [--path SUB] --file BODY.json|- [--generation N] [--suffix-only]
+    egressctl vault get|delete --uid U [--path SUB] [--generation N] [--suffix-only]
 
-Exit codes: 0 success; 1 the daemon answered but not with success (non-200 action, not ready,
-unexpected reply); 2 connection errors and bad local input. Every failure is one line
+Exit codes: 0 success; 1 the daemon answered but not with success (non-200 action, non-2xx vault
+answer, not ready, unexpected reply); 2 connection errors and bad local input. Every failure is one line
 ``egressctl: <reason>`` on stderr, never a traceback.
 
 Extension point: the command tree is declarative. Each :class:`Command` names its arguments
@@ -55,6 +58,16 @@ from egressd.cli.envelopes import (
     hook_envelope,
     parse_ip,
     remove_envelope,
+)
+from egressd.cli.vault import (
+    PATH_CHOICES,
+    VAULT_METHODS,
+    kid_from_key_file,
+    parse_json_file,
+    parse_key_file,
+    sealed_binding_input,
+    vault_headers,
+    vault_path,
 )
 
 __all__ = ["COMMANDS", "Command", "Context", "build_parser", "main", "register"]
@@ -229,6 +242,15 @@ def _read_input(path: str, *, what: str) -> bytes:
         raise CliError(f"{what}: cannot read {name}: {exc.strerror or exc}") from None
 
 
+def _read_utf8(path: str, *, what: str) -> str:
+    raw = _read_input(path, what=what)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        name = "stdin" if path == "-" else path
+        raise CliError(f"{what}: {name} is not valid UTF-8") from None
+
+
 def _expect_ok(resp: Response, method: str, path: str) -> None:
     if resp.status != 200:
         raise CliError(f"{method} {path}: {resp.summary()}", EXIT_FAILURE)
@@ -389,6 +411,11 @@ def _configure_set_binding(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--policy", metavar="JSON", help="binding.input string, sent verbatim")
     source.add_argument("--policy-file", metavar="PATH", help="read binding.input from PATH ('-' = stdin)")
     source.add_argument(
+        "--input-file",
+        metavar="PATH",
+        help="read binding.input from PATH ('-' = stdin), e.g. a wrapper written by 'vault seal --out'",
+    )
+    source.add_argument(
         "--null", action="store_true", help="send binding.input null (binding removed; --ip optional)"
     )
 
@@ -408,14 +435,14 @@ def cmd_send_set_binding(ctx: Context, args: argparse.Namespace) -> int:
     elif args.policy is not None:
         binding_input = args.policy
     elif args.policy_file is not None:
-        raw = _read_input(args.policy_file, what="--policy-file")
-        try:
-            binding_input = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            name = "stdin" if args.policy_file == "-" else args.policy_file
-            raise CliError(f"--policy-file: {name} is not valid UTF-8") from None
+        binding_input = _read_utf8(args.policy_file, what="--policy-file")
+    elif args.input_file is not None:
+        binding_input = _read_utf8(args.input_file, what="--input-file")
     else:
-        ctx.note(f"no --policy, --policy-file or --null given; sending the deny-all policy {DENY_ALL_POLICY}")
+        ctx.note(
+            "no --policy, --policy-file, --input-file or --null given; "
+            f"sending the deny-all policy {DENY_ALL_POLICY}"
+        )
         binding_input = DENY_ALL_POLICY
 
     doc = binding_envelope(
@@ -465,6 +492,142 @@ def cmd_send_raw(ctx: Context, args: argparse.Namespace) -> int:
     return _post_action(ctx, _read_input(args.file, what="--file"))
 
 
+# --------------------------------------------------------------------------- vault
+
+
+def _configure_vault_seal(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--uid", required=True, help="sandbox UID the vault is sealed to (the AEAD's AAD)")
+    parser.add_argument(
+        "--policy-file", required=True, metavar="PATH", help="network policy JSON (§5) ('-' = stdin)"
+    )
+    parser.add_argument(
+        "--vault-file",
+        metavar="PATH",
+        help="vault plaintext JSON, the create shape (§6) ('-' = stdin); without it no vault is sealed",
+    )
+    parser.add_argument(
+        "--key-file",
+        metavar="PATH",
+        help="32 raw bytes or base64 of 32 bytes, as in EGRESSD_VAULT_KEYS_DIR (required with --vault-file)",
+    )
+    parser.add_argument(
+        "--kid", help="key id written into the vault object (default: <kid> of a key file named <kid>.key)"
+    )
+    parser.add_argument(
+        "--out",
+        metavar="FILE",
+        help="write the binding input to FILE (no trailing newline) instead of stdout",
+    )
+
+
+def cmd_vault_seal(ctx: Context, args: argparse.Namespace) -> int:
+    files = {"--policy-file": args.policy_file, "--vault-file": args.vault_file, "--key-file": args.key_file}
+    stdin_users = [flag for flag, path in files.items() if path == "-"]
+    if len(stdin_users) > 1:
+        raise CliError(f"vault seal: only one of {', '.join(stdin_users)} can read stdin")
+    if args.vault_file is not None and args.key_file is None:
+        raise CliError("vault seal: --key-file is required with --vault-file")
+
+    policy = parse_json_file(_read_input(args.policy_file, what="--policy-file"), what="--policy-file")
+    plaintext: bytes | None = None
+    key: bytes | None = None
+    kid: str | None = args.kid
+    if args.vault_file is not None:
+        value = parse_json_file(_read_input(args.vault_file, what="--vault-file"), what="--vault-file")
+        # Sealed in a canonical compact form: the same content always gives the same plaintext.
+        plaintext = json.dumps(value, separators=(",", ":")).encode("ascii")
+        key = parse_key_file(_read_input(args.key_file, what="--key-file"))
+        if kid is None:
+            kid = kid_from_key_file(args.key_file)
+        if kid is None:
+            raise CliError("vault seal: --kid is required (the key file is not named <kid>.key)")
+
+    text = sealed_binding_input(uid=args.uid, policy=policy, vault_plaintext=plaintext, kid=kid, key=key)
+    if args.out is not None and args.out != "-":
+        try:
+            Path(args.out).write_text(text, encoding="ascii")
+        except OSError as exc:
+            raise CliError(f"--out: cannot write {args.out}: {exc.strerror or exc}") from None
+        return EXIT_OK
+    if ctx.json_output:
+        ctx.emit_json({"input": text, "kid": kid if plaintext is not None else None})
+    else:
+        ctx.out(text)
+    return EXIT_OK
+
+
+def _configure_vault_request(parser: argparse.ArgumentParser, *, with_body: bool) -> None:
+    parser.add_argument(
+        "--uid", required=True, help="sandbox UID (path id, or X-Fast-Sandbox-Uid with --suffix-only)"
+    )
+    parser.add_argument(
+        "--path",
+        metavar="SUB",
+        help=f"sub-resource under /credential-vault: {PATH_CHOICES} (default: the vault itself)",
+    )
+    if with_body:
+        parser.add_argument(
+            "--file", required=True, metavar="BODY", help="request body, sent verbatim ('-' = stdin)"
+        )
+    parser.add_argument(
+        "--generation",
+        type=_non_negative_int,
+        metavar="N",
+        help="send X-Fast-Sandbox-Generation: N (pending pushes older than the registering specGeneration are dropped)",
+    )
+    parser.add_argument(
+        "--suffix-only",
+        action="store_true",
+        help="use the path suffix /credential-vault[...] and name the sandbox in X-Fast-Sandbox-Uid",
+    )
+
+
+def _vault_line(resp: Response) -> str:
+    detail = ""
+    if resp.body.strip():
+        payload = resp.payload()
+        detail = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return one_line(f"{resp.status} {detail or resp.reason or ('OK' if resp.success else 'error')}")
+
+
+def cmd_vault_request(ctx: Context, args: argparse.Namespace) -> int:
+    method = VAULT_METHODS[args.vault_method]
+    path = vault_path(args.uid, args.path, suffix_only=args.suffix_only)
+    headers = vault_headers(args.uid, args.generation, suffix_only=args.suffix_only)
+    file: str | None = getattr(args, "file", None)
+    body = _read_input(file, what="--file") if file is not None else None
+    resp = ctx.client.request(method, path, body, headers=headers)
+    if ctx.json_output:
+        ctx.emit_json({"code": resp.status, "body": resp.payload()})
+    elif method == "GET" and resp.success and resp.is_json() and resp.body.strip():
+        try:
+            ctx.out(json.dumps(json.loads(resp.body), indent=2, sort_keys=False))
+        except ValueError:
+            ctx.out(_vault_line(resp))
+    else:
+        ctx.out(_vault_line(resp))
+    return EXIT_OK if resp.success else EXIT_FAILURE
+
+
+def _vault_request_command(name: str, help_text: str, *, with_body: bool) -> Command:
+    def configure(parser: argparse.ArgumentParser) -> None:
+        _configure_vault_request(parser, with_body=with_body)
+        parser.set_defaults(vault_method=name)
+
+    return Command(
+        name,
+        help_text,
+        run=cmd_vault_request,
+        configure=configure,
+        epilog=(
+            f"{VAULT_METHODS[name]} /v1/sandboxfleets/<uid>/egress/credential-vault[/SUB] "
+            "(or /credential-vault[/SUB] + X-Fast-Sandbox-Uid with --suffix-only).\n"
+            "Prints '<code> <body or reason>' (GET success: the JSON body, indented); "
+            "exit 0 on 2xx, 1 on any other status."
+        ),
+    )
+
+
 # --------------------------------------------------------------------------- registry
 
 STATUS = Command(
@@ -490,7 +653,8 @@ SEND = Command(
             run=cmd_send_set_binding,
             configure=_configure_set_binding,
             epilog=(
-                "Without --policy, --policy-file or --null the deny-all policy {} is sent (a note goes to stderr).\n"
+                "Without --policy, --policy-file, --input-file or --null the deny-all policy {} is sent\n"
+                "(a note goes to stderr). --input-file is --policy-file under another name, for wrappers.\n"
                 "The default gateway is the .1 address of the ip's /24 (IPv4 only)."
             ),
         ),
@@ -507,11 +671,37 @@ SEND = Command(
     ),
 )
 
-#: Top-level commands, in help order. Later additions (not implemented yet):
-#: ``vault`` (children put/get/delete, acting as the proxy route on
-#: /v1/sandboxfleets/{id}/egress/credential-vault...), ``ca`` (print the MITM CA certificate)
-#: and ``explain`` (evaluate a policy for a host/IP) are appended here via :func:`register`.
-COMMANDS: list[Command] = [STATUS, SUBJECTS, SEND]
+VAULT = Command(
+    "vault",
+    "act as the proxy route on the per-sandbox credential vault; seal a vault into a binding input",
+    description=(
+        "Credential vault of a fleet sandbox (BEHAVIOUR §4/§6) and the sealed vault of the binding input (§11).\n"
+        "put/post/patch/get/delete send one request to /v1/sandboxfleets/<uid>/egress/credential-vault[...].\n"
+        'seal prints the binding.input string {"osbEgressInput":1,"policy":...,"vault":...} for\n'
+        "'send set-binding --input-file'."
+    ),
+    children=(
+        Command(
+            "seal",
+            "build a binding input wrapper with an AES-256-GCM sealed vault",
+            run=cmd_vault_seal,
+            configure=_configure_vault_seal,
+            epilog=(
+                "The vault is sealed to --uid (AAD): it only opens in the SET_BINDING of that sandbox.\n"
+                "Without --vault-file the wrapper has no vault key (vault removed, policy kept)."
+            ),
+        ),
+        _vault_request_command("put", "PUT: create or replace the vault (complete revision)", with_body=True),
+        _vault_request_command("post", "POST: create the vault (409 if it exists)", with_body=True),
+        _vault_request_command("patch", "PATCH: apply a mutation to the vault", with_body=True),
+        _vault_request_command("get", "GET: vault state or a sub-resource (metadata only)", with_body=False),
+        _vault_request_command("delete", "DELETE: remove the vault", with_body=False),
+    ),
+)
+
+#: Top-level commands, in help order. Later additions (``ca`` printing the MITM CA certificate,
+#: ``explain`` evaluating a policy for a host/IP) are appended here via :func:`register`.
+COMMANDS: list[Command] = [STATUS, SUBJECTS, SEND, VAULT]
 
 
 def register(command: Command) -> None:
