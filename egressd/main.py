@@ -7,6 +7,7 @@ import gc
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import from_resolv_conf
 from egressd.fleet.always_reload import AlwaysRulesReloader
 from egressd.fleet.control import ControlPlane
+from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.refresh import LeaseRefresher
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.applier import KernelTransactions, NftError
@@ -28,6 +30,7 @@ from egressd.fleetnft.selftest import SelfTestError, bridge_report, run_selftest
 from egressd.logsetup import configure
 from egressd.metrics import EgressMetrics
 from egressd.policy import AlwaysRulesError, load_always_rules
+from egressd.vault.sealed import KeyDirError, KeyStore
 
 log = structlog.get_logger("egressd")
 
@@ -69,9 +72,21 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
                 "EGRESSD_ALLOW_BRIDGE_BYPASS=1)"
             )
 
+        try:
+            keys = KeyStore(cfg.vault_keys_dir)
+        except KeyDirError as exc:
+            raise StartupError(f"vault keys: {exc}") from None
         control = ControlPlane(
-            table_config(cfg), tx, always=always, metrics=metrics, conntrack_flush=flush_source
+            table_config(cfg),
+            tx,
+            always=always,
+            metrics=metrics,
+            conntrack_flush=flush_source,
+            keys=keys,
+            pending_ttl=cfg.pending_push_ttl,
         )
+        proxy = ProxyRouteAPI(control, max_rules=cfg.max_rules)
+        metrics.pending_pushes.collect_from(lambda: {(): float(control.pending_pushes.count())})
         metrics.subjects.collect_from(control.state_counts)
         metrics.nft_rules.collect_from(control.rules_count)
         try:
@@ -111,7 +126,11 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
         refresher = LeaseRefresher(
             control.uid_for, control.leases, control.renew_leases, interval=cfg.refresh_interval
         )
-        background = [asyncio.create_task(reloader.run()), asyncio.create_task(refresher.run())]
+        background = [
+            asyncio.create_task(reloader.run()),
+            asyncio.create_task(refresher.run()),
+            asyncio.create_task(_sweep_pending(control)),
+        ]
 
         def mitm_health() -> str | None:
             return "mitmproxy not ready" if cfg.mitm_transparent else None
@@ -121,6 +140,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             metrics,
             extra_health=mitm_health,
             status_extra=lambda: {"bridgeNfCallIptables": bridges.nf_call_iptables},
+            proxy=proxy,
         )
         runner = web.AppRunner(http.app(), access_log=None, handle_signals=False)
         await runner.setup()
@@ -151,6 +171,13 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             await dns.close()
     finally:
         await tx.close()
+
+
+async def _sweep_pending(control: ControlPlane, interval: float = 10.0) -> None:
+    """Expired pending pushes are dropped (BEHAVIOUR §4: swept every 10 s)."""
+    while True:
+        await asyncio.sleep(interval)
+        control.pending_pushes.sweep(time.monotonic())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,7 +18,8 @@ import structlog
 
 from egressd.actionhandler.envelope import HookName, LifecycleHook, RemoveBinding, SetBinding
 from egressd.dnsproxy.server import Asker
-from egressd.fleet.inputs import InputError, parse_binding_input
+from egressd.fleet.inputs import BindingInput, InputError, VaultAction, parse_binding_input
+from egressd.fleet.pending import PendingPushes
 from egressd.fleetnft.applier import NftError, Transactions
 from egressd.fleetnft.builder import (
     SubjectNft,
@@ -58,6 +59,8 @@ from egressd.subject.registry import (
     plan_remove,
     plan_set_binding,
 )
+from egressd.vault.sealed import KeyStore
+from egressd.vault.store import VaultSnapshot, VaultStore
 
 log = structlog.get_logger("egressd.fleet")
 
@@ -120,6 +123,8 @@ class ControlPlane:
         always: AlwaysRules = EMPTY_ALWAYS,
         metrics: EgressMetrics | None = None,
         conntrack_flush: Callable[[IPAddress], Any] | None = None,
+        keys: KeyStore | None = None,
+        pending_ttl: float = 30.0,
     ) -> None:
         self.table = table
         self.tx = tx
@@ -131,6 +136,10 @@ class ControlPlane:
         self._kernel_lock = asyncio.Lock()
         self._conntrack_flush = conntrack_flush
         self._background: set[asyncio.Task[None]] = set()
+        self.keys = keys
+        self.vaults: dict[str, VaultStore] = {}
+        self._pending_vault: dict[str, BindingInput] = {}
+        self.pending_pushes = PendingPushes(pending_ttl)
         self._claims_ip: dict[IPAddress, str] = {}
         self._claims_nft: dict[str, str] = {}
         self._effective: dict[str, tuple[NetworkPolicy, AlwaysRules, NetworkPolicy]] = {}
@@ -233,11 +242,13 @@ class ControlPlane:
 
     async def set_binding(self, action: SetBinding) -> Result:
         policy: NetworkPolicy | None = None
+        parsed: BindingInput | None = None
         if action.input is not None:
             try:
-                policy = parse_binding_input(action.input).policy
+                parsed = parse_binding_input(action.input, uid=action.uid, keys=self.keys, always=self.always)
             except InputError as exc:
                 return Result(400, f"invalid binding input: {exc}")
+            policy = parsed.policy
         binding = None
         if action.attachment is not None:
             problem = _dispatch_key_problem(action.attachment.ip, action.attachment.gateway)
@@ -257,10 +268,19 @@ class ControlPlane:
             # same ip or nft id sees the claim and gets 409 instead of sharing kernel objects.
             with self._reserve(action.uid, claim):
                 plan = plan_set_binding(entry, req)
+                if plan.rebind or policy is None:
+                    # A new fence never inherits credentials; null removes policy and vault.
+                    self._drop_vault_state(action.uid, pushes=policy is None)
                 if plan.rebind or (policy is None and entry is not None):
                     for listener in self.listeners:
                         await (listener.reset(action.uid) if plan.rebind else listener.unbound(action.uid))
                 result = await self._execute(entry, plan, failure_prefix="deny-first install")
+            if result.status == 200 and parsed is not None:
+                committed = self.registry.get(action.uid)
+                if committed is not None and committed.state is State.ACTIVE:
+                    self._apply_vault(action.uid, parsed)  # in place, after the policy
+                elif committed is not None:
+                    self._pending_vault[action.uid] = parsed  # activates with the policy
             if result.status == 200 and policy is not None:
                 committed = self.registry.get(action.uid)
                 if committed is not None:
@@ -300,7 +320,13 @@ class ControlPlane:
             else:
                 view = self.registry.kernel(action.uid)
                 plan = plan_data_plane_ready(entry, action.fence, kernel_objects=view.objects and view.rules)
-            return await self._execute(entry, plan, failure_prefix="policy apply")
+            result = await self._execute(entry, plan, failure_prefix="policy apply")
+            if result.status == 200 and plan.outcome is Outcome.OK:
+                # The vault of the binding input activates at the same barrier as its policy.
+                pending = self._pending_vault.pop(action.uid, None)
+                if pending is not None:
+                    self._apply_vault(action.uid, pending)
+            return result
 
     async def remove(self, action: RemoveBinding) -> Result:
         async with self._locks.hold(action.uid):
@@ -308,9 +334,66 @@ class ControlPlane:
             plan = plan_remove(entry, action.fence)
             result = await self._execute(entry, plan, failure_prefix="removal")
             if result.status == 200 and plan.removed:
+                self._drop_vault_state(action.uid, pushes=True)
                 for listener in self.listeners:
                     await listener.removed(action.uid)
             return result
+
+    # ---- credential vault ------------------------------------------------------------------
+
+    def subject_lock(self, uid: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """The per-subject lock every mutation of that subject (vault included) runs under."""
+        return self._locks.hold(uid)
+
+    def _drop_vault_state(self, uid: str, *, pushes: bool) -> None:
+        self.vaults.pop(uid, None)
+        self._pending_vault.pop(uid, None)
+        if pushes:
+            self.pending_pushes.drop(uid)
+
+    def _apply_vault(self, uid: str, parsed: BindingInput) -> None:
+        if parsed.vault is VaultAction.KEEP:
+            return
+        if parsed.vault is VaultAction.REMOVE or parsed.content is None:
+            self.vaults.pop(uid, None)
+            return
+        store = self.vaults.setdefault(uid, VaultStore())
+        status, _ = store.put_content(parsed.content, self.coverage_policy(uid))
+        if status >= 400:
+            # Validated when the input arrived; only a changed always-rule can refuse it now.
+            # Without the vault nothing is injected: closed, and said in the log.
+            self.vaults.pop(uid, None)
+            log.warning("vault.activation_refused", subject=f"s-{uid}", code=status)
+
+    def coverage_policy(self, uid: str) -> NetworkPolicy | None:
+        """What vault bindings must be covered by: the effective policy if active, else the
+        pending one plus always-rules (BEHAVIOUR §6, PROPOSED); None refuses every binding."""
+        entry = self.registry.get(uid)
+        if entry is None:
+            return None
+        if entry.state is State.ACTIVE:
+            return self.effective_for(entry)
+        if entry.pending is not None:
+            return self.effective(entry.pending)
+        return None
+
+    def vault_for_ip(self, source_ip: IPAddress) -> VaultSnapshot | None:
+        """MITM lookup: the active subject's vault snapshot (``.tag`` changes on every mutation)."""
+        entry = self.registry.resolve(source_ip)
+        if entry is None or entry.state is not State.ACTIVE:
+            return None
+        store = self.vaults.get(entry.uid)
+        return store.snapshot() if store is not None else None
+
+    async def apply_user_policy_locked(self, entry: Entry, policy: NetworkPolicy) -> Result:
+        """In-place policy change of an active subject (proxy-route /policy); lock held by caller."""
+        plan = Plan(
+            Outcome.OK,
+            steps=(ApplyPolicy(policy),),
+            on_success=replace(entry, policy=policy),
+            on_failure=entry,
+        )
+        return await self._execute(entry, plan, failure_prefix="policy apply")
 
     # ---- plan execution --------------------------------------------------------------------
 

@@ -1,30 +1,59 @@
-"""Decoding of ``binding.input``: a bare policy (§5) or the ``osbEgressInput`` wrapper (§11)."""
+"""Decoding of ``binding.input``: a bare policy (§5) or the ``osbEgressInput`` wrapper (§11).
+
+Everything is decided here, before any mutation, in the order of §11: wrapper JSON -> policy
+(400) -> AEAD open (400, never 500) -> §6 validation against the wrapper's policy plus the
+always-rules (400). Reasons never contain input content, ciphertext or plaintext.
+"""
 
 from __future__ import annotations
 
+import enum
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from egressd.policy import NetworkPolicy, PolicyError, parse_policy, parse_policy_obj
-
-_WRAPPER_KEYS = {"osbEgressInput", "policy", "vault"}
+from egressd.policy import (
+    EMPTY_ALWAYS,
+    AlwaysRules,
+    NetworkPolicy,
+    PolicyError,
+    effective_policy,
+    parse_policy,
+    parse_policy_obj,
+)
+from egressd.vault.model import VaultContent, VaultError, parse_create
+from egressd.vault.sealed import (
+    KeyStore,
+    SealError,
+    decode_vault_plaintext,
+    is_wrapper,
+    open_sealed,
+    parse_sealed,
+    parse_wrapper,
+)
+from egressd.vault.store import VaultStore
 
 
 class InputError(ValueError):
     """The binding input cannot be used; ``str()`` is a one-line reason without input content."""
 
 
+class VaultAction(enum.StrEnum):
+    KEEP = "keep"  # a bare policy string: the vault (e.g. from proxy-route pushes) stays
+    REMOVE = "remove"  # a wrapper without a vault, or "vault": null
+    SET = "set"  # a wrapper with a sealed vault
+
+
 @dataclass(frozen=True, slots=True)
 class BindingInput:
     policy: NetworkPolicy
-    wrapped: bool = False
-    # Sealed vault handling arrives with the credential vault; until then a wrapper that
-    # carries one is refused (BEHAVIOUR §11: with no key directory every kid is unknown).
-    has_vault: bool = False
+    vault: VaultAction = VaultAction.KEEP
+    content: VaultContent | None = field(default=None, repr=False)
 
 
-def parse_binding_input(text: str) -> BindingInput:
+def parse_binding_input(
+    text: str, *, uid: str = "", keys: KeyStore | None = None, always: AlwaysRules = EMPTY_ALWAYS
+) -> BindingInput:
     """Parse before any mutation (§3 step 1); raises :class:`InputError` (-> 400)."""
     stripped = text.strip()
     obj: object = None
@@ -33,12 +62,35 @@ def parse_binding_input(text: str) -> BindingInput:
             obj = json.loads(stripped)
         except (ValueError, RecursionError):
             obj = None
-    if isinstance(obj, dict) and "osbEgressInput" in obj:
-        return _parse_wrapper(obj)
+    if is_wrapper(obj):
+        return _parse_wrapper(obj, uid, keys, always)
     try:
         return BindingInput(parse_policy(text))
     except PolicyError as exc:
         raise InputError(f"invalid policy: {_redacted(exc)}") from None
+
+
+def _parse_wrapper(obj: object, uid: str, keys: KeyStore | None, always: AlwaysRules) -> BindingInput:
+    try:
+        wrapper = parse_wrapper(obj)
+    except SealError as exc:
+        raise InputError(str(exc)) from None
+    try:
+        policy = parse_policy_obj(wrapper.policy)
+    except PolicyError as exc:
+        raise InputError(f"invalid policy: {_redacted(exc)}") from None
+    if wrapper.vault is None:
+        return BindingInput(policy, VaultAction.REMOVE)
+    try:
+        sealed = parse_sealed(wrapper.vault)
+        ring = keys.lookup(sealed.kid) if keys is not None else KeyStore(None).ring
+        content = parse_create(decode_vault_plaintext(open_sealed(sealed, uid, ring)))
+        VaultStore().check_content(content, effective_policy(policy, always))
+    except SealError as exc:
+        raise InputError(str(exc)) from None
+    except VaultError as exc:
+        raise InputError(f"vault: {exc}") from None
+    return BindingInput(policy, VaultAction.SET, content)
 
 
 # Policy errors quote the offending value at the end of their reason; the binding input is
@@ -49,21 +101,3 @@ _QUOTE_TAIL = re.compile(r"""(\s*\(got ['"].*|,\s*got ['"].*|(?<=invalid CIDR)\s
 def _redacted(exc: PolicyError) -> str:
     reason = _QUOTE_TAIL.sub("", exc.reason)
     return f"{exc.field}: {reason}" if exc.field else reason
-
-
-def _parse_wrapper(obj: dict[str, object]) -> BindingInput:
-    if obj.get("osbEgressInput") != 1 or isinstance(obj.get("osbEgressInput"), bool):
-        raise InputError("osbEgressInput must be 1")
-    unknown = sorted(k for k in obj if k not in _WRAPPER_KEYS)
-    if unknown:
-        raise InputError("unknown wrapper key (allowed: osbEgressInput, policy, vault)")
-    if "policy" not in obj:
-        raise InputError("wrapper policy is required")
-    try:
-        policy = parse_policy_obj(obj["policy"])
-    except PolicyError as exc:
-        raise InputError(f"invalid policy: {_redacted(exc)}") from None
-    vault = obj.get("vault")
-    if vault is not None:
-        raise InputError("vault: unknown kid (no vault keys are configured)")
-    return BindingInput(policy, wrapped=True)

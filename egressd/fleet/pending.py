@@ -32,7 +32,9 @@ class PendingPushes:
         self.max_per_uid = max_per_uid
         self._by_uid: dict[str, list[PendingPush]] = {}
 
-    def add(self, uid: str, method: str, suffix: str, body: bytes, generation: int | None, now: float) -> None:
+    def add(
+        self, uid: str, method: str, suffix: str, body: bytes, generation: int | None, now: float
+    ) -> None:
         queue = [p for p in self._by_uid.get(uid, []) if p.deadline > now]
         if len(queue) >= self.max_per_uid:
             self._by_uid[uid] = queue

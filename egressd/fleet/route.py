@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import re
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -61,7 +62,8 @@ def is_route_path(path: str) -> bool:
 
 def classify(path: str, headers: Mapping[str, str]) -> RouteRequest:
     m = _PREFIX.match(path)
-    path_id = m.group("id").strip() if m else None
+    # ``path`` is the raw (still percent-encoded) path, so an encoded '/' stays inside a segment.
+    path_id = urllib.parse.unquote(m.group("id")).strip() if m else None
     suffix = m.group("suffix") if m else path
     header_id = headers.get(UID_HEADER)
     header_id = header_id.strip() if header_id is not None else None
@@ -69,7 +71,9 @@ def classify(path: str, headers: Mapping[str, str]) -> RouteRequest:
         raise RouteError(403, "sandbox id in the path and X-Fast-Sandbox-Uid disagree")
     uid = path_id if path_id is not None else header_id
     if uid is None:
-        raise RouteError(400, "no sandbox named: use /v1/sandboxfleets/{sandboxId}/egress/... or X-Fast-Sandbox-Uid")
+        raise RouteError(
+            400, "no sandbox named: use /v1/sandboxfleets/{sandboxId}/egress/... or X-Fast-Sandbox-Uid"
+        )
     problem = uid_problem(uid)
     if problem is not None:
         raise RouteError(400, f"invalid sandbox id: {problem}")
@@ -78,7 +82,8 @@ def classify(path: str, headers: Mapping[str, str]) -> RouteRequest:
     for pattern, resource in _SUFFIXES:
         sm = pattern.match(suffix)
         if sm is not None:
-            name = sm.groupdict().get("name")
+            raw_name = sm.groupdict().get("name")
+            name = urllib.parse.unquote(raw_name) if raw_name is not None else None
             return RouteRequest(uid, suffix, resource, name, _generation(headers))
     raise RouteError(404, "not found")
 

@@ -21,6 +21,7 @@ from egressd.actionhandler.envelope import (
     parse_action,
 )
 from egressd.fleet.control import ControlPlane, Result
+from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.metrics import EgressMetrics
 
 log = structlog.get_logger("egressd.http")
@@ -72,7 +73,9 @@ class FleetHTTP:
         instance_id: str | None = None,
         extra_health: Callable[[], str | None] | None = None,
         status_extra: Callable[[], dict[str, Any]] | None = None,
+        proxy: ProxyRouteAPI | None = None,
     ) -> None:
+        self.proxy = proxy
         self.control = control
         self.metrics = metrics
         self.instance_id = instance_id or new_instance_id()
@@ -94,7 +97,33 @@ class FleetHTTP:
         app.router.add_route("*", ACTIONS_PATH, self.actions)
         app.router.add_route("*", "/metrics", self.metrics_handler)
         app.router.add_route("*", "/v1/subjects", self.subjects)
+        if self.proxy is not None:
+            for path in (
+                "/v1/sandboxfleets/{tail:.*}",
+                "/credential-vault",
+                "/credential-vault/{tail:.*}",
+                "/policy",
+            ):
+                app.router.add_route("*", path, self.proxy_route)
         return app
+
+    async def proxy_route(self, request: web.Request) -> web.Response:
+        assert self.proxy is not None
+        try:
+            body = await read_limited(request)
+        except BodyTooLarge:
+            return text(413, f"request body exceeds {MAX_BODY_BYTES} bytes", headers={"Connection": "close"})
+        try:
+            reply = await self.proxy.handle(request.method, request.rel_url.raw_path, request.headers, body)
+        except Exception:
+            log.exception("proxy_route.crashed", method=request.method)
+            return text(500, "internal error")
+        headers = {"Allow": reply.allow} if reply.allow else None
+        if reply.json is not None:
+            return web.json_response(reply.json, status=reply.status, headers=headers)
+        if reply.text is not None:
+            return text(reply.status, reply.text, headers=headers)
+        return web.Response(status=reply.status, headers=headers)
 
     async def healthz(self, request: web.Request) -> web.Response:
         if request.method not in ("GET", "HEAD"):

@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from egressd.cli.egressctl import main
-from egressd.fleet.inputs import parse_binding_input
+from egressd.fleet.inputs import VaultAction, parse_binding_input
 from egressd.vault.sealed import KeyRing, open_sealed, parse_sealed, parse_wrapper
 
 KEY = bytes(range(32))
@@ -181,7 +181,7 @@ def test_seal_without_vault(capsys: pytest.CaptureFixture[str], files: dict[str,
     code, out, _ = run(capsys, "vault", "seal", "--uid", "u", "--policy-file", str(files["policy"]))
     assert code == 0
     assert json.loads(out) == {"osbEgressInput": 1, "policy": POLICY}
-    assert parse_binding_input(out.strip()).wrapped
+    assert parse_binding_input(out.strip()).vault is VaultAction.REMOVE
 
 
 def test_seal_json_output(capsys: pytest.CaptureFixture[str], files: dict[str, Path]) -> None:

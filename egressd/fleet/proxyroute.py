@@ -1,0 +1,214 @@
+"""The proxy-route surface (BEHAVIOUR §4): per-subject credential vault and /policy pushes.
+
+:meth:`ProxyRouteAPI.handle` is transport-free (method, path, headers, body in; :class:`Reply`
+out) so the same code serves HTTP and the replay of cached pushes. Bodies and vault values
+are never logged; error replies are one line and never quote a credential value.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from egressd.fleet.control import ControlPlane, SubjectListener
+from egressd.fleet.pending import PendingFull
+from egressd.fleet.route import Resource, RouteError, RouteRequest, classify
+from egressd.policy import (
+    NetworkPolicy,
+    PolicyError,
+    check_rule_cap,
+    delete_targets,
+    merge_patch,
+    parse_policy,
+    policy_mode,
+)
+from egressd.subject.registry import Entry, State
+from egressd.vault.model import VaultError
+from egressd.vault.store import Response, VaultStore
+
+log = structlog.get_logger("egressd.proxyroute")
+
+_VAULT_METHODS = ("GET", "PUT", "POST", "PATCH", "DELETE")
+_POLICY_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+_PENDING_REASON = "subject not registered yet; push cached"
+_DENYING_REASON = "subject denying; SET_BINDING input is authoritative"
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    json: dict[str, Any] | None = None
+    text: str | None = None
+    allow: str | None = None
+
+
+def _from_store(resp: Response) -> Reply:
+    status, body = resp
+    if status >= 400:
+        message = str(body.get("error", "error")) if body else "error"
+        return Reply(status, text=message)
+    if body is None:
+        return Reply(status)
+    return Reply(status, json=body)
+
+
+class ProxyRouteAPI(SubjectListener):
+    def __init__(
+        self, control: ControlPlane, *, max_rules: int = 4096, clock: Callable[[], float] = time.monotonic
+    ):
+        self.control = control
+        self.max_rules = max_rules
+        self.clock = clock
+        control.listeners.append(self)
+
+    # ---- entry point -----------------------------------------------------------------------
+
+    async def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
+        try:
+            req = classify(path, headers)
+        except RouteError as exc:
+            return Reply(exc.status, text=exc.reason)
+        allowed = self._allowed(req)
+        if method not in allowed:
+            return Reply(405, text="method not allowed", allow=", ".join(allowed))
+        async with self.control.subject_lock(req.uid):
+            return await self._handle_locked(method, req, body, cache=True)
+
+    @staticmethod
+    def _allowed(req: RouteRequest) -> tuple[str, ...]:
+        if req.resource is Resource.VAULT:
+            return _VAULT_METHODS
+        if req.resource is Resource.POLICY:
+            return _POLICY_METHODS
+        return ("GET",)
+
+    async def _handle_locked(self, method: str, req: RouteRequest, body: bytes, *, cache: bool) -> Reply:
+        entry = self.control.registry.get(req.uid)
+        if entry is None:
+            if method == "GET":
+                return Reply(404, text="sandbox not registered")
+            if not cache:
+                return Reply(404, text="sandbox not registered")
+            try:
+                self.control.pending_pushes.add(
+                    req.uid, method, req.suffix, body, req.generation, self.clock()
+                )
+            except PendingFull:
+                return Reply(503, text="too many pending pushes for this sandbox; retry later")
+            if req.resource is Resource.POLICY:
+                return Reply(202, json={"status": "pending", "reason": _PENDING_REASON})
+            return Reply(202)
+        if req.resource is Resource.POLICY:
+            return await self._policy(method, entry, body)
+        return self._vault(method, req, body)
+
+    # ---- vault -----------------------------------------------------------------------------
+
+    def _vault(self, method: str, req: RouteRequest, body: bytes) -> Reply:
+        uid = req.uid
+        store = self.control.vaults.get(uid)
+        if method == "GET":
+            if store is None:
+                return Reply(404, text="no credential vault")
+            if req.resource is Resource.VAULT:
+                return _from_store(store.get())
+            if req.resource is Resource.CREDENTIALS:
+                return _from_store(store.credentials())
+            if req.resource is Resource.BINDINGS:
+                return _from_store(store.bindings())
+            assert req.name is not None
+            if req.resource is Resource.CREDENTIAL:
+                return _from_store(store.credential(req.name))
+            return _from_store(store.binding(req.name))
+        if method == "DELETE":
+            if store is None:
+                return Reply(404, text="no credential vault")
+            reply = _from_store(store.delete())
+            if reply.status < 300:
+                self.control.vaults.pop(uid, None)
+            return reply
+        try:
+            obj = json.loads(body) if body.strip() else None
+        except (ValueError, RecursionError):
+            return Reply(400, text="body is not valid JSON")
+        coverage = self.control.coverage_policy(uid)
+        fresh = store is None
+        store = store if store is not None else VaultStore()
+        if method == "PUT":
+            reply = _from_store(store.put(obj, coverage))
+        elif method == "POST":
+            reply = _from_store(store.post(obj, coverage))
+        else:
+            reply = _from_store(store.patch(obj, coverage))
+        if reply.status < 300 and fresh:
+            self.control.vaults[uid] = store
+        log.info("vault.write", subject=f"s-{uid}", method=method, code=reply.status, revision=store.revision)
+        return reply
+
+    # ---- /policy (PROPOSED in §4) ----------------------------------------------------------
+
+    async def _policy(self, method: str, entry: Entry, body: bytes) -> Reply:
+        if method == "GET":
+            out: dict[str, Any] = {"status": entry.state.value, "mode": policy_mode(entry.policy)}
+            if entry.state is State.ACTIVE and entry.policy is not None:
+                out["policy"] = entry.policy.to_json()
+            return Reply(200, json=out)
+        if entry.state is not State.ACTIVE or entry.policy is None:
+            return Reply(202, json={"status": "pending", "reason": _DENYING_REASON})
+        try:
+            new = _edited(method, entry.policy, body)
+        except PolicyError as exc:
+            return Reply(400, text=f"invalid policy: {exc}")
+        if not check_rule_cap(new, self.max_rules):
+            return Reply(413, text=f"policy has more than {self.max_rules} rules")
+        store = self.control.vaults.get(entry.uid)
+        if store is not None:
+            try:
+                store.check_policy(self.control.effective(new))
+            except VaultError as exc:
+                return Reply(400, text=f"policy change uncovers a credential binding: {exc}")
+        result = await self.control.apply_user_policy_locked(entry, new)
+        if result.status != 200:
+            return Reply(result.status, text=result.reason)
+        return Reply(200, json={"status": "ok", "mode": policy_mode(new), "enforcementMode": "dns+nft"})
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def registered(self, entry: Entry) -> None:
+        """After a successful non-null SET_BINDING: replay cached pushes in arrival order."""
+        pushes = self.control.pending_pushes.take_for_replay(entry.uid, entry.spec_generation, self.clock())
+        for push in pushes:
+            req = classify(push.suffix, {"X-Fast-Sandbox-Uid": entry.uid})
+            reply = await self._handle_locked(push.method, req, push.body, cache=False)
+            log.info("pending.replayed", subject=f"s-{entry.uid}", method=push.method, code=reply.status)
+
+    async def unbound(self, uid: str) -> None:
+        return None
+
+    async def reset(self, uid: str) -> None:
+        return None
+
+    async def removed(self, uid: str) -> None:
+        return None
+
+
+def _edited(method: str, current: NetworkPolicy, body: bytes) -> NetworkPolicy:
+    try:
+        text = body.decode("utf-8") if body else ""
+    except UnicodeDecodeError:
+        raise PolicyError("body is not valid UTF-8") from None
+    if method in ("POST", "PUT"):
+        return parse_policy(text)
+    try:
+        obj = json.loads(text) if text.strip() else None
+    except (ValueError, RecursionError):
+        raise PolicyError("body is not valid JSON") from None
+    if method == "PATCH":
+        return merge_patch(current, obj)
+    new, _removed = delete_targets(current, obj)
+    return new
