@@ -279,8 +279,10 @@ class ControlPlane:
                 committed = self.registry.get(action.uid)
                 if committed is not None and committed.state is State.ACTIVE:
                     self._apply_vault(action.uid, parsed)  # in place, after the policy
-                elif committed is not None:
-                    self._pending_vault[action.uid] = parsed  # activates with the policy
+                elif committed is not None and parsed.vault is not VaultAction.KEEP:
+                    # Activates with the policy. A bare policy string leaves the vault alone,
+                    # including a sealed vault still waiting for data-plane-ready.
+                    self._pending_vault[action.uid] = parsed
             if result.status == 200 and policy is not None:
                 committed = self.registry.get(action.uid)
                 if committed is not None:

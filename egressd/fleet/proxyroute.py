@@ -161,9 +161,20 @@ class ProxyRouteAPI(SubjectListener):
         if entry.state is not State.ACTIVE or entry.policy is None:
             return Reply(202, json={"status": "pending", "reason": _DENYING_REASON})
         try:
-            new = _edited(method, entry.policy, body)
+            new, reason = _edited(method, entry.policy, body)
         except PolicyError as exc:
             return Reply(400, text=f"invalid policy: {exc}")
+        if reason == _NO_MATCH:
+            # Nothing removed: nothing changes, not even a transaction.
+            return Reply(
+                200,
+                json={
+                    "status": "ok",
+                    "mode": policy_mode(entry.policy),
+                    "enforcementMode": "dns+nft",
+                    "reason": reason,
+                },
+            )
         if not check_rule_cap(new, self.max_rules):
             return Reply(413, text=f"policy has more than {self.max_rules} rules")
         store = self.control.vaults.get(entry.uid)
@@ -175,7 +186,10 @@ class ProxyRouteAPI(SubjectListener):
         result = await self.control.apply_user_policy_locked(entry, new)
         if result.status != 200:
             return Reply(result.status, text=result.reason)
-        return Reply(200, json={"status": "ok", "mode": policy_mode(new), "enforcementMode": "dns+nft"})
+        out = {"status": "ok", "mode": policy_mode(new), "enforcementMode": "dns+nft"}
+        if reason:
+            out["reason"] = reason
+        return Reply(200, json=out)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -197,18 +211,23 @@ class ProxyRouteAPI(SubjectListener):
         return None
 
 
-def _edited(method: str, current: NetworkPolicy, body: bytes) -> NetworkPolicy:
+_NO_MATCH = "no matching targets found"
+_RESET = "policy reset to default deny-all"
+
+
+def _edited(method: str, current: NetworkPolicy, body: bytes) -> tuple[NetworkPolicy, str]:
+    """The edited policy and the reason the /policy API reports with it (§5)."""
     try:
         text = body.decode("utf-8") if body else ""
     except UnicodeDecodeError:
         raise PolicyError("body is not valid UTF-8") from None
     if method in ("POST", "PUT"):
-        return parse_policy(text)
+        return parse_policy(text), (_RESET if not text.strip() else "")
     try:
         obj = json.loads(text) if text.strip() else None
     except (ValueError, RecursionError):
         raise PolicyError("body is not valid JSON") from None
     if method == "PATCH":
-        return merge_patch(current, obj)
-    new, _removed = delete_targets(current, obj)
-    return new
+        return merge_patch(current, obj), ""
+    new, removed = delete_targets(current, obj)
+    return new, ("" if removed else _NO_MATCH)

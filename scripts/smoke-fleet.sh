@@ -1,0 +1,184 @@
+#!/usr/bin/env bash
+# egressd end to end on a throwaway network-namespace topology:
+#
+#   sandboxes sb1..sb4 (10.203.0.11-14) --veth-- pod (br0 10.203.0.1, egressd) --veth-- upstream (10.204.0.2-9)
+#
+# egressd runs in the pod namespace and is driven exactly like a Fastlet would drive it
+# (SET_BINDING, runtime-ready, data-plane-ready, policy update, SET_BINDING null,
+# REMOVE_BINDING, rebind, kill -9 + replay); a vault is pushed over the proxy route; real
+# traffic (dig, curl) from the sandboxes is checked after each step. One line per check, then
+# "N passed, M failed". Exit 0 only when every check passed. Everything is removed on any exit.
+#
+# Nothing is created in the root namespace: veth pairs are made with both ends inside our
+# namespaces, and no namespace has a route out.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+if [ "$(id -u)" -ne 0 ]; then echo "smoke-fleet: needs root (network namespaces, nftables)" >&2; exit 1; fi
+scripts/install.sh >/dev/null || { echo "smoke-fleet: install failed" >&2; exit 1; }
+
+P="egsmoke$$"
+POD="$P-pod"; UP="$P-up"
+WORK=$(mktemp -d /tmp/egressd-smoke.XXXXXX)
+PORT=18080
+TABLE="smoke-fleet"
+PIDS=()
+PASS=0; FAIL=0
+
+cleanup() {
+  for pid in "${PIDS[@]:-}"; do [ -n "$pid" ] && kill "$pid" 2>/dev/null; done
+  sleep 0.2
+  for ns in "$POD" "$UP" "$P-sb1" "$P-sb2" "$P-sb3" "$P-sb4"; do
+    if ip netns list | grep -qw "$ns"; then
+      for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+      ip netns del "$ns" 2>/dev/null
+    fi
+  done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+check() {  # check "description" command...
+  local what=$1; shift
+  if "$@" >/dev/null 2>&1; then PASS=$((PASS + 1)); echo "PASS  $what"
+  else FAIL=$((FAIL + 1)); echo "FAIL  $what"; fi
+}
+not() { ! "$@"; }
+
+inns() { ip netns exec "$@"; }
+SB() { echo "$P-sb$1"; }
+SBIP() { echo "10.203.0.$((10 + $1))"; }
+
+# ---- topology ---------------------------------------------------------------------------------
+for ns in "$POD" "$UP"; do ip netns add "$ns"; inns "$ns" ip link set lo up; done
+inns "$POD" sysctl -qw net.ipv4.ip_forward=1
+inns "$POD" ip link add br0 type bridge
+inns "$POD" ip addr add 10.203.0.1/24 dev br0
+inns "$POD" ip link set br0 up
+inns "$POD" sysctl -qw net.bridge.bridge-nf-call-iptables=1
+ip link add uplink netns "$POD" type veth peer name eth0 netns "$UP"
+inns "$POD" ip addr add 10.204.0.1/24 dev uplink; inns "$POD" ip link set uplink up
+for i in 2 3 4 5 6 7 8 9; do inns "$UP" ip addr add "10.204.0.$i/24" dev eth0; done
+inns "$UP" ip link set eth0 up
+inns "$UP" ip route add 10.203.0.0/24 via 10.204.0.1
+for i in 1 2 3 4; do
+  ip netns add "$(SB $i)"; inns "$(SB $i)" ip link set lo up
+  ip link add "vh$i" netns "$POD" type veth peer name eth0 netns "$(SB $i)"
+  inns "$POD" ip link set "vh$i" master br0; inns "$POD" ip link set "vh$i" up
+  inns "$(SB $i)" ip addr add "$(SBIP $i)/24" dev eth0; inns "$(SB $i)" ip link set eth0 up
+  inns "$(SB $i)" ip route add default via 10.203.0.1
+done
+
+cat > "$WORK/zone.json" <<'EOF'
+{"records": [
+  {"name": "api.allowed.test", "type": "A", "value": "10.204.0.2", "ttl": 30},
+  {"name": "www.allowed.test", "type": "CNAME", "value": "api.allowed.test", "ttl": 30},
+  {"name": "other.test", "type": "A", "value": "10.204.0.3", "ttl": 30},
+  {"name": "exfil.test", "type": "A", "value": "10.204.0.4", "ttl": 30}
+]}
+EOF
+inns "$UP" "$ROOT/.venv/bin/python" scripts/fleet_upstream.py --http-ports 80 --zone "$WORK/zone.json" \
+  --log "$WORK/upstream.jsonl" > "$WORK/upstream.out" 2>&1 &
+PIDS+=($!)
+mkdir -p "$WORK/rules"
+# A service inside sb2, to prove sandboxes cannot reach each other.
+inns "$(SB 2)" python3 -m http.server 8000 --bind "$(SBIP 2)" > /dev/null 2>&1 &
+PIDS+=($!)
+
+start_egressd() {
+  inns "$POD" env OPENSANDBOX_EGRESS_PROFILE=fleet OPENSANDBOX_EGRESS_HTTP_ADDR="127.0.0.1:$PORT" \
+    EGRESSD_NFT_TABLE="$TABLE" EGRESSD_ALWAYS_RULES_DIR="$WORK/rules" EGRESSD_LOG_FORMAT=json \
+    OPENSANDBOX_EGRESS_DNS_UPSTREAM=10.204.0.2:53 OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT=2 \
+    "$ROOT/.venv/bin/egressd" >> "$WORK/egressd.log" 2>&1 &
+  EGRESSD_PID=$!
+  PIDS+=("$EGRESSD_PID")
+  for _ in $(seq 1 150); do
+    inns "$POD" curl -s -m 1 "127.0.0.1:$PORT/healthz" 2>/dev/null | grep -q ok && return 0
+    sleep 0.1
+  done
+  return 1
+}
+ctl() { inns "$POD" "$ROOT/.venv/bin/egressctl" --addr "127.0.0.1:$PORT" "$@"; }
+bind() {  # bind N POLICY_JSON [extra egressctl args]
+  local i=$1 pol=$2; shift 2
+  ctl send set-binding --uid "sb$i" --ip "$(SBIP "$i")" --gateway 10.203.0.1 --policy "$pol" "$@"
+}
+ready() { ctl send hook data-plane-ready --uid "sb$1" "${@:2}"; }
+reaches() { [ "$(inns "$(SB "$1")" curl -s -o /dev/null -w '%{http_code}' --connect-timeout 1 -m 2 "http://$2/smoke")" = 200 ]; }
+resolves() { inns "$(SB "$1")" dig +short +time=2 +tries=1 @10.203.0.1 "$2" | grep -q "${3:-.}"; }
+nxdomain() { inns "$(SB "$1")" dig +time=2 +tries=1 @10.203.0.1 "$2" | grep -q "status: NXDOMAIN"; }
+upstream_saw() { grep -q "\"dns\": \"$1\"" "$WORK/upstream.jsonl"; }
+
+check "egressd starts in the pod namespace and reports healthy" start_egressd
+ID1=$(inns "$POD" curl -s "127.0.0.1:$PORT/_fastlet/v1/actions/status")
+check "status payload names the actions API and an instanceId" grep -q '"instanceId"' <<<"$ID1"
+
+ALLOW_NAME='{"defaultAction":"deny","egress":[{"action":"allow","target":"*.allowed.test"}]}'
+ALLOW_IP='{"defaultAction":"deny","egress":[{"action":"allow","target":"10.204.0.3"}]}'
+OPEN='{"defaultAction":"allow","egress":[{"action":"deny","target":"10.204.0.2"}]}'
+
+# ---- deny-first window ------------------------------------------------------------------------
+check "SET_BINDING sb1 (names policy) -> 200" bind 1 "$ALLOW_NAME"
+check "SET_BINDING sb2 (IP policy) -> 200" bind 2 "$ALLOW_IP"
+check "SET_BINDING sb3 (default allow, one IP denied) -> 200" bind 3 "$OPEN"
+check "runtime-ready sb1 -> 200" ctl send hook runtime-ready --uid sb1
+check "deny-first: sb1 cannot resolve before data-plane-ready" nxdomain 1 api.allowed.test
+check "deny-first: sb2 cannot connect to its allowed IP yet" not reaches 2 10.204.0.3
+check "deny-first: the upstream never saw sb1's early query" not upstream_saw api.allowed.test
+check "unknown source sb4 reaches nothing" not reaches 4 10.204.0.3
+
+# ---- activation -------------------------------------------------------------------------------
+check "data-plane-ready sb1 -> 200" ready 1
+check "data-plane-ready sb2 -> 200" ready 2
+check "data-plane-ready sb3 -> 200" ready 3
+check "sb1 resolves an allowed name (wildcard)" resolves 1 api.allowed.test 10.204.0.2
+check "sb1 connects to the address it learned" reaches 1 10.204.0.2
+check "sb1 follows a CNAME chain" resolves 1 www.allowed.test 10.204.0.2
+check "sb1 gets NXDOMAIN for a denied name" nxdomain 1 exfil.test
+check "the upstream never saw the denied name" not upstream_saw exfil.test
+check "sb1 cannot connect to an address it did not learn" not reaches 1 10.204.0.3
+check "sb2 connects to its allowed IP" reaches 2 10.204.0.3
+check "sb2 cannot use the address sb1 learned" not reaches 2 10.204.0.2
+check "sb3 (default allow) reaches an unlisted IP" reaches 3 10.204.0.3
+check "sb3 cannot reach its denied IP" not reaches 3 10.204.0.2
+check "sb2's own service answers inside sb2" ip netns exec "$(SB 2)" curl -s -o /dev/null -m 2 "http://$(SBIP 2):8000/"
+check "sandbox-to-sandbox traffic is dropped" not ip netns exec "$(SB 3)" curl -s -o /dev/null --connect-timeout 1 -m 2 "http://$(SBIP 2):8000/"
+check "DoT (853) is dropped even for allowed addresses" not ip netns exec "$(SB 3)" curl -s --connect-timeout 1 -m 2 http://10.204.0.5:853/
+
+# ---- policy update, vault, null, remove, rebind ------------------------------------------------
+check "in-place policy update sb2 -> 200" bind 2 '{"defaultAction":"deny","egress":[{"action":"allow","target":"10.204.0.5"}]}'
+check "after the update sb2 reaches the new IP" reaches 2 10.204.0.5
+check "after the update sb2 no longer reaches the old IP" not reaches 2 10.204.0.3
+printf '%s' '{"credentials":[{"name":"k","source":{"type":"inline","value":"smoke-secret-value"}}],"bindings":[{"name":"b","match":{"hosts":["api.allowed.test"]},"auth":{"type":"bearer","credential":"k"}}]}' > "$WORK/vault.json"
+check "vault pushed over the proxy route for sb1 -> 201" ctl vault put --uid sb1 --file "$WORK/vault.json"
+check "vault read back is sanitized (no value)" bash -c "ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT vault get --uid sb1 | grep -q bearer && ! ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT vault get --uid sb1 | grep -q smoke-secret-value"
+check "the secret never reached the daemon's log" not grep -q smoke-secret-value "$WORK/egressd.log"
+check "SET_BINDING null sb3 -> 200" ctl send set-binding --uid sb3 --ip "$(SBIP 3)" --gateway 10.203.0.1 --null
+check "after null sb3 reaches nothing" not reaches 3 10.204.0.3
+check "REMOVE_BINDING sb2 -> 200" ctl send remove --uid sb2
+check "after removal sb2 reaches nothing" not reaches 2 10.204.0.5
+check "after removal no nft object of sb2 is left" not bash -c "ip netns exec $POD nft list table inet $TABLE | grep -q s_sb2"
+check "siblings keep working after a removal" reaches 1 10.204.0.2
+check "rebind sb1 (new runtime instance) -> 200" bind 1 "$ALLOW_NAME" --runtime-instance-id r2
+check "a rebind never carries the old policy over" not reaches 1 10.204.0.2
+check "a rebind drops the vault" not ctl vault get --uid sb1
+check "a delayed hook of the old instance -> 409" not ready 1
+check "data-plane-ready for the new instance -> 200" ready 1 --runtime-instance-id r2
+check "the new instance resolves and connects again" bash -c "ip netns exec $(SB 1) dig +short @10.203.0.1 api.allowed.test >/dev/null && ip netns exec $(SB 1) curl -s -o /dev/null --connect-timeout 1 -m 2 http://10.204.0.2/"
+
+# ---- restart and replay -----------------------------------------------------------------------
+kill -9 "$EGRESSD_PID" 2>/dev/null; wait "$EGRESSD_PID" 2>/dev/null
+check "with the daemon dead the kernel keeps enforcing" not reaches 3 10.204.0.3
+check "egressd restarts" start_egressd
+ID2=$(inns "$POD" curl -s "127.0.0.1:$PORT/_fastlet/v1/actions/status")
+check "a restart gets a new instanceId" test "$ID1" != "$ID2"
+check "after the restart the table is reset to deny-all" not reaches 1 10.204.0.2
+check "replay SET_BINDING sb1 -> 200" bind 1 "$ALLOW_NAME" --runtime-instance-id r2
+check "replay data-plane-ready sb1 -> 200" ready 1 --runtime-instance-id r2
+check "replay restores enforcement" bash -c "ip netns exec $(SB 1) dig +short @10.203.0.1 api.allowed.test >/dev/null && ip netns exec $(SB 1) curl -s -o /dev/null --connect-timeout 1 -m 2 http://10.204.0.2/"
+check "egressctl subjects lists the replayed subject" bash -c "ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT subjects | grep -q active"
+
+echo "$PASS passed, $FAIL failed"
+[ "$FAIL" -eq 0 ]
