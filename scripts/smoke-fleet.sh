@@ -79,16 +79,17 @@ cat > "$WORK/zone.json" <<'EOF'
   {"name": "exfil.test", "type": "A", "value": "10.204.0.4", "ttl": 30}
 ]}
 EOF
-inns "$UP" "$ROOT/.venv/bin/python" scripts/fleet_upstream.py --http-ports 80 --zone "$WORK/zone.json" \
+ip netns exec "$UP" "$ROOT/.venv/bin/python" scripts/fleet_upstream.py --http-ports 80 --zone "$WORK/zone.json" \
   --log "$WORK/upstream.jsonl" > "$WORK/upstream.out" 2>&1 &
 PIDS+=($!)
 mkdir -p "$WORK/rules"
 # A service inside sb2, to prove sandboxes cannot reach each other.
-inns "$(SB 2)" python3 -m http.server 8000 --bind "$(SBIP 2)" > /dev/null 2>&1 &
+ip netns exec "$(SB 2)" python3 -m http.server 8000 --bind "$(SBIP 2)" > /dev/null 2>&1 &
 PIDS+=($!)
 
 start_egressd() {
-  inns "$POD" env OPENSANDBOX_EGRESS_PROFILE=fleet OPENSANDBOX_EGRESS_HTTP_ADDR="127.0.0.1:$PORT" \
+  # ip netns exec directly (not the inns function): $! must be egressd's own pid.
+  ip netns exec "$POD" env OPENSANDBOX_EGRESS_PROFILE=fleet OPENSANDBOX_EGRESS_HTTP_ADDR="127.0.0.1:$PORT" \
     EGRESSD_NFT_TABLE="$TABLE" EGRESSD_ALWAYS_RULES_DIR="$WORK/rules" EGRESSD_LOG_FORMAT=json \
     OPENSANDBOX_EGRESS_DNS_UPSTREAM=10.204.0.2:53 OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT=2 \
     "$ROOT/.venv/bin/egressd" >> "$WORK/egressd.log" 2>&1 &

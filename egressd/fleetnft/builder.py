@@ -169,6 +169,11 @@ def mitm_src_set(fam: str) -> str:
     return f"mitm_src_{fam}"
 
 
+def sandbox_set(fam: str) -> str:
+    """Every registered sandbox address: never a forwarding destination (no lateral movement)."""
+    return f"sandboxes_{fam}"
+
+
 def gateway_set(fam: str) -> str:
     return f"dns_gw_{fam}"
 
@@ -200,6 +205,7 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     for fam in ("v4", "v6"):
         s.obj("add", "map", _vmap_decl(marking_map(fam), fam))
         s.obj("add", "map", _vmap_decl(dispatch_map(fam), fam))
+        s.obj("add", "set", _plain_set_decl(sandbox_set(fam), fam))
         s.obj("add", "set", _plain_set_decl(gateway_set(fam), fam))
         if cfg.mitm:
             s.obj("add", "map", _vmap_decl(mitm_in_map(fam), fam))
@@ -238,6 +244,10 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
                         f"ct status dnat ct original {l3_of(fam)} daddr @{doh_set(fam)} "
                         "ct original proto-dst 443 drop",
                     )
+    # Sandboxes never reach each other, whatever their egress policy says (defaultAction
+    # allow or a CIDR covering the sandbox subnet would otherwise open lateral movement).
+    s.rule("dispatch", f"ip daddr @{sandbox_set('v4')} drop")
+    s.rule("dispatch", f"ip6 daddr @{sandbox_set('v6')} drop")
     s.rule("dispatch", f"ip saddr vmap @{dispatch_map('v4')}")
     s.rule("dispatch", f"ip6 saddr vmap @{dispatch_map('v6')}")
     s.rule("dispatch", f"meta mark & {ALLOW_MARK:#x} != {ALLOW_MARK:#x} drop")
@@ -336,6 +346,7 @@ def _dispatch_entries(s: _Script, cfg: TableConfig, subj: SubjectNft) -> None:
     fam = family(subj.ip)
     ip = str(subj.ip)
     s.obj("add", "map", _vmap_decl(dispatch_map(fam), fam, [f"{ip} : jump {n.chain}"]))
+    s.obj("add", "set", _plain_set_decl(sandbox_set(fam), fam, [ip]))
     s.obj("add", "map", _vmap_decl(marking_map(fam), fam, [f"{ip} : jump {n.mark_chain}"]))
     gfam = family(subj.gateway)
     s.obj("add", "set", _plain_set_decl(gateway_set(gfam), gfam, [str(subj.gateway)]))
@@ -377,7 +388,7 @@ def gateway_release(gateway: IPAddress) -> DeleteElement:
 def dispatch_deletes(cfg: TableConfig, ip: IPAddress, *, release_gateway: IPAddress | None) -> list[Op]:
     """Remove a source IP from every dispatch map (and, when unused, its gateway)."""
     fam = family(ip)
-    maps = [marking_map(fam), dispatch_map(fam)]
+    maps = [marking_map(fam), dispatch_map(fam), sandbox_set(fam)]
     if cfg.mitm:
         maps += [mitm_src_set(fam), mitm_in_map(fam)]
     ops: list[Op] = [DeleteElement(m, ip) for m in maps]

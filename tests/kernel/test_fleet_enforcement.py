@@ -362,3 +362,19 @@ def test_revert_cuts_established_flows(topo: Topology, daemon: Daemon) -> None:
     results = out.split()
     assert "ok" in results, out
     assert results[-1] == "dead", "the established flow survived the revert: " + out
+
+
+def test_no_lateral_movement_even_with_allow_all_or_a_covering_cidr(topo: Topology, daemon: Daemon) -> None:
+    bind(daemon, 1, {"defaultAction": "allow", "egress": []})
+    bind(daemon, 2, allow_ips("10.203.0.0/24", UP_A))
+    activate(daemon, "sb1")
+    activate(daemon, "sb2")
+    topo.spawn(topo.sb(3), "python3", "-m", "http.server", "8000", "--bind", topo.sb_ip(3))
+    bind(daemon, 3, allow_ips(UP_A))
+    activate(daemon, "sb3")
+    time.sleep(0.3)
+    assert topo.reaches(1, UP_B), "allow-all still reaches the internet"
+    assert topo.reaches(2, UP_A)
+    # ... but never another sandbox: neither via allow-all nor via a CIDR covering the subnet.
+    assert topo.curl(1, f"http://{topo.sb_ip(3)}:8000/") == 0
+    assert topo.curl(2, f"http://{topo.sb_ip(3)}:8000/") == 0

@@ -189,6 +189,8 @@ def test_header_dispatch_rules_in_order_with_unmarked_drop_last() -> None:
         "ct state established,related accept",
         "tcp dport 853 drop",
         "udp dport 853 drop",
+        "ip daddr @sandboxes_v4 drop",
+        "ip6 daddr @sandboxes_v6 drop",
         "ip saddr vmap @dispatch_v4",
         "ip6 saddr vmap @dispatch_v6",
         "meta mark & 0x2 != 0x2 drop",
@@ -410,10 +412,11 @@ def test_objects_script_dispatch_entries_come_last_and_redeclare_the_maps() -> N
     text = lines(subject_objects_script(CFG, SUBJ))
     tail = [
         f"add map inet {T} dispatch_v4 {{ type ipv4_addr : verdict; elements = {{ 10.0.0.5 : jump subj_s_u_1 }} }}",
+        f"add set inet {T} sandboxes_v4 {{ type ipv4_addr; elements = {{ 10.0.0.5 }} }}",
         f"add map inet {T} marking_v4 {{ type ipv4_addr : verdict; elements = {{ 10.0.0.5 : jump mark_s_u_1 }} }}",
         f"add set inet {T} dns_gw_v4 {{ type ipv4_addr; elements = {{ 10.0.0.1 }} }}",
     ]
-    assert text[-3:] == tail
+    assert text[-4:] == tail
     assert not any(ln.startswith("delete") for ln in text)
     assert dispatch_entries(CFG, SUBJ) == "\n".join(tail) + "\n"
 
@@ -445,7 +448,7 @@ def test_objects_script_mitm() -> None:
         in text
     )
     assert f"add set inet {T} mitm_src_v4 {{ type ipv4_addr; elements = {{ 10.0.0.5 }} }}" in text
-    assert dispatch_entries(MITM, SUBJ) == "\n".join(text[-5:]) + "\n"
+    assert dispatch_entries(MITM, SUBJ) == "\n".join(text[-6:]) + "\n"
 
 
 def test_objects_script_mitm_mismatched_gateway_family_raises() -> None:
@@ -608,6 +611,7 @@ def test_removal_batch_op_order() -> None:
     assert batch.ops == (
         DeleteElement("marking_v4", ip),
         DeleteElement("dispatch_v4", ip),
+        DeleteElement("sandboxes_v4", ip),
         DeleteChain("subj_s_u_1"),
         DeleteChain("mark_s_u_1"),
         *(DeleteSet(f"subj_s_u_1_{k}") for k in SET_KINDS),
@@ -624,6 +628,7 @@ def test_removal_batch_releases_the_gateway_with_mitm() -> None:
     assert elements == [
         ("marking_v4", SUBJ.ip),
         ("dispatch_v4", SUBJ.ip),
+        ("sandboxes_v4", SUBJ.ip),
         ("mitm_src_v4", SUBJ.ip),
         ("mitm_in_v4", SUBJ.ip),
         ("dns_gw_v4", SUBJ.gateway),
@@ -633,7 +638,7 @@ def test_removal_batch_releases_the_gateway_with_mitm() -> None:
     kinds = [type(op) for op in batch.ops]
     assert kinds.index(DeleteChain) > max(i for i, k in enumerate(kinds) if k is DeleteElement)
     assert kinds.index(DeleteSet) > max(i for i, k in enumerate(kinds) if k is DeleteChain)
-    assert batch.describe().splitlines()[4] == "delete element inet T dns_gw_v4 { 10.0.0.1 }"
+    assert batch.describe().splitlines()[5] == "delete element inet T dns_gw_v4 { 10.0.0.1 }"
 
 
 def test_removal_batch_without_ip_drops_only_objects() -> None:
@@ -648,6 +653,7 @@ def test_removal_batch_describe() -> None:
     assert text.splitlines() == [
         "delete element inet T marking_v4 { 10.0.0.5 }",
         "delete element inet T dispatch_v4 { 10.0.0.5 }",
+        "delete element inet T sandboxes_v4 { 10.0.0.5 }",
         "delete element inet T dns_gw_v4 { 10.0.0.1 }",
         "delete chain inet T subj_s_u_1",
         "delete chain inet T mark_s_u_1",
@@ -659,9 +665,10 @@ def test_removal_batch_describe() -> None:
 
 def test_removal_batch_describe_v6_with_mitm() -> None:
     text = removal_batch(MITM, "s_u_6", SUBJ6.ip, release_gateway=SUBJ6.gateway).describe()
-    assert text.splitlines()[:5] == [
+    assert text.splitlines()[:6] == [
         "delete element inet T marking_v6 { fd00::5 }",
         "delete element inet T dispatch_v6 { fd00::5 }",
+        "delete element inet T sandboxes_v6 { fd00::5 }",
         "delete element inet T mitm_src_v6 { fd00::5 }",
         "delete element inet T mitm_in_v6 { fd00::5 }",
         "delete element inet T dns_gw_v6 { fd00::1 }",
@@ -674,6 +681,7 @@ def test_dispatch_deletes_v6_and_gateway_of_other_family() -> None:
     assert ops == [
         DeleteElement("marking_v6", ip_address("fd00::5")),
         DeleteElement("dispatch_v6", ip_address("fd00::5")),
+        DeleteElement("sandboxes_v6", ip_address("fd00::5")),
         DeleteElement("dns_gw_v4", ip_address("10.0.0.1")),
     ]
     assert gateway_release(ip_address("fd00::1")) == DeleteElement("dns_gw_v6", ip_address("fd00::1"))
