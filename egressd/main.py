@@ -169,6 +169,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
                 task.cancel()
             await runner.cleanup()
             await dns.close()
+            forwarder.close()
     finally:
         await tx.close()
 

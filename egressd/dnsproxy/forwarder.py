@@ -16,6 +16,7 @@ from egressd.dnsproxy.upstreams import Upstream
 
 UPSTREAM_MARK = 0x1  # exempt from the sidecar's OUTPUT redirect/filter; not the fleet allow mark
 _MAX_UDP = 65535
+_POOL_PER_UPSTREAM = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,7 @@ class Forwarder:
         self.upstreams = tuple(upstreams)
         self.timeout = timeout
         self.mark = mark
+        self._pool: dict[Upstream, list[socket.socket]] = {}
 
     async def forward(self, query: DNSRecord, *, tcp: bool = False) -> Forwarded:
         if not self.upstreams:
@@ -80,11 +82,11 @@ class Forwarder:
 
     async def _udp(self, up: Upstream, wire: bytes, query: DNSRecord) -> DNSRecord | None:
         loop = asyncio.get_running_loop()
-        sock = _socket(up, socket.SOCK_DGRAM, self.mark)
+        sock = await self._checkout(up)
+        clean = False
         try:
-            await loop.sock_connect(sock, (up.host, up.port))
             await loop.sock_sendall(sock, wire)
-            while True:  # ignore stray or spoofed datagrams until the timeout
+            while True:  # ignore stray, late or spoofed datagrams until the timeout
                 data = await loop.sock_recv(sock, _MAX_UDP)
                 if not data:
                     return None
@@ -93,9 +95,35 @@ class Forwarder:
                 except Exception:
                     continue
                 if _matches(query, reply):
+                    clean = True
                     return reply
         finally:
+            # Only a socket whose exchange completed goes back: a timed-out one may still get
+            # the late answer, which must never be read as the next query's.
+            if clean and len(self._pool.get(up, ())) < _POOL_PER_UPSTREAM:
+                self._pool.setdefault(up, []).append(sock)
+            else:
+                sock.close()
+
+    async def _checkout(self, up: Upstream) -> socket.socket:
+        """A connected UDP socket to ``up``: reused from the pool (no socket and no new
+        conntrack entry per query) or made on demand."""
+        pool = self._pool.get(up)
+        if pool:
+            return pool.pop()
+        sock = _socket(up, socket.SOCK_DGRAM, self.mark)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, (up.host, up.port))
+        except BaseException:
             sock.close()
+            raise
+        return sock
+
+    def close(self) -> None:
+        for pool in self._pool.values():
+            for sock in pool:
+                sock.close()
+        self._pool.clear()
 
     async def _tcp(self, up: Upstream, wire: bytes, query: DNSRecord) -> DNSRecord | None:
         loop = asyncio.get_running_loop()

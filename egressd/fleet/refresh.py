@@ -93,12 +93,12 @@ class LeaseRefresher:
 
     async def tick(self) -> None:
         try:
-            text = await asyncio.to_thread(self.path.read_text)
+            # Read and parse off the event loop: a big conntrack table takes tens of ms.
+            flows = await asyncio.to_thread(lambda: parse_conntrack(self.path.read_text().splitlines()))
         except OSError as exc:
             log.warning("refresh.read_failed", error=str(exc)[:200])
             self._last.clear()
             return
-        flows = parse_conntrack(text.splitlines())
         now_by_uid: dict[str, set[IPAddress]] = {}
         for src, dsts in flows.items():
             uid = self.subjects_by_ip(src)
