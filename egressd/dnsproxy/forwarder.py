@@ -23,6 +23,7 @@ _POOL_PER_UPSTREAM = 32
 class Forwarded:
     reply: DNSRecord | None  # None: every upstream failed -> SERVFAIL
     failure: str = ""  # last failure reason: upstream_error | empty_response | rcode | no_upstreams
+    wire: bytes | None = None  # the reply exactly as received (UDP), when available
 
 
 def _socket(up: Upstream, kind: int, mark: int | None) -> socket.socket:
@@ -61,12 +62,15 @@ class Forwarder:
         wire = bytes(query.pack())
         failure = "upstream_error"
         for up in self.upstreams:
+            raw: bytes | None = None
             try:
                 if tcp:
                     reply = await asyncio.wait_for(self._tcp(up, wire, query), self.timeout)
                 else:
-                    reply = await asyncio.wait_for(self._udp(up, wire, query), self.timeout)
+                    got = await asyncio.wait_for(self._udp(up, wire, query), self.timeout)
+                    reply, raw = got if got is not None else (None, None)
                     if reply is not None and reply.header.tc:
+                        raw = None
                         reply = await asyncio.wait_for(self._tcp(up, wire, query), self.timeout)
             except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError):
                 failure = "upstream_error"
@@ -77,10 +81,10 @@ class Forwarder:
             if not final_rcode(reply):
                 failure = "rcode"
                 continue
-            return Forwarded(reply)
+            return Forwarded(reply, wire=raw)
         return Forwarded(None, failure)
 
-    async def _udp(self, up: Upstream, wire: bytes, query: DNSRecord) -> DNSRecord | None:
+    async def _udp(self, up: Upstream, wire: bytes, query: DNSRecord) -> tuple[DNSRecord, bytes] | None:
         loop = asyncio.get_running_loop()
         sock = await self._checkout(up)
         clean = False
@@ -96,7 +100,7 @@ class Forwarder:
                     continue
                 if _matches(query, reply):
                     clean = True
-                    return reply
+                    return reply, data
         finally:
             # Only a socket whose exchange completed goes back: a timed-out one may still get
             # the late answer, which must never be read as the next query's.

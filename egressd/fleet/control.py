@@ -225,7 +225,10 @@ class ControlPlane:
             if not self.registry.kernel(uid).rules:
                 return
             async with self._kernel_lock:
-                await self.tx.run_batch(dyn_add(self.table.table, entry.nft_id, leases), op="dynamic_add")
+                batch = dyn_add(self.table.table, entry.nft_id, leases)
+                # The inline path is an optional fast path of the kernel shell (see applier).
+                run = getattr(self.tx, "run_batch_inline", None) or self.tx.run_batch
+                await run(batch, op="dynamic_add")
             now = time.monotonic()
             mirror = self.leases.setdefault(uid, {})
             for ip, seconds in leases:

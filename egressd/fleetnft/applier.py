@@ -61,6 +61,7 @@ class KernelTransactions:
         self._metrics = metrics
         self._nft: Any = None
         self._netlink: _Netlink | None = None
+        self._inline: _Netlink | None = None  # owned by the event loop thread
 
     # Runs on the worker thread.
     def _ctx(self) -> Any:
@@ -113,6 +114,25 @@ class KernelTransactions:
     async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
         await self._call(op, self._batch, batch)
 
+    async def run_batch_inline(self, batch: NetlinkBatch, *, op: str) -> None:
+        # A lease add is one tiny transaction (~0.1-0.2 ms in the kernel); the hop to the kernel
+        # thread and back costs about as much again on the DNS reply path. The caller holds the
+        # control plane's kernel lock, so this never overlaps another egressd transaction.
+        if self._inline is None:
+            self._inline = _Netlink()
+        start = time.perf_counter()
+        try:
+            self._inline.run(batch)
+        except Exception:
+            if self._metrics:
+                self._metrics.nft_failures.inc(op)
+            raise
+        finally:
+            if self._metrics:
+                self._metrics.nft_latency.observe(time.perf_counter() - start, op)
+        if self._metrics:
+            self._metrics.nft_updates.inc(op)
+
     async def reset_table(self, header_with_delete: str, header: str) -> None:
         await self._call("reset", self._reset, header_with_delete, header)
 
@@ -134,4 +154,6 @@ class KernelTransactions:
         try:
             await asyncio.get_running_loop().run_in_executor(self._pool, _close)
         finally:
+            if self._inline is not None:
+                self._inline.close()
             self._pool.shutdown(wait=False)
