@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
 from egressd.fleetnft.netlink import NetlinkError, NfTablesSocket
@@ -92,11 +93,12 @@ class KernelTransactions:
             # "delete table" fails when the table is missing; retry without it.
             self._cmd(header)
 
-    async def _call(self, op: str, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
+    @contextlib.contextmanager
+    def _measured(self, op: str) -> Iterator[None]:
+        """Count a transaction, its failure and its latency under ``op``."""
         start = time.perf_counter()
         try:
-            result = await loop.run_in_executor(self._pool, fn, *args)
+            yield
         except Exception:
             if self._metrics:
                 self._metrics.nft_failures.inc(op)
@@ -106,7 +108,10 @@ class KernelTransactions:
                 self._metrics.nft_latency.observe(time.perf_counter() - start, op)
         if self._metrics:
             self._metrics.nft_updates.inc(op)
-        return result
+
+    async def _call(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+        with self._measured(op):
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def run_script(self, script: str, *, op: str) -> None:
         await self._call(op, self._cmd, script)
@@ -120,18 +125,8 @@ class KernelTransactions:
         # control plane's kernel lock, so this never overlaps another egressd transaction.
         if self._inline is None:
             self._inline = _Netlink()
-        start = time.perf_counter()
-        try:
+        with self._measured(op):
             self._inline.run(batch)
-        except Exception:
-            if self._metrics:
-                self._metrics.nft_failures.inc(op)
-            raise
-        finally:
-            if self._metrics:
-                self._metrics.nft_latency.observe(time.perf_counter() - start, op)
-        if self._metrics:
-            self._metrics.nft_updates.inc(op)
 
     async def reset_table(self, header_with_delete: str, header: str) -> None:
         await self._call("reset", self._reset, header_with_delete, header)
