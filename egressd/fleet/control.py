@@ -25,14 +25,14 @@ from egressd.fleetnft.builder import (
     SubjectNft,
     TableConfig,
     dispatch_deletes,
-    dispatch_entries,
     dyn_add,
     flush_subject_sets,
     gateway_release,
     header_script,
     policy_swap,
     removal_batch,
-    subject_objects_script,
+    subject_create,
+    subject_keys,
     subject_rules,
 )
 from egressd.fleetnft.ops import NetlinkBatch, Op
@@ -476,24 +476,23 @@ class ControlPlane:
         if isinstance(step, InstallDenyFirst):
             subj = self._subject_nft(nid, step.binding)
             try:
-                script = subject_objects_script(self.table, subj)
+                create = subject_create(self.table, subj)
             except ValueError as exc:
                 raise _Refused(str(exc)) from None
-            cut: list[IPAddress] = []
-            if view.objects:
-                # Revert or rebind: empty every set first, before any new key points at them.
-                await self.tx.run_batch(flush_subject_sets(table, nid), op="deny_first")
-                view = replace(view, applied=None)
-                save(view)
-                self.leases.pop(entry.uid, None)
-                cut = _ips(view.keys)
-            await self.tx.run_script(script, op="deny_first")
-            view = replace(view, objects=True, keys=view.keys | {(subj.ip, subj.gateway)})
-            save(view)
+            if not view.objects:
+                # A new subject: sets, chains, fixed rules and keys in one transaction.
+                await self.tx.run_batch(create, op="deny_first")
+                save(KernelView(True, frozenset({(subj.ip, subj.gateway)}), rules=True))
+                return []
+            # Revert, rebind or retry: empty every set before any (new) key points at the
+            # chains, all in one transaction.
+            batch = flush_subject_sets(table, nid)
             if not view.rules:
-                await self.tx.run_batch(subject_rules(self.table, nid), op="deny_first")
-                save(replace(view, rules=True))
-            return cut
+                batch = batch + subject_rules(self.table, nid)
+            await self.tx.run_batch(batch + subject_keys(self.table, subj), op="deny_first")
+            self.leases.pop(entry.uid, None)
+            save(replace(view, rules=True, applied=None, keys=view.keys | {(subj.ip, subj.gateway)}))
+            return _ips(view.keys | {(subj.ip, subj.gateway)})
         if isinstance(step, ApplyPolicy):
             if not (view.objects and view.rules):
                 raise _Refused("subject has no deny-first state in the kernel")
@@ -502,7 +501,7 @@ class ControlPlane:
             return []
         if isinstance(step, AddKeys):
             subj = self._subject_nft(nid, step.binding)
-            await self.tx.run_script(dispatch_entries(self.table, subj), op="dispatch_update")
+            await self.tx.run_batch(subject_keys(self.table, subj), op="dispatch_update")
             save(replace(view, keys=view.keys | {(subj.ip, subj.gateway)}))
             return []
         if isinstance(step, DropStaleKeys):

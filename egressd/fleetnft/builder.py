@@ -33,8 +33,12 @@ from dataclasses import dataclass
 
 from egressd.fleetnft.ops import (
     ALLOW_MARK,
+    AddChain,
+    AddElements,
     AddIntervals,
+    AddJump,
     AddRule,
+    AddSet,
     AddTimed,
     DeleteChain,
     DeleteElement,
@@ -302,6 +306,36 @@ def subject_rules(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
                 )
         ops.append(AddRule(n.in_chain, VerdictRule(Outcome.DROP)))
     return NetlinkBatch(cfg.table, tuple(ops))
+
+
+def subject_keys(cfg: TableConfig, subj: SubjectNft) -> NetlinkBatch:
+    """Point the subject's source IP (and gateway) at its chains (idempotent)."""
+    n = Names(subj.nft_id)
+    fam = family(subj.ip)
+    ops: list[Op] = [
+        AddJump(dispatch_map(fam), subj.ip, n.chain),
+        AddElements(sandbox_set(fam), (subj.ip,)),
+        AddJump(marking_map(fam), subj.ip, n.mark_chain),
+        AddElements(gateway_set(family(subj.gateway)), (subj.gateway,)),
+    ]
+    if cfg.mitm:
+        ops += [AddJump(mitm_in_map(fam), subj.ip, n.in_chain), AddElements(mitm_src_set(fam), (subj.ip,))]
+    return NetlinkBatch(cfg.table, tuple(ops))
+
+
+def subject_create(cfg: TableConfig, subj: SubjectNft) -> NetlinkBatch:
+    """A new subject in ONE atomic batch: sets, chains, fixed rules, then its dispatch keys.
+
+    All of it or nothing lands, so a subject never exists half made; nothing in it goes
+    through libnftables (no cache fill), and the table is validated once.
+    """
+    if cfg.mitm and subj.gateway.version != subj.ip.version:
+        raise ValueError("gateway and sandbox ip are of different address families")
+    n = Names(subj.nft_id)
+    ops: list[Op] = [AddSet(n.set(kind), kind[-2:], "interval") for kind in STATIC_SETS]
+    ops += [AddSet(n.set(f"dyn_{fam}"), fam, "timeout", DYN_TIMEOUT_S) for fam in ("v4", "v6")]
+    ops += [AddChain(n.chain), AddChain(n.mark_chain)] + ([AddChain(n.in_chain)] if cfg.mitm else [])
+    return NetlinkBatch(cfg.table, tuple(ops)) + subject_rules(cfg, subj.nft_id) + subject_keys(cfg, subj)
 
 
 def subject_objects_script(cfg: TableConfig, subj: SubjectNft) -> str:

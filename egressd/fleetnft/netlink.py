@@ -21,8 +21,12 @@ from collections.abc import Iterable, Sequence
 
 from egressd.fleetnft.ops import (
     ALLOW_MARK,
+    AddChain,
+    AddElements,
     AddIntervals,
+    AddJump,
     AddRule,
+    AddSet,
     AddTimed,
     DeleteChain,
     DeleteElement,
@@ -51,8 +55,10 @@ NFNL_MSG_BATCH_BEGIN = 0x10
 NFNL_MSG_BATCH_END = 0x11
 NFPROTO_INET = 1
 
+NFT_MSG_NEWCHAIN = 3
 NFT_MSG_DELCHAIN = 5
 NFT_MSG_NEWRULE = 6
+NFT_MSG_NEWSET = 9
 NFT_MSG_DELSET = 11
 NFT_MSG_NEWSETELEM = 12
 NFT_MSG_DELSETELEM = 14
@@ -60,7 +66,13 @@ NFT_MSG_DELSETELEM = 14
 NFTA_LIST_ELEM = 1
 NFTA_CHAIN_TABLE, NFTA_CHAIN_NAME = 1, 3
 NFTA_RULE_TABLE, NFTA_RULE_CHAIN, NFTA_RULE_EXPRESSIONS = 1, 2, 4
-NFTA_SET_TABLE, NFTA_SET_NAME = 1, 2
+NFTA_SET_TABLE, NFTA_SET_NAME, NFTA_SET_FLAGS, NFTA_SET_KEY_TYPE, NFTA_SET_KEY_LEN = 1, 2, 3, 4, 5
+NFTA_SET_ID, NFTA_SET_TIMEOUT = 10, 11
+NFT_SET_INTERVAL, NFT_SET_TIMEOUT = 0x4, 0x10
+NFT_DATATYPE_IPADDR, NFT_DATATYPE_IP6ADDR = 7, 8  # nftables' datatype ids: ipv4_addr, ipv6_addr
+NFTA_SET_ELEM_DATA = 2
+NFTA_VERDICT_CHAIN = 2
+NFT_JUMP = -3
 NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_LIST_SET, NFTA_SET_ELEM_LIST_ELEMENTS = 1, 2, 3
 NFTA_SET_ELEM_KEY, NFTA_SET_ELEM_FLAGS, NFTA_SET_ELEM_TIMEOUT, NFTA_SET_ELEM_EXPIRATION = 1, 3, 4, 5
 NFT_SET_ELEM_INTERVAL_END = 0x1
@@ -210,8 +222,36 @@ def _elem_list(table: str, name: str, elements: bytes | None) -> bytes:
     return body + elements if elements is not None else body
 
 
-def encode_op(table: str, op: Op) -> tuple[int, int, bytes]:
+def encode_op(table: str, op: Op, set_id: int = 0) -> tuple[int, int, bytes]:
     """(nf_tables message type, extra nlmsg flags, attributes) of one operation."""
+    if isinstance(op, AddSet):
+        v4 = op.fam == "v4"
+        flags = {"interval": NFT_SET_INTERVAL, "timeout": NFT_SET_TIMEOUT}.get(op.kind, 0)
+        body = (
+            _str(NFTA_SET_TABLE, table)
+            + _str(NFTA_SET_NAME, op.name)
+            + _u32(NFTA_SET_FLAGS, flags)
+            + _u32(NFTA_SET_KEY_TYPE, NFT_DATATYPE_IPADDR if v4 else NFT_DATATYPE_IP6ADDR)
+            + _u32(NFTA_SET_KEY_LEN, 4 if v4 else 16)
+            + _u32(NFTA_SET_ID, set_id)
+        )
+        if op.kind == "timeout":
+            body += _u64(NFTA_SET_TIMEOUT, op.timeout_s * 1000)
+        return NFT_MSG_NEWSET, NLM_F_CREATE, body
+    if isinstance(op, AddChain):
+        return NFT_MSG_NEWCHAIN, NLM_F_CREATE, _str(NFTA_CHAIN_TABLE, table) + _str(NFTA_CHAIN_NAME, op.name)
+    if isinstance(op, AddJump):
+        fam = "v4" if op.key.version == 4 else "v6"
+        verdict = _nest(
+            NFTA_DATA_VERDICT,
+            _attr(NFTA_VERDICT_CODE, struct.pack(">i", NFT_JUMP)),
+            _str(NFTA_VERDICT_CHAIN, op.chain),
+        )
+        elem = _key(op.key, fam) + _nest(NFTA_SET_ELEM_DATA, verdict)
+        return NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.map, _elements([elem]))
+    if isinstance(op, AddElements):
+        elems = [_key(k, "v4" if k.version == 4 else "v6") for k in op.keys]
+        return NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.name, _elements(elems))
     if isinstance(op, AddRule):
         body = (
             _str(NFTA_RULE_TABLE, table)
@@ -257,8 +297,8 @@ def encode_batch(batch: NetlinkBatch, first_seq: int) -> tuple[bytes, dict[int, 
     parts = [_nlmsg(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, next(seq), 0, NFNL_SUBSYS_NFTABLES, b"")]
     by_seq: dict[int, Op] = {}
     for op in batch.ops:
-        msg_type, extra, body = encode_op(batch.table, op)
         s = next(seq)
+        msg_type, extra, body = encode_op(batch.table, op, set_id=s)
         by_seq[s] = op
         parts.append(
             _nlmsg(

@@ -57,6 +57,38 @@ class AddRule:
 
 
 @dataclass(frozen=True, slots=True)
+class AddSet:
+    """Declare a set (no-op when an identical one exists). ``kind``: interval | timeout | plain."""
+
+    name: str
+    fam: str
+    kind: str
+    timeout_s: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AddChain:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class AddJump:
+    """``map[key] = jump chain`` in a verdict map."""
+
+    map: str
+    key: IPAddress
+    chain: str
+
+
+@dataclass(frozen=True, slots=True)
+class AddElements:
+    """Add addresses to a plain (non-interval, no-timeout) set."""
+
+    name: str
+    keys: tuple[IPAddress, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class FlushSet:
     name: str
 
@@ -95,7 +127,19 @@ class DeleteSet:
     name: str
 
 
-Op = AddRule | FlushSet | AddIntervals | AddTimed | DeleteElement | DeleteChain | DeleteSet
+Op = (
+    AddSet
+    | AddChain
+    | AddJump
+    | AddElements
+    | AddRule
+    | FlushSet
+    | AddIntervals
+    | AddTimed
+    | DeleteElement
+    | DeleteChain
+    | DeleteSet
+)
 
 
 def _fmt_net(net: IPNetwork) -> str:
@@ -119,7 +163,20 @@ class NetlinkBatch:
         t = f"inet {self.table}"
         out: list[str] = []
         for op in self.ops:
-            if isinstance(op, AddRule):
+            if isinstance(op, AddSet):
+                typ = "ipv4_addr" if op.fam == "v4" else "ipv6_addr"
+                flags = {
+                    "interval": " flags interval;",
+                    "timeout": f" flags timeout; timeout {op.timeout_s}s;",
+                }
+                out.append(f"add set {t} {op.name} {{ type {typ};{flags.get(op.kind, '')} }}")
+            elif isinstance(op, AddChain):
+                out.append(f"add chain {t} {op.name}")
+            elif isinstance(op, AddJump):
+                out.append(f"add element {t} {op.map} {{ {op.key} : jump {op.chain} }}")
+            elif isinstance(op, AddElements):
+                out.append(f"add element {t} {op.name} {{ {', '.join(str(k) for k in op.keys)} }}")
+            elif isinstance(op, AddRule):
                 out.append(f"add rule {t} {op.chain} {op.rule.render()}")
             elif isinstance(op, FlushSet):
                 out.append(f"flush set {t} {op.name}")

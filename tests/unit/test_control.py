@@ -35,8 +35,12 @@ from egressd.fleet.control import ControlPlane, Result
 from egressd.fleetnft.applier import NftError
 from egressd.fleetnft.builder import TableConfig
 from egressd.fleetnft.ops import (
+    AddChain,
+    AddElements,
     AddIntervals,
+    AddJump,
     AddRule,
+    AddSet,
     AddTimed,
     DeleteChain,
     DeleteElement,
@@ -80,6 +84,7 @@ class _State:
     chains: dict[str, list[str]] = field(default_factory=dict)
     sets: dict[str, dict[str, str]] = field(default_factory=dict)  # name -> key -> data ("" for sets)
     maps: set[str] = field(default_factory=set)
+    set_kinds: dict[str, str] = field(default_factory=dict)
 
 
 _ELEMENTS = re.compile(r"elements = \{ (.*) \} \}$")
@@ -222,7 +227,29 @@ class FakeKernel:
         if batch.ops and not st.table:
             raise self._err("No such file or directory")
         for op in batch.ops:
-            if isinstance(op, AddRule):
+            if isinstance(op, AddSet):
+                kind = f"{op.fam}:{op.kind}"
+                if op.name in st.sets and st.set_kinds.get(op.name, kind) != kind:
+                    raise self._err("File exists")
+                st.sets.setdefault(op.name, {})
+                st.set_kinds[op.name] = kind
+            elif isinstance(op, AddChain):
+                st.chains.setdefault(op.name, [])
+            elif isinstance(op, AddJump):
+                elements = st.sets.get(op.map)
+                if elements is None or op.chain not in st.chains:
+                    raise self._err("No such file or directory")
+                data = f"jump {op.chain}"
+                if elements.get(str(op.key), data) != data:
+                    raise self._err("File exists")
+                elements[str(op.key)] = data
+            elif isinstance(op, AddElements):
+                elements = st.sets.get(op.name)
+                if elements is None:
+                    raise self._err("No such file or directory")
+                for key in op.keys:
+                    elements.setdefault(str(key), "")
+            elif isinstance(op, AddRule):
                 if op.chain not in st.chains:
                     raise self._err("No such file or directory")
                 rule = op.rule.render()
@@ -563,13 +590,18 @@ async def test_set_binding_installs_deny_first_then_parks_the_policy(
     assert e.policy is None
     assert e.spec_generation == 1
     calls = kernel.since(before)
-    # Objects (libnftables, no rules), then the fixed rules (one netlink batch).
-    assert [(c.kind, c.op) for c in calls] == [("script", "deny_first"), ("batch", "deny_first")]
-    assert "add rule" not in calls[0].text and "flush" not in calls[0].text
-    assert calls[1].text.splitlines() == [
+    # One atomic netlink batch: sets, chains, the fixed rules, then the dispatch keys.
+    assert [(c.kind, c.op) for c in calls] == [("batch", "deny_first")]
+    text = calls[0].text.splitlines()
+    assert "flush" not in calls[0].text
+    rules = [ln for ln in text if ln.startswith("add rule")]
+    assert rules == [
         *(f"add rule inet T subj_s_u_1 {r}" for r in subj_rules()),
         *(f"add rule inet T mark_s_u_1 {r}" for r in mark_rules()),
     ]
+    first_rule = text.index(rules[0])
+    assert all(ln.startswith(("add set", "add chain")) for ln in text[:first_rule])
+    assert all(ln.startswith("add element") for ln in text[first_rule + len(rules) :])
     assert_deny_first_installed(kernel)
     assert kernel.elements("dns_gw_v4") == {GW: ""}
     assert control.registry.resolve(ip_address("10.0.0.5")) == e
@@ -666,8 +698,9 @@ async def test_null_revert_of_an_active_subject(control: ControlPlane, kernel: F
     ok(await control.handle(set_binding(policy=None)))
     calls = kernel.since(before)
     assert calls[0].op == "deny_first"
-    # Flush the sets, re-declare the objects; the rules are already there and stay as they are.
-    assert [(c.kind, c.op) for c in calls] == [("batch", "deny_first"), ("script", "deny_first")]
+    # One batch: flush the sets, re-point the keys; the rules are already there and stay.
+    assert [(c.kind, c.op) for c in calls] == [("batch", "deny_first")]
+    assert "add rule" not in calls[0].text
     e = entry(control)
     assert e.state is State.DENYING
     assert e.policy is None
@@ -902,10 +935,10 @@ async def test_rebind_to_new_ip_deletes_the_old_map_entries(
     before = kernel.mark()
     ok(await control.handle(set_binding(policy=POLICY_B, ip="10.0.0.6", rid="r2", aid="a2", gen=2)))
     calls = kernel.since(before)
-    # flush batch, objects script (rules kept), then the stale keys' deletions
-    assert [c.op for c in calls] == ["deny_first", "deny_first", "dispatch_update"]
-    assert [c.kind for c in calls[:2]] == ["batch", "script"]
-    deletes = calls[2]
+    # flush + new keys in one batch (rules kept), then the stale keys' deletions
+    assert [c.op for c in calls] == ["deny_first", "dispatch_update"]
+    assert [c.kind for c in calls] == ["batch", "batch"]
+    deletes = calls[1]
     assert deletes.kind == "batch"
     assert "delete element inet T dispatch_v4 { 10.0.0.5 }" in deletes.text
     assert "delete element inet T marking_v4 { 10.0.0.5 }" in deletes.text
@@ -951,7 +984,7 @@ async def test_active_rekey_drops_old_keys_before_adding_new(
     calls = kernel.since(before)
     assert [(c.kind, c.op) for c in calls] == [
         ("batch", "dispatch_update"),
-        ("script", "dispatch_update"),
+        ("batch", "dispatch_update"),
         ("batch", "static_apply"),
     ]
     assert "10.0.0.5" in calls[0].text
@@ -1191,30 +1224,24 @@ async def test_fake_kernel_refuses_like_the_kernel(kernel: FakeKernel) -> None:
     assert k.elements("subj_s_u_1_allow_v4") == {"10.0.0.0/24": "", "8.8.8.8": ""}
 
 
-async def test_rules_failure_after_objects_is_retried_once(control: ControlPlane, kernel: FakeKernel) -> None:
-    kernel.fail(match="add rule inet T mark_s_u_1")  # the fixed-rules batch
+async def test_creation_failure_leaves_nothing_and_retry_installs_rules_once(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    kernel.fail(match="add rule inet T mark_s_u_1")  # part of the one creation batch
     result = await control.handle(set_binding())
     assert result.status == 500
     assert result.reason.startswith("deny-first install: ")
-    # The objects (and keys) went in; the rules did not, and the view says exactly that.
-    key = (ip_address("10.0.0.5"), ip_address(GW))
-    assert control.registry.kernel("u-1") == KernelView(True, frozenset({key}), rules=False)
-    assert kernel.has_chain("subj_s_u_1")
-    assert kernel.rules("subj_s_u_1") == [] and kernel.rules("mark_s_u_1") == []
-    assert dispatched(kernel, "10.0.0.5") == "jump subj_s_u_1"  # empty chains: nothing marked, dropped
+    # Creation is one transaction: nothing of the subject exists, and the view says so.
+    assert control.registry.kernel("u-1") == KernelView()
+    assert kernel.subject_objects("s_u_1") == []
+    assert dispatched(kernel, "10.0.0.5") is None
     e = entry(control)
     assert e.state is State.DENYING and e.pending is None
     assert (await control.handle(hook())).status == 409
-
     before = kernel.mark()
     ok(await control.handle(set_binding()))
-    calls = kernel.since(before)
-    assert [(c.kind, c.op) for c in calls] == [
-        ("batch", "deny_first"),  # flush (objects existed)
-        ("script", "deny_first"),
-        ("batch", "deny_first"),  # the rules, now
-    ]
-    assert "add rule" in calls[2].text
+    assert [(c.kind, c.op) for c in kernel.since(before)] == [("batch", "deny_first")]
+    key = (ip_address("10.0.0.5"), ip_address(GW))
     assert control.registry.kernel("u-1") == KernelView(True, frozenset({key}), rules=True)
     assert_deny_first_installed(kernel)
     # Further re-runs never add the rules again.
@@ -1285,9 +1312,7 @@ async def test_apply_policy_without_rules_is_500_and_keeps_pending(
     before = kernel.mark()
     ok(await control.handle(hook()))
     assert [(c.kind, c.op) for c in kernel.since(before)] == [
-        ("batch", "deny_first"),
-        ("script", "deny_first"),
-        ("batch", "deny_first"),
+        ("batch", "deny_first"),  # flush + the missing rules + keys, one transaction
         ("batch", "static_apply"),
     ]
     assert entry(control).state is State.ACTIVE
@@ -1308,7 +1333,7 @@ async def test_in_place_update_without_rules_is_500_and_keeps_the_old_policy(
     assert kernel.elements("subj_s_u_1_allow_v4") == {"8.8.8.8": ""}
 
 
-async def test_revert_flushes_the_sets_before_the_objects_script(
+async def test_revert_flushes_the_sets_before_any_key_points_at_them(
     control: ControlPlane, kernel: FakeKernel
 ) -> None:
     await activate(control)
@@ -1316,11 +1341,11 @@ async def test_revert_flushes_the_sets_before_the_objects_script(
     before = kernel.mark()
     ok(await control.handle(set_binding(policy=None)))
     calls = kernel.since(before)
-    assert [(c.kind, c.op) for c in calls] == [("batch", "deny_first"), ("script", "deny_first")]
-    flush, script = calls
-    assert flush.n < script.n
-    assert flush.text.splitlines() == [f"flush set inet T subj_s_u_1_{k}" for k in SET_KINDS]
-    assert "flush" not in script.text and "add rule" not in script.text
+    assert [(c.kind, c.op) for c in calls] == [("batch", "deny_first")]
+    text = calls[0].text.splitlines()
+    assert text[:6] == [f"flush set inet T subj_s_u_1_{k}" for k in SET_KINDS]
+    assert all(ln.startswith("add element") for ln in text[6:])
+    assert "add rule" not in calls[0].text
     assert_deny_first_installed(kernel)
 
 

@@ -269,3 +269,27 @@ def test_removal_batch_encodes_every_op() -> None:
     assert len(by_seq) == len(batch.ops) > 0
     assert isinstance(NetlinkBatch(T, batch.ops), NetlinkBatch)
     assert len(data) % 4 == 0
+
+
+def test_subject_create_is_one_batch_sets_chains_rules_keys() -> None:
+    from egressd.fleetnft.builder import SubjectNft, subject_create
+
+    subj = SubjectNft("s_u_1", IPv4Address("10.0.0.5"), IPv4Address("10.0.0.1"))
+    text = subject_create(TableConfig(table=T), subj).describe().splitlines()
+    assert text[:6] == [
+        f"add set inet {T} subj_s_u_1_allow_v4 {{ type ipv4_addr; flags interval; }}",
+        f"add set inet {T} subj_s_u_1_allow_v6 {{ type ipv6_addr; flags interval; }}",
+        f"add set inet {T} subj_s_u_1_deny_v4 {{ type ipv4_addr; flags interval; }}",
+        f"add set inet {T} subj_s_u_1_deny_v6 {{ type ipv6_addr; flags interval; }}",
+        f"add set inet {T} subj_s_u_1_dyn_v4 {{ type ipv4_addr; flags timeout; timeout 360s; }}",
+        f"add set inet {T} subj_s_u_1_dyn_v6 {{ type ipv6_addr; flags timeout; timeout 360s; }}",
+    ]
+    assert text[6:8] == [f"add chain inet {T} subj_s_u_1", f"add chain inet {T} mark_s_u_1"]
+    assert text[-4:] == [
+        f"add element inet {T} dispatch_v4 {{ 10.0.0.5 : jump subj_s_u_1 }}",
+        f"add element inet {T} sandboxes_v4 {{ 10.0.0.5 }}",
+        f"add element inet {T} marking_v4 {{ 10.0.0.5 : jump mark_s_u_1 }}",
+        f"add element inet {T} dns_gw_v4 {{ 10.0.0.1 }}",
+    ]
+    data, by_seq = netlink.encode_batch(subject_create(TableConfig(table=T), subj), 1)
+    assert len(by_seq) == len(text)
