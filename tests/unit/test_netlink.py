@@ -291,5 +291,5 @@ def test_subject_create_is_one_batch_sets_chains_rules_keys() -> None:
         f"add element inet {T} marking_v4 {{ 10.0.0.5 : jump mark_s_u_1 }}",
         f"add element inet {T} dns_gw_v4 {{ 10.0.0.1 }}",
     ]
-    data, by_seq = netlink.encode_batch(subject_create(TableConfig(table=T), subj), 1)
+    _data, by_seq = netlink.encode_batch(subject_create(TableConfig(table=T), subj), 1)
     assert len(by_seq) == len(text)
