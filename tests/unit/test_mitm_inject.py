@@ -94,7 +94,8 @@ def req(
 ) -> Request:
     """``sni=""`` means "the host" for https and None for http."""
     if sni == "":
-        sni = None if scheme == "http" else normalise_authority(host)[0] if normalise_authority(host) else host  # type: ignore[index]
+        authority = normalise_authority(host)
+        sni = None if scheme == "http" else (authority[0] if authority else host)
     return Request(
         scheme=scheme,
         host=host,
@@ -445,9 +446,7 @@ def test_json_body_escaped() -> None:
 
 def test_form_body_encoded() -> None:
     body = f"user=me&pw={PLACEHOLDER}".encode()
-    out = go(
-        passthrough(), req(method="POST", body=body, content_type="application/x-www-form-urlencoded")
-    )
+    out = go(passthrough(), req(method="POST", body=body, content_type="application/x-www-form-urlencoded"))
     assert out.new_body == f"user=me&pw={quote_plus(SUB_VALUE, safe='')}".encode()
     assert b"a+b%2Fc%2Bd%26e%3D%22f" in out.new_body
 
