@@ -496,8 +496,22 @@ class ControlPlane:
         if isinstance(step, ApplyPolicy):
             if not (view.objects and view.rules):
                 raise _Refused("subject has no deny-first state in the kernel")
-            await self.tx.run_batch(policy_swap(table, nid, self.effective(step.policy)), op="static_apply")
+            effective = self.effective(step.policy)
+            event = {"egress.default": effective.default_action.value, "rules": len(effective.egress)}
+            try:
+                await self.tx.run_batch(policy_swap(table, nid, effective), op="static_apply")
+            except NftError as exc:
+                log.warning(
+                    "egress.update_failed",
+                    **{"opensandbox.event": "egress.update_failed", **event},
+                    subject=entry.subject,
+                    error=str(exc)[:200],
+                )
+                raise
             save(replace(view, applied=step.policy))
+            log.info(
+                "egress.updated", **{"opensandbox.event": "egress.updated", **event}, subject=entry.subject
+            )
             return []
         if isinstance(step, AddKeys):
             subj = self._subject_nft(nid, step.binding)

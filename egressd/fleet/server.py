@@ -131,7 +131,7 @@ class FleetHTTP:
         problem = self.health_problem()
         if problem:
             return text(503, problem)
-        return text(200, "ok")
+        return web.Response(status=200, text="ok", content_type="text/plain")
 
     async def status(self, request: web.Request) -> web.Response:
         if request.method != "GET":
