@@ -345,7 +345,7 @@ def cmd_subjects(ctx: Context, args: argparse.Namespace) -> int:
     if ctx.json_output:
         ctx.emit_json(subjects)
         return EXIT_OK
-    headers = ("SUBJECT", "STATE", "SOURCE-IP", "GATEWAY", "POLICY", "PENDING")
+    headers = ("SUBJECT", "STATE", "SOURCE-IP", "GATEWAY", "POLICY", "PENDING", "VAULT-REV", "LEASES")
     rows = [
         (
             _cell(s.get("subject")),
@@ -354,6 +354,8 @@ def cmd_subjects(ctx: Context, args: argparse.Namespace) -> int:
             _cell(s.get("gateway")),
             _policy_cell(s.get("policy")),
             "yes" if s.get("pending") else "no",
+            _cell(s.get("vaultRevision")),
+            _cell(s.get("leases")),
         )
         for s in subjects
     ]

@@ -602,6 +602,8 @@ class ControlPlane:
                     "pending": e.pending is not None,
                     "kernelInstalled": self.registry.kernel(e.uid).objects,
                     "policy": _policy_summary(pol),
+                    "vaultRevision": self.vaults[e.uid].revision if e.uid in self.vaults else None,
+                    "leases": len(self.leases.get(e.uid, {})),
                 }
             )
         return out

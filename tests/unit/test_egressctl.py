@@ -224,7 +224,7 @@ def test_addr_from_environment(
 def test_subjects_empty(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None:
     code, out, _ = ctl(capsys, daemon, "subjects")
     assert code == 0
-    assert out.split() == ["SUBJECT", "STATE", "SOURCE-IP", "GATEWAY", "POLICY", "PENDING"]
+    assert out.split() == ["SUBJECT", "STATE", "SOURCE-IP", "GATEWAY", "POLICY", "PENDING", "VAULT-REV", "LEASES"]
     assert subjects_json(capsys, daemon) == []
 
 
@@ -234,10 +234,10 @@ def test_subjects_after_set_binding(capsys: pytest.CaptureFixture[str], daemon: 
     code, out, _ = ctl(capsys, daemon, "subjects")
     assert code == 0
     header, *rows = out.splitlines()
-    assert header.split() == ["SUBJECT", "STATE", "SOURCE-IP", "GATEWAY", "POLICY", "PENDING"]
+    assert header.split() == ["SUBJECT", "STATE", "SOURCE-IP", "GATEWAY", "POLICY", "PENDING", "VAULT-REV", "LEASES"]
     assert [r.split() for r in rows] == [
-        ["s-u-1", "denying", "10.0.0.5", "10.0.0.1", "-", "yes"],
-        ["s-u-2", "denying", "10.0.7.9", "10.0.7.254", "-", "yes"],
+        ["s-u-1", "denying", "10.0.0.5", "10.0.0.1", "-", "yes", "-", "0"],
+        ["s-u-2", "denying", "10.0.7.9", "10.0.7.254", "-", "yes", "-", "0"],
     ]
     # Columns are aligned on the header.
     assert {r.index("denying") for r in rows} == {header.index("STATE")}
@@ -268,7 +268,7 @@ def test_full_flow(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None:
 
     code, out, _ = ctl(capsys, daemon, "subjects")
     assert code == 0
-    assert out.splitlines()[1].split() == ["s-u-1", "active", "10.0.0.5", "10.0.0.1", "deny+3", "rules", "no"]
+    assert out.splitlines()[1].split() == ["s-u-1", "active", "10.0.0.5", "10.0.0.1", "deny+3", "rules", "no", "-", "0"]
     (subject,) = subjects_json(capsys, daemon)
     assert subject["state"] == "active"
     assert subject["specGeneration"] == 7
