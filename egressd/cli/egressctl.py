@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 import sys
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -630,6 +631,41 @@ def _vault_request_command(name: str, help_text: str, *, with_body: bool) -> Com
     )
 
 
+# --------------------------------------------------------------------------- explain
+
+
+def _configure_explain(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("sandbox_ip", metavar="SANDBOX-IP", help="the sandbox's source IP address")
+    parser.add_argument(
+        "target", metavar="NAME-OR-IP", help="a destination name (DNS layer) or address (IP layer)"
+    )
+
+
+def cmd_explain(ctx: Context, args: argparse.Namespace) -> int:
+    query = urllib.parse.urlencode({"ip": args.sandbox_ip, "target": args.target})
+    path = f"/v1/explain?{query}"
+    resp = ctx.client.get(path)
+    if resp.status == 400:
+        raise CliError(f"explain: {resp.summary()}", EXIT_LOCAL)
+    _expect_ok(resp, "GET", "/v1/explain")
+    doc = resp.json()
+    if ctx.json_output:
+        ctx.emit_json(doc)
+        return EXIT_OK
+    rule = doc.get("rule")
+    lines = [
+        ("verdict", f"{doc.get('decision', '?').upper()}"),
+        ("subject", f"{doc.get('subject', '-')} ({doc.get('state')})"),
+        ("layer", _cell(doc.get("layer"))),
+        ("rule", f"{rule['action']} {rule['target']}" if isinstance(rule, dict) else "-"),
+        ("why", _cell(doc.get("reason"))),
+    ]
+    width = max(len(k) for k, _ in lines)
+    for key, value in lines:
+        ctx.out(f"{key:<{width}}  {value}")
+    return EXIT_OK
+
+
 # --------------------------------------------------------------------------- registry
 
 STATUS = Command(
@@ -640,6 +676,13 @@ STATUS = Command(
 )
 
 SUBJECTS = Command("subjects", "list registered subjects", run=cmd_subjects)
+
+EXPLAIN = Command(
+    "explain",
+    "would this sandbox reach this destination, and why",
+    run=cmd_explain,
+    configure=_configure_explain,
+)
 
 SEND = Command(
     "send",
@@ -703,7 +746,7 @@ VAULT = Command(
 
 #: Top-level commands, in help order. Later additions (``ca`` printing the MITM CA certificate,
 #: ``explain`` evaluating a policy for a host/IP) are appended here via :func:`register`.
-COMMANDS: list[Command] = [STATUS, SUBJECTS, SEND, VAULT]
+COMMANDS: list[Command] = [STATUS, SUBJECTS, EXPLAIN, SEND, VAULT]
 
 
 def register(command: Command) -> None:

@@ -18,6 +18,7 @@ import structlog
 
 from egressd.actionhandler.envelope import HookName, LifecycleHook, RemoveBinding, SetBinding
 from egressd.dnsproxy.server import Asker
+from egressd.fleet.explain import explain as explain_target
 from egressd.fleet.inputs import BindingInput, InputError, VaultAction, parse_binding_input
 from egressd.fleet.pending import PendingPushes
 from egressd.fleetnft.applier import NftError, Transactions
@@ -38,7 +39,7 @@ from egressd.fleetnft.builder import (
 from egressd.fleetnft.ops import NetlinkBatch, Op
 from egressd.metrics import EgressMetrics
 from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy, effective_policy
-from egressd.subject.model import Fence, IPAddress, nft_id, subject_for_uid
+from egressd.subject.model import Fence, IPAddress, nft_id, subject_for_uid, unmap_ip
 from egressd.subject.registry import (
     AddKeys,
     ApplyPolicy,
@@ -576,6 +577,20 @@ class ControlPlane:
                 log.warning("conntrack.flush_failed", source_ip=str(ip), error=str(exc)[:200])
 
     # ---- read side -------------------------------------------------------------------------
+
+    def explain(self, source_ip: IPAddress, target: str) -> dict[str, Any]:
+        entry = self.registry.resolve(unmap_ip(source_ip))
+        out = explain_target(
+            state=entry.state.value if entry else None,
+            effective=self.effective_for(entry) if entry else None,
+            leases=self.leases.get(entry.uid, {}) if entry else {},
+            target=target,
+            now=time.monotonic(),
+        )
+        out["sourceIp"] = str(source_ip)
+        if entry is not None:
+            out["subject"] = entry.subject
+        return out
 
     def rules_count(self) -> dict[tuple[str, ...], float]:
         """Rules in the table: the header's plus each installed subject's fixed rules."""

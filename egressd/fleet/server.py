@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
@@ -97,6 +98,7 @@ class FleetHTTP:
         app.router.add_route("*", ACTIONS_PATH, self.actions)
         app.router.add_route("*", "/metrics", self.metrics_handler)
         app.router.add_route("*", "/v1/subjects", self.subjects)
+        app.router.add_route("*", "/v1/explain", self.explain)
         if self.proxy is not None:
             for path in (
                 "/v1/sandboxfleets/{tail:.*}",
@@ -160,6 +162,19 @@ class FleetHTTP:
         if request.method != "GET":
             return text(405, "method not allowed", headers={"Allow": "GET"})
         return web.json_response({"subjects": self.control.describe()})
+
+    async def explain(self, request: web.Request) -> web.Response:
+        """Operator view for ``egressctl explain``: ?ip=<sandbox source ip>&target=<name or ip>."""
+        if request.method != "GET":
+            return text(405, "method not allowed", headers={"Allow": "GET"})
+        try:
+            ip = ipaddress.ip_address(request.query.get("ip", "").strip())
+        except ValueError:
+            return text(400, "ip must be the sandbox's source IP address")
+        target = request.query.get("target", "").strip()
+        if not target:
+            return text(400, "target (a name or an IP) is required")
+        return web.json_response(self.control.explain(ip, target))
 
     async def actions(self, request: web.Request) -> web.Response:
         if request.method != "POST":

@@ -224,7 +224,16 @@ def test_addr_from_environment(
 def test_subjects_empty(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None:
     code, out, _ = ctl(capsys, daemon, "subjects")
     assert code == 0
-    assert out.split() == ["SUBJECT", "STATE", "SOURCE-IP", "GATEWAY", "POLICY", "PENDING", "VAULT-REV", "LEASES"]
+    assert out.split() == [
+        "SUBJECT",
+        "STATE",
+        "SOURCE-IP",
+        "GATEWAY",
+        "POLICY",
+        "PENDING",
+        "VAULT-REV",
+        "LEASES",
+    ]
     assert subjects_json(capsys, daemon) == []
 
 
@@ -234,7 +243,16 @@ def test_subjects_after_set_binding(capsys: pytest.CaptureFixture[str], daemon: 
     code, out, _ = ctl(capsys, daemon, "subjects")
     assert code == 0
     header, *rows = out.splitlines()
-    assert header.split() == ["SUBJECT", "STATE", "SOURCE-IP", "GATEWAY", "POLICY", "PENDING", "VAULT-REV", "LEASES"]
+    assert header.split() == [
+        "SUBJECT",
+        "STATE",
+        "SOURCE-IP",
+        "GATEWAY",
+        "POLICY",
+        "PENDING",
+        "VAULT-REV",
+        "LEASES",
+    ]
     assert [r.split() for r in rows] == [
         ["s-u-1", "denying", "10.0.0.5", "10.0.0.1", "-", "yes", "-", "0"],
         ["s-u-2", "denying", "10.0.7.9", "10.0.7.254", "-", "yes", "-", "0"],
@@ -268,7 +286,17 @@ def test_full_flow(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None:
 
     code, out, _ = ctl(capsys, daemon, "subjects")
     assert code == 0
-    assert out.splitlines()[1].split() == ["s-u-1", "active", "10.0.0.5", "10.0.0.1", "deny+3", "rules", "no", "-", "0"]
+    assert out.splitlines()[1].split() == [
+        "s-u-1",
+        "active",
+        "10.0.0.5",
+        "10.0.0.1",
+        "deny+3",
+        "rules",
+        "no",
+        "-",
+        "0",
+    ]
     (subject,) = subjects_json(capsys, daemon)
     assert subject["state"] == "active"
     assert subject["specGeneration"] == 7
@@ -498,3 +526,20 @@ def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "send", "set-binding", "--help")
     assert code == 0
     assert "--policy-file" in out
+
+
+def test_explain(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None:
+    bind(capsys, daemon, "u-1", "10.0.0.5")
+    # Denying: everything dropped, whatever the policy will say.
+    code, out, _ = ctl(capsys, daemon, "--json", "explain", "10.0.0.5", "8.8.8.8")
+    assert code == 0 and json.loads(out)["decision"] == "deny" and json.loads(out)["state"] == "denying"
+    ctl(capsys, daemon, "send", "hook", "data-plane-ready", "--uid", "u-1")
+    code, out, _ = ctl(capsys, daemon, "explain", "10.0.0.5", "8.8.8.8")
+    assert code == 0
+    fields = dict(line.split(None, 1) for line in out.splitlines())
+    assert fields["verdict"] in ("ALLOW", "DENY") and fields["subject"].startswith("s-u-1 (active)")
+    # Unknown source, and a bad request.
+    code, out, _ = ctl(capsys, daemon, "--json", "explain", "10.9.9.9", "example.com")
+    assert json.loads(out)["state"] == "absent" and json.loads(out)["decision"] == "deny"
+    code, _, err = ctl(capsys, daemon, "explain", "not-an-ip", "example.com")
+    assert code == 2 and err.startswith("egressctl: ") and err.count("\n") == 1

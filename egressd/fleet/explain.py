@@ -1,0 +1,88 @@
+"""Why a destination is allowed or blocked for a sandbox (``egressctl explain``). Pure."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from egressd.policy import NetworkPolicy, TargetKind, Verdict, evaluate_domain, parse_target
+from egressd.policy.ipsets import ip_sets
+from egressd.subject.model import IPAddress, unmap_ip
+
+
+def _rule_json(action: Verdict, target: str) -> dict[str, str]:
+    return {"action": action.value, "target": target}
+
+
+def explain(
+    *,
+    state: str | None,
+    effective: NetworkPolicy | None,
+    leases: dict[IPAddress, float],
+    target: str,
+    now: float,
+) -> dict[str, Any]:
+    """The decision for ``target`` (a name or an IP) under a subject's effective policy.
+
+    ``state`` None means no subject has that source IP. Names are decided by the DNS proxy
+    (first matching rule, else defaultAction); addresses by the kernel sets (deny beats
+    allow, then DNS-learned leases, then defaultAction).
+    """
+    out: dict[str, Any] = {"target": target, "state": state or "absent"}
+    if state is None:
+        out.update(
+            decision="deny", layer="dispatch", reason="no subject has this source IP: unmarked, dropped"
+        )
+        return out
+    if effective is None:
+        out.update(
+            decision="deny", layer="dispatch", reason="subject is denying (deny-first): everything dropped"
+        )
+        return out
+    try:
+        text, kind, _ = parse_target(target)
+    except ValueError as exc:
+        out.update(decision="invalid", reason=str(exc))
+        return out
+    if kind is TargetKind.DOMAIN:
+        d = evaluate_domain(effective, text)
+        out.update(
+            layer="dns",
+            decision=d.verdict.value,
+            rule=_rule_json(d.rule.action, d.rule.target) if d.rule else None,
+            reason=(
+                "first matching rule"
+                if d.rule
+                else f"no rule matches: defaultAction {effective.default_action}"
+            )
+            + (
+                "; the name resolves (answers become leases)"
+                if d.verdict is Verdict.ALLOW
+                else "; NXDOMAIN, never forwarded"
+            ),
+        )
+        return out
+    ip = unmap_ip(ipaddress.ip_address(text.split("/", 1)[0]))
+    sets = ip_sets(effective)
+    deny = sets.deny_v4 if ip.version == 4 else sets.deny_v6
+    allow = sets.allow_v4 if ip.version == 4 else sets.allow_v6
+    out["layer"] = "ip"
+    hit = next((n for n in deny if ip in n), None)
+    if hit is not None:
+        out.update(decision="deny", reason=f"in the deny set ({hit}); deny beats allow", set="deny")
+        return out
+    hit = next((n for n in allow if ip in n), None)
+    if hit is not None:
+        out.update(decision="allow", reason=f"in the allow set ({hit})", set="allow")
+        return out
+    expiry = leases.get(ip)
+    if expiry is not None and expiry > now:
+        out.update(decision="allow", reason=f"DNS-learned lease, {int(expiry - now)} s left", set="dyn")
+        return out
+    if effective.default_action is Verdict.ALLOW:
+        out.update(
+            decision="allow", reason="defaultAction allow (0.0.0.0/0, ::/0 in the allow set)", set="allow"
+        )
+        return out
+    out.update(decision="deny", reason="not allowed and not learned through DNS: unmarked, dropped")
+    return out

@@ -1,0 +1,62 @@
+"""`egressctl explain` decisions: pure function and the daemon endpoint through the real CLI."""
+
+from __future__ import annotations
+
+import json
+from ipaddress import ip_address
+from typing import Any
+
+import pytest
+
+from egressd.fleet.explain import explain
+from egressd.policy import parse_policy
+
+POLICY = parse_policy(
+    json.dumps(
+        {
+            "defaultAction": "deny",
+            "egress": [
+                {"action": "deny", "target": "bad.example.com"},
+                {"action": "allow", "target": "*.example.com"},
+                {"action": "allow", "target": "10.1.0.0/16"},
+                {"action": "deny", "target": "10.1.2.3"},
+            ],
+        }
+    )
+)
+
+
+@pytest.mark.parametrize(
+    ("target", "decision", "layer", "extra"),
+    [
+        ("api.example.com", "allow", "dns", {"rule": {"action": "allow", "target": "*.example.com"}}),
+        ("bad.example.com", "deny", "dns", {"rule": {"action": "deny", "target": "bad.example.com"}}),
+        ("example.com", "deny", "dns", {"rule": None}),
+        ("10.1.9.9", "allow", "ip", {"set": "allow"}),
+        ("10.1.2.3", "deny", "ip", {"set": "deny"}),
+        ("93.184.216.34", "allow", "ip", {"set": "dyn"}),
+        ("8.8.8.8", "deny", "ip", {}),
+    ],
+)
+def test_explain_active(target: str, decision: str, layer: str, extra: dict[str, Any]) -> None:
+    out = explain(
+        state="active", effective=POLICY, leases={ip_address("93.184.216.34"): 100.0}, target=target, now=10.0
+    )
+    assert (out["decision"], out["layer"]) == (decision, layer)
+    for k, v in extra.items():
+        assert out[k] == v
+
+
+def test_explain_absent_denying_expired_and_default_allow() -> None:
+    assert explain(state=None, effective=None, leases={}, target="x.com", now=0)["decision"] == "deny"
+    assert explain(state="denying", effective=None, leases={}, target="x.com", now=0)["layer"] == "dispatch"
+    expired = explain(
+        state="active", effective=POLICY, leases={ip_address("1.2.3.4"): 5.0}, target="1.2.3.4", now=6
+    )
+    assert expired["decision"] == "deny"
+    allow_all = parse_policy('{"defaultAction":"allow"}')
+    assert (
+        explain(state="active", effective=allow_all, leases={}, target="1.2.3.4", now=0)["decision"]
+        == "allow"
+    )
+    assert explain(state="active", effective=POLICY, leases={}, target="a..b", now=0)["decision"] == "invalid"
