@@ -138,9 +138,8 @@ class DnsProxy:
                 # The kernel must know the addresses before the client can try to connect.
                 await asyncio.wait_for(self.policies.learn(asker.uid, asker.fence, leases), _LEARN_TIMEOUT_S)
             except Exception as exc:
+                # Counted by the kernel shell (egress_nftables_updates_failed_total{dynamic_add}).
                 log.warning("dns.learn_failed", subject=f"s-{asker.uid}", error=str(exc)[:200])
-                if self.metrics:
-                    self.metrics.nft_failures.inc("dynamic_add")
         if had_edns and forwarded.wire is not None and (tcp or len(forwarded.wire) <= limit):
             # Nothing to strip or truncate: the upstream's answer goes back byte for byte
             # (same id: the query was forwarded with it).

@@ -422,7 +422,7 @@ class ControlPlane:
                 step=type(exc.step).__name__,
                 error=exc.reason,
             )
-            return Result(500, f"{failure_prefix}: {exc.reason}")
+            return Result(500, f"{_STEP_PREFIX.get(type(exc.step), failure_prefix)}: {exc.reason}")
         self._commit(entry, plan.on_success, uid)
         return OK
 
@@ -637,6 +637,16 @@ def _dispatch_key_problem(ip: IPAddress, gateway: IPAddress | None) -> str | Non
     if gateway is not None and gateway == ip:
         return "attachment.network.gateway equals the sandbox ip"
     return None
+
+
+# The 500 reason names the step that failed, not just the action.
+_STEP_PREFIX: dict[type, str] = {
+    InstallDenyFirst: "deny-first install",
+    ApplyPolicy: "policy apply",
+    AddKeys: "dispatch update",
+    DropStaleKeys: "dispatch update",
+    RemoveAll: "removal",
+}
 
 
 def _ips(keys: frozenset[tuple[IPAddress, IPAddress]]) -> list[IPAddress]:
