@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -19,6 +19,7 @@ import structlog
 from egressd.actionhandler.envelope import HookName, LifecycleHook, RemoveBinding, SetBinding
 from egressd.dnsproxy.server import Asker
 from egressd.fleet.explain import explain as explain_target
+from egressd.fleet.explain import ip_decision
 from egressd.fleet.inputs import BindingInput, InputError, VaultAction, parse_binding_input
 from egressd.fleet.pending import PendingPushes
 from egressd.fleetnft.applier import NftError, Transactions
@@ -36,9 +37,11 @@ from egressd.fleetnft.builder import (
     subject_keys,
     subject_rules,
 )
+from egressd.fleetnft.conntrack import flow_destinations, flush_flow
+from egressd.fleetnft.conntrack import read_table as read_conntrack_table
 from egressd.fleetnft.ops import NetlinkBatch, Op
 from egressd.metrics import EgressMetrics
-from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy, effective_policy
+from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy, Verdict, effective_policy
 from egressd.subject.model import Fence, IPAddress, nft_id, subject_for_uid, unmap_ip
 from egressd.subject.registry import (
     AddKeys,
@@ -462,9 +465,7 @@ class ControlPlane:
             # The sandbox is going away and the kernel already refuses its new flows: its old
             # flows are cut in the background instead of delaying the answer. A revert or a
             # rebind waits, so its 200 means "no old flow survives".
-            task = asyncio.get_running_loop().create_task(self._flush_conntrack(cut))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._background_task(self._flush_conntrack(cut))
         else:
             await self._flush_conntrack(cut)
 
@@ -513,6 +514,10 @@ class ControlPlane:
             log.info(
                 "egress.updated", **{"opensandbox.event": "egress.updated", **event}, subject=entry.subject
             )
+            if view.applied is not None and self._conntrack_flush is not None:
+                # An in-place change: flows to destinations it no longer allows are cut,
+                # allowed ones keep running.
+                self._background_task(self._cut_disallowed(entry.uid, view.keys, effective))
             return []
         if isinstance(step, AddKeys):
             subj = self._subject_nft(nid, step.binding)
@@ -541,6 +546,29 @@ class ControlPlane:
         self._effective.pop(entry.uid, None)
         save(KernelView())
         return _ips(view.keys)
+
+    def _background_task(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cut_disallowed(
+        self, uid: str, keys: frozenset[tuple[IPAddress, IPAddress]], effective: NetworkPolicy
+    ) -> None:
+        text = await read_conntrack_table()
+        if text is None:
+            return
+        now = time.monotonic()
+        leases = self.leases.get(uid, {})
+        gateways = {gw for _, gw in keys}
+        for src in _ips(keys):
+            for dst in sorted(flow_destinations(text, src), key=str):
+                if dst in gateways or ip_decision(effective, leases, dst, now)[0] is not Verdict.DENY:
+                    continue
+                try:
+                    await flush_flow(src, dst)
+                except Exception as exc:
+                    log.warning("conntrack.cut_failed", source_ip=str(src), error=str(exc)[:200])
 
     def _key_deletes(
         self, uid: str, stale: frozenset[tuple[IPAddress, IPAddress]], keep: Binding | None

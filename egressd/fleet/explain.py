@@ -63,26 +63,29 @@ def explain(
         )
         return out
     ip = unmap_ip(ipaddress.ip_address(text.split("/", 1)[0]))
+    verdict, where, reason = ip_decision(effective, leases, ip, now)
+    out.update(layer="ip", decision=verdict.value, reason=reason)
+    if where:
+        out["set"] = where
+    return out
+
+
+def ip_decision(
+    effective: NetworkPolicy, leases: dict[IPAddress, float], ip: IPAddress, now: float
+) -> tuple[Verdict, str, str]:
+    """What the kernel sets decide for a destination: (verdict, set, reason)."""
     sets = ip_sets(effective)
     deny = sets.deny_v4 if ip.version == 4 else sets.deny_v6
     allow = sets.allow_v4 if ip.version == 4 else sets.allow_v6
-    out["layer"] = "ip"
     hit = next((n for n in deny if ip in n), None)
     if hit is not None:
-        out.update(decision="deny", reason=f"in the deny set ({hit}); deny beats allow", set="deny")
-        return out
+        return Verdict.DENY, "deny", f"in the deny set ({hit}); deny beats allow"
     hit = next((n for n in allow if ip in n), None)
     if hit is not None:
-        out.update(decision="allow", reason=f"in the allow set ({hit})", set="allow")
-        return out
+        return Verdict.ALLOW, "allow", f"in the allow set ({hit})"
     expiry = leases.get(ip)
     if expiry is not None and expiry > now:
-        out.update(decision="allow", reason=f"DNS-learned lease, {int(expiry - now)} s left", set="dyn")
-        return out
+        return Verdict.ALLOW, "dyn", f"DNS-learned lease, {int(expiry - now)} s left"
     if effective.default_action is Verdict.ALLOW:
-        out.update(
-            decision="allow", reason="defaultAction allow (0.0.0.0/0, ::/0 in the allow set)", set="allow"
-        )
-        return out
-    out.update(decision="deny", reason="not allowed and not learned through DNS: unmarked, dropped")
-    return out
+        return Verdict.ALLOW, "allow", "defaultAction allow (0.0.0.0/0, ::/0 in the allow set)"
+    return Verdict.DENY, "", "not allowed and not learned through DNS: unmarked, dropped"

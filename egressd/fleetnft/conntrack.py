@@ -41,6 +41,38 @@ def has_flows_from(text: str, ip: IPAddress) -> bool:
     return False
 
 
+def flow_destinations(text: str, src: IPAddress) -> set[IPAddress]:
+    """Original destinations of the tracked flows whose original source is ``src``."""
+    out: set[IPAddress] = set()
+    for line in text.splitlines():
+        at = line.find("src=")
+        if at < 0:
+            continue
+        end = line.find(" ", at)
+        dat = line.find("dst=", end)
+        if dat < 0:
+            continue
+        try:
+            if ipaddress.ip_address(line[at + 4 : end]) != src:
+                continue
+            out.add(ipaddress.ip_address(line[dat + 4 : line.find(" ", dat)]))
+        except ValueError:
+            continue
+    return out
+
+
+async def read_table(table: Path = CONNTRACK_TABLE) -> str | None:
+    try:
+        return await asyncio.to_thread(table.read_text)
+    except OSError:
+        return None
+
+
+async def flush_flow(src: IPAddress, dst: IPAddress) -> None:
+    """Cut the tracked flows from ``src`` to ``dst`` (an in-place narrowing)."""
+    await _conntrack_delete(["-s", str(src), "-d", str(dst)], src.version)
+
+
 async def flush_source(ip: IPAddress, table: Path = CONNTRACK_TABLE) -> None:
     # Spawning conntrack costs ~11 ms; most removals have nothing to cut, so look first.
     try:
@@ -49,17 +81,20 @@ async def flush_source(ip: IPAddress, table: Path = CONNTRACK_TABLE) -> None:
         text = None
     if text is not None and not has_flows_from(text, ip):
         return
+    await _conntrack_delete(["-s", str(ip)], ip.version)
+
+
+async def _conntrack_delete(selector: list[str], version: int) -> None:
     exe = shutil.which("conntrack")
     if exe is None:
         raise ConntrackError("conntrack binary not found")
-    family = "ipv4" if ip.version == 4 else "ipv6"
+    family = "ipv4" if version == 4 else "ipv6"
     proc = await asyncio.create_subprocess_exec(
         exe,
         "-D",
         "-f",
         family,
-        "-s",
-        str(ip),
+        *selector,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+from typing import Any
 
 from tests.kernel.topology import GATEWAY, UPSTREAM_IPS, Daemon, Topology, envelope
 
@@ -378,3 +379,37 @@ def test_no_lateral_movement_even_with_allow_all_or_a_covering_cidr(topo: Topolo
     # ... but never another sandbox: neither via allow-all nor via a CIDR covering the subnet.
     assert topo.curl(1, f"http://{topo.sb_ip(3)}:8000/") == 0
     assert topo.curl(2, f"http://{topo.sb_ip(3)}:8000/") == 0
+
+
+def test_in_place_narrowing_cuts_only_disallowed_flows(topo: Topology, daemon: Daemon) -> None:
+    bind(daemon, 1, allow_ips(UP_A, UP_B))
+    activate(daemon, "sb1")
+
+    def holder(ip: str) -> Any:
+        return topo.spawn(
+            topo.sb(1),
+            "python3",
+            "-c",
+            (
+                "import socket,time\n"
+                f"s=socket.create_connection(('{ip}',80),timeout=1)\n"
+                "print('up',flush=True)\n"
+                "end=time.time()+4\n"
+                "while time.time()<end:\n"
+                "  try:\n"
+                "    s.sendall(b'GET /keep HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n'); d=s.recv(65536)\n"
+                "    print('ok' if d else 'dead',flush=True)\n"
+                "  except OSError:\n"
+                "    print('dead',flush=True)\n"
+                "  time.sleep(0.2)\n"
+            ),
+            ready_line="up",
+        )
+
+    kept, dropped = holder(UP_A), holder(UP_B)
+    time.sleep(1.0)
+    bind(daemon, 1, allow_ips(UP_A))  # in place: B is no longer allowed
+    kept_out, _ = kept.communicate(timeout=15)
+    dropped_out, _ = dropped.communicate(timeout=15)
+    assert kept_out.split()[-1] == "ok", "an allowed established flow was cut: " + kept_out
+    assert dropped_out.split()[-1] == "dead", "a flow to a removed destination survived: " + dropped_out
