@@ -41,7 +41,7 @@ from egressd.fleetnft.conntrack import flow_destinations, flush_flow
 from egressd.fleetnft.conntrack import read_table as read_conntrack_table
 from egressd.fleetnft.ops import NetlinkBatch, Op
 from egressd.metrics import EgressMetrics
-from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy, Verdict, effective_policy
+from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy, Verdict, effective_policy, ip_sets
 from egressd.subject.model import Fence, IPAddress, nft_id, subject_for_uid, unmap_ip
 from egressd.subject.registry import (
     AddKeys,
@@ -561,9 +561,10 @@ class ControlPlane:
         now = time.monotonic()
         leases = self.leases.get(uid, {})
         gateways = {gw for _, gw in keys}
+        sets = ip_sets(effective)
         for src in _ips(keys):
             for dst in sorted(flow_destinations(text, src), key=str):
-                if dst in gateways or ip_decision(effective, leases, dst, now)[0] is not Verdict.DENY:
+                if dst in gateways or ip_decision(effective, leases, dst, now, sets)[0] is not Verdict.DENY:
                     continue
                 try:
                     await flush_flow(src, dst)

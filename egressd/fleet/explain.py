@@ -6,7 +6,7 @@ import ipaddress
 from typing import Any
 
 from egressd.policy import NetworkPolicy, TargetKind, Verdict, evaluate_domain, parse_target
-from egressd.policy.ipsets import ip_sets
+from egressd.policy.ipsets import IpSets, ip_sets
 from egressd.subject.model import IPAddress, unmap_ip
 
 
@@ -71,10 +71,16 @@ def explain(
 
 
 def ip_decision(
-    effective: NetworkPolicy, leases: dict[IPAddress, float], ip: IPAddress, now: float
+    effective: NetworkPolicy,
+    leases: dict[IPAddress, float],
+    ip: IPAddress,
+    now: float,
+    sets: IpSets | None = None,
 ) -> tuple[Verdict, str, str]:
-    """What the kernel sets decide for a destination: (verdict, set, reason)."""
-    sets = ip_sets(effective)
+    """What the kernel sets decide for a destination: (verdict, set, reason).
+
+    ``sets`` (``ip_sets(effective)``) may be passed in when deciding many destinations."""
+    sets = sets if sets is not None else ip_sets(effective)
     deny = sets.deny_v4 if ip.version == 4 else sets.deny_v6
     allow = sets.allow_v4 if ip.version == 4 else sets.allow_v6
     hit = next((n for n in deny if ip in n), None)

@@ -6,7 +6,6 @@ The planner is pure; :class:`LeaseRefresher` reads ``/proc/net/nf_conntrack`` an
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -14,7 +13,8 @@ from pathlib import Path
 
 import structlog
 
-from egressd.subject.model import IPAddress, unmap_ip
+from egressd.fleetnft.conntrack import original_tuple
+from egressd.subject.model import IPAddress
 
 log = structlog.get_logger("egressd.refresh")
 
@@ -34,20 +34,10 @@ def parse_conntrack(lines: Iterable[str]) -> dict[IPAddress, set[IPAddress]]:
             continue
         if not any(p in ACTIVE_TCP_STATES for p in parts[3:7]):
             continue
-        src = dst = None
-        for p in parts:
-            if src is None and p.startswith("src="):
-                src = p[4:]
-            elif dst is None and p.startswith("dst="):
-                dst = p[4:]
-            if src is not None and dst is not None:
-                break
-        if src is None or dst is None:
+        flow = original_tuple(line)
+        if flow is None:
             continue
-        try:
-            s, d = unmap_ip(ipaddress.ip_address(src)), unmap_ip(ipaddress.ip_address(dst))
-        except ValueError:
-            continue
+        s, d = flow
         out.setdefault(s, set()).add(d)
     return out
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import secrets
 from collections.abc import Callable
@@ -203,7 +202,3 @@ class FleetHTTP:
         reason = "invalid binding input" if result.status == 400 else result.reason
         log.info("action.refused", operation=op, uid=action.uid, code=result.status, reason=reason)
         return text(result.status, result.reason)
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))

@@ -135,12 +135,6 @@ class KernelTransactions:
         """Run ``fn`` on the kernel thread and wait (start-up self-test)."""
         return self._pool.submit(fn).result()
 
-    def cmd_sync(self, script: str) -> None:
-        self.run_sync(lambda: self._cmd(script))
-
-    def batch_sync(self, batch: NetlinkBatch) -> None:
-        self.run_sync(lambda: self._batch(batch))
-
     async def close(self) -> None:
         def _close() -> None:
             if self._netlink is not None:

@@ -11,7 +11,7 @@ import ipaddress
 import shutil
 from pathlib import Path
 
-from egressd.subject.model import IPAddress
+from egressd.subject.model import IPAddress, unmap_ip
 
 _TIMEOUT_S = 3.0
 
@@ -23,42 +23,31 @@ class ConntrackError(RuntimeError):
 CONNTRACK_TABLE = Path("/proc/net/nf_conntrack")
 
 
-def has_flows_from(text: str, ip: IPAddress) -> bool:
-    """Whether any tracked flow's original source is ``ip`` (first ``src=`` of a line)."""
-    needle = f"src={ip} "
-    for line in text.splitlines():
-        at = line.find("src=")
-        if at >= 0 and line.startswith(needle, at):
-            return True
-        if at >= 0 and ip.version == 6:
-            # /proc prints v6 addresses in full; compare parsed addresses.
-            end = line.find(" ", at)
+def original_tuple(line: str) -> tuple[IPAddress, IPAddress] | None:
+    """(source, destination) of a /proc/net/nf_conntrack line's original direction: the first
+    ``src=`` and ``dst=`` fields (/proc prints IPv6 addresses in full, so they are parsed)."""
+    src = dst = None
+    for field in line.split():
+        if src is None and field.startswith("src="):
+            src = field[4:]
+        elif dst is None and field.startswith("dst="):
+            dst = field[4:]
+        if src is not None and dst is not None:
             try:
-                if ipaddress.ip_address(line[at + 4 : end]) == ip:
-                    return True
+                return unmap_ip(ipaddress.ip_address(src)), unmap_ip(ipaddress.ip_address(dst))
             except ValueError:
-                continue
-    return False
+                return None
+    return None
 
 
 def flow_destinations(text: str, src: IPAddress) -> set[IPAddress]:
     """Original destinations of the tracked flows whose original source is ``src``."""
-    out: set[IPAddress] = set()
-    for line in text.splitlines():
-        at = line.find("src=")
-        if at < 0:
-            continue
-        end = line.find(" ", at)
-        dat = line.find("dst=", end)
-        if dat < 0:
-            continue
-        try:
-            if ipaddress.ip_address(line[at + 4 : end]) != src:
-                continue
-            out.add(ipaddress.ip_address(line[dat + 4 : line.find(" ", dat)]))
-        except ValueError:
-            continue
-    return out
+    return {t[1] for t in map(original_tuple, text.splitlines()) if t is not None and t[0] == src}
+
+
+def has_flows_from(text: str, ip: IPAddress) -> bool:
+    """Whether any tracked flow's original source is ``ip``."""
+    return any(t is not None and t[0] == ip for t in map(original_tuple, text.splitlines()))
 
 
 async def read_table(table: Path = CONNTRACK_TABLE) -> str | None:

@@ -277,9 +277,8 @@ class Registry:
             owner = self._by_ip.get(binding.ip)
             if owner is not None and owner != uid:
                 return f"ip {binding.ip} already dispatches to another sandbox"
-            for e in self._by_uid.values():
-                if e.uid != uid and any(k[0] == binding.ip for k in self.kernel(e.uid).keys):
-                    return f"ip {binding.ip} is still installed for another sandbox"
+            if self.ip_in_use(binding.ip, excluding=uid):
+                return f"ip {binding.ip} is still installed for another sandbox"
         return None
 
     def put(self, entry: Entry) -> None:

@@ -337,25 +337,7 @@ def test_revert_cuts_established_flows(topo: Topology, daemon: Daemon) -> None:
     bind(daemon, 1, allow_ips(UP_A))
     activate(daemon, "sb1")
     # One keep-alive connection, used every 0.2 s; it prints whether each request got through.
-    holder = topo.spawn(
-        topo.sb(1),
-        "python3",
-        "-c",
-        (
-            "import socket,time\n"
-            f"s=socket.create_connection(('{UP_A}',80),timeout=1)\n"
-            "print('up',flush=True)\n"
-            "end=time.time()+4\n"
-            "while time.time()<end:\n"
-            "  try:\n"
-            "    s.sendall(b'GET /keep HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n'); d=s.recv(65536)\n"
-            "    print('ok' if d else 'dead',flush=True)\n"
-            "  except OSError:\n"
-            "    print('dead',flush=True)\n"
-            "  time.sleep(0.2)\n"
-        ),
-        ready_line="up",
-    )
+    holder = _keepalive(topo, 1, UP_A)
     time.sleep(1.0)
     code, _ = daemon.post(envelope("SET_BINDING", "sb1", ip=topo.sb_ip(1), policy=None))
     assert code == 200
@@ -385,31 +367,34 @@ def test_in_place_narrowing_cuts_only_disallowed_flows(topo: Topology, daemon: D
     bind(daemon, 1, allow_ips(UP_A, UP_B))
     activate(daemon, "sb1")
 
-    def holder(ip: str) -> Any:
-        return topo.spawn(
-            topo.sb(1),
-            "python3",
-            "-c",
-            (
-                "import socket,time\n"
-                f"s=socket.create_connection(('{ip}',80),timeout=1)\n"
-                "print('up',flush=True)\n"
-                "end=time.time()+4\n"
-                "while time.time()<end:\n"
-                "  try:\n"
-                "    s.sendall(b'GET /keep HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n'); d=s.recv(65536)\n"
-                "    print('ok' if d else 'dead',flush=True)\n"
-                "  except OSError:\n"
-                "    print('dead',flush=True)\n"
-                "  time.sleep(0.2)\n"
-            ),
-            ready_line="up",
-        )
-
-    kept, dropped = holder(UP_A), holder(UP_B)
+    kept, dropped = _keepalive(topo, 1, UP_A), _keepalive(topo, 1, UP_B)
     time.sleep(1.0)
     bind(daemon, 1, allow_ips(UP_A))  # in place: B is no longer allowed
     kept_out, _ = kept.communicate(timeout=15)
     dropped_out, _ = dropped.communicate(timeout=15)
     assert kept_out.split()[-1] == "ok", "an allowed established flow was cut: " + kept_out
     assert dropped_out.split()[-1] == "dead", "a flow to a removed destination survived: " + dropped_out
+
+
+def _keepalive(topo: Topology, sb: int, ip: str) -> Any:
+    """A process in sandbox ``sb`` reusing ONE connection to ``ip``:80 every 0.2 s for 4 s,
+    printing "ok" or "dead" per request."""
+    return topo.spawn(
+        topo.sb(sb),
+        "python3",
+        "-c",
+        (
+            "import socket,time\n"
+            f"s=socket.create_connection(('{ip}',80),timeout=1)\n"
+            "print('up',flush=True)\n"
+            "end=time.time()+4\n"
+            "while time.time()<end:\n"
+            "  try:\n"
+            "    s.sendall(b'GET /keep HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n'); d=s.recv(65536)\n"
+            "    print('ok' if d else 'dead',flush=True)\n"
+            "  except OSError:\n"
+            "    print('dead',flush=True)\n"
+            "  time.sleep(0.2)\n"
+        ),
+        ready_line="up",
+    )
