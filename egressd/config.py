@@ -68,6 +68,12 @@ OPTIONS: tuple[Option, ...] = (
         boolean=True,
     ),
     Option("EGRESSD_MITM_CONFDIR", "--mitm-confdir", "the MITM's private directory", "/var/lib/egressd/mitm"),
+    Option(
+        "OPENSANDBOX_CREDENTIAL_PROXY_SOCKET",
+        "--credential-proxy-socket",
+        "private unix socket the MITM reads vaults from",
+        "/run/opensandbox/credential-proxy/active.sock",
+    ),
     Option("OPENSANDBOX_EGRESS_DNS_UPSTREAM", "--dns-upstream", "comma-separated ip[:port] resolvers"),
     Option(
         "OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT",
@@ -125,6 +131,7 @@ class Config:
     mitm_upstream_trust_dir: Path
     mitm_ssl_insecure: bool
     mitm_confdir: Path
+    credential_proxy_socket: Path
     dns_upstream: str | None
     dns_upstream_timeout: float
     dns_host: str
@@ -332,6 +339,9 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
             "OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE", raw["OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE"]
         ),
         mitm_confdir=Path(raw["EGRESSD_MITM_CONFDIR"] or "/var/lib/egressd/mitm"),
+        credential_proxy_socket=Path(
+            raw["OPENSANDBOX_CREDENTIAL_PROXY_SOCKET"] or "/run/opensandbox/credential-proxy/active.sock"
+        ),
         dns_upstream=raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM"],
         dns_upstream_timeout=timeout,
         dns_host=dns_host,

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import signal
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -29,6 +31,9 @@ from egressd.fleetnft.conntrack import flush_source
 from egressd.fleetnft.selftest import SelfTestError, bridge_report, run_selftest
 from egressd.logsetup import configure
 from egressd.metrics import EgressMetrics
+from egressd.mitm.active import active_app
+from egressd.mitm.ca import CaError, CaInfo, ensure_ca
+from egressd.mitm.supervisor import MitmOptions, MitmSupervisor, mitmdump_argv
 from egressd.policy import AlwaysRulesError, load_always_rules
 from egressd.vault.sealed import KeyDirError, KeyStore
 
@@ -131,9 +136,14 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             asyncio.create_task(refresher.run()),
             asyncio.create_task(_sweep_pending(control)),
         ]
+        mitm = await start_mitm(cfg, control) if cfg.mitm_transparent else None
+        if mitm is not None:
+            background.append(asyncio.create_task(mitm.supervisor.run()))
 
         def mitm_health() -> str | None:
-            return "mitmproxy not ready" if cfg.mitm_transparent else None
+            if mitm is not None and not mitm.supervisor.ready:
+                return "mitmproxy not ready"
+            return None
 
         http = FleetHTTP(
             control,
@@ -141,6 +151,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             extra_health=mitm_health,
             status_extra=lambda: {"bridgeNfCallIptables": bridges.nf_call_iptables},
             proxy=proxy,
+            mitm_ca=(lambda: (mitm.ca.pem, mitm.ca.fingerprint) if mitm else None) if mitm else None,
         )
         runner = web.AppRunner(http.app(), access_log=None, handle_signals=False)
         await runner.setup()
@@ -165,6 +176,8 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             await stop.wait()
             log.info("shutdown", reason="signal", table_kept=cfg.nft_table)
         finally:
+            if mitm is not None:
+                await mitm.close()
             for task in background:
                 task.cancel()
             await runner.cleanup()
@@ -172,6 +185,60 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             forwarder.close()
     finally:
         await tx.close()
+
+
+@dataclass
+class RunningMitm:
+    ca: CaInfo
+    supervisor: MitmSupervisor
+    active: web.AppRunner
+    socket: Path
+
+    async def close(self) -> None:
+        await self.supervisor.stop()
+        await self.active.cleanup()
+        with contextlib.suppress(OSError):
+            self.socket.unlink()
+
+
+async def start_mitm(cfg: Config, control: ControlPlane) -> RunningMitm:
+    """CA, the private ``_active`` socket, then the supervised mitmdump (BEHAVIOUR §10)."""
+    try:
+        ca = ensure_ca(cfg.mitm_confdir)
+    except CaError as exc:
+        raise StartupError(f"mitm CA: {exc}") from None
+    trust: Path | None = None
+    if not cfg.mitm_ssl_insecure:
+        trust = cfg.mitm_upstream_trust_dir
+        if not trust.is_dir():
+            raise StartupError(f"OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR: {trust} is not a directory")
+    sock = cfg.credential_proxy_socket
+    try:
+        sock.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(sock.parent, 0o700)
+        with contextlib.suppress(FileNotFoundError):
+            sock.unlink()
+    except OSError as exc:
+        raise StartupError(f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock}: {exc.strerror}") from None
+    active = web.AppRunner(
+        active_app(control.vault_for_ip, control.destination_verified), access_log=None, handle_signals=False
+    )
+    await active.setup()
+    try:
+        await web.UnixSite(active, str(sock)).start()
+        os.chmod(sock, 0o600)
+    except OSError as exc:
+        await active.cleanup()
+        raise StartupError(f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock}: {exc.strerror}") from None
+    opts = MitmOptions(
+        port=cfg.mitm_port,
+        confdir=cfg.mitm_confdir,
+        active_socket=sock,
+        upstream_trust_dir=trust,
+        ssl_insecure=cfg.mitm_ssl_insecure,
+    )
+    log.info("mitm.ca", fingerprint=ca.fingerprint, pinned=ca.pinned, confdir=str(ca.confdir))
+    return RunningMitm(ca, MitmSupervisor(mitmdump_argv(opts)), active, sock)
 
 
 async def _sweep_pending(control: ControlPlane, interval: float = 10.0) -> None:

@@ -2,7 +2,11 @@
 """Upstream services for tests and demos, run inside the "upstream" network namespace.
 
 * HTTP echo servers on the given ports (dual-stack): every request is answered with a JSON
-  echo of what arrived.
+  echo of what arrived (headers, body up to 4 KiB). The response also carries the request's
+  ``Authorization`` back as ``X-Echo-Authorization`` (tests of response-header redaction).
+* With ``--tls-dir DIR``, HTTPS echo servers on ``--https-ports``: a test CA is created once
+  in ``DIR/ca.pem`` (and ``DIR/trust/``, an OpenSSL hashed directory holding it), and a leaf
+  for every zone name, ``*.test``, ``*.example.test`` and the upstream addresses.
 * An authoritative DNS server (UDP and TCP, dual-stack) for a zone given as JSON
   (``--zone``): ``{"records": [{"name": "a.test", "type": "A|AAAA|CNAME", "value": "...",
   "ttl": 30}]}``. Names are answered case-insensitively, CNAME chains are followed inside
@@ -16,9 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
+import ipaddress
 import json
 import signal
 import socket
+import ssl
+import subprocess
 import time
 from pathlib import Path
 
@@ -32,12 +40,13 @@ def _client_ip(request: web.Request) -> str:
     return host.removeprefix("::ffff:")
 
 
-def make_app(log_path: Path | None, port: int) -> web.Application:
+def make_app(log_path: Path | None, port: int, tls: bool = False) -> web.Application:
     async def echo(request: web.Request) -> web.Response:
         body = await request.read()
         record = {
             "ts": time.time(),
             "port": port,
+            "tls": tls,
             "client": _client_ip(request),
             "method": request.method,
             "path": request.path_qs,
@@ -47,13 +56,83 @@ def make_app(log_path: Path | None, port: int) -> web.Application:
             else "?",
             "headers": dict(request.headers),
             "bodyBytes": len(body),
+            "body": body[:4096].decode("utf-8", "replace"),
         }
         _append(log_path, record)
-        return web.json_response(record)
+        echo_headers = {}
+        if "Authorization" in request.headers:
+            echo_headers["X-Echo-Authorization"] = request.headers["Authorization"]
+        return web.json_response(record, headers=echo_headers)
 
-    app = web.Application()
+    app = web.Application(client_max_size=64 << 20)  # large-body tests
     app.router.add_route("*", "/{tail:.*}", echo)
     return app
+
+
+def make_tls(tls_dir: Path, names: list[str], ips: list[str]) -> ssl.SSLContext:
+    """Server context with a leaf signed by the test CA in ``tls_dir`` (created once)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    tls_dir.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key_path, ca_path = tls_dir / "ca.key", tls_dir / "ca.pem"
+    if not ca_path.exists():
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "egressd test upstream CA")])
+        ca_cert = (
+            x509.CertificateBuilder()
+            .subject_name(ca_name)
+            .issuer_name(ca_name)
+            .public_key(ca_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=30))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
+        ca_key_path.write_bytes(
+            ca_key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+        ca_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+        trust = tls_dir / "trust"
+        trust.mkdir(exist_ok=True)
+        (trust / "ca.pem").write_bytes(ca_path.read_bytes())
+        subprocess.run(["openssl", "rehash", str(trust)], check=True, capture_output=True)
+    ca_cert = x509.load_pem_x509_certificate(ca_path.read_bytes())
+    ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    sans: list[x509.GeneralName] = [x509.DNSName(n) for n in names]
+    sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
+    leaf = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0] if names else "upstream")]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    leaf_path, key_path = tls_dir / "leaf.pem", tls_dir / "leaf.key"
+    leaf_path.write_bytes(leaf.public_bytes(serialization.Encoding.PEM) + ca_path.read_bytes())
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(str(leaf_path), str(key_path))
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
 
 
 def _append(log_path: Path | None, record: dict[str, object]) -> None:
@@ -167,18 +246,23 @@ def _dual_stack(kind: int, port: int) -> socket.socket:
 
 
 async def serve(
-    ports: list[int], log_path: Path | None, zone: Zone | None = None, dns_port: int = 53
+    ports: list[int],
+    log_path: Path | None,
+    zone: Zone | None = None,
+    dns_port: int = 53,
+    https: dict[int, ssl.SSLContext] | None = None,
 ) -> None:
     runners = []
+    https = https or {}
     for port in ports:
-        runner = web.AppRunner(make_app(log_path, port), access_log=None)
+        runner = web.AppRunner(make_app(log_path, port, tls=port in https), access_log=None)
         await runner.setup()
         sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("::", port))
         sock.listen(128)
-        await web.SockSite(runner, sock).start()
+        await web.SockSite(runner, sock, ssl_context=https.get(port)).start()
         runners.append(runner)
     loop = asyncio.get_running_loop()
     closers = []
@@ -207,10 +291,23 @@ def main() -> None:
     parser.add_argument("--log", type=Path, help="append one JSON line per request/query here")
     parser.add_argument("--zone", type=Path, help="JSON zone file; enables the DNS server")
     parser.add_argument("--dns-port", type=int, default=53)
+    parser.add_argument("--tls-dir", type=Path, help="test CA + leaf here; enables --https-ports")
+    parser.add_argument("--https-ports", default="443", help="comma-separated HTTPS echo ports")
+    parser.add_argument("--tls-ips", default="", help="comma-separated IP SANs for the leaf")
     args = parser.parse_args()
     ports = [int(p) for p in args.http_ports.split(",") if p.strip()]
-    zone = Zone(json.loads(args.zone.read_text())["records"]) if args.zone else None
-    asyncio.run(serve(ports, args.log, zone, args.dns_port))
+    records = json.loads(args.zone.read_text())["records"] if args.zone else []
+    zone = Zone(records) if args.zone else None
+    https: dict[int, ssl.SSLContext] = {}
+    if args.tls_dir:
+        names = sorted({str(r["name"]).lower() for r in records} | {"*.test", "*.example.test"})
+        ctx = make_tls(args.tls_dir, names, [i for i in args.tls_ips.split(",") if i.strip()])
+        for p in args.https_ports.split(","):
+            if p.strip():
+                https[int(p)] = ctx
+                if int(p) not in ports:
+                    ports.append(int(p))
+    asyncio.run(serve(ports, args.log, zone, args.dns_port, https))
 
 
 if __name__ == "__main__":

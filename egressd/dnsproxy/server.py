@@ -42,7 +42,9 @@ class Asker:
 class Policies(Protocol):
     def asker(self, source_ip: IPAddress) -> Asker | None: ...
 
-    async def learn(self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]]) -> None: ...
+    async def learn(
+        self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
+    ) -> None: ...
 
 
 class DnsProxy:
@@ -136,7 +138,9 @@ class DnsProxy:
             leases = [(addr, lease_seconds(ttl, lo, hi)) for addr, ttl in addresses]
             try:
                 # The kernel must know the addresses before the client can try to connect.
-                await asyncio.wait_for(self.policies.learn(asker.uid, asker.fence, leases), _LEARN_TIMEOUT_S)
+                await asyncio.wait_for(
+                    self.policies.learn(asker.uid, asker.fence, leases, decision.name), _LEARN_TIMEOUT_S
+                )
             except Exception as exc:
                 # Counted by the kernel shell (egress_nftables_updates_failed_total{dynamic_add}).
                 log.warning("dns.learn_failed", subject=f"s-{asker.uid}", error=str(exc)[:200])

@@ -149,6 +149,9 @@ class ControlPlane:
         self._effective: dict[str, tuple[NetworkPolicy, AlwaysRules, NetworkPolicy]] = {}
         # Mirror of each subject's DNS leases (ip -> monotonic expiry) for connection refresh.
         self.leases: dict[str, dict[IPAddress, float]] = {}
+        # Which question name taught each learned address (ip -> name -> monotonic expiry): the
+        # MITM injects a credential only towards an address learned for the request's host.
+        self.learned_names: dict[str, dict[IPAddress, dict[str, float]]] = {}
         self.enforcement_ready = False
 
     # ---- start-up -------------------------------------------------------------------------
@@ -216,7 +219,9 @@ class ControlPlane:
         if entry is not None:
             await self.learn(uid, entry.fence, [(ip, seconds) for ip in ips])
 
-    async def learn(self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]]) -> None:
+    async def learn(
+        self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
+    ) -> None:
         """Put DNS-learned addresses into the subject's dyn sets before the answer is sent.
 
         Under the subject's lock and re-checked there: an answer that arrives after a revert,
@@ -237,6 +242,19 @@ class ControlPlane:
             mirror = self.leases.setdefault(uid, {})
             for ip, seconds in leases:
                 mirror[ip] = max(mirror.get(ip, 0.0), now + seconds)
+            names = self.learned_names.setdefault(uid, {})
+            if name is not None:
+                name = name.strip().lower().removesuffix(".")
+            for ip, seconds in leases:
+                known = names.setdefault(ip, {}) if name is not None else names.get(ip)
+                if known is None:
+                    continue
+                if name is not None:
+                    known[name] = max(known.get(name, 0.0), now + seconds)
+                else:
+                    # Connection refresh keeps a live flow's address: its names live as long.
+                    for learned in known:
+                        known[learned] = max(known[learned], now + seconds)
 
     # ---- actions ---------------------------------------------------------------------------
 
@@ -394,6 +412,34 @@ class ControlPlane:
         store = self.vaults.get(entry.uid)
         return store.snapshot() if store is not None else None
 
+    def destination_verified(self, source_ip: IPAddress, host: str, dst: IPAddress) -> bool:
+        """May the MITM send ``host``'s credentials to ``dst`` for this sandbox?
+
+        Only if the active subject's DNS proxy answered ``host`` with ``dst`` (lease still
+        running), or an explicit IP/CIDR allow rule (not ``defaultAction: allow``) covers ``dst``
+        and no deny rule does. A sandbox that forges Host/SNI towards an address of its choice
+        therefore never receives a credential.
+        """
+        entry = self.registry.resolve(source_ip)
+        if entry is None or entry.state is not State.ACTIVE:
+            return False
+        name = host.strip().lower().removesuffix(".")
+        dst = unmap_ip(dst)
+        expiry = self.learned_names.get(entry.uid, {}).get(dst, {}).get(name)
+        if expiry is not None and expiry > time.monotonic():
+            return True
+        effective = self.effective_for(entry)
+        if effective is None:
+            return False
+        sets = ip_sets(effective)
+        deny = sets.deny_v4 if dst.version == 4 else sets.deny_v6
+        allow = sets.allow_v4 if dst.version == 4 else sets.allow_v6
+        return not any(dst in n for n in deny) and any(dst in n for n in allow)
+
+    def _forget_learned(self, uid: str) -> None:
+        self.leases.pop(uid, None)
+        self.learned_names.pop(uid, None)
+
     async def apply_user_policy_locked(self, entry: Entry, policy: NetworkPolicy) -> Result:
         """In-place policy change of an active subject (proxy-route /policy); lock held by caller."""
         plan = Plan(
@@ -492,7 +538,7 @@ class ControlPlane:
             if not view.rules:
                 batch = batch + subject_rules(self.table, nid)
             await self.tx.run_batch(batch + subject_keys(self.table, subj), op="deny_first")
-            self.leases.pop(entry.uid, None)
+            self._forget_learned(entry.uid)
             save(replace(view, rules=True, applied=None, keys=view.keys | {(subj.ip, subj.gateway)}))
             return _ips(view.keys | {(subj.ip, subj.gateway)})
         if isinstance(step, ApplyPolicy):
@@ -542,7 +588,7 @@ class ControlPlane:
         if view.objects:
             ops += removal_batch(self.table, nid, None, release_gateway=None).ops
         await self.tx.run_batch(NetlinkBatch(table, tuple(ops)), op="remove")
-        self.leases.pop(entry.uid, None)
+        self._forget_learned(entry.uid)
         self._effective.pop(entry.uid, None)
         save(KernelView())
         return _ips(view.keys)

@@ -58,6 +58,9 @@ async def read_limited(request: web.Request, limit: int = MAX_BODY_BYTES) -> byt
     return b"".join(chunks)
 
 
+CA_FINGERPRINT_HEADER = "X-Egressd-Mitm-Ca-Fingerprint"
+
+
 def text(status: int, message: str, **kw: Any) -> web.Response:
     return web.Response(
         status=status, text=message.replace("\n", " ") + "\n", content_type="text/plain", **kw
@@ -74,8 +77,10 @@ class FleetHTTP:
         extra_health: Callable[[], str | None] | None = None,
         status_extra: Callable[[], dict[str, Any]] | None = None,
         proxy: ProxyRouteAPI | None = None,
+        mitm_ca: Callable[[], tuple[str, str] | None] | None = None,
     ) -> None:
         self.proxy = proxy
+        self._mitm_ca = mitm_ca
         self.control = control
         self.metrics = metrics
         self.instance_id = instance_id or new_instance_id()
@@ -98,6 +103,7 @@ class FleetHTTP:
         app.router.add_route("*", "/metrics", self.metrics_handler)
         app.router.add_route("*", "/v1/subjects", self.subjects)
         app.router.add_route("*", "/v1/explain", self.explain)
+        app.router.add_route("*", "/v1/mitm/ca", self.mitm_ca)
         if self.proxy is not None:
             for path in (
                 "/v1/sandboxfleets/{tail:.*}",
@@ -130,9 +136,25 @@ class FleetHTTP:
         if request.method not in ("GET", "HEAD"):
             return text(405, "method not allowed", headers={"Allow": "GET"})
         problem = self.health_problem()
+        ca = self._mitm_ca() if self._mitm_ca is not None else None
+        headers = {CA_FINGERPRINT_HEADER: ca[1]} if ca else {}
         if problem:
-            return text(503, problem)
-        return web.Response(status=200, text="ok", content_type="text/plain")
+            return text(503, problem, headers=headers)
+        return web.Response(status=200, text="ok", content_type="text/plain", headers=headers)
+
+    async def mitm_ca(self, request: web.Request) -> web.Response:
+        """The MITM CA's public certificate, for baking into sandbox images (``egressctl ca``)."""
+        if request.method not in ("GET", "HEAD"):
+            return text(405, "method not allowed", headers={"Allow": "GET"})
+        ca = self._mitm_ca() if self._mitm_ca is not None else None
+        if ca is None:
+            return text(404, "mitm disabled")
+        return web.Response(
+            status=200,
+            text=ca[0],
+            content_type="application/x-pem-file",
+            headers={CA_FINGERPRINT_HEADER: ca[1]},
+        )
 
     async def status(self, request: web.Request) -> web.Response:
         if request.method != "GET":
@@ -142,6 +164,9 @@ class FleetHTTP:
             "ready": self.health_problem() is None,
             "instanceId": self.instance_id,
         }
+        if self._mitm_ca is not None:
+            ca = self._mitm_ca()
+            body["mitmCaFingerprint"] = ca[1] if ca else None
         if self._status_extra is not None:
             body.update(self._status_extra())
         return web.json_response(body)

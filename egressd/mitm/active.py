@@ -8,6 +8,11 @@ transport-free (:func:`active_lookup`); :func:`active_app` is the thin aiohttp s
 * else 200 with the snapshot (``VaultSnapshot.to_json()``) and ``ETag``.
 
 The tag changes on every vault mutation, including delete-then-recreate.
+
+egressd extension: with ``host=<request host>&dst=<original destination ip>`` the reply (200
+or 304) also carries ``X-Egressd-Destination: verified|unverified`` — whether the subject's
+DNS proxy learned ``dst`` for ``host`` (or an explicit IP allow rule covers it). The MITM
+injects only towards verified destinations, in the same round trip as the vault revalidation.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from egressd.vault.store import VaultSnapshot
 ACTIVE_PATH = "/credential-vault/_active"
 
 Lookup = Callable[[IPAddress], VaultSnapshot | None]
+Verify = Callable[[IPAddress, str, IPAddress], bool]
+DESTINATION_HEADER = "X-Egressd-Destination"
+READY_EVENT = "mitm.ready"  # the addon's JSON line once its listener is bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +41,7 @@ class ActiveReply:
     status: int
     etag: str | None = None
     body: dict[str, Any] | None = field(default=None, repr=False)  # holds credential values
+    destination: str | None = None  # "verified" / "unverified" when host and dst were asked
 
 
 def _quoted(tag: str) -> str:
@@ -46,30 +55,52 @@ def _unquote(value: str) -> str:
     return v[1:-1] if len(v) >= 2 and v[0] == v[-1] == '"' else v
 
 
-def active_lookup(lookup: Lookup, client_ip: str | None, if_none_match: str | None) -> ActiveReply:
+def active_lookup(
+    lookup: Lookup,
+    client_ip: str | None,
+    if_none_match: str | None,
+    *,
+    verify: Verify | None = None,
+    host: str | None = None,
+    dst: str | None = None,
+) -> ActiveReply:
     if not client_ip:
         return ActiveReply(400)
     try:
         ip = unmap_ip(ipaddress.ip_address(client_ip.strip()))
+        dst_ip = unmap_ip(ipaddress.ip_address(dst.strip())) if dst else None
     except ValueError:
         return ActiveReply(400)
     snapshot = lookup(ip)
     if snapshot is None:
         return ActiveReply(404)
+    destination = None
+    if host is not None or dst_ip is not None:
+        ok = verify is not None and bool(host) and dst_ip is not None and verify(ip, host or "", dst_ip)
+        destination = "verified" if ok else "unverified"
     etag = _quoted(snapshot.tag)
     if if_none_match is not None:
         wanted = {_unquote(part) for part in if_none_match.split(",")}
         if snapshot.tag in wanted:
-            return ActiveReply(304, etag)
-    return ActiveReply(200, etag, snapshot.to_json())
+            return ActiveReply(304, etag, destination=destination)
+    return ActiveReply(200, etag, snapshot.to_json(), destination=destination)
 
 
-def active_app(lookup: Lookup) -> web.Application:
+def active_app(lookup: Lookup, verify: Verify | None = None) -> web.Application:
     async def handle(request: web.Request) -> web.Response:
         if request.method != "GET":
             return web.Response(status=405, headers={"Allow": "GET"})
-        reply = active_lookup(lookup, request.query.get("clientIp"), request.headers.get("If-None-Match"))
+        reply = active_lookup(
+            lookup,
+            request.query.get("clientIp"),
+            request.headers.get("If-None-Match"),
+            verify=verify,
+            host=request.query.get("host"),
+            dst=request.query.get("dst"),
+        )
         headers = {"ETag": reply.etag} if reply.etag else {}
+        if reply.destination is not None:
+            headers[DESTINATION_HEADER] = reply.destination
         headers["Cache-Control"] = "no-store"
         if reply.body is None:
             return web.Response(status=reply.status, headers=headers)

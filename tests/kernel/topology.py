@@ -136,6 +136,11 @@ class Topology:
     def upstream_log(self) -> Path:
         return self.workdir / "upstream.jsonl"
 
+    @property
+    def tls_dir(self) -> Path:
+        """The upstream's test CA (``ca.pem``) and its hashed trust directory (``trust/``)."""
+        return self.workdir / "upstream-tls"
+
     def ns(
         self, ns: str, *cmd: str, check: bool = True, timeout: float = 20
     ) -> subprocess.CompletedProcess[str]:
@@ -201,7 +206,13 @@ class Topology:
             str(VENV_PY),
             str(REPO / "scripts" / "fleet_upstream.py"),
             "--http-ports",
-            "80,8080,853,443",
+            "80,8080,853",
+            "--https-ports",
+            "443",
+            "--tls-dir",
+            str(self.tls_dir),
+            "--tls-ips",
+            ",".join(UPSTREAM_IPS + UPSTREAM_IPS6),
             "--log",
             str(log),
             "--zone",
@@ -290,11 +301,12 @@ class Topology:
 
     # ---- traffic ---------------------------------------------------------------------------
 
-    def curl(self, sb: int, url: str, timeout: float = 1.0) -> int:
+    def curl(self, sb: int, url: str, timeout: float = 1.0, extra: Sequence[str] = ()) -> int:
         """HTTP status from sandbox ``sb`` (0 = no connection)."""
         r = self.ns(
             self.sb(sb),
             "curl",
+            *extra,
             "-s",
             "-o",
             "/dev/null",
@@ -315,6 +327,8 @@ class Topology:
 
     def reaches(self, sb: int, ip: str, port: int = 80, timeout: float = 1.0) -> bool:
         host = f"[{ip}]" if ":" in ip else ip
+        if port == 443:  # the upstream speaks TLS there (its test CA is not what matters here)
+            return self.curl(sb, f"https://{host}/probe", timeout, extra=("-k",)) == 200
         return self.curl(sb, f"http://{host}:{port}/probe", timeout) == 200
 
     def upstream_requests(self) -> list[dict[str, object]]:

@@ -42,6 +42,7 @@ def test_sidecar_defaults() -> None:
         mitm_upstream_trust_dir=Path("/etc/ssl/certs"),
         mitm_ssl_insecure=False,
         mitm_confdir=Path("/var/lib/egressd/mitm"),
+        credential_proxy_socket=Path("/run/opensandbox/credential-proxy/active.sock"),
         dns_upstream=None,
         dns_upstream_timeout=5.0,
         dns_host="0.0.0.0",

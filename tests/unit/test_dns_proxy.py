@@ -115,7 +115,9 @@ class FakePolicies:
         self.lookups.append(source_ip)
         return self.askers.get(source_ip)
 
-    async def learn(self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]]) -> None:
+    async def learn(
+        self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
+    ) -> None:
         self.events.append("learn:start")
         self.learn_started.set()
         if self.learn_gate is not None:

@@ -1,0 +1,230 @@
+"""The egressd addon, loaded by the supervised ``mitmdump`` (``-s``): credential injection (§10).
+
+Thin shell around :mod:`egressd.mitm.inject` (the decision) and :mod:`egressd.mitm.lookup`
+(the vault of the flow's client IP, and whether the connection's original destination was
+learned for the request host). Everything it decides is logged as one JSON line on stdout
+(names, binding, revision, host, method, header names; never values), which the daemon's
+supervisor re-emits through its own logger.
+
+Fail closed: a failed lookup refuses the request before anything reaches the upstream (503
+when the body is complete, killed when it is streamed or chunked); an unexpected error in a
+hook kills the flow instead of letting mitmproxy carry on with an undecided request.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import sys
+import time
+from typing import Any
+
+from mitmproxy import ctx, http
+from mitmproxy.addonmanager import Loader
+
+from egressd.mitm.active import READY_EVENT
+from egressd.mitm.inject import (
+    LOOKUP_FAILED,
+    Outcome,
+    Request,
+    decide,
+    find_binding,
+    normalise_authority,
+    redact_response_headers,
+    substitute_body,
+)
+from egressd.mitm.lookup import ActiveClient, LookupFailed
+from egressd.subject.model import unmap_ip
+from egressd.vault.store import VaultSnapshot
+
+_META = "egressd"
+
+
+def emit(event: str, **fields: Any) -> None:
+    """One JSON line for the supervisor (stdout is a pipe it reads)."""
+    sys.stdout.write(json.dumps({"event": event, **fields}, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
+def _peer_ip(flow: http.HTTPFlow) -> str | None:
+    peer = flow.client_conn.peername
+    if not peer:
+        return None
+    try:
+        return str(unmap_ip(ipaddress.ip_address(peer[0])))
+    except ValueError:
+        return None
+
+
+def _original_destination(flow: http.HTTPFlow) -> tuple[str, int] | None:
+    addr = flow.server_conn.address
+    if not addr:
+        return None
+    try:
+        return str(unmap_ip(ipaddress.ip_address(addr[0]))), int(addr[1])
+    except ValueError:
+        return None
+
+
+def _headers(pairs: list[tuple[str, str]]) -> http.Headers:
+    out = http.Headers()
+    for name, value in pairs:
+        out.add(name, value)  # str in, encoded the way mitmproxy decoded it
+    return out
+
+
+def _body_pending(req: http.Request) -> bool:
+    """True when the body is not fully known at ``requestheaders`` time and may be streamed."""
+    if "transfer-encoding" in req.headers:
+        return True
+    length = req.headers.get("content-length")
+    return length is not None and length.strip() not in ("", "0")
+
+
+class EgressInjector:
+    def __init__(self) -> None:
+        self.client: ActiveClient | None = None
+
+    def load(self, loader: Loader) -> None:
+        loader.add_option("egressd_active_socket", str, "", "egressd's private _active unix socket")
+        loader.add_option("egressd_lookup_timeout_ms", int, 250, "milliseconds per _active lookup")
+
+    def configure(self, updated: set[str]) -> None:
+        if "egressd_active_socket" in updated or "egressd_lookup_timeout_ms" in updated:
+            self.client = ActiveClient(
+                ctx.options.egressd_active_socket, ctx.options.egressd_lookup_timeout_ms / 1000
+            )
+
+    def running(self) -> None:
+        server = ctx.master.addons.get("proxyserver")
+        if server is not None and server.listen_addrs():
+            emit(READY_EVENT, listen=[list(a)[:2] for a in server.listen_addrs()])
+
+    async def done(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    # ---- request side ----------------------------------------------------------------------
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        try:
+            await self._requestheaders(flow)
+        except Exception as exc:  # fail closed: never forward an undecided request
+            emit("mitm.error", hook="requestheaders", error=type(exc).__name__)
+            flow.kill()
+
+    async def _requestheaders(self, flow: http.HTTPFlow) -> None:
+        req = flow.request
+        client_ip = _peer_ip(flow)
+        dest = _original_destination(flow)
+        authority = req.host_header or ""
+        norm = normalise_authority(authority) if authority else None
+        host = norm[0] if norm else None
+        started = time.perf_counter()
+        assert self.client is not None
+        try:
+            view = await self.client.lookup(client_ip, host, dest[0] if dest else None)
+        except LookupFailed as exc:
+            self._refuse(flow, LOOKUP_FAILED, client=client_ip, why=str(exc))
+            return
+        if view.snapshot is None:
+            return  # no vault: plain pass-through
+        flow.metadata[_META] = view.snapshot
+        request = Request(
+            scheme=req.scheme,
+            host=authority,
+            port=dest[1] if dest else req.port,
+            method=req.method,
+            path=req.path,
+            headers=tuple(req.headers.items(multi=True)),
+            body=None,
+            content_type=req.headers.get("content-type"),
+            content_encoding=req.headers.get("content-encoding"),
+            sni=flow.client_conn.sni if req.scheme == "https" else None,
+        )
+        outcome = decide(view.snapshot, request, destination_ok=view.destination_ok)
+        fields = {
+            "client": client_ip,
+            "host": host,
+            "dst": dest[0] if dest else None,
+            "method": req.method,
+            "revision": view.snapshot.revision,
+            "binding": outcome.binding,
+            "lookup_ms": round((time.perf_counter() - started) * 1000, 3),
+        }
+        if outcome.kind == "refuse":
+            self._refuse(flow, outcome, **fields)
+            return
+        if outcome.kind == "pass":
+            emit("mitm.pass", reason=outcome.reason, **fields)
+            return
+        if outcome.new_path is not None:
+            req.path = outcome.new_path
+        req.headers = _headers(outcome.rewrite_headers(request.headers))
+        flow.metadata[_META + ".binding"] = outcome.binding
+        emit(
+            "mitm.injected",
+            headers=list(outcome.injected_names),
+            substituted=list(outcome.substituted),
+            **fields,
+        )
+
+    def _refuse(self, flow: http.HTTPFlow, outcome: Outcome, **fields: Any) -> None:
+        # A chunked body may start streaming upstream while it is read: kill, never wait.
+        streamed = bool(flow.request.stream) or (
+            _body_pending(flow.request) and "content-length" not in flow.request.headers
+        )
+        emit("mitm.refused", status=outcome.status, reason=outcome.reason, killed=streamed, **fields)
+        if streamed:
+            flow.kill()
+        elif _body_pending(flow.request):
+            # The body is still coming: answer once it is read (``request`` hook), before any
+            # upstream connection exists.
+            flow.metadata[_META + ".refuse"] = outcome
+        else:
+            flow.response = http.Response.make(outcome.status, outcome.reason, {"Content-Type": "text/plain"})
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        try:
+            refusal = flow.metadata.get(_META + ".refuse")
+            if isinstance(refusal, Outcome):
+                flow.response = http.Response.make(
+                    refusal.status, refusal.reason, {"Content-Type": "text/plain"}
+                )
+                return
+            snapshot = flow.metadata.get(_META)
+            name = flow.metadata.get(_META + ".binding")
+            if not isinstance(snapshot, VaultSnapshot) or not isinstance(name, str) or flow.request.stream:
+                return
+            binding = find_binding(snapshot, name)
+            if binding is None or not any("body" in s.in_ for s in binding.substitutions):
+                return
+            new_body = substitute_body(
+                binding,
+                flow.request.raw_content,
+                flow.request.headers.get("content-type"),
+                flow.request.headers.get("content-encoding"),
+            )
+            if new_body is not None:
+                flow.request.content = new_body
+        except Exception as exc:
+            emit("mitm.error", hook="request", error=type(exc).__name__)
+            flow.kill()
+
+    # ---- response side ---------------------------------------------------------------------
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        try:
+            snapshot = flow.metadata.get(_META)
+            if not isinstance(snapshot, VaultSnapshot) or flow.response is None or not snapshot.redactions:
+                return
+            headers = list(flow.response.headers.items(multi=True))
+            redacted = redact_response_headers(headers, snapshot.redactions)
+            if redacted != headers:
+                flow.response.headers = _headers(redacted)
+        except Exception as exc:
+            emit("mitm.error", hook="responseheaders", error=type(exc).__name__)
+            flow.kill()
+
+
+addons = [EgressInjector()]

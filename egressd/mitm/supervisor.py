@@ -1,0 +1,204 @@
+"""The shared transparent mitmproxy as a supervised child process (``mitmdump`` + our addon).
+
+Why a child and not a ``master.Master`` in a daemon thread (measured and tried, see README
+"MITM"): mitmproxy calls ``sys.exit`` on start-up errors, keeps listeners open after
+``shutdown()``, installs loop-wide task factories and exception handlers, and its TLS and
+HTTP work would compete with the DNS proxy and the action handler for the daemon's GIL. A
+child can be killed and restarted without touching enforcement state, its crash cannot take
+the control plane down, and the vault reaches it only over a private unix socket.
+
+The child dies with the daemon (``PR_SET_PDEATHSIG``). It is ready when the addon reports
+``mitm.ready`` (its listener is bound); until then, and whenever it has died, :attr:`ready`
+is False, ``/healthz`` answers 503 and intercepted connections are refused by the kernel
+(nothing listens on the port): fail closed. It is restarted with a capped backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import structlog
+
+from egressd.mitm.active import READY_EVENT
+
+log = structlog.get_logger("egressd.mitm")
+
+_PR_SET_PDEATHSIG: Final = 1
+_MITMDUMP: Final = "import sys; from mitmproxy.tools.main import mitmdump; sys.exit(mitmdump())"
+ADDON_PATH: Final = str(Path(__file__).with_name("addon.py"))
+
+
+@dataclass(frozen=True, slots=True)
+class MitmOptions:
+    port: int
+    confdir: Path
+    active_socket: Path
+    upstream_trust_dir: Path | None  # None with ssl_insecure
+    ssl_insecure: bool = False
+    stream_large_bodies: str = "1m"
+    lookup_timeout: float = 0.25
+
+
+def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
+    """The child's command line (pure; tested)."""
+    argv = [
+        python,
+        "-c",
+        _MITMDUMP,
+        "--mode",
+        "transparent",
+        "--listen-port",
+        str(opts.port),
+        "--set",
+        f"confdir={opts.confdir}",
+        # Nothing reaches the upstream before the addon has decided: no eager connect, no
+        # certificate sniffing (the leaf is minted from the SNI).
+        "--set",
+        "connection_strategy=lazy",
+        "--set",
+        "upstream_cert=false",
+        # Who may use the proxy is the kernel's business (DNAT + input chain), not mitmproxy's.
+        "--set",
+        "block_global=false",
+        # No flow dumps: they would print headers, i.e. injected credentials.
+        "--set",
+        "flow_detail=0",
+        "--set",
+        "termlog_verbosity=warn",
+        "--set",
+        f"stream_large_bodies={opts.stream_large_bodies}",
+    ]
+    if opts.ssl_insecure or opts.upstream_trust_dir is None:
+        argv += ["--set", "ssl_insecure=true"]
+    else:
+        argv += ["--set", f"ssl_verify_upstream_trusted_confdir={opts.upstream_trust_dir}"]
+    argv += [
+        "-s",
+        ADDON_PATH,
+        "--set",
+        f"egressd_active_socket={opts.active_socket}",
+        "--set",
+        f"egressd_lookup_timeout_ms={round(opts.lookup_timeout * 1000)}",
+    ]
+    return argv
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class MitmSupervisor:
+    def __init__(self, argv: Sequence[str], *, backoff: tuple[float, float] = (0.2, 5.0)) -> None:
+        self.argv = list(argv)
+        self.backoff = backoff
+        self.ready = False
+        self.pid: int | None = None
+        self.starts = 0
+        self._proc: asyncio.subprocess.Process | None = None
+        self._stopping = False
+        self._became_ready = asyncio.Event()
+
+    async def wait_ready(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._became_ready.wait(), timeout)
+        except TimeoutError:
+            return False
+        return self.ready
+
+    async def run(self) -> None:
+        delay = self.backoff[0]
+        while not self._stopping:
+            self.starts += 1
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *self.argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT,
+                    preexec_fn=_die_with_parent,
+                )
+            except OSError as exc:
+                log.error("mitm.spawn_failed", error=exc.strerror or str(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.backoff[1])
+                continue
+            self._proc = proc
+            self.pid = proc.pid
+            log.info("mitm.started", pid=proc.pid, start=self.starts)
+            was_ready = await self._pump(proc)
+            code = await proc.wait()
+            self.ready = False
+            self._became_ready.clear()
+            self._proc = None
+            if self._stopping:
+                break
+            log.warning("mitm.exited", pid=proc.pid, code=code, restart_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = self.backoff[0] if was_ready else min(delay * 2, self.backoff[1])
+
+    async def _pump(self, proc: asyncio.subprocess.Process) -> bool:
+        """Read the child's output until it closes; True once it reported ready."""
+        assert proc.stdout is not None
+        was_ready = False
+        while True:
+            try:
+                raw = await proc.stdout.readline()
+            except ValueError:  # a line over the stream limit: skip it, never echo it
+                continue
+            if not raw:
+                return was_ready
+            line = raw.decode("utf-8", "replace").rstrip()
+            event = _parse_event(line)
+            if event is None:
+                # mitmproxy's own warnings (TLS failures, protocol errors). No flow dumps are
+                # enabled, so these carry no header values; cap the length anyway.
+                if line:
+                    log.warning("mitm.output", pid=proc.pid, line=line[:300])
+                continue
+            name = str(event.pop("event"))
+            if name == READY_EVENT:
+                was_ready = True
+                self.ready = True
+                self._became_ready.set()
+                log.info("mitm.ready", pid=proc.pid, **event)
+            elif name in ("mitm.refused", "mitm.error"):
+                log.warning(name, pid=proc.pid, **event)
+            else:
+                log.info(name, pid=proc.pid, **event)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 5)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
+def _parse_event(line: str) -> dict[str, object] | None:
+    if not line.startswith("{"):
+        return None
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    if (
+        not isinstance(obj, dict)
+        or not isinstance(obj.get("event"), str)
+        or not obj["event"].startswith("mitm.")
+    ):
+        return None
+    return obj

@@ -1,0 +1,385 @@
+"""The shared transparent MITM (BEHAVIOUR §10) end to end: real kernel DNAT, real mitmdump,
+real HTTPS upstream echoing what arrived, clients in sandbox namespaces trusting the MITM CA.
+
+One daemon with the MITM for the whole module (mitmdump takes ~1.5 s to start); every test
+binds its own sandboxes and removes them at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.kernel.topology import GATEWAY, UPSTREAM_IPS, Daemon, Topology, envelope
+
+SECRET = "sk-live-MITM-4f9a2c"  # the real key: only ever in the vault and upstream
+PLACEHOLDER = "PLACEHOLDER-KEY-7"  # what the sandbox holds
+SUB_SECRET = "sub-REAL-91b3"
+API = "api.example.test"
+API_IP = UPSTREAM_IPS[4]  # 10.204.0.6 (zone: api.example.test)
+B_IP = UPSTREAM_IPS[1]  # 10.204.0.3 (zone: b.test)
+MITM_PORT = 18181
+DPR = "sandbox.data-plane-ready"
+
+POLICY = {
+    "defaultAction": "deny",
+    "egress": [{"action": "allow", "target": API}, {"action": "allow", "target": "b.test"}],
+}
+VAULT: dict[str, Any] = {
+    "credentials": [
+        {"name": "key", "source": {"type": "inline", "value": SECRET}},
+        {"name": "sub", "source": {"type": "inline", "value": SUB_SECRET}},
+    ],
+    "bindings": [
+        {
+            "name": "api",
+            "match": {"hosts": [API], "methods": ["GET"], "paths": ["/v1/*"]},
+            "auth": {"type": "bearer", "credential": "key"},
+        },
+        {
+            "name": "subst",
+            "match": {"hosts": [API], "methods": ["POST"], "paths": ["/sub/*"]},
+            "auth": {
+                "type": "passthrough",
+                "substitutions": [
+                    {"credential": "sub", "placeholder": PLACEHOLDER, "in": ["header", "body"]}
+                ],
+            },
+        },
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def mitm(topo: Topology) -> Iterator[Daemon]:
+    env = {
+        "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT": "1",
+        "OPENSANDBOX_EGRESS_MITMPROXY_PORT": str(MITM_PORT),
+        "OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR": str(topo.tls_dir / "trust"),
+        "EGRESSD_MITM_CONFDIR": str(topo.workdir / "mitm-conf"),
+        "OPENSANDBOX_CREDENTIAL_PROXY_SOCKET": str(topo.workdir / "mitm-run" / "active.sock"),
+    }
+    d = Daemon(topo, table="egt-mitm", port=18190, env=env)
+    d.start(wait=False)
+    try:
+        d.wait_ready(timeout=30)
+        yield d
+    finally:
+        if d.proc is not None:
+            topo.stop(d.proc)
+        d.nft("delete", "table", "inet", "egt-mitm", check=False)
+        print(d.log_text()[-6000:])  # shown by pytest when a test of the module failed
+
+
+def ca_file(topo: Topology) -> str:
+    return str(topo.workdir / "mitm-conf" / "mitmproxy-ca-cert.pem")
+
+
+def bind(d: Daemon, i: int, uid: str, policy: object = POLICY, vault: dict[str, Any] | None = VAULT) -> None:
+    code, body = d.post(envelope("SET_BINDING", uid, ip=Topology.sb_ip(i), policy=policy))
+    assert (code, body) == (200, "{}"), body
+    code, body = d.post(envelope("LIFECYCLE_HOOK", uid, hook=DPR))
+    assert (code, body) == (200, "{}"), body
+    if vault is not None:
+        assert vault_call(d, uid, "PUT", vault)[0] == 201
+
+
+def unbind(d: Daemon, uid: str) -> None:
+    d.post(envelope("REMOVE_BINDING", uid))
+
+
+def vault_call(d: Daemon, uid: str, method: str, doc: object | None = None) -> tuple[int, str]:
+    args = ["-X", method]
+    if doc is not None:
+        path = d.topo.workdir / "vault.json"
+        path.write_text(json.dumps(doc))
+        args += ["-H", "Content-Type: application/json", "--data-binary", f"@{path}"]
+    return d._curl(*args, f"http://127.0.0.1:{d.port}/v1/sandboxfleets/{uid}/egress/credential-vault")
+
+
+def learn(topo: Topology, i: int, name: str) -> None:
+    status, answers = topo.dig(i, name)
+    assert status == "NOERROR" and answers, (name, status)
+
+
+class Reply:
+    def __init__(self, code: int, body: str, headers: str) -> None:
+        self.code = code
+        self.text = body
+        self.headers = headers.lower()
+        try:
+            self.echo: dict[str, Any] = json.loads(body) if body.startswith("{") else {}
+        except ValueError:
+            self.echo = {}
+
+    def upstream_header(self, name: str) -> str | None:
+        for k, v in self.echo.get("headers", {}).items():
+            if k.lower() == name.lower():
+                return str(v)
+        return None
+
+
+def call(
+    topo: Topology,
+    i: int,
+    url: str,
+    *,
+    resolve: str | None = None,
+    method: str = "GET",
+    headers: tuple[str, ...] = (),
+    data: str | None = None,
+    extra: tuple[str, ...] = (),
+    timeout: float = 3.0,
+) -> Reply:
+    """One curl from sandbox ``i`` trusting the MITM CA; ``resolve`` pins host:port:ip."""
+    hdr_file = topo.workdir / f"hdr-{i}.txt"
+    args = ["curl", "-s", "-X", method, "--cacert", ca_file(topo), "-D", str(hdr_file), "-m", str(timeout)]
+    args += ["-w", "\n%{http_code}"]
+    if resolve:
+        args += ["--resolve", resolve]
+    for h in headers:
+        args += ["-H", h]
+    if data is not None:
+        body = topo.workdir / f"body-{i}.bin"
+        body.write_text(data)
+        args += ["--data-binary", f"@{body}"]
+    args += [*extra, url]
+    r = topo.ns(topo.sb(i), *args, check=False, timeout=timeout + 10)
+    text, _, code = r.stdout.rpartition("\n")
+    got = hdr_file.read_text() if hdr_file.exists() else ""
+    hdr_file.unlink(missing_ok=True)
+    return Reply(int(code or 0) if code.strip().isdigit() else 0, text, got)
+
+
+def api(topo: Topology, i: int, path: str = "/v1/models", **kw: Any) -> Reply:
+    return call(topo, i, f"https://{API}{path}", resolve=f"{API}:443:{API_IP}", **kw)
+
+
+def upstream_saw_secret(topo: Topology, since: int) -> bool:
+    return any(SECRET in json.dumps(r) for r in topo.upstream_requests()[since:])
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_status_and_healthz_carry_the_ca_fingerprint(topo: Topology, mitm: Daemon) -> None:
+    status = mitm.status()
+    fp = status["mitmCaFingerprint"]
+    assert isinstance(fp, str) and len(fp) == 64
+    assert status["ready"] is True
+    code, pem = mitm.get("/v1/mitm/ca")
+    assert code == 200 and pem.startswith("-----BEGIN CERTIFICATE-----")
+    assert pem.strip() == Path(ca_file(topo)).read_text().strip()
+    r = topo.ns(topo.pod, "curl", "-s", "-D", "-", "-o", "/dev/null", f"http://127.0.0.1:{mitm.port}/healthz")
+    assert f"x-egressd-mitm-ca-fingerprint: {fp}" in r.stdout.lower()
+    # The CA key stays private.
+    mode = os.stat(topo.workdir / "mitm-conf" / "mitmproxy-ca.pem").st_mode & 0o777
+    assert mode == 0o600
+
+
+def test_credential_only_for_the_matching_binding(topo: Topology, mitm: Daemon) -> None:
+    bind(mitm, 1, "m1")
+    try:
+        learn(topo, 1, API)
+        r = api(topo, 1, headers=("Authorization: Bearer " + PLACEHOLDER,))
+        assert r.code == 200, r.text
+        assert r.upstream_header("Authorization") == f"Bearer {SECRET}", "same-name header replaced"
+        assert r.echo["tls"] is True
+        # The response echoes the credential in a header: redacted before it reaches the sandbox.
+        assert "x-echo-authorization: [redacted]" in r.headers
+        assert SECRET not in r.headers and SECRET.lower() not in r.headers
+        # Wrong method, wrong path, wrong scheme: nothing injected.
+        r = api(topo, 1, method="DELETE")
+        assert r.code == 200 and r.upstream_header("Authorization") is None
+        r = api(topo, 1, path="/v2/models")
+        assert r.code == 200 and r.upstream_header("Authorization") is None
+        r = call(topo, 1, f"http://{API}/v1/models", resolve=f"{API}:80:{API_IP}")
+        assert r.code == 200 and r.upstream_header("Authorization") is None
+        # Query strings do not change the path match.
+        r = api(topo, 1, path="/v1/models?x=1")
+        assert r.upstream_header("Authorization") == f"Bearer {SECRET}"
+        # Path tricks are refused before the upstream.
+        r = api(topo, 1, path="/v1/%2e%2e/admin", extra=("--path-as-is",))
+        assert r.code == 403, r.text
+    finally:
+        unbind(mitm, "m1")
+
+
+def test_sibling_without_vault_gets_nothing(topo: Topology, mitm: Daemon) -> None:
+    bind(mitm, 1, "m1")
+    bind(mitm, 2, "m2", vault=None)
+    try:
+        learn(topo, 1, API)
+        learn(topo, 2, API)
+        mark = len(topo.upstream_requests())
+        r = api(topo, 2)
+        assert r.code == 200 and r.upstream_header("Authorization") is None
+        assert not upstream_saw_secret(topo, mark)
+        assert api(topo, 1).upstream_header("Authorization") == f"Bearer {SECRET}"
+    finally:
+        unbind(mitm, "m1")
+        unbind(mitm, "m2")
+
+
+def test_forged_host_towards_a_non_learned_address_gets_nothing(topo: Topology, mitm: Daemon) -> None:
+    bind(mitm, 1, "m1")
+    try:
+        learn(topo, 1, "b.test")  # allowed and learned, but for b.test
+        mark = len(topo.upstream_requests())
+        r = call(topo, 1, f"https://{API}/v1/models", resolve=f"{API}:443:{B_IP}")
+        assert r.code == 200, r.text
+        assert r.echo["local"] == B_IP
+        assert r.upstream_header("Authorization") is None
+        assert not upstream_saw_secret(topo, mark)
+        # Not learned at all: the input chain drops it (policy on the original destination).
+        r = call(topo, 1, f"https://{API}/v1/models", resolve=f"{API}:443:{UPSTREAM_IPS[6]}", timeout=1.5)
+        assert r.code == 0
+    finally:
+        unbind(mitm, "m1")
+
+
+def test_placeholder_substituted_and_never_sent_upstream(topo: Topology, mitm: Daemon) -> None:
+    bind(mitm, 1, "m1")
+    try:
+        learn(topo, 1, API)
+        mark = len(topo.upstream_requests())
+        r = api(
+            topo,
+            1,
+            path="/sub/x",
+            method="POST",
+            headers=(f"X-Api-Key: {PLACEHOLDER}", "Content-Type: application/json"),
+            data=json.dumps({"key": PLACEHOLDER}),
+        )
+        assert r.code == 200, r.text
+        assert r.upstream_header("X-Api-Key") == SUB_SECRET
+        assert json.loads(r.echo["body"]) == {"key": SUB_SECRET}
+        assert all(PLACEHOLDER not in json.dumps(x) for x in topo.upstream_requests()[mark:])
+    finally:
+        unbind(mitm, "m1")
+
+
+def test_vault_removal_applies_to_the_next_request(topo: Topology, mitm: Daemon) -> None:
+    bind(mitm, 1, "m1")
+    try:
+        learn(topo, 1, API)
+        assert api(topo, 1).upstream_header("Authorization") == f"Bearer {SECRET}"
+        assert vault_call(mitm, "m1", "DELETE")[0] == 204
+        r = api(topo, 1)
+        assert r.code == 200 and r.upstream_header("Authorization") is None
+        changed = json.loads(json.dumps(VAULT))
+        changed["credentials"][0]["source"]["value"] = SECRET + "-v2"
+        assert vault_call(mitm, "m1", "PUT", changed)[0] == 201
+        assert api(topo, 1).upstream_header("Authorization") == f"Bearer {SECRET}-v2"
+    finally:
+        unbind(mitm, "m1")
+
+
+def test_lookup_failure_blocks_before_the_upstream(topo: Topology, mitm: Daemon) -> None:
+    bind(mitm, 1, "m1")
+    try:
+        learn(topo, 1, API)
+        assert api(topo, 1).code == 200
+        mark = len(topo.upstream_requests())
+        assert mitm.proc is not None
+        os.kill(mitm.proc.pid, signal.SIGSTOP)  # the vault lookup times out (0.25 s)
+        try:
+            r = api(topo, 1)
+            assert r.code == 503, r.text
+            r = api(topo, 1, path="/other")  # every intercepted request of that client
+            assert r.code == 503
+            r = api(topo, 1, method="POST", path="/v1/x", data="y" * 100)
+            assert r.code == 503
+        finally:
+            os.kill(mitm.proc.pid, signal.SIGCONT)
+        assert len(topo.upstream_requests()) == mark, "nothing reached the upstream"
+        assert api(topo, 1).upstream_header("Authorization") == f"Bearer {SECRET}"
+    finally:
+        unbind(mitm, "m1")
+
+
+def test_direct_connection_to_the_mitm_port_is_dropped(topo: Topology, mitm: Daemon) -> None:
+    bind(mitm, 1, "m1")
+    try:
+        assert topo.curl(1, f"http://{GATEWAY}:{MITM_PORT}/", timeout=1.0) == 0
+        # Denying subjects reach nothing through the MITM either.
+        code, body = mitm.post(envelope("SET_BINDING", "m3", ip=Topology.sb_ip(3), policy=POLICY))
+        assert code == 200, body
+        assert call(topo, 3, f"https://{API}/v1/models", resolve=f"{API}:443:{API_IP}", timeout=1.5).code == 0
+    finally:
+        unbind(mitm, "m1")
+        unbind(mitm, "m3")
+    # Removal leaves no per-subject MITM objects.
+    names = mitm.object_names()
+    assert not any("m1" in n or "m3" in n for n in names), names
+
+
+def test_odd_traffic_neither_crashes_nor_leaks(topo: Topology, mitm: Daemon) -> None:
+    bind(mitm, 1, "m1")
+    try:
+        learn(topo, 1, API)
+        mark = len(topo.upstream_requests())
+        # TLS without SNI (IP literal URL) + a matching Host: passed through without credentials.
+        r = call(topo, 1, f"https://{API_IP}/v1/models", headers=(f"Host: {API}",))
+        assert r.code == 200 and r.upstream_header("Authorization") is None, r.text
+        # HTTP/2 from the client: injected like HTTP/1.1.
+        r = api(topo, 1, extra=("--http2",))
+        assert r.code == 200 and r.upstream_header("Authorization") == f"Bearer {SECRET}"
+        # A large streamed body (above stream_large_bodies): headers injected, body untouched.
+        r = api(topo, 1, method="POST", path="/sub/big", data="z" * (3 << 20), timeout=20)
+        assert r.code == 200 and r.echo["bodyBytes"] == 3 << 20
+        # Websocket upgrade request: forwarded (the echo server answers plain HTTP).
+        r = api(topo, 1, headers=("Connection: Upgrade", "Upgrade: websocket", "Sec-WebSocket-Version: 13"))
+        assert r.code in (200, 400, 426, 502)
+        # Malformed HTTP over the intercepted port 80.
+        raw = topo.ns(
+            topo.sb(1),
+            "python3",
+            "-c",
+            "import socket,sys;s=socket.create_connection((sys.argv[1],80),2);"
+            "s.sendall(b'\\x00\\x01GARBAGE\\r\\n\\r\\n');s.settimeout(2);print(s.recv(100))",
+            API_IP,
+            check=False,
+            timeout=10,
+        )
+        assert "400" in raw.stdout or raw.stdout.strip() in ("b''", "")
+        assert not upstream_saw_secret(topo, mark + 10**6)  # nothing odd carried the key
+        # The proxy is still serving.
+        assert api(topo, 1).upstream_header("Authorization") == f"Bearer {SECRET}"
+    finally:
+        unbind(mitm, "m1")
+
+
+def test_mitm_killed_blocks_then_recovers(topo: Topology, mitm: Daemon) -> None:
+    bind(mitm, 1, "m1")
+    try:
+        learn(topo, 1, API)
+        assert api(topo, 1).code == 200
+        pid = _mitm_pid(topo, mitm)
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+        assert api(topo, 1, timeout=1.5).code == 0, "nothing listens: the connection is refused"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and mitm.get("/healthz")[0] != 200:
+            time.sleep(0.1)
+        assert mitm.get("/healthz")[0] == 200
+        assert _mitm_pid(topo, mitm) != pid
+        r = api(topo, 1)
+        assert r.code == 200 and r.upstream_header("Authorization") == f"Bearer {SECRET}"
+    finally:
+        unbind(mitm, "m1")
+
+
+def _mitm_pid(topo: Topology, d: Daemon) -> int:
+    assert d.proc is not None
+    out = topo.ns(topo.pod, "ps", "-o", "pid=", "--ppid", str(d.proc.pid), check=False).stdout.split()
+    pids = [int(p) for p in out]
+    assert len(pids) == 1, out
+    return pids[0]
