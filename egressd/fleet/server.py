@@ -28,6 +28,8 @@ log = structlog.get_logger("egressd.http")
 
 ACTIONS_PATH = "/_fastlet/v1/actions"
 STATUS_PATH = "/_fastlet/v1/actions/status"
+MITM_CA_PATH = "/v1/mitm/ca"
+MITM_CA_FINGERPRINT_HEADER = "X-Egressd-Mitm-Ca-Fingerprint"
 
 _OPERATION_NAMES = {
     SetBinding: "SET_BINDING",
@@ -74,8 +76,11 @@ class FleetHTTP:
         extra_health: Callable[[], str | None] | None = None,
         status_extra: Callable[[], dict[str, Any]] | None = None,
         proxy: ProxyRouteAPI | None = None,
+        mitm_ca: Callable[[], tuple[str, str] | None] | None = None,
     ) -> None:
         self.proxy = proxy
+        # () -> (public certificate PEM, SHA-256 hex of its DER), or None while the MITM is off.
+        self._mitm_ca = mitm_ca
         self.control = control
         self.metrics = metrics
         self.instance_id = instance_id or new_instance_id()
@@ -98,6 +103,7 @@ class FleetHTTP:
         app.router.add_route("*", "/metrics", self.metrics_handler)
         app.router.add_route("*", "/v1/subjects", self.subjects)
         app.router.add_route("*", "/v1/explain", self.explain)
+        app.router.add_route("*", MITM_CA_PATH, self.mitm_ca)
         if self.proxy is not None:
             for path in (
                 "/v1/sandboxfleets/{tail:.*}",
@@ -174,6 +180,21 @@ class FleetHTTP:
         if not target:
             return text(400, "target (a name or an IP) is required")
         return web.json_response(self.control.explain(ip, target))
+
+    async def mitm_ca(self, request: web.Request) -> web.Response:
+        """The MITM CA's public certificate for ``egressctl ca`` (never the key)."""
+        if request.method not in ("GET", "HEAD"):
+            return text(405, "method not allowed", headers={"Allow": "GET"})
+        ca = self._mitm_ca() if self._mitm_ca is not None else None
+        if ca is None:
+            return text(404, "mitm disabled")
+        pem, fingerprint = ca
+        return web.Response(
+            status=200,
+            text=pem,
+            content_type="application/x-pem-file",
+            headers={MITM_CA_FINGERPRINT_HEADER: fingerprint},
+        )
 
     async def actions(self, request: web.Request) -> web.Response:
         if request.method != "POST":
