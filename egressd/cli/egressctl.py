@@ -305,9 +305,10 @@ def _cell(value: Any) -> str:
 def _policy_cell(policy: Any) -> str:
     if not isinstance(policy, dict):
         return "-"
+    # No blanks inside a cell: each row stays one whitespace-separated field per column (awk, cut).
     rules = policy.get("rules")
-    count = f"{rules} rule{'' if rules == 1 else 's'}" if isinstance(rules, int) else "? rules"
-    return f"{_cell(policy.get('defaultAction'))}+{count}"
+    count = str(rules) if isinstance(rules, int) else "?"
+    return f"default={_cell(policy.get('defaultAction'))},rules={count}"
 
 
 def _state_counter(subjects: Sequence[dict[str, Any]]) -> dict[str, int]:
