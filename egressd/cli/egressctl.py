@@ -103,7 +103,7 @@ _STATE_ORDER = ("active", "denying")
 EXIT_CODES: dict[int, str] = {
     EXIT_OK: "success",
     EXIT_FAILURE: "the daemon answered but not with success (non-2xx, not ready, MITM disabled)",
-    EXIT_USAGE: "usage error or bad local input; nothing was sent",
+    EXIT_USAGE: "usage error or bad local input (nothing was sent)",
     EXIT_UNREACHABLE: "the daemon could not be reached (refused, timeout, broken HTTP)",
 }
 
@@ -773,7 +773,7 @@ STATUS = Command(
     "status",
     "daemon readiness, health and subject counts",
     run=cmd_status,
-    epilog="exit 0 when ready, 1 when the daemon answers but is not ready, 2 when it cannot be reached",
+    epilog="exit 0 when ready, 1 when the daemon answers but is not ready, 3 when it cannot be reached",
 )
 
 SUBJECTS = Command("subjects", "list registered subjects", run=cmd_subjects)
