@@ -28,11 +28,11 @@ exactly one line ``egressctl: <reason>`` on stderr, never a traceback.
 
 Extension point: the command tree is declarative. Each :class:`Command` names its arguments
 (``configure``), its handler (``run``) and optional sub-commands (``children``). Top-level
-commands live in :data:`COMMANDS`; a new one (``vault put|get|delete``, ``ca``, ``explain``) is a
-``Command`` appended there (or passed to :func:`register`) whose handler takes a
-:class:`Context` (lazy :class:`~egressd.cli.client.DaemonClient`, ``--json`` flag, output
-helpers) and returns the exit code. Handlers raise :class:`~egressd.cli.client.CliError` for
-one-line failures.
+commands live in :data:`COMMANDS`; a new one is a ``Command`` appended there (or passed to
+:func:`register`) whose handler takes a :class:`Context` (lazy
+:class:`~egressd.cli.client.DaemonClient`, ``--json`` flag, output helpers) and returns the exit
+code. Handlers raise :class:`~egressd.cli.client.CliError` for one-line failures, or print an
+answer and return ``ctx.fail(reason)``; with ``--json`` they print exactly one document.
 """
 
 from __future__ import annotations
