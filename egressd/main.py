@@ -151,7 +151,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             extra_health=mitm_health,
             status_extra=lambda: {"bridgeNfCallIptables": bridges.nf_call_iptables},
             proxy=proxy,
-            mitm_ca=(lambda: (mitm.ca.pem, mitm.ca.fingerprint) if mitm else None) if mitm else None,
+            mitm_ca=lambda: (mitm.ca.pem, mitm.ca.fingerprint) if mitm else None,
         )
         runner = web.AppRunner(http.app(), access_log=None, handle_signals=False)
         await runner.setup()

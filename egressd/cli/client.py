@@ -4,9 +4,10 @@
 ``http_proxy``/``HTTP_PROXY`` environment, which must never redirect an operator talking
 to a loopback daemon, and it turns every non-2xx answer into an exception.
 
-Every failure to talk to the daemon (bad address, refused, timeout, broken HTTP) is
-raised as :class:`CliError` with exit code 2 and a one-line reason; any HTTP answer,
-whatever its status, is returned as a :class:`Response`.
+Every failure to talk to the daemon (refused, timeout, unresolvable name, broken HTTP) is
+raised as :class:`CliError` with exit code 3 (:data:`EXIT_UNREACHABLE`) and a one-line
+reason; a malformed ``--addr`` is a usage error (exit 2). Any HTTP answer, whatever its
+status, is returned as a :class:`Response`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
@@ -22,6 +24,8 @@ __all__ = [
     "EXIT_FAILURE",
     "EXIT_LOCAL",
     "EXIT_OK",
+    "EXIT_UNREACHABLE",
+    "EXIT_USAGE",
     "CliError",
     "DaemonClient",
     "Response",
@@ -34,8 +38,11 @@ DEFAULT_PORT = 18080
 EXIT_OK = 0
 #: The daemon answered, but not with success (non-200 action, not ready, unexpected reply).
 EXIT_FAILURE = 1
-#: Connection errors and bad local input (arguments, unreadable files).
-EXIT_LOCAL = 2
+#: Usage errors and bad local input (arguments, unreadable files): nothing was sent.
+EXIT_USAGE = 2
+EXIT_LOCAL = EXIT_USAGE  # historical name, kept for callers
+#: The daemon could not be talked to (refused, timeout, name resolution, broken HTTP).
+EXIT_UNREACHABLE = 3
 
 _USER_AGENT = "egressctl/1"
 _MAX_REASON = 500
@@ -96,6 +103,11 @@ class Response:
     reason: str
     content_type: str
     body: bytes
+    #: Response headers, names lower-cased (the last value wins for repeated names).
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name.lower())
 
     @property
     def ok(self) -> bool:
@@ -173,20 +185,25 @@ class DaemonClient:
                 reason=resp.reason or "",
                 content_type=resp.getheader("Content-Type") or "",
                 body=data,
+                headers={k.lower(): v for k, v in resp.getheaders()},
             )
         except TimeoutError:
             raise CliError(
-                f"{method} {path} to egressd at {self.addr}: timed out after {self.timeout:g}s"
+                f"{method} {path} to egressd at {self.addr}: timed out after {self.timeout:g}s",
+                EXIT_UNREACHABLE,
             ) from None
         except socket.gaierror as exc:
-            raise CliError(f"cannot resolve egressd address {self.addr}: {exc.strerror or exc}") from None
+            raise CliError(
+                f"cannot resolve egressd address {self.addr}: {exc.strerror or exc}", EXIT_UNREACHABLE
+            ) from None
         except OSError as exc:
             reason = exc.strerror or str(exc) or type(exc).__name__
-            raise CliError(f"cannot reach egressd at {self.addr}: {reason}") from None
+            raise CliError(f"cannot reach egressd at {self.addr}: {reason}", EXIT_UNREACHABLE) from None
         except http.client.HTTPException as exc:
             reason = str(exc) or type(exc).__name__
             raise CliError(
-                f"{method} {path} to egressd at {self.addr}: bad HTTP response: {reason}"
+                f"{method} {path} to egressd at {self.addr}: bad HTTP response: {reason}",
+                EXIT_UNREACHABLE,
             ) from None
         finally:
             conn.close()

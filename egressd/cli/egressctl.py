@@ -14,18 +14,25 @@ Commands (global options ``--addr``, ``--json``, ``--timeout`` go before or afte
     egressctl vault seal --uid U --policy-file P [--vault-file V --key-file K [--kid KID]] [--out FILE]
     egressctl vault put|post|patch --uid U [--path SUB] --file BODY.json|- [--generation N] [--suffix-only]
     egressctl vault get|delete --uid U [--path SUB] [--generation N] [--suffix-only]
+    egressctl explain SANDBOX-IP NAME-OR-IP
+    egressctl ca
 
-Exit codes: 0 success; 1 the daemon answered but not with success (non-200 action, non-2xx vault
-answer, not ready, unexpected reply); 2 connection errors and bad local input. Every failure is one line
-``egressctl: <reason>`` on stderr, never a traceback.
+Output: human text by default (aligned tables, ``key  value`` blocks); with ``--json`` exactly one
+JSON document on stdout. ``send`` and the vault requests always print the answer (status and
+body); every other failure prints nothing on stdout.
+
+Exit codes (:data:`EXIT_CODES`): 0 success; 1 the daemon answered but not with success (non-2xx,
+not ready, MITM disabled, unexpected reply); 2 usage error or bad local input (nothing was sent);
+3 the daemon could not be reached (refused, timeout, broken HTTP). Every non-zero exit writes
+exactly one line ``egressctl: <reason>`` on stderr, never a traceback.
 
 Extension point: the command tree is declarative. Each :class:`Command` names its arguments
 (``configure``), its handler (``run``) and optional sub-commands (``children``). Top-level
-commands live in :data:`COMMANDS`; a new one (``vault put|get|delete``, ``ca``, ``explain``) is a
-``Command`` appended there (or passed to :func:`register`) whose handler takes a
-:class:`Context` (lazy :class:`~egressd.cli.client.DaemonClient`, ``--json`` flag, output
-helpers) and returns the exit code. Handlers raise :class:`~egressd.cli.client.CliError` for
-one-line failures.
+commands live in :data:`COMMANDS`; a new one is a ``Command`` appended there (or passed to
+:func:`register`) whose handler takes a :class:`Context` (lazy
+:class:`~egressd.cli.client.DaemonClient`, ``--json`` flag, output helpers) and returns the exit
+code. Handlers raise :class:`~egressd.cli.client.CliError` for one-line failures, or print an
+answer and return ``ctx.fail(reason)``; with ``--json`` they print exactly one document.
 """
 
 from __future__ import annotations
@@ -43,11 +50,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, NoReturn
 
+from egressd.cli.ca import CA_PATH, FINGERPRINT_HEADER, certificate_der, fingerprint, normalise_fingerprint
 from egressd.cli.client import (
     DEFAULT_ADDR,
     EXIT_FAILURE,
-    EXIT_LOCAL,
     EXIT_OK,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
     CliError,
     DaemonClient,
     Response,
@@ -60,6 +69,7 @@ from egressd.cli.envelopes import (
     parse_ip,
     remove_envelope,
 )
+from egressd.cli.render import flatten, key_values, redact_secrets, table
 from egressd.cli.vault import (
     PATH_CHOICES,
     VAULT_METHODS,
@@ -71,7 +81,7 @@ from egressd.cli.vault import (
     vault_path,
 )
 
-__all__ = ["COMMANDS", "Command", "Context", "build_parser", "main", "register"]
+__all__ = ["COMMANDS", "EXIT_CODES", "Command", "Context", "build_parser", "main", "register"]
 
 PROG = "egressctl"
 ADDR_ENV = "EGRESSCTL_ADDR"
@@ -88,6 +98,14 @@ DEFAULT_SPEC_GENERATION = 1
 DENY_ALL_POLICY = "{}"
 
 _STATE_ORDER = ("active", "denying")
+
+#: The documented exit codes (README, docs/operations.md, ``egressctl --help``).
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "success",
+    EXIT_FAILURE: "the daemon answered but not with success (non-2xx, not ready, MITM disabled)",
+    EXIT_USAGE: "usage error or bad local input (nothing was sent)",
+    EXIT_UNREACHABLE: "the daemon could not be reached (refused, timeout, broken HTTP)",
+}
 
 
 # --------------------------------------------------------------------------- framework
@@ -115,6 +133,15 @@ class Context:
     def emit_json(self, obj: Any) -> None:
         print(json.dumps(obj, separators=(", ", ": ")), file=sys.stdout)
 
+    def lines(self, lines: Sequence[str]) -> None:
+        for line in lines:
+            self.out(line)
+
+    def fail(self, reason: str, code: int = EXIT_FAILURE) -> int:
+        """The one stderr line of a failure whose result was already printed; returns ``code``."""
+        print(f"{PROG}: {one_line(reason)}", file=sys.stderr)
+        return code
+
 
 Handler = Callable[[Context, argparse.Namespace], int]
 
@@ -138,7 +165,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         where = self.prog.removeprefix(PROG).strip()
-        raise CliError(f"{where}: {message}" if where else message, EXIT_LOCAL)
+        raise CliError(f"{where}: {message}" if where else message, EXIT_USAGE)
 
 
 def _positive_float(text: str) -> float:
@@ -215,10 +242,7 @@ def build_parser(commands: Sequence[Command] | None = None) -> argparse.Argument
     parser = _Parser(
         prog=PROG,
         description="Operator and dispatcher CLI for the egressd HTTP API.",
-        epilog=(
-            "exit codes: 0 success; 1 the daemon answered but not with success; "
-            "2 connection error or bad local input"
-        ),
+        epilog="exit codes: " + "; ".join(f"{code} {text}" for code, text in EXIT_CODES.items()),
     )
     _add_global_options(parser, with_defaults=True)
     _add_commands(parser, COMMANDS if commands is None else commands, dest="command", title="commands")
@@ -262,16 +286,6 @@ def _encode(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode("ascii")
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [len(h) for h in headers]
-    for row in rows:
-        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
-    lines = []
-    for row in (headers, *rows):
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-    return lines
-
-
 def _fetch_subjects(ctx: Context) -> list[dict[str, Any]]:
     resp = ctx.client.get(SUBJECTS_PATH)
     _expect_ok(resp, "GET", SUBJECTS_PATH)
@@ -291,16 +305,43 @@ def _cell(value: Any) -> str:
 def _policy_cell(policy: Any) -> str:
     if not isinstance(policy, dict):
         return "-"
+    # No blanks inside a cell: each row stays one whitespace-separated field per column (awk, cut).
     rules = policy.get("rules")
-    count = f"{rules} rule{'' if rules == 1 else 's'}" if isinstance(rules, int) else "? rules"
-    return f"{_cell(policy.get('defaultAction'))}+{count}"
+    count = str(rules) if isinstance(rules, int) else "?"
+    return f"default={_cell(policy.get('defaultAction'))},rules={count}"
+
+
+def _state_counter(subjects: Sequence[dict[str, Any]]) -> dict[str, int]:
+    counts = Counter(str(s.get("state", "?")) for s in subjects)
+    order = [s for s in _STATE_ORDER if s in counts] + sorted(s for s in counts if s not in _STATE_ORDER)
+    return {state: counts[state] for state in order}
 
 
 def _state_counts(subjects: Sequence[dict[str, Any]]) -> str:
-    counts = Counter(str(s.get("state", "?")) for s in subjects)
-    order = [s for s in _STATE_ORDER if s in counts] + sorted(s for s in counts if s not in _STATE_ORDER)
-    detail = ", ".join(f"{state} {counts[state]}" for state in order)
+    counts = _state_counter(subjects)
+    detail = ", ".join(f"{state} {n}" for state, n in counts.items())
     return f"{len(subjects)} ({detail})" if detail else "0"
+
+
+def _response_lines(resp: Response) -> list[str]:
+    """Human form of an answer: ``<code> <reason phrase>``, then the body (compact JSON or text)."""
+    lines = [f"{resp.status} {resp.reason or ('OK' if resp.success else 'error')}"]
+    if resp.body.strip():
+        payload = resp.payload()
+        body = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+        lines.append(one_line(body, limit=4000))
+    return lines
+
+
+def _report(ctx: Context, resp: Response, method: str, path: str, *, success: bool) -> int:
+    """Print an answer (``send``, vault requests) and turn a refusal into exit 1 + one stderr line."""
+    if ctx.json_output:
+        ctx.emit_json({"code": resp.status, "body": resp.payload()})
+    else:
+        ctx.lines(_response_lines(resp))
+    if success:
+        return EXIT_OK
+    return ctx.fail(f"{method} {path}: {resp.summary()}")
 
 
 # --------------------------------------------------------------------------- status
@@ -318,24 +359,46 @@ def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
     healthy = health.status == 200
     health_text = one_line(health.text()) or health.reason
 
+    # Subject counts are a convenience: a failure there does not fail the readiness check.
+    subjects: list[dict[str, Any]] | None
+    subjects_error: str | None = None
+    try:
+        subjects = _fetch_subjects(ctx)
+    except CliError as exc:
+        subjects, subjects_error = None, exc.reason
+
     if ctx.json_output:
-        ctx.emit_json({"status": status, "healthy": healthy, "health": health_text})
+        ctx.emit_json(
+            {
+                "status": status,
+                "healthy": healthy,
+                "health": health_text,
+                "subjects": None
+                if subjects is None
+                else {"total": len(subjects), "byState": _state_counter(subjects)},
+            }
+        )
     else:
-        rows: list[tuple[str, str]] = [
-            ("instance", _cell(status.get("instanceId"))),
-            ("ready", "yes" if ready else "no"),
-            ("health", health_text if healthy else f"{health.status} {health_text}"),
-        ]
-        if status.get("mitmCaFingerprint"):
-            rows.append(("mitm-ca", _cell(status.get("mitmCaFingerprint"))))
-        try:
-            rows.append(("subjects", _state_counts(_fetch_subjects(ctx))))
-        except CliError as exc:
-            rows.append(("subjects", f"unavailable ({exc.reason})"))
-        width = max(len(k) for k, _ in rows)
-        for key, value in rows:
-            ctx.out(f"{key.ljust(width)}  {value}")
-    return EXIT_OK if ready else EXIT_FAILURE
+        fp = status.get("mitmCaFingerprint")
+        ctx.lines(
+            key_values(
+                [
+                    ("instance", _cell(status.get("instanceId"))),
+                    ("ready", "yes" if ready else "no"),
+                    ("health", health_text if healthy else f"{health.status} {health_text}"),
+                    ("mitm-ca", _cell(fp) if fp else "disabled"),
+                    (
+                        "subjects",
+                        _state_counts(subjects)
+                        if subjects is not None
+                        else f"unavailable ({subjects_error})",
+                    ),
+                ]
+            )
+        )
+    if ready:
+        return EXIT_OK
+    return ctx.fail(f"daemon not ready: {health_text if not healthy else 'status says ready=false'}")
 
 
 # --------------------------------------------------------------------------- subjects
@@ -360,8 +423,7 @@ def cmd_subjects(ctx: Context, args: argparse.Namespace) -> int:
         )
         for s in subjects
     ]
-    for line in _table(headers, rows):
-        ctx.out(line)
+    ctx.lines(table(headers, rows))
     return EXIT_OK
 
 
@@ -370,11 +432,8 @@ def cmd_subjects(ctx: Context, args: argparse.Namespace) -> int:
 
 def _post_action(ctx: Context, body: bytes) -> int:
     resp = ctx.client.post_json(ACTIONS_PATH, body)
-    if ctx.json_output:
-        ctx.emit_json({"code": resp.status, "body": resp.payload()})
-    else:
-        ctx.out(resp.summary())
-    return EXIT_OK if resp.ok else EXIT_FAILURE
+    # Only 200 is success for an action (§1); the Fastlet treats anything else as a refusal.
+    return _report(ctx, resp, "POST", ACTIONS_PATH, success=resp.ok)
 
 
 def _add_identity(parser: argparse.ArgumentParser) -> None:
@@ -551,6 +610,8 @@ def cmd_vault_seal(ctx: Context, args: argparse.Namespace) -> int:
             Path(args.out).write_text(text, encoding="ascii")
         except OSError as exc:
             raise CliError(f"--out: cannot write {args.out}: {exc.strerror or exc}") from None
+        if ctx.json_output:
+            ctx.emit_json({"out": args.out, "kid": kid if plaintext is not None else None})
         return EXIT_OK
     if ctx.json_output:
         ctx.emit_json({"input": text, "kid": kid if plaintext is not None else None})
@@ -585,14 +646,6 @@ def _configure_vault_request(parser: argparse.ArgumentParser, *, with_body: bool
     )
 
 
-def _vault_line(resp: Response) -> str:
-    detail = ""
-    if resp.body.strip():
-        payload = resp.payload()
-        detail = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return one_line(f"{resp.status} {detail or resp.reason or ('OK' if resp.success else 'error')}")
-
-
 def cmd_vault_request(ctx: Context, args: argparse.Namespace) -> int:
     method = VAULT_METHODS[args.vault_method]
     path = vault_path(args.uid, args.path, suffix_only=args.suffix_only)
@@ -600,16 +653,16 @@ def cmd_vault_request(ctx: Context, args: argparse.Namespace) -> int:
     file: str | None = getattr(args, "file", None)
     body = _read_input(file, what="--file") if file is not None else None
     resp = ctx.client.request(method, path, body, headers=headers)
-    if ctx.json_output:
-        ctx.emit_json({"code": resp.status, "body": resp.payload()})
-    elif method == "GET" and resp.success and resp.is_json() and resp.body.strip():
-        try:
-            ctx.out(json.dumps(json.loads(resp.body), indent=2, sort_keys=False))
-        except ValueError:
-            ctx.out(_vault_line(resp))
-    else:
-        ctx.out(_vault_line(resp))
-    return EXIT_OK if resp.success else EXIT_FAILURE
+    payload = resp.payload()
+    if method == "GET" and resp.success and isinstance(payload, dict | list):
+        # The daemon returns metadata only; secret-bearing keys are masked regardless.
+        payload = redact_secrets(payload)
+        if ctx.json_output:
+            ctx.emit_json({"code": resp.status, "body": payload})
+        else:
+            ctx.lines(key_values(flatten(payload)))
+        return EXIT_OK
+    return _report(ctx, resp, method, path, success=resp.success)
 
 
 def _vault_request_command(name: str, help_text: str, *, with_body: bool) -> Command:
@@ -625,8 +678,8 @@ def _vault_request_command(name: str, help_text: str, *, with_body: bool) -> Com
         epilog=(
             f"{VAULT_METHODS[name]} /v1/sandboxfleets/<uid>/egress/credential-vault[/SUB] "
             "(or /credential-vault[/SUB] + X-Fast-Sandbox-Uid with --suffix-only).\n"
-            "Prints '<code> <body or reason>' (GET success: the JSON body, indented); "
-            "exit 0 on 2xx, 1 on any other status."
+            "Prints '<code> <reason>' and the body (GET success: the metadata as 'key  value' lines); "
+            '--json prints {"code": N, "body": ...}. Exit 0 on 2xx, 1 on any other status.'
         ),
     )
 
@@ -646,23 +699,71 @@ def cmd_explain(ctx: Context, args: argparse.Namespace) -> int:
     path = f"/v1/explain?{query}"
     resp = ctx.client.get(path)
     if resp.status == 400:
-        raise CliError(f"explain: {resp.summary()}", EXIT_LOCAL)
+        raise CliError(f"explain: {resp.summary()}", EXIT_USAGE)
     _expect_ok(resp, "GET", "/v1/explain")
     doc = resp.json()
     if ctx.json_output:
         ctx.emit_json(doc)
         return EXIT_OK
+    if not isinstance(doc, dict):
+        raise CliError("GET /v1/explain: unexpected payload (not an object)", EXIT_FAILURE)
     rule = doc.get("rule")
-    lines = [
-        ("verdict", f"{doc.get('decision', '?').upper()}"),
-        ("subject", f"{doc.get('subject', '-')} ({doc.get('state')})"),
-        ("layer", _cell(doc.get("layer"))),
-        ("rule", f"{rule['action']} {rule['target']}" if isinstance(rule, dict) else "-"),
-        ("why", _cell(doc.get("reason"))),
-    ]
-    width = max(len(k) for k, _ in lines)
-    for key, value in lines:
-        ctx.out(f"{key:<{width}}  {value}")
+    ctx.lines(
+        key_values(
+            [
+                ("verdict", str(doc.get("decision", "?")).upper()),
+                ("source", _cell(doc.get("sourceIp", args.sandbox_ip))),
+                ("subject", f"{doc.get('subject', '-')} ({doc.get('state')})"),
+                ("target", _cell(doc.get("target", args.target))),
+                ("layer", _cell(doc.get("layer"))),
+                (
+                    "rule",
+                    f"{rule.get('action')} {rule.get('target')}" if isinstance(rule, dict) else "-",
+                ),
+                ("kernel", _kernel_cell(doc)),
+                ("why", _cell(doc.get("reason"))),
+            ]
+        )
+    )
+    return EXIT_OK
+
+
+def _kernel_cell(doc: dict[str, Any]) -> str:
+    """Where the kernel decides it: the subject set holding the address, or the dispatch tail."""
+    layer, where = doc.get("layer"), doc.get("set")
+    if layer == "dispatch":
+        return "source not in dispatch map (unknown or denying): dropped"
+    if layer == "dns":
+        return "answers are added to the dyn set as leases" if doc.get("decision") == "allow" else "-"
+    if layer == "ip":
+        return f"{where} set" if where else "in no set: unmarked, dropped"
+    return "-"
+
+
+# --------------------------------------------------------------------------- ca
+
+
+def cmd_ca(ctx: Context, args: argparse.Namespace) -> int:
+    resp = ctx.client.get(CA_PATH)
+    if resp.status == 404:
+        # 404 is the daemon's way of saying the MITM is off: a refusal, not a missing route.
+        raise CliError(f"GET {CA_PATH}: {resp.summary()} (MITM CA not available)", EXIT_FAILURE)
+    _expect_ok(resp, "GET", CA_PATH)
+    pem = resp.text()
+    fp = fingerprint(certificate_der(pem))
+    announced = resp.header(FINGERPRINT_HEADER)
+    if announced is not None and normalise_fingerprint(announced) != fp:
+        # Someone bakes this into images: a certificate that does not match what the daemon
+        # says it serves is not printed at all.
+        raise CliError(
+            f"GET {CA_PATH}: certificate SHA-256 {fp} does not match {FINGERPRINT_HEADER} {announced}",
+            EXIT_FAILURE,
+        )
+    if ctx.json_output:
+        ctx.emit_json({"fingerprint": fp, "pem": pem})
+    else:
+        # The PEM text exactly as served (redirect to a file and it is the certificate file).
+        sys.stdout.write(pem if pem.endswith("\n") else pem + "\n")
     return EXIT_OK
 
 
@@ -672,7 +773,7 @@ STATUS = Command(
     "status",
     "daemon readiness, health and subject counts",
     run=cmd_status,
-    epilog="exit 0 when ready, 1 when the daemon answers but is not ready, 2 when it cannot be reached",
+    epilog="exit 0 when ready, 1 when the daemon answers but is not ready, 3 when it cannot be reached",
 )
 
 SUBJECTS = Command("subjects", "list registered subjects", run=cmd_subjects)
@@ -689,7 +790,8 @@ SEND = Command(
     "act as a Fastlet dispatcher: POST one action envelope",
     description=(
         "Build and POST one sandbox.fast.io/actions/v1 envelope to " + ACTIONS_PATH + ".\n"
-        "Prints '200 OK' or '<code> <reason>'; exit 0 on 200, 1 on any other status."
+        'Prints \'<code> <reason>\' and the body ({"code": N, "body": ...} with --json);\n'
+        "exit 0 on 200, 1 on any other status (plus one 'egressctl: ...' line on stderr)."
     ),
     children=(
         Command(
@@ -744,9 +846,20 @@ VAULT = Command(
     ),
 )
 
-#: Top-level commands, in help order. Later additions (``ca`` printing the MITM CA certificate,
-#: ``explain`` evaluating a policy for a host/IP) are appended here via :func:`register`.
-COMMANDS: list[Command] = [STATUS, SUBJECTS, EXPLAIN, SEND, VAULT]
+CA = Command(
+    "ca",
+    "print the MITM CA certificate (PEM) to bake into sandbox images",
+    run=cmd_ca,
+    epilog=(
+        f"GET {CA_PATH}. Prints the PEM as served; --json prints "
+        '{"fingerprint": "<sha256 of the DER, lowercase hex>", "pem": "..."}.\n'
+        "Exit 1 when the MITM is disabled (404) or the certificate does not match the daemon's "
+        f"{FINGERPRINT_HEADER} header."
+    ),
+)
+
+#: Top-level commands, in help order. Further commands are appended via :func:`register`.
+COMMANDS: list[Command] = [STATUS, SUBJECTS, EXPLAIN, SEND, VAULT, CA]
 
 
 def register(command: Command) -> None:
@@ -768,7 +881,7 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit as exc:  # --help
             if exc.code is None:
                 return EXIT_OK
-            return exc.code if isinstance(exc.code, int) else EXIT_LOCAL
+            return exc.code if isinstance(exc.code, int) else EXIT_USAGE
         handler: Handler | None = getattr(args, "_handler", None)
         if handler is None:  # a group without a runnable leaf; argparse normally refuses first
             raise CliError("no command given (see egressctl --help)")
@@ -787,7 +900,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILURE
     except Exception as exc:  # never a traceback
         print(f"{PROG}: internal error: {one_line(f'{type(exc).__name__}: {exc}')}", file=sys.stderr)
-        return EXIT_LOCAL
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ log = structlog.get_logger("egressd.http")
 
 ACTIONS_PATH = "/_fastlet/v1/actions"
 STATUS_PATH = "/_fastlet/v1/actions/status"
+MITM_CA_PATH = "/v1/mitm/ca"
+MITM_CA_FINGERPRINT_HEADER = "X-Egressd-Mitm-Ca-Fingerprint"
 
 _OPERATION_NAMES = {
     SetBinding: "SET_BINDING",
@@ -58,9 +60,6 @@ async def read_limited(request: web.Request, limit: int = MAX_BODY_BYTES) -> byt
     return b"".join(chunks)
 
 
-CA_FINGERPRINT_HEADER = "X-Egressd-Mitm-Ca-Fingerprint"
-
-
 def text(status: int, message: str, **kw: Any) -> web.Response:
     return web.Response(
         status=status, text=message.replace("\n", " ") + "\n", content_type="text/plain", **kw
@@ -80,6 +79,7 @@ class FleetHTTP:
         mitm_ca: Callable[[], tuple[str, str] | None] | None = None,
     ) -> None:
         self.proxy = proxy
+        # () -> (public certificate PEM, SHA-256 hex of its DER), or None while the MITM is off.
         self._mitm_ca = mitm_ca
         self.control = control
         self.metrics = metrics
@@ -103,7 +103,7 @@ class FleetHTTP:
         app.router.add_route("*", "/metrics", self.metrics_handler)
         app.router.add_route("*", "/v1/subjects", self.subjects)
         app.router.add_route("*", "/v1/explain", self.explain)
-        app.router.add_route("*", "/v1/mitm/ca", self.mitm_ca)
+        app.router.add_route("*", MITM_CA_PATH, self.mitm_ca)
         if self.proxy is not None:
             for path in (
                 "/v1/sandboxfleets/{tail:.*}",
@@ -137,24 +137,10 @@ class FleetHTTP:
             return text(405, "method not allowed", headers={"Allow": "GET"})
         problem = self.health_problem()
         ca = self._mitm_ca() if self._mitm_ca is not None else None
-        headers = {CA_FINGERPRINT_HEADER: ca[1]} if ca else {}
+        headers = {MITM_CA_FINGERPRINT_HEADER: ca[1]} if ca else {}
         if problem:
             return text(503, problem, headers=headers)
         return web.Response(status=200, text="ok", content_type="text/plain", headers=headers)
-
-    async def mitm_ca(self, request: web.Request) -> web.Response:
-        """The MITM CA's public certificate, for baking into sandbox images (``egressctl ca``)."""
-        if request.method not in ("GET", "HEAD"):
-            return text(405, "method not allowed", headers={"Allow": "GET"})
-        ca = self._mitm_ca() if self._mitm_ca is not None else None
-        if ca is None:
-            return text(404, "mitm disabled")
-        return web.Response(
-            status=200,
-            text=ca[0],
-            content_type="application/x-pem-file",
-            headers={CA_FINGERPRINT_HEADER: ca[1]},
-        )
 
     async def status(self, request: web.Request) -> web.Response:
         if request.method != "GET":
@@ -199,6 +185,21 @@ class FleetHTTP:
         if not target:
             return text(400, "target (a name or an IP) is required")
         return web.json_response(self.control.explain(ip, target))
+
+    async def mitm_ca(self, request: web.Request) -> web.Response:
+        """The MITM CA's public certificate for ``egressctl ca`` (never the key)."""
+        if request.method not in ("GET", "HEAD"):
+            return text(405, "method not allowed", headers={"Allow": "GET"})
+        ca = self._mitm_ca() if self._mitm_ca is not None else None
+        if ca is None:
+            return text(404, "mitm disabled")
+        pem, fingerprint = ca
+        return web.Response(
+            status=200,
+            text=pem,
+            content_type="application/x-pem-file",
+            headers={MITM_CA_FINGERPRINT_HEADER: fingerprint},
+        )
 
     async def actions(self, request: web.Request) -> web.Response:
         if request.method != "POST":

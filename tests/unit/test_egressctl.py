@@ -149,7 +149,7 @@ def bind(capsys: pytest.CaptureFixture[str], d: Daemon, uid: str, ip: str, *extr
     code, out, err = ctl(
         capsys, d, "send", "set-binding", "--uid", uid, "--ip", ip, "--policy", POLICY, *extra
     )
-    assert (code, out, err) == (0, "200 OK\n", "")
+    assert (code, out, err) == (0, "200 OK\n{}\n", "")
 
 
 def subjects_json(capsys: pytest.CaptureFixture[str], d: Daemon) -> list[dict[str, Any]]:
@@ -180,6 +180,7 @@ def test_status_human(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> Non
     assert lines["ready"] == "yes"
     assert lines["health"] == "ok"
     assert lines["subjects"] == "1 (denying 1)"
+    assert lines["mitm-ca"] == "disabled"
     # Values are aligned in one column.
     assert len({line.index(v) for line, v in zip(out.splitlines(), lines.values(), strict=True)}) == 1
 
@@ -188,7 +189,8 @@ def test_status_json(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None
     code, out, err = ctl(capsys, daemon, "status", "--json")  # global option after the command
     assert code == 0, err
     doc = json.loads(out)
-    assert set(doc) == {"status", "healthy", "health"}
+    assert set(doc) == {"status", "healthy", "health", "subjects"}
+    assert doc["subjects"] == {"total": 0, "byState": {}}
     assert doc["healthy"] is True
     assert doc["health"] == "ok"
     assert doc["status"]["apiVersion"] == "sandbox.fast.io/actions/v1"
@@ -197,8 +199,9 @@ def test_status_json(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None
 
 
 def test_status_not_ready(capsys: pytest.CaptureFixture[str], unready_daemon: Daemon) -> None:
-    code, out, _ = ctl(capsys, unready_daemon, "status")
+    code, out, err = ctl(capsys, unready_daemon, "status")
     assert code == 1
+    assert err == "egressctl: daemon not ready: enforcement not installed\n"
     lines = dict(line.split(None, 1) for line in out.splitlines())
     assert lines["ready"] == "no"
     assert lines["health"] == "503 enforcement not installed"
@@ -277,10 +280,10 @@ def test_subjects_after_set_binding(capsys: pytest.CaptureFixture[str], daemon: 
 
 def test_full_flow(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None:
     bind(capsys, daemon, "u-1", "10.0.0.5", "--spec-generation", "7")
-    assert ctl(capsys, daemon, "send", "hook", "runtime-ready", "--uid", "u-1") == (0, "200 OK\n", "")
+    assert ctl(capsys, daemon, "send", "hook", "runtime-ready", "--uid", "u-1") == (0, "200 OK\n{}\n", "")
     assert ctl(capsys, daemon, "send", "hook", "sandbox.data-plane-ready", "--uid", "u-1") == (
         0,
-        "200 OK\n",
+        "200 OK\n{}\n",
         "",
     )
 
@@ -291,8 +294,7 @@ def test_full_flow(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None:
         "active",
         "10.0.0.5",
         "10.0.0.1",
-        "deny+3",
-        "rules",
+        "default=deny,rules=3",
         "no",
         "-",
         "0",
@@ -332,26 +334,26 @@ def test_hook_short_and_full_names_and_fence(capsys: pytest.CaptureFixture[str],
         "--attachment-id",
         "att-3",
     )
-    assert (code, out) == (0, "200 OK\n")
+    assert (code, out) == (0, "200 OK\n{}\n")
 
 
 def test_set_binding_null(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None:
     bind(capsys, daemon, "u-1", "10.0.0.5")
     code, out, err = ctl(capsys, daemon, "send", "set-binding", "--uid", "u-1", "--ip", "10.0.0.5", "--null")
-    assert (code, out, err) == (0, "200 OK\n", "")
+    assert (code, out, err) == (0, "200 OK\n{}\n", "")
     (subject,) = subjects_json(capsys, daemon)
     assert subject["state"] == "denying"
     assert subject["pending"] is False
     # Without --ip, --null sends no attachment: a no-op for an unknown subject.
     code, out, _ = ctl(capsys, daemon, "send", "set-binding", "--uid", "u-new", "--null")
-    assert (code, out) == (0, "200 OK\n")
+    assert (code, out) == (0, "200 OK\n{}\n")
 
 
 def test_set_binding_default_policy_notes_on_stderr(
     capsys: pytest.CaptureFixture[str], daemon: Daemon
 ) -> None:
     code, out, err = ctl(capsys, daemon, "send", "set-binding", "--uid", "u-1", "--ip", "10.0.0.5")
-    assert (code, out) == (0, "200 OK\n")
+    assert (code, out) == (0, "200 OK\n{}\n")
     assert err.count("\n") == 1
     assert err.startswith("egressctl: note:") and "{}" in err
     assert ctl(capsys, daemon, "send", "hook", "data-plane-ready", "--uid", "u-1")[0] == 0
@@ -365,11 +367,11 @@ def test_set_binding_policy_file_and_stdin(
     policy_file = tmp_path / "policy.json"
     policy_file.write_text('{"defaultAction":"allow","egress":[{"action":"deny","target":"x.com"}]}\n')
     args = ("send", "set-binding", "--uid", "u-1", "--ip", "10.0.0.5")
-    assert ctl(capsys, daemon, *args, "--policy-file", str(policy_file)) == (0, "200 OK\n", "")
+    assert ctl(capsys, daemon, *args, "--policy-file", str(policy_file)) == (0, "200 OK\n{}\n", "")
 
     monkeypatch.setattr("sys.stdin", io.StringIO('{"defaultAction":"allow"}'))
     args2 = ("send", "set-binding", "--uid", "u-2", "--ip", "10.0.1.5")
-    assert ctl(capsys, daemon, *args2, "--policy-file", "-") == (0, "200 OK\n", "")
+    assert ctl(capsys, daemon, *args2, "--policy-file", "-") == (0, "200 OK\n{}\n", "")
     for uid in ("u-1", "u-2"):
         assert ctl(capsys, daemon, "send", "hook", "data-plane-ready", "--uid", uid)[0] == 0
     policies = [s["policy"] for s in subjects_json(capsys, daemon)]
@@ -380,9 +382,9 @@ def test_invalid_policy_is_400(capsys: pytest.CaptureFixture[str], daemon: Daemo
     args = ("send", "set-binding", "--uid", "u-1", "--ip", "10.0.0.5", "--policy", "not-json")
     code, out, err = ctl(capsys, daemon, *args)
     assert code == 1
-    assert out.startswith("400 ")
-    assert out.count("\n") == 1
-    assert err == ""
+    assert out.startswith("400 Bad Request\ninvalid binding input")
+    assert out.count("\n") == 2
+    assert err.startswith("egressctl: POST /_fastlet/v1/actions: 400 ") and err.count("\n") == 1
     code, out, _ = ctl(capsys, daemon, "--json", *args)
     assert code == 1
     doc = json.loads(out)
@@ -398,7 +400,7 @@ def test_enforcement_failure_is_500(capsys: pytest.CaptureFixture[str], failing_
     assert code == 1
     assert out.startswith("500 ")
     assert "injected failure" in out
-    assert err == ""
+    assert err.startswith("egressctl: POST /_fastlet/v1/actions: 500 ") and err.count("\n") == 1
 
 
 def test_hook_for_unknown_uid_is_409(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None:
@@ -421,14 +423,14 @@ def test_raw_send(capsys: pytest.CaptureFixture[str], daemon: Daemon, tmp_path: 
     }
     path = tmp_path / "env.json"
     path.write_text(json.dumps(envelope))
-    assert ctl(capsys, daemon, "send", "raw", "--file", str(path)) == (0, "200 OK\n", "")
+    assert ctl(capsys, daemon, "send", "raw", "--file", str(path)) == (0, "200 OK\n{}\n", "")
     (subject,) = subjects_json(capsys, daemon)
     assert subject["uid"] == "raw-1"
 
     path.write_text("{")
     code, out, _ = ctl(capsys, daemon, "send", "raw", "--file", str(path))
     assert code == 1
-    assert out.startswith("400 invalid action envelope")
+    assert out.startswith("400 Bad Request\ninvalid action envelope")
 
 
 def test_raw_send_from_stdin(
@@ -463,7 +465,7 @@ def _one_error_line(err: str) -> None:
 )
 def test_connection_refused(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...]) -> None:
     code, out, err = run(capsys, "--addr", f"127.0.0.1:{free_port()}", "--timeout", "2", *argv)
-    assert code == 2
+    assert code == 3
     assert out == ""
     _one_error_line(err)
     assert "cannot reach egressd" in err
@@ -521,8 +523,12 @@ def test_bad_ip_sends_nothing(capsys: pytest.CaptureFixture[str], daemon: Daemon
 def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "--help")
     assert code == 0
-    for name in ("status", "subjects", "send"):
+    for name in ("status", "subjects", "explain", "send", "vault", "ca"):
         assert name in out
+    # The exit codes are documented in the help text.
+    flat = " ".join(out.split())
+    for text in ("0 success", "1 the daemon answered", "2 usage error", "3 the daemon could not be reached"):
+        assert text in flat
     code, out, _ = run(capsys, "send", "set-binding", "--help")
     assert code == 0
     assert "--policy-file" in out
@@ -538,6 +544,15 @@ def test_explain(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None:
     assert code == 0
     fields = dict(line.split(None, 1) for line in out.splitlines())
     assert fields["verdict"] in ("ALLOW", "DENY") and fields["subject"].startswith("s-u-1 (active)")
+    assert fields["source"] == "10.0.0.5" and fields["layer"] == "ip"
+    assert fields["kernel"] == "in no set: unmarked, dropped"
+    code, out, _ = ctl(capsys, daemon, "explain", "10.0.0.5", "10.1.2.3")
+    fields = dict(line.split(None, 1) for line in out.splitlines())
+    assert (fields["verdict"], fields["kernel"]) == ("ALLOW", "allow set")
+    code, out, _ = ctl(capsys, daemon, "explain", "10.0.0.5", "example.com")
+    fields = dict(line.split(None, 1) for line in out.splitlines())
+    assert (fields["layer"], fields["rule"]) == ("dns", "allow example.com")
+    assert fields["kernel"] == "answers are added to the dyn set as leases"
     # Unknown source, and a bad request.
     code, out, _ = ctl(capsys, daemon, "--json", "explain", "10.9.9.9", "example.com")
     assert json.loads(out)["state"] == "absent" and json.loads(out)["decision"] == "deny"

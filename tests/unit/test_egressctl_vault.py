@@ -248,7 +248,7 @@ def test_set_binding_input_file_verbatim(
     code, out, err = ctl(
         capsys, stub, "send", "set-binding", "--uid", "u-1", "--ip", "10.0.0.5", "--input-file", str(out_file)
     )
-    assert (code, out, err) == (0, "200 OK\n", "")
+    assert (code, out, err) == (0, "200 OK\n{}\n", "")
     (req,) = stub.seen
     assert (req.method, req.path) == ("POST", "/_fastlet/v1/actions")
     envelope = json.loads(req.body)
@@ -274,7 +274,7 @@ def test_put_sends_body_verbatim(
     stub.reply(201, STATE)
     code, out, err = ctl(capsys, stub, "vault", "put", "--uid", "u-1", "--file", str(files["body"]))
     assert (code, err) == (0, "")
-    assert out == "201 " + json.dumps(STATE, separators=(",", ":")) + "\n"
+    assert out == "201 Created\n" + json.dumps(STATE, separators=(",", ":")) + "\n"
     (req,) = stub.seen
     assert (req.method, req.path) == ("PUT", "/v1/sandboxfleets/u-1/egress/credential-vault")
     assert req.body == files["body"].read_bytes()
@@ -326,13 +326,28 @@ def test_put_body_from_stdin(
     assert stub.seen[0].body == body
 
 
-def test_get_pretty_json(capsys: pytest.CaptureFixture[str], stub: Stub) -> None:
+def test_get_key_values(capsys: pytest.CaptureFixture[str], stub: Stub) -> None:
     stub.reply(200, STATE)
     code, out, err = ctl(capsys, stub, "vault", "get", "--uid", "u-1")
     assert (code, err) == (0, "")
-    assert out == json.dumps(STATE, indent=2) + "\n"
+    assert [line.split(None, 1) for line in out.splitlines()] == [
+        ["revision", "1"],
+        ["credentials.gh.sourceType", "inline"],
+        ["credentials.gh.revision", "1"],
+        ["bindings", "-"],
+    ]
     (req,) = stub.seen
     assert (req.method, req.path, req.body) == ("GET", "/v1/sandboxfleets/u-1/egress/credential-vault", b"")
+
+
+def test_get_never_prints_a_value_the_server_should_not_have_sent(
+    capsys: pytest.CaptureFixture[str], stub: Stub
+) -> None:
+    leaky = {"revision": 1, "credentials": [{"name": "gh", "source": {"type": "inline", "value": SECRET}}]}
+    for argv in (("vault", "get", "--uid", "u"), ("--json", "vault", "get", "--uid", "u")):
+        stub.reply(200, leaky)
+        code, out, err = ctl(capsys, stub, *argv)
+        assert code == 0 and SECRET not in out + err and "<redacted>" in out
 
 
 @pytest.mark.parametrize(
@@ -362,13 +377,17 @@ def test_get_sub_paths(capsys: pytest.CaptureFixture[str], stub: Stub, sub: str,
 def test_uid_is_one_path_segment(capsys: pytest.CaptureFixture[str], stub: Stub) -> None:
     stub.reply(400, "invalid sandbox id", "text/plain")
     code, out, _ = ctl(capsys, stub, "vault", "get", "--uid", "a/b")
-    assert (code, out) == (1, "400 invalid sandbox id\n")
+    assert (code, out) == (1, "400 Bad Request\ninvalid sandbox id\n")
     assert stub.seen[0].path == "/v1/sandboxfleets/a%2Fb/egress/credential-vault"
 
 
 def test_get_not_found_and_delete(capsys: pytest.CaptureFixture[str], stub: Stub) -> None:
     stub.reply(404, "credential vault not found", "text/plain")
-    assert ctl(capsys, stub, "vault", "get", "--uid", "u") == (1, "404 credential vault not found\n", "")
+    assert ctl(capsys, stub, "vault", "get", "--uid", "u") == (
+        1,
+        "404 Not Found\ncredential vault not found\n",
+        "egressctl: GET /v1/sandboxfleets/u/egress/credential-vault: 404 credential vault not found\n",
+    )
     stub.reply(204)
     assert ctl(capsys, stub, "vault", "delete", "--uid", "u", "--generation", "3") == (
         0,
@@ -396,7 +415,7 @@ def test_non_get_sub_resource_is_sent(capsys: pytest.CaptureFixture[str], stub: 
     """The daemon answers 405; the CLI does not pre-empt it."""
     stub.reply(405, "method not allowed", "text/plain")
     code, out, _ = ctl(capsys, stub, "vault", "delete", "--uid", "u", "--path", "credentials/gh")
-    assert (code, out) == (1, "405 method not allowed\n")
+    assert (code, out) == (1, "405 Method Not Allowed\nmethod not allowed\n")
     assert stub.seen[0].method == "DELETE"
 
 
@@ -426,7 +445,7 @@ def test_connection_error(capsys: pytest.CaptureFixture[str], files: dict[str, P
     code, out, err = run(
         capsys, "--addr", "127.0.0.1:1", "vault", "put", "--uid", "u", "--file", str(files["body"])
     )
-    assert code == 2 and out == ""
+    assert code == 3 and out == ""
     assert err.startswith("egressctl: cannot reach egressd") and SECRET not in err
 
 
