@@ -500,3 +500,44 @@ async def test_activation_racing_an_always_rules_swap_ends_on_the_new_rules(
     last_for_u2 = [b for b in tx.ops("static_apply") if touches(b, "s_u_2")][-1]
     expected = policy_swap(TABLE, "s_u_2", effective_policy(parse_policy(ALLOW_ALL), NEW))
     assert all(op in last_for_u2.ops for op in expected.ops)
+
+
+# --------------------------------------------------------------------------- MITM destination check
+
+STATIC = (
+    '{"defaultAction":"allow","egress":[{"action":"allow","target":"api.example.com"},'
+    '{"action":"allow","target":"10.9.0.0/24"},{"action":"deny","target":"10.9.0.7"}]}'
+)
+
+
+async def test_destination_verified_only_for_the_learned_name(control: ControlPlane) -> None:
+    await activate(control, policy=STATIC)
+    src, dst = ip("10.0.0.5"), ip("93.184.216.34")
+    assert not control.destination_verified(src, "api.example.com", dst)
+    await control.learn("u-1", FENCE, [(dst, 90)], "API.Example.com.")
+    assert control.destination_verified(src, "api.example.com", dst)
+    assert control.destination_verified(src, "API.EXAMPLE.COM.", dst)
+    assert not control.destination_verified(src, "other.example.com", dst), "learned for another name"
+    assert not control.destination_verified(src, "api.example.com", ip("93.184.216.35"))
+    # defaultAction allow does not make every address a verified destination; explicit rules do.
+    assert not control.destination_verified(src, "api.example.com", ip("1.1.1.1"))
+    assert control.destination_verified(src, "anything.test", ip("10.9.0.5"))
+    assert not control.destination_verified(src, "anything.test", ip("10.9.0.7")), "deny beats allow"
+    # Another sandbox, or an unknown source, never borrows it.
+    assert not control.destination_verified(ip("10.0.0.6"), "api.example.com", dst)
+
+
+async def test_destination_learned_names_expire_and_follow_the_lifecycle(control: ControlPlane) -> None:
+    await activate(control, policy=STATIC)
+    src, dst = ip("10.0.0.5"), ip("93.184.216.34")
+    await control.learn("u-1", FENCE, [(dst, 60)], "api.example.com")
+    names = control.learned_names["u-1"][dst]
+    names["api.example.com"] = time.monotonic() - 1  # the lease ran out
+    assert not control.destination_verified(src, "api.example.com", dst)
+    # Connection refresh (no name) extends the names an address was learned for.
+    await control.renew_leases("u-1", [dst], 360)
+    assert control.destination_verified(src, "api.example.com", dst)
+    # Revert to denying forgets them.
+    ok(await control.handle(set_binding("u-1", STATIC, rid="r2")))
+    assert "u-1" not in control.learned_names
+    assert not control.destination_verified(src, "api.example.com", dst)
