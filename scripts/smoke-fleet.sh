@@ -80,6 +80,7 @@ cat > "$WORK/zone.json" <<'EOF'
 ]}
 EOF
 ip netns exec "$UP" "$ROOT/.venv/bin/python" scripts/fleet_upstream.py --http-ports 80 --zone "$WORK/zone.json" \
+  --https-ports 443 --tls-dir "$WORK/tls" --tls-ips 10.204.0.2,10.204.0.3,10.204.0.4,10.204.0.5 \
   --log "$WORK/upstream.jsonl" > "$WORK/upstream.out" 2>&1 &
 PIDS+=($!)
 mkdir -p "$WORK/rules"
@@ -92,10 +93,14 @@ start_egressd() {
   ip netns exec "$POD" env OPENSANDBOX_EGRESS_PROFILE=fleet OPENSANDBOX_EGRESS_HTTP_ADDR="127.0.0.1:$PORT" \
     EGRESSD_NFT_TABLE="$TABLE" EGRESSD_ALWAYS_RULES_DIR="$WORK/rules" EGRESSD_LOG_FORMAT=json \
     OPENSANDBOX_EGRESS_DNS_UPSTREAM=10.204.0.2:53 OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT=2 \
+    OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT=1 OPENSANDBOX_EGRESS_MITMPROXY_PORT=18081 \
+    OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR="$WORK/tls/trust" EGRESSD_MITM_CONFDIR="$WORK/mitm" \
+    OPENSANDBOX_CREDENTIAL_PROXY_SOCKET="$WORK/run/active.sock" \
     "$ROOT/.venv/bin/egressd" >> "$WORK/egressd.log" 2>&1 &
   EGRESSD_PID=$!
+  disown "$EGRESSD_PID"  # no "Killed" job notice when the kill -9 step or the cleanup ends it
   PIDS+=("$EGRESSD_PID")
-  for _ in $(seq 1 150); do
+  for _ in $(seq 1 300); do
     inns "$POD" curl -s -m 1 "127.0.0.1:$PORT/healthz" 2>/dev/null | grep -q ok && return 0
     sleep 0.1
   done
@@ -111,6 +116,9 @@ reaches() { [ "$(inns "$(SB "$1")" curl -s -o /dev/null -w '%{http_code}' --conn
 resolves() { inns "$(SB "$1")" dig +short +time=2 +tries=1 @10.203.0.1 "$2" | grep -q "${3:-.}"; }
 nxdomain() { inns "$(SB "$1")" dig +time=2 +tries=1 @10.203.0.1 "$2" | grep -q "status: NXDOMAIN"; }
 upstream_saw() { grep -q "\"dns\": \"$1\"" "$WORK/upstream.jsonl"; }
+https_get() {  # https_get N HOST IP PATH: the upstream's JSON echo (what arrived) on stdout
+  inns "$(SB "$1")" curl -s -m 5 --cacert "$WORK/mitm/mitmproxy-ca-cert.pem" --resolve "$2:443:$3" "https://$2$4"
+}
 
 check "egressd starts in the pod namespace and reports healthy" start_egressd
 ID1=$(inns "$POD" curl -s "127.0.0.1:$PORT/_fastlet/v1/actions/status")
@@ -154,6 +162,12 @@ check "after the update sb2 reaches the new IP" reaches 2 10.204.0.5
 check "after the update sb2 no longer reaches the old IP" not reaches 2 10.204.0.3
 printf '%s' '{"credentials":[{"name":"k","source":{"type":"inline","value":"smoke-secret-value"}}],"bindings":[{"name":"b","match":{"hosts":["api.allowed.test"]},"auth":{"type":"bearer","credential":"k"}}]}' > "$WORK/vault.json"
 check "vault pushed over the proxy route for sb1 -> 201" ctl vault put --uid sb1 --file "$WORK/vault.json"
+check "sb1's HTTPS call to the bound host carries the injected credential upstream" bash -c "$(declare -f inns SB https_get); P=$P WORK=$WORK https_get 1 api.allowed.test 10.204.0.2 /v1/x | grep -q 'Bearer smoke-secret-value'"
+check "the sandbox never saw the credential in the response headers" not bash -c "ip netns exec $(SB 1) curl -s -D - -o /dev/null -m 5 --cacert $WORK/mitm/mitmproxy-ca-cert.pem --resolve api.allowed.test:443:10.204.0.2 https://api.allowed.test/ | grep -q smoke-secret-value"
+check "sibling sb3 calling an HTTPS host gets no credential" bash -c "$(declare -f inns SB https_get); P=$P WORK=$WORK https_get 3 other.test 10.204.0.3 /v1/x | grep -q '\"tls\": true' && ! grep -q 'smoke-secret-value' <(P=$P WORK=$WORK https_get 3 other.test 10.204.0.3 /v1/x)"
+check "a forged Host towards an address not learned for it gets no credential" not bash -c "$(declare -f inns SB https_get); P=$P WORK=$WORK https_get 3 api.allowed.test 10.204.0.3 / | grep -q smoke-secret-value"
+check "a direct connection to the MITM port is dropped" not ip netns exec "$(SB 1)" curl -s -o /dev/null --connect-timeout 1 -m 2 http://10.203.0.1:18081/
+check "egressctl ca prints the MITM CA baked into sandboxes" bash -c "diff <(ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT ca) $WORK/mitm/mitmproxy-ca-cert.pem"
 check "vault read back is sanitized (no value)" bash -c "ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT vault get --uid sb1 | grep -q bearer && ! ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT vault get --uid sb1 | grep -q smoke-secret-value"
 check "the secret never reached the daemon's log" not grep -q smoke-secret-value "$WORK/egressd.log"
 check "SET_BINDING null sb3 -> 200" ctl send set-binding --uid sb3 --ip "$(SBIP 3)" --gateway 10.203.0.1 --null
@@ -170,7 +184,8 @@ check "data-plane-ready for the new instance -> 200" ready 1 --runtime-instance-
 check "the new instance resolves and connects again" bash -c "ip netns exec $(SB 1) dig +short @10.203.0.1 api.allowed.test >/dev/null && ip netns exec $(SB 1) curl -s -o /dev/null --connect-timeout 1 -m 2 http://10.204.0.2/"
 
 # ---- restart and replay -----------------------------------------------------------------------
-kill -9 "$EGRESSD_PID" 2>/dev/null; wait "$EGRESSD_PID" 2>/dev/null
+kill -9 "$EGRESSD_PID" 2>/dev/null
+for _ in $(seq 1 100); do kill -0 "$EGRESSD_PID" 2>/dev/null || break; sleep 0.05; done
 check "with the daemon dead the kernel keeps enforcing" not reaches 3 10.204.0.3
 check "egressd restarts" start_egressd
 ID2=$(inns "$POD" curl -s "127.0.0.1:$PORT/_fastlet/v1/actions/status")
