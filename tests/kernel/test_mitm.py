@@ -205,6 +205,11 @@ def test_credential_only_for_the_matching_binding(topo: Topology, mitm: Daemon) 
         # Query strings do not change the path match.
         r = api(topo, 1, path="/v1/models?x=1")
         assert r.upstream_header("Authorization") == f"Bearer {SECRET}"
+        # SNI outside the binding's hosts while Host names the bound host: refused.
+        r = call(
+            topo, 1, "https://b.test/v1/models", resolve=f"b.test:443:{API_IP}", headers=(f"Host: {API}",)
+        )
+        assert r.code == 403, r.text
         # Path tricks are refused before the upstream.
         r = api(topo, 1, path="/v1/%2e%2e/admin", extra=("--path-as-is",))
         assert r.code == 403, r.text
