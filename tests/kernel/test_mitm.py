@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.kernel.topology import GATEWAY, UPSTREAM_IPS, Daemon, Topology, envelope
+from tests.kernel.topology import GATEWAY, GATEWAY6, UPSTREAM_IPS, Daemon, Topology, envelope
 
 SECRET = "sk-live-MITM-4f9a2c"  # the real key: only ever in the vault and upstream
 PLACEHOLDER = "PLACEHOLDER-KEY-7"  # what the sandbox holds
@@ -388,3 +388,27 @@ def _mitm_pid(topo: Topology, d: Daemon) -> int:
     pids = [int(p) for p in out]
     assert len(pids) == 1, out
     return pids[0]
+
+
+def test_ipv6_subject_is_intercepted_and_injected(topo: Topology, mitm: Daemon) -> None:
+    vault = {
+        "credentials": [{"name": "key", "source": {"type": "inline", "value": SECRET}}],
+        "bindings": [
+            {"name": "v6", "match": {"hosts": ["v6.test"]}, "auth": {"type": "bearer", "credential": "key"}}
+        ],
+    }
+    policy = {"defaultAction": "deny", "egress": [{"action": "allow", "target": "v6.test"}]}
+    code, body = mitm.post(
+        envelope("SET_BINDING", "m6", ip=Topology.sb_ip6(4), gateway=GATEWAY6, policy=policy)
+    )
+    assert code == 200, body
+    assert mitm.post(envelope("LIFECYCLE_HOOK", "m6", hook=DPR))[0] == 200
+    assert vault_call(mitm, "m6", "PUT", vault)[0] == 201
+    try:
+        assert topo.dig(4, "v6.test", "AAAA", server=GATEWAY6) == ("NOERROR", ["fd00:204::2"])
+        r = call(topo, 4, "https://v6.test/v1/x", resolve="v6.test:443:[fd00:204::2]")
+        assert r.code == 200, r.text
+        assert r.upstream_header("Authorization") == f"Bearer {SECRET}"
+        assert r.echo["local"] == "fd00:204::2"
+    finally:
+        unbind(mitm, "m6")
