@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import json
+import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -91,15 +92,31 @@ def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
     return argv
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+def _child_setup(gid: int | None) -> Callable[[], None]:
+    """Runs in the forked child before exec: switch to group ``gid`` (if given), then die with
+    the parent. The death signal is set after the credential change, which would clear it.
+    """
+
+    def setup() -> None:
+        if gid is not None:
+            os.setgroups([])
+            os.setgid(gid)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+    return setup
 
 
 class MitmSupervisor:
-    def __init__(self, argv: Sequence[str], *, backoff: tuple[float, float] = (0.2, 5.0)) -> None:
+    def __init__(
+        self, argv: Sequence[str], *, backoff: tuple[float, float] = (0.2, 5.0), gid: int | None = None
+    ) -> None:
+        """``gid``: run the child with this group id (and no supplementary groups). The sidecar
+        profile exempts the MITM's own upstream connections from its 80/443 redirect by
+        ``meta skgid``; the user id is kept so the interpreter and confdir stay readable."""
         self.argv = list(argv)
         self.backoff = backoff
+        self.gid = gid
         self.ready = False
         self.pid: int | None = None
         self.starts = 0
@@ -124,7 +141,7 @@ class MitmSupervisor:
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.STDOUT,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=_child_setup(self.gid),
                 )
             except OSError as exc:
                 log.error("mitm.spawn_failed", error=exc.strerror or str(exc))

@@ -124,3 +124,20 @@ async def test_not_ready_until_the_child_says_so(tmp_path: Path) -> None:
     finally:
         await sup.stop()
         task.cancel()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to change gid")
+async def test_child_runs_under_the_given_gid(tmp_path: Path) -> None:
+    out = tmp_path / "ids"
+    script = f"import os,pathlib,time; pathlib.Path({str(out)!r}).write_text(f'{{os.getuid()}} {{os.getgid()}} {{os.getgroups()}}'); time.sleep(30)"
+    sup = MitmSupervisor([sys.executable, "-c", script], gid=65532)
+    task = asyncio.create_task(sup.run())
+    try:
+        for _ in range(200):
+            if out.exists() and out.read_text():
+                break
+            await asyncio.sleep(0.02)
+        assert out.read_text() == "0 65532 []"
+    finally:
+        await sup.stop()
+        task.cancel()
