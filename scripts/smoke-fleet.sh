@@ -197,4 +197,18 @@ check "replay restores enforcement" bash -c "ip netns exec $(SB 1) dig +short @1
 check "egressctl subjects lists the replayed subject" bash -c "ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT subjects | grep -q active"
 
 echo "$PASS passed, $FAIL failed"
+
+# EGRESSD_SMOKE_PAUSE=1: keep the topology and the daemon up for a hand-driven session (README
+# "Quick start"); everything is torn down after Enter (or Ctrl-C).
+if [ -n "${EGRESSD_SMOKE_PAUSE:-}" ]; then
+  cat <<EOF
+paused: egressd (pid $EGRESSD_PID) runs in netns $POD on 127.0.0.1:$PORT, table $TABLE
+  pod:        ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT status
+  sandboxes:  $P-sb1 .. $P-sb4 = 10.203.0.11 .. 10.203.0.14 (gateway 10.203.0.1; sb1 is bound)
+  upstream:   $UP: DNS for *.allowed.test, other.test, exfil.test; HTTP :80, HTTPS :443
+  files:      $WORK (egressd.log, mitm/mitmproxy-ca-cert.pem, upstream.jsonl)
+press Enter to tear everything down
+EOF
+  read -r _ || true
+fi
 [ "$FAIL" -eq 0 ]
