@@ -412,3 +412,11 @@ def test_ipv6_subject_is_intercepted_and_injected(topo: Topology, mitm: Daemon) 
         assert r.echo["local"] == "fd00:204::2"
     finally:
         unbind(mitm, "m6")
+
+
+def test_zz_no_credential_value_ever_reached_the_daemon_log(topo: Topology, mitm: Daemon) -> None:
+    """Runs last in this module: every injection above is in the log, no value is."""
+    text = mitm.log_text()
+    assert '"mitm.injected"' in text and '"mitm.refused"' in text
+    for value in (SECRET, SUB_SECRET, PLACEHOLDER, f"{SECRET}-v2"):
+        assert value not in text
