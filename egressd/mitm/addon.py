@@ -13,6 +13,7 @@ hook kills the flow instead of letting mitmproxy carry on with an undecided requ
 
 from __future__ import annotations
 
+import gc
 import ipaddress
 import json
 import sys
@@ -96,6 +97,11 @@ class EgressInjector:
             )
 
     def running(self) -> None:
+        # Start-up objects live forever: keep them out of full collections, which otherwise
+        # pause every flow for 60-130 ms every couple of seconds under load (measured).
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(10_000, 50, 100)
         server = ctx.master.addons.get("proxyserver")
         if server is not None and server.listen_addrs():
             emit(READY_EVENT, listen=[list(a)[:2] for a in server.listen_addrs()])
