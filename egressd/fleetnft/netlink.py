@@ -22,13 +22,16 @@ from collections.abc import Iterable, Sequence
 from egressd.fleetnft.ops import (
     ALLOW_MARK,
     AddChain,
+    AddCounter,
     AddElements,
     AddIntervals,
     AddJump,
     AddRule,
     AddSet,
     AddTimed,
+    AuditRule,
     DeleteChain,
+    DeleteCounter,
     DeleteElement,
     DeleteSet,
     FlushSet,
@@ -62,6 +65,8 @@ NFT_MSG_NEWSET = 9
 NFT_MSG_DELSET = 11
 NFT_MSG_NEWSETELEM = 12
 NFT_MSG_DELSETELEM = 14
+NFT_MSG_NEWOBJ = 18
+NFT_MSG_DELOBJ = 20
 
 NFTA_LIST_ELEM = 1
 NFTA_CHAIN_TABLE, NFTA_CHAIN_NAME = 1, 3
@@ -85,12 +90,21 @@ NFTA_PAYLOAD_DREG, NFTA_PAYLOAD_BASE, NFTA_PAYLOAD_OFFSET, NFTA_PAYLOAD_LEN = 1,
 NFTA_LOOKUP_SET, NFTA_LOOKUP_SREG = 1, 2
 NFTA_IMMEDIATE_DREG, NFTA_IMMEDIATE_DATA = 1, 2
 NFTA_CT_DREG, NFTA_CT_KEY, NFTA_CT_DIRECTION = 1, 2, 3
+NFTA_BITWISE_SREG, NFTA_BITWISE_DREG, NFTA_BITWISE_LEN, NFTA_BITWISE_MASK, NFTA_BITWISE_XOR = 1, 2, 3, 4, 5
+NFTA_LOG_PREFIX = 2
+NFTA_OBJREF_IMM_TYPE, NFTA_OBJREF_IMM_NAME = 1, 2
+NFTA_OBJ_TABLE, NFTA_OBJ_NAME, NFTA_OBJ_TYPE, NFTA_OBJ_DATA = 1, 2, 3, 4
+NFTA_COUNTER_BYTES, NFTA_COUNTER_PACKETS = 1, 2
+NFT_OBJECT_COUNTER = 1
+NFT_CT_STATE = 0
+NF_CT_STATE_NEW = 1 << (2 + 1)  # NF_CT_STATE_BIT(IP_CT_NEW)
+LOG_PREFIX_MAX = 127  # NF_LOG_PREFIXLEN - 1: the kernel refuses longer prefixes
 
 NFT_REG_VERDICT, NFT_REG_1 = 0, 1
 NFT_META_MARK, NFT_META_NFPROTO = 3, 15
 NFT_CT_DST_IP, NFT_CT_DST_IP6 = 0x14, 0x16
 NFT_PAYLOAD_NETWORK_HEADER = 1
-NFT_CMP_EQ = 0
+NFT_CMP_EQ, NFT_CMP_NEQ = 0, 1
 NF_DROP, NF_ACCEPT = 0, 1
 NFPROTO_IPV4, NFPROTO_IPV6 = 2, 10
 
@@ -143,52 +157,103 @@ def _verdict(outcome: Outcome) -> bytes:
     return _expr("immediate", _u32(NFTA_IMMEDIATE_DREG, NFT_REG_VERDICT), _nest(NFTA_IMMEDIATE_DATA, verdict))
 
 
+def _masked_neq(load: bytes, mask: int, value: int) -> list[bytes]:
+    """``<load into reg 1> & mask != value`` on a host-endian u32 (ct state, meta mark)."""
+
+    def host(v: int) -> bytes:
+        return struct.pack("=I", v)
+
+    return [
+        load,
+        _expr(
+            "bitwise",
+            _u32(NFTA_BITWISE_SREG, NFT_REG_1),
+            _u32(NFTA_BITWISE_DREG, NFT_REG_1),
+            _u32(NFTA_BITWISE_LEN, 4),
+            _data_value(NFTA_BITWISE_MASK, host(mask)),
+            _data_value(NFTA_BITWISE_XOR, host(0)),
+        ),
+        _expr(
+            "cmp",
+            _u32(NFTA_CMP_SREG, NFT_REG_1),
+            _u32(NFTA_CMP_OP, NFT_CMP_NEQ),
+            _data_value(NFTA_CMP_DATA, host(value)),
+        ),
+    ]
+
+
+def _daddr_lookup(fam: str, set_name: str) -> list[bytes]:
+    """``ip|ip6 daddr @set`` in an inet table: nfproto check, payload load, set lookup."""
+    proto = NFPROTO_IPV4 if fam == "v4" else NFPROTO_IPV6
+    offset, length = (16, 4) if fam == "v4" else (24, 16)
+    return [
+        _expr("meta", _u32(NFTA_META_DREG, NFT_REG_1), _u32(NFTA_META_KEY, NFT_META_NFPROTO)),
+        _expr(
+            "cmp",
+            _u32(NFTA_CMP_SREG, NFT_REG_1),
+            _u32(NFTA_CMP_OP, NFT_CMP_EQ),
+            _data_value(NFTA_CMP_DATA, bytes([proto])),
+        ),
+        _expr(
+            "payload",
+            _u32(NFTA_PAYLOAD_DREG, NFT_REG_1),
+            _u32(NFTA_PAYLOAD_BASE, NFT_PAYLOAD_NETWORK_HEADER),
+            _u32(NFTA_PAYLOAD_OFFSET, offset),
+            _u32(NFTA_PAYLOAD_LEN, length),
+        ),
+        _expr("lookup", _str(NFTA_LOOKUP_SET, set_name), _u32(NFTA_LOOKUP_SREG, NFT_REG_1)),
+    ]
+
+
+def _set_mark() -> list[bytes]:
+    # meta mark is a host-endian u32 register value.
+    return [
+        _expr(
+            "immediate",
+            _u32(NFTA_IMMEDIATE_DREG, NFT_REG_1),
+            _data_value(NFTA_IMMEDIATE_DATA, struct.pack("=I", ALLOW_MARK)),
+        ),
+        _expr("meta", _u32(NFTA_META_KEY, NFT_META_MARK), _u32(NFTA_META_SREG, NFT_REG_1)),
+    ]
+
+
+def _audit_expressions(rule: AuditRule) -> bytes:
+    if len(rule.log_prefix.encode()) > LOG_PREFIX_MAX:
+        raise ValueError(f"log prefix longer than {LOG_PREFIX_MAX} bytes")
+    parts = _daddr_lookup(rule.fam, rule.set_name)
+    ct_state = _expr("ct", _u32(NFTA_CT_DREG, NFT_REG_1), _u32(NFTA_CT_KEY, NFT_CT_STATE))
+    parts += _masked_neq(ct_state, NF_CT_STATE_NEW, 0)
+    if rule.unmarked_only:
+        mark = _expr("meta", _u32(NFTA_META_DREG, NFT_REG_1), _u32(NFTA_META_KEY, NFT_META_MARK))
+        parts += _masked_neq(mark, ALLOW_MARK, ALLOW_MARK)
+    parts.append(_expr("log", _str(NFTA_LOG_PREFIX, rule.log_prefix)))
+    parts.append(
+        _expr(
+            "objref",
+            _u32(NFTA_OBJREF_IMM_TYPE, NFT_OBJECT_COUNTER),
+            _str(NFTA_OBJREF_IMM_NAME, rule.counter),
+        )
+    )
+    return b"".join(parts + _set_mark())
+
+
 def rule_expressions(rule: Rule) -> bytes:
-    """The NFTA_RULE_EXPRESSIONS list: exactly what nft 1.0.6 generates for our two shapes."""
+    """The NFTA_RULE_EXPRESSIONS list: exactly what nft 1.0.6 generates for the match and
+    verdict shapes; the audit shape is checked against the kernel's own listing instead."""
+    if isinstance(rule, AuditRule):
+        return _audit_expressions(rule)
     if not isinstance(rule, MatchRule):
         return _verdict(rule.outcome)
-    parts: list[bytes] = []
+    lookup = _expr("lookup", _str(NFTA_LOOKUP_SET, rule.set_name), _u32(NFTA_LOOKUP_SREG, NFT_REG_1))
     if rule.ct_original:
         key = NFT_CT_DST_IP if rule.fam == "v4" else NFT_CT_DST_IP6
-        parts.append(
-            _expr(
-                "ct", _u32(NFTA_CT_DREG, NFT_REG_1), _u32(NFTA_CT_KEY, key), _attr(NFTA_CT_DIRECTION, b"\0")
-            )
+        ct = _expr(
+            "ct", _u32(NFTA_CT_DREG, NFT_REG_1), _u32(NFTA_CT_KEY, key), _attr(NFTA_CT_DIRECTION, b"\0")
         )
+        parts = [ct, lookup]
     else:
-        proto = NFPROTO_IPV4 if rule.fam == "v4" else NFPROTO_IPV6
-        offset, length = (16, 4) if rule.fam == "v4" else (24, 16)
-        parts.append(_expr("meta", _u32(NFTA_META_DREG, NFT_REG_1), _u32(NFTA_META_KEY, NFT_META_NFPROTO)))
-        parts.append(
-            _expr(
-                "cmp",
-                _u32(NFTA_CMP_SREG, NFT_REG_1),
-                _u32(NFTA_CMP_OP, NFT_CMP_EQ),
-                _data_value(NFTA_CMP_DATA, bytes([proto])),
-            )
-        )
-        parts.append(
-            _expr(
-                "payload",
-                _u32(NFTA_PAYLOAD_DREG, NFT_REG_1),
-                _u32(NFTA_PAYLOAD_BASE, NFT_PAYLOAD_NETWORK_HEADER),
-                _u32(NFTA_PAYLOAD_OFFSET, offset),
-                _u32(NFTA_PAYLOAD_LEN, length),
-            )
-        )
-    parts.append(_expr("lookup", _str(NFTA_LOOKUP_SET, rule.set_name), _u32(NFTA_LOOKUP_SREG, NFT_REG_1)))
-    if rule.outcome is Outcome.MARK:
-        # meta mark is a host-endian u32 register value.
-        parts.append(
-            _expr(
-                "immediate",
-                _u32(NFTA_IMMEDIATE_DREG, NFT_REG_1),
-                _data_value(NFTA_IMMEDIATE_DATA, struct.pack("=I", ALLOW_MARK)),
-            )
-        )
-        parts.append(_expr("meta", _u32(NFTA_META_KEY, NFT_META_MARK), _u32(NFTA_META_SREG, NFT_REG_1)))
-    else:
-        parts.append(_verdict(rule.outcome))
+        parts = _daddr_lookup(rule.fam, rule.set_name)
+    parts += _set_mark() if rule.outcome is Outcome.MARK else [_verdict(rule.outcome)]
     return b"".join(parts)
 
 
@@ -240,6 +305,16 @@ def encode_op(table: str, op: Op, set_id: int = 0) -> tuple[int, int, bytes]:
         return NFT_MSG_NEWSET, NLM_F_CREATE, body
     if isinstance(op, AddChain):
         return NFT_MSG_NEWCHAIN, NLM_F_CREATE, _str(NFTA_CHAIN_TABLE, table) + _str(NFTA_CHAIN_NAME, op.name)
+    if isinstance(op, AddCounter | DeleteCounter):
+        body = (
+            _str(NFTA_OBJ_TABLE, table)
+            + _str(NFTA_OBJ_NAME, op.name)
+            + _u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER)
+        )
+        if isinstance(op, DeleteCounter):
+            return NFT_MSG_DELOBJ, 0, body
+        zero = _u64(NFTA_COUNTER_BYTES, 0) + _u64(NFTA_COUNTER_PACKETS, 0)
+        return NFT_MSG_NEWOBJ, NLM_F_CREATE, body + _nest(NFTA_OBJ_DATA, zero)
     if isinstance(op, AddJump):
         fam = "v4" if op.key.version == 4 else "v6"
         verdict = _nest(
