@@ -87,7 +87,8 @@ NFTA_VERDICT_CODE = 1
 NFTA_META_DREG, NFTA_META_KEY, NFTA_META_SREG = 1, 2, 3
 NFTA_CMP_SREG, NFTA_CMP_OP, NFTA_CMP_DATA = 1, 2, 3
 NFTA_PAYLOAD_DREG, NFTA_PAYLOAD_BASE, NFTA_PAYLOAD_OFFSET, NFTA_PAYLOAD_LEN = 1, 2, 3, 4
-NFTA_LOOKUP_SET, NFTA_LOOKUP_SREG = 1, 2
+NFTA_LOOKUP_SET, NFTA_LOOKUP_SREG, NFTA_LOOKUP_FLAGS = 1, 2, 5
+NFT_LOOKUP_F_INV = 1
 NFTA_IMMEDIATE_DREG, NFTA_IMMEDIATE_DATA = 1, 2
 NFTA_CT_DREG, NFTA_CT_KEY, NFTA_CT_DIRECTION = 1, 2, 3
 NFTA_BITWISE_SREG, NFTA_BITWISE_DREG, NFTA_BITWISE_LEN, NFTA_BITWISE_MASK, NFTA_BITWISE_XOR = 1, 2, 3, 4, 5
@@ -221,6 +222,15 @@ def _audit_expressions(rule: AuditRule) -> bytes:
     if len(rule.log_prefix.encode()) > LOG_PREFIX_MAX:
         raise ValueError(f"log prefix longer than {LOG_PREFIX_MAX} bytes")
     parts = _daddr_lookup(rule.fam, rule.set_name)
+    # The address is still in register 1: a lookup only reads it.
+    parts.append(
+        _expr(
+            "lookup",
+            _str(NFTA_LOOKUP_SET, rule.hard),
+            _u32(NFTA_LOOKUP_SREG, NFT_REG_1),
+            _u32(NFTA_LOOKUP_FLAGS, NFT_LOOKUP_F_INV),
+        )
+    )
     ct_state = _expr("ct", _u32(NFTA_CT_DREG, NFT_REG_1), _u32(NFTA_CT_KEY, NFT_CT_STATE))
     parts += _masked_neq(ct_state, NF_CT_STATE_NEW, 0)
     if rule.unmarked_only:

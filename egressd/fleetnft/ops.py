@@ -49,15 +49,18 @@ class VerdictRule:
 
 @dataclass(frozen=True, slots=True)
 class AuditRule:
-    """``ip|ip6 daddr @set ct state new [meta mark & 0x2 != 0x2] log prefix "…" counter name "…"
-    meta mark set 0x2``: an audit would-deny, logged and counted once per new flow, then marked
-    so it passes the unmarked-drop tail. Only new flows are logged and counted (not every
-    packet); later packets of the flow are accepted as established before the tail.
+    """``ip|ip6 daddr @set ip|ip6 daddr != @hard ct state new [meta mark & 0x2 != 0x2]
+    log prefix "…" counter name "…" meta mark set 0x2``: an audit would-deny, logged and counted
+    once per new flow, then marked so it passes the unmarked-drop tail. Only new flows are
+    logged and counted (not every packet); later packets of the flow are accepted as
+    established before the tail. Destinations in ``hard`` (the deny set, which holds only
+    always-deny prefixes while auditing) are left alone: they are dropped, not would-denied.
     ``unmarked_only``: skip packets an allow or dyn rule already marked.
     """
 
     fam: str
     set_name: str
+    hard: str
     log_prefix: str
     counter: str
     unmarked_only: bool = False
@@ -66,8 +69,8 @@ class AuditRule:
         l3 = "ip" if self.fam == "v4" else "ip6"
         mark = f" meta mark & {ALLOW_MARK:#010x} != {ALLOW_MARK:#010x}" if self.unmarked_only else ""
         return (
-            f'{l3} daddr @{self.set_name} ct state new{mark} log prefix "{self.log_prefix}" '
-            f'counter name "{self.counter}" meta mark set {ALLOW_MARK:#x}'
+            f"{l3} daddr @{self.set_name} {l3} daddr != @{self.hard} ct state new{mark} "
+            f'log prefix "{self.log_prefix}" counter name "{self.counter}" meta mark set {ALLOW_MARK:#x}'
         )
 
 
