@@ -692,6 +692,8 @@ class ControlPlane:
                     "pending": e.pending is not None,
                     "kernelInstalled": self.registry.kernel(e.uid).objects,
                     "policy": _policy_summary(pol),
+                    # Audit (shadow) mode of the ACTIVE policy only: deny-first never audits.
+                    "auditMode": bool(pol is not None and pol.audit),
                     "vaultRevision": self.vaults[e.uid].revision if e.uid in self.vaults else None,
                     "leases": len(self.leases.get(e.uid, {})),
                 }

@@ -81,6 +81,19 @@ class KernelTransactions:
             first = next((ln for ln in str(err).splitlines() if ln.strip()), "unknown error")
             raise NftError(first.strip()[:300])
 
+    def _query(self, command: str) -> str:
+        """A read-only libnftables command, JSON out (the context's output mode is restored)."""
+        ctx = self._ctx()
+        ctx.set_json_output(True)
+        try:
+            rc, out, err = ctx.cmd(command)
+        finally:
+            ctx.set_json_output(False)
+        if rc != 0:
+            first = next((ln for ln in str(err).splitlines() if ln.strip()), "unknown error")
+            raise NftError(first.strip()[:300])
+        return str(out)
+
     def _batch(self, batch: NetlinkBatch) -> None:
         if self._netlink is None:
             self._netlink = _Netlink()
@@ -130,6 +143,14 @@ class KernelTransactions:
 
     async def reset_table(self, header_with_delete: str, header: str) -> None:
         await self._call("reset", self._reset, header_with_delete, header)
+
+    async def list_counters(self, table: str) -> str:
+        """``nft -j list counters table inet <table>`` on the kernel thread (audit evidence).
+
+        A read, so not counted as a transaction; serialised with them by the single thread.
+        """
+        command = f"list counters table inet {table}"
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._query, command)
 
     def run_sync(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the kernel thread and wait (start-up self-test)."""
