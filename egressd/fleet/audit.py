@@ -11,7 +11,6 @@ not correlated with DNS decision ids: a packet does not know which answer it cam
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, Iterable
 
 import structlog
@@ -28,41 +27,32 @@ IP_RULE = {"deny": "egress-deny", "default": "default"}  # counter kind -> metri
 Samples = dict[tuple[str, ...], float]
 
 
-def counter_samples(listing: str, subjects: dict[str, str]) -> Samples:
-    """``nft -j list counters`` output -> {(subject, "ip", rule): new flows} for known subjects.
+def counter_samples(counters: dict[str, int], subjects: dict[str, str]) -> Samples:
+    """The table's counters (name -> packets) -> {(subject, "ip", rule): new flows}.
 
     ``subjects`` maps nft ids to subject names; counters of ids not in it (a subject being
     removed) are skipped, so the metric never names a subject that is gone.
     """
     out: Samples = {}
-    try:
-        items = json.loads(listing).get("nftables", [])
-    except (ValueError, AttributeError):
-        return out
-    for item in items:
-        counter = item.get("counter") if isinstance(item, dict) else None
-        if not isinstance(counter, dict):
+    for name, packets in counters.items():
+        parsed = audit_counter_subject(name)
+        if parsed is None or parsed[0] not in subjects or packets <= 0:
             continue
-        parsed = audit_counter_subject(str(counter.get("name", "")))
-        if parsed is None or parsed[0] not in subjects:
-            continue
-        packets = counter.get("packets", 0)
-        if isinstance(packets, int) and packets > 0:
-            out[(subjects[parsed[0]], "ip", IP_RULE[parsed[1]])] = float(packets)
+        out[(subjects[parsed[0]], "ip", IP_RULE[parsed[1]])] = float(packets)
     return out
 
 
 class AuditEvidence:
     """Reads the kernel counters before each scrape and forgets a subject's DNS series with it.
 
-    ``read`` returns the JSON listing of the table's counters (one libnftables call on the
-    kernel thread); ``entries`` lists the registered subjects.
+    ``read`` returns the table's counters (name -> packets; one netlink dump on the kernel
+    thread); ``entries`` lists the registered subjects.
     """
 
     def __init__(
         self,
         metrics: EgressMetrics,
-        read: Callable[[], Awaitable[str]],
+        read: Callable[[], Awaitable[dict[str, int]]],
         entries: Callable[[], Iterable[Entry]],
     ) -> None:
         self.metrics = metrics
@@ -78,11 +68,11 @@ class AuditEvidence:
             self._samples = {}
             return
         try:
-            listing = await self._read()
+            counters = await self._read()
         except Exception as exc:
             log.warning("audit.counters_unreadable", error=str(exc)[:200])
             return
-        self._samples = counter_samples(listing, subjects)
+        self._samples = counter_samples(counters, subjects)
 
     # ---- SubjectListener: a subject's DNS-layer series go with the subject ---------------------
 

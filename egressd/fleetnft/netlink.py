@@ -51,6 +51,9 @@ NLM_F_EXCL = 0x200
 NLM_F_CREATE = 0x400
 NLM_F_APPEND = 0x800
 NLMSG_ERROR = 0x2
+NLMSG_DONE = 0x3
+NLM_F_DUMP = 0x300
+NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED / NLA_F_NET_BYTEORDER
 NLA_F_NESTED = 0x8000
 
 NFNL_SUBSYS_NFTABLES = 10
@@ -66,6 +69,7 @@ NFT_MSG_DELSET = 11
 NFT_MSG_NEWSETELEM = 12
 NFT_MSG_DELSETELEM = 14
 NFT_MSG_NEWOBJ = 18
+NFT_MSG_GETOBJ = 19
 NFT_MSG_DELOBJ = 20
 
 NFTA_LIST_ELEM = 1
@@ -399,6 +403,52 @@ def encode_batch(batch: NetlinkBatch, first_seq: int) -> tuple[bytes, dict[int, 
     return b"".join(parts), by_seq
 
 
+def encode_counter_dump(table: str, seq: int) -> bytes:
+    """A GETOBJ dump request for the counter objects of one table (the kernel filters both)."""
+    body = _str(NFTA_OBJ_TABLE, table) + _u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER)
+    msg_type = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETOBJ
+    return _nlmsg(msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, NFPROTO_INET, 0, body)
+
+
+def _attrs(data: bytes) -> dict[int, bytes]:
+    out: dict[int, bytes] = {}
+    off = 0
+    while off + 4 <= len(data):
+        length, kind = struct.unpack_from("=HH", data, off)
+        if length < 4:
+            break
+        out[kind & NLA_TYPE_MASK] = data[off + 4 : off + length]
+        off += (length + 3) & ~3
+    return out
+
+
+def parse_counter_dump(buf: bytes) -> tuple[dict[str, int], bool]:
+    """Counter objects (name -> packets) in one recv() of a dump, and whether it ended (DONE).
+
+    Raises NetlinkError for an error message."""
+    counters: dict[str, int] = {}
+    off = 0
+    while off + 16 <= len(buf):
+        length, msg_type, _flags, _seq, _pid = struct.unpack_from("=IHHII", buf, off)
+        if length < 16:
+            break
+        if msg_type == NLMSG_DONE:
+            return counters, True
+        if msg_type == NLMSG_ERROR:
+            (code,) = struct.unpack_from("=i", buf, off + 16)
+            if code != 0:
+                raise NetlinkError(-code, "counter dump")
+        elif msg_type == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWOBJ:
+            attrs = _attrs(buf[off + 20 : off + length])  # after nlmsghdr (16) + nfgenmsg (4)
+            name = attrs.get(NFTA_OBJ_NAME, b"").rstrip(b"\0").decode(errors="replace")
+            data = _attrs(attrs.get(NFTA_OBJ_DATA, b""))
+            packets = data.get(NFTA_COUNTER_PACKETS)
+            if name and packets is not None and len(packets) == 8:
+                counters[name] = struct.unpack(">Q", packets)[0]
+        off += (length + 3) & ~3
+    return counters, False
+
+
 # ---- the socket (shell) --------------------------------------------------------------------
 
 
@@ -445,6 +495,22 @@ class NfTablesSocket:
                 off += (length + 3) & ~3
         if failure is not None:
             raise failure
+
+    def counters(self, table: str) -> dict[str, int]:
+        """Every counter object of ``table``: name -> packets (one netlink dump, no cache fill)."""
+        seq = self._seq
+        self._seq += 1
+        self._sock.sendall(encode_counter_dump(table, seq))
+        out: dict[str, int] = {}
+        while True:
+            try:
+                buf = self._sock.recv(1 << 20)
+            except TimeoutError:
+                raise NetlinkError(errno.ETIMEDOUT, "waiting for the counter dump") from None
+            part, done = parse_counter_dump(buf)
+            out.update(part)
+            if done:
+                return out
 
     def close(self) -> None:
         self._sock.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from dataclasses import replace
 from typing import Any
 
@@ -283,25 +284,20 @@ def test_exemplar_labels_are_cut_to_the_openmetrics_limit() -> None:
 
 
 async def test_kernel_counters_become_ip_layer_samples_and_removed_subjects_are_forgotten() -> None:
-    listing = json.dumps(
-        {
-            "nftables": [
-                {"metainfo": {"version": "1.0.6"}},
-                {"counter": {"name": "subj_s_u_1_audit_deny", "packets": 2, "bytes": 120}},
-                {"counter": {"name": "subj_s_u_1_audit_default", "packets": 5, "bytes": 300}},
-                {"counter": {"name": "subj_s_gone_audit_default", "packets": 9, "bytes": 1}},
-                {"counter": {"name": "subj_s_u_2_audit_default", "packets": 0, "bytes": 0}},
-            ]
-        }
-    )
+    listing = {
+        "subj_s_u_1_audit_deny": 2,
+        "subj_s_u_1_audit_default": 5,
+        "subj_s_gone_audit_default": 9,  # a subject no longer registered
+        "subj_s_u_2_audit_default": 0,
+        "unrelated": 7,
+    }
     samples = counter_samples(listing, {"s_u_1": "s-u-1", "s_u_2": "s-u-2"})
     assert samples == {("s-u-1", "ip", "egress-deny"): 2.0, ("s-u-1", "ip", "default"): 5.0}
-    assert counter_samples("not json", {"s_u_1": "s-u-1"}) == {}
 
     class _Entry:
         nft_id, subject = "s_u_1", "s-u-1"
 
-    async def read() -> str:
+    async def read() -> dict[str, int]:
         return listing
 
     metrics = EgressMetrics()
@@ -348,3 +344,26 @@ async def test_metrics_negotiates_openmetrics(aiohttp_client: Any) -> None:
     assert om.headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
     body = await om.text()
     assert '# {decision_id="0123456789ab"}' in body and body.endswith("# EOF\n")
+
+
+def test_counter_dump_request_and_reply_parsing() -> None:
+    from egressd.fleetnft import netlink as nl
+
+    req = nl.encode_counter_dump("T", 7)
+    length, msg_type, flags, seq, _pid = struct.unpack_from("=IHHII", req)
+    assert (length, msg_type, flags, seq) == (len(req), (10 << 8) | 19, 0x1 | 0x300, 7)
+    assert b"T\0" in req
+
+    def obj(name: str, packets: int) -> bytes:
+        data = nl._nest(
+            nl.NFTA_OBJ_DATA, nl._u64(nl.NFTA_COUNTER_BYTES, 60), nl._u64(nl.NFTA_COUNTER_PACKETS, packets)
+        )
+        body = nl._str(nl.NFTA_OBJ_TABLE, "T") + nl._str(nl.NFTA_OBJ_NAME, name) + data
+        return nl._nlmsg((10 << 8) | nl.NFT_MSG_NEWOBJ, 0x2, 7, nl.NFPROTO_INET, 0, body)
+
+    done = struct.pack("=IHHII", 20, nl.NLMSG_DONE, 0x2, 7, 0) + b"\0" * 4
+    assert nl.parse_counter_dump(obj("a", 3) + obj("b", 0)) == ({"a": 3, "b": 0}, False)
+    assert nl.parse_counter_dump(obj("c", 1) + done) == ({"c": 1}, True)
+    error = struct.pack("=IHHII", 36, nl.NLMSG_ERROR, 0, 7, 0) + struct.pack("=i", -2) + b"\0" * 16
+    with pytest.raises(nl.NetlinkError):
+        nl.parse_counter_dump(error)
