@@ -21,6 +21,7 @@ from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import from_resolv_conf
 from egressd.fleet.always_reload import AlwaysRulesReloader
+from egressd.fleet.audit import AuditEvidence
 from egressd.fleet.control import ControlPlane
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.refresh import LeaseRefresher
@@ -91,6 +92,10 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             pending_ttl=cfg.pending_push_ttl,
         )
         proxy = ProxyRouteAPI(control, max_rules=cfg.max_rules)
+        audit = AuditEvidence(
+            metrics, lambda: tx.list_counters(cfg.nft_table), lambda: list(control.registry)
+        )
+        control.listeners.append(audit)
         metrics.pending_pushes.collect_from(lambda: {(): float(control.pending_pushes.count())})
         metrics.subjects.collect_from(control.state_counts)
         metrics.nft_rules.collect_from(control.rules_count)
@@ -152,6 +157,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             status_extra=lambda: {"bridgeNfCallIptables": bridges.nf_call_iptables},
             proxy=proxy,
             mitm_ca=lambda: (mitm.ca.pem, mitm.ca.fingerprint) if mitm else None,
+            before_scrape=audit.refresh,
         )
         runner = web.AppRunner(http.app(), access_log=None, handle_signals=False)
         await runner.setup()

@@ -1,14 +1,24 @@
 """A small Prometheus text-exposition registry (counters, gauges, histograms with labels).
 
-Label values are only ever operation names, states, codes and reasons chosen by the code,
-never request data, so nothing sensitive can reach /metrics.
+Label values are only ever operation names, states, codes, reasons, subject names and rule
+labels chosen by the code, never request data (no names asked, no addresses), so nothing
+sensitive can reach /metrics.
+
+Two renderings: Prometheus text 0.0.4 (the default) and, when the scraper asks for it,
+OpenMetrics 1.0, which is the only one that can carry exemplars: a counter may remember the
+labels of the last event it counted (egressd uses that for the audit decision id), shown as
+``name_total{...} 3 # {decision_id="0a1b2c3d4e5f"} 1.0 <unix time>``.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+_EXEMPLAR_MAX_CHARS = 128  # OpenMetrics: label names + values of one exemplar together
 
 _DEFAULT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -41,33 +51,89 @@ class _Metric:
         self.labels = tuple(labels)
         self._lock = threading.Lock()
 
-    def render(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}", *self._samples()]
+    def render(self, openmetrics: bool = False) -> list[str]:
+        family = self.name
+        if openmetrics and self.kind == "counter" and family.endswith("_total"):
+            family = family[: -len("_total")]  # OpenMetrics names the family without the suffix
+        return [
+            f"# HELP {family} {self.help}",
+            f"# TYPE {family} {self.kind}",
+            *self._samples(openmetrics),
+        ]
 
-    def _samples(self) -> list[str]:
+    def _samples(self, openmetrics: bool) -> list[str]:
         raise NotImplementedError
+
+
+def _exemplar(labels: Mapping[str, str], value: float, ts: float) -> str:
+    """`` # {k="v",...} value ts``, dropping trailing labels that would exceed 128 characters."""
+    parts: list[str] = []
+    used = 0
+    for k, v in labels.items():
+        used += len(k) + len(v)
+        if used > _EXEMPLAR_MAX_CHARS:
+            break
+        parts.append(f'{k}="{_escape(v)}"')
+    return f" # {{{','.join(parts)}}} {_num(value)} {ts:.3f}"
 
 
 class Counter(_Metric):
     kind = "counter"
 
-    def __init__(self, name: str, help_: str, labels: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        help_: str,
+        labels: Sequence[str] = (),
+        collect: Callable[[], dict[tuple[str, ...], float]] | None = None,
+    ) -> None:
         super().__init__(name, help_, labels)
         self._values: dict[tuple[str, ...], float] = {}
+        self._exemplars: dict[tuple[str, ...], tuple[dict[str, str], float, float]] = {}
+        self._collect = collect
 
-    def inc(self, *labels: str, amount: float = 1.0) -> None:
+    def collect_from(self, collect: Callable[[], dict[tuple[str, ...], float]]) -> None:
+        """Extra samples computed at scrape time (e.g. kernel counters), next to the stored ones."""
+        self._collect = collect
+
+    def inc(self, *labels: str, amount: float = 1.0, exemplar: Mapping[str, str] | None = None) -> None:
         with self._lock:
             self._values[labels] = self._values.get(labels, 0.0) + amount
+            if exemplar is not None:
+                self._exemplars[labels] = (dict(exemplar), amount, time.time())
 
     def value(self, *labels: str) -> float:
         return self._values.get(labels, 0.0)
 
-    def _samples(self) -> list[str]:
+    def exemplar(self, *labels: str) -> dict[str, str] | None:
+        got = self._exemplars.get(labels)
+        return dict(got[0]) if got is not None else None
+
+    def forget(self, keep: Callable[[tuple[str, ...]], bool]) -> None:
+        """Drop the series ``keep`` refuses (a removed subject's), bounding label cardinality."""
         with self._lock:
-            items = sorted(self._values.items())
+            for key in [k for k in self._values if not keep(k)]:
+                del self._values[key]
+                self._exemplars.pop(key, None)
+
+    def _samples(self, openmetrics: bool) -> list[str]:
+        with self._lock:
+            values = dict(self._values)
+            exemplars = dict(self._exemplars)
+        if self._collect is not None:
+            for key, v in self._collect().items():
+                values[key] = values.get(key, 0.0) + v
+        items = sorted(values.items())
         if not items and not self.labels:
             items = [((), 0.0)]
-        return [f"{self.name}{_fmt_labels(self.labels, k)} {_num(v)}" for k, v in items]
+        out = []
+        for k, v in items:
+            line = f"{self.name}{_fmt_labels(self.labels, k)} {_num(v)}"
+            ex = exemplars.get(k) if openmetrics else None
+            if ex is not None:
+                line += _exemplar(*ex)
+            out.append(line)
+        return out
 
 
 class Gauge(_Metric):
@@ -92,7 +158,7 @@ class Gauge(_Metric):
         with self._lock:
             self._values[labels] = value
 
-    def _samples(self) -> list[str]:
+    def _samples(self, openmetrics: bool) -> list[str]:
         if self._collect is not None:
             items = sorted(self._collect().items())
         else:
@@ -122,7 +188,7 @@ class Histogram(_Metric):
             counts[-1] += 1
             sums[0] += value
 
-    def _samples(self) -> list[str]:
+    def _samples(self, openmetrics: bool) -> list[str]:
         with self._lock:
             series = sorted((k, (list(c), s[0])) for k, (c, s) in self._series.items())
         if not series and not self.labels:
@@ -145,10 +211,12 @@ class Registry:
         self._metrics.append(metric)
         return metric
 
-    def render(self) -> str:
+    def render(self, openmetrics: bool = False) -> str:
         lines: list[str] = []
         for m in self._metrics:
-            lines.extend(m.render())
+            lines.extend(m.render(openmetrics))
+        if openmetrics:
+            lines.append("# EOF")
         return "\n".join(lines) + "\n"
 
 
@@ -189,7 +257,19 @@ class EgressMetrics:
         self.pending_pushes = r.register(
             Gauge("egressd_pending_pushes", "Credential pushes cached for unknown UIDs.")
         )
+        # Exemplar: the last denial's decision_id, subject and rule (OpenMetrics only).
         self.policy_denied = r.register(Counter("egress_policy_denied_total", "Denied DNS queries."))
+        # Audit mode: DNS queries (layer="dns", rule = the deciding rule's label) and new flows
+        # (layer="ip", rule "egress-deny" or "default", read from the kernel's per-subject
+        # counters at scrape time) that the policy would have denied but let pass.
+        # Exemplar of the dns series: the last decision_id.
+        self.would_deny = r.register(
+            Counter(
+                "egressd_policy_would_deny_total",
+                "Audit mode: DNS queries and new flows the policy would deny, passed.",
+                ["subject", "layer", "rule"],
+            )
+        )
         self.dns_latency = r.register(
             Histogram("egress_dns_query_duration_seconds", "DNS proxy query handling time.")
         )
@@ -197,5 +277,5 @@ class EgressMetrics:
             Counter("egress_dns_query_failed_total", "DNS queries answered SERVFAIL, by reason.", ["reason"])
         )
 
-    def render(self) -> str:
-        return self.registry.render()
+    def render(self, openmetrics: bool = False) -> str:
+        return self.registry.render(openmetrics)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from dnslib import EDNS0, QTYPE, RCODE, DNSRecord
 
-from egressd.policy import NetworkPolicy, Verdict, evaluate_domain
+from egressd.policy import NetworkPolicy, Verdict, judge_domain
 from egressd.subject.model import IPAddress
 
 LEASE_MIN_S = 60
@@ -26,8 +26,11 @@ class Action(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class Decision:
     action: Action
-    reason: str  # for logs and metrics: "allowed", "unknown_source", "denying", "policy", "no_question"
+    # for logs and metrics: "allowed", "would_deny", "unknown_source", "denying", "policy", "no_question"
+    reason: str
     name: str = ""
+    rule: str = ""  # which rule decided a denial or would-deny ("egress[2]", "default", "denying", ...)
+    would_deny: bool = False  # FORWARD only because the subject audits: its policy denies the name
 
 
 def lease_seconds(ttl: int, lo: int = LEASE_MIN_S, hi: int = LEASE_MAX_S) -> int:
@@ -43,11 +46,15 @@ def decide(query: DNSRecord, policy: NetworkPolicy | None, *, known_source: bool
         return Decision(Action.FORMERR, "no_question" if not query.questions else "multiple_questions")
     name = str(query.q.qname)
     if not known_source:
-        return Decision(Action.NXDOMAIN, "unknown_source", name)
+        return Decision(Action.NXDOMAIN, "unknown_source", name, rule="unknown-source")
     if policy is None:
-        return Decision(Action.NXDOMAIN, "denying", name)
-    if evaluate_domain(policy, name).verdict is not Verdict.ALLOW:
-        return Decision(Action.NXDOMAIN, "policy", name)
+        # Deny-first is never audited: audit is part of a policy, and there is none yet.
+        return Decision(Action.NXDOMAIN, "denying", name, rule="denying")
+    judged = judge_domain(policy, name)
+    if judged.verdict is not Verdict.ALLOW:
+        return Decision(Action.NXDOMAIN, "policy", name, rule=judged.rule)
+    if judged.would_deny:
+        return Decision(Action.FORWARD, "would_deny", name, rule=judged.rule, would_deny=True)
     return Decision(Action.FORWARD, "allowed", name)
 
 

@@ -14,10 +14,20 @@ from typing import Protocol
 import structlog
 from dnslib import QTYPE, RCODE, DNSRecord
 
-from egressd.dnsproxy.decide import Action, answer_addresses, decide, lease_seconds, refusal, with_edns
+from egressd.dnsproxy.decide import (
+    Action,
+    Decision,
+    answer_addresses,
+    decide,
+    lease_seconds,
+    refusal,
+    with_edns,
+)
+from egressd.dnsproxy.ede import INFO_BLOCKED, INFO_OTHER, attach_ede
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.metrics import EgressMetrics
-from egressd.policy import NetworkPolicy
+from egressd.policy import NetworkPolicy, evidence, new_decision_id
+from egressd.policy.audit import safe_token
 from egressd.subject.model import Fence, IPAddress, unmap_ip
 
 log = structlog.get_logger("egressd.dns")
@@ -109,20 +119,18 @@ class DnsProxy:
             return None
         asker = self.policies.asker(ip)
         decision = decide(query, asker.policy if asker else None, known_source=asker is not None)
-        if decision.action is not Action.FORWARD:
-            if self.metrics:
-                self.metrics.policy_denied.inc()
-            if self._may_log(ip):
-                log.info(
-                    f"[dns] denied query (remote={ip} question={decision.name or '-'} reason={decision.reason})",
-                    remote=str(ip),
-                    question=decision.name,
-                    reason=decision.reason,
-                    subject=f"s-{asker.uid}" if asker else None,
-                )
-            return self._finish(refusal(query, decision.action), query, tcp, start)
-        assert asker is not None
         had_edns = any(rr.rtype == QTYPE.OPT for rr in query.ar)
+        if decision.action is not Action.FORWARD:
+            text = self._record(decision, ip, asker)
+            reply = refusal(query, decision.action)
+            if had_edns and decision.action is Action.NXDOMAIN:
+                attach_ede(reply, INFO_BLOCKED, text)
+            return self._finish(reply, query, tcp, start)
+        assert asker is not None
+        # Audit: the name is answered, but NOT learned into the dyn sets. The audit rules of the
+        # subject's chain pass (and count) the flow at the IP layer, and leaving audit closes it
+        # at once: no lease of a would-deny name outlives the audit mode.
+        audit_text = self._record(decision, ip, asker) if decision.would_deny else None
         limit = _udp_limit(query)  # the client's own limit, before we add EDNS for the upstream
         forwarded = await self.forwarder.forward(with_edns(query), tcp=tcp)
         if forwarded.reply is None:
@@ -132,7 +140,7 @@ class DnsProxy:
             servfail.header.rcode = RCODE.SERVFAIL
             return self._finish(servfail, query, tcp, start, limit)
         reply = forwarded.reply
-        addresses = answer_addresses(reply)
+        addresses = answer_addresses(reply) if audit_text is None else []
         if addresses:
             lo, hi = self.lease_bounds
             leases = [(addr, lease_seconds(ttl, lo, hi)) for addr, ttl in addresses]
@@ -144,7 +152,9 @@ class DnsProxy:
             except Exception as exc:
                 # Counted by the kernel shell (egress_nftables_updates_failed_total{dynamic_add}).
                 log.warning("dns.learn_failed", subject=f"s-{asker.uid}", error=str(exc)[:200])
-        if had_edns and forwarded.wire is not None and (tcp or len(forwarded.wire) <= limit):
+        if audit_text is not None and had_edns:
+            attach_ede(reply, INFO_OTHER, audit_text)
+        elif had_edns and forwarded.wire is not None and (tcp or len(forwarded.wire) <= limit):
             # Nothing to strip or truncate: the upstream's answer goes back byte for byte
             # (same id: the query was forwarded with it).
             if self.metrics:
@@ -153,6 +163,39 @@ class DnsProxy:
         if not had_edns:
             reply.ar = [rr for rr in reply.ar if rr.rtype != QTYPE.OPT]
         return self._finish(reply, query, tcp, start, limit)
+
+    def _record(self, decision: Decision, ip: IPAddress, asker: Asker | None) -> str:
+        """Count and (rate-limited) log a denial or an audit would-deny under a fresh decision id.
+
+        Returns the evidence text for the answer's EDE option: the same id, subject and rule as
+        the log line and the metric's exemplar, so one grep for the id finds all three.
+        """
+        subject = safe_token(f"s-{asker.uid}") if asker else "-"
+        rule = decision.rule or decision.reason
+        decision_id = new_decision_id()
+        text = evidence(decision_id, subject, rule)
+        if self.metrics:
+            if decision.would_deny:
+                self.metrics.would_deny.inc(subject, "dns", rule, exemplar={"decision_id": decision_id})
+            else:
+                self.metrics.policy_denied.inc(
+                    exemplar={"decision_id": decision_id, "rule": rule, "subject": subject}
+                )
+        if self._may_log(ip):
+            verb = "would-deny" if decision.would_deny else "denied"
+            log.info(
+                f"[dns] {verb} query (remote={ip} question={decision.name or '-'} "
+                f"reason={decision.reason} {text})",
+                remote=str(ip),
+                question=decision.name,
+                reason=decision.reason,
+                subject=subject if asker else None,
+                decision_id=decision_id,
+                rule=rule,
+                layer="dns",
+                audit=decision.would_deny,
+            )
+        return text
 
     def _may_log(self, ip: IPAddress) -> bool:
         second = int(time.monotonic())

@@ -669,7 +669,7 @@ class ControlPlane:
 
     def rules_count(self) -> dict[tuple[str, ...], float]:
         """Rules in the table: the header's plus each installed subject's fixed rules."""
-        per_subject = 6 + (7 if self.table.mitm else 0)
+        per_subject = 10 + (9 if self.table.mitm else 0)  # incl. the 4 audit rules (+2 MITM)
         installed = sum(1 for e in self.registry if self.registry.kernel(e.uid).rules)
         return {(): float(per_subject * installed)}
 
@@ -692,6 +692,8 @@ class ControlPlane:
                     "pending": e.pending is not None,
                     "kernelInstalled": self.registry.kernel(e.uid).objects,
                     "policy": _policy_summary(pol),
+                    # Audit (shadow) mode of the ACTIVE policy only: deny-first never audits.
+                    "auditMode": bool(pol is not None and pol.audit),
                     "vaultRevision": self.vaults[e.uid].revision if e.uid in self.vaults else None,
                     "leases": len(self.leases.get(e.uid, {})),
                 }

@@ -5,7 +5,8 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
-from egressd.policy import NetworkPolicy, TargetKind, Verdict, evaluate_domain, parse_target
+from egressd.policy import NetworkPolicy, TargetKind, Verdict, evaluate_domain, judge_domain, parse_target
+from egressd.policy.audit import audit_deny_sets
 from egressd.policy.ipsets import IpSets, ip_sets
 from egressd.subject.model import IPAddress, unmap_ip
 
@@ -44,30 +45,46 @@ def explain(
     except ValueError as exc:
         out.update(decision="invalid", reason=str(exc))
         return out
+    out["auditMode"] = effective.audit
     if kind is TargetKind.DOMAIN:
         d = evaluate_domain(effective, text)
+        judged = judge_domain(effective, text)
+        if judged.would_deny:
+            outcome = "; audit mode: would-deny, logged and counted, answered (not learned)"
+        elif d.verdict is Verdict.ALLOW:
+            outcome = "; the name resolves (answers become leases)"
+        else:
+            outcome = "; NXDOMAIN, never forwarded"
         out.update(
             layer="dns",
             decision=d.verdict.value,
             rule=_rule_json(d.rule.action, d.rule.target) if d.rule else None,
+            ruleLabel=judged.rule,
             reason=(
                 "first matching rule"
                 if d.rule
                 else f"no rule matches: defaultAction {effective.default_action}"
             )
-            + (
-                "; the name resolves (answers become leases)"
-                if d.verdict is Verdict.ALLOW
-                else "; NXDOMAIN, never forwarded"
-            ),
+            + outcome,
         )
+        if judged.would_deny:
+            out["wouldDeny"] = True
         return out
     ip = unmap_ip(ipaddress.ip_address(text.split("/", 1)[0]))
     verdict, where, reason = ip_decision(effective, leases, ip, now)
+    if verdict is Verdict.DENY and effective.audit and not _hard_denied(effective, ip):
+        out["wouldDeny"] = True
+        reason += "; audit mode: would-deny, logged and counted, passes"
     out.update(layer="ip", decision=verdict.value, reason=reason)
     if where:
         out["set"] = where
     return out
+
+
+def _hard_denied(effective: NetworkPolicy, ip: IPAddress) -> bool:
+    split = audit_deny_sets(effective)
+    hard = split.hard_v4 if ip.version == 4 else split.hard_v6
+    return any(ip in net for net in hard)
 
 
 def ip_decision(

@@ -154,7 +154,12 @@ class ProxyRouteAPI(SubjectListener):
 
     async def _policy(self, method: str, entry: Entry, body: bytes) -> Reply:
         if method == "GET":
-            out: dict[str, Any] = {"status": entry.state.value, "mode": policy_mode(entry.policy)}
+            out: dict[str, Any] = {
+                "status": entry.state.value,
+                "mode": policy_mode(entry.policy),
+                # "mode" is deny_all/allow_all/enforcing (SDK contract); audit is reported apart.
+                "auditMode": _audit_mode(entry),
+            }
             if entry.state is State.ACTIVE and entry.policy is not None:
                 out["policy"] = entry.policy.to_json()
             return Reply(200, json=out)
@@ -186,7 +191,7 @@ class ProxyRouteAPI(SubjectListener):
         result = await self.control.apply_user_policy_locked(entry, new)
         if result.status != 200:
             return Reply(result.status, text=result.reason)
-        out = {"status": "ok", "mode": policy_mode(new), "enforcementMode": "dns+nft"}
+        out = {"status": "ok", "mode": policy_mode(new), "auditMode": new.audit, "enforcementMode": "dns+nft"}
         if reason:
             out["reason"] = reason
         return Reply(200, json=out)
@@ -231,3 +236,8 @@ def _edited(method: str, current: NetworkPolicy, body: bytes) -> tuple[NetworkPo
         return merge_patch(current, obj), ""
     new, removed = delete_targets(current, obj)
     return new, ("" if removed else _NO_MATCH)
+
+
+def _audit_mode(entry: Entry) -> bool:
+    """Only an active subject's policy can audit; a denying subject is fully closed."""
+    return entry.state is State.ACTIVE and entry.policy is not None and entry.policy.audit

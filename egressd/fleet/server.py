@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -22,7 +22,7 @@ from egressd.actionhandler.envelope import (
 )
 from egressd.fleet.control import ControlPlane, Result
 from egressd.fleet.proxyroute import ProxyRouteAPI
-from egressd.metrics import EgressMetrics
+from egressd.metrics import OPENMETRICS_CONTENT_TYPE, EgressMetrics
 
 log = structlog.get_logger("egressd.http")
 
@@ -77,10 +77,12 @@ class FleetHTTP:
         status_extra: Callable[[], dict[str, Any]] | None = None,
         proxy: ProxyRouteAPI | None = None,
         mitm_ca: Callable[[], tuple[str, str] | None] | None = None,
+        before_scrape: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.proxy = proxy
         # () -> (public certificate PEM, SHA-256 hex of its DER), or None while the MITM is off.
         self._mitm_ca = mitm_ca
+        self._before_scrape = before_scrape
         self.control = control
         self.metrics = metrics
         self.instance_id = instance_id or new_instance_id()
@@ -160,6 +162,15 @@ class FleetHTTP:
     async def metrics_handler(self, request: web.Request) -> web.Response:
         if request.method != "GET":
             return text(405, "method not allowed", headers={"Allow": "GET"})
+        if self._before_scrape is not None:
+            await self._before_scrape()  # e.g. the kernel's audit counters
+        # Exemplars (the audit decision ids) exist only in OpenMetrics; Prometheus asks for it
+        # in Accept when exemplar storage is on. Everyone else gets the 0.0.4 text as before.
+        if "application/openmetrics-text" in request.headers.get("Accept", ""):
+            return web.Response(
+                body=self.metrics.render(openmetrics=True).encode(),
+                headers={"Content-Type": OPENMETRICS_CONTENT_TYPE, "X-Content-Type-Options": "nosniff"},
+            )
         return web.Response(
             text=self.metrics.render(),
             content_type="text/plain",

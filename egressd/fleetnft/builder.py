@@ -19,6 +19,15 @@ Shape, and why it differs from the reference blueprint where it does:
   ``add element`` (~1 s). egressd only hands libnftables cache-free declarations (sets,
   chains, map elements re-declared inline); rules, content swaps and deletions go through
   raw netlink batches (:mod:`egressd.fleetnft.ops`), whose cost does not grow with the fleet.
+* Audit mode (a policy with ``"mode": "audit"``) is set content too. Two always-present rule
+  pairs at the end of ``mark_<id>`` log (``log prefix "egressd would-deny <id> "``), count
+  (named counters ``subj_<id>_audit_deny`` / ``subj_<id>_audit_default``) and mark new flows
+  to ``wdeny`` (the user's deny prefixes, moved out of ``deny`` while auditing) and, if still
+  unmarked, to ``audit`` (``0.0.0.0/0`` / ``::/0`` while auditing). Both are empty unless the
+  active policy audits, so deny-first (all sets empty) and enforcing subjects are unchanged,
+  and switching audit on or off is the same atomic swap as any policy change. ``deny`` keeps
+  the operator's always-deny prefixes in audit mode: those stay hard, like the lateral,
+  DoT and DoH drops of the header, which audit never touches.
 * The DNS redirect is per gateway: a gateway set feeds two shared redirect rules, and the
   gateway element lives exactly as long as some subject uses that gateway.
 * With MITM, interception is a REDIRECT for sources in ``mitm_src_v4/v6`` (feasibility
@@ -34,13 +43,16 @@ from dataclasses import dataclass
 from egressd.fleetnft.ops import (
     ALLOW_MARK,
     AddChain,
+    AddCounter,
     AddElements,
     AddIntervals,
     AddJump,
     AddRule,
     AddSet,
     AddTimed,
+    AuditRule,
     DeleteChain,
+    DeleteCounter,
     DeleteElement,
     DeleteSet,
     FlushSet,
@@ -50,11 +62,31 @@ from egressd.fleetnft.ops import (
     Outcome,
     VerdictRule,
 )
-from egressd.policy import IpSets, NetworkPolicy, Verdict, format_element, ip_sets, normalise_networks
+from egressd.policy import (
+    IpSets,
+    NetworkPolicy,
+    Verdict,
+    audit_deny_sets,
+    format_element,
+    ip_sets,
+    normalise_networks,
+)
 from egressd.subject.model import IPAddress
 
-SETS = ("allow_v4", "allow_v6", "deny_v4", "deny_v6", "dyn_v4", "dyn_v6")
-STATIC_SETS = ("allow_v4", "allow_v6", "deny_v4", "deny_v6")
+# wdeny: the user's deny prefixes while auditing; audit: 0.0.0.0/0, ::/0 while auditing.
+STATIC_SETS = (
+    "allow_v4",
+    "allow_v6",
+    "deny_v4",
+    "deny_v6",
+    "wdeny_v4",
+    "wdeny_v6",
+    "audit_v4",
+    "audit_v6",
+)
+SETS = (*STATIC_SETS, "dyn_v4", "dyn_v6")
+AUDIT_COUNTERS = ("deny", "default")  # which audit rule counted: a user deny prefix, or no allow
+AUDIT_LOG_PREFIX = "egressd would-deny "
 DYN_TIMEOUT_S = 360
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -113,6 +145,24 @@ class Names:
     @property
     def in_chain(self) -> str:
         return f"subj_{self.nft_id}_in"
+
+    def counter(self, kind: str) -> str:
+        return f"subj_{self.nft_id}_audit_{kind}"
+
+    @property
+    def log_prefix(self) -> str:
+        # The nft id is unique among registered subjects and already log-safe ([a-z0-9_]);
+        # cut so the prefix fits the kernel's 127 bytes (the counter names stay exact).
+        return f"{AUDIT_LOG_PREFIX}{self.nft_id[:100]} "
+
+
+def audit_counter_subject(name: str) -> tuple[str, str] | None:
+    """``subj_<id>_audit_<kind>`` -> (nft id, kind), else None."""
+    for kind in AUDIT_COUNTERS:
+        suffix = f"_audit_{kind}"
+        if name.startswith("subj_") and name.endswith(suffix):
+            return name[len("subj_") : -len(suffix)], kind
+    return None
 
 
 class _Script:
@@ -288,8 +338,10 @@ def l3_of(fam: str) -> str:
 def subject_rules(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
     """The subject's fixed rules, added once when its chains are first created.
 
-    ``subj_<id>``: deny sets drop. ``mark_<id>``: allow and dyn sets mark 0x2.
-    ``subj_<id>_in`` (MITM): IN(drop) of §8.2 on the conntrack original destination.
+    ``subj_<id>``: deny sets drop. ``mark_<id>``: allow and dyn sets mark 0x2, then the audit
+    rules (which match nothing while ``wdeny`` and ``audit`` are empty).
+    ``subj_<id>_in`` (MITM): IN(drop) of §8.2 on the conntrack original destination; the
+    intercepted path is never audited, so ``wdeny`` drops there like ``deny``.
     """
     n = Names(nft_id)
     ops: list[Op] = []
@@ -298,8 +350,28 @@ def subject_rules(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
     for kind in ("allow", "dyn"):
         for fam in ("v4", "v6"):
             ops.append(AddRule(n.mark_chain, MatchRule(fam, n.set(f"{kind}_{fam}"), Outcome.MARK)))
+    # A user-denied prefix is logged even inside an allowed one (deny beats allow, as enforced).
+    for fam in ("v4", "v6"):
+        audit = AuditRule(fam, n.set(f"wdeny_{fam}"), n.set(f"deny_{fam}"), n.log_prefix, n.counter("deny"))
+        ops.append(AddRule(n.mark_chain, audit))
+    for fam in ("v4", "v6"):
+        audit = AuditRule(
+            fam,
+            n.set(f"audit_{fam}"),
+            n.set(f"deny_{fam}"),
+            n.log_prefix,
+            n.counter("default"),
+            unmarked_only=True,
+        )
+        ops.append(AddRule(n.mark_chain, audit))
     if cfg.mitm:
-        for kind, outcome in (("deny", Outcome.DROP), ("dyn", Outcome.ACCEPT), ("allow", Outcome.ACCEPT)):
+        in_rules = (
+            ("deny", Outcome.DROP),
+            ("wdeny", Outcome.DROP),
+            ("dyn", Outcome.ACCEPT),
+            ("allow", Outcome.ACCEPT),
+        )
+        for kind, outcome in in_rules:
             for fam in ("v4", "v6"):
                 ops.append(
                     AddRule(n.in_chain, MatchRule(fam, n.set(f"{kind}_{fam}"), outcome, ct_original=True))
@@ -335,6 +407,7 @@ def subject_create(cfg: TableConfig, subj: SubjectNft) -> NetlinkBatch:
     ops: list[Op] = [AddSet(n.set(kind), kind[-2:], "interval") for kind in STATIC_SETS]
     ops += [AddSet(n.set(f"dyn_{fam}"), fam, "timeout", DYN_TIMEOUT_S) for fam in ("v4", "v6")]
     ops += [AddChain(n.chain), AddChain(n.mark_chain)] + ([AddChain(n.in_chain)] if cfg.mitm else [])
+    ops += [AddCounter(n.counter(kind)) for kind in AUDIT_COUNTERS]
     return NetlinkBatch(cfg.table, tuple(ops)) + subject_rules(cfg, subj.nft_id) + subject_keys(cfg, subj)
 
 
@@ -358,6 +431,8 @@ def subject_objects_script(cfg: TableConfig, subj: SubjectNft) -> str:
     s.obj("add", "chain", n.mark_chain)
     if cfg.mitm:
         s.obj("add", "chain", n.in_chain)
+    for kind in AUDIT_COUNTERS:
+        s.obj("add", "counter", n.counter(kind))
     _dispatch_entries(s, cfg, subj)
     return s.text()
 
@@ -394,14 +469,25 @@ _ALL_V6 = ipaddress.IPv6Network("::/0")
 
 
 def policy_contents(effective: NetworkPolicy) -> dict[str, tuple[IPNetwork, ...]]:
-    """Contents of the four static sets for an effective policy (§5 IP layer)."""
+    """Contents of the static sets for an effective policy (§5 IP layer), audit mode included."""
     sets: IpSets = ip_sets(effective)
     allow_v4: tuple[IPNetwork, ...] = sets.allow_v4
     allow_v6: tuple[IPNetwork, ...] = sets.allow_v6
     if effective.default_action is Verdict.ALLOW:
         # Everything is allowed unless denied: the whole address space, one prefix per family.
         allow_v4, allow_v6 = (_ALL_V4,), (_ALL_V6,)
-    return {"allow_v4": allow_v4, "allow_v6": allow_v6, "deny_v4": sets.deny_v4, "deny_v6": sets.deny_v6}
+    out: dict[str, tuple[IPNetwork, ...]] = {"allow_v4": allow_v4, "allow_v6": allow_v6}
+    if not effective.audit:
+        return out | {"deny_v4": sets.deny_v4, "deny_v6": sets.deny_v6} | dict.fromkeys(STATIC_SETS[4:], ())
+    split = audit_deny_sets(effective)
+    return out | {
+        "deny_v4": split.hard_v4,
+        "deny_v6": split.hard_v6,
+        "wdeny_v4": split.soft_v4,
+        "wdeny_v6": split.soft_v6,
+        "audit_v4": (_ALL_V4,),
+        "audit_v6": (_ALL_V6,),
+    }
 
 
 def policy_swap(table: str, nft_id: str, effective: NetworkPolicy) -> NetlinkBatch:
@@ -441,7 +527,7 @@ def removal_batch(
     """§8.5 without the rebuild: one atomic batch dropping exactly this subject's objects.
 
     Map entries go first (they reference the chains), then chains (their rules reference
-    the sets), then sets. Other subjects' objects and leases are untouched.
+    the sets and counters), then sets and counters. Other subjects' objects and leases are untouched.
     """
     n = Names(nft_id)
     ops: list[Op] = []
@@ -450,6 +536,7 @@ def removal_batch(
     chains = [n.chain, n.mark_chain] + ([n.in_chain] if cfg.mitm else [])
     ops += [DeleteChain(c) for c in chains]
     ops += [DeleteSet(n.set(kind)) for kind in SETS]
+    ops += [DeleteCounter(n.counter(kind)) for kind in AUDIT_COUNTERS]
     return NetlinkBatch(cfg.table, tuple(ops))
 
 

@@ -22,13 +22,16 @@ from collections.abc import Iterable, Sequence
 from egressd.fleetnft.ops import (
     ALLOW_MARK,
     AddChain,
+    AddCounter,
     AddElements,
     AddIntervals,
     AddJump,
     AddRule,
     AddSet,
     AddTimed,
+    AuditRule,
     DeleteChain,
+    DeleteCounter,
     DeleteElement,
     DeleteSet,
     FlushSet,
@@ -48,6 +51,9 @@ NLM_F_EXCL = 0x200
 NLM_F_CREATE = 0x400
 NLM_F_APPEND = 0x800
 NLMSG_ERROR = 0x2
+NLMSG_DONE = 0x3
+NLM_F_DUMP = 0x300
+NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED / NLA_F_NET_BYTEORDER
 NLA_F_NESTED = 0x8000
 
 NFNL_SUBSYS_NFTABLES = 10
@@ -62,6 +68,9 @@ NFT_MSG_NEWSET = 9
 NFT_MSG_DELSET = 11
 NFT_MSG_NEWSETELEM = 12
 NFT_MSG_DELSETELEM = 14
+NFT_MSG_NEWOBJ = 18
+NFT_MSG_GETOBJ = 19
+NFT_MSG_DELOBJ = 20
 
 NFTA_LIST_ELEM = 1
 NFTA_CHAIN_TABLE, NFTA_CHAIN_NAME = 1, 3
@@ -82,15 +91,25 @@ NFTA_VERDICT_CODE = 1
 NFTA_META_DREG, NFTA_META_KEY, NFTA_META_SREG = 1, 2, 3
 NFTA_CMP_SREG, NFTA_CMP_OP, NFTA_CMP_DATA = 1, 2, 3
 NFTA_PAYLOAD_DREG, NFTA_PAYLOAD_BASE, NFTA_PAYLOAD_OFFSET, NFTA_PAYLOAD_LEN = 1, 2, 3, 4
-NFTA_LOOKUP_SET, NFTA_LOOKUP_SREG = 1, 2
+NFTA_LOOKUP_SET, NFTA_LOOKUP_SREG, NFTA_LOOKUP_FLAGS = 1, 2, 5
+NFT_LOOKUP_F_INV = 1
 NFTA_IMMEDIATE_DREG, NFTA_IMMEDIATE_DATA = 1, 2
 NFTA_CT_DREG, NFTA_CT_KEY, NFTA_CT_DIRECTION = 1, 2, 3
+NFTA_BITWISE_SREG, NFTA_BITWISE_DREG, NFTA_BITWISE_LEN, NFTA_BITWISE_MASK, NFTA_BITWISE_XOR = 1, 2, 3, 4, 5
+NFTA_LOG_PREFIX = 2
+NFTA_OBJREF_IMM_TYPE, NFTA_OBJREF_IMM_NAME = 1, 2
+NFTA_OBJ_TABLE, NFTA_OBJ_NAME, NFTA_OBJ_TYPE, NFTA_OBJ_DATA = 1, 2, 3, 4
+NFTA_COUNTER_BYTES, NFTA_COUNTER_PACKETS = 1, 2
+NFT_OBJECT_COUNTER = 1
+NFT_CT_STATE = 0
+NF_CT_STATE_NEW = 1 << (2 + 1)  # NF_CT_STATE_BIT(IP_CT_NEW)
+LOG_PREFIX_MAX = 127  # NF_LOG_PREFIXLEN - 1: the kernel refuses longer prefixes
 
 NFT_REG_VERDICT, NFT_REG_1 = 0, 1
 NFT_META_MARK, NFT_META_NFPROTO = 3, 15
 NFT_CT_DST_IP, NFT_CT_DST_IP6 = 0x14, 0x16
 NFT_PAYLOAD_NETWORK_HEADER = 1
-NFT_CMP_EQ = 0
+NFT_CMP_EQ, NFT_CMP_NEQ = 0, 1
 NF_DROP, NF_ACCEPT = 0, 1
 NFPROTO_IPV4, NFPROTO_IPV6 = 2, 10
 
@@ -143,52 +162,112 @@ def _verdict(outcome: Outcome) -> bytes:
     return _expr("immediate", _u32(NFTA_IMMEDIATE_DREG, NFT_REG_VERDICT), _nest(NFTA_IMMEDIATE_DATA, verdict))
 
 
+def _masked_neq(load: bytes, mask: int, value: int) -> list[bytes]:
+    """``<load into reg 1> & mask != value`` on a host-endian u32 (ct state, meta mark)."""
+
+    def host(v: int) -> bytes:
+        return struct.pack("=I", v)
+
+    return [
+        load,
+        _expr(
+            "bitwise",
+            _u32(NFTA_BITWISE_SREG, NFT_REG_1),
+            _u32(NFTA_BITWISE_DREG, NFT_REG_1),
+            _u32(NFTA_BITWISE_LEN, 4),
+            _data_value(NFTA_BITWISE_MASK, host(mask)),
+            _data_value(NFTA_BITWISE_XOR, host(0)),
+        ),
+        _expr(
+            "cmp",
+            _u32(NFTA_CMP_SREG, NFT_REG_1),
+            _u32(NFTA_CMP_OP, NFT_CMP_NEQ),
+            _data_value(NFTA_CMP_DATA, host(value)),
+        ),
+    ]
+
+
+def _daddr_lookup(fam: str, set_name: str) -> list[bytes]:
+    """``ip|ip6 daddr @set`` in an inet table: nfproto check, payload load, set lookup."""
+    proto = NFPROTO_IPV4 if fam == "v4" else NFPROTO_IPV6
+    offset, length = (16, 4) if fam == "v4" else (24, 16)
+    return [
+        _expr("meta", _u32(NFTA_META_DREG, NFT_REG_1), _u32(NFTA_META_KEY, NFT_META_NFPROTO)),
+        _expr(
+            "cmp",
+            _u32(NFTA_CMP_SREG, NFT_REG_1),
+            _u32(NFTA_CMP_OP, NFT_CMP_EQ),
+            _data_value(NFTA_CMP_DATA, bytes([proto])),
+        ),
+        _expr(
+            "payload",
+            _u32(NFTA_PAYLOAD_DREG, NFT_REG_1),
+            _u32(NFTA_PAYLOAD_BASE, NFT_PAYLOAD_NETWORK_HEADER),
+            _u32(NFTA_PAYLOAD_OFFSET, offset),
+            _u32(NFTA_PAYLOAD_LEN, length),
+        ),
+        _expr("lookup", _str(NFTA_LOOKUP_SET, set_name), _u32(NFTA_LOOKUP_SREG, NFT_REG_1)),
+    ]
+
+
+def _set_mark() -> list[bytes]:
+    # meta mark is a host-endian u32 register value.
+    return [
+        _expr(
+            "immediate",
+            _u32(NFTA_IMMEDIATE_DREG, NFT_REG_1),
+            _data_value(NFTA_IMMEDIATE_DATA, struct.pack("=I", ALLOW_MARK)),
+        ),
+        _expr("meta", _u32(NFTA_META_KEY, NFT_META_MARK), _u32(NFTA_META_SREG, NFT_REG_1)),
+    ]
+
+
+def _audit_expressions(rule: AuditRule) -> bytes:
+    if len(rule.log_prefix.encode()) > LOG_PREFIX_MAX:
+        raise ValueError(f"log prefix longer than {LOG_PREFIX_MAX} bytes")
+    parts = _daddr_lookup(rule.fam, rule.set_name)
+    # The address is still in register 1: a lookup only reads it.
+    parts.append(
+        _expr(
+            "lookup",
+            _str(NFTA_LOOKUP_SET, rule.hard),
+            _u32(NFTA_LOOKUP_SREG, NFT_REG_1),
+            _u32(NFTA_LOOKUP_FLAGS, NFT_LOOKUP_F_INV),
+        )
+    )
+    ct_state = _expr("ct", _u32(NFTA_CT_DREG, NFT_REG_1), _u32(NFTA_CT_KEY, NFT_CT_STATE))
+    parts += _masked_neq(ct_state, NF_CT_STATE_NEW, 0)
+    if rule.unmarked_only:
+        mark = _expr("meta", _u32(NFTA_META_DREG, NFT_REG_1), _u32(NFTA_META_KEY, NFT_META_MARK))
+        parts += _masked_neq(mark, ALLOW_MARK, ALLOW_MARK)
+    parts.append(_expr("log", _str(NFTA_LOG_PREFIX, rule.log_prefix)))
+    parts.append(
+        _expr(
+            "objref",
+            _u32(NFTA_OBJREF_IMM_TYPE, NFT_OBJECT_COUNTER),
+            _str(NFTA_OBJREF_IMM_NAME, rule.counter),
+        )
+    )
+    return b"".join(parts + _set_mark())
+
+
 def rule_expressions(rule: Rule) -> bytes:
-    """The NFTA_RULE_EXPRESSIONS list: exactly what nft 1.0.6 generates for our two shapes."""
+    """The NFTA_RULE_EXPRESSIONS list: exactly what nft 1.0.6 generates for the match and
+    verdict shapes; the audit shape is checked against the kernel's own listing instead."""
+    if isinstance(rule, AuditRule):
+        return _audit_expressions(rule)
     if not isinstance(rule, MatchRule):
         return _verdict(rule.outcome)
-    parts: list[bytes] = []
+    lookup = _expr("lookup", _str(NFTA_LOOKUP_SET, rule.set_name), _u32(NFTA_LOOKUP_SREG, NFT_REG_1))
     if rule.ct_original:
         key = NFT_CT_DST_IP if rule.fam == "v4" else NFT_CT_DST_IP6
-        parts.append(
-            _expr(
-                "ct", _u32(NFTA_CT_DREG, NFT_REG_1), _u32(NFTA_CT_KEY, key), _attr(NFTA_CT_DIRECTION, b"\0")
-            )
+        ct = _expr(
+            "ct", _u32(NFTA_CT_DREG, NFT_REG_1), _u32(NFTA_CT_KEY, key), _attr(NFTA_CT_DIRECTION, b"\0")
         )
+        parts = [ct, lookup]
     else:
-        proto = NFPROTO_IPV4 if rule.fam == "v4" else NFPROTO_IPV6
-        offset, length = (16, 4) if rule.fam == "v4" else (24, 16)
-        parts.append(_expr("meta", _u32(NFTA_META_DREG, NFT_REG_1), _u32(NFTA_META_KEY, NFT_META_NFPROTO)))
-        parts.append(
-            _expr(
-                "cmp",
-                _u32(NFTA_CMP_SREG, NFT_REG_1),
-                _u32(NFTA_CMP_OP, NFT_CMP_EQ),
-                _data_value(NFTA_CMP_DATA, bytes([proto])),
-            )
-        )
-        parts.append(
-            _expr(
-                "payload",
-                _u32(NFTA_PAYLOAD_DREG, NFT_REG_1),
-                _u32(NFTA_PAYLOAD_BASE, NFT_PAYLOAD_NETWORK_HEADER),
-                _u32(NFTA_PAYLOAD_OFFSET, offset),
-                _u32(NFTA_PAYLOAD_LEN, length),
-            )
-        )
-    parts.append(_expr("lookup", _str(NFTA_LOOKUP_SET, rule.set_name), _u32(NFTA_LOOKUP_SREG, NFT_REG_1)))
-    if rule.outcome is Outcome.MARK:
-        # meta mark is a host-endian u32 register value.
-        parts.append(
-            _expr(
-                "immediate",
-                _u32(NFTA_IMMEDIATE_DREG, NFT_REG_1),
-                _data_value(NFTA_IMMEDIATE_DATA, struct.pack("=I", ALLOW_MARK)),
-            )
-        )
-        parts.append(_expr("meta", _u32(NFTA_META_KEY, NFT_META_MARK), _u32(NFTA_META_SREG, NFT_REG_1)))
-    else:
-        parts.append(_verdict(rule.outcome))
+        parts = _daddr_lookup(rule.fam, rule.set_name)
+    parts += _set_mark() if rule.outcome is Outcome.MARK else [_verdict(rule.outcome)]
     return b"".join(parts)
 
 
@@ -240,6 +319,16 @@ def encode_op(table: str, op: Op, set_id: int = 0) -> tuple[int, int, bytes]:
         return NFT_MSG_NEWSET, NLM_F_CREATE, body
     if isinstance(op, AddChain):
         return NFT_MSG_NEWCHAIN, NLM_F_CREATE, _str(NFTA_CHAIN_TABLE, table) + _str(NFTA_CHAIN_NAME, op.name)
+    if isinstance(op, AddCounter | DeleteCounter):
+        body = (
+            _str(NFTA_OBJ_TABLE, table)
+            + _str(NFTA_OBJ_NAME, op.name)
+            + _u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER)
+        )
+        if isinstance(op, DeleteCounter):
+            return NFT_MSG_DELOBJ, 0, body
+        zero = _u64(NFTA_COUNTER_BYTES, 0) + _u64(NFTA_COUNTER_PACKETS, 0)
+        return NFT_MSG_NEWOBJ, NLM_F_CREATE, body + _nest(NFTA_OBJ_DATA, zero)
     if isinstance(op, AddJump):
         fam = "v4" if op.key.version == 4 else "v6"
         verdict = _nest(
@@ -314,6 +403,52 @@ def encode_batch(batch: NetlinkBatch, first_seq: int) -> tuple[bytes, dict[int, 
     return b"".join(parts), by_seq
 
 
+def encode_counter_dump(table: str, seq: int) -> bytes:
+    """A GETOBJ dump request for the counter objects of one table (the kernel filters both)."""
+    body = _str(NFTA_OBJ_TABLE, table) + _u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER)
+    msg_type = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETOBJ
+    return _nlmsg(msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, NFPROTO_INET, 0, body)
+
+
+def _attrs(data: bytes) -> dict[int, bytes]:
+    out: dict[int, bytes] = {}
+    off = 0
+    while off + 4 <= len(data):
+        length, kind = struct.unpack_from("=HH", data, off)
+        if length < 4:
+            break
+        out[kind & NLA_TYPE_MASK] = data[off + 4 : off + length]
+        off += (length + 3) & ~3
+    return out
+
+
+def parse_counter_dump(buf: bytes) -> tuple[dict[str, int], bool]:
+    """Counter objects (name -> packets) in one recv() of a dump, and whether it ended (DONE).
+
+    Raises NetlinkError for an error message."""
+    counters: dict[str, int] = {}
+    off = 0
+    while off + 16 <= len(buf):
+        length, msg_type, _flags, _seq, _pid = struct.unpack_from("=IHHII", buf, off)
+        if length < 16:
+            break
+        if msg_type == NLMSG_DONE:
+            return counters, True
+        if msg_type == NLMSG_ERROR:
+            (code,) = struct.unpack_from("=i", buf, off + 16)
+            if code != 0:
+                raise NetlinkError(-code, "counter dump")
+        elif msg_type == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWOBJ:
+            attrs = _attrs(buf[off + 20 : off + length])  # after nlmsghdr (16) + nfgenmsg (4)
+            name = attrs.get(NFTA_OBJ_NAME, b"").rstrip(b"\0").decode(errors="replace")
+            data = _attrs(attrs.get(NFTA_OBJ_DATA, b""))
+            packets = data.get(NFTA_COUNTER_PACKETS)
+            if name and packets is not None and len(packets) == 8:
+                counters[name] = struct.unpack(">Q", packets)[0]
+        off += (length + 3) & ~3
+    return counters, False
+
+
 # ---- the socket (shell) --------------------------------------------------------------------
 
 
@@ -360,6 +495,22 @@ class NfTablesSocket:
                 off += (length + 3) & ~3
         if failure is not None:
             raise failure
+
+    def counters(self, table: str) -> dict[str, int]:
+        """Every counter object of ``table``: name -> packets (one netlink dump, no cache fill)."""
+        seq = self._seq
+        self._seq += 1
+        self._sock.sendall(encode_counter_dump(table, seq))
+        out: dict[str, int] = {}
+        while True:
+            try:
+                buf = self._sock.recv(1 << 20)
+            except TimeoutError:
+                raise NetlinkError(errno.ETIMEDOUT, "waiting for the counter dump") from None
+            part, done = parse_counter_dump(buf)
+            out.update(part)
+            if done:
+                return out
 
     def close(self) -> None:
         self._sock.close()

@@ -47,7 +47,34 @@ class VerdictRule:
         return self.outcome.value
 
 
-Rule = MatchRule | VerdictRule
+@dataclass(frozen=True, slots=True)
+class AuditRule:
+    """``ip|ip6 daddr @set ip|ip6 daddr != @hard ct state new [meta mark & 0x2 != 0x2]
+    log prefix "…" counter name "…" meta mark set 0x2``: an audit would-deny, logged and counted
+    once per new flow, then marked so it passes the unmarked-drop tail. Only new flows are
+    logged and counted (not every packet); later packets of the flow are accepted as
+    established before the tail. Destinations in ``hard`` (the deny set, which holds only
+    always-deny prefixes while auditing) are left alone: they are dropped, not would-denied.
+    ``unmarked_only``: skip packets an allow or dyn rule already marked.
+    """
+
+    fam: str
+    set_name: str
+    hard: str
+    log_prefix: str
+    counter: str
+    unmarked_only: bool = False
+
+    def render(self) -> str:
+        l3 = "ip" if self.fam == "v4" else "ip6"
+        mark = f" meta mark & {ALLOW_MARK:#010x} != {ALLOW_MARK:#010x}" if self.unmarked_only else ""
+        return (
+            f"{l3} daddr @{self.set_name} {l3} daddr != @{self.hard} ct state new{mark} "
+            f'log prefix "{self.log_prefix}" counter name "{self.counter}" meta mark set {ALLOW_MARK:#x}'
+        )
+
+
+Rule = MatchRule | VerdictRule | AuditRule
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +95,18 @@ class AddSet:
 
 @dataclass(frozen=True, slots=True)
 class AddChain:
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class AddCounter:
+    """A named counter object (no-op when it exists): per-subject audit evidence."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteCounter:
     name: str
 
 
@@ -130,6 +169,8 @@ class DeleteSet:
 Op = (
     AddSet
     | AddChain
+    | AddCounter
+    | DeleteCounter
     | AddJump
     | AddElements
     | AddRule
@@ -172,6 +213,10 @@ class NetlinkBatch:
                 out.append(f"add set {t} {op.name} {{ type {typ};{flags.get(op.kind, '')} }}")
             elif isinstance(op, AddChain):
                 out.append(f"add chain {t} {op.name}")
+            elif isinstance(op, AddCounter):
+                out.append(f"add counter {t} {op.name}")
+            elif isinstance(op, DeleteCounter):
+                out.append(f"delete counter {t} {op.name}")
             elif isinstance(op, AddJump):
                 out.append(f"add element {t} {op.map} {{ {op.key} : jump {op.chain} }}")
             elif isinstance(op, AddElements):

@@ -15,9 +15,11 @@ from pathlib import Path
 
 from egressd.fleetnft.applier import NftError
 from egressd.fleetnft.ops import (
+    AddCounter,
     AddIntervals,
     AddRule,
     AddTimed,
+    AuditRule,
     DeleteChain,
     DeleteElement,
     DeleteSet,
@@ -156,6 +158,18 @@ def run_selftest(
                     AddRule("c1", MatchRule("v4", "iv4", Outcome.MARK)),
                     AddRule("c2", MatchRule("v4", "iv4", Outcome.ACCEPT, ct_original=True)),
                     AddRule("c2", VerdictRule(Outcome.DROP)),
+                ),
+            ),
+        ),
+        (
+            "netlink audit rules (counter objects, log, inverted lookups, ct state, mark tests)",
+            NetlinkBatch(
+                t,
+                (
+                    AddCounter("k1"),
+                    AddRule(
+                        "c1", AuditRule("v4", "iv4", "iv4", "egressd selftest ", "k1", unmarked_only=True)
+                    ),
                 ),
             ),
         ),

@@ -70,7 +70,17 @@ def load_always_rules(directory: Path) -> AlwaysRules:
 
 
 def effective_policy(user: NetworkPolicy, always: AlwaysRules) -> NetworkPolicy:
-    """``always.deny ++ always.allow ++ user.egress`` under the user's defaultAction."""
+    """``always.deny ++ always.allow ++ user.egress`` under the user's defaultAction and mode.
+
+    The counts of the prepended rules are kept so audit mode can keep always-deny hard and
+    rule labels can tell operator rules from the user's.
+    """
     if not always.deny and not always.allow:
         return user
-    return NetworkPolicy(user.default_action, always.deny + always.allow + user.egress)
+    return NetworkPolicy(
+        user.default_action,
+        always.deny + always.allow + user.egress,
+        user.audit,
+        always_deny=len(always.deny),
+        always_allow=len(always.allow),
+    )

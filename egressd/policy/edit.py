@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from egressd.policy.model import NetworkPolicy, PolicyError, Rule, json_type, parse_rule
 
 
@@ -9,7 +11,7 @@ def merge_patch(policy: NetworkPolicy, patch_body: object) -> NetworkPolicy:
     """Patch rules then existing rules, keyed by lower-cased target, first occurrence kept.
 
     ``patch_body`` is the decoded JSON body and must be a non-empty array of rule objects.
-    The defaultAction is unchanged.
+    The defaultAction and mode are unchanged.
     """
     if not isinstance(patch_body, list):
         raise PolicyError(f"PATCH body must be a non-empty JSON array of rules, got {json_type(patch_body)}")
@@ -24,7 +26,7 @@ def merge_patch(policy: NetworkPolicy, patch_body: object) -> NetworkPolicy:
             continue
         seen.add(key)
         merged.append(rule)
-    return NetworkPolicy(policy.default_action, tuple(merged))
+    return replace(policy, egress=tuple(merged))
 
 
 def delete_targets(policy: NetworkPolicy, body: object) -> tuple[NetworkPolicy, int]:
@@ -47,7 +49,7 @@ def delete_targets(policy: NetworkPolicy, body: object) -> tuple[NetworkPolicy, 
     removed = len(policy.egress) - len(kept)
     if not removed:
         return policy, 0
-    return NetworkPolicy(policy.default_action, kept), removed
+    return replace(policy, egress=kept), removed
 
 
 def check_rule_cap(policy: NetworkPolicy, cap: int) -> bool:

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from egressd.policy.model import NetworkPolicy, Rule, TargetKind, Verdict
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The outcome for one name; ``rule`` is None when the defaultAction applied."""
+    """The outcome for one name; ``rule`` (and ``index`` in ``egress``) None when the defaultAction applied."""
 
     verdict: Verdict
     rule: Rule | None
+    index: int | None = field(default=None, compare=False)
 
 
 def normalise_name(name: str) -> str:
@@ -40,7 +41,7 @@ def domain_matches(pattern: str, name: str) -> bool:
 def evaluate_domain(policy: NetworkPolicy, name: str) -> Decision:
     """The first domain rule matching ``name`` decides; IP/CIDR rules play no part here."""
     name = normalise_name(name)
-    for rule in policy.egress:
+    for i, rule in enumerate(policy.egress):
         if rule.kind is TargetKind.DOMAIN and domain_matches(rule.target, name):
-            return Decision(rule.action, rule)
+            return Decision(rule.action, rule, i)
     return Decision(policy.default_action, None)

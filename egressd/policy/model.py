@@ -17,6 +17,8 @@ from typing import Any, Final, Literal
 IPNetwork = IPv4Network | IPv6Network
 PolicyMode = Literal["deny_all", "allow_all", "enforcing"]
 
+MODE_ENFORCE: Final = "enforce"
+MODE_AUDIT: Final = "audit"
 MAX_ECHO: Final = 80
 MAX_DOMAIN_LEN: Final = 253
 MAX_LABEL_LEN: Final = 63
@@ -71,15 +73,31 @@ class Rule:
 
 @dataclass(frozen=True, slots=True)
 class NetworkPolicy:
+    """A policy document, or an *effective* policy (always-rules merged in front).
+
+    ``audit`` (input key ``"mode": "audit"``): denials are logged and counted as would-deny
+    but the traffic passes. ``always_deny``/``always_allow`` count the operator always-rules
+    at the head of ``egress`` (non-zero only in an effective policy): always-deny rules stay
+    enforced in audit mode, and rule labels name them apart from the user's rules.
+    """
+
     default_action: Verdict
     egress: tuple[Rule, ...]
+    audit: bool = False
+    always_deny: int = 0
+    always_allow: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        """The wire form; ``egress`` is always a list (never null)."""
-        return {
+        """The wire form; ``egress`` is always a list (never null); ``mode`` only when auditing
+        (so an enforcing policy reads back exactly as before, and a read-back audit policy
+        written again stays in audit)."""
+        out: dict[str, Any] = {
             "defaultAction": self.default_action.value,
             "egress": [{"action": r.action.value, "target": r.target} for r in self.egress],
         }
+        if self.audit:
+            out["mode"] = MODE_AUDIT
+        return out
 
 
 DENY_ALL: Final = NetworkPolicy(Verdict.DENY, ())
@@ -115,6 +133,25 @@ def _parse_verdict(value: object, field: str) -> Verdict:
         return Verdict(text)
     except ValueError:
         raise PolicyError(f"must be 'allow' or 'deny', got {echo(value)}", field) from None
+
+
+def parse_mode(value: object) -> bool:
+    """The policy's ``mode``: True for ``"audit"``; absent, null, blank or ``"enforce"`` -> False.
+
+    Trimmed and lower-cased like ``defaultAction``. Anything else is a 400: an unreadable
+    mode must never silently become audit (fail closed), nor silently enforce a document
+    whose author meant something else.
+    """
+    if value is None:
+        return False
+    if not isinstance(value, str):
+        raise PolicyError(f"must be a string, got {json_type(value)}", "mode")
+    text = value.strip().lower()
+    if text in ("", MODE_ENFORCE):
+        return False
+    if text == MODE_AUDIT:
+        return True
+    raise PolicyError(f"must be 'enforce' or 'audit', got {echo(value)}", "mode")
 
 
 def _reject_scope(address: IPv4Address | IPv6Address, text: str, field: str) -> None:
@@ -209,15 +246,16 @@ def parse_policy_obj(obj: object) -> NetworkPolicy:
     if not isinstance(obj, dict):
         raise PolicyError(f"policy must be a JSON object, got {json_type(obj)}")
     default_action = _parse_verdict(obj.get("defaultAction"), "defaultAction")
+    audit = parse_mode(obj.get("mode"))
     egress = obj.get("egress")
     if egress is None:
         egress = []
     if not isinstance(egress, list):
         raise PolicyError(f"must be an array, got {json_type(egress)}", "egress")
     rules = tuple(parse_rule(item, f"egress[{i}]") for i, item in enumerate(egress))
-    if default_action is Verdict.DENY and not rules:
+    if default_action is Verdict.DENY and not rules and not audit:
         return DENY_ALL
-    return NetworkPolicy(default_action, rules)
+    return NetworkPolicy(default_action, rules, audit)
 
 
 def parse_policy(raw: str | bytes | None) -> NetworkPolicy:

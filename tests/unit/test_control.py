@@ -36,6 +36,7 @@ from egressd.fleetnft.applier import NftError
 from egressd.fleetnft.builder import TableConfig
 from egressd.fleetnft.ops import (
     AddChain,
+    AddCounter,
     AddElements,
     AddIntervals,
     AddJump,
@@ -43,6 +44,7 @@ from egressd.fleetnft.ops import (
     AddSet,
     AddTimed,
     DeleteChain,
+    DeleteCounter,
     DeleteElement,
     DeleteSet,
     FlushSet,
@@ -85,6 +87,7 @@ class _State:
     sets: dict[str, dict[str, str]] = field(default_factory=dict)  # name -> key -> data ("" for sets)
     maps: set[str] = field(default_factory=set)
     set_kinds: dict[str, str] = field(default_factory=dict)
+    counters: set[str] = field(default_factory=set)
 
 
 _ELEMENTS = re.compile(r"elements = \{ (.*) \} \}$")
@@ -235,6 +238,14 @@ class FakeKernel:
                 st.set_kinds[op.name] = kind
             elif isinstance(op, AddChain):
                 st.chains.setdefault(op.name, [])
+            elif isinstance(op, AddCounter):
+                st.counters.add(op.name)
+            elif isinstance(op, DeleteCounter):
+                if op.name not in st.counters:
+                    raise self._err("No such file or directory")
+                if any(f'counter name "{op.name}"' in r for rules in st.chains.values() for r in rules):
+                    raise self._err("Device or resource busy")
+                st.counters.discard(op.name)
             elif isinstance(op, AddJump):
                 elements = st.sets.get(op.map)
                 if elements is None or op.chain not in st.chains:
@@ -256,6 +267,9 @@ class FakeKernel:
                 for ref in re.findall(r"@(\w+)", rule):
                     if ref not in st.sets:
                         raise self._err(f"Could not process rule: set {ref} does not exist")
+                for ref in re.findall(r'counter name "(\w+)"', rule):
+                    if ref not in st.counters:
+                        raise self._err(f"Could not process rule: counter {ref} does not exist")
                 st.chains[op.chain].append(rule)
             elif isinstance(op, FlushSet):
                 if op.name not in st.sets:
@@ -420,7 +434,18 @@ async def activate(
     assert entry(control, uid).state is State.ACTIVE
 
 
-SET_KINDS = ("allow_v4", "allow_v6", "deny_v4", "deny_v6", "dyn_v4", "dyn_v6")
+SET_KINDS = (
+    "allow_v4",
+    "allow_v6",
+    "deny_v4",
+    "deny_v6",
+    "wdeny_v4",
+    "wdeny_v6",
+    "audit_v4",
+    "audit_v6",
+    "dyn_v4",
+    "dyn_v6",
+)
 
 
 def subj_rules(nid: str = "s_u_1") -> list[str]:
@@ -428,10 +453,21 @@ def subj_rules(nid: str = "s_u_1") -> list[str]:
 
 
 def mark_rules(nid: str = "s_u_1") -> list[str]:
+    log = f'log prefix "egressd would-deny {nid} "'
+    unmarked = "meta mark & 0x00000002 != 0x00000002 "
     return [
-        f"{l3} daddr @subj_{nid}_{kind}_{fam} meta mark set 0x2"
-        for kind in ("allow", "dyn")
-        for l3, fam in (("ip", "v4"), ("ip6", "v6"))
+        *(
+            f"{l3} daddr @subj_{nid}_{kind}_{fam} meta mark set 0x2"
+            for kind in ("allow", "dyn")
+            for l3, fam in (("ip", "v4"), ("ip6", "v6"))
+        ),
+        *(
+            f"{l3} daddr @subj_{nid}_{kind}_{fam} {l3} daddr != @subj_{nid}_deny_{fam} ct state new "
+            f"{unmarked if kind == 'audit' else ''}{log} "
+            f'counter name "subj_{nid}_audit_{counter}" meta mark set 0x2'
+            for kind, counter in (("wdeny", "deny"), ("audit", "default"))
+            for l3, fam in (("ip", "v4"), ("ip6", "v6"))
+        ),
     ]
 
 
@@ -439,7 +475,7 @@ def in_rules(nid: str = "s_u_1") -> list[str]:
     return [
         *(
             f"ct original {l3} daddr @subj_{nid}_{kind}_{fam} {verdict}"
-            for kind, verdict in (("deny", "drop"), ("dyn", "accept"), ("allow", "accept"))
+            for kind, verdict in (("deny", "drop"), ("wdeny", "drop"), ("dyn", "accept"), ("allow", "accept"))
             for l3, fam in (("ip", "v4"), ("ip6", "v6"))
         ),
         "drop",
@@ -600,7 +636,7 @@ async def test_set_binding_installs_deny_first_then_parks_the_policy(
         *(f"add rule inet T mark_s_u_1 {r}" for r in mark_rules()),
     ]
     first_rule = text.index(rules[0])
-    assert all(ln.startswith(("add set", "add chain")) for ln in text[:first_rule])
+    assert all(ln.startswith(("add set", "add chain", "add counter")) for ln in text[:first_rule])
     assert all(ln.startswith("add element") for ln in text[first_rule + len(rules) :])
     assert_deny_first_installed(kernel)
     assert kernel.elements("dns_gw_v4") == {GW: ""}
@@ -1202,11 +1238,13 @@ async def test_fake_kernel_refuses_like_the_kernel(kernel: FakeKernel) -> None:
         await k.run_batch(NetlinkBatch(TABLE, (DeleteChain("subj_s_u_1"),)), op="t")
     with pytest.raises(NftError, match="busy"):
         await k.run_batch(NetlinkBatch(TABLE, (DeleteSet("subj_s_u_1_deny_v4"),)), op="t")
-    # Deleting the chain takes its rules along, after which the set can go.
-    dispatch = (DeleteElement("dispatch_v4", ip_address("10.0.0.5")),)
-    await k.run_batch(
-        NetlinkBatch(TABLE, (*dispatch, DeleteChain("subj_s_u_1"), DeleteSet("subj_s_u_1_deny_v4"))), op="t"
+    # Deleting the chains takes their rules along, after which the set can go.
+    keys = (
+        DeleteElement("dispatch_v4", ip_address("10.0.0.5")),
+        DeleteElement("marking_v4", ip_address("10.0.0.5")),
     )
+    chains = (DeleteChain("subj_s_u_1"), DeleteChain("mark_s_u_1"))
+    await k.run_batch(NetlinkBatch(TABLE, (*keys, *chains, DeleteSet("subj_s_u_1_deny_v4"))), op="t")
     assert not k.has_chain("subj_s_u_1")
     # Prefixes are keyed by their nft text; a batch applies in order.
     await k.run_batch(
@@ -1343,8 +1381,9 @@ async def test_revert_flushes_the_sets_before_any_key_points_at_them(
     calls = kernel.since(before)
     assert [(c.kind, c.op) for c in calls] == [("batch", "deny_first")]
     text = calls[0].text.splitlines()
-    assert text[:6] == [f"flush set inet T subj_s_u_1_{k}" for k in SET_KINDS]
-    assert all(ln.startswith("add element") for ln in text[6:])
+    n = len(SET_KINDS)
+    assert text[:n] == [f"flush set inet T subj_s_u_1_{k}" for k in SET_KINDS]
+    assert all(ln.startswith("add element") for ln in text[n:])
     assert "add rule" not in calls[0].text
     assert_deny_first_installed(kernel)
 

@@ -101,7 +101,7 @@ def test_denying_subject_is_nxdomain() -> None:
 
 def test_denied_name_is_nxdomain() -> None:
     d = decide(query("api.example.com"), DENY_API, known_source=True)
-    assert d == Decision(Action.NXDOMAIN, "policy", "api.example.com.")
+    assert d == Decision(Action.NXDOMAIN, "policy", "api.example.com.", rule="egress[0]")
 
 
 def test_allowed_name_is_forwarded() -> None:

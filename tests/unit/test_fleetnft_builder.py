@@ -9,6 +9,7 @@ The pure netlink encoders of the applier are tested at the end.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 
 import pytest
@@ -17,6 +18,7 @@ from egressd.config import parse_doh_blocklist
 from egressd.fleetnft.builder import (
     SubjectNft,
     TableConfig,
+    audit_counter_subject,
     dispatch_deletes,
     dispatch_entries,
     dyn_add,
@@ -33,7 +35,9 @@ from egressd.fleetnft.ops import (
     AddIntervals,
     AddRule,
     AddTimed,
+    AuditRule,
     DeleteChain,
+    DeleteCounter,
     DeleteElement,
     DeleteSet,
     FlushSet,
@@ -42,7 +46,7 @@ from egressd.fleetnft.ops import (
     Outcome,
     VerdictRule,
 )
-from egressd.policy import parse_policy
+from egressd.policy import AlwaysRules, Verdict, effective_policy, parse_always_text, parse_policy
 from egressd.subject.model import IPAddress
 
 T = "T"
@@ -51,7 +55,18 @@ MITM = TableConfig(table=T, dns_port=15353, mitm=True, mitm_port=18081)
 SUBJ = SubjectNft("s_u_1", ip_address("10.0.0.5"), ip_address("10.0.0.1"))
 SUBJ6 = SubjectNft("s_u_6", ip_address("fd00::5"), ip_address("fd00::1"))
 
-SET_KINDS = ("allow_v4", "allow_v6", "deny_v4", "deny_v6", "dyn_v4", "dyn_v6")
+SET_KINDS = (
+    "allow_v4",
+    "allow_v6",
+    "deny_v4",
+    "deny_v6",
+    "wdeny_v4",
+    "wdeny_v6",
+    "audit_v4",
+    "audit_v6",
+    "dyn_v4",
+    "dyn_v6",
+)
 SETS6 = [f"subj_s_u_1_{k}" for k in SET_KINDS]
 
 # BEHAVIOUR §8.3's example (example.com is a domain: DNS only, no set element).
@@ -74,10 +89,20 @@ MARK_CHAIN_RULES = [
     "ip6 daddr @subj_s_u_1_allow_v6 meta mark set 0x2",
     "ip daddr @subj_s_u_1_dyn_v4 meta mark set 0x2",
     "ip6 daddr @subj_s_u_1_dyn_v6 meta mark set 0x2",
+    'ip daddr @subj_s_u_1_wdeny_v4 ip daddr != @subj_s_u_1_deny_v4 ct state new log prefix "egressd would-deny s_u_1 " '
+    'counter name "subj_s_u_1_audit_deny" meta mark set 0x2',
+    'ip6 daddr @subj_s_u_1_wdeny_v6 ip6 daddr != @subj_s_u_1_deny_v6 ct state new log prefix "egressd would-deny s_u_1 " '
+    'counter name "subj_s_u_1_audit_deny" meta mark set 0x2',
+    "ip daddr @subj_s_u_1_audit_v4 ip daddr != @subj_s_u_1_deny_v4 ct state new meta mark & 0x00000002 != 0x00000002 "
+    'log prefix "egressd would-deny s_u_1 " counter name "subj_s_u_1_audit_default" meta mark set 0x2',
+    "ip6 daddr @subj_s_u_1_audit_v6 ip6 daddr != @subj_s_u_1_deny_v6 ct state new meta mark & 0x00000002 != 0x00000002 "
+    'log prefix "egressd would-deny s_u_1 " counter name "subj_s_u_1_audit_default" meta mark set 0x2',
 ]
 IN_CHAIN_RULES = [
     "ct original ip daddr @subj_s_u_1_deny_v4 drop",
     "ct original ip6 daddr @subj_s_u_1_deny_v6 drop",
+    "ct original ip daddr @subj_s_u_1_wdeny_v4 drop",
+    "ct original ip6 daddr @subj_s_u_1_wdeny_v6 drop",
     "ct original ip daddr @subj_s_u_1_dyn_v4 accept",
     "ct original ip6 daddr @subj_s_u_1_dyn_v6 accept",
     "ct original ip daddr @subj_s_u_1_allow_v4 accept",
@@ -104,27 +129,36 @@ def batch_rules(batch: NetlinkBatch, chain: str) -> list[str]:
 
 # ----------------------------------------------------------------- a model of the fixed rules
 #
-# What the header and the subject's fixed rules do with one packet of the subject, given the
-# contents of its six sets: forward path (marking chain, then dispatch chain, then the
-# header's unmarked-drop tail) and, with MITM, the input path (IN chain of §8.2).
+# What the header and the subject's fixed rules do with the first packet of a new flow of the
+# subject, given the contents of its sets: forward path (marking chain, then dispatch chain,
+# then the header's unmarked-drop tail) and, with MITM, the input path (IN chain of §8.2).
 
 Contents = dict[str, tuple[IPv4Network | IPv6Network, ...]]
 
 
-def _matches(rule: MatchRule, contents: Contents, dst: IPAddress) -> bool:
+def _matches(rule: MatchRule | AuditRule, contents: Contents, dst: IPAddress) -> bool:
     if rule.fam != ("v4" if dst.version == 4 else "v6"):
         return False
     kind = rule.set_name.removeprefix("subj_s_u_1_")
     return any(dst in net for net in contents.get(kind, ()))
 
 
-def forward_verdict(cfg: TableConfig, contents: Contents, dst: str) -> str:
+def forward_path(cfg: TableConfig, contents: Contents, dst: str) -> tuple[str, list[str]]:
+    """(verdict, audit counters that counted the flow) for the first packet of a new flow."""
     addr = ip_address(dst)
     batch = subject_rules(cfg, "s_u_1")
     marked = False
+    counted: list[str] = []
     for op in batch.ops:
         assert isinstance(op, AddRule)
-        if op.chain == "mark_s_u_1":
+        if op.chain != "mark_s_u_1":
+            continue
+        if isinstance(op.rule, AuditRule):
+            hard = any(addr in net for net in contents.get(op.rule.hard.removeprefix("subj_s_u_1_"), ()))
+            if _matches(op.rule, contents, addr) and not hard and not (op.rule.unmarked_only and marked):
+                counted.append(op.rule.counter)
+                marked = True
+        else:
             assert isinstance(op.rule, MatchRule) and op.rule.outcome is Outcome.MARK
             marked = marked or _matches(op.rule, contents, addr)
     for op in batch.ops:
@@ -132,8 +166,12 @@ def forward_verdict(cfg: TableConfig, contents: Contents, dst: str) -> str:
         if op.chain == "subj_s_u_1":
             assert isinstance(op.rule, MatchRule)
             if _matches(op.rule, contents, addr):
-                return op.rule.outcome.value
-    return "accept" if marked else "drop"  # meta mark & 0x2 != 0x2 drop
+                return op.rule.outcome.value, counted
+    return ("accept" if marked else "drop"), counted  # meta mark & 0x2 != 0x2 drop
+
+
+def forward_verdict(cfg: TableConfig, contents: Contents, dst: str) -> str:
+    return forward_path(cfg, contents, dst)[0]
 
 
 def mitm_in_verdict(contents: Contents, dst: str) -> str:
@@ -144,6 +182,7 @@ def mitm_in_verdict(contents: Contents, dst: str) -> str:
             continue
         if isinstance(op.rule, VerdictRule):
             return op.rule.outcome.value
+        assert isinstance(op.rule, MatchRule)
         if _matches(op.rule, contents, addr):
             return op.rule.outcome.value
     return "accept"  # the input chain's policy; never reached (the chain ends with a verdict)
@@ -326,9 +365,9 @@ def test_header_doh_blocklist_is_normalised() -> None:
 # --------------------------------------------------------------------------- §8.2 subject objects
 
 
-def test_objects_script_declares_the_six_sets_and_the_chains() -> None:
+def test_objects_script_declares_the_sets_chains_and_counters() -> None:
     text = lines(subject_objects_script(CFG, SUBJ))
-    for kind in ("allow", "deny"):
+    for kind in ("allow", "deny", "wdeny", "audit"):
         assert f"add set inet {T} subj_s_u_1_{kind}_v4 {{ type ipv4_addr; flags interval; }}" in text
         assert f"add set inet {T} subj_s_u_1_{kind}_v6 {{ type ipv6_addr; flags interval; }}" in text
     assert f"add set inet {T} subj_s_u_1_dyn_v4 {{ type ipv4_addr; flags timeout; timeout 360s; }}" in text
@@ -336,15 +375,17 @@ def test_objects_script_declares_the_six_sets_and_the_chains() -> None:
     assert f"add chain inet {T} subj_s_u_1" in text
     assert f"add chain inet {T} mark_s_u_1" in text
     assert f"add chain inet {T} subj_s_u_1_in" not in text
+    assert f"add counter inet {T} subj_s_u_1_audit_deny" in text
+    assert f"add counter inet {T} subj_s_u_1_audit_default" in text
     declared = [ln for ln in text if ln.startswith(f"add set inet {T} subj_")]
-    assert len(declared) == 6
+    assert len(declared) == 10
 
 
 def test_objects_script_has_no_rules_no_flushes_no_deletes() -> None:
     """Cache-free for libnftables: declarations and inline map elements only."""
     for cfg in (CFG, MITM):
         text = lines(subject_objects_script(cfg, SUBJ))
-        assert all(ln.startswith(("add set ", "add chain ", "add map ")) for ln in text), text
+        assert all(ln.startswith(("add set ", "add chain ", "add map ", "add counter ")) for ln in text), text
         assert not any(ln.startswith(("add rule", "flush", "delete", "add element")) for ln in text)
         # Declarations of the subject's own sets never carry elements: content is netlink's job.
         assert not any("elements" in ln for ln in text if f"inet {T} subj_" in ln)
@@ -352,7 +393,7 @@ def test_objects_script_has_no_rules_no_flushes_no_deletes() -> None:
 
 def test_objects_script_declarations_come_before_the_dispatch_entries() -> None:
     text = lines(subject_objects_script(MITM, SUBJ))
-    own = (f"add set inet {T} subj_s_u_1_", f"add chain inet {T} ")
+    own = (f"add set inet {T} subj_s_u_1_", f"add chain inet {T} ", f"add counter inet {T} ")
     last_decl = max(i for i, ln in enumerate(text) if ln.startswith(own))
     first_entry = min(i for i, ln in enumerate(text) if "elements" in ln)
     assert last_decl < first_entry
@@ -368,13 +409,30 @@ def test_subject_rules_are_the_fixed_rule_list() -> None:
         AddRule("mark_s_u_1", MatchRule("v6", "subj_s_u_1_allow_v6", Outcome.MARK)),
         AddRule("mark_s_u_1", MatchRule("v4", "subj_s_u_1_dyn_v4", Outcome.MARK)),
         AddRule("mark_s_u_1", MatchRule("v6", "subj_s_u_1_dyn_v6", Outcome.MARK)),
+        *(
+            AddRule(
+                "mark_s_u_1",
+                AuditRule(
+                    fam,
+                    f"subj_s_u_1_{kind}_{fam}",
+                    f"subj_s_u_1_deny_{fam}",
+                    "egressd would-deny s_u_1 ",
+                    f"subj_s_u_1_audit_{counter}",
+                    unmarked_only=kind == "audit",
+                ),
+            )
+            for kind, counter in (("wdeny", "deny"), ("audit", "default"))
+            for fam in ("v4", "v6")
+        ),
     )
     assert batch_rules(batch, "subj_s_u_1") == SUBJ_CHAIN_RULES
     assert batch_rules(batch, "mark_s_u_1") == MARK_CHAIN_RULES
     assert batch_rules(batch, "subj_s_u_1_in") == []
     # No unconditional verdict or mark: with empty sets the chains do nothing at all.
-    assert all(isinstance(op, AddRule) and isinstance(op.rule, MatchRule) for op in batch.ops)
-    assert not any(op.rule.ct_original for op in batch.ops if isinstance(op, AddRule))
+    assert all(isinstance(op, AddRule) and isinstance(op.rule, MatchRule | AuditRule) for op in batch.ops)
+    assert not any(
+        op.rule.ct_original for op in batch.ops if isinstance(op, AddRule) and isinstance(op.rule, MatchRule)
+    )
 
 
 def test_subject_rules_mitm_in_chain() -> None:
@@ -394,7 +452,7 @@ def test_subject_rules_do_not_depend_on_anything_but_the_id() -> None:
     assert "s_u_6" in subject_rules(CFG, "s_u_6").describe()
 
 
-def test_flush_subject_sets_empties_all_six_sets() -> None:
+def test_flush_subject_sets_empties_every_set() -> None:
     batch = flush_subject_sets(T, "s_u_1")
     assert batch == NetlinkBatch(T, tuple(FlushSet(name) for name in SETS6))
     assert batch.describe().splitlines() == [f"flush set inet {T} {name}" for name in SETS6]
@@ -402,9 +460,10 @@ def test_flush_subject_sets_empties_all_six_sets() -> None:
 
 @pytest.mark.parametrize("dst", PROBES)
 def test_deny_first_drops_everything(dst: str) -> None:
-    """Deny-first = fixed rules + all six sets empty: nothing marked, the tail drops it."""
-    assert forward_verdict(CFG, EMPTY, dst) == "drop"
-    assert forward_verdict(MITM, EMPTY, dst) == "drop"
+    """Deny-first = fixed rules + all sets empty: nothing marked, the tail drops it (audit rules
+    included: they only match with content in ``wdeny``/``audit``)."""
+    assert forward_path(CFG, EMPTY, dst) == ("drop", [])
+    assert forward_path(MITM, EMPTY, dst) == ("drop", [])
     assert mitm_in_verdict(EMPTY, dst) == "drop"
 
 
@@ -464,6 +523,11 @@ def test_objects_script_is_deterministic() -> None:
 
 # --------------------------------------------------------------------------- §8.3 policy swap
 
+# An enforcing policy empties the audit sets in every swap (leaving audit is a swap too).
+AUDIT_FLUSHES = tuple(FlushSet(f"subj_s_u_1_{k}") for k in ("wdeny_v4", "wdeny_v6", "audit_v4", "audit_v6"))
+AUDIT_FLUSH_TEXT = "".join(f"flush set inet T {op.name}\n" for op in AUDIT_FLUSHES)
+NO_AUDIT = {"wdeny_v4": (), "wdeny_v6": (), "audit_v4": (), "audit_v6": ()}
+
 
 def test_policy_swap_for_the_spec_example() -> None:
     batch = policy_swap(T, "s_u_1", EXAMPLE)
@@ -476,6 +540,7 @@ def test_policy_swap_for_the_spec_example() -> None:
             FlushSet("subj_s_u_1_deny_v4"),
             AddIntervals("subj_s_u_1_deny_v4", "v4", (ip_network("1.2.3.4/32"),)),
             FlushSet("subj_s_u_1_deny_v6"),
+            *AUDIT_FLUSHES,
         ),
     )
     assert "example.com" not in batch.describe()
@@ -489,14 +554,14 @@ def test_policy_swap_describe() -> None:
         "flush set inet T subj_s_u_1_allow_v6\n"
         "flush set inet T subj_s_u_1_deny_v4\n"
         "add element inet T subj_s_u_1_deny_v4 { 1.2.3.4 }\n"
-        "flush set inet T subj_s_u_1_deny_v6\n"
+        "flush set inet T subj_s_u_1_deny_v6\n" + AUDIT_FLUSH_TEXT
     )
 
 
 def test_policy_swap_never_touches_dyn_sets_rules_maps_or_header() -> None:
     batch = policy_swap(T, "s_u_1", EXAMPLE)
     touched = {op.name for op in batch.ops if isinstance(op, FlushSet | AddIntervals)}
-    assert touched == {f"subj_s_u_1_{k}" for k in ("allow_v4", "allow_v6", "deny_v4", "deny_v6")}
+    assert touched == {f"subj_s_u_1_{k}" for k in SET_KINDS if not k.startswith("dyn")}
     assert all(isinstance(op, FlushSet | AddIntervals) for op in batch.ops)  # no rules, no deletes
     text = batch.describe()
     assert "dyn" not in text
@@ -514,9 +579,7 @@ def test_policy_swap_empty_sets_get_no_elements() -> None:
     filled = [op.name for op in batch.ops if isinstance(op, AddIntervals)]
     assert filled == ["subj_s_u_1_allow_v4", "subj_s_u_1_deny_v4"]
     deny_all = policy_swap(T, "s_u_1", parse_policy("{}"))
-    assert deny_all.ops == tuple(
-        FlushSet(f"subj_s_u_1_{k}") for k in ("allow_v4", "allow_v6", "deny_v4", "deny_v6")
-    )
+    assert deny_all.ops == tuple(FlushSet(f"subj_s_u_1_{k}") for k in SET_KINDS if not k.startswith("dyn"))
     assert "add element" not in deny_all.describe()
 
 
@@ -543,6 +606,7 @@ def test_policy_swap_default_allow_fills_the_allow_sets_with_everything() -> Non
         "allow_v6": (ip_network("::/0"),),
         "deny_v4": (),
         "deny_v6": (),
+        **NO_AUDIT,
     }
     batch = policy_swap(T, "s_u_1", ALLOW_ALL)
     assert batch.ops == (
@@ -552,6 +616,7 @@ def test_policy_swap_default_allow_fills_the_allow_sets_with_everything() -> Non
         AddIntervals("subj_s_u_1_allow_v6", "v6", (ip_network("::/0"),)),
         FlushSet("subj_s_u_1_deny_v4"),
         FlushSet("subj_s_u_1_deny_v6"),
+        *AUDIT_FLUSHES,
     )
     assert f"add element inet {T} subj_s_u_1_allow_v4 {{ 0.0.0.0/0 }}" in batch.describe()
     assert f"add element inet {T} subj_s_u_1_allow_v6 {{ ::/0 }}" in batch.describe()
@@ -567,6 +632,7 @@ def test_policy_contents_default_allow_ignores_explicit_allows_but_keeps_denies(
         "allow_v6": (ip_network("::/0"),),
         "deny_v4": (ip_network("1.2.3.4/32"),),
         "deny_v6": (ip_network("2001:db8::/48"),),
+        **NO_AUDIT,
     }
 
 
@@ -615,10 +681,12 @@ def test_removal_batch_op_order() -> None:
         DeleteChain("subj_s_u_1"),
         DeleteChain("mark_s_u_1"),
         *(DeleteSet(f"subj_s_u_1_{k}") for k in SET_KINDS),
+        DeleteCounter("subj_s_u_1_audit_deny"),
+        DeleteCounter("subj_s_u_1_audit_default"),
     )
     kinds = [type(op) for op in batch.ops]
-    # map elements, then chains, then sets
-    assert kinds == sorted(kinds, key=[DeleteElement, DeleteChain, DeleteSet].index)
+    # map elements, then chains (their rules reference the sets and counters), then those
+    assert kinds == sorted(kinds, key=[DeleteElement, DeleteChain, DeleteSet, DeleteCounter].index)
     assert not any(op.name.startswith("dns_gw") for op in batch.ops)
 
 
@@ -644,8 +712,8 @@ def test_removal_batch_releases_the_gateway_with_mitm() -> None:
 def test_removal_batch_without_ip_drops_only_objects() -> None:
     batch = removal_batch(CFG, "s_u_1", None, release_gateway=None)
     assert all(not isinstance(op, DeleteElement) for op in batch.ops)
-    assert len(batch.ops) == 8
-    assert len(removal_batch(MITM, "s_u_1", None, release_gateway=None).ops) == 9
+    assert len(batch.ops) == 2 + len(SET_KINDS) + 2
+    assert len(removal_batch(MITM, "s_u_1", None, release_gateway=None).ops) == 3 + len(SET_KINDS) + 2
 
 
 def test_removal_batch_describe() -> None:
@@ -658,6 +726,8 @@ def test_removal_batch_describe() -> None:
         "delete chain inet T subj_s_u_1",
         "delete chain inet T mark_s_u_1",
         *(f"delete set inet T subj_s_u_1_{k}" for k in SET_KINDS),
+        "delete counter inet T subj_s_u_1_audit_deny",
+        "delete counter inet T subj_s_u_1_audit_default",
     ]
     assert text.endswith("\n")
     assert NetlinkBatch(T).describe() == ""
@@ -733,3 +803,80 @@ def test_dyn_add_single_family() -> None:
     assert "dyn_v6" not in batch.describe()
     assert "93.184.216.34 timeout 90s expires 90s" in batch.describe()
     assert not dyn_add(T, "s_u_1", [])
+
+
+# --------------------------------------------------------------------------- audit (shadow) mode
+
+ALWAYS_DENY_9 = AlwaysRules(parse_always_text("9.9.9.9\n", "deny.always", Verdict.DENY), ())
+AUDIT = parse_policy(
+    '{"defaultAction":"deny","mode":"audit","egress":['
+    '{"action":"deny","target":"1.2.3.4"},'
+    '{"action":"allow","target":"1.2.3.0/24"},'
+    '{"action":"allow","target":"8.8.8.8"}]}'
+)
+
+
+def test_audit_contents_move_user_denies_out_of_the_deny_set_and_open_the_audit_sets() -> None:
+    contents = policy_contents(effective_policy(AUDIT, ALWAYS_DENY_9))
+    assert contents == {
+        "allow_v4": (ip_network("1.2.3.0/24"), ip_network("8.8.8.8/32")),
+        "allow_v6": (),
+        "deny_v4": (ip_network("9.9.9.9/32"),),  # operator always-deny: stays hard
+        "deny_v6": (),
+        "wdeny_v4": (ip_network("1.2.3.4/32"),),
+        "wdeny_v6": (),
+        "audit_v4": (ip_network("0.0.0.0/0"),),
+        "audit_v6": (ip_network("::/0"),),
+    }
+    # The same policy enforcing: nothing in the audit sets.
+    enforcing = policy_contents(effective_policy(replace(AUDIT, audit=False), ALWAYS_DENY_9))
+    assert enforcing["deny_v4"] == (ip_network("1.2.3.4/32"), ip_network("9.9.9.9/32"))
+    assert all(enforcing[k] == () for k in ("wdeny_v4", "wdeny_v6", "audit_v4", "audit_v6"))
+
+
+@pytest.mark.parametrize(
+    ("dst", "expected"),
+    [
+        ("8.8.8.8", ("accept", [])),  # allowed: no would-deny
+        ("1.2.3.5", ("accept", [])),
+        ("1.2.3.4", ("accept", ["subj_s_u_1_audit_deny"])),  # denied inside an allow: counted once
+        ("4.4.4.4", ("accept", ["subj_s_u_1_audit_default"])),  # no allow: the defaultAction
+        ("2001:db8::1", ("accept", ["subj_s_u_1_audit_default"])),
+        ("9.9.9.9", ("drop", [])),  # always-deny: hard, dropped and not a would-deny
+    ],
+)
+def test_audit_passes_and_counts_what_the_policy_would_drop(
+    dst: str, expected: tuple[str, list[str]]
+) -> None:
+    contents = policy_contents(effective_policy(AUDIT, ALWAYS_DENY_9))
+    assert forward_path(CFG, contents, dst) == expected
+    # The same policy enforcing drops exactly the counted ones.
+    enforcing = policy_contents(effective_policy(replace(AUDIT, audit=False), ALWAYS_DENY_9))
+    assert forward_path(CFG, enforcing, dst) == ("drop" if expected[1] else expected[0], [])
+
+
+def test_audit_with_default_allow_only_counts_user_denies() -> None:
+    contents = policy_contents(replace(ALLOW_BUT, audit=True))
+    assert forward_path(CFG, contents, "4.4.4.4") == ("accept", [])
+    assert forward_path(CFG, contents, "1.2.3.4") == ("accept", ["subj_s_u_1_audit_deny"])
+
+
+@pytest.mark.parametrize("dst", ["1.2.3.4", "4.4.4.4", "9.9.9.9"])
+def test_audit_never_applies_to_the_mitm_input_path(dst: str) -> None:
+    contents = policy_contents(effective_policy(AUDIT, ALWAYS_DENY_9))
+    assert mitm_in_verdict(contents, dst) == "drop"
+    assert mitm_in_verdict(contents, "8.8.8.8") == "accept"
+
+
+def test_audit_rule_log_prefix_fits_the_kernel_limit_for_the_longest_ids() -> None:
+    nid = "s_" + "x" * 128
+    rules = [op.rule for op in subject_rules(CFG, nid).ops if isinstance(op, AddRule)]
+    audit = [r for r in rules if isinstance(r, AuditRule)]
+    assert len(audit) == 4
+    assert all(
+        len(r.log_prefix.encode()) <= 127 and r.log_prefix.startswith("egressd would-deny s_x") for r in audit
+    )
+    assert {r.counter for r in audit} == {f"subj_{nid}_audit_deny", f"subj_{nid}_audit_default"}
+    assert audit_counter_subject(f"subj_{nid}_audit_default") == (nid, "default")
+    assert audit_counter_subject("subj_s_u_1_audit_deny") == ("s_u_1", "deny")
+    assert audit_counter_subject("other") is None

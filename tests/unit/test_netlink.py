@@ -276,15 +276,21 @@ def test_subject_create_is_one_batch_sets_chains_rules_keys() -> None:
 
     subj = SubjectNft("s_u_1", IPv4Address("10.0.0.5"), IPv4Address("10.0.0.1"))
     text = subject_create(TableConfig(table=T), subj).describe().splitlines()
-    assert text[:6] == [
-        f"add set inet {T} subj_s_u_1_allow_v4 {{ type ipv4_addr; flags interval; }}",
-        f"add set inet {T} subj_s_u_1_allow_v6 {{ type ipv6_addr; flags interval; }}",
-        f"add set inet {T} subj_s_u_1_deny_v4 {{ type ipv4_addr; flags interval; }}",
-        f"add set inet {T} subj_s_u_1_deny_v6 {{ type ipv6_addr; flags interval; }}",
+    assert text[:10] == [
+        *(
+            f"add set inet {T} subj_s_u_1_{kind}_{fam} {{ type ipv{fam[1]}_addr; flags interval; }}"
+            for kind in ("allow", "deny", "wdeny", "audit")
+            for fam in ("v4", "v6")
+        ),
         f"add set inet {T} subj_s_u_1_dyn_v4 {{ type ipv4_addr; flags timeout; timeout 360s; }}",
         f"add set inet {T} subj_s_u_1_dyn_v6 {{ type ipv6_addr; flags timeout; timeout 360s; }}",
     ]
-    assert text[6:8] == [f"add chain inet {T} subj_s_u_1", f"add chain inet {T} mark_s_u_1"]
+    assert text[10:14] == [
+        f"add chain inet {T} subj_s_u_1",
+        f"add chain inet {T} mark_s_u_1",
+        f"add counter inet {T} subj_s_u_1_audit_deny",
+        f"add counter inet {T} subj_s_u_1_audit_default",
+    ]
     assert text[-4:] == [
         f"add element inet {T} dispatch_v4 {{ 10.0.0.5 : jump subj_s_u_1 }}",
         f"add element inet {T} sandboxes_v4 {{ 10.0.0.5 }}",

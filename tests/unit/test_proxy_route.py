@@ -1068,6 +1068,7 @@ async def test_policy_get(env: Env) -> None:
     assert active == {
         "status": "active",
         "mode": "enforcing",
+        "auditMode": False,
         "policy": {
             "defaultAction": "deny",
             "egress": [
@@ -1134,7 +1135,12 @@ async def test_policy_writes_while_active(active: Env) -> None:
     mark = env.tx.mark()
     reply = await env.call("PUT", "/policy", body=new)
     assert reply.status == 200
-    assert reply.json() == {"status": "ok", "mode": "enforcing", "enforcementMode": "dns+nft"}
+    assert reply.json() == {
+        "status": "ok",
+        "mode": "enforcing",
+        "auditMode": False,
+        "enforcementMode": "dns+nft",
+    }
     swaps = env.tx.since(mark, "static_apply")
     assert len(swaps) == 1 and "8.8.4.4" in swaps[0] and "9.9.9.9" not in swaps[0]
     assert (await env.call("GET", "/policy")).json()["policy"] == new
@@ -1151,7 +1157,12 @@ async def test_policy_writes_while_active(active: Env) -> None:
     mark = env.tx.mark()
     reply = await env.call("DELETE", "/policy", body=["8.8.4.4", "1.1.1.1"])
     assert reply.status == 200
-    assert reply.json() == {"status": "ok", "mode": "deny_all", "enforcementMode": "dns+nft"}
+    assert reply.json() == {
+        "status": "ok",
+        "mode": "deny_all",
+        "auditMode": False,
+        "enforcementMode": "dns+nft",
+    }
     assert len(env.tx.since(mark, "static_apply")) == 1
     assert (await env.call("GET", "/policy")).json()["policy"] == {"defaultAction": "deny", "egress": []}
 
@@ -1189,6 +1200,7 @@ async def test_policy_reset_by_empty_body_says_so(env: Env) -> None:
     assert reply.json() == {
         "status": "ok",
         "mode": "deny_all",
+        "auditMode": False,
         "reason": "policy reset to default deny-all",
         "enforcementMode": "dns+nft",
     }
