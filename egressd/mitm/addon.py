@@ -101,7 +101,6 @@ class EgressInjector:
         # pause every flow for 60-130 ms every couple of seconds under load (measured).
         gc.collect()
         gc.freeze()
-        gc.set_threshold(10_000, 50, 100)
         server = ctx.master.addons.get("proxyserver")
         if server is not None and server.listen_addrs():
             emit(READY_EVENT, listen=[list(a)[:2] for a in server.listen_addrs()])

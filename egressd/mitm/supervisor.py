@@ -33,8 +33,6 @@ from egressd.mitm.active import READY_EVENT
 log = structlog.get_logger("egressd.mitm")
 
 _PR_SET_PDEATHSIG: Final = 1
-_MITMDUMP: Final = "import sys; from mitmproxy.tools.main import mitmdump; sys.exit(mitmdump())"
-ADDON_PATH: Final = str(Path(__file__).with_name("addon.py"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,46 +47,29 @@ class MitmOptions:
 
 
 def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
-    """The child's command line (pure; tested)."""
-    argv = [
-        python,
-        "-c",
-        _MITMDUMP,
-        "--mode",
-        "transparent",
-        "--listen-port",
-        str(opts.port),
-        "--set",
+    """The child's command line (pure; tested): the lean master of :mod:`egressd.mitm.runner`."""
+    settings = [
+        "mode=transparent",
+        f"listen_port={opts.port}",
         f"confdir={opts.confdir}",
         # Nothing reaches the upstream before the addon has decided: no eager connect, no
         # certificate sniffing (the leaf is minted from the SNI).
-        "--set",
         "connection_strategy=lazy",
-        "--set",
         "upstream_cert=false",
-        # Who may use the proxy is the kernel's business (DNAT + input chain), not mitmproxy's.
-        "--set",
-        "block_global=false",
-        # No flow dumps: they would print headers, i.e. injected credentials.
-        "--set",
-        "flow_detail=0",
-        "--set",
         "termlog_verbosity=warn",
-        "--set",
         f"stream_large_bodies={opts.stream_large_bodies}",
     ]
     if opts.ssl_insecure or opts.upstream_trust_dir is None:
-        argv += ["--set", "ssl_insecure=true"]
+        settings.append("ssl_insecure=true")
     else:
-        argv += ["--set", f"ssl_verify_upstream_trusted_confdir={opts.upstream_trust_dir}"]
-    argv += [
-        "-s",
-        ADDON_PATH,
-        "--set",
+        settings.append(f"ssl_verify_upstream_trusted_confdir={opts.upstream_trust_dir}")
+    settings += [
         f"egressd_active_socket={opts.active_socket}",
-        "--set",
         f"egressd_lookup_timeout_ms={round(opts.lookup_timeout * 1000)}",
     ]
+    argv = [python, "-m", "egressd.mitm.runner"]
+    for setting in settings:
+        argv += ["--set", setting]
     return argv
 
 

@@ -65,13 +65,12 @@ def test_argv_never_dumps_flows_and_connects_lazily(tmp_path: Path) -> None:
     opts = MitmOptions(18081, tmp_path / "conf", tmp_path / "a.sock", Path("/etc/ssl/certs"))
     argv = mitmdump_argv(opts)
     joined = " ".join(argv)
+    assert argv[1:3] == ["-m", "egressd.mitm.runner"]
     for needle in (
-        "--mode transparent",
-        "--listen-port 18081",
-        "flow_detail=0",
+        "--set mode=transparent",
+        "--set listen_port=18081",
         "connection_strategy=lazy",
         "upstream_cert=false",
-        "block_global=false",
         "ssl_verify_upstream_trusted_confdir=/etc/ssl/certs",
         f"egressd_active_socket={tmp_path / 'a.sock'}",
         "egressd_lookup_timeout_ms=250",
