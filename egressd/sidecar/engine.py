@@ -1,0 +1,177 @@
+"""The sidecar's one implicit subject: its policy, its DNS leases and its kernel table.
+
+Every client of the DNS proxy is this subject (the sidecar owns the whole namespace). Policy
+changes are persisted first, then the table is rebuilt wholesale in one transaction, then
+the new policy is committed in memory: a crash at any point restarts on a policy that is
+never behind what the kernel enforced, and a refused transaction leaves the old policy in
+force (and on disk) everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+
+from egressd.dnsproxy.server import Asker
+from egressd.fleetnft.applier import NftError
+from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy, effective_policy
+from egressd.sidecar.persist import serialise, write_atomic
+from egressd.sidecarnft.ruleset import SidecarTable, delete_table, dyn_add, ruleset
+from egressd.subject.model import Fence, IPAddress
+
+log = structlog.get_logger("egressd.sidecar")
+
+SIDECAR_UID = "sidecar"
+
+
+class Kernel(Protocol):
+    """What the engine needs from the kernel shell (KernelTransactions, or a fake in tests)."""
+
+    async def run_script(self, script: str, *, op: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    status: int
+    reason: str = ""
+
+
+class SidecarEngine:
+    def __init__(
+        self,
+        table: SidecarTable,
+        kernel: Kernel,
+        policy: NetworkPolicy,
+        *,
+        always: AlwaysRules = EMPTY_ALWAYS,
+        persist_path: Path | None = None,
+        writer: Callable[[Path, str], None] = write_atomic,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.table = table
+        self.kernel = kernel
+        self.user = policy
+        self.always = always
+        self.effective = effective_policy(policy, always)
+        self.persist_path = persist_path
+        self._writer = writer
+        self._clock = clock
+        # Serialises rebuilds, lease adds and the commits that go with them.
+        self._kernel_lock = asyncio.Lock()
+        # DNS leases (ip -> monotonic expiry): re-added with their remaining lifetime on every
+        # rebuild, so a policy change does not forget what the app resolved a moment ago.
+        self.leases: dict[IPAddress, float] = {}
+        # Bumped on every policy change; carried in the DNS fence so an answer computed under
+        # an older policy never adds addresses after the change (it could be a narrowing).
+        self.generation = 0
+        self.enforcement_ready = False
+
+    def effective_for(self, policy: NetworkPolicy) -> NetworkPolicy:
+        """``policy`` with the current always-rules merged in (what DNS and nft would enforce)."""
+        return effective_policy(policy, self.always)
+
+    @property
+    def fence(self) -> Fence:
+        return Fence(SIDECAR_UID, str(self.generation))
+
+    # ---- DNS proxy side (the Policies protocol) ----------------------------------------------
+
+    def asker(self, source_ip: IPAddress) -> Asker:
+        return Asker(SIDECAR_UID, self.fence, self.effective)
+
+    async def learn(self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]]) -> None:
+        if self.table.mode == "dns":
+            return  # no filter chain: nothing consults the dyn sets
+        async with self._kernel_lock:
+            if fence != self.fence or not self.enforcement_ready:
+                return
+            await self.kernel.run_script(dyn_add(self.table, leases), op="dynamic_add")
+            now = self._clock()
+            for ip, seconds in leases:
+                self.leases[ip] = max(self.leases.get(ip, 0.0), now + seconds)
+
+    # ---- kernel ------------------------------------------------------------------------------
+
+    def _live_leases(self) -> list[tuple[IPAddress, float]]:
+        now = self._clock()
+        for ip in [ip for ip, exp in self.leases.items() if exp <= now]:
+            del self.leases[ip]
+        return [(ip, exp - now) for ip, exp in self.leases.items()]
+
+    async def install(self) -> None:
+        """Start-up: build the table for the current policy (NftError is fatal to the caller)."""
+        async with self._kernel_lock:
+            await self.kernel.run_script(ruleset(self.table, self.effective), op="static_apply")
+            self.enforcement_ready = True
+        log.info(
+            "egress.loaded",
+            **{"opensandbox.event": "egress.loaded", "egress.default": self.user.default_action.value},
+            rules=len(self.user.egress),
+            table=self.table.table,
+            mode=self.table.mode,
+        )
+
+    async def shutdown(self) -> None:
+        """Remove the table (BEHAVIOUR §13: shutdown deletes the sidecar table)."""
+        async with self._kernel_lock:
+            self.enforcement_ready = False
+            await self.kernel.run_script(delete_table(self.table), op="reset")
+
+    # ---- changes -----------------------------------------------------------------------------
+
+    def _persist(self, policy: NetworkPolicy) -> None:
+        if self.persist_path is not None:
+            self._writer(self.persist_path, serialise(policy))
+
+    async def set_policy(self, policy: NetworkPolicy) -> Outcome:
+        """Persist, rebuild, commit. 500 (with everything unchanged) when a step fails."""
+        return await self._change(policy, self.always, persist=True)
+
+    async def set_always_rules(self, always: AlwaysRules) -> None:
+        """Always-rules reload: rebuild with the new rules; raises when the kernel refuses."""
+        outcome = await self._change(self.user, always, persist=False)
+        if outcome.status != 200:
+            raise RuntimeError(outcome.reason)
+
+    async def _change(self, policy: NetworkPolicy, always: AlwaysRules, *, persist: bool) -> Outcome:
+        effective = effective_policy(policy, always)
+        event = {"egress.default": policy.default_action.value, "rules": len(policy.egress)}
+        async with self._kernel_lock:
+            if persist:
+                try:
+                    await asyncio.to_thread(self._persist, policy)
+                except OSError as exc:
+                    log.warning(
+                        "egress.update_failed",
+                        **{"opensandbox.event": "egress.update_failed", **event},
+                        error=f"persist: {exc.strerror or exc}",
+                    )
+                    return Outcome(500, f"cannot persist policy: {exc.strerror or type(exc).__name__}")
+            try:
+                await self.kernel.run_script(
+                    ruleset(self.table, effective, self._live_leases()), op="static_apply"
+                )
+            except NftError as exc:
+                if persist:
+                    # Put the file back in line with what the kernel still enforces.
+                    with contextlib.suppress(OSError):
+                        await asyncio.to_thread(self._persist, self.user)
+                log.warning(
+                    "egress.update_failed",
+                    **{"opensandbox.event": "egress.update_failed", **event},
+                    error=str(exc)[:200],
+                )
+                return Outcome(500, f"policy apply: {exc}")
+            self.user = policy
+            self.always = always
+            self.effective = effective
+            self.generation += 1
+        log.info("egress.updated", **{"opensandbox.event": "egress.updated", **event})
+        return Outcome(200)

@@ -1,0 +1,69 @@
+"""Start-up proof that this network namespace supports every kernel feature §8.6 uses.
+
+Each probe runs in a scratch table that is deleted afterwards. The first failure refuses
+start-up with a one-line reason: a sidecar that cannot enforce must not run silently open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+
+from egressd.fleetnft.applier import NftError
+
+
+class SelfTestError(RuntimeError):
+    pass
+
+
+def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
+    return [
+        (
+            "interval sets",
+            f"add set inet {t} iv4 {{ type ipv4_addr; flags interval; elements = {{ 10.0.0.0/24, 10.1.0.1 }} }}\n"
+            f"add set inet {t} iv6 {{ type ipv6_addr; flags interval; elements = {{ 2001:db8::/32 }} }}",
+        ),
+        (
+            "timeout sets",
+            f"add set inet {t} tv4 {{ type ipv4_addr; flags timeout; timeout 360s; "
+            f"elements = {{ 192.0.2.1 timeout 90s expires 90s }} }}",
+        ),
+        (
+            "output-hook filter chain",
+            f"add chain inet {t} out {{ type filter hook output priority 0; policy accept; }}\n"
+            f"add rule inet {t} out ct state established,related accept\n"
+            f"add rule inet {t} out meta mark 0x1 accept\n"
+            f'add rule inet {t} out oifname "lo" accept\n'
+            f"add rule inet {t} out ip daddr @iv4 tcp dport 443 drop\n"
+            f"add rule inet {t} out ip6 daddr @iv6 drop\n"
+            f"add rule inet {t} out ip daddr @tv4 accept\n"
+            f"add rule inet {t} out counter",
+        ),
+        (
+            "DNS redirect (nat hook output)",
+            f"add chain inet {t} nat {{ type nat hook output priority -100; policy accept; }}\n"
+            f"add rule inet {t} nat meta mark 0x1 return\n"
+            f"add rule inet {t} nat udp dport 53 redirect to :{dns_port}\n"
+            f"add rule inet {t} nat tcp dport 53 redirect to :{dns_port}",
+        ),
+    ]
+
+
+def run_selftest(cmd: Callable[[str], None], *, table_prefix: str, dns_port: int) -> None:
+    """Probe the kernel through the path the daemon uses (libnftables); raise SelfTestError."""
+    t = f"{table_prefix}-selftest-{os.getpid()}"
+    try:
+        cmd(f"add table inet {t}\ndelete table inet {t}")
+    except NftError as exc:
+        raise SelfTestError(f"nftables unusable in this namespace (need CAP_NET_ADMIN): {exc}") from None
+    try:
+        cmd(f"add table inet {t}")
+        for feature, script in _probes(t, dns_port):
+            try:
+                cmd(script)
+            except NftError as exc:
+                raise SelfTestError(f"kernel feature missing: {feature}: {exc}") from None
+    finally:
+        with contextlib.suppress(NftError):
+            cmd(f"add table inet {t}\ndelete table inet {t}")
