@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -21,7 +21,15 @@ import structlog
 
 from egressd.dnsproxy.server import Asker
 from egressd.fleetnft.applier import NftError
-from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy, effective_policy
+from egressd.policy import (
+    EMPTY_ALWAYS,
+    AlwaysRules,
+    NetworkPolicy,
+    Verdict,
+    effective_policy,
+    evaluate_domain,
+    normalise_name,
+)
 from egressd.sidecar.persist import serialise, write_atomic
 from egressd.sidecarnft.ruleset import SidecarTable, delete_table, dyn_add, ruleset
 from egressd.subject.model import Fence, IPAddress
@@ -29,6 +37,7 @@ from egressd.subject.model import Fence, IPAddress
 log = structlog.get_logger("egressd.sidecar")
 
 SIDECAR_UID = "sidecar"
+_MAX_ANSWERED = 65536
 
 
 class Kernel(Protocol):
@@ -65,11 +74,14 @@ class SidecarEngine:
         self._clock = clock
         # Serialises rebuilds, lease adds and the commits that go with them.
         self._kernel_lock = asyncio.Lock()
-        # DNS leases (ip -> monotonic expiry): re-added with their remaining lifetime on every
-        # rebuild, so a policy change does not forget what the app resolved a moment ago.
-        self.leases: dict[IPAddress, float] = {}
-        # Bumped on every policy change; carried in the DNS fence so an answer computed under
-        # an older policy never adds addresses after the change (it could be a narrowing).
+        # DNS leases: ip -> (monotonic expiry, names whose answers carried it). A rebuild
+        # re-adds those a name of which the new policy still allows (remaining lifetime), so a
+        # policy change neither forgets what the app resolved a moment ago nor keeps open
+        # what it now denies.
+        self.leases: dict[IPAddress, tuple[float, frozenset[str]]] = {}
+        # Names seen in forwarded answers (filled by the forwarder, read by learn()).
+        self._answered: dict[IPAddress, set[str]] = {}
+        # Bumped on every policy change; carried in the DNS fence.
         self.generation = 0
         self.enforcement_ready = False
 
@@ -86,24 +98,48 @@ class SidecarEngine:
     def asker(self, source_ip: IPAddress) -> Asker:
         return Asker(SIDECAR_UID, self.fence, self.effective)
 
+    def note_answer(self, name: str, ips: list[IPAddress]) -> None:
+        """Called by the forwarder for every upstream answer, before learn() sees its addresses."""
+        if len(self._answered) > _MAX_ANSWERED:
+            self._answered.clear()  # bounded; a missing name only makes a lease fail closed
+        qname = normalise_name(name)
+        for ip in ips:
+            self._answered.setdefault(ip, set()).add(qname)
+
+    def _allowed(self, names: Iterable[str], policy: NetworkPolicy) -> bool:
+        return any(evaluate_domain(policy, n).verdict is Verdict.ALLOW for n in names)
+
     async def learn(self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]]) -> None:
         if self.table.mode == "dns":
             return  # no filter chain: nothing consults the dyn sets
         async with self._kernel_lock:
-            if fence != self.fence or not self.enforcement_ready:
+            if not self.enforcement_ready:
                 return
-            await self.kernel.run_script(dyn_add(self.table, leases), op="dynamic_add")
-            now = self._clock()
+            keep: list[tuple[IPAddress, int, frozenset[str]]] = []
             for ip, seconds in leases:
-                self.leases[ip] = max(self.leases.get(ip, 0.0), now + seconds)
+                names = frozenset(self._answered.get(ip, ()))
+                # Decided again under the policy in force now: an answer that raced a change
+                # adds nothing the change denies.
+                if (names and self._allowed(names, self.effective)) or (not names and fence == self.fence):
+                    keep.append((ip, seconds, names))
+            if not keep:
+                return
+            await self.kernel.run_script(
+                dyn_add(self.table, [(ip, s) for ip, s, _ in keep]), op="dynamic_add"
+            )
+            now = self._clock()
+            for ip, seconds, names in keep:
+                expiry, known = self.leases.get(ip, (0.0, frozenset()))
+                self.leases[ip] = (max(expiry, now + seconds), known | names)
 
     # ---- kernel ------------------------------------------------------------------------------
 
-    def _live_leases(self) -> list[tuple[IPAddress, float]]:
+    def _leases_for(self, policy: NetworkPolicy) -> list[tuple[IPAddress, float]]:
+        """Unexpired leases with a name ``policy`` allows, as (ip, remaining seconds)."""
         now = self._clock()
-        for ip in [ip for ip, exp in self.leases.items() if exp <= now]:
+        for ip in [ip for ip, (exp, _) in self.leases.items() if exp <= now]:
             del self.leases[ip]
-        return [(ip, exp - now) for ip, exp in self.leases.items()]
+        return [(ip, exp - now) for ip, (exp, names) in self.leases.items() if self._allowed(names, policy)]
 
     async def install(self) -> None:
         """Start-up: build the table for the current policy (NftError is fatal to the caller)."""
@@ -156,7 +192,7 @@ class SidecarEngine:
                     return Outcome(500, f"cannot persist policy: {exc.strerror or type(exc).__name__}")
             try:
                 await self.kernel.run_script(
-                    ruleset(self.table, effective, self._live_leases()), op="static_apply"
+                    ruleset(self.table, effective, self._leases_for(effective)), op="static_apply"
                 )
             except NftError as exc:
                 if persist:
@@ -173,5 +209,8 @@ class SidecarEngine:
             self.always = always
             self.effective = effective
             self.generation += 1
+            kept = {ip for ip, _ in self._leases_for(effective)}
+            for ip in [ip for ip in self.leases if ip not in kept]:
+                del self.leases[ip]
         log.info("egress.updated", **{"opensandbox.event": "egress.updated", **event})
         return Outcome(200)

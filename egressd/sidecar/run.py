@@ -18,18 +18,18 @@ import structlog
 from aiohttp import web
 
 from egressd.config import Config
-from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import Upstream, from_resolv_conf
 from egressd.fleet.always_reload import AlwaysRulesReloader
 from egressd.fleetnft.applier import KernelTransactions, NftError
 from egressd.metrics import EgressMetrics
 from egressd.policy import AlwaysRulesError, check_rule_cap, load_always_rules
+from egressd.sidecar.dns import NamingForwarder
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.http import SidecarHTTP, VaultPrerequisites
 from egressd.sidecar.persist import InitialPolicyError, choose_initial, read_text
 from egressd.sidecarnft.ruleset import Mode, SidecarTable
-from egressd.sidecarnft.selftest import SelfTestError, run_selftest
+from egressd.sidecarnft.selftest import SelfTestError, check_net_admin, run_selftest
 
 log = structlog.get_logger("egressd.sidecar")
 
@@ -91,6 +91,7 @@ async def run_sidecar(
     installed = False
     try:
         try:
+            check_net_admin()
             tx.run_sync(lambda: run_selftest(tx._cmd, table_prefix=cfg.nft_table, dns_port=cfg.dns_port))
         except SelfTestError as exc:
             raise SidecarStartupError(str(exc)) from None
@@ -101,17 +102,26 @@ async def run_sidecar(
         installed = True
         log.info("policy.initial", source=initial.source, mode=cfg.mode)
 
-        forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
+        forwarder = NamingForwarder(upstreams, cfg.dns_upstream_timeout, engine.note_answer)
         dns = DnsProxy(engine, forwarder, metrics, lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max))
+        # The output-hook redirect always lands on loopback, and a UDP socket bound to the
+        # wildcard would answer from the app's own address instead of 127.0.0.1, which the
+        # redirect's conntrack entry does not recognise (the app drops the answer). So the
+        # sidecar listens on loopback only, whatever host EGRESSD_DNS_ADDR names.
         try:
-            await dns.start(cfg.dns_host, cfg.dns_port)
+            await dns.start("127.0.0.1", cfg.dns_port)
         except OSError as exc:
             raise SidecarStartupError(
-                f"cannot listen for DNS on {cfg.dns_host}:{cfg.dns_port}: {exc.strerror}"
+                f"cannot listen for DNS on 127.0.0.1:{cfg.dns_port}: {exc.strerror}"
             ) from None
-        log.info(
-            "dns.listening", addr=f"{cfg.dns_host}:{cfg.dns_port}", upstreams=[str(u) for u in upstreams]
-        )
+        dns_addrs = [f"127.0.0.1:{cfg.dns_port}"]
+        try:
+            await dns.start("::1", cfg.dns_port)
+            dns_addrs.append(f"[::1]:{cfg.dns_port}")
+        except OSError as exc:
+            # No IPv6 loopback in this namespace: v6 DNS cannot be redirected here either.
+            log.warning("dns.no_ipv6_loopback", error=exc.strerror)
+        log.info("dns.listening", addr=dns_addrs, upstreams=[str(u) for u in upstreams])
         reloader = AlwaysRulesReloader(
             cfg.always_rules_dir, always, engine.set_always_rules, interval=cfg.always_reload_interval
         )

@@ -14,8 +14,8 @@ Shape::
              [D] doh_block_v4/v6 (interval)
     chain    dns_redirect  nat hook output: mark 0x1 return; udp/tcp dport 53 redirect
     chain    egress        filter hook output, policy accept iff defaultAction allow
-             (mode dns+nft only): established, mark 0x1, lo, 853, DoH, deny, dyn, allow,
-             counter drop
+             (mode dns+nft only): established, mark 0x1, lo, redirected DNS, 853, DoH,
+             deny, dyn, allow, counter drop
 
 Nothing here touches the kernel; the shell (:mod:`egressd.sidecar.engine`) runs the text.
 """
@@ -152,6 +152,11 @@ def ruleset(cfg: SidecarTable, policy: NetworkPolicy, leases: Sequence[tuple[IPA
     rule(f, "ct state established,related accept")
     rule(f, f"meta mark {UPSTREAM_MARK:#x} accept")
     rule(f, 'oifname "lo" accept')
+    # A redirected DNS packet still carries the output interface it was routed to before the
+    # nat hook rewrote its destination (the hook state is fixed per traversal), so "lo"
+    # does not match it: accept exactly the proxy's loopback address and port.
+    rule(f, f"ip daddr 127.0.0.1 meta l4proto {{ tcp, udp }} th dport {cfg.dns_port} accept")
+    rule(f, f"ip6 daddr ::1 meta l4proto {{ tcp, udp }} th dport {cfg.dns_port} accept")
     rule(f, "tcp dport 853 drop")
     rule(f, "udp dport 853 drop")
     if cfg.block_doh_443:

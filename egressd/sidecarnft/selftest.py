@@ -17,6 +17,32 @@ class SelfTestError(RuntimeError):
     pass
 
 
+CAP_NET_ADMIN = 12
+
+
+def has_net_admin(proc_status: str) -> bool | None:
+    """Whether ``CapEff`` in a /proc/<pid>/status text holds CAP_NET_ADMIN (None: no such line)."""
+    for line in proc_status.splitlines():
+        if line.startswith("CapEff:"):
+            try:
+                return bool(int(line.split(":", 1)[1].strip(), 16) >> CAP_NET_ADMIN & 1)
+            except ValueError:
+                return None
+    return None
+
+
+def check_net_admin(status_path: str = "/proc/self/status") -> None:
+    """Refuse early and in one line: without the capability libnftables also prints its own
+    complaint to stderr before failing."""
+    try:
+        with open(status_path) as fh:
+            text = fh.read()
+    except OSError:
+        return  # unknown: the nft probes below decide
+    if has_net_admin(text) is False:
+        raise SelfTestError("missing CAP_NET_ADMIN: the sidecar cannot enforce egress in this namespace")
+
+
 def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
     return [
         (

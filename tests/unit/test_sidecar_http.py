@@ -330,19 +330,52 @@ async def test_mode_dns_reports_enforcement_mode(aiohttp_client: Any, tmp_path: 
 async def test_every_client_is_the_implicit_subject_and_learning_follows_the_policy(env: Env) -> None:
     await call(env, "POST", "/policy", {"egress": [{"action": "allow", "target": "a.test"}]})
     asker = env.engine.asker(ip_address("10.0.0.99"))
-    assert asker.policy is not None and rules({"egress": asker.policy.to_json()["egress"]}) == [
-        ("allow", "a.test")
-    ]
+    assert asker.policy is not None and [r.target for r in asker.policy.egress] == ["a.test"]
     assert env.engine.asker(ip_address("127.0.0.1")).uid == asker.uid
-    await env.engine.learn(asker.uid, asker.fence, [(ip_address("10.204.0.2"), 90)])
+    a_ip, b_ip = ip_address("10.204.0.2"), ip_address("10.204.0.3")
+    env.engine.note_answer("A.test.", [a_ip])
+    await env.engine.learn(asker.uid, asker.fence, [(a_ip, 90)])
     assert "10.204.0.2 timeout 90s expires 90s" in env.kernel.scripts[-1][1]
-    # The next rebuild keeps the lease ...
+    # A rebuild keeps a lease whose name is still allowed ...
     await call(env, "PATCH", "/policy", [{"action": "allow", "target": "b.test"}])
     assert "10.204.0.2 timeout" in env.kernel.scripts[-1][1]
-    # ... and an answer computed under the old policy adds nothing after the change.
+    # ... and an answer that raced the change is decided under the new policy.
+    env.engine.note_answer("b.test", [b_ip])
+    await env.engine.learn(asker.uid, asker.fence, [(b_ip, 90)])
+    assert "10.204.0.3 timeout 90s" in env.kernel.scripts[-1][1]
+    # Denying a name drops its leases at once, in the same transaction.
+    await call(env, "DELETE", "/policy", ["a.test"])
+    last = env.kernel.scripts[-1][1]
+    assert "10.204.0.2" not in last and "10.204.0.3 timeout" in last
     before = len(env.kernel.scripts)
-    await env.engine.learn(asker.uid, asker.fence, [(ip_address("10.204.0.3"), 90)])
+    env.engine.note_answer("a.test", [a_ip])
+    await env.engine.learn(asker.uid, asker.fence, [(a_ip, 90)])
+    assert len(env.kernel.scripts) == before  # a.test is denied now: nothing added
+    # An address without a known name is only learned under the policy it was answered for.
+    await env.engine.learn(asker.uid, asker.fence, [(ip_address("10.9.9.9"), 90)])
     assert len(env.kernel.scripts) == before
+    fresh = env.engine.asker(ip_address("10.0.0.99"))
+    await env.engine.learn(fresh.uid, fresh.fence, [(ip_address("10.9.9.9"), 90)])
+    assert len(env.kernel.scripts) == before + 1
+
+
+async def test_leases_expire_out_of_rebuilds(aiohttp_client: Any, tmp_path: Path) -> None:
+    env = await make_env(
+        aiohttp_client, tmp_path, policy=parse_policy('{"egress":[{"action":"allow","target":"a.test"}]}')
+    )
+    now = [1000.0]
+    env.engine._clock = lambda: now[0]
+    ip = ip_address("10.204.0.2")
+    env.engine.note_answer("a.test", [ip])
+    asker = env.engine.asker(ip)
+    await env.engine.learn(asker.uid, asker.fence, [(ip, 60)])
+    now[0] += 30
+    await call(env, "PATCH", "/policy", [{"action": "allow", "target": "c.test"}])
+    assert "10.204.0.2 timeout 30s expires 30s" in env.kernel.scripts[-1][1]
+    now[0] += 31
+    await call(env, "PATCH", "/policy", [{"action": "allow", "target": "d.test"}])
+    assert "10.204.0.2" not in env.kernel.scripts[-1][1]
+    assert env.engine.leases == {}
 
 
 async def test_always_rules_merge_into_dns_and_nft(env: Env) -> None:

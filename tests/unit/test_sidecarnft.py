@@ -33,6 +33,8 @@ add chain inet T egress { type filter hook output priority 0; policy drop; }
 add rule inet T egress ct state established,related accept
 add rule inet T egress meta mark 0x1 accept
 add rule inet T egress oifname "lo" accept
+add rule inet T egress ip daddr 127.0.0.1 meta l4proto { tcp, udp } th dport 15353 accept
+add rule inet T egress ip6 daddr ::1 meta l4proto { tcp, udp } th dport 15353 accept
 add rule inet T egress tcp dport 853 drop
 add rule inet T egress udp dport 853 drop
 add rule inet T egress ip daddr @deny_v4 drop
@@ -210,3 +212,13 @@ def test_lease_element_clamps(seconds: float, text: str) -> None:
 
 def test_delete_table_tolerates_a_missing_table() -> None:
     assert delete_table(SidecarTable(table="T")) == "add table inet T\ndelete table inet T\n"
+
+
+def test_net_admin_from_proc_status() -> None:
+    from egressd.sidecarnft.selftest import has_net_admin
+
+    assert has_net_admin("Name:\tx\nCapEff:\t000001ffffffffff\n") is True
+    assert has_net_admin("CapEff:\t0000000000000000\n") is False
+    assert has_net_admin("CapEff:\t00000000a80425fb\n") is False  # docker default set: no NET_ADMIN
+    assert has_net_admin("CapEff:\t0000000000001000\n") is True
+    assert has_net_admin("Name:\tx\n") is None
