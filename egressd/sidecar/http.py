@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from egressd.fleet.server import BodyTooLarge, read_limited, text
 from egressd.metrics import EgressMetrics
 from egressd.policy import PolicyError, check_rule_cap, policy_mode
 from egressd.sidecar.engine import SIDECAR_UID, SidecarEngine
-from egressd.vault.model import VaultError
+from egressd.vault.model import VaultError, parse_create, parse_mutation
 from egressd.vault.store import VaultStore
 
 log = structlog.get_logger("egressd.sidecar.http")
@@ -215,6 +216,11 @@ class SidecarHTTP:
         if method not in allowed:
             return text(405, "method not allowed", headers={"Allow": ", ".join(allowed)})
         if method in _VAULT_WRITES:
+            # A malformed body is a 400 whatever the prerequisites (it could never succeed);
+            # a well-formed one then waits for them (412). Values never reach the reason.
+            shape = _shape_problem(method, body)
+            if shape is not None:
+                return text(400, shape)
             problem = self.prerequisites.problem()
             if problem is not None:
                 return text(412, problem)
@@ -233,3 +239,19 @@ class SidecarHTTP:
                 "vault.write", method=method, code=reply.status, revision=store.revision if store else None
             )
         return _response(reply)
+
+
+def _shape_problem(method: str, body: bytes) -> str | None:
+    """Why a vault write body is malformed (§6 shapes), or None; no state is consulted."""
+    try:
+        obj = json.loads(body) if body.strip() else None
+    except (ValueError, RecursionError):
+        return "body is not valid JSON"
+    try:
+        if method == "PATCH":
+            parse_mutation(obj)
+        else:
+            parse_create(obj)
+    except VaultError as exc:
+        return str(exc)
+    return None

@@ -418,9 +418,19 @@ async def test_vault_writes_412_without_prerequisites(
     env = await make_env(
         aiohttp_client, tmp_path, policy=parse_policy(json.dumps(ALLOW_API)), prereqs=ready_prereqs(**kw)
     )
-    for method in ("POST", "PUT", "PATCH"):
-        status, body = await call(env, method, "/credential-vault", VAULT)
+    mutation = {"credentials": {"add": [{"name": "k2", "source": {"type": "inline", "value": SECRET}}]}}
+    for method, payload in (("POST", VAULT), ("PUT", VAULT), ("PATCH", mutation)):
+        status, body = await call(env, method, "/credential-vault", payload)
         assert status == 412 and needle in body and SECRET not in body
+    # A malformed body is a 400 first: it could never succeed.
+    for method, raw in (
+        ("POST", b""),
+        ("PUT", b"{"),
+        ("PATCH", b'{"credentials": 1}'),
+        ("POST", b'{"x": 1}'),
+    ):
+        status, body = await call(env, method, "/credential-vault", raw=raw)
+        assert status == 400, (method, raw, body)
     assert (await call(env, "GET", "/credential-vault"))[0] == 404
     assert env.http.vault is None
 
