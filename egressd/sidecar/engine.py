@@ -12,14 +12,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 
 from egressd.dnsproxy.server import Asker
+from egressd.fleet.explain import ip_decision
 from egressd.fleetnft.applier import NftError
 from egressd.policy import (
     EMPTY_ALWAYS,
@@ -63,6 +64,7 @@ class SidecarEngine:
         persist_path: Path | None = None,
         writer: Callable[[Path, str], None] = write_atomic,
         clock: Callable[[], float] = time.monotonic,
+        cut_flows: Callable[[Callable[[IPAddress], bool]], Coroutine[Any, Any, int]] | None = None,
     ) -> None:
         self.table = table
         self.kernel = kernel
@@ -84,6 +86,10 @@ class SidecarEngine:
         # Bumped on every policy change; carried in the DNS fence.
         self.generation = 0
         self.enforcement_ready = False
+        # After a change, established flows to destinations it no longer allows are cut in
+        # the background (None: never, e.g. in unit tests without a kernel).
+        self._cut_flows = cut_flows
+        self._background: set[asyncio.Task[int]] = set()
 
     def effective_for(self, policy: NetworkPolicy) -> NetworkPolicy:
         """``policy`` with the current always-rules merged in (what DNS and nft would enforce)."""
@@ -140,6 +146,16 @@ class SidecarEngine:
         for ip in [ip for ip, (exp, _) in self.leases.items() if exp <= now]:
             del self.leases[ip]
         return [(ip, exp - now) for ip, (exp, names) in self.leases.items() if self._allowed(names, policy)]
+
+    def allows_ip(self, ip: IPAddress) -> bool:
+        """Whether the installed ruleset accepts a new connection to ``ip`` (mode dns+nft)."""
+        now = self._clock()
+        expiries = {a: exp for a, (exp, _) in self.leases.items()}
+        verdict, where, _ = ip_decision(self.effective, expiries, ip, now)
+        if verdict is Verdict.ALLOW:
+            return True
+        # Resolver addresses join the allow sets, but a deny rule still beats them.
+        return where != "deny" and ip in self.table.resolvers
 
     async def install(self) -> None:
         """Start-up: build the table for the current policy (NftError is fatal to the caller)."""
@@ -212,5 +228,9 @@ class SidecarEngine:
             kept = {ip for ip, _ in self._leases_for(effective)}
             for ip in [ip for ip in self.leases if ip not in kept]:
                 del self.leases[ip]
+            if self._cut_flows is not None and self.table.mode == "dns+nft":
+                task = asyncio.get_running_loop().create_task(self._cut_flows(self.allows_ip))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
         log.info("egress.updated", **{"opensandbox.event": "egress.updated", **event})
         return Outcome(200)

@@ -26,6 +26,7 @@ from egressd.metrics import EgressMetrics
 from egressd.policy import AlwaysRulesError, check_rule_cap, load_always_rules
 from egressd.sidecar.dns import NamingForwarder
 from egressd.sidecar.engine import SidecarEngine
+from egressd.sidecar.flows import cut_disallowed
 from egressd.sidecar.http import SidecarHTTP, VaultPrerequisites
 from egressd.sidecar.persist import InitialPolicyError, choose_initial, read_text
 from egressd.sidecarnft.ruleset import Mode, SidecarTable
@@ -87,7 +88,9 @@ async def run_sidecar(
     table = table_for(cfg, upstreams)
     metrics = EgressMetrics()
     tx = KernelTransactions(metrics)
-    engine = SidecarEngine(table, tx, initial.policy, always=always, persist_path=cfg.policy_file)
+    engine = SidecarEngine(
+        table, tx, initial.policy, always=always, persist_path=cfg.policy_file, cut_flows=cut_disallowed
+    )
     installed = False
     try:
         try:

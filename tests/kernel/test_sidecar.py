@@ -153,6 +153,24 @@ def test_patch_applies_immediately_and_keeps_allowed_established_flows(
     assert len(results) >= 10, out
 
 
+def test_narrowing_cuts_exactly_the_flows_it_no_longer_allows(sidecar: Sidecar, stopo: Topology) -> None:
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(allow(UP_LIT, "b.test"))
+    sidecar.start()
+    assert sidecar.dig("b.test") == ("NOERROR", [UP_B])
+    kept, dropped = _keepalive(stopo, sidecar.sb, UP_LIT), _keepalive(stopo, sidecar.sb, UP_B)
+    time.sleep(0.8)
+    code, _ = sidecar.api("DELETE", "/policy", ["b.test"])  # b.test's address is no longer allowed
+    assert code == 200
+    kept_out, _ = kept.communicate(timeout=20)
+    dropped_out, _ = dropped.communicate(timeout=20)
+    assert kept_out.split()[-1] == "ok" and "dead" not in kept_out.split(), (
+        "an allowed flow was cut: " + kept_out
+    )
+    assert dropped_out.split()[-1] == "dead", "a flow to a no longer allowed address survived: " + dropped_out
+    # The API's own (incoming) connections are never cut.
+    assert sidecar.api("GET", "/healthz")[0] == 200
+
+
 def test_restart_keeps_the_persisted_policy_and_never_opens(sidecar: Sidecar, stopo: Topology) -> None:
     sidecar.start()
     sidecar.patch([{"action": "allow", "target": UP_LIT}, {"action": "allow", "target": "example.test"}])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -488,3 +489,54 @@ async def test_vault_active_and_unknown_paths_404(env: Env) -> None:
     assert (await call(env, "GET", "/credential-vault/_active"))[0] == 404
     assert (await call(env, "GET", "/credential-vault/other"))[0] == 404
     assert (await env.client.get("/v1/sandboxfleets/x/egress/policy", headers=AUTH)).status == 404
+
+
+def test_outbound_destinations_skip_own_addresses() -> None:
+    from egressd.sidecar.flows import outbound_destinations
+
+    text = "\n".join(
+        [
+            "ipv4 2 tcp 6 300 ESTABLISHED src=10.203.0.11 dst=10.204.0.3 sport=1 dport=80 src=10.204.0.3 dst=10.203.0.11",
+            "ipv4 2 tcp 6 300 ESTABLISHED src=10.203.0.1 dst=10.203.0.11 sport=2 dport=18080 src=10.203.0.11 dst=10.203.0.1",
+            "ipv4 2 udp 17 30 src=10.203.0.11 dst=10.204.0.2 sport=3 dport=53 src=127.0.0.1 dst=10.203.0.11",
+            "ipv4 2 tcp 6 300 ESTABLISHED src=127.0.0.1 dst=127.0.0.1 sport=4 dport=18080",
+            "garbage",
+        ]
+    )
+    got = outbound_destinations(text, [ip_address("10.203.0.11")])
+    assert got == {ip_address("10.204.0.3"), ip_address("10.204.0.2")}
+
+
+async def test_allows_ip_mirrors_the_ruleset(aiohttp_client: Any, tmp_path: Path) -> None:
+    env = await make_env(
+        aiohttp_client,
+        tmp_path,
+        policy=parse_policy(
+            '{"egress":[{"action":"allow","target":"10.0.0.0/24"},{"action":"deny","target":"10.0.0.1"},'
+            '{"action":"allow","target":"a.test"}]}'
+        ),
+    )
+    e = env.engine
+    assert e.allows_ip(ip_address("10.0.0.2"))
+    assert not e.allows_ip(ip_address("10.0.0.1"))  # deny beats allow
+    assert not e.allows_ip(ip_address("10.9.9.9"))
+    e.note_answer("a.test", [ip_address("10.9.9.9")])
+    asker = e.asker(ip_address("10.0.0.5"))
+    await e.learn(asker.uid, asker.fence, [(ip_address("10.9.9.9"), 60)])
+    assert e.allows_ip(ip_address("10.9.9.9"))  # learned
+
+
+async def test_a_change_schedules_the_flow_cut(aiohttp_client: Any, tmp_path: Path) -> None:
+    env = await make_env(aiohttp_client, tmp_path)
+    asked: list[bool] = []
+
+    async def cut(allowed: Callable[[Any], bool]) -> int:
+        asked.append(allowed(ip_address("10.204.0.3")))
+        return 0
+
+    env.engine._cut_flows = cut
+    await call(env, "POST", "/policy", {"egress": [{"action": "allow", "target": "10.204.0.3"}]})
+    await asyncio.sleep(0)
+    await call(env, "POST", "/policy", {"egress": []})
+    await asyncio.sleep(0)
+    assert asked == [True, False]
