@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import signal
 import sys
 from collections.abc import Callable
@@ -136,9 +137,22 @@ async def run_sidecar(
             mode=cfg.mode,
             mitm_ready=mitm_ready,
         )
+
+        def mitm_health() -> str | None:
+            # Like the fleet: with transparent MITM on, healthy means the MITM is ready too.
+            return "mitmproxy not ready" if cfg.mitm_transparent and not mitm_ready() else None
+
         http = SidecarHTTP(
-            engine, metrics, token=cfg.token, max_rules=cfg.max_rules, prerequisites=prerequisites
+            engine,
+            metrics,
+            token=cfg.token,
+            max_rules=cfg.max_rules,
+            prerequisites=prerequisites,
+            extra_health=mitm_health,
         )
+        # aiohttp's low-level parser logs a malformed request line or header verbatim, which
+        # could carry the auth header; the client gets its 400 either way.
+        logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
         runner = web.AppRunner(http.app(), access_log=None, handle_signals=False)
         await runner.setup()
         try:

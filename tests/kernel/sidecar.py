@@ -91,7 +91,10 @@ class Sidecar:
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"egressd exited {self.proc.returncode}: {self.log_text()[-2000:]}")
-            if self.api("GET", "/healthz")[0] == 200:
+            code, body = self.api("GET", "/healthz")
+            # With transparent MITM on, healthz says 503 until the MITM is ready (not built
+            # here): serving that answer means the sidecar is up and enforcing.
+            if code == 200 or (code == 503 and "mitmproxy not ready" in body):
                 return
             time.sleep(0.05)
         raise RuntimeError("sidecar not ready: " + self.log_text()[-2000:])

@@ -540,3 +540,24 @@ async def test_a_change_schedules_the_flow_cut(aiohttp_client: Any, tmp_path: Pa
     await call(env, "POST", "/policy", {"egress": []})
     await asyncio.sleep(0)
     assert asked == [True, False]
+
+
+async def test_healthz_reports_enforcement_and_mitm(aiohttp_client: Any, tmp_path: Path) -> None:
+    engine = SidecarEngine(SidecarTable(table="T"), FakeKernel(), DENY_ALL)
+    http = SidecarHTTP(
+        engine,
+        EgressMetrics(),
+        token=TOKEN,
+        max_rules=10,
+        prerequisites=ready_prereqs(),
+        extra_health=lambda: "mitmproxy not ready",
+    )
+    client = await aiohttp_client(http.app())
+    resp = await client.get("/healthz")
+    assert (resp.status, await resp.text()) == (503, "enforcement not installed\n")
+    await engine.install()
+    resp = await client.get("/healthz")
+    assert (resp.status, await resp.text()) == (503, "mitmproxy not ready\n")
+    http._extra_health = None
+    assert (await client.get("/healthz")).status == 200
+    assert (await client.post("/healthz")).status == 405
