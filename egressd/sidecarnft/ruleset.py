@@ -14,7 +14,7 @@ Shape::
              [D] doh_block_v4/v6 (interval)
     chain    dns_redirect  nat hook output: mark 0x1 return; udp/tcp dport 53 redirect
     chain    egress        filter hook output, policy accept iff defaultAction allow
-             (mode dns+nft only): established, mark 0x1, lo, redirected DNS, 853, DoH,
+             (mode dns+nft only): established, mark 0x1, lo, redirected DNS, IPv6 ND, 853, DoH,
              deny, dyn, allow, counter drop
 
 Nothing here touches the kernel; the shell (:mod:`egressd.sidecar.engine`) runs the text.
@@ -39,6 +39,7 @@ DYN_TIMEOUT_S: Final = 360
 UPSTREAM_MARK: Final = 0x1
 REDIRECT_CHAIN: Final = "dns_redirect"
 FILTER_CHAIN: Final = "egress"
+ND_TYPES: Final = "nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert"
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +158,9 @@ def ruleset(cfg: SidecarTable, policy: NetworkPolicy, leases: Sequence[tuple[IPA
     # does not match it: accept exactly the proxy's loopback address and port.
     rule(f, f"ip daddr 127.0.0.1 meta l4proto {{ tcp, udp }} th dport {cfg.dns_port} accept")
     rule(f, f"ip6 daddr ::1 meta l4proto {{ tcp, udp }} th dport {cfg.dns_port} accept")
+    # IPv6 needs neighbour discovery to reach even the gateway (IPv4's ARP never enters an
+    # inet chain). Link-local only: a hop limit of 255 cannot have been routed.
+    rule(f, f"icmpv6 type {{ {ND_TYPES} }} ip6 hoplimit 255 accept")
     rule(f, "tcp dport 853 drop")
     rule(f, "udp dport 853 drop")
     if cfg.block_doh_443:

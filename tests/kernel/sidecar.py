@@ -164,8 +164,10 @@ class Sidecar:
     def reaches(self, ip: str, port: int = 80, timeout: float = 1.0) -> bool:
         return self.topo.reaches(self.sb, ip, port, timeout)
 
-    def dig(self, name: str, server: str = DNS_UPSTREAM, *, tcp: bool = False) -> tuple[str, list[str]]:
-        return self.topo.dig(self.sb, name, server=server, tcp=tcp)
+    def dig(
+        self, name: str, qtype: str = "A", *, server: str = DNS_UPSTREAM, tcp: bool = False
+    ) -> tuple[str, list[str]]:
+        return self.topo.dig(self.sb, name, qtype, server=server, tcp=tcp)
 
     def curl_by_name(self, url: str, timeout: float = 2.0) -> int:
         """curl with getaddrinfo resolution through a resolv.conf naming the upstream

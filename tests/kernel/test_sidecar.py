@@ -130,6 +130,24 @@ def test_ip_rules_deny_beats_allow_and_default_allow(sidecar: Sidecar) -> None:
     assert not sidecar.reaches(UP_X)  # deny beats the covering allow
 
 
+def test_ipv6_and_doh_blocking(sidecar: Sidecar, stopo: Topology) -> None:
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(allow("v6.test", UP_LIT, UP_EX))
+    sidecar.env["OPENSANDBOX_EGRESS_BLOCK_DOH_443"] = "1"
+    sidecar.env["OPENSANDBOX_EGRESS_DOH_BLOCKLIST"] = f"{UP_LIT},fd00:204::9"
+    sidecar.start()
+    # IPv6: a query sent over v6 to the upstream is redirected to the proxy's [::1] socket,
+    # and the learned AAAA lands in the v6 dyn set.
+    assert not sidecar.reaches("fd00:204::2")
+    assert sidecar.dig("v6.test", "AAAA", server="fd00:204::2") == ("NOERROR", ["fd00:204::2"])
+    assert sidecar.reaches("fd00:204::2")
+    assert not sidecar.reaches("fd00:204::3")
+    assert sidecar.dig("b.test", server="fd00:204::2")[0] == "NXDOMAIN"
+    # DoH blocklist: 443 to a listed address is dropped even though the address is allowed.
+    assert sidecar.reaches(UP_LIT, 80)
+    assert not sidecar.reaches(UP_LIT, 443)
+    assert sidecar.reaches(UP_EX, 443)
+
+
 def test_patch_applies_immediately_and_keeps_allowed_established_flows(
     sidecar: Sidecar, stopo: Topology
 ) -> None:

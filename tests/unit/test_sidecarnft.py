@@ -35,6 +35,7 @@ add rule inet T egress meta mark 0x1 accept
 add rule inet T egress oifname "lo" accept
 add rule inet T egress ip daddr 127.0.0.1 meta l4proto { tcp, udp } th dport 15353 accept
 add rule inet T egress ip6 daddr ::1 meta l4proto { tcp, udp } th dport 15353 accept
+add rule inet T egress icmpv6 type { nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert } ip6 hoplimit 255 accept
 add rule inet T egress tcp dport 853 drop
 add rule inet T egress udp dport 853 drop
 add rule inet T egress ip daddr @deny_v4 drop
