@@ -121,22 +121,24 @@ class SidecarEngine:
         async with self._kernel_lock:
             if not self.enforcement_ready:
                 return
-            keep: list[tuple[IPAddress, int, frozenset[str]]] = []
+            now = self._clock()
+            keep: list[tuple[IPAddress, float, frozenset[str]]] = []
             for ip, seconds in leases:
                 names = frozenset(self._answered.get(ip, ()))
                 # Decided again under the policy in force now: an answer that raced a change
                 # adds nothing the change denies.
                 if (names and self._allowed(names, self.effective)) or (not names and fence == self.fence):
-                    keep.append((ip, seconds, names))
+                    # Never shorten a lease another answer granted: kernel and mirror agree.
+                    expiry = self.leases.get(ip, (0.0, frozenset()))[0]
+                    keep.append((ip, max(float(seconds), expiry - now), names))
             if not keep:
                 return
             await self.kernel.run_script(
                 dyn_add(self.table, [(ip, s) for ip, s, _ in keep]), op="dynamic_add"
             )
-            now = self._clock()
-            for ip, seconds, names in keep:
-                expiry, known = self.leases.get(ip, (0.0, frozenset()))
-                self.leases[ip] = (max(expiry, now + seconds), known | names)
+            for ip, granted, names in keep:
+                known = self.leases.get(ip, (0.0, frozenset()))[1]
+                self.leases[ip] = (now + granted, known | names)
 
     # ---- kernel ------------------------------------------------------------------------------
 

@@ -561,3 +561,19 @@ async def test_healthz_reports_enforcement_and_mitm(aiohttp_client: Any, tmp_pat
     http._extra_health = None
     assert (await client.get("/healthz")).status == 200
     assert (await client.post("/healthz")).status == 405
+
+
+async def test_a_shorter_answer_never_shortens_a_lease(aiohttp_client: Any, tmp_path: Path) -> None:
+    env = await make_env(
+        aiohttp_client, tmp_path, policy=parse_policy('{"egress":[{"action":"allow","target":"a.test"}]}')
+    )
+    now = [500.0]
+    env.engine._clock = lambda: now[0]
+    ip = ip_address("10.204.0.2")
+    env.engine.note_answer("a.test", [ip])
+    asker = env.engine.asker(ip)
+    await env.engine.learn(asker.uid, asker.fence, [(ip, 300)])
+    now[0] += 100
+    await env.engine.learn(asker.uid, asker.fence, [(ip, 60)])
+    assert "10.204.0.2 timeout 200s expires 200s" in env.kernel.scripts[-1][1]
+    assert env.engine.leases[ip][0] == 800.0
