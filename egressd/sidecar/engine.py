@@ -90,6 +90,7 @@ class SidecarEngine:
         # the background (None: never, e.g. in unit tests without a kernel).
         self._cut_flows = cut_flows
         self._background: set[asyncio.Task[int]] = set()
+        self.rules_installed = 0  # for egress_nftables_rules_count
 
     def effective_for(self, policy: NetworkPolicy) -> NetworkPolicy:
         """``policy`` with the current always-rules merged in (what DNS and nft would enforce)."""
@@ -162,7 +163,9 @@ class SidecarEngine:
     async def install(self) -> None:
         """Start-up: build the table for the current policy (NftError is fatal to the caller)."""
         async with self._kernel_lock:
-            await self.kernel.run_script(ruleset(self.table, self.effective), op="static_apply")
+            script = ruleset(self.table, self.effective)
+            await self.kernel.run_script(script, op="static_apply")
+            self.rules_installed = _rule_count(script)
             self.enforcement_ready = True
         log.info(
             "egress.loaded",
@@ -209,9 +212,8 @@ class SidecarEngine:
                     )
                     return Outcome(500, f"cannot persist policy: {exc.strerror or type(exc).__name__}")
             try:
-                await self.kernel.run_script(
-                    ruleset(self.table, effective, self._leases_for(effective)), op="static_apply"
-                )
+                script = ruleset(self.table, effective, self._leases_for(effective))
+                await self.kernel.run_script(script, op="static_apply")
             except NftError as exc:
                 if persist:
                     # Put the file back in line with what the kernel still enforces.
@@ -227,6 +229,7 @@ class SidecarEngine:
             self.always = always
             self.effective = effective
             self.generation += 1
+            self.rules_installed = _rule_count(script)
             kept = {ip for ip, _ in self._leases_for(effective)}
             for ip in [ip for ip in self.leases if ip not in kept]:
                 del self.leases[ip]
@@ -236,3 +239,7 @@ class SidecarEngine:
                 task.add_done_callback(self._background.discard)
         log.info("egress.updated", **{"opensandbox.event": "egress.updated", **event})
         return Outcome(200)
+
+
+def _rule_count(script: str) -> int:
+    return sum(1 for line in script.splitlines() if line.startswith("add rule "))

@@ -92,7 +92,10 @@ async def run_sidecar(
     engine = SidecarEngine(
         table, tx, initial.policy, always=always, persist_path=cfg.policy_file, cut_flows=cut_disallowed
     )
-    installed = False
+    # Only a requested stop deletes the table (§13). A start-up failure or a crash leaves it
+    # enforcing: the sandbox stays closed until a sidecar serves again.
+    graceful = False
+    metrics.nft_rules.collect_from(lambda: {(): float(engine.rules_installed)})
     try:
         try:
             check_net_admin()
@@ -103,7 +106,6 @@ async def run_sidecar(
             await engine.install()
         except NftError as exc:
             raise SidecarStartupError(f"cannot install nft table {cfg.nft_table}: {exc}") from None
-        installed = True
         log.info("policy.initial", source=initial.source, mode=cfg.mode)
 
         forwarder = NamingForwarder(upstreams, cfg.dns_upstream_timeout, engine.note_answer)
@@ -169,6 +171,7 @@ async def run_sidecar(
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
             await stop.wait()
+            graceful = True
             log.info("shutdown", reason="signal", table_deleted=cfg.nft_table)
         finally:
             for task in background:
@@ -177,7 +180,7 @@ async def run_sidecar(
             await dns.close()
             forwarder.close()
     finally:
-        if installed:
+        if graceful:
             try:
                 await engine.shutdown()
             except NftError as exc:

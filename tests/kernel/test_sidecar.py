@@ -221,6 +221,31 @@ def test_sigterm_deletes_the_table(sidecar: Sidecar) -> None:
     assert not sidecar.table_exists()
 
 
+def test_a_failed_start_leaves_the_sandbox_closed(sidecar: Sidecar, stopo: Topology) -> None:
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(allow(UP_LIT))
+    sidecar.start()
+    sidecar.kill(signal.SIGKILL)
+    # Something else holds the API port: the next sidecar cannot serve and must refuse ...
+    blocker = stopo.spawn(
+        sidecar.ns,
+        "python3",
+        "-c",
+        "import socket,time\n"
+        "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        f"s.bind(('0.0.0.0', {sidecar.port})); s.listen(); print('up', flush=True); time.sleep(60)\n",
+        ready_line="up",
+    )
+    try:
+        r = sidecar.run_to_exit()
+        assert r.returncode == 1 and "cannot listen" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+        # ... without opening the sandbox: the table stays and keeps enforcing.
+        assert sidecar.table_exists()
+        assert not sidecar.reaches(UP_X)
+        assert sidecar.reaches(UP_LIT)
+    finally:
+        stopo.stop(blocker)
+
+
 def test_mode_dns_filters_names_only(sidecar: Sidecar, stopo: Topology) -> None:
     sidecar.env["OPENSANDBOX_EGRESS_MODE"] = "dns"
     sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(allow("a.test"))

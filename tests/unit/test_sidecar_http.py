@@ -577,3 +577,10 @@ async def test_a_shorter_answer_never_shortens_a_lease(aiohttp_client: Any, tmp_
     await env.engine.learn(asker.uid, asker.fence, [(ip, 60)])
     assert "10.204.0.2 timeout 200s expires 200s" in env.kernel.scripts[-1][1]
     assert env.engine.leases[ip][0] == 800.0
+
+
+async def test_rules_count_follows_the_installed_ruleset(env: Env) -> None:
+    base = env.engine.rules_installed
+    assert base > 0
+    await call(env, "POST", "/policy", {"defaultAction": "allow"})
+    assert env.engine.rules_installed == base - 1  # no tail drop under policy accept
