@@ -171,8 +171,15 @@ async def run_sidecar(
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
             await stop.wait()
-            graceful = True
-            log.info("shutdown", reason="signal", table_deleted=cfg.nft_table)
+            # §13: a stop deletes the table. EGRESSD_SIDECAR_KEEP_TABLE keeps it, so a
+            # supervisor's SIGTERM-then-start restart never leaves the sandbox open.
+            graceful = not cfg.sidecar_keep_table
+            log.info(
+                "shutdown",
+                reason="signal",
+                table=cfg.nft_table,
+                table_deleted=graceful,
+            )
         finally:
             for task in background:
                 task.cancel()

@@ -211,6 +211,23 @@ def test_restart_keeps_the_persisted_policy_and_never_opens(sidecar: Sidecar, st
     assert not sidecar.reaches(UP_X)
 
 
+def test_sigterm_restart_with_keep_table_never_opens(sidecar: Sidecar, stopo: Topology) -> None:
+    sidecar.env["EGRESSD_SIDECAR_KEEP_TABLE"] = "1"
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(allow(UP_LIT))
+    sidecar.start()
+    prober = _prober(stopo, sidecar.sb, allowed=UP_LIT, resolver=UP_A, denied=UP_X, seconds=7)
+    time.sleep(1.0)
+    assert sidecar.proc is not None
+    proc = sidecar.proc
+    sidecar.kill(signal.SIGTERM)  # a supervisor's graceful restart
+    assert proc.returncode == 0
+    assert sidecar.table_exists()
+    sidecar.start()
+    out, _ = prober.communicate(timeout=30)
+    assert "WRONG" not in out, out
+    assert not sidecar.reaches(UP_X)
+
+
 def test_sigterm_deletes_the_table(sidecar: Sidecar) -> None:
     sidecar.start()
     assert sidecar.table_exists()
