@@ -106,6 +106,12 @@ OPTIONS: tuple[Option, ...] = (
         "60",
     ),
     Option(
+        "EGRESSD_SIDECAR_KEEP_TABLE",
+        "--sidecar-keep-table",
+        "sidecar: keep the nft table on SIGTERM (restart without an open window)",
+        boolean=True,
+    ),
+    Option(
         "EGRESSD_ALLOW_BRIDGE_BYPASS",
         "--allow-bridge-bypass",
         "start even though bridged sandbox-to-sandbox traffic would bypass the forward hook",
@@ -151,6 +157,7 @@ class Config:
     dns_lease_max: int = 360
     refresh_interval: float = 30.0
     always_reload_interval: float = 60.0
+    sidecar_keep_table: bool = False
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -356,4 +363,5 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         vault_keys_dir=Path(vault_dir) if vault_dir else None,
         log_format=log_format,
         allow_bridge_bypass=_bool("EGRESSD_ALLOW_BRIDGE_BYPASS", raw["EGRESSD_ALLOW_BRIDGE_BYPASS"]),
+        sidecar_keep_table=_bool("EGRESSD_SIDECAR_KEEP_TABLE", raw["EGRESSD_SIDECAR_KEEP_TABLE"]),
     )

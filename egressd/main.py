@@ -267,12 +267,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"egressd: {exc}", file=sys.stderr)
         return 2
     configure(cfg.log_format)
-    if cfg.profile != "fleet":
-        print(
-            "egressd: the sidecar profile is not available yet in this build; set OPENSANDBOX_EGRESS_PROFILE=fleet",
-            file=sys.stderr,
-        )
-        return 2
+    if cfg.profile == "sidecar":
+        from egressd.sidecar.run import main as run_sidecar_main
+
+        return run_sidecar_main(cfg)
     try:
         asyncio.run(run_fleet(cfg))
     except StartupError as exc:

@@ -41,7 +41,9 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; assert sys.ve
 fi
 
 stamp=.venv/.egressd-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ ! -x .venv/bin/egressd ]; then
+# The sidecar compatibility tests need the OpenSandbox SDK and schemathesis (dev extras).
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ ! -x .venv/bin/egressd ] \
+   || ! .venv/bin/python -c 'import opensandbox, schemathesis' 2>/dev/null; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
   .venv/bin/python -m pip install -q -e '.[dev]'
   touch "$stamp"

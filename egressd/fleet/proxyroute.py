@@ -111,43 +111,21 @@ class ProxyRouteAPI(SubjectListener):
 
     def _vault(self, method: str, req: RouteRequest, body: bytes) -> Reply:
         uid = req.uid
-        store = self.control.vaults.get(uid)
-        if method == "GET":
-            if store is None:
-                return Reply(404, text="no credential vault")
-            if req.resource is Resource.VAULT:
-                return _from_store(store.get())
-            if req.resource is Resource.CREDENTIALS:
-                return _from_store(store.credentials())
-            if req.resource is Resource.BINDINGS:
-                return _from_store(store.bindings())
-            assert req.name is not None
-            if req.resource is Resource.CREDENTIAL:
-                return _from_store(store.credential(req.name))
-            return _from_store(store.binding(req.name))
-        if method == "DELETE":
-            if store is None:
-                return Reply(404, text="no credential vault")
-            reply = _from_store(store.delete())
-            if reply.status < 300:
-                self.control.vaults.pop(uid, None)
-            return reply
-        try:
-            obj = json.loads(body) if body.strip() else None
-        except (ValueError, RecursionError):
-            return Reply(400, text="body is not valid JSON")
-        coverage = self.control.coverage_policy(uid)
-        fresh = store is None
-        store = store if store is not None else VaultStore()
-        if method == "PUT":
-            reply = _from_store(store.put(obj, coverage))
-        elif method == "POST":
-            reply = _from_store(store.post(obj, coverage))
+        reply, store = vault_request(
+            method,
+            req.resource,
+            req.name,
+            body,
+            self.control.vaults.get(uid),
+            lambda: self.control.coverage_policy(uid),
+        )
+        if store is None:
+            self.control.vaults.pop(uid, None)
         else:
-            reply = _from_store(store.patch(obj, coverage))
-        if reply.status < 300 and fresh:
             self.control.vaults[uid] = store
-        log.info("vault.write", subject=f"s-{uid}", method=method, code=reply.status, revision=store.revision)
+        if method in ("PUT", "POST", "PATCH"):
+            revision = store.revision if store is not None else None
+            log.info("vault.write", subject=f"s-{uid}", method=method, code=reply.status, revision=revision)
         return reply
 
     # ---- /policy (PROPOSED in §4) ----------------------------------------------------------
@@ -214,6 +192,55 @@ class ProxyRouteAPI(SubjectListener):
 
     async def removed(self, uid: str) -> None:
         return None
+
+
+def vault_request(
+    method: str,
+    resource: Resource,
+    name: str | None,
+    body: bytes,
+    store: VaultStore | None,
+    coverage: Callable[[], NetworkPolicy | None],
+) -> tuple[Reply, VaultStore | None]:
+    """One §6 vault request against ``store`` (None: no vault); shared by fleet and sidecar.
+
+    Returns the reply and the store to hold afterwards (None: no vault). ``coverage`` gives
+    the policy bindings must be covered by; it is only asked for writes.
+    """
+    if method == "GET":
+        if store is None:
+            return Reply(404, text="no credential vault"), None
+        if resource is Resource.VAULT:
+            return _from_store(store.get()), store
+        if resource is Resource.CREDENTIALS:
+            return _from_store(store.credentials()), store
+        if resource is Resource.BINDINGS:
+            return _from_store(store.bindings()), store
+        assert name is not None
+        if resource is Resource.CREDENTIAL:
+            return _from_store(store.credential(name)), store
+        return _from_store(store.binding(name)), store
+    if method == "DELETE":
+        if store is None:
+            return Reply(404, text="no credential vault"), None
+        reply = _from_store(store.delete())
+        return reply, (None if reply.status < 300 else store)
+    try:
+        obj = json.loads(body) if body.strip() else None
+    except (ValueError, RecursionError):
+        return Reply(400, text="body is not valid JSON"), store
+    policy = coverage()
+    fresh = store is None
+    target = store if store is not None else VaultStore()
+    if method == "PUT":
+        reply = _from_store(target.put(obj, policy))
+    elif method == "POST":
+        reply = _from_store(target.post(obj, policy))
+    else:
+        reply = _from_store(target.patch(obj, policy))
+    if fresh and reply.status >= 300:
+        return reply, None
+    return reply, target
 
 
 _NO_MATCH = "no matching targets found"

@@ -1,0 +1,1 @@
+"""The sidecar profile (BEHAVIOUR §13): one implicit subject, the whole sandbox namespace."""

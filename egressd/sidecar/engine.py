@@ -1,0 +1,245 @@
+"""The sidecar's one implicit subject: its policy, its DNS leases and its kernel table.
+
+Every client of the DNS proxy is this subject (the sidecar owns the whole namespace). Policy
+changes are persisted first, then the table is rebuilt wholesale in one transaction, then
+the new policy is committed in memory: a crash at any point restarts on a policy that is
+never behind what the kernel enforced, and a refused transaction leaves the old policy in
+force (and on disk) everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+
+from egressd.dnsproxy.server import Asker
+from egressd.fleet.explain import ip_decision
+from egressd.fleetnft.applier import NftError
+from egressd.policy import (
+    EMPTY_ALWAYS,
+    AlwaysRules,
+    NetworkPolicy,
+    Verdict,
+    effective_policy,
+    evaluate_domain,
+    normalise_name,
+)
+from egressd.sidecar.persist import serialise, write_atomic
+from egressd.sidecarnft.ruleset import SidecarTable, delete_table, dyn_add, ruleset
+from egressd.subject.model import Fence, IPAddress
+
+log = structlog.get_logger("egressd.sidecar")
+
+SIDECAR_UID = "sidecar"
+_MAX_ANSWERED = 65536
+
+
+class Kernel(Protocol):
+    """What the engine needs from the kernel shell (KernelTransactions, or a fake in tests)."""
+
+    async def run_script(self, script: str, *, op: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    status: int
+    reason: str = ""
+
+
+class SidecarEngine:
+    def __init__(
+        self,
+        table: SidecarTable,
+        kernel: Kernel,
+        policy: NetworkPolicy,
+        *,
+        always: AlwaysRules = EMPTY_ALWAYS,
+        persist_path: Path | None = None,
+        writer: Callable[[Path, str], None] = write_atomic,
+        clock: Callable[[], float] = time.monotonic,
+        cut_flows: Callable[[Callable[[IPAddress], bool]], Coroutine[Any, Any, int]] | None = None,
+    ) -> None:
+        self.table = table
+        self.kernel = kernel
+        self.user = policy
+        self.always = always
+        self.effective = effective_policy(policy, always)
+        self.persist_path = persist_path
+        self._writer = writer
+        self._clock = clock
+        # Serialises rebuilds, lease adds and the commits that go with them.
+        self._kernel_lock = asyncio.Lock()
+        # DNS leases: ip -> (monotonic expiry, names whose answers carried it). A rebuild
+        # re-adds those a name of which the new policy still allows (remaining lifetime), so a
+        # policy change neither forgets what the app resolved a moment ago nor keeps open
+        # what it now denies.
+        self.leases: dict[IPAddress, tuple[float, frozenset[str]]] = {}
+        # Names seen in forwarded answers (filled by the forwarder, read by learn()).
+        self._answered: dict[IPAddress, set[str]] = {}
+        # Bumped on every policy change; carried in the DNS fence.
+        self.generation = 0
+        self.enforcement_ready = False
+        # After a change, established flows to destinations it no longer allows are cut in
+        # the background (None: never, e.g. in unit tests without a kernel).
+        self._cut_flows = cut_flows
+        self._background: set[asyncio.Task[int]] = set()
+        self.rules_installed = 0  # for egress_nftables_rules_count
+
+    def effective_for(self, policy: NetworkPolicy) -> NetworkPolicy:
+        """``policy`` with the current always-rules merged in (what DNS and nft would enforce)."""
+        return effective_policy(policy, self.always)
+
+    @property
+    def fence(self) -> Fence:
+        return Fence(SIDECAR_UID, str(self.generation))
+
+    # ---- DNS proxy side (the Policies protocol) ----------------------------------------------
+
+    def asker(self, source_ip: IPAddress) -> Asker:
+        return Asker(SIDECAR_UID, self.fence, self.effective)
+
+    def note_answer(self, name: str, ips: list[IPAddress]) -> None:
+        """Called by the forwarder for every upstream answer, before learn() sees its addresses."""
+        if len(self._answered) > _MAX_ANSWERED:
+            self._answered.clear()  # bounded; a missing name only makes a lease fail closed
+        qname = normalise_name(name)
+        for ip in ips:
+            self._answered.setdefault(ip, set()).add(qname)
+
+    def _allowed(self, names: Iterable[str], policy: NetworkPolicy) -> bool:
+        return any(evaluate_domain(policy, n).verdict is Verdict.ALLOW for n in names)
+
+    async def learn(self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]]) -> None:
+        if self.table.mode == "dns":
+            return  # no filter chain: nothing consults the dyn sets
+        async with self._kernel_lock:
+            if not self.enforcement_ready:
+                return
+            now = self._clock()
+            keep: list[tuple[IPAddress, float, frozenset[str]]] = []
+            for ip, seconds in leases:
+                names = frozenset(self._answered.get(ip, ()))
+                # Decided again under the policy in force now: an answer that raced a change
+                # adds nothing the change denies.
+                if (names and self._allowed(names, self.effective)) or (not names and fence == self.fence):
+                    # Never shorten a lease another answer granted: kernel and mirror agree.
+                    expiry = self.leases.get(ip, (0.0, frozenset()))[0]
+                    keep.append((ip, max(float(seconds), expiry - now), names))
+            if not keep:
+                return
+            await self.kernel.run_script(
+                dyn_add(self.table, [(ip, s) for ip, s, _ in keep]), op="dynamic_add"
+            )
+            for ip, granted, names in keep:
+                known = self.leases.get(ip, (0.0, frozenset()))[1]
+                self.leases[ip] = (now + granted, known | names)
+
+    # ---- kernel ------------------------------------------------------------------------------
+
+    def _leases_for(self, policy: NetworkPolicy) -> list[tuple[IPAddress, float]]:
+        """Unexpired leases with a name ``policy`` allows, as (ip, remaining seconds)."""
+        now = self._clock()
+        for ip in [ip for ip, (exp, _) in self.leases.items() if exp <= now]:
+            del self.leases[ip]
+        return [(ip, exp - now) for ip, (exp, names) in self.leases.items() if self._allowed(names, policy)]
+
+    def allows_ip(self, ip: IPAddress) -> bool:
+        """Whether the installed ruleset accepts a new connection to ``ip`` (mode dns+nft)."""
+        now = self._clock()
+        expiries = {a: exp for a, (exp, _) in self.leases.items()}
+        verdict, where, _ = ip_decision(self.effective, expiries, ip, now)
+        if verdict is Verdict.ALLOW:
+            return True
+        # Resolver addresses join the allow sets, but a deny rule still beats them.
+        return where != "deny" and ip in self.table.resolvers
+
+    async def install(self) -> None:
+        """Start-up: build the table for the current policy (NftError is fatal to the caller)."""
+        async with self._kernel_lock:
+            script = ruleset(self.table, self.effective)
+            await self.kernel.run_script(script, op="static_apply")
+            self.rules_installed = _rule_count(script)
+            self.enforcement_ready = True
+        log.info(
+            "egress.loaded",
+            **{"opensandbox.event": "egress.loaded", "egress.default": self.user.default_action.value},
+            rules=len(self.user.egress),
+            table=self.table.table,
+            mode=self.table.mode,
+        )
+
+    async def shutdown(self) -> None:
+        """Remove the table (BEHAVIOUR §13: shutdown deletes the sidecar table)."""
+        async with self._kernel_lock:
+            self.enforcement_ready = False
+            await self.kernel.run_script(delete_table(self.table), op="reset")
+
+    # ---- changes -----------------------------------------------------------------------------
+
+    def _persist(self, policy: NetworkPolicy) -> None:
+        if self.persist_path is not None:
+            self._writer(self.persist_path, serialise(policy))
+
+    async def set_policy(self, policy: NetworkPolicy) -> Outcome:
+        """Persist, rebuild, commit. 500 (with everything unchanged) when a step fails."""
+        return await self._change(policy, self.always, persist=True)
+
+    async def set_always_rules(self, always: AlwaysRules) -> None:
+        """Always-rules reload: rebuild with the new rules; raises when the kernel refuses."""
+        outcome = await self._change(self.user, always, persist=False)
+        if outcome.status != 200:
+            raise RuntimeError(outcome.reason)
+
+    async def _change(self, policy: NetworkPolicy, always: AlwaysRules, *, persist: bool) -> Outcome:
+        effective = effective_policy(policy, always)
+        event = {"egress.default": policy.default_action.value, "rules": len(policy.egress)}
+        async with self._kernel_lock:
+            if persist:
+                try:
+                    await asyncio.to_thread(self._persist, policy)
+                except OSError as exc:
+                    log.warning(
+                        "egress.update_failed",
+                        **{"opensandbox.event": "egress.update_failed", **event},
+                        error=f"persist: {exc.strerror or exc}",
+                    )
+                    return Outcome(500, f"cannot persist policy: {exc.strerror or type(exc).__name__}")
+            try:
+                script = ruleset(self.table, effective, self._leases_for(effective))
+                await self.kernel.run_script(script, op="static_apply")
+            except NftError as exc:
+                if persist:
+                    # Put the file back in line with what the kernel still enforces.
+                    with contextlib.suppress(OSError):
+                        await asyncio.to_thread(self._persist, self.user)
+                log.warning(
+                    "egress.update_failed",
+                    **{"opensandbox.event": "egress.update_failed", **event},
+                    error=str(exc)[:200],
+                )
+                return Outcome(500, f"policy apply: {exc}")
+            self.user = policy
+            self.always = always
+            self.effective = effective
+            self.generation += 1
+            self.rules_installed = _rule_count(script)
+            kept = {ip for ip, _ in self._leases_for(effective)}
+            for ip in [ip for ip in self.leases if ip not in kept]:
+                del self.leases[ip]
+            if self._cut_flows is not None and self.table.mode == "dns+nft":
+                task = asyncio.get_running_loop().create_task(self._cut_flows(self.allows_ip))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        log.info("egress.updated", **{"opensandbox.event": "egress.updated", **event})
+        return Outcome(200)
+
+
+def _rule_count(script: str) -> int:
+    return sum(1 for line in script.splitlines() if line.startswith("add rule "))

@@ -1,0 +1,207 @@
+"""Start-up, serving and shutdown of the sidecar profile (the thin shell around the engine).
+
+Order: always-rules and initial policy (pure checks) -> kernel self-test -> table for the
+initial policy -> DNS proxy -> HTTP. Any failure before serving is a one-line refusal: the
+sidecar never runs without enforcement. On SIGTERM/SIGINT the table is deleted (§13).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+
+from egressd.config import Config
+from egressd.dnsproxy.server import DnsProxy
+from egressd.dnsproxy.upstreams import Upstream, from_resolv_conf
+from egressd.fleet.always_reload import AlwaysRulesReloader
+from egressd.fleetnft.applier import KernelTransactions, NftError
+from egressd.metrics import EgressMetrics
+from egressd.policy import AlwaysRulesError, check_rule_cap, load_always_rules
+from egressd.sidecar.dns import NamingForwarder
+from egressd.sidecar.engine import SidecarEngine
+from egressd.sidecar.flows import cut_disallowed
+from egressd.sidecar.http import SidecarHTTP, VaultPrerequisites
+from egressd.sidecar.persist import InitialPolicyError, choose_initial, read_text
+from egressd.sidecarnft.ruleset import Mode, SidecarTable
+from egressd.sidecarnft.selftest import SelfTestError, check_net_admin, run_selftest
+
+log = structlog.get_logger("egressd.sidecar")
+
+
+class SidecarStartupError(Exception):
+    """One-line reason start-up was refused."""
+
+
+def _upstreams(cfg: Config) -> tuple[Upstream, ...]:
+    if cfg.dns_upstreams is not None:
+        return cfg.dns_upstreams
+    try:
+        resolv = Path("/etc/resolv.conf").read_text()
+    except OSError:
+        resolv = ""
+    return tuple(from_resolv_conf(resolv))
+
+
+def table_for(cfg: Config, upstreams: tuple[Upstream, ...]) -> SidecarTable:
+    mode: Mode = "dns" if cfg.mode == "dns" else "dns+nft"
+    return SidecarTable(
+        table=cfg.nft_table,
+        dns_port=cfg.dns_port,
+        mode=mode,
+        block_doh_443=cfg.block_doh_443,
+        doh_blocklist=cfg.doh_blocklist,
+        resolvers=tuple(sorted({ipaddress.ip_address(u.host) for u in upstreams}, key=str)),
+    )
+
+
+async def run_sidecar(
+    cfg: Config,
+    stop: asyncio.Event | None = None,
+    *,
+    mitm_ready: Callable[[], bool] = lambda: False,
+) -> None:
+    """Run until ``stop`` (or SIGTERM/SIGINT); ``mitm_ready`` gates vault writes (§6 412)."""
+    try:
+        always = load_always_rules(cfg.always_rules_dir)
+    except AlwaysRulesError as exc:
+        raise SidecarStartupError(f"always-rules: {exc}") from None
+    file_text, file_problem = read_text(cfg.policy_file)
+    try:
+        initial = choose_initial(file_text, file_problem, cfg.rules)
+    except InitialPolicyError as exc:
+        raise SidecarStartupError(str(exc)) from None
+    if initial.warning:
+        log.warning("policy.initial_fallback", reason=initial.warning, path=str(cfg.policy_file))
+    if not check_rule_cap(initial.policy, cfg.max_rules):
+        raise SidecarStartupError(
+            f"initial policy ({initial.source}) has more than {cfg.max_rules} rules (OPENSANDBOX_EGRESS_MAX_RULES)"
+        )
+
+    upstreams = _upstreams(cfg)
+    table = table_for(cfg, upstreams)
+    metrics = EgressMetrics()
+    tx = KernelTransactions(metrics)
+    engine = SidecarEngine(
+        table, tx, initial.policy, always=always, persist_path=cfg.policy_file, cut_flows=cut_disallowed
+    )
+    # Only a requested stop deletes the table (§13). A start-up failure or a crash leaves it
+    # enforcing: the sandbox stays closed until a sidecar serves again.
+    graceful = False
+    metrics.nft_rules.collect_from(lambda: {(): float(engine.rules_installed)})
+    try:
+        try:
+            check_net_admin()
+            tx.run_sync(lambda: run_selftest(tx._cmd, table_prefix=cfg.nft_table, dns_port=cfg.dns_port))
+        except SelfTestError as exc:
+            raise SidecarStartupError(str(exc)) from None
+        try:
+            await engine.install()
+        except NftError as exc:
+            raise SidecarStartupError(f"cannot install nft table {cfg.nft_table}: {exc}") from None
+        log.info("policy.initial", source=initial.source, mode=cfg.mode)
+
+        forwarder = NamingForwarder(upstreams, cfg.dns_upstream_timeout, engine.note_answer)
+        dns = DnsProxy(engine, forwarder, metrics, lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max))
+        # The output-hook redirect always lands on loopback, and a UDP socket bound to the
+        # wildcard would answer from the app's own address instead of 127.0.0.1, which the
+        # redirect's conntrack entry does not recognise (the app drops the answer). So the
+        # sidecar listens on loopback only, whatever host EGRESSD_DNS_ADDR names.
+        try:
+            await dns.start("127.0.0.1", cfg.dns_port)
+        except OSError as exc:
+            raise SidecarStartupError(
+                f"cannot listen for DNS on 127.0.0.1:{cfg.dns_port}: {exc.strerror}"
+            ) from None
+        dns_addrs = [f"127.0.0.1:{cfg.dns_port}"]
+        try:
+            await dns.start("::1", cfg.dns_port)
+            dns_addrs.append(f"[::1]:{cfg.dns_port}")
+        except OSError as exc:
+            # No IPv6 loopback in this namespace: v6 DNS cannot be redirected here either.
+            log.warning("dns.no_ipv6_loopback", error=exc.strerror)
+        log.info("dns.listening", addr=dns_addrs, upstreams=[str(u) for u in upstreams])
+        reloader = AlwaysRulesReloader(
+            cfg.always_rules_dir, always, engine.set_always_rules, interval=cfg.always_reload_interval
+        )
+        background = [asyncio.create_task(reloader.run())]
+        prerequisites = VaultPrerequisites(
+            token_set=cfg.token is not None,
+            mitm_transparent=cfg.mitm_transparent,
+            ssl_insecure=cfg.mitm_ssl_insecure,
+            mode=cfg.mode,
+            mitm_ready=mitm_ready,
+        )
+
+        def mitm_health() -> str | None:
+            # Like the fleet: with transparent MITM on, healthy means the MITM is ready too.
+            return "mitmproxy not ready" if cfg.mitm_transparent and not mitm_ready() else None
+
+        http = SidecarHTTP(
+            engine,
+            metrics,
+            token=cfg.token,
+            max_rules=cfg.max_rules,
+            prerequisites=prerequisites,
+            extra_health=mitm_health,
+        )
+        # aiohttp's low-level parser logs a malformed request line or header verbatim, which
+        # could carry the auth header; the client gets its 400 either way.
+        logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+        runner = web.AppRunner(http.app(), access_log=None, handle_signals=False)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, cfg.http_host, cfg.http_port, reuse_address=True)
+            try:
+                await site.start()
+            except OSError as exc:
+                raise SidecarStartupError(
+                    f"cannot listen on {cfg.http_host}:{cfg.http_port}: {exc.strerror}"
+                ) from None
+            log.info("http.listening", addr=f"{cfg.http_host}:{cfg.http_port}", profile="sidecar")
+            stop = stop or asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            await stop.wait()
+            # §13: a stop deletes the table. EGRESSD_SIDECAR_KEEP_TABLE keeps it, so a
+            # supervisor's SIGTERM-then-start restart never leaves the sandbox open.
+            graceful = not cfg.sidecar_keep_table
+            log.info(
+                "shutdown",
+                reason="signal",
+                table=cfg.nft_table,
+                table_deleted=graceful,
+            )
+        finally:
+            for task in background:
+                task.cancel()
+            await runner.cleanup()
+            await dns.close()
+            forwarder.close()
+    finally:
+        if graceful:
+            try:
+                await engine.shutdown()
+            except NftError as exc:
+                log.error("shutdown.table_delete_failed", table=cfg.nft_table, error=str(exc)[:200])
+        await tx.close()
+
+
+def main(cfg: Config) -> int:
+    """Profile entry point for :func:`egressd.main.main`: exit code, one-line errors."""
+    try:
+        asyncio.run(run_sidecar(cfg))
+    except SidecarStartupError as exc:
+        print(f"egressd: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,199 @@
+"""Pure generation of the sidecar ruleset (BEHAVIOUR.md §8.6).
+
+The sidecar runs inside the sandbox's own network namespace and enforces one policy for
+everything in it, so its table hooks ``output`` (the app's packets are locally generated)
+instead of the fleet's prerouting/forward pair. Every change rebuilds the whole table in one
+libnftables transaction (``add table`` + ``delete table`` + the new table): the kernel swaps
+the old ruleset for the new one atomically, so there is never a moment without enforcement,
+and a missing table cannot make the transaction fail. The table is tiny (one subject), so
+the libnftables 1.0.6 cache cost that shapes the fleet builder does not matter here.
+
+Shape::
+
+    sets     allow_v4/v6, deny_v4/v6 (interval), dyn_allow_v4/v6 (timeout 360s),
+             [D] doh_block_v4/v6 (interval)
+    chain    dns_redirect  nat hook output: mark 0x1 return; udp/tcp dport 53 redirect
+    chain    egress        filter hook output, policy accept iff defaultAction allow
+             (mode dns+nft only): established, mark 0x1, lo, redirected DNS, IPv6 ND, 853, DoH,
+             deny, dyn, allow, counter drop
+
+Nothing here touches the kernel; the shell (:mod:`egressd.sidecar.engine`) runs the text.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from egressd.policy import NetworkPolicy, Verdict, format_element, ip_sets, normalise_networks
+from egressd.subject.model import IPAddress
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+Mode = Literal["dns", "dns+nft"]
+
+DYN_TIMEOUT_S: Final = 360
+#: Mark the DNS forwarder puts on its upstream sockets (SO_MARK); exempt from redirect and filter.
+UPSTREAM_MARK: Final = 0x1
+REDIRECT_CHAIN: Final = "dns_redirect"
+FILTER_CHAIN: Final = "egress"
+ND_TYPES: Final = "nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert"
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarTable:
+    """Everything about the ruleset that is fixed for the life of the process."""
+
+    table: str = "opensandbox"
+    dns_port: int = 15353
+    mode: Mode = "dns+nft"
+    block_doh_443: bool = False
+    doh_blocklist: tuple[IPNetwork, ...] = ()
+    #: Upstream resolver addresses: they join the allow sets (§8.6).
+    resolvers: tuple[IPAddress, ...] = ()
+
+
+def _fam(net: IPNetwork | IPAddress) -> str:
+    return "v4" if net.version == 4 else "v6"
+
+
+def _l3(fam: str) -> str:
+    return "ip" if fam == "v4" else "ip6"
+
+
+def _addr_type(fam: str) -> str:
+    return "ipv4_addr" if fam == "v4" else "ipv6_addr"
+
+
+def _split(nets: Iterable[IPNetwork]) -> dict[str, list[str]]:
+    """Per family, normalised (overlapping interval elements make nft refuse the set)."""
+    v4 = [n for n in nets if isinstance(n, ipaddress.IPv4Network)]
+    v6 = [n for n in nets if isinstance(n, ipaddress.IPv6Network)]
+    return {
+        "v4": [format_element(n) for n in normalise_networks(v4)],
+        "v6": [format_element(n) for n in normalise_networks(v6)],
+    }
+
+
+def _interval_set(table: str, name: str, fam: str, elements: Sequence[str]) -> str:
+    body = f"type {_addr_type(fam)}; flags interval;"
+    if elements:
+        body += f" elements = {{ {', '.join(elements)} }}"
+    return f"add set inet {table} {name} {{ {body} }}"
+
+
+def _timeout_set(table: str, name: str, fam: str, elements: Sequence[str]) -> str:
+    # Must stay byte-for-byte the declaration dyn_add re-uses: a re-declaration with other
+    # properties is refused by the kernel.
+    body = f"type {_addr_type(fam)}; flags timeout; timeout {DYN_TIMEOUT_S}s;"
+    if elements:
+        body += f" elements = {{ {', '.join(elements)} }}"
+    return f"add set inet {table} {name} {{ {body} }}"
+
+
+def dyn_set(fam: str) -> str:
+    return f"dyn_allow_{fam}"
+
+
+def lease_element(ip: IPAddress, seconds: float) -> str:
+    """A dyn element; ``expires`` as well as ``timeout`` so a re-add refreshes an existing one."""
+    s = max(1, min(DYN_TIMEOUT_S, math.ceil(seconds)))
+    return f"{ip} timeout {s}s expires {s}s"
+
+
+def ruleset(cfg: SidecarTable, policy: NetworkPolicy, leases: Sequence[tuple[IPAddress, float]] = ()) -> str:
+    """The whole table for ``policy`` (the effective one: user + always-rules) as one script.
+
+    ``leases`` are DNS-learned addresses with their remaining lifetime in seconds: a rebuild
+    keeps them, so a policy change does not break names the app resolved a moment ago.
+    """
+    t = cfg.table
+    sets = ip_sets(policy)
+    resolvers = [ipaddress.ip_network(ip) for ip in cfg.resolvers]
+    allow = _split([*sets.allow_v4, *sets.allow_v6, *resolvers])
+    deny = _split([*sets.deny_v4, *sets.deny_v6])
+    dyn: dict[str, list[str]] = {"v4": [], "v6": []}
+    for ip, seconds in leases:
+        if seconds > 0:
+            dyn[_fam(ip)].append(lease_element(ip, seconds))
+
+    lines = [f"add table inet {t}", f"delete table inet {t}", f"add table inet {t}"]
+    for fam in ("v4", "v6"):
+        lines.append(_interval_set(t, f"allow_{fam}", fam, allow[fam]))
+        lines.append(_interval_set(t, f"deny_{fam}", fam, deny[fam]))
+        lines.append(_timeout_set(t, dyn_set(fam), fam, dyn[fam]))
+    doh = _split(cfg.doh_blocklist)
+    if cfg.block_doh_443 and cfg.doh_blocklist:
+        for fam in ("v4", "v6"):
+            if doh[fam]:
+                lines.append(_interval_set(t, f"doh_block_{fam}", fam, doh[fam]))
+
+    def rule(chain: str, body: str) -> None:
+        lines.append(f"add rule inet {t} {chain} {body}")
+
+    # DNS: every udp/tcp 53 packet the namespace sends goes to the local proxy, except the
+    # proxy's own upstream queries (SO_MARK 0x1 set by the forwarder).
+    lines.append(
+        f"add chain inet {t} {REDIRECT_CHAIN} {{ type nat hook output priority -100; policy accept; }}"
+    )
+    rule(REDIRECT_CHAIN, f"meta mark {UPSTREAM_MARK:#x} return")
+    rule(REDIRECT_CHAIN, f"udp dport 53 redirect to :{cfg.dns_port}")
+    rule(REDIRECT_CHAIN, f"tcp dport 53 redirect to :{cfg.dns_port}")
+    if cfg.mode == "dns":
+        return "\n".join(lines) + "\n"
+
+    default_allow = policy.default_action is Verdict.ALLOW
+    verdict = "accept" if default_allow else "drop"
+    lines.append(
+        f"add chain inet {t} {FILTER_CHAIN} {{ type filter hook output priority 0; policy {verdict}; }}"
+    )
+    f = FILTER_CHAIN
+    rule(f, "ct state established,related accept")
+    rule(f, f"meta mark {UPSTREAM_MARK:#x} accept")
+    rule(f, 'oifname "lo" accept')
+    # A redirected DNS packet still carries the output interface it was routed to before the
+    # nat hook rewrote its destination (the hook state is fixed per traversal), so "lo"
+    # does not match it: accept exactly the proxy's loopback address and port.
+    rule(f, f"ip daddr 127.0.0.1 meta l4proto {{ tcp, udp }} th dport {cfg.dns_port} accept")
+    rule(f, f"ip6 daddr ::1 meta l4proto {{ tcp, udp }} th dport {cfg.dns_port} accept")
+    # IPv6 needs neighbour discovery to reach even the gateway (IPv4's ARP never enters an
+    # inet chain). Link-local only: a hop limit of 255 cannot have been routed.
+    rule(f, f"icmpv6 type {{ {ND_TYPES} }} ip6 hoplimit 255 accept")
+    rule(f, "tcp dport 853 drop")
+    rule(f, "udp dport 853 drop")
+    if cfg.block_doh_443:
+        if not cfg.doh_blocklist:
+            rule(f, "tcp dport 443 drop")
+        else:
+            for fam in ("v4", "v6"):
+                if doh[fam]:
+                    rule(f, f"{_l3(fam)} daddr @doh_block_{fam} tcp dport 443 drop")
+    for fam in ("v4", "v6"):
+        rule(f, f"{_l3(fam)} daddr @deny_{fam} drop")
+    for fam in ("v4", "v6"):
+        rule(f, f"{_l3(fam)} daddr @{dyn_set(fam)} accept")
+    for fam in ("v4", "v6"):
+        rule(f, f"{_l3(fam)} daddr @allow_{fam} accept")
+    if not default_allow:
+        rule(f, "counter drop")
+    return "\n".join(lines) + "\n"
+
+
+def dyn_add(cfg: SidecarTable, leases: Sequence[tuple[IPAddress, float]]) -> str:
+    """DNS learning: add (or refresh) addresses in the dyn sets, one transaction.
+
+    Re-declares the sets with the elements inline: that is the cache-free path of
+    libnftables 1.0.6 (``add element`` would first dump every interval set of the netns).
+    """
+    by_fam: dict[str, list[str]] = {"v4": [], "v6": []}
+    for ip, seconds in leases:
+        by_fam[_fam(ip)].append(lease_element(ip, seconds))
+    lines = [_timeout_set(cfg.table, dyn_set(fam), fam, els) for fam, els in by_fam.items() if els]
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def delete_table(cfg: SidecarTable) -> str:
+    """Shutdown: remove the table (``add`` first, so a missing table is not an error)."""
+    return f"add table inet {cfg.table}\ndelete table inet {cfg.table}\n"

@@ -1,0 +1,95 @@
+"""Start-up proof that this network namespace supports every kernel feature §8.6 uses.
+
+Each probe runs in a scratch table that is deleted afterwards. The first failure refuses
+start-up with a one-line reason: a sidecar that cannot enforce must not run silently open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+
+from egressd.fleetnft.applier import NftError
+
+
+class SelfTestError(RuntimeError):
+    pass
+
+
+CAP_NET_ADMIN = 12
+
+
+def has_net_admin(proc_status: str) -> bool | None:
+    """Whether ``CapEff`` in a /proc/<pid>/status text holds CAP_NET_ADMIN (None: no such line)."""
+    for line in proc_status.splitlines():
+        if line.startswith("CapEff:"):
+            try:
+                return bool(int(line.split(":", 1)[1].strip(), 16) >> CAP_NET_ADMIN & 1)
+            except ValueError:
+                return None
+    return None
+
+
+def check_net_admin(status_path: str = "/proc/self/status") -> None:
+    """Refuse early and in one line: without the capability libnftables also prints its own
+    complaint to stderr before failing."""
+    try:
+        with open(status_path) as fh:
+            text = fh.read()
+    except OSError:
+        return  # unknown: the nft probes below decide
+    if has_net_admin(text) is False:
+        raise SelfTestError("missing CAP_NET_ADMIN: the sidecar cannot enforce egress in this namespace")
+
+
+def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
+    return [
+        (
+            "interval sets",
+            f"add set inet {t} iv4 {{ type ipv4_addr; flags interval; elements = {{ 10.0.0.0/24, 10.1.0.1 }} }}\n"
+            f"add set inet {t} iv6 {{ type ipv6_addr; flags interval; elements = {{ 2001:db8::/32 }} }}",
+        ),
+        (
+            "timeout sets",
+            f"add set inet {t} tv4 {{ type ipv4_addr; flags timeout; timeout 360s; "
+            f"elements = {{ 192.0.2.1 timeout 90s expires 90s }} }}",
+        ),
+        (
+            "output-hook filter chain",
+            f"add chain inet {t} out {{ type filter hook output priority 0; policy accept; }}\n"
+            f"add rule inet {t} out ct state established,related accept\n"
+            f"add rule inet {t} out meta mark 0x1 accept\n"
+            f'add rule inet {t} out oifname "lo" accept\n'
+            f"add rule inet {t} out ip daddr @iv4 tcp dport 443 drop\n"
+            f"add rule inet {t} out ip6 daddr @iv6 drop\n"
+            f"add rule inet {t} out ip daddr @tv4 accept\n"
+            f"add rule inet {t} out counter",
+        ),
+        (
+            "DNS redirect (nat hook output)",
+            f"add chain inet {t} nat {{ type nat hook output priority -100; policy accept; }}\n"
+            f"add rule inet {t} nat meta mark 0x1 return\n"
+            f"add rule inet {t} nat udp dport 53 redirect to :{dns_port}\n"
+            f"add rule inet {t} nat tcp dport 53 redirect to :{dns_port}",
+        ),
+    ]
+
+
+def run_selftest(cmd: Callable[[str], None], *, table_prefix: str, dns_port: int) -> None:
+    """Probe the kernel through the path the daemon uses (libnftables); raise SelfTestError."""
+    t = f"{table_prefix}-selftest-{os.getpid()}"
+    try:
+        cmd(f"add table inet {t}\ndelete table inet {t}")
+    except NftError as exc:
+        raise SelfTestError(f"nftables unusable in this namespace (need CAP_NET_ADMIN): {exc}") from None
+    try:
+        cmd(f"add table inet {t}")
+        for feature, script in _probes(t, dns_port):
+            try:
+                cmd(script)
+            except NftError as exc:
+                raise SelfTestError(f"kernel feature missing: {feature}: {exc}") from None
+    finally:
+        with contextlib.suppress(NftError):
+            cmd(f"add table inet {t}\ndelete table inet {t}")

@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# egressd as an egress sidecar, end to end, on a throwaway network-namespace topology:
+#
+#   sandbox (10.203.0.11; egressd AND the app run here) --veth-- upstream (10.203.0.1, 10.204.0.2-9)
+#
+# egressd runs inside the sandbox's own namespace (it holds NET_ADMIN there) and enforces one
+# policy for everything in it: DNS answers and TCP connections of the app (dig, curl) are
+# checked after each step, the API is driven like the OpenSandbox SDK would drive it (token,
+# PATCH/DELETE/POST /policy, a vault write that must answer 412), then kill -9 + restart and
+# SIGTERM. One line per check, then "N passed, M failed". Exit 0 only when every check
+# passed. Everything is removed on any exit (also on failure or Ctrl-C).
+#
+# Nothing is created in the root namespace: the veth pair is made with both ends inside our
+# namespaces, and no namespace has a route out.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+if [ "$(id -u)" -ne 0 ]; then echo "smoke-sidecar: needs root (network namespaces, nftables)" >&2; exit 1; fi
+scripts/install.sh >/dev/null || { echo "smoke-sidecar: install failed" >&2; exit 1; }
+
+P="egsc$$"
+SBX="$P-sb"; UP="$P-up"
+WORK=$(mktemp -d /tmp/egressd-smoke-sidecar.XXXXXX)
+TOKEN="smoke-sidecar-token"
+POLICY_FILE="$WORK/policy.json"
+PIDS=()
+PASS=0; FAIL=0
+
+cleanup() {
+  trap '' INT TERM  # a second Ctrl-C must not cut the cleanup short
+  for pid in "${PIDS[@]:-}"; do [ -n "$pid" ] && kill "$pid" 2>/dev/null; done
+  sleep 0.2
+  for ns in "$SBX" "$UP"; do
+    if ip netns list | grep -qw "$ns"; then
+      for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+      ip netns del "$ns" 2>/dev/null
+    fi
+  done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+check() {  # check "description" command...
+  local what=$1; shift
+  if "$@" >/dev/null 2>&1; then PASS=$((PASS + 1)); echo "PASS  $what"
+  else FAIL=$((FAIL + 1)); echo "FAIL  $what"; fi
+}
+not() { ! "$@"; }
+inns() { ip netns exec "$@"; }
+
+# ---- topology ---------------------------------------------------------------------------------
+for ns in "$SBX" "$UP"; do ip netns add "$ns"; inns "$ns" ip link set lo up; done
+ip link add eth0 netns "$SBX" type veth peer name eth0 netns "$UP"
+inns "$UP" ip addr add 10.203.0.1/24 dev eth0
+for i in 2 3 4 5 6 7 8 9; do inns "$UP" ip addr add "10.204.0.$i/32" dev eth0; done
+inns "$UP" ip link set eth0 up
+inns "$SBX" ip addr add 10.203.0.11/24 dev eth0; inns "$SBX" ip link set eth0 up
+inns "$SBX" ip route add 10.204.0.0/24 via 10.203.0.1
+# The DNS upstream is the upstream's primary address: its wildcard UDP socket answers from it.
+
+cat > "$WORK/zone.json" <<'JSON'
+{"records": [
+  {"name": "api.allowed.test", "type": "A", "value": "10.204.0.3", "ttl": 30},
+  {"name": "www.allowed.test", "type": "CNAME", "value": "api.allowed.test", "ttl": 30},
+  {"name": "later.test", "type": "A", "value": "10.204.0.4", "ttl": 30},
+  {"name": "exfil.test", "type": "A", "value": "10.204.0.5", "ttl": 30}
+]}
+JSON
+ip netns exec "$UP" "$ROOT/.venv/bin/python" scripts/fleet_upstream.py --http-ports 80,853 --zone "$WORK/zone.json" \
+  --log "$WORK/upstream.jsonl" > "$WORK/upstream.out" 2>&1 &
+PIDS+=($!)
+for _ in $(seq 1 100); do grep -q ready "$WORK/upstream.out" 2>/dev/null && break; sleep 0.1; done
+mkdir -p "$WORK/rules"
+
+INITIAL='{"defaultAction":"deny","egress":[{"action":"allow","target":"*.allowed.test"},{"action":"allow","target":"10.204.0.6"}]}'
+
+start_egressd() {
+  # ip netns exec directly (not the inns function): $! must be egressd's own pid.
+  ip netns exec "$SBX" env OPENSANDBOX_EGRESS_TOKEN="$TOKEN" OPENSANDBOX_EGRESS_POLICY_FILE="$POLICY_FILE" \
+    OPENSANDBOX_EGRESS_RULES="$INITIAL" OPENSANDBOX_EGRESS_MAX_RULES=20 \
+    OPENSANDBOX_EGRESS_DNS_UPSTREAM=10.203.0.1:53 OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT=2 \
+    EGRESSD_ALWAYS_RULES_DIR="$WORK/rules" EGRESSD_LOG_FORMAT=json \
+    "$ROOT/.venv/bin/egressd" >> "$WORK/egressd.log" 2>&1 &
+  EGRESSD_PID=$!
+  PIDS+=("$EGRESSD_PID")
+  for _ in $(seq 1 150); do
+    inns "$SBX" curl -s -m 1 127.0.0.1:18080/healthz 2>/dev/null | grep -q ok && return 0
+    sleep 0.1
+  done
+  return 1
+}
+api() {  # api METHOD PATH [BODY] -> prints "<body>\n<code>"
+  local args=(-s -m 10 -w '\n%{http_code}' -X "$1" -H "OPENSANDBOX-EGRESS-AUTH: $TOKEN")
+  [ $# -ge 3 ] && args+=(-H 'Content-Type: application/json' --data-binary "$3")
+  inns "$SBX" curl "${args[@]}" "http://127.0.0.1:18080$2"
+}
+code_is() { [ "$(api "$@" | tail -n 1)" = "$CODE" ]; }
+expect() { CODE=$1; shift; code_is "$@"; }
+reaches() { [ "$(inns "$SBX" curl -s -o /dev/null -w '%{http_code}' --connect-timeout 1 -m 2 "http://$1/smoke")" = 200 ]; }
+resolves() { inns "$SBX" dig +short +time=2 +tries=1 "@${3:-10.204.0.2}" "$1" | grep -q "${2:-.}"; }
+nxdomain() { inns "$SBX" dig +time=2 +tries=1 "@${2:-10.204.0.2}" "$1" | grep -q "status: NXDOMAIN"; }
+upstream_saw() { grep -q "\"dns\": \"$1\"" "$WORK/upstream.jsonl"; }
+table_exists() { inns "$SBX" nft list table inet opensandbox; }
+
+check "egressd starts in the sandbox namespace and reports healthy" start_egressd
+check "the API refuses a request without the token (401)" \
+  bash -c "[ \"\$(ip netns exec $SBX curl -s -o /dev/null -w '%{http_code}' 127.0.0.1:18080/policy)\" = 401 ]"
+check "the API refuses a wrong token (401)" \
+  bash -c "[ \"\$(ip netns exec $SBX curl -s -o /dev/null -w '%{http_code}' -H 'OPENSANDBOX-EGRESS-AUTH: nope' 127.0.0.1:18080/policy)\" = 401 ]"
+check "GET /policy returns the initial policy from OPENSANDBOX_EGRESS_RULES" bash -c "$(declare -f api inns); TOKEN=$TOKEN SBX=$SBX; api GET /policy | grep -q '\*.allowed.test'"
+check "the nft table is installed in the sandbox namespace" table_exists
+
+# ---- enforcement ------------------------------------------------------------------------------
+check "an allowed name resolves (query to the upstream redirected to the proxy)" resolves api.allowed.test 10.204.0.3
+check "the app connects to the address it learned" reaches 10.204.0.3
+check "a CNAME chain is followed" resolves www.allowed.test 10.204.0.3
+check "a denied name gets NXDOMAIN" nxdomain exfil.test
+check "the upstream never saw the denied name" not upstream_saw exfil.test
+check "a query to another resolver address is filtered too" nxdomain exfil.test 10.204.0.9
+check "the app cannot connect to an address it did not learn" not reaches 10.204.0.5
+check "an allowed literal IP is reachable" reaches 10.204.0.6
+check "DoT (853) is dropped even to an allowed address" not inns "$SBX" curl -s --connect-timeout 1 -m 2 http://10.204.0.6:853/
+
+# ---- API --------------------------------------------------------------------------------------
+check "PATCH /policy adds a name -> 200" expect 200 PATCH /policy '[{"action":"allow","target":"later.test"}]'
+check "the patched name resolves and connects immediately" bash -c "ip netns exec $SBX dig +short +time=2 +tries=1 @10.204.0.2 later.test | grep -q 10.204.0.4 && [ \"\$(ip netns exec $SBX curl -s -o /dev/null -w '%{http_code}' --connect-timeout 1 -m 2 http://10.204.0.4/)\" = 200 ]"
+check "DELETE /policy removes it -> 200" expect 200 DELETE /policy '["LATER.test"]'
+check "the removed name is denied again (NXDOMAIN)" nxdomain later.test
+check "its learned address is closed again at once" not reaches 10.204.0.4
+check "a malformed PATCH -> 400" expect 400 PATCH /policy '[{"action":"maybe","target":"x.test"}]'
+check "an empty PATCH -> 400" expect 400 PATCH /policy '[]'
+check "more rules than OPENSANDBOX_EGRESS_MAX_RULES -> 413" expect 413 POST /policy \
+  "{\"egress\":[$(for i in $(seq 1 21); do printf '{"action":"allow","target":"n%s.test"},' "$i"; done | sed 's/,$//')]}"
+check "a rejected change left the policy alone" resolves api.allowed.test 10.204.0.3
+check "a vault write without the MITM prerequisites -> 412" expect 412 POST /credential-vault \
+  '{"credentials":[{"name":"k","source":{"type":"inline","value":"smoke-secret-value"}}],"bindings":[]}'
+check "vault reads without a vault -> 404" expect 404 GET /credential-vault/bindings
+check "the secret never reached the daemon's log" not grep -q smoke-secret-value "$WORK/egressd.log"
+check "healthz and metrics need no token" bash -c "ip netns exec $SBX curl -sf 127.0.0.1:18080/healthz && ip netns exec $SBX curl -sf 127.0.0.1:18080/metrics | grep -q egress_nftables_updates_total"
+check "POST /policy replaces the policy -> 200" expect 200 POST /policy '{"defaultAction":"deny","egress":[{"action":"allow","target":"api.allowed.test"},{"action":"allow","target":"10.204.0.6"}]}'
+check "the change was persisted to OPENSANDBOX_EGRESS_POLICY_FILE" grep -q '"api.allowed.test"' "$POLICY_FILE"
+
+# ---- restart and shutdown ---------------------------------------------------------------------
+kill -9 "$EGRESSD_PID" 2>/dev/null; wait "$EGRESSD_PID" 2>/dev/null
+check "with the daemon dead the kernel keeps enforcing" not reaches 10.204.0.5
+check "with the daemon dead DNS stays closed (no bypass to the upstream)" not resolves api.allowed.test
+check "egressd restarts" start_egressd
+check "the restart keeps the persisted policy (not OPENSANDBOX_EGRESS_RULES)" not resolves www.allowed.test
+check "the restarted sidecar enforces it" bash -c "ip netns exec $SBX dig +short +time=2 +tries=1 @10.204.0.2 api.allowed.test | grep -q 10.204.0.3"
+check "the restarted sidecar still denies" nxdomain exfil.test
+kill -TERM "$EGRESSD_PID" 2>/dev/null
+check "SIGTERM: egressd exits 0" wait "$EGRESSD_PID"
+check "SIGTERM: the sidecar table is deleted" not table_exists
+check "without NET_ADMIN egressd refuses to start with one line" bash -c \
+  "out=\$(ip netns exec $SBX setpriv --bounding-set -net_admin --inh-caps -net_admin $ROOT/.venv/bin/egressd 2>&1 >/dev/null); rc=\$?; [ \$rc -eq 1 ] && [ \$(printf '%s\n' \"\$out\" | wc -l) -eq 1 ] && grep -q NET_ADMIN <<<\"\$out\""
+check "and leaves no table behind" not table_exists
+
+echo "$PASS passed, $FAIL failed"
+[ "$FAIL" -eq 0 ]

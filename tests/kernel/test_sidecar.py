@@ -1,0 +1,352 @@
+"""Sidecar profile against the real kernel (BEHAVIOUR §8.6, §13): egressd and the app share
+one sandbox namespace; real DNS queries and TCP connections go through its output hook."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.kernel.sidecar import TABLE, Sidecar
+from tests.kernel.topology import UP_NET, Topology, cleanup_stale
+
+UP_A = f"{UP_NET}.2"  # a.test, also the DNS upstream
+UP_B = f"{UP_NET}.3"  # b.test
+UP_EX = f"{UP_NET}.5"  # example.test
+UP_LIT = f"{UP_NET}.8"  # allowed by literal IP
+UP_X = f"{UP_NET}.9"  # never allowed: probe target
+
+
+@pytest.fixture(scope="module")
+def stopo() -> Iterator[Topology]:
+    cleanup_stale()
+    t = Topology(prefix=f"egs{os.getpid()}", sandboxes=2).up_()
+    try:
+        yield t
+    finally:
+        t.down()
+
+
+@pytest.fixture
+def sidecar(stopo: Topology) -> Iterator[Sidecar]:
+    sc = Sidecar(stopo, sb=1)
+    try:
+        yield sc
+    finally:
+        sc.cleanup()
+
+
+def allow(*targets: str, default: str = "deny") -> dict[str, Any]:
+    return {"defaultAction": default, "egress": [{"action": "allow", "target": t} for t in targets]}
+
+
+def test_refuses_to_start_without_net_admin(sidecar: Sidecar) -> None:
+    setpriv = shutil.which("setpriv")
+    assert setpriv is not None, "setpriv (util-linux) is needed"
+    r = sidecar.run_to_exit(setpriv, "--bounding-set", "-net_admin", "--inh-caps", "-net_admin")
+    assert r.returncode == 1, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "CAP_NET_ADMIN" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not sidecar.table_exists()
+
+
+def test_refuses_invalid_initial_rules_with_one_line(sidecar: Sidecar) -> None:
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = '{"egress":[{"action":"maybe","target":"a.test"}]}'
+    r = sidecar.run_to_exit()
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and "OPENSANDBOX_EGRESS_RULES" in r.stderr
+    assert not sidecar.table_exists()
+
+
+def test_names_and_addresses_are_enforced_for_the_namespace(sidecar: Sidecar, stopo: Topology) -> None:
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(allow("b.test", "*.example.test", UP_LIT))
+    sidecar.start()
+    assert sidecar.policy()["mode"] == "enforcing"
+    # Before any lookup the app reaches only literal allowed addresses (and the resolver,
+    # whose address joins the allow sets, §8.6).
+    assert not sidecar.reaches(UP_B)
+    assert sidecar.reaches(UP_LIT)
+    assert sidecar.reaches(UP_A)
+    assert not sidecar.reaches(UP_X)
+
+    # An allowed name resolves (the query to the upstream's :53 is redirected to the proxy) ...
+    assert sidecar.dig("b.test") == ("NOERROR", [UP_B])
+    assert sidecar.reaches(UP_B)  # ... and its address is learned before the answer arrives.
+    assert sidecar.dig("api.example.test", tcp=True) == ("NOERROR", [f"{UP_NET}.6"])
+    # A denied name gets NXDOMAIN and never reaches the upstream.
+    assert sidecar.dig("secret-exfil.test")[0] == "NXDOMAIN"
+    assert sidecar.dig("example.test")[0] == "NXDOMAIN"  # a wildcard never matches the apex
+    assert "secret-exfil.test" not in stopo.upstream_queries()
+    assert not sidecar.reaches(UP_EX)
+    # A query to any other resolver address is redirected as well: no bypass.
+    assert sidecar.dig("secret-exfil.test", server=f"{UP_NET}.7")[0] == "NXDOMAIN"
+    assert sidecar.dig("secret-exfil.test", server=f"{UP_NET}.7", tcp=True)[0] == "NXDOMAIN"
+    assert "secret-exfil.test" not in stopo.upstream_queries()
+    # getaddrinfo-based clients (curl by name) go through the same path.
+    assert sidecar.curl_by_name("http://b.test/") == 200
+    assert sidecar.curl_by_name("http://x.y.example.test/") == 200
+    assert sidecar.curl_by_name("http://secret-exfil.test/") == 0
+    # DoT is dropped even to an allowed address; loopback is untouched.
+    assert stopo.curl(1, f"http://{UP_LIT}:853/") == 0
+    assert sidecar.api("GET", "/healthz")[0] == 200
+    # A plain python socket (no curl) is filtered the same way.
+    r = sidecar.python(
+        "import socket\n"
+        f"for ip in ('{UP_LIT}', '{UP_X}'):\n"
+        "    try:\n"
+        "        socket.create_connection((ip, 80), timeout=1).close(); print(ip, 'open')\n"
+        "    except OSError:\n"
+        "        print(ip, 'closed')\n"
+    )
+    assert r.stdout.split("\n")[:2] == [f"{UP_LIT} open", f"{UP_X} closed"], r.stdout + r.stderr
+
+
+def test_ip_rules_deny_beats_allow_and_default_allow(sidecar: Sidecar) -> None:
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(
+        {
+            "defaultAction": "allow",
+            "egress": [{"action": "deny", "target": UP_B}, {"action": "deny", "target": "b.test"}],
+        }
+    )
+    sidecar.start()
+    assert sidecar.reaches(UP_X)  # default allow
+    assert not sidecar.reaches(UP_B)  # denied IP
+    assert sidecar.dig("b.test")[0] == "NXDOMAIN"
+    assert sidecar.dig("a.test")[0] == "NOERROR"
+    sidecar.set_policy(
+        {
+            "defaultAction": "deny",
+            "egress": [{"action": "allow", "target": f"{UP_NET}.0/24"}, {"action": "deny", "target": UP_X}],
+        }
+    )
+    assert sidecar.reaches(UP_B)
+    assert not sidecar.reaches(UP_X)  # deny beats the covering allow
+
+
+def test_ipv6_and_doh_blocking(sidecar: Sidecar, stopo: Topology) -> None:
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(allow("v6.test", UP_LIT, UP_EX))
+    sidecar.env["OPENSANDBOX_EGRESS_BLOCK_DOH_443"] = "1"
+    sidecar.env["OPENSANDBOX_EGRESS_DOH_BLOCKLIST"] = f"{UP_LIT},fd00:204::9"
+    sidecar.start()
+    # IPv6: a query sent over v6 to the upstream is redirected to the proxy's [::1] socket,
+    # and the learned AAAA lands in the v6 dyn set.
+    assert not sidecar.reaches("fd00:204::2")
+    assert sidecar.dig("v6.test", "AAAA", server="fd00:204::2") == ("NOERROR", ["fd00:204::2"])
+    assert sidecar.reaches("fd00:204::2")
+    assert not sidecar.reaches("fd00:204::3")
+    assert sidecar.dig("b.test", server="fd00:204::2")[0] == "NXDOMAIN"
+    # DoH blocklist: 443 to a listed address is dropped even though the address is allowed.
+    assert sidecar.reaches(UP_LIT, 80)
+    assert not sidecar.reaches(UP_LIT, 443)
+    assert sidecar.reaches(UP_EX, 443)
+
+
+def test_patch_applies_immediately_and_keeps_allowed_established_flows(
+    sidecar: Sidecar, stopo: Topology
+) -> None:
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(allow(UP_LIT))
+    sidecar.start()
+    holder = _keepalive(stopo, sidecar.sb, UP_LIT)
+    time.sleep(0.6)
+    assert not sidecar.reaches(UP_B)
+    sidecar.patch([{"action": "allow", "target": UP_B}])
+    assert sidecar.reaches(UP_B)  # immediately: no retry loop
+    sidecar.patch([{"action": "allow", "target": "b.test"}, {"action": "deny", "target": UP_X}])
+    assert sidecar.dig("b.test") == ("NOERROR", [UP_B])
+    code, _ = sidecar.api("DELETE", "/policy", [UP_B, "b.test"])
+    assert code == 200
+    assert [r["target"] for r in sidecar.policy()["policy"]["egress"]] == [UP_X, UP_LIT]
+    assert not sidecar.reaches(UP_B)
+    assert sidecar.dig("b.test")[0] == "NXDOMAIN"
+    out, _ = holder.communicate(timeout=20)
+    results = out.split()
+    assert results and "dead" not in results, "an allowed established flow was dropped: " + out
+    assert len(results) >= 10, out
+
+
+def test_narrowing_cuts_exactly_the_flows_it_no_longer_allows(sidecar: Sidecar, stopo: Topology) -> None:
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(allow(UP_LIT, "b.test"))
+    sidecar.start()
+    assert sidecar.dig("b.test") == ("NOERROR", [UP_B])
+    kept, dropped = _keepalive(stopo, sidecar.sb, UP_LIT), _keepalive(stopo, sidecar.sb, UP_B)
+    time.sleep(0.8)
+    code, _ = sidecar.api("DELETE", "/policy", ["b.test"])  # b.test's address is no longer allowed
+    assert code == 200
+    kept_out, _ = kept.communicate(timeout=20)
+    dropped_out, _ = dropped.communicate(timeout=20)
+    assert kept_out.split()[-1] == "ok" and "dead" not in kept_out.split(), (
+        "an allowed flow was cut: " + kept_out
+    )
+    assert dropped_out.split()[-1] == "dead", "a flow to a no longer allowed address survived: " + dropped_out
+    # The API's own (incoming) connections are never cut.
+    assert sidecar.api("GET", "/healthz")[0] == 200
+
+
+def test_restart_keeps_the_persisted_policy_and_never_opens(sidecar: Sidecar, stopo: Topology) -> None:
+    sidecar.start()
+    sidecar.patch([{"action": "allow", "target": UP_LIT}, {"action": "allow", "target": "example.test"}])
+    saved = sidecar.policy()["policy"]
+    assert json.loads(sidecar.policy_file.read_text()) == saved
+    prober = _prober(stopo, sidecar.sb, allowed=UP_LIT, resolver=UP_A, denied=UP_X, seconds=9)
+    time.sleep(1.0)
+    sidecar.kill(signal.SIGKILL)  # crash: the table stays and keeps enforcing
+    time.sleep(1.0)
+    sidecar.start()
+    assert sidecar.policy()["policy"] == saved
+    out, _ = prober.communicate(timeout=30)
+    assert "WRONG" not in out, out
+    tallies = dict(line.split("=", 1) for line in out.split() if "=" in line)
+    assert int(tallies["allowed_ok"]) > 10, out
+    assert int(tallies["denied_dns_nx"]) > 10, out
+    # And the restarted sidecar enforces the same policy.
+    assert sidecar.dig("example.test") == ("NOERROR", [UP_EX])
+    assert sidecar.reaches(UP_EX)
+    assert not sidecar.reaches(UP_X)
+
+
+def test_sigterm_restart_with_keep_table_never_opens(sidecar: Sidecar, stopo: Topology) -> None:
+    sidecar.env["EGRESSD_SIDECAR_KEEP_TABLE"] = "1"
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(allow(UP_LIT))
+    sidecar.start()
+    prober = _prober(stopo, sidecar.sb, allowed=UP_LIT, resolver=UP_A, denied=UP_X, seconds=7)
+    time.sleep(1.0)
+    assert sidecar.proc is not None
+    proc = sidecar.proc
+    sidecar.kill(signal.SIGTERM)  # a supervisor's graceful restart
+    assert proc.returncode == 0
+    assert sidecar.table_exists()
+    sidecar.start()
+    out, _ = prober.communicate(timeout=30)
+    assert "WRONG" not in out, out
+    assert not sidecar.reaches(UP_X)
+
+
+def test_sigterm_deletes_the_table(sidecar: Sidecar) -> None:
+    sidecar.start()
+    assert sidecar.table_exists()
+    assert sidecar.proc is not None
+    proc = sidecar.proc
+    sidecar.kill(signal.SIGTERM)
+    assert proc.returncode == 0
+    assert not sidecar.table_exists()
+
+
+def test_a_failed_start_leaves_the_sandbox_closed(sidecar: Sidecar, stopo: Topology) -> None:
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(allow(UP_LIT))
+    sidecar.start()
+    sidecar.kill(signal.SIGKILL)
+    # Something else holds the API port: the next sidecar cannot serve and must refuse ...
+    blocker = stopo.spawn(
+        sidecar.ns,
+        "python3",
+        "-c",
+        "import socket,time\n"
+        "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        f"s.bind(('0.0.0.0', {sidecar.port})); s.listen(); print('up', flush=True); time.sleep(60)\n",
+        ready_line="up",
+    )
+    try:
+        r = sidecar.run_to_exit()
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 1 and last.startswith("egressd: cannot listen on"), r.stderr
+        # ... without opening the sandbox: the table stays and keeps enforcing.
+        assert sidecar.table_exists()
+        assert not sidecar.reaches(UP_X)
+        assert sidecar.reaches(UP_LIT)
+    finally:
+        stopo.stop(blocker)
+
+
+def test_mode_dns_filters_names_only(sidecar: Sidecar, stopo: Topology) -> None:
+    sidecar.env["OPENSANDBOX_EGRESS_MODE"] = "dns"
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(allow("a.test"))
+    sidecar.start()
+    assert sidecar.policy()["enforcementMode"] == "dns"
+    assert sidecar.dig("b.test")[0] == "NXDOMAIN"
+    assert sidecar.dig("a.test")[0] == "NOERROR"
+    assert sidecar.reaches(UP_X)  # no filter chain in dns mode
+    chains = [i["chain"]["name"] for i in _table(stopo, sidecar) if "chain" in i]
+    assert chains == ["dns_redirect"]
+
+
+def test_invalid_policy_file_falls_back_and_changes_are_persisted(sidecar: Sidecar) -> None:
+    sidecar.policy_file.write_text("{ not json")
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(allow("a.test"))
+    sidecar.start()
+    assert [r["target"] for r in sidecar.policy()["policy"]["egress"]] == ["a.test"]
+    assert "policy.initial_fallback" in sidecar.log_text()
+    sidecar.patch([{"action": "allow", "target": "b.test"}])
+    persisted = json.loads(sidecar.policy_file.read_text())
+    assert [r["target"] for r in persisted["egress"]] == ["b.test", "a.test"]
+
+
+def _table(topo: Topology, sidecar: Sidecar) -> list[dict[str, Any]]:
+    out = topo.ns(sidecar.ns, "nft", "-j", "list", "table", "inet", TABLE).stdout
+    return list(json.loads(out)["nftables"])
+
+
+def _keepalive(topo: Topology, sb: int, ip: str, seconds: float = 4.0) -> Any:
+    """ONE connection to ``ip``:80 reused every 0.2 s; prints ok/dead per request."""
+    return topo.spawn(
+        topo.sb(sb),
+        "python3",
+        "-c",
+        (
+            "import socket,time\n"
+            f"s=socket.create_connection(('{ip}',80),timeout=1)\n"
+            "print('up',flush=True)\n"
+            f"end=time.time()+{seconds}\n"
+            "while time.time()<end:\n"
+            "  try:\n"
+            "    s.sendall(b'GET /keep HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n'); d=s.recv(65536)\n"
+            "    print('ok' if d else 'dead',flush=True)\n"
+            "  except OSError:\n"
+            "    print('dead',flush=True)\n"
+            "  time.sleep(0.2)\n"
+        ),
+        ready_line="up",
+    )
+
+
+def _prober(topo: Topology, sb: int, *, allowed: str, resolver: str, denied: str, seconds: float) -> Any:
+    """Probe continuously from inside the sandbox: a TCP connect to a denied address and a DNS
+    query for a denied name (to the upstream's :53, so a missing redirect would be answered)
+    must never succeed; prints WRONG if one does, and tallies at the end."""
+    return topo.spawn(
+        topo.sb(sb),
+        "python3",
+        "-c",
+        (
+            "import socket,struct,time\n"
+            "q=struct.pack('>HHHHHH',0x1234,0x0100,1,0,0,0)+b'\\x01b\\x04test\\x00'+struct.pack('>HH',1,1)\n"
+            "t={'allowed_ok':0,'allowed_fail':0,'denied_dns_nx':0,'dns_other':0}\n"
+            "print('up',flush=True)\n"
+            f"end=time.time()+{seconds}\n"
+            "while time.time()<end:\n"
+            "  try:\n"
+            f"    socket.create_connection(('{denied}',80),timeout=0.2).close(); print('WRONG tcp',flush=True)\n"
+            "  except OSError: pass\n"
+            "  try:\n"
+            f"    socket.create_connection(('{allowed}',80),timeout=0.5).close(); t['allowed_ok']+=1\n"
+            "  except OSError: t['allowed_fail']+=1\n"
+            "  u=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); u.settimeout(0.3)\n"
+            "  try:\n"
+            f"    u.sendto(q,('{resolver}',53)); d=u.recv(512)\n"
+            "    rcode=d[3]&15; an=struct.unpack('>H',d[6:8])[0]\n"
+            "    if an>0 or rcode==0: print('WRONG dns',flush=True)\n"
+            "    elif rcode==3: t['denied_dns_nx']+=1\n"
+            "    else: t['dns_other']+=1\n"
+            "  except OSError: t['dns_other']+=1\n"
+            "  finally: u.close()\n"
+            "  time.sleep(0.05)\n"
+            "print(' '.join(f'{k}={v}' for k,v in t.items()),flush=True)\n"
+        ),
+        ready_line="up",
+    )
