@@ -116,7 +116,10 @@ class SidecarEngine:
     def _allowed(self, names: Iterable[str], policy: NetworkPolicy) -> bool:
         return any(evaluate_domain(policy, n).verdict is Verdict.ALLOW for n in names)
 
-    async def learn(self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]]) -> None:
+    async def learn(
+        self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
+    ) -> None:
+        # ``name`` is not needed here: the answered names come from ``_answered`` (dns.py).
         if self.table.mode == "dns":
             return  # no filter chain: nothing consults the dyn sets
         async with self._kernel_lock:
