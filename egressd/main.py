@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import os
 import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -32,9 +30,7 @@ from egressd.fleetnft.conntrack import flush_source
 from egressd.fleetnft.selftest import SelfTestError, bridge_report, run_selftest
 from egressd.logsetup import configure
 from egressd.metrics import EgressMetrics
-from egressd.mitm.active import active_app
-from egressd.mitm.ca import CaError, CaInfo, ensure_ca
-from egressd.mitm.supervisor import MitmOptions, MitmSupervisor, mitmdump_argv
+from egressd.mitm.service import MitmStartupError, start_mitm
 from egressd.policy import AlwaysRulesError, load_always_rules
 from egressd.vault.sealed import KeyDirError, KeyStore
 
@@ -141,7 +137,12 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             asyncio.create_task(refresher.run()),
             asyncio.create_task(_sweep_pending(control)),
         ]
-        mitm = await start_mitm(cfg, control) if cfg.mitm_transparent else None
+        mitm = None
+        if cfg.mitm_transparent:
+            try:
+                mitm = await start_mitm(cfg, control.vault_for_ip, control.destination_verified)
+            except MitmStartupError as exc:
+                raise StartupError(str(exc)) from None
         if mitm is not None:
             background.append(asyncio.create_task(mitm.supervisor.run()))
 
@@ -191,60 +192,6 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             forwarder.close()
     finally:
         await tx.close()
-
-
-@dataclass
-class RunningMitm:
-    ca: CaInfo
-    supervisor: MitmSupervisor
-    active: web.AppRunner
-    socket: Path
-
-    async def close(self) -> None:
-        await self.supervisor.stop()
-        await self.active.cleanup()
-        with contextlib.suppress(OSError):
-            self.socket.unlink()
-
-
-async def start_mitm(cfg: Config, control: ControlPlane) -> RunningMitm:
-    """CA, the private ``_active`` socket, then the supervised mitmdump (BEHAVIOUR §10)."""
-    try:
-        ca = ensure_ca(cfg.mitm_confdir)
-    except CaError as exc:
-        raise StartupError(f"mitm CA: {exc}") from None
-    trust: Path | None = None
-    if not cfg.mitm_ssl_insecure:
-        trust = cfg.mitm_upstream_trust_dir
-        if not trust.is_dir():
-            raise StartupError(f"OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR: {trust} is not a directory")
-    sock = cfg.credential_proxy_socket
-    try:
-        sock.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(sock.parent, 0o700)
-        with contextlib.suppress(FileNotFoundError):
-            sock.unlink()
-    except OSError as exc:
-        raise StartupError(f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock}: {exc.strerror}") from None
-    active = web.AppRunner(
-        active_app(control.vault_for_ip, control.destination_verified), access_log=None, handle_signals=False
-    )
-    await active.setup()
-    try:
-        await web.UnixSite(active, str(sock)).start()
-        os.chmod(sock, 0o600)
-    except OSError as exc:
-        await active.cleanup()
-        raise StartupError(f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock}: {exc.strerror}") from None
-    opts = MitmOptions(
-        port=cfg.mitm_port,
-        confdir=cfg.mitm_confdir,
-        active_socket=sock,
-        upstream_trust_dir=trust,
-        ssl_insecure=cfg.mitm_ssl_insecure,
-    )
-    log.info("mitm.ca", fingerprint=ca.fingerprint, pinned=ca.pinned, confdir=str(ca.confdir))
-    return RunningMitm(ca, MitmSupervisor(mitmdump_argv(opts)), active, sock)
 
 
 async def _sweep_pending(control: ControlPlane, interval: float = 10.0) -> None:

@@ -29,6 +29,7 @@ from egressd.policy import (
     Verdict,
     effective_policy,
     evaluate_domain,
+    ip_sets,
     normalise_name,
 )
 from egressd.sidecar.persist import serialise, write_atomic
@@ -112,6 +113,19 @@ class SidecarEngine:
         qname = normalise_name(name)
         for ip in ips:
             self._answered.setdefault(ip, set()).add(qname)
+
+    def destination_verified(self, client_ip: IPAddress, host: str, dst: IPAddress) -> bool:
+        """May the MITM send ``host``'s credentials to ``dst``? Only if the DNS proxy answered
+        ``host`` with ``dst`` (lease running) or an explicit IP/CIDR allow rule covers it and no
+        deny rule does (``defaultAction: allow`` does not count). Same rule as the fleet."""
+        name = normalise_name(host)
+        lease = self.leases.get(dst)
+        if lease is not None and lease[0] > self._clock() and name in {normalise_name(n) for n in lease[1]}:
+            return True
+        sets = ip_sets(self.effective)
+        deny = sets.deny_v4 if dst.version == 4 else sets.deny_v6
+        allow = sets.allow_v4 if dst.version == 4 else sets.allow_v6
+        return not any(dst in n for n in deny) and any(dst in n for n in allow)
 
     def _allowed(self, names: Iterable[str], policy: NetworkPolicy) -> bool:
         return any(evaluate_domain(policy, n).verdict is Verdict.ALLOW for n in names)

@@ -30,6 +30,8 @@ from egressd.sidecar.engine import SIDECAR_UID, SidecarEngine
 from egressd.vault.model import VaultError, parse_create, parse_mutation
 from egressd.vault.store import VaultStore
 
+MITM_CA_FINGERPRINT_HEADER = "X-Egressd-Mitm-Ca-Fingerprint"
+
 log = structlog.get_logger("egressd.sidecar.http")
 
 AUTH_HEADER = "OPENSANDBOX-EGRESS-AUTH"
@@ -93,8 +95,10 @@ class SidecarHTTP:
         max_rules: int,
         prerequisites: VaultPrerequisites,
         extra_health: Callable[[], str | None] | None = None,
+        mitm_ca: Callable[[], tuple[str, str]] | None = None,
     ) -> None:
         self.engine = engine
+        self._mitm_ca = mitm_ca
         self.metrics = metrics
         self._token = token
         self.max_rules = max_rules
@@ -152,9 +156,11 @@ class SidecarHTTP:
         if request.method not in ("GET", "HEAD"):
             return text(405, "method not allowed", headers={"Allow": "GET"})
         problem = self.health_problem()
+        # The MITM CA's fingerprint, so a sandbox image can check the CA it trusts.
+        headers = {MITM_CA_FINGERPRINT_HEADER: self._mitm_ca()[1]} if self._mitm_ca is not None else {}
         if problem:
-            return text(503, problem)
-        return web.Response(status=200, text="ok", content_type="text/plain")
+            return text(503, problem, headers=headers)
+        return web.Response(status=200, text="ok", content_type="text/plain", headers=headers)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         if request.method not in ("GET", "HEAD"):

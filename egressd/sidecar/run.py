@@ -24,14 +24,17 @@ from egressd.dnsproxy.upstreams import Upstream, from_resolv_conf
 from egressd.fleet.always_reload import AlwaysRulesReloader
 from egressd.fleetnft.applier import KernelTransactions, NftError
 from egressd.metrics import EgressMetrics
+from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
 from egressd.policy import AlwaysRulesError, check_rule_cap, load_always_rules
 from egressd.sidecar.dns import NamingForwarder
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.flows import cut_disallowed
 from egressd.sidecar.http import SidecarHTTP, VaultPrerequisites
 from egressd.sidecar.persist import InitialPolicyError, choose_initial, read_text
-from egressd.sidecarnft.ruleset import Mode, SidecarTable
+from egressd.sidecarnft.ruleset import MITM_GID, Mode, SidecarTable
 from egressd.sidecarnft.selftest import SelfTestError, check_net_admin, run_selftest
+from egressd.subject.model import IPAddress
+from egressd.vault.store import VaultSnapshot
 
 log = structlog.get_logger("egressd.sidecar")
 
@@ -53,6 +56,7 @@ def _upstreams(cfg: Config) -> tuple[Upstream, ...]:
 def table_for(cfg: Config, upstreams: tuple[Upstream, ...]) -> SidecarTable:
     mode: Mode = "dns" if cfg.mode == "dns" else "dns+nft"
     return SidecarTable(
+        mitm_port=cfg.mitm_port if cfg.mitm_transparent else None,
         table=cfg.nft_table,
         dns_port=cfg.dns_port,
         mode=mode,
@@ -132,6 +136,22 @@ async def run_sidecar(
             cfg.always_rules_dir, always, engine.set_always_rules, interval=cfg.always_reload_interval
         )
         background = [asyncio.create_task(reloader.run())]
+        mitm: RunningMitm | None = None
+        http: SidecarHTTP | None = None
+        if cfg.mitm_transparent:
+
+            def vault_lookup(ip: IPAddress) -> VaultSnapshot | None:
+                # One sandbox per namespace: every client of the MITM is this sandbox.
+                store = http.vault if http is not None else None
+                return store.snapshot() if store is not None else None
+
+            try:
+                mitm = await start_mitm(cfg, vault_lookup, engine.destination_verified, gid=MITM_GID)
+            except MitmStartupError as exc:
+                raise SidecarStartupError(str(exc)) from None
+            background.append(asyncio.create_task(mitm.supervisor.run()))
+            running = mitm
+            mitm_ready = lambda: running.supervisor.ready  # noqa: E731
         prerequisites = VaultPrerequisites(
             token_set=cfg.token is not None,
             mitm_transparent=cfg.mitm_transparent,
@@ -151,6 +171,7 @@ async def run_sidecar(
             max_rules=cfg.max_rules,
             prerequisites=prerequisites,
             extra_health=mitm_health,
+            mitm_ca=(lambda: (mitm.ca.pem, mitm.ca.fingerprint)) if mitm is not None else None,
         )
         # aiohttp's low-level parser logs a malformed request line or header verbatim, which
         # could carry the auth header; the client gets its 400 either way.
@@ -181,6 +202,8 @@ async def run_sidecar(
                 table_deleted=graceful,
             )
         finally:
+            if mitm is not None:
+                await mitm.close()
             for task in background:
                 task.cancel()
             await runner.cleanup()

@@ -12,7 +12,9 @@ Shape::
 
     sets     allow_v4/v6, deny_v4/v6 (interval), dyn_allow_v4/v6 (timeout 360s),
              [D] doh_block_v4/v6 (interval)
-    chain    dns_redirect  nat hook output: mark 0x1 return; udp/tcp dport 53 redirect
+    chain    dns_redirect  nat hook output: mark 0x1 return; udp/tcp dport 53 redirect;
+             [M] skgid MITM_GID return, loopback return, tcp dport {80,443} redirect to MITM
+    chain    [M] mitm_input  filter hook input: MITM port only when redirected
     chain    egress        filter hook output, policy accept iff defaultAction allow
              (mode dns+nft only): established, mark 0x1, lo, redirected DNS, IPv6 ND, 853, DoH,
              deny, dyn, allow, counter drop
@@ -40,6 +42,11 @@ UPSTREAM_MARK: Final = 0x1
 REDIRECT_CHAIN: Final = "dns_redirect"
 FILTER_CHAIN: Final = "egress"
 ND_TYPES: Final = "nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert"
+#: Group id the MITM child runs with: its own upstream connections are not intercepted again
+#: (mitmproxy cannot mark its sockets). An app running with this gid only skips injection; the
+#: filter chain still applies the policy to its packets.
+MITM_GID: Final = 18081
+MITM_INPUT_CHAIN: Final = "mitm_input"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +60,8 @@ class SidecarTable:
     doh_blocklist: tuple[IPNetwork, ...] = ()
     #: Upstream resolver addresses: they join the allow sets (§8.6).
     resolvers: tuple[IPAddress, ...] = ()
+    #: Transparent MITM port (None = no interception of the namespace's own 80/443).
+    mitm_port: int | None = None
 
 
 def _fam(net: IPNetwork | IPAddress) -> str:
@@ -141,6 +150,20 @@ def ruleset(cfg: SidecarTable, policy: NetworkPolicy, leases: Sequence[tuple[IPA
     rule(REDIRECT_CHAIN, f"meta mark {UPSTREAM_MARK:#x} return")
     rule(REDIRECT_CHAIN, f"udp dport 53 redirect to :{cfg.dns_port}")
     rule(REDIRECT_CHAIN, f"tcp dport 53 redirect to :{cfg.dns_port}")
+    if cfg.mitm_port is not None:
+        # The namespace's own HTTP(S) goes through the MITM; the MITM's upstream leg does not
+        # (it would loop), and loopback destinations are nobody's upstream.
+        rule(REDIRECT_CHAIN, f"meta skgid {MITM_GID} return")
+        rule(REDIRECT_CHAIN, "ip daddr 127.0.0.0/8 return")
+        rule(REDIRECT_CHAIN, "ip6 daddr ::1 return")
+        rule(REDIRECT_CHAIN, f"tcp dport {{ 80, 443 }} redirect to :{cfg.mitm_port}")
+        # Only redirected connections may reach the MITM: a direct one (from the app or from
+        # outside the namespace) makes it connect to itself in a loop.
+        lines.append(
+            f"add chain inet {t} {MITM_INPUT_CHAIN} {{ type filter hook input priority 0; policy accept; }}"
+        )
+        rule(MITM_INPUT_CHAIN, f"tcp dport {cfg.mitm_port} ct status dnat accept")
+        rule(MITM_INPUT_CHAIN, f"tcp dport {cfg.mitm_port} drop")
     if cfg.mode == "dns":
         return "\n".join(lines) + "\n"
 
@@ -152,6 +175,10 @@ def ruleset(cfg: SidecarTable, policy: NetworkPolicy, leases: Sequence[tuple[IPA
     f = FILTER_CHAIN
     rule(f, "ct state established,related accept")
     rule(f, f"meta mark {UPSTREAM_MARK:#x} accept")
+    if cfg.mitm_port is not None:
+        # Redirected to the MITM (its output interface is still the original route's, so
+        # "lo" does not match): accepted; the policy applies to the MITM's upstream leg.
+        rule(f, f"tcp dport {cfg.mitm_port} ct status dnat accept")
     rule(f, 'oifname "lo" accept')
     # A redirected DNS packet still carries the output interface it was routed to before the
     # nat hook rewrote its destination (the hook state is fixed per traversal), so "lo"

@@ -714,7 +714,8 @@ def parse_mutation(obj: object) -> Mutation:
     """A PATCH body; rejects blank names and a name used by more than one operation."""
     d = _object(obj, "", _MUTATION_KEYS)
     expected = d.get("expectedRevision")
-    if expected is not None and (isinstance(expected, bool) or not isinstance(expected, int)):
+    # Present means an integer: the OpenAPI type is not nullable (the SDK omits it instead).
+    if "expectedRevision" in d and (isinstance(expected, bool) or not isinstance(expected, int)):
         raise VaultError(f"must be an integer, got {json_type(expected)}", "expectedRevision")
     c_add, c_replace, c_delete = _parse_ops(d.get("credentials"), "credentials", parse_credential)
     b_add, b_replace, b_delete = _parse_ops(d.get("bindings"), "bindings", parse_binding)

@@ -4,9 +4,8 @@ run of the reference OpenAPI document (tests/compat/egress-api.yaml, deviations 
 in tests/compat/schemathesis.toml and the README).
 
 Both clients run in the pod namespace and reach the sidecar at the sandbox's address, the
-way a client reaches a sandbox endpoint. The transparent MITM is not part of this build, so
-vault writes answer 412 here; their success paths are exercised in
-tests/unit/test_sidecar_sdk.py with MITM readiness asserted.
+way a client reaches a sandbox endpoint. The transparent MITM is on (every vault prerequisite
+is met), so the SDK's vault calls succeed end to end.
 """
 
 from __future__ import annotations
@@ -87,9 +86,7 @@ def ctopo() -> Iterator[Topology]:
 
 @pytest.fixture
 def sidecar(ctopo: Topology) -> Iterator[Sidecar]:
-    sc = Sidecar(ctopo, sb=1)
-    # Every vault prerequisite except MITM readiness: the 412 must name the MITM.
-    sc.env["OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT"] = "1"
+    sc = Sidecar(ctopo, sb=1).with_mitm()
     sc.start()
     try:
         yield sc
@@ -108,10 +105,12 @@ def test_opensandbox_sdk_drives_the_sidecar(ctopo: Topology, sidecar: Sidecar) -
     assert out["deleted"] == [["allow", "pypi.org"]]
     assert (out["replace_status"], out["replaced"]) == (200, [["allow", "b.test"]])
     assert out["bad_patch"] == 400
-    # Vault writes: 412 until the transparent MITM is ready; reads: 404 (no vault).
-    assert (out["create"], out["patch"]) == (412, 412)
+    # Vault: created, read back, listed; the patch that deletes a still-referenced credential
+    # is refused (400) and changes nothing; delete removes it.
+    assert out["create"] == 200, out
+    assert out["patch"] == 400, out
     for key in ("get", "list_credentials", "get_credential", "list_bindings", "get_binding", "delete"):
-        assert out[key] == 404, (key, out)
+        assert out[key] == 200, (key, out)
     assert (out["wrong_token"], out["wrong_token_vault"]) == (401, 401)
     assert "sdk-secret-value" not in sidecar.log_text()
     # The SDK's changes reached the kernel and the persisted file.
@@ -146,6 +145,6 @@ def test_schemathesis_reference_openapi_zero_failures(ctopo: Topology, sidecar: 
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "failure" not in r.stdout.split("SUMMARY")[-1].lower(), r.stdout[-3000:]
     # After the fuzzing the sidecar still answers and still enforces.
-    assert sidecar.api("GET", "/healthz") == (503, "mitmproxy not ready\n")  # MITM on, not built
+    assert sidecar.api("GET", "/healthz") == (200, "ok")
     assert sidecar.api("GET", "/policy")[0] == 200
     assert sidecar.table_exists()

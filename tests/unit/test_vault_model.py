@@ -921,3 +921,14 @@ def test_value_itself_never_echoed(value: str) -> None:
             parse_create(obj)
         assert value not in str(info.value)
         assert value not in repr(info.value)
+
+
+def test_expected_revision_null_is_refused_not_ignored() -> None:
+    # Found by schemathesis against the reference OpenAPI: the type is integer, not nullable.
+    import pytest as _pytest
+
+    from egressd.vault.model import VaultError, parse_mutation
+
+    with _pytest.raises(VaultError, match="expectedRevision"):
+        parse_mutation({"expectedRevision": None})
+    assert parse_mutation({}).expected_revision is None

@@ -1,0 +1,81 @@
+"""Start-up of the MITM side of the daemon, shared by both profiles: the CA, the private
+``_active`` unix socket the child reads vaults from, and the supervised child itself."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+
+from egressd.config import Config
+from egressd.mitm.active import Lookup, Verify, active_app
+from egressd.mitm.ca import CaError, CaInfo, ensure_ca
+from egressd.mitm.supervisor import MitmOptions, MitmSupervisor, mitmdump_argv
+
+log = structlog.get_logger("egressd.mitm")
+
+
+class MitmStartupError(Exception):
+    """One-line reason the MITM cannot start (the daemon refuses to start)."""
+
+
+@dataclass
+class RunningMitm:
+    ca: CaInfo
+    supervisor: MitmSupervisor
+    active: web.AppRunner
+    socket: Path
+
+    async def close(self) -> None:
+        await self.supervisor.stop()
+        await self.active.cleanup()
+        with contextlib.suppress(OSError):
+            self.socket.unlink()
+
+
+async def start_mitm(cfg: Config, lookup: Lookup, verify: Verify, *, gid: int | None = None) -> RunningMitm:
+    """CA, the private ``_active`` socket, then the supervised MITM child (BEHAVIOUR §10).
+
+    ``lookup``/``verify`` answer the child's vault lookups (see :mod:`egressd.mitm.active`);
+    ``gid`` is the child's group id (the sidecar exempts the MITM's own traffic by it).
+    """
+    try:
+        ca = ensure_ca(cfg.mitm_confdir)
+    except CaError as exc:
+        raise MitmStartupError(f"mitm CA: {exc}") from None
+    trust: Path | None = None
+    if not cfg.mitm_ssl_insecure:
+        trust = cfg.mitm_upstream_trust_dir
+        if not trust.is_dir():
+            raise MitmStartupError(
+                f"OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR: {trust} is not a directory"
+            )
+    sock = cfg.credential_proxy_socket
+    try:
+        sock.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(sock.parent, 0o700)
+        with contextlib.suppress(FileNotFoundError):
+            sock.unlink()
+    except OSError as exc:
+        raise MitmStartupError(f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock}: {exc.strerror}") from None
+    active = web.AppRunner(active_app(lookup, verify), access_log=None, handle_signals=False)
+    await active.setup()
+    try:
+        await web.UnixSite(active, str(sock)).start()
+        os.chmod(sock, 0o600)
+    except OSError as exc:
+        await active.cleanup()
+        raise MitmStartupError(f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock}: {exc.strerror}") from None
+    opts = MitmOptions(
+        port=cfg.mitm_port,
+        confdir=cfg.mitm_confdir,
+        active_socket=sock,
+        upstream_trust_dir=trust,
+        ssl_insecure=cfg.mitm_ssl_insecure,
+    )
+    log.info("mitm.ca", fingerprint=ca.fingerprint, pinned=ca.pinned, confdir=str(ca.confdir))
+    return RunningMitm(ca, MitmSupervisor(mitmdump_argv(opts), gid=gid), active, sock)

@@ -1,0 +1,121 @@
+"""Sidecar profile with the transparent MITM: the app's own HTTPS is intercepted in its
+namespace (nat output redirect), the vault's credential is injected for the bound host only,
+the MITM's upstream leg is still policed by the output filter, and nothing reaches the MITM
+port without the redirect."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.kernel.sidecar import Sidecar
+from tests.kernel.topology import UP_NET, Topology, cleanup_stale
+
+SECRET = "sk-sidecar-MITM-5e1d"
+API, API_IP = "api.example.test", f"{UP_NET}.6"
+B_IP = f"{UP_NET}.3"  # b.test
+X_IP = f"{UP_NET}.9"  # never allowed
+VAULT = {
+    "credentials": [{"name": "key", "source": {"type": "inline", "value": SECRET}}],
+    "bindings": [{"name": "api", "match": {"hosts": [API]}, "auth": {"type": "bearer", "credential": "key"}}],
+}
+POLICY = {
+    "defaultAction": "deny",
+    "egress": [{"action": "allow", "target": API}, {"action": "allow", "target": "b.test"}],
+}
+
+
+@pytest.fixture(scope="module")
+def mtopo() -> Iterator[Topology]:
+    cleanup_stale()
+    t = Topology(prefix=f"egm{os.getpid()}", sandboxes=1).up_()
+    try:
+        yield t
+    finally:
+        t.down()
+
+
+@pytest.fixture
+def sidecar(mtopo: Topology) -> Iterator[Sidecar]:
+    sc = Sidecar(mtopo, sb=1).with_mitm()
+    sc.start()
+    try:
+        yield sc
+    finally:
+        print(sc.log_text()[-4000:])
+        sc.cleanup()
+
+
+def https(
+    sc: Sidecar, host: str, ip: str, path: str = "/v1/x", timeout: float = 3.0
+) -> tuple[int, dict[str, Any]]:
+    ca = sc.mitm_confdir / "mitmproxy-ca-cert.pem"
+    r = sc.topo.ns(
+        sc.ns,
+        "curl",
+        "-s",
+        "-m",
+        str(timeout),
+        "--cacert",
+        str(ca),
+        "--resolve",
+        f"{host}:443:{ip}",
+        "-w",
+        "\n%{http_code}",
+        f"https://{host}{path}",
+        check=False,
+        timeout=timeout + 10,
+    )
+    body, _, code = r.stdout.rpartition("\n")
+    echo = json.loads(body) if body.startswith("{") else {}
+    return (int(code) if code.strip().isdigit() else 0), echo
+
+
+def test_app_https_gets_the_credential_for_the_bound_host_only(sidecar: Sidecar) -> None:
+    sidecar.set_policy(POLICY)
+    code, text = sidecar.api("PUT", "/credential-vault", VAULT)
+    assert code == 201, text
+    assert sidecar.dig(API)[0] == "NOERROR"
+    assert sidecar.dig("b.test")[0] == "NOERROR"
+    code, echo = https(sidecar, API, API_IP)
+    assert code == 200, echo
+    assert echo["headers"].get("Authorization") == f"Bearer {SECRET}"
+    # Another allowed host: through the MITM, but no credential.
+    code, echo = https(sidecar, "b.test", B_IP)
+    assert code == 200 and "Authorization" not in echo["headers"]
+    # A forged Host towards an address learned for another name: no credential.
+    code, echo = https(sidecar, API, B_IP)
+    assert code == 200 and "Authorization" not in echo["headers"]
+    # The MITM's upstream leg is still policed: a never-allowed address is not reached.
+    before = len(sidecar.topo.upstream_requests())
+    code, _ = https(sidecar, API, X_IP, timeout=2.0)
+    assert code != 200
+    assert len(sidecar.topo.upstream_requests()) == before
+    assert SECRET not in sidecar.log_text()
+
+
+def test_direct_connections_to_the_mitm_port_are_dropped(sidecar: Sidecar) -> None:
+    r = sidecar.topo.ns(
+        sidecar.ns,
+        "curl",
+        "-s",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "-m",
+        "2",
+        "http://127.0.0.1:18081/",
+        check=False,
+    )
+    assert r.stdout.strip() in ("000", "")
+    # The MITM is still healthy (it did not loop on itself).
+    assert sidecar.api("GET", "/healthz") == (200, "ok")
+    fp = sidecar.topo.ns(
+        sidecar.ns, "curl", "-s", "-D", "-", "-o", "/dev/null", "http://127.0.0.1:18080/healthz", check=False
+    ).stdout.lower()
+    assert "x-egressd-mitm-ca-fingerprint:" in fp
