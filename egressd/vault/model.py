@@ -717,6 +717,7 @@ def parse_mutation(obj: object) -> Mutation:
     # Present means an integer: the OpenAPI type is not nullable (the SDK omits it instead).
     if "expectedRevision" in d and (isinstance(expected, bool) or not isinstance(expected, int)):
         raise VaultError(f"must be an integer, got {json_type(expected)}", "expectedRevision")
+    assert expected is None or isinstance(expected, int)
     c_add, c_replace, c_delete = _parse_ops(d.get("credentials"), "credentials", parse_credential)
     b_add, b_replace, b_delete = _parse_ops(d.get("bindings"), "bindings", parse_binding)
     _check_ops_names(
