@@ -416,7 +416,7 @@ def cmd_subjects(ctx: Context, args: argparse.Namespace) -> int:
             _cell(s.get("state")),
             _cell(s.get("sourceIp")),
             _cell(s.get("gateway")),
-            _policy_cell(s.get("policy")),
+            _policy_cell(s.get("policy")) + (",audit" if s.get("auditMode") else ""),
             "yes" if s.get("pending") else "no",
             _cell(s.get("vaultRevision")),
             _cell(s.get("leases")),
@@ -708,10 +708,13 @@ def cmd_explain(ctx: Context, args: argparse.Namespace) -> int:
     if not isinstance(doc, dict):
         raise CliError("GET /v1/explain: unexpected payload (not an object)", EXIT_FAILURE)
     rule = doc.get("rule")
+    verdict = str(doc.get("decision", "?")).upper()
+    if doc.get("wouldDeny"):
+        verdict = "WOULD-DENY (audit mode: passes, logged and counted)"
     ctx.lines(
         key_values(
             [
-                ("verdict", str(doc.get("decision", "?")).upper()),
+                ("verdict", verdict),
                 ("source", _cell(doc.get("sourceIp", args.sandbox_ip))),
                 ("subject", f"{doc.get('subject', '-')} ({doc.get('state')})"),
                 ("target", _cell(doc.get("target", args.target))),

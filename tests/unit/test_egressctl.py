@@ -558,3 +558,18 @@ def test_explain(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None:
     assert json.loads(out)["state"] == "absent" and json.loads(out)["decision"] == "deny"
     code, _, err = ctl(capsys, daemon, "explain", "not-an-ip", "example.com")
     assert code == 2 and err.startswith("egressctl: ") and err.count("\n") == 1
+
+
+def test_audit_mode_shows_in_subjects_and_explain(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None:
+    audit = '{"defaultAction":"deny","mode":"audit","egress":[{"action":"allow","target":"example.com"}]}'
+    code, out, err = ctl(
+        capsys, daemon, "send", "set-binding", "--uid", "u-a", "--ip", "10.0.0.8", "--policy", audit
+    )
+    assert code == 0, err
+    ctl(capsys, daemon, "send", "hook", "data-plane-ready", "--uid", "u-a")
+    code, out, _ = ctl(capsys, daemon, "subjects")
+    row = next(r.split() for r in out.splitlines() if r.startswith("s-u-a"))
+    assert row[4] == "default=deny,rules=1,audit"
+    code, out, _ = ctl(capsys, daemon, "explain", "10.0.0.8", "other.example.org")
+    fields = dict(line.split(None, 1) for line in out.splitlines())
+    assert fields["verdict"].startswith("WOULD-DENY")
