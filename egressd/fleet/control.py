@@ -19,7 +19,7 @@ import structlog
 from egressd.actionhandler.envelope import HookName, LifecycleHook, RemoveBinding, SetBinding
 from egressd.dnsproxy.server import Asker
 from egressd.fleet.explain import explain as explain_target
-from egressd.fleet.explain import ip_decision
+from egressd.fleet.explain import hard_denied, ip_decision
 from egressd.fleet.inputs import BindingInput, InputError, VaultAction, parse_binding_input
 from egressd.fleet.pending import PendingPushes
 from egressd.fleetnft.applier import NftError, Transactions
@@ -612,6 +612,8 @@ class ControlPlane:
             for dst in sorted(flow_destinations(text, src), key=str):
                 if dst in gateways or ip_decision(effective, leases, dst, now, sets)[0] is not Verdict.DENY:
                     continue
+                if effective.audit and not hard_denied(effective, dst):
+                    continue  # audit mode: a would-deny flow passes, so it is not cut either
                 try:
                     await flush_flow(src, dst)
                 except Exception as exc:

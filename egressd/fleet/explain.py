@@ -72,7 +72,7 @@ def explain(
         return out
     ip = unmap_ip(ipaddress.ip_address(text.split("/", 1)[0]))
     verdict, where, reason = ip_decision(effective, leases, ip, now)
-    if verdict is Verdict.DENY and effective.audit and not _hard_denied(effective, ip):
+    if verdict is Verdict.DENY and effective.audit and not hard_denied(effective, ip):
         out["wouldDeny"] = True
         reason += "; audit mode: would-deny, logged and counted, passes"
     out.update(layer="ip", decision=verdict.value, reason=reason)
@@ -81,7 +81,7 @@ def explain(
     return out
 
 
-def _hard_denied(effective: NetworkPolicy, ip: IPAddress) -> bool:
+def hard_denied(effective: NetworkPolicy, ip: IPAddress) -> bool:
     split = audit_deny_sets(effective)
     hard = split.hard_v4 if ip.version == 4 else split.hard_v6
     return any(ip in net for net in hard)

@@ -541,3 +541,35 @@ async def test_destination_learned_names_expire_and_follow_the_lifecycle(control
     ok(await control.handle(set_binding("u-1", STATIC, rid="r2")))
     assert "u-1" not in control.learned_names
     assert not control.destination_verified(src, "api.example.com", dst)
+
+
+async def test_in_place_audit_change_cuts_only_hard_denied_flows(
+    control: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import egressd.fleet.control as control_mod
+
+    audit = '{"defaultAction":"deny","mode":"audit","egress":[{"action":"allow","target":"1.1.1.1"}]}'
+    await activate(control, policy=audit)
+    lines = [
+        f"ipv4 2 tcp 6 100 ESTABLISHED src=10.0.0.5 dst={d} sport=1 dport=443 src={d} dst=10.0.0.5"
+        for d in ("1.1.1.1", "8.8.8.8", "1.2.3.4")
+    ]
+
+    async def table() -> str:
+        return "\n".join(lines)
+
+    cut: list[tuple[IPAddress, IPAddress]] = []
+
+    async def flush(src: IPAddress, dst: IPAddress) -> None:
+        cut.append((src, dst))
+
+    monkeypatch.setattr(control_mod, "read_conntrack_table", table)
+    monkeypatch.setattr(control_mod, "flush_flow", flush)
+    # Still audit after the change: 8.8.8.8 is only would-deny (passes, not cut); 1.2.3.4 is
+    # denied by deny.always (hard, cut).
+    control.always = NEW
+    entry = control.registry.get("u-1")
+    assert entry is not None
+    effective = control.effective(parse_policy(audit))
+    await control._cut_disallowed("u-1", frozenset({(ip("10.0.0.5"), ip("10.0.0.1"))}), effective)
+    assert cut == [(ip("10.0.0.5"), ip("1.2.3.4"))]
