@@ -6,9 +6,12 @@
 # egressd runs inside the sandbox's own namespace (it holds NET_ADMIN there) and enforces one
 # policy for everything in it: DNS answers and TCP connections of the app (dig, curl) are
 # checked after each step, the API is driven like the OpenSandbox SDK would drive it (token,
-# PATCH/DELETE/POST /policy, a vault write that must answer 412), then kill -9 + restart and
-# SIGTERM. One line per check, then "N passed, M failed". Exit 0 only when every check
-# passed. Everything is removed on any exit (also on failure or Ctrl-C).
+# PATCH/DELETE/POST /policy, a vault write that must answer 412 without the MITM), then kill -9
+# + restart and SIGTERM. A last run turns the transparent MITM on: a vault PUT succeeds, the
+# app's HTTPS to the bound host carries the credential upstream, other hosts get none, the MITM
+# port cannot be reached directly, and the MITM's group id skips injection but not the policy.
+# One line per check, then "N passed, M failed". Exit 0 only when every check passed.
+# Everything is removed on any exit (also on failure or Ctrl-C).
 #
 # Nothing is created in the root namespace: the veth pair is made with both ends inside our
 # namespaces, and no namespace has a route out.
@@ -65,10 +68,14 @@ cat > "$WORK/zone.json" <<'JSON'
   {"name": "api.allowed.test", "type": "A", "value": "10.204.0.3", "ttl": 30},
   {"name": "www.allowed.test", "type": "CNAME", "value": "api.allowed.test", "ttl": 30},
   {"name": "later.test", "type": "A", "value": "10.204.0.4", "ttl": 30},
-  {"name": "exfil.test", "type": "A", "value": "10.204.0.5", "ttl": 30}
+  {"name": "exfil.test", "type": "A", "value": "10.204.0.5", "ttl": 30},
+  {"name": "b.allowed.test", "type": "A", "value": "10.204.0.7", "ttl": 30}
 ]}
 JSON
+# HTTPS on 443 with a test CA ($WORK/tls/ca.pem, hashed copy in $WORK/tls/trust): the MITM
+# section verifies the upstream against it.
 ip netns exec "$UP" "$ROOT/.venv/bin/python" scripts/fleet_upstream.py --http-ports 80,853 --zone "$WORK/zone.json" \
+  --https-ports 443 --tls-dir "$WORK/tls" --tls-ips 10.204.0.3,10.204.0.5,10.204.0.6,10.204.0.7 \
   --log "$WORK/upstream.jsonl" > "$WORK/upstream.out" 2>&1 &
 PIDS+=($!)
 for _ in $(seq 1 100); do grep -q ready "$WORK/upstream.out" 2>/dev/null && break; sleep 0.1; done
@@ -76,9 +83,10 @@ mkdir -p "$WORK/rules"
 
 INITIAL='{"defaultAction":"deny","egress":[{"action":"allow","target":"*.allowed.test"},{"action":"allow","target":"10.204.0.6"}]}'
 
+EXTRA_ENV=()  # the MITM section adds its variables here
 start_egressd() {
   # ip netns exec directly (not the inns function): $! must be egressd's own pid.
-  ip netns exec "$SBX" env OPENSANDBOX_EGRESS_TOKEN="$TOKEN" OPENSANDBOX_EGRESS_POLICY_FILE="$POLICY_FILE" \
+  ip netns exec "$SBX" env "${EXTRA_ENV[@]}" OPENSANDBOX_EGRESS_TOKEN="$TOKEN" OPENSANDBOX_EGRESS_POLICY_FILE="$POLICY_FILE" \
     OPENSANDBOX_EGRESS_RULES="$INITIAL" OPENSANDBOX_EGRESS_MAX_RULES=20 \
     OPENSANDBOX_EGRESS_DNS_UPSTREAM=10.203.0.1:53 OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT=2 \
     EGRESSD_ALWAYS_RULES_DIR="$WORK/rules" EGRESSD_LOG_FORMAT=json \
@@ -156,6 +164,58 @@ check "SIGTERM: the sidecar table is deleted" not table_exists
 check "without NET_ADMIN egressd refuses to start with one line" bash -c \
   "out=\$(ip netns exec $SBX setpriv --bounding-set -net_admin --inh-caps -net_admin $ROOT/.venv/bin/egressd 2>&1 >/dev/null); rc=\$?; [ \$rc -eq 1 ] && [ \$(printf '%s\n' \"\$out\" | wc -l) -eq 1 ] && grep -q NET_ADMIN <<<\"\$out\""
 check "and leaves no table behind" not table_exists
+
+# ---- transparent MITM (credential injection) --------------------------------------------------
+# The sidecar's MITM intercepts the namespace's own TCP 80/443 (nat output redirect); its child
+# runs with group id 18081, which the redirect exempts (meta skgid), so its upstream leg is not
+# intercepted again. The app trusts the MITM CA ($MITM_CA); the MITM trusts the upstream's CA.
+EXTRA_ENV=(OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT=1 OPENSANDBOX_EGRESS_MITMPROXY_PORT=18081
+  OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR="$WORK/tls/trust" EGRESSD_MITM_CONFDIR="$WORK/mitm"
+  OPENSANDBOX_CREDENTIAL_PROXY_SOCKET="$WORK/run/active.sock")
+MITM_CA="$WORK/mitm/mitmproxy-ca-cert.pem"
+SECRET="smoke-mitm-secret-value"
+VAULT='{"credentials":[{"name":"key","source":{"type":"inline","value":"'$SECRET'"}}],"bindings":[{"name":"api","match":{"hosts":["api.allowed.test"]},"auth":{"type":"bearer","credential":"key"}}]}'
+https_get() {  # https_get HOST IP [CA]: the upstream's JSON echo of what arrived, on stdout
+  inns "$SBX" curl -s -m 5 --cacert "${3:-$MITM_CA}" --resolve "$1:443:$2" "https://$1/v1/x"
+}
+as_mitm_gid() { inns "$SBX" setpriv --regid 18081 --clear-groups "$@"; }
+healthz_fingerprint() {  # 200, and the header equals the SHA-256 of the CA certificate's DER
+  local hdrs fp
+  hdrs=$(inns "$SBX" curl -s -D - -o /dev/null 127.0.0.1:18080/healthz) || return 1
+  grep -q '^HTTP/1.1 200' <<<"$hdrs" || return 1
+  fp=$(openssl x509 -in "$MITM_CA" -outform DER | sha256sum | cut -d' ' -f1)
+  grep -qi "^x-egressd-mitm-ca-fingerprint: $fp" <<<"$hdrs"
+}
+check "egressd starts with the MITM on; healthz only turns 200 once the MITM is ready" start_egressd
+check "healthz is 200 with X-Egressd-Mitm-Ca-Fingerprint = SHA-256 of the CA certificate" healthz_fingerprint
+check "the MITM redirect is in the sidecar table (skgid 18081 exempt, direct connections dropped)" bash -c \
+  "ip netns exec $SBX nft list table inet opensandbox | tr -s ' ' > $WORK/table.txt; grep -q 'skgid 18081 return' $WORK/table.txt && grep -q 'tcp dport { 80, 443 } redirect to :18081' $WORK/table.txt && grep -q 'tcp dport 18081 drop' $WORK/table.txt"
+check "POST /policy allows the bound host and one more -> 200" expect 200 POST /policy \
+  '{"defaultAction":"deny","egress":[{"action":"allow","target":"api.allowed.test"},{"action":"allow","target":"b.allowed.test"}]}'
+check "PUT /credential-vault with the token -> 201 (every prerequisite holds)" expect 201 PUT /credential-vault "$VAULT"
+check "the app resolves both names (the leases the MITM's destination check uses)" bash -c \
+  "$(declare -f inns resolves); SBX=$SBX; resolves api.allowed.test 10.204.0.3 && resolves b.allowed.test 10.204.0.7"
+check "HTTPS to the bound host carries the injected credential upstream" bash -c \
+  "$(declare -f inns https_get); SBX=$SBX MITM_CA=$MITM_CA; https_get api.allowed.test 10.204.0.3 | grep -q 'Bearer $SECRET'"
+check "the app never sees the credential in the response headers" not bash -c \
+  "ip netns exec $SBX curl -s -D - -o /dev/null -m 5 --cacert $MITM_CA --resolve api.allowed.test:443:10.204.0.3 https://api.allowed.test/ | grep -q $SECRET"
+check "HTTPS to another allowed host goes through the MITM but gets no credential" bash -c \
+  "$(declare -f inns https_get); SBX=$SBX MITM_CA=$MITM_CA; out=\$(https_get b.allowed.test 10.204.0.7); grep -q '\"tls\": true' <<<\"\$out\" && ! grep -q $SECRET <<<\"\$out\""
+check "a forged Host towards the other name's address gets no credential" bash -c \
+  "$(declare -f inns https_get); SBX=$SBX MITM_CA=$MITM_CA; out=\$(https_get api.allowed.test 10.204.0.7); grep -q '\"tls\": true' <<<\"\$out\" && ! grep -q $SECRET <<<\"\$out\""
+check "the MITM's upstream leg is policed: HTTPS to an address never learned fails" not bash -c \
+  "$(declare -f inns https_get); SBX=$SBX MITM_CA=$MITM_CA; https_get api.allowed.test 10.204.0.5 | grep -q '\"tls\": true'"
+check "a direct connection to the MITM port (127.0.0.1:18081) fails" not \
+  inns "$SBX" curl -s -o /dev/null --connect-timeout 1 -m 2 http://127.0.0.1:18081/
+check "the MITM is still healthy afterwards (healthz 200)" healthz_fingerprint
+check "a process with gid 18081 skips the MITM: upstream's own certificate, no credential" bash -c \
+  "$(declare -f inns https_get as_mitm_gid); SBX=$SBX MITM_CA=$MITM_CA; out=\$(as_mitm_gid curl -s -m 5 --cacert $WORK/tls/ca.pem --resolve api.allowed.test:443:10.204.0.3 https://api.allowed.test/v1/x); grep -q '\"tls\": true' <<<\"\$out\" && ! grep -q $SECRET <<<\"\$out\""
+check "... but not the policy: it cannot reach an address never learned" not \
+  as_mitm_gid curl -s -o /dev/null --connect-timeout 1 -m 2 -k https://10.204.0.5/
+check "the credential never reached the daemon's log" not grep -q "$SECRET" "$WORK/egressd.log"
+kill -TERM "$EGRESSD_PID" 2>/dev/null
+check "SIGTERM: egressd (and its MITM child) exit 0" wait "$EGRESSD_PID"
+check "SIGTERM: the sidecar table is deleted" not table_exists
 
 echo "$PASS passed, $FAIL failed"
 [ "$FAIL" -eq 0 ]
