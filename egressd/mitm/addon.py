@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-from mitmproxy import ctx, http
+from mitmproxy import ctx, http, tls
 from mitmproxy.addonmanager import Loader
 
 from egressd.mitm.active import READY_EVENT
@@ -47,14 +47,17 @@ def emit(event: str, **fields: Any) -> None:
     sys.stdout.flush()
 
 
-def _peer_ip(flow: http.HTTPFlow) -> str | None:
-    peer = flow.client_conn.peername
-    if not peer:
+def _ip_of(addr: tuple[str, int] | tuple[str, int, int, int] | None) -> str | None:
+    if not addr:
         return None
     try:
-        return str(unmap_ip(ipaddress.ip_address(peer[0])))
+        return str(unmap_ip(ipaddress.ip_address(addr[0])))
     except ValueError:
         return None
+
+
+def _peer_ip(flow: http.HTTPFlow) -> str | None:
+    return _ip_of(flow.client_conn.peername)
 
 
 def _original_destination(flow: http.HTTPFlow) -> tuple[str, int] | None:
@@ -215,6 +218,23 @@ class EgressInjector:
         except Exception as exc:
             emit("mitm.error", hook="request", error=type(exc).__name__)
             flow.kill()
+
+    # ---- errors ------------------------------------------------------------------------------
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        """Malformed HTTP, upstream failures, killed flows: logged by kind, never by content
+        (mitmproxy's message may quote raw bytes; only the text before the first ':' is kept)."""
+        msg = flow.error.msg if flow.error is not None else ""
+        emit(
+            "mitm.flow_error",
+            client=_peer_ip(flow),
+            kind=msg.split(":", 1)[0][:80],
+            injected=flow.metadata.get(_META + ".binding") is not None,
+        )
+
+    def tls_failed_client(self, data: tls.TlsData) -> None:
+        """A client that does not trust the CA, or speaks no TLS the proxy accepts."""
+        emit("mitm.tls_failed", client=_ip_of(data.context.client.peername), sni=data.context.client.sni)
 
     # ---- response side ---------------------------------------------------------------------
 

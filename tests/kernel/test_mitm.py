@@ -343,21 +343,33 @@ def test_odd_traffic_neither_crashes_nor_leaks(topo: Topology, mitm: Daemon) -> 
         # Websocket upgrade request: forwarded (the echo server answers plain HTTP).
         r = api(topo, 1, headers=("Connection: Upgrade", "Upgrade: websocket", "Sec-WebSocket-Version: 13"))
         assert r.code in (200, 400, 426, 502)
-        # Malformed HTTP over the intercepted port 80.
-        raw = topo.ns(
-            topo.sb(1),
-            "python3",
-            "-c",
-            "import socket,sys;s=socket.create_connection((sys.argv[1],80),2);"
-            "s.sendall(b'\\x00\\x01GARBAGE\\r\\n\\r\\n');s.settimeout(2);print(s.recv(100))",
-            API_IP,
-            check=False,
-            timeout=10,
-        )
-        assert "400" in raw.stdout or raw.stdout.strip() in ("b''", "")
+        # Malformed HTTP over the intercepted port 80: raw junk (not HTTP: relayed as TCP) and
+        # an HTTP request with a broken header (refused by mitmproxy before any flow exists).
+        for junk in (
+            "b'\\x00\\x01GARBAGE\\r\\n\\r\\n'",
+            "b'GET /v1/x HTTP/1.1\\r\\nHost: a\\r\\nContent-Length: zz-PH\\r\\n\\r\\n'",
+        ):
+            raw = topo.ns(
+                topo.sb(1),
+                "python3",
+                "-c",
+                "import socket,sys;s=socket.create_connection((sys.argv[1],80),2);"
+                f"s.sendall({junk});s.settimeout(2);print(s.recv(100))",
+                API_IP,
+                check=False,
+                timeout=10,
+            )
+            assert "400" in raw.stdout or raw.stdout.strip() in ("b''", ""), raw.stdout
         assert not upstream_saw_secret(topo, mark + 10**6)  # nothing odd carried the key
         # The proxy is still serving.
         assert api(topo, 1).upstream_header("Authorization") == f"Bearer {SECRET}"
+        assert "zz-PH" not in mitm.log_text(), "the refused request's bytes are not logged"
+        # A client that does not trust the CA: the handshake fails, logged as such.
+        assert topo.curl(1, f"https://{API}/", extra=("--resolve", f"{API}:443:{API_IP}")) == 0
+        deadline = time.monotonic() + 5
+        while '"mitm.tls_failed"' not in mitm.log_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert '"mitm.tls_failed"' in mitm.log_text()
     finally:
         unbind(mitm, "m1")
 
