@@ -73,6 +73,15 @@ def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
             f"add rule inet {t} nat udp dport 53 redirect to :{dns_port}\n"
             f"add rule inet {t} nat tcp dport 53 redirect to :{dns_port}",
         ),
+        (
+            "MITM interception (skgid exemption, port redirect, ct status dnat on input)",
+            f"add rule inet {t} nat meta skgid 18081 return\n"
+            f"add rule inet {t} nat ip6 daddr ::1 return\n"
+            f"add rule inet {t} nat tcp dport {{ 80, 443 }} redirect to :18081\n"
+            f"add chain inet {t} mi {{ type filter hook input priority 0; policy accept; }}\n"
+            f"add rule inet {t} mi tcp dport 18081 ct status dnat accept\n"
+            f"add rule inet {t} mi tcp dport 18081 drop",
+        ),
     ]
 
 
