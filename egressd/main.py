@@ -140,7 +140,9 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
         mitm = None
         if cfg.mitm_transparent:
             try:
-                mitm = await start_mitm(cfg, control.vault_for_ip, control.destination_verified)
+                mitm = await start_mitm(
+                    cfg, control.vault_for_ip, control.destination_verified, metrics=metrics
+                )
             except MitmStartupError as exc:
                 raise StartupError(str(exc)) from None
         if mitm is not None:

@@ -276,6 +276,18 @@ class EgressMetrics:
         self.dns_failed = r.register(
             Counter("egress_dns_query_failed_total", "DNS queries answered SERVFAIL, by reason.", ["reason"])
         )
+        # The transparent MITM child (BEHAVIOUR §10), counted from the addon's decision events.
+        self.mitm_ready = r.register(Gauge("egressd_mitm_ready", "1 when the MITM child is listening."))
+        self.mitm_starts = r.register(
+            Counter("egressd_mitm_starts_total", "MITM child processes started (restarts included).")
+        )
+        self.mitm_requests = r.register(
+            Counter(
+                "egressd_mitm_requests_total",
+                "Intercepted requests by outcome (injected, pass, refused, error).",
+                ["outcome"],
+            )
+        )
 
     def render(self, openmetrics: bool = False) -> str:
         return self.registry.render(openmetrics)

@@ -12,6 +12,7 @@ import structlog
 from aiohttp import web
 
 from egressd.config import Config
+from egressd.metrics import EgressMetrics
 from egressd.mitm.active import Lookup, Verify, active_app
 from egressd.mitm.ca import CaError, CaInfo, ensure_ca
 from egressd.mitm.supervisor import MitmOptions, MitmSupervisor, mitmdump_argv
@@ -37,7 +38,14 @@ class RunningMitm:
             self.socket.unlink()
 
 
-async def start_mitm(cfg: Config, lookup: Lookup, verify: Verify, *, gid: int | None = None) -> RunningMitm:
+async def start_mitm(
+    cfg: Config,
+    lookup: Lookup,
+    verify: Verify,
+    *,
+    gid: int | None = None,
+    metrics: EgressMetrics | None = None,
+) -> RunningMitm:
     """CA, the private ``_active`` socket, then the supervised MITM child (BEHAVIOUR §10).
 
     ``lookup``/``verify`` answer the child's vault lookups (see :mod:`egressd.mitm.active`);
@@ -78,4 +86,4 @@ async def start_mitm(cfg: Config, lookup: Lookup, verify: Verify, *, gid: int | 
         ssl_insecure=cfg.mitm_ssl_insecure,
     )
     log.info("mitm.ca", fingerprint=ca.fingerprint, pinned=ca.pinned, confdir=str(ca.confdir))
-    return RunningMitm(ca, MitmSupervisor(mitmdump_argv(opts), gid=gid), active, sock)
+    return RunningMitm(ca, MitmSupervisor(mitmdump_argv(opts), gid=gid, metrics=metrics), active, sock)

@@ -28,6 +28,7 @@ from typing import Final
 
 import structlog
 
+from egressd.metrics import EgressMetrics
 from egressd.mitm.active import READY_EVENT
 
 log = structlog.get_logger("egressd.mitm")
@@ -90,7 +91,12 @@ def _child_setup(gid: int | None) -> Callable[[], None]:
 
 class MitmSupervisor:
     def __init__(
-        self, argv: Sequence[str], *, backoff: tuple[float, float] = (0.2, 5.0), gid: int | None = None
+        self,
+        argv: Sequence[str],
+        *,
+        backoff: tuple[float, float] = (0.2, 5.0),
+        gid: int | None = None,
+        metrics: EgressMetrics | None = None,
     ) -> None:
         """``gid``: run the child with this group id (and no supplementary groups). The sidecar
         profile exempts the MITM's own upstream connections from its 80/443 redirect by
@@ -98,6 +104,9 @@ class MitmSupervisor:
         self.argv = list(argv)
         self.backoff = backoff
         self.gid = gid
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.mitm_ready.collect_from(lambda: {(): 1.0 if self.ready else 0.0})
         self.ready = False
         self.pid: int | None = None
         self.starts = 0
@@ -116,6 +125,8 @@ class MitmSupervisor:
         delay = self.backoff[0]
         while not self._stopping:
             self.starts += 1
+            if self.metrics is not None:
+                self.metrics.mitm_starts.inc()
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *self.argv,
@@ -163,6 +174,9 @@ class MitmSupervisor:
                     log.warning("mitm.output", pid=proc.pid, line=line[:300])
                 continue
             name = str(event.pop("event"))
+            outcome = _OUTCOMES.get(name)
+            if outcome is not None and self.metrics is not None:
+                self.metrics.mitm_requests.inc(outcome)
             if name == READY_EVENT:
                 was_ready = True
                 self.ready = True
@@ -184,6 +198,14 @@ class MitmSupervisor:
         except TimeoutError:
             proc.kill()
             await proc.wait()
+
+
+_OUTCOMES: Final = {
+    "mitm.injected": "injected",
+    "mitm.pass": "pass",
+    "mitm.refused": "refused",
+    "mitm.error": "error",
+}
 
 
 def _parse_event(line: str) -> dict[str, object] | None:

@@ -146,7 +146,9 @@ async def run_sidecar(
                 return store.snapshot() if store is not None else None
 
             try:
-                mitm = await start_mitm(cfg, vault_lookup, engine.destination_verified, gid=MITM_GID)
+                mitm = await start_mitm(
+                    cfg, vault_lookup, engine.destination_verified, gid=MITM_GID, metrics=metrics
+                )
             except MitmStartupError as exc:
                 raise SidecarStartupError(str(exc)) from None
             background.append(asyncio.create_task(mitm.supervisor.run()))

@@ -432,3 +432,18 @@ def test_zz_no_credential_value_ever_reached_the_daemon_log(topo: Topology, mitm
     assert '"mitm.injected"' in text and '"mitm.refused"' in text
     for value in (SECRET, SUB_SECRET, PLACEHOLDER, f"{SECRET}-v2"):
         assert value not in text
+
+
+def test_zz_mitm_metrics(mitm: Daemon) -> None:
+    code, text = mitm.get("/metrics")
+    assert code == 200
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("egressd_mitm_")
+    }
+    assert samples["egressd_mitm_ready"] == 1
+    assert samples["egressd_mitm_starts_total"] >= 2, "the kill test restarted it"
+    assert samples['egressd_mitm_requests_total{outcome="injected"}'] > 0
+    assert samples['egressd_mitm_requests_total{outcome="refused"}'] > 0
+    assert SECRET not in text
