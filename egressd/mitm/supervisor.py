@@ -20,6 +20,7 @@ import ctypes
 import json
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from egressd.mitm.active import READY_EVENT
 log = structlog.get_logger("egressd.mitm")
 
 _PR_SET_PDEATHSIG: Final = 1
+_PR_SET_NO_NEW_PRIVS: Final = 38
+_LINUX_CAPABILITY_VERSION_3: Final = 0x20080522
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +77,27 @@ def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
     return argv
 
 
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
+
+
 def _child_setup(gid: int | None) -> Callable[[], None]:
-    """Runs in the forked child before exec: switch to group ``gid`` (if given), then die with
-    the parent. The death signal is set after the credential change, which would clear it.
+    """Runs in the forked child before exec.
+
+    1. switch to group ``gid`` (if given; the only step that needs a capability, CAP_SETGID);
+    2. drop every capability and set no_new_privs: the child keeps uid 0 (so it can read the
+       root-owned interpreter, confdir and socket as their owner) but execs with an empty
+       capability set. It parses untrusted TLS and HTTP: a compromise must not be able to
+       touch the nft table (CAP_NET_ADMIN) or anything else privileged;
+    3. die with the parent (set last: a credential change clears it).
     """
 
     def setup() -> None:
@@ -84,6 +105,12 @@ def _child_setup(gid: int | None) -> Callable[[], None]:
             os.setgroups([])
             os.setgid(gid)
         libc = ctypes.CDLL(None, use_errno=True)
+        header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+        data = (_CapData * 2)()
+        if libc.capset(ctypes.byref(header), data) != 0:
+            raise OSError(ctypes.get_errno(), "capset")
+        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
     return setup
@@ -135,8 +162,9 @@ class MitmSupervisor:
                     stderr=asyncio.subprocess.STDOUT,
                     preexec_fn=_child_setup(self.gid),
                 )
-            except OSError as exc:
-                log.error("mitm.spawn_failed", error=exc.strerror or str(exc))
+            except (OSError, subprocess.SubprocessError) as exc:
+                # SubprocessError: the pre-exec set-up failed (e.g. no CAP_SETGID for the gid).
+                log.error("mitm.spawn_failed", error=getattr(exc, "strerror", None) or str(exc)[:200])
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.backoff[1])
                 continue

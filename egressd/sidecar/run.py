@@ -32,7 +32,7 @@ from egressd.sidecar.flows import cut_disallowed
 from egressd.sidecar.http import SidecarHTTP, VaultPrerequisites
 from egressd.sidecar.persist import InitialPolicyError, choose_initial, read_text
 from egressd.sidecarnft.ruleset import MITM_GID, Mode, SidecarTable
-from egressd.sidecarnft.selftest import SelfTestError, check_net_admin, run_selftest
+from egressd.sidecarnft.selftest import SelfTestError, check_net_admin, check_setgid_for_mitm, run_selftest
 from egressd.subject.model import IPAddress
 from egressd.vault.store import VaultSnapshot
 
@@ -103,6 +103,8 @@ async def run_sidecar(
     try:
         try:
             check_net_admin()
+            if cfg.mitm_transparent:
+                check_setgid_for_mitm()
             tx.run_sync(lambda: run_selftest(tx._cmd, table_prefix=cfg.nft_table, dns_port=cfg.dns_port))
         except SelfTestError as exc:
             raise SidecarStartupError(str(exc)) from None

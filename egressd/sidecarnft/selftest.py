@@ -18,17 +18,37 @@ class SelfTestError(RuntimeError):
 
 
 CAP_NET_ADMIN = 12
+CAP_SETGID = 6
 
 
-def has_net_admin(proc_status: str) -> bool | None:
-    """Whether ``CapEff`` in a /proc/<pid>/status text holds CAP_NET_ADMIN (None: no such line)."""
+def has_capability(proc_status: str, cap: int) -> bool | None:
+    """Whether ``CapEff`` in a /proc/<pid>/status text holds capability ``cap`` (None: no such line)."""
     for line in proc_status.splitlines():
         if line.startswith("CapEff:"):
             try:
-                return bool(int(line.split(":", 1)[1].strip(), 16) >> CAP_NET_ADMIN & 1)
+                return bool(int(line.split(":", 1)[1].strip(), 16) >> cap & 1)
             except ValueError:
                 return None
     return None
+
+
+def has_net_admin(proc_status: str) -> bool | None:
+    return has_capability(proc_status, CAP_NET_ADMIN)
+
+
+def check_setgid_for_mitm(status_path: str = "/proc/self/status") -> None:
+    """The sidecar's MITM child runs with its own group id (its upstream leg is exempted from the
+    redirect by it): without CAP_SETGID it could never start. Refuse in one line instead."""
+    try:
+        with open(status_path) as fh:
+            text = fh.read()
+    except OSError:
+        return
+    if has_capability(text, CAP_SETGID) is False:
+        raise SelfTestError(
+            "missing CAP_SETGID: the sidecar's transparent MITM runs with its own group id "
+            "(grant SETGID or turn OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT off)"
+        )
 
 
 def check_net_admin(status_path: str = "/proc/self/status") -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -119,3 +120,27 @@ def test_direct_connections_to_the_mitm_port_are_dropped(sidecar: Sidecar) -> No
         sidecar.ns, "curl", "-s", "-D", "-", "-o", "/dev/null", "http://127.0.0.1:18080/healthz", check=False
     ).stdout.lower()
     assert "x-egressd-mitm-ca-fingerprint:" in fp
+
+
+def test_refuses_to_start_the_mitm_without_setgid(mtopo: Topology) -> None:
+    sc = Sidecar(mtopo, sb=1).with_mitm()
+    try:
+        r = sc.run_to_exit("setpriv", "--bounding-set", "-setgid", "--inh-caps", "-setgid")
+        assert r.returncode == 1, r.stderr
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "CAP_SETGID" in lines[0], r.stderr
+    finally:
+        sc.cleanup()
+
+
+def test_the_mitm_child_runs_without_capabilities(sidecar: Sidecar) -> None:
+    assert sidecar.proc is not None
+    pids = sidecar.topo.ns(
+        sidecar.ns, "ps", "-o", "pid=", "--ppid", str(sidecar.proc.pid), check=False
+    ).stdout.split()
+    assert len(pids) == 1
+    status = Path(f"/proc/{pids[0]}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    assert int(fields["CapEff"].strip(), 16) == 0 and int(fields["CapPrm"].strip(), 16) == 0
+    assert fields["NoNewPrivs"].strip() == "1"
+    assert fields["Gid"].split()[0] == "18081"

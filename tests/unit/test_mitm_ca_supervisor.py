@@ -128,7 +128,7 @@ async def test_not_ready_until_the_child_says_so(tmp_path: Path) -> None:
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to change gid")
 async def test_child_runs_under_the_given_gid(tmp_path: Path) -> None:
     out = tmp_path / "ids"
-    script = f"import os,pathlib,time; pathlib.Path({str(out)!r}).write_text(f'{{os.getuid()}} {{os.getgid()}} {{os.getgroups()}}'); time.sleep(30)"
+    script = f"import os,pathlib,time; pathlib.Path({str(out)!r}).write_text(f'{{os.getuid()}} {{os.getgid()}} {{os.getgroups()}} '+[l.split()[1] for l in open('/proc/self/status') if l.startswith(('CapEff','CapPrm','NoNewPrivs'))].__repr__()); time.sleep(30)"
     sup = MitmSupervisor([sys.executable, "-c", script], gid=65532)
     task = asyncio.create_task(sup.run())
     try:
@@ -136,7 +136,8 @@ async def test_child_runs_under_the_given_gid(tmp_path: Path) -> None:
             if out.exists() and out.read_text():
                 break
             await asyncio.sleep(0.02)
-        assert out.read_text() == "0 65532 []"
+        # Same uid, the given gid only, and no capability at all (no_new_privs keeps it so).
+        assert out.read_text() == "0 65532 [] ['0000000000000000', '0000000000000000', '1']"
     finally:
         await sup.stop()
         task.cancel()
