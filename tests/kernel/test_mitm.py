@@ -394,6 +394,14 @@ def test_mitm_killed_blocks_then_recovers(topo: Topology, mitm: Daemon) -> None:
         unbind(mitm, "m1")
 
 
+def test_the_mitm_child_has_no_capabilities(topo: Topology, mitm: Daemon) -> None:
+    """It parses untrusted TLS and HTTP: a compromise must not reach the nft table."""
+    status = Path(f"/proc/{_mitm_pid(topo, mitm)}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    assert int(fields["CapEff"].strip(), 16) == 0 and int(fields["CapPrm"].strip(), 16) == 0
+    assert fields["NoNewPrivs"].strip() == "1"
+
+
 def _mitm_pid(topo: Topology, d: Daemon) -> int:
     assert d.proc is not None
     out = topo.ns(topo.pod, "ps", "-o", "pid=", "--ppid", str(d.proc.pid), check=False).stdout.split()
