@@ -31,6 +31,9 @@ from egressd.vault.model import VaultError, parse_create, parse_mutation
 from egressd.vault.store import VaultStore
 
 MITM_CA_FINGERPRINT_HEADER = "X-Egressd-Mitm-Ca-Fingerprint"
+#: Audit (shadow) mode exists in the fleet profile only: the sidecar ruleset has no would-deny
+#: rules, so accepting it would answer names the kernel then drops. Refused, never half-applied.
+AUDIT_UNSUPPORTED = "mode: 'audit' is not supported by the sidecar profile (fleet only)"
 
 log = structlog.get_logger("egressd.sidecar.http")
 
@@ -194,6 +197,8 @@ class SidecarHTTP:
                 new, reason = _edited(method, current, body)
             except PolicyError as exc:
                 return text(400, f"invalid policy: {exc}")
+            if new.audit:
+                return text(400, f"invalid policy: {AUDIT_UNSUPPORTED}")
             if reason == _NO_MATCH:
                 return web.json_response(self._status(reason=reason))  # nothing removed, nothing applied
             if not check_rule_cap(new, self.max_rules):

@@ -45,15 +45,23 @@ def choose_initial(file_text: str | None, file_problem: str | None, rules: str |
             warning = "policy file is empty; falling back"
         else:
             try:
-                return Initial(parse_policy(file_text), "file")
+                return Initial(_sidecar_policy(file_text), "file")
             except PolicyError as exc:
                 warning = f"policy file is invalid ({exc}); falling back"
     if rules is not None and rules.strip():
         try:
-            return Initial(parse_policy(rules), "rules", warning)
+            return Initial(_sidecar_policy(rules), "rules", warning)
         except PolicyError as exc:
             raise InitialPolicyError(f"OPENSANDBOX_EGRESS_RULES: {exc}") from None
     return Initial(DENY_ALL, "default", warning)
+
+
+def _sidecar_policy(text: str) -> NetworkPolicy:
+    policy = parse_policy(text)
+    if policy.audit:
+        # Audit mode is fleet-only (see egressd.sidecar.http.AUDIT_UNSUPPORTED).
+        raise PolicyError("mode: 'audit' is not supported by the sidecar profile (fleet only)")
+    return policy
 
 
 def read_text(path: Path | None) -> tuple[str | None, str | None]:

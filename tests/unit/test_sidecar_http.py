@@ -584,3 +584,20 @@ async def test_rules_count_follows_the_installed_ruleset(env: Env) -> None:
     assert base > 0
     await call(env, "POST", "/policy", {"defaultAction": "allow"})
     assert env.engine.rules_installed == base - 1  # no tail drop under policy accept
+
+
+async def test_audit_mode_is_refused_by_the_sidecar(env: Env) -> None:
+    before = await call(env, "GET", "/policy")
+    for method in ("POST", "PUT"):
+        status, body = await call(env, method, "/policy", {"defaultAction": "deny", "mode": "audit"})
+        assert status == 400 and "not supported by the sidecar" in body
+    assert await call(env, "GET", "/policy") == before
+
+
+def test_audit_initial_policy_is_refused() -> None:
+    from egressd.sidecar.persist import InitialPolicyError, choose_initial
+
+    with pytest.raises(InitialPolicyError, match="sidecar"):
+        choose_initial(None, None, '{"defaultAction":"deny","mode":"audit"}')
+    fallback = choose_initial('{"mode":"audit"}', None, None)
+    assert fallback.source == "default" and fallback.warning and "sidecar" in fallback.warning
