@@ -59,7 +59,12 @@ async def main():
     out["create"] = await status_of(eg.create(
         credentials=[{"name": "k", "source": {"type": "inline", "value": "sdk-secret-value"}}],
         bindings=[{"name": "b", "match": {"hosts": ["b.test"]}, "auth": {"type": "bearer", "credential": "k"}}]))
-    out["patch"] = await status_of(eg.patch(expected_revision=1, credentials={"delete": ["k"]}))
+    out["patch"] = await status_of(eg.patch(
+        expected_revision=1,
+        credentials={"replace": [{"name": "k", "source": {"type": "inline", "value": "sdk-secret-2"}}]}))
+    out["patch_stale"] = await status_of(eg.patch(expected_revision=1, credentials={"delete": ["k"]}))
+    out["patch_referenced"] = await status_of(eg.patch(expected_revision=2, credentials={"delete": ["k"]}))
+    out["revision"] = (await eg.get()).revision
     out["get"] = await status_of(eg.get())
     out["list_credentials"] = await status_of(eg.list_credentials())
     out["get_credential"] = await status_of(eg.get_credential("k"))
@@ -105,14 +110,15 @@ def test_opensandbox_sdk_drives_the_sidecar(ctopo: Topology, sidecar: Sidecar) -
     assert out["deleted"] == [["allow", "pypi.org"]]
     assert (out["replace_status"], out["replaced"]) == (200, [["allow", "b.test"]])
     assert out["bad_patch"] == 400
-    # Vault: created, read back, listed; the patch that deletes a still-referenced credential
-    # is refused (400) and changes nothing; delete removes it.
+    # Vault: created, patched, read back, listed; a stale expectedRevision is 409, deleting a
+    # still-referenced credential is 400 and changes nothing; delete removes it.
     assert out["create"] == 200, out
-    assert out["patch"] == 400, out
+    assert (out["patch"], out["patch_stale"], out["patch_referenced"]) == (200, 409, 400), out
+    assert out["revision"] == 2
     for key in ("get", "list_credentials", "get_credential", "list_bindings", "get_binding", "delete"):
         assert out[key] == 200, (key, out)
     assert (out["wrong_token"], out["wrong_token_vault"]) == (401, 401)
-    assert "sdk-secret-value" not in sidecar.log_text()
+    assert "sdk-secret-value" not in sidecar.log_text() and "sdk-secret-2" not in sidecar.log_text()
     # The SDK's changes reached the kernel and the persisted file.
     assert json.loads(sidecar.policy_file.read_text())["egress"] == [{"action": "allow", "target": "b.test"}]
     assert sidecar.dig("b.test")[0] == "NOERROR"
