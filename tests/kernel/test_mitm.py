@@ -314,7 +314,7 @@ def test_direct_connection_to_the_mitm_port_is_dropped(topo: Topology, mitm: Dae
     bind(mitm, 1, "m1")
     try:
         # INTERFACE.md names: the per-subject input chain and the input hook chain exist.
-        assert {"subj_m1_in", "input", "subj_m1", "mark_m1"} <= mitm.object_names()
+        assert {"subj_s_m1_in", "input", "subj_s_m1", "mark_s_m1"} <= mitm.object_names()
         assert topo.curl(1, f"http://{GATEWAY}:{MITM_PORT}/", timeout=1.0) == 0
         # Denying subjects reach nothing through the MITM either.
         code, body = mitm.post(envelope("SET_BINDING", "m3", ip=Topology.sb_ip(3), policy=POLICY))
