@@ -189,16 +189,24 @@ class ControlPlane:
         them, so no activation racing this reload can keep the old rules. Raises NftError
         when the kernel refuses: then nothing changed and the old rules stay.
         """
+        applied: list[tuple[str, frozenset[tuple[IPAddress, IPAddress]], NetworkPolicy]] = []
         async with self._kernel_lock:
             table = self.table.table
             batch = NetlinkBatch(table)
             for entry in self.registry:
                 view = self.registry.kernel(entry.uid)
                 if view.rules and view.applied is not None:
-                    batch = batch + policy_swap(table, entry.nft_id, effective_policy(view.applied, always))
+                    effective = effective_policy(view.applied, always)
+                    batch = batch + policy_swap(table, entry.nft_id, effective)
+                    applied.append((entry.uid, view.keys, effective))
             if batch:
                 await self.tx.run_batch(batch, op="static_apply")
             self.always = always
+        if self._conntrack_flush is not None:
+            # A newly always-denied destination must not stay reachable over flows opened
+            # before the reload: cut exactly the flows the new rules no longer allow.
+            for uid, keys, effective in applied:
+                self._background_task(self._cut_disallowed(uid, keys, effective))
 
     # ---- DNS proxy side ----------------------------------------------------------------------
 

@@ -573,3 +573,36 @@ async def test_in_place_audit_change_cuts_only_hard_denied_flows(
     effective = control.effective(parse_policy(audit))
     await control._cut_disallowed("u-1", frozenset({(ip("10.0.0.5"), ip("10.0.0.1"))}), effective)
     assert cut == [(ip("10.0.0.5"), ip("1.2.3.4"))]
+
+
+async def test_always_rules_reload_cuts_flows_to_newly_denied_destinations(
+    tx: FakeTx, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import egressd.fleet.control as control_mod
+
+    control = ControlPlane(
+        TableConfig(table=TABLE, dns_port=15353), tx, always=OLD, conntrack_flush=lambda ip: None
+    )
+    await control.reset_table()
+    await activate(control, policy=ALLOW_ALL)
+    lines = [
+        f"ipv4 2 tcp 6 100 ESTABLISHED src=10.0.0.5 dst={d} sport=1 dport=443 src={d} dst=10.0.0.5"
+        for d in ("1.2.3.4", "8.8.8.8")
+    ]
+
+    async def table() -> str:
+        return "\n".join(lines)
+
+    cut: list[tuple[IPAddress, IPAddress]] = []
+
+    async def flush(src: IPAddress, dst: IPAddress) -> None:
+        cut.append((src, dst))
+
+    monkeypatch.setattr(control_mod, "read_conntrack_table", table)
+    monkeypatch.setattr(control_mod, "flush_flow", flush)
+    await control.set_always_rules(NEW)  # NEW adds 1.2.3.4 to deny.always
+    for _ in range(50):
+        if cut:
+            break
+        await asyncio.sleep(0.01)
+    assert cut == [(ip("10.0.0.5"), ip("1.2.3.4"))], "only the newly always-denied flow is cut"
