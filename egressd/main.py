@@ -69,7 +69,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
         log.info("kernel.selftest_passed", bridge=bridges.describe())
         if bridges.bypass_risk and not cfg.allow_bridge_bypass:
             raise StartupError(
-                "net.bridge.bridge-nf-call-iptables is not 1 on a bridge with non-isolated ports: bridged "
+                f"{bridges.failing_sysctls()} is not 1 on a bridge with non-isolated ports: bridged "
                 "sandbox-to-sandbox traffic would bypass enforcement (set it to 1, isolate the ports, or "
                 "EGRESSD_ALLOW_BRIDGE_BYPASS=1)"
             )

@@ -40,18 +40,32 @@ class BridgeReport:
     bridges: tuple[str, ...]
     nf_call_iptables: str | None  # "1", "0" or None when the sysctl is absent
     unisolated_ports: tuple[str, ...]
+    nf_call_ip6tables: str | None = None  # None: absent (no IPv6 bridge netfilter to bypass)
 
     @property
     def bypass_risk(self) -> bool:
-        """Bridged sandbox-to-sandbox frames skip the forward hook when the sysctl is 0."""
-        return bool(self.bridges) and self.nf_call_iptables != "1" and bool(self.unisolated_ports)
+        """Bridged sandbox-to-sandbox frames skip the forward hook when a sysctl is 0 (IPv4:
+        also when absent; IPv6: only when present and not 1)."""
+        if not (self.bridges and self.unisolated_ports):
+            return False
+        return self.nf_call_iptables != "1" or self.nf_call_ip6tables not in (None, "1")
+
+    def failing_sysctls(self) -> str:
+        """The sysctl name(s) behind :attr:`bypass_risk`, for the one-line refusal."""
+        bad = []
+        if self.nf_call_iptables != "1":
+            bad.append("net.bridge.bridge-nf-call-iptables")
+        if self.nf_call_ip6tables not in (None, "1"):
+            bad.append("net.bridge.bridge-nf-call-ip6tables")
+        return " and ".join(bad)
 
     def describe(self) -> str:
         if not self.bridges:
             return "no bridge in this namespace"
         return (
             f"bridges {','.join(self.bridges)}: net.bridge.bridge-nf-call-iptables="
-            f"{self.nf_call_iptables or 'absent'}, non-isolated ports: {len(self.unisolated_ports)}"
+            f"{self.nf_call_iptables or 'absent'}, bridge-nf-call-ip6tables="
+            f"{self.nf_call_ip6tables or 'absent'}, non-isolated ports: {len(self.unisolated_ports)}"
         )
 
 
@@ -79,11 +93,19 @@ def bridge_report(
                     isolated = "0"
                 if isolated != "1":
                     unisolated.append(port)
-    try:
-        value: str | None = (proc_root / "net/bridge/bridge-nf-call-iptables").read_text().strip()
-    except OSError:
-        value = None
-    return BridgeReport(tuple(bridges), value, tuple(unisolated))
+
+    def sysctl(name: str) -> str | None:
+        try:
+            return (proc_root / "net/bridge" / name).read_text().strip()
+        except OSError:
+            return None
+
+    return BridgeReport(
+        tuple(bridges),
+        sysctl("bridge-nf-call-iptables"),
+        tuple(unisolated),
+        sysctl("bridge-nf-call-ip6tables"),
+    )
 
 
 def _probes(t: str) -> list[tuple[str, str]]:

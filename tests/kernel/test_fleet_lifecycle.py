@@ -45,6 +45,17 @@ def test_startup_refused_when_bridge_traffic_bypasses_the_hook(topo: Topology) -
         topo.ns(topo.pod, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1")
 
 
+def test_startup_refused_when_bridged_ipv6_bypasses_the_hook(topo: Topology) -> None:
+    topo.ns(topo.pod, "sysctl", "-qw", "net.bridge.bridge-nf-call-ip6tables=0")
+    try:
+        r = _run_egressd(topo, {})
+        assert r.returncode == 1
+        last = r.stderr.splitlines()[-1]
+        assert "bridge-nf-call-ip6tables" in last and "bridge-nf-call-iptables " not in last
+    finally:
+        topo.ns(topo.pod, "sysctl", "-qw", "net.bridge.bridge-nf-call-ip6tables=1")
+
+
 def test_startup_refuses_bad_config_with_one_line(topo: Topology) -> None:
     r = _run_egressd(topo, {"OPENSANDBOX_EGRESS_HTTP_ADDR": "0.0.0.0:18199"})
     assert r.returncode == 2
