@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -32,6 +31,7 @@ from egressd.logsetup import configure
 from egressd.metrics import EgressMetrics
 from egressd.mitm.service import MitmStartupError, start_mitm
 from egressd.policy import AlwaysRulesError, load_always_rules
+from egressd.serving import ListenError, start_http, wait_for_stop
 from egressd.vault.sealed import KeyDirError, KeyStore
 
 log = structlog.get_logger("egressd")
@@ -162,34 +162,27 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             mitm_ca=lambda: (mitm.ca.pem, mitm.ca.fingerprint) if mitm else None,
             before_scrape=audit.refresh,
         )
-        runner = web.AppRunner(http.app(), access_log=None, handle_signals=False)
-        await runner.setup()
+        runner: web.AppRunner | None = None
         try:
-            site = web.TCPSite(runner, cfg.http_host, cfg.http_port, reuse_address=True)
             try:
-                await site.start()
-            except OSError as exc:
-                raise StartupError(
-                    f"cannot listen on {cfg.http_host}:{cfg.http_port}: {exc.strerror}"
-                ) from None
+                runner = await start_http(http.app(), cfg.http_host, cfg.http_port)
+            except ListenError as exc:
+                raise StartupError(str(exc)) from None
             log.info("http.listening", addr=f"{cfg.http_host}:{cfg.http_port}", instance_id=http.instance_id)
             # Start-up objects never die: keep them out of the cyclic GC's full collections,
             # and collect less often (tail latency of actions and DNS answers).
             gc.collect()
             gc.freeze()
             gc.set_threshold(10_000, 50, 100)
-            stop = stop or asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
-            await stop.wait()
+            await wait_for_stop(stop)
             log.info("shutdown", reason="signal", table_kept=cfg.nft_table)
         finally:
             if mitm is not None:
                 await mitm.close()
             for task in background:
                 task.cancel()
-            await runner.cleanup()
+            if runner is not None:
+                await runner.cleanup()
             await dns.close()
             forwarder.close()
     finally:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from egressd.fleetnft.applier import KernelTransactions, NftError
 from egressd.metrics import EgressMetrics
 from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
 from egressd.policy import AlwaysRulesError, check_rule_cap, load_always_rules
+from egressd.serving import ListenError, start_http, wait_for_stop
 from egressd.sidecar.dns import NamingForwarder
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.flows import cut_disallowed
@@ -180,22 +180,14 @@ async def run_sidecar(
         # aiohttp's low-level parser logs a malformed request line or header verbatim, which
         # could carry the auth header; the client gets its 400 either way.
         logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
-        runner = web.AppRunner(http.app(), access_log=None, handle_signals=False)
-        await runner.setup()
+        runner: web.AppRunner | None = None
         try:
-            site = web.TCPSite(runner, cfg.http_host, cfg.http_port, reuse_address=True)
             try:
-                await site.start()
-            except OSError as exc:
-                raise SidecarStartupError(
-                    f"cannot listen on {cfg.http_host}:{cfg.http_port}: {exc.strerror}"
-                ) from None
+                runner = await start_http(http.app(), cfg.http_host, cfg.http_port)
+            except ListenError as exc:
+                raise SidecarStartupError(str(exc)) from None
             log.info("http.listening", addr=f"{cfg.http_host}:{cfg.http_port}", profile="sidecar")
-            stop = stop or asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
-            await stop.wait()
+            await wait_for_stop(stop)
             # §13: a stop deletes the table. EGRESSD_SIDECAR_KEEP_TABLE keeps it, so a
             # supervisor's SIGTERM-then-start restart never leaves the sandbox open.
             graceful = not cfg.sidecar_keep_table
@@ -210,7 +202,8 @@ async def run_sidecar(
                 await mitm.close()
             for task in background:
                 task.cancel()
-            await runner.cleanup()
+            if runner is not None:
+                await runner.cleanup()
             await dns.close()
             forwarder.close()
     finally:
