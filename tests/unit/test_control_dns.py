@@ -543,16 +543,14 @@ async def test_destination_learned_names_expire_and_follow_the_lifecycle(control
     assert not control.destination_verified(src, "api.example.com", dst)
 
 
-async def test_in_place_audit_change_cuts_only_hard_denied_flows(
-    control: ControlPlane, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def fake_conntrack(
+    monkeypatch: pytest.MonkeyPatch, src: str, dsts: tuple[str, ...]
+) -> list[tuple[IPAddress, IPAddress]]:
+    """Established flows src -> each dst in the conntrack table; returns the list of flows cut."""
     import egressd.fleet.control as control_mod
 
-    audit = '{"defaultAction":"deny","mode":"audit","egress":[{"action":"allow","target":"1.1.1.1"}]}'
-    await activate(control, policy=audit)
     lines = [
-        f"ipv4 2 tcp 6 100 ESTABLISHED src=10.0.0.5 dst={d} sport=1 dport=443 src={d} dst=10.0.0.5"
-        for d in ("1.1.1.1", "8.8.8.8", "1.2.3.4")
+        f"ipv4 2 tcp 6 100 ESTABLISHED src={src} dst={d} sport=1 dport=443 src={d} dst={src}" for d in dsts
     ]
 
     async def table() -> str:
@@ -560,11 +558,20 @@ async def test_in_place_audit_change_cuts_only_hard_denied_flows(
 
     cut: list[tuple[IPAddress, IPAddress]] = []
 
-    async def flush(src: IPAddress, dst: IPAddress) -> None:
-        cut.append((src, dst))
+    async def flush(s: IPAddress, d: IPAddress) -> None:
+        cut.append((s, d))
 
     monkeypatch.setattr(control_mod, "read_conntrack_table", table)
     monkeypatch.setattr(control_mod, "flush_flow", flush)
+    return cut
+
+
+async def test_in_place_audit_change_cuts_only_hard_denied_flows(
+    control: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    audit = '{"defaultAction":"deny","mode":"audit","egress":[{"action":"allow","target":"1.1.1.1"}]}'
+    await activate(control, policy=audit)
+    cut = fake_conntrack(monkeypatch, "10.0.0.5", ("1.1.1.1", "8.8.8.8", "1.2.3.4"))
     # Still audit after the change: 8.8.8.8 is only would-deny (passes, not cut); 1.2.3.4 is
     # denied by deny.always (hard, cut).
     control.always = NEW
@@ -578,28 +585,12 @@ async def test_in_place_audit_change_cuts_only_hard_denied_flows(
 async def test_always_rules_reload_cuts_flows_to_newly_denied_destinations(
     tx: FakeTx, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import egressd.fleet.control as control_mod
-
     control = ControlPlane(
         TableConfig(table=TABLE, dns_port=15353), tx, always=OLD, conntrack_flush=lambda ip: None
     )
     await control.reset_table()
     await activate(control, policy=ALLOW_ALL)
-    lines = [
-        f"ipv4 2 tcp 6 100 ESTABLISHED src=10.0.0.5 dst={d} sport=1 dport=443 src={d} dst=10.0.0.5"
-        for d in ("1.2.3.4", "8.8.8.8")
-    ]
-
-    async def table() -> str:
-        return "\n".join(lines)
-
-    cut: list[tuple[IPAddress, IPAddress]] = []
-
-    async def flush(src: IPAddress, dst: IPAddress) -> None:
-        cut.append((src, dst))
-
-    monkeypatch.setattr(control_mod, "read_conntrack_table", table)
-    monkeypatch.setattr(control_mod, "flush_flow", flush)
+    cut = fake_conntrack(monkeypatch, "10.0.0.5", ("1.2.3.4", "8.8.8.8"))
     await control.set_always_rules(NEW)  # NEW adds 1.2.3.4 to deny.always
     for _ in range(50):
         if cut:
