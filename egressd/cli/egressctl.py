@@ -732,7 +732,22 @@ def cmd_explain(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def _kernel_cell(doc: dict[str, Any]) -> str:
-    """Where the kernel decides it: the subject set holding the address, or the dispatch tail."""
+    """What the kernel holds for the target: read from the kernel itself (``kernelView``) when
+    the daemon could dump the sets, else derived from the decision."""
+    view = doc.get("kernelView")
+    if isinstance(view, dict) and view.get("available"):
+        if not view.get("dispatched"):
+            return "source not in the dispatch map: dropped"
+        sets = [s for s in view.get("sets", []) if isinstance(s, dict)]
+        if not sets:
+            return "in none of the subject's sets: unmarked, dropped"
+        parts = []
+        for item in sets:
+            text = f"{item.get('set')} has {item.get('element')}"
+            if isinstance(item.get("expiresInS"), int):
+                text += f" ({item['expiresInS']} s left)"
+            parts.append(text)
+        return "; ".join(parts)
     layer, where = doc.get("layer"), doc.get("set")
     if layer == "dispatch":
         return "source not in dispatch map (unknown or denying): dropped"

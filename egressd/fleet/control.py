@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, replace
@@ -27,6 +28,7 @@ from egressd.fleetnft.builder import (
     SubjectNft,
     TableConfig,
     dispatch_deletes,
+    dispatch_map,
     dyn_add,
     flush_subject_sets,
     gateway_release,
@@ -39,6 +41,7 @@ from egressd.fleetnft.builder import (
 )
 from egressd.fleetnft.conntrack import flow_destinations, flush_flow
 from egressd.fleetnft.conntrack import read_table as read_conntrack_table
+from egressd.fleetnft.netlink import element_covering
 from egressd.fleetnft.ops import NetlinkBatch, Op
 from egressd.metrics import EgressMetrics
 from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy, Verdict, effective_policy, ip_sets
@@ -677,6 +680,41 @@ class ControlPlane:
             out["subject"] = entry.subject
         return out
 
+    async def kernel_membership(self, source_ip: IPAddress, target: IPAddress) -> dict[str, Any]:
+        """What the kernel itself holds for ``target`` in the source's subject (explain):
+        whether the source is in the dispatch map, and which of the subject's sets cover the
+        address (with the remaining lifetime of a DNS lease). Read from the kernel by one
+        netlink dump per set, never from egressd's own bookkeeping."""
+        source_ip, target = unmap_ip(source_ip), unmap_ip(target)
+        dump = getattr(self.tx, "list_set_elements", None)
+        entry = self.registry.resolve(source_ip)
+        if dump is None:
+            return {"available": False}
+        fam = "v4" if target.version == 4 else "v6"
+        src_fam = "v4" if source_ip.version == 4 else "v6"
+        table = self.table.table
+        try:
+            dispatch = element_covering(source_ip, await dump(table, dispatch_map(src_fam)), interval=False)
+            out: dict[str, Any] = {"available": True, "dispatched": dispatch is not None, "sets": []}
+            if entry is None or not self.registry.kernel(entry.uid).objects:
+                return out
+            for kind, interval in (("deny", True), ("allow", True), ("dyn", False)):
+                name = f"subj_{entry.nft_id}_{kind}_{fam}"
+                hit = element_covering(target, await dump(table, name), interval=interval)
+                if hit is None:
+                    continue
+                element, end = hit
+                item: dict[str, Any] = {
+                    "set": name,
+                    "element": _element_text(element.key, end, interval=interval),
+                }
+                if element.expires_ms is not None:
+                    item["expiresInS"] = round(element.expires_ms / 1000)
+                out["sets"].append(item)
+        except NftError as exc:
+            return {"available": False, "error": str(exc)[:200]}
+        return out
+
     def rules_count(self) -> dict[tuple[str, ...], float]:
         """Rules in the table: the header's plus each installed subject's fixed rules."""
         per_subject = 10 + (9 if self.table.mitm else 0)  # incl. the 4 audit rules (+2 MITM)
@@ -709,6 +747,18 @@ class ControlPlane:
                 }
             )
         return out
+
+
+def _element_text(start: bytes, end: bytes | None, *, interval: bool) -> str:
+    """A set element as nft would print it: an address, or an interval [start, end) as CIDR(s)
+    (``end`` None in an interval set: up to the top of the address space)."""
+    first = ipaddress.ip_address(start)
+    if not interval:
+        return str(first)
+    top = (1 << (8 * len(start))) - 1
+    last = ipaddress.ip_address(int.from_bytes(end, "big") - 1 if end is not None else top)
+    nets = ipaddress.summarize_address_range(first, last)
+    return ", ".join(str(n.network_address) if n.num_addresses == 1 else str(n) for n in nets)
 
 
 def _policy_summary(policy: NetworkPolicy | None) -> dict[str, Any] | None:

@@ -195,7 +195,14 @@ class FleetHTTP:
         target = request.query.get("target", "").strip()
         if not target:
             return text(400, "target (a name or an IP) is required")
-        return web.json_response(self.control.explain(ip, target))
+        doc = self.control.explain(ip, target)
+        try:
+            target_ip = ipaddress.ip_address(target.split("/", 1)[0])
+        except ValueError:
+            target_ip = None  # a name: the kernel holds addresses, not names
+        if target_ip is not None:
+            doc["kernelView"] = await self.control.kernel_membership(ip, target_ip)
+        return web.json_response(doc)
 
     async def mitm_ca(self, request: web.Request) -> web.Response:
         """The MITM CA's public certificate for ``egressctl ca`` (never the key)."""

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
-from egressd.fleetnft.netlink import NetlinkError, NfTablesSocket
+from egressd.fleetnft.netlink import NetlinkError, NfTablesSocket, SetElement
 from egressd.fleetnft.ops import NetlinkBatch
 from egressd.metrics import EgressMetrics
 
@@ -89,6 +89,14 @@ class KernelTransactions:
         except (NetlinkError, OSError) as exc:
             raise NftError(f"counter dump refused: {exc}") from None
 
+    def _set_elements(self, table: str, set_name: str) -> list[SetElement]:
+        if self._netlink is None:
+            self._netlink = _Netlink()
+        try:
+            return self._netlink.sock.set_elements(table, set_name)
+        except (NetlinkError, OSError) as exc:
+            raise NftError(f"set element dump refused: {exc}") from None
+
     def _batch(self, batch: NetlinkBatch) -> None:
         if self._netlink is None:
             self._netlink = _Netlink()
@@ -146,6 +154,13 @@ class KernelTransactions:
         1000 subjects). A read, so not counted as a transaction.
         """
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._counters, table)
+
+    async def list_set_elements(self, table: str, set_name: str) -> list[SetElement]:
+        """One set's elements as the kernel holds them (explain: "what the kernel has for it").
+        One netlink dump of that set on the kernel thread; a read, not a transaction."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._set_elements, table, set_name
+        )
 
     def run_sync(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the kernel thread and wait (start-up self-test)."""

@@ -18,6 +18,7 @@ import os
 import socket
 import struct
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from egressd.fleetnft.ops import (
     ALLOW_MARK,
@@ -67,6 +68,7 @@ NFT_MSG_NEWRULE = 6
 NFT_MSG_NEWSET = 9
 NFT_MSG_DELSET = 11
 NFT_MSG_NEWSETELEM = 12
+NFT_MSG_GETSETELEM = 13
 NFT_MSG_DELSETELEM = 14
 NFT_MSG_NEWOBJ = 18
 NFT_MSG_GETOBJ = 19
@@ -410,6 +412,94 @@ def encode_counter_dump(table: str, seq: int) -> bytes:
     return _nlmsg(msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, NFPROTO_INET, 0, body)
 
 
+def encode_setelem_dump(table: str, set_name: str, seq: int) -> bytes:
+    """A GETSETELEM dump request for one set's elements (no other set is read)."""
+    body = _str(NFTA_SET_ELEM_LIST_TABLE, table) + _str(NFTA_SET_ELEM_LIST_SET, set_name)
+    msg_type = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETSETELEM
+    return _nlmsg(msg_type, NLM_F_REQUEST | NLM_F_DUMP, seq, NFPROTO_INET, 0, body)
+
+
+@dataclass(frozen=True, slots=True)
+class SetElement:
+    """One element as the kernel reports it: the raw key, whether it closes an interval, and
+    (timeout sets) its timeout and the milliseconds left before it expires."""
+
+    key: bytes
+    interval_end: bool = False
+    timeout_ms: int | None = None
+    expires_ms: int | None = None
+
+
+def _list(data: bytes) -> list[bytes]:
+    """The children of a nested list attribute, in order (``_attrs`` would keep only the last)."""
+    out: list[bytes] = []
+    off = 0
+    while off + 4 <= len(data):
+        length, _kind = struct.unpack_from("=HH", data, off)
+        if length < 4:
+            break
+        out.append(data[off + 4 : off + length])
+        off += (length + 3) & ~3
+    return out
+
+
+def parse_setelem_dump(buf: bytes) -> tuple[list[SetElement], bool]:
+    """Elements in one recv() of a GETSETELEM dump, and whether it ended (DONE).
+
+    Raises NetlinkError for an error message (ENOENT: no such set)."""
+    elements: list[SetElement] = []
+    off = 0
+    while off + 16 <= len(buf):
+        length, msg_type, _flags, _seq, _pid = struct.unpack_from("=IHHII", buf, off)
+        if length < 16:
+            break
+        if msg_type == NLMSG_DONE:
+            return elements, True
+        if msg_type == NLMSG_ERROR:
+            (code,) = struct.unpack_from("=i", buf, off + 16)
+            if code != 0:
+                raise NetlinkError(-code, "set element dump")
+        elif msg_type == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSETELEM:
+            attrs = _attrs(buf[off + 20 : off + length])
+            for raw in _list(attrs.get(NFTA_SET_ELEM_LIST_ELEMENTS, b"")):
+                elem = _attrs(raw)
+                key = _attrs(elem.get(NFTA_SET_ELEM_KEY, b"")).get(NFTA_DATA_VALUE, b"")
+                flags = elem.get(NFTA_SET_ELEM_FLAGS)
+                timeout = elem.get(NFTA_SET_ELEM_TIMEOUT)
+                expires = elem.get(NFTA_SET_ELEM_EXPIRATION)
+                elements.append(
+                    SetElement(
+                        key,
+                        bool(flags and struct.unpack(">I", flags)[0] & NFT_SET_ELEM_INTERVAL_END),
+                        struct.unpack(">Q", timeout)[0] if timeout and len(timeout) == 8 else None,
+                        struct.unpack(">Q", expires)[0] if expires and len(expires) == 8 else None,
+                    )
+                )
+        off += (length + 3) & ~3
+    return elements, False
+
+
+def element_covering(
+    ip: IPAddress, elements: Sequence[SetElement], *, interval: bool
+) -> tuple[SetElement, bytes | None] | None:
+    """The element of a set dump that holds ``ip``, with the interval's end key (exclusive;
+    None: to the top of the address space, as for 0.0.0.0/0, or not an interval set). A
+    plain or timeout set matches the equal key."""
+    key = ip.packed
+    if not interval:
+        hit = next((e for e in elements if e.key == key), None)
+        return (hit, None) if hit is not None else None
+    ordered = sorted(
+        (e for e in elements if len(e.key) == len(key)), key=lambda e: (e.key, not e.interval_end)
+    )
+    start: SetElement | None = None
+    for e in ordered:
+        if start is not None and start.key <= key < e.key:
+            return start, e.key
+        start = None if e.interval_end else e
+    return (start, None) if start is not None and start.key <= key else None
+
+
 def _attrs(data: bytes) -> dict[int, bytes]:
     out: dict[int, bytes] = {}
     off = 0
@@ -509,6 +599,22 @@ class NfTablesSocket:
                 raise NetlinkError(errno.ETIMEDOUT, "waiting for the counter dump") from None
             part, done = parse_counter_dump(buf)
             out.update(part)
+            if done:
+                return out
+
+    def set_elements(self, table: str, set_name: str) -> list[SetElement]:
+        """One set's elements as the kernel holds them (one netlink dump of that set only)."""
+        seq = self._seq
+        self._seq += 1
+        self._sock.sendall(encode_setelem_dump(table, set_name, seq))
+        out: list[SetElement] = []
+        while True:
+            try:
+                buf = self._sock.recv(1 << 20)
+            except TimeoutError:
+                raise NetlinkError(errno.ETIMEDOUT, "waiting for the set element dump") from None
+            part, done = parse_setelem_dump(buf)
+            out.extend(part)
             if done:
                 return out
 

@@ -248,10 +248,11 @@ def test_explain_human_and_json(ctld: Daemon) -> None:
         assert (doc["state"], doc["decision"], doc["layer"]) == ("denying", "deny", "dispatch")
         ctl(ctld, "send", "hook", "data-plane-ready", "--uid", uid).ok()
 
+        sets = "subj_s_ctl_explain"
         cases = [
-            (UPSTREAM_IPS[0], "allow", "ip", "allow set"),
-            (UPSTREAM_IPS[1], "deny", "ip", "deny set"),
-            (UPSTREAM_IPS[2], "deny", "ip", "in no set: unmarked, dropped"),
+            (UPSTREAM_IPS[0], "allow", "ip", f"{sets}_allow_v4 has {UPSTREAM_IPS[0]}"),
+            (UPSTREAM_IPS[1], "deny", "ip", f"{sets}_deny_v4 has {UPSTREAM_IPS[1]}"),
+            (UPSTREAM_IPS[2], "deny", "ip", "in none of the subject's sets: unmarked, dropped"),
             ("a.test", "allow", "dns", "answers are added to the dyn set as leases"),
         ]
         for target, decision, layer, kernel in cases:
@@ -273,6 +274,16 @@ def test_explain_human_and_json(ctld: Daemon) -> None:
             ]
             assert (fields["verdict"], fields["layer"], fields["kernel"]) == (decision.upper(), layer, kernel)
         assert kv(ctl(ctld, "explain", ip, "a.test").out)["rule"] == "allow a.test"
+        # What the kernel holds is read from the kernel: after a DNS answer the lease shows up
+        # in the dyn set with its remaining lifetime.
+        assert ctld.topo.dig(4, "a.test")[0] == "NOERROR"
+        view = ctl(ctld, "--json", "explain", ip, UPSTREAM_IPS[0]).ok().json()["kernelView"]
+        assert view["available"] is True and view["dispatched"] is True
+        by_set = {item["set"]: item for item in view["sets"]}
+        assert by_set[f"{sets}_allow_v4"]["element"] == UPSTREAM_IPS[0]
+        assert by_set[f"{sets}_dyn_v4"]["element"] == UPSTREAM_IPS[0]
+        assert 0 < by_set[f"{sets}_dyn_v4"]["expiresInS"] <= 360
+        assert "s left" in kv(ctl(ctld, "explain", ip, UPSTREAM_IPS[0]).out)["kernel"]
         # The kernel agrees with what explain said about the addresses.
         assert ctld.topo.reaches(4, UPSTREAM_IPS[0]) and not ctld.topo.reaches(4, UPSTREAM_IPS[1])
 

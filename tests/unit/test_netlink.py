@@ -299,3 +299,81 @@ def test_subject_create_is_one_batch_sets_chains_rules_keys() -> None:
     ]
     _data, by_seq = netlink.encode_batch(subject_create(TableConfig(table=T), subj), 1)
     assert len(by_seq) == len(text)
+
+
+# ---- set element dumps (explain reads what the kernel holds) --------------------------------------
+
+
+def _elements_for(nets: list[Any], fam: str) -> list[netlink.SetElement]:
+    width = 4 if fam == "v4" else 16
+    return [netlink.SetElement(k.to_bytes(width, "big"), end) for k, end in netlink.interval_keys(nets, fam)]
+
+
+def test_element_covering_interval_sets() -> None:
+    elements = _elements_for([IPv4Network("10.0.0.0/24"), IPv4Network("8.8.8.8/32")], "v4")
+    hit = netlink.element_covering(IPv4Address("10.0.0.77"), elements, interval=True)
+    assert hit is not None and hit[0].key == IPv4Address("10.0.0.0").packed
+    assert hit[1] == IPv4Address("10.0.1.0").packed
+    host = netlink.element_covering(IPv4Address("8.8.8.8"), elements, interval=True)
+    assert host is not None and host[0].key == IPv4Address("8.8.8.8").packed
+    for miss in ("8.8.8.9", "10.0.1.0", "9.9.9.9", "0.0.0.0"):
+        assert netlink.element_covering(IPv4Address(miss), elements, interval=True) is None
+    everything = _elements_for([IPv4Network("0.0.0.0/0")], "v4")
+    assert netlink.element_covering(IPv4Address("203.0.113.9"), everything, interval=True) == (
+        everything[0],
+        None,
+    )
+    top = _elements_for([IPv4Network("255.255.255.0/24")], "v4")
+    assert netlink.element_covering(IPv4Address("255.255.255.255"), top, interval=True) is not None
+    v6 = _elements_for([IPv6Network("2001:db8::/32")], "v6")
+    assert netlink.element_covering(IPv6Address("2001:db8::1"), v6, interval=True) is not None
+    assert netlink.element_covering(IPv4Address("32.1.13.184"), v6, interval=True) is None, (
+        "family kept apart"
+    )
+
+
+def test_element_covering_plain_sets() -> None:
+    lease = netlink.SetElement(IPv4Address("93.184.216.34").packed, timeout_ms=90_000, expires_ms=61_500)
+    assert netlink.element_covering(IPv4Address("93.184.216.34"), [lease], interval=False) == (lease, None)
+    assert netlink.element_covering(IPv4Address("93.184.216.35"), [lease], interval=False) is None
+
+
+def test_parse_setelem_dump() -> None:
+    def elem(
+        key: bytes, *, end: bool = False, timeout: int | None = None, expires: int | None = None
+    ) -> bytes:
+        attrs = netlink._nest(netlink.NFTA_SET_ELEM_KEY, netlink._attr(netlink.NFTA_DATA_VALUE, key))
+        if end:
+            attrs += netlink._attr(
+                netlink.NFTA_SET_ELEM_FLAGS, struct.pack(">I", netlink.NFT_SET_ELEM_INTERVAL_END)
+            )
+        if timeout is not None:
+            attrs += netlink._attr(netlink.NFTA_SET_ELEM_TIMEOUT, struct.pack(">Q", timeout))
+        if expires is not None:
+            attrs += netlink._attr(netlink.NFTA_SET_ELEM_EXPIRATION, struct.pack(">Q", expires))
+        return netlink._nest(netlink.NFTA_LIST_ELEM, attrs)
+
+    body = (
+        struct.pack("=BBH", netlink.NFPROTO_INET, 0, 0)
+        + netlink._str(netlink.NFTA_SET_ELEM_LIST_TABLE, "T")
+        + netlink._str(netlink.NFTA_SET_ELEM_LIST_SET, "s")
+        + netlink._nest(
+            netlink.NFTA_SET_ELEM_LIST_ELEMENTS,
+            elem(b"\x0a\x00\x00\x00"),
+            elem(b"\x0a\x00\x01\x00", end=True),
+            elem(b"\x5d\xb8\xd8\x22", timeout=90_000, expires=12_345),
+        )
+    )
+    msg_type = (netlink.NFNL_SUBSYS_NFTABLES << 8) | netlink.NFT_MSG_NEWSETELEM
+    first = struct.pack("=IHHII", 16 + len(body), msg_type, 0, 1, 0) + body
+    done = struct.pack("=IHHII", 20, netlink.NLMSG_DONE, 0, 1, 0) + b"\0\0\0\0"
+    elements, finished = netlink.parse_setelem_dump(first + done)
+    assert finished
+    assert [(e.key, e.interval_end, e.timeout_ms, e.expires_ms) for e in elements] == [
+        (b"\x0a\x00\x00\x00", False, None, None),
+        (b"\x0a\x00\x01\x00", True, None, None),
+        (b"\x5d\xb8\xd8\x22", False, 90_000, 12_345),
+    ]
+    error = struct.pack("=IHHII", 36, netlink.NLMSG_ERROR, 0, 1, 0) + struct.pack("=i", -2) + bytes(16)
+    with pytest.raises(netlink.NetlinkError):
+        netlink.parse_setelem_dump(error)
