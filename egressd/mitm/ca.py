@@ -10,6 +10,7 @@ and the key file 0600: the key never leaves it.
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import os
 from dataclasses import dataclass
@@ -120,17 +121,31 @@ def _load(data: bytes) -> x509.Certificate:
     return cert
 
 
+def _tighten(path: Path, mode: int) -> None:
+    if path.stat().st_mode & 0o777 == mode:
+        return
+    try:
+        os.chmod(path, mode)
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EPERM):
+            raise
+
+
 def ensure_ca(confdir: Path) -> CaInfo:
     """Load the pinned CA from ``confdir`` or generate one there once."""
     try:
         confdir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(confdir, 0o700)
         ca_path = confdir / CA_FILE
         pinned = ca_path.exists()
         if pinned:
             cert = _load(ca_path.read_bytes())
-            os.chmod(ca_path, 0o600)
+            # A pinned CA may sit on a read-only mount (a Kubernetes Secret): its permissions
+            # are then the operator's, and only a missing or different public certificate (or
+            # mitmproxy's dhparam file) needs a writable directory.
+            _tighten(confdir, 0o700)
+            _tighten(ca_path, 0o600)
         else:
+            os.chmod(confdir, 0o700)
             key_pem, cert = _generate()
             _write_private(ca_path, key_pem + cert.public_bytes(serialization.Encoding.PEM), 0o600)
         pem = cert.public_bytes(serialization.Encoding.PEM)

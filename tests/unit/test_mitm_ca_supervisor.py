@@ -141,3 +141,18 @@ async def test_child_runs_under_the_given_gid(tmp_path: Path) -> None:
     finally:
         await sup.stop()
         task.cancel()
+
+
+def test_pinned_ca_on_a_read_only_mount(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno as errno_mod
+
+    conf = tmp_path / "secret"
+    first = ensure_ca(conf)
+    os.chmod(conf, 0o755)  # as a Secret volume would show it
+
+    def read_only(path: object, mode: int) -> None:
+        raise OSError(errno_mod.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(os, "chmod", read_only)
+    again = ensure_ca(conf)  # the public cert is present and identical: nothing to write
+    assert again.pinned and again.fingerprint == first.fingerprint
