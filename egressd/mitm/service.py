@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,24 @@ from egressd.mitm.ca import CaError, CaInfo, ensure_ca
 from egressd.mitm.supervisor import MitmOptions, MitmSupervisor, mitmdump_argv
 
 log = structlog.get_logger("egressd.mitm")
+
+
+DEFAULT_SOCKET = Path("/run/opensandbox/credential-proxy/active.sock")
+
+
+def _serving(path: Path) -> bool:
+    """Whether a live process listens on the unix socket ``path`` (a stale file does not)."""
+    if not path.exists():
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(0.5)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 class MitmStartupError(Exception):
@@ -66,6 +85,16 @@ async def start_mitm(
     try:
         sock.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(sock.parent, 0o700)
+        if _serving(sock):
+            # Another egressd answers there: taking its path over would let its MITM child ask
+            # us for vaults (or ours ask it). The default path falls back to one of our own;
+            # an explicitly configured one is a configuration error.
+            if sock != DEFAULT_SOCKET:
+                raise MitmStartupError(
+                    f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock} is in use by another process"
+                )
+            sock = sock.with_name(f"active-{os.getpid()}.sock")
+            log.warning("mitm.socket_in_use", default=str(DEFAULT_SOCKET), using=str(sock))
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
     except OSError as exc:
