@@ -44,7 +44,15 @@ from egressd.fleetnft.conntrack import read_table as read_conntrack_table
 from egressd.fleetnft.netlink import element_covering
 from egressd.fleetnft.ops import NetlinkBatch, Op
 from egressd.metrics import EgressMetrics
-from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy, Verdict, effective_policy, ip_sets
+from egressd.policy import (
+    EMPTY_ALWAYS,
+    AlwaysRules,
+    NetworkPolicy,
+    Verdict,
+    effective_policy,
+    ip_sets,
+    normalise_name,
+)
 from egressd.subject.model import Fence, IPAddress, nft_id, subject_for_uid, unmap_ip
 from egressd.subject.registry import (
     AddKeys,
@@ -255,7 +263,7 @@ class ControlPlane:
                 mirror[ip] = max(mirror.get(ip, 0.0), now + seconds)
             names = self.learned_names.setdefault(uid, {})
             if name is not None:
-                name = name.strip().lower().removesuffix(".")
+                name = normalise_name(name.strip())
             for ip, seconds in leases:
                 known = names.setdefault(ip, {}) if name is not None else names.get(ip)
                 if known is None:
@@ -434,18 +442,12 @@ class ControlPlane:
         entry = self.registry.resolve(source_ip)
         if entry is None or entry.state is not State.ACTIVE:
             return False
-        name = host.strip().lower().removesuffix(".")
         dst = unmap_ip(dst)
-        expiry = self.learned_names.get(entry.uid, {}).get(dst, {}).get(name)
+        expiry = self.learned_names.get(entry.uid, {}).get(dst, {}).get(normalise_name(host.strip()))
         if expiry is not None and expiry > time.monotonic():
             return True
         effective = self.effective_for(entry)
-        if effective is None:
-            return False
-        sets = ip_sets(effective)
-        deny = sets.deny_v4 if dst.version == 4 else sets.deny_v6
-        allow = sets.allow_v4 if dst.version == 4 else sets.allow_v6
-        return not any(dst in n for n in deny) and any(dst in n for n in allow)
+        return effective is not None and ip_sets(effective).explicitly_allows(dst)
 
     def _forget_learned(self, uid: str) -> None:
         self.leases.pop(uid, None)

@@ -98,12 +98,10 @@ def ip_decision(
 
     ``sets`` (``ip_sets(effective)``) may be passed in when deciding many destinations."""
     sets = sets if sets is not None else ip_sets(effective)
-    deny = sets.deny_v4 if ip.version == 4 else sets.deny_v6
-    allow = sets.allow_v4 if ip.version == 4 else sets.allow_v6
-    hit = next((n for n in deny if ip in n), None)
+    hit = sets.deny_hit(ip)
     if hit is not None:
         return Verdict.DENY, "deny", f"in the deny set ({hit}); deny beats allow"
-    hit = next((n for n in allow if ip in n), None)
+    hit = sets.allow_hit(ip)
     if hit is not None:
         return Verdict.ALLOW, "allow", f"in the allow set ({hit})"
     expiry = leases.get(ip)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from ipaddress import IPv4Network, IPv6Network
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from egressd.policy.model import NetworkPolicy, TargetKind, Verdict
 
@@ -20,6 +20,20 @@ class IpSets:
     allow_v6: tuple[IPv6Network, ...]
     deny_v4: tuple[IPv4Network, ...]
     deny_v6: tuple[IPv6Network, ...]
+
+    def deny_hit(self, ip: IPv4Address | IPv6Address) -> IPv4Network | IPv6Network | None:
+        """The deny prefix holding ``ip`` (deny beats allow at the IP layer), or None."""
+        nets = self.deny_v4 if ip.version == 4 else self.deny_v6
+        return next((n for n in nets if ip in n), None)
+
+    def allow_hit(self, ip: IPv4Address | IPv6Address) -> IPv4Network | IPv6Network | None:
+        """The explicit allow prefix holding ``ip`` (``defaultAction`` is not a prefix), or None."""
+        nets = self.allow_v4 if ip.version == 4 else self.allow_v6
+        return next((n for n in nets if ip in n), None)
+
+    def explicitly_allows(self, ip: IPv4Address | IPv6Address) -> bool:
+        """An explicit IP/CIDR allow rule covers ``ip`` and no deny rule does."""
+        return self.deny_hit(ip) is None and self.allow_hit(ip) is not None
 
 
 def normalise_networks[N: (IPv4Network, IPv6Network)](nets: Iterable[N]) -> tuple[N, ...]:

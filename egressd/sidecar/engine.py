@@ -39,7 +39,6 @@ from egressd.subject.model import Fence, IPAddress
 log = structlog.get_logger("egressd.sidecar")
 
 SIDECAR_UID = "sidecar"
-_MAX_ANSWERED = 65536
 
 
 class Kernel(Protocol):
@@ -82,8 +81,6 @@ class SidecarEngine:
         # policy change neither forgets what the app resolved a moment ago nor keeps open
         # what it now denies.
         self.leases: dict[IPAddress, tuple[float, frozenset[str]]] = {}
-        # Names seen in forwarded answers (filled by the forwarder, read by learn()).
-        self._answered: dict[IPAddress, set[str]] = {}
         # Bumped on every policy change; carried in the DNS fence.
         self.generation = 0
         self.enforcement_ready = False
@@ -106,26 +103,15 @@ class SidecarEngine:
     def asker(self, source_ip: IPAddress) -> Asker:
         return Asker(SIDECAR_UID, self.fence, self.effective)
 
-    def note_answer(self, name: str, ips: list[IPAddress]) -> None:
-        """Called by the forwarder for every upstream answer, before learn() sees its addresses."""
-        if len(self._answered) > _MAX_ANSWERED:
-            self._answered.clear()  # bounded; a missing name only makes a lease fail closed
-        qname = normalise_name(name)
-        for ip in ips:
-            self._answered.setdefault(ip, set()).add(qname)
-
     def destination_verified(self, client_ip: IPAddress, host: str, dst: IPAddress) -> bool:
         """May the MITM send ``host``'s credentials to ``dst``? Only if the DNS proxy answered
         ``host`` with ``dst`` (lease running) or an explicit IP/CIDR allow rule covers it and no
         deny rule does (``defaultAction: allow`` does not count). Same rule as the fleet."""
         name = normalise_name(host)
         lease = self.leases.get(dst)
-        if lease is not None and lease[0] > self._clock() and name in {normalise_name(n) for n in lease[1]}:
+        if lease is not None and lease[0] > self._clock() and name in lease[1]:
             return True
-        sets = ip_sets(self.effective)
-        deny = sets.deny_v4 if dst.version == 4 else sets.deny_v6
-        allow = sets.allow_v4 if dst.version == 4 else sets.allow_v6
-        return not any(dst in n for n in deny) and any(dst in n for n in allow)
+        return ip_sets(self.effective).explicitly_allows(dst)
 
     def _allowed(self, names: Iterable[str], policy: NetworkPolicy) -> bool:
         return any(evaluate_domain(policy, n).verdict is Verdict.ALLOW for n in names)
@@ -133,7 +119,7 @@ class SidecarEngine:
     async def learn(
         self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
     ) -> None:
-        # ``name`` is not needed here: the answered names come from ``_answered`` (dns.py).
+        # ``name``: the question the answer was for (None: a refresh of live addresses).
         if self.table.mode == "dns":
             return  # no filter chain: nothing consults the dyn sets
         async with self._kernel_lock:
@@ -141,8 +127,8 @@ class SidecarEngine:
                 return
             now = self._clock()
             keep: list[tuple[IPAddress, float, frozenset[str]]] = []
+            names = frozenset({normalise_name(name)}) if name else frozenset()
             for ip, seconds in leases:
-                names = frozenset(self._answered.get(ip, ()))
                 # Decided again under the policy in force now: an answer that raced a change
                 # adds nothing the change denies.
                 if (names and self._allowed(names, self.effective)) or (not names and fence == self.fence):

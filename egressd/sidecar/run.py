@@ -18,6 +18,7 @@ import structlog
 from aiohttp import web
 
 from egressd.config import Config
+from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import Upstream, from_resolv_conf
 from egressd.fleet.always_reload import AlwaysRulesReloader
@@ -26,7 +27,6 @@ from egressd.metrics import EgressMetrics
 from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
 from egressd.policy import AlwaysRulesError, check_rule_cap, load_always_rules
 from egressd.serving import ListenError, start_http, wait_for_stop
-from egressd.sidecar.dns import NamingForwarder
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.flows import cut_disallowed
 from egressd.sidecar.http import SidecarHTTP, VaultPrerequisites
@@ -114,7 +114,7 @@ async def run_sidecar(
             raise SidecarStartupError(f"cannot install nft table {cfg.nft_table}: {exc}") from None
         log.info("policy.initial", source=initial.source, mode=cfg.mode)
 
-        forwarder = NamingForwarder(upstreams, cfg.dns_upstream_timeout, engine.note_answer)
+        forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
         dns = DnsProxy(engine, forwarder, metrics, lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max))
         # The output-hook redirect always lands on loopback, and a UDP socket bound to the
         # wildcard would answer from the app's own address instead of 127.0.0.1, which the

@@ -334,23 +334,20 @@ async def test_every_client_is_the_implicit_subject_and_learning_follows_the_pol
     assert asker.policy is not None and [r.target for r in asker.policy.egress] == ["a.test"]
     assert env.engine.asker(ip_address("127.0.0.1")).uid == asker.uid
     a_ip, b_ip = ip_address("10.204.0.2"), ip_address("10.204.0.3")
-    env.engine.note_answer("A.test.", [a_ip])
-    await env.engine.learn(asker.uid, asker.fence, [(a_ip, 90)])
+    await env.engine.learn(asker.uid, asker.fence, [(a_ip, 90)], "A.test.")
     assert "10.204.0.2 timeout 90s expires 90s" in env.kernel.scripts[-1][1]
     # A rebuild keeps a lease whose name is still allowed ...
     await call(env, "PATCH", "/policy", [{"action": "allow", "target": "b.test"}])
     assert "10.204.0.2 timeout" in env.kernel.scripts[-1][1]
     # ... and an answer that raced the change is decided under the new policy.
-    env.engine.note_answer("b.test", [b_ip])
-    await env.engine.learn(asker.uid, asker.fence, [(b_ip, 90)])
+    await env.engine.learn(asker.uid, asker.fence, [(b_ip, 90)], "b.test")
     assert "10.204.0.3 timeout 90s" in env.kernel.scripts[-1][1]
     # Denying a name drops its leases at once, in the same transaction.
     await call(env, "DELETE", "/policy", ["a.test"])
     last = env.kernel.scripts[-1][1]
     assert "10.204.0.2" not in last and "10.204.0.3 timeout" in last
     before = len(env.kernel.scripts)
-    env.engine.note_answer("a.test", [a_ip])
-    await env.engine.learn(asker.uid, asker.fence, [(a_ip, 90)])
+    await env.engine.learn(asker.uid, asker.fence, [(a_ip, 90)], "a.test")
     assert len(env.kernel.scripts) == before  # a.test is denied now: nothing added
     # An address without a known name is only learned under the policy it was answered for.
     await env.engine.learn(asker.uid, asker.fence, [(ip_address("10.9.9.9"), 90)])
@@ -367,9 +364,8 @@ async def test_leases_expire_out_of_rebuilds(aiohttp_client: Any, tmp_path: Path
     now = [1000.0]
     env.engine._clock = lambda: now[0]
     ip = ip_address("10.204.0.2")
-    env.engine.note_answer("a.test", [ip])
     asker = env.engine.asker(ip)
-    await env.engine.learn(asker.uid, asker.fence, [(ip, 60)])
+    await env.engine.learn(asker.uid, asker.fence, [(ip, 60)], "a.test")
     now[0] += 30
     await call(env, "PATCH", "/policy", [{"action": "allow", "target": "c.test"}])
     assert "10.204.0.2 timeout 30s expires 30s" in env.kernel.scripts[-1][1]
@@ -520,9 +516,8 @@ async def test_allows_ip_mirrors_the_ruleset(aiohttp_client: Any, tmp_path: Path
     assert e.allows_ip(ip_address("10.0.0.2"))
     assert not e.allows_ip(ip_address("10.0.0.1"))  # deny beats allow
     assert not e.allows_ip(ip_address("10.9.9.9"))
-    e.note_answer("a.test", [ip_address("10.9.9.9")])
     asker = e.asker(ip_address("10.0.0.5"))
-    await e.learn(asker.uid, asker.fence, [(ip_address("10.9.9.9"), 60)])
+    await e.learn(asker.uid, asker.fence, [(ip_address("10.9.9.9"), 60)], "a.test")
     assert e.allows_ip(ip_address("10.9.9.9"))  # learned
 
 
@@ -570,9 +565,8 @@ async def test_a_shorter_answer_never_shortens_a_lease(aiohttp_client: Any, tmp_
     now = [500.0]
     env.engine._clock = lambda: now[0]
     ip = ip_address("10.204.0.2")
-    env.engine.note_answer("a.test", [ip])
     asker = env.engine.asker(ip)
-    await env.engine.learn(asker.uid, asker.fence, [(ip, 300)])
+    await env.engine.learn(asker.uid, asker.fence, [(ip, 300)], "a.test")
     now[0] += 100
     await env.engine.learn(asker.uid, asker.fence, [(ip, 60)])
     assert "10.204.0.2 timeout 200s expires 200s" in env.kernel.scripts[-1][1]
