@@ -89,7 +89,8 @@ def _parse_wrapper(obj: object, uid: str, keys: KeyStore | None, always: AlwaysR
     except SealError as exc:
         raise InputError(str(exc)) from None
     except VaultError as exc:
-        raise InputError(f"vault: {exc}") from None
+        # The plaintext was sealed for a reason: name the field, never quote what it held.
+        raise InputError(f"vault: {exc.without_values()}") from None
     return BindingInput(policy, VaultAction.SET, content)
 
 

@@ -121,6 +121,9 @@ _HEADER_UNSAFE: Final = frozenset("\r\n\x00")
 VaultStatus = Literal[400, 404, 409, 412]
 
 
+_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
+
+
 class VaultError(ValueError):
     """A vault request is refused.
 
@@ -135,6 +138,13 @@ class VaultError(ValueError):
         self.field = field
         self.status: VaultStatus = status
         super().__init__(f"{field}: {reason}" if field else reason)
+
+    def without_values(self) -> str:
+        """``str()`` with every quoted piece of user text (what :func:`echo` inserted) replaced
+        by ``…``: for errors about a *sealed* vault, whose whole plaintext is secret (a host
+        with userinfo, a mistyped key that is really a credential). Fields are schema paths."""
+        reason = _QUOTED.sub("…", self.reason)
+        return f"{self.field}: {reason}" if self.field else reason
 
 
 def echo(value: object) -> str:

@@ -614,3 +614,32 @@ def test_bare_policy_and_wrapper_without_vault_parse(keys_dir: Path) -> None:
     )
     with pytest.raises(InputError):
         parse_binding_input(wrapper(vault_doc(), kid="k2", key=os.urandom(32)), uid="u-1", keys=keys)
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {
+            "credentials": [{"name": "k", "source": {"type": "inline", "value": "v"}}],
+            "bindings": [
+                {
+                    "name": "b",
+                    "match": {"hosts": ["https://user:hunter2-TOKEN@api.example.com/x"]},
+                    "auth": {"type": "bearer", "credential": "k"},
+                }
+            ],
+        },
+        {
+            "credentials": [{"name": "k", "source": {"type": "inline", "sk-live-SECRETKEY": "v"}}],
+            "bindings": [],
+        },
+    ],
+    ids=["url-with-userinfo", "secret-as-key"],
+)
+def test_sealed_vault_errors_never_quote_the_plaintext(keys_dir: Path, doc: dict[str, Any]) -> None:
+    with pytest.raises(InputError) as info:
+        parse_binding_input(wrapper(doc), uid="u-1", keys=KeyStore(keys_dir))
+    text = str(info.value)
+    assert text.startswith("vault: ") and ("hosts[0]" in text or "source" in text)
+    for secret in ("hunter2-TOKEN", "sk-live-SECRETKEY", "api.example.com"):
+        assert secret not in text
