@@ -47,8 +47,10 @@ from egressd.metrics import EgressMetrics
 from egressd.policy import (
     EMPTY_ALWAYS,
     AlwaysRules,
+    IpSets,
     NetworkPolicy,
     Verdict,
+    audit_deny_sets,
     effective_policy,
     ip_sets,
     normalise_name,
@@ -158,6 +160,7 @@ class ControlPlane:
         self._claims_ip: dict[IPAddress, str] = {}
         self._claims_nft: dict[str, str] = {}
         self._effective: dict[str, tuple[NetworkPolicy, AlwaysRules, NetworkPolicy]] = {}
+        self._ip_sets: dict[str, tuple[NetworkPolicy, IpSets]] = {}
         # Mirror of each subject's DNS leases (ip -> monotonic expiry) for connection refresh.
         self.leases: dict[str, dict[IPAddress, float]] = {}
         # Which question name taught each learned address (ip -> name -> monotonic expiry): the
@@ -447,7 +450,17 @@ class ControlPlane:
         if expiry is not None and expiry > time.monotonic():
             return True
         effective = self.effective_for(entry)
-        return effective is not None and ip_sets(effective).explicitly_allows(dst)
+        return effective is not None and self._ip_sets_of(entry.uid, effective).explicitly_allows(dst)
+
+    def _ip_sets_of(self, uid: str, effective: NetworkPolicy) -> IpSets:
+        """``ip_sets(effective)``, kept while the effective policy object is unchanged (the MITM
+        asks for every request that is not towards a DNS-learned address)."""
+        cached = self._ip_sets.get(uid)
+        if cached is not None and cached[0] is effective:
+            return cached[1]
+        sets = ip_sets(effective)
+        self._ip_sets[uid] = (effective, sets)
+        return sets
 
     def _forget_learned(self, uid: str) -> None:
         self.leases.pop(uid, None)
@@ -603,6 +616,7 @@ class ControlPlane:
         await self.tx.run_batch(NetlinkBatch(table, tuple(ops)), op="remove")
         self._forget_learned(entry.uid)
         self._effective.pop(entry.uid, None)
+        self._ip_sets.pop(entry.uid, None)
         save(KernelView())
         return _ips(view.keys)
 
@@ -621,11 +635,12 @@ class ControlPlane:
         leases = self.leases.get(uid, {})
         gateways = {gw for _, gw in keys}
         sets = ip_sets(effective)
+        split = audit_deny_sets(effective) if effective.audit else None
         for src in _ips(keys):
             for dst in sorted(flow_destinations(text, src), key=str):
                 if dst in gateways or ip_decision(effective, leases, dst, now, sets)[0] is not Verdict.DENY:
                     continue
-                if effective.audit and not hard_denied(effective, dst):
+                if split is not None and not hard_denied(effective, dst, split):
                     continue  # audit mode: a would-deny flow passes, so it is not cut either
                 try:
                     await flush_flow(src, dst)

@@ -6,7 +6,7 @@ import ipaddress
 from typing import Any
 
 from egressd.policy import NetworkPolicy, TargetKind, Verdict, evaluate_domain, judge_domain, parse_target
-from egressd.policy.audit import audit_deny_sets
+from egressd.policy.audit import AuditDenySets, audit_deny_sets
 from egressd.policy.ipsets import IpSets, ip_sets
 from egressd.subject.model import IPAddress, unmap_ip
 
@@ -81,8 +81,10 @@ def explain(
     return out
 
 
-def hard_denied(effective: NetworkPolicy, ip: IPAddress) -> bool:
-    split = audit_deny_sets(effective)
+def hard_denied(effective: NetworkPolicy, ip: IPAddress, split: AuditDenySets | None = None) -> bool:
+    """Denied by always-deny (audit never softens it). ``split`` (``audit_deny_sets(effective)``)
+    may be passed in when deciding many destinations."""
+    split = split if split is not None else audit_deny_sets(effective)
     hard = split.hard_v4 if ip.version == 4 else split.hard_v6
     return any(ip in net for net in hard)
 

@@ -65,7 +65,8 @@ def parse_binding_input(
     if is_wrapper(obj):
         return _parse_wrapper(obj, uid, keys, always)
     try:
-        return BindingInput(parse_policy(text))
+        # Already decoded above when it looked like an object: not parsed a second time.
+        return BindingInput(parse_policy_obj(obj) if isinstance(obj, dict) else parse_policy(text))
     except PolicyError as exc:
         raise InputError(f"invalid policy: {_redacted(exc)}") from None
 

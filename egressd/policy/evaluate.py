@@ -28,8 +28,12 @@ def domain_matches(pattern: str, name: str) -> bool:
     A wildcard never matches its apex: ``*.x.com`` matches ``a.x.com`` and ``a.b.x.com``
     but not ``x.com``. Both sides are normalised first.
     """
-    pattern = normalise_name(pattern)
-    name = normalise_name(name)
+    return _matches(normalise_name(pattern), normalise_name(name))
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """:func:`domain_matches` on already-normalised sides (policy targets are normalised at
+    parse time, so the per-query loop does not redo it for every rule)."""
     if pattern == name:
         return True
     if not pattern.startswith("*."):
@@ -42,6 +46,6 @@ def evaluate_domain(policy: NetworkPolicy, name: str) -> Decision:
     """The first domain rule matching ``name`` decides; IP/CIDR rules play no part here."""
     name = normalise_name(name)
     for i, rule in enumerate(policy.egress):
-        if rule.kind is TargetKind.DOMAIN and domain_matches(rule.target, name):
+        if rule.kind is TargetKind.DOMAIN and _matches(rule.target, name):
             return Decision(rule.action, rule, i)
     return Decision(policy.default_action, None)
