@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from egressd.dnsproxy.upstreams import Upstream, UpstreamError, parse_upstreams
@@ -142,7 +142,7 @@ class Config:
     dns_upstream_timeout: float
     dns_host: str
     dns_port: int
-    token: str | None
+    token: str | None = field(repr=False)
     rules: str | None
     policy_file: Path | None
     mode: str

@@ -28,3 +28,24 @@ def configure(fmt: str = "json", level: int = logging.INFO) -> None:
     )
     # aiohttp's access log would print request lines; keep it quiet.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    guard_aiohttp_server_log()
+
+
+def guard_aiohttp_server_log() -> None:
+    """aiohttp's server logger quotes the offending bytes of a malformed request (a vault push,
+    a binding input) with a traceback, through Python's last-resort stderr handler. Keep only
+    the kind of failure, as one of our own log lines."""
+    server = logging.getLogger("aiohttp.server")
+    server.handlers = [_RequestErrors()]
+    server.propagate = False
+
+
+class _RequestErrors(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            exc = record.exc_info[1] if record.exc_info else None
+            structlog.get_logger("egressd.http").warning(
+                "http.request_error", error=type(exc).__name__ if exc is not None else None
+            )
+        except Exception:  # a log handler must never raise into aiohttp
+            pass

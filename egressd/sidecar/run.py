@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -177,9 +176,6 @@ async def run_sidecar(
             extra_health=mitm_health,
             mitm_ca=(lambda: (mitm.ca.pem, mitm.ca.fingerprint)) if mitm is not None else None,
         )
-        # aiohttp's low-level parser logs a malformed request line or header verbatim, which
-        # could carry the auth header; the client gets its 400 either way.
-        logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
         runner: web.AppRunner | None = None
         try:
             try:

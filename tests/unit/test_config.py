@@ -351,3 +351,8 @@ def test_paths_and_optional_strings() -> None:
     assert cfg.always_rules_dir == Path("/rules")
     assert cfg.dns_upstream == "1.1.1.1,8.8.8.8:53"
     assert cfg.token is None
+
+
+def test_the_token_is_not_in_the_config_repr() -> None:
+    cfg = parse_config({"OPENSANDBOX_EGRESS_TOKEN": "PLANTED-tok-42"})
+    assert cfg.token == "PLANTED-tok-42" and "PLANTED-tok-42" not in repr(cfg)

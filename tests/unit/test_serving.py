@@ -30,3 +30,32 @@ async def test_serves_until_stopped() -> None:
         await asyncio.wait_for(wait_for_stop(stop), 2)
     finally:
         await runner.cleanup()
+
+
+async def test_malformed_requests_never_print_their_bytes(capfd: pytest.CaptureFixture[str]) -> None:
+    """aiohttp's parser error quotes the request; only the kind of failure may be logged."""
+    from structlog.testing import capture_logs
+
+    from egressd.logsetup import guard_aiohttp_server_log
+
+    guard_aiohttp_server_log()
+    secret = "PLANTED-sk-serving-77"
+    runner = await start_http(web.Application(), "127.0.0.1", 0)
+    try:
+        host, port = runner.addresses[0][:2]
+        with capture_logs() as logs:
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(
+                b"PUT /credential-vault HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + f'{{"credentials":[{{"value":"{secret}"}}]}}\r\n'.encode()
+            )
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(4096), 5)
+            writer.close()
+            await asyncio.sleep(0.05)
+    finally:
+        await runner.cleanup()
+    assert answer.split(b" ", 2)[1] == b"400"  # (aiohttp echoes the bad bytes to their sender only)
+    out, err = capfd.readouterr()
+    assert secret not in out + err + repr(logs)
+    assert any(entry.get("event") == "http.request_error" for entry in logs)
