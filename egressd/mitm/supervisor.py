@@ -19,6 +19,7 @@ import asyncio
 import ctypes
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -186,21 +187,27 @@ class MitmSupervisor:
         """Read the child's output until it closes; True once it reported ready."""
         assert proc.stdout is not None
         was_ready = False
+        skip_rest = False
         while True:
             try:
                 raw = await proc.stdout.readline()
-            except ValueError:  # a line over the stream limit: skip it, never echo it
+            except ValueError:  # a line over the stream limit: skip it and what is left of it
+                skip_rest = True
                 continue
             if not raw:
                 return was_ready
+            if skip_rest:
+                skip_rest = False
+                continue
             line = raw.decode("utf-8", "replace").rstrip()
             event = _parse_event(line)
             if event is None:
-                # mitmproxy's own warnings (TLS failures, protocol errors). No flow dumps are
-                # enabled, so these carry no header values; cap the length anyway.
-                if line:
-                    log.warning("mitm.output", pid=proc.pid, line=line[:300])
+                # mitmproxy's own warnings and error tracebacks: their messages can quote
+                # traffic (an event repr with raw bytes), so only the kind is kept.
+                if line.strip():
+                    log.warning("mitm.output", pid=proc.pid, line=output_kind(line))
                 continue
+            event.pop("pid", None)  # ours; a clash would make the log call raise
             name = str(event.pop("event"))
             outcome = _OUTCOMES.get(name)
             if outcome is not None and self.metrics is not None:
@@ -234,6 +241,18 @@ _OUTCOMES: Final = {
     "mitm.refused": "refused",
     "mitm.error": "error",
 }
+
+
+_LOG_PREFIX: Final = re.compile(r"^(?:\[[^\]]*\])+\s*")
+
+
+def output_kind(line: str) -> str:
+    """A line of mitmproxy's own output, reduced to its kind: the ``[time][client]`` prefix and
+    the text before the first ``:`` (``connection handler has crashed``, ``AssertionError``),
+    capped. What follows a colon may be raw traffic."""
+    prefix = _LOG_PREFIX.match(line)
+    head = line[prefix.end() :] if prefix else line
+    return (prefix.group(0) if prefix else "") + head.split(":", 1)[0][:160]
 
 
 def _parse_event(line: str) -> dict[str, object] | None:

@@ -156,3 +156,29 @@ def test_pinned_ca_on_a_read_only_mount(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(os, "chmod", read_only)
     again = ensure_ca(conf)  # the public cert is present and identical: nothing to write
     assert again.pinned and again.fingerprint == first.fingerprint
+
+
+async def test_child_output_is_logged_by_kind_only() -> None:
+    from structlog.testing import capture_logs
+
+    secret = "sk-PLANTED-output-9"
+    script = (
+        "import json,time;"
+        f"print('[04:22:01.123][10.0.0.5:4242] connection handler has crashed: Unexpected event {secret}');"
+        f"print('AssertionError: DataReceived(data=b\"Authorization: Bearer {secret}\")');"
+        "print('x' * 200000);"  # over the stream limit: skipped, remainder too
+        "print(json.dumps({'event': 'mitm.pass', 'pid': 1, 'reason': 'no vault'}));"
+        "print(json.dumps({'event': 'mitm.ready'}), flush=True); time.sleep(30)"
+    )
+    sup = MitmSupervisor([sys.executable, "-c", script])
+    with capture_logs() as logs:
+        task = asyncio.create_task(sup.run())
+        try:
+            assert await sup.wait_ready(10)
+        finally:
+            await sup.stop()
+            task.cancel()
+    assert secret not in repr(logs) and "xxxxxxxx" not in repr(logs)
+    lines = [e["line"] for e in logs if e["event"] == "mitm.output"]
+    assert lines == ["[04:22:01.123][10.0.0.5:4242] connection handler has crashed", "AssertionError"]
+    assert any(e["event"] == "mitm.pass" for e in logs), "a pid key in an event does not break logging"
