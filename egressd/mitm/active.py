@@ -25,6 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
+from egressd.mitm.wire import bare_etag
 from egressd.subject.model import IPAddress, unmap_ip
 from egressd.vault.store import VaultSnapshot
 
@@ -46,13 +47,6 @@ class ActiveReply:
 
 def _quoted(tag: str) -> str:
     return f'"{tag}"'
-
-
-def _unquote(value: str) -> str:
-    v = value.strip()
-    if v.startswith("W/"):
-        v = v[2:]
-    return v[1:-1] if len(v) >= 2 and v[0] == v[-1] == '"' else v
 
 
 def active_lookup(
@@ -80,7 +74,7 @@ def active_lookup(
         destination = "verified" if ok else "unverified"
     etag = _quoted(snapshot.tag)
     if if_none_match is not None:
-        wanted = {_unquote(part) for part in if_none_match.split(",")}
+        wanted = {bare_etag(part) for part in if_none_match.split(",")}
         if snapshot.tag in wanted:
             return ActiveReply(304, etag, destination=destination)
     return ActiveReply(200, etag, snapshot.to_json(), destination=destination)

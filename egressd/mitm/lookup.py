@@ -21,7 +21,7 @@ from urllib.parse import urlencode
 import aiohttp
 
 from egressd.mitm.active import ACTIVE_PATH, DESTINATION_HEADER
-from egressd.mitm.wire import WireError, snapshot_from_active
+from egressd.mitm.wire import WireError, bare_etag, snapshot_from_active
 from egressd.vault.store import VaultSnapshot
 
 LOOKUP_TIMEOUT_S: Final = 0.25
@@ -37,13 +37,6 @@ class View:
     destination_ok: bool
 
 
-def _bare(tag: str) -> str:
-    tag = tag.strip()
-    if tag.startswith("W/"):
-        tag = tag[2:]
-    return tag[1:-1] if len(tag) >= 2 and tag[0] == tag[-1] == '"' else tag
-
-
 def interpret(
     status: int, etag: str | None, destination: str | None, body: bytes, cached: VaultSnapshot | None
 ) -> View:
@@ -52,14 +45,14 @@ def interpret(
     if status == 404:
         return View(None, False)
     if status == 304:
-        if cached is None or etag is None or _bare(etag) != cached.tag:
+        if cached is None or etag is None or bare_etag(etag) != cached.tag:
             raise LookupFailed("304 without a matching cached tag")
         return View(cached, verified)
     if status != 200:
         raise LookupFailed(f"status {status}")
     if etag is None:
         raise LookupFailed("200 without ETag")
-    if cached is not None and _bare(etag) == cached.tag:
+    if cached is not None and bare_etag(etag) == cached.tag:
         raise LookupFailed("200 with the tag already cached")
     try:
         snapshot = snapshot_from_active(json.loads(body), etag)

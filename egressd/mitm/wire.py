@@ -82,13 +82,17 @@ def _binding(value: object, i: int) -> ActiveBinding:
     )
 
 
-def snapshot_from_active(body: object, etag: str) -> VaultSnapshot:
-    """The snapshot for a 200 ``_active`` reply; ``etag`` is the quoted or bare ETag value."""
-    tag = etag.strip()
+def bare_etag(value: str) -> str:
+    """An entity tag without ``W/`` and quotes (``W/"a-1"`` -> ``a-1``)."""
+    tag = value.strip()
     if tag.startswith("W/"):
         tag = tag[2:]
-    if len(tag) >= 2 and tag[0] == tag[-1] == '"':
-        tag = tag[1:-1]
+    return tag[1:-1] if len(tag) >= 2 and tag[0] == tag[-1] == '"' else tag
+
+
+def snapshot_from_active(body: object, etag: str) -> VaultSnapshot:
+    """The snapshot for a 200 ``_active`` reply; ``etag`` is the quoted or bare ETag value."""
+    tag = bare_etag(etag)
     if not tag:
         raise WireError("ETag: missing")
     doc = _obj(body, "body")

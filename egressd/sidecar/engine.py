@@ -71,6 +71,7 @@ class SidecarEngine:
         self.user = policy
         self.always = always
         self.effective = effective_policy(policy, always)
+        self._sets = ip_sets(self.effective)  # its IP layer, for per-request/per-flow checks
         self.persist_path = persist_path
         self._writer = writer
         self._clock = clock
@@ -111,7 +112,7 @@ class SidecarEngine:
         lease = self.leases.get(dst)
         if lease is not None and lease[0] > self._clock() and name in lease[1]:
             return True
-        return ip_sets(self.effective).explicitly_allows(dst)
+        return self._sets.explicitly_allows(dst)
 
     def _allowed(self, names: Iterable[str], policy: NetworkPolicy) -> bool:
         return any(evaluate_domain(policy, n).verdict is Verdict.ALLOW for n in names)
@@ -128,10 +129,11 @@ class SidecarEngine:
             now = self._clock()
             keep: list[tuple[IPAddress, float, frozenset[str]]] = []
             names = frozenset({normalise_name(name)}) if name else frozenset()
+            # Decided again under the policy in force now: an answer that raced a change adds
+            # nothing the change denies.
+            admitted = self._allowed(names, self.effective) if names else fence == self.fence
             for ip, seconds in leases:
-                # Decided again under the policy in force now: an answer that raced a change
-                # adds nothing the change denies.
-                if (names and self._allowed(names, self.effective)) or (not names and fence == self.fence):
+                if admitted:
                     # Never shorten a lease another answer granted: kernel and mirror agree.
                     expiry = self.leases.get(ip, (0.0, frozenset()))[0]
                     keep.append((ip, max(float(seconds), expiry - now), names))
@@ -157,7 +159,7 @@ class SidecarEngine:
         """Whether the installed ruleset accepts a new connection to ``ip`` (mode dns+nft)."""
         now = self._clock()
         expiries = {a: exp for a, (exp, _) in self.leases.items()}
-        verdict, where, _ = ip_decision(self.effective, expiries, ip, now)
+        verdict, where, _ = ip_decision(self.effective, expiries, ip, now, self._sets)
         if verdict is Verdict.ALLOW:
             return True
         # Resolver addresses join the allow sets, but a deny rule still beats them.
@@ -214,8 +216,9 @@ class SidecarEngine:
                         error=f"persist: {exc.strerror or exc}",
                     )
                     return Outcome(500, f"cannot persist policy: {exc.strerror or type(exc).__name__}")
+            leases = self._leases_for(effective)
             try:
-                script = ruleset(self.table, effective, self._leases_for(effective))
+                script = ruleset(self.table, effective, leases)
                 await self.kernel.run_script(script, op="static_apply")
             except NftError as exc:
                 if persist:
@@ -231,9 +234,10 @@ class SidecarEngine:
             self.user = policy
             self.always = always
             self.effective = effective
+            self._sets = ip_sets(effective)
             self.generation += 1
             self.rules_installed = _rule_count(script)
-            kept = {ip for ip, _ in self._leases_for(effective)}
+            kept = {ip for ip, _ in leases}
             for ip in [ip for ip in self.leases if ip not in kept]:
                 del self.leases[ip]
             if self._cut_flows is not None and self.table.mode == "dns+nft":
