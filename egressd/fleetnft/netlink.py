@@ -539,6 +539,16 @@ def parse_counter_dump(buf: bytes) -> tuple[dict[str, int], bool]:
     return counters, False
 
 
+def _failed_op_text(table: str, op: Op) -> str:
+    """The refused operation for the error text (it is logged and returned in a 500): a policy's
+    addresses and a subject's DNS leases are summarised by count, never listed."""
+    if isinstance(op, AddIntervals):
+        return f"add element inet {table} {op.name} {{ <{len(op.nets)} prefixes> }}"
+    if isinstance(op, AddTimed):
+        return f"add element inet {table} {op.name} {{ <{len(op.leases)} leases> }}"
+    return NetlinkBatch(table, (op,)).describe().strip()
+
+
 # ---- the socket (shell) --------------------------------------------------------------------
 
 
@@ -578,8 +588,7 @@ class NfTablesSocket:
                     if seq in pending:
                         pending.discard(seq)
                         if code != 0 and failure is None:
-                            where = NetlinkBatch(batch.table, (by_seq[seq],)).describe().strip()
-                            failure = NetlinkError(-code, where)
+                            failure = NetlinkError(-code, _failed_op_text(batch.table, by_seq[seq]))
                     elif code != 0 and first <= seq < self._seq:
                         raise NetlinkError(-code, "batch")
                 off += (length + 3) & ~3

@@ -377,3 +377,14 @@ def test_parse_setelem_dump() -> None:
     error = struct.pack("=IHHII", 36, netlink.NLMSG_ERROR, 0, 1, 0) + struct.pack("=i", -2) + bytes(16)
     with pytest.raises(netlink.NetlinkError):
         netlink.parse_setelem_dump(error)
+
+
+def test_a_refused_element_op_is_reported_without_its_addresses() -> None:
+    from egressd.fleetnft.ops import AddIntervals, AddTimed
+
+    text = netlink._failed_op_text("T", AddIntervals("subj_x_allow_v4", "v4", (IPv4Network("10.9.0.0/24"),)))
+    assert text == "add element inet T subj_x_allow_v4 { <1 prefixes> }"
+    text = netlink._failed_op_text(
+        "T", AddTimed("subj_x_dyn_v4", "v4", ((IPv4Address("93.184.216.34"), 90),))
+    )
+    assert "93.184.216.34" not in text and "<1 leases>" in text
