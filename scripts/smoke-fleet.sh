@@ -27,6 +27,7 @@ PIDS=()
 PASS=0; FAIL=0
 
 cleanup() {
+  trap '' INT TERM  # a second Ctrl-C must not cut the cleanup short
   for pid in "${PIDS[@]:-}"; do [ -n "$pid" ] && kill "$pid" 2>/dev/null; done
   sleep 0.2
   for ns in "$POD" "$UP" "$P-sb1" "$P-sb2" "$P-sb3" "$P-sb4"; do
@@ -83,6 +84,7 @@ ip netns exec "$UP" "$ROOT/.venv/bin/python" scripts/fleet_upstream.py --http-po
   --https-ports 443 --tls-dir "$WORK/tls" --tls-ips 10.204.0.2,10.204.0.3,10.204.0.4,10.204.0.5 \
   --log "$WORK/upstream.jsonl" > "$WORK/upstream.out" 2>&1 &
 PIDS+=($!)
+for _ in $(seq 1 100); do grep -q ready "$WORK/upstream.out" 2>/dev/null && break; sleep 0.1; done
 mkdir -p "$WORK/rules"
 # A service inside sb2, to prove sandboxes cannot reach each other.
 ip netns exec "$(SB 2)" python3 -m http.server 8000 --bind "$(SBIP 2)" > /dev/null 2>&1 &
@@ -164,7 +166,8 @@ printf '%s' '{"credentials":[{"name":"k","source":{"type":"inline","value":"smok
 check "vault pushed over the proxy route for sb1 -> 201" ctl vault put --uid sb1 --file "$WORK/vault.json"
 check "sb1's HTTPS call to the bound host carries the injected credential upstream" bash -c "$(declare -f inns SB https_get); P=$P WORK=$WORK https_get 1 api.allowed.test 10.204.0.2 /v1/x | grep -q 'Bearer smoke-secret-value'"
 check "the sandbox never saw the credential in the response headers" not bash -c "ip netns exec $(SB 1) curl -s -D - -o /dev/null -m 5 --cacert $WORK/mitm/mitmproxy-ca-cert.pem --resolve api.allowed.test:443:10.204.0.2 https://api.allowed.test/ | grep -q smoke-secret-value"
-check "sibling sb3 calling an HTTPS host gets no credential" bash -c "$(declare -f inns SB https_get); P=$P WORK=$WORK https_get 3 other.test 10.204.0.3 /v1/x | grep -q '\"tls\": true' && ! grep -q 'smoke-secret-value' <(P=$P WORK=$WORK https_get 3 other.test 10.204.0.3 /v1/x)"
+sibling_gets_nothing() { local out; out=$(https_get 3 other.test 10.204.0.3 /v1/x); grep -q '"tls": true' <<<"$out" && ! grep -q smoke-secret-value <<<"$out"; }
+check "sibling sb3 calling an HTTPS host gets no credential" sibling_gets_nothing
 check "a forged Host towards an address not learned for it gets no credential" not bash -c "$(declare -f inns SB https_get); P=$P WORK=$WORK https_get 3 api.allowed.test 10.204.0.3 / | grep -q smoke-secret-value"
 check "a direct connection to the MITM port is dropped" not ip netns exec "$(SB 1)" curl -s -o /dev/null --connect-timeout 1 -m 2 http://10.203.0.1:18081/
 check "egressctl ca prints the MITM CA baked into sandboxes" bash -c "diff <(ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT ca) $WORK/mitm/mitmproxy-ca-cert.pem"
