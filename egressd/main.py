@@ -8,7 +8,6 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import structlog
 from aiohttp import web
@@ -16,7 +15,7 @@ from aiohttp import web
 from egressd.config import Config, ConfigError, parse_config
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
-from egressd.dnsproxy.upstreams import from_resolv_conf
+from egressd.dnsproxy.upstreams import upstreams_or_system
 from egressd.fleet.always_reload import AlwaysRulesReloader
 from egressd.fleet.audit import AuditEvidence
 from egressd.fleet.control import ControlPlane
@@ -108,13 +107,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             always_allow=len(always.allow),
         )
 
-        upstreams = cfg.dns_upstreams
-        if upstreams is None:
-            try:
-                resolv = Path("/etc/resolv.conf").read_text()
-            except OSError:
-                resolv = ""
-            upstreams = from_resolv_conf(resolv)
+        upstreams = upstreams_or_system(cfg.dns_upstreams)
         forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
         dns = DnsProxy(control, forwarder, metrics, lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max))
         try:

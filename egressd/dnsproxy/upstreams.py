@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from pathlib import Path
 
 DEFAULT_PORT = 53
 MAX_RESOLV_CONF = 10
@@ -68,6 +69,9 @@ def parse_upstreams(value: str) -> tuple[Upstream, ...]:
     return tuple(out)
 
 
+RESOLV_CONF = Path("/etc/resolv.conf")
+
+
 def from_resolv_conf(text: str) -> tuple[Upstream, ...]:
     """Nameservers of a resolv.conf: non-loopback first, at most 10; none -> 8.8.8.8:53."""
     found: list[ipaddress.IPv4Address | ipaddress.IPv6Address] = []
@@ -83,3 +87,17 @@ def from_resolv_conf(text: str) -> tuple[Upstream, ...]:
     ordered = [a for a in found if not a.is_loopback] + [a for a in found if a.is_loopback]
     ups = tuple(Upstream(str(a)) for a in ordered[:MAX_RESOLV_CONF])
     return ups or (Upstream(FALLBACK),)
+
+
+def upstreams_or_system(
+    configured: tuple[Upstream, ...] | None, resolv_conf: Path = RESOLV_CONF
+) -> tuple[Upstream, ...]:
+    """``OPENSANDBOX_EGRESS_DNS_UPSTREAM`` when given, else the nameservers of resolv.conf (§7;
+    an unreadable file counts as empty, which falls back to 8.8.8.8)."""
+    if configured is not None:
+        return configured
+    try:
+        text = resolv_conf.read_text()
+    except OSError:
+        text = ""
+    return from_resolv_conf(text)

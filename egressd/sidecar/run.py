@@ -11,7 +11,6 @@ import asyncio
 import ipaddress
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import structlog
 from aiohttp import web
@@ -19,7 +18,7 @@ from aiohttp import web
 from egressd.config import Config
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
-from egressd.dnsproxy.upstreams import Upstream, from_resolv_conf
+from egressd.dnsproxy.upstreams import Upstream, upstreams_or_system
 from egressd.fleet.always_reload import AlwaysRulesReloader
 from egressd.fleetnft.applier import KernelTransactions, NftError
 from egressd.metrics import EgressMetrics
@@ -40,16 +39,6 @@ log = structlog.get_logger("egressd.sidecar")
 
 class SidecarStartupError(Exception):
     """One-line reason start-up was refused."""
-
-
-def _upstreams(cfg: Config) -> tuple[Upstream, ...]:
-    if cfg.dns_upstreams is not None:
-        return cfg.dns_upstreams
-    try:
-        resolv = Path("/etc/resolv.conf").read_text()
-    except OSError:
-        resolv = ""
-    return tuple(from_resolv_conf(resolv))
 
 
 def table_for(cfg: Config, upstreams: tuple[Upstream, ...]) -> SidecarTable:
@@ -88,7 +77,7 @@ async def run_sidecar(
             f"initial policy ({initial.source}) has more than {cfg.max_rules} rules (OPENSANDBOX_EGRESS_MAX_RULES)"
         )
 
-    upstreams = _upstreams(cfg)
+    upstreams = upstreams_or_system(cfg.dns_upstreams)
     table = table_for(cfg, upstreams)
     metrics = EgressMetrics()
     tx = KernelTransactions(metrics)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from egressd.dnsproxy.upstreams import (
@@ -196,3 +198,16 @@ nameserver 192.168.1.1
         Upstream("fe80::1"),
     )
     assert all(u.port == 53 for u in from_resolv_conf(text))
+
+
+def test_configured_upstreams_win_else_resolv_conf(tmp_path: Path) -> None:
+    from egressd.dnsproxy.upstreams import parse_upstreams, upstreams_or_system
+
+    configured = parse_upstreams("10.0.0.53")
+    assert upstreams_or_system(configured, tmp_path / "absent") == configured
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text("nameserver 192.0.2.53\n")
+    assert [str(u) for u in upstreams_or_system(None, resolv)] == [
+        str(u) for u in parse_upstreams("192.0.2.53")
+    ]
+    assert [str(u) for u in upstreams_or_system(None, tmp_path / "absent")] == ["8.8.8.8:53"]
