@@ -81,26 +81,26 @@ class KernelTransactions:
             first = next((ln for ln in str(err).splitlines() if ln.strip()), "unknown error")
             raise NftError(first.strip()[:300])
 
-    def _counters(self, table: str) -> dict[str, int]:
+    def _thread_netlink(self) -> _Netlink:
+        """The kernel thread's netlink socket, made on first use (on that thread, in its netns)."""
         if self._netlink is None:
             self._netlink = _Netlink()
+        return self._netlink
+
+    def _counters(self, table: str) -> dict[str, int]:
         try:
-            return self._netlink.sock.counters(table)
+            return self._thread_netlink().sock.counters(table)
         except (NetlinkError, OSError) as exc:
             raise NftError(f"counter dump refused: {exc}") from None
 
     def _set_elements(self, table: str, set_name: str) -> list[SetElement]:
-        if self._netlink is None:
-            self._netlink = _Netlink()
         try:
-            return self._netlink.sock.set_elements(table, set_name)
+            return self._thread_netlink().sock.set_elements(table, set_name)
         except (NetlinkError, OSError) as exc:
             raise NftError(f"set element dump refused: {exc}") from None
 
     def _batch(self, batch: NetlinkBatch) -> None:
-        if self._netlink is None:
-            self._netlink = _Netlink()
-        self._netlink.run(batch)
+        self._thread_netlink().run(batch)
 
     def _reset(self, header_with_delete: str, header: str) -> None:
         try:

@@ -117,10 +117,6 @@ def family(ip: IPAddress | IPNetwork) -> str:
     return "v4" if ip.version == 4 else "v6"
 
 
-def l3(ip: IPAddress | IPNetwork) -> str:
-    return "ip" if ip.version == 4 else "ip6"
-
-
 def _addr_type(fam: str) -> str:
     return "ipv4_addr" if fam == "v4" else "ipv6_addr"
 

@@ -17,7 +17,7 @@ import itertools
 import os
 import socket
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from egressd.fleetnft.ops import (
@@ -595,37 +595,38 @@ class NfTablesSocket:
         if failure is not None:
             raise failure
 
-    def counters(self, table: str) -> dict[str, int]:
-        """Every counter object of ``table``: name -> packets (one netlink dump, no cache fill)."""
+    def _dump[T](
+        self, request: Callable[[int], bytes], parse: Callable[[bytes], tuple[list[T], bool]], what: str
+    ) -> list[T]:
+        """Send one dump request and collect the parsed items of every reply until DONE."""
         seq = self._seq
         self._seq += 1
-        self._sock.sendall(encode_counter_dump(table, seq))
-        out: dict[str, int] = {}
+        self._sock.sendall(request(seq))
+        out: list[T] = []
         while True:
             try:
                 buf = self._sock.recv(1 << 20)
             except TimeoutError:
-                raise NetlinkError(errno.ETIMEDOUT, "waiting for the counter dump") from None
-            part, done = parse_counter_dump(buf)
-            out.update(part)
-            if done:
-                return out
-
-    def set_elements(self, table: str, set_name: str) -> list[SetElement]:
-        """One set's elements as the kernel holds them (one netlink dump of that set only)."""
-        seq = self._seq
-        self._seq += 1
-        self._sock.sendall(encode_setelem_dump(table, set_name, seq))
-        out: list[SetElement] = []
-        while True:
-            try:
-                buf = self._sock.recv(1 << 20)
-            except TimeoutError:
-                raise NetlinkError(errno.ETIMEDOUT, "waiting for the set element dump") from None
-            part, done = parse_setelem_dump(buf)
+                raise NetlinkError(errno.ETIMEDOUT, f"waiting for the {what} dump") from None
+            part, done = parse(buf)
             out.extend(part)
             if done:
                 return out
+
+    def counters(self, table: str) -> dict[str, int]:
+        """Every counter object of ``table``: name -> packets (one netlink dump, no cache fill)."""
+
+        def parse(buf: bytes) -> tuple[list[tuple[str, int]], bool]:
+            part, done = parse_counter_dump(buf)
+            return list(part.items()), done
+
+        return dict(self._dump(lambda seq: encode_counter_dump(table, seq), parse, "counter"))
+
+    def set_elements(self, table: str, set_name: str) -> list[SetElement]:
+        """One set's elements as the kernel holds them (one netlink dump of that set only)."""
+        return self._dump(
+            lambda seq: encode_setelem_dump(table, set_name, seq), parse_setelem_dump, "set element"
+        )
 
     def close(self) -> None:
         self._sock.close()
