@@ -43,7 +43,7 @@ fi
 stamp=.venv/.egressd-installed
 # The sidecar compatibility tests need the OpenSandbox SDK and schemathesis (dev extras).
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ ! -x .venv/bin/egressd ] \
-   || ! .venv/bin/python -c 'import opensandbox, schemathesis' 2>/dev/null; then
+   || ! .venv/bin/python -c 'import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ("opensandbox", "schemathesis"))))' 2>/dev/null; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
   .venv/bin/python -m pip install -q -e '.[dev]'
   touch "$stamp"
