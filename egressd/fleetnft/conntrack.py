@@ -64,10 +64,7 @@ async def flush_flow(src: IPAddress, dst: IPAddress) -> None:
 
 async def flush_source(ip: IPAddress, table: Path = CONNTRACK_TABLE) -> None:
     # Spawning conntrack costs ~11 ms; most removals have nothing to cut, so look first.
-    try:
-        text = await asyncio.to_thread(table.read_text)
-    except OSError:
-        text = None
+    text = await read_table(table)
     if text is not None and not has_flows_from(text, ip):
         return
     await _conntrack_delete(["-s", str(ip)], ip.version)
