@@ -86,6 +86,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("OPENSANDBOX_EGRESS_POLICY_FILE", "--policy-file", "sidecar: initial policy file"),
     Option("OPENSANDBOX_EGRESS_MODE", "--mode", "sidecar: dns or dns+nft", "dns+nft"),
     Option("OPENSANDBOX_EGRESS_MAX_RULES", "--max-rules", "rule cap (0 = unlimited)", "4096"),
+    Option(
+        "EGRESSD_MAX_LEASES_PER_SUBJECT",
+        "--max-leases-per-subject",
+        "live DNS-learned addresses per subject (the dyn sets' size)",
+        "4096",
+    ),
     Option("EGRESSD_DNS_ADDR", "--dns-addr", "shared DNS proxy listener", "0.0.0.0:15353"),
     Option("EGRESSD_NFT_TABLE", "--nft-table", "nft table name"),
     Option(
@@ -158,6 +164,7 @@ class Config:
     refresh_interval: float = 30.0
     always_reload_interval: float = 60.0
     sidecar_keep_table: bool = False
+    max_leases: int = 4096  # EGRESSD_MAX_LEASES_PER_SUBJECT (BEHAVIOUR 14.4)
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -358,6 +365,9 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         policy_file=Path(policy_file) if policy_file else None,
         mode=mode,
         max_rules=_int("OPENSANDBOX_EGRESS_MAX_RULES", raw["OPENSANDBOX_EGRESS_MAX_RULES"], 0, 10_000_000),
+        max_leases=_int(
+            "EGRESSD_MAX_LEASES_PER_SUBJECT", raw["EGRESSD_MAX_LEASES_PER_SUBJECT"] or "4096", 1, 1_000_000
+        ),
         nft_table=table,
         always_rules_dir=Path(raw["EGRESSD_ALWAYS_RULES_DIR"] or "/var/egress/rules"),
         vault_keys_dir=Path(vault_dir) if vault_dir else None,

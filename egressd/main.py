@@ -48,6 +48,7 @@ def table_config(cfg: Config) -> TableConfig:
         mitm_port=cfg.mitm_port,
         block_doh_443=cfg.block_doh_443,
         doh_blocklist=cfg.doh_blocklist,
+        max_leases=cfg.max_leases,
     )
 
 
@@ -85,6 +86,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             conntrack_flush=flush_source,
             keys=keys,
             pending_ttl=cfg.pending_push_ttl,
+            max_leases=cfg.max_leases,
         )
         proxy = ProxyRouteAPI(control, max_rules=cfg.max_rules)
         audit = AuditEvidence(
@@ -172,6 +174,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
         finally:
             if mitm is not None:
                 await mitm.close()
+            await control.close()
             for task in background:
                 task.cancel()
             if runner is not None:

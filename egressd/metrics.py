@@ -257,6 +257,13 @@ class EgressMetrics:
         self.pending_pushes = r.register(
             Gauge("egressd_pending_pushes", "Credential pushes cached for unknown UIDs.")
         )
+        # BEHAVIOUR 14.6: subjects whose narrowing the kernel refused and egressd is retrying.
+        self.revocations_pending = r.register(
+            Gauge(
+                "egressd_revocations_pending",
+                "Subjects whose revocation the kernel refused; egressd retries until it agrees.",
+            )
+        )
         # Exemplar: the last denial's decision_id, subject and rule (OpenMetrics only).
         self.policy_denied = r.register(Counter("egress_policy_denied_total", "Denied DNS queries."))
         # Audit mode: DNS queries (layer="dns", rule = the deciding rule's label) and new flows

@@ -413,7 +413,7 @@ def cmd_subjects(ctx: Context, args: argparse.Namespace) -> int:
     rows = [
         (
             _cell(s.get("subject")),
-            _cell(s.get("state")),
+            _cell("revoking" if s.get("revoking") else s.get("state")),
             _cell(s.get("sourceIp")),
             _cell(s.get("gateway")),
             _policy_cell(s.get("policy")) + (",audit" if s.get("auditMode") else ""),

@@ -8,6 +8,7 @@ import ipaddress
 import socket
 import struct
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,7 +55,9 @@ class Policies(Protocol):
 
     async def learn(
         self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
-    ) -> None: ...
+    ) -> Collection[IPAddress]:
+        """Put the answer's addresses into the asker's dyn sets; return those the kernel holds."""
+        ...
 
 
 class DnsProxy:
@@ -141,20 +144,31 @@ class DnsProxy:
             return self._finish(servfail, query, tcp, start, limit)
         reply = forwarded.reply
         addresses = answer_addresses(reply) if audit_text is None else []
+        trimmed = False
         if addresses:
             lo, hi = self.lease_bounds
             leases = [(addr, lease_seconds(ttl, lo, hi)) for addr, ttl in addresses]
+            learned: Collection[IPAddress] = ()
             try:
                 # The kernel must know the addresses before the client can try to connect.
-                await asyncio.wait_for(
+                learned = await asyncio.wait_for(
                     self.policies.learn(asker.uid, asker.fence, leases, decision.name), _LEARN_TIMEOUT_S
                 )
             except Exception as exc:
                 # Counted by the kernel shell (egress_nftables_updates_failed_total{dynamic_add}).
                 log.warning("dns.learn_failed", subject=f"s-{asker.uid}", error=str(exc)[:200])
+            if not learned:
+                # Nothing of the answer is in the kernel (cap full, refused, or the policy
+                # changed meanwhile): an answer the client could not use is not sent (14.4).
+                if self.metrics:
+                    self.metrics.dns_failed.inc("not_learned")
+                servfail = query.reply()
+                servfail.header.rcode = RCODE.SERVFAIL
+                return self._finish(servfail, query, tcp, start, limit)
+            trimmed = _keep_learned(reply, set(learned))
         if audit_text is not None and had_edns:
             attach_ede(reply, INFO_OTHER, audit_text)
-        elif had_edns and forwarded.wire is not None and (tcp or len(forwarded.wire) <= limit):
+        elif had_edns and not trimmed and forwarded.wire is not None and (tcp or len(forwarded.wire) <= limit):
             # Nothing to strip or truncate: the upstream's answer goes back byte for byte
             # (same id: the query was forwarded with it).
             if self.metrics:
@@ -281,6 +295,23 @@ class DnsProxy:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+
+def _keep_learned(reply: DNSRecord, learned: set[IPAddress]) -> bool:
+    """Drop the answer's A/AAAA records the kernel did not take; True when any went."""
+    kept = []
+    for rr in reply.rr:
+        if rr.rtype in (QTYPE.A, QTYPE.AAAA):
+            try:
+                if ipaddress.ip_address(str(rr.rdata)) not in learned:
+                    continue
+            except ValueError:
+                continue
+        kept.append(rr)
+    if len(kept) == len(reply.rr):
+        return False
+    reply.rr = kept
+    return True
 
 
 def _udp_limit(query: DNSRecord) -> int:

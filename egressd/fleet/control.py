@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -30,9 +31,11 @@ from egressd.fleetnft.builder import (
     dispatch_deletes,
     dispatch_map,
     dyn_add,
+    dyn_replace,
     flush_subject_sets,
     gateway_release,
     header_script,
+    policy_contents,
     policy_swap,
     removal_batch,
     subject_create,
@@ -55,6 +58,14 @@ from egressd.policy import (
     ip_sets,
     normalise_name,
 )
+from egressd.subject.leases import (
+    DEFAULT_MAX_LEASES,
+    LeaseBook,
+    Narrowed,
+    covered_by,
+    name_admitted,
+    names_admitted,
+)
 from egressd.subject.model import Fence, IPAddress, nft_id, subject_for_uid, unmap_ip
 from egressd.subject.registry import (
     AddKeys,
@@ -76,6 +87,7 @@ from egressd.subject.registry import (
     plan_remove,
     plan_set_binding,
 )
+from egressd.vault.model import VaultError
 from egressd.vault.sealed import KeyStore
 from egressd.vault.store import VaultSnapshot, VaultStore
 
@@ -110,6 +122,31 @@ class StepFailed(Exception):
         self.reason = reason
 
 
+@dataclass(slots=True)
+class _Revocation:
+    """A narrowing the kernel refused (BEHAVIOUR 14.6): the plan to run again, the registry
+    entry its failure committed (the retry only runs while that is still what the registry
+    holds), and what to do once the kernel agreed."""
+
+    plan: Plan
+    expected: Entry | None
+    reason: str
+    after: Callable[[], Coroutine[Any, Any, None]] | None = None
+    attempts: int = 0
+
+    @property
+    def closing(self) -> bool:
+        """The refused plan takes the subject's policy away (revert, rebind, removal): DNS,
+        learning and the vault act as if it were gone already. A refused in-place swap
+        keeps the old policy there, as the registry does (kernel first, registry second)."""
+        target = self.plan.on_success
+        return target is None or target.state is not State.ACTIVE
+
+
+REVOKE_RETRY_MIN_S = 0.05
+REVOKE_RETRY_MAX_S = 5.0
+
+
 class _SubjectLocks:
     """One asyncio lock per uid, freed when nobody holds or waits for it."""
 
@@ -142,6 +179,7 @@ class ControlPlane:
         conntrack_flush: Callable[[IPAddress], Any] | None = None,
         keys: KeyStore | None = None,
         pending_ttl: float = 30.0,
+        max_leases: int = DEFAULT_MAX_LEASES,
     ) -> None:
         self.table = table
         self.tx = tx
@@ -161,11 +199,14 @@ class ControlPlane:
         self._claims_nft: dict[str, str] = {}
         self._effective: dict[str, tuple[NetworkPolicy, AlwaysRules, NetworkPolicy]] = {}
         self._ip_sets: dict[str, tuple[NetworkPolicy, IpSets]] = {}
-        # Mirror of each subject's DNS leases (ip -> monotonic expiry) for connection refresh.
-        self.leases: dict[str, dict[IPAddress, float]] = {}
-        # Which question name taught each learned address (ip -> name -> monotonic expiry): the
-        # MITM injects a credential only towards an address learned for the request's host.
-        self.learned_names: dict[str, dict[IPAddress, dict[str, float]]] = {}
+        # Each subject's DNS leases, with the names that taught them (subject/leases.py): the
+        # refresh mirror, the lease cap, narrowing on policy changes and the MITM's check.
+        self.max_leases = max_leases
+        self.leases: dict[str, LeaseBook] = {}
+        # Subjects whose kernel still holds more than the registry now says (14.6).
+        self._revoking: dict[str, _Revocation] = {}
+        self._revoke_tasks: dict[str, asyncio.Task[None]] = {}
+        self.revoke_retry = (REVOKE_RETRY_MIN_S, REVOKE_RETRY_MAX_S)
         self.enforcement_ready = False
 
     # ---- start-up -------------------------------------------------------------------------
@@ -204,6 +245,7 @@ class ControlPlane:
         when the kernel refuses: then nothing changed and the old rules stay.
         """
         applied: list[tuple[str, frozenset[tuple[IPAddress, IPAddress]], NetworkPolicy]] = []
+        books: dict[str, LeaseBook] = {}
         async with self._kernel_lock:
             table = self.table.table
             batch = NetlinkBatch(table)
@@ -213,9 +255,15 @@ class ControlPlane:
                     effective = effective_policy(view.applied, always)
                     batch = batch + policy_swap(table, entry.nft_id, effective)
                     applied.append((entry.uid, view.keys, effective))
+                    narrowed = self._narrowed(entry.uid, effective)
+                    if narrowed is not None:
+                        # A newly always-denied name loses its leases in the same transaction.
+                        batch = batch + dyn_replace(table, entry.nft_id, narrowed.kept)
+                        books[entry.uid] = narrowed.book
             if batch:
                 await self.tx.run_batch(batch, op="static_apply")
             self.always = always
+            self.leases.update(books)
         if self._conntrack_flush is not None:
             # A newly always-denied destination must not stay reachable over flows opened
             # before the reload: cut exactly the flows the new rules no longer allow.
@@ -229,6 +277,8 @@ class ControlPlane:
         entry = self.registry.resolve(source_ip)
         if entry is None:
             return None
+        if self._closing(entry.uid):
+            return Asker(entry.uid, entry.fence, None)  # being closed: answered as denying
         return Asker(entry.uid, entry.fence, self.effective_for(entry))
 
     def uid_for(self, source_ip: IPAddress) -> str | None:
@@ -243,40 +293,53 @@ class ControlPlane:
 
     async def learn(
         self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
-    ) -> None:
-        """Put DNS-learned addresses into the subject's dyn sets before the answer is sent.
+    ) -> list[IPAddress]:
+        """Put DNS-learned addresses into the subject's dyn sets before the answer is sent;
+        return those the kernel now holds (the reply carries only these, BEHAVIOUR 14.4).
 
-        Under the subject's lock and re-checked there: an answer that arrives after a revert,
-        rebind or removal of the asking subject must never reopen it.
+        Under the subject's lock and decided again there, against the policy in force now
+        (BEHAVIOUR 14.1): an answer that arrives after a revert, rebind, removal or a change
+        that denies its name must never reopen it. ``name`` None is the connection refresh:
+        it renews only addresses that a still-allowed name taught.
         """
         async with self._locks.hold(uid):
             entry = self.registry.get(uid)
             if entry is None or entry.fence != fence or entry.state is not State.ACTIVE:
-                return
-            if not self.registry.kernel(uid).rules:
-                return
+                return []
+            if self._closing(uid) or not self.registry.kernel(uid).rules:
+                return []
             async with self._kernel_lock:
-                batch = dyn_add(self.table.table, entry.nft_id, leases)
+                effective = self.effective_for(entry)  # always-rules change under this lock
+                if effective is None:
+                    return []
+                now = time.monotonic()
+                book = self.leases.setdefault(uid, LeaseBook(self.max_leases))
+                if name is not None:
+                    name = normalise_name(name.strip())
+                    if not name_admitted(effective, name):
+                        return []
+                    candidates = leases
+                else:
+                    renew = set(book.renewable((ip for ip, _ in leases), names_admitted(effective), now))
+                    candidates = [(ip, sec) for ip, sec in leases if ip in renew]
+                admitted = book.admit(candidates, now)
+                if not admitted:
+                    return []
+                batch = dyn_add(self.table.table, entry.nft_id, admitted)
                 # The inline path is an optional fast path of the kernel shell (see applier).
                 run = getattr(self.tx, "run_batch_inline", None) or self.tx.run_batch
                 await run(batch, op="dynamic_add")
-            now = time.monotonic()
-            mirror = self.leases.setdefault(uid, {})
-            for ip, seconds in leases:
-                mirror[ip] = max(mirror.get(ip, 0.0), now + seconds)
-            names = self.learned_names.setdefault(uid, {})
-            if name is not None:
-                name = normalise_name(name.strip())
-            for ip, seconds in leases:
-                known = names.setdefault(ip, {}) if name is not None else names.get(ip)
-                if known is None:
-                    continue
-                if name is not None:
-                    known[name] = max(known.get(name, 0.0), now + seconds)
-                else:
-                    # Connection refresh keeps a live flow's address: its names live as long.
-                    for learned in known:
-                        known[learned] = max(known[learned], now + seconds)
+                book.record(admitted, name, now)
+            return [ip for ip, _ in admitted]
+
+    def _narrowed(self, uid: str, effective: NetworkPolicy) -> Narrowed | None:
+        """The subject's leases under a new effective policy (None: it has none)."""
+        book = self.leases.get(uid)
+        if book is None or not len(book):
+            return None
+        contents = policy_contents(effective)  # the deny sets the kernel will hold
+        denied = covered_by(contents["deny_v4"], contents["deny_v6"])
+        return book.narrowed(names_admitted(effective), denied, time.monotonic())
 
     # ---- actions ---------------------------------------------------------------------------
 
@@ -315,6 +378,9 @@ class ControlPlane:
             # same ip or nft id sees the claim and gets 409 instead of sharing kernel objects.
             with self._reserve(action.uid, claim):
                 plan = plan_set_binding(entry, req)
+                uncovered = self._uncovers_vault(action.uid, plan, parsed)
+                if uncovered is not None:
+                    return Result(400, f"policy change uncovers a credential binding: {uncovered}")
                 if plan.rebind or policy is None:
                     # A new fence never inherits credentials; null removes policy and vault.
                     self._drop_vault_state(action.uid, pushes=policy is None)
@@ -336,6 +402,20 @@ class ControlPlane:
                     for listener in self.listeners:
                         await listener.registered(committed)
             return result
+
+    def _uncovers_vault(self, uid: str, plan: Plan, parsed: BindingInput | None) -> str | None:
+        """A policy change that keeps the subject's vault must still cover every binding host,
+        exactly as a ``/policy`` write through the proxy route must (14.1): why not, or None."""
+        store = self.vaults.get(uid)
+        if store is None or parsed is None or plan.rebind or parsed.vault is not VaultAction.KEEP:
+            return None
+        if plan.outcome is not Outcome.OK:
+            return None
+        try:
+            store.check_policy(self.effective(parsed.policy))
+        except VaultError as exc:
+            return str(exc)
+        return None
 
     def _in_flight_conflict(self, uid: str, binding: Binding | None) -> str | None:
         other = self._claims_nft.get(nft_id(subject_for_uid(uid)))
@@ -381,11 +461,18 @@ class ControlPlane:
         async with self._locks.hold(action.uid):
             entry = self.registry.get(action.uid)
             plan = plan_remove(entry, action.fence)
-            result = await self._execute(entry, plan, failure_prefix="removal")
-            if result.status == 200 and plan.removed:
+
+            async def forget() -> None:
                 self._drop_vault_state(action.uid, pushes=True)
                 for listener in self.listeners:
                     await listener.removed(action.uid)
+
+            result = await self._execute(entry, plan, failure_prefix="removal", after=forget)
+            if result.status == 200 and plan.removed:
+                await forget()
+            elif plan.removed and entry is not None:
+                # The kernel refused: credentials go now, the retry finishes the rest (14.6).
+                self._drop_vault_state(action.uid, pushes=True)
             return result
 
     # ---- credential vault ------------------------------------------------------------------
@@ -429,7 +516,7 @@ class ControlPlane:
     def vault_for_ip(self, source_ip: IPAddress) -> VaultSnapshot | None:
         """MITM lookup: the active subject's vault snapshot (``.tag`` changes on every mutation)."""
         entry = self.registry.resolve(source_ip)
-        if entry is None or entry.state is not State.ACTIVE:
+        if entry is None or entry.state is not State.ACTIVE or self._closing(entry.uid):
             return None
         store = self.vaults.get(entry.uid)
         return store.snapshot() if store is not None else None
@@ -443,11 +530,11 @@ class ControlPlane:
         therefore never receives a credential.
         """
         entry = self.registry.resolve(source_ip)
-        if entry is None or entry.state is not State.ACTIVE:
+        if entry is None or entry.state is not State.ACTIVE or self._closing(entry.uid):
             return False
         dst = unmap_ip(dst)
-        expiry = self.learned_names.get(entry.uid, {}).get(dst, {}).get(normalise_name(host.strip()))
-        if expiry is not None and expiry > time.monotonic():
+        book = self.leases.get(entry.uid)
+        if book is not None and book.verified(dst, normalise_name(host.strip()), time.monotonic()):
             return True
         effective = self.effective_for(entry)
         return effective is not None and self._ip_sets_of(entry.uid, effective).explicitly_allows(dst)
@@ -464,7 +551,6 @@ class ControlPlane:
 
     def _forget_learned(self, uid: str) -> None:
         self.leases.pop(uid, None)
-        self.learned_names.pop(uid, None)
 
     async def apply_user_policy_locked(self, entry: Entry, policy: NetworkPolicy) -> Result:
         """In-place policy change of an active subject (proxy-route /policy); lock held by caller."""
@@ -478,7 +564,14 @@ class ControlPlane:
 
     # ---- plan execution --------------------------------------------------------------------
 
-    async def _execute(self, entry: Entry | None, plan: Plan, *, failure_prefix: str) -> Result:
+    async def _execute(
+        self,
+        entry: Entry | None,
+        plan: Plan,
+        *,
+        failure_prefix: str,
+        after: Callable[[], Coroutine[Any, Any, None]] | None = None,
+    ) -> Result:
         if plan.outcome is Outcome.CONFLICT:
             return Result(409, plan.reason)
         if plan.outcome is Outcome.NOOP:
@@ -486,6 +579,7 @@ class ControlPlane:
         target = plan.on_success if plan.on_success is not None else plan.on_failure
         assert target is not None
         uid = target.uid
+        narrowing = self._narrows(plan)
         try:
             for step in plan.steps:
                 await self._step(target, step)
@@ -497,9 +591,96 @@ class ControlPlane:
                 step=type(exc.step).__name__,
                 error=exc.reason,
             )
-            return Result(500, f"{_STEP_PREFIX.get(type(exc.step), failure_prefix)}: {exc.reason}")
+            reason = f"{_STEP_PREFIX.get(type(exc.step), failure_prefix)}: {exc.reason}"
+            if narrowing:
+                self._mark_revoking(uid, plan, reason, after)
+            return Result(500, reason)
         self._commit(entry, plan.on_success, uid)
+        self._clear_revoking(uid)
         return OK
+
+    # ---- revocations the kernel refused (BEHAVIOUR 14.6) -----------------------------------
+
+    def _narrows(self, plan: Plan) -> bool:
+        """Does ``plan`` take away something the kernel holds now? A revert, rebind or re-run
+        over existing objects, a removal, or an in-place swap (its new policy may deny what
+        the old allowed). A first deny-first install or an activation over deny-first
+        content only opens later: their failure leaves the kernel closed."""
+        target = plan.on_success if plan.on_success is not None else plan.on_failure
+        if target is None:
+            return False
+        view = self.registry.kernel(target.uid)
+        for step in plan.steps:
+            if isinstance(step, RemoveAll | DropStaleKeys) and (view.objects or view.keys):
+                return True
+            if isinstance(step, InstallDenyFirst) and view.objects and (view.applied is not None or view.keys):
+                return True
+            if isinstance(step, ApplyPolicy) and view.applied is not None:
+                return True
+        return False
+
+    def _closing(self, uid: str) -> bool:
+        rev = self._revoking.get(uid)
+        return rev is not None and rev.closing
+
+    def revoking(self) -> dict[str, str]:
+        """uid -> why its revocation is still pending (for /healthz and egressctl)."""
+        return {uid: rev.reason for uid, rev in self._revoking.items()}
+
+    def _mark_revoking(
+        self, uid: str, plan: Plan, reason: str, after: Callable[[], Coroutine[Any, Any, None]] | None
+    ) -> None:
+        rev = self._revoking.get(uid)
+        attempts = rev.attempts if rev is not None else 0
+        self._revoking[uid] = _Revocation(plan, self.registry.get(uid), reason, after, attempts)
+        if uid not in self._revoke_tasks:
+            log.warning("subject.revocation_pending", subject=subject_for_uid(uid), error=reason[:200])
+            task = asyncio.get_running_loop().create_task(self._retry_revocation(uid))
+            self._revoke_tasks[uid] = task
+            task.add_done_callback(functools.partial(self._revoke_task_done, uid))
+        self._count_revocations()
+
+    def _revoke_task_done(self, uid: str, _task: asyncio.Task[None]) -> None:
+        self._revoke_tasks.pop(uid, None)
+
+    async def close(self) -> None:
+        """Stop the revocation retries (shutdown keeps the table, still denying)."""
+        for task in list(self._revoke_tasks.values()):
+            task.cancel()
+        for task in list(self._revoke_tasks.values()):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _clear_revoking(self, uid: str) -> None:
+        if self._revoking.pop(uid, None) is not None:
+            log.info("subject.revocation_done", subject=subject_for_uid(uid))
+            self._count_revocations()
+
+    def _count_revocations(self) -> None:
+        if self.metrics:
+            self.metrics.revocations_pending.set(float(len(self._revoking)))
+
+    async def _retry_revocation(self, uid: str) -> None:
+        """Run the refused plan again, with backoff, until the kernel agrees. A newer action
+        of the subject that succeeded clears the revocation (it ran its own narrowing)."""
+        lo, hi = self.revoke_retry
+        delay = lo
+        while uid in self._revoking:
+            await asyncio.sleep(delay)
+            delay = min(hi, delay * 2)
+            async with self._locks.hold(uid):
+                rev = self._revoking.get(uid)
+                if rev is None:
+                    return
+                current = self.registry.get(uid)
+                if current is not rev.expected:
+                    # Only a committed plan changes the entry, and a successful one clears
+                    # the revocation; keep retrying on what the registry holds now.
+                    rev.expected = current
+                rev.attempts += 1
+                result = await self._execute(current, rev.plan, failure_prefix="revocation", after=rev.after)
+                if result.status == 200 and rev.after is not None:
+                    await rev.after()
 
     def _commit(self, old: Entry | None, new: Entry | None, uid: str) -> None:
         if new is None:
@@ -572,8 +753,13 @@ class ControlPlane:
                 raise _Refused("subject has no deny-first state in the kernel")
             effective = self.effective(step.policy)
             event = {"egress.default": effective.default_action.value, "rules": len(effective.egress)}
+            batch = policy_swap(table, nid, effective)
+            narrowed = self._narrowed(entry.uid, effective)
+            if narrowed is not None:
+                # Leases no still-allowed name taught leave in the same transaction (14.1).
+                batch = batch + dyn_replace(table, nid, narrowed.kept)
             try:
-                await self.tx.run_batch(policy_swap(table, nid, effective), op="static_apply")
+                await self.tx.run_batch(batch, op="static_apply")
             except NftError as exc:
                 log.warning(
                     "egress.update_failed",
@@ -583,6 +769,8 @@ class ControlPlane:
                 )
                 raise
             save(replace(view, applied=step.policy))
+            if narrowed is not None:
+                self.leases[entry.uid] = narrowed.book
             log.info(
                 "egress.updated", **{"opensandbox.event": "egress.updated", **event}, subject=entry.subject
             )
@@ -632,7 +820,8 @@ class ControlPlane:
         if text is None:
             return
         now = time.monotonic()
-        leases = self.leases.get(uid, {})
+        book = self.leases.get(uid)
+        leases = book.live(now) if book is not None else {}
         gateways = {gw for _, gw in keys}
         sets = ip_sets(effective)
         split = audit_deny_sets(effective) if effective.audit else None
@@ -685,12 +874,14 @@ class ControlPlane:
 
     def explain(self, source_ip: IPAddress, target: str) -> dict[str, Any]:
         entry = self.registry.resolve(unmap_ip(source_ip))
+        now = time.monotonic()
+        book = self.leases.get(entry.uid) if entry else None
         out = explain_target(
             state=entry.state.value if entry else None,
             effective=self.effective_for(entry) if entry else None,
-            leases=self.leases.get(entry.uid, {}) if entry else {},
+            leases=book.live(now) if book is not None else {},
             target=target,
-            now=time.monotonic(),
+            now=now,
         )
         out["sourceIp"] = str(source_ip)
         if entry is not None:
@@ -744,6 +935,7 @@ class ControlPlane:
 
     def describe(self) -> list[dict[str, Any]]:
         out = []
+        now = time.monotonic()
         for e in sorted(self.registry, key=lambda e: e.uid):
             pol = e.policy if e.state is State.ACTIVE else None
             out.append(
@@ -751,6 +943,8 @@ class ControlPlane:
                     "subject": e.subject,
                     "uid": e.uid,
                     "state": e.state.value,
+                    # The kernel refused a narrowing and egressd is retrying it (14.6).
+                    "revoking": e.uid in self._revoking,
                     "sourceIp": str(e.binding.ip) if e.binding else None,
                     "gateway": str(e.binding.gateway) if e.binding and e.binding.gateway else None,
                     "specGeneration": e.spec_generation,
@@ -760,7 +954,7 @@ class ControlPlane:
                     # Audit (shadow) mode of the ACTIVE policy only: deny-first never audits.
                     "auditMode": bool(pol is not None and pol.audit),
                     "vaultRevision": self.vaults[e.uid].revision if e.uid in self.vaults else None,
-                    "leases": len(self.leases.get(e.uid, {})),
+                    "leases": len(self.leases[e.uid].live(now)) if e.uid in self.leases else 0,
                 }
             )
         return out

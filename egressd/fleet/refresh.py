@@ -14,6 +14,7 @@ from pathlib import Path
 import structlog
 
 from egressd.fleetnft.conntrack import original_tuple
+from egressd.subject.leases import LeaseBook
 from egressd.subject.model import IPAddress
 
 log = structlog.get_logger("egressd.refresh")
@@ -66,7 +67,7 @@ class LeaseRefresher:
     def __init__(
         self,
         subjects_by_ip: Callable[[IPAddress], str | None],
-        leases: dict[str, dict[IPAddress, float]],
+        leases: dict[str, LeaseBook],
         renew: Callable[[str, list[IPAddress], int], Awaitable[None]],
         *,
         interval: float = INTERVAL_S,
@@ -96,12 +97,12 @@ class LeaseRefresher:
                 now_by_uid.setdefault(uid, set()).update(dsts)
         now = time.monotonic()
         for uid in list(self.leases):
-            mirror = self.leases.get(uid)
-            if mirror is None:
+            book = self.leases.get(uid)
+            if book is None:
                 continue
-            plan = plan_refresh(mirror, now_by_uid.get(uid, set()), self._last.get(uid, set()), now)
-            for ip in plan.forget:
-                mirror.pop(ip, None)
+            book.expire(now)  # per-lease bookkeeping ends with the lease (14.4)
+            plan = plan_refresh(book.live(now), now_by_uid.get(uid, set()), self._last.get(uid, set()), now)
+            # The renewal re-decides every address by the names that taught it (14.1).
             if plan.renew:
                 try:
                     await self.renew(uid, list(plan.renew), self.renew_s)

@@ -92,6 +92,11 @@ class FleetHTTP:
     def health_problem(self) -> str | None:
         if not self.control.enforcement_ready:
             return "enforcement not installed"
+        revoking = self.control.revoking()
+        if revoking:
+            # The kernel still holds more than these subjects may have (BEHAVIOUR 14.6).
+            names = ", ".join(sorted(f"s-{uid}" for uid in revoking))
+            return f"revocation pending: {names}"
         if self._extra_health is not None:
             return self._extra_health()
         return None

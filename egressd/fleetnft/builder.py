@@ -102,6 +102,8 @@ class TableConfig:
     mitm_port: int = 18081
     block_doh_443: bool = False
     doh_blocklist: tuple[IPNetwork, ...] = ()
+    # Size of each dyn set: the per-subject lease cap (BEHAVIOUR 14.4); 0 = unbounded.
+    max_leases: int = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,7 +403,9 @@ def subject_create(cfg: TableConfig, subj: SubjectNft) -> NetlinkBatch:
         raise ValueError("gateway and sandbox ip are of different address families")
     n = Names(subj.nft_id)
     ops: list[Op] = [AddSet(n.set(kind), kind[-2:], "interval") for kind in STATIC_SETS]
-    ops += [AddSet(n.set(f"dyn_{fam}"), fam, "timeout", DYN_TIMEOUT_S) for fam in ("v4", "v6")]
+    ops += [
+        AddSet(n.set(f"dyn_{fam}"), fam, "timeout", DYN_TIMEOUT_S, size=cfg.max_leases) for fam in ("v4", "v6")
+    ]
     ops += [AddChain(n.chain), AddChain(n.mark_chain)] + ([AddChain(n.in_chain)] if cfg.mitm else [])
     ops += [AddCounter(n.counter(kind)) for kind in AUDIT_COUNTERS]
     return NetlinkBatch(cfg.table, tuple(ops)) + subject_rules(cfg, subj.nft_id) + subject_keys(cfg, subj)
@@ -421,7 +425,14 @@ def subject_objects_script(cfg: TableConfig, subj: SubjectNft) -> str:
         s.obj("add", "set", _set_decl(n.set(kind), kind[-2:], "interval"))
     for fam in ("v4", "v6"):
         s.obj(
-            "add", "set", _set_decl(n.set(f"dyn_{fam}"), fam, "timeout", extra=f" timeout {DYN_TIMEOUT_S}s;")
+            "add",
+            "set",
+            _set_decl(
+                n.set(f"dyn_{fam}"),
+                fam,
+                "timeout",
+                extra=f" timeout {DYN_TIMEOUT_S}s;" + (f" size {cfg.max_leases};" if cfg.max_leases else ""),
+            ),
         )
     s.obj("add", "chain", n.chain)
     s.obj("add", "chain", n.mark_chain)
@@ -534,6 +545,16 @@ def removal_batch(
     ops += [DeleteSet(n.set(kind)) for kind in SETS]
     ops += [DeleteCounter(n.counter(kind)) for kind in AUDIT_COUNTERS]
     return NetlinkBatch(cfg.table, tuple(ops))
+
+
+def dyn_replace(table: str, nft_id: str, kept: Sequence[tuple[IPAddress, int]]) -> NetlinkBatch:
+    """A narrowing change's dyn-set part (BEHAVIOUR 14.1): both dyn sets emptied and refilled
+    with the leases that survive, in the caller's transaction. A flush, not per-element
+    deletes: an element the kernel already expired would make a delete fail (ENOENT) and
+    abort the whole swap."""
+    n = Names(nft_id)
+    flush = NetlinkBatch(table, tuple(FlushSet(n.set(f"dyn_{fam}")) for fam in ("v4", "v6")))
+    return flush + dyn_add(table, nft_id, kept)
 
 
 def dyn_add(table: str, nft_id: str, leases: Sequence[tuple[IPAddress, int]]) -> NetlinkBatch:

@@ -78,7 +78,8 @@ NFTA_LIST_ELEM = 1
 NFTA_CHAIN_TABLE, NFTA_CHAIN_NAME = 1, 3
 NFTA_RULE_TABLE, NFTA_RULE_CHAIN, NFTA_RULE_EXPRESSIONS = 1, 2, 4
 NFTA_SET_TABLE, NFTA_SET_NAME, NFTA_SET_FLAGS, NFTA_SET_KEY_TYPE, NFTA_SET_KEY_LEN = 1, 2, 3, 4, 5
-NFTA_SET_ID, NFTA_SET_TIMEOUT = 10, 11
+NFTA_SET_DESC, NFTA_SET_ID, NFTA_SET_TIMEOUT = 9, 10, 11
+NFTA_SET_DESC_SIZE = 1
 NFT_SET_INTERVAL, NFT_SET_TIMEOUT = 0x4, 0x10
 NFT_DATATYPE_IPADDR, NFT_DATATYPE_IP6ADDR = 7, 8  # nftables' datatype ids: ipv4_addr, ipv6_addr
 NFTA_SET_ELEM_DATA = 2
@@ -318,6 +319,8 @@ def encode_op(table: str, op: Op, set_id: int = 0) -> tuple[int, int, bytes]:
         )
         if op.kind == "timeout":
             body += _u64(NFTA_SET_TIMEOUT, op.timeout_s * 1000)
+        if op.size:
+            body += _nest(NFTA_SET_DESC, _u32(NFTA_SET_DESC_SIZE, op.size))
         return NFT_MSG_NEWSET, NLM_F_CREATE, body
     if isinstance(op, AddChain):
         return NFT_MSG_NEWCHAIN, NLM_F_CREATE, _str(NFTA_CHAIN_TABLE, table) + _str(NFTA_CHAIN_NAME, op.name)

@@ -91,6 +91,7 @@ class AddSet:
     fam: str
     kind: str
     timeout_s: int = 0
+    size: int = 0  # most elements the kernel accepts (0: no limit); DNS lease cap, 14.4
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +211,8 @@ class NetlinkBatch:
                     "interval": " flags interval;",
                     "timeout": f" flags timeout; timeout {op.timeout_s}s;",
                 }
-                out.append(f"add set {t} {op.name} {{ type {typ};{flags.get(op.kind, '')} }}")
+                size = f" size {op.size};" if op.size else ""
+                out.append(f"add set {t} {op.name} {{ type {typ};{flags.get(op.kind, '')}{size} }}")
             elif isinstance(op, AddChain):
                 out.append(f"add chain {t} {op.name}")
             elif isinstance(op, AddCounter):

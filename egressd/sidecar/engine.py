@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,12 +28,12 @@ from egressd.policy import (
     NetworkPolicy,
     Verdict,
     effective_policy,
-    evaluate_domain,
     ip_sets,
     normalise_name,
 )
 from egressd.sidecar.persist import serialise, write_atomic
 from egressd.sidecarnft.ruleset import SidecarTable, delete_table, dyn_add, ruleset
+from egressd.subject.leases import LeaseBook, Narrowed, covered_by, name_admitted, names_admitted
 from egressd.subject.model import Fence, IPAddress
 
 log = structlog.get_logger("egressd.sidecar")
@@ -77,11 +77,11 @@ class SidecarEngine:
         self._clock = clock
         # Serialises rebuilds, lease adds and the commits that go with them.
         self._kernel_lock = asyncio.Lock()
-        # DNS leases: ip -> (monotonic expiry, names whose answers carried it). A rebuild
-        # re-adds those a name of which the new policy still allows (remaining lifetime), so a
-        # policy change neither forgets what the app resolved a moment ago nor keeps open
-        # what it now denies.
-        self.leases: dict[IPAddress, tuple[float, frozenset[str]]] = {}
+        # DNS leases with the names whose answers carried them (subject/leases.py, shared with
+        # the fleet). A rebuild re-adds those a name of which the new policy still allows
+        # (remaining lifetime), so a policy change neither forgets what the app resolved a
+        # moment ago nor keeps open what it now denies.
+        self.leases = LeaseBook(table.max_leases)
         # Bumped on every policy change; carried in the DNS fence.
         self.generation = 0
         self.enforcement_ready = False
@@ -108,58 +108,51 @@ class SidecarEngine:
         """May the MITM send ``host``'s credentials to ``dst``? Only if the DNS proxy answered
         ``host`` with ``dst`` (lease running) or an explicit IP/CIDR allow rule covers it and no
         deny rule does (``defaultAction: allow`` does not count). Same rule as the fleet."""
-        name = normalise_name(host)
-        lease = self.leases.get(dst)
-        if lease is not None and lease[0] > self._clock() and name in lease[1]:
+        if self.leases.verified(dst, normalise_name(host), self._clock()):
             return True
         return self._sets.explicitly_allows(dst)
 
-    def _allowed(self, names: Iterable[str], policy: NetworkPolicy) -> bool:
-        return any(evaluate_domain(policy, n).verdict is Verdict.ALLOW for n in names)
-
     async def learn(
         self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
-    ) -> None:
-        # ``name``: the question the answer was for (None: a refresh of live addresses).
+    ) -> list[IPAddress]:
+        """``name``: the question the answer was for (None: a refresh of live addresses).
+        Returns the addresses the kernel holds (the reply carries only those)."""
         if self.table.mode == "dns":
-            return  # no filter chain: nothing consults the dyn sets
+            return [ip for ip, _ in leases]  # no filter chain: nothing consults the dyn sets
         async with self._kernel_lock:
             if not self.enforcement_ready:
-                return
+                return []
             now = self._clock()
-            keep: list[tuple[IPAddress, float, frozenset[str]]] = []
-            names = frozenset({normalise_name(name)}) if name else frozenset()
             # Decided again under the policy in force now: an answer that raced a change adds
             # nothing the change denies.
-            admitted = self._allowed(names, self.effective) if names else fence == self.fence
-            for ip, seconds in leases:
-                if admitted:
-                    # Never shorten a lease another answer granted: kernel and mirror agree.
-                    expiry = self.leases.get(ip, (0.0, frozenset()))[0]
-                    keep.append((ip, max(float(seconds), expiry - now), names))
-            if not keep:
-                return
-            await self.kernel.run_script(
-                dyn_add(self.table, [(ip, s) for ip, s, _ in keep]), op="dynamic_add"
-            )
-            for ip, granted, names in keep:
-                known = self.leases.get(ip, (0.0, frozenset()))[1]
-                self.leases[ip] = (now + granted, known | names)
+            if name is not None:
+                name = normalise_name(name)
+                if not name_admitted(self.effective, name):
+                    return []
+                candidates = leases
+            else:
+                renew = set(self.leases.renewable((ip for ip, _ in leases), names_admitted(self.effective), now))
+                candidates = [(ip, sec) for ip, sec in leases if ip in renew]
+            admitted = self.leases.admit(candidates, now)
+            if not admitted:
+                return []
+            await self.kernel.run_script(dyn_add(self.table, admitted), op="dynamic_add")
+            self.leases.record(admitted, name, now)
+            return [ip for ip, _ in admitted]
 
     # ---- kernel ------------------------------------------------------------------------------
 
-    def _leases_for(self, policy: NetworkPolicy) -> list[tuple[IPAddress, float]]:
-        """Unexpired leases with a name ``policy`` allows, as (ip, remaining seconds)."""
-        now = self._clock()
-        for ip in [ip for ip, (exp, _) in self.leases.items() if exp <= now]:
-            del self.leases[ip]
-        return [(ip, exp - now) for ip, (exp, names) in self.leases.items() if self._allowed(names, policy)]
+    def _narrowed(self, effective: NetworkPolicy) -> Narrowed:
+        """The leases that survive ``effective``: a name that taught them is still allowed
+        and no deny rule covers the address (BEHAVIOUR 14.1, same rule as the fleet)."""
+        sets = ip_sets(effective)
+        denied = covered_by(sets.deny_v4, sets.deny_v6)
+        return self.leases.narrowed(names_admitted(effective), denied, self._clock())
 
     def allows_ip(self, ip: IPAddress) -> bool:
         """Whether the installed ruleset accepts a new connection to ``ip`` (mode dns+nft)."""
         now = self._clock()
-        expiries = {a: exp for a, (exp, _) in self.leases.items()}
-        verdict, where, _ = ip_decision(self.effective, expiries, ip, now, self._sets)
+        verdict, where, _ = ip_decision(self.effective, self.leases.live(now), ip, now, self._sets)
         if verdict is Verdict.ALLOW:
             return True
         # Resolver addresses join the allow sets, but a deny rule still beats them.
@@ -216,9 +209,9 @@ class SidecarEngine:
                         error=f"persist: {exc.strerror or exc}",
                     )
                     return Outcome(500, f"cannot persist policy: {exc.strerror or type(exc).__name__}")
-            leases = self._leases_for(effective)
+            narrowed = self._narrowed(effective)
             try:
-                script = ruleset(self.table, effective, leases)
+                script = ruleset(self.table, effective, narrowed.kept)
                 await self.kernel.run_script(script, op="static_apply")
             except NftError as exc:
                 if persist:
@@ -237,9 +230,7 @@ class SidecarEngine:
             self._sets = ip_sets(effective)
             self.generation += 1
             self.rules_installed = _rule_count(script)
-            kept = {ip for ip, _ in leases}
-            for ip in [ip for ip in self.leases if ip not in kept]:
-                del self.leases[ip]
+            self.leases = narrowed.book
             if self._cut_flows is not None and self.table.mode == "dns+nft":
                 task = asyncio.get_running_loop().create_task(self._cut_flows(self.allows_ip))
                 self._background.add(task)

@@ -51,6 +51,7 @@ def table_for(cfg: Config, upstreams: tuple[Upstream, ...]) -> SidecarTable:
         block_doh_443=cfg.block_doh_443,
         doh_blocklist=cfg.doh_blocklist,
         resolvers=tuple(sorted({ipaddress.ip_address(u.host) for u in upstreams}, key=str)),
+        max_leases=cfg.max_leases,
     )
 
 

@@ -62,6 +62,8 @@ class SidecarTable:
     resolvers: tuple[IPAddress, ...] = ()
     #: Transparent MITM port (None = no interception of the namespace's own 80/443).
     mitm_port: int | None = None
+    #: Size of each dyn set: the lease cap (BEHAVIOUR 14.4); 0 = unbounded.
+    max_leases: int = 4096
 
 
 def _fam(net: IPNetwork | IPAddress) -> str:
@@ -93,10 +95,12 @@ def _interval_set(table: str, name: str, fam: str, elements: Sequence[str]) -> s
     return f"add set inet {table} {name} {{ {body} }}"
 
 
-def _timeout_set(table: str, name: str, fam: str, elements: Sequence[str]) -> str:
+def _timeout_set(table: str, name: str, fam: str, elements: Sequence[str], size: int) -> str:
     # Must stay byte-for-byte the declaration dyn_add re-uses: a re-declaration with other
     # properties is refused by the kernel.
     body = f"type {_addr_type(fam)}; flags timeout; timeout {DYN_TIMEOUT_S}s;"
+    if size:
+        body += f" size {size};"
     if elements:
         body += f" elements = {{ {', '.join(elements)} }}"
     return f"add set inet {table} {name} {{ {body} }}"
@@ -132,7 +136,7 @@ def ruleset(cfg: SidecarTable, policy: NetworkPolicy, leases: Sequence[tuple[IPA
     for fam in ("v4", "v6"):
         lines.append(_interval_set(t, f"allow_{fam}", fam, allow[fam]))
         lines.append(_interval_set(t, f"deny_{fam}", fam, deny[fam]))
-        lines.append(_timeout_set(t, dyn_set(fam), fam, dyn[fam]))
+        lines.append(_timeout_set(t, dyn_set(fam), fam, dyn[fam], cfg.max_leases))
     doh = _split(cfg.doh_blocklist)
     if cfg.block_doh_443 and cfg.doh_blocklist:
         for fam in ("v4", "v6"):
@@ -217,7 +221,9 @@ def dyn_add(cfg: SidecarTable, leases: Sequence[tuple[IPAddress, float]]) -> str
     by_fam: dict[str, list[str]] = {"v4": [], "v6": []}
     for ip, seconds in leases:
         by_fam[_fam(ip)].append(lease_element(ip, seconds))
-    lines = [_timeout_set(cfg.table, dyn_set(fam), fam, els) for fam, els in by_fam.items() if els]
+    lines = [
+        _timeout_set(cfg.table, dyn_set(fam), fam, els, cfg.max_leases) for fam, els in by_fam.items() if els
+    ]
     return "\n".join(lines) + "\n" if lines else ""
 
 

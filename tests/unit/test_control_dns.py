@@ -89,6 +89,12 @@ class FakeTx:
         self.batches.clear()
 
 
+def mirror(control: ControlPlane, uid: str = "u-1") -> dict[IPAddress, float]:
+    """The subject's live leases (ip -> monotonic expiry), {} when it has none."""
+    book = control.leases.get(uid)
+    return book.live(time.monotonic()) if book is not None else {}
+
+
 def touches(batch: NetlinkBatch, nid: str) -> bool:
     return any(getattr(o, "name", "").startswith(f"subj_{nid}_") for o in batch.ops)
 
@@ -231,6 +237,7 @@ async def test_failed_in_place_update_keeps_the_old_policy_for_dns(control: Cont
     tx.fail_ops.add("static_apply")
     result = await control.handle(set_binding(policy=ONLY_EXAMPLE, gen=2))
     assert result.status == 500
+    assert "u-1" in control.revoking()  # retried by egressd itself (BEHAVIOUR 14.6)
     asker = control.asker(ip("10.0.0.5"))
     assert asker is not None and asker.policy is not None
     assert evaluate_domain(asker.policy, "other.org").verdict is Verdict.ALLOW
@@ -267,7 +274,7 @@ async def test_learn_adds_timed_elements_for_an_active_subject(control: ControlP
     await activate(control)
     tx.clear()
     start = time.monotonic()
-    await control.learn("u-1", FENCE, LEASES)
+    await control.learn("u-1", FENCE, LEASES, "www.example.com")
     assert [op for op, _ in tx.batches] == ["dynamic_add"]
     (batch,) = tx.ops("dynamic_add")
     assert batch == dyn_add(TABLE, "s_u_1", LEASES)
@@ -276,19 +283,20 @@ async def test_learn_adds_timed_elements_for_an_active_subject(control: ControlP
         AddTimed("subj_s_u_1_dyn_v6", "v6", ((ip("2606:2800::1"), 60),)),
     }
     assert tx.scripts == []
-    mirror = control.leases["u-1"]
-    assert set(mirror) == {addr for addr, _ in LEASES}
+    live = mirror(control)
+    assert set(live) == {addr for addr, _ in LEASES}
     for addr, seconds in LEASES:
-        assert start + seconds <= mirror[addr] <= time.monotonic() + seconds
+        assert start + seconds <= live[addr] <= time.monotonic() + seconds
 
 
 async def test_learn_keeps_the_later_expiry_in_the_mirror(control: ControlPlane) -> None:
     await activate(control)
     addr = ip("93.184.216.34")
-    await control.learn("u-1", FENCE, [(addr, 360)])
-    long = control.leases["u-1"][addr]
-    await control.learn("u-1", FENCE, [(addr, 60)])
-    assert control.leases["u-1"][addr] == long
+    await control.learn("u-1", FENCE, [(addr, 360)], "www.example.com")
+    long = mirror(control)[addr]
+    await control.learn("u-1", FENCE, [(addr, 60)], "www.example.com")
+    # Never shortened; the kernel element gets the remaining lifetime rounded up to a second.
+    assert long <= mirror(control)[addr] <= long + 1
 
 
 @pytest.mark.parametrize(
@@ -301,7 +309,7 @@ async def test_learn_with_a_stale_fence_adds_nothing(control: ControlPlane, tx: 
     tx.clear()
     await control.learn("u-1", fence, LEASES)
     assert tx.batches == []
-    assert control.leases.get("u-1", {}) == {}
+    assert mirror(control) == {}
 
 
 async def test_learn_for_a_denying_subject_adds_nothing(control: ControlPlane, tx: FakeTx) -> None:
@@ -309,7 +317,7 @@ async def test_learn_for_a_denying_subject_adds_nothing(control: ControlPlane, t
     tx.clear()
     await control.learn("u-1", FENCE, LEASES)
     assert tx.batches == []
-    assert control.leases.get("u-1", {}) == {}
+    assert mirror(control) == {}
 
 
 async def test_learn_for_a_removed_or_unknown_subject_adds_nothing(control: ControlPlane, tx: FakeTx) -> None:
@@ -334,45 +342,45 @@ async def test_learn_failure_propagates_and_leaves_the_mirror(control: ControlPl
     await activate(control)
     tx.fail_ops.add("dynamic_add")
     with pytest.raises(NftError):
-        await control.learn("u-1", FENCE, LEASES)
-    assert control.leases.get("u-1", {}) == {}
+        await control.learn("u-1", FENCE, LEASES, "www.example.com")
+    assert mirror(control) == {}
 
 
 async def test_revert_clears_the_lease_mirror(control: ControlPlane) -> None:
     await activate(control)
-    await control.learn("u-1", FENCE, LEASES)
-    assert control.leases["u-1"]
+    await control.learn("u-1", FENCE, LEASES, "www.example.com")
+    assert mirror(control)
     ok(await control.handle(set_binding(policy=None)))
-    assert control.leases.get("u-1", {}) == {}
+    assert mirror(control) == {}
 
 
 async def test_rebind_clears_the_lease_mirror(control: ControlPlane) -> None:
     await activate(control)
-    await control.learn("u-1", FENCE, LEASES)
+    await control.learn("u-1", FENCE, LEASES, "www.example.com")
     ok(await control.handle(set_binding(rid="r2")))
-    assert control.leases.get("u-1", {}) == {}
+    assert mirror(control) == {}
 
 
 async def test_removal_clears_the_lease_mirror(control: ControlPlane) -> None:
     await activate(control)
-    await control.learn("u-1", FENCE, LEASES)
+    await control.learn("u-1", FENCE, LEASES, "www.example.com")
     ok(await control.handle(remove()))
     assert "u-1" not in control.leases
 
 
 async def test_in_place_update_keeps_the_lease_mirror(control: ControlPlane) -> None:
     await activate(control)
-    await control.learn("u-1", FENCE, LEASES)
-    before = dict(control.leases["u-1"])
+    await control.learn("u-1", FENCE, LEASES, "www.example.com")
+    before = mirror(control)
     ok(await control.handle(set_binding(policy=ONLY_EXAMPLE, gen=2)))
-    assert control.leases["u-1"] == before
+    assert mirror(control) == before  # www.example.com is still allowed
 
 
 async def test_learn_is_per_subject(control: ControlPlane, tx: FakeTx) -> None:
     await activate(control, "u-1", "10.0.0.5")
     await activate(control, "u-2", "10.0.0.6")
     tx.clear()
-    await control.learn("u-2", FENCE, LEASES[:1])
+    await control.learn("u-2", FENCE, LEASES[:1], "www.example.com")
     (batch,) = tx.ops("dynamic_add")
     assert touches(batch, "s_u_2") and not touches(batch, "s_u_1")
     assert "u-1" not in control.leases
@@ -383,12 +391,13 @@ async def test_learn_is_per_subject(control: ControlPlane, tx: FakeTx) -> None:
 
 async def test_renew_leases_re_adds_with_the_given_timeout(control: ControlPlane, tx: FakeTx) -> None:
     await activate(control)
-    tx.clear()
     addrs = [ip("93.184.216.34"), ip("2606:2800::1")]
-    await control.renew_leases("u-1", addrs, 360)
+    await control.learn("u-1", FENCE, [(a, 60) for a in addrs], "www.example.com")
+    tx.clear()
+    await control.renew_leases("u-1", [*addrs, ip("10.9.9.9")], 360)  # 10.9.9.9: never learned
     (batch,) = tx.ops("dynamic_add")
     assert batch == dyn_add(TABLE, "s_u_1", [(a, 360) for a in addrs])
-    assert set(control.leases["u-1"]) == set(addrs)
+    assert set(mirror(control)) == set(addrs)
 
 
 async def test_renew_leases_for_unknown_or_denying_subject_does_nothing(
@@ -531,15 +540,17 @@ async def test_destination_learned_names_expire_and_follow_the_lifecycle(control
     await activate(control, policy=STATIC)
     src, dst = ip("10.0.0.5"), ip("93.184.216.34")
     await control.learn("u-1", FENCE, [(dst, 60)], "api.example.com")
-    names = control.learned_names["u-1"][dst]
-    names["api.example.com"] = time.monotonic() - 1  # the lease ran out
+    lease = control.leases["u-1"]._leases[dst]
+    lease.names["api.example.com"] = time.monotonic() - 1  # the name's lease ran out
     assert not control.destination_verified(src, "api.example.com", dst)
+    lease.names["api.example.com"] = time.monotonic() + 5
     # Connection refresh (no name) extends the names an address was learned for.
     await control.renew_leases("u-1", [dst], 360)
+    assert lease.names["api.example.com"] > time.monotonic() + 300
     assert control.destination_verified(src, "api.example.com", dst)
-    # Revert to denying forgets them.
+    # A rebind forgets them.
     ok(await control.handle(set_binding("u-1", STATIC, rid="r2")))
-    assert "u-1" not in control.learned_names
+    assert "u-1" not in control.leases
     assert not control.destination_verified(src, "api.example.com", dst)
 
 

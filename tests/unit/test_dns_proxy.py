@@ -110,6 +110,7 @@ class FakePolicies:
         self.learn_error: Exception | None = None
         self.learn_gate: asyncio.Event | None = None
         self.learn_started = asyncio.Event()
+        self.refused: set[IPAddress] = set()  # addresses the "kernel" does not take (cap full)
 
     def asker(self, source_ip: IPAddress) -> Asker | None:
         self.lookups.append(source_ip)
@@ -117,7 +118,7 @@ class FakePolicies:
 
     async def learn(
         self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
-    ) -> None:
+    ) -> list[IPAddress]:
         self.events.append("learn:start")
         self.learn_started.set()
         if self.learn_gate is not None:
@@ -128,6 +129,7 @@ class FakePolicies:
             raise self.learn_error
         self.learned.append((uid, fence, list(leases)))
         self.events.append("learn:done")
+        return [addr for addr, _ in leases if addr not in self.refused]
 
 
 def active(policy: object = POLICY) -> dict[str, Asker]:
@@ -344,7 +346,8 @@ async def test_answer_waits_for_a_slow_learn() -> None:
     assert [str(rr.rdata) for rr in reply.rr] == ["93.184.216.34"]
 
 
-async def test_failing_learn_still_returns_the_reply() -> None:
+async def test_failing_learn_answers_servfail_without_the_addresses() -> None:
+    # BEHAVIOUR 14.4: the reply carries only addresses that are in the kernel set.
     policies = FakePolicies(active())
     policies.learn_error = NftError("nft refused")
     metrics = EgressMetrics()
@@ -352,19 +355,20 @@ async def test_failing_learn_still_returns_the_reply() -> None:
     reply = parse(await proxy.answer(wire(q(qid=55)), CLIENT, tcp=False))
     assert policies.events == ["learn:start", "learn:failed"]
     assert reply.header.id == 55
-    assert reply.header.rcode == RCODE.NOERROR
-    assert [str(rr.rdata) for rr in reply.rr] == ["93.184.216.34"]
+    assert reply.header.rcode == RCODE.SERVFAIL
+    assert reply.rr == []
+    assert metrics.dns_failed.value("not_learned") == 1
     # Counted once, by the kernel shell that failed (not by the proxy too).
     assert metrics.nft_failures.value("dynamic_add") == 0
 
 
-async def test_hanging_learn_is_bounded_and_the_reply_still_goes_out(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_hanging_learn_is_bounded_and_answered_servfail(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(server_mod, "_LEARN_TIMEOUT_S", 0.1)
     policies = FakePolicies(active())
     policies.learn_gate = asyncio.Event()  # never set
     proxy = DnsProxy(policies, FakeForwarder())  # type: ignore[arg-type]
     reply = parse(await asyncio.wait_for(proxy.answer(wire(q()), CLIENT, tcp=False), 2))
-    assert reply.header.rcode == RCODE.NOERROR
+    assert reply.header.rcode == RCODE.SERVFAIL
     assert policies.learned == []
 
 
@@ -853,3 +857,28 @@ async def test_default_mark_is_applied_to_udp_and_tcp_sockets(
     res = await fwd.forward(q(), tcp=True)
     assert addresses(res.reply) == ["1.2.3.4"]
     assert seen == [(socket.SOCK_STREAM, 0x1)]
+
+
+# --------------------------------------------------------------------------- 14.4 trimming
+
+
+async def test_reply_carries_only_the_addresses_the_kernel_took() -> None:
+    def two(query: DNSRecord) -> DNSRecord:
+        return a_reply(query, ("10.9.0.1", 30), ("10.9.0.2", 30))
+
+    policies = FakePolicies(active())
+    policies.refused = {ip("10.9.0.2")}
+    for tcp in (False, True):
+        proxy = DnsProxy(policies, FakeForwarder(two))  # type: ignore[arg-type]
+        reply = parse(await proxy.answer(wire(q(edns=1232)), CLIENT, tcp=tcp))
+        assert reply.header.rcode == RCODE.NOERROR
+        assert [str(rr.rdata) for rr in reply.rr if rr.rtype == QTYPE.A] == ["10.9.0.1"]
+
+
+async def test_no_address_fits_is_servfail() -> None:
+    policies = FakePolicies(active())
+    policies.refused = {ip("93.184.216.34")}
+    proxy = DnsProxy(policies, FakeForwarder())  # type: ignore[arg-type]
+    reply = parse(await proxy.answer(wire(q()), CLIENT, tcp=False))
+    assert reply.header.rcode == RCODE.SERVFAIL
+    assert reply.rr == []

@@ -370,8 +370,8 @@ def test_objects_script_declares_the_sets_chains_and_counters() -> None:
     for kind in ("allow", "deny", "wdeny", "audit"):
         assert f"add set inet {T} subj_s_u_1_{kind}_v4 {{ type ipv4_addr; flags interval; }}" in text
         assert f"add set inet {T} subj_s_u_1_{kind}_v6 {{ type ipv6_addr; flags interval; }}" in text
-    assert f"add set inet {T} subj_s_u_1_dyn_v4 {{ type ipv4_addr; flags timeout; timeout 360s; }}" in text
-    assert f"add set inet {T} subj_s_u_1_dyn_v6 {{ type ipv6_addr; flags timeout; timeout 360s; }}" in text
+    assert f"add set inet {T} subj_s_u_1_dyn_v4 {{ type ipv4_addr; flags timeout; timeout 360s; size 4096; }}" in text
+    assert f"add set inet {T} subj_s_u_1_dyn_v6 {{ type ipv6_addr; flags timeout; timeout 360s; size 4096; }}" in text
     assert f"add chain inet {T} subj_s_u_1" in text
     assert f"add chain inet {T} mark_s_u_1" in text
     assert f"add chain inet {T} subj_s_u_1_in" not in text

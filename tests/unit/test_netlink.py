@@ -282,8 +282,8 @@ def test_subject_create_is_one_batch_sets_chains_rules_keys() -> None:
             for kind in ("allow", "deny", "wdeny", "audit")
             for fam in ("v4", "v6")
         ),
-        f"add set inet {T} subj_s_u_1_dyn_v4 {{ type ipv4_addr; flags timeout; timeout 360s; }}",
-        f"add set inet {T} subj_s_u_1_dyn_v6 {{ type ipv6_addr; flags timeout; timeout 360s; }}",
+        f"add set inet {T} subj_s_u_1_dyn_v4 {{ type ipv4_addr; flags timeout; timeout 360s; size 4096; }}",
+        f"add set inet {T} subj_s_u_1_dyn_v6 {{ type ipv6_addr; flags timeout; timeout 360s; size 4096; }}",
     ]
     assert text[10:14] == [
         f"add chain inet {T} subj_s_u_1",

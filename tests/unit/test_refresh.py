@@ -16,6 +16,7 @@ from egressd.fleet.refresh import (
     parse_conntrack,
     plan_refresh,
 )
+from egressd.subject.leases import Lease, LeaseBook
 from egressd.subject.model import IPAddress
 
 
@@ -180,10 +181,21 @@ class Renewals:
 SUBJECTS = {ip("10.0.0.5"): "u-1", ip("10.0.0.6"): "u-2", ip("fd00::5"): "u-1"}
 
 
-def make(
-    path: Path, leases: dict[str, dict[IPAddress, float]], renew: Renewals, **kw: object
-) -> LeaseRefresher:
-    return LeaseRefresher(SUBJECTS.get, leases, renew, path=path, **kw)  # type: ignore[arg-type]
+def book(mirror: dict[IPAddress, float]) -> LeaseBook:
+    """A lease book holding ``mirror`` (ip -> expiry), each lease taught by one name."""
+    out = LeaseBook()
+    for addr, expiry in mirror.items():
+        out._leases[addr] = Lease(expiry, {"x.test": expiry})
+    return out
+
+
+def make(path: Path, leases: dict[str, dict[IPAddress, float]], renew: Renewals, **kw: object) -> LeaseRefresher:
+    books = {uid: book(m) for uid, m in leases.items()}
+    return make_books(path, books, renew, **kw)
+
+
+def make_books(path: Path, books: dict[str, LeaseBook], renew: Renewals, **kw: object) -> LeaseRefresher:
+    return LeaseRefresher(SUBJECTS.get, books, renew, path=path, **kw)  # type: ignore[arg-type]
 
 
 def later(seconds: float = 300.0) -> float:
@@ -236,11 +248,13 @@ async def test_tick_uses_the_configured_renewal(tmp_path: Path) -> None:
 async def test_tick_forgets_expired_inactive_leases(tmp_path: Path) -> None:
     path = tmp_path / "ct"
     path.write_text(tcp4("10.0.0.5", str(A_)) + "\n")
-    mirror = {A_: expired(), B_: expired(), C_: later()}
+    mirror = book({A_: expired(), B_: expired(), C_: later()})
     renew = Renewals()
-    await make(path, {"u-1": mirror}, renew).tick()
-    assert set(mirror) == {A_, C_}  # B forgotten; A active; C still live
-    assert renew.calls == [("u-1", [A_], 360)]
+    await make_books(path, {"u-1": mirror}, renew).tick()
+    # An ended lease is forgotten and never renewed, even with a flow still open: the kernel
+    # dropped it already, and renewing would reopen it (BEHAVIOUR 14.1, 14.4).
+    assert set(mirror) == {C_}
+    assert renew.calls == []
 
 
 async def test_flow_closed_between_ticks_is_renewed_exactly_once_more(tmp_path: Path) -> None:
@@ -259,9 +273,9 @@ async def test_flow_closed_between_ticks_is_renewed_exactly_once_more(tmp_path: 
 
 async def test_read_error_skips_and_clears_last_tick(tmp_path: Path) -> None:
     path = tmp_path / "ct"
-    mirror = {A_: later()}
+    mirror = book({A_: later()})
     renew = Renewals()
-    refresher = make(path, {"u-1": mirror}, renew)
+    refresher = make_books(path, {"u-1": mirror}, renew)
 
     path.write_text(tcp4("10.0.0.5", str(A_)) + "\n")
     await refresher.tick()
@@ -290,10 +304,10 @@ async def test_without_read_error_the_closed_flow_would_be_renewed(tmp_path: Pat
 
 
 async def test_read_error_does_not_forget_expired_leases(tmp_path: Path) -> None:
-    mirror = {A_: expired()}
+    mirror = book({A_: expired()})
     renew = Renewals()
-    await make(tmp_path / "missing", {"u-1": mirror}, renew).tick()
-    assert mirror == {A_: mirror[A_]}
+    await make_books(tmp_path / "missing", {"u-1": mirror}, renew).tick()
+    assert set(mirror) == {A_}
     assert renew.calls == []
 
 
@@ -316,8 +330,8 @@ async def test_subject_without_mirror_is_skipped(tmp_path: Path) -> None:
 async def test_mirror_shared_with_the_owner_is_edited_in_place(tmp_path: Path) -> None:
     path = tmp_path / "ct"
     path.write_text("")
-    leases: dict[str, dict[IPAddress, float]] = {"u-1": {A_: expired()}}
+    leases = {"u-1": book({A_: expired()})}
     mirror = leases["u-1"]
-    await make(path, leases, Renewals()).tick()
+    await make_books(path, leases, Renewals()).tick()
     assert leases["u-1"] is mirror
-    assert mirror == {}
+    assert len(mirror) == 0

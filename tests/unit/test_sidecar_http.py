@@ -349,11 +349,13 @@ async def test_every_client_is_the_implicit_subject_and_learning_follows_the_pol
     before = len(env.kernel.scripts)
     await env.engine.learn(asker.uid, asker.fence, [(a_ip, 90)], "a.test")
     assert len(env.kernel.scripts) == before  # a.test is denied now: nothing added
-    # An address without a known name is only learned under the policy it was answered for.
+    # Without a name (a renewal) only an address a still-allowed name taught is re-added.
     await env.engine.learn(asker.uid, asker.fence, [(ip_address("10.9.9.9"), 90)])
     assert len(env.kernel.scripts) == before
     fresh = env.engine.asker(ip_address("10.0.0.99"))
     await env.engine.learn(fresh.uid, fresh.fence, [(ip_address("10.9.9.9"), 90)])
+    assert len(env.kernel.scripts) == before
+    await env.engine.learn(fresh.uid, fresh.fence, [(b_ip, 90)])
     assert len(env.kernel.scripts) == before + 1
 
 
@@ -372,7 +374,7 @@ async def test_leases_expire_out_of_rebuilds(aiohttp_client: Any, tmp_path: Path
     now[0] += 31
     await call(env, "PATCH", "/policy", [{"action": "allow", "target": "d.test"}])
     assert "10.204.0.2" not in env.kernel.scripts[-1][1]
-    assert env.engine.leases == {}
+    assert env.engine.leases.live(now[0]) == {}
 
 
 async def test_always_rules_merge_into_dns_and_nft(env: Env) -> None:
@@ -570,7 +572,7 @@ async def test_a_shorter_answer_never_shortens_a_lease(aiohttp_client: Any, tmp_
     now[0] += 100
     await env.engine.learn(asker.uid, asker.fence, [(ip, 60)])
     assert "10.204.0.2 timeout 200s expires 200s" in env.kernel.scripts[-1][1]
-    assert env.engine.leases[ip][0] == 800.0
+    assert env.engine.leases.live(now[0])[ip] == 800.0
 
 
 async def test_rules_count_follows_the_installed_ruleset(env: Env) -> None:

@@ -21,10 +21,10 @@ delete table inet T
 add table inet T
 add set inet T allow_v4 { type ipv4_addr; flags interval; }
 add set inet T deny_v4 { type ipv4_addr; flags interval; }
-add set inet T dyn_allow_v4 { type ipv4_addr; flags timeout; timeout 360s; }
+add set inet T dyn_allow_v4 { type ipv4_addr; flags timeout; timeout 360s; size 4096; }
 add set inet T allow_v6 { type ipv6_addr; flags interval; }
 add set inet T deny_v6 { type ipv6_addr; flags interval; }
-add set inet T dyn_allow_v6 { type ipv6_addr; flags timeout; timeout 360s; }
+add set inet T dyn_allow_v6 { type ipv6_addr; flags timeout; timeout 360s; size 4096; }
 add chain inet T dns_redirect { type nat hook output priority -100; policy accept; }
 add rule inet T dns_redirect meta mark 0x1 return
 add rule inet T dns_redirect udp dport 53 redirect to :15353
@@ -180,7 +180,7 @@ def test_rebuild_keeps_leases_with_remaining_lifetime() -> None:
     leases = [(ip_address("10.204.0.2"), 89.2), (ip_address("fd00::2"), 10.0), (ip_address("10.9.9.9"), 0.0)]
     script = ruleset(SidecarTable(table="T"), DENY_ALL, leases)
     assert (
-        "add set inet T dyn_allow_v4 { type ipv4_addr; flags timeout; timeout 360s; "
+        "add set inet T dyn_allow_v4 { type ipv4_addr; flags timeout; timeout 360s; size 4096; "
         "elements = { 10.204.0.2 timeout 90s expires 90s } }"
     ) in script
     assert "elements = { fd00::2 timeout 10s expires 10s }" in script
@@ -190,7 +190,7 @@ def test_rebuild_keeps_leases_with_remaining_lifetime() -> None:
 def test_dyn_add_redeclares_only_the_needed_families() -> None:
     cfg = SidecarTable(table="T")
     assert dyn_add(cfg, [(ip_address("93.184.216.34"), 90)]) == (
-        "add set inet T dyn_allow_v4 { type ipv4_addr; flags timeout; timeout 360s; "
+        "add set inet T dyn_allow_v4 { type ipv4_addr; flags timeout; timeout 360s; size 4096; "
         "elements = { 93.184.216.34 timeout 90s expires 90s } }\n"
     )
     both = dyn_add(cfg, [(ip_address("1.2.3.4"), 60), (ip_address("2001:db8::1"), 61)])

@@ -1,0 +1,205 @@
+"""The lease book: one subject's DNS-learned addresses, who taught them, and until when.
+
+Pure bookkeeping (no I/O, time passed in). Both profiles use it for the same four questions:
+which addresses of an answer may enter the kernel's dyn sets (the per-subject cap,
+BEHAVIOUR 14.4), which leases survive a narrowing policy change (14.1), which live
+addresses the connection refresh may renew (§9, 14.1), and whether the MITM may send a
+host's credential to an address (§10: only to an address the DNS proxy answered for that
+host).
+
+A lease lives as long as the longest answer that carried it; the kernel element gets that
+same lifetime (callers send :meth:`LeaseBook.admit`'s seconds), so the book never believes
+an address is closed while the kernel still has it, nor the other way round for longer than
+the clock difference covered by ``COUNT_GRACE_S``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ipaddress
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from egressd.policy import NetworkPolicy, Verdict, judge_domain
+from egressd.subject.model import IPAddress
+
+DEFAULT_MAX_LEASES = 4096
+# One address answered for many names (a CDN, or a sandbox cycling names on purpose) keeps
+# only its most recently renewed names: forgetting one can only refuse an injection or revoke
+# a lease early, both closed.
+MAX_NAMES_PER_LEASE = 16
+# An expired entry still counts against the cap this long, so the book never admits an
+# address the kernel's set (created with the same size) would refuse with ENFILE.
+COUNT_GRACE_S = 2.0
+
+
+@dataclass(slots=True)
+class Lease:
+    expiry: float  # monotonic seconds
+    names: dict[str, float] = field(default_factory=dict)  # name -> expiry (<= lease expiry)
+
+
+@dataclass(frozen=True, slots=True)
+class Narrowed:
+    """The outcome of a policy change for the dyn sets: what stays (with its remaining
+    lifetime, for re-adding after a flush) and what leaves."""
+
+    book: LeaseBook
+    kept: tuple[tuple[IPAddress, int], ...]
+    revoked: tuple[IPAddress, ...]
+
+
+class LeaseBook:
+    def __init__(self, cap: int = DEFAULT_MAX_LEASES) -> None:
+        self.cap = cap
+        self._leases: dict[IPAddress, Lease] = {}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __iter__(self) -> Iterator[IPAddress]:
+        return iter(list(self._leases))
+
+    def expire(self, now: float) -> None:
+        """Drop what ended (names first); an entry counts against the cap a little longer."""
+        for ip in [ip for ip, lease in self._leases.items() if lease.expiry + COUNT_GRACE_S <= now]:
+            del self._leases[ip]
+        for lease in self._leases.values():
+            for name in [n for n, exp in lease.names.items() if exp <= now]:
+                del lease.names[name]
+
+    def live(self, now: float) -> dict[IPAddress, float]:
+        """Unexpired addresses -> expiry (explain, the refresh mirror, flow cuts)."""
+        return {ip: lease.expiry for ip, lease in self._leases.items() if lease.expiry > now}
+
+    def names_of(self, ip: IPAddress, now: float) -> frozenset[str]:
+        lease = self._leases.get(ip)
+        if lease is None or lease.expiry <= now:
+            return frozenset()
+        return frozenset(n for n, exp in lease.names.items() if exp > now)
+
+    def verified(self, ip: IPAddress, name: str, now: float) -> bool:
+        """Did the DNS proxy answer ``name`` with ``ip``, and does that lease still run?"""
+        lease = self._leases.get(ip)
+        if lease is None or lease.expiry <= now:
+            return False
+        expiry = lease.names.get(name)
+        return expiry is not None and expiry > now
+
+    def admit(self, leases: Iterable[tuple[IPAddress, int]], now: float) -> list[tuple[IPAddress, int]]:
+        """The addresses of an answer that fit, with the seconds the kernel element must get.
+
+        Known addresses are renewals and always fit; new ones only while the subject holds
+        fewer than ``cap`` leases. A renewal never shortens a lease another answer granted.
+        Nothing is recorded: call :meth:`record` once the kernel took them.
+        """
+        self.expire(now)
+        room = self.cap - len(self._leases) if self.cap > 0 else math.inf
+        out: list[tuple[IPAddress, int]] = []
+        seen: set[IPAddress] = set()
+        for ip, seconds in leases:
+            if ip in seen:
+                continue
+            seen.add(ip)
+            lease = self._leases.get(ip)
+            if lease is None:
+                if room <= 0:
+                    continue
+                room -= 1
+                out.append((ip, max(1, seconds)))
+            else:
+                out.append((ip, max(1, seconds, math.ceil(lease.expiry - now))))
+        return out
+
+    def record(self, admitted: Iterable[tuple[IPAddress, int]], name: str | None, now: float) -> None:
+        """The kernel holds ``admitted``: remember them, taught by ``name`` (None: a refresh,
+        which keeps the names a lease already has for as long as the lease)."""
+        for ip, seconds in admitted:
+            expiry = now + seconds
+            lease = self._leases.get(ip)
+            if lease is None:
+                lease = self._leases[ip] = Lease(expiry)
+            lease.expiry = max(lease.expiry, expiry)
+            if name is None:
+                for known in lease.names:
+                    lease.names[known] = lease.expiry
+                continue
+            lease.names[name] = max(lease.names.get(name, 0.0), expiry)
+            if len(lease.names) > MAX_NAMES_PER_LEASE:
+                oldest = min(lease.names, key=lambda n: lease.names[n])
+                del lease.names[oldest]
+
+    def renewable(
+        self, ips: Iterable[IPAddress], allowed: Callable[[str], bool], now: float
+    ) -> list[IPAddress]:
+        """Live addresses among ``ips`` that some still-allowed name taught (the refresh)."""
+        return [ip for ip in ips if any(allowed(n) for n in self.names_of(ip, now))]
+
+    def narrowed(
+        self, allowed: Callable[[str], bool], denied: Callable[[IPAddress], bool], now: float
+    ) -> Narrowed:
+        """The book after a policy change: a lease stays only if a name that taught it is
+        still allowed and its address is not denied; names no longer allowed are forgotten
+        (the MITM must not verify them). ``self`` is left as it was (kernel first)."""
+        book = LeaseBook(self.cap)
+        kept: list[tuple[IPAddress, int]] = []
+        revoked: list[IPAddress] = []
+        for ip, lease in self._leases.items():
+            if lease.expiry <= now:
+                continue  # ended: the flush removes any kernel leftover, the book forgets it
+            names = {n: exp for n, exp in lease.names.items() if exp > now and allowed(n)}
+            if not names or denied(ip):
+                revoked.append(ip)
+                continue
+            book._leases[ip] = Lease(lease.expiry, names)
+            kept.append((ip, max(1, math.ceil(lease.expiry - now))))
+        return Narrowed(book, tuple(kept), tuple(revoked))
+
+
+def name_admitted(effective: NetworkPolicy, name: str) -> bool:
+    """May an answer for ``name`` (normalised) be learned? Allowed and not merely audited: an
+    audit would-deny is answered but never learned."""
+    judged = judge_domain(effective, name)
+    return judged.verdict is Verdict.ALLOW and not judged.would_deny
+
+
+def names_admitted(effective: NetworkPolicy) -> Callable[[str], bool]:
+    """:func:`name_admitted` for many leases at once: each distinct name judged once."""
+    memo: dict[str, bool] = {}
+
+    def admitted(name: str) -> bool:
+        hit = memo.get(name)
+        if hit is None:
+            hit = memo[name] = name_admitted(effective, name)
+        return hit
+
+    return admitted
+
+
+Prefix = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def covered_by(v4: Sequence[Prefix], v6: Sequence[Prefix]) -> Callable[[IPAddress], bool]:
+    """Membership in a set of prefixes by binary search (a narrowing of 4096 leases against
+    4096 deny rules stays linear-logarithmic). Overlapping prefixes are fine: the widest
+    one wins, and callers pass normalised sets anyway."""
+    table: dict[int, tuple[list[int], list[int]]] = {}
+    for version, nets in ((4, v4), (6, v6)):
+        starts: list[int] = []
+        ends: list[int] = []
+        for net in sorted(nets, key=lambda n: (int(n.network_address), -n.num_addresses)):
+            first, last = int(net.network_address), int(net.broadcast_address)
+            if ends and first <= ends[-1]:
+                ends[-1] = max(ends[-1], last)  # inside (or touching) the previous range
+                continue
+            starts.append(first)
+            ends.append(last)
+        table[version] = (starts, ends)
+
+    def covered(ip: IPAddress) -> bool:
+        starts, ends = table[ip.version]
+        i = bisect.bisect_right(starts, int(ip)) - 1
+        return i >= 0 and int(ip) <= ends[i]
+
+    return covered
