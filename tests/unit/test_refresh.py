@@ -186,6 +186,7 @@ def book(mirror: dict[IPAddress, float]) -> LeaseBook:
     out = LeaseBook()
     for addr, expiry in mirror.items():
         out._leases[addr] = Lease(expiry, {"x.test": expiry})
+    out._next_end = 0.0  # filled behind the book's back: let the next expire() walk it
     return out
 
 
