@@ -99,6 +99,7 @@ def check_name(labels: tuple[bytes, ...], name: str) -> Decision | None:
     as ``x.allowed.com`` to the policy while the upstream resolves a name under ``com``: the
     policy must see the name the DNS sees.
     """
+    name = name[: MAX_NAME_OCTETS + 2]  # a refused name goes into a log line: keep it bounded
     if any(len(label) > MAX_LABEL_OCTETS for label in labels):
         return Decision(Action.FORMERR, "label_too_long", name, rule="label_too_long")
     if sum(len(label) for label in labels) + max(0, len(labels) - 1) > MAX_NAME_OCTETS:
@@ -144,6 +145,10 @@ def refusal(query: DNSRecord, action: Action) -> DNSRecord:
     reply.rr = []
     reply.auth = []
     reply.ar = []
+    if query.questions and check_name(query.q.qname.label, "") is not None:
+        # A name over the RFC 1035 limits cannot be packed again (dnslib raises), and a
+        # FORMERR need not echo what it could not interpret: answer without a question.
+        reply.questions = []
     reply.header.rcode = _RCODES[action]
     return reply
 
