@@ -335,9 +335,15 @@ for label, data in MESSAGES.items():
             else:
                 s = socket.create_connection(gw, timeout=2)
                 s.sendall(struct.pack("!H", len(data)) + data)
-                n = struct.unpack("!H", s.recv(2))[0]; reply = b""
+                head = s.recv(2)
+                if len(head) < 2:
+                    raise ConnectionResetError("closed without a reply")
+                n = struct.unpack("!H", head)[0]; reply = b""
                 while len(reply) < n:
-                    reply += s.recv(n - len(reply))
+                    chunk = s.recv(n - len(reply))
+                    if not chunk:
+                        raise ConnectionResetError("short reply")
+                    reply += chunk
             s.close()
             r = DNSRecord.parse(reply)
             out[f"{label}/{proto}"] = [RCODE[r.header.rcode], [c for c, _ in read_ede(r)]]
