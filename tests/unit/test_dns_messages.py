@@ -225,11 +225,8 @@ async def test_over_budget_is_refused_with_ede_15_unforwarded_and_counted() -> N
 
 
 async def test_over_budget_without_edns_has_no_opt() -> None:
-    proxy = DnsProxy(
-        FakePolicies(active()),
-        FakeForwarder(),
-        budget=QueryBudget(1, burst=1, clock=Clock()),  # type: ignore[arg-type]
-    )
+    budget = QueryBudget(1, burst=1, clock=Clock())
+    proxy = DnsProxy(FakePolicies(active()), FakeForwarder(), budget=budget)  # type: ignore[arg-type]
     await proxy.answer(q(ALLOWED_ZONE).pack(), CLIENT, tcp=False)
     reply = parse(await proxy.answer(q(ALLOWED_ZONE).pack(), CLIENT, tcp=False))
     assert reply.header.rcode == RCODE.REFUSED and reply.ar == []
