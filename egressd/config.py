@@ -102,6 +102,13 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("EGRESSD_VAULT_KEYS_DIR", "--vault-keys-dir", "fleet: sealed-vault key directory"),
     Option("EGRESSD_LOG_FORMAT", "--log-format", "json or console", "json"),
+    Option(
+        "EGRESSD_DNS_QPS_PER_SUBJECT",
+        "--dns-qps-per-subject",
+        "DNS queries per second per subject (unknown sources: per address), burst twice that; "
+        "over it REFUSED; 0 = unlimited",
+        "200",
+    ),
     Option("EGRESSD_DNS_LEASE_MIN", "--dns-lease-min", "shortest DNS lease in seconds (tests)", "60"),
     Option("EGRESSD_DNS_LEASE_MAX", "--dns-lease-max", "longest DNS lease in seconds (tests)", "360"),
     Option("EGRESSD_REFRESH_INTERVAL", "--refresh-interval", "connection refresh period in seconds", "30"),
@@ -159,6 +166,7 @@ class Config:
     log_format: str
     allow_bridge_bypass: bool
     dns_upstreams: tuple[Upstream, ...] | None = None  # None: from /etc/resolv.conf at start-up
+    dns_qps_per_subject: int = 200  # BEHAVIOUR 14.3; 0 = no budget
     dns_lease_min: int = 60
     dns_lease_max: int = 360
     refresh_interval: float = 30.0
@@ -328,6 +336,11 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
     return Config(
         dns_upstreams=upstreams,
         dns_lease_min=lease_min,
+        # 0 switches the budget off (like OPENSANDBOX_EGRESS_MAX_RULES=0); a negative or
+        # non-integer value refuses to start rather than silently running unlimited.
+        dns_qps_per_subject=_int(
+            "EGRESSD_DNS_QPS_PER_SUBJECT", raw["EGRESSD_DNS_QPS_PER_SUBJECT"], 0, 1_000_000
+        ),
         dns_lease_max=lease_max,
         refresh_interval=float(_int("EGRESSD_REFRESH_INTERVAL", raw["EGRESSD_REFRESH_INTERVAL"], 1, 3600)),
         always_reload_interval=float(

@@ -13,6 +13,7 @@ import structlog
 from aiohttp import web
 
 from egressd.config import Config, ConfigError, parse_config
+from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import upstreams_or_system
@@ -111,7 +112,13 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
 
         upstreams = upstreams_or_system(cfg.dns_upstreams)
         forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
-        dns = DnsProxy(control, forwarder, metrics, lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max))
+        dns = DnsProxy(
+            control,
+            forwarder,
+            metrics,
+            lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max),
+            budget=query_budget(cfg.dns_qps_per_subject),
+        )
         try:
             await dns.start(cfg.dns_host, cfg.dns_port)
         except OSError as exc:

@@ -283,6 +283,16 @@ class EgressMetrics:
         self.dns_failed = r.register(
             Counter("egress_dns_query_failed_total", "DNS queries answered SERVFAIL, by reason.", ["reason"])
         )
+        # BEHAVIOUR 14.3: queries REFUSED because the asker was over EGRESSD_DNS_QPS_PER_SUBJECT.
+        # subject = s-<uid>, or "-" for every unknown source together (bounded cardinality).
+        # Exemplar: the last decision_id (the same as in the log line and the EDE text).
+        self.dns_rate_limited = r.register(
+            Counter(
+                "egressd_dns_rate_limited_total",
+                "DNS queries refused (not forwarded) over the per-subject query budget.",
+                ["subject"],
+            )
+        )
         # The transparent MITM child (BEHAVIOUR §10), counted from the addon's decision events.
         self.mitm_ready = r.register(Gauge("egressd_mitm_ready", "1 when the MITM child is listening."))
         self.mitm_starts = r.register(

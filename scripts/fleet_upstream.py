@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from aiohttp import web
-from dnslib import AAAA, CNAME, QTYPE, RCODE, RR, A, DNSRecord
+from dnslib import AAAA, CNAME, OPCODE, QTYPE, RCODE, RR, A, DNSRecord
 
 
 def _client_ip(request: web.Request) -> str:
@@ -211,6 +211,8 @@ def _dns_reply(zone: Zone, log_path: Path | None, data: bytes, client: str, prot
             "ts": time.time(),
             "dns": str(request.q.qname).lower().rstrip("."),
             "qtype": QTYPE[request.q.qtype],
+            # so tests can prove no UPDATE/NOTIFY (BEHAVIOUR 14.3) ever reached the upstream
+            "opcode": OPCODE.get(request.header.opcode, str(request.header.opcode)),
             "client": client.removeprefix("::ffff:"),
             "proto": proto,
         },

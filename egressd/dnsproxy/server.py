@@ -15,6 +15,7 @@ from typing import Protocol
 import structlog
 from dnslib import QTYPE, RCODE, DNSRecord
 
+from egressd.dnsproxy.budget import QueryBudget
 from egressd.dnsproxy.decide import (
     Action,
     Decision,
@@ -24,7 +25,7 @@ from egressd.dnsproxy.decide import (
     refusal,
     with_edns,
 )
-from egressd.dnsproxy.ede import INFO_BLOCKED, INFO_OTHER, attach_ede
+from egressd.dnsproxy.ede import INFO_BLOCKED, INFO_NOT_SUPPORTED, INFO_OTHER, attach_ede
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.metrics import EgressMetrics
 from egressd.policy import NetworkPolicy, evidence, new_decision_id
@@ -68,11 +69,13 @@ class DnsProxy:
         metrics: EgressMetrics | None = None,
         *,
         lease_bounds: tuple[int, int] = (60, 360),
+        budget: QueryBudget | None = None,
     ) -> None:
         self.policies = policies
         self.forwarder = forwarder
         self.metrics = metrics
         self.lease_bounds = lease_bounds
+        self.budget = budget  # None: no per-subject query budget (EGRESSD_DNS_QPS_PER_SUBJECT=0)
         self._transports: list[asyncio.DatagramTransport] = []
         self._servers: list[asyncio.Server] = []
         self._in_flight: dict[str, int] = {}
@@ -121,13 +124,19 @@ class DnsProxy:
         except ValueError:
             return None
         asker = self.policies.asker(ip)
-        decision = decide(query, asker.policy if asker else None, known_source=asker is not None)
         had_edns = any(rr.rtype == QTYPE.OPT for rr in query.ar)
+        # BEHAVIOUR 14.3: the budget is charged before anything else is looked at, so every
+        # parsed message costs a token, a refused or denied one too.
+        if self.budget is not None and not self.budget.admit(asker.uid if asker else None, ip):
+            return self._over_budget(query, ip, asker, had_edns, tcp, start)
+        decision = decide(query, asker.policy if asker else None, known_source=asker is not None)
         if decision.action is not Action.FORWARD:
             text = self._record(decision, ip, asker)
             reply = refusal(query, decision.action)
             if had_edns and decision.action is Action.NXDOMAIN:
                 attach_ede(reply, INFO_BLOCKED, text)
+            elif had_edns and decision.action is Action.REFUSED:
+                attach_ede(reply, INFO_NOT_SUPPORTED, text)
             return self._finish(reply, query, tcp, start)
         assert asker is not None
         # Audit: the name is answered, but NOT learned into the dyn sets. The audit rules of the
@@ -177,6 +186,34 @@ class DnsProxy:
         if not had_edns:
             reply.ar = [rr for rr in reply.ar if rr.rtype != QTYPE.OPT]
         return self._finish(reply, query, tcp, start, limit)
+
+    def _over_budget(
+        self, query: DNSRecord, ip: IPAddress, asker: Asker | None, had_edns: bool, tcp: bool, start: float
+    ) -> bytes:
+        """REFUSED (EDE 15 "Blocked" to EDNS clients), not forwarded, counted per subject.
+
+        Not counted as a policy denial: the name was never judged. Unknown sources share the
+        subject label ``-`` (their addresses would make the metric's cardinality theirs).
+        """
+        subject = safe_token(f"s-{asker.uid}") if asker else "-"
+        decision_id = new_decision_id()
+        text = evidence(decision_id, subject, "dns-budget")
+        if self.metrics:
+            self.metrics.dns_rate_limited.inc(subject, exemplar={"decision_id": decision_id})
+        if self._may_log(ip):
+            log.info(
+                f"[dns] rate-limited query (remote={ip} {text})",
+                remote=str(ip),
+                reason="rate_limited",
+                subject=subject if asker else None,
+                decision_id=decision_id,
+                rule="dns-budget",
+                layer="dns",
+            )
+        reply = refusal(query, Action.REFUSED)
+        if had_edns:
+            attach_ede(reply, INFO_BLOCKED, text)
+        return self._finish(reply, query, tcp, start)
 
     def _record(self, decision: Decision, ip: IPAddress, asker: Asker | None) -> str:
         """Count and (rate-limited) log a denial or an audit would-deny under a fresh decision id.

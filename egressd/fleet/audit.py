@@ -79,6 +79,7 @@ class AuditEvidence:
     def _forget(self, uid: str) -> None:
         subject = safe_token(f"s-{uid}")
         self.metrics.would_deny.forget(lambda labels: labels[0] != subject)
+        self.metrics.dns_rate_limited.forget(lambda labels: labels[0] != subject)
 
     async def registered(self, entry: Entry) -> None:
         return None

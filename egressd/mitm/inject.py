@@ -48,6 +48,7 @@ from typing import Final, Literal
 from urllib.parse import quote, quote_plus, unquote
 
 from egressd.policy.evaluate import domain_matches
+from egressd.policy.idn import IdnaError, to_alabels
 from egressd.vault.model import RESERVED_HEADERS, SCHEME_PORTS
 from egressd.vault.store import ActiveBinding, ActiveSubstitution, VaultSnapshot
 
@@ -197,8 +198,15 @@ _PORT_RE: Final = re.compile(r"[0-9]{1,5}")
 
 
 def _dns_name(text: str) -> str | None:
-    """Lower-cased, one trailing dot dropped; None unless it looks like a DNS name."""
-    name = text.strip().lower()
+    """A-labels, lower-cased, one trailing dot dropped; None unless it looks like a DNS name.
+
+    A Unicode Host (or SNI) is compared as its A-labels, like the binding hosts and the names
+    the DNS proxy learned (BEHAVIOUR 14.3); one that is not a valid IDN matches nothing.
+    """
+    try:
+        name = to_alabels(text.strip()).lower()
+    except IdnaError:
+        return None
     if name.endswith("."):
         name = name[:-1]
     return name if _NAME_RE.fullmatch(name) else None

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
+from egressd.policy.idn import IdnaError, to_alabels
 from egressd.policy.model import NetworkPolicy, PolicyError, Rule, json_type, parse_rule
 
 
@@ -42,7 +44,12 @@ def delete_targets(policy: NetworkPolicy, body: object) -> tuple[NetworkPolicy, 
     for i, entry in enumerate(body):
         if not isinstance(entry, str):
             raise PolicyError(f"must be a string, got {json_type(entry)}", f"[{i}]")
-        key = entry.strip().lower()
+        key = entry.strip()
+        # Stored domain targets are A-labels: DELETE ["évil.com"] removes what
+        # {"target": "évil.com"} added. An entry that is no valid name matches nothing.
+        with contextlib.suppress(IdnaError):
+            key = to_alabels(key)
+        key = key.lower()
         if key:
             keys.add(key)
     kept = tuple(r for r in policy.egress if r.target.lower() not in keys)

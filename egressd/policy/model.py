@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import Any, Final, Literal
 
+from egressd.policy.idn import IdnaError, to_alabels
+
 IPNetwork = IPv4Network | IPv6Network
 PolicyMode = Literal["deny_all", "allow_all", "enforcing"]
 
@@ -60,7 +62,8 @@ class TargetKind(enum.StrEnum):
 class Rule:
     """One egress rule.
 
-    ``target`` is the normalised text: domains are lower-cased with one trailing dot removed;
+    ``target`` is the normalised text: domains are A-labels (Unicode converted, BEHAVIOUR
+    14.3), lower-cased with one trailing dot removed; this is also what GET /policy returns;
     IP and CIDR targets keep the user's trimmed text (so PATCH/DELETE by target still match).
     ``network`` is the /32 or /128 for an IP, the masked network for a CIDR, None for a domain.
     """
@@ -204,7 +207,9 @@ def parse_target(text: str, field: str = "target") -> tuple[str, TargetKind, IPN
     """Classify and normalise one rule target: ``(normalised text, kind, network)``.
 
     IP literal -> IP (a /32 or /128); ``addr/len`` -> CIDR (host bits masked); otherwise a
-    domain, lower-cased with one trailing dot removed. Raises PolicyError naming ``field``.
+    domain: Unicode labels become A-labels (IDNA 2008 / UTS-46, so ``évil.com`` matches the
+    ``xn--vil-9la.com`` queries carry; invalid -> 400), then lower-cased with one trailing dot
+    removed. Raises PolicyError naming ``field``.
     """
     trimmed = text.strip()
     if not trimmed:
@@ -218,7 +223,10 @@ def parse_target(text: str, field: str = "target") -> tuple[str, TargetKind, IPN
         return trimmed, TargetKind.IP, ipaddress.ip_network(address)
     if "/" in trimmed:
         return trimmed, TargetKind.CIDR, _parse_cidr(trimmed, field)
-    name = trimmed.lower()
+    try:
+        name = to_alabels(trimmed).lower()
+    except IdnaError as exc:
+        raise PolicyError(f"{exc} (got {echo(trimmed)})", field) from None
     if name.endswith("."):
         name = name[:-1]
     _validate_domain(name, trimmed, field)

@@ -16,6 +16,7 @@ import structlog
 from aiohttp import web
 
 from egressd.config import Config
+from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import Upstream, upstreams_or_system
@@ -104,7 +105,13 @@ async def run_sidecar(
         log.info("policy.initial", source=initial.source, mode=cfg.mode)
 
         forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
-        dns = DnsProxy(engine, forwarder, metrics, lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max))
+        dns = DnsProxy(
+            engine,
+            forwarder,
+            metrics,
+            lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max),
+            budget=query_budget(cfg.dns_qps_per_subject),
+        )
         # The output-hook redirect always lands on loopback, and a UDP socket bound to the
         # wildcard would answer from the app's own address instead of 127.0.0.1, which the
         # redirect's conntrack entry does not recognise (the app drops the answer). So the

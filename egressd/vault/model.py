@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from egressd.policy.evaluate import domain_matches, evaluate_domain
+from egressd.policy.idn import IdnaError, to_alabels
 from egressd.policy.model import NetworkPolicy, TargetKind, Verdict, json_type
 
 __all__ = [
@@ -416,13 +417,20 @@ _MATCH_KEYS: Final = frozenset({"hosts", "schemes", "methods", "paths", "ports"}
 
 
 def parse_host(text: str, where: str) -> str:
-    """A binding host: lower-cased, one trailing dot dropped; an FQDN or ``*.`` + FQDN."""
+    """A binding host: A-labels, lower-cased, one trailing dot dropped; an FQDN or ``*.`` + FQDN.
+
+    A Unicode host becomes its A-labels (IDNA 2008 / UTS-46, BEHAVIOUR 14.3), the form the
+    policy's domain targets, DNS queries and TLS SNI all use, so coverage, ambiguity and the
+    MITM's match compare like with like; an invalid one is a 400.
+    """
     raw = text
     host = text.strip()
     if not host:
         raise VaultError("must not be empty", where)
-    if not host.isascii():
-        raise VaultError(f"must be ASCII (use the IDNA/punycode form), got {echo(raw)}", where)
+    try:
+        host = to_alabels(host)
+    except IdnaError as exc:
+        raise VaultError(f"{exc} (got {echo(raw)})", where) from None
     host = host.lower()
     if host.endswith("."):
         host = host[:-1]

@@ -290,3 +290,176 @@ def test_doh_blocklist_drops_443_to_listed_addresses_only(topo: Topology) -> Non
     finally:
         d.kill(15)
         topo.ns(topo.pod, "nft", "delete", "table", "inet", d.table, check=False)
+
+
+# ---- BEHAVIOUR 14.3: DNS messages, the per-subject budget, IDNA ------------------------------
+
+# Run inside a sandbox: every message of MESSAGES (dnslib-built) to the gateway over UDP and
+# TCP, printing one JSON object {label: [rcode, [EDE info-codes]]}. Bounded: one reply or a
+# 2 s timeout per message.
+_SEND = r"""
+import json, socket, struct, sys
+from dnslib import EDNS0, OPCODE, QTYPE, RCODE, RD, RR, A, DNSHeader, DNSQuestion, DNSRecord
+from egressd.dnsproxy.ede import read_ede
+gw = (sys.argv[1], 53)
+zone = sys.argv[2]
+def update(tsig=False):
+    m = DNSRecord(DNSHeader(id=7, opcode=OPCODE.UPDATE), q=DNSQuestion(zone, QTYPE.SOA))
+    m.add_auth(RR("exfil." + zone, QTYPE.A, rdata=A("192.0.2.1"), ttl=60))
+    if tsig:
+        m.add_ar(RR("key.", QTYPE.TSIG, rdata=RD(b"\x0bhmac-sha256\x00" + b"\x00" * 16)))
+    return m
+def notify():
+    m = DNSRecord.question(zone, "SOA"); m.header.opcode = OPCODE.NOTIFY; return m
+def with_answer():
+    m = DNSRecord.question(zone); m.add_answer(RR(zone, QTYPE.A, rdata=A("192.0.2.2"))); return m
+def two_opts():
+    m = DNSRecord.question(zone); m.add_ar(EDNS0(udp_len=1232)); m.add_ar(EDNS0(udp_len=4096)); return m
+def update_edns():
+    m = update(); m.add_ar(EDNS0(udp_len=1232)); return m
+def long_label():
+    head = struct.pack("!HHHHHH", 9, 0x0100, 1, 0, 0, 0)
+    return head + bytes([64]) + b"a" * 64 + b"".join(bytes([len(x)]) + x for x in zone.encode().split(b".")) + b"\0" + struct.pack("!HH", 1, 1)
+MESSAGES = {
+    "update": update().pack(), "update_tsig": update(True).pack(), "update_edns": update_edns().pack(),
+    "notify": notify().pack(), "answer": with_answer().pack(), "two_opts": two_opts().pack(),
+    "long_label": long_label(),
+}
+out = {}
+for label, data in MESSAGES.items():
+    for proto in ("udp", "tcp"):
+        try:
+            if proto == "udp":
+                s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(2)
+                s.sendto(data, gw); reply = s.recv(65535)
+            else:
+                s = socket.create_connection(gw, timeout=2)
+                s.sendall(struct.pack("!H", len(data)) + data)
+                head = s.recv(2)
+                if len(head) < 2:
+                    raise ConnectionResetError("closed without a reply")
+                n = struct.unpack("!H", head)[0]; reply = b""
+                while len(reply) < n:
+                    chunk = s.recv(n - len(reply))
+                    if not chunk:
+                        raise ConnectionResetError("short reply")
+                    reply += chunk
+            s.close()
+            r = DNSRecord.parse(reply)
+            out[f"{label}/{proto}"] = [RCODE[r.header.rcode], [c for c, _ in read_ede(r)]]
+        except OSError as exc:
+            out[f"{label}/{proto}"] = ["ERROR " + type(exc).__name__, []]
+print(json.dumps(out), flush=True)
+"""
+
+
+def _run_in_sandbox(topo: Topology, sb: int, script: str, *args: str) -> dict[str, object]:
+    """Run a venv Python script in sandbox ``sb``; its last stdout line is a JSON object."""
+    r = topo.ns(topo.sb(sb), topo_python(), "-c", script, *args, check=False, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr[-2000:]
+    return dict(json.loads(r.stdout.strip().splitlines()[-1]))
+
+
+def test_update_notify_and_malformed_messages_for_an_allowed_zone_never_reach_upstream(
+    topo: Topology, daemon: Daemon
+) -> None:
+    zone = "upd-zone.test"
+    activate(daemon, 1, rules(zone, f"*.{zone}"))
+    before = len(topo.upstream_requests())
+    got = _run_in_sandbox(topo, 1, _SEND, "10.203.0.1", zone)
+    expected = {
+        "update": "REFUSED",
+        "update_tsig": "REFUSED",
+        "update_edns": "REFUSED",
+        "notify": "REFUSED",
+        "answer": "FORMERR",
+        "two_opts": "FORMERR",
+        "long_label": "FORMERR",
+    }
+    for label, rcode in expected.items():
+        for proto in ("udp", "tcp"):
+            assert got[f"{label}/{proto}"][0] == rcode, (label, proto, got)  # type: ignore[index]
+    assert got["update_edns/udp"] == ["REFUSED", [21]]  # EDE "Not Supported" to an EDNS client
+    # dig's own UPDATE (opcode 5) too.
+    out = topo.ns(
+        topo.sb(1), "dig", "@10.203.0.1", "+opcode=update", zone, "SOA", "+time=2", "+tries=1", check=False
+    ).stdout
+    assert "status: REFUSED" in out, out
+    seen = topo.upstream_requests()[before:]
+    assert not [r for r in seen if "dns" in r and (r.get("opcode") != "QUERY" or zone in str(r["dns"]))], seen
+    # Control: the same zone's plain query is forwarded, so the log would have shown the others.
+    assert topo.dig(1, zone, "SOA")[0] == "NXDOMAIN"
+    assert zone in topo.upstream_queries()
+
+
+# Run inside a sandbox: N sequential EDNS queries for distinct allowed names, printing
+# {"rcodes": [...], "ede": [[codes] per reply], "names": [...], "elapsed": s}.
+_BURST = r"""
+import json, socket, sys, time
+from dnslib import EDNS0, RCODE, DNSRecord
+from egressd.dnsproxy.ede import read_ede
+gw, n, suffix = (sys.argv[1], 53), int(sys.argv[2]), sys.argv[3]
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(2)
+rcodes, ede, names = [], [], []
+start = time.monotonic()
+for i in range(n):
+    name = f"n{i}.{suffix}"
+    q = DNSRecord.question(name); q.header.id = i; q.add_ar(EDNS0(udp_len=1232))
+    s.sendto(q.pack(), gw)
+    try:
+        r = DNSRecord.parse(s.recv(65535))
+    except OSError:
+        rcodes.append("TIMEOUT"); ede.append([]); names.append(name); continue
+    rcodes.append(RCODE[r.header.rcode]); ede.append([c for c, _ in read_ede(r)]); names.append(name)
+print(json.dumps({"rcodes": rcodes, "ede": ede, "names": names, "elapsed": time.monotonic() - start}), flush=True)
+"""
+
+
+def test_query_budget_refuses_a_burst_while_another_subject_is_answered(topo: Topology) -> None:
+    qps = 5  # burst 10
+    d = Daemon(topo, table="egt-qps", port=18196, env={"EGRESSD_DNS_QPS_PER_SUBJECT": str(qps)}).start()
+    try:
+        activate(d, 1, rules("*.burst.test"))
+        activate(d, 2, rules("b.test"))
+        before = len(topo.upstream_requests())
+        got = _run_in_sandbox(topo, 1, _BURST, "10.203.0.1", "60", "burst.test")
+        # sb2 is answered right after sb1 drained its bucket: budgets are per subject.
+        assert topo.dig(2, "b.test") == ("NOERROR", [B_IP])
+        rcodes = list(got["rcodes"])  # type: ignore[call-overload]
+        ede = list(got["ede"])  # type: ignore[call-overload]
+        names = list(got["names"])  # type: ignore[call-overload]
+        elapsed = float(got["elapsed"])  # type: ignore[arg-type]
+        answered = [n for n, rc in zip(names, rcodes, strict=True) if rc != "REFUSED"]
+        refused = [n for n, rc in zip(names, rcodes, strict=True) if rc == "REFUSED"]
+        assert "TIMEOUT" not in rcodes, rcodes
+        assert rcodes[:10] == ["NXDOMAIN"] * 10, rcodes  # the burst is forwarded (upstream: no such name)
+        assert len(answered) <= 2 * qps + qps * elapsed + 1, (elapsed, rcodes)
+        assert len(refused) >= 60 - (2 * qps + qps * elapsed + 1)
+        assert all(e == [15] for e, rc in zip(ede, rcodes, strict=True) if rc == "REFUSED"), ede
+        upstream = {str(r["dns"]) for r in topo.upstream_requests()[before:] if "dns" in r}
+        assert not upstream & set(refused), "an over-budget query reached the upstream"
+        assert set(answered) <= upstream
+        code, metrics = d.get("/metrics")
+        assert code == 200
+        line = next(ln for ln in metrics.splitlines() if ln.startswith("egressd_dns_rate_limited_total"))
+        assert 's-sb1"' in line and float(line.split()[-1]) == len(refused), line
+        # The bucket refills: after a second sb1 is answered again.
+        time.sleep(1.0)
+        assert topo.dig(1, "again.burst.test")[0] == "NXDOMAIN"
+        assert "again.burst.test" in topo.upstream_queries()
+    finally:
+        d.kill(15)
+        topo.ns(topo.pod, "nft", "delete", "table", "inet", d.table, check=False)
+
+
+def test_unicode_deny_blocks_its_a_label_query(topo: Topology, daemon: Daemon) -> None:
+    a_label = "xn--vil-9la.test"
+    activate(daemon, 1, {"defaultAction": "allow", "egress": [{"action": "deny", "target": "Évil.test"}]})
+    activate(daemon, 2, {"defaultAction": "allow", "egress": [{"action": "deny", "target": "other.test"}]})
+    before = len(topo.upstream_queries())
+    assert topo.dig(1, a_label) == ("NXDOMAIN", [])
+    assert topo.dig(1, a_label.upper() + ".", tcp=True) == ("NXDOMAIN", [])
+    assert a_label not in topo.upstream_queries()[before:]
+    # Control: the name resolves for a subject that does not deny it, and sb1 resolves others.
+    assert topo.dig(2, a_label) == ("NOERROR", [B_IP])
+    assert topo.dig(1, "a.test") == ("NOERROR", [A_IP])

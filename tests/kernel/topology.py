@@ -51,6 +51,8 @@ ZONE: list[dict[str, object]] = [
     {"name": "short.test", "type": "A", "value": f"{UP_NET}.9", "ttl": 0},
     {"name": "v6.test", "type": "AAAA", "value": "fd00:204::2", "ttl": 30},
     {"name": "secret-exfil.test", "type": "A", "value": f"{UP_NET}.3", "ttl": 30},
+    # évil.test as its A-label (BEHAVIOUR 14.3): resolvable, so only a policy can block it.
+    {"name": "xn--vil-9la.test", "type": "A", "value": f"{UP_NET}.3", "ttl": 30},
 ]
 
 

@@ -441,3 +441,31 @@ async def test_subjects_view(env: Env) -> None:
     assert [s["uid"] for s in body["subjects"]] == ["u-1"]
     assert body["subjects"][0]["state"] == "denying"
     assert body["subjects"][0]["pending"] is True
+
+
+# --------------------------------------------------------------------------- BEHAVIOUR 14.3 IDNA
+
+
+@pytest.mark.parametrize("target", ["☃.example.com", "ab--é.com", "é" * 64 + ".com", "a\u200db.com"])
+async def test_invalid_unicode_domain_is_400_and_nothing_registered(env: Env, target: str) -> None:
+    policy = json.dumps({"egress": [{"action": "deny", "target": target}]}, ensure_ascii=False)
+    resp = await env.client.post(
+        ACTIONS_PATH, data=json.dumps(set_binding(policy=policy), ensure_ascii=False).encode()
+    )
+    text = await resp.text()
+    assert resp.status == 400, text
+    assert "egress[0].target" in text and "internationalised" in text and text.count("\n") <= 1
+    assert len(env.control.registry) == 0
+    assert env.tx.scripts == []
+
+
+async def test_unicode_domain_is_stored_and_judged_as_a_labels(env: Env) -> None:
+    policy = {"defaultAction": "allow", "egress": [{"action": "deny", "target": "Évil.com"}]}
+    for doc in (json.dumps(policy), json.dumps(policy, ensure_ascii=False)):  # escaped or raw UTF-8
+        resp = await env.client.post(
+            ACTIONS_PATH, data=json.dumps(set_binding(policy=doc), ensure_ascii=False).encode()
+        )
+        assert resp.status == 200, await resp.text()
+        entry = env.control.registry.get("u-1")
+        assert entry is not None and entry.pending is not None
+        assert [r.target for r in entry.pending.egress] == ["xn--vil-9la.com"]

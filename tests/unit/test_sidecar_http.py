@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 from egressd.actionhandler.envelope import MAX_BODY_BYTES
 from egressd.fleetnft.applier import NftError
 from egressd.metrics import EgressMetrics
-from egressd.policy import DENY_ALL, AlwaysRules, NetworkPolicy, parse_policy
+from egressd.policy import DENY_ALL, AlwaysRules, NetworkPolicy, Verdict, judge_domain, parse_policy
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.http import AUTH_HEADER, SidecarHTTP, VaultPrerequisites, token_matches
 from egressd.sidecarnft.ruleset import SidecarTable
@@ -597,3 +597,33 @@ def test_audit_initial_policy_is_refused() -> None:
         choose_initial(None, None, '{"defaultAction":"deny","mode":"audit"}')
     fallback = choose_initial('{"mode":"audit"}', None, None)
     assert fallback.source == "default" and fallback.warning and "sidecar" in fallback.warning
+
+
+# ---- BEHAVIOUR 14.3: Unicode targets are A-labels -------------------------------------------------
+
+
+async def test_unicode_targets_become_a_labels_and_invalid_ones_are_400(env: Env) -> None:
+    doc = {"defaultAction": "allow", "egress": [{"action": "deny", "target": "évil.com"}]}
+    status, body = await call(env, "POST", "/policy", raw=json.dumps(doc, ensure_ascii=False).encode())
+    assert status == 200, body
+    _, got = await call(env, "GET", "/policy")
+    assert rules(got["policy"]) == [("deny", "xn--vil-9la.com")]  # the normalised A-label form
+    asker = env.engine.asker(ip_address("127.0.0.1"))
+    assert asker.policy is not None
+    assert judge_domain(asker.policy, "xn--vil-9la.com.").verdict is Verdict.DENY
+    before = len(env.kernel.scripts)
+    for method, raw in (
+        ("POST", json.dumps({"egress": [{"action": "allow", "target": "☃.com"}]}, ensure_ascii=False)),
+        ("PUT", json.dumps({"egress": [{"action": "allow", "target": "ab--é.com"}]}, ensure_ascii=False)),
+        ("PATCH", json.dumps([{"action": "allow", "target": "é" * 64 + ".com"}], ensure_ascii=False)),
+    ):
+        status, body = await call(env, method, "/policy", raw=raw.encode())
+        assert status == 400 and "internationalised" in body and body.count("\n") == 1, (method, body)
+    assert len(env.kernel.scripts) == before
+    _, got = await call(env, "GET", "/policy")
+    assert rules(got["policy"]) == [("deny", "xn--vil-9la.com")]
+    # DELETE by the Unicode form removes the A-label rule.
+    status, body = await call(env, "DELETE", "/policy", ["ÉVIL.com"])
+    assert status == 200 and "reason" not in body
+    _, got = await call(env, "GET", "/policy")
+    assert got["policy"]["egress"] == []

@@ -182,7 +182,12 @@ def test_host_valid(raw: str, expected: str) -> None:
         "api.example.com..",
         "api.example.com:443",
         "exa mple.com",
-        "bücher.example.com",
+        # BEHAVIOUR 14.3: Unicode hosts are converted (see test_unicode_host_becomes_a_labels);
+        # only names that are not valid IDNA 2008 are refused.
+        "☃.example.com",
+        "a\u200db.example.com",
+        "ab--ü.example.com",
+        ("ü" * 64) + ".example.com",
         ("a" * 64) + ".example.com",
         ".".join(["a" * 63] * 4) + ".com",
     ],
@@ -192,6 +197,30 @@ def test_host_invalid(raw: str) -> None:
         body(bindings=[binding(), binding("c", hosts=["ok.example.com", raw])]), "bindings[1].match.hosts[1]"
     )
     assert len(str(err)) < 400
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("bücher.example.com", "xn--bcher-kva.example.com"),
+        ("BÜCHER.Example.com.", "xn--bcher-kva.example.com"),
+        ("*.évil.com", "*.xn--vil-9la.com"),
+        ("évil。com", "xn--vil-9la.com"),  # ideographic full stop is a label separator (UTS-46)
+        ("xn--vil-9la.com", "xn--vil-9la.com"),
+    ],
+)
+def test_unicode_host_becomes_a_labels(raw: str, expected: str) -> None:
+    assert parse_host(raw, "h") == expected
+
+
+def test_unicode_host_is_covered_by_the_same_policy_in_either_form() -> None:
+    """A vault host in Unicode is covered by the policy's A-label rule and the other way round."""
+    for target, host in (
+        ("xn--bcher-kva.example.com", "bücher.example.com"),
+        ("bücher.example.com", "xn--bcher-kva.example.com"),
+    ):
+        policy = parse_policy_obj({"egress": [{"action": "allow", "target": target}]})
+        assert host_covered(policy, parse_host(host, "h"))
 
 
 def test_host_too_long_limit() -> None:
