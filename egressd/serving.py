@@ -74,7 +74,15 @@ def make_runner(app: web.Application) -> web.AppRunner:
     # handler_cancellation stays off (aiohttp's default, pinned here): a disconnect must not
     # cancel a handler. The actions are shielded anyway (InFlight), this keeps the rest of a
     # handler (metrics, logs) running too.
-    return _Runner(app, access_log=None, handle_signals=False, handler_cancellation=False)
+    # shutdown_timeout bounds aiohttp's own wait for handlers still connected; InFlight.drain
+    # (on_shutdown, before it) bounds the wait for the actions of clients that left.
+    return _Runner(
+        app,
+        access_log=None,
+        handle_signals=False,
+        handler_cancellation=False,
+        shutdown_timeout=DRAIN_TIMEOUT,
+    )
 
 
 async def start_http(app: web.Application, host: str, port: int) -> web.AppRunner:
@@ -109,9 +117,16 @@ class InFlight:
     async def run(self, coro: Coroutine[Any, Any, T]) -> T:
         task: asyncio.Task[T] = asyncio.create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
         # A cancelled handler stops waiting here; the task itself goes on.
         return await asyncio.shield(task)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        # The mutations catch their own errors; one that escapes is a bug, and with its
+        # handler gone (shield marks the exception retrieved) nobody else would see it.
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("action.task_failed", error=type(exc).__name__, exc_info=exc)
 
     async def drain(self, timeout: float | None = None) -> int:
         """Wait (at most ``timeout``) for the running mutations; the number still unfinished."""
