@@ -380,3 +380,30 @@ async def test_sidecar_policy_write_cancelled_mid_kernel_step_still_applies(
     await settled(http.inflight)
     assert [r.target for r in engine.user.egress] == ["8.8.8.8"]
     assert "8.8.8.8" in kernel.scripts[-1][1]
+
+
+async def test_sidecar_half_close_during_the_kernel_step_still_gets_the_reply(tmp_path: Path) -> None:
+    kernel = GatedSidecarKernel()
+    engine = SidecarEngine(
+        SidecarTable(table="T", mode="dns+nft"), kernel, DENY_ALL, persist_path=tmp_path / "p"
+    )
+    await engine.install()
+    http = SidecarHTTP(engine, EgressMetrics(), token=None, max_rules=4096, prerequisites=ready_prereqs())
+    runner = await start_http(http.app(), "127.0.0.1", 0)
+    host, port = runner.addresses[0][:2]
+    try:
+        kernel.held = True
+        reader, writer = await asyncio.open_connection(host, port)
+        body = ALLOW.encode()
+        writer.write(b"PUT /policy HTTP/1.1\r\nHost: s\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        await asyncio.wait_for(kernel.entered.wait(), 5)
+        writer.write_eof()
+        await asyncio.sleep(0.05)
+        kernel.held = False
+        kernel.gate.set()
+        status, reply = await read_reply(reader)
+        assert status == 200 and json.loads(reply)["status"] == "ok"
+        assert [r.target for r in engine.user.egress] == ["8.8.8.8"]
+    finally:
+        kernel.gate.set()
+        await runner.cleanup()
