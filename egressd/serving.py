@@ -40,6 +40,8 @@ class _HalfCloseHandler(RequestHandler):
     queued, the write half stays open: the reply is written, then the connection closes
     (nothing can follow a FIN). A body that the FIN cut short fails its reader with
     :class:`BodyIncomplete`, so the handler applies nothing. An idle connection closes as before.
+    Requests pipelined behind the one in progress are neither answered nor applied (the
+    connection closes after the first reply): the client sees no reply and retries them.
     """
 
     # asyncio.Protocol.eof_received returns bool | None (True = keep the transport open);
