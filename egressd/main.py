@@ -179,13 +179,15 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             await wait_for_stop(stop)
             log.info("shutdown", reason="signal", table_kept=cfg.nft_table)
         finally:
+            # The HTTP side first: no new action, and the ones in flight finish (bounded,
+            # BEHAVIOUR 14.10) while everything they may touch (MITM, kernel) is still up.
+            if runner is not None:
+                await runner.cleanup()
             if mitm is not None:
                 await mitm.close()
             await control.close()
             for task in background:
                 task.cancel()
-            if runner is not None:
-                await runner.cleanup()
             await dns.close()
             forwarder.close()
     finally:

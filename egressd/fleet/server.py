@@ -21,8 +21,9 @@ from egressd.actionhandler.envelope import (
     parse_action,
 )
 from egressd.fleet.control import ControlPlane, Result
-from egressd.fleet.proxyroute import ProxyRouteAPI
+from egressd.fleet.proxyroute import ProxyRouteAPI, Reply
 from egressd.metrics import OPENMETRICS_CONTENT_TYPE, EgressMetrics
+from egressd.serving import BodyIncomplete, InFlight
 
 log = structlog.get_logger("egressd.http")
 
@@ -47,17 +48,31 @@ class BodyTooLarge(Exception):
 
 
 async def read_limited(request: web.Request, limit: int = MAX_BODY_BYTES) -> bytes:
-    """Read the body, refusing (before buffering it whole) anything over ``limit`` bytes."""
+    """Read the body, refusing (before buffering it whole) anything over ``limit`` bytes.
+
+    :class:`BodyIncomplete` if the client went away before the body was complete: nothing may
+    be applied from a part of a body.
+    """
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.content.iter_chunked(64 * 1024):
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge
-        chunks.append(chunk)
+    try:
+        async for chunk in request.content.iter_chunked(64 * 1024):
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge
+            chunks.append(chunk)
+    except BodyIncomplete:
+        raise
+    except ConnectionError as exc:  # aiohttp's "Connection lost" when the client reset/closed
+        raise BodyIncomplete(str(exc)) from None
     return b"".join(chunks)
+
+
+def incomplete() -> web.Response:
+    """The answer to a body cut short (read only by a client that half-closed)."""
+    return text(400, "request body incomplete; nothing applied", headers={"Connection": "close"})
 
 
 def text(status: int, message: str, **kw: Any) -> web.Response:
@@ -88,6 +103,8 @@ class FleetHTTP:
         self.instance_id = instance_id or new_instance_id()
         self._extra_health = extra_health
         self._status_extra = status_extra
+        # Actions and proxy-route writes whose body was read run to their end (BEHAVIOUR 14.10).
+        self.inflight = InFlight()
 
     def health_problem(self) -> str | None:
         if not self.control.enforcement_ready:
@@ -104,6 +121,7 @@ class FleetHTTP:
     def app(self) -> web.Application:
         # client_max_size is a second line of defence; read_limited refuses first.
         app = web.Application(client_max_size=MAX_BODY_BYTES + 1)
+        self.inflight.attach(app)
         app.router.add_route("*", "/healthz", self.healthz)
         app.router.add_route("*", STATUS_PATH, self.status)
         app.router.add_route("*", ACTIONS_PATH, self.actions)
@@ -127,17 +145,23 @@ class FleetHTTP:
             body = await read_limited(request)
         except BodyTooLarge:
             return text(413, f"request body exceeds {MAX_BODY_BYTES} bytes", headers={"Connection": "close"})
-        try:
-            reply = await self.proxy.handle(request.method, request.rel_url.raw_path, request.headers, body)
-        except Exception:
-            log.exception("proxy_route.crashed", method=request.method)
-            return text(500, "internal error")
+        except BodyIncomplete:
+            return incomplete()
+        reply = await self.inflight.run(self._proxy_reply(request, body))
         headers = {"Allow": reply.allow} if reply.allow else None
         if reply.json is not None:
             return web.json_response(reply.json, status=reply.status, headers=headers)
         if reply.text is not None:
             return text(reply.status, reply.text, headers=headers)
         return web.Response(status=reply.status, headers=headers)
+
+    async def _proxy_reply(self, request: web.Request, body: bytes) -> Reply:
+        assert self.proxy is not None
+        try:
+            return await self.proxy.handle(request.method, request.rel_url.raw_path, request.headers, body)
+        except Exception:
+            log.exception("proxy_route.crashed", method=request.method)
+            return Reply(500, text="internal error")
 
     async def healthz(self, request: web.Request) -> web.Response:
         if request.method not in ("GET", "HEAD"):
@@ -232,6 +256,14 @@ class FleetHTTP:
         except BodyTooLarge:
             self.metrics.actions.inc("unknown", "413")
             return text(413, f"request body exceeds {MAX_BODY_BYTES} bytes", headers={"Connection": "close"})
+        except BodyIncomplete:
+            self.metrics.actions.inc("unknown", "400")
+            return incomplete()
+        # From here on the action runs to its end even if the client goes away: a handler
+        # cancelled (by a disconnect or by shutdown) stops waiting, the action does not.
+        return await self.inflight.run(self._act(body))
+
+    async def _act(self, body: bytes) -> web.Response:
         try:
             action = parse_action(body)
         except EnvelopeError as exc:

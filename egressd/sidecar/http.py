@@ -23,9 +23,10 @@ from aiohttp import web
 from egressd.actionhandler.envelope import MAX_BODY_BYTES
 from egressd.fleet.proxyroute import _NO_MATCH, Reply, _edited, vault_request
 from egressd.fleet.route import UID_HEADER, Resource, RouteError, classify
-from egressd.fleet.server import BodyTooLarge, read_limited, text
+from egressd.fleet.server import BodyTooLarge, incomplete, read_limited, text
 from egressd.metrics import EgressMetrics
 from egressd.policy import PolicyError, check_rule_cap, policy_mode
+from egressd.serving import BodyIncomplete, InFlight
 from egressd.sidecar.engine import SIDECAR_UID, SidecarEngine
 from egressd.vault.model import VaultError, parse_create, parse_mutation
 from egressd.vault.store import VaultStore
@@ -111,6 +112,8 @@ class SidecarHTTP:
         # Policy and vault writes are serialised: a policy change checks vault coverage and
         # then awaits the kernel; no vault write may slip in between.
         self._lock = asyncio.Lock()
+        # A write whose body was read runs to its end whatever the client does (BEHAVIOUR 14.10).
+        self.inflight = InFlight()
 
     @property
     def enforcement_mode(self) -> str:
@@ -120,6 +123,7 @@ class SidecarHTTP:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES + 1)
+        self.inflight.attach(app)
         app.router.add_route("*", "/healthz", self.healthz)
         app.router.add_route("*", "/metrics", self.metrics_handler)
         app.router.add_route("*", "/policy", self._guarded(self.policy))
@@ -140,6 +144,11 @@ class SidecarHTTP:
                 return text(
                     413, f"request body exceeds {MAX_BODY_BYTES} bytes", headers={"Connection": "close"}
                 )
+            except BodyIncomplete:
+                return incomplete()
+            return await self.inflight.run(run(request, body))
+
+        async def run(request: web.Request, body: bytes) -> web.Response:
             try:
                 return await handler(request, body)
             except Exception:

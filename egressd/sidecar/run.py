@@ -191,12 +191,14 @@ async def run_sidecar(
                 table_deleted=graceful,
             )
         finally:
+            # The HTTP side first: no new action, and the ones in flight finish (bounded,
+            # BEHAVIOUR 14.10) while everything they may touch (MITM, kernel) is still up.
+            if runner is not None:
+                await runner.cleanup()
             if mitm is not None:
                 await mitm.close()
             for task in background:
                 task.cancel()
-            if runner is not None:
-                await runner.cleanup()
             await dns.close()
             forwarder.close()
     finally:
