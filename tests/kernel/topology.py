@@ -51,6 +51,10 @@ ZONE: list[dict[str, object]] = [
     {"name": "short.test", "type": "A", "value": f"{UP_NET}.9", "ttl": 0},
     {"name": "v6.test", "type": "AAAA", "value": "fd00:204::2", "ttl": 30},
     {"name": "secret-exfil.test", "type": "A", "value": f"{UP_NET}.3", "ttl": 30},
+    # One name, several addresses (lease-cap trimming, BEHAVIOUR 14.4).
+    {"name": "multi.test", "type": "A", "value": f"{UP_NET}.5", "ttl": 30},
+    {"name": "multi.test", "type": "A", "value": f"{UP_NET}.6", "ttl": 30},
+    {"name": "multi.test", "type": "A", "value": f"{UP_NET}.7", "ttl": 30},
 ]
 
 
