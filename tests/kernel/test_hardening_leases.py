@@ -322,9 +322,7 @@ def _repair_v6_allow_set(d: Daemon, rule: str) -> None:
     d.nft("add", "rule", "inet", d.table, "mark_s_sb1", *rule.split())
 
 
-def test_refused_narrowing_swap_is_reported_and_retried_until_revoked(
-    topo: Topology, daemon: Daemon
-) -> None:
+def test_refused_narrowing_swap_is_reported_and_retried_until_revoked(topo: Topology, daemon: Daemon) -> None:
     activate(daemon, rules("a.test", "b.test"))
     assert topo.dig(1, "a.test") == ("NOERROR", [A_IP])
     rule = _sabotage_v6_allow_set(daemon)
