@@ -350,3 +350,52 @@ def _prober(topo: Topology, sb: int, *, allowed: str, resolver: str, denied: str
         ),
         ready_line="up",
     )
+
+
+def _dyn_v4(topo: Topology, sidecar: Sidecar) -> tuple[set[str], int | None]:
+    """(addresses, size) of the sidecar's v4 dyn set in the kernel."""
+    for item in _table(topo, sidecar):
+        s = item.get("set")
+        if isinstance(s, dict) and s.get("name") == "dyn_allow_v4":
+            elems = {str(e["elem"]["val"]) if isinstance(e, dict) else str(e) for e in s.get("elem", [])}
+            return elems, s.get("size")
+    raise AssertionError("no dyn_allow_v4 set")
+
+
+def test_narrowing_revokes_learned_addresses_in_the_kernel(sidecar: Sidecar, stopo: Topology) -> None:
+    """BEHAVIOUR 14.1: a lease stays only if a still-allowed name taught it and no deny covers it."""
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(allow("b.test", "example.test"))
+    sidecar.start()
+    assert sidecar.dig("b.test") == ("NOERROR", [UP_B])
+    assert sidecar.dig("example.test") == ("NOERROR", [UP_EX])
+    assert _dyn_v4(stopo, sidecar)[0] == {UP_B, UP_EX}
+    code, _ = sidecar.api("DELETE", "/policy", ["b.test"])
+    assert code == 200
+    assert _dyn_v4(stopo, sidecar)[0] == {UP_EX}, "a denied name's address stayed in the dyn set"
+    assert not sidecar.reaches(UP_B)
+    # The name stays allowed, its address is now denied: the lease leaves too.
+    sidecar.patch([{"action": "deny", "target": UP_EX}])
+    assert _dyn_v4(stopo, sidecar)[0] == set(), "a lease whose address is denied stayed in the dyn set"
+    assert not sidecar.reaches(UP_EX)
+    # Lifting the deny does not bring the revoked lease back without a new answer.
+    code, _ = sidecar.api("DELETE", "/policy", [UP_EX])
+    assert code == 200
+    assert _dyn_v4(stopo, sidecar)[0] == set()
+
+
+def test_lease_cap_bounds_the_dyn_sets(sidecar: Sidecar, stopo: Topology) -> None:
+    """BEHAVIOUR 14.4 in the sidecar: dyn sets of size <cap>; an answer that does not fit fails."""
+    sidecar.env["EGRESSD_MAX_LEASES_PER_SUBJECT"] = "2"
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(allow("b.test", "example.test", "api.example.test"))
+    sidecar.start()
+    assert _dyn_v4(stopo, sidecar)[1] == 2
+    assert sidecar.dig("b.test") == ("NOERROR", [UP_B])
+    assert sidecar.dig("example.test") == ("NOERROR", [UP_EX])
+    status, answers = sidecar.dig("api.example.test")
+    assert status == "SERVFAIL" and answers == [], (status, answers)
+    assert _dyn_v4(stopo, sidecar)[0] == {UP_B, UP_EX}
+    assert not sidecar.reaches(f"{UP_NET}.6")
+    assert sidecar.reaches(UP_B) and sidecar.reaches(UP_EX)
+    # A policy change re-declares the sets with the same size and the kept leases.
+    sidecar.patch([{"action": "allow", "target": UP_LIT}])
+    assert _dyn_v4(stopo, sidecar) == ({UP_B, UP_EX}, 2)

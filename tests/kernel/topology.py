@@ -53,6 +53,10 @@ ZONE: list[dict[str, object]] = [
     {"name": "secret-exfil.test", "type": "A", "value": f"{UP_NET}.3", "ttl": 30},
     # évil.test as its A-label (BEHAVIOUR 14.3): resolvable, so only a policy can block it.
     {"name": "xn--vil-9la.test", "type": "A", "value": f"{UP_NET}.3", "ttl": 30},
+    # One name, several addresses (lease-cap trimming, BEHAVIOUR 14.4).
+    {"name": "multi.test", "type": "A", "value": f"{UP_NET}.5", "ttl": 30},
+    {"name": "multi.test", "type": "A", "value": f"{UP_NET}.6", "ttl": 30},
+    {"name": "multi.test", "type": "A", "value": f"{UP_NET}.7", "ttl": 30},
 ]
 
 
