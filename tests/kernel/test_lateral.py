@@ -166,9 +166,9 @@ def dig_port(topo: Topology, sb: int, server: str, port: int, *, tcp: bool = Fal
 
 def test_sibling_sandbox_is_unreachable_on_every_port(net: Topology, lat: Daemon) -> None:
     victim = Listener(net, net.sb(2), SIBLING_PORTS, "sibling")
-    bind(lat, 1, "a1")
-    bind(lat, 2, "a2")
     try:
+        bind(lat, 1, "a1")
+        bind(lat, 2, "a2")
         time.sleep(0.2)
         sibling = Topology.sb_ip(2)
         for port in SIBLING_PORTS:
@@ -186,9 +186,9 @@ def test_sibling_sandbox_is_unreachable_on_every_port(net: Topology, lat: Daemon
 
 def test_pod_listeners_are_unreachable_from_a_sandbox(net: Topology, lat: Daemon) -> None:
     pod = Listener(net, net.pod, POD_PORTS, "pod")
-    bind(lat, 1, "a1")
-    bind(lat, 3, "a3", v6=True)  # a v6 subject: the same holds for ip6
     try:
+        bind(lat, 1, "a1")
+        bind(lat, 3, "a3", v6=True)  # a v6 subject: the same holds for ip6
         time.sleep(0.2)
         for host in (GATEWAY, POD_UPLINK):
             for port in POD_PORTS:
