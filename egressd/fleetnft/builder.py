@@ -296,7 +296,9 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
         if not cfg.doh_blocklist:
             s.rule("dispatch", "tcp dport 443 drop")
             if cfg.mitm:
-                s.rule("input", "ct status dnat ct original proto-dst 443 drop")
+                # nft 1.0.6 cannot type "ct original proto-dst 443" without a protocol
+                # context ("Can't parse symbolic invalid expressions"): give it tcp.
+                s.rule("input", "meta l4proto tcp ct status dnat ct original proto-dst 443 drop")
         else:
             for fam in ("v4", "v6"):
                 if not doh[fam]:
@@ -305,7 +307,7 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
                 if cfg.mitm:
                     s.rule(
                         "input",
-                        f"ct status dnat ct original {l3_of(fam)} daddr @{doh_set(fam)} "
+                        f"meta l4proto tcp ct status dnat ct original {l3_of(fam)} daddr @{doh_set(fam)} "
                         "ct original proto-dst 443 drop",
                     )
     # Sandboxes never reach each other, whatever their egress policy says (defaultAction

@@ -330,10 +330,10 @@ def test_header_doh_without_blocklist_drops_all_443(mitm: bool) -> None:
     assert "doh_block" not in script
     input_rules = rules_of(script, "input")
     if mitm:
-        assert "ct status dnat ct original proto-dst 443 drop" in input_rules
-        assert input_rules.index("ct status dnat ct original proto-dst 443 drop") < input_rules.index(
-            "ip saddr @sandboxes_v4 jump sandbox_in"
-        )
+        assert "meta l4proto tcp ct status dnat ct original proto-dst 443 drop" in input_rules
+        assert input_rules.index(
+            "meta l4proto tcp ct status dnat ct original proto-dst 443 drop"
+        ) < input_rules.index("ip saddr @sandboxes_v4 jump sandbox_in")
     else:
         assert not any("443" in r for r in input_rules)
 
@@ -365,8 +365,12 @@ def test_header_doh_with_blocklist_v4_and_v6(mitm: bool) -> None:
         "ip saddr vmap @dispatch_v4"
     )
     input_rules = rules_of(script, "input")
-    v4_in = "ct status dnat ct original ip daddr @doh_block_v4 ct original proto-dst 443 drop"
-    v6_in = "ct status dnat ct original ip6 daddr @doh_block_v6 ct original proto-dst 443 drop"
+    v4_in = (
+        "meta l4proto tcp ct status dnat ct original ip daddr @doh_block_v4 ct original proto-dst 443 drop"
+    )
+    v6_in = (
+        "meta l4proto tcp ct status dnat ct original ip6 daddr @doh_block_v6 ct original proto-dst 443 drop"
+    )
     if mitm:
         assert v4_in in input_rules
         assert v6_in in input_rules
