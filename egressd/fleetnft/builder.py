@@ -32,6 +32,13 @@ Shape, and why it differs from the reference blueprint where it does:
   gateway element lives exactly as long as some subject uses that gateway.
 * With MITM, interception is a REDIRECT for sources in ``mitm_src_v4/v6`` (feasibility
   measured REDIRECT and DNAT-to-gateway as equivalent: both keep the original destination).
+* No lateral movement on any hook (BEHAVIOUR 14.2): the forward hook drops sandbox
+  destinations; the nat hook never intercepts a packet addressed to the pod itself or to a
+  sandbox (the MITM would connect there on the sandbox's behalf); and the input hook, with or
+  without the MITM, sends registered sandbox sources to ``sandbox_in``, which accepts only
+  what egressd redirected (DNS, the MITM) and drops every other pod listener. A routed
+  topology (one /32 veth per sandbox, the gateway on each) makes sibling traffic cross the
+  nat and input hooks exactly like upstream traffic, so the bridge is no safeguard here.
 """
 
 from __future__ import annotations
@@ -88,6 +95,9 @@ SETS = (*STATIC_SETS, "dyn_v4", "dyn_v6")
 AUDIT_COUNTERS = ("deny", "default")  # which audit rule counted: a user deny prefix, or no allow
 AUDIT_LOG_PREFIX = "egressd would-deny "
 DYN_TIMEOUT_S = 360
+#: Regular chain the input hook sends sandbox-sourced packets to (BEHAVIOUR 14.2).
+SANDBOX_IN_CHAIN = "sandbox_in"
+ND_TYPES = "nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert"
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -277,14 +287,20 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     s.rule("dispatch", "ct state established,related accept")
     s.rule("dispatch", "tcp dport 853 drop")
     s.rule("dispatch", "udp dport 853 drop")
-    if cfg.mitm:
-        s.obj("add", "chain", "input { type filter hook input priority 0; policy accept; }")
-        s.rule("input", "ct state established,related accept")
+    # Input exists with or without the MITM: a sandbox can address the pod itself (the
+    # gateway, any other pod address) and that never crosses the forward hook (§14.2).
+    s.obj("add", "chain", "input { type filter hook input priority 0; policy accept; }")
+    s.obj("add", "chain", SANDBOX_IN_CHAIN)
+    # Replies to the pod's own flows (upstream DNS, the MITM's upstream leg) and the later
+    # packets of the flows sandbox_in accepted.
+    s.rule("input", "ct state established,related accept")
     if cfg.block_doh_443:
         if not cfg.doh_blocklist:
             s.rule("dispatch", "tcp dport 443 drop")
             if cfg.mitm:
-                s.rule("input", "ct status dnat ct original proto-dst 443 drop")
+                # nft 1.0.6 cannot type "ct original proto-dst 443" without a protocol
+                # context ("Can't parse symbolic invalid expressions"): give it tcp.
+                s.rule("input", "meta l4proto tcp ct status dnat ct original proto-dst 443 drop")
         else:
             for fam in ("v4", "v6"):
                 if not doh[fam]:
@@ -293,7 +309,7 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
                 if cfg.mitm:
                     s.rule(
                         "input",
-                        f"ct status dnat ct original {l3_of(fam)} daddr @{doh_set(fam)} "
+                        f"meta l4proto tcp ct status dnat ct original {l3_of(fam)} daddr @{doh_set(fam)} "
                         "ct original proto-dst 443 drop",
                     )
     # Sandboxes never reach each other, whatever their egress policy says (defaultAction
@@ -303,12 +319,7 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     s.rule("dispatch", f"ip saddr vmap @{dispatch_map('v4')}")
     s.rule("dispatch", f"ip6 saddr vmap @{dispatch_map('v6')}")
     s.rule("dispatch", f"meta mark & {ALLOW_MARK:#x} != {ALLOW_MARK:#x} drop")
-    if cfg.mitm:
-        port = cfg.mitm_port
-        s.rule("input", f"tcp dport {port} ct status dnat ip saddr vmap @{mitm_in_map('v4')}")
-        s.rule("input", f"tcp dport {port} ct status dnat ip6 saddr vmap @{mitm_in_map('v6')}")
-        # Mandatory: a direct connection to the MITM port makes it proxy to itself in a loop.
-        s.rule("input", f"tcp dport {port} drop")
+    _sandbox_input(s, cfg)
 
     s.obj("add", "chain", "nat { type nat hook prerouting priority dstnat; policy accept; }")
     for fam in ("v4", "v6"):
@@ -320,8 +331,14 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
         # REDIRECT (to the address of the interface the packet came in on: the sandbox's
         # gateway) instead of a per-source DNAT target: the source set carries no data, so
         # a gateway change can never collide with an existing element.
+        # Never intercept what is not upstream (§14.2): the MITM would connect to the pod
+        # itself (any local address, loopback included) or to a sibling sandbox on the
+        # sandbox's behalf. Left alone, such packets meet sandbox_in's drop or the forward
+        # drop of sandbox destinations.
+        s.rule("nat", "fib daddr type local tcp dport { 80, 443 } return")
         for fam in ("v4", "v6"):
             s.rule("nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} tcp dport {{ 80, 443 }} return")
+            s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_set(fam)} tcp dport {{ 80, 443 }} return")
             s.rule(
                 "nat",
                 f"{l3_of(fam)} saddr @{mitm_src_set(fam)} tcp dport {{ 80, 443 }} redirect to :{cfg.mitm_port}",
@@ -331,6 +348,41 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
 
 def l3_of(fam: str) -> str:
     return "ip" if fam == "v4" else "ip6"
+
+
+def _sandbox_input(s: _Script, cfg: TableConfig) -> None:
+    """§14.2 on the input hook: what a sandbox source may reach on the pod itself.
+
+    Only what egressd redirected: ``<gateway>:53`` (REDIRECTed to the DNS port) and, with the
+    MITM, 80/443 (REDIRECTed to the MITM port, then judged by the subject's policy on the
+    conntrack original destination). Everything else a sandbox sends to a pod address (a
+    direct DNS or MITM port, the actions API, a helper on the gateway address, ICMP) is
+    dropped. Sandbox sources are the registered subject addresses (``sandboxes_v4/v6``, the
+    set the forward drop uses); the pod's own traffic and upstream peers never match them,
+    so nothing else that reaches the input hook changes.
+    """
+    for fam in ("v4", "v6"):
+        s.rule("input", f"{l3_of(fam)} saddr @{sandbox_set(fam)} jump {SANDBOX_IN_CHAIN}")
+    if cfg.mitm:
+        # Mandatory: a direct connection to the MITM port makes it proxy to itself in a
+        # loop (from any source, the pod's own loopback included).
+        s.rule("input", f"tcp dport {cfg.mitm_port} drop")
+
+    c = SANDBOX_IN_CHAIN
+    for proto in ("udp", "tcp"):
+        s.rule(c, f"{proto} dport {cfg.dns_port} ct status dnat ct original proto-dst 53 accept")
+    # IPv6 needs neighbour discovery with the gateway (IPv4's ARP never enters an inet
+    # chain). Hop limit 255: link-local, it cannot have been routed here.
+    s.rule(c, f"icmpv6 type {{ {ND_TYPES} }} ip6 hoplimit 255 accept")
+    if cfg.mitm:
+        port = cfg.mitm_port
+        for fam in ("v4", "v6"):
+            # Belt and braces for the nat exemption: an intercepted flow whose original
+            # destination is a sandbox is lateral movement through the MITM.
+            s.rule(c, f"ct status dnat ct original {l3_of(fam)} daddr @{sandbox_set(fam)} drop")
+        s.rule(c, f"tcp dport {port} ct status dnat ip saddr vmap @{mitm_in_map('v4')}")
+        s.rule(c, f"tcp dport {port} ct status dnat ip6 saddr vmap @{mitm_in_map('v6')}")
+    s.rule(c, "drop")
 
 
 def subject_rules(cfg: TableConfig, nft_id: str) -> NetlinkBatch:

@@ -143,7 +143,9 @@ def _probes(t: str) -> list[tuple[str, str]]:
             "conntrack matches",
             f"add rule inet {t} fwd_ ct state established,related accept\n"
             f"add rule inet {t} c2 ct original ip daddr @iv4 accept\n"
-            f"add rule inet {t} in_ tcp dport 18081 ct status dnat ip saddr vmap @vm",
+            f"add rule inet {t} in_ tcp dport 18081 ct status dnat ip saddr vmap @vm\n"
+            f"add rule inet {t} c2 udp dport 15353 ct status dnat ct original proto-dst 53 accept\n"
+            f"add rule inet {t} c2 icmpv6 type {{ nd-neighbor-solicit, nd-neighbor-advert }} ip6 hoplimit 255 accept",
         ),
         (
             "redirect/DNAT (nat hook)",
@@ -152,6 +154,15 @@ def _probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} nat ip daddr @gw udp dport 53 redirect to :15353\n"
             f"add rule inet {t} nat ip saddr @gw tcp dport {{ 80, 443 }} redirect to :18081\n"
             f"add rule inet {t} nat ip daddr 10.0.0.1 tcp dport 8443 dnat ip to 10.0.0.1:18081",
+        ),
+        (
+            # BEHAVIOUR 14.2: nothing addressed to the pod itself is intercepted, and the
+            # input hook sends sandbox sources to a regular chain.
+            "local-address lookups (fib) and input jumps",
+            f"add rule inet {t} nat fib daddr type local tcp dport {{ 80, 443 }} return\n"
+            f"add set inet {t} sb {{ type ipv4_addr; elements = {{ 10.0.0.5 }} }}\n"
+            f"add chain inet {t} c3\n"
+            f"add rule inet {t} in_ ip saddr @sb jump c3",  # c1, c2 are deleted by later probes
         ),
     ]
 

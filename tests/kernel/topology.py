@@ -4,6 +4,11 @@
     eth0 10.203.0.1x ---- vhN -- br0 10.203.0.1 | uplink 10.204.0.1 ---- eth0 10.204.0.2..9
          fd00:203::1x             fd00:203::1  | fd00:204::1             fd00:204::2..9
 
+With ``routed=True`` there is no bridge: each sandbox has its own veth, the pod puts the
+gateway addresses (/32, /128) on every ``vhN`` and routes each sandbox address (/32, /128) to
+its veth (the Kata/TAP-like shape). Sandbox-to-sandbox traffic then crosses the pod's
+prerouting, nat and forward hooks like upstream traffic.
+
 Nothing is created in the root namespace: veth pairs are created with both ends directly
 inside our namespaces, no namespace has a default route, and the upstream only routes back
 to the sandbox subnet. Everything is removed in :meth:`Topology.down`, also after failures;
@@ -115,6 +120,7 @@ def cleanup_stale() -> None:
 class Topology:
     prefix: str
     sandboxes: int = 3
+    routed: bool = False
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="egressd-topo-")))
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
     created: list[str] = field(default_factory=list)
@@ -179,13 +185,14 @@ class Topology:
         p = lambda *c: self.ns(pod, *c)  # noqa: E731
         p("sysctl", "-qw", "net.ipv4.ip_forward=1")
         p("sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")
-        p("ip", "link", "add", "br0", "type", "bridge")
-        p("ip", "addr", "add", f"{GATEWAY}/24", "dev", "br0")
-        p("ip", "addr", "add", f"{GATEWAY6}/64", "dev", "br0", "nodad")
-        p("ip", "link", "set", "br0", "up")
-        # Bridged sandbox-to-sandbox frames must traverse the inet forward hook.
-        p("sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1")
-        p("sysctl", "-qw", "net.bridge.bridge-nf-call-ip6tables=1")
+        if not self.routed:
+            p("ip", "link", "add", "br0", "type", "bridge")
+            p("ip", "addr", "add", f"{GATEWAY}/24", "dev", "br0")
+            p("ip", "addr", "add", f"{GATEWAY6}/64", "dev", "br0", "nodad")
+            p("ip", "link", "set", "br0", "up")
+            # Bridged sandbox-to-sandbox frames must traverse the inet forward hook.
+            p("sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1")
+            p("sysctl", "-qw", "net.bridge.bridge-nf-call-ip6tables=1")
 
         sh("ip", "link", "add", "uplink", "netns", pod, "type", "veth", "peer", "name", "eth0", "netns", up)
         p("ip", "addr", "add", f"{UP_NET}.1/24", "dev", "uplink")
@@ -244,12 +251,26 @@ class Topology:
             "netns",
             sb,
         )
-        self.ns(self.pod, "ip", "link", "set", f"vh{i}", "master", "br0")
-        self.ns(self.pod, "ip", "link", "set", f"vh{i}", "up")
+        p = lambda *c: self.ns(self.pod, *c)  # noqa: E731
         s = lambda *c: self.ns(sb, *c)  # noqa: E731
-        s("ip", "addr", "add", f"{self.sb_ip(i)}/24", "dev", "eth0")
-        s("ip", "addr", "add", f"{self.sb_ip6(i)}/64", "dev", "eth0", "nodad")
-        s("ip", "link", "set", "eth0", "up")
+        vh = f"vh{i}"
+        if self.routed:
+            p("ip", "addr", "add", f"{GATEWAY}/32", "dev", vh)
+            p("ip", "addr", "add", f"{GATEWAY6}/128", "dev", vh, "nodad")
+            p("ip", "link", "set", vh, "up")
+            p("ip", "route", "add", f"{self.sb_ip(i)}/32", "dev", vh)
+            p("ip", "-6", "route", "add", f"{self.sb_ip6(i)}/128", "dev", vh)
+            s("ip", "addr", "add", f"{self.sb_ip(i)}/32", "dev", "eth0")
+            s("ip", "addr", "add", f"{self.sb_ip6(i)}/128", "dev", "eth0", "nodad")
+            s("ip", "link", "set", "eth0", "up")
+            s("ip", "route", "add", GATEWAY, "dev", "eth0")
+            s("ip", "-6", "route", "add", GATEWAY6, "dev", "eth0")
+        else:
+            p("ip", "link", "set", vh, "master", "br0")
+            p("ip", "link", "set", vh, "up")
+            s("ip", "addr", "add", f"{self.sb_ip(i)}/24", "dev", "eth0")
+            s("ip", "addr", "add", f"{self.sb_ip6(i)}/64", "dev", "eth0", "nodad")
+            s("ip", "link", "set", "eth0", "up")
         s("ip", "route", "add", "default", "via", GATEWAY)
         s("ip", "-6", "route", "add", "default", "via", GATEWAY6)
 

@@ -217,8 +217,9 @@ def test_header_hook_chains_and_maps() -> None:
         assert f"add map inet {T} dispatch_{fam} {{ type {typ} : verdict; }}" in text
         assert f"add map inet {T} marking_{fam} {{ type {typ} : verdict; }}" in text
         assert f"add set inet {T} dns_gw_{fam} {{ type {typ}; }}" in text
-    # Without MITM there is no input chain and no MITM maps.
-    assert not any(" input " in ln or "mitm" in ln for ln in text)
+    # Without MITM there are no MITM maps, but the input chain polices sandbox sources (14.2).
+    assert f"add chain inet {T} input {{ type filter hook input priority 0; policy accept; }}" in text
+    assert not any("mitm" in ln or "18081" in ln for ln in text)
     assert not any("doh_block" in ln or "dport 443" in ln for ln in text)
 
 
@@ -234,6 +235,24 @@ def test_header_dispatch_rules_in_order_with_unmarked_drop_last() -> None:
         "ip6 saddr vmap @dispatch_v6",
         "meta mark & 0x2 != 0x2 drop",
     ]
+
+
+def test_header_input_lets_sandbox_sources_reach_only_the_dns_redirect() -> None:
+    """14.2 without the MITM: the pod's listeners are closed to sandbox sources, except the
+    redirected ``<gateway>:53``; nothing else arriving at the input hook is touched."""
+    script = header_script(CFG, delete_existing=False)
+    assert rules_of(script, "input") == [
+        "ct state established,related accept",
+        "ip saddr @sandboxes_v4 jump sandbox_in",
+        "ip6 saddr @sandboxes_v6 jump sandbox_in",
+    ]
+    assert rules_of(script, "sandbox_in") == [
+        "udp dport 15353 ct status dnat ct original proto-dst 53 accept",
+        "tcp dport 15353 ct status dnat ct original proto-dst 53 accept",
+        "icmpv6 type { nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert } ip6 hoplimit 255 accept",
+        "drop",
+    ]
+    assert f"add chain inet {T} sandbox_in" in lines(script)
 
 
 def test_header_marking_clears_the_allow_bit_first() -> None:
@@ -266,11 +285,29 @@ def test_header_mitm() -> None:
         assert f"add set inet {T} mitm_src_{fam} {{ type {typ}; }}" in text
     assert rules_of(script, "input") == [
         "ct state established,related accept",
-        "tcp dport 18081 ct status dnat ip saddr vmap @mitm_in_v4",
-        "tcp dport 18081 ct status dnat ip6 saddr vmap @mitm_in_v6",
+        "ip saddr @sandboxes_v4 jump sandbox_in",
+        "ip6 saddr @sandboxes_v6 jump sandbox_in",
         "tcp dport 18081 drop",
     ]
+    assert rules_of(script, "sandbox_in") == [
+        "udp dport 15353 ct status dnat ct original proto-dst 53 accept",
+        "tcp dport 15353 ct status dnat ct original proto-dst 53 accept",
+        "icmpv6 type { nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert } ip6 hoplimit 255 accept",
+        "ct status dnat ct original ip daddr @sandboxes_v4 drop",
+        "ct status dnat ct original ip6 daddr @sandboxes_v6 drop",
+        "tcp dport 18081 ct status dnat ip saddr vmap @mitm_in_v4",
+        "tcp dport 18081 ct status dnat ip6 saddr vmap @mitm_in_v6",
+        "drop",
+    ]
     nat = rules_of(script, "nat")
+    # Nothing addressed to the pod itself or to a sandbox is intercepted (14.2).
+    assert nat.index("fib daddr type local tcp dport { 80, 443 } return") < nat.index(
+        "ip saddr @mitm_src_v4 tcp dport { 80, 443 } redirect to :18081"
+    )
+    for fam, l3 in (("v4", "ip"), ("v6", "ip6")):
+        assert nat.index(f"{l3} daddr @sandboxes_{fam} tcp dport {{ 80, 443 }} return") < nat.index(
+            f"{l3} saddr @mitm_src_{fam} tcp dport {{ 80, 443 }} redirect to :18081"
+        )
     assert "ip daddr @dns_gw_v4 tcp dport { 80, 443 } return" in nat
     assert "ip saddr @mitm_src_v4 tcp dport { 80, 443 } redirect to :18081" in nat
     assert "ip6 daddr @dns_gw_v6 tcp dport { 80, 443 } return" in nat
@@ -293,12 +330,12 @@ def test_header_doh_without_blocklist_drops_all_443(mitm: bool) -> None:
     assert "doh_block" not in script
     input_rules = rules_of(script, "input")
     if mitm:
-        assert "ct status dnat ct original proto-dst 443 drop" in input_rules
-        assert input_rules.index("ct status dnat ct original proto-dst 443 drop") < input_rules.index(
-            "tcp dport 18081 ct status dnat ip saddr vmap @mitm_in_v4"
-        )
+        assert "meta l4proto tcp ct status dnat ct original proto-dst 443 drop" in input_rules
+        assert input_rules.index(
+            "meta l4proto tcp ct status dnat ct original proto-dst 443 drop"
+        ) < input_rules.index("ip saddr @sandboxes_v4 jump sandbox_in")
     else:
-        assert input_rules == []
+        assert not any("443" in r for r in input_rules)
 
 
 @pytest.mark.parametrize("mitm", [False, True])
@@ -328,13 +365,17 @@ def test_header_doh_with_blocklist_v4_and_v6(mitm: bool) -> None:
         "ip saddr vmap @dispatch_v4"
     )
     input_rules = rules_of(script, "input")
-    v4_in = "ct status dnat ct original ip daddr @doh_block_v4 ct original proto-dst 443 drop"
-    v6_in = "ct status dnat ct original ip6 daddr @doh_block_v6 ct original proto-dst 443 drop"
+    v4_in = (
+        "meta l4proto tcp ct status dnat ct original ip daddr @doh_block_v4 ct original proto-dst 443 drop"
+    )
+    v6_in = (
+        "meta l4proto tcp ct status dnat ct original ip6 daddr @doh_block_v6 ct original proto-dst 443 drop"
+    )
     if mitm:
         assert v4_in in input_rules
         assert v6_in in input_rules
     else:
-        assert input_rules == []
+        assert not any("443" in r for r in input_rules)
 
 
 def test_header_doh_blocklist_v6_only_has_no_v4_rule() -> None:
