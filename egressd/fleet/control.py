@@ -38,6 +38,7 @@ from egressd.fleetnft.builder import (
     policy_contents,
     policy_swap,
     removal_batch,
+    sandbox_nets_refresh,
     subject_create,
     subject_keys,
     subject_rules,
@@ -206,6 +207,8 @@ class ControlPlane:
         # Subjects whose kernel still holds more than the registry now says (14.6).
         self._revoking: dict[str, _Revocation] = {}
         self._revoke_tasks: dict[str, asyncio.Task[None]] = {}
+        # privateCidr per subject as the kernel's sandbox_nets sets hold them (14.2).
+        self._nets: dict[str, ipaddress.IPv4Network | ipaddress.IPv6Network] = {}
         self.revoke_retry = (REVOKE_RETRY_MIN_S, REVOKE_RETRY_MAX_S)
         self.enforcement_ready = False
 
@@ -218,6 +221,7 @@ class ControlPlane:
                 header_script(self.table, delete_existing=True),
                 header_script(self.table, delete_existing=False),
             )
+            self._nets = {}
         self.enforcement_ready = True
 
     # ---- effective policy ------------------------------------------------------------------
@@ -364,7 +368,9 @@ class ControlPlane:
             problem = _dispatch_key_problem(action.attachment.ip, action.attachment.gateway)
             if problem is not None:
                 return Result(400, f"invalid action envelope: {problem}")
-            binding = Binding(action.attachment.ip, action.attachment.gateway)
+            binding = Binding(
+                action.attachment.ip, action.attachment.gateway, action.attachment.private_cidr
+            )
         req = SetBindingRequest(action.uid, action.fence, action.spec_generation, binding, policy)
         async with self._locks.hold(action.uid):
             entry = self.registry.get(action.uid)
@@ -736,7 +742,9 @@ class ControlPlane:
                 raise _Refused(str(exc)) from None
             if not view.objects:
                 # A new subject: sets, chains, fixed rules and keys in one transaction.
+                create, commit = self._nets_in(create, entry.uid, step.binding.private_cidr)
                 await self.tx.run_batch(create, op="deny_first")
+                commit()
                 save(KernelView(True, frozenset({(subj.ip, subj.gateway)}), rules=True))
                 return []
             # Revert, rebind or retry: empty every set before any (new) key points at the
@@ -744,7 +752,11 @@ class ControlPlane:
             batch = flush_subject_sets(table, nid)
             if not view.rules:
                 batch = batch + subject_rules(self.table, nid)
-            await self.tx.run_batch(batch + subject_keys(self.table, subj), op="deny_first")
+            batch, commit = self._nets_in(
+                batch + subject_keys(self.table, subj), entry.uid, step.binding.private_cidr
+            )
+            await self.tx.run_batch(batch, op="deny_first")
+            commit()
             self._forget_learned(entry.uid)
             save(replace(view, rules=True, applied=None, keys=view.keys | {(subj.ip, subj.gateway)}))
             return _ips(view.keys | {(subj.ip, subj.gateway)})
@@ -758,6 +770,8 @@ class ControlPlane:
             if narrowed is not None:
                 # Leases no still-allowed name taught leave in the same transaction (14.1).
                 batch = batch + dyn_replace(table, nid, narrowed.kept)
+            cidr = entry.binding.private_cidr if entry.binding is not None else self._nets.get(entry.uid)
+            batch, commit = self._nets_in(batch, entry.uid, cidr)
             try:
                 await self.tx.run_batch(batch, op="static_apply")
             except NftError as exc:
@@ -769,6 +783,7 @@ class ControlPlane:
                 )
                 raise
             save(replace(view, applied=step.policy))
+            commit()
             if narrowed is not None:
                 self.leases[entry.uid] = narrowed.book
             log.info(
@@ -781,7 +796,9 @@ class ControlPlane:
             return []
         if isinstance(step, AddKeys):
             subj = self._subject_nft(nid, step.binding)
-            await self.tx.run_batch(subject_keys(self.table, subj), op="dispatch_update")
+            keys, commit = self._nets_in(subject_keys(self.table, subj), entry.uid, step.binding.private_cidr)
+            await self.tx.run_batch(keys, op="dispatch_update")
+            commit()
             save(replace(view, keys=view.keys | {(subj.ip, subj.gateway)}))
             return []
         if isinstance(step, DropStaleKeys):
@@ -801,12 +818,31 @@ class ControlPlane:
         ops = self._key_deletes(entry.uid, view.keys, None)
         if view.objects:
             ops += removal_batch(self.table, nid, None, release_gateway=None).ops
-        await self.tx.run_batch(NetlinkBatch(table, tuple(ops)), op="remove")
+        removal, commit = self._nets_in(NetlinkBatch(table, tuple(ops)), entry.uid, None)
+        await self.tx.run_batch(removal, op="remove")
+        commit()
         self._forget_learned(entry.uid)
         self._effective.pop(entry.uid, None)
         self._ip_sets.pop(entry.uid, None)
         save(KernelView())
         return _ips(view.keys)
+
+    def _nets_in(
+        self, batch: NetlinkBatch, uid: str, cidr: ipaddress.IPv4Network | ipaddress.IPv6Network | None
+    ) -> tuple[NetlinkBatch, Callable[[], None]]:
+        """``batch`` plus, when ``uid``'s privateCidr changes, the refill of the kernel's
+        union of every subject's CIDR (same transaction); and the commit to call after it."""
+        if self._nets.get(uid) == cidr:
+            return batch, lambda: None
+        desired = {u: n for u, n in self._nets.items() if u != uid}
+        if cidr is not None:
+            desired[uid] = cidr
+        refill = NetlinkBatch(batch.table, tuple(sandbox_nets_refresh(desired.values())))
+
+        def commit() -> None:
+            self._nets = desired
+
+        return batch + refill, commit
 
     def _background_task(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -236,6 +236,26 @@ def sandbox_set(fam: str) -> str:
     return f"sandboxes_{fam}"
 
 
+def sandbox_nets_set(fam: str) -> str:
+    """Union of every registered attachment's ``privateCidr``: an address there is a sandbox
+    (BEHAVIOUR 14.2) even when no subject registered it (a second address a sandbox gave
+    itself, a sandbox whose binding has not arrived yet)."""
+    return f"sandbox_nets_{fam}"
+
+
+def sandbox_nets_refresh(nets: Iterable[IPNetwork]) -> list[Op]:
+    """Empty and refill ``sandbox_nets_v4/v6`` with the union of ``nets`` (merged: an interval
+    set refuses overlapping elements), for the caller's transaction."""
+    ops: list[Op] = []
+    for fam, version in (("v4", 4), ("v6", 6)):
+        mine = [n for n in nets if n.version == version]
+        merged = tuple(ipaddress.collapse_addresses(mine))  # type: ignore[type-var]
+        ops.append(FlushSet(sandbox_nets_set(fam)))
+        if merged:
+            ops.append(AddIntervals(sandbox_nets_set(fam), fam, merged))
+    return ops
+
+
 def gateway_set(fam: str) -> str:
     return f"dns_gw_{fam}"
 
@@ -268,6 +288,7 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
         s.obj("add", "map", _vmap_decl(marking_map(fam), fam))
         s.obj("add", "map", _vmap_decl(dispatch_map(fam), fam))
         s.obj("add", "set", _plain_set_decl(sandbox_set(fam), fam))
+        s.obj("add", "set", _set_decl(sandbox_nets_set(fam), fam, "interval"))
         s.obj("add", "set", _plain_set_decl(gateway_set(fam), fam))
         if cfg.mitm:
             s.obj("add", "map", _vmap_decl(mitm_in_map(fam), fam))
@@ -316,6 +337,8 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     # allow or a CIDR covering the sandbox subnet would otherwise open lateral movement).
     s.rule("dispatch", f"ip daddr @{sandbox_set('v4')} drop")
     s.rule("dispatch", f"ip6 daddr @{sandbox_set('v6')} drop")
+    s.rule("dispatch", f"ip daddr @{sandbox_nets_set('v4')} drop")
+    s.rule("dispatch", f"ip6 daddr @{sandbox_nets_set('v6')} drop")
     s.rule("dispatch", f"ip saddr vmap @{dispatch_map('v4')}")
     s.rule("dispatch", f"ip6 saddr vmap @{dispatch_map('v6')}")
     s.rule("dispatch", f"meta mark & {ALLOW_MARK:#x} != {ALLOW_MARK:#x} drop")
@@ -339,6 +362,7 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
         for fam in ("v4", "v6"):
             s.rule("nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} tcp dport {{ 80, 443 }} return")
             s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_set(fam)} tcp dport {{ 80, 443 }} return")
+            s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} tcp dport {{ 80, 443 }} return")
             s.rule(
                 "nat",
                 f"{l3_of(fam)} saddr @{mitm_src_set(fam)} tcp dport {{ 80, 443 }} redirect to :{cfg.mitm_port}",
@@ -363,6 +387,11 @@ def _sandbox_input(s: _Script, cfg: TableConfig) -> None:
     """
     for fam in ("v4", "v6"):
         s.rule("input", f"{l3_of(fam)} saddr @{sandbox_set(fam)} jump {SANDBOX_IN_CHAIN}")
+        # Any address of an attachment's privateCidr is a sandbox too, except the pod's own
+        # (the gateway is inside the CIDR: the pod talking to itself arrives on lo).
+        s.rule(
+            "input", f'iifname != "lo" {l3_of(fam)} saddr @{sandbox_nets_set(fam)} jump {SANDBOX_IN_CHAIN}'
+        )
     if cfg.mitm:
         # Mandatory: a direct connection to the MITM port makes it proxy to itself in a
         # loop (from any source, the pod's own loopback included).
@@ -380,6 +409,7 @@ def _sandbox_input(s: _Script, cfg: TableConfig) -> None:
             # Belt and braces for the nat exemption: an intercepted flow whose original
             # destination is a sandbox is lateral movement through the MITM.
             s.rule(c, f"ct status dnat ct original {l3_of(fam)} daddr @{sandbox_set(fam)} drop")
+            s.rule(c, f"ct status dnat ct original {l3_of(fam)} daddr @{sandbox_nets_set(fam)} drop")
         s.rule(c, f"tcp dport {port} ct status dnat ip saddr vmap @{mitm_in_map('v4')}")
         s.rule(c, f"tcp dport {port} ct status dnat ip6 saddr vmap @{mitm_in_map('v6')}")
     s.rule(c, "drop")

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from ipaddress import IPv4Network, IPv6Network
 
 from egressd.policy import NetworkPolicy
 from egressd.subject.model import Fence, IPAddress, Subject, nft_id, subject_for_uid
@@ -31,6 +32,10 @@ class Binding:
 
     ip: IPAddress
     gateway: IPAddress | None
+    # attachment.network.privateCidr: every address in it counts as a sandbox (14.2). Not part
+    # of the dispatch identity: a changed CIDR alone is no re-key (no keys to move, no flows
+    # to cut); the control plane refreshes the kernel's union with the next transaction.
+    private_cidr: IPv4Network | IPv6Network | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

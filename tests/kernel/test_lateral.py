@@ -213,7 +213,7 @@ def test_pod_listeners_are_unreachable_from_a_sandbox(net: Topology, lat: Daemon
 @pytest.mark.xfail(
     strict=True,
     reason="known gap (docs/security.md, Lateral movement): only registered addresses are "
-    "sandbox sources on the input hook; privateCidr is not tracked",
+    "sandbox sources on the input hook; an address of a family no privateCidr covers is not",
 )
 def test_an_unregistered_address_of_a_sandbox_reaches_no_pod_listener(net: Topology, lat: Daemon) -> None:
     """Sandbox 1 is registered with its IPv4 address only; its IPv6 address is unknown."""
@@ -226,6 +226,57 @@ def test_an_unregistered_address_of_a_sandbox_reaches_no_pod_listener(net: Topol
     finally:
         unbind(lat, "a1")
         pod.stop()
+
+
+PRIVATE_CIDR = "10.203.0.0/24"
+EXTRA_SRC = "10.203.0.99"  # an address sandbox 1 gives itself: in the CIDR, never registered
+
+
+def bind_cidr(d: Daemon, i: int, uid: str) -> None:
+    """Like :func:`bind`, with ``attachment.network.privateCidr`` (BEHAVIOUR 14.2)."""
+    env = envelope("SET_BINDING", uid, ip=Topology.sb_ip(i), gateway=GATEWAY, policy=ALLOW_ALL)
+    env["attachment"]["network"]["privateCidr"] = PRIVATE_CIDR  # type: ignore[index]
+    code, body = d.post(env)
+    assert (code, body) == (200, "{}"), body
+    code, body = d.post(envelope("LIFECYCLE_HOOK", uid, hook=DPR))
+    assert (code, body) == (200, "{}"), body
+
+
+def connects_from(topo: Topology, sb: int, src: str, host: str, port: int) -> bool:
+    code = (
+        "import socket; socket.create_connection("
+        f"({host!r}, {port}), 1.0, source_address=({src!r}, 0)).close()"
+    )
+    return topo.ns(topo.sb(sb), "python3", "-c", code, check=False, timeout=15).returncode == 0
+
+
+def test_an_address_inside_a_private_cidr_is_a_sandbox_on_every_hook(net: Topology, lat: Daemon) -> None:
+    """Sandbox 1 (privateCidr 10.203.0.0/24) sends from an address it gave itself, and
+    towards sandbox 3, which is in the CIDR but has no subject: neither the pod's listeners
+    nor the unregistered sibling are reached, even with defaultAction allow and the MITM."""
+    pod = Listener(net, net.pod, (8000,), "pod-cidr")
+    victim = Listener(net, net.sb(3), SIBLING_PORTS, "unregistered-sibling")
+    net.ns(net.sb(1), "ip", "addr", "add", f"{EXTRA_SRC}/32", "dev", "eth0", check=False)
+    try:
+        bind_cidr(lat, 1, "a1")
+        time.sleep(0.2)
+        assert not connects_from(net, 1, EXTRA_SRC, GATEWAY, 8000)
+        assert not connects_from(net, 1, EXTRA_SRC, GATEWAY, DNS_PORT)
+        for port in SIBLING_PORTS:
+            assert "LATERAL" not in fetch(net, 1, Topology.sb_ip(3), port), port
+        assert pod.accepts() == [], "a pod listener was reached from an unregistered sandbox address"
+        assert victim.accepts() == [], "an unregistered sandbox in the CIDR was reached"
+        # The registered address still resolves through the redirect and reaches upstream.
+        assert dig_port(net, 1, GATEWAY, 53) == "NOERROR"
+        nets = lat.nft("list", "set", "inet", lat.table, "sandbox_nets_v4")
+        assert PRIVATE_CIDR in nets
+    finally:
+        unbind(lat, "a1")
+        net.ns(net.sb(1), "ip", "addr", "del", f"{EXTRA_SRC}/32", "dev", "eth0", check=False)
+        pod.stop()
+        victim.stop()
+    # Removal takes the CIDR out again: the union follows the registered attachments.
+    assert PRIVATE_CIDR not in lat.nft("list", "set", "inet", lat.table, "sandbox_nets_v4")
 
 
 def test_direct_dns_and_mitm_ports_are_dropped(net: Topology, lat: Daemon) -> None:

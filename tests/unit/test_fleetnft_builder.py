@@ -231,6 +231,8 @@ def test_header_dispatch_rules_in_order_with_unmarked_drop_last() -> None:
         "udp dport 853 drop",
         "ip daddr @sandboxes_v4 drop",
         "ip6 daddr @sandboxes_v6 drop",
+        "ip daddr @sandbox_nets_v4 drop",
+        "ip6 daddr @sandbox_nets_v6 drop",
         "ip saddr vmap @dispatch_v4",
         "ip6 saddr vmap @dispatch_v6",
         "meta mark & 0x2 != 0x2 drop",
@@ -244,7 +246,9 @@ def test_header_input_lets_sandbox_sources_reach_only_the_dns_redirect() -> None
     assert rules_of(script, "input") == [
         "ct state established,related accept",
         "ip saddr @sandboxes_v4 jump sandbox_in",
+        'iifname != "lo" ip saddr @sandbox_nets_v4 jump sandbox_in',
         "ip6 saddr @sandboxes_v6 jump sandbox_in",
+        'iifname != "lo" ip6 saddr @sandbox_nets_v6 jump sandbox_in',
     ]
     assert rules_of(script, "sandbox_in") == [
         "udp dport 15353 ct status dnat ct original proto-dst 53 accept",
@@ -286,7 +290,9 @@ def test_header_mitm() -> None:
     assert rules_of(script, "input") == [
         "ct state established,related accept",
         "ip saddr @sandboxes_v4 jump sandbox_in",
+        'iifname != "lo" ip saddr @sandbox_nets_v4 jump sandbox_in',
         "ip6 saddr @sandboxes_v6 jump sandbox_in",
+        'iifname != "lo" ip6 saddr @sandbox_nets_v6 jump sandbox_in',
         "tcp dport 18081 drop",
     ]
     assert rules_of(script, "sandbox_in") == [
@@ -294,7 +300,9 @@ def test_header_mitm() -> None:
         "tcp dport 15353 ct status dnat ct original proto-dst 53 accept",
         "icmpv6 type { nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert } ip6 hoplimit 255 accept",
         "ct status dnat ct original ip daddr @sandboxes_v4 drop",
+        "ct status dnat ct original ip daddr @sandbox_nets_v4 drop",
         "ct status dnat ct original ip6 daddr @sandboxes_v6 drop",
+        "ct status dnat ct original ip6 daddr @sandbox_nets_v6 drop",
         "tcp dport 18081 ct status dnat ip saddr vmap @mitm_in_v4",
         "tcp dport 18081 ct status dnat ip6 saddr vmap @mitm_in_v6",
         "drop",
