@@ -484,15 +484,16 @@ async def test_rescan_is_rate_limited_by_the_clock(
     assert_no_secret(env, logs)
 
 
-async def test_broken_key_file_added_later_keeps_the_old_ring(
+async def test_broken_key_file_added_later_is_ignored(
     aiohttp_client: Any, keys_dir: Path, logs: list[dict[str, Any]]
 ) -> None:
     keys = KeyStore(keys_dir, rescan_interval=0)
     env = await make_env(aiohttp_client, keys=keys)
-    (keys_dir / "bad.key").write_bytes(b"short")
+    (keys_dir / "k3.key").write_bytes(b"short")
     reply = await env.act(set_binding(input=wrapper(vault_doc(), kid="k3", key=K3)))
     assert reply.status == 400  # never 500
-    assert keys.last_error is not None
+    assert "unknown kid" in reply.text
+    assert set(keys.ignored) == {"k3"}
     await env.ok(set_binding(input=wrapper(vault_doc(), kid="k1", key=K1)))
     assert_no_secret(env, logs)
 
