@@ -470,6 +470,8 @@ class KeyStore:
                 continue
             kid = name[: -len(KEY_SUFFIX)]
             outcome = self._check(directory / name, kid)
+            if outcome is None:
+                continue
             if isinstance(outcome, _KeyFile):
                 files[kid] = outcome
                 continue
@@ -489,11 +491,14 @@ class KeyStore:
                 retired=sorted(set(files) - set(self._ring.kids)),
             )
 
-    def _check(self, path: Path, kid: str) -> _KeyFile | _Bad:
+    def _check(self, path: Path, kid: str) -> _KeyFile | _Bad | None:
+        """The entry's state; None = absent (removed since the listing, or a dangling symlink)."""
         if not valid_kid(kid):
             return _Bad(None, "invalid kid name")
         try:
             st = os.stat(path)
+        except FileNotFoundError:
+            return None  # not a warning: a rotation that removes the file races the listing
         except OSError:
             return _Bad(None, "cannot stat")
         ident = _identity(st)
