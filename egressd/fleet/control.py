@@ -358,6 +358,10 @@ class ControlPlane:
         policy: NetworkPolicy | None = None
         parsed: BindingInput | None = None
         if action.input is not None:
+            if self.keys is not None:
+                # A due key-directory rescan runs in a thread, not on the loop that serves DNS;
+                # the lookup inside parse_binding_input then finds it done (§11, ≤ 1 scan/s).
+                await self.keys.refresh_async()
             try:
                 parsed = parse_binding_input(action.input, uid=action.uid, keys=self.keys, always=self.always)
             except InputError as exc:

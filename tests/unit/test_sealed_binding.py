@@ -484,16 +484,49 @@ async def test_rescan_is_rate_limited_by_the_clock(
     assert_no_secret(env, logs)
 
 
-async def test_broken_key_file_added_later_keeps_the_old_ring(
+async def test_broken_key_file_added_later_is_ignored(
     aiohttp_client: Any, keys_dir: Path, logs: list[dict[str, Any]]
 ) -> None:
     keys = KeyStore(keys_dir, rescan_interval=0)
     env = await make_env(aiohttp_client, keys=keys)
-    (keys_dir / "bad.key").write_bytes(b"short")
+    (keys_dir / "k3.key").write_bytes(b"short")
     reply = await env.act(set_binding(input=wrapper(vault_doc(), kid="k3", key=K3)))
     assert reply.status == 400  # never 500
-    assert keys.last_error is not None
+    assert "unknown kid" in reply.text
+    assert set(keys.ignored) == {"k3"}
     await env.ok(set_binding(input=wrapper(vault_doc(), kid="k1", key=K1)))
+    assert_no_secret(env, logs)
+
+
+async def test_removed_and_retired_keys_are_refused_like_an_unknown_kid(
+    aiohttp_client: Any, keys_dir: Path, logs: list[dict[str, Any]]
+) -> None:
+    clock = FakeClock(0.0)
+    keys = KeyStore(keys_dir, rescan_interval=1.0, clock=clock)
+    env = await make_env(aiohttp_client, keys=keys)
+    await env.ok(set_binding(input=wrapper(vault_doc("one"), kid="k1", key=K1)))
+    await env.ok(hook())
+    # k1.key removed: within one rescan interval SET_BINDING with it is a 400, state untouched.
+    (keys_dir / "k1.key").unlink()
+    clock.advance(1.0)
+    reply = await env.act(set_binding(input=wrapper(vault_doc("two"), kid="k1", key=K1)))
+    assert (reply.status, "unknown kid 'k1'" in reply.text) == (400, True), reply.text
+    assert env.control.vaults["u-1"].revision == 1
+    await env.ok(set_binding(input=wrapper(vault_doc("two"), kid="k2", key=K2)))
+    assert env.control.vaults["u-1"].revision == 2
+    # Four newer keys: k2 is beyond newest + 3 and answers exactly as a kid never seen.
+    t = (keys_dir / "k2.key").stat().st_mtime_ns
+    for i in range(3, 7):
+        write_key(keys_dir, f"k{i}", bytes([i]) * 32)
+        os.utime(keys_dir / f"k{i}.key", ns=(t + i * 10**9, t + i * 10**9))
+    clock.advance(1.0)
+    retired = await env.act(set_binding(input=wrapper(vault_doc("three"), kid="k2", key=K2)))
+    never = await env.act(set_binding(input=wrapper(vault_doc("three"), kid="k9", key=K2)))
+    assert retired.status == never.status == 400
+    assert retired.text == never.text.replace("k9", "k2")
+    assert env.control.vaults["u-1"].revision == 2
+    await env.ok(set_binding(input=wrapper(vault_doc("three"), kid="k6", key=bytes([6]) * 32)))
+    assert env.control.vaults["u-1"].revision == 3
     assert_no_secret(env, logs)
 
 
