@@ -1,7 +1,7 @@
 """Policies at the rule cap (BEHAVIOUR 14.5) for unit and kernel tests.
 
 Every filler rule is its own kernel set element: hosts and prefixes are pairwise disjoint
-(normalisation keeps them all), v4/v6 hosts and CIDRs are interleaved, every eighth rule is
+(normalisation keeps them all), v4/v6 hosts and CIDRs are interleaved, every seventh rule is
 a deny. No filler address is inside the test topology's networks, so the only reachable
 allowed destinations are the ``first`` and ``last`` rules the caller names.
 """
@@ -32,15 +32,17 @@ def filler_rules(n: int, offset: int = 0) -> list[dict[str, str]]:
             target = str(V6_HOSTS + j)
         else:
             target = f"{V6_NETS + (j << 64)}/64"
-        out.append({"action": "deny" if i % 8 == 7 else "allow", "target": target})
+        # Every seventh a deny: 7 and 4 are coprime, so each kind has denies too.
+        out.append({"action": "deny" if i % 7 == 6 else "allow", "target": target})
     return out
 
 
-def big_policy(n: int, *, first: str, last: str, offset: int = 0) -> dict[str, Any]:
-    """``n`` rules: allow ``first``, ``n - 2`` filler rules, allow ``last``."""
+def big_policy(n: int, *, first: list[str], last: list[str], offset: int = 0) -> dict[str, Any]:
+    """``n`` rules: allow each of ``first``, filler, allow each of ``last``."""
     rules = [
-        {"action": "allow", "target": first},
-        *filler_rules(n - 2, offset),
-        {"action": "allow", "target": last},
+        *({"action": "allow", "target": t} for t in first),
+        *filler_rules(n - len(first) - len(last), offset),
+        *({"action": "allow", "target": t} for t in last),
     ]
+    assert len(rules) == n
     return {"defaultAction": "deny", "egress": rules}
