@@ -67,8 +67,8 @@ SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 # nla_len is a u16 that counts the 4-byte header: no attribute, nested ones included, may
 # be longer. A policy of a few thousand prefixes overflows it in one element list.
 NLA_MAX_LEN = 0xFFFF
-# Element bytes per NEWSETELEM/DELSETELEM message. Well below NLA_MAX_LEN, and it keeps each
-# message (what the kernel parses at once) around the size libnftnl sends.
+# Element bytes per NEWSETELEM/DELSETELEM message: well below NLA_MAX_LEN (the elements nest
+# plus table and set names must fit), and small enough that an error names a small piece.
 ELEMENT_BYTES_PER_MESSAGE = 32 * 1024
 # Receive-buffer room per answer in a batch: one ACK skb's truesize is 832 bytes (measured on
 # kernel 6.18, x86-64); 1024 leaves a fifth of margin.
@@ -348,9 +348,9 @@ def pack_groups(
 
 def _interval_groups(nets: Sequence[IPNetwork], fam: str) -> list[list[bytes]]:
     """Interval elements grouped so that a range's start and its end marker always travel in
-    the same message (the leading zero end-marker goes with the first range). The kernel adds
-    elements one by one within the transaction, but a message boundary inside a range would
-    only be safe by that implementation detail, so it is avoided."""
+    the same message (the leading zero end-marker goes with the first range): no message
+    carries half a range, so correctness never rests on how the kernel pairs elements that
+    arrive in different messages of one transaction."""
     groups: list[list[bytes]] = []
     lead: list[bytes] = []
     for key, is_end in interval_keys(nets, fam):
