@@ -181,8 +181,10 @@ class ControlPlane:
         keys: KeyStore | None = None,
         pending_ttl: float = 30.0,
         max_leases: int = DEFAULT_MAX_LEASES,
+        max_rules: int = 0,
     ) -> None:
         self.table = table
+        self.max_rules = max_rules  # OPENSANDBOX_EGRESS_MAX_RULES on SET_BINDING input (0 = none)
         self.tx = tx
         self.always = always
         self.metrics = metrics
@@ -363,7 +365,9 @@ class ControlPlane:
                 # the lookup inside parse_binding_input then finds it done (§11, ≤ 1 scan/s).
                 await self.keys.refresh_async()
             try:
-                parsed = parse_binding_input(action.input, uid=action.uid, keys=self.keys, always=self.always)
+                parsed = parse_binding_input(
+                    action.input, uid=action.uid, keys=self.keys, always=self.always, max_rules=self.max_rules
+                )
             except InputError as exc:
                 return Result(400, f"invalid binding input: {exc}")
             policy = parsed.policy

@@ -20,6 +20,7 @@ from egressd.policy import (
     effective_policy,
     parse_policy,
     parse_policy_obj,
+    rule_cap_problem,
 )
 from egressd.vault.model import VaultContent, VaultError, parse_create
 from egressd.vault.sealed import (
@@ -52,9 +53,17 @@ class BindingInput:
 
 
 def parse_binding_input(
-    text: str, *, uid: str = "", keys: KeyStore | None = None, always: AlwaysRules = EMPTY_ALWAYS
+    text: str,
+    *,
+    uid: str = "",
+    keys: KeyStore | None = None,
+    always: AlwaysRules = EMPTY_ALWAYS,
+    max_rules: int = 0,
 ) -> BindingInput:
-    """Parse before any mutation (§3 step 1); raises :class:`InputError` (-> 400)."""
+    """Parse before any mutation (§3 step 1); raises :class:`InputError` (-> 400).
+
+    ``max_rules``: OPENSANDBOX_EGRESS_MAX_RULES (0 = unlimited), checked on the user policy
+    of a bare policy and of a sealed wrapper alike, before a sealed vault is opened."""
     stripped = text.strip()
     obj: object = None
     if stripped.startswith("{"):
@@ -63,15 +72,25 @@ def parse_binding_input(
         except (ValueError, RecursionError):
             obj = None
     if is_wrapper(obj):
-        return _parse_wrapper(obj, uid, keys, always)
+        return _parse_wrapper(obj, uid, keys, always, max_rules)
     try:
         # Already decoded above when it looked like an object: not parsed a second time.
-        return BindingInput(parse_policy_obj(obj) if isinstance(obj, dict) else parse_policy(text))
+        policy = parse_policy_obj(obj) if isinstance(obj, dict) else parse_policy(text)
     except PolicyError as exc:
         raise InputError(f"invalid policy: {_redacted(exc)}") from None
+    _check_cap(policy, max_rules)
+    return BindingInput(policy)
 
 
-def _parse_wrapper(obj: object, uid: str, keys: KeyStore | None, always: AlwaysRules) -> BindingInput:
+def _check_cap(policy: NetworkPolicy, max_rules: int) -> None:
+    problem = rule_cap_problem(policy, max_rules)
+    if problem is not None:
+        raise InputError(problem)
+
+
+def _parse_wrapper(
+    obj: object, uid: str, keys: KeyStore | None, always: AlwaysRules, max_rules: int
+) -> BindingInput:
     try:
         wrapper = parse_wrapper(obj)
     except SealError as exc:
@@ -80,6 +99,7 @@ def _parse_wrapper(obj: object, uid: str, keys: KeyStore | None, always: AlwaysR
         policy = parse_policy_obj(wrapper.policy)
     except PolicyError as exc:
         raise InputError(f"invalid policy: {_redacted(exc)}") from None
+    _check_cap(policy, max_rules)  # before any decryption: an over-cap input costs no AEAD work
     if wrapper.vault is None:
         return BindingInput(policy, VaultAction.REMOVE)
     try:

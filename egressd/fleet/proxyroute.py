@@ -21,11 +21,11 @@ from egressd.fleet.route import Resource, RouteError, RouteRequest, classify
 from egressd.policy import (
     NetworkPolicy,
     PolicyError,
-    check_rule_cap,
     delete_targets,
     merge_patch,
     parse_policy,
     policy_mode,
+    rule_cap_problem,
 )
 from egressd.subject.registry import Entry, State
 from egressd.vault.model import VaultError
@@ -158,8 +158,10 @@ class ProxyRouteAPI(SubjectListener):
                     "reason": reason,
                 },
             )
-        if not check_rule_cap(new, self.max_rules):
-            return Reply(413, text=f"policy has more than {self.max_rules} rules")
+        problem = rule_cap_problem(new, self.max_rules)
+        if problem is not None:
+            # 400 like every other fleet input refusal (BEHAVIOUR 14.5); the sidecar says 413.
+            return Reply(400, text=problem)
         store = self.control.vaults.get(entry.uid)
         if store is not None:
             try:

@@ -49,6 +49,10 @@ class _Netlink:
             self.sock.run(batch)
         except (NetlinkError, OSError) as exc:
             raise NftError(f"netlink batch refused: {exc}") from None
+        except ValueError as exc:
+            # The encoder refused it before anything was sent (e.g. an attribute over its
+            # u16 length): a refusal like the kernel's, never an unhandled error.
+            raise NftError(f"netlink batch not encodable: {exc}") from None
 
     def close(self) -> None:
         self.sock.close()

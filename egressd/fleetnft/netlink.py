@@ -12,6 +12,7 @@ Constants are the uapi values of ``linux/netlink.h``, ``linux/netfilter/nfnetlin
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import os
@@ -56,6 +57,23 @@ NLMSG_DONE = 0x3
 NLM_F_DUMP = 0x300
 NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED / NLA_F_NET_BYTEORDER
 NLA_F_NESTED = 0x8000
+
+SOL_NETLINK = 270
+NETLINK_CAP_ACK = 10  # error answers carry only the failed message's header, not its body
+# The *FORCE variants lift net.core.{w,r}mem_max for CAP_NET_ADMIN, as libnftables does.
+SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+
+# nla_len is a u16 that counts the 4-byte header: no attribute, nested ones included, may
+# be longer. A policy of a few thousand prefixes overflows it in one element list.
+NLA_MAX_LEN = 0xFFFF
+# Element bytes per NEWSETELEM/DELSETELEM message: well below NLA_MAX_LEN (the elements nest
+# plus table and set names must fit), and small enough that an error names a small piece.
+ELEMENT_BYTES_PER_MESSAGE = 32 * 1024
+# Receive-buffer room per answer in a batch: one ACK skb's truesize is 832 bytes (measured on
+# kernel 6.18, x86-64); 1024 leaves a fifth of margin.
+ACK_TRUESIZE = 1024
+MIN_RCVBUF = 1 << 20
 
 NFNL_SUBSYS_NFTABLES = 10
 NFNL_MSG_BATCH_BEGIN = 0x10
@@ -133,6 +151,9 @@ class NetlinkError(RuntimeError):
 
 def _attr(kind: int, payload: bytes) -> bytes:
     length = 4 + len(payload)
+    if length > NLA_MAX_LEN:
+        # struct.pack would raise a bare struct.error; name the limit instead.
+        raise ValueError(f"netlink attribute {kind & NLA_TYPE_MASK} is {length} bytes (limit {NLA_MAX_LEN})")
     return struct.pack("=HH", length, kind) + payload + b"\0" * (-length % 4)
 
 
@@ -304,8 +325,62 @@ def _elem_list(table: str, name: str, elements: bytes | None) -> bytes:
     return body + elements if elements is not None else body
 
 
-def encode_op(table: str, op: Op, set_id: int = 0) -> tuple[int, int, bytes]:
-    """(nf_tables message type, extra nlmsg flags, attributes) of one operation."""
+def pack_groups(
+    groups: Sequence[Sequence[bytes]], budget: int = ELEMENT_BYTES_PER_MESSAGE
+) -> list[list[bytes]]:
+    """Consecutive element groups packed greedily into chunks of at most ``budget`` bytes of
+    element nests (4 header bytes + the element each); a group is never split. Order is kept,
+    so the kernel sees the elements in the order one message would have carried them."""
+    chunks: list[list[bytes]] = []
+    current: list[bytes] = []
+    size = 0
+    for group in groups:
+        need = sum(4 + len(e) for e in group)
+        if current and size + need > budget:
+            chunks.append(current)
+            current, size = [], 0
+        current.extend(group)
+        size += need
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _interval_groups(nets: Sequence[IPNetwork], fam: str) -> list[list[bytes]]:
+    """Interval elements grouped so that a range's start and its end marker always travel in
+    the same message (the leading zero end-marker goes with the first range): no message
+    carries half a range, so correctness never rests on how the kernel pairs elements that
+    arrive in different messages of one transaction."""
+    groups: list[list[bytes]] = []
+    lead: list[bytes] = []
+    for key, is_end in interval_keys(nets, fam):
+        e = _key(key, fam)
+        if is_end:
+            e += _u32(NFTA_SET_ELEM_FLAGS, NFT_SET_ELEM_INTERVAL_END)
+        if not is_end:
+            groups.append([*lead, e])
+            lead = []
+        elif groups:
+            groups[-1].append(e)
+        else:
+            lead.append(e)
+    if lead:
+        groups.append(lead)
+    return groups
+
+
+def _element_messages(
+    msg_type: int, flags: int, table: str, name: str, groups: Sequence[Sequence[bytes]]
+) -> list[tuple[int, int, bytes]]:
+    """One element operation as as many messages as its elements need (at least one)."""
+    chunks = pack_groups(groups) or [[]]
+    return [(msg_type, flags, _elem_list(table, name, _elements(c))) for c in chunks]
+
+
+def encode_op(table: str, op: Op, set_id: int = 0) -> list[tuple[int, int, bytes]]:
+    """(nf_tables message type, extra nlmsg flags, attributes) of each message of one
+    operation: one message, except element lists too long for one attribute (a big policy's
+    prefixes, a big DNS answer), which become several messages of the same batch."""
     if isinstance(op, AddSet):
         v4 = op.fam == "v4"
         flags = {"interval": NFT_SET_INTERVAL, "timeout": NFT_SET_TIMEOUT}.get(op.kind, 0)
@@ -321,9 +396,11 @@ def encode_op(table: str, op: Op, set_id: int = 0) -> tuple[int, int, bytes]:
             body += _u64(NFTA_SET_TIMEOUT, op.timeout_s * 1000)
         if op.size:
             body += _nest(NFTA_SET_DESC, _u32(NFTA_SET_DESC_SIZE, op.size))
-        return NFT_MSG_NEWSET, NLM_F_CREATE, body
+        return [(NFT_MSG_NEWSET, NLM_F_CREATE, body)]
     if isinstance(op, AddChain):
-        return NFT_MSG_NEWCHAIN, NLM_F_CREATE, _str(NFTA_CHAIN_TABLE, table) + _str(NFTA_CHAIN_NAME, op.name)
+        return [
+            (NFT_MSG_NEWCHAIN, NLM_F_CREATE, _str(NFTA_CHAIN_TABLE, table) + _str(NFTA_CHAIN_NAME, op.name))
+        ]
     if isinstance(op, AddCounter | DeleteCounter):
         body = (
             _str(NFTA_OBJ_TABLE, table)
@@ -331,9 +408,9 @@ def encode_op(table: str, op: Op, set_id: int = 0) -> tuple[int, int, bytes]:
             + _u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER)
         )
         if isinstance(op, DeleteCounter):
-            return NFT_MSG_DELOBJ, 0, body
+            return [(NFT_MSG_DELOBJ, 0, body)]
         zero = _u64(NFTA_COUNTER_BYTES, 0) + _u64(NFTA_COUNTER_PACKETS, 0)
-        return NFT_MSG_NEWOBJ, NLM_F_CREATE, body + _nest(NFTA_OBJ_DATA, zero)
+        return [(NFT_MSG_NEWOBJ, NLM_F_CREATE, body + _nest(NFTA_OBJ_DATA, zero))]
     if isinstance(op, AddJump):
         fam = "v4" if op.key.version == 4 else "v6"
         verdict = _nest(
@@ -342,42 +419,39 @@ def encode_op(table: str, op: Op, set_id: int = 0) -> tuple[int, int, bytes]:
             _str(NFTA_VERDICT_CHAIN, op.chain),
         )
         elem = _key(op.key, fam) + _nest(NFTA_SET_ELEM_DATA, verdict)
-        return NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.map, _elements([elem]))
+        return [(NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.map, _elements([elem])))]
     if isinstance(op, AddElements):
-        elems = [_key(k, "v4" if k.version == 4 else "v6") for k in op.keys]
-        return NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.name, _elements(elems))
+        groups = [[_key(k, "v4" if k.version == 4 else "v6")] for k in op.keys]
+        return _element_messages(NFT_MSG_NEWSETELEM, NLM_F_CREATE, table, op.name, groups)
     if isinstance(op, AddRule):
         body = (
             _str(NFTA_RULE_TABLE, table)
             + _str(NFTA_RULE_CHAIN, op.chain)
             + _nest(NFTA_RULE_EXPRESSIONS, rule_expressions(op.rule))
         )
-        return NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, body
+        return [(NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, body)]
     if isinstance(op, FlushSet):
-        return NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, None)  # no element list = flush
+        return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, None))]  # no element list = flush
     if isinstance(op, AddIntervals):
-        elems = []
-        for key, is_end in interval_keys(op.nets, op.fam):
-            e = _key(key, op.fam)
-            if is_end:
-                e += _u32(NFTA_SET_ELEM_FLAGS, NFT_SET_ELEM_INTERVAL_END)
-            elems.append(e)
-        return NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.name, _elements(elems))
+        groups = _interval_groups(op.nets, op.fam)
+        return _element_messages(NFT_MSG_NEWSETELEM, NLM_F_CREATE, table, op.name, groups)
     if isinstance(op, AddTimed):
-        elems = [
-            _key(ip, op.fam)
-            + _u64(NFTA_SET_ELEM_TIMEOUT, sec * 1000)
-            + _u64(NFTA_SET_ELEM_EXPIRATION, sec * 1000)
+        groups = [
+            [
+                _key(ip, op.fam)
+                + _u64(NFTA_SET_ELEM_TIMEOUT, sec * 1000)
+                + _u64(NFTA_SET_ELEM_EXPIRATION, sec * 1000)
+            ]
             for ip, sec in op.leases
         ]
-        return NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.name, _elements(elems))
+        return _element_messages(NFT_MSG_NEWSETELEM, NLM_F_CREATE, table, op.name, groups)
     if isinstance(op, DeleteElement):
         fam = "v4" if op.key.version == 4 else "v6"
-        return NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, _elements([_key(op.key, fam)]))
+        return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, _elements([_key(op.key, fam)])))]
     if isinstance(op, DeleteChain):
-        return NFT_MSG_DELCHAIN, 0, _str(NFTA_CHAIN_TABLE, table) + _str(NFTA_CHAIN_NAME, op.name)
+        return [(NFT_MSG_DELCHAIN, 0, _str(NFTA_CHAIN_TABLE, table) + _str(NFTA_CHAIN_NAME, op.name))]
     assert isinstance(op, DeleteSet)
-    return NFT_MSG_DELSET, 0, _str(NFTA_SET_TABLE, table) + _str(NFTA_SET_NAME, op.name)
+    return [(NFT_MSG_DELSET, 0, _str(NFTA_SET_TABLE, table) + _str(NFTA_SET_NAME, op.name))]
 
 
 def _nlmsg(msg_type: int, flags: int, seq: int, family: int, res_id: int, body: bytes) -> bytes:
@@ -386,24 +460,29 @@ def _nlmsg(msg_type: int, flags: int, seq: int, family: int, res_id: int, body: 
 
 
 def encode_batch(batch: NetlinkBatch, first_seq: int) -> tuple[bytes, dict[int, Op]]:
-    """One nfnetlink batch (begin, the operations, end) and the seq of each operation."""
+    """One nfnetlink batch (begin, the operations' messages, end) and the operation of each
+    message's seq (an operation split over several messages owns several seqs).
+
+    Whatever the number of messages, there is exactly one BEGIN and one END: the kernel
+    commits all of it or nothing, so splitting never exposes a partial state."""
     seq = itertools.count(first_seq)
     parts = [_nlmsg(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, next(seq), 0, NFNL_SUBSYS_NFTABLES, b"")]
     by_seq: dict[int, Op] = {}
     for op in batch.ops:
-        s = next(seq)
-        msg_type, extra, body = encode_op(batch.table, op, set_id=s)
-        by_seq[s] = op
-        parts.append(
-            _nlmsg(
-                (NFNL_SUBSYS_NFTABLES << 8) | msg_type,
-                NLM_F_REQUEST | NLM_F_ACK | extra,
-                s,
-                NFPROTO_INET,
-                0,
-                body,
+        set_id = first_seq + len(by_seq) + 1  # the seq of the op's first message
+        for msg_type, extra, body in encode_op(batch.table, op, set_id=set_id):
+            s = next(seq)
+            by_seq[s] = op
+            parts.append(
+                _nlmsg(
+                    (NFNL_SUBSYS_NFTABLES << 8) | msg_type,
+                    NLM_F_REQUEST | NLM_F_ACK | extra,
+                    s,
+                    NFPROTO_INET,
+                    0,
+                    body,
+                )
             )
-        )
     parts.append(_nlmsg(NFNL_MSG_BATCH_END, NLM_F_REQUEST, next(seq), 0, NFNL_SUBSYS_NFTABLES, b""))
     return b"".join(parts), by_seq
 
@@ -555,32 +634,67 @@ def _failed_op_text(table: str, op: Op) -> str:
 # ---- the socket (shell) --------------------------------------------------------------------
 
 
+def buffer_sizes(batch_bytes: int, messages: int) -> tuple[int, int]:
+    """(send, receive) buffer sizes a batch needs, as given to setsockopt (the kernel doubles
+    them). Send: the kernel refuses a netlink message longer than the send buffer with
+    EMSGSIZE, and the whole batch is one sendmsg. Receive: the kernel handles the batch inside
+    that sendmsg and queues every answer (one per message: each carries NLM_F_ACK) before it
+    returns; an answer that does not fit is dropped, and then the outcome is unknown."""
+    return batch_bytes + 4096, max(MIN_RCVBUF, (messages + 2) * ACK_TRUESIZE)
+
+
 class NfTablesSocket:
     """A NETLINK_NETFILTER socket applying batches; one per kernel thread, bound to its netns."""
 
     def __init__(self, timeout: float = 5.0) -> None:
         self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        self._sndbuf = 0
+        self._rcvbuf = 0
+        self._grow_buffers(0, 0)
+        with contextlib.suppress(OSError):  # kernels before 4.3: full echoes, still parsed
+            self._sock.setsockopt(SOL_NETLINK, NETLINK_CAP_ACK, 1)
         self._sock.bind((0, 0))
         self._sock.settimeout(timeout)
         self._seq = 1
+
+    def _set_buffer(self, force: int, plain: int, size: int) -> int:
+        """Set a buffer size; the FORCE option (root) passes the sysctl cap, the plain one is
+        the fallback. Returns the size the kernel reports (twice the request when granted)."""
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, force, size)
+        except PermissionError:
+            self._sock.setsockopt(socket.SOL_SOCKET, plain, size)
+        return int(self._sock.getsockopt(socket.SOL_SOCKET, plain))
+
+    def _grow_buffers(self, batch_bytes: int, messages: int) -> None:
+        snd, rcv = buffer_sizes(batch_bytes, messages)
+        if snd > self._sndbuf:
+            self._sndbuf = max(snd, self._set_buffer(SO_SNDBUFFORCE, socket.SO_SNDBUF, snd))
+        if rcv > self._rcvbuf:
+            self._rcvbuf = max(rcv, self._set_buffer(SO_RCVBUFFORCE, socket.SO_RCVBUF, rcv))
 
     def run(self, batch: NetlinkBatch) -> None:
         if not batch.ops:
             return
         first = self._seq
         data, by_seq = encode_batch(batch, first)
-        self._seq += len(batch.ops) + 2
+        self._seq += len(by_seq) + 2
+        self._grow_buffers(len(data), len(by_seq))
         self._sock.sendall(data)
         pending = set(by_seq)
         failure: NetlinkError | None = None
-        # One ACK or error per operation (every operation carries NLM_F_ACK). An error on the
-        # batch framing itself (e.g. EPERM) ends the wait at once.
+        # One ACK or error per message (every message carries NLM_F_ACK), all queued before
+        # sendall returns. An error on the batch framing itself (e.g. EPERM) ends the wait.
         while pending:
             try:
                 buf = self._sock.recv(1 << 16)
             except TimeoutError:
                 raise NetlinkError(errno.ETIMEDOUT, "waiting for the kernel's answer") from None
+            except OSError as exc:
+                if exc.errno == errno.ENOBUFS:
+                    # Answers were dropped: the kernel may have committed the batch.
+                    raise NetlinkError(errno.ENOBUFS, "answers lost (receive buffer full)") from None
+                raise
             off = 0
             while off + 20 <= len(buf):
                 length, msg_type, _flags, seq, _pid = struct.unpack_from("=IHHII", buf, off)

@@ -17,7 +17,7 @@ from egressd.policy.audit import (
     new_decision_id,
     rule_label,
 )
-from egressd.policy.edit import check_rule_cap, delete_targets, merge_patch
+from egressd.policy.edit import check_rule_cap, delete_targets, merge_patch, rule_cap_problem
 from egressd.policy.evaluate import Decision, domain_matches, evaluate_domain, normalise_name
 from egressd.policy.ipsets import IpSets, format_element, ip_sets, normalise_networks
 from egressd.policy.model import (
@@ -75,5 +75,6 @@ __all__ = [
     "parse_rule",
     "parse_target",
     "policy_mode",
+    "rule_cap_problem",
     "rule_label",
 ]

@@ -59,8 +59,26 @@ def delete_targets(policy: NetworkPolicy, body: object) -> tuple[NetworkPolicy, 
     return replace(policy, egress=kept), removed
 
 
+#: Where the cap comes from, named in every refusal so the operator knows what to raise.
+RULE_CAP_SETTING = "OPENSANDBOX_EGRESS_MAX_RULES"
+
+
 def check_rule_cap(policy: NetworkPolicy, cap: int) -> bool:
-    """True when ``policy`` has at most ``cap`` rules; ``cap`` 0 means unlimited."""
+    """True when ``policy`` has at most ``cap`` rules; ``cap`` 0 means unlimited.
+
+    Counted: the entries of the policy's ``egress`` list as the tenant sent them (after a
+    PATCH merge), domains and IP/CIDR rules alike. Not counted: the operator's always-rules
+    (``deny.always`` / ``allow.always``) and the sidecar's resolver addresses. They join the
+    effective policy on every apply, but they are not the tenant's to trim, so they never use
+    up the tenant's cap (the kernel sets are sized by content, not by this cap).
+    """
     if cap < 0:
         raise ValueError(f"rule cap must be >= 0, got {cap}")
     return cap == 0 or len(policy.egress) <= cap
+
+
+def rule_cap_problem(policy: NetworkPolicy, cap: int) -> str | None:
+    """One-line refusal naming the limit, or None when ``policy`` is within ``cap``."""
+    if check_rule_cap(policy, cap):
+        return None
+    return f"policy has {len(policy.egress)} rules, more than {RULE_CAP_SETTING}={cap}"

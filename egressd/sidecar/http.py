@@ -25,7 +25,7 @@ from egressd.fleet.proxyroute import _NO_MATCH, Reply, _edited, vault_request
 from egressd.fleet.route import UID_HEADER, Resource, RouteError, classify
 from egressd.fleet.server import BodyTooLarge, incomplete, read_limited, text
 from egressd.metrics import EgressMetrics
-from egressd.policy import PolicyError, check_rule_cap, policy_mode
+from egressd.policy import PolicyError, policy_mode, rule_cap_problem
 from egressd.serving import BodyIncomplete, InFlight
 from egressd.sidecar.engine import SIDECAR_UID, SidecarEngine
 from egressd.vault.model import VaultError, parse_create, parse_mutation
@@ -210,8 +210,9 @@ class SidecarHTTP:
                 return text(400, f"invalid policy: {AUDIT_UNSUPPORTED}")
             if reason == _NO_MATCH:
                 return web.json_response(self._status(reason=reason))  # nothing removed, nothing applied
-            if not check_rule_cap(new, self.max_rules):
-                return text(413, f"policy has more than {self.max_rules} rules")
+            problem = rule_cap_problem(new, self.max_rules)
+            if problem is not None:
+                return text(413, problem)
             if self.vault is not None:
                 try:
                     self.vault.check_policy(self.engine.effective_for(new))

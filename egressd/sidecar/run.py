@@ -24,7 +24,7 @@ from egressd.fleet.always_reload import AlwaysRulesReloader
 from egressd.fleetnft.applier import KernelTransactions, NftError
 from egressd.metrics import EgressMetrics
 from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
-from egressd.policy import AlwaysRulesError, check_rule_cap, load_always_rules
+from egressd.policy import AlwaysRulesError, load_always_rules, rule_cap_problem
 from egressd.serving import ListenError, start_http, wait_for_stop
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.flows import cut_disallowed
@@ -74,10 +74,9 @@ async def run_sidecar(
         raise SidecarStartupError(str(exc)) from None
     if initial.warning:
         log.warning("policy.initial_fallback", reason=initial.warning, path=str(cfg.policy_file))
-    if not check_rule_cap(initial.policy, cfg.max_rules):
-        raise SidecarStartupError(
-            f"initial policy ({initial.source}) has more than {cfg.max_rules} rules (OPENSANDBOX_EGRESS_MAX_RULES)"
-        )
+    problem = rule_cap_problem(initial.policy, cfg.max_rules)
+    if problem is not None:
+        raise SidecarStartupError(f"initial policy ({initial.source}): {problem}")
 
     upstreams = upstreams_or_system(cfg.dns_upstreams)
     table = table_for(cfg, upstreams)

@@ -3,6 +3,7 @@ one sandbox namespace; real DNS queries and TCP connections go through its outpu
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import shutil
@@ -13,8 +14,10 @@ from typing import Any
 
 import pytest
 
+from egressd.policy import format_element, ip_sets, normalise_networks, parse_policy
+from tests.bigpolicy import big_policy
 from tests.kernel.sidecar import TABLE, Sidecar
-from tests.kernel.topology import UP_NET, Topology, cleanup_stale
+from tests.kernel.topology import UP_NET, Topology, cleanup_stale, nft_genid, nft_set_elements
 
 UP_A = f"{UP_NET}.2"  # a.test, also the DNS upstream
 UP_B = f"{UP_NET}.3"  # b.test
@@ -399,3 +402,83 @@ def test_lease_cap_bounds_the_dyn_sets(sidecar: Sidecar, stopo: Topology) -> Non
     # A policy change re-declares the sets with the same size and the kept leases.
     sidecar.patch([{"action": "allow", "target": UP_LIT}])
     assert _dyn_v4(stopo, sidecar) == ({UP_B, UP_EX}, 2)
+
+
+# ---- BEHAVIOUR 14.5: a policy at the rule cap ------------------------------------------------
+
+CAP = 4096  # the default OPENSANDBOX_EGRESS_MAX_RULES
+# The resolver (UP_A) is always allowed (§8.6), so the probed first/last rules avoid it.
+BIG1 = big_policy(CAP, first=[f"{UP_NET}.4", "fd00:204::2"], last=["fd00:204::8/127", f"{UP_NET}.8/31"])
+BIG2 = big_policy(
+    CAP, first=[f"{UP_NET}.3", "fd00:204::3"], last=["fd00:204::6/127", f"{UP_NET}.6/31"], offset=100_000
+)
+
+
+def _assert_sidecar_sets(stopo: Topology, sidecar: Sidecar, policy: dict[str, Any] | None) -> None:
+    sets = ip_sets(parse_policy(json.dumps(policy) if policy is not None else None))
+    resolver = [ipaddress.ip_network(UP_A)]
+    want = {
+        "allow_v4": normalise_networks([*sets.allow_v4, *resolver]),
+        "allow_v6": sets.allow_v6,
+        "deny_v4": sets.deny_v4,
+        "deny_v6": sets.deny_v6,
+    }
+    for name, nets in want.items():
+        got = nft_set_elements(stopo, sidecar.ns, TABLE, name)
+        assert got == {format_element(n) for n in nets}, name
+
+
+def _one_transaction(
+    stopo: Topology, sidecar: Sidecar, method: str, body: object, raw: str | None = None
+) -> None:
+    gen = nft_genid(stopo, sidecar.ns)
+    code, text = sidecar.api(method, "/policy", body, raw=raw)
+    assert code == 200, text
+    assert nft_genid(stopo, sidecar.ns) == gen + 1, "not exactly one kernel transaction"
+
+
+def test_a_policy_at_the_cap_starts_updates_and_resets_in_one_transaction_each(
+    sidecar: Sidecar, stopo: Topology
+) -> None:
+    # The initial policy from the file (4096 rules are too long for one environment string).
+    sidecar.policy_file.write_text(json.dumps(BIG1))
+    sidecar.start()
+    assert len(sidecar.policy()["policy"]["egress"]) == CAP
+    _assert_sidecar_sets(stopo, sidecar, BIG1)
+    assert sidecar.reaches(f"{UP_NET}.4") and sidecar.reaches(f"{UP_NET}.9")  # first, last v4
+    # The first v6 connection of the namespace waits for neighbour discovery: a longer timeout.
+    assert sidecar.reaches("fd00:204::2", timeout=3) and sidecar.reaches("fd00:204::9")  # first, last v6
+    assert not sidecar.reaches(f"{UP_NET}.5")
+
+    _one_transaction(stopo, sidecar, "POST", BIG2)
+    _assert_sidecar_sets(stopo, sidecar, BIG2)
+    assert sidecar.reaches(f"{UP_NET}.3") and sidecar.reaches(f"{UP_NET}.7")
+    assert sidecar.reaches("fd00:204::3") and sidecar.reaches("fd00:204::7")
+    assert not sidecar.reaches(f"{UP_NET}.4") and not sidecar.reaches("fd00:204::9")
+
+    # Over the cap: 413 naming the limit, no transaction, the policy in force unchanged.
+    over = big_policy(CAP + 1, first=[f"{UP_NET}.4"], last=[f"{UP_NET}.9"])
+    gen = nft_genid(stopo, sidecar.ns)
+    code, text = sidecar.api("POST", "/policy", over)
+    assert (code, text.strip()) == (
+        413,
+        f"policy has {CAP + 1} rules, more than OPENSANDBOX_EGRESS_MAX_RULES={CAP}",
+    )
+    assert nft_genid(stopo, sidecar.ns) == gen
+    _assert_sidecar_sets(stopo, sidecar, BIG2)
+
+    # Reset (empty body): deny-all, every policy element gone in one transaction.
+    _one_transaction(stopo, sidecar, "POST", None, raw="")
+    _assert_sidecar_sets(stopo, sidecar, None)
+    assert not sidecar.reaches(f"{UP_NET}.3") and not sidecar.reaches("fd00:204::3")
+
+
+def test_an_initial_policy_over_the_cap_is_refused_with_one_line(sidecar: Sidecar) -> None:
+    sidecar.policy_file.write_text(
+        json.dumps(big_policy(CAP + 1, first=[f"{UP_NET}.4"], last=[f"{UP_NET}.9"]))
+    )
+    r = sidecar.run_to_exit()
+    assert r.returncode == 1
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"more than OPENSANDBOX_EGRESS_MAX_RULES={CAP}" in lines[0], r.stderr
+    assert not sidecar.table_exists()

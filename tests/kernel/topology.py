@@ -488,6 +488,47 @@ class Daemon:
         return set()
 
 
+# Asks the kernel for the nf_tables ruleset generation (NFT_MSG_GETGEN -> NFTA_GEN_ID). The
+# generation grows by one per committed transaction and not for an aborted one, so its step
+# over an action counts the transactions that action committed.
+_GENID_SCRIPT = """
+import socket, struct
+s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 12)
+s.bind((0, 0))
+s.send(struct.pack("=IHHII", 20, (10 << 8) | 16, 1, 1, 0) + bytes(4))
+buf = s.recv(65536)
+off = 20
+while off + 4 <= len(buf):
+    ln, kind = struct.unpack_from("=HH", buf, off)
+    if kind & 0x3FFF == 1:
+        print(struct.unpack_from(">I", buf, off + 4)[0])
+        break
+    off += (ln + 3) & ~3
+"""
+
+
+def nft_genid(topo: Topology, ns: str) -> int:
+    """The nf_tables generation of namespace ``ns`` (read in a child, never via setns here)."""
+    return int(topo.ns(ns, str(VENV_PY), "-c", _GENID_SCRIPT).stdout)
+
+
+def nft_set_elements(topo: Topology, ns: str, table: str, name: str) -> set[str]:
+    """The elements of an interval set as nft prints them: bare hosts and ``addr/len``."""
+    out = json.loads(topo.ns(ns, "nft", "-j", "list", "set", "inet", table, name).stdout)
+    for item in out["nftables"]:
+        if "set" in item:
+            got = set()
+            for e in item["set"].get("elem", []):
+                if isinstance(e, str):
+                    got.add(e)
+                elif isinstance(e, dict) and "prefix" in e:
+                    got.add(f"{e['prefix']['addr']}/{e['prefix']['len']}")
+                else:
+                    got.add(json.dumps(e))  # a range or anything else: never expected
+            return got
+    raise AssertionError(f"no set {name} in {table}")
+
+
 def envelope(
     op: str,
     uid: str,

@@ -129,7 +129,7 @@ def _strip_nested(buf: bytes, start: int) -> bytes:
 
 
 def _ours(op: Any, seq: int = 7) -> bytes:
-    msg_type, extra, body = netlink.encode_op(T, op)
+    [(msg_type, extra, body)] = netlink.encode_op(T, op)  # small ops: exactly one message
     raw = netlink._nlmsg(
         (10 << 8) | msg_type, netlink.NLM_F_REQUEST | netlink.NLM_F_ACK | extra, seq, 1, 0, body
     )

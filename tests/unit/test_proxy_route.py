@@ -286,6 +286,7 @@ async def make_env(
         metrics=metrics,
         keys=keys if keys is not None else KeyStore(keys_dir),
         pending_ttl=pending_ttl,
+        max_rules=max_rules,
     )
     await control.reset_table()
     proxy = ProxyRouteAPI(control, max_rules=max_rules, clock=clock)
@@ -1241,15 +1242,75 @@ async def test_invalid_policy_write_is_400_and_changes_nothing(active: Env, meth
     assert (await env.call("GET", "/policy")).json() == before
 
 
-async def test_policy_rule_cap_is_413(aiohttp_client: Any, logs: list[dict[str, Any]]) -> None:
+CAP_REASON = "invalid binding input: policy has 4 rules, more than OPENSANDBOX_EGRESS_MAX_RULES=3\n"
+
+
+def _policy_of(n: int) -> dict[str, Any]:
+    return {
+        "defaultAction": "deny",
+        "egress": [{"action": "allow", "target": f"10.9.{i // 256}.{i % 256}"} for i in range(n)],
+    }
+
+
+async def test_set_binding_over_the_rule_cap_is_400_and_changes_nothing(aiohttp_client: Any) -> None:
+    env = await make_env(aiohttp_client, max_rules=3)
+    mark = env.tx.mark()
+    reply = await env.act(set_binding(input=json.dumps(_policy_of(4))))
+    assert reply.status == 400
+    assert reply.headers.get("Content-Type", "").startswith("text/plain")
+    assert reply.text == CAP_REASON
+    assert env.state() == "absent" and env.tx.since(mark) == []
+    # At the cap it is accepted, and an over-cap in-place update of the active subject is
+    # refused without touching what is installed.
+    await env.register(input=json.dumps(_policy_of(3)))
+    mark = env.tx.mark()
+    reply = await env.act(set_binding(input=json.dumps(_policy_of(4)), gen=2))
+    assert reply.status == 400 and "OPENSANDBOX_EGRESS_MAX_RULES=3" in reply.text
+    assert env.tx.since(mark) == []
+    assert env.state() == "active"
+    entry = env.control.registry.get("u-1")
+    assert entry is not None and entry.policy is not None and len(entry.policy.egress) == 3
+
+
+async def test_a_sealed_wrapper_over_the_rule_cap_is_refused_before_it_is_opened(aiohttp_client: Any) -> None:
+    env = await make_env(aiohttp_client, max_rules=3)
+    # The vault cannot be opened (no such key): the cap is what answers, so an over-cap input
+    # never costs a decryption.
+    bogus = {"v": 1, "kid": "nokey", "alg": "A256GCM", "ct": "AAAA"}
+    for vault in (bogus, None):
+        wrapper = {"osbEgressInput": 1, "policy": _policy_of(4), "vault": vault}
+        reply = await env.act(set_binding(input=json.dumps(wrapper)))
+        assert reply.status == 400
+        assert reply.text == CAP_REASON
+    assert env.state() == "absent"
+
+
+async def test_rule_cap_zero_is_unlimited_and_always_rules_do_not_count(aiohttp_client: Any) -> None:
+    env = await make_env(aiohttp_client, max_rules=0)
+    await env.register(input=json.dumps(_policy_of(5000)))
+    assert (await env.call("PUT", "/policy", body=_policy_of(6000))).status == 200
+    always = AlwaysRules(deny=parse_always_text("1.1.1.1\n2.2.2.2\n", "deny.always", Verdict.DENY), allow=())
+    env2 = await make_env(aiohttp_client, max_rules=2, always=always)
+    await env2.register(input=json.dumps(_policy_of(2)))  # 2 user rules + 2 always-rules: within
+    assert (await env2.call("PUT", "/policy", body=_policy_of(2))).status == 200
+
+
+async def test_policy_rule_cap_is_400_naming_the_limit(
+    aiohttp_client: Any, logs: list[dict[str, Any]]
+) -> None:
+    # Fleet: 400 like every other input refusal (BEHAVIOUR 14.5; the sidecar answers 413).
     env = await make_env(aiohttp_client, max_rules=2)
     await env.register(input='{"defaultAction":"deny","egress":[{"action":"allow","target":"a.com"}]}')
     three = {"defaultAction": "deny", "egress": [{"action": "allow", "target": f"{c}.com"} for c in "xyz"]}
     mark = env.tx.mark()
-    assert (await env.call("PUT", "/policy", body=three)).status == 413
-    assert (await env.call("POST", "/policy", body=three)).status == 413
+    for method in ("PUT", "POST"):
+        reply = await env.call(method, "/policy", body=three)
+        assert reply.status == 400
+        assert reply.text == "policy has 3 rules, more than OPENSANDBOX_EGRESS_MAX_RULES=2\n"
+        assert reply.headers.get("Content-Type", "").startswith("text/plain")
     patch = [{"action": "allow", "target": "b.com"}, {"action": "allow", "target": "c.com"}]
-    assert (await env.call("PATCH", "/policy", body=patch)).status == 413
+    reply = await env.call("PATCH", "/policy", body=patch)
+    assert reply.status == 400 and "OPENSANDBOX_EGRESS_MAX_RULES=2" in reply.text
     assert env.tx.since(mark) == []
     assert (await env.call("PATCH", "/policy", body=patch[:1])).status == 200
     two = dict(three, egress=three["egress"][:2])

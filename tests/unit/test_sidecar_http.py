@@ -263,11 +263,23 @@ async def test_delete_vectors(env: Env) -> None:
 async def test_rule_cap_413(aiohttp_client: Any, tmp_path: Path) -> None:
     env = await make_env(aiohttp_client, tmp_path, max_rules=2)
     three = [{"action": "allow", "target": f"{i}.test"} for i in range(3)]
-    assert (await call(env, "POST", "/policy", {"egress": three}))[0] == 413
+    reason = "policy has 3 rules, more than OPENSANDBOX_EGRESS_MAX_RULES=2\n"
+    for method in ("POST", "PUT"):
+        assert await call(env, method, "/policy", {"egress": three}) == (413, reason)
     assert (await call(env, "POST", "/policy", {"egress": three[:2]}))[0] == 200
-    assert (await call(env, "PATCH", "/policy", three[2:]))[0] == 413
+    scripts = len(env.kernel.scripts)
+    assert await call(env, "PATCH", "/policy", three[2:]) == (413, reason)
+    assert len(env.kernel.scripts) == scripts  # refused before any transaction
     _, got = await call(env, "GET", "/policy")
     assert len(got["policy"]["egress"]) == 2
+
+
+async def test_rule_cap_zero_is_unlimited(aiohttp_client: Any, tmp_path: Path) -> None:
+    env = await make_env(aiohttp_client, tmp_path, max_rules=0)
+    many = [{"action": "allow", "target": f"10.9.{i // 256}.{i % 256}"} for i in range(5000)]
+    assert (await call(env, "POST", "/policy", {"egress": many}))[0] == 200
+    _, got = await call(env, "GET", "/policy")
+    assert len(got["policy"]["egress"]) == 5000
 
 
 async def test_body_over_1mib_is_413(env: Env) -> None:
