@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tests.kernel.test_fleet_enforcement import _rule_handle
-from tests.kernel.topology import GATEWAY6, UP_NET, Daemon, Topology, envelope
+from tests.kernel.topology import GATEWAY6, UP_NET, Daemon, Topology, envelope, nft_genid
 
 DPR = "sandbox.data-plane-ready"
 A_IP, B_IP, DEEP_IP = f"{UP_NET}.2", f"{UP_NET}.3", f"{UP_NET}.4"
@@ -436,3 +436,24 @@ def test_refused_revert_is_reported_denies_dns_and_converges(topo: Topology, dae
     assert not topo.reaches(1, A_IP)
     # The Fastlet's own retry of the same action converges too (idempotent).
     assert bind(daemon, None)[0] == 200
+
+
+def test_a_few_thousand_records_over_tcp_are_learned_up_to_the_cap_in_one_transaction(
+    topo: Topology,
+) -> None:
+    """BEHAVIOUR 14.4 x 14.5: big.test answers 3000 A records (over TCP only: far past any
+    UDP size); with a cap of 2500 the kernel takes 2500 in one transaction and the reply
+    carries exactly those."""
+    with own_daemon(topo, "lease-big", {"EGRESSD_MAX_LEASES_PER_SUBJECT": "2500"}) as d:
+        activate(d, rules("big.test"))
+        before = nft_genid(topo, topo.pod)
+        status, answers = topo.dig(1, "big.test", tcp=True)
+        after = nft_genid(topo, topo.pod)
+        assert status == "NOERROR"
+        assert len(answers) == 2500 == len(set(answers)), len(answers)
+        held = dyn(d)
+        assert held == set(answers), "the reply and the kernel's dyn set differ"
+        assert after - before == 1, "the answer was not learned in exactly one transaction"
+        assert "size 2500" in d.nft("list", "set", "inet", d.table, DYN4)
+        if A_IP in answers:
+            assert topo.reaches(1, A_IP)
