@@ -158,7 +158,9 @@ class EgressInjector:
         # ``Host`` as they came, while the decision would run on one of them.
         one = one_authority(req.authority, req.headers.get_all("host"), sni, port)
         if one.refusal is not None:
-            self._refuse(flow, one.refusal, client=client_ip, dst=dest[0] if dest else None, method=req.method)
+            self._refuse(
+                flow, one.refusal, client=client_ip, dst=dest[0] if dest else None, method=req.method
+            )
             return
         _forward_on_one_authority(req)
         if not _destination_unchanged(flow):
