@@ -479,6 +479,17 @@ def _h1(target: str, *hosts: str, extra: str = "") -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
+def _assert_refused_as_ambiguous(d: Daemon, log_mark: int) -> None:
+    """The MITM itself refused it (an upstream that rejects duplicate Host would answer 400
+    too, after the credential reached it): a 400 refusal event, no injection."""
+    deadline = time.monotonic() + 3
+    while "request authority is ambiguous" not in d.log_text()[log_mark:] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    text = d.log_text()[log_mark:]
+    assert '"mitm.refused"' in text and "request authority is ambiguous" in text, text[-2000:]
+    assert '"mitm.injected"' not in text
+
+
 def _assert_nothing_upstream(topo: Topology, mark: int) -> None:
     seen = topo.upstream_requests()[mark:]
     assert [r for r in seen if "dns" not in r] == [], "nothing reached the upstream"
@@ -510,11 +521,12 @@ def test_one_authority_http1_names_disagree(topo: Topology, mitm: Daemon, case: 
     try:
         learn(topo, 1, API)
         learn(topo, 1, "b.test")
-        mark = len(topo.upstream_requests())
+        mark, log_mark = len(topo.upstream_requests()), len(mitm.log_text())
         got = authority_call(topo, 1, ip=API_IP, port=443 if tls else 80, tls=tls, sni=API, raw=raw)
         assert got["status"] == 400, got
         assert SECRET not in json.dumps(got)
         _assert_nothing_upstream(topo, mark)
+        _assert_refused_as_ambiguous(mitm, log_mark)
     finally:
         unbind(mitm, "m1")
 
