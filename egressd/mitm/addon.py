@@ -156,7 +156,7 @@ class EgressInjector:
         # One authority (BEHAVIOUR 14.8), for every flow, vault or not, before the lookup:
         # mitmproxy forwards the HTTP/1 absolute-form authority and both ``:authority`` and
         # ``Host`` as they came, while the decision would run on one of them.
-        one = one_authority(req.authority, req.headers.get_all("host"), sni, port)
+        one = one_authority(req.authority, req.headers.get_all("host"), sni, port, req.path)
         if one.refusal is not None:
             self._refuse(
                 flow, one.refusal, client=client_ip, dst=dest[0] if dest else None, method=req.method

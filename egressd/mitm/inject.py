@@ -330,7 +330,9 @@ class OneAuthority:
     refusal: Outcome | None = None
 
 
-def one_authority(target: str, host_headers: Sequence[str], sni: str | None, port: int) -> OneAuthority:
+def one_authority(
+    target: str, host_headers: Sequence[str], sni: str | None, port: int, path: str = "/"
+) -> OneAuthority:
     """The request's one authority (BEHAVIOUR 14.8), or the 400 :data:`AMBIGUOUS_AUTHORITY`.
 
     ``target`` is the HTTP/1 absolute-form authority or the HTTP/2 ``:authority`` ("" when
@@ -342,11 +344,14 @@ def one_authority(target: str, host_headers: Sequence[str], sni: str | None, por
     that name different hosts or ports (case, one trailing dot, IDN form and an explicit
     default port do not count as different); an explicit port other than ``port`` (the
     request would be forwarded to an authority it does not name); an SNI that differs from
-    the authority's host when both are present. Servers and front ends disagree about which
+    the authority's host when both are present; a ``path`` (request target without the
+    authority) that is neither origin-form nor ``*``: an HTTP/2 ``:path`` of
+    ``https://other/x`` becomes an absolute-form request line naming another authority when
+    mitmproxy speaks HTTP/1 upstream. Servers and front ends disagree about which
     of these wins (RFC 9112 §3.2.2 says the request-target, many CDNs route on the SNI), so
     a request whose names disagree is never decided on one of them and forwarded on another.
     """
-    if len(host_headers) > 1:
+    if len(host_headers) > 1 or not (path.startswith("/") or path == "*"):
         return OneAuthority(None, AMBIGUOUS_AUTHORITY)
     sources = ([target] if target else []) + list(host_headers)
     if not sources:

@@ -595,6 +595,13 @@ H2_DISAGREE = {
     "host-foreign-port": _h2(API, f"{API}:8443"),
     "authority-foreign-port": _h2(f"{API}:8443", API),
     "authority-only-foreign-port": _h2(f"{API}:8443"),  # no Host: h2 has nothing to compare
+    # An absolute :path reaches the HTTP/1 upstream as "GET https://b.test/... HTTP/1.1".
+    "path-absolute-form": [
+        (":method", "GET"),
+        (":scheme", "https"),
+        (":path", "https://b.test/v1/models"),
+        (":authority", API),
+    ],
 }
 
 

@@ -104,12 +104,15 @@ def authorization(f: http.HTTPFlow) -> Any:
         (API, ("attacker.example",), True, API),  # :authority vs Host
         ("attacker.example", (API,), True, API),
         (f"{API}:8443", (), True, API),
+        ("", (API,), True, API),  # with :path "https://attacker.example/v1/x" below
     ],
 )
 def test_disagreeing_names_get_a_400_before_lookup_and_upstream(
     authority: str, hosts: tuple[str, ...], h2: bool, sni: str
 ) -> None:
     f = flow(authority, hosts, h2=h2, sni=sni)
+    if h2 and not authority:
+        f.request.path = "https://attacker.example/v1/x"
     _, stub = run(f)
     assert f.response is not None and f.response.status_code == 400
     assert stub.calls == [], "refused before the vault lookup"

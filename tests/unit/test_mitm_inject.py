@@ -819,3 +819,16 @@ def test_redirect_location_with_an_injected_value_is_redacted() -> None:
     assert redact_response_headers(headers, s.redactions) == [
         ("Location", "https://attacker.example/?k=[REDACTED]")
     ]
+
+
+@pytest.mark.parametrize("path", ["https://attacker.example/v1/x", "attacker.example/v1", "", "x"])
+def test_target_not_in_origin_form_refused(path: str) -> None:
+    """An HTTP/2 ``:path`` carrying an authority would reach an HTTP/1 upstream as an
+    absolute-form request line naming it."""
+    assert one_authority("api.example.com", [], "api.example.com", 443, path) == REFUSED
+    assert one_authority("api.example.com", [], "api.example.com", 443, "/v1/x") == OneAuthority(
+        "api.example.com"
+    )
+    assert one_authority("api.example.com", [], "api.example.com", 443, "*") == OneAuthority(
+        "api.example.com"
+    )
