@@ -598,6 +598,10 @@ def _body_encoding(content_type: str | None) -> Literal["json", "form", "raw", "
     multipart and for an explicit charset other than UTF-8/ASCII."""
     if content_type is None:
         return "raw"
+    if "," in content_type:
+        # Two Content-Type headers reach us joined ("text/plain, application/json"): the
+        # server may parse the body as either, so no encoding is safe for both.
+        return "skip"
     media, _, params = content_type.partition(";")
     media = media.strip().lower()
     if media.startswith("multipart/"):
@@ -621,7 +625,8 @@ def substitute_body(
     transfer_encoding: str | None = None,
 ) -> bytes | None:
     """The body with the binding's ``body`` substitutions applied, or None when nothing
-    changed or the body is skipped: streamed (None), compressed (a content-encoding other than
+    changed or the body is skipped: streamed (None), an ambiguous content type (a comma: two
+    ``Content-Type`` headers joined), compressed (a content-encoding other than
     identity, or a transfer-encoding other than plain ``chunked``: the bytes the proxy holds
     are then not the bytes the server decodes), multipart, a non-UTF-8 charset, or bytes that
     are not UTF-8.

@@ -832,3 +832,13 @@ def test_target_not_in_origin_form_refused(path: str) -> None:
     assert one_authority("api.example.com", [], "api.example.com", 443, "*") == OneAuthority(
         "api.example.com"
     )
+
+
+@pytest.mark.parametrize(
+    "content_type", ["text/plain, application/json", "application/json; charset=utf-8, text/plain"]
+)
+def test_duplicate_content_type_body_not_substituted(content_type: str) -> None:
+    """mitmproxy joins duplicate headers with ", ": a raw value placed in a body the server
+    parses as JSON could break out of its string; neither encoding is safe, so none is used."""
+    out = go(passthrough(), req(method="POST", body=b'{"k": "__TOKEN__"}', content_type=content_type))
+    assert out.kind == "inject" and out.new_body is None
