@@ -164,3 +164,17 @@ def test_forward_helpers_touch_only_raw_fields() -> None:
     assert _destination_unchanged(f)
     f.server_conn.address = None
     assert not _destination_unchanged(f)
+
+
+def test_response_trailers_are_redacted_like_headers() -> None:
+    """Trailers (chunked HTTP/1, HTTP/2) are sent after the ``response`` hook, streamed or not."""
+    f = flow()
+    run(f)
+    f.response = http.Response.make(200, b"ok", {"X-Echo": f"Bearer {SECRET}"})
+    f.response.trailers = http.Headers([(b"x-trailer", f"t={SECRET}".encode()), (b"x-ok", b"1")])
+    addon = EgressInjector()
+    addon.responseheaders(f)
+    addon.response(f)  # trailers go out after this hook
+    assert f.response.headers["x-echo"] == "[REDACTED]"
+    assert f.response.trailers is not None
+    assert list(f.response.trailers.items(multi=True)) == [("x-trailer", "t=[REDACTED]"), ("x-ok", "1")]
