@@ -97,7 +97,8 @@ def _forward_on_one_authority(req: http.Request) -> None:
             del req.headers["host"]
     elif req.data.authority:
         if "host" not in req.headers:
-            req.headers.insert(0, "Host", req.authority)
+            # The raw bytes, round-tripped: ``req.authority`` would be IDNA-decoded to Unicode.
+            req.headers.insert(0, "Host", req.data.authority.decode("utf-8", "surrogateescape"))
         req.data.authority = b""
 
 

@@ -142,6 +142,12 @@ def test_http1_absolute_form_without_host_gets_its_host() -> None:
     assert authorization(f) == f"Bearer {SECRET}"
 
 
+def test_an_idn_absolute_form_gets_its_a_label_host_bytes() -> None:
+    f = flow("xn--bcher-kva.example", ())
+    _forward_on_one_authority(f.request)
+    assert f.request.headers.fields[0] == (b"Host", b"xn--bcher-kva.example")
+
+
 def test_http2_keeps_authority_and_drops_the_duplicate_host() -> None:
     f = flow(API, (API,), h2=True)
     run(f)
