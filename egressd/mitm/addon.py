@@ -31,6 +31,7 @@ from egressd.mitm.inject import (
     decide,
     find_binding,
     normalise_authority,
+    one_authority,
     redact_response_headers,
     substitute_body,
 )
@@ -85,6 +86,32 @@ def _body_pending(req: http.Request) -> bool:
     return length is not None and length.strip() not in ("", "0")
 
 
+def _forward_on_one_authority(req: http.Request) -> None:
+    """Put the one authority :func:`one_authority` accepted on the wire once: HTTP/1 in
+    origin-form with ``Host`` (inserted from the absolute form when it was missing), HTTP/2
+    with ``:authority`` and no ``Host`` beside it (RFC 9113 §8.3.1; mitmproxy adds ``Host``
+    from ``:authority`` when it speaks HTTP/1 upstream). Only raw fields are set: mitmproxy's
+    ``host``/``port`` setters would rewrite ``Host`` from the destination address."""
+    if req.is_http2 or req.is_http3:
+        if req.data.authority and "host" in req.headers:
+            del req.headers["host"]
+    elif req.data.authority:
+        if "host" not in req.headers:
+            # The raw bytes, round-tripped: ``req.authority`` would be IDNA-decoded to Unicode.
+            req.headers.insert(0, "Host", req.data.authority.decode("utf-8", "surrogateescape"))
+        req.data.authority = b""
+
+
+def _destination_unchanged(flow: http.HTTPFlow) -> bool:
+    """Transparent mode: the request goes to ``(request.host, request.port)``, which mitmproxy
+    set from the connection's original destination (``server_conn.address``), the address
+    the lookup's destination check is about. Nothing may have moved it."""
+    addr = flow.server_conn.address
+    if not addr:
+        return False
+    return (flow.request.host, flow.request.port) == (addr[0], addr[1])
+
+
 class EgressInjector:
     def __init__(self) -> None:
         self.client: ActiveClient | None = None
@@ -125,7 +152,23 @@ class EgressInjector:
         req = flow.request
         client_ip = _peer_ip(flow)
         dest = _original_destination(flow)
-        authority = req.host_header or ""
+        sni = flow.client_conn.sni if req.scheme == "https" else None
+        port = dest[1] if dest else req.port
+        # One authority (BEHAVIOUR 14.8), for every flow, vault or not, before the lookup:
+        # mitmproxy forwards the HTTP/1 absolute-form authority and both ``:authority`` and
+        # ``Host`` as they came, while the decision would run on one of them.
+        one = one_authority(req.authority, req.headers.get_all("host"), sni, port, req.path)
+        if one.refusal is not None:
+            self._refuse(
+                flow, one.refusal, client=client_ip, dst=dest[0] if dest else None, method=req.method
+            )
+            return
+        _forward_on_one_authority(req)
+        if not _destination_unchanged(flow):
+            emit("mitm.error", hook="requestheaders", error="destination changed")
+            flow.kill()
+            return
+        authority = one.value or ""
         norm = normalise_authority(authority) if authority else None
         host = norm[0] if norm else None
         started = time.perf_counter()
@@ -141,14 +184,15 @@ class EgressInjector:
         request = Request(
             scheme=req.scheme,
             host=authority,
-            port=dest[1] if dest else req.port,
+            port=port,
             method=req.method,
             path=req.path,
             headers=tuple(req.headers.items(multi=True)),
             body=None,
             content_type=req.headers.get("content-type"),
             content_encoding=req.headers.get("content-encoding"),
-            sni=flow.client_conn.sni if req.scheme == "https" else None,
+            sni=sni,
+            transfer_encoding=req.headers.get("transfer-encoding"),
         )
         outcome = decide(view.snapshot, request, destination_ok=view.destination_ok)
         fields = {
@@ -212,11 +256,32 @@ class EgressInjector:
                 flow.request.raw_content,
                 flow.request.headers.get("content-type"),
                 flow.request.headers.get("content-encoding"),
+                flow.request.headers.get("transfer-encoding"),
             )
             if new_body is not None:
                 flow.request.content = new_body
         except Exception as exc:
             emit("mitm.error", hook="request", error=type(exc).__name__)
+            flow.kill()
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        """Response trailers (chunked HTTP/1, HTTP/2) are sent after this hook, streamed or
+        not: redacted like the headers, which they are on the wire."""
+        try:
+            snapshot = flow.metadata.get(_META)
+            if (
+                not isinstance(snapshot, VaultSnapshot)
+                or flow.response is None
+                or not flow.response.trailers
+                or not snapshot.redactions
+            ):
+                return
+            trailers = list(flow.response.trailers.items(multi=True))
+            redacted = redact_response_headers(trailers, snapshot.redactions)
+            if redacted != trailers:
+                flow.response.trailers = _headers(redacted)
+        except Exception as exc:
+            emit("mitm.error", hook="response", error=type(exc).__name__)
             flow.kill()
 
     # ---- errors ------------------------------------------------------------------------------

@@ -22,8 +22,14 @@ are done there, before the upstream connection exists), keep ``outcome.binding``
 ``request`` call :func:`substitute_body` with :func:`find_binding` of the same snapshot (not a
 re-fetched one) unless the body was streamed.
 
-Forged Host / SNI: the binding match runs on the Host header (``:authority``), which the
-sandbox controls, and the SNI is only as good as the upstream certificate check. The caller
+One authority (BEHAVIOUR 14.8): before anything else the addon reduces the request to
+:func:`one_authority`: the HTTP/1 absolute-form authority, the HTTP/2 ``:authority``, the
+``Host`` header and the SNI must all name the same host (and any explicit port the
+connection's), else 400 before the lookup, before the upstream. The addon then forwards that
+one authority only (origin-form, no second ``Host`` beside ``:authority``) to the connection's
+original destination.
+
+Forged Host / SNI: the binding match runs on that authority, which the sandbox controls, and the SNI is only as good as the upstream certificate check. The caller
 therefore passes ``destination_ok``: True only when the connection's original destination IP
 is one the subject learned (through the DNS proxy) for the request's host, or one a static
 policy rule allows for it. When it is False the request is treated as outside every
@@ -53,9 +59,13 @@ from egressd.vault.model import RESERVED_HEADERS, SCHEME_PORTS
 from egressd.vault.store import ActiveBinding, ActiveSubstitution, VaultSnapshot
 
 __all__ = [
+    "AMBIGUOUS_AUTHORITY",
+    "CONNECTION_TOKENS",
     "LOOKUP_FAILED",
     "REASON_AMBIGUOUS",
+    "REASON_AUTHORITY",
     "REASON_DESTINATION",
+    "REASON_HOP_BY_HOP",
     "REASON_LOOKUP_FAILED",
     "REASON_NO_MATCH",
     "REASON_NO_SNI",
@@ -63,14 +73,19 @@ __all__ = [
     "REASON_PATH",
     "REASON_SNI",
     "REASON_SUBSTITUTED_PATH",
+    "REASON_TARGET_OVERRIDE",
     "REDACTION_MARKER",
+    "TARGET_OVERRIDE_HEADERS",
+    "OneAuthority",
     "Outcome",
     "OutcomeKind",
     "Request",
+    "RewriteError",
     "decide",
     "find_binding",
     "header_reserved",
     "normalise_authority",
+    "one_authority",
     "path_problem",
     "redact_response_headers",
     "redact_text",
@@ -90,6 +105,34 @@ REASON_SNI: Final = "request endpoint identity does not match credential binding
 REASON_PATH: Final = "request path contains ambiguous segments"
 REASON_SUBSTITUTED_PATH: Final = "request path contains ambiguous substituted segments"
 REASON_LOOKUP_FAILED: Final = "credential vault lookup failed"
+REASON_AUTHORITY: Final = "request authority is ambiguous"
+REASON_HOP_BY_HOP: Final = "Connection header names a header that must be forwarded"
+REASON_TARGET_OVERRIDE: Final = "request carries a header that overrides its target"
+
+#: The only ``Connection`` options an injected request may carry. Any other token names a
+#: header the next hop would drop (RFC 9110 §7.6.1): ``Connection: content-length`` turns the
+#: rest of the body into a smuggled request (body substitutions included) on the upstream
+#: connection, ``Connection: host`` leaves the next hop routing on something else, and
+#: ``Connection: authorization`` is how a credential would be stripped or replayed.
+CONNECTION_TOKENS: Final = frozenset({"close", "keep-alive", "upgrade", "te"})
+
+#: Headers that servers and front ends honour as the request's real host, path or method.
+#: A binding names hosts, paths and methods; a credential injected into a request that
+#: carries one of these would be used for a target the binding does not name (BEHAVIOUR 14.8).
+TARGET_OVERRIDE_HEADERS: Final = frozenset(
+    {
+        "forwarded",
+        "x-forwarded-host",
+        "x-host",
+        "x-original-host",
+        "x-forwarded-server",
+        "x-original-url",
+        "x-rewrite-url",
+        "x-http-method-override",
+        "x-http-method",
+        "x-method-override",
+    }
+)
 
 OutcomeKind = Literal["pass", "inject", "refuse"]
 Surface = Literal["path", "query", "header", "body"]
@@ -107,8 +150,9 @@ class Request:
     connection's (original) destination port; ``path`` the raw request target including the
     query; ``headers`` in wire order, duplicates kept (indices are what
     :attr:`Outcome.header_updates` refers to); ``body`` None when streamed or not read yet;
-    ``content_type`` / ``content_encoding`` the request's header values (None when absent);
-    ``sni`` the client's ClientHello SNI (None for plaintext HTTP or no SNI).
+    ``content_type`` / ``content_encoding`` / ``transfer_encoding`` the request's header
+    values (None when absent); ``sni`` the client's ClientHello SNI (None for plaintext HTTP
+    or no SNI). The caller has already reduced the request to :func:`one_authority`.
     """
 
     scheme: str
@@ -121,6 +165,7 @@ class Request:
     content_type: str | None = None
     content_encoding: str | None = None
     sni: str | None = None
+    transfer_encoding: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,13 +215,25 @@ class Outcome:
         substitutions applied, same-name headers of ``set_headers`` removed case-insensitively
         and ``set_headers`` appended."""
         out = list(headers)
+        # The exact rewrite list (docs/security.md): values of non-reserved headers at the
+        # indices decided on, and the binding's non-reserved headers. Anything else is a bug
+        # and the addon kills the flow rather than forward it.
+        for name, _ in self.set_headers:
+            if header_reserved(name):
+                raise RewriteError("reserved header in set_headers")
         for index, value in self.header_updates:
+            if not 0 <= index < len(out) or header_reserved(out[index][0]):
+                raise RewriteError("header update outside the rewrite list")
             out[index] = (out[index][0], value)
         if self.set_headers:
             drop = {name.lower() for name, _ in self.set_headers}
             out = [(n, v) for n, v in out if n.lower() not in drop]
             out.extend(self.set_headers)
         return out
+
+
+class RewriteError(ValueError):
+    """An outcome asks for a rewrite outside the exact list (never expected; fail closed)."""
 
 
 LOOKUP_FAILED: Final = Outcome("refuse", status=503, reason=REASON_LOOKUP_FAILED)
@@ -186,8 +243,12 @@ _PASS_NO_VAULT: Final = Outcome("pass", reason=REASON_NO_VAULT)
 _PASS_NO_MATCH: Final = Outcome("pass", reason=REASON_NO_MATCH)
 
 
-def _refuse(reason: str, binding: str | None = None) -> Outcome:
-    return Outcome("refuse", status=403, reason=reason, binding=binding)
+def _refuse(reason: str, binding: str | None = None, status: int = 403) -> Outcome:
+    return Outcome("refuse", status=status, reason=reason, binding=binding)
+
+
+AMBIGUOUS_AUTHORITY: Final = Outcome("refuse", status=400, reason=REASON_AUTHORITY)
+"""The 400 of :func:`one_authority` (BEHAVIOUR 14.8)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,6 +292,87 @@ def normalise_authority(authority: str) -> tuple[str, int | None] | None:
         text = head
     name = _dns_name(text)
     return None if name is None else (name, port)
+
+
+def _authority_key(text: str) -> tuple[str, int | None] | None:
+    """``(host, explicit port or None)`` for comparing authorities: DNS names as
+    :func:`normalise_authority` has them, IP literals lower-cased (brackets kept); None when
+    ``text`` cannot be split into a host and a valid port at all."""
+    norm = normalise_authority(text)
+    if norm is not None:
+        return norm
+    text = text.strip().lower()
+    if text.startswith("["):
+        close = text.find("]")
+        if close < 0:
+            return None
+        host, rest = text[: close + 1], text[close + 1 :]
+        if not rest:
+            return host, None
+        if not rest.startswith(":"):
+            return None
+        tail = rest[1:]
+    else:
+        host, sep, tail = text.rpartition(":")
+        if not sep:
+            return (text, None) if text else None
+    if not host or not _PORT_RE.fullmatch(tail) or int(tail) > 65535:
+        return None
+    return host, int(tail)
+
+
+@dataclass(frozen=True, slots=True)
+class OneAuthority:
+    """The result of :func:`one_authority`: ``value`` the authority to decide and forward on
+    (a Host / ``:authority`` text, None when the request names none), or ``refusal``."""
+
+    value: str | None
+    refusal: Outcome | None = None
+
+
+def one_authority(
+    target: str, host_headers: Sequence[str], sni: str | None, port: int, path: str = "/"
+) -> OneAuthority:
+    """The request's one authority (BEHAVIOUR 14.8), or the 400 :data:`AMBIGUOUS_AUTHORITY`.
+
+    ``target`` is the HTTP/1 absolute-form authority or the HTTP/2 ``:authority`` ("" when
+    absent: origin-form); ``host_headers`` every ``Host`` header value in wire order; ``sni``
+    the ClientHello SNI (None when absent or plaintext); ``port`` the connection's original
+    destination port, which is where the request goes whatever it says.
+
+    Refused: more than one ``Host`` header (RFC 9112 §3.2 says 400); a target and a ``Host``
+    that name different hosts or ports (case, one trailing dot, IDN form and an explicit
+    default port do not count as different); an explicit port other than ``port`` (the
+    request would be forwarded to an authority it does not name); an SNI that differs from
+    the authority's host when both are present; a ``path`` (request target without the
+    authority) that is neither origin-form nor ``*``: an HTTP/2 ``:path`` of
+    ``https://other/x`` becomes an absolute-form request line naming another authority when
+    mitmproxy speaks HTTP/1 upstream. Servers and front ends disagree about which
+    of these wins (RFC 9112 §3.2.2 says the request-target, many CDNs route on the SNI), so
+    a request whose names disagree is never decided on one of them and forwarded on another.
+    """
+    if len(host_headers) > 1 or not (path.startswith("/") or path == "*"):
+        return OneAuthority(None, AMBIGUOUS_AUTHORITY)
+    sources = ([target] if target else []) + list(host_headers)
+    if not sources:
+        return OneAuthority(None)
+    keys = [_authority_key(text) for text in sources]
+    first = keys[0]
+    if first is None:
+        # Not even host[:port]: matches no binding; refuse only when something else disagrees.
+        if len(sources) > 1 or sni:
+            return OneAuthority(None, AMBIGUOUS_AUTHORITY)
+        return OneAuthority(sources[-1])
+    if any(key is None or key[0] != first[0] for key in keys):
+        return OneAuthority(None, AMBIGUOUS_AUTHORITY)
+    # Every explicit port must be the connection's: then all sources name the same port too.
+    if any(key is not None and key[1] is not None and key[1] != port for key in keys):
+        return OneAuthority(None, AMBIGUOUS_AUTHORITY)
+    if sni and _dns_name(sni) != first[0]:
+        return OneAuthority(None, AMBIGUOUS_AUTHORITY)
+    # The Host header when present (HTTP/1 forwards it; the addon drops the absolute form),
+    # else the target: equal names either way.
+    return OneAuthority(sources[-1])
 
 
 def header_reserved(name: str) -> bool:
@@ -311,6 +453,19 @@ def _sni_in_scope(sni: str, binding: ActiveBinding) -> bool:
     if name is None:
         return False
     return any(_host_precedence(name, pattern) for pattern in binding.match.hosts)
+
+
+def _hop_by_hop_problem(headers: Sequence[tuple[str, str]]) -> bool:
+    """A ``Connection`` option outside :data:`CONNECTION_TOKENS` (any ``Connection`` header,
+    any case, comma lists and duplicates included)."""
+    for name, value in headers:
+        if name.strip().lower() not in ("connection", "proxy-connection"):
+            continue
+        for token in value.split(","):
+            token = token.strip().lower()
+            if token and token not in CONNECTION_TOKENS:
+                return True
+    return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,6 +598,10 @@ def _body_encoding(content_type: str | None) -> Literal["json", "form", "raw", "
     multipart and for an explicit charset other than UTF-8/ASCII."""
     if content_type is None:
         return "raw"
+    if "," in content_type:
+        # Two Content-Type headers reach us joined ("text/plain, application/json"): the
+        # server may parse the body as either, so no encoding is safe for both.
+        return "skip"
     media, _, params = content_type.partition(";")
     media = media.strip().lower()
     if media.startswith("multipart/"):
@@ -459,16 +618,25 @@ def _body_encoding(content_type: str | None) -> Literal["json", "form", "raw", "
 
 
 def substitute_body(
-    binding: ActiveBinding, body: bytes | None, content_type: str | None, content_encoding: str | None
+    binding: ActiveBinding,
+    body: bytes | None,
+    content_type: str | None,
+    content_encoding: str | None,
+    transfer_encoding: str | None = None,
 ) -> bytes | None:
     """The body with the binding's ``body`` substitutions applied, or None when nothing
-    changed or the body is skipped: streamed (None), compressed (a content-encoding other than
-    identity), multipart, a non-UTF-8 charset, or bytes that are not UTF-8.
+    changed or the body is skipped: streamed (None), an ambiguous content type (a comma: two
+    ``Content-Type`` headers joined), compressed (a content-encoding other than
+    identity, or a transfer-encoding other than plain ``chunked``: the bytes the proxy holds
+    are then not the bytes the server decodes), multipart, a non-UTF-8 charset, or bytes that
+    are not UTF-8.
 
     JSON bodies (``application/json``, ``*+json``) get values JSON-escaped for a string
     context (``json.dumps(v)[1:-1]``), ``application/x-www-form-urlencoded`` bodies form-encoded,
     other bodies the raw value."""
     if body is None or not body or not _identity_encoding(content_encoding):
+        return None
+    if transfer_encoding is not None and transfer_encoding.strip().lower() != "chunked":
         return None
     encoding = _body_encoding(content_type)
     if encoding == "skip":
@@ -495,8 +663,11 @@ def decide(snapshot: VaultSnapshot | None, req: Request, *, destination_ok: bool
     query, host: exact precedence 2 over wildcard 1) -> pass; ``destination_ok`` False ->
     pass; https without SNI -> pass; several bindings at the top precedence -> 403; SNI
     outside the binding's hosts -> 403; path tricks (:func:`path_problem`, or percent-decoding
-    changes the matched bindings) -> 403; then path/query/header/body substitutions (a
-    substituted path is checked again -> 403) and header injection.
+    changes the matched bindings) -> 403; a ``Connection`` option outside
+    :data:`CONNECTION_TOKENS` -> 400; a :data:`TARGET_OVERRIDE_HEADERS` header -> 403; then
+    path/query/header/body substitutions (a substituted path is checked again -> 403) and
+    header injection. ``req.host`` is the :func:`one_authority` value (the caller refuses
+    before calling when there is none that is unambiguous).
     """
     if snapshot is None:
         return _PASS_NO_VAULT
@@ -522,6 +693,10 @@ def decide(snapshot: VaultSnapshot | None, req: Request, *, destination_ok: bool
     expected = set(matched)
     if _path_refused(bindings, target, path, expected, allow_nested=False):
         return _refuse(REASON_PATH, binding.name)
+    if _hop_by_hop_problem(req.headers):
+        return _refuse(REASON_HOP_BY_HOP, binding.name, status=400)
+    if any(name.strip().lower() in TARGET_OVERRIDE_HEADERS for name, _ in req.headers):
+        return _refuse(REASON_TARGET_OVERRIDE, binding.name)
 
     substituted: list[Surface] = []
     subs = binding.substitutions
@@ -551,7 +726,9 @@ def decide(snapshot: VaultSnapshot | None, req: Request, *, destination_ok: bool
     if updates:
         substituted.append("header")
 
-    new_body = substitute_body(binding, req.body, req.content_type, req.content_encoding)
+    new_body = substitute_body(
+        binding, req.body, req.content_type, req.content_encoding, req.transfer_encoding
+    )
     if new_body is not None:
         substituted.append("body")
 

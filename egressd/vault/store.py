@@ -194,7 +194,11 @@ def _headers(binding: Binding, credentials: Mapping[str, Credential]) -> tuple[I
 def _build_snapshot(vault: Vault) -> VaultSnapshot:
     credentials = vault.credentials
     bindings: list[ActiveBinding] = []
-    redactions: set[str] = {c.value for c in credentials.values()}
+    # Every credential in every encoding a substitution or an upstream may give it back in
+    # (a redirect's Location carries it URL-encoded): the sandbox must never read it back.
+    redactions: set[str] = set()
+    for credential in credentials.values():
+        redactions.update(_encodings(credential.value))
     for binding in vault.bindings.values():
         headers = _headers(binding, credentials)
         if binding.auth.type in (AuthType.BEARER, AuthType.BASIC):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,43 @@ def test_app_https_gets_the_credential_for_the_bound_host_only(sidecar: Sidecar)
     code, _ = https(sidecar, API, X_IP, timeout=2.0)
     assert code != 200
     assert len(sidecar.topo.upstream_requests()) == before
+    assert SECRET not in sidecar.log_text()
+
+
+def _crafted(sc: Sidecar, raw: bytes, sni: str = API) -> dict[str, Any]:
+    """One raw HTTPS/1.1 request from the app's namespace (tests/kernel/authority_client.py)."""
+    path = sc.topo.workdir / "sidecar-raw.bin"
+    path.write_bytes(raw)
+    client = Path(__file__).with_name("authority_client.py")
+    ca = sc.mitm_confdir / "mitmproxy-ca-cert.pem"
+    args = [sys.executable, str(client), "--ip", API_IP, "--port", "443", "--tls", "--ca", str(ca)]
+    r = sc.topo.ns(sc.ns, *args, "--sni", sni, "--raw", str(path), check=False, timeout=20)
+    out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1]) if r.stdout.strip() else {}
+    assert out, r.stderr
+    return out
+
+
+def test_one_authority_in_the_sidecar(sidecar: Sidecar) -> None:
+    """14.8 in the sidecar profile: an absolute-form target, a second Host or an SNI naming
+    another host than the bound Host is refused (400) before the upstream, no credential."""
+    sidecar.set_policy(POLICY)
+    assert sidecar.api("PUT", "/credential-vault", VAULT)[0] == 201
+    assert sidecar.dig(API)[0] == "NOERROR" and sidecar.dig("b.test")[0] == "NOERROR"
+    before = len(sidecar.topo.upstream_requests())
+    for raw, sni in (
+        (f"GET https://b.test/v1/x HTTP/1.1\r\nHost: {API}\r\nConnection: close\r\n\r\n".encode(), API),
+        (f"GET /v1/x HTTP/1.1\r\nHost: {API}\r\nHost: b.test\r\nConnection: close\r\n\r\n".encode(), API),
+        (f"GET /v1/x HTTP/1.1\r\nHost: {API}\r\nConnection: close\r\n\r\n".encode(), "b.test"),
+    ):
+        got = _crafted(sidecar, raw, sni)
+        assert got["status"] == 400, (raw, got)
+    assert [r for r in sidecar.topo.upstream_requests()[before:] if "dns" not in r] == []
+    # The same names agreeing: injected.
+    got = _crafted(
+        sidecar, f"GET https://{API}/v1/x HTTP/1.1\r\nHost: {API}\r\nConnection: close\r\n\r\n".encode()
+    )
+    assert got["status"] == 200, got
+    assert sidecar.topo.upstream_requests()[-1]["headers"].get("Authorization") == f"Bearer {SECRET}"
     assert SECRET not in sidecar.log_text()
 
 

@@ -11,20 +11,28 @@ from urllib.parse import quote, quote_plus
 import pytest
 
 from egressd.mitm.inject import (
+    AMBIGUOUS_AUTHORITY,
     LOOKUP_FAILED,
     REASON_AMBIGUOUS,
+    REASON_AUTHORITY,
     REASON_DESTINATION,
+    REASON_HOP_BY_HOP,
     REASON_NO_MATCH,
     REASON_NO_SNI,
     REASON_NO_VAULT,
     REASON_PATH,
     REASON_SNI,
     REASON_SUBSTITUTED_PATH,
+    REASON_TARGET_OVERRIDE,
+    TARGET_OVERRIDE_HEADERS,
+    OneAuthority,
     Outcome,
     Request,
+    RewriteError,
     decide,
     find_binding,
     normalise_authority,
+    one_authority,
     path_problem,
     redact_response_headers,
     redact_text,
@@ -91,6 +99,7 @@ def req(
     content_type: str | None = None,
     content_encoding: str | None = None,
     sni: str | None = "",
+    transfer_encoding: str | None = None,
 ) -> Request:
     """``sni=""`` means "the host" for https and None for http."""
     if sni == "":
@@ -107,6 +116,7 @@ def req(
         content_type=content_type,
         content_encoding=content_encoding,
         sni=sni,
+        transfer_encoding=transfer_encoding,
     )
 
 
@@ -614,3 +624,221 @@ def test_values_never_in_repr_or_reason() -> None:
     for r in requests:
         assert planted not in repr(r) and "{{SECRET_PH}}" not in repr(r)
     assert planted not in repr(snapshots[0])
+
+
+# --------------------------------------------------------------------------------------------
+# One authority (BEHAVIOUR 14.8)
+
+REFUSED = OneAuthority(None, AMBIGUOUS_AUTHORITY)
+
+
+def test_ambiguous_authority_is_a_400_without_binding() -> None:
+    assert (AMBIGUOUS_AUTHORITY.kind, AMBIGUOUS_AUTHORITY.status) == ("refuse", 400)
+    assert AMBIGUOUS_AUTHORITY.reason == REASON_AUTHORITY and AMBIGUOUS_AUTHORITY.binding is None
+
+
+@pytest.mark.parametrize(
+    ("target", "hosts", "sni", "port", "value"),
+    [
+        ("", ["api.example.com"], "api.example.com", 443, "api.example.com"),  # origin-form
+        ("api.example.com", ["api.example.com"], "api.example.com", 443, "api.example.com"),
+        ("API.Example.COM.", ["api.example.com"], "api.example.com", 443, "api.example.com"),
+        ("api.example.com:443", ["api.example.com"], "API.example.com.", 443, "api.example.com"),
+        ("api.example.com", [], "api.example.com", 443, "api.example.com"),  # absolute, no Host
+        ("api.example.com", [], None, 80, "api.example.com"),
+        ("", ["api.example.com:80"], None, 80, "api.example.com:80"),
+        ("xn--bcher-kva.example", ["bücher.example"], None, 80, "bücher.example"),  # IDN forms
+        ("", [], None, 443, None),  # nothing named: matches no binding
+        ("", [], "api.example.com", 443, None),  # SNI alone: "when both are present"
+        ("", ["10.0.0.1"], None, 80, "10.0.0.1"),
+        ("[fd00::1]:443", ["[FD00::1]"], None, 443, "[FD00::1]"),
+        ("", ["not a host"], None, 80, "not a host"),  # alone: matches nothing, not refused
+    ],
+)
+def test_one_authority_accepted(
+    target: str, hosts: list[str], sni: str | None, port: int, value: str | None
+) -> None:
+    assert one_authority(target, hosts, sni, port) == OneAuthority(value)
+
+
+@pytest.mark.parametrize(
+    ("target", "hosts", "sni", "port"),
+    [
+        # HTTP/1 absolute-form (or HTTP/2 :authority) against Host, either way round.
+        ("attacker.example", ["api.example.com"], "api.example.com", 443),
+        ("api.example.com", ["attacker.example"], "api.example.com", 443),
+        ("attacker.example", ["api.example.com"], None, 80),
+        ("api.example.com.evil", ["api.example.com"], None, 80),
+        ("api.example.com:8443", ["api.example.com"], None, 443),
+        ("api.example.com", [""], None, 80),  # an empty Host beside a named target
+        ("[fd00::1]", ["api.example.com"], None, 443),
+        ("api.example.com", ["api.example.com, attacker.example"], None, 80),
+        # Duplicate Host headers, equal or not (RFC 9112 §3.2).
+        ("", ["api.example.com", "attacker.example"], None, 80),
+        ("", ["api.example.com", "api.example.com"], "api.example.com", 443),
+        ("api.example.com", ["api.example.com", "api.example.com"], None, 443),
+        # An explicit port other than the connection's (forwarded to 443 whatever it says).
+        ("", ["api.example.com:8443"], "api.example.com", 443),
+        ("", ["api.example.com:80"], "api.example.com", 443),
+        ("api.example.com:80", ["api.example.com:80"], None, 443),
+        ("", ["api.example.com:0443x"], "api.example.com", 443),
+        # SNI against the authority.
+        ("", ["api.example.com"], "attacker.example", 443),
+        ("", ["attacker.example"], "api.example.com", 443),
+        ("", ["10.0.0.1"], "api.example.com", 443),
+        ("", ["not a host"], "api.example.com", 443),
+        ("api.example.com", [], "attacker.example", 443),
+    ],
+)
+def test_one_authority_refused(target: str, hosts: list[str], sni: str | None, port: int) -> None:
+    assert one_authority(target, hosts, sni, port) == REFUSED
+
+
+# --------------------------------------------------------------------------------------------
+# An attacker who controls the request (issue 12 item 5)
+
+
+@pytest.mark.parametrize(
+    "connection",
+    [
+        "content-length",
+        "Transfer-Encoding",
+        "close, Host",
+        "keep-alive,authorization",
+        "X-Api-Key",
+        "te, x-custom",
+    ],
+)
+def test_connection_options_naming_forwarded_headers_refused(connection: str) -> None:
+    """A hop-by-hop listing makes the next hop drop the named header: Content-Length (the
+    rest of the body becomes a smuggled request on the upstream connection), Host, or the
+    injected header itself. Refused before anything is injected."""
+    for name in ("Connection", "connection", "Proxy-Connection"):
+        out = go(snap(bind()), req(headers=((name, connection),)))
+        assert (out.kind, out.status, out.reason, out.binding) == ("refuse", 400, REASON_HOP_BY_HOP, "b")
+        assert out.set_headers == ()
+    # A second Connection header cannot hide the option either.
+    out = go(snap(bind()), req(headers=(("Connection", "keep-alive"), ("Connection", connection))))
+    assert out.status == 400
+
+
+def test_ordinary_connection_options_inject() -> None:
+    for value in ("close", "Keep-Alive", "Upgrade", "keep-alive, Upgrade", "TE", " , close"):
+        assert go(snap(bind()), req(headers=(("Connection", value),))).kind == "inject", value
+
+
+def test_connection_options_outside_any_binding_pass() -> None:
+    assert (
+        go(snap(bind()), req("/other", headers=(("Connection", "host"),)), destination_ok=False).kind
+        == "pass"
+    )
+    assert go(snap(bind(hosts=["other.example.com"])), req(headers=(("Connection", "host"),))).kind == "pass"
+
+
+@pytest.mark.parametrize("name", sorted(TARGET_OVERRIDE_HEADERS))
+def test_target_override_headers_refused(name: str) -> None:
+    """Headers front ends honour as the real host, path or method would carry the credential
+    to a target the binding does not name (``X-HTTP-Method-Override: DELETE`` on a GET-only
+    binding, ``X-Original-URL: /admin``, ``X-Forwarded-Host: attacker``)."""
+    for spelled in (name, name.upper()):
+        out = go(snap(bind(methods=["GET"])), req(headers=((spelled, "attacker.example"),)))
+        assert (out.kind, out.status, out.reason, out.binding) == ("refuse", 403, REASON_TARGET_OVERRIDE, "b")
+
+
+@pytest.mark.parametrize("te", ["gzip, chunked", "deflate,chunked", "compress", "gzip", "identity"])
+def test_body_under_a_transfer_coding_not_substituted(te: str) -> None:
+    out = go(
+        passthrough(),
+        req(method="POST", body=b"x __TOKEN__", content_type="text/plain", transfer_encoding=te),
+    )
+    assert out.kind == "inject" and out.new_body is None
+    binding = find_binding(passthrough(), "p")
+    assert binding is not None
+    assert substitute_body(binding, b"x __TOKEN__", "text/plain", None, te) is None
+    assert (
+        substitute_body(binding, b"x __TOKEN__", "text/plain", None, "Chunked") == f"x {SUB_VALUE}".encode()
+    )
+
+
+def test_placeholder_inside_another_placeholder_or_value() -> None:
+    """Longest first, no rescan: a placeholder spelled inside another one, or inside a
+    substituted value, is never replaced a second time."""
+    text, n = substitute("__TOKEN__X __TOKEN__", [("__TOKEN__", "v1"), ("__TOKEN__X", "__TOKEN__")])
+    assert (text, n) == ("__TOKEN__ v1", 2)
+    text, n = substitute("A__TOKEN__B", [("__TOKEN__", "A__TOKEN__B"), ("A__TOKEN__B", "z")])
+    assert (text, n) == ("z", 1)
+
+
+def test_pseudo_and_reserved_headers_never_carry_a_substitution() -> None:
+    headers = (
+        (":authority", PLACEHOLDER),
+        ("Host", PLACEHOLDER),
+        ("Connection", PLACEHOLDER.lower()),
+        ("Transfer-Encoding", PLACEHOLDER),
+        ("X-A", PLACEHOLDER),
+    )
+    # ``Connection: __token__`` names a header: refused before any substitution.
+    out = go(passthrough(), req(headers=headers))
+    assert out.status == 400 and out.header_updates == ()
+    out = go(passthrough(), req(headers=headers[:2] + headers[3:]))
+    assert out.header_updates == ((3, SUB_VALUE),)
+
+
+def test_rewrite_outside_the_list_raises() -> None:
+    """The addon applies only what the outcome lists; an outcome pointing at a reserved or
+    missing header is a bug and fails closed (the addon kills the flow)."""
+    headers = (("Host", "api.example.com"), ("X-A", "a"))
+    with pytest.raises(RewriteError):
+        Outcome("inject", header_updates=((0, "evil.example"),)).rewrite_headers(headers)
+    with pytest.raises(RewriteError):
+        Outcome("inject", header_updates=((5, "x"),)).rewrite_headers(headers)
+    with pytest.raises(RewriteError):
+        Outcome("inject", set_headers=(("host", "evil.example"),)).rewrite_headers(headers)
+    with pytest.raises(RewriteError):
+        Outcome("inject", set_headers=((":authority", "evil.example"),)).rewrite_headers(headers)
+    assert Outcome("inject", header_updates=((1, "b"),)).rewrite_headers(headers) == [
+        ("Host", "api.example.com"),
+        ("X-A", "b"),
+    ]
+
+
+def test_redirect_location_with_an_injected_value_is_redacted() -> None:
+    """mitmproxy does not follow redirects; a Location (or any response header) that
+    reflects an injected header value, raw or URL/form/JSON-encoded, is redacted before the
+    sandbox sees it, so it cannot replay the credential elsewhere."""
+    s = snap(
+        bind(),
+        bind("k", hosts=["x.example.com"], auth={"type": "apiKey", "name": "X-Key", "credential": "key"}),
+    )
+    for encoded in (SECRET, quote(SECRET, safe=""), quote_plus(SECRET, safe=""), json.dumps(SECRET)[1:-1]):
+        headers = [("Location", f"https://attacker.example/?t={encoded}"), ("Refresh", f"0; url=/?{encoded}")]
+        assert all(
+            SECRET not in v and encoded not in v for _, v in redact_response_headers(headers, s.redactions)
+        )
+    headers = [("Location", f"https://attacker.example/?k={quote(SECRET2, safe='')}")]
+    assert redact_response_headers(headers, s.redactions) == [
+        ("Location", "https://attacker.example/?k=[REDACTED]")
+    ]
+
+
+@pytest.mark.parametrize("path", ["https://attacker.example/v1/x", "attacker.example/v1", "", "x"])
+def test_target_not_in_origin_form_refused(path: str) -> None:
+    """An HTTP/2 ``:path`` carrying an authority would reach an HTTP/1 upstream as an
+    absolute-form request line naming it."""
+    assert one_authority("api.example.com", [], "api.example.com", 443, path) == REFUSED
+    assert one_authority("api.example.com", [], "api.example.com", 443, "/v1/x") == OneAuthority(
+        "api.example.com"
+    )
+    assert one_authority("api.example.com", [], "api.example.com", 443, "*") == OneAuthority(
+        "api.example.com"
+    )
+
+
+@pytest.mark.parametrize(
+    "content_type", ["text/plain, application/json", "application/json; charset=utf-8, text/plain"]
+)
+def test_duplicate_content_type_body_not_substituted(content_type: str) -> None:
+    """mitmproxy joins duplicate headers with ", ": a raw value placed in a body the server
+    parses as JSON could break out of its string; neither encoding is safe, so none is used."""
+    out = go(passthrough(), req(method="POST", body=b'{"k": "__TOKEN__"}', content_type=content_type))
+    assert out.kind == "inject" and out.new_body is None
