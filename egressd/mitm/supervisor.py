@@ -187,17 +187,18 @@ class MitmSupervisor:
         """Read the child's output until it closes; True once it reported ready."""
         assert proc.stdout is not None
         was_ready = False
-        skip_rest = False
         while True:
             try:
-                raw = await proc.stdout.readline()
-            except ValueError:  # a line over the stream limit: skip it and what is left of it
-                skip_rest = True
-                continue
-            if not raw:
-                return was_ready
-            if skip_rest:
-                skip_rest = False
+                raw = await proc.stdout.readuntil(b"\n")
+            except asyncio.IncompleteReadError as exc:
+                raw = exc.partial  # the child's last words without a newline
+                if not raw:
+                    return was_ready
+            except asyncio.LimitOverrunError as exc:
+                # A line over the stream limit: drop it, exactly it. (readline() raises a bare
+                # ValueError after consuming the whole line in one case and only part of it in
+                # the other, so the line after it could not be told from its remainder.)
+                await _skip_line(proc.stdout, exc.consumed)
                 continue
             line = raw.decode("utf-8", "replace").rstrip()
             event = _parse_event(line)
@@ -253,6 +254,19 @@ def output_kind(line: str) -> str:
     prefix = _LOG_PREFIX.match(line)
     head = line[prefix.end() :] if prefix else line
     return (prefix.group(0) if prefix else "") + head.split(":", 1)[0][:160]
+
+
+async def _skip_line(reader: asyncio.StreamReader, buffered: int) -> None:
+    """Discard the rest of an over-long line whose first ``buffered`` bytes are readable."""
+    while True:
+        await reader.readexactly(buffered)
+        try:
+            await reader.readuntil(b"\n")
+            return
+        except asyncio.IncompleteReadError:
+            return
+        except asyncio.LimitOverrunError as exc:
+            buffered = exc.consumed
 
 
 def _parse_event(line: str) -> dict[str, object] | None:
