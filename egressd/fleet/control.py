@@ -258,13 +258,18 @@ class ControlPlane:
             for entry in self.registry:
                 view = self.registry.kernel(entry.uid)
                 if view.rules and view.applied is not None:
-                    effective = effective_policy(view.applied, always)
+                    # A subject being closed (its revert, rebind or removal refused) never
+                    # gains from a reload: it gets the narrower of the old and new rules.
+                    rules = _narrower(self.always, always) if self._closing(entry.uid) else always
+                    effective = effective_policy(view.applied, rules)
                     batch = batch + policy_swap(table, entry.nft_id, effective)
                     applied.append((entry.uid, view.keys, effective))
                     narrowed = self._narrowed(entry.uid, effective)
+                    # A newly always-denied name loses its leases in the same transaction (the
+                    # dyn sets are flushed even when the book knows of none: 14.1).
+                    kept = narrowed.kept if narrowed is not None else ()
+                    batch = batch + dyn_replace(table, entry.nft_id, kept)
                     if narrowed is not None:
-                        # A newly always-denied name loses its leases in the same transaction.
-                        batch = batch + dyn_replace(table, entry.nft_id, narrowed.kept)
                         books[entry.uid] = narrowed.book
             if batch:
                 await self.tx.run_batch(batch, op="static_apply")
@@ -307,7 +312,15 @@ class ControlPlane:
         (BEHAVIOUR 14.1): an answer that arrives after a revert, rebind, removal or a change
         that denies its name must never reopen it. ``name`` None is the connection refresh:
         it renews only addresses that a still-allowed name taught.
+
+        Shielded: a caller that stops waiting (the DNS proxy's bound) does not stop a kernel
+        step that may already be under way, so the book always records what the kernel took.
         """
+        return await asyncio.shield(self._learn(uid, fence, leases, name))
+
+    async def _learn(
+        self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None
+    ) -> list[IPAddress]:
         async with self._locks.hold(uid):
             entry = self.registry.get(uid)
             if entry is None or entry.fence != fence or entry.state is not State.ACTIVE:
@@ -401,21 +414,38 @@ class ControlPlane:
                 if plan.rebind or (policy is None and entry is not None):
                     for listener in self.listeners:
                         await (listener.reset(action.uid) if plan.rebind else listener.unbound(action.uid))
-                result = await self._execute(entry, plan, failure_prefix="deny-first install")
-            if result.status == 200 and parsed is not None:
-                committed = self.registry.get(action.uid)
-                if committed is not None and committed.state is State.ACTIVE:
-                    self._apply_vault(action.uid, parsed)  # in place, after the policy
-                elif committed is not None and parsed.vault is not VaultAction.KEEP:
-                    # Activates with the policy. A bare policy string leaves the vault alone,
-                    # including a sealed vault still waiting for data-plane-ready.
-                    self._pending_vault[action.uid] = parsed
-            if result.status == 200 and policy is not None:
-                committed = self.registry.get(action.uid)
-                if committed is not None:
-                    for listener in self.listeners:
-                        await listener.registered(committed)
+
+                async def finish() -> None:
+                    # What a committed SET_BINDING does after its kernel steps; also run by
+                    # egressd's own retry of a refused narrowing (14.6), so the input's vault
+                    # action and the pending-push replay are never lost with the 500.
+                    await self._after_set_binding(action.uid, parsed, policy)
+
+                result = await self._execute(entry, plan, failure_prefix="deny-first install", after=finish)
+            if result.status == 200:
+                await finish()
+            elif parsed is not None and parsed.vault is VaultAction.REMOVE and action.uid in self._revoking:
+                # The input takes the vault away: that much needs no kernel, so it holds now.
+                self.vaults.pop(action.uid, None)
+                self._pending_vault.pop(action.uid, None)
             return result
+
+    async def _after_set_binding(
+        self, uid: str, parsed: BindingInput | None, policy: NetworkPolicy | None
+    ) -> None:
+        if parsed is not None:
+            committed = self.registry.get(uid)
+            if committed is not None and committed.state is State.ACTIVE:
+                self._apply_vault(uid, parsed)  # in place, after the policy
+            elif committed is not None and parsed.vault is not VaultAction.KEEP:
+                # Activates with the policy. A bare policy string leaves the vault alone,
+                # including a sealed vault still waiting for data-plane-ready.
+                self._pending_vault[uid] = parsed
+        if policy is not None:
+            committed = self.registry.get(uid)
+            if committed is not None:
+                for listener in self.listeners:
+                    await listener.registered(committed)
 
     def _uncovers_vault(self, uid: str, plan: Plan, parsed: BindingInput | None) -> str | None:
         """A policy change that keeps the subject's vault must still cover every binding host,
@@ -593,6 +623,12 @@ class ControlPlane:
         target = plan.on_success if plan.on_success is not None else plan.on_failure
         assert target is not None
         uid = target.uid
+        closes = any(isinstance(step, InstallDenyFirst | RemoveAll) for step in plan.steps)
+        if self._closing(uid) and not closes:
+            # A revert, rebind or removal the kernel refused is still pending: nothing may
+            # build on the state it is taking away (a tenant's /policy write, an in-place
+            # SET_BINDING, an activation). Retryable, like any kernel failure (14.6).
+            return Result(500, f"revocation pending for {subject_for_uid(uid)}; retry later")
         narrowing = self._narrows(plan)
         try:
             for step in plan.steps:
@@ -775,9 +811,11 @@ class ControlPlane:
             event = {"egress.default": effective.default_action.value, "rules": len(effective.egress)}
             batch = policy_swap(table, nid, effective)
             narrowed = self._narrowed(entry.uid, effective)
-            if narrowed is not None:
-                # Leases no still-allowed name taught leave in the same transaction (14.1).
-                batch = batch + dyn_replace(table, nid, narrowed.kept)
+            if view.applied is not None:
+                # In place: leases no still-allowed name taught leave in the same transaction
+                # (14.1); the flush runs even when the book knows of none, so an element a
+                # failed-looking learn left in the kernel does not outlive the change.
+                batch = batch + dyn_replace(table, nid, narrowed.kept if narrowed is not None else ())
             cidr = entry.binding.private_cidr if entry.binding is not None else self._nets.get(entry.uid)
             batch, commit = self._nets_in(batch, entry.uid, cidr)
             try:
@@ -1002,6 +1040,12 @@ class ControlPlane:
                 }
             )
         return out
+
+
+def _narrower(old: AlwaysRules, new: AlwaysRules) -> AlwaysRules:
+    """Every always-deny of either, and only the always-allows both have."""
+    deny = new.deny + tuple(r for r in old.deny if r not in new.deny)
+    return AlwaysRules(deny=deny, allow=tuple(r for r in new.allow if r in old.allow))
 
 
 def _element_text(start: bytes, end: bytes | None, *, interval: bool) -> str:

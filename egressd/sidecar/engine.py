@@ -116,9 +116,15 @@ class SidecarEngine:
         self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
     ) -> list[IPAddress]:
         """``name``: the question the answer was for (None: a refresh of live addresses).
-        Returns the addresses the kernel holds (the reply carries only those)."""
+        Returns the addresses the kernel holds (the reply carries only those). Shielded like
+        the fleet's: the book records whatever the kernel took, even if the caller left."""
         if self.table.mode == "dns":
             return [ip for ip, _ in leases]  # no filter chain: nothing consults the dyn sets
+        return await asyncio.shield(self._learn(fence, leases, name))
+
+    async def _learn(
+        self, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None
+    ) -> list[IPAddress]:
         async with self._kernel_lock:
             if not self.enforcement_ready:
                 return []

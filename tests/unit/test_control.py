@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import ipaddress
 import json
 import re
 from collections.abc import Iterable
@@ -1414,8 +1415,15 @@ async def test_default_allow_fills_the_allow_sets(control: ControlPlane, kernel:
     assert kernel.elements("subj_s_u_1_deny_v4") == {}
 
 
-async def test_policy_swap_keeps_leases(control: ControlPlane, kernel: FakeKernel) -> None:
-    await activate(control)
-    kernel.state.sets["subj_s_u_1_dyn_v4"]["93.184.216.34"] = ""
-    ok(await control.handle(set_binding(policy=POLICY_B, gen=2)))
-    assert kernel.elements("subj_s_u_1_dyn_v4") == {"93.184.216.34": ""}
+async def test_policy_swap_keeps_only_leases_a_still_allowed_name_taught(
+    control: ControlPlane, kernel: FakeKernel
+) -> None:
+    # BEHAVIOUR 14.1 wins over §8.3's "dyn sets untouched": a lease survives a swap only if a
+    # name that taught it is still allowed; an element nobody taught goes with the swap.
+    keep = '{"defaultAction":"deny","egress":[{"action":"allow","target":"api.x.io"}]}'
+    await activate(control, policy=keep)
+    fence = entry(control, "u-1").fence
+    assert await control.learn("u-1", fence, [(ipaddress.ip_address("93.184.216.34"), 300)], "api.x.io")
+    kernel.state.sets["subj_s_u_1_dyn_v4"]["10.9.9.9"] = ""  # in the kernel, taught by no name
+    ok(await control.handle(set_binding(policy=keep, gen=2)))
+    assert set(kernel.elements("subj_s_u_1_dyn_v4")) == {"93.184.216.34"}

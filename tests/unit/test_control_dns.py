@@ -19,7 +19,7 @@ from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBin
 from egressd.dnsproxy.server import Asker
 from egressd.fleet.control import ControlPlane, Result
 from egressd.fleetnft.applier import NftError
-from egressd.fleetnft.builder import TableConfig, dyn_add, policy_swap
+from egressd.fleetnft.builder import TableConfig, dyn_add, dyn_replace, policy_swap
 from egressd.fleetnft.ops import AddIntervals, AddTimed, NetlinkBatch
 from egressd.policy import (
     EMPTY_ALWAYS,
@@ -424,8 +424,13 @@ async def test_set_always_rules_is_one_batch_over_all_active_subjects(
     assert len(tx.batches) == 1
     op, batch = tx.batches[0]
     assert op == "static_apply"
-    assert batch == policy_swap(TABLE, "s_u_1", effective_policy(parse_policy(ALLOW_ALL), NEW)) + policy_swap(
-        TABLE, "s_u_2", effective_policy(parse_policy(ONLY_EXAMPLE), NEW)
+    # Each subject's static swap, then its dyn sets emptied and refilled with what survives
+    # (none learned here), all in the one batch (BEHAVIOUR 14.1).
+    assert batch == (
+        policy_swap(TABLE, "s_u_1", effective_policy(parse_policy(ALLOW_ALL), NEW))
+        + dyn_replace(TABLE, "s_u_1", [])
+        + policy_swap(TABLE, "s_u_2", effective_policy(parse_policy(ONLY_EXAMPLE), NEW))
+        + dyn_replace(TABLE, "s_u_2", [])
     )
     assert not touches(batch, "s_u_3")
     assert tx.scripts == []

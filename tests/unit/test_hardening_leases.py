@@ -508,3 +508,116 @@ async def test_a_failed_first_install_or_activation_is_not_a_revocation() -> Non
 def test_policy_fixture_is_valid_json() -> None:
     for text in (ALLOW_API, ALLOW_BOTH, ALLOW_CDN, DENY_ALL):
         json.loads(text)
+
+
+# --------------------------------------------------------------------------- review regressions
+
+_VAULT = {
+    "credentials": [{"name": "k", "source": {"type": "inline", "value": "sk-canary-1"}}],
+    "bindings": [{"name": "b", "match": {"hosts": ["api.x.io"]}, "auth": {"type": "bearer", "credential": "k"}}],
+}
+
+
+async def test_a_tenant_policy_write_cannot_cancel_a_pending_removal() -> None:
+    from egressd.fleet.proxyroute import ProxyRouteAPI
+
+    tx = FlakyTx("remove", 10_000)  # the kernel keeps refusing the removal
+    control = await make(tx)
+    control.revoke_retry = (0.01, 0.02)
+    proxy = ProxyRouteAPI(control)
+    await activate(control, policy=ALLOW_API)
+    assert (await control.handle(remove())).status == 500
+    body = json.dumps({"defaultAction": "deny", "egress": [{"action": "allow", "target": "api.x.io"}]}).encode()
+    reply = await proxy.handle("PUT", "/v1/sandboxfleets/u-1/egress/policy", {}, body)
+    assert reply.status == 500
+    # Nor can an in-place SET_BINDING or an activation build on the state being taken away.
+    assert (await control.handle(set_binding(policy=ALLOW_API, gen=2))).status == 500
+    await asyncio.sleep(0.05)
+    assert "u-1" in control.revoking()
+    asker = control.asker(SRC)
+    assert asker is not None and asker.policy is None
+    assert await control.learn("u-1", FENCE, [(API, 300)], "api.x.io") == []
+    await proxy.handle("PUT", "/v1/sandboxfleets/u-1/egress/credential-vault", {}, json.dumps(_VAULT).encode())
+    assert control.vault_for_ip(SRC) is None
+    tx.left = 0  # the kernel agrees at last: the removal finishes by itself
+    await _until(lambda: not control.revoking())
+    assert control.registry.get("u-1") is None and "u-1" not in control.vaults
+
+
+async def test_egressds_own_retry_applies_the_inputs_vault_action_too() -> None:
+    tx = FlakyTx("static_apply", 0)
+    control = await make(tx)
+    control.revoke_retry = (0.01, 0.02)
+    await activate(control, policy=ALLOW_API)
+    store = control.vaults.setdefault("u-1", VaultStore())
+    status, _ = store.put(_VAULT, control.coverage_policy("u-1"))
+    assert status in (200, 201)
+    tx.left = 1
+    both = {
+        "defaultAction": "deny",
+        "egress": [{"action": "allow", "target": "api.x.io"}, {"action": "allow", "target": "other.io"}],
+    }
+    wrapper = json.dumps({"osbEgressInput": 1, "policy": both})  # no "vault": remove it
+    assert (await control.handle(set_binding(policy=wrapper, gen=2))).status == 500
+    assert "u-1" not in control.vaults, "a vault removal needs no kernel: it holds at once"
+    await _until(lambda: not control.revoking())
+    entry = control.registry.get("u-1")
+    assert entry is not None and entry.policy == parse_policy(json.dumps(both))
+    assert "u-1" not in control.vaults
+
+
+async def test_an_always_rules_reload_never_widens_a_subject_being_closed() -> None:
+    from egressd.fleetnft.ops import AddIntervals
+
+    tx = FlakyTx("deny_first", 0)
+    control = await make(tx)
+    control.revoke_retry = (30.0, 30.0)  # keep egressd's own retry out of the way
+    await activate(control, policy=ALLOW_API)
+    tx.left = 1
+    assert (await control.handle(set_binding(policy=None, gen=2))).status == 500
+    tx.clear()
+    new = AlwaysRules(
+        deny=parse_always_text("1.2.3.4\n", "deny.always", Verdict.DENY),
+        allow=parse_always_text("8.8.8.0/24\n", "allow.always", Verdict.ALLOW),
+    )
+    await control.set_always_rules(new)
+    (batch,) = tx.ops("static_apply")
+    adds = {o.name: o.nets for o in batch.ops if isinstance(o, AddIntervals)}
+    assert ipaddress.ip_network("8.8.8.0/24") not in adds.get("subj_s_u_1_allow_v4", ()), "widened"
+    assert ipaddress.ip_network("1.2.3.4/32") in adds.get("subj_s_u_1_deny_v4", ()), "the new deny holds"
+    await control.close()
+
+
+async def test_a_sidecar_learn_whose_caller_left_still_records_what_the_kernel_took() -> None:
+    from egressd.sidecar.engine import SidecarEngine
+    from egressd.sidecarnft.ruleset import SidecarTable
+
+    took: list[str] = []
+
+    class SlowKernel:
+        async def run_script(self, script: str, *, op: str) -> None:
+            await asyncio.sleep(0.1)  # a slow libnftables call
+            took.append(script)
+
+    engine = SidecarEngine(SidecarTable(table="T", max_leases=4), SlowKernel(), parse_policy(ALLOW_API))
+    await engine.install()
+    took.clear()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(engine.learn("sidecar", engine.fence, [(API, 300)], "api.x.io"), 0.02)
+    await _until(lambda: bool(took))
+    await asyncio.sleep(0)
+    assert API in engine.leases.live(time.monotonic()), "the kernel holds a lease the book does not know"
+
+
+async def test_a_fleet_learn_whose_caller_left_still_records_what_the_kernel_took() -> None:
+    tx = FakeTx()
+    control = await make(tx)
+    await activate(control, policy=ALLOW_API)
+    gate = asyncio.Event()
+    tx.hold = lambda op, batch: gate if op == "dynamic_add" else None
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(control.learn("u-1", FENCE, [(API, 300)], "api.x.io"), 0.02)
+    gate.set()
+    await _until(lambda: bool(tx.ops("dynamic_add")))
+    await asyncio.sleep(0)
+    assert set(mirror(control)) == {API}
