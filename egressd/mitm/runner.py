@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from mitmproxy import exceptions, master, options
 from mitmproxy.addons import core, disable_h2c, errorcheck, next_layer, proxyserver, tlsconfig
 
+from egressd.hygiene import disable_core_dumps
 from egressd.mitm.addon import EgressInjector
 
 
@@ -66,6 +67,9 @@ async def _main(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # exec reset the dumpable flag the daemon had: set it again before the CA key (loaded when
+    # the options are set) or any vault snapshot is in this process (BEHAVIOUR 14.9).
+    disable_core_dumps()
     return asyncio.run(_main(sys.argv[1:] if argv is None else argv))
 
 
