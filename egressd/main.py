@@ -150,6 +150,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
                 raise StartupError(str(exc)) from None
         if mitm is not None:
             background.append(asyncio.create_task(mitm.supervisor.run()))
+            control.forget_snapshots = mitm.supervisor.forget
 
         def mitm_health() -> str | None:
             if mitm is not None and not mitm.supervisor.ready:
