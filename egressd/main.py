@@ -27,6 +27,7 @@ from egressd.fleetnft.applier import KernelTransactions, NftError
 from egressd.fleetnft.builder import TableConfig
 from egressd.fleetnft.conntrack import flush_source
 from egressd.fleetnft.selftest import SelfTestError, bridge_report, run_selftest
+from egressd.hygiene import disable_core_dumps
 from egressd.logsetup import configure
 from egressd.metrics import EgressMetrics
 from egressd.mitm.service import MitmStartupError, start_mitm
@@ -150,6 +151,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
                 raise StartupError(str(exc)) from None
         if mitm is not None:
             background.append(asyncio.create_task(mitm.supervisor.run()))
+            control.forget_snapshots = mitm.supervisor.forget
 
         def mitm_health() -> str | None:
             if mitm is not None and not mitm.supervisor.ready:
@@ -203,6 +205,10 @@ async def _sweep_pending(control: ControlPlane, interval: float = 10.0) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # First, before the configuration (token) is parsed and long before any vault or key is
+    # read: no core dump and no same-uid /proc/<pid>/mem reader (BEHAVIOUR 14.9). Both
+    # profiles run in this process.
+    disable_core_dumps()
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
         from egressd.config import build_arg_parser

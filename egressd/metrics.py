@@ -305,6 +305,14 @@ class EgressMetrics:
                 ["outcome"],
             )
         )
+        # BEHAVIOUR 14.9: how many clients' vault snapshots the child holds (bounded; a removed,
+        # rebound or vault-less subject's entry is dropped), as last reported by the child.
+        self.mitm_cache_entries = r.register(
+            Gauge(
+                "egressd_mitm_snapshot_cache_entries",
+                "Clients whose vault snapshot the MITM child holds in its cache.",
+            )
+        )
 
     def render(self, openmetrics: bool = False) -> str:
         return self.registry.render(openmetrics)

@@ -196,6 +196,9 @@ class ControlPlane:
         self._background: set[asyncio.Task[None]] = set()
         self.keys = keys
         self.vaults: dict[str, VaultStore] = {}
+        # Set by the MITM (BEHAVIOUR 14.9): addresses whose vault snapshot the MITM child may
+        # hold and must drop now (vault deleted or changed, subject removed, rebound, closing).
+        self.forget_snapshots: Callable[[list[IPAddress]], None] | None = None
         self._pending_vault: dict[str, BindingInput] = {}
         self.pending_pushes = PendingPushes(pending_ttl)
         self._claims_ip: dict[IPAddress, str] = {}
@@ -525,7 +528,17 @@ class ControlPlane:
         """The per-subject lock every mutation of that subject (vault included) runs under."""
         return self._locks.hold(uid)
 
+    def vault_view_changed(self, uid: str, *also: Entry | None) -> None:
+        """What ``vault_for_ip`` answers for ``uid``'s address may have changed: the MITM child
+        drops its cached snapshot of it (and of ``also``'s addresses, e.g. the old binding)."""
+        if self.forget_snapshots is None:
+            return
+        ips = {e.binding.ip for e in (self.registry.get(uid), *also) if e is not None and e.binding}
+        if ips:
+            self.forget_snapshots(sorted(ips, key=str))
+
     def _drop_vault_state(self, uid: str, *, pushes: bool) -> None:
+        self.vault_view_changed(uid)
         self.vaults.pop(uid, None)
         self._pending_vault.pop(uid, None)
         if pushes:
@@ -534,6 +547,7 @@ class ControlPlane:
     def _apply_vault(self, uid: str, parsed: BindingInput) -> None:
         if parsed.vault is VaultAction.KEEP:
             return
+        self.vault_view_changed(uid)
         if parsed.vault is VaultAction.REMOVE or parsed.content is None:
             self.vaults.pop(uid, None)
             return
@@ -683,6 +697,7 @@ class ControlPlane:
         rev = self._revoking.get(uid)
         attempts = rev.attempts if rev is not None else 0
         self._revoking[uid] = _Revocation(plan, self.registry.get(uid), reason, after, attempts)
+        self.vault_view_changed(uid)  # a closing subject gets no vault (vault_for_ip)
         if uid not in self._revoke_tasks:
             log.warning("subject.revocation_pending", subject=subject_for_uid(uid), error=reason[:200])
             task = asyncio.get_running_loop().create_task(self._retry_revocation(uid))
@@ -737,6 +752,12 @@ class ControlPlane:
             self.registry.drop(uid)
         else:
             self.registry.put(new)
+        if old is not None and (
+            new is None or (old.binding, old.state, old.fence) != (new.binding, new.state, new.fence)
+        ):
+            # Removed, re-keyed, rebound or no longer active: the vault lookup of the old (and
+            # new) address answers differently. An in-place policy swap keeps the snapshot.
+            self.vault_view_changed(uid, old)
         old_state = old.state if old else State.ABSENT
         new_state = new.state if new else State.ABSENT
         ref = new or old

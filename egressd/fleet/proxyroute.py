@@ -123,6 +123,8 @@ class ProxyRouteAPI(SubjectListener):
             self.control.vaults.pop(uid, None)
         else:
             self.control.vaults[uid] = store
+        if method != "GET":
+            self.control.vault_view_changed(uid)  # the MITM child drops its snapshot (14.9)
         if method in ("PUT", "POST", "PATCH"):
             revision = store.revision if store is not None else None
             log.info("vault.write", subject=f"s-{uid}", method=method, code=reply.status, revision=revision)

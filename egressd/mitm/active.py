@@ -35,6 +35,7 @@ Lookup = Callable[[IPAddress], VaultSnapshot | None]
 Verify = Callable[[IPAddress, str, IPAddress], bool]
 DESTINATION_HEADER = "X-Egressd-Destination"
 READY_EVENT = "mitm.ready"  # the addon's JSON line once its listener is bound
+CACHE_EVENT = "mitm.cache"  # the child's snapshot cache size, whenever it changed (BEHAVIOUR 14.9)
 
 
 @dataclass(frozen=True, slots=True)

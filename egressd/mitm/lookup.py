@@ -9,11 +9,21 @@ Unchanged vaults cost a 304 and no copying.
 Failure (timeout 0.25 s, refused, 5xx, bad JSON/schema/ETag, 304 without a cached tag, 200
 carrying the tag we already hold) drops the client's cache and raises: the caller then blocks
 the request before anything reaches the upstream. 404 drops the cache: no vault, no injection.
+
+The cache is bounded (BEHAVIOUR 14.9): at most :data:`CACHE_MAX_ENTRIES` clients, least
+recently used evicted first. Eviction only costs the evicted client one full (200) lookup.
+egressd also tells the child to *forget* clients whose snapshot it must no longer hold
+(subject removed or rebound, vault deleted or changed): one JSON line per batch on the
+child's stdin, :func:`forget_message` / :func:`parse_forget`. Without that, a removed
+sandbox's credentials would stay in the child until its address sent another request.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 from urllib.parse import urlencode
@@ -22,9 +32,38 @@ import aiohttp
 
 from egressd.mitm.active import ACTIVE_PATH, DESTINATION_HEADER
 from egressd.mitm.wire import WireError, bare_etag, snapshot_from_active
+from egressd.subject.model import unmap_ip
 from egressd.vault.store import VaultSnapshot
 
 LOOKUP_TIMEOUT_S: Final = 0.25
+CACHE_MAX_ENTRIES: Final = 4096  # a fleet host runs far fewer sandboxes; evicting only costs a 200
+FORGET_BATCH: Final = 256  # addresses per forget line (a line stays well under the reader's limit)
+
+
+def forget_message(ips: Iterable[str] | None) -> bytes:
+    """One line for the child's stdin: forget these client addresses (None: every client)."""
+    doc: dict[str, object] = {"op": "forget"}
+    if ips is not None:
+        doc["ips"] = list(ips)
+    return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+
+
+def parse_forget(line: bytes) -> list[str] | None:
+    """The canonical addresses a forget line names; None means every client.
+
+    Anything that is not a well-formed forget line also means every client: dropping the whole
+    cache only costs revalidating lookups, keeping a snapshot egressd wanted gone does not.
+    """
+    try:
+        doc = json.loads(line)
+        if not isinstance(doc, dict) or doc.get("op") != "forget" or "ips" not in doc:
+            return None
+        raw = doc["ips"]
+        if not isinstance(raw, list) or not all(isinstance(ip, str) for ip in raw):
+            return None
+        return [str(unmap_ip(ipaddress.ip_address(ip))) for ip in raw]
+    except ValueError:  # bad JSON or a bad address
+        return None
 
 
 class LookupFailed(Exception):
@@ -62,13 +101,34 @@ def interpret(
 
 
 class ActiveClient:
-    """Per-client-IP snapshot cache over the daemon's ``_active`` unix socket."""
+    """Per-client-IP snapshot cache over the daemon's ``_active`` unix socket (bounded, LRU)."""
 
-    def __init__(self, socket_path: str, timeout: float = LOOKUP_TIMEOUT_S) -> None:
+    def __init__(
+        self, socket_path: str, timeout: float = LOOKUP_TIMEOUT_S, max_entries: int = CACHE_MAX_ENTRIES
+    ) -> None:
         self.socket_path = socket_path
         self.timeout = timeout
-        self.cache: dict[str, VaultSnapshot] = {}
+        self.max_entries = max(1, max_entries)
+        self.cache: OrderedDict[str, VaultSnapshot] = OrderedDict()
+        self.evictions = 0
+        self._forgets = 0  # bumped by every forget: a lookup in flight across one is not cached
         self._session: aiohttp.ClientSession | None = None
+
+    def _store(self, client_ip: str, snapshot: VaultSnapshot) -> None:
+        self.cache[client_ip] = snapshot
+        self.cache.move_to_end(client_ip)
+        while len(self.cache) > self.max_entries:
+            self.cache.popitem(last=False)
+            self.evictions += 1
+
+    def forget(self, ips: Iterable[str] | None) -> None:
+        """Drop these clients' snapshots (None: all). Their next request does a full lookup."""
+        self._forgets += 1
+        if ips is None:
+            self.cache.clear()
+            return
+        for ip in ips:
+            self.cache.pop(ip, None)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -82,6 +142,7 @@ class ActiveClient:
         if not client_ip:
             raise LookupFailed("no peer address")
         cached = self.cache.get(client_ip)
+        forgets = self._forgets
         query = {"clientIp": client_ip}
         if host and dst:
             query.update(host=host, dst=dst)
@@ -100,10 +161,13 @@ class ActiveClient:
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             self.cache.pop(client_ip, None)
             raise LookupFailed(type(exc).__name__) from None
-        if view.snapshot is None:
+        if view.snapshot is None or forgets != self._forgets:
+            # A forget arrived while this reply was on its way: egressd may have answered
+            # before the change it then announced, so the reply serves this request only and
+            # is not kept (the forget and the reply travel on different channels).
             self.cache.pop(client_ip, None)
         else:
-            self.cache[client_ip] = view.snapshot
+            self._store(client_ip, view.snapshot)
         return view
 
     async def close(self) -> None:

@@ -10,20 +10,33 @@ no ``config.yaml`` is read from the confdir.
 
 Run as ``python -m egressd.mitm.runner --set name=value …`` (options of mitmproxy and of the
 egressd addon, as built by :func:`egressd.mitm.supervisor.mitmdump_argv`).
+
+Besides mitmproxy, two small tasks (BEHAVIOUR 14.9): stdin carries egressd's *forget* lines
+(clients whose vault snapshot the cache must drop now: subject removed or rebound, vault
+deleted), and a ``mitm.cache`` event reports the cache size whenever it changed, so egressd
+can export it (``egressd_mitm_snapshot_cache_entries``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Final
 
 from mitmproxy import exceptions, master, options
 from mitmproxy.addons import core, disable_h2c, errorcheck, next_layer, proxyserver, tlsconfig
 
-from egressd.mitm.addon import EgressInjector
+from egressd.hygiene import disable_core_dumps
+from egressd.mitm.active import CACHE_EVENT
+from egressd.mitm.addon import EgressInjector, emit
+from egressd.mitm.lookup import parse_forget
+
+CACHE_REPORT_INTERVAL_S: Final = 0.5
+_STDIN_LINE_LIMIT: Final = 1 << 20
 
 
 def _settings(argv: Sequence[str]) -> list[str]:
@@ -37,19 +50,61 @@ def _settings(argv: Sequence[str]) -> list[str]:
     return out
 
 
+class _CacheReport:
+    """Emits ``mitm.cache`` when the size (or the eviction count) differs from the last report."""
+
+    def __init__(self, injector: EgressInjector) -> None:
+        self.injector = injector
+        self.last: tuple[int, int] | None = None
+
+    def __call__(self) -> None:
+        client = self.injector.client
+        now = (len(client.cache), client.evictions) if client is not None else (0, 0)
+        if now != self.last:
+            self.last = now
+            emit(CACHE_EVENT, entries=now[0], evictions=now[1])
+
+    async def run(self) -> None:
+        while True:
+            self()
+            await asyncio.sleep(CACHE_REPORT_INTERVAL_S)
+
+
+async def _follow_forgets(injector: EgressInjector, report: _CacheReport) -> None:
+    """Apply egressd's forget lines from stdin until it closes (run stand-alone: no stdin)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=_STDIN_LINE_LIMIT)
+    try:
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    except (ValueError, OSError):  # a terminal or a regular file: nobody sends forgets
+        return
+    while True:
+        try:
+            line = await reader.readline()
+        except ValueError:  # over the limit: not a line egressd writes, so forget everyone
+            line = b"?\n"
+        if not line:
+            return
+        client = injector.client
+        if client is not None:
+            client.forget(parse_forget(line))
+        report()  # at once: egressd (and its tests) see the drop without waiting a period
+
+
 async def _main(argv: Sequence[str]) -> int:
     logging.getLogger().setLevel(logging.INFO)
     for noisy in ("asyncio", "hpack"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     opts = options.Options()
     m = master.Master(opts, with_termlog=True)
+    injector = EgressInjector()
     m.addons.add(
         core.Core(),
         disable_h2c.DisableH2C(),
         proxyserver.Proxyserver(),
         next_layer.NextLayer(),
         tlsconfig.TlsConfig(),
-        EgressInjector(),
+        injector,
         errorcheck.ErrorCheck(),
     )
     try:
@@ -61,11 +116,22 @@ async def _main(argv: Sequence[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, m.shutdown)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    await m.run()
+    report = _CacheReport(injector)
+    tasks = [asyncio.create_task(report.run()), asyncio.create_task(_follow_forgets(injector, report))]
+    try:
+        await m.run()
+    finally:
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # exec reset the dumpable flag the daemon had: set it again before the CA key (loaded when
+    # the options are set) or any vault snapshot is in this process (BEHAVIOUR 14.9).
+    disable_core_dumps()
     return asyncio.run(_main(sys.argv[1:] if argv is None else argv))
 
 

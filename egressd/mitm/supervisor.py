@@ -11,6 +11,12 @@ The child dies with the daemon (``PR_SET_PDEATHSIG``). It is ready when the addo
 ``mitm.ready`` (its listener is bound); until then, and whenever it has died, :attr:`ready`
 is False, ``/healthz`` answers 503 and intercepted connections are refused by the kernel
 (nothing listens on the port): fail closed. It is restarted with a capped backoff.
+
+The child's stdin is egressd's one-way channel to it: :meth:`MitmSupervisor.forget` queues
+client addresses whose cached vault snapshot the child must drop (BEHAVIOUR 14.9), written
+as forget lines (:func:`egressd.mitm.lookup.forget_message`). The queue is bounded: past
+:data:`FORGET_QUEUE_MAX` addresses it collapses into one "forget every client" line. The
+child reports its cache size in ``mitm.cache`` events (``egressd_mitm_snapshot_cache_entries``).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -31,13 +37,15 @@ from typing import Final
 import structlog
 
 from egressd.metrics import EgressMetrics
-from egressd.mitm.active import READY_EVENT
+from egressd.mitm.active import CACHE_EVENT, READY_EVENT
+from egressd.mitm.lookup import CACHE_MAX_ENTRIES, FORGET_BATCH, forget_message
 
 log = structlog.get_logger("egressd.mitm")
 
 _PR_SET_PDEATHSIG: Final = 1
 _PR_SET_NO_NEW_PRIVS: Final = 38
 _LINUX_CAPABILITY_VERSION_3: Final = 0x20080522
+FORGET_QUEUE_MAX: Final = CACHE_MAX_ENTRIES  # more than the child can hold: forget everyone
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,12 +143,61 @@ class MitmSupervisor:
         self.metrics = metrics
         if metrics is not None:
             metrics.mitm_ready.collect_from(lambda: {(): 1.0 if self.ready else 0.0})
+            metrics.mitm_cache_entries.collect_from(lambda: {(): float(self.cache_entries)})
         self.ready = False
+        self.cache_entries = 0  # as last reported by the running child (a new one starts empty)
+        self._forget: set[str] = set()
+        self._forget_all = False
+        self._forget_wake = asyncio.Event()
         self.pid: int | None = None
         self.starts = 0
         self._proc: asyncio.subprocess.Process | None = None
         self._stopping = False
         self._became_ready = asyncio.Event()
+
+    def forget(self, ips: Iterable[object] | None) -> None:
+        """Tell the running child to drop these clients' vault snapshots (None: all of them).
+
+        Called synchronously at the mutation (subject removed or rebound, vault deleted or
+        changed); delivery is asynchronous, in order, and never blocks the caller. Without a
+        running child there is nothing to forget: the next one starts with an empty cache.
+        """
+        if self._proc is None:
+            return
+        if ips is None:
+            self._forget_all = True
+            self._forget.clear()
+        elif not self._forget_all:
+            self._forget.update(str(ip) for ip in ips)
+            if len(self._forget) > FORGET_QUEUE_MAX:
+                self._forget_all = True
+                self._forget.clear()
+        self._forget_wake.set()
+
+    def _take_forgets(self) -> list[bytes]:
+        if self._forget_all:
+            lines = [forget_message(None)]
+        else:
+            ips = sorted(self._forget)
+            lines = [forget_message(ips[i : i + FORGET_BATCH]) for i in range(0, len(ips), FORGET_BATCH)]
+        self._forget_all = False
+        self._forget.clear()
+        self._forget_wake.clear()
+        return lines
+
+    async def _feed(self, proc: asyncio.subprocess.Process) -> None:
+        """Write queued forgets to the child's stdin; drain() bounds what waits in the pipe
+        (a stopped child makes the queue, not memory, grow, and the queue is capped)."""
+        stdin = proc.stdin
+        assert stdin is not None
+        try:
+            while True:
+                await self._forget_wake.wait()
+                for line in self._take_forgets():
+                    stdin.write(line)
+                await stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            return  # the child died; its cache died with it
 
     async def wait_ready(self, timeout: float) -> bool:
         try:
@@ -158,7 +215,7 @@ class MitmSupervisor:
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *self.argv,
-                    stdin=asyncio.subprocess.DEVNULL,
+                    stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.STDOUT,
                     preexec_fn=_child_setup(self.gid),
@@ -172,8 +229,15 @@ class MitmSupervisor:
             self._proc = proc
             self.pid = proc.pid
             log.info("mitm.started", pid=proc.pid, start=self.starts)
-            was_ready = await self._pump(proc)
-            code = await proc.wait()
+            feeder = asyncio.create_task(self._feed(proc))
+            try:
+                was_ready = await self._pump(proc)
+                code = await proc.wait()
+            finally:
+                feeder.cancel()
+            # Whatever was queued was for the dead child's cache; the next child starts empty.
+            self._take_forgets()
+            self.cache_entries = 0
             self.ready = False
             self._became_ready.clear()
             self._proc = None
@@ -213,6 +277,12 @@ class MitmSupervisor:
             outcome = _OUTCOMES.get(name)
             if outcome is not None and self.metrics is not None:
                 self.metrics.mitm_requests.inc(outcome)
+            if name == CACHE_EVENT:
+                # Not logged: it changes with traffic. Only the size is kept (a gauge).
+                entries = event.get("entries")
+                if isinstance(entries, int) and not isinstance(entries, bool) and entries >= 0:
+                    self.cache_entries = entries
+                continue
             if name == READY_EVENT:
                 was_ready = True
                 self.ready = True

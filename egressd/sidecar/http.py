@@ -100,9 +100,12 @@ class SidecarHTTP:
         prerequisites: VaultPrerequisites,
         extra_health: Callable[[], str | None] | None = None,
         mitm_ca: Callable[[], tuple[str, str]] | None = None,
+        vault_changed: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
         self._mitm_ca = mitm_ca
+        # After every vault write: the MITM child drops its cached snapshot (BEHAVIOUR 14.9).
+        self._vault_changed = vault_changed
         self.metrics = metrics
         self._token = token
         self.max_rules = max_rules
@@ -256,6 +259,8 @@ class SidecarHTTP:
             )
             self.vault = store
         if method != "GET":
+            if self._vault_changed is not None:
+                self._vault_changed()
             log.info(
                 "vault.write", method=method, code=reply.status, revision=store.revision if store else None
             )

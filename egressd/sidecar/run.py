@@ -171,6 +171,8 @@ async def run_sidecar(
             prerequisites=prerequisites,
             extra_health=mitm_health,
             mitm_ca=(lambda: (mitm.ca.pem, mitm.ca.fingerprint)) if mitm is not None else None,
+            # One sandbox per namespace: every cached client holds this one vault.
+            vault_changed=(lambda: mitm.supervisor.forget(None)) if mitm is not None else None,
         )
         runner: web.AppRunner | None = None
         try:

@@ -30,6 +30,7 @@ class Sidecar:
     port: int = 18080
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[str] | None = None
+    prefix: tuple[str, ...] = ()  # e.g. setpriv …: exec'd in turn, so proc.pid is egressd's
 
     @property
     def ns(self) -> str:
@@ -88,7 +89,7 @@ class Sidecar:
         return [str(REPO / ".venv" / "bin" / "egressd")]
 
     def start(self, wait: bool = True) -> Sidecar:
-        self.proc = self.topo.spawn(self.ns, *self.command(), env=self.full_env(), log=self.log)
+        self.proc = self.topo.spawn(self.ns, *self.prefix, *self.command(), env=self.full_env(), log=self.log)
         if wait:
             self.wait_ready()
         return self

@@ -400,6 +400,7 @@ class Daemon:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[str] | None = None
     log: Path | None = None
+    prefix: tuple[str, ...] = ()  # e.g. setpriv …: exec'd in turn, so proc.pid is egressd's
 
     def start(self, wait: bool = True, extra_args: Sequence[str] = ()) -> Daemon:
         rules = self.topo.workdir / "rules"
@@ -416,7 +417,12 @@ class Daemon:
             **self.env,
         }
         self.proc = self.topo.spawn(
-            self.topo.pod, str(REPO / ".venv" / "bin" / "egressd"), *extra_args, env=env, log=self.log
+            self.topo.pod,
+            *self.prefix,
+            str(REPO / ".venv" / "bin" / "egressd"),
+            *extra_args,
+            env=env,
+            log=self.log,
         )
         if wait:
             self.wait_ready()
