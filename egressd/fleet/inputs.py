@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import json
-import re
 from dataclasses import dataclass, field
 
 from egressd.policy import (
@@ -68,7 +67,7 @@ def parse_binding_input(
         # Already decoded above when it looked like an object: not parsed a second time.
         return BindingInput(parse_policy_obj(obj) if isinstance(obj, dict) else parse_policy(text))
     except PolicyError as exc:
-        raise InputError(f"invalid policy: {_redacted(exc)}") from None
+        raise InputError(f"invalid policy: {exc.without_input()}") from None
 
 
 def _parse_wrapper(obj: object, uid: str, keys: KeyStore | None, always: AlwaysRules) -> BindingInput:
@@ -79,7 +78,7 @@ def _parse_wrapper(obj: object, uid: str, keys: KeyStore | None, always: AlwaysR
     try:
         policy = parse_policy_obj(wrapper.policy)
     except PolicyError as exc:
-        raise InputError(f"invalid policy: {_redacted(exc)}") from None
+        raise InputError(f"invalid policy: {exc.without_input()}") from None
     if wrapper.vault is None:
         return BindingInput(policy, VaultAction.REMOVE)
     try:
@@ -93,13 +92,3 @@ def _parse_wrapper(obj: object, uid: str, keys: KeyStore | None, always: AlwaysR
         # The plaintext was sealed for a reason: name the field, never quote what it held.
         raise InputError(f"vault: {exc.without_values()}") from None
     return BindingInput(policy, VaultAction.SET, content)
-
-
-# Policy errors quote the offending value at the end of their reason; the binding input is
-# never echoed back (nor logged), so that quote is cut off and only the field is named.
-_QUOTE_TAIL = re.compile(r"""(\s*\(got ['"].*|,\s*got ['"].*|(?<=invalid CIDR)\s+['"].*)$""", re.DOTALL)
-
-
-def _redacted(exc: PolicyError) -> str:
-    reason = _QUOTE_TAIL.sub("", exc.reason)
-    return f"{exc.field}: {reason}" if exc.field else reason
