@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import json
-import re
 from dataclasses import dataclass, field
 
 from egressd.policy import (
@@ -77,7 +76,7 @@ def parse_binding_input(
         # Already decoded above when it looked like an object: not parsed a second time.
         policy = parse_policy_obj(obj) if isinstance(obj, dict) else parse_policy(text)
     except PolicyError as exc:
-        raise InputError(f"invalid policy: {_redacted(exc)}") from None
+        raise InputError(f"invalid policy: {exc.without_input()}") from None
     _check_cap(policy, max_rules)
     return BindingInput(policy)
 
@@ -98,7 +97,7 @@ def _parse_wrapper(
     try:
         policy = parse_policy_obj(wrapper.policy)
     except PolicyError as exc:
-        raise InputError(f"invalid policy: {_redacted(exc)}") from None
+        raise InputError(f"invalid policy: {exc.without_input()}") from None
     _check_cap(policy, max_rules)  # before any decryption: an over-cap input costs no AEAD work
     if wrapper.vault is None:
         return BindingInput(policy, VaultAction.REMOVE)
@@ -113,13 +112,3 @@ def _parse_wrapper(
         # The plaintext was sealed for a reason: name the field, never quote what it held.
         raise InputError(f"vault: {exc.without_values()}") from None
     return BindingInput(policy, VaultAction.SET, content)
-
-
-# Policy errors quote the offending value at the end of their reason; the binding input is
-# never echoed back (nor logged), so that quote is cut off and only the field is named.
-_QUOTE_TAIL = re.compile(r"""(\s*\(got ['"].*|,\s*got ['"].*|(?<=invalid CIDR)\s+['"].*)$""", re.DOTALL)
-
-
-def _redacted(exc: PolicyError) -> str:
-    reason = _QUOTE_TAIL.sub("", exc.reason)
-    return f"{exc.field}: {reason}" if exc.field else reason

@@ -148,7 +148,7 @@ class ProxyRouteAPI(SubjectListener):
         try:
             new, reason = _edited(method, entry.policy, body)
         except PolicyError as exc:
-            return Reply(400, text=f"invalid policy: {exc}")
+            return Reply(400, text=f"invalid policy: {exc.without_input()}")
         if reason == _NO_MATCH:
             # Nothing removed: nothing changes, not even a transaction.
             return Reply(

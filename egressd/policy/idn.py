@@ -14,7 +14,12 @@ labels). In a mixed name only the non-ASCII labels are converted, for the same r
 
 from __future__ import annotations
 
+import re
+
 import idna
+
+# A quoted piece of idna's reason ("... of 'label' not allowed"): the label is user input.
+_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
 
 
 class IdnaError(ValueError):
@@ -38,6 +43,9 @@ def to_alabels(name: str) -> str:
             label if label.isascii() else idna.alabel(label).decode("ascii") for label in mapped.split(".")
         ]
     except (idna.IDNAError, UnicodeError) as exc:
-        # idna's reason can quote a label; cut it so an error message stays one short line.
-        raise IdnaError(f"not a valid internationalised domain name ({str(exc)[:100]})") from None
+        # idna's reason can quote the label: that is input, and the caller decides whether input
+        # may be echoed (it appends it as "(got ...)" where it may, see PolicyError.without_input),
+        # so the quote is cut here; the rest (which codepoint, where) stays. Cut to one short line.
+        reason = _QUOTED.sub("…", str(exc))[:100]
+        raise IdnaError(f"not a valid internationalised domain name ({reason})") from None
     return prefix + ".".join(labels)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 import json
+import re
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import Any, Final, Literal
@@ -45,6 +46,19 @@ class PolicyError(ValueError):
         self.reason = reason
         self.field = field
         super().__init__(f"{field}: {reason}" if field else reason)
+
+    def without_input(self) -> str:
+        """``str()`` without the quoted input at the end of the reason (``(got '...')``,
+        ``got '...'``, ``invalid CIDR '...'``), naming only the field: for every reply to a
+        policy write. A policy is where a token pasted by mistake ends up (as a target, as an
+        action), and an error reply travels further than the request (proxy and SDK logs,
+        exceptions), so the input is never echoed back (BEHAVIOUR §6, §12)."""
+        reason = _QUOTE_TAIL.sub("", self.reason)
+        return f"{self.field}: {reason}" if self.field else reason
+
+
+# What echo() appended to a reason, always at its end (see PolicyError.without_input).
+_QUOTE_TAIL = re.compile(r"""(\s*\(got ['"].*|,\s*got ['"].*|(?<=invalid CIDR)\s+['"].*)$""", re.DOTALL)
 
 
 class Verdict(enum.StrEnum):

@@ -208,7 +208,7 @@ class SidecarHTTP:
             try:
                 new, reason = _edited(method, current, body)
             except PolicyError as exc:
-                return text(400, f"invalid policy: {exc}")
+                return text(400, f"invalid policy: {exc.without_input()}")
             if new.audit:
                 return text(400, f"invalid policy: {AUDIT_UNSUPPORTED}")
             if reason == _NO_MATCH:

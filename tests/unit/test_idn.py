@@ -112,3 +112,11 @@ def test_mitm_compares_a_unicode_host_as_a_labels() -> None:
         ("BÜCHER.example.com", "bücher.example.com"),
     ):
         assert injected(go(snapshot, req(host=host, sni=sni)))["Authorization"].startswith("Bearer ")
+
+
+def test_idna_error_does_not_quote_the_label() -> None:
+    """idna's own reason quotes the label; a policy 400 must not echo it (a pasted token)."""
+    for name in ("sk-PLANTED-label☃.com", "sk-PLANTED-label\u200d.com"):
+        with pytest.raises(IdnaError) as caught:
+            to_alabels(name)
+        assert "sk-PLANTED" not in str(caught.value) and "U+" in str(caught.value)

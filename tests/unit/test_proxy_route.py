@@ -1574,3 +1574,20 @@ async def test_concurrent_pushes_and_registration(env: Env) -> None:
     assert sorted(c["name"] for c in state["credentials"]) == sorted(["tok", *(f"c{i}" for i in range(10))])
     assert state["revision"] == 11
     assert pending_count(env) == 0
+
+
+@pytest.mark.parametrize(
+    ("method", "body"),
+    [
+        ("POST", {"egress": [{"action": "allow", "target": SECRET + "/x"}]}),
+        ("PUT", {"egress": [{"action": "allow", "target": "a*" + SECRET + ".com"}]}),
+        ("PUT", {"egress": [{"action": "allow", "target": SECRET + "☃.com"}]}),
+        ("PATCH", [{"action": SECRET, "target": "x.com"}]),
+    ],
+    ids=["cidr", "wildcard", "idna", "patch-action"],
+)
+async def test_invalid_policy_write_does_not_echo_the_input(active: Env, method: str, body: object) -> None:
+    """Like the binding input: the 400 names the field, never the value (a pasted token)."""
+    reply = await active.call(method, "/policy", body=body)
+    assert reply.status == 400 and "[0]" in reply.text, reply.text
+    assert SECRET not in reply.text  # the env fixture checks the transcript and logs again

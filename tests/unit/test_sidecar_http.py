@@ -639,3 +639,14 @@ async def test_unicode_targets_become_a_labels_and_invalid_ones_are_400(env: Env
     assert status == 200 and "reason" not in body
     _, got = await call(env, "GET", "/policy")
     assert got["policy"]["egress"] == []
+
+
+async def test_invalid_policy_write_does_not_echo_the_input(env: Env) -> None:
+    """A 400 for a policy write names the field, never the value (a pasted token)."""
+    for method, body in (
+        ("POST", {"egress": [{"action": "allow", "target": SECRET + "/x"}]}),
+        ("PUT", {"egress": [{"action": "allow", "target": SECRET + "☃.com"}]}),
+        ("PATCH", [{"action": SECRET, "target": "x.com"}]),
+    ):
+        status, text = await call(env, method, "/policy", body)
+        assert status == 400 and "[0]" in text and SECRET not in text, (method, text)
