@@ -235,12 +235,13 @@ class MitmSupervisor:
                 code = await proc.wait()
             finally:
                 feeder.cancel()
-            # Whatever was queued was for the dead child's cache; the next child starts empty.
-            self._take_forgets()
-            self.cache_entries = 0
-            self.ready = False
-            self._became_ready.clear()
-            self._proc = None
+                # Also when this task is cancelled: whatever was queued was for the dead
+                # child's cache, and a child that is gone holds nothing (the next starts empty).
+                self._take_forgets()
+                self.cache_entries = 0
+                self.ready = False
+                self._became_ready.clear()
+                self._proc = None
             if self._stopping:
                 break
             log.warning("mitm.exited", pid=proc.pid, code=code, restart_in_s=delay)

@@ -8,6 +8,7 @@ The end-to-end proof (real daemon, real child, both profiles) is tests/kernel/te
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import os
@@ -304,6 +305,8 @@ async def test_forgets_reach_the_child_and_its_cache_reports_become_the_gauge(tm
     finally:
         await sup.stop()
         task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task  # the supervisor's own bookkeeping runs as its task ends
     assert sup.cache_entries == 0, "a dead child holds nothing"
 
 
