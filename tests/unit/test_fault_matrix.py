@@ -605,6 +605,7 @@ def _scenarios() -> list[Scenario]:
         Scenario("update_widen", active(P_NARROW, learn=False), act(_set_binding(U1, P_WIDE, gen=2))),
         Scenario("update_open", active(P_A), act(_set_binding(U1, P_OPEN, gen=2))),
         Scenario("revert", active(P_A), act(_set_binding(U1, None, gen=2))),
+        Scenario("revert_other_ip", active(P_A), act(_set_binding(U1, None, ip=IP1B, gw=GW_B, gen=2))),
         Scenario("rebind_same_ip", active(P_A), act(_set_binding(U1, P_WIDE, rid="r2"))),
         Scenario("rebind_other_ip", active(P_A), act(_set_binding(U1, P_WIDE, rid="r2", ip=IP1B))),
         Scenario("removal", active(P_A), act(_remove(U1))),
@@ -833,8 +834,10 @@ async def test_fault_matrix_cell(name: str, mitm: bool, index: int, fault: str, 
 
 def test_matrix_size() -> None:
     """Recorded in docs/reliability.md; a plan that grows a transaction grows the matrix."""
-    assert len(SCENARIOS) == 21
-    assert len(CELLS) >= 21 * 2 * len(FAULTS) * len(RETRIES)
+    assert len(SCENARIOS) == 22
+    cells = {(c.values[0], c.values[2], c.values[3]) for c in CELLS}  # plan x step x fault
+    assert len(cells) == 122
+    assert len(CELLS) == len(cells) * 2 * len(RETRIES)  # x MITM off/on x retry order
 
 
 # --------------------------------------------------------------------------- named regressions
