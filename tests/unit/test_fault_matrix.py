@@ -625,7 +625,9 @@ def _scenarios() -> list[Scenario]:
 
 SCENARIOS = {s.name: s for s in _scenarios()}
 FAULTS = ("refused", "timeout", "late_ack", "late_timeout")
-RETRIES = ("fastlet", "egressd_first")
+# Who retries first: the Fastlet (or DNS, or the reloader) re-sending the same call; egressd's
+# own revocation retry; or the Fastlet, whose first retry the kernel refuses once more.
+RETRIES = ("fastlet", "egressd_first", "refused_again")
 
 
 # --------------------------------------------------------------------------- harness
@@ -817,6 +819,15 @@ async def test_fault_matrix_cell(name: str, mitm: bool, index: int, fault: str, 
     if retry == "egressd_first":
         await _drain_revocations(run)
         _check_bounds(run, ref, "after egressd's own retry")
+    if retry == "refused_again":
+        run.kernel.fault, run.kernel.fired = (run.kernel.calls + 1, "refused"), False
+        try:
+            result = await scenario.action(run.control)
+        except Exception:
+            result = None
+        assert result is None or getattr(result, "status", 500) != 200, f"a refused retry answered {result}"
+        assert run.kernel.fired
+        _check_bounds(run, ref, "after a refused retry")
     try:
         await _ok(scenario.action(run.control))  # the Fastlet (or DNS, or the reloader) retries
     except Exception as exc:
