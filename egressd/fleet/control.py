@@ -1134,12 +1134,14 @@ _STEP_PREFIX: dict[type, str] = {
 def _in_doubt(before: KernelView, after: KernelView) -> KernelView:
     """What the kernel may hold when a transaction from ``before`` to ``after`` went
     unanswered: anything either state has (so a deletion finds it), rules only if both
-    have them, and the set contents the registry still claims."""
+    have them. The set contents to re-sync to are the registry's claim (``before``), except
+    after a closing step (deny-first, removal): then deny-first, so nothing that re-applies
+    the recorded policy (an always-rules reload) reopens what may already be closed."""
     return KernelView(
         objects=before.objects or after.objects,
         keys=before.keys | after.keys,
         rules=before.rules and after.rules,
-        applied=before.applied,
+        applied=None if after.applied is None else before.applied,
         unsure=True,
     )
 

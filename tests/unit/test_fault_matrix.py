@@ -948,3 +948,16 @@ def test_the_shell_reports_an_unanswered_batch_as_uncertain() -> None:
         with pytest.raises(NftError) as err:
             shell.run(batch)
         assert isinstance(err.value, NftUncertain) is uncertain
+
+
+async def test_an_always_reload_never_reopens_a_revert_whose_answer_was_lost() -> None:
+    """The revert did apply (kernel deny-first) but looked failed; a reload before egressd's
+    retry re-applies every recorded policy. Recording the revert's doubt with the old policy
+    made the reload write it back: open again, with the new always-allow on top."""
+    run = await _faulted("revert", 1, "late_ack")
+    src = ipaddress.ip_address(IP1)
+    assert not any(s == src for s, _ in _openness(run))
+    await run.control.set_always_rules(_always(allow=("9.9.9.9",)))
+    assert not any(s == src for s, _ in _openness(run))
+    await _drain_revocations(run)
+    assert not any(s == src for s, _ in _openness(run))
