@@ -67,7 +67,7 @@ from egressd.fleetnft.ops import (
     Rule,
     VerdictRule,
 )
-from egressd.policy import AlwaysRules, Verdict
+from egressd.policy import AlwaysRules, Verdict, parse_policy
 from egressd.policy.always import parse_always_text
 from egressd.subject.model import Fence, IPAddress
 
@@ -597,6 +597,13 @@ def _scenarios() -> list[Scenario]:
     async def refresh(c: ControlPlane) -> None:
         await c.renew_leases(U1, [ipaddress.ip_address(LEARNED)], 360)
 
+    async def proxy_policy(c: ControlPlane) -> Any:
+        # The proxy route's /policy write: an in-place plan under the subject's lock.
+        async with c.subject_lock(U1):
+            entry = c.registry.get(U1)
+            assert entry is not None
+            return await c.apply_user_policy_locked(entry, parse_policy(json.dumps(P_NARROW)))
+
     return [
         Scenario("deny_first", none, act(_set_binding(U1, P_A))),
         Scenario("deny_first_rerun", bound, act(_set_binding(U1, P_WIDE, gen=2))),
@@ -604,6 +611,7 @@ def _scenarios() -> list[Scenario]:
         Scenario("update_narrow", active(P_A), act(_set_binding(U1, P_NARROW, gen=2))),
         Scenario("update_widen", active(P_NARROW, learn=False), act(_set_binding(U1, P_WIDE, gen=2))),
         Scenario("update_open", active(P_A), act(_set_binding(U1, P_OPEN, gen=2))),
+        Scenario("proxy_policy", active(P_A), proxy_policy),
         Scenario("revert", active(P_A), act(_set_binding(U1, None, gen=2))),
         Scenario("revert_other_ip", active(P_A), act(_set_binding(U1, None, ip=IP1B, gw=GW_B, gen=2))),
         Scenario("rebind_same_ip", active(P_A), act(_set_binding(U1, P_WIDE, rid="r2"))),
@@ -845,9 +853,9 @@ async def test_fault_matrix_cell(name: str, mitm: bool, index: int, fault: str, 
 
 def test_matrix_size() -> None:
     """Recorded in docs/reliability.md; a plan that grows a transaction grows the matrix."""
-    assert len(SCENARIOS) == 22
+    assert len(SCENARIOS) == 23
     cells = {(c.values[0], c.values[2], c.values[3]) for c in CELLS}  # plan x step x fault
-    assert len(cells) == 122
+    assert len(cells) == 126
     assert len(CELLS) == len(cells) * 2 * len(RETRIES)  # x MITM off/on x retry order
 
 
