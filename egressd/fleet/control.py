@@ -24,7 +24,7 @@ from egressd.fleet.explain import explain as explain_target
 from egressd.fleet.explain import hard_denied, ip_decision
 from egressd.fleet.inputs import BindingInput, InputError, VaultAction, parse_binding_input
 from egressd.fleet.pending import PendingPushes
-from egressd.fleetnft.applier import NftError, Transactions
+from egressd.fleetnft.applier import NftError, NftUncertain, Transactions
 from egressd.fleetnft.builder import (
     SubjectNft,
     TableConfig,
@@ -41,6 +41,7 @@ from egressd.fleetnft.builder import (
     sandbox_nets_refresh,
     subject_create,
     subject_keys,
+    subject_resync,
     subject_rules,
 )
 from egressd.fleetnft.conntrack import flow_destinations, flush_flow
@@ -117,10 +118,11 @@ class SubjectListener(Protocol):
 
 
 class StepFailed(Exception):
-    def __init__(self, step: Step, reason: str) -> None:
+    def __init__(self, step: Step, reason: str, *, uncertain: bool = False) -> None:
         super().__init__(reason)
         self.step = step
         self.reason = reason
+        self.uncertain = uncertain  # the transaction may have applied (NftUncertain)
 
 
 @dataclass(slots=True)
@@ -275,7 +277,12 @@ class ControlPlane:
                     if narrowed is not None:
                         books[entry.uid] = narrowed.book
             if batch:
-                await self.tx.run_batch(batch, op="static_apply")
+                try:
+                    await self.tx.run_batch(batch, op="static_apply")
+                except Exception as exc:
+                    if not isinstance(exc, NftError) or isinstance(exc, NftUncertain):
+                        self._resync_after_unknown_reload(applied, str(exc))
+                    raise
             self.always = always
             self.leases.update(books)
         if self._conntrack_flush is not None:
@@ -283,6 +290,21 @@ class ControlPlane:
             # before the reload: cut exactly the flows the new rules no longer allow.
             for uid, keys, effective in applied:
                 self._background_task(self._cut_disallowed(uid, keys, effective))
+
+    def _resync_after_unknown_reload(
+        self, applied: list[tuple[str, frozenset[tuple[IPAddress, IPAddress]], NetworkPolicy]], error: str
+    ) -> None:
+        """An always-rules swap went unanswered: the kernel may enforce the new rules (a new
+        always-allow opens more than the registry claims). Each subject it touched is re-synced
+        to its policy under the rules still in force, as a revocation; the reloader retries."""
+        for uid, _keys, _effective in applied:
+            entry = self.registry.get(uid)
+            if uid in self._revoking or entry is None:
+                continue  # a pending revocation re-applies under the rules in force anyway
+            resync = _resync_plan(entry)
+            if resync is not None:
+                reason = f"always-rules reload: {error[:200]} (outcome unknown: re-syncing)"
+                self._mark_revoking(uid, resync, reason, None)
 
     # ---- DNS proxy side ----------------------------------------------------------------------
 
@@ -350,7 +372,16 @@ class ControlPlane:
                 batch = dyn_add(self.table.table, entry.nft_id, admitted)
                 # The inline path is an optional fast path of the kernel shell (see applier).
                 run = getattr(self.tx, "run_batch_inline", None) or self.tx.run_batch
-                await run(batch, op="dynamic_add")
+                try:
+                    await run(batch, op="dynamic_add")
+                except BaseException as exc:
+                    if not isinstance(exc, NftError) or isinstance(exc, NftUncertain):
+                        # Unanswered, timed out or cancelled by the DNS proxy's bound (the
+                        # kernel thread may still commit it): the kernel may hold the leases.
+                        # The book must never be narrower than the kernel, or a later
+                        # narrowing would not revoke them (it rewrites the dyn sets from it).
+                        book.record(admitted, name, now)
+                    raise
                 book.record(admitted, name, now)
             return [ip for ip, _ in admitted]
 
@@ -658,6 +689,14 @@ class ControlPlane:
             reason = f"{_STEP_PREFIX.get(type(exc.step), failure_prefix)}: {exc.reason}"
             if narrowing:
                 self._mark_revoking(uid, plan, reason, after)
+            elif exc.uncertain and isinstance(exc.step, ApplyPolicy | AddKeys):
+                # A widening step (an activation) that may have applied: the kernel may now be
+                # more open than the registry's committed state. Late is fine, early-open
+                # never: re-sync the kernel down to what the registry claims, as a revocation
+                # (closing, 503, retried); the caller's retry then widens properly.
+                resync = _resync_plan(plan.on_failure)
+                if resync is not None:
+                    self._mark_revoking(uid, resync, f"{reason} (outcome unknown: re-syncing)", None)
             return Result(500, reason)
         self._commit(entry, plan.on_success, uid)
         self._clear_revoking(uid)
@@ -783,7 +822,7 @@ class ControlPlane:
             try:
                 cut = await self._run_step(entry, step, self.registry.kernel(uid), save)
             except (NftError, _Refused) as exc:
-                raise StepFailed(step, str(exc)) from None
+                raise StepFailed(step, str(exc), uncertain=isinstance(exc, NftUncertain)) from None
         # Outside the kernel lock: cutting flows is slow (a subprocess) and only narrows access.
         if isinstance(step, RemoveAll):
             # The sandbox is going away and the kernel already refuses its new flows: its old
@@ -799,6 +838,34 @@ class ControlPlane:
         """Run one step's transactions in order; return the sources whose flows to cut."""
         nid = entry.nft_id
         table = self.table.table
+        prelude = NetlinkBatch(table)
+        doubt = view  # what the kernel may hold if this step's transaction goes unanswered
+        if view.unsure:
+            # The last transaction's answer never came: first make the kernel hold exactly
+            # ``view`` (whichever way that transaction went), in this step's transaction.
+            prelude = self._resync_batch(entry.uid, nid, view)
+            view = replace(view, rules=view.objects, unsure=False)
+
+        async def send(batch: NetlinkBatch, op: str, after: KernelView) -> None:
+            batch = prelude + batch
+            if batch:
+                try:
+                    await self.tx.run_batch(batch, op=op)
+                except NftUncertain:
+                    save(_in_doubt(doubt, after))
+                    raise
+                except NftError:
+                    raise  # refused: nothing of it applied, ``view`` still holds
+                except Exception as exc:
+                    # A timeout (or anything else) out of the kernel shell: the batch may
+                    # have been committed all the same.
+                    save(_in_doubt(doubt, after))
+                    raise NftUncertain(f"kernel transaction failed: {exc!r}"[:300]) from exc
+                except BaseException:
+                    save(_in_doubt(doubt, after))  # cancelled: the kernel thread may still commit it
+                    raise
+            save(after)
+
         if isinstance(step, InstallDenyFirst):
             subj = self._subject_nft(nid, step.binding)
             try:
@@ -808,9 +875,8 @@ class ControlPlane:
             if not view.objects:
                 # A new subject: sets, chains, fixed rules and keys in one transaction.
                 create, commit = self._nets_in(create, entry.uid, step.binding.private_cidr)
-                await self.tx.run_batch(create, op="deny_first")
+                await send(create, "deny_first", KernelView(True, frozenset({(subj.ip, subj.gateway)}), rules=True))
                 commit()
-                save(KernelView(True, frozenset({(subj.ip, subj.gateway)}), rules=True))
                 return []
             # Revert, rebind or retry: empty every set before any (new) key points at the
             # chains, all in one transaction.
@@ -820,10 +886,11 @@ class ControlPlane:
             batch, commit = self._nets_in(
                 batch + subject_keys(self.table, subj), entry.uid, step.binding.private_cidr
             )
-            await self.tx.run_batch(batch, op="deny_first")
+            await send(
+                batch, "deny_first", replace(view, rules=True, applied=None, keys=view.keys | {(subj.ip, subj.gateway)})
+            )
             commit()
             self._forget_learned(entry.uid)
-            save(replace(view, rules=True, applied=None, keys=view.keys | {(subj.ip, subj.gateway)}))
             return _ips(view.keys | {(subj.ip, subj.gateway)})
         if isinstance(step, ApplyPolicy):
             if not (view.objects and view.rules):
@@ -840,7 +907,7 @@ class ControlPlane:
             cidr = entry.binding.private_cidr if entry.binding is not None else self._nets.get(entry.uid)
             batch, commit = self._nets_in(batch, entry.uid, cidr)
             try:
-                await self.tx.run_batch(batch, op="static_apply")
+                await send(batch, "static_apply", replace(view, applied=step.policy))
             except NftError as exc:
                 log.warning(
                     "egress.update_failed",
@@ -849,7 +916,6 @@ class ControlPlane:
                     error=str(exc)[:200],
                 )
                 raise
-            save(replace(view, applied=step.policy))
             commit()
             if narrowed is not None:
                 self.leases[entry.uid] = narrowed.book
@@ -864,9 +930,8 @@ class ControlPlane:
         if isinstance(step, AddKeys):
             subj = self._subject_nft(nid, step.binding)
             keys, commit = self._nets_in(subject_keys(self.table, subj), entry.uid, step.binding.private_cidr)
-            await self.tx.run_batch(keys, op="dispatch_update")
+            await send(keys, "dispatch_update", replace(view, keys=view.keys | {(subj.ip, subj.gateway)}))
             commit()
-            save(replace(view, keys=view.keys | {(subj.ip, subj.gateway)}))
             return []
         if isinstance(step, DropStaleKeys):
             keep = step.keep
@@ -875,24 +940,41 @@ class ControlPlane:
             )
             stale = view.keys - kept
             ops = self._key_deletes(entry.uid, stale, keep)
-            if ops:
-                await self.tx.run_batch(NetlinkBatch(table, tuple(ops)), op="dispatch_update")
-            save(replace(view, keys=view.keys & kept))
+            await send(NetlinkBatch(table, tuple(ops)), "dispatch_update", replace(view, keys=view.keys & kept))
             return [ip for ip in _ips(stale) if ip not in _ips(kept)]
         assert isinstance(step, RemoveAll)
         if not view.objects and not view.keys:
+            save(KernelView())
             return []
         ops = self._key_deletes(entry.uid, view.keys, None)
         if view.objects:
             ops += removal_batch(self.table, nid, None, release_gateway=None).ops
         removal, commit = self._nets_in(NetlinkBatch(table, tuple(ops)), entry.uid, None)
-        await self.tx.run_batch(removal, op="remove")
+        await send(removal, "remove", KernelView())
         commit()
         self._forget_learned(entry.uid)
         self._effective.pop(entry.uid, None)
         self._ip_sets.pop(entry.uid, None)
-        save(KernelView())
         return _ips(view.keys)
+
+    def _resync_batch(self, uid: str, nid: str, view: KernelView) -> NetlinkBatch:
+        """Everything ``view`` says the subject has, made so in one batch that succeeds on
+        either state an unanswered transaction left (see :class:`KernelView`): objects, fixed
+        rules exactly once, the set contents of ``view.applied`` (deny-first when None) with
+        the leases the book holds, and every key."""
+        table = self.table.table
+        if not view.objects:
+            return NetlinkBatch(table)  # neither state has objects (nor keys, which jump to them)
+        if view.applied is None:
+            contents = flush_subject_sets(table, nid)
+        else:
+            effective = self.effective(view.applied)
+            narrowed = self._narrowed(uid, effective)
+            contents = policy_swap(table, nid, effective) + dyn_replace(
+                table, nid, narrowed.kept if narrowed is not None else ()
+            )
+        keys = [SubjectNft(nid, ip, gw) for ip, gw in sorted(view.keys, key=str)]
+        return subject_resync(self.table, nid, keys, contents)
 
     def _nets_in(
         self, batch: NetlinkBatch, uid: str, cidr: ipaddress.IPv4Network | ipaddress.IPv6Network | None
@@ -1096,6 +1178,18 @@ def _dispatch_key_problem(ip: IPAddress, gateway: IPAddress | None) -> str | Non
     return None
 
 
+def _resync_plan(entry: Entry | None) -> Plan | None:
+    """A plan that brings the kernel back to ``entry`` (committed) without changing it."""
+    if entry is None or entry.binding is None:
+        return None
+    steps: tuple[Step, ...]
+    if entry.state is State.ACTIVE and entry.policy is not None:
+        steps = (ApplyPolicy(entry.policy),)
+    else:
+        steps = (InstallDenyFirst(entry.binding), DropStaleKeys(entry.binding))
+    return Plan(Outcome.OK, steps=steps, on_success=entry, on_failure=entry)
+
+
 # The 500 reason names the step that failed, not just the action.
 _STEP_PREFIX: dict[type, str] = {
     InstallDenyFirst: "deny-first install",
@@ -1104,6 +1198,21 @@ _STEP_PREFIX: dict[type, str] = {
     DropStaleKeys: "dispatch update",
     RemoveAll: "removal",
 }
+
+
+def _in_doubt(before: KernelView, after: KernelView) -> KernelView:
+    """What the kernel may hold when a transaction from ``before`` to ``after`` went
+    unanswered: anything either state has (so a deletion finds it), rules only if both
+    have them. The set contents to re-sync to are the registry's claim (``before``), except
+    after a closing step (deny-first, removal): then deny-first, so nothing that re-applies
+    the recorded policy (an always-rules reload) reopens what may already be closed."""
+    return KernelView(
+        objects=before.objects or after.objects,
+        keys=before.keys | after.keys,
+        rules=before.rules and after.rules,
+        applied=None if after.applied is None else before.applied,
+        unsure=True,
+    )
 
 
 def _ips(keys: frozenset[tuple[IPAddress, IPAddress]]) -> list[IPAddress]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
@@ -24,6 +25,12 @@ T = TypeVar("T")
 
 class NftError(RuntimeError):
     """A transaction the kernel refused; nothing of it was applied."""
+
+
+class NftUncertain(NftError):
+    """A transaction whose outcome is unknown: the batch was sent but its answer never came
+    (the ack read timed out or the socket failed). The kernel may have applied all of it or
+    none of it (never part: a batch is atomic), so the caller must plan for both."""
 
 
 class Transactions(Protocol):
@@ -47,12 +54,20 @@ class _Netlink:
     def run(self, batch: NetlinkBatch) -> None:
         try:
             self.sock.run(batch)
-        except (NetlinkError, OSError) as exc:
+        except NetlinkError as exc:
+            if exc.code in (errno.ETIMEDOUT, errno.ENOBUFS):
+                # No answer, or answers dropped for a full receive buffer: the batch may have
+                # been committed all the same.
+                raise NftUncertain(f"netlink batch unanswered: {exc}") from None
             raise NftError(f"netlink batch refused: {exc}") from None
         except ValueError as exc:
             # The encoder refused it before anything was sent (e.g. an attribute over its
             # u16 length): a refusal like the kernel's, never an unhandled error.
             raise NftError(f"netlink batch not encodable: {exc}") from None
+        except OSError as exc:
+            # A send or recv error: the batch (or part of the stream) may have reached the
+            # kernel and been committed; nobody can say which.
+            raise NftUncertain(f"netlink batch unanswered: {exc}") from None
 
     def close(self) -> None:
         self.sock.close()

@@ -62,6 +62,7 @@ from egressd.fleetnft.ops import (
     DeleteCounter,
     DeleteElement,
     DeleteSet,
+    FlushChain,
     FlushSet,
     MatchRule,
     NetlinkBatch,
@@ -483,14 +484,40 @@ def subject_create(cfg: TableConfig, subj: SubjectNft) -> NetlinkBatch:
     """
     if cfg.mitm and subj.gateway.version != subj.ip.version:
         raise ValueError("gateway and sandbox ip are of different address families")
-    n = Names(subj.nft_id)
+    return subject_objects(cfg, subj.nft_id) + subject_rules(cfg, subj.nft_id) + subject_keys(cfg, subj)
+
+
+def subject_chains(cfg: TableConfig, nft_id: str) -> list[str]:
+    n = Names(nft_id)
+    return [n.chain, n.mark_chain] + ([n.in_chain] if cfg.mitm else [])
+
+
+def subject_objects(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
+    """Declare the subject's sets, chains and counters (each a no-op when it exists)."""
+    n = Names(nft_id)
     ops: list[Op] = [AddSet(n.set(kind), kind[-2:], "interval") for kind in STATIC_SETS]
     ops += [
         AddSet(n.set(f"dyn_{fam}"), fam, "timeout", DYN_TIMEOUT_S, size=cfg.max_leases) for fam in ("v4", "v6")
     ]
-    ops += [AddChain(n.chain), AddChain(n.mark_chain)] + ([AddChain(n.in_chain)] if cfg.mitm else [])
+    ops += [AddChain(c) for c in subject_chains(cfg, nft_id)]
     ops += [AddCounter(n.counter(kind)) for kind in AUDIT_COUNTERS]
-    return NetlinkBatch(cfg.table, tuple(ops)) + subject_rules(cfg, subj.nft_id) + subject_keys(cfg, subj)
+    return NetlinkBatch(cfg.table, tuple(ops))
+
+
+def subject_resync(
+    cfg: TableConfig, nft_id: str, keys: Iterable[SubjectNft], contents: NetlinkBatch
+) -> NetlinkBatch:
+    """Make the kernel hold exactly one state of a subject whichever of two states it holds
+    now (after a transaction whose answer never came): every object declared (no-op when
+    present), its chains emptied and given their fixed rules once, ``contents`` (flushes and
+    refills of all its sets), and every one of ``keys``. Each part succeeds on both states,
+    so the caller's own operations can follow in the same transaction."""
+    ops: list[Op] = [FlushChain(c) for c in subject_chains(cfg, nft_id)]
+    out = subject_objects(cfg, nft_id) + NetlinkBatch(cfg.table, tuple(ops)) + subject_rules(cfg, nft_id)
+    out = out + contents
+    for subj in keys:
+        out = out + subject_keys(cfg, subj)
+    return out
 
 
 def subject_objects_script(cfg: TableConfig, subj: SubjectNft) -> str:
@@ -622,8 +649,7 @@ def removal_batch(
     ops: list[Op] = []
     if ip is not None:
         ops += dispatch_deletes(cfg, ip, release_gateway=release_gateway)
-    chains = [n.chain, n.mark_chain] + ([n.in_chain] if cfg.mitm else [])
-    ops += [DeleteChain(c) for c in chains]
+    ops += [DeleteChain(c) for c in subject_chains(cfg, nft_id)]
     ops += [DeleteSet(n.set(kind)) for kind in SETS]
     ops += [DeleteCounter(n.counter(kind)) for kind in AUDIT_COUNTERS]
     return NetlinkBatch(cfg.table, tuple(ops))

@@ -36,6 +36,7 @@ from egressd.fleetnft.ops import (
     DeleteCounter,
     DeleteElement,
     DeleteSet,
+    FlushChain,
     FlushSet,
     IPNetwork,
     MatchRule,
@@ -83,6 +84,7 @@ NFPROTO_INET = 1
 NFT_MSG_NEWCHAIN = 3
 NFT_MSG_DELCHAIN = 5
 NFT_MSG_NEWRULE = 6
+NFT_MSG_DELRULE = 8
 NFT_MSG_NEWSET = 9
 NFT_MSG_DELSET = 11
 NFT_MSG_NEWSETELEM = 12
@@ -448,6 +450,9 @@ def encode_op(table: str, op: Op, set_id: int = 0) -> list[tuple[int, int, bytes
     if isinstance(op, DeleteElement):
         fam = "v4" if op.key.version == 4 else "v6"
         return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, _elements([_key(op.key, fam)])))]
+    if isinstance(op, FlushChain):
+        # DELRULE naming only the chain (no handle) deletes all its rules: ``nft flush chain``.
+        return [(NFT_MSG_DELRULE, 0, _str(NFTA_RULE_TABLE, table) + _str(NFTA_RULE_CHAIN, op.name))]
     if isinstance(op, DeleteChain):
         return [(NFT_MSG_DELCHAIN, 0, _str(NFTA_CHAIN_TABLE, table) + _str(NFTA_CHAIN_NAME, op.name))]
     assert isinstance(op, DeleteSet)

@@ -158,6 +158,13 @@ class DeleteElement:
 
 
 @dataclass(frozen=True, slots=True)
+class FlushChain:
+    """Delete every rule of a chain (``flush chain``), keeping the chain and what jumps to it."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
 class DeleteChain:
     name: str
 
@@ -179,6 +186,7 @@ Op = (
     | AddIntervals
     | AddTimed
     | DeleteElement
+    | FlushChain
     | DeleteChain
     | DeleteSet
 )
@@ -234,6 +242,8 @@ class NetlinkBatch:
                 out.append(f"add element {t} {op.name} {{ {elems} }}")
             elif isinstance(op, DeleteElement):
                 out.append(f"delete element {t} {op.name} {{ {op.key} }}")
+            elif isinstance(op, FlushChain):
+                out.append(f"flush chain {t} {op.name}")
             elif isinstance(op, DeleteChain):
                 out.append(f"delete chain {t} {op.name}")
             else:

@@ -52,6 +52,11 @@ class KernelView:
     keys: frozenset[tuple[IPAddress, IPAddress]] = frozenset()
     rules: bool = False
     applied: NetworkPolicy | None = None  # the user policy whose content is in the sets
+    # A transaction's outcome is unknown (its answer never came): the kernel holds either
+    # what it held before or what the transaction would have made. ``objects`` and ``keys``
+    # then cover both, ``rules`` is True only if both have them, ``applied`` is what the
+    # registry still claims; the subject's next transaction first re-creates exactly this.
+    unsure: bool = False
 
 
 @dataclass(frozen=True, slots=True)

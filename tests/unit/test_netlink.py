@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from pyroute2.netlink.nfnetlink.nftsocket import (
     NFT_MSG_DELCHAIN,
+    NFT_MSG_DELRULE,
     NFT_MSG_DELSET,
     NFT_MSG_DELSETELEM,
     NFT_MSG_NEWRULE,
@@ -28,6 +29,7 @@ from egressd.fleetnft.ops import (
     DeleteChain,
     DeleteElement,
     DeleteSet,
+    FlushChain,
     FlushSet,
     MatchRule,
     NetlinkBatch,
@@ -210,6 +212,9 @@ def test_deletes_and_flush_match_pyroute2() -> None:
     assert _ours(DeleteChain("subj_s_u_1")) == _oracle_msg(nft_chain_msg, NFT_MSG_DELCHAIN, chain, 7, 0x5)
     set_ = [("NFTA_SET_TABLE", T), ("NFTA_SET_NAME", "subj_s_u_1_dyn_v4")]
     assert _ours(DeleteSet("subj_s_u_1_dyn_v4")) == _oracle_msg(nft_set_msg, NFT_MSG_DELSET, set_, 7, 0x5)
+    # flush chain = DELRULE with the chain and no handle (what nft sends for "flush chain").
+    rules = [("NFTA_RULE_TABLE", T), ("NFTA_RULE_CHAIN", "mark_s_u_1")]
+    assert _ours(FlushChain("mark_s_u_1")) == _oracle_msg(nft_rule_msg, NFT_MSG_DELRULE, rules, 7, 0x5)
 
 
 # ---- interval keys (nft 1.0.6 semantics) -------------------------------------------------------
