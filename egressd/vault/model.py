@@ -33,6 +33,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 import re
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -42,6 +43,7 @@ from egressd.policy.idn import IdnaError, to_alabels
 from egressd.policy.model import NetworkPolicy, TargetKind, Verdict, json_type
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "DEFAULT_METHODS",
     "DEFAULT_PATHS",
     "DEFAULT_SCHEMES",
@@ -63,12 +65,14 @@ __all__ = [
     "Substitution",
     "VaultContent",
     "VaultError",
+    "VaultLimits",
     "VaultStatus",
     "canonical_header_name",
     "check_ambiguity",
     "check_coverage",
     "check_ignore_hosts",
     "check_references",
+    "check_size",
     "echo",
     "host_covered",
     "parse_auth",
@@ -120,6 +124,33 @@ _LABEL_RE: Final = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 _HEADER_UNSAFE: Final = frozenset("\r\n\x00")
 
 VaultStatus = Literal[400, 404, 409, 412]
+
+
+@dataclass(frozen=True, slots=True)
+class VaultLimits:
+    """How big one vault may be (BEHAVIOUR 14.7). Every count is checked on the raw JSON array
+    before its items are parsed, so an oversized body costs no more than reading its length.
+    ``env`` names what the operator can change (the per-binding caps are fixed)."""
+
+    credentials: int = 256  # EGRESSD_VAULT_MAX_CREDENTIALS
+    bindings: int = 256  # EGRESSD_VAULT_MAX_BINDINGS
+    hosts_per_binding: int = 64
+    paths_per_binding: int = 64
+
+
+DEFAULT_LIMITS: Final = VaultLimits()
+
+_LIMIT_NAMES: Final[Mapping[str, str]] = {
+    "credentials": "EGRESSD_VAULT_MAX_CREDENTIALS",
+    "bindings": "EGRESSD_VAULT_MAX_BINDINGS",
+    "hosts": "hosts per binding",
+    "paths": "paths per binding",
+}
+
+
+def _over_limit(kind: str, count: int, limit: int, where: str) -> VaultError:
+    """One line naming the limit; only counts, never an item (a value could be anywhere)."""
+    return VaultError(f"{count} {kind} exceed the limit of {limit} ({_LIMIT_NAMES[kind]})", where)
 
 
 _QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
@@ -459,12 +490,17 @@ def parse_host(text: str, where: str) -> str:
     return host
 
 
-def _string_list(d: Mapping[str, object], where: str, key: str) -> list[tuple[str, str]] | None:
-    """``[(field, text)]`` for an optional array of strings; None when absent, null or empty."""
+def _string_list(
+    d: Mapping[str, object], where: str, key: str, limit: int | None = None
+) -> list[tuple[str, str]] | None:
+    """``[(field, text)]`` for an optional array of strings; None when absent, null or empty.
+    More than ``limit`` items (counted before deduplication, so the work is bounded) -> 400."""
     value = d.get(key)
     if value is None:
         return None
     items = _array(value, _join(where, key))
+    if limit is not None and len(items) > limit:
+        raise _over_limit(key, len(items), limit, _join(where, key))
     out: list[tuple[str, str]] = []
     for i, item in enumerate(items):
         item_where = f"{_join(where, key)}[{i}]"
@@ -485,11 +521,11 @@ def _parse_ports(value: object, where: str) -> None:
             )
 
 
-def parse_match(obj: object, where: str) -> Match:
+def parse_match(obj: object, where: str, limits: VaultLimits = DEFAULT_LIMITS) -> Match:
     """``CredentialMatch``, normalised per §6; ``ports`` validated then dropped."""
     d = _object(obj, where, _MATCH_KEYS)
     hosts_where = _join(where, "hosts")
-    raw_hosts = _string_list(d, where, "hosts")
+    raw_hosts = _string_list(d, where, "hosts", limits.hosts_per_binding)
     if raw_hosts is None:
         if d.get("hosts") is None:
             raise VaultError("is required", hosts_where)
@@ -521,7 +557,7 @@ def parse_match(obj: object, where: str) -> Match:
         methods = _dedupe(parsed)
 
     paths: tuple[str, ...] = DEFAULT_PATHS
-    raw_paths = _string_list(d, where, "paths")
+    raw_paths = _string_list(d, where, "paths", limits.paths_per_binding)
     if raw_paths is not None:
         parsed = []
         for w, text in raw_paths:
@@ -660,11 +696,11 @@ _MUTATION_KEYS: Final = frozenset({"expectedRevision", "credentials", "bindings"
 _OPS_KEYS: Final = frozenset({"add", "replace", "delete"})
 
 
-def parse_binding(obj: object, where: str) -> Binding:
+def parse_binding(obj: object, where: str, limits: VaultLimits = DEFAULT_LIMITS) -> Binding:
     """One ``{"name", "match", "auth"}``; ``where`` prefixes field names."""
     d = _object(obj, where, _BINDING_KEYS)
     name = _name(d.get("name"), _join(where, "name"))
-    match = parse_match(_required(d, where, "match"), _join(where, "match"))
+    match = parse_match(_required(d, where, "match"), _join(where, "match"), limits)
     auth, substitutions = parse_auth(_required(d, where, "auth"), _join(where, "auth"))
     return Binding(name, match, auth, substitutions)
 
@@ -677,16 +713,21 @@ def _unique_names(items: Sequence[Credential | Binding], where: str, kind: str) 
         seen.add(item.name)
 
 
-def parse_create(obj: object) -> VaultContent:
+def parse_create(obj: object, limits: VaultLimits = DEFAULT_LIMITS) -> VaultContent:
     """A create/replace body, validated item by item, for unique names and for references.
 
-    Ambiguity and policy coverage are not checked here (see :func:`validate_candidate`).
+    Sizes are checked first (14.7). Ambiguity and policy coverage are not checked here (see
+    :func:`validate_candidate`).
     """
     d = _object(obj, "", _CREATE_KEYS)
     raw_credentials = _array(_required(d, "", "credentials"), "credentials")
     raw_bindings = _array(_required(d, "", "bindings"), "bindings")
+    if len(raw_credentials) > limits.credentials:
+        raise _over_limit("credentials", len(raw_credentials), limits.credentials, "credentials")
+    if len(raw_bindings) > limits.bindings:
+        raise _over_limit("bindings", len(raw_bindings), limits.bindings, "bindings")
     credentials = tuple(parse_credential(c, f"credentials[{i}]") for i, c in enumerate(raw_credentials))
-    bindings = tuple(parse_binding(b, f"bindings[{i}]") for i, b in enumerate(raw_bindings))
+    bindings = tuple(parse_binding(b, f"bindings[{i}]", limits) for i, b in enumerate(raw_bindings))
     _unique_names(credentials, "credentials", "credential")
     _unique_names(bindings, "bindings", "binding")
     _check_references(
@@ -696,7 +737,7 @@ def parse_create(obj: object) -> VaultContent:
 
 
 def _parse_ops[T](
-    value: object, where: str, parse_item: Callable[[object, str], T]
+    value: object, where: str, parse_item: Callable[[object, str], T], limit: int
 ) -> tuple[tuple[T, ...], tuple[T, ...], tuple[str, ...]]:
     if value is None:
         return (), (), ()
@@ -705,6 +746,10 @@ def _parse_ops[T](
     for op in ("add", "replace"):
         raw = d.get(op)
         items = [] if raw is None else _array(raw, f"{where}.{op}")
+        # The result holds every added item (added names are new) and replaces only existing
+        # ones, so either list over the cap can never succeed: refused before parsing it.
+        if len(items) > limit:
+            raise _over_limit(where, len(items), limit, f"{where}.{op}")
         lists[op] = tuple(parse_item(item, f"{where}.{op}[{i}]") for i, item in enumerate(items))
     raw_delete = d.get("delete")
     delete_items = [] if raw_delete is None else _array(raw_delete, f"{where}.delete")
@@ -728,16 +773,21 @@ def _check_ops_names(
             first[name] = here
 
 
-def parse_mutation(obj: object) -> Mutation:
-    """A PATCH body; rejects blank names and a name used by more than one operation."""
+def parse_mutation(obj: object, limits: VaultLimits = DEFAULT_LIMITS) -> Mutation:
+    """A PATCH body; rejects blank names, a name used by more than one operation and add or
+    replace lists longer than the vault may be (the sum is checked on the candidate)."""
     d = _object(obj, "", _MUTATION_KEYS)
     expected = d.get("expectedRevision")
     # Present means an integer: the OpenAPI type is not nullable (the SDK omits it instead).
     if "expectedRevision" in d and (isinstance(expected, bool) or not isinstance(expected, int)):
         raise VaultError(f"must be an integer, got {json_type(expected)}", "expectedRevision")
     assert expected is None or isinstance(expected, int)
-    c_add, c_replace, c_delete = _parse_ops(d.get("credentials"), "credentials", parse_credential)
-    b_add, b_replace, b_delete = _parse_ops(d.get("bindings"), "bindings", parse_binding)
+    c_add, c_replace, c_delete = _parse_ops(
+        d.get("credentials"), "credentials", parse_credential, limits.credentials
+    )
+    b_add, b_replace, b_delete = _parse_ops(
+        d.get("bindings"), "bindings", lambda o, w: parse_binding(o, w, limits), limits.bindings
+    )
     _check_ops_names(
         "credentials",
         "credential",
@@ -812,7 +862,9 @@ def _ancestors(suffix: str) -> Iterable[str]:
 
 
 def _path_pair(a: Sequence[str], b: Sequence[str]) -> tuple[str, str] | None:
-    """The first overlapping pattern pair: equal, or ``p*`` whose prefix ``p`` starts the other."""
+    """The first overlapping pattern pair: equal, or ``p*`` whose prefix ``p`` starts the other.
+
+    Only used for the one pair that is reported (at most 64 x 64 patterns, 14.7)."""
     for pa in a:
         for pb in b:
             if pa == pb:
@@ -824,65 +876,160 @@ def _path_pair(a: Sequence[str], b: Sequence[str]) -> tuple[str, str] | None:
     return None
 
 
-def _host_pairs(bindings: Sequence[Binding]) -> dict[tuple[int, int], tuple[str, str]]:
-    """Index pairs ``(i < j)`` of bindings with a same-kind overlapping host pair, with one
-    witness: exact hosts equal, or wildcard suffixes equal or nested."""
-    exact: dict[str, list[int]] = {}
-    wild: dict[str, list[int]] = {}
+#: A host key: ``("=", host)`` for an exact host, ``("*", suffix)`` for ``*.suffix``.
+_HostKey = tuple[str, str]
+
+
+def _host_groups(bindings: Sequence[Binding]) -> dict[_HostKey, dict[int, tuple[bool, str]]]:
+    """Bindings indexed by the host keys they can collide on: ``{key: {index: (owner, host)}}``.
+
+    An exact host is owned by every binding that lists it. ``*.s`` is owned by the bindings
+    listing it, and every binding with a wildcard strictly below ``s`` joins the group of
+    ``s`` as a non-owner (``owner`` False): a pair collides there when at least one of the two
+    owns the key (two non-owners may be siblings, ``*.a.s`` / ``*.b.s``, which never overlap;
+    if one is nested in the other, that one's own group catches them). ``host`` is the
+    binding's host that put it there (for the message). Exact and wildcard hosts never meet.
+    Cost: one entry per host plus one per label of each wildcard (a name has at most 127).
+    """
+    wild = {host[2:] for b in bindings for host in b.match.hosts if host.startswith("*.")}
+    groups: dict[_HostKey, dict[int, tuple[bool, str]]] = {}
     for i, b in enumerate(bindings):
         for host in b.match.hosts:
             suffix = _wildcard_suffix(host)
             if suffix is None:
-                exact.setdefault(host, []).append(i)
-            else:
-                wild.setdefault(suffix, []).append(i)
-    pairs: dict[tuple[int, int], tuple[str, str]] = {}
-
-    def add(i: int, j: int, hi: str, hj: str) -> None:
-        if i == j:
-            return
-        key, witness = ((i, j), (hi, hj)) if i < j else ((j, i), (hj, hi))
-        pairs.setdefault(key, witness)
-
-    for host, owners in exact.items():
-        for x, i in enumerate(owners):
-            for j in owners[x + 1 :]:
-                add(i, j, host, host)
-    for suffix, owners in wild.items():
-        for ancestor in _ancestors(suffix):
-            others = wild.get(ancestor)
-            if not others:
+                groups.setdefault(("=", host), {})[i] = (True, host)
                 continue
-            for i in owners:
-                for j in others:
-                    add(i, j, f"*.{suffix}", f"*.{ancestor}")
-    return pairs
+            groups.setdefault(("*", suffix), {})[i] = (True, host)  # owning beats joining
+            for ancestor in list(_ancestors(suffix))[1:]:
+                if ancestor in wild:
+                    groups.setdefault(("*", ancestor), {}).setdefault(i, (False, host))
+    return groups
+
+
+def _other_binding(owners: Sequence[int], nxt: Sequence[int], lo: int, hi: int, me: int) -> int | None:
+    """A position in ``[lo, hi)`` whose binding is not ``me``, in O(1): ``nxt[k]`` is the first
+    position after ``k`` holding a different binding than ``k``."""
+    if lo >= hi:
+        return None
+    k = lo if owners[lo] != me else nxt[lo]
+    return k if k < hi else None
+
+
+def _next_different(owners: Sequence[int]) -> list[int]:
+    n = len(owners)
+    nxt = [n] * n
+    for k in range(n - 2, -1, -1):
+        nxt[k] = k + 1 if owners[k + 1] != owners[k] else nxt[k + 1]
+    return nxt
+
+
+def _prefix_end(fulls: Sequence[str], lo: int, stem: str) -> int:
+    """End of the run of ``fulls[lo:]`` starting with ``stem`` (sorted, so it is contiguous)."""
+    hi = len(fulls)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fulls[mid].startswith(stem):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _path_collision(
+    members: Sequence[int], owns: Mapping[int, bool], bindings: Sequence[Binding]
+) -> tuple[int, int] | None:
+    """Two different bindings among ``members`` (at least one owning the group) with an
+    overlapping path pair, in O(m log m) for m paths in all.
+
+    All paths are sorted once. A pattern's partners are one contiguous range of that order:
+    the equal strings for a literal path, every string starting with ``p`` for ``p*`` (the
+    reverse direction, a literal inside someone else's ``q*``, is found from ``q*``'s side).
+    Whether a range holds another binding is O(1) with :func:`_next_different`; a non-owner
+    looks only at the owners' entries (the same arrays built over owners only).
+    """
+    entries = sorted((p, i) for i in members for p in bindings[i].match.paths)
+    fulls = [p for p, _ in entries]
+    who = [i for _, i in entries]
+    nxt = _next_different(who)
+    owner_pos = [k for k, i in enumerate(who) if owns[i]]
+    owner_who = [who[k] for k in owner_pos]
+    owner_nxt = _next_different(owner_who)
+    for path, me in entries:
+        if path.endswith("*"):
+            lo = bisect_left(fulls, path[:-1])
+            hi = _prefix_end(fulls, lo, path[:-1])
+        else:
+            lo, hi = bisect_left(fulls, path), bisect_right(fulls, path)
+        if owns[me]:
+            other = _other_binding(who, nxt, lo, hi, me)
+            if other is not None:
+                return me, who[other]
+        else:
+            olo, ohi = bisect_left(owner_pos, lo), bisect_left(owner_pos, hi)
+            other = _other_binding(owner_who, owner_nxt, olo, ohi, me)
+            if other is not None:
+                return me, owner_who[other]
+    return None
+
+
+def _find_ambiguous(bindings: Sequence[Binding]) -> tuple[int, int, str, str] | None:
+    """``(i, j, host_i, host_j)`` for one colliding pair (``i < j``), or None.
+
+    O(N log N) in the number N of (host key, scheme, method, path) entries, where the old
+    check built every pair of bindings sharing a host (quadratic, BEHAVIOUR 14.7): bindings
+    meet only inside a host group (:func:`_host_groups`), inside that only per (scheme,
+    method) that both have, and there :func:`_path_collision` finds a path overlap without
+    comparing pairs. A member list already checked (another method, another host with the
+    same bindings) is not checked again, so five default methods cost one sweep.
+    """
+    done: set[tuple[tuple[int, ...], tuple[bool, ...]]] = set()
+    for _key, group in sorted(_host_groups(bindings).items()):
+        if len(group) < 2 or not any(owner for owner, _ in group.values()):
+            continue
+        owns = {i: owner for i, (owner, _) in group.items()}
+        by_verb: dict[tuple[str, str], list[int]] = {}
+        for i in group:  # ascending: groups are filled in binding order
+            match = bindings[i].match
+            for scheme in match.schemes:
+                for method in match.methods:
+                    by_verb.setdefault((scheme, method), []).append(i)
+        for members in by_verb.values():
+            if len(members) < 2:
+                continue
+            signature = (tuple(members), tuple(owns[i] for i in members))
+            if signature in done or not any(signature[1]):
+                continue
+            done.add(signature)
+            found = _path_collision(members, owns, bindings)
+            if found is not None:
+                i, j = sorted(found)
+                return i, j, group[i][1], group[j][1]
+    return None
 
 
 def check_ambiguity(bindings: Iterable[Binding]) -> None:
     """Refuse two bindings that could both claim one request at the same precedence (§6).
 
     Overlap = schemes overlap ∧ methods overlap ∧ a path pair overlaps ∧ a same-kind host pair
-    overlaps. Exact and wildcard hosts never conflict (the exact one wins in the MITM).
+    overlaps. Exact and wildcard hosts never conflict (the exact one wins in the MITM). When
+    several pairs collide, one of them is named (the message says which and why).
     """
     ordered = sorted(bindings, key=lambda b: b.name)
-    for (i, j), (host_a, host_b) in sorted(_host_pairs(ordered).items()):
-        a, b = ordered[i], ordered[j]
-        schemes = [s for s in a.match.schemes if s in b.match.schemes]
-        if not schemes:
-            continue
-        methods = [m for m in a.match.methods if m in b.match.methods]
-        if not methods:
-            continue
-        paths = _path_pair(a.match.paths, b.match.paths)
-        if paths is None:
-            continue
-        hosts = echo(host_a) if host_a == host_b else f"{echo(host_a)} / {echo(host_b)}"
-        raise VaultError(
-            f"{echo(a.name)} and {echo(b.name)} are ambiguous: both match host {hosts}, "
-            f"scheme {echo(schemes[0])}, method {echo(methods[0])} and path {echo(paths[0])} / {echo(paths[1])}",
-            "bindings",
-        )
+    found = _find_ambiguous(ordered)
+    if found is None:
+        return
+    i, j, host_a, host_b = found
+    a, b = ordered[i], ordered[j]
+    schemes = [s for s in a.match.schemes if s in b.match.schemes]
+    methods = [m for m in a.match.methods if m in frozenset(b.match.methods)]
+    paths = _path_pair(a.match.paths, b.match.paths)
+    assert schemes and methods and paths is not None  # what _find_ambiguous established
+    hosts = echo(host_a) if host_a == host_b else f"{echo(host_a)} / {echo(host_b)}"
+    raise VaultError(
+        f"{echo(a.name)} and {echo(b.name)} are ambiguous: both match host {hosts}, "
+        f"scheme {echo(schemes[0])}, method {echo(methods[0])} and path {echo(paths[0])} / {echo(paths[1])}",
+        "bindings",
+    )
 
 
 def _probe_name(host: str) -> str:
@@ -943,14 +1090,35 @@ def check_ignore_hosts(bindings: Iterable[Binding], ignore_hosts: Sequence[re.Pa
                 )
 
 
+def check_size(credentials: int, bindings: Iterable[Binding], limits: VaultLimits = DEFAULT_LIMITS) -> None:
+    """A whole candidate within the caps (14.7): what a PATCH adds on top of an existing vault
+    counts with what is already there."""
+    items = list(bindings)
+    if credentials > limits.credentials:
+        raise _over_limit("credentials", credentials, limits.credentials, "credentials")
+    if len(items) > limits.bindings:
+        raise _over_limit("bindings", len(items), limits.bindings, "bindings")
+    for b in items:
+        if len(b.match.hosts) > limits.hosts_per_binding:
+            raise _over_limit(
+                "hosts", len(b.match.hosts), limits.hosts_per_binding, f"{_binding_label(b)}.match.hosts"
+            )
+        if len(b.match.paths) > limits.paths_per_binding:
+            raise _over_limit(
+                "paths", len(b.match.paths), limits.paths_per_binding, f"{_binding_label(b)}.match.paths"
+            )
+
+
 def validate_candidate(
     credentials: Mapping[str, Credential],
     bindings: Iterable[Binding],
     policy: NetworkPolicy | None,
     ignore_hosts: Sequence[re.Pattern[str]] = (),
+    limits: VaultLimits = DEFAULT_LIMITS,
 ) -> None:
-    """The whole-vault checks, in order: references, ambiguity, coverage, ignore_hosts."""
+    """The whole-vault checks, in order: size, references, ambiguity, coverage, ignore_hosts."""
     ordered = sorted(bindings, key=lambda b: b.name)
+    check_size(len(credentials), ordered, limits)
     check_references(credentials, ordered)
     check_ambiguity(ordered)
     check_coverage(ordered, policy)
