@@ -88,6 +88,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             keys=keys,
             pending_ttl=cfg.pending_push_ttl,
             max_leases=cfg.max_leases,
+            vault_limits=cfg.vault_limits,
         )
         proxy = ProxyRouteAPI(control, max_rules=cfg.max_rules)
         audit = AuditEvidence(

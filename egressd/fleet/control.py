@@ -87,7 +87,8 @@ from egressd.subject.registry import (
     plan_remove,
     plan_set_binding,
 )
-from egressd.vault.model import VaultError
+from egressd.vault.model import DEFAULT_LIMITS, VaultError, VaultLimits
+from egressd.vault.offload import off_loop
 from egressd.vault.sealed import KeyStore
 from egressd.vault.store import VaultSnapshot, VaultStore
 
@@ -180,8 +181,10 @@ class ControlPlane:
         keys: KeyStore | None = None,
         pending_ttl: float = 30.0,
         max_leases: int = DEFAULT_MAX_LEASES,
+        vault_limits: VaultLimits = DEFAULT_LIMITS,
     ) -> None:
         self.table = table
+        self.vault_limits = vault_limits
         self.tx = tx
         self.always = always
         self.metrics = metrics
@@ -355,7 +358,16 @@ class ControlPlane:
         parsed: BindingInput | None = None
         if action.input is not None:
             try:
-                parsed = parse_binding_input(action.input, uid=action.uid, keys=self.keys, always=self.always)
+                # Off the loop (14.7): a sealed vault is decrypted and validated here. Nothing
+                # is mutated yet; the subject's state is only read again under its lock below.
+                parsed = await off_loop(
+                    parse_binding_input,
+                    action.input,
+                    uid=action.uid,
+                    keys=self.keys,
+                    always=self.always,
+                    limits=self.vault_limits,
+                )
             except InputError as exc:
                 return Result(400, f"invalid binding input: {exc}")
             policy = parsed.policy
@@ -391,7 +403,7 @@ class ControlPlane:
             if result.status == 200 and parsed is not None:
                 committed = self.registry.get(action.uid)
                 if committed is not None and committed.state is State.ACTIVE:
-                    self._apply_vault(action.uid, parsed)  # in place, after the policy
+                    await self._apply_vault(action.uid, parsed)  # in place, after the policy
                 elif committed is not None and parsed.vault is not VaultAction.KEEP:
                     # Activates with the policy. A bare policy string leaves the vault alone,
                     # including a sealed vault still waiting for data-plane-ready.
@@ -454,7 +466,7 @@ class ControlPlane:
                 # The vault of the binding input activates at the same barrier as its policy.
                 pending = self._pending_vault.pop(action.uid, None)
                 if pending is not None:
-                    self._apply_vault(action.uid, pending)
+                    await self._apply_vault(action.uid, pending)
             return result
 
     async def remove(self, action: RemoveBinding) -> Result:
@@ -487,15 +499,28 @@ class ControlPlane:
         if pushes:
             self.pending_pushes.drop(uid)
 
-    def _apply_vault(self, uid: str, parsed: BindingInput) -> None:
+    async def _apply_vault(self, uid: str, parsed: BindingInput) -> None:
+        """Under the subject lock (callers hold it), right after the policy was committed."""
         if parsed.vault is VaultAction.KEEP:
             return
         if parsed.vault is VaultAction.REMOVE or parsed.content is None:
             self.vaults.pop(uid, None)
             return
-        store = self.vaults.setdefault(uid, VaultStore())
-        status, _ = store.put_content(parsed.content, self.coverage_policy(uid))
-        if status >= 400:
+        coverage = self.coverage_policy(uid)
+        store = self.vaults.get(uid)
+        work = store.fork() if store is not None else VaultStore(limits=self.vault_limits)
+        if coverage is not None and coverage == parsed.validated_against:
+            # The usual case: validated (off the loop) against this very policy when the
+            # input arrived, so the commit is O(n) and follows the policy in the same step.
+            status, _ = work.put_content(parsed.content, coverage, prevalidated=True)
+        else:
+            # The always-rules changed since: validate again, off the loop (14.7). The old
+            # vault goes first, so nothing validated for another policy is injected meanwhile.
+            self.vaults.pop(uid, None)
+            status, _ = await off_loop(work.put_content, parsed.content, coverage)
+        if status < 400:
+            self.vaults[uid] = work
+        else:
             # Validated when the input arrived; only a changed always-rule can refuse it now.
             # Without the vault nothing is injected: closed, and said in the log.
             self.vaults.pop(uid, None)

@@ -21,7 +21,7 @@ from egressd.policy import (
     parse_policy,
     parse_policy_obj,
 )
-from egressd.vault.model import VaultContent, VaultError, parse_create
+from egressd.vault.model import DEFAULT_LIMITS, VaultContent, VaultError, VaultLimits, parse_create
 from egressd.vault.sealed import (
     KeyStore,
     SealError,
@@ -49,12 +49,22 @@ class BindingInput:
     policy: NetworkPolicy
     vault: VaultAction = VaultAction.KEEP
     content: VaultContent | None = field(default=None, repr=False)
+    #: The coverage policy ``content`` was validated against (14.7): activating it under an
+    #: equal policy needs no second validation on the event loop.
+    validated_against: NetworkPolicy | None = field(default=None, repr=False)
 
 
 def parse_binding_input(
-    text: str, *, uid: str = "", keys: KeyStore | None = None, always: AlwaysRules = EMPTY_ALWAYS
+    text: str,
+    *,
+    uid: str = "",
+    keys: KeyStore | None = None,
+    always: AlwaysRules = EMPTY_ALWAYS,
+    limits: VaultLimits = DEFAULT_LIMITS,
 ) -> BindingInput:
-    """Parse before any mutation (§3 step 1); raises :class:`InputError` (-> 400)."""
+    """Parse before any mutation (§3 step 1); raises :class:`InputError` (-> 400). A sealed
+    vault is held to ``limits`` (14.7) like a vault pushed through the proxy route. Pure: the
+    daemon runs it in the vault worker thread."""
     stripped = text.strip()
     obj: object = None
     if stripped.startswith("{"):
@@ -63,7 +73,7 @@ def parse_binding_input(
         except (ValueError, RecursionError):
             obj = None
     if is_wrapper(obj):
-        return _parse_wrapper(obj, uid, keys, always)
+        return _parse_wrapper(obj, uid, keys, always, limits)
     try:
         # Already decoded above when it looked like an object: not parsed a second time.
         return BindingInput(parse_policy_obj(obj) if isinstance(obj, dict) else parse_policy(text))
@@ -71,7 +81,9 @@ def parse_binding_input(
         raise InputError(f"invalid policy: {_redacted(exc)}") from None
 
 
-def _parse_wrapper(obj: object, uid: str, keys: KeyStore | None, always: AlwaysRules) -> BindingInput:
+def _parse_wrapper(
+    obj: object, uid: str, keys: KeyStore | None, always: AlwaysRules, limits: VaultLimits
+) -> BindingInput:
     try:
         wrapper = parse_wrapper(obj)
     except SealError as exc:
@@ -85,14 +97,15 @@ def _parse_wrapper(obj: object, uid: str, keys: KeyStore | None, always: AlwaysR
     try:
         sealed = parse_sealed(wrapper.vault)
         ring = keys.lookup(sealed.kid) if keys is not None else KeyStore(None).ring
-        content = parse_create(decode_vault_plaintext(open_sealed(sealed, uid, ring)))
-        VaultStore().check_content(content, effective_policy(policy, always))
+        content = parse_create(decode_vault_plaintext(open_sealed(sealed, uid, ring)), limits)
+        coverage = effective_policy(policy, always)
+        VaultStore(limits=limits).check_content(content, coverage)
     except SealError as exc:
         raise InputError(str(exc)) from None
     except VaultError as exc:
         # The plaintext was sealed for a reason: name the field, never quote what it held.
         raise InputError(f"vault: {exc.without_values()}") from None
-    return BindingInput(policy, VaultAction.SET, content)
+    return BindingInput(policy, VaultAction.SET, content, coverage)
 
 
 # Policy errors quote the offending value at the end of their reason; the binding input is

@@ -172,6 +172,7 @@ async def run_sidecar(
             prerequisites=prerequisites,
             extra_health=mitm_health,
             mitm_ca=(lambda: (mitm.ca.pem, mitm.ca.fingerprint)) if mitm is not None else None,
+            vault_limits=cfg.vault_limits,
         )
         runner: web.AppRunner | None = None
         try:
