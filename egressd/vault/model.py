@@ -1028,8 +1028,8 @@ def _host_witness(bindings: Sequence[Binding], i: int, j: int) -> tuple[str, str
     appears first in the vault, else the first wildcard pair met in the old loop order."""
     exact_rank: dict[str, int] = {}
     wild_rank: dict[str, int] = {}
-    for b in bindings:
-        for host in b.match.hosts:
+    for binding in bindings:
+        for host in binding.match.hosts:
             suffix = _wildcard_suffix(host)
             if suffix is None:
                 exact_rank.setdefault(host, len(exact_rank))
