@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -46,6 +46,9 @@ class Reply:
     json: dict[str, Any] | None = None
     text: str | None = None
     allow: str | None = None
+    #: ``json`` already encoded (UTF-8), when it was encoded off the loop (14.7): the state
+    #: of a vault at the caps is a few hundred KiB of JSON.
+    encoded: bytes | None = None
 
 
 def _from_store(resp: Response) -> Reply:
@@ -227,7 +230,7 @@ async def vault_write(
     policy = coverage()
     base = store.vault if store is not None else None
     work = store.fork() if store is not None else None
-    reply, result = await off_loop(vault_request, method, resource, name, body, work, lambda: policy, limits)
+    reply, result = await off_loop(_write_encoded, method, resource, name, body, work, policy, limits)
     now = current()
     if now is not store or (now is not None and now.vault is not base):
         return Reply(409, text=_RACED), now
@@ -235,6 +238,22 @@ async def vault_write(
         assert work is not None
         store.adopt(work)
         return reply, store
+    return reply, result
+
+
+def _write_encoded(
+    method: str,
+    resource: Resource,
+    name: str | None,
+    body: bytes,
+    store: VaultStore | None,
+    policy: NetworkPolicy | None,
+    limits: VaultLimits,
+) -> tuple[Reply, VaultStore | None]:
+    """The worker's part of :func:`vault_write`: the request, and the JSON of its answer."""
+    reply, result = vault_request(method, resource, name, body, store, lambda: policy, limits)
+    if reply.json is not None:
+        reply = replace(reply, encoded=json.dumps(reply.json).encode())
     return reply, result
 
 
