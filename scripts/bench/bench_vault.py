@@ -132,12 +132,20 @@ def use_oracle() -> None:
     model.check_ambiguity = old_check_ambiguity  # type: ignore[assignment]
 
 
-def time_new(shape: str, repeats: int) -> tuple[float, int]:
+def time_new(shape: str, repeats: int) -> tuple[float, float, int]:
+    """(median whole validation, median ambiguity check alone, body bytes)."""
     make, limits = SHAPES[shape]
     doc = make()
     raw = json.dumps(doc).encode()
     policy = _policy(doc)
-    return statistics.median(validate_once(raw, limits, policy) for _ in range(repeats)), len(raw)
+    whole = statistics.median(validate_once(raw, limits, policy) for _ in range(repeats))
+    bindings = model.parse_create(json.loads(raw), limits).bindings
+    alone: list[float] = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        model.check_ambiguity(bindings)
+        alone.append(time.perf_counter() - started)
+    return whole, statistics.median(alone), len(raw)
 
 
 def time_oracle(shape: str, timeout: float) -> float | None:
