@@ -177,19 +177,25 @@ def main() -> int:
         return 0
     timeout = args.oracle_timeout or (8.0 if args.quick else 120.0)
     repeats = args.repeats or (3 if args.quick else 7)
-    command = "  ".join(["$", ".venv/bin/python", "scripts/bench/bench_vault.py", *sys.argv[1:]])
-    print(f"reproduce: {command}")
+    command = " ".join([".venv/bin/python", "scripts/bench/bench_vault.py", *sys.argv[1:]])
+    print(f"reproduce (from the repository root): {command}")
+    load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
     print(
-        f"python {sys.version.split()[0]}; new check: median of {repeats}; oracle: one run, timeout {timeout:g} s"
+        f"python {sys.version.split()[0]}, load average {load}; whole PUT validation (json + parse + checks); "
+        f"new: median of {repeats}; old: one run in a child, timeout {timeout:g} s"
     )
-    print(f"{'shape':<20} {'body':>9} {'old (quadratic)':>16} {'new':>10} {'old / new':>10}")
+    print(
+        f"{'shape':<20} {'body':>8} {'old (quadratic)':>16} {'new':>10} {'old / new':>10} {'new ambiguity alone':>20}"
+    )
     for shape in SHAPES:
-        new, size = time_new(shape, repeats)
+        new, alone, size = time_new(shape, repeats)
         old = time_oracle(shape, timeout)
         old_text = f"> {timeout:g} s" if old is None else f"{old:.3f} s"
         ratio = f"> {timeout / new:.0f}x" if old is None else f"{old / new:.1f}x"
         print(
-            f"{shape:<20} {size / 1024:>7.0f}Ki {old_text:>16} {new * 1000:>7.1f} ms {ratio:>10}", flush=True
+            f"{shape:<20} {size / 1024:>6.0f}Ki {old_text:>16} {new * 1000:>7.1f} ms {ratio:>10} "
+            f"{alone * 1000:>17.1f} ms",
+            flush=True,
         )
     return 0
 
