@@ -89,7 +89,7 @@ from egressd.subject.registry import (
 )
 from egressd.vault.model import DEFAULT_LIMITS, VaultError, VaultLimits
 from egressd.vault.offload import off_loop
-from egressd.vault.sealed import KeyStore
+from egressd.vault.sealed import WRAPPER_MARKER, KeyStore
 from egressd.vault.store import VaultSnapshot, VaultStore
 
 log = structlog.get_logger("egressd.fleet")
@@ -354,20 +354,28 @@ class ControlPlane:
         return await self.remove(action)
 
     async def set_binding(self, action: SetBinding) -> Result:
+        # The subject's lock is held from the parse on (14.7: the parse, a sealed vault's
+        # decryption and validation, runs in the vault worker): actions of one subject keep
+        # their arrival order, as when the parse was synchronous; other subjects never wait.
+        async with self._locks.hold(action.uid):
+            return await self._set_binding_locked(action)
+
+    async def _set_binding_locked(self, action: SetBinding) -> Result:
         policy: NetworkPolicy | None = None
         parsed: BindingInput | None = None
         if action.input is not None:
+            parse = functools.partial(
+                parse_binding_input,
+                action.input,
+                uid=action.uid,
+                keys=self.keys,
+                always=self.always,
+                limits=self.vault_limits,
+            )
             try:
-                # Off the loop (14.7): a sealed vault is decrypted and validated here. Nothing
-                # is mutated yet; the subject's state is only read again under its lock below.
-                parsed = await off_loop(
-                    parse_binding_input,
-                    action.input,
-                    uid=action.uid,
-                    keys=self.keys,
-                    always=self.always,
-                    limits=self.vault_limits,
-                )
+                # A sealed vault (decryption, up to 1 MiB of validation) off the loop (14.7);
+                # a bare policy stays here, so a busy vault worker never delays it.
+                parsed = await off_loop(parse) if WRAPPER_MARKER in action.input else parse()
             except InputError as exc:
                 return Result(400, f"invalid binding input: {exc}")
             policy = parsed.policy
@@ -378,42 +386,41 @@ class ControlPlane:
                 return Result(400, f"invalid action envelope: {problem}")
             binding = Binding(action.attachment.ip, action.attachment.gateway)
         req = SetBindingRequest(action.uid, action.fence, action.spec_generation, binding, policy)
-        async with self._locks.hold(action.uid):
-            entry = self.registry.get(action.uid)
-            claim = binding or (entry.binding if entry else None)
-            conflict = self.registry.check_claims(action.uid, claim) or self._in_flight_conflict(
-                action.uid, claim
-            )
-            if conflict is not None:
-                return Result(409, conflict)
-            # Reserved before the first await: a concurrent SET_BINDING of another uid for the
-            # same ip or nft id sees the claim and gets 409 instead of sharing kernel objects.
-            with self._reserve(action.uid, claim):
-                plan = plan_set_binding(entry, req)
-                uncovered = self._uncovers_vault(action.uid, plan, parsed)
-                if uncovered is not None:
-                    return Result(400, f"policy change uncovers a credential binding: {uncovered}")
-                if plan.rebind or policy is None:
-                    # A new fence never inherits credentials; null removes policy and vault.
-                    self._drop_vault_state(action.uid, pushes=policy is None)
-                if plan.rebind or (policy is None and entry is not None):
-                    for listener in self.listeners:
-                        await (listener.reset(action.uid) if plan.rebind else listener.unbound(action.uid))
-                result = await self._execute(entry, plan, failure_prefix="deny-first install")
-            if result.status == 200 and parsed is not None:
-                committed = self.registry.get(action.uid)
-                if committed is not None and committed.state is State.ACTIVE:
-                    await self._apply_vault(action.uid, parsed)  # in place, after the policy
-                elif committed is not None and parsed.vault is not VaultAction.KEEP:
-                    # Activates with the policy. A bare policy string leaves the vault alone,
-                    # including a sealed vault still waiting for data-plane-ready.
-                    self._pending_vault[action.uid] = parsed
-            if result.status == 200 and policy is not None:
-                committed = self.registry.get(action.uid)
-                if committed is not None:
-                    for listener in self.listeners:
-                        await listener.registered(committed)
-            return result
+        entry = self.registry.get(action.uid)
+        claim = binding or (entry.binding if entry else None)
+        conflict = self.registry.check_claims(action.uid, claim) or self._in_flight_conflict(
+            action.uid, claim
+        )
+        if conflict is not None:
+            return Result(409, conflict)
+        # Reserved before the first await: a concurrent SET_BINDING of another uid for the
+        # same ip or nft id sees the claim and gets 409 instead of sharing kernel objects.
+        with self._reserve(action.uid, claim):
+            plan = plan_set_binding(entry, req)
+            uncovered = self._uncovers_vault(action.uid, plan, parsed)
+            if uncovered is not None:
+                return Result(400, f"policy change uncovers a credential binding: {uncovered}")
+            if plan.rebind or policy is None:
+                # A new fence never inherits credentials; null removes policy and vault.
+                self._drop_vault_state(action.uid, pushes=policy is None)
+            if plan.rebind or (policy is None and entry is not None):
+                for listener in self.listeners:
+                    await (listener.reset(action.uid) if plan.rebind else listener.unbound(action.uid))
+            result = await self._execute(entry, plan, failure_prefix="deny-first install")
+        if result.status == 200 and parsed is not None:
+            committed = self.registry.get(action.uid)
+            if committed is not None and committed.state is State.ACTIVE:
+                await self._apply_vault(action.uid, parsed)  # in place, after the policy
+            elif committed is not None and parsed.vault is not VaultAction.KEEP:
+                # Activates with the policy. A bare policy string leaves the vault alone,
+                # including a sealed vault still waiting for data-plane-ready.
+                self._pending_vault[action.uid] = parsed
+        if result.status == 200 and policy is not None:
+            committed = self.registry.get(action.uid)
+            if committed is not None:
+                for listener in self.listeners:
+                    await listener.registered(committed)
+        return result
 
     def _uncovers_vault(self, uid: str, plan: Plan, parsed: BindingInput | None) -> str | None:
         """A policy change that keeps the subject's vault must still cover every binding host,
