@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from egressd.dnsproxy.upstreams import Upstream, UpstreamError, parse_upstreams
+from egressd.vault.model import VaultLimits
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -92,6 +93,18 @@ OPTIONS: tuple[Option, ...] = (
         "live DNS-learned addresses per subject (the dyn sets' size)",
         "4096",
     ),
+    Option(
+        "EGRESSD_VAULT_MAX_CREDENTIALS",
+        "--vault-max-credentials",
+        "credentials one vault may hold (BEHAVIOUR 14.7)",
+        "256",
+    ),
+    Option(
+        "EGRESSD_VAULT_MAX_BINDINGS",
+        "--vault-max-bindings",
+        "bindings one vault may hold (BEHAVIOUR 14.7)",
+        "256",
+    ),
     Option("EGRESSD_DNS_ADDR", "--dns-addr", "shared DNS proxy listener", "0.0.0.0:15353"),
     Option("EGRESSD_NFT_TABLE", "--nft-table", "nft table name"),
     Option(
@@ -173,6 +186,12 @@ class Config:
     always_reload_interval: float = 60.0
     sidecar_keep_table: bool = False
     max_leases: int = 4096  # EGRESSD_MAX_LEASES_PER_SUBJECT (BEHAVIOUR 14.4)
+    vault_max_credentials: int = 256  # EGRESSD_VAULT_MAX_CREDENTIALS (BEHAVIOUR 14.7)
+    vault_max_bindings: int = 256  # EGRESSD_VAULT_MAX_BINDINGS (BEHAVIOUR 14.7)
+
+    @property
+    def vault_limits(self) -> VaultLimits:
+        return VaultLimits(credentials=self.vault_max_credentials, bindings=self.vault_max_bindings)
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -380,6 +399,14 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         max_rules=_int("OPENSANDBOX_EGRESS_MAX_RULES", raw["OPENSANDBOX_EGRESS_MAX_RULES"], 0, 10_000_000),
         max_leases=_int(
             "EGRESSD_MAX_LEASES_PER_SUBJECT", raw["EGRESSD_MAX_LEASES_PER_SUBJECT"] or "4096", 1, 1_000_000
+        ),
+        # No "0 = unlimited": the caps are what keeps validation cheap (14.7). The upper
+        # bound is what a 1 MiB body could hold anyway.
+        vault_max_credentials=_int(
+            "EGRESSD_VAULT_MAX_CREDENTIALS", raw["EGRESSD_VAULT_MAX_CREDENTIALS"] or "256", 1, 100_000
+        ),
+        vault_max_bindings=_int(
+            "EGRESSD_VAULT_MAX_BINDINGS", raw["EGRESSD_VAULT_MAX_BINDINGS"] or "256", 1, 100_000
         ),
         nft_table=table,
         always_rules_dir=Path(raw["EGRESSD_ALWAYS_RULES_DIR"] or "/var/egress/rules"),

@@ -90,6 +90,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             pending_ttl=cfg.pending_push_ttl,
             max_leases=cfg.max_leases,
             max_rules=cfg.max_rules,
+            vault_limits=cfg.vault_limits,
         )
         proxy = ProxyRouteAPI(control, max_rules=cfg.max_rules)
         audit = AuditEvidence(

@@ -89,8 +89,9 @@ from egressd.subject.registry import (
     plan_remove,
     plan_set_binding,
 )
-from egressd.vault.model import VaultError
-from egressd.vault.sealed import KeyStore
+from egressd.vault.model import DEFAULT_LIMITS, VaultError, VaultLimits
+from egressd.vault.offload import off_loop
+from egressd.vault.sealed import WRAPPER_MARKER, KeyStore
 from egressd.vault.store import VaultSnapshot, VaultStore
 
 log = structlog.get_logger("egressd.fleet")
@@ -184,9 +185,11 @@ class ControlPlane:
         pending_ttl: float = 30.0,
         max_leases: int = DEFAULT_MAX_LEASES,
         max_rules: int = 0,
+        vault_limits: VaultLimits = DEFAULT_LIMITS,
     ) -> None:
         self.table = table
         self.max_rules = max_rules  # OPENSANDBOX_EGRESS_MAX_RULES on SET_BINDING input (0 = none)
+        self.vault_limits = vault_limits
         self.tx = tx
         self.always = always
         self.metrics = metrics
@@ -404,6 +407,13 @@ class ControlPlane:
         return await self.remove(action)
 
     async def set_binding(self, action: SetBinding) -> Result:
+        # The subject's lock is held from the parse on (14.7: the parse, a sealed vault's
+        # decryption and validation, runs in the vault worker): actions of one subject keep
+        # their arrival order, as when the parse was synchronous; other subjects never wait.
+        async with self._locks.hold(action.uid):
+            return await self._set_binding_locked(action)
+
+    async def _set_binding_locked(self, action: SetBinding) -> Result:
         policy: NetworkPolicy | None = None
         parsed: BindingInput | None = None
         if action.input is not None:
@@ -411,10 +421,19 @@ class ControlPlane:
                 # A due key-directory rescan runs in a thread, not on the loop that serves DNS;
                 # the lookup inside parse_binding_input then finds it done (§11, ≤ 1 scan/s).
                 await self.keys.refresh_async()
+            parse = functools.partial(
+                parse_binding_input,
+                action.input,
+                uid=action.uid,
+                keys=self.keys,
+                always=self.always,
+                max_rules=self.max_rules,
+                limits=self.vault_limits,
+            )
             try:
-                parsed = parse_binding_input(
-                    action.input, uid=action.uid, keys=self.keys, always=self.always, max_rules=self.max_rules
-                )
+                # A sealed vault (decryption, up to 1 MiB of validation) off the loop (14.7);
+                # a bare policy stays here, so a busy vault worker never delays it.
+                parsed = await off_loop(parse) if WRAPPER_MARKER in action.input else parse()
             except InputError as exc:
                 return Result(400, f"invalid binding input: {exc}")
             policy = parsed.policy
@@ -427,42 +446,41 @@ class ControlPlane:
                 action.attachment.ip, action.attachment.gateway, action.attachment.private_cidr
             )
         req = SetBindingRequest(action.uid, action.fence, action.spec_generation, binding, policy)
-        async with self._locks.hold(action.uid):
-            entry = self.registry.get(action.uid)
-            claim = binding or (entry.binding if entry else None)
-            conflict = self.registry.check_claims(action.uid, claim) or self._in_flight_conflict(
-                action.uid, claim
-            )
-            if conflict is not None:
-                return Result(409, conflict)
-            # Reserved before the first await: a concurrent SET_BINDING of another uid for the
-            # same ip or nft id sees the claim and gets 409 instead of sharing kernel objects.
-            with self._reserve(action.uid, claim):
-                plan = plan_set_binding(entry, req)
-                uncovered = self._uncovers_vault(action.uid, plan, parsed)
-                if uncovered is not None:
-                    return Result(400, f"policy change uncovers a credential binding: {uncovered}")
-                if plan.rebind or policy is None:
-                    # A new fence never inherits credentials; null removes policy and vault.
-                    self._drop_vault_state(action.uid, pushes=policy is None)
-                if plan.rebind or (policy is None and entry is not None):
-                    for listener in self.listeners:
-                        await (listener.reset(action.uid) if plan.rebind else listener.unbound(action.uid))
+        entry = self.registry.get(action.uid)
+        claim = binding or (entry.binding if entry else None)
+        conflict = self.registry.check_claims(action.uid, claim) or self._in_flight_conflict(
+            action.uid, claim
+        )
+        if conflict is not None:
+            return Result(409, conflict)
+        # Reserved before the first await: a concurrent SET_BINDING of another uid for the
+        # same ip or nft id sees the claim and gets 409 instead of sharing kernel objects.
+        with self._reserve(action.uid, claim):
+            plan = plan_set_binding(entry, req)
+            uncovered = self._uncovers_vault(action.uid, plan, parsed)
+            if uncovered is not None:
+                return Result(400, f"policy change uncovers a credential binding: {uncovered}")
+            if plan.rebind or policy is None:
+                # A new fence never inherits credentials; null removes policy and vault.
+                self._drop_vault_state(action.uid, pushes=policy is None)
+            if plan.rebind or (policy is None and entry is not None):
+                for listener in self.listeners:
+                    await (listener.reset(action.uid) if plan.rebind else listener.unbound(action.uid))
 
-                async def finish() -> None:
-                    # What a committed SET_BINDING does after its kernel steps; also run by
-                    # egressd's own retry of a refused narrowing (14.6), so the input's vault
-                    # action and the pending-push replay are never lost with the 500.
-                    await self._after_set_binding(action.uid, parsed, policy)
+            async def finish() -> None:
+                # What a committed SET_BINDING does after its kernel steps; also run by
+                # egressd's own retry of a refused narrowing (14.6), so the input's vault
+                # action and the pending-push replay are never lost with the 500.
+                await self._after_set_binding(action.uid, parsed, policy)
 
-                result = await self._execute(entry, plan, failure_prefix="deny-first install", after=finish)
-            if result.status == 200:
-                await finish()
-            elif parsed is not None and parsed.vault is VaultAction.REMOVE and action.uid in self._revoking:
-                # The input takes the vault away: that much needs no kernel, so it holds now.
-                self.vaults.pop(action.uid, None)
-                self._pending_vault.pop(action.uid, None)
-            return result
+            result = await self._execute(entry, plan, failure_prefix="deny-first install", after=finish)
+        if result.status == 200:
+            await finish()
+        elif parsed is not None and parsed.vault is VaultAction.REMOVE and action.uid in self._revoking:
+            # The input takes the vault away: that much needs no kernel, so it holds now.
+            self.vaults.pop(action.uid, None)
+            self._pending_vault.pop(action.uid, None)
+        return result
 
     async def _after_set_binding(
         self, uid: str, parsed: BindingInput | None, policy: NetworkPolicy | None
@@ -470,7 +488,7 @@ class ControlPlane:
         if parsed is not None:
             committed = self.registry.get(uid)
             if committed is not None and committed.state is State.ACTIVE:
-                self._apply_vault(uid, parsed)  # in place, after the policy
+                await self._apply_vault(uid, parsed)  # in place, after the policy
             elif committed is not None and parsed.vault is not VaultAction.KEEP:
                 # Activates with the policy. A bare policy string leaves the vault alone,
                 # including a sealed vault still waiting for data-plane-ready.
@@ -532,7 +550,7 @@ class ControlPlane:
                 # The vault of the binding input activates at the same barrier as its policy.
                 pending = self._pending_vault.pop(action.uid, None)
                 if pending is not None:
-                    self._apply_vault(action.uid, pending)
+                    await self._apply_vault(action.uid, pending)
             return result
 
     async def remove(self, action: RemoveBinding) -> Result:
@@ -575,16 +593,29 @@ class ControlPlane:
         if pushes:
             self.pending_pushes.drop(uid)
 
-    def _apply_vault(self, uid: str, parsed: BindingInput) -> None:
+    async def _apply_vault(self, uid: str, parsed: BindingInput) -> None:
+        """Under the subject lock (callers hold it), right after the policy was committed."""
         if parsed.vault is VaultAction.KEEP:
             return
         self.vault_view_changed(uid)
         if parsed.vault is VaultAction.REMOVE or parsed.content is None:
             self.vaults.pop(uid, None)
             return
-        store = self.vaults.setdefault(uid, VaultStore())
-        status, _ = store.put_content(parsed.content, self.coverage_policy(uid))
-        if status >= 400:
+        coverage = self.coverage_policy(uid)
+        store = self.vaults.get(uid)
+        work = store.fork() if store is not None else VaultStore(limits=self.vault_limits)
+        if coverage is not None and coverage == parsed.validated_against:
+            # The usual case: validated (off the loop) against this very policy when the
+            # input arrived, so the commit is O(n) and follows the policy in the same step.
+            status, _ = work.put_content(parsed.content, coverage, prevalidated=True)
+        else:
+            # The always-rules changed since: validate again, off the loop (14.7). The old
+            # vault goes first, so nothing validated for another policy is injected meanwhile.
+            self.vaults.pop(uid, None)
+            status, _ = await off_loop(work.put_content, parsed.content, coverage)
+        if status < 400:
+            self.vaults[uid] = work
+        else:
             # Validated when the input arrived; only a changed always-rule can refuse it now.
             # Without the vault nothing is injected: closed, and said in the log.
             self.vaults.pop(uid, None)

@@ -21,7 +21,7 @@ from egressd.policy import (
     parse_policy_obj,
     rule_cap_problem,
 )
-from egressd.vault.model import VaultContent, VaultError, parse_create
+from egressd.vault.model import DEFAULT_LIMITS, VaultContent, VaultError, VaultLimits, parse_create
 from egressd.vault.sealed import (
     KeyStore,
     SealError,
@@ -49,6 +49,9 @@ class BindingInput:
     policy: NetworkPolicy
     vault: VaultAction = VaultAction.KEEP
     content: VaultContent | None = field(default=None, repr=False)
+    #: The coverage policy ``content`` was validated against (14.7): activating it under an
+    #: equal policy needs no second validation on the event loop.
+    validated_against: NetworkPolicy | None = field(default=None, repr=False)
 
 
 def parse_binding_input(
@@ -58,11 +61,14 @@ def parse_binding_input(
     keys: KeyStore | None = None,
     always: AlwaysRules = EMPTY_ALWAYS,
     max_rules: int = 0,
+    limits: VaultLimits = DEFAULT_LIMITS,
 ) -> BindingInput:
     """Parse before any mutation (§3 step 1); raises :class:`InputError` (-> 400).
 
     ``max_rules``: OPENSANDBOX_EGRESS_MAX_RULES (0 = unlimited), checked on the user policy
-    of a bare policy and of a sealed wrapper alike, before a sealed vault is opened."""
+    of a bare policy and of a sealed wrapper alike, before a sealed vault is opened. A sealed
+    vault is held to ``limits`` (14.7) like a vault pushed through the proxy route. Pure: the
+    daemon runs it in the vault worker thread."""
     stripped = text.strip()
     obj: object = None
     if stripped.startswith("{"):
@@ -71,7 +77,7 @@ def parse_binding_input(
         except (ValueError, RecursionError):
             obj = None
     if is_wrapper(obj):
-        return _parse_wrapper(obj, uid, keys, always, max_rules)
+        return _parse_wrapper(obj, uid, keys, always, max_rules, limits)
     try:
         # Already decoded above when it looked like an object: not parsed a second time.
         policy = parse_policy_obj(obj) if isinstance(obj, dict) else parse_policy(text)
@@ -88,7 +94,7 @@ def _check_cap(policy: NetworkPolicy, max_rules: int) -> None:
 
 
 def _parse_wrapper(
-    obj: object, uid: str, keys: KeyStore | None, always: AlwaysRules, max_rules: int
+    obj: object, uid: str, keys: KeyStore | None, always: AlwaysRules, max_rules: int, limits: VaultLimits
 ) -> BindingInput:
     try:
         wrapper = parse_wrapper(obj)
@@ -104,11 +110,12 @@ def _parse_wrapper(
     try:
         sealed = parse_sealed(wrapper.vault)
         ring = keys.lookup(sealed.kid) if keys is not None else KeyStore(None).ring
-        content = parse_create(decode_vault_plaintext(open_sealed(sealed, uid, ring)))
-        VaultStore().check_content(content, effective_policy(policy, always))
+        content = parse_create(decode_vault_plaintext(open_sealed(sealed, uid, ring)), limits)
+        coverage = effective_policy(policy, always)
+        VaultStore(limits=limits).check_content(content, coverage)
     except SealError as exc:
         raise InputError(str(exc)) from None
     except VaultError as exc:
         # The plaintext was sealed for a reason: name the field, never quote what it held.
         raise InputError(f"vault: {exc.without_values()}") from None
-    return BindingInput(policy, VaultAction.SET, content)
+    return BindingInput(policy, VaultAction.SET, content, coverage)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -28,7 +28,8 @@ from egressd.policy import (
     rule_cap_problem,
 )
 from egressd.subject.registry import Entry, State
-from egressd.vault.model import VaultError
+from egressd.vault.model import DEFAULT_LIMITS, VaultError, VaultLimits
+from egressd.vault.offload import off_loop
 from egressd.vault.store import Response, VaultStore
 
 log = structlog.get_logger("egressd.proxyroute")
@@ -45,6 +46,9 @@ class Reply:
     json: dict[str, Any] | None = None
     text: str | None = None
     allow: str | None = None
+    #: ``json`` already encoded (UTF-8), when it was encoded off the loop (14.7): the state
+    #: of a vault at the caps is a few hundred KiB of JSON.
+    encoded: bytes | None = None
 
 
 def _from_store(resp: Response) -> Reply:
@@ -105,19 +109,23 @@ class ProxyRouteAPI(SubjectListener):
             return Reply(202)
         if req.resource is Resource.POLICY:
             return await self._policy(method, entry, body)
-        return self._vault(method, req, body)
+        return await self._vault(method, req, body)
 
     # ---- vault -----------------------------------------------------------------------------
 
-    def _vault(self, method: str, req: RouteRequest, body: bytes) -> Reply:
+    async def _vault(self, method: str, req: RouteRequest, body: bytes) -> Reply:
+        # Called with the subject lock held (handle() and the replay in registered()), and
+        # every other change to this subject's vault takes that lock too: the lock is held
+        # across the threaded validation, so writes of one subject stay in arrival order.
         uid = req.uid
-        reply, store = vault_request(
+        reply, store = await vault_write(
             method,
             req.resource,
             req.name,
             body,
-            self.control.vaults.get(uid),
+            lambda: self.control.vaults.get(uid),
             lambda: self.control.coverage_policy(uid),
+            self.control.vault_limits,
         )
         if store is None:
             self.control.vaults.pop(uid, None)
@@ -198,6 +206,61 @@ class ProxyRouteAPI(SubjectListener):
         return None
 
 
+_WRITES = ("PUT", "POST", "PATCH")
+_RACED = "credential vault changed while this request was validated; retry"
+
+
+async def vault_write(
+    method: str,
+    resource: Resource,
+    name: str | None,
+    body: bytes,
+    current: Callable[[], VaultStore | None],
+    coverage: Callable[[], NetworkPolicy | None],
+    limits: VaultLimits = DEFAULT_LIMITS,
+) -> tuple[Reply, VaultStore | None]:
+    """:func:`vault_request` with the parse and validation of a write in the vault worker
+    thread (14.7); reads and DELETE are cheap and stay on the loop.
+
+    The caller holds the lock that serialises this vault's changes. ``coverage`` is read on
+    the loop first (registry state is the loop's), the thread works on a private fork, and
+    the result is committed here, on the loop. As a second line of defence the vault must
+    still be the one the thread started from: if anything replaced it meanwhile, nothing is
+    committed and the answer is 409 (fail closed rather than overwrite a newer vault).
+    """
+    store = current()
+    if method not in _WRITES:
+        return vault_request(method, resource, name, body, store, coverage, limits)
+    policy = coverage()
+    base = store.vault if store is not None else None
+    work = store.fork() if store is not None else None
+    reply, result = await off_loop(_write_encoded, method, resource, name, body, work, policy, limits)
+    now = current()
+    if now is not store or (now is not None and now.vault is not base):
+        return Reply(409, text=_RACED), now
+    if store is not None and result is work:
+        assert work is not None
+        store.adopt(work)
+        return reply, store
+    return reply, result
+
+
+def _write_encoded(
+    method: str,
+    resource: Resource,
+    name: str | None,
+    body: bytes,
+    store: VaultStore | None,
+    policy: NetworkPolicy | None,
+    limits: VaultLimits,
+) -> tuple[Reply, VaultStore | None]:
+    """The worker's part of :func:`vault_write`: the request, and the JSON of its answer."""
+    reply, result = vault_request(method, resource, name, body, store, lambda: policy, limits)
+    if reply.json is not None:
+        reply = replace(reply, encoded=json.dumps(reply.json).encode())
+    return reply, result
+
+
 def vault_request(
     method: str,
     resource: Resource,
@@ -205,11 +268,13 @@ def vault_request(
     body: bytes,
     store: VaultStore | None,
     coverage: Callable[[], NetworkPolicy | None],
+    limits: VaultLimits = DEFAULT_LIMITS,
 ) -> tuple[Reply, VaultStore | None]:
     """One §6 vault request against ``store`` (None: no vault); shared by fleet and sidecar.
 
     Returns the reply and the store to hold afterwards (None: no vault). ``coverage`` gives
-    the policy bindings must be covered by; it is only asked for writes.
+    the policy bindings must be covered by; it is only asked for writes. A new store gets
+    ``limits``; an existing one keeps its own.
     """
     if method == "GET":
         if store is None:
@@ -235,7 +300,7 @@ def vault_request(
         return Reply(400, text="body is not valid JSON"), store
     policy = coverage()
     fresh = store is None
-    target = store if store is not None else VaultStore()
+    target = store if store is not None else VaultStore(limits=limits)
     if method == "PUT":
         reply = _from_store(target.put(obj, policy))
     elif method == "POST":

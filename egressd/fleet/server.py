@@ -149,6 +149,14 @@ class FleetHTTP:
             return incomplete()
         reply = await self.inflight.run(self._proxy_reply(request, body))
         headers = {"Allow": reply.allow} if reply.allow else None
+        if reply.encoded is not None:
+            return web.Response(
+                body=reply.encoded,
+                status=reply.status,
+                headers=headers,
+                content_type="application/json",
+                charset="utf-8",
+            )
         if reply.json is not None:
             return web.json_response(reply.json, status=reply.status, headers=headers)
         if reply.text is not None:

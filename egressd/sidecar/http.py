@@ -21,14 +21,15 @@ import structlog
 from aiohttp import web
 
 from egressd.actionhandler.envelope import MAX_BODY_BYTES
-from egressd.fleet.proxyroute import _NO_MATCH, Reply, _edited, vault_request
+from egressd.fleet.proxyroute import _NO_MATCH, Reply, _edited, vault_write
 from egressd.fleet.route import UID_HEADER, Resource, RouteError, classify
 from egressd.fleet.server import BodyTooLarge, incomplete, read_limited, text
 from egressd.metrics import EgressMetrics
 from egressd.policy import PolicyError, policy_mode, rule_cap_problem
 from egressd.serving import BodyIncomplete, InFlight
 from egressd.sidecar.engine import SIDECAR_UID, SidecarEngine
-from egressd.vault.model import VaultError, parse_create, parse_mutation
+from egressd.vault.model import DEFAULT_LIMITS, VaultError, VaultLimits, parse_create, parse_mutation
+from egressd.vault.offload import off_loop
 from egressd.vault.store import VaultStore
 
 MITM_CA_FINGERPRINT_HEADER = "X-Egressd-Mitm-Ca-Fingerprint"
@@ -82,6 +83,14 @@ def token_matches(configured: str | None, presented: str | None) -> bool:
 
 def _response(reply: Reply) -> web.Response:
     headers = {"Allow": reply.allow} if reply.allow else None
+    if reply.encoded is not None:  # a vault write's answer, encoded in the vault worker
+        return web.Response(
+            body=reply.encoded,
+            status=reply.status,
+            headers=headers,
+            content_type="application/json",
+            charset="utf-8",
+        )
     if reply.json is not None:
         return web.json_response(reply.json, status=reply.status, headers=headers)
     if reply.text is not None:
@@ -101,8 +110,10 @@ class SidecarHTTP:
         extra_health: Callable[[], str | None] | None = None,
         mitm_ca: Callable[[], tuple[str, str]] | None = None,
         vault_changed: Callable[[], None] | None = None,
+        vault_limits: VaultLimits = DEFAULT_LIMITS,
     ) -> None:
         self.engine = engine
+        self.vault_limits = vault_limits
         self._mitm_ca = mitm_ca
         # After every vault write: the MITM child drops its cached snapshot (BEHAVIOUR 14.9).
         self._vault_changed = vault_changed
@@ -242,20 +253,24 @@ class SidecarHTTP:
         if method in _VAULT_WRITES:
             # A malformed body is a 400 whatever the prerequisites (it could never succeed);
             # a well-formed one then waits for them (412). Values never reach the reason.
-            shape = _shape_problem(method, body)
+            # In the vault worker (14.7): DNS answers keep their latency meanwhile.
+            shape = await off_loop(_shape_problem, method, body, self.vault_limits)
             if shape is not None:
                 return text(400, shape)
             problem = self.prerequisites.problem()
             if problem is not None:
                 return text(412, problem)
         async with self._lock:
-            reply, store = vault_request(
+            # Every vault change takes this lock, held across the threaded validation: writes
+            # stay in arrival order and a /policy change cannot slip in between.
+            reply, store = await vault_write(
                 method,
                 req.resource,
                 req.name,
                 body,
-                self.vault,
+                lambda: self.vault,
                 lambda: self.engine.effective,
+                self.vault_limits,
             )
             self.vault = store
         if method != "GET":
@@ -267,7 +282,7 @@ class SidecarHTTP:
         return _response(reply)
 
 
-def _shape_problem(method: str, body: bytes) -> str | None:
+def _shape_problem(method: str, body: bytes, limits: VaultLimits = DEFAULT_LIMITS) -> str | None:
     """Why a vault write body is malformed (§6 shapes), or None; no state is consulted."""
     try:
         obj = json.loads(body) if body.strip() else None
@@ -275,9 +290,9 @@ def _shape_problem(method: str, body: bytes) -> str | None:
         return "body is not valid JSON"
     try:
         if method == "PATCH":
-            parse_mutation(obj)
+            parse_mutation(obj, limits)
         else:
-            parse_create(obj)
+            parse_create(obj, limits)
     except VaultError as exc:
         return str(exc)
     return None

@@ -173,6 +173,7 @@ async def run_sidecar(
             mitm_ca=(lambda: (mitm.ca.pem, mitm.ca.fingerprint)) if mitm is not None else None,
             # One sandbox per namespace: every cached client holds this one vault.
             vault_changed=(lambda: mitm.supervisor.forget(None)) if mitm is not None else None,
+            vault_limits=cfg.vault_limits,
         )
         runner: web.AppRunner | None = None
         try:

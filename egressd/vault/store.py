@@ -39,6 +39,7 @@ from urllib.parse import quote, quote_plus
 
 from egressd.policy.model import NetworkPolicy
 from egressd.vault.model import (
+    DEFAULT_LIMITS,
     REDACTED,
     AuthType,
     Binding,
@@ -47,6 +48,7 @@ from egressd.vault.model import (
     Mutation,
     VaultContent,
     VaultError,
+    VaultLimits,
     check_coverage,
     echo,
     parse_create,
@@ -290,7 +292,8 @@ class VaultStore:
     """At most one vault (the fleet keeps one store per subject, the sidecar one).
 
     ``ignore_hosts`` are the MITM's ``ignore_hosts`` patterns (a binding host matching one is
-    refused); ``new_incarnation`` makes incarnation ids (tests may inject a deterministic one).
+    refused); ``new_incarnation`` makes incarnation ids (tests may inject a deterministic one);
+    ``limits`` are the size caps every write is held to (BEHAVIOUR 14.7).
     """
 
     def __init__(
@@ -298,9 +301,11 @@ class VaultStore:
         *,
         ignore_hosts: Sequence[re.Pattern[str]] = (),
         new_incarnation: Callable[[], str] = new_incarnation_id,
+        limits: VaultLimits = DEFAULT_LIMITS,
     ) -> None:
         self._ignore_hosts = tuple(ignore_hosts)
         self._new_incarnation = new_incarnation
+        self.limits = limits
         self._vault: Vault | None = None
         self._snapshot: VaultSnapshot | None = None
         self._last_incarnation: str | None = None
@@ -336,6 +341,24 @@ class VaultStore:
             self._snapshot = _build_snapshot(vault)
         return self._snapshot
 
+    def fork(self) -> VaultStore:
+        """A private copy to run one operation on in a worker thread (14.7): it shares the
+        immutable :class:`Vault`, so the copy is O(1) and the original is never touched off
+        the event loop. :meth:`adopt` brings the result back."""
+        other = VaultStore(ignore_hosts=self._ignore_hosts, new_incarnation=self._new_incarnation)
+        other.limits = self.limits
+        other._vault = self._vault
+        other._snapshot = self._snapshot
+        other._last_incarnation = self._last_incarnation
+        return other
+
+    def adopt(self, fork: VaultStore) -> None:
+        """Take over the state an operation left in ``fork`` (on the event loop, under the
+        subject lock)."""
+        self._vault = fork._vault
+        self._snapshot = fork._snapshot
+        self._last_incarnation = fork._last_incarnation
+
     def clear(self) -> None:
         """Drop the vault, if any (unload, removal, ``"vault": null``); no status."""
         self._vault = None
@@ -369,7 +392,11 @@ class VaultStore:
         """Validate a parsed create/replace body as a whole vault (references, ambiguity,
         coverage, ignore_hosts) without touching the store."""
         validate_candidate(
-            {c.name: c for c in content.credentials}, content.bindings, coverage_policy, self._ignore_hosts
+            {c.name: c for c in content.credentials},
+            content.bindings,
+            coverage_policy,
+            self._ignore_hosts,
+            self.limits,
         )
 
     def check_policy(self, coverage_policy: NetworkPolicy | None) -> None:
@@ -385,7 +412,7 @@ class VaultStore:
         if self._vault is not None:
             return 409, {"error": EXISTS}
         try:
-            content = parse_create(obj)
+            content = parse_create(obj, self.limits)
             self.check_content(content, coverage_policy)
         except VaultError as e:
             return _error(e)
@@ -395,18 +422,25 @@ class VaultStore:
     def put(self, obj: object, coverage_policy: NetworkPolicy | None) -> Response:
         """Replace with a complete revision (create shape); see :meth:`put_content`."""
         try:
-            content = parse_create(obj)
+            content = parse_create(obj, self.limits)
         except VaultError as e:
             return _error(e)
         return self.put_content(content, coverage_policy)
 
-    def put_content(self, content: VaultContent, coverage_policy: NetworkPolicy | None) -> Response:
+    def put_content(
+        self, content: VaultContent, coverage_policy: NetworkPolicy | None, *, prevalidated: bool = False
+    ) -> Response:
         """Absent -> 201 revision 1; identical normalised content -> 200, revision unchanged;
-        else 200 at revision + 1 with every credential and binding at the new revision."""
-        try:
-            self.check_content(content, coverage_policy)
-        except VaultError as e:
-            return _error(e)
+        else 200 at revision + 1 with every credential and binding at the new revision.
+
+        ``prevalidated``: the caller has run :meth:`check_content` on ``content`` against an
+        equal policy with this store's limits (a sealed vault checked when its binding input
+        arrived); the commit is then O(n) and may run on the event loop."""
+        if not prevalidated:
+            try:
+                self.check_content(content, coverage_policy)
+            except VaultError as e:
+                return _error(e)
         current = self._vault
         if current is None:
             self._commit(self._create(content))
@@ -437,10 +471,15 @@ class VaultStore:
                 "error": f"expectedRevision {expected} does not match the current revision {current.revision}"
             }
         try:
-            mutation = parse_mutation(obj)
+            mutation = parse_mutation(obj, self.limits)
             candidate = self._apply(current, mutation)
+            # The caps hold for the sum: what is added counts with what is already there.
             validate_candidate(
-                candidate.credentials, candidate.bindings.values(), coverage_policy, self._ignore_hosts
+                candidate.credentials,
+                candidate.bindings.values(),
+                coverage_policy,
+                self._ignore_hosts,
+                self.limits,
             )
         except VaultError as e:
             return _error(e)

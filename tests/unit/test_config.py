@@ -356,3 +356,26 @@ def test_paths_and_optional_strings() -> None:
 def test_the_token_is_not_in_the_config_repr() -> None:
     cfg = parse_config({"OPENSANDBOX_EGRESS_TOKEN": "PLANTED-tok-42"})
     assert cfg.token == "PLANTED-tok-42" and "PLANTED-tok-42" not in repr(cfg)
+
+
+# --------------------------------------------------------------------------- 14.7 vault caps
+
+
+@pytest.mark.parametrize("base", [{}, FLEET])
+def test_vault_caps_default_env_and_flag(base: dict[str, str]) -> None:
+    from egressd.vault.model import VaultLimits
+
+    cfg = parse_config(base)
+    assert (cfg.vault_max_credentials, cfg.vault_max_bindings) == (256, 256)
+    assert cfg.vault_limits == VaultLimits()
+    env = {**base, "EGRESSD_VAULT_MAX_CREDENTIALS": "10", "EGRESSD_VAULT_MAX_BINDINGS": "20"}
+    cfg = parse_config(env)
+    assert cfg.vault_limits == VaultLimits(credentials=10, bindings=20)
+    cfg = parse_config(env, ["--vault-max-credentials", "3", "--vault-max-bindings", "4"])
+    assert (cfg.vault_max_credentials, cfg.vault_max_bindings) == (3, 4)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x", "100001"])
+def test_vault_caps_refuse_nonsense(value: str) -> None:
+    for name in ("EGRESSD_VAULT_MAX_CREDENTIALS", "EGRESSD_VAULT_MAX_BINDINGS"):
+        assert name in refused({name: value})

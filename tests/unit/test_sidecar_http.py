@@ -650,3 +650,23 @@ async def test_invalid_policy_write_does_not_echo_the_input(env: Env) -> None:
     ):
         status, text = await call(env, method, "/policy", body)
         assert status == 400 and "[0]" in text and SECRET not in text, (method, text)
+
+
+async def test_vault_caps_hold_on_the_sidecar(aiohttp_client: Any, tmp_path: Path) -> None:
+    """14.7 on the sidecar's /credential-vault: over a cap is 400 naming the limit, whatever
+    the prerequisites; a PATCH cannot grow the vault past it."""
+    from egressd.vault.model import VaultLimits
+
+    env = await make_env(aiohttp_client, tmp_path, policy=parse_policy(json.dumps(ALLOW_API)))
+    env.http.vault_limits = VaultLimits(credentials=1)
+    two = [{"name": n, "source": {"type": "inline", "value": SECRET}} for n in ("k", "k2")]
+    status, body = await call(env, "PUT", "/credential-vault", {**VAULT, "credentials": two})
+    assert status == 400 and "EGRESSD_VAULT_MAX_CREDENTIALS" in body and SECRET not in body
+    assert env.http.vault is None
+    assert (await call(env, "PUT", "/credential-vault", VAULT))[0] == 201
+    status, body = await call(env, "PATCH", "/credential-vault", {"credentials": {"add": two[1:]}})
+    assert status == 400 and "2 credentials exceed the limit of 1" in body
+    hosts = [f"h{i}.allowed.test" for i in range(65)]
+    binding = {**VAULT["bindings"][0], "match": {"hosts": hosts}}
+    status, body = await call(env, "PUT", "/credential-vault", {**VAULT, "bindings": [binding]})
+    assert status == 400 and "hosts per binding" in body

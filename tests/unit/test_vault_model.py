@@ -26,6 +26,7 @@ from egressd.vault.model import (
     check_coverage,
     check_ignore_hosts,
     check_references,
+    echo,
     host_covered,
     parse_binding,
     parse_create,
@@ -961,3 +962,300 @@ def test_expected_revision_null_is_refused_not_ignored() -> None:
     with _pytest.raises(VaultError, match="expectedRevision"):
         parse_mutation({"expectedRevision": None})
     assert parse_mutation({}).expected_revision is None
+
+
+# ---------------------------------------------------------------------------------------------
+# 14.7: the O(n log n) ambiguity check against the old quadratic one (kept here as the oracle)
+
+
+def _old_ancestors(suffix: str) -> list[str]:
+    parts = suffix.split(".")
+    return [".".join(parts[i:]) for i in range(len(parts))]
+
+
+def _old_path_pair(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, str] | None:
+    for pa in a:
+        for pb in b:
+            if pa == pb:
+                return pa, pb
+            if pa.endswith("*") and pb.startswith(pa[:-1]):
+                return pa, pb
+            if pb.endswith("*") and pa.startswith(pb[:-1]):
+                return pa, pb
+    return None
+
+
+def _old_host_pairs(bindings: list[Binding]) -> dict[tuple[int, int], tuple[str, str]]:
+    """egressd/vault/model.py before 14.7, verbatim apart from names: every pair sharing a host."""
+    exact: dict[str, list[int]] = {}
+    wild: dict[str, list[int]] = {}
+    for i, b in enumerate(bindings):
+        for host in b.match.hosts:
+            if host.startswith("*."):
+                wild.setdefault(host[2:], []).append(i)
+            else:
+                exact.setdefault(host, []).append(i)
+    pairs: dict[tuple[int, int], tuple[str, str]] = {}
+
+    def add(i: int, j: int, hi: str, hj: str) -> None:
+        if i == j:
+            return
+        key, witness = ((i, j), (hi, hj)) if i < j else ((j, i), (hj, hi))
+        pairs.setdefault(key, witness)
+
+    for host, owners in exact.items():
+        for x, i in enumerate(owners):
+            for j in owners[x + 1 :]:
+                add(i, j, host, host)
+    for suffix, owners in wild.items():
+        for ancestor in _old_ancestors(suffix):
+            for i in owners:
+                for j in wild.get(ancestor, []):
+                    add(i, j, f"*.{suffix}", f"*.{ancestor}")
+    return pairs
+
+
+def old_conflicts(bindings: list[Binding]) -> list[tuple[str, str]]:
+    """Every ambiguous pair (names, sorted) by the old rule, in the order the old check met them."""
+    ordered = sorted(bindings, key=lambda b: b.name)
+    out: list[tuple[str, str]] = []
+    for i, j in sorted(_old_host_pairs(ordered)):
+        a, b = ordered[i], ordered[j]
+        if not [s for s in a.match.schemes if s in b.match.schemes]:
+            continue
+        if not [m for m in a.match.methods if m in b.match.methods]:
+            continue
+        if _old_path_pair(a.match.paths, b.match.paths) is None:
+            continue
+        out.append((a.name, b.name))
+    return out
+
+
+def old_check_ambiguity(bindings: list[Binding]) -> None:
+    """``check_ambiguity`` before 14.7, verbatim: the oracle (and what the benchmark times)."""
+    ordered = sorted(bindings, key=lambda b: b.name)
+    for (i, j), (host_a, host_b) in sorted(_old_host_pairs(ordered).items()):
+        a, b = ordered[i], ordered[j]
+        schemes = [s for s in a.match.schemes if s in b.match.schemes]
+        if not schemes:
+            continue
+        methods = [m for m in a.match.methods if m in b.match.methods]
+        if not methods:
+            continue
+        paths = _old_path_pair(a.match.paths, b.match.paths)
+        if paths is None:
+            continue
+        hosts = echo(host_a) if host_a == host_b else f"{echo(host_a)} / {echo(host_b)}"
+        raise VaultError(
+            f"{echo(a.name)} and {echo(b.name)} are ambiguous: both match host {hosts}, "
+            f"scheme {echo(schemes[0])}, method {echo(methods[0])} and path {echo(paths[0])} / {echo(paths[1])}",
+            "bindings",
+        )
+
+
+_NAMED = re.compile(r"^bindings: '([^']*)' and '([^']*)' are ambiguous")
+
+
+def _random_binding(rng: Any, name: str, pools: dict[str, list[str]]) -> Binding:
+    def pick(pool: list[str], most: int) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(rng.choice(pool) for _ in range(rng.randint(1, most))))
+
+    return Binding(
+        name,
+        Match(
+            hosts=pick(pools["hosts"], 3),
+            schemes=pick(["https", "http"], 2),
+            methods=pick(pools["methods"], 3),
+            paths=pick(pools["paths"], 3),
+        ),
+        Auth(AuthType.PASSTHROUGH),
+    )
+
+
+_POOLS: dict[str, dict[str, list[str]]] = {
+    # Small pools: most vaults collide, on every kind of overlap.
+    "dense": {
+        "hosts": [
+            "a.x.com",
+            "b.x.com",
+            "x.com",
+            "*.x.com",
+            "*.a.x.com",
+            "*.b.a.x.com",
+            "*.y.com",
+            "*.ax.com",
+        ],
+        "methods": ["GET", "POST", "PUT"],
+        "paths": [
+            "/*",
+            "/v1/*",
+            "/v1/foo",
+            "/v1",
+            "/v1*",
+            "/v2/*",
+            "/v2/x",
+            "/a*",
+            "/ab",
+            "/ab*",
+            "/v1/foo*",
+        ],
+    },
+    # Large pools: most vaults are accepted, so the "no collision" answer is exercised too.
+    "sparse": {
+        "hosts": [f"h{i}.x.com" for i in range(12)] + [f"*.w{i}.x.com" for i in range(6)] + ["*.a.w1.x.com"],
+        "methods": ["GET", "POST", "PUT", "PATCH", "DELETE", "X"],
+        "paths": [f"/p{i}" for i in range(20)] + [f"/p{i}*" for i in range(3)] + ["/q/*", "/q/r"],
+    },
+}
+
+
+@pytest.mark.parametrize("pool", sorted(_POOLS))
+def test_ambiguity_matches_the_quadratic_oracle_on_random_vaults(pool: str) -> None:
+    import random
+
+    rng = random.Random(f"14.7-{pool}")
+    verdicts = {True: 0, False: 0}
+    for _ in range(1500):  # bounded; ~0.3 s
+        n = rng.randint(2, 14)
+        vault = [_random_binding(rng, f"b{k:02}", _POOLS[pool]) for k in range(n)]
+        rng.shuffle(vault)
+        expected = old_conflicts(vault)
+        try:
+            old_check_ambiguity(vault)
+        except VaultError as exc:
+            old_message: str | None = str(exc)
+        else:
+            old_message = None
+        try:
+            check_ambiguity(vault)
+        except VaultError as exc:
+            # The same pair (the first in name order), with the same witnesses.
+            assert str(exc) == old_message
+            named = _NAMED.match(str(exc))
+            assert named is not None and (named[1], named[2]) == expected[0]
+            verdicts[True] += 1
+        else:
+            assert old_message is None and expected == [], expected
+            verdicts[False] += 1
+    # Both answers were exercised in earnest.
+    assert min(verdicts.values()) >= 150, verdicts
+
+
+def test_ambiguity_is_not_quadratic_on_one_host() -> None:
+    """The shape of the 14.7 report: one host, distinct paths. The old check built every pair
+    (2000 bindings: ~5 s); the new one sweeps sorted paths once."""
+    import time
+
+    many = [make_binding(f"b{i:05}", ["api.x.com"], paths=[f"/r{i}/*"]) for i in range(4000)]
+    started = time.perf_counter()
+    check_ambiguity(many)
+    assert time.perf_counter() - started < 1.0
+    with pytest.raises(VaultError, match="'b01234' and 'zzz'"):
+        check_ambiguity([*many, make_binding("zzz", ["api.x.com"], paths=["/r1234/x"])])
+
+
+def test_ambiguity_is_not_quadratic_on_disjoint_methods() -> None:
+    """Same host and path, every binding its own method: no pair may be compared one by one."""
+    import time
+
+    many = [make_binding(f"b{i:05}", ["api.x.com"], methods=[f"M{i}"]) for i in range(4000)]
+    started = time.perf_counter()
+    check_ambiguity(many)
+    assert time.perf_counter() - started < 1.0
+
+
+def test_ambiguity_at_the_caps_has_no_cartesian_cost() -> None:
+    """The worst body at the caps for a per-(host, method, path) index: 256 bindings, 64 of 65
+    shared hosts each (no two hosts with the same bindings), 64 distinct paths each."""
+    import time
+
+    hosts = [f"h{k}.example.com" for k in range(65)]
+    many = [
+        make_binding(
+            f"b{i:03}",
+            [h for k, h in enumerate(hosts) if k != i % 65],
+            paths=[f"/b{i}/{k}" for k in range(64)],
+        )
+        for i in range(256)
+    ]
+    started = time.perf_counter()
+    check_ambiguity(many)
+    assert time.perf_counter() - started < 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# 14.7: size limits
+
+
+def _limit_error(obj: object, **kw: Any) -> str:
+    with pytest.raises(VaultError) as info:
+        parse_create(obj, **kw)
+    assert info.value.status == 400
+    text = str(info.value)
+    assert "\n" not in text and SECRET not in text
+    return text
+
+
+def test_size_limits_at_and_over_the_caps() -> None:
+    creds = [cred("tok"), *(cred(f"c{i}") for i in range(255))]
+    parse_create(body(creds, [binding(f"b{i}", [f"h{i}.example.com"]) for i in range(256)]))
+    text = _limit_error(body([*creds, cred("one-more")]))
+    assert "257 credentials exceed the limit of 256" in text and "EGRESSD_VAULT_MAX_CREDENTIALS" in text
+    text = _limit_error(body(None, [binding(f"b{i}", [f"h{i}.example.com"]) for i in range(257)]))
+    assert "EGRESSD_VAULT_MAX_BINDINGS" in text and "256" in text
+
+
+def test_size_limits_per_binding() -> None:
+    hosts = [f"h{i}.example.com" for i in range(64)]
+    paths = [f"/p{i}" for i in range(64)]
+    parse_create(body(None, [binding("b", hosts, paths=paths)]))
+    text = _limit_error(body(None, [binding("b", [*hosts, "one.example.com"])]))
+    assert text.startswith("bindings[0].match.hosts:") and "limit of 64 (hosts per binding)" in text
+    # Counted before duplicates are removed: the work is bounded by what was sent.
+    text = _limit_error(body(None, [binding("b", ["h.example.com"] * 65)]))
+    assert "65 hosts" in text
+    text = _limit_error(body(None, [binding("b", hosts, paths=[*paths, "/x"])]))
+    assert "limit of 64 (paths per binding)" in text
+
+
+def test_size_limits_are_configurable_and_apply_to_mutations() -> None:
+    from egressd.vault.model import VaultLimits, check_size
+
+    small = VaultLimits(credentials=2, bindings=1)
+    text = _limit_error(body([cred("a"), cred("b"), cred("c")]), limits=small)
+    assert "3 credentials exceed the limit of 2" in text
+    with pytest.raises(VaultError, match="EGRESSD_VAULT_MAX_BINDINGS"):
+        parse_mutation({"bindings": {"add": [binding("x"), binding("y")]}}, small)
+    with pytest.raises(VaultError, match="EGRESSD_VAULT_MAX_CREDENTIALS"):
+        parse_mutation({"credentials": {"replace": [cred("a"), cred("b"), cred("c")]}}, small)
+    with pytest.raises(VaultError, match=r"^bindings: 2 bindings exceed the limit of 1"):
+        check_size(1, [make_binding("x", ["a.x.com"]), make_binding("y", ["b.x.com"])], small)
+
+
+def test_indexed_coverage_matches_the_rule_walk() -> None:
+    """check_coverage indexes the policy (14.7); host_covered, the walk over the rules, is the
+    oracle: same answer for every host on random policies."""
+    import random
+
+    from egressd.vault.model import _DomainIndex
+
+    rng = random.Random("14.7-coverage")
+    targets = ["x.com", "a.x.com", "b.a.x.com", "*.x.com", "*.a.x.com", "*.b.a.x.com", "y.com", "*.y.com"]
+    hosts = ["x.com", "a.x.com", "b.a.x.com", "c.b.a.x.com", "*.x.com", "*.a.x.com", "*.b.a.x.com", "y.com"]
+    hosts += ["*.y.com", "z.y.com", "q.com"]
+    for _ in range(400):
+        rules = [(rng.choice(["allow", "deny"]), rng.choice(targets)) for _ in range(rng.randint(0, 6))]
+        pol = policy(*rules, default=rng.choice(["allow", "deny"]))
+        index = _DomainIndex(pol)
+        for host in hosts:
+            assert index.covers(host) == host_covered(pol, host), (rules, host)
+
+
+def test_coverage_is_not_rules_times_hosts() -> None:
+    import time
+
+    pol = policy(*(("allow", f"h{i}.example.com") for i in range(4096)))
+    many = [make_binding(f"b{i:03}", [f"h{16 * i + k}.example.com" for k in range(16)]) for i in range(256)]
+    started = time.perf_counter()
+    check_coverage(many, pol)
+    assert time.perf_counter() - started < 1.0

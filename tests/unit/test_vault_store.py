@@ -678,3 +678,36 @@ def test_planted_secret_never_in_any_output(store: VaultStore) -> None:
     for out in outputs:
         if isinstance(out, tuple) and out[1] is not None:
             assert SECRET not in json.dumps(out[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# 14.7: the caps hold for what a mutation adds on top of what is there
+
+
+def test_patch_cannot_grow_a_vault_past_the_caps() -> None:
+    from egressd.vault.model import VaultLimits
+
+    store = VaultStore(limits=VaultLimits(credentials=3, bindings=2))
+    status, _ = store.post(create_body(), POLICY)
+    assert status == 201
+    before = store.get()
+    # Two credentials are there; each list alone is within the cap, the sum is not.
+    status, out = store.patch({"credentials": {"add": [cred("extra1"), cred("extra2")]}}, POLICY)
+    assert status == 400 and out is not None
+    assert out["error"] == "credentials: 4 credentials exceed the limit of 3 (EGRESSD_VAULT_MAX_CREDENTIALS)"
+    assert SECRET not in json.dumps(out)
+    assert store.get() == before
+    status, out = store.patch({"bindings": {"add": [binding("third", ["other.example.com"])]}}, POLICY)
+    assert status == 400 and out is not None and "3 bindings exceed the limit of 2" in out["error"]
+    assert store.get() == before
+    status, _ = store.patch({"credentials": {"add": [cred("extra1")]}}, POLICY)
+    assert status == 200
+
+
+def test_put_over_the_caps_is_refused_whole() -> None:
+    from egressd.vault.model import VaultLimits
+
+    store = VaultStore(limits=VaultLimits(credentials=1))
+    status, out = store.put(create_body(), POLICY)
+    assert status == 400 and out is not None and "EGRESSD_VAULT_MAX_CREDENTIALS" in out["error"]
+    assert not store.exists
