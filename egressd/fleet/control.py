@@ -700,10 +700,11 @@ class ControlPlane:
         assert target is not None
         uid = target.uid
         closes = any(isinstance(step, InstallDenyFirst | RemoveAll) for step in plan.steps)
-        if self._closing(uid) and not closes:
+        if self._closing(uid) and not closes and not self.registry.kernel(uid).unsure:
             # A revert, rebind or removal the kernel refused is still pending: nothing may
             # build on the state it is taking away (a tenant's /policy write, an in-place
-            # SET_BINDING, an activation). Retryable, like any kernel failure (14.6).
+            # SET_BINDING, an activation). Retryable, like any kernel failure (14.6). (After
+            # an unanswered transaction the next one starts with a re-sync, so it may run.)
             return Result(500, f"revocation pending for {subject_for_uid(uid)}; retry later")
         narrowing = self._narrows(plan)
         try:

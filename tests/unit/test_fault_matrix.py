@@ -201,7 +201,10 @@ class ModelKernel:
             raise TimeoutError(f"injected hang of transaction {self.calls}")
         if kind == "hang":
             try:
-                await asyncio.Event().wait()  # forever: only the caller's bound ends it
+                # Longer than the caller's bound, never forever (the real applier's socket has
+                # its own timeout); the control plane shields a learn, so the call usually
+                # returns after its caller gave up and the batch lands late all the same.
+                await asyncio.sleep(HANG_S * 3)
             except asyncio.CancelledError:
                 # The caller gave up, the kernel thread did not: the batch lands late.
                 scratch = self.table.copy()
