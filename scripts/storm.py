@@ -454,6 +454,7 @@ HEADER_SETS = {
     for fam in ("v4", "v6")
     for kind in ("marking", "dispatch", "sandboxes", "sandbox_nets", "dns_gw")
 }
+MITM_HEADER_SETS = {f"{kind}_{fam}" for fam in ("v4", "v6") for kind in ("mitm_in", "mitm_src")}
 HEADER_CHAINS = {"marking", "dispatch", "input", "sandbox_in", "nat"}
 SUBJECT_SET_KINDS = [f"{k}_{fam}" for k in (*STATIC_KINDS, "dyn") for fam in ("v4", "v6")]
 
@@ -511,6 +512,7 @@ class Tally:
     kills: int = 0
     inflight_kills: int = 0
     inflight_answered: int = 0
+    startup_kills: int = 0
     replays: int = 0
     replayed_requests: int = 0
     comparisons: int = 0
@@ -522,6 +524,7 @@ class Tally:
     restart_not_header: int = 0
     instance_id_reused: int = 0
     mismatches: int = 0  # answers, DNS results, missing allows, extra denies
+    injected: int = 0
     details: list[str] = field(default_factory=list)
 
     def note(self, kind: str, text: str) -> None:
@@ -658,6 +661,9 @@ class Storm:
         self.header_rules: dict[str, list[str]] | None = None
         self.templates: dict[str, list[str]] = {}
         self.deadline = time.monotonic() + args.max_seconds
+        self.mitm: bool = args.mitm
+        self.header_sets = HEADER_SETS | (MITM_HEADER_SETS if self.mitm else set())
+        self.codes: dict[str, int] = {}  # "label code" -> count: what the run exercised
 
     # ---- helpers -----------------------------------------------------------------------------
 
@@ -759,6 +765,8 @@ class Storm:
         self.remember(req)
 
     def _judge(self, req: Request, code: int, body: str) -> None:
+        key = f"{req.label} {code}"
+        self.codes[key] = self.codes.get(key, 0) + 1
         if code != req.expect:
             self.tally.note("mismatches", f"{req.label}: got {code} {body[:120]!r}, model says {req.expect}")
         elif req.check_rev is not None:
@@ -801,7 +809,9 @@ class Storm:
             return "dns"
         if kind == "register":
             uid = self.rng.choice(absent)
-            addr = self.rng.choice(ADDRS)
+            # Mostly a free address; sometimes a taken one (409, §2 PROPOSED).
+            free = [a for a in ADDRS if not m.conflict(uid, a)]
+            addr = self.rng.choice(free if free and self.rng.random() < 0.85 else ADDRS)
             return [
                 self.set_request(kind, uid, self._next("r"), "a1", addr, self._cidr(addr), self._policy())
             ]
@@ -817,6 +827,11 @@ class Storm:
                 put,
                 self.set_request("register after cached push", uid, self._next("r"), "a1", addr, None, key),
             ]
+        if kind == "vault_put":
+            # Mostly a subject whose policy can cover the binding (else 400 every time).
+            covered = [u for u in registered if (c := m.coverage(m.subs[u])) is not None and c.covers_api]
+            if covered and self.rng.random() < 0.7:
+                registered = covered
         uid = self.rng.choice(registered)
         s = m.subs[uid]
         if kind == "activate":
@@ -880,10 +895,10 @@ class Storm:
         """Right after a restart, before any replay: nothing but the deny-all header."""
         k = self.kernel()
         self.tally.restart_checks += 1
-        extra = k.names() - HEADER_SETS - HEADER_CHAINS
+        extra = k.names() - self.header_sets - HEADER_CHAINS
         if extra:
             self.tally.note("restart_not_header", f"objects besides the header: {sorted(extra)[:8]}")
-        for name in HEADER_SETS:
+        for name in self.header_sets:
             elems = k.sets.get(name, set()) | set(k.maps.get(name, {}))
             if elems:
                 self.tally.note("restart_not_header", f"{name} not empty: {sorted(elems)[:6]}")
@@ -909,10 +924,12 @@ class Storm:
         elif {c: k.rules.get(c, []) for c in HEADER_CHAINS} != self.header_rules:
             note("missing_denies", f"{when}: header rules changed")
         # objects: expected per registered subject, nothing else
-        expected_names = set(HEADER_SETS) | HEADER_CHAINS
+        expected_names = self.header_sets | HEADER_CHAINS
         for s in subs.values():
             expected_names |= {f"subj_{s.nid}_{kind}" for kind in SUBJECT_SET_KINDS}
-            expected_names |= {f"subj_{s.nid}", f"mark_{s.nid}"}
+            expected_names |= {f"subj_{s.nid}", f"mark_{s.nid}"} | (
+                {f"subj_{s.nid}_in"} if self.mitm else set()
+            )
             expected_names |= {f"subj_{s.nid}_audit_deny", f"subj_{s.nid}_audit_default"}
         have = k.names()
         for name in sorted(have - expected_names):
@@ -924,7 +941,11 @@ class Storm:
             mine = [s for s in subs.values() if (":" in s.addr.ip) == (fam == "v6")]
             want_disp = {s.addr.ip: f"subj_{s.nid}" for s in mine}
             want_mark = {s.addr.ip: f"mark_{s.nid}" for s in mine}
-            for mname, want in ((f"dispatch_{fam}", want_disp), (f"marking_{fam}", want_mark)):
+            keyed = [(f"dispatch_{fam}", want_disp), (f"marking_{fam}", want_mark)]
+            if self.mitm:
+                keyed.append((f"mitm_in_{fam}", {s.addr.ip: f"subj_{s.nid}_in" for s in mine}))
+                self._set_diff(when, f"mitm_src_{fam}", k, {s.addr.ip for s in mine}, deny=False)
+            for mname, want in keyed:
                 got = k.maps.get(mname, {})
                 for ip, target in got.items():
                     if want.get(ip) != target:
@@ -963,7 +984,10 @@ class Storm:
                     continue
                 contents = p.sets.get(kind, frozenset()) if p is not None else frozenset()
                 self._set_diff(when, name, k, set(contents), deny=kind.split("_")[0] in ("deny", "wdeny"))
-            for chain, tkey in ((f"subj_{s.nid}", "subj"), (f"mark_{s.nid}", "mark")):
+            chains = [(f"subj_{s.nid}", "subj"), (f"mark_{s.nid}", "mark")]
+            if self.mitm:
+                chains.append((f"subj_{s.nid}_in", "in"))
+            for chain, tkey in chains:
                 if chain not in k.chains:
                     continue
                 # The nft id appears in set, counter and log-prefix names; the rest is the same.
@@ -979,12 +1003,35 @@ class Storm:
         if got is None:
             return
         for e in sorted(got - want):
-            opens = not deny and (name.startswith("dns_gw") or name.split("_")[-2] in ALLOW_KINDS)
+            opens = not deny and (
+                name.startswith(("dns_gw", "mitm_src")) or name.split("_")[-2] in ALLOW_KINDS
+            )
             self.tally.note(
                 "stale_allows" if opens else "mismatches", f"{when}: {name} holds {e}, model does not"
             )
         for e in sorted(want - got):
             self.tally.note("missing_denies" if deny else "mismatches", f"{when}: {name} lacks {e}")
+
+    def inject(self, what: str) -> None:
+        """Self-check of the oracle (``--inject``): change the kernel behind egressd's back the
+        way a defect would, so the next comparison must report it (a run that cannot see a
+        rogue element proves nothing)."""
+        assert self.daemon is not None
+        subs = sorted(self.model.subs.values(), key=lambda s: s.uid)
+        if what == "leak":
+            self.daemon.nft("add", "chain", "inet", TABLE, "subj_s_ghost")
+        elif what == "allow":
+            target = f"subj_{subs[0].nid}_allow_v4" if subs else "dns_gw_v4"
+            self.daemon.nft("add", "element", "inet", TABLE, target, "{ 203.0.113.7 }")
+        elif what == "deny":
+            self.daemon.nft("delete", "element", "inet", TABLE, "sandboxes_v4", f"{{ {self._any_v4()} }}")
+        self.tally.injected += 1
+
+    def _any_v4(self) -> str:
+        for s in self.model.subs.values():
+            if ":" not in s.addr.ip:
+                return s.addr.ip
+        raise RuntimeError("--inject deny needs a registered IPv4 subject at --inject-at")
 
     # ---- kill, restart, replay --------------------------------------------------------------------
 
@@ -1025,6 +1072,17 @@ class Storm:
                         "mismatches", f"in-flight {inflight[-1].label}: {code}, model {inflight[-1].expect}"
                     )
         self.model.reset()
+        if self.rng.random() < self.args.startup_kill:
+            # Killed again while starting (before, during or after the table reset): the
+            # next start must still begin from the deny-all header.
+            self.daemon.start(wait=False)
+            time.sleep(self.rng.uniform(0, 1.5))
+            assert self.daemon.proc is not None
+            os.kill(self.daemon.proc.pid, signal.SIGKILL)
+            self.daemon.proc.wait(10)
+            self.daemon.kill()
+            self.tally.kills += 1
+            self.tally.startup_kills += 1
         self.start_daemon()
         self.check_header_only()
         self.replay()
@@ -1084,7 +1142,18 @@ class Storm:
         cleanup_stale()
         self.topo = Topology(prefix=f"egs{os.getpid()}", sandboxes=4).up_()
         try:
-            self.daemon = Daemon(self.topo, table=TABLE, port=self.args.port)
+            env: dict[str, str] = {}
+            if self.mitm:
+                w = self.topo.workdir
+                env = {
+                    "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT": "1",
+                    "OPENSANDBOX_EGRESS_MITMPROXY_PORT": str(self.args.port + 1),
+                    "OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR": str(self.topo.tls_dir / "trust"),
+                    "EGRESSD_MITM_CONFDIR": str(w / "mitm-conf"),
+                    "OPENSANDBOX_CREDENTIAL_PROXY_SOCKET": str(w / "mitm-run" / "active.sock"),
+                    "EGRESSD_MITM_WORKERS": "1",
+                }
+            self.daemon = Daemon(self.topo, table=TABLE, port=self.args.port, env=env)
             self.http = PodHTTP(self.topo.pod, self.args.port)
             self.start_daemon()
             self.check_header_only()
@@ -1108,6 +1177,9 @@ class Storm:
                 if i in points:
                     self.kill(None)
                     continue
+                if i == self.args.inject_at and self.args.inject:
+                    self.inject(self.args.inject)
+                    self.compare(f"after injecting {self.args.inject}")
                 if self.args.check_every and i % self.args.check_every == 0:
                     self.compare(f"after action {i}")
                 if self.args.verbose and i % 100 == 0:
@@ -1160,6 +1232,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--actions", type=int, default=1000)
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--inflight", type=float, default=0.5, help="share of kills during an in-flight action")
+    ap.add_argument(
+        "--startup-kill", type=float, default=0.2, help="share of restarts killed again while starting"
+    )
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument(
         "--check-every",
@@ -1169,6 +1244,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--port", type=int, default=18610)
     ap.add_argument("--max-seconds", type=float, default=1800)
+    ap.add_argument("--mitm", action="store_true", help="run egressd with the transparent MITM")
+    ap.add_argument(
+        "--inject",
+        choices=("allow", "leak", "deny"),
+        default=None,
+        help="self-check: plant a stale allow, a leaked chain or a missing deny at --inject-at (must fail)",
+    )
+    ap.add_argument("--inject-at", type=int, default=20)
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -1189,6 +1272,7 @@ def main(argv: list[str] | None = None) -> int:
         "kills": t.kills,
         "inflightKills": t.inflight_kills,
         "inflightAnswered": t.inflight_answered,
+        "startupKills": t.startup_kills,
         "replays": t.replays,
         "replayedRequests": t.replayed_requests,
         "comparisons": t.comparisons,
@@ -1200,13 +1284,19 @@ def main(argv: list[str] | None = None) -> int:
         "restartNotHeader": t.restart_not_header,
         "instanceIdReused": t.instance_id_reused,
         "mismatches": t.mismatches,
+        "injected": t.injected,
         "elapsedS": round(elapsed, 1),
     }
+    if args.verbose:
+        for key in sorted(storm.codes):
+            print(f"storm: exercised {key}: {storm.codes[key]}")
     for line in t.details:
         print(f"storm: {line}")
     print("storm: " + " ".join(f"{k}={v}" for k, v in summary.items()))
     if args.json_out is not None:
-        args.json_out.write_text(json.dumps(summary | {"details": t.details}, indent=2) + "\n")
+        args.json_out.write_text(
+            json.dumps(summary | {"codes": storm.codes, "details": t.details}, indent=2) + "\n"
+        )
     if t.violations:
         print(f"storm: FAILED, {t.violations} violation(s)", file=sys.stderr)
         return 1
