@@ -909,7 +909,12 @@ class ControlPlane:
                 create, commit = self._nets_in(create, entry.uid, step.binding.private_cidr)
                 await send(create, "deny_first", KernelView(True, frozenset({(subj.ip, subj.gateway)}), rules=True))
                 commit()
-                return []
+                # Nothing this subject allows is established yet, yet the header accepts
+                # established flows: after a kill -9 and restart (the Fastlet's replay lands
+                # here) or an address reused from a sandbox that left while egressd was down,
+                # flows a previous process allowed would run on unjudged. Cut them; picked up
+                # again they meet this subject's rules (found with scripts/storm.py).
+                return [subj.ip]
             # Revert, rebind or retry: empty every set before any (new) key points at the
             # chains, all in one transaction.
             batch = flush_subject_sets(table, nid)
@@ -964,7 +969,8 @@ class ControlPlane:
             keys, commit = self._nets_in(subject_keys(self.table, subj), entry.uid, step.binding.private_cidr)
             await send(keys, "dispatch_update", replace(view, keys=view.keys | {(subj.ip, subj.gateway)}))
             commit()
-            return []
+            # A new address's established flows were never judged by this subject (see above).
+            return [] if subj.ip in _ips(view.keys) else [subj.ip]
         if isinstance(step, DropStaleKeys):
             keep = step.keep
             kept: frozenset[tuple[IPAddress, IPAddress]] = frozenset(

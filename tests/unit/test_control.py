@@ -1427,3 +1427,27 @@ async def test_policy_swap_keeps_only_leases_a_still_allowed_name_taught(
     kernel.state.sets["subj_s_u_1_dyn_v4"]["10.9.9.9"] = ""  # in the kernel, taught by no name
     ok(await control.handle(set_binding(policy=keep, gen=2)))
     assert set(kernel.elements("subj_s_u_1_dyn_v4")) == {"93.184.216.34"}
+
+
+async def test_a_new_subject_and_a_new_address_cut_flows_a_previous_process_allowed(
+    kernel: FakeKernel,
+) -> None:
+    """Found with the kill -9 storm (scripts/storm.py): after a kill -9 the new process's header accepts established
+    flows, so flows the dead process allowed ran on after the Fastlet's replay reverted the
+    sandbox. A fresh deny-first install (the replay's first step) and a re-key onto a new
+    address cut that address's flows before answering; a same-address step does not."""
+    cut: list[str] = []
+
+    async def flush(ip: Any) -> None:
+        cut.append(str(ip))
+
+    control = ControlPlane(TableConfig(table=TABLE, dns_port=15353), kernel, conntrack_flush=flush)
+    await control.reset_table()
+    ok(await control.handle(set_binding(policy=POLICY_A)))
+    assert cut == ["10.0.0.5"], "a fresh deny-first install cuts the address's old flows"
+    ok(await control.handle(hook()))
+    ok(await control.handle(set_binding(policy=POLICY_B, gen=2)))
+    assert cut == ["10.0.0.5"], "an in-place change of the same address cuts nothing more"
+    ok(await control.handle(set_binding(policy=POLICY_B, ip="10.0.0.6", gen=3)))
+    assert cut[1:] == ["10.0.0.5", "10.0.0.6"], "re-key: the old address and the new one"
+    assert entry(control).state is State.ACTIVE
