@@ -39,6 +39,11 @@ ACTIVE, DENYING, WITH_VAULT, ABSENT = "u-act", "u-deny", "u-vault", "u-absent"
 SEED_VALUE = "zzSEEDVALUEzz"  # the seeded vault's credential: must never be logged either
 
 
+def make_keystore() -> KeyStore:
+    """The harness key directory; never rescanned (nothing changes it)."""
+    return KeyStore(_KEYS_DIR, rescan_interval=1e9)
+
+
 def set_binding(
     uid: str, ip: str, gw: str = "10.0.0.1", input: str | None = POLICY_TEXT, gen: int = 1
 ) -> dict[str, Any]:
@@ -96,7 +101,7 @@ class Fleet:
 async def make_fleet() -> Fleet:
     tx = NeverFailingTx()
     metrics = EgressMetrics()
-    control = ControlPlane(TableConfig(), tx, metrics=metrics, keys=KeyStore(_KEYS_DIR, rescan_interval=1e9))
+    control = ControlPlane(TableConfig(), tx, metrics=metrics, keys=make_keystore())
     await control.reset_table()
     proxy = ProxyRouteAPI(control, clock=lambda: 1000.0)
     http = FleetHTTP(control, metrics, proxy=proxy)
