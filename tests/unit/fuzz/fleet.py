@@ -80,7 +80,11 @@ def seed_vault(value: str = SEED_VALUE) -> dict[str, Any]:
     return {
         "credentials": [{"name": "tok", "source": {"type": "inline", "value": value}}],
         "bindings": [
-            {"name": "b1", "match": {"hosts": ["api.example.com"]}, "auth": {"type": "bearer", "credential": "tok"}}
+            {
+                "name": "b1",
+                "match": {"hosts": ["api.example.com"]},
+                "auth": {"type": "bearer", "credential": "tok"},
+            }
         ],
     }
 
@@ -106,14 +110,21 @@ async def make_fleet() -> Fleet:
     proxy = ProxyRouteAPI(control, clock=lambda: 1000.0)
     http = FleetHTTP(control, metrics, proxy=proxy)
     fleet = Fleet(control, tx, http, proxy)
-    for uid, ip, active in ((ACTIVE, "10.0.0.5", True), (DENYING, "10.0.0.6", False), (WITH_VAULT, "10.0.0.7", True)):
+    for uid, ip, active in (
+        (ACTIVE, "10.0.0.5", True),
+        (DENYING, "10.0.0.6", False),
+        (WITH_VAULT, "10.0.0.7", True),
+    ):
         status, text = await fleet.act(set_binding(uid, ip))
         assert status == 200, text
         if active:
             status, text = await fleet.act(hook(uid))
             assert status == 200, text
     reply = await proxy.handle(
-        "PUT", f"/v1/sandboxfleets/{WITH_VAULT}/egress/credential-vault", {}, json.dumps(seed_vault()).encode()
+        "PUT",
+        f"/v1/sandboxfleets/{WITH_VAULT}/egress/credential-vault",
+        {},
+        json.dumps(seed_vault()).encode(),
     )
     assert reply.status in (200, 201), reply
     return fleet
@@ -129,7 +140,11 @@ def snapshot(fleet: Fleet) -> Any:
     vaults = {}
     for uid, store in c.vaults.items():
         snap = store.snapshot()
-        vaults[uid] = (store.tag, None if store.vault is None else store.vault.state(), snap and snap.to_json())
+        vaults[uid] = (
+            store.tag,
+            None if store.vault is None else store.vault.state(),
+            snap and snap.to_json(),
+        )
     pushes = {
         uid: [(p.method, p.suffix, p.body, p.generation, p.deadline) for p in queue]
         for uid, queue in c.pending_pushes._by_uid.items()

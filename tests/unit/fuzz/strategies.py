@@ -4,10 +4,12 @@ document, byte-wise mutation of a wire message, and generators of the daemon's i
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 from typing import Any
 
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import strategies as st
 
 from tests.unit.fuzz.support import canary
@@ -117,7 +119,9 @@ def mutate_json(draw: st.DrawFn, doc: Any, max_steps: int = 3) -> Any:
         if op == "delete":
             del parent[key]
         elif op == "add" and isinstance(node, dict):
-            node[draw(st.sampled_from(["foo", "", "mode", "egress", "input", "value", "extra"]))] = draw(json_values)
+            node[draw(st.sampled_from(["foo", "", "mode", "egress", "input", "value", "extra"]))] = draw(
+                json_values
+            )
         elif op == "add" and isinstance(node, list):
             node.append(draw(json_values))
         elif op == "retype":
@@ -128,7 +132,24 @@ def mutate_json(draw: st.DrawFn, doc: Any, max_steps: int = 3) -> Any:
     return out
 
 
-INTERESTING_BYTES = [b'"', b"{", b"}", b"[", b"]", b",", b":", b"\\", b"\x00", b"\xff", b"\xc3", b"null", b"\\u0000", b"\\ud800", b"1e999", b"-"]
+INTERESTING_BYTES = [
+    b'"',
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b",",
+    b":",
+    b"\\",
+    b"\x00",
+    b"\xff",
+    b"\xc3",
+    b"null",
+    b"\\u0000",
+    b"\\ud800",
+    b"1e999",
+    b"-",
+]
 
 
 @st.composite
@@ -162,11 +183,17 @@ def mutate_bytes(draw: st.DrawFn, data: bytes, max_steps: int = 4) -> bytes:
 # --------------------------------------------------------------------------- daemon shapes
 
 domain_labels = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=10)
-domains = st.builds(lambda labels, tld: ".".join([*labels, tld]), st.lists(domain_labels, min_size=1, max_size=3), st.sampled_from(["com", "org", "example", "test"]))
+domains = st.builds(
+    lambda labels, tld: ".".join([*labels, tld]),
+    st.lists(domain_labels, min_size=1, max_size=3),
+    st.sampled_from(["com", "org", "example", "test"]),
+)
 targets = st.one_of(
     domains,
     domains.map(lambda d: "*." + d),
-    st.sampled_from(["api.example.com", "*.svc.example.org", "9.9.9.9", "10.0.0.0/8", "2001:db8::1", "evil.com"]),
+    st.sampled_from(
+        ["api.example.com", "*.svc.example.org", "9.9.9.9", "10.0.0.0/8", "2001:db8::1", "evil.com"]
+    ),
     st.ip_addresses().map(str),
     st.tuples(st.ip_addresses(v=4), st.integers(0, 32)).map(lambda t: f"{t[0]}/{t[1]}"),
     st.sampled_from(EDGE_STRINGS),
@@ -183,7 +210,10 @@ policies = st.fixed_dictionaries(
     },
 )
 
-hosts = st.one_of(st.sampled_from(["api.example.com", "x.svc.example.org", "*.svc.example.org", "evil.com", "10.0.0.1"]), domains)
+hosts = st.one_of(
+    st.sampled_from(["api.example.com", "x.svc.example.org", "*.svc.example.org", "evil.com", "10.0.0.1"]),
+    domains,
+)
 credential_names = st.sampled_from(["tok", "tok2", "k", "", " tok "])
 
 
@@ -192,12 +222,17 @@ def vault_bodies(draw: st.DrawFn, secret_id: int) -> dict[str, Any]:
     """A §6 create body whose every credential value carries the planted canary."""
     secret = canary(secret_id)
     creds = [
-        {"name": name, "source": {"type": "inline", "value": secret + draw(st.sampled_from(["", " x", "/+%&="]))}}
+        {
+            "name": name,
+            "source": {"type": "inline", "value": secret + draw(st.sampled_from(["", " x", "/+%&="]))},
+        }
         for name in draw(st.lists(credential_names, min_size=0, max_size=3))
     ]
     bindings = []
     for i in range(draw(st.integers(0, 3))):
-        auth_type = draw(st.sampled_from(["bearer", "basic", "apiKey", "customHeaders", "passthrough", "oauth"]))
+        auth_type = draw(
+            st.sampled_from(["bearer", "basic", "apiKey", "customHeaders", "passthrough", "oauth"])
+        )
         auth: dict[str, Any] = {"type": auth_type, "credential": draw(credential_names)}
         if auth_type == "apiKey":
             auth["name"] = draw(st.sampled_from(["X-Api-Key", "Host", "bad name", ""]))
@@ -205,11 +240,19 @@ def vault_bodies(draw: st.DrawFn, secret_id: int) -> dict[str, Any]:
             auth = {"type": auth_type, "headers": [{"name": "X-A", "credential": draw(credential_names)}]}
         if draw(st.booleans()):
             auth["substitutions"] = [
-                {"credential": draw(credential_names), "placeholder": "PH_" + str(i), "in": draw(st.lists(st.sampled_from(["path", "query", "header", "body", "x"]), max_size=3))}
+                {
+                    "credential": draw(credential_names),
+                    "placeholder": "PH_" + str(i),
+                    "in": draw(
+                        st.lists(st.sampled_from(["path", "query", "header", "body", "x"]), max_size=3)
+                    ),
+                }
             ]
         match: dict[str, Any] = {"hosts": draw(st.lists(hosts, min_size=0, max_size=3))}
         if draw(st.booleans()):
-            match["paths"] = draw(st.lists(st.sampled_from(["/v1/*", "/v1/foo", "/*", "v1", "/x"]), max_size=2))
+            match["paths"] = draw(
+                st.lists(st.sampled_from(["/v1/*", "/v1/foo", "/*", "v1", "/x"]), max_size=2)
+            )
         if draw(st.booleans()):
             match["methods"] = draw(st.lists(st.sampled_from(["GET", "post", "", "PUT"]), max_size=2))
         if draw(st.booleans()):
@@ -244,3 +287,10 @@ def vault_mutations(draw: st.DrawFn, secret_id: int) -> dict[str, Any]:
     if bops:
         out["bindings"] = bops
     return out
+
+
+def seal_with_nonce(plaintext: bytes, uid: str, kid: str, key: bytes, nonce: bytes) -> dict[str, Any]:
+    """:func:`egressd.vault.sealed.seal` with a drawn nonce: seal() takes its nonce from
+    os.urandom, and hypothesis needs a strategy to draw the same bytes when it replays a case."""
+    ct = AESGCM(key).encrypt(nonce, plaintext, uid.encode("utf-8"))
+    return {"v": 1, "kid": kid, "alg": "A256GCM", "ct": base64.b64encode(nonce + ct).decode("ascii")}

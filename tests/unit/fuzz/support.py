@@ -16,10 +16,10 @@ import asyncio
 import json
 import os
 from collections import Counter
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from hypothesis import HealthCheck, settings
 from structlog.testing import capture_logs
@@ -32,8 +32,6 @@ if PROFILE not in ("ci", "campaign"):
 
 #: Cases run per target in this process (reported by conftest.py's terminal summary).
 COUNTS: Counter[str] = Counter()
-
-T = TypeVar("T")
 
 
 def fuzz(target: str, *, ci: int, campaign: int) -> settings:
@@ -68,7 +66,7 @@ def hit(target: str) -> None:
 _LOOP: asyncio.AbstractEventLoop | None = None
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
+def run[T](coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` on one long-lived loop: a fresh loop per example would cost more than the
     example itself. hypothesis calls the test body synchronously, so no loop is running here."""
     global _LOOP
@@ -89,12 +87,12 @@ CANARY_MARK = "CANARY"
 
 
 @contextmanager
-def captured_logs() -> Iterator[list[dict[str, Any]]]:
+def captured_logs() -> Iterator[list[MutableMapping[str, Any]]]:
     with capture_logs() as logs:
         yield logs
 
 
-def assert_not_in_logs(logs: list[dict[str, Any]], *secrets: str) -> None:
+def assert_not_in_logs(logs: list[MutableMapping[str, Any]], *secrets: str) -> None:
     for event in logs:
         # Case-insensitive: a normaliser (host names, policy targets) may have lower-cased it.
         rendered = (repr(event) + json.dumps(event, default=repr)).lower()
@@ -102,7 +100,7 @@ def assert_not_in_logs(logs: list[dict[str, Any]], *secrets: str) -> None:
             assert secret.lower() not in rendered, f"secret in log event {event.get('event')!r}"
 
 
-def assert_no_crash_logged(logs: list[dict[str, Any]]) -> None:
+def assert_no_crash_logged(logs: list[MutableMapping[str, Any]]) -> None:
     """A handler that had to catch an unexpected exception logs it with exc_info: a finding."""
     for event in logs:
         assert not event.get("exc_info"), f"unexpected exception logged: {event.get('event')!r}"

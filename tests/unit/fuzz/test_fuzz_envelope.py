@@ -18,11 +18,24 @@ from typing import Any
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 
-from egressd.actionhandler.envelope import EnvelopeError, LifecycleHook, RemoveBinding, SetBinding, parse_action
+from egressd.actionhandler.envelope import (
+    EnvelopeError,
+    LifecycleHook,
+    RemoveBinding,
+    SetBinding,
+    parse_action,
+)
 from egressd.subject.registry import State
-from egressd.vault.sealed import build_wrapper, seal
+from egressd.vault.sealed import build_wrapper
 from tests.unit.fuzz import fleet as F
-from tests.unit.fuzz.strategies import json_values, mutate_bytes, mutate_json, policies, vault_bodies
+from tests.unit.fuzz.strategies import (
+    json_values,
+    mutate_bytes,
+    mutate_json,
+    policies,
+    seal_with_nonce,
+    vault_bodies,
+)
 from tests.unit.fuzz.support import (
     assert_no_crash_logged,
     assert_not_in_logs,
@@ -53,11 +66,16 @@ def _inputs(secret_id: int) -> st.SearchStrategy[Any]:
             f"not json {INPUT_SECRET}",
         ]
     )
-    sealed = st.tuples(vault_bodies(secret_id), st.sampled_from(["u-new", F.ACTIVE, "other"]), st.booleans()).map(
+    sealed = st.tuples(
+        vault_bodies(secret_id),
+        st.sampled_from(["u-new", F.ACTIVE, "other"]),
+        st.booleans(),
+        st.binary(min_size=12, max_size=12),  # the nonce: drawn, so a replayed case is identical
+    ).map(
         lambda t: json.dumps(
             build_wrapper(
                 F.POLICY,
-                seal(json.dumps(t[0]).encode(), t[1], F.KID, F.KEY if t[2] else bytes(32)),
+                seal_with_nonce(json.dumps(t[0]).encode(), t[1], F.KID, F.KEY if t[2] else bytes(32), t[3]),
             )
         )
     )
@@ -67,12 +85,20 @@ def _inputs(secret_id: int) -> st.SearchStrategy[Any]:
 @st.composite
 def envelopes(draw: st.DrawFn) -> tuple[Any, int]:
     secret_id = draw(st.integers(0, 2**32 - 1))
-    uid = draw(st.sampled_from([F.ACTIVE, F.DENYING, F.WITH_VAULT, F.ABSENT, "u-new", "U-ACT", "u_act", "x" * 129]))
+    uid = draw(
+        st.sampled_from([F.ACTIVE, F.DENYING, F.WITH_VAULT, F.ABSENT, "u-new", "U-ACT", "u_act", "x" * 129])
+    )
     op = draw(st.sampled_from(["SET_BINDING", "LIFECYCLE_HOOK", "REMOVE_BINDING"]))
-    ip = draw(st.sampled_from(["10.0.0.5", "10.0.0.6", "10.0.0.9", "::ffff:10.0.0.9", "2001:db8::9", "", "bad"]))
+    ip = draw(
+        st.sampled_from(["10.0.0.5", "10.0.0.6", "10.0.0.9", "::ffff:10.0.0.9", "2001:db8::9", "", "bad"])
+    )
     if op == "SET_BINDING":
-        doc = F.set_binding(uid, ip, input=draw(_inputs(secret_id)), gen=draw(st.sampled_from([0, 1, 2, 2**64 - 1])))
-        doc["attachment"]["network"]["privateCidr"] = draw(st.sampled_from(["10.0.0.0/24", "", "10.0.0.0/33"]))
+        doc = F.set_binding(
+            uid, ip, input=draw(_inputs(secret_id)), gen=draw(st.sampled_from([0, 1, 2, 2**64 - 1]))
+        )
+        doc["attachment"]["network"]["privateCidr"] = draw(
+            st.sampled_from(["10.0.0.0/24", "", "10.0.0.0/33"])
+        )
     elif op == "LIFECYCLE_HOOK":
         doc = F.hook(uid, draw(st.sampled_from(["sandbox.data-plane-ready", "sandbox.runtime-ready", "x"])))
     else:
@@ -84,7 +110,7 @@ def envelopes(draw: st.DrawFn) -> tuple[Any, int]:
     return doc, secret_id
 
 
-def _wire(draw: st.DrawFn, doc: Any) -> bytes:
+def _wire(draw: Any, doc: Any) -> bytes:  # a DrawFn or DataObject.draw
     body = json.dumps(doc).encode()
     if draw(st.integers(0, 3)) == 0:
         body = draw(mutate_bytes(body))
@@ -105,13 +131,21 @@ def _check_parse(body: bytes) -> None:
     assert INPUT_SECRET not in repr(action).lower()
 
 
-@fuzz("envelope", ci=400, campaign=150_000)
+@fuzz("envelope", ci=400, campaign=120_000)
 @given(data=st.data())
 @example(data=None)  # the §1.1 vectors, once each (see the test body)
 def test_parse_action_only_raises_envelope_errors(data: st.DataObject | None) -> None:
     hit("envelope")
     if data is None:
-        for body in (b"{", b"", b"[]", b"null", b"\xff", b'{"apiVersion":"sandbox.fast.io/actions/v1"}', b"1e999"):
+        for body in (
+            b"{",
+            b"",
+            b"[]",
+            b"null",
+            b"\xff",
+            b'{"apiVersion":"sandbox.fast.io/actions/v1"}',
+            b"1e999",
+        ):
             _check_parse(body)
         return
     doc, _ = data.draw(envelopes())
@@ -119,7 +153,7 @@ def test_parse_action_only_raises_envelope_errors(data: st.DataObject | None) ->
     _check_parse(_wire(data.draw, doc))
 
 
-@fuzz("actions", ci=150, campaign=40_000)
+@fuzz("actions", ci=150, campaign=8_000)
 @given(data=st.data())
 def test_actions_never_5xx_and_refusals_change_nothing(data: st.DataObject) -> None:
     hit("actions")
@@ -130,7 +164,10 @@ def test_actions_never_5xx_and_refusals_change_nothing(data: st.DataObject) -> N
     with captured_logs() as logs:
         status, text = run(fleet.act(body))
     event(f"status {status}")
-    assert status in (200, 400, 409), (status, text)
+    # The one 5xx with no kernel cause that the spec itself asks for (§1: a missing gateway
+    # parses, then the deny-first install fails with 500); everything else 5xx is a finding.
+    spec_500 = status == 500 and "attachment.network.gateway is required" in text
+    assert status in (200, 400, 409) or spec_500, (status, text)
     assert text.count("\n") <= 1, text
     lowered = text.lower()
     assert INPUT_SECRET not in lowered and canary(secret_id).lower() not in lowered

@@ -30,7 +30,15 @@ from egressd.policy import (
     parse_policy,
     parse_policy_obj,
 )
-from tests.unit.fuzz.strategies import domains, json_values, mutate_bytes, mutate_json, policies, rules, targets
+from tests.unit.fuzz.strategies import (
+    domains,
+    json_values,
+    mutate_bytes,
+    mutate_json,
+    policies,
+    rules,
+    targets,
+)
 from tests.unit.fuzz.support import fuzz, hit
 
 SECRET = "zzpolicycanary41c9"
@@ -69,7 +77,7 @@ def _check_policy(policy: NetworkPolicy, probes: list[str]) -> None:
         assert evaluate_domain(policy, name).verdict == _model_verdict(policy, name), name
 
 
-@fuzz("policy", ci=500, campaign=150_000)
+@fuzz("policy", ci=500, campaign=80_000)
 @given(text=policy_texts(), probes=st.lists(domains, max_size=3), secret_key=st.booleans())
 def test_policy_and_binding_input_parsing(text: str, probes: list[str], secret_key: bool) -> None:
     hit("policy")
@@ -105,7 +113,7 @@ def test_policy_and_binding_input_parsing(text: str, probes: list[str], secret_k
         assert parsed.policy is not None
 
 
-@fuzz("policy_edit", ci=500, campaign=120_000)
+@fuzz("policy_edit", ci=500, campaign=80_000)
 @given(
     base=st.lists(rules, max_size=6),
     default=st.sampled_from(["allow", "deny"]),

@@ -22,9 +22,16 @@ from hypothesis import strategies as st
 
 from egressd.fleet.inputs import InputError, VaultAction, parse_binding_input
 from egressd.policy import parse_policy_obj
-from egressd.vault.sealed import build_wrapper, seal
+from egressd.vault.sealed import build_wrapper
 from tests.unit.fuzz import fleet as F
-from tests.unit.fuzz.strategies import json_values, mutate_bytes, mutate_json, policies, vault_bodies
+from tests.unit.fuzz.strategies import (
+    json_values,
+    mutate_bytes,
+    mutate_json,
+    policies,
+    seal_with_nonce,
+    vault_bodies,
+)
 from tests.unit.fuzz.support import canary, fuzz, hit
 
 KEYS = F.make_keystore()
@@ -43,7 +50,7 @@ def sealed_inputs(draw: st.DrawFn) -> tuple[str, str, str, bool, int, str]:
     seal_uid = draw(st.sampled_from(UIDS))
     open_uid = seal_uid if draw(st.integers(0, 3)) else draw(st.sampled_from(UIDS))
     key = F.KEY if draw(st.integers(0, 5)) else bytes(32)
-    vault = seal(plaintext, seal_uid, F.KID, key)
+    vault = seal_with_nonce(plaintext, seal_uid, F.KID, key, draw(st.binary(min_size=12, max_size=12)))
     sealed_ct = vault["ct"]
     policy: Any = F.POLICY if draw(st.booleans()) else draw(policies)
     wrapper: Any = build_wrapper(policy, vault)
@@ -65,7 +72,7 @@ def sealed_inputs(draw: st.DrawFn) -> tuple[str, str, str, bool, int, str]:
     return text, open_uid, seal_uid, key == F.KEY, secret_id, sealed_ct
 
 
-@fuzz("sealed", ci=400, campaign=120_000)
+@fuzz("sealed", ci=400, campaign=30_000)
 @given(case=sealed_inputs())
 def test_sealed_wrappers_fail_closed_and_quietly(case: tuple[str, str, str, bool, int, str]) -> None:
     hit("sealed")

@@ -92,7 +92,11 @@ def valid_bodies(secret: str) -> list[Any]:
 
 @st.composite
 def bodies(draw: st.DrawFn, secret_id: int) -> bytes:
-    kind = draw(st.sampled_from(["valid", "valid", "create", "mutation", "policy", "patch", "delete", "junk", "empty"]))
+    kind = draw(
+        st.sampled_from(
+            ["valid", "valid", "create", "mutation", "policy", "patch", "delete", "junk", "empty"]
+        )
+    )
     doc: Any
     if kind == "valid":
         doc = draw(st.sampled_from(valid_bodies(canary(secret_id))))
@@ -130,7 +134,11 @@ def coherent(draw: st.DrawFn, secret_id: int) -> tuple[str, str, bytes]:
                 ("PUT", "/credential-vault", F.seed_vault(secret)),
                 ("POST", "/credential-vault", F.seed_vault(secret)),
                 ("PATCH", "/credential-vault", {"credentials": {"replace": [cred]}}),
-                ("PATCH", "/credential-vault", {"expectedRevision": 1, "credentials": {"add": [{**cred, "name": "t2"}]}}),
+                (
+                    "PATCH",
+                    "/credential-vault",
+                    {"expectedRevision": 1, "credentials": {"add": [{**cred, "name": "t2"}]}},
+                ),
                 ("PATCH", "/credential-vault", {"bindings": {"delete": ["b1"]}}),
                 ("DELETE", "/credential-vault", None),
                 ("PUT", "/policy", F.POLICY),
@@ -155,7 +163,18 @@ def route_requests(draw: st.DrawFn) -> tuple[str, str, dict[str, str], bytes, in
     secret_id = draw(st.integers(0, 2**32 - 1))
     uid = draw(
         st.sampled_from(
-            [F.ACTIVE, F.ACTIVE, F.WITH_VAULT, F.WITH_VAULT, F.DENYING, F.ABSENT, "", " u-act ", "a%2Fb", "x" * 129]
+            [
+                F.ACTIVE,
+                F.ACTIVE,
+                F.WITH_VAULT,
+                F.WITH_VAULT,
+                F.DENYING,
+                F.ABSENT,
+                "",
+                " u-act ",
+                "a%2Fb",
+                "x" * 129,
+            ]
         )
     )
     suffix = draw(st.sampled_from(["/credential-vault", "/policy", *SUFFIXES]))
@@ -171,7 +190,9 @@ def route_requests(draw: st.DrawFn) -> tuple[str, str, dict[str, str], bytes, in
         elif form == "mismatch":
             headers[UID_HEADER] = F.ACTIVE
     if draw(st.booleans()):
-        headers[GENERATION_HEADER] = draw(st.sampled_from(["0", "1", "2", " 3 ", "-1", "x", "18446744073709551616", ""]))
+        headers[GENERATION_HEADER] = draw(
+            st.sampled_from(["0", "1", "2", " 3 ", "-1", "x", "18446744073709551616", ""])
+        )
     method, body = draw(st.sampled_from(METHODS)), draw(bodies(secret_id))
     if draw(st.booleans()):
         method, coherent_suffix, body = draw(coherent(secret_id))
@@ -183,9 +204,11 @@ def _reply_text(reply: Reply) -> str:
     return f"{reply.status} {reply.text!r} {json.dumps(reply.json)} {reply.allow!r}"
 
 
-@fuzz("proxy_route", ci=200, campaign=40_000)
+@fuzz("proxy_route", ci=200, campaign=8_000)
 @given(req=route_requests())
-def test_proxy_route_never_5xx_and_refusals_change_nothing(req: tuple[str, str, dict[str, str], bytes, int]) -> None:
+def test_proxy_route_never_5xx_and_refusals_change_nothing(
+    req: tuple[str, str, dict[str, str], bytes, int],
+) -> None:
     hit("proxy_route")
     method, path, headers, body, secret_id = req
     secret = canary(secret_id)
@@ -230,7 +253,9 @@ async def make_sidecar(with_vault: bool) -> Sidecar:
     http = SidecarHTTP(engine, EgressMetrics(), token="t", max_rules=8, prerequisites=prereqs)
     sidecar = Sidecar(engine, kernel, http, persisted)
     if with_vault:
-        status, text = await sidecar_call(sidecar, "PUT", "/credential-vault", json.dumps(F.seed_vault()).encode())
+        status, text = await sidecar_call(
+            sidecar, "PUT", "/credential-vault", json.dumps(F.seed_vault()).encode()
+        )
         assert status == 201, text
     return sidecar
 
@@ -264,7 +289,14 @@ def sidecar_snapshot(sidecar: Sidecar) -> Any:
 def sidecar_requests(draw: st.DrawFn) -> tuple[str, str, bytes, int]:
     secret_id = draw(st.integers(0, 2**32 - 1))
     path = draw(
-        st.sampled_from(["/policy", "/policy", "/credential-vault", *[s for s in SUFFIXES if s.startswith("/credential-vault")]])
+        st.sampled_from(
+            [
+                "/policy",
+                "/policy",
+                "/credential-vault",
+                *[s for s in SUFFIXES if s.startswith("/credential-vault")],
+            ]
+        )
     )
     if draw(st.booleans()):
         method, path, body = draw(coherent(secret_id))
@@ -272,9 +304,11 @@ def sidecar_requests(draw: st.DrawFn) -> tuple[str, str, bytes, int]:
     return draw(st.sampled_from(METHODS)), path, draw(bodies(secret_id)), secret_id
 
 
-@fuzz("sidecar", ci=200, campaign=40_000)
+@fuzz("sidecar", ci=200, campaign=8_000)
 @given(req=sidecar_requests(), with_vault=st.booleans())
-def test_sidecar_never_5xx_and_refusals_change_nothing(req: tuple[str, str, bytes, int], with_vault: bool) -> None:
+def test_sidecar_never_5xx_and_refusals_change_nothing(
+    req: tuple[str, str, bytes, int], with_vault: bool
+) -> None:
     hit("sidecar")
     method, path, body, secret_id = req
     secret = canary(secret_id)
