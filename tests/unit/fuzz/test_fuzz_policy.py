@@ -66,7 +66,8 @@ def policy_texts(draw: st.DrawFn) -> str:
         doc = draw(mutate_json(doc))
     text = json.dumps(doc, ensure_ascii=draw(st.booleans()))
     if draw(st.integers(0, 3)) == 0:
-        text = draw(mutate_bytes(text.encode())).decode("utf-8", "replace")
+        # surrogatepass: ensure_ascii=False keeps lone surrogates, which plain UTF-8 refuses.
+        text = draw(mutate_bytes(text.encode("utf-8", "surrogatepass"))).decode("utf-8", "replace")
     return text
 
 
