@@ -162,8 +162,9 @@ class Request:
     path: str = field(repr=False)
     headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     body: bytes | None = field(default=None, repr=False)
-    content_type: str | None = None
-    content_encoding: str | None = None
+    # Header values like the others: a sandbox can put a placeholder (or anything) in them.
+    content_type: str | None = field(default=None, repr=False)
+    content_encoding: str | None = field(default=None, repr=False)
     sni: str | None = None
     transfer_encoding: str | None = None
 
