@@ -296,6 +296,7 @@ def pod_topology(topo: Topology, sandboxes: int, upstream_ips: Sequence[str]) ->
     topo.x("pod", "ip", "link", "add", "br0", "type", "bridge")
     topo.x("pod", "ip", "addr", "add", f"{GATEWAY}/16", "dev", "br0")
     topo.x("pod", "ip", "link", "set", "br0", "up")
+    run(["ip", "netns", "exec", topo.ns("pod"), "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1"])  # best effort
     for i in range(1, sandboxes + 1):
         topo.veth("pod", f"vh{i}", f"sb{i}", "eth0")
         topo.x("pod", "ip", "link", "set", f"vh{i}", "master", "br0")
