@@ -538,7 +538,6 @@ def main(name: str, tag: str, roles: Sequence[str], inner_role: str, args: argpa
         return 2
     catch_signals()
     workdir = Path(tempfile.mkdtemp(prefix=f"{tag}-"))
-    proc: subprocess.Popen[bytes] | None = None
     rc, t0 = 1, time.monotonic()
     try:
         topo.cleanup_stale()
@@ -548,22 +547,25 @@ def main(name: str, tag: str, roles: Sequence[str], inner_role: str, args: argpa
                 ["ip", "netns", "exec", topo.ns(inner_role), sys.executable, str(Path(sys.argv[0]).resolve()), *argv,
                  "--inner", topo.base, "--workdir", str(workdir), "--outer-ino", str(os.stat("/proc/self/ns/net").st_ino)],
             )  # fmt: skip
-            rc = proc.wait()
+            try:
+                rc = proc.wait()
+            finally:  # first the inner side stops its processes and drops its tables, then the teardown
+                ignore_signals()
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    try:
+                        proc.wait(40)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait(10)
     except Interrupted as exc:
-        log(f"interrupted ({exc}); cleaning up")
+        log(f"interrupted ({exc}); cleaned up")
         rc = 130
     except (BenchError, OSError, subprocess.SubprocessError) as exc:
         print(f"{name}: FAILED: {exc}", file=sys.stderr)
         rc = 1
     finally:
         ignore_signals()
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # the inner side stops its processes and drops its tables
-            try:
-                proc.wait(40)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
         shutil.rmtree(workdir, ignore_errors=True)
     log(f"{'completed' if rc == 0 else f'FAILED (rc={rc})'} in {time.monotonic() - t0:.1f}s")
     return rc
