@@ -276,16 +276,54 @@ def client_main(argv: list[str]) -> int:
 # ---- (3) instrumented egressd: its own main() with perf_counter wrappers; records written at exit --
 
 
-def instrumented_main(out_path: str) -> int:
-    from dnslib import DNSRecord
-
-    from egressd import main as emain
+def wrap_targets() -> tuple[list[tuple[Any, str, str]], list[tuple[Any, str, str]]]:
+    """What (3) times: (owner, attribute, key) per query, and as background events."""
     from egressd.dnsproxy import forwarder as dfwd
     from egressd.dnsproxy import server as dsrv
     from egressd.fleet import refresh as frefresh
     from egressd.fleet.always_reload import AlwaysRulesReloader
     from egressd.fleet.control import ControlPlane
     from egressd.fleetnft.applier import KernelTransactions
+
+    return ([(dsrv.DnsProxy, "answer", "answer"), (ControlPlane, "asker", "decide"), (dsrv, "decide", "decide"),
+             (dfwd, "_socket", "fwd_sock"), (dfwd.Forwarder, "forward", "fwd"), (ControlPlane, "learn", "learn"),
+             (KernelTransactions, "run_batch_inline", "nl"), (KernelTransactions, "run_batch", "nl")],
+            [(frefresh.LeaseRefresher, "tick", "refresh_tick"), (frefresh, "parse_conntrack", "conntrack_parse"),
+             (AlwaysRulesReloader, "check", "always_rules_check")])  # fmt: skip
+
+
+def wrap(owner: Any, attr: str, done: Any) -> None:
+    """Replace ``owner.attr`` (sync or async, any signature) by a pass-through that calls
+    ``done(start)`` when it returns or raises."""
+    orig = getattr(owner, attr)
+    if inspect.iscoroutinefunction(orig):
+
+        async def w_async(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return await orig(*a, **kw)
+            finally:
+                done(t)
+
+        setattr(owner, attr, w_async)
+    else:
+
+        def w_sync(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return orig(*a, **kw)
+            finally:
+                done(t)
+
+        setattr(owner, attr, w_sync)
+
+
+def instrumented_main(out_path: str) -> int:
+    from dnslib import DNSRecord
+
+    from egressd import main as emain
+    from egressd.dnsproxy import forwarder as dfwd
+    from egressd.dnsproxy import server as dsrv
 
     pc = time.perf_counter
     cur: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("q", default=None)
@@ -308,33 +346,6 @@ def instrumented_main(out_path: str) -> int:
         if rec is not None:
             rec.setdefault(key + "0", t)
             rec[key] = rec.get(key, 0.0) + pc() - t
-
-    def wrap(owner: Any, attr: str, key: str, event: bool = False) -> None:
-        """Time ``owner.attr`` (any signature): per query under ``key``, or as a background event."""
-        orig = getattr(owner, attr)
-
-        def done(t: float) -> None:
-            if event:
-                bg.append({"kind": key, "t": t, "dur": pc() - t})
-            else:
-                note(key, t)
-
-        if inspect.iscoroutinefunction(orig):
-            async def w_async(*a: Any, **kw: Any) -> Any:
-                t = pc()
-                try:
-                    return await orig(*a, **kw)
-                finally:
-                    done(t)
-            setattr(owner, attr, w_async)
-        else:
-            def w_sync(*a: Any, **kw: Any) -> Any:
-                t = pc()
-                try:
-                    return orig(*a, **kw)
-                finally:
-                    done(t)
-            setattr(owner, attr, w_sync)
 
     def timed_parse(key: str) -> type[DNSRecord]:
         class Timed(DNSRecord):
@@ -380,13 +391,11 @@ def instrumented_main(out_path: str) -> int:
 
     dsrv._Udp.datagram_received, dsrv._Udp._reply, dsrv.DnsProxy.start = datagram_received, reply, start  # type: ignore[method-assign]
     dsrv.DNSRecord, dfwd.DNSRecord = timed_parse("q_parse"), timed_parse("fwd_parse")  # type: ignore[misc]
-    for owner, attr, key in ((dsrv.DnsProxy, "answer", "answer"), (ControlPlane, "asker", "decide"), (dsrv, "decide", "decide"),
-                             (dfwd, "_socket", "fwd_sock"), (dfwd.Forwarder, "forward", "fwd"), (ControlPlane, "learn", "learn"),
-                             (KernelTransactions, "run_batch_inline", "nl"), (KernelTransactions, "run_batch", "nl")):  # fmt: skip
-        wrap(owner, attr, key)
-    for owner, attr, key in ((frefresh.LeaseRefresher, "tick", "refresh_tick"), (frefresh, "parse_conntrack", "conntrack_parse"),
-                             (AlwaysRulesReloader, "check", "always_rules_check")):  # fmt: skip
-        wrap(owner, attr, key, event=True)
+    per_query, events = wrap_targets()
+    for owner, attr, key in per_query:
+        wrap(owner, attr, lambda t, k=key: note(k, t))
+    for owner, attr, key in events:
+        wrap(owner, attr, lambda t, k=key: bg.append({"kind": k, "t": t, "dur": pc() - t}))
     try:
         return emain.main([])
     finally:
