@@ -80,7 +80,7 @@ def _kernel_ns(anc: list[tuple[int, int, bytes]]) -> int:
     for level, kind, data in anc:
         if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
             sec, nsec = struct.unpack("qq", data[:16])
-            return sec * 1_000_000_000 + nsec
+            return int(sec) * 1_000_000_000 + int(nsec)
     return 0
 
 
@@ -348,9 +348,9 @@ def instrumented_main(out_path: str) -> int:
             rec[key] = rec.get(key, 0.0) + pc() - t
 
     def timed_parse(key: str) -> type[DNSRecord]:
-        class Timed(DNSRecord):
+        class Timed(DNSRecord):  # type: ignore[misc]  # dnslib has no type information
             @classmethod
-            def parse(cls, packet: bytes) -> DNSRecord:  # type: ignore[override]
+            def parse(cls, packet: bytes) -> DNSRecord:
                 t = pc()
                 try:
                     return DNSRecord.parse(packet)
@@ -389,8 +389,9 @@ def instrumented_main(out_path: str) -> int:
         await orig_start(self, *a, **kw)
         tasks.append(asyncio.get_running_loop().create_task(stall_watch()))
 
-    dsrv._Udp.datagram_received, dsrv._Udp._reply, dsrv.DnsProxy.start = datagram_received, reply, start  # type: ignore[method-assign]
-    dsrv.DNSRecord, dfwd.DNSRecord = timed_parse("q_parse"), timed_parse("fwd_parse")  # type: ignore[misc]
+    for owner, attr, fn in ((dsrv._Udp, "datagram_received", datagram_received), (dsrv._Udp, "_reply", reply), (dsrv.DnsProxy, "start", start),
+                            (dsrv, "DNSRecord", timed_parse("q_parse")), (dfwd, "DNSRecord", timed_parse("fwd_parse"))):  # fmt: skip
+        setattr(owner, attr, fn)
     per_query, events = wrap_targets()
     for owner, attr, key in per_query:
         wrap(owner, attr, lambda t, k=key: note(k, t))
@@ -643,7 +644,8 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
         if h is not None:
             h.close()
         with contextlib.suppress(OSError):
-            client.p.stdin.close()  # type: ignore[union-attr]  (the client ends at EOF)
+            if client.p.stdin is not None:
+                client.p.stdin.close()  # the client ends at EOF
         client.stop(5)
         d.stop()
         up.stop()

@@ -212,7 +212,7 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
                     x["errors"][kind] = x["errors"].get(kind, 0) + cnt
                 x["wall"] += r["wall_s"]
             for name in ("egressd", "mitm"):
-                res[label][name + "_rss_kb"] = c.mem_kb(procs[name])  # type: ignore[assignment]
+                res[label][name + "_rss_kb"] = {"kb": c.mem_kb(procs[name])}
             c.log(f"{label}: done")
         if c.children(d.pid) != [mitm]:
             raise c.BenchError("the MITM child was restarted during the run: figures not comparable")
@@ -262,7 +262,7 @@ def report(rep: c.Report, args: argparse.Namespace, out: dict[str, Any], names: 
     rep.add("")
     rb = out["rss_before_kb"]
     rep.add("(3) RSS, MiB: egressd / MITM child before the load " + f"{rb['egressd'][0] / 1024:.1f} / {rb['mitm'][0] / 1024:.1f}; after "
-            + "; ".join(f"{lbl} {by['egressd_rss_kb'] / 1024:.1f} / {by['mitm_rss_kb'] / 1024:.1f}" for lbl, by in out["phases"].items())
+            + "; ".join(f"{lbl} {by['egressd_rss_kb']['kb'] / 1024:.1f} / {by['mitm_rss_kb']['kb'] / 1024:.1f}" for lbl, by in out["phases"].items())
             + f"; peak {out['hwm_kb']['egressd'] / 1024:.1f} / {out['hwm_kb']['mitm'] / 1024:.1f}")  # fmt: skip
     rep.add("(4) the addon's vault lookup + decision (lookup_ms of mitm.injected), ms: " + "; ".join(
         f"{lbl} p50 {c.pct(lk, 50):.2f} p99 {c.pct(lk, 99):.2f} (n {len(lk)})" for lbl, by in out["phases"].items() if (lk := by["mitm+inject"]["lookup"])))  # fmt: skip

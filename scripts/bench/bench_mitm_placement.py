@@ -142,8 +142,10 @@ class InProcMitm(threading.Thread):
 
     def __init__(self, port: int, confdir: str) -> None:
         super().__init__(name="mitm", daemon=True)
-        self.port, self.confdir, self.tid, self.error = port, confdir, 0, None  # type: ignore[var-annotated]
-        self.loop, self.m, self.ready = asyncio.new_event_loop(), None, threading.Event()  # type: ignore[var-annotated]
+        self.port, self.confdir, self.tid = port, confdir, 0
+        self.error: BaseException | None = None
+        self.m: Any = None
+        self.loop, self.ready = asyncio.new_event_loop(), threading.Event()
 
     def run(self) -> None:
         self.tid = threading.get_native_id()
@@ -252,7 +254,8 @@ def role_udp(port: str, rate_s: str, seconds: str) -> int:
         q = DNSRecord.question(f"q{i}.bench.test")
         q.header.id = i
         packets.append(q.pack())
-    sent, rtt, lag = [0.0] * n, [None] * n, []  # type: ignore[var-annotated]
+    sent, lag = [0.0] * n, []
+    rtt: list[float | None] = [None] * n
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.connect(("127.0.0.1", int(port)))
     sock.setblocking(False)
@@ -318,7 +321,11 @@ def role_load(echo_port: str, proxy_port: str, inflight_s: str, max_req: str, de
             if errors:
                 _emit({"error": f"load warm-up failed: {errors}"})
                 return
-            loop.add_reader(0, lambda: (loop.remove_reader(0), stop.set()))  # a line on stdin (or EOF) stops the load
+            def on_stdin() -> None:  # a line on stdin (or EOF) stops the load
+                loop.remove_reader(0)
+                stop.set()
+
+            loop.add_reader(0, on_stdin)
             deadline, issued, t0 = time.monotonic() + min(float(deadline_s), CAP_S), 0, time.perf_counter()
             _emit({"started": True})
 
@@ -361,7 +368,10 @@ def _cert(d: Path) -> tuple[Path, Path]:
 
 def measure(a: argparse.Namespace, work: Path, v: str, daemon: dict[str, Any], seconds: float) -> dict[str, Any]:
     pid, tid = int(daemon["pid"]), daemon.get("mitm_tid")
-    mitm = (lambda: c.cpu_s(pid, tid)) if v == "A" else (lambda: c.cpu_s(daemon["mitm_pid"])) if v == "B" else (lambda: math.nan)
+
+    def mitm() -> float:  # A: its thread; B: the child; C: none
+        return c.cpu_s(pid, tid) if v == "A" else c.cpu_s(daemon["mitm_pid"]) if v == "B" else math.nan
+
     d0, m0, mc0, t0 = c.cpu_s(pid), mitm(), c.machine_cpu(), time.monotonic()
     udp = c.Proc(_self("_udp", daemon["udp_port"], a.rate, seconds), log_path=work / "udp.err", preexec=_die_with_parent)
     try:
@@ -454,9 +464,9 @@ def report(a: argparse.Namespace, rep: c.Report, samples: list[dict[str, Any]]) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    roles = {"_echo": role_echo, "_mitm": role_mitm, "_daemon": role_daemon, "_udp": role_udp, "_load": role_load}
+    roles: dict[str, Any] = {"_echo": role_echo, "_mitm": role_mitm, "_daemon": role_daemon, "_udp": role_udp, "_load": role_load}
     if len(sys.argv) > 1 and sys.argv[1] in roles:
-        return roles[sys.argv[1]](*sys.argv[2:])  # type: ignore[operator]
+        return int(roles[sys.argv[1]](*sys.argv[2:]))
     p = c.parser(__doc__, "1 round, 2 s idle, 3 s load")
     p.add_argument("--rounds", type=int, default=4, help="A/B/C rounds (4)")
     p.add_argument("--idle-s", type=float, default=4.0, help="idle UDP window per variant (4)")
