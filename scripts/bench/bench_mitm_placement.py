@@ -1,43 +1,25 @@
 #!/usr/bin/env python3
 """MITM placement benchmark: mitmproxy in a thread of the daemon vs in a child process.
 
-Run from the repository root (root is not needed; everything is on 127.0.0.1)::
+Run as root from the repository root::
 
-    .venv/bin/python scripts/bench/bench_mitm_placement.py [--quick] [--rounds N]
-        [--idle-s S] [--load-s S] [--rate Q] [--inflight N] [--keepalive] [--out FILE]
+    .venv/bin/python scripts/bench/bench_mitm_placement.py [--quick] [--rounds N] [--keepalive]
 
-Question: egressd runs its shared mitmproxy as a supervised child process. What would the
-in-process alternative (a ``mitmproxy.master.Master`` in a dedicated thread with its own event
-loop, the only safe way to embed it, see /work/shared/notes/feasibility.md row 4b) cost the
-daemon's latency-critical work, which shares the GIL with it?
+egressd runs its shared mitmproxy as a supervised child. What would the in-process alternative
+(a ``mitmproxy.master.Master`` in a dedicated thread with its own event loop) cost the daemon's
+latency-critical work, which shares the GIL with it? Everything runs on 127.0.0.1 inside one
+throwaway namespace ``egbp<pid>-ns`` (no nft, no routes):
 
-Processes (all on loopback in the current namespace; no nft, no routes, no namespaces):
+* ``echo``    an aiohttp HTTPS server (self-signed P-256 certificate);
+* ``daemon``  a stand-in for egressd: an asyncio UDP service answering dnslib A records (the DNS
+  proxy's kind of work), plus **A in-proc** the lean Master of egressd/mitm/runner.py in a
+  thread, **B child** the same Master in a child process, or **C none** (baseline; its load
+  phase sends the same HTTPS load straight to the echo server);
+* ``udp``     the measuring client: queries at a fixed rate, RTT of each;
+* ``load``    aiohttp keeping ``--inflight`` HTTPS requests in flight through the MITM.
 
-* ``echo``   an aiohttp HTTPS server (self-signed P-256 cert made with ``cryptography``);
-* ``daemon`` a stand-in for egressd: one asyncio loop serving a UDP request/response service that
-  parses every datagram with dnslib and answers an A record (the DNS proxy's kind of work), plus,
-  depending on the variant,
-
-  - ``A in-proc``  a mitmproxy Master in a thread of the daemon, with its own event loop;
-  - ``B child``    the same Master in a child process the daemon spawns (as egressd's supervisor);
-  - ``C none``     no MITM (baseline; its "load" phase sends the same HTTPS load straight to the
-    echo server, so the machine is busy without any MITM);
-
-  The Master is the lean one of egressd/mitm/runner.py (core, disable_h2c, proxyserver,
-  next_layer, tlsconfig) with a trivial addon instead of the egressd addon (it does the addon's
-  ``gc.collect(); gc.freeze()`` at start and tags responses), in ``mode=regular`` on 127.0.0.1
-  with the supervisor's options (lazy upstream connection, no upstream cert sniffing,
-  ``ssl_insecure`` towards the echo server);
-* ``udp``    the measuring client: sends dnslib queries at a fixed rate and records each RTT;
-* ``load``   the HTTPS load: one aiohttp process keeping ``--inflight`` requests in flight through
-  the MITM (CONNECT, trusting the MITM CA), a new TLS connection per request unless
-  ``--keepalive``; responses must be 200 and carry the addon's tag.
-
-Each round runs the variants interleaved (order rotated per round), each with a fresh daemon:
-an idle phase (UDP client only, MITM idle) and a load phase (UDP client while the HTTPS load runs).
-CPU is read from /proc for the daemon process, for the MITM (its thread, or the child), and
-for the whole machine over the UDP window. Every phase is bounded (hard cap 60 s); every
-process is started by this script, dies with its parent (PR_SET_PDEATHSIG) and is ended by PID.
+Each round runs A, B, C (order rotated) with a fresh daemon: an idle window, then a window under
+load. Every process dies with its parent (PR_SET_PDEATHSIG) and is ended by PID.
 """
 
 from __future__ import annotations
@@ -51,148 +33,53 @@ import gc
 import json
 import math
 import os
-import platform
 import select
-import shutil
 import signal
 import socket
 import ssl
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-PHASE_CAP_S = 60.0
-START_TIMEOUT_S = 20.0
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-_PR_SET_PDEATHSIG = 1
-VARIANTS = ("A", "B", "C")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as c
+
+CAP_S, START_S = 60.0, 20.0
 LABEL = {"A": "A in-proc", "B": "B child", "C": "C none"}
 
 
-# ---------------------------------------------------------------------------------------------
-# shared helpers
-
-
 def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL this child when the (single-threaded) parent dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
-def _self_argv(role: str, *args: str) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), role, *args]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _self(role: str, *args: object) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), role, *map(str, args)]
 
 
 def _emit(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
-    sys.stdout.flush()
+    print(json.dumps(obj, separators=(",", ":")), flush=True)
 
 
-def _cpu_ticks(path: str) -> int | None:
-    """utime + stime of /proc/<pid>/stat or /proc/<pid>/task/<tid>/stat, in clock ticks."""
-    try:
-        with open(path) as f:
-            data = f.read()
-    except OSError:
-        return None
-    fields = data[data.rindex(")") + 2 :].split()
-    return int(fields[11]) + int(fields[12])
+def _on_signals(loop: asyncio.AbstractEventLoop, fn: Any) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, fn)
 
 
-def _machine_ticks() -> tuple[int, int]:
-    """(busy, total) jiffies over all CPUs."""
-    with open("/proc/stat") as f:
-        vals = [int(v) for v in f.readline().split()[1:]]
-    total = sum(vals[:8])
-    return total - vals[3] - vals[4], total
+# ---- roles --------------------------------------------------------------------------------------
 
 
-def _rss_mib(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def _pct(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
-
-
-# ---------------------------------------------------------------------------------------------
-# role: HTTPS echo server
-
-
-def _make_cert(directory: Path) -> tuple[Path, Path]:
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bench echo")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = directory / "echo-cert.pem", directory / "echo-key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
-
-
-def role_echo(argv: Sequence[str]) -> int:
+def role_echo(cert: str, key: str) -> int:
     from aiohttp import web
 
-    p = argparse.ArgumentParser(prog="echo")
-    p.add_argument("--cert", required=True)
-    p.add_argument("--key", required=True)
-    a = p.parse_args(argv)
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(a.cert, a.key)
+    ctx.load_cert_chain(cert, key)
 
-    async def echo(request: web.Request) -> web.Response:
+    async def echo(_r: web.Request) -> web.Response:
         return web.Response(body=b'{"ok":true}\n', content_type="application/json")
 
     async def main() -> None:
@@ -200,14 +87,10 @@ def role_echo(argv: Sequence[str]) -> int:
         app.router.add_get("/echo", echo)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx, backlog=512)
-        await site.start()
-        port = runner.addresses[0][1]
-        _emit({"ready": True, "port": port})
+        await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx, backlog=512).start()
+        _emit({"port": runner.addresses[0][1]})
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        _on_signals(asyncio.get_running_loop(), stop.set)
         await stop.wait()
         await runner.cleanup()
 
@@ -215,12 +98,8 @@ def role_echo(argv: Sequence[str]) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------
-# the MITM: egressd/mitm/runner.py's lean master, a trivial addon instead of the egressd addon
-
-
 class BenchAddon:
-    """Stands in for EgressInjector: its start-up gc freeze, and one cheap response hook."""
+    """Stands in for the egressd addon: its start-up gc freeze, and one cheap response hook."""
 
     def running(self) -> None:
         gc.collect()
@@ -230,114 +109,68 @@ class BenchAddon:
         flow.response.headers["x-bench-mitm"] = "1"
 
 
-def _build_master(port: int, confdir: str) -> Any:
-    """Needs a running event loop (mitmproxy's Master takes the current one)."""
+def _master(port: int, confdir: str) -> Any:
+    """egressd/mitm/runner.py's lean master with the supervisor's options (needs a running loop)."""
+    import logging
+
     from mitmproxy import master, options
     from mitmproxy.addons import core, disable_h2c, next_layer, proxyserver, tlsconfig
 
+    logging.getLogger().setLevel(logging.WARNING)
     opts = options.Options()
     m = master.Master(opts, with_termlog=False)
-    m.addons.add(
-        core.Core(),
-        disable_h2c.DisableH2C(),
-        proxyserver.Proxyserver(),
-        next_layer.NextLayer(),
-        tlsconfig.TlsConfig(),
-        BenchAddon(),
-    )
-    opts.set(
-        "mode=regular",
-        "listen_host=127.0.0.1",
-        f"listen_port={port}",
-        f"confdir={confdir}",
-        "connection_strategy=lazy",
-        "upstream_cert=false",
-        "stream_large_bodies=1m",
-        "ssl_insecure=true",
-    )
+    m.addons.add(core.Core(), disable_h2c.DisableH2C(), proxyserver.Proxyserver(), next_layer.NextLayer(), tlsconfig.TlsConfig(), BenchAddon())
+    opts.set("mode=regular", "listen_host=127.0.0.1", f"listen_port={port}", f"confdir={confdir}", "connection_strategy=lazy",
+             "upstream_cert=false", "stream_large_bodies=1m", "ssl_insecure=true")  # fmt: skip
     return m
 
 
-def _quiet_logging() -> None:
-    import logging
-
-    logging.getLogger().setLevel(logging.WARNING)
-
-
-def role_mitm(argv: Sequence[str]) -> int:
-    """Variant B's child: the master in the main thread of its own process."""
-    p = argparse.ArgumentParser(prog="mitm")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--confdir", required=True)
-    a = p.parse_args(argv)
-    _quiet_logging()
+def role_mitm(port: str, confdir: str) -> int:
+    """B's child: the master in the main thread of its own process."""
 
     async def main() -> None:
-        m = _build_master(a.port, a.confdir)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, m.shutdown)
+        m = _master(int(port), confdir)
+        _on_signals(asyncio.get_running_loop(), m.shutdown)
         await m.run()
 
     asyncio.run(main())
     return 0
 
 
-class InProcMitm:
-    """Variant A: the master in a dedicated thread with its own event loop (feasibility 4b)."""
+class InProcMitm(threading.Thread):
+    """A: the master in a dedicated thread with its own event loop."""
 
     def __init__(self, port: int, confdir: str) -> None:
-        self.port, self.confdir = port, confdir
-        self.tid: int | None = None
+        super().__init__(name="mitm", daemon=True)
+        self.port, self.confdir, self.tid = port, confdir, 0
         self.error: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._master: Any = None
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mitm", daemon=True)
+        self.m: Any = None
+        self.loop, self.ready = asyncio.new_event_loop(), threading.Event()
 
-    def start(self) -> None:
-        self._thread.start()
-        if not self._started.wait(START_TIMEOUT_S) or self.error is not None:
-            raise RuntimeError(f"in-process mitm did not start: {self.error!r}")
-
-    def _run(self) -> None:
+    def run(self) -> None:
         self.tid = threading.get_native_id()
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        self._loop = loop
 
         async def main() -> None:
-            self._master = _build_master(self.port, self.confdir)
-            self._started.set()
-            await self._master.run()
+            self.m = _master(self.port, self.confdir)
+            self.ready.set()
+            await self.m.run()
 
         try:
-            loop.run_until_complete(main())
+            self.loop.run_until_complete(main())
         except BaseException as exc:  # reported to the daemon's main thread
             self.error = exc
-            self._started.set()
-        finally:
-            loop.close()
+            self.ready.set()
 
-    def stop(self, timeout: float = 5.0) -> None:
-        m, loop = self._master, self._loop
-        if m is None or loop is None or loop.is_closed():
-            return
-
-        async def close() -> None:
-            # Master.shutdown() alone leaves the listeners open (feasibility 4b).
-            ps = m.addons.get("proxyserver")
-            if ps is not None:
+    def stop(self) -> None:
+        async def close() -> None:  # Master.shutdown() alone leaves the listeners open
+            if (ps := self.m.addons.get("proxyserver")) is not None:
                 await ps.servers.update([])
-            m.shutdown()
+            self.m.shutdown()
 
-        with contextlib.suppress(Exception):  # best effort; the thread is a daemon thread
-            asyncio.run_coroutine_threadsafe(close(), loop).result(timeout)
-        self._thread.join(timeout)
-
-
-# ---------------------------------------------------------------------------------------------
-# role: the daemon stand-in (UDP service + optional MITM)
+        if self.m is not None and not self.loop.is_closed():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(close(), self.loop).result(5)
+        self.join(5)
 
 
 class UdpService(asyncio.DatagramProtocol):
@@ -346,82 +179,58 @@ class UdpService(asyncio.DatagramProtocol):
     def __init__(self) -> None:
         from dnslib import QTYPE, RR, A, DNSRecord
 
-        self._parse, self._rr, self._a, self._qtype_a = DNSRecord.parse, RR, A, QTYPE.A
-        self.transport: asyncio.DatagramTransport | None = None
-        self.served = 0
+        self.parse, self.rr, self.a, self.qa, self.tr, self.served = DNSRecord.parse, RR, A, QTYPE.A, None, 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.DatagramTransport)
-        self.transport = transport
+        self.tr = transport  # type: ignore[assignment]
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
-        try:
-            q = self._parse(data)
-        except Exception:  # garbage in, nothing out
-            return
-        r = q.reply()
-        r.add_answer(self._rr(q.q.qname, self._qtype_a, rdata=self._a("10.1.2.3"), ttl=60))
-        assert self.transport is not None
-        self.transport.sendto(r.pack(), addr)
-        self.served += 1
+        with contextlib.suppress(Exception):
+            q = self.parse(data)
+            r = q.reply()
+            r.add_answer(self.rr(q.q.qname, self.qa, rdata=self.a("10.1.2.3"), ttl=60))
+            self.tr.sendto(r.pack(), addr)  # type: ignore[attr-defined]
+            self.served += 1
 
 
-def _wait_tcp(port: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
+def _wait_tcp(port: int) -> None:
+    deadline = time.monotonic() + START_S
     while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return True
-        except OSError:
-            time.sleep(0.02)
-    return False
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        time.sleep(0.02)
+    raise RuntimeError("mitm is not listening")
 
 
-def role_daemon(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="daemon")
-    p.add_argument("--mitm", choices=["inproc", "child", "none"], required=True)
-    p.add_argument("--confdir", required=True)
-    p.add_argument("--mitm-log", required=True)
-    p.add_argument("--switch-interval-ms", type=float, default=0.0)
-    a = p.parse_args(argv)
-    _quiet_logging()
-    if a.switch_interval_ms > 0:
-        sys.setswitchinterval(a.switch_interval_ms / 1000)
-
-    mitm_port = _free_port() if a.mitm != "none" else 0
-    inproc: InProcMitm | None = None
-    child: subprocess.Popen[bytes] | None = None
-    info: dict[str, Any] = {"ready": True, "pid": os.getpid(), "mitm_port": mitm_port}
+def role_daemon(mode: str, confdir: str, mitm_log: str, switch_ms: str) -> int:
+    if float(switch_ms) > 0:
+        sys.setswitchinterval(float(switch_ms) / 1000)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    info: dict[str, Any] = {"pid": os.getpid(), "mitm_port": port}
+    inproc, child = None, None
     try:
-        if a.mitm == "inproc":
-            inproc = InProcMitm(mitm_port, a.confdir)
+        if mode == "A":
+            inproc = InProcMitm(port, confdir)
             inproc.start()
+            if not inproc.ready.wait(START_S) or inproc.error:
+                raise RuntimeError(f"in-process mitm did not start: {inproc.error!r}")
             info["mitm_tid"] = inproc.tid
-        elif a.mitm == "child":
-            # Spawned from the main thread: PDEATHSIG fires when the forking *thread* exits.
-            with open(a.mitm_log, "ab") as log:
-                child = subprocess.Popen(
-                    _self_argv("_mitm", "--port", str(mitm_port), "--confdir", a.confdir),
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=log,
-                    preexec_fn=_die_with_parent,
-                )
+        elif mode == "B":  # spawned from the main thread: PDEATHSIG fires when the forking *thread* exits
+            with open(mitm_log, "ab") as log:
+                child = subprocess.Popen(_self("_mitm", port, confdir), stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=_die_with_parent)
             info["mitm_pid"] = child.pid
-        if a.mitm != "none" and not _wait_tcp(mitm_port, START_TIMEOUT_S):
-            raise RuntimeError("mitm is not listening")
+        if mode != "C":
+            _wait_tcp(port)
 
         async def main() -> None:
-            loop = asyncio.get_running_loop()
-            stop = asyncio.Event()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
-            transport, svc = await loop.create_datagram_endpoint(UdpService, local_addr=("127.0.0.1", 0))
-            info["udp_port"] = transport.get_extra_info("sockname")[1]
-            _emit(info)
+            loop, stop = asyncio.get_running_loop(), asyncio.Event()
+            _on_signals(loop, stop.set)
+            transport, _svc = await loop.create_datagram_endpoint(UdpService, local_addr=("127.0.0.1", 0))
+            _emit({**info, "udp_port": transport.get_extra_info("sockname")[1]})
             await stop.wait()
             transport.close()
-            _emit({"served": svc.served})
 
         asyncio.run(main())
     finally:
@@ -429,563 +238,245 @@ def role_daemon(argv: Sequence[str]) -> int:
             inproc.stop()
         if child is not None and child.poll() is None:
             child.terminate()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 child.wait(5)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait(5)
+            child.kill()
     return 0
 
 
-# ---------------------------------------------------------------------------------------------
-# role: UDP measuring client (fixed rate, RTT per query)
-
-
-def role_udp(argv: Sequence[str]) -> int:
+def role_udp(port: str, rate_s: str, seconds: str) -> int:
     from dnslib import DNSRecord
 
-    p = argparse.ArgumentParser(prog="udp")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--rate", type=float, required=True)
-    p.add_argument("--seconds", type=float, required=True)
-    a = p.parse_args(argv)
-    n = min(65535, int(a.rate * min(a.seconds, PHASE_CAP_S)))
+    rate = float(rate_s)
+    n = min(65535, int(rate * min(float(seconds), CAP_S)))
     packets = []
     for i in range(n):
         q = DNSRecord.question(f"q{i}.bench.test")
         q.header.id = i
         packets.append(q.pack())
-    sent = [0.0] * n
+    sent, lag = [0.0] * n, []
     rtt: list[float | None] = [None] * n
-    lag: list[float] = []
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.connect(("127.0.0.1", a.port))
+    sock.connect(("127.0.0.1", int(port)))
     sock.setblocking(False)
-    interval = 1.0 / a.rate
 
     def drain() -> None:
         now = time.perf_counter()
-        while True:
-            try:
+        with contextlib.suppress(BlockingIOError):
+            while True:
                 data = sock.recv(4096)
-            except BlockingIOError:
-                return
-            if len(data) >= 2:
-                (qid,) = struct.unpack("!H", data[:2])
+                qid = struct.unpack("!H", data[:2])[0] if len(data) >= 2 else n
                 if qid < n and rtt[qid] is None and sent[qid]:
                     rtt[qid] = (now - sent[qid]) * 1000.0
 
-    t0 = time.perf_counter() + 0.05
-    i = 0
+    t0, i = time.perf_counter() + 0.05, 0
     while i < n:
-        now = time.perf_counter()
-        due = t0 + i * interval
+        now, due = time.perf_counter(), t0 + i / rate
         if now >= due:
             sent[i] = time.perf_counter()
             sock.send(packets[i])
             lag.append((sent[i] - due) * 1000.0)
             i += 1
-            continue
-        r, _, _ = select.select([sock], [], [], due - now)
-        if r:
+        elif select.select([sock], [], [], due - now)[0]:
             drain()
     end = time.perf_counter() + 1.0  # stragglers
     while time.perf_counter() < end and any(x is None for x in rtt[-50:]):
-        r, _, _ = select.select([sock], [], [], max(0.0, end - time.perf_counter()))
-        if r:
+        if select.select([sock], [], [], max(0.0, end - time.perf_counter()))[0]:
             drain()
     drain()
-    sock.close()
-    _emit(
-        {
-            "rtt_ms": [round(x, 4) if x is not None else None for x in rtt],
-            "send_lag_p99_ms": round(_pct(lag, 99), 3),
-        }
-    )
+    _emit({"rtt_ms": [round(x, 4) if x is not None else None for x in rtt], "lag_p99_ms": round(c.pct(lag, 99), 3)})
     return 0
 
 
-# ---------------------------------------------------------------------------------------------
-# role: HTTPS load generator
-
-
-def role_load(argv: Sequence[str]) -> int:
+def role_load(echo_port: str, proxy_port: str, inflight_s: str, max_req: str, deadline_s: str, keep: str, *cafiles: str) -> int:
     import aiohttp
 
-    p = argparse.ArgumentParser(prog="load")
-    p.add_argument("--echo-port", type=int, required=True)
-    p.add_argument("--proxy-port", type=int, default=0)
-    p.add_argument("--cafile", action="append", default=[])
-    p.add_argument("--inflight", type=int, required=True)
-    p.add_argument("--max-requests", type=int, required=True)
-    p.add_argument("--deadline-s", type=float, required=True)
-    p.add_argument("--keepalive", action="store_true")
-    a = p.parse_args(argv)
     ctx = ssl.create_default_context()
-    for ca in a.cafile:
+    for ca in cafiles:
         ctx.load_verify_locations(ca)
-    url = f"https://127.0.0.1:{a.echo_port}/echo"
-    proxy = f"http://127.0.0.1:{a.proxy_port}" if a.proxy_port else None
+    url, proxy, inflight = f"https://127.0.0.1:{echo_port}/echo", f"http://127.0.0.1:{proxy_port}" if proxy_port != "0" else None, int(inflight_s)
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-
-        def on_stdin() -> None:
-            try:
-                data = os.read(0, 4096)
-            except OSError:
-                data = b""
-            if not data or b"stop" in data:
-                loop.remove_reader(0)
-                stop.set()
-
+        loop, stop = asyncio.get_running_loop(), asyncio.Event()
         lat: list[float] = []
         errors: dict[str, int] = {}
-        timeout = aiohttp.ClientTimeout(total=10)
-        conn = aiohttp.TCPConnector(ssl=ctx, force_close=not a.keepalive, limit=0)
-        async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        conn = aiohttp.TCPConnector(ssl=ctx, force_close=keep != "1", limit=0)
+        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=10)) as session:
 
             async def one(record: bool) -> None:
                 t = time.perf_counter()
                 try:
                     async with session.get(url, proxy=proxy) as resp:
                         await resp.read()
-                        ok = resp.status == 200 and (proxy is None or resp.headers.get("x-bench-mitm") == "1")
-                        if not ok:
+                        if resp.status != 200 or (proxy and resp.headers.get("x-bench-mitm") != "1"):
                             raise RuntimeError(f"status {resp.status} / untagged")
                 except Exception as exc:  # counted and reported
-                    key = type(exc).__name__ + ": " + str(exc)[:80]
+                    key = f"{type(exc).__name__}: {str(exc)[:80]}"
                     errors[key] = errors.get(key, 0) + 1
                     return
                 if record:
                     lat.append((time.perf_counter() - t) * 1000.0)
 
-            await asyncio.gather(*(one(False) for _ in range(a.inflight)))  # warm-up
+            await asyncio.gather(*(one(False) for _ in range(inflight)))  # warm-up
             if errors:
-                _emit({"started": False, "errors": errors})
+                _emit({"error": f"load warm-up failed: {errors}"})
                 return
+            def on_stdin() -> None:  # a line on stdin (or EOF) stops the load
+                loop.remove_reader(0)
+                stop.set()
+
             loop.add_reader(0, on_stdin)
-            deadline = time.monotonic() + min(a.deadline_s, PHASE_CAP_S)
-            issued = 0
-            t0 = time.perf_counter()
+            deadline, issued, t0 = time.monotonic() + min(float(deadline_s), CAP_S), 0, time.perf_counter()
             _emit({"started": True})
 
             async def worker() -> None:
                 nonlocal issued
-                while not stop.is_set() and issued < a.max_requests:
-                    if time.monotonic() > deadline:
-                        return
+                while not stop.is_set() and issued < int(max_req) and time.monotonic() < deadline:
                     issued += 1
                     await one(True)
 
-            await asyncio.gather(*(worker() for _ in range(a.inflight)))
-            elapsed = time.perf_counter() - t0
-        _emit(
-            {
-                "done": len(lat),
-                "errors": errors,
-                "elapsed_s": round(elapsed, 3),
-                "rps": round(len(lat) / elapsed, 1) if elapsed > 0 else 0.0,
-                "p50_ms": round(_pct(lat, 50), 2),
-                "p99_ms": round(_pct(lat, 99), 2),
-            }
-        )
+            await asyncio.gather(*(worker() for _ in range(inflight)))
+            el = time.perf_counter() - t0
+        _emit({"done": len(lat), "errors": errors, "rps": round(len(lat) / el, 1), "p50_ms": round(c.pct(lat, 50), 2)})
 
     asyncio.run(main())
     return 0
 
 
-# ---------------------------------------------------------------------------------------------
-# the orchestrator
+# ---- the orchestrator (inside the namespace) ---------------------------------------------------
 
 
-class Procs:
-    """Every process this script starts; ended by PID in :meth:`close`."""
+def _cert(d: Path) -> tuple[Path, Path]:
+    import ipaddress
 
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
 
-    def spawn(self, argv: list[str], stderr_path: Path) -> subprocess.Popen[bytes]:
-        with open(stderr_path, "ab") as err:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                preexec_fn=_die_with_parent,
-                cwd=ROOT,
-            )
-        self.procs.append(proc)
-        return proc
-
-    @staticmethod
-    def end(proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-        for f in (proc.stdin, proc.stdout):
-            if f is not None:
-                with contextlib.suppress(OSError):  # a stdin whose reader is gone
-                    f.close()
-
-    def close(self) -> None:
-        for proc in reversed(self.procs):
-            with contextlib.suppress(Exception):  # keep ending the others
-                self.end(proc, grace=3.0)
-        self.procs.clear()
+    key, now = ec.generate_private_key(ec.SECP256R1()), datetime.datetime.now(datetime.UTC)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bench echo")])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1)).add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False).sign(key, hashes.SHA256()))  # fmt: skip
+    (d / "echo-cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (d / "echo-key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return d / "echo-cert.pem", d / "echo-key.pem"
 
 
-def _read_json(proc: subprocess.Popen[bytes], timeout: float, what: str) -> dict[str, Any]:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    fd = proc.stdout.fileno()
-    buf = b""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise RuntimeError(f"{what}: no answer within {timeout:.0f} s")
-        r, _, _ = select.select([fd], [], [], left)
-        if not r:
-            continue
-        chunk = os.read(fd, 1 << 20)
-        if not chunk:
-            raise RuntimeError(f"{what}: exited (rc={proc.wait()}) without answering")
-        buf += chunk
-        if buf.endswith(b"\n"):
-            return dict(json.loads(buf.splitlines()[-1]))
+def measure(a: argparse.Namespace, work: Path, v: str, daemon: dict[str, Any], seconds: float) -> dict[str, Any]:
+    pid, tid = int(daemon["pid"]), daemon.get("mitm_tid")
 
+    def mitm() -> float:  # A: its thread; B: the child; C: none
+        return c.cpu_s(pid, tid) if v == "A" else c.cpu_s(daemon["mitm_pid"]) if v == "B" else math.nan
 
-@dataclass
-class Sample:
-    variant: str
-    round: int
-    phase: str  # idle | load
-    rtt_ms: list[float]
-    lost: int
-    send_lag_p99_ms: float
-    wall_s: float
-    daemon_cpu: float  # % of one core, whole daemon process
-    mitm_cpu: float  # % of one core, MITM thread (A) or child (B); nan for C
-    machine_cpu: float  # % of all cores
-    daemon_rss: float | None
-    load: dict[str, Any] = field(default_factory=dict)
-
-
-class Bench:
-    def __init__(self, args: argparse.Namespace, work: Path, procs: Procs) -> None:
-        self.a, self.work, self.procs = args, work, procs
-        self.confdir = work / "mitm-confdir"
-        self.confdir.mkdir()
-        self.samples: list[Sample] = []
-        self.echo_port = 0
-        self.echo_cert = Path()
-
-    def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-    def setup(self) -> None:
-        sys.path.insert(0, str(ROOT))
-        from egressd.mitm.ca import ensure_ca
-
-        # egressd's own CA (ECDSA P-256; mitmproxy's leaves reuse its key), made once before
-        # any master starts, so every variant signs the same way and nothing races to make it.
-        ensure_ca(self.confdir)
-        self.echo_cert, key = _make_cert(self.work)
-        echo = self.procs.spawn(
-            _self_argv("_echo", "--cert", str(self.echo_cert), "--key", str(key)),
-            self.work / "echo.err",
-        )
-        self.echo_port = int(_read_json(echo, START_TIMEOUT_S, "echo")["port"])
-
-    def _udp(self, port: int, seconds: float) -> dict[str, Any]:
-        proc = self.procs.spawn(
-            _self_argv("_udp", "--port", str(port), "--rate", str(self.a.rate), "--seconds", str(seconds)),
-            self.work / "udp.err",
-        )
-        try:
-            return _read_json(proc, seconds + 20, "udp client")
-        finally:
-            self.procs.end(proc)
-
-    def _measure(self, variant: str, rnd: int, phase: str, daemon: dict[str, Any], seconds: float) -> Sample:
-        pid = int(daemon["pid"])
-        if variant == "A":
-            mitm_path = f"/proc/{pid}/task/{daemon['mitm_tid']}/stat"
-        elif variant == "B":
-            mitm_path = f"/proc/{daemon['mitm_pid']}/stat"
-        else:
-            mitm_path = ""
-        d0, m0, mach0 = _cpu_ticks(f"/proc/{pid}/stat"), _cpu_ticks(mitm_path), _machine_ticks()
-        t0 = time.monotonic()
-        res = self._udp(int(daemon["udp_port"]), seconds)
-        wall = time.monotonic() - t0
-        d1, m1, mach1 = _cpu_ticks(f"/proc/{pid}/stat"), _cpu_ticks(mitm_path), _machine_ticks()
-
-        def pct(x0: int | None, x1: int | None) -> float:
-            if x0 is None or x1 is None:
-                return math.nan
-            return 100.0 * (x1 - x0) / CLK_TCK / wall
-
-        rtts = [x if x is not None else math.inf for x in res["rtt_ms"]]
-        return Sample(
-            variant=variant,
-            round=rnd,
-            phase=phase,
-            rtt_ms=rtts,
-            lost=sum(1 for x in res["rtt_ms"] if x is None),
-            send_lag_p99_ms=float(res["send_lag_p99_ms"]),
-            wall_s=wall,
-            daemon_cpu=pct(d0, d1),
-            mitm_cpu=pct(m0, m1),
-            machine_cpu=100.0 * (mach1[0] - mach0[0]) / max(1, mach1[1] - mach0[1]),
-            daemon_rss=_rss_mib(pid),
-        )
-
-    def run_variant(self, variant: str, rnd: int) -> None:
-        mode = {"A": "inproc", "B": "child", "C": "none"}[variant]
-        self.log(f"round {rnd}: {LABEL[variant]}")
-        daemon_proc = self.procs.spawn(
-            _self_argv(
-                "_daemon",
-                "--mitm",
-                mode,
-                "--confdir",
-                str(self.confdir),
-                "--mitm-log",
-                str(self.work / "mitm-child.log"),
-                "--switch-interval-ms",
-                str(self.a.switch_interval_ms),
-            ),
-            self.work / "daemon.err",
-        )
-        load: subprocess.Popen[bytes] | None = None
-        try:
-            daemon = _read_json(daemon_proc, START_TIMEOUT_S + 10, "daemon")
-            time.sleep(0.5)  # let start-up work (gc freeze, imports) settle
-            idle = self._measure(variant, rnd, "idle", daemon, self.a.idle_s)
-            self.samples.append(idle)
-
-            argv = [
-                "--echo-port",
-                str(self.echo_port),
-                "--inflight",
-                str(self.a.inflight),
-                "--max-requests",
-                str(self.a.max_requests),
-                "--deadline-s",
-                str(min(PHASE_CAP_S, self.a.load_s + 20)),
-                "--cafile",
-                str(self.echo_cert),
-            ]
-            if variant != "C":
-                argv += ["--proxy-port", str(daemon["mitm_port"])]
-                argv += ["--cafile", str(self.confdir / "mitmproxy-ca-cert.pem")]
-            if self.a.keepalive:
-                argv.append("--keepalive")
-            load = self.procs.spawn(_self_argv("_load", *argv), self.work / "load.err")
-            started = _read_json(load, START_TIMEOUT_S, "load generator")
-            if not started.get("started"):
-                raise RuntimeError(f"load generator failed its warm-up: {started}")
-            sample = self._measure(variant, rnd, "load", daemon, self.a.load_s)
-            assert load.stdin is not None
-            with contextlib.suppress(BrokenPipeError):  # it may have hit --max-requests
-                load.stdin.write(b"stop\n")
-                load.stdin.flush()
-            sample.load = _read_json(load, 30, "load generator")
-            self.samples.append(sample)
-            self.log(
-                f"  idle p50 {_pct(idle.rtt_ms, 50):.3f} p99 {_pct(idle.rtt_ms, 99):.3f} ms; "
-                f"load p50 {_pct(sample.rtt_ms, 50):.3f} p99 {_pct(sample.rtt_ms, 99):.3f} "
-                f"max {max(sample.rtt_ms):.1f} ms; {sample.load.get('rps')} req/s; "
-                f"daemon cpu {sample.daemon_cpu:.0f}%"
-            )
-        finally:
-            if load is not None:
-                self.procs.end(load)
-            self.procs.end(daemon_proc, grace=8.0)
-
-    # ---- report ------------------------------------------------------------------------------
-
-    def report(self) -> str:
-        a = self.a
-        lines: list[str] = []
-        w = lines.append
-        w("MITM placement benchmark: in-process thread vs child process")
-        w(
-            f"date {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M:%SZ}; host {platform.node()}; "
-            f"{os.cpu_count()} CPUs; Python {platform.python_version()}; "
-            f"mitmproxy {_mitmproxy_version()}; daemon switch interval "
-            f"{a.switch_interval_ms or sys.getswitchinterval() * 1000:g} ms"
-        )
-        w(
-            f"rounds {a.rounds} (variants interleaved, order rotated per round); UDP {a.rate:g} q/s, "
-            f"idle {a.idle_s:g} s + load {a.load_s:g} s per variant and round; HTTPS load "
-            f"{a.inflight} in flight, {'keep-alive' if a.keepalive else 'new TLS connection per request'}"
-        )
-        w("C's load phase sends the same HTTPS load straight to the echo server (no MITM).")
-        w("")
-        w("Pooled over rounds. RTT in ms (UDP request -> dnslib answer, client-side); CPU in % of")
-        w("one core over the UDP window (daemon = whole daemon process, A's MITM thread included);")
-        w("machine = % of all cores.")
-        w("")
-        hdr = (
-            f"{'variant':<10} {'phase':<5} {'n':>6} {'lost':>4} {'p50':>7} {'p90':>7} {'p99':>7} "
-            f"{'p99.9':>7} {'max':>7} {'>5ms':>6} {'req/s':>6} {'req p50':>7} {'daemon':>6} "
-            f"{'mitm':>5} {'machine':>7} {'RSS MiB':>7}"
-        )
-        w(hdr)
-        w("-" * len(hdr))
-        for v in VARIANTS:
-            for phase in ("idle", "load"):
-                ss = [s for s in self.samples if s.variant == v and s.phase == phase]
-                if not ss:
-                    continue
-                r = [x for s in ss for x in s.rtt_ms]
-                over5 = 100.0 * sum(1 for x in r if x > 5.0) / len(r)
-                rps = [float(s.load["rps"]) for s in ss if s.load]
-                rp50 = [float(s.load["p50_ms"]) for s in ss if s.load]
-                rss = [s.daemon_rss for s in ss if s.daemon_rss is not None]
-                w(
-                    f"{LABEL[v]:<10} {phase:<5} {len(r):>6} {sum(s.lost for s in ss):>4} "
-                    f"{_pct(r, 50):>7.3f} {_pct(r, 90):>7.3f} {_pct(r, 99):>7.3f} "
-                    f"{_pct(r, 99.9):>7.2f} {max(r):>7.2f} {over5:>5.1f}% "
-                    f"{_fmt(_mean(rps), '.0f'):>6} {_fmt(_mean(rp50), '.1f'):>7} "
-                    f"{_mean([s.daemon_cpu for s in ss]):>5.0f}% "
-                    f"{_fmt(_mean([s.mitm_cpu for s in ss]), '.0f', '%'):>5} "
-                    f"{_mean([s.machine_cpu for s in ss]):>6.0f}% {_fmt(_mean(rss), '.0f'):>7}"
-                )
-        w("")
-        w("Per round (load phase): UDP p50 / p99 / max ms, MITM req/s, daemon CPU %")
-        for v in VARIANTS:
-            parts = []
-            for s in self.samples:
-                if s.variant == v and s.phase == "load":
-                    parts.append(
-                        f"r{s.round}: {_pct(s.rtt_ms, 50):.3f} / {_pct(s.rtt_ms, 99):.2f} / "
-                        f"{max(s.rtt_ms):.1f}, {s.load.get('rps')}/s, {s.daemon_cpu:.0f}%"
-                    )
-            w(f"  {LABEL[v]:<10} " + "; ".join(parts))
-        w("")
-        w("Comparison, load phase, pooled (A in-proc minus B child; each minus its own idle):")
-        pooled = {
-            (v, ph): [x for s in self.samples if s.variant == v and s.phase == ph for x in s.rtt_ms]
-            for v in VARIANTS
-            for ph in ("idle", "load")
-        }
-        if pooled[("A", "load")] and pooled[("B", "load")]:
-            for q in (50, 99):
-                pa, pb = _pct(pooled[("A", "load")], q), _pct(pooled[("B", "load")], q)
-                ia, ib = _pct(pooled[("A", "idle")], q), _pct(pooled[("B", "idle")], q)
-                w(
-                    f"  p{q}: A {pa:.3f} ms vs B {pb:.3f} ms -> A - B = {pa - pb:+.3f} ms "
-                    f"(A x{pa / pb:.1f}); load - idle: A {pa - ia:+.3f}, B {pb - ib:+.3f} ms"
-                )
-            rps_a = _mean([float(s.load["rps"]) for s in self.samples if s.variant == "A" and s.load])
-            rps_b = _mean([float(s.load["rps"]) for s in self.samples if s.variant == "B" and s.load])
-            w(f"  MITM throughput: A {rps_a:.0f} req/s vs B {rps_b:.0f} req/s")
-        extra = [
-            f"{LABEL[s.variant]} r{s.round} {s.phase}: send lag p99 {s.send_lag_p99_ms} ms, "
-            f"load {json.dumps(s.load) if s.load else '-'}"
-            for s in self.samples
-        ]
-        w("")
-        w("Raw per phase (client send lag = how late the UDP client itself sent, a noise check):")
-        lines.extend("  " + e for e in extra)
-        return "\n".join(lines) + "\n"
-
-
-def _mean(xs: Sequence[float]) -> float:
-    xs = [x for x in xs if not math.isnan(x)]
-    return sum(xs) / len(xs) if xs else math.nan
-
-
-def _fmt(x: float, spec: str, suffix: str = "") -> str:
-    return "-" if math.isnan(x) else format(x, spec) + suffix
-
-
-def _mitmproxy_version() -> str:
+    d0, m0, mc0, t0 = c.cpu_s(pid), mitm(), c.machine_cpu(), time.monotonic()
+    udp = c.Proc(_self("_udp", daemon["udp_port"], a.rate, seconds), log_path=work / "udp.err", preexec=_die_with_parent)
     try:
-        from mitmproxy import version
+        res = udp.read_json(seconds + 20)
+    finally:
+        udp.stop(5)
+    wall, mc1 = time.monotonic() - t0, c.machine_cpu()
+    return {"rtt": [math.inf if x is None else x for x in res["rtt_ms"]], "lag_p99": res["lag_p99_ms"], "daemon_cpu": 100 * (c.cpu_s(pid) - d0) / wall,
+            "mitm_cpu": 100 * (mitm() - m0) / wall, "machine_cpu": 100 * (mc1[0] - mc0[0]) / max(1.0, mc1[1] - mc0[1]), "rss_mib": c.mem_kb(pid) / 1024}  # fmt: skip
 
-        return str(version.VERSION)
-    except Exception:
-        return "?"
+
+def inner(a: argparse.Namespace, _topo: c.Topology, work: Path, rep: c.Report) -> dict[str, Any]:
+    if a.quick:
+        a.rounds, a.idle_s, a.load_s = 1, 2.0, 3.0
+    a.idle_s, a.load_s = min(a.idle_s, CAP_S - 5), min(a.load_s, CAP_S - 25)
+    if a.rate * max(a.idle_s, a.load_s) > 65535:
+        raise c.BenchError("rate x window must stay under 65536 queries (16-bit ids)")
+    sys.path.insert(0, str(c.ROOT))
+    from egressd.mitm.ca import ensure_ca
+
+    confdir = work / "mitm-confdir"
+    ensure_ca(confdir)  # egressd's own P-256 CA, made once before any master starts
+    cert, key = _cert(work)
+    procs = [c.Proc(_self("_echo", cert, key), log_path=work / "echo.err", preexec=_die_with_parent)]
+    samples: list[dict[str, Any]] = []
+    try:
+        echo_port = procs[0].read_json(START_S)["port"]
+        for rnd in range(1, a.rounds + 1):
+            k = (rnd - 1) % 3
+            for v in "ABC"[k:] + "ABC"[:k]:
+                c.log(f"round {rnd}: {LABEL[v]}")
+                dp = c.Proc(_self("_daemon", v, confdir, work / "mitm-child.log", a.switch_interval_ms), log_path=work / "daemon.err", preexec=_die_with_parent)
+                procs.append(dp)
+                load = None
+                try:
+                    daemon = dp.read_json(START_S + 10)
+                    time.sleep(0.5)  # start-up work (gc freeze, imports) settles
+                    samples.append({"v": v, "round": rnd, "phase": "idle", **measure(a, work, v, daemon, a.idle_s)})
+                    ca = [str(cert)] + ([str(confdir / "mitmproxy-ca-cert.pem")] if v != "C" else [])
+                    load = c.Proc(_self("_load", echo_port, daemon["mitm_port"] if v != "C" else 0, a.inflight, a.max_requests,
+                                        min(CAP_S, a.load_s + 20), int(a.keepalive), *ca), log_path=work / "load.err", preexec=_die_with_parent)  # fmt: skip
+                    load.read_json(START_S)
+                    s = {"v": v, "round": rnd, "phase": "load", **measure(a, work, v, daemon, a.load_s)}
+                    with contextlib.suppress(BrokenPipeError):  # it may have hit --max-requests
+                        load.p.stdin.write(b"stop\n")  # type: ignore[union-attr]
+                        load.p.stdin.flush()  # type: ignore[union-attr]
+                    s["load"] = load.read_json(30)
+                    samples.append(s)
+                    c.log(f"  load p50 {c.pct(s['rtt'], 50):.3f} p99 {c.pct(s['rtt'], 99):.3f} max {max(s['rtt']):.1f} ms; {s['load']['rps']} req/s")
+                finally:
+                    if load is not None:
+                        load.stop(5)
+                    dp.stop(8)
+    except (OSError, RuntimeError) as exc:
+        tails = "".join(f"\n--- {f.name}\n{f.read_text()[-1500:]}" for f in work.glob("*.err") if f.stat().st_size)
+        raise c.BenchError(f"{exc}{tails}") from None
+    finally:
+        for p in procs:
+            p.stop(5)
+    report(a, rep, samples)
+    return {"samples": samples}
+
+
+def report(a: argparse.Namespace, rep: c.Report, samples: list[dict[str, Any]]) -> None:
+    import mitmproxy.version
+
+    rep.add(f"mitmproxy {mitmproxy.version.VERSION}; rounds {a.rounds} (A/B/C interleaved, order rotated); UDP {a.rate:g} q/s, idle {a.idle_s:g}s"
+            f" + load {a.load_s:g}s per variant and round; HTTPS load {a.inflight} in flight, {'keep-alive' if a.keepalive else 'new TLS connection per request'}")  # fmt: skip
+    rep.add("UDP RTT in ms, pooled over rounds; CPU in % of one core (daemon = whole process, A's MITM thread included); baseline: C none, same phase")
+    pool = {(v, ph): [x for s in samples if s["v"] == v and s["phase"] == ph for x in s["rtt"]] for v in "ABC" for ph in ("idle", "load")}
+    rows = []
+    for v in "ABC":
+        for ph in ("idle", "load"):
+            ss, r, base = [s for s in samples if s["v"] == v and s["phase"] == ph], pool[(v, ph)], pool[("C", ph)]
+            if not r:
+                continue
+            rps = [s["load"]["rps"] for s in ss if "load" in s]
+            rows.append([LABEL[v], ph, len(r), sum(1 for x in r if math.isinf(x)), *(c.pct(r, q) for q in (50, 90, 99, 99.9)), max(r),
+                         f"{100 * sum(1 for x in r if x > 5) / len(r):.1f}%", c.ratio(c.pct(r, 50), c.pct(base, 50)), c.ratio(c.pct(r, 99), c.pct(base, 99)),
+                         c.mean(rps) if rps else "-", *(f"{c.mean([s[k] for s in ss]):.0f}" for k in ("daemon_cpu", "mitm_cpu", "machine_cpu")),
+                         f"{c.mean([s['rss_mib'] for s in ss]):.0f}"])  # fmt: skip
+    rep.table(["variant", "phase", "n", "lost", "p50", "p90", "p99", "p99.9", "max", ">5ms", "p50 ratio", "p99 ratio", "req/s", "daemon", "mitm", "machine", "RSS MiB"], rows)
+    rep.add("per round, load phase (UDP p50 / p99 / max ms, req/s): " + "; ".join(
+        f"{LABEL[s['v']]} r{s['round']} {c.pct(s['rtt'], 50):.3f} / {c.pct(s['rtt'], 99):.2f} / {max(s['rtt']):.1f}, {s['load']['rps']}" for s in samples if "load" in s))  # fmt: skip
+    la, lb = pool[("A", "load")], pool[("B", "load")]
+    for q in (50, 99):
+        rep.add(f"  p{q} under load: A {c.pct(la, q):.3f} vs B {c.pct(lb, q):.3f} ms = A/B {c.ratio(c.pct(la, q), c.pct(lb, q))}; "
+                f"load/idle: A {c.ratio(c.pct(la, q), c.pct(pool[('A', 'idle')], q))}, B {c.ratio(c.pct(lb, q), c.pct(pool[('B', 'idle')], q))}")  # fmt: skip
+    rep.add("  client send lag p99 per phase (noise check), ms: " + ", ".join(f"{s['v']}{s['round']}{s['phase'][0]} {s['lag_p99']}" for s in samples))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    roles: dict[str, Callable[[Sequence[str]], int]] = {
-        "_echo": role_echo,
-        "_mitm": role_mitm,
-        "_daemon": role_daemon,
-        "_udp": role_udp,
-        "_load": role_load,
-    }
-    if argv and argv[0] in roles:
-        return roles[argv[0]](argv[1:])
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--rounds", type=int, default=4, help="A/B/C rounds (default 4)")
-    p.add_argument("--idle-s", type=float, default=4.0, help="idle UDP window per variant")
-    p.add_argument("--load-s", type=float, default=8.0, help="UDP window under HTTPS load")
-    p.add_argument("--rate", type=float, default=500.0, help="UDP queries per second")
-    p.add_argument("--inflight", type=int, default=8, help="HTTPS requests in flight")
+    roles: dict[str, Any] = {"_echo": role_echo, "_mitm": role_mitm, "_daemon": role_daemon, "_udp": role_udp, "_load": role_load}
+    if len(sys.argv) > 1 and sys.argv[1] in roles:
+        return int(roles[sys.argv[1]](*sys.argv[2:]))
+    p = c.parser(__doc__, "1 round, 2 s idle, 3 s load")
+    p.add_argument("--rounds", type=int, default=4, help="A/B/C rounds (4)")
+    p.add_argument("--idle-s", type=float, default=4.0, help="idle UDP window per variant (4)")
+    p.add_argument("--load-s", type=float, default=8.0, help="UDP window under HTTPS load (8)")
+    p.add_argument("--rate", type=float, default=500.0, help="UDP queries per second (500)")
+    p.add_argument("--inflight", type=int, default=8, help="HTTPS requests in flight (8)")
     p.add_argument("--max-requests", type=int, default=200000, help="HTTPS requests cap per phase")
     p.add_argument("--keepalive", action="store_true", help="reuse HTTPS connections")
-    p.add_argument(
-        "--switch-interval-ms",
-        type=float,
-        default=0.0,
-        help="diagnostic: sys.setswitchinterval in the daemon (default: Python's 5 ms)",
-    )
-    p.add_argument("--quick", action="store_true", help="1 round, 2 s idle, 3 s load")
-    p.add_argument("--out", type=Path, help="write the report here too")
-    a = p.parse_args(argv)
-    if a.quick:
-        a.rounds, a.idle_s, a.load_s = 1, 2.0, 3.0
-    a.idle_s = min(a.idle_s, PHASE_CAP_S - 5)
-    a.load_s = min(a.load_s, PHASE_CAP_S - 25)
-    if a.rate * max(a.idle_s, a.load_s) > 65535:
-        p.error("rate x window must stay under 65536 queries (16-bit ids)")
-
-    procs = Procs()
-    work = Path(tempfile.mkdtemp(prefix="egbm-mitmpl-"))
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_signal)
-    try:
-        bench = Bench(a, work, procs)
-        bench.setup()
-        for rnd in range(1, a.rounds + 1):
-            k = (rnd - 1) % len(VARIANTS)
-            for v in VARIANTS[k:] + VARIANTS[:k]:
-                bench.run_variant(v, rnd)
-        text = bench.report()
-        sys.stdout.write(text)
-        if a.out:
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            a.out.write_text(text)
-            bench.log(f"report written to {a.out}")
-        return 0
-    except (RuntimeError, OSError) as exc:
-        print(f"bench_mitm_placement: {exc}", file=sys.stderr)
-        for name in ("daemon.err", "mitm-child.log", "load.err", "echo.err", "udp.err"):
-            f = work / name
-            if f.exists() and f.stat().st_size:
-                print(f"--- {name} (tail)\n{f.read_text()[-2000:]}", file=sys.stderr)
-        return 1
-    finally:
-        procs.close()
-        shutil.rmtree(work, ignore_errors=True)
+    p.add_argument("--switch-interval-ms", type=float, default=0.0, help="diagnostic: sys.setswitchinterval in the daemon")
+    return c.main("mitm-placement", "egbp", ["ns"], "ns", p.parse_args(argv), inner, tools=("ip",))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Every benchmark in scripts/bench/ with --quick (CI-sized, < 60 s each on a 2-core VM). The run
+# FAILS when a benchmark cannot complete (a crash, a failed sanity check, any non-zero exit) or
+# leaves a namespace behind; a MISSED target does not fail it. Each benchmark builds its own
+# throwaway namespaces and removes them, also on failure; nothing touches the root namespace.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+if [ "$(id -u)" -ne 0 ]; then echo "bench: needs root (network namespaces, nftables)" >&2; exit 1; fi
+scripts/install.sh >/dev/null || { echo "bench: install failed" >&2; exit 1; }
+
+PASS=0; FAIL=0
+LOGS=$(mktemp -d /tmp/egbench-quick.XXXXXX)
+trap 'rm -rf "$LOGS"' EXIT
+for b in fleet dns mitm mitm_placement; do
+  t0=$(date +%s)
+  # SIGTERM on overrun: the benchmark cleans up on it (SIGKILL 30 s later only if it hangs).
+  timeout --kill-after=30 240 .venv/bin/python "scripts/bench/bench_$b.py" --quick >"$LOGS/$b.out" 2>"$LOGS/$b.err"
+  rc=$?
+  dt=$(( $(date +%s) - t0 ))
+  base=$(grep -oE 'namespaces egb[a-z]+[0-9]+-' "$LOGS/$b.err" | head -1 | sed 's/^namespaces //')
+  left=""
+  if [ -n "$base" ]; then left=$(ip netns list | awk '{print $1}' | grep -F -- "$base" || true); fi
+  cat "$LOGS/$b.out"
+  if [ $rc -eq 0 ] && [ -z "$left" ]; then
+    PASS=$((PASS + 1)); echo "PASS  bench_$b.py --quick (${dt}s)"
+  else
+    FAIL=$((FAIL + 1))
+    echo "--- bench_$b.py stderr (tail) ---"; grep -v '^{' "$LOGS/$b.err" | tail -25
+    [ -n "$left" ] && echo "left behind: $left"
+    echo "FAIL  bench_$b.py --quick (rc=$rc, ${dt}s)"
+  fi
+done
+echo "bench: $PASS passed, $FAIL failed"
+[ $FAIL -eq 0 ]
