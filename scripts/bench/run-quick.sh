@@ -11,7 +11,7 @@ scripts/install.sh >/dev/null || { echo "bench: install failed" >&2; exit 1; }
 PASS=0; FAIL=0
 LOGS=$(mktemp -d /tmp/egbench-quick.XXXXXX)
 trap 'rm -rf "$LOGS"' EXIT
-for b in fleet dns mitm mitm_placement; do
+for b in fleet dns mitm mitm_placement vault; do
   t0=$(date +%s)
   # SIGTERM on overrun: the benchmark cleans up on it (SIGKILL 30 s later only if it hangs).
   timeout --kill-after=30 240 .venv/bin/python "scripts/bench/bench_$b.py" --quick >"$LOGS/$b.out" 2>"$LOGS/$b.err"
