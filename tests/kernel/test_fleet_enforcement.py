@@ -275,11 +275,17 @@ def _normalised_table(d: Daemon) -> list[str]:
     return sorted(items)
 
 
+def _with_deep(policy: dict[str, object]) -> dict[str, object]:
+    """``policy`` plus an allow of deep.test (topology.ZONE: its A record is UP_C)."""
+    rules = [*policy["egress"], {"action": "allow", "target": "deep.test"}]  # type: ignore[misc]
+    return {**policy, "egress": rules}
+
+
 def test_other_subjects_changes_never_touch_a_subjects_leases(topo: Topology, daemon: Daemon) -> None:
-    bind(daemon, 1, allow_ips())
+    bind(daemon, 1, _with_deep(allow_ips()))
     activate(daemon, "sb1")
-    # A DNS-learned lease (what the DNS proxy adds), put in place directly.
-    daemon.nft("add", "element", "inet", daemon.table, "subj_s_sb1_dyn_v4", f"{{ {UP_C} timeout 300s }}")
+    # A DNS-learned lease, taught by deep.test through the DNS proxy.
+    assert topo.dig(1, "deep.test") == ("NOERROR", [UP_C])
     assert topo.reaches(1, UP_C)
     # Add, update, rebind and remove other subjects; sb1's lease and access must survive.
     bind(daemon, 2, allow_ips(UP_A))
@@ -289,8 +295,9 @@ def test_other_subjects_changes_never_touch_a_subjects_leases(topo: Topology, da
     bind(daemon, 3, allow_ips(UP_A), rid="r2")
     assert daemon.post(envelope("REMOVE_BINDING", "sb2"))[0] == 200
     assert daemon.post(envelope("REMOVE_BINDING", "sb3", rid="r2"))[0] == 200
-    # An in-place policy update of sb1 itself keeps its leases too (only a revert drops them).
-    bind(daemon, 1, allow_ips(UP_D))
+    # An in-place policy update of sb1 itself keeps the leases of names it still allows
+    # (BEHAVIOUR 14.1: those of names it no longer allows go with the update).
+    bind(daemon, 1, _with_deep(allow_ips(UP_D)))
     assert UP_C in daemon.nft("list", "set", "inet", daemon.table, "subj_s_sb1_dyn_v4")
     assert topo.reaches(1, UP_C)
     assert topo.reaches(1, UP_D)

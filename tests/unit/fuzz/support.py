@@ -30,6 +30,8 @@ PROFILE = os.environ.get("EGRESSD_FUZZ_PROFILE", "ci").strip().lower() or "ci"
 if PROFILE not in ("ci", "campaign"):
     raise RuntimeError(f"EGRESSD_FUZZ_PROFILE must be 'ci' or 'campaign', got {PROFILE!r}")
 
+SCALE = float(os.environ.get("EGRESSD_FUZZ_SCALE", "1") or "1")
+
 #: Cases run per target in this process (reported by conftest.py's terminal summary).
 COUNTS: Counter[str] = Counter()
 
@@ -39,9 +41,10 @@ def fuzz(target: str, *, ci: int, campaign: int) -> settings:
     del target  # named at the call site for the reader; counting is done by hit()
     if PROFILE == "campaign":
         # Random (a different seed every run), no example database (nothing written into
-        # the worktree), shrinking kept so a finding arrives minimal.
+        # the worktree), shrinking kept so a finding arrives minimal. EGRESSD_FUZZ_SCALE
+        # multiplies the campaign counts (a longer campaign without editing each target).
         return settings(
-            max_examples=campaign,
+            max_examples=max(1, int(campaign * SCALE)),
             deadline=None,
             database=None,
             suppress_health_check=list(HealthCheck),
