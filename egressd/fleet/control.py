@@ -44,8 +44,8 @@ from egressd.fleetnft.builder import (
     subject_resync,
     subject_rules,
 )
-from egressd.fleetnft.conntrack import flow_destinations, flush_flow
-from egressd.fleetnft.conntrack import read_table as read_conntrack_table
+from egressd.fleetnft.conntrack import flush_flow
+from egressd.fleetnft.conntrack import read_flows as read_conntrack_flows
 from egressd.fleetnft.netlink import element_covering
 from egressd.fleetnft.ops import NetlinkBatch, Op
 from egressd.metrics import EgressMetrics
@@ -1039,8 +1039,8 @@ class ControlPlane:
     async def _cut_disallowed(
         self, uid: str, keys: frozenset[tuple[IPAddress, IPAddress]], effective: NetworkPolicy
     ) -> None:
-        text = await read_conntrack_table()
-        if text is None:
+        flows = await read_conntrack_flows(_ips(keys))
+        if flows is None:
             return
         now = time.monotonic()
         book = self.leases.get(uid)
@@ -1049,7 +1049,7 @@ class ControlPlane:
         sets = ip_sets(effective)
         split = audit_deny_sets(effective) if effective.audit else None
         for src in _ips(keys):
-            for dst in sorted(flow_destinations(text, src), key=str):
+            for dst in sorted(flows.get(src, ()), key=str):
                 if dst in gateways or ip_decision(effective, leases, dst, now, sets)[0] is not Verdict.DENY:
                     continue
                 if split is not None and not hard_denied(effective, dst, split):

@@ -38,3 +38,16 @@ def test_no_flows_means_no_exec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     table.write_text(V4)
     monkeypatch.setattr(conntrack.shutil, "which", lambda _: pytest.fail("must not spawn conntrack"))
     asyncio.run(conntrack.flush_source(ip_address("10.203.0.99"), table))
+
+
+def test_flows_from_keeps_only_the_given_sources(tmp_path: Path) -> None:
+    table = tmp_path / "nf_conntrack"
+    table.write_text(V4 + "\n" + V6 + "\n")
+    want = {ip_address("10.203.0.11"), ip_address("fd00:203::11")}
+    got = asyncio.run(conntrack.read_flows(want, table))
+    assert got == {
+        ip_address("10.203.0.11"): {ip_address("10.204.0.2")},
+        ip_address("fd00:203::11"): {ip_address("fd00:204::2")},
+    }
+    assert conntrack.flows_from(V4.splitlines(), {ip_address("10.203.0.1")}) == {}
+    assert asyncio.run(conntrack.read_flows(want, tmp_path / "missing")) is None

@@ -10,7 +10,7 @@ import asyncio
 import ipaddress
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import pytest
@@ -18,6 +18,7 @@ import pytest
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
 from egressd.dnsproxy.server import Asker
 from egressd.fleet.control import ControlPlane, Result
+from egressd.fleetnft import conntrack
 from egressd.fleetnft.applier import NftError
 from egressd.fleetnft.builder import TableConfig, dyn_add, dyn_replace, policy_swap
 from egressd.fleetnft.ops import AddIntervals, AddTimed, NetlinkBatch
@@ -569,15 +570,15 @@ def fake_conntrack(
         f"ipv4 2 tcp 6 100 ESTABLISHED src={src} dst={d} sport=1 dport=443 src={d} dst={src}" for d in dsts
     ]
 
-    async def table() -> str:
-        return "\n".join(lines)
+    async def flows(sources: Collection[IPAddress]) -> dict[IPAddress, set[IPAddress]]:
+        return conntrack.flows_from(lines, sources)
 
     cut: list[tuple[IPAddress, IPAddress]] = []
 
     async def flush(s: IPAddress, d: IPAddress) -> None:
         cut.append((s, d))
 
-    monkeypatch.setattr(control_mod, "read_conntrack_table", table)
+    monkeypatch.setattr(control_mod, "read_conntrack_flows", flows)
     monkeypatch.setattr(control_mod, "flush_flow", flush)
     return cut
 
