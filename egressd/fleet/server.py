@@ -24,6 +24,7 @@ from egressd.fleet.control import ControlPlane, Result
 from egressd.fleet.proxyroute import ProxyRouteAPI, Reply
 from egressd.metrics import OPENMETRICS_CONTENT_TYPE, EgressMetrics
 from egressd.serving import BodyIncomplete, InFlight
+from egressd.subject.model import subject_for_uid
 
 log = structlog.get_logger("egressd.http")
 
@@ -112,7 +113,7 @@ class FleetHTTP:
         revoking = self.control.revoking()
         if revoking:
             # The kernel still holds more than these subjects may have (BEHAVIOUR 14.6).
-            names = ", ".join(sorted(f"s-{uid}" for uid in revoking))
+            names = ", ".join(sorted(subject_for_uid(uid) for uid in revoking))
             return f"revocation pending: {names}"
         if self._extra_health is not None:
             return self._extra_health()
