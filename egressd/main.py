@@ -12,28 +12,28 @@ from collections.abc import Sequence
 import structlog
 from aiohttp import web
 
+from egressd.actionhandler.control import ControlPlane
 from egressd.config import Config, ConfigError, parse_config
 from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import upstreams_or_system
-from egressd.fleet.always_reload import AlwaysRulesReloader
 from egressd.fleet.audit import AuditEvidence
-from egressd.fleet.control import ControlPlane
 from egressd.fleet.proxyroute import ProxyRouteAPI
-from egressd.fleet.refresh import LeaseRefresher
 from egressd.fleet.server import FleetHTTP
-from egressd.fleetnft.applier import KernelTransactions, NftError
 from egressd.fleetnft.builder import TableConfig
-from egressd.fleetnft.conntrack import flush_source
 from egressd.fleetnft.selftest import SelfTestError, bridge_report, run_selftest
 from egressd.hygiene import disable_core_dumps
+from egressd.kernel.applier import KernelTransactions, NftError
+from egressd.kernel.conntrack import flush_source
 from egressd.logsetup import configure
 from egressd.metrics import EgressMetrics
 from egressd.mitm.service import MitmStartupError, start_mitm
 from egressd.policy import AlwaysRulesError, load_always_rules
-from egressd.serving import ListenError, start_http, wait_for_stop
+from egressd.policy.reload import AlwaysRulesReloader
+from egressd.subject.refresh import LeaseRefresher
 from egressd.vault.sealed import KeyDirError, KeyStore
+from egressd.web.serving import ListenError, start_http, wait_for_stop
 
 log = structlog.get_logger("egressd")
 

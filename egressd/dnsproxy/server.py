@@ -177,7 +177,9 @@ class DnsProxy:
             trimmed = _keep_learned(reply, set(learned))
         if audit_text is not None and had_edns:
             attach_ede(reply, INFO_OTHER, audit_text)
-        elif had_edns and not trimmed and forwarded.wire is not None and (tcp or len(forwarded.wire) <= limit):
+        elif (
+            had_edns and not trimmed and forwarded.wire is not None and (tcp or len(forwarded.wire) <= limit)
+        ):
             # Nothing to strip or truncate: the upstream's answer goes back byte for byte
             # (same id: the query was forwarded with it).
             if self.metrics:

@@ -7,30 +7,23 @@ are never logged; error replies are one line and never quote a credential value.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
 
-from egressd.fleet.control import ControlPlane, SubjectListener
-from egressd.fleet.pending import PendingFull
-from egressd.fleet.route import Resource, RouteError, RouteRequest, classify
+from egressd.actionhandler.control import ControlPlane, SubjectListener
 from egressd.policy import (
-    NetworkPolicy,
     PolicyError,
-    delete_targets,
-    merge_patch,
-    parse_policy,
     policy_mode,
     rule_cap_problem,
 )
 from egressd.subject.registry import Entry, State
-from egressd.vault.model import DEFAULT_LIMITS, VaultError, VaultLimits
-from egressd.vault.offload import off_loop
-from egressd.vault.store import Response, VaultStore
+from egressd.vault.model import VaultError
+from egressd.vault.pending import PendingFull
+from egressd.web.route import Resource, RouteError, RouteRequest, classify
+from egressd.web.vaultapi import NO_MATCH, Reply, edited_policy, vault_write
 
 log = structlog.get_logger("egressd.proxyroute")
 
@@ -38,27 +31,6 @@ _VAULT_METHODS = ("GET", "PUT", "POST", "PATCH", "DELETE")
 _POLICY_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 _PENDING_REASON = "subject not registered yet; push cached"
 _DENYING_REASON = "subject denying; SET_BINDING input is authoritative"
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    status: int
-    json: dict[str, Any] | None = None
-    text: str | None = None
-    allow: str | None = None
-    #: ``json`` already encoded (UTF-8), when it was encoded off the loop (14.7): the state
-    #: of a vault at the caps is a few hundred KiB of JSON.
-    encoded: bytes | None = None
-
-
-def _from_store(resp: Response) -> Reply:
-    status, body = resp
-    if status >= 400:
-        message = str(body.get("error", "error")) if body else "error"
-        return Reply(status, text=message)
-    if body is None:
-        return Reply(status)
-    return Reply(status, json=body)
 
 
 class ProxyRouteAPI(SubjectListener):
@@ -154,10 +126,10 @@ class ProxyRouteAPI(SubjectListener):
         if entry.state is not State.ACTIVE or entry.policy is None:
             return Reply(202, json={"status": "pending", "reason": _DENYING_REASON})
         try:
-            new, reason = _edited(method, entry.policy, body)
+            new, reason = edited_policy(method, entry.policy, body)
         except PolicyError as exc:
             return Reply(400, text=f"invalid policy: {exc.without_input()}")
-        if reason == _NO_MATCH:
+        if reason == NO_MATCH:
             # Nothing removed: nothing changes, not even a transaction.
             return Reply(
                 200,
@@ -204,134 +176,6 @@ class ProxyRouteAPI(SubjectListener):
 
     async def removed(self, uid: str) -> None:
         return None
-
-
-_WRITES = ("PUT", "POST", "PATCH")
-_RACED = "credential vault changed while this request was validated; retry"
-
-
-async def vault_write(
-    method: str,
-    resource: Resource,
-    name: str | None,
-    body: bytes,
-    current: Callable[[], VaultStore | None],
-    coverage: Callable[[], NetworkPolicy | None],
-    limits: VaultLimits = DEFAULT_LIMITS,
-) -> tuple[Reply, VaultStore | None]:
-    """:func:`vault_request` with the parse and validation of a write in the vault worker
-    thread (14.7); reads and DELETE are cheap and stay on the loop.
-
-    The caller holds the lock that serialises this vault's changes. ``coverage`` is read on
-    the loop first (registry state is the loop's), the thread works on a private fork, and
-    the result is committed here, on the loop. As a second line of defence the vault must
-    still be the one the thread started from: if anything replaced it meanwhile, nothing is
-    committed and the answer is 409 (fail closed rather than overwrite a newer vault).
-    """
-    store = current()
-    if method not in _WRITES:
-        return vault_request(method, resource, name, body, store, coverage, limits)
-    policy = coverage()
-    base = store.vault if store is not None else None
-    work = store.fork() if store is not None else None
-    reply, result = await off_loop(_write_encoded, method, resource, name, body, work, policy, limits)
-    now = current()
-    if now is not store or (now is not None and now.vault is not base):
-        return Reply(409, text=_RACED), now
-    if store is not None and result is work:
-        assert work is not None
-        store.adopt(work)
-        return reply, store
-    return reply, result
-
-
-def _write_encoded(
-    method: str,
-    resource: Resource,
-    name: str | None,
-    body: bytes,
-    store: VaultStore | None,
-    policy: NetworkPolicy | None,
-    limits: VaultLimits,
-) -> tuple[Reply, VaultStore | None]:
-    """The worker's part of :func:`vault_write`: the request, and the JSON of its answer."""
-    reply, result = vault_request(method, resource, name, body, store, lambda: policy, limits)
-    if reply.json is not None:
-        reply = replace(reply, encoded=json.dumps(reply.json).encode())
-    return reply, result
-
-
-def vault_request(
-    method: str,
-    resource: Resource,
-    name: str | None,
-    body: bytes,
-    store: VaultStore | None,
-    coverage: Callable[[], NetworkPolicy | None],
-    limits: VaultLimits = DEFAULT_LIMITS,
-) -> tuple[Reply, VaultStore | None]:
-    """One §6 vault request against ``store`` (None: no vault); shared by fleet and sidecar.
-
-    Returns the reply and the store to hold afterwards (None: no vault). ``coverage`` gives
-    the policy bindings must be covered by; it is only asked for writes. A new store gets
-    ``limits``; an existing one keeps its own.
-    """
-    if method == "GET":
-        if store is None:
-            return Reply(404, text="no credential vault"), None
-        if resource is Resource.VAULT:
-            return _from_store(store.get()), store
-        if resource is Resource.CREDENTIALS:
-            return _from_store(store.credentials()), store
-        if resource is Resource.BINDINGS:
-            return _from_store(store.bindings()), store
-        assert name is not None
-        if resource is Resource.CREDENTIAL:
-            return _from_store(store.credential(name)), store
-        return _from_store(store.binding(name)), store
-    if method == "DELETE":
-        if store is None:
-            return Reply(404, text="no credential vault"), None
-        reply = _from_store(store.delete())
-        return reply, (None if reply.status < 300 else store)
-    try:
-        obj = json.loads(body) if body.strip() else None
-    except (ValueError, RecursionError):
-        return Reply(400, text="body is not valid JSON"), store
-    policy = coverage()
-    fresh = store is None
-    target = store if store is not None else VaultStore(limits=limits)
-    if method == "PUT":
-        reply = _from_store(target.put(obj, policy))
-    elif method == "POST":
-        reply = _from_store(target.post(obj, policy))
-    else:
-        reply = _from_store(target.patch(obj, policy))
-    if fresh and reply.status >= 300:
-        return reply, None
-    return reply, target
-
-
-_NO_MATCH = "no matching targets found"
-_RESET = "policy reset to default deny-all"
-
-
-def _edited(method: str, current: NetworkPolicy, body: bytes) -> tuple[NetworkPolicy, str]:
-    """The edited policy and the reason the /policy API reports with it (§5)."""
-    try:
-        text = body.decode("utf-8") if body else ""
-    except UnicodeDecodeError:
-        raise PolicyError("body is not valid UTF-8") from None
-    if method in ("POST", "PUT"):
-        return parse_policy(text), (_RESET if not text.strip() else "")
-    try:
-        obj = json.loads(text) if text.strip() else None
-    except (ValueError, RecursionError):
-        raise PolicyError("body is not valid JSON") from None
-    if method == "PATCH":
-        return merge_patch(current, obj), ""
-    new, removed = delete_targets(current, obj)
-    return new, ("" if removed else _NO_MATCH)
 
 
 def _audit_mode(entry: Entry) -> bool:

@@ -1,7 +1,7 @@
 """Pure generation of the fleet nftables ruleset (BEHAVIOUR.md §8).
 
 Everything here returns text (libnftables scripts, one script = one atomic transaction) or
-:class:`~egressd.fleetnft.ops.NetlinkBatch` data (one batch = one atomic transaction);
+:class:`~egressd.kernel.ops.NetlinkBatch` data (one batch = one atomic transaction);
 nothing touches the kernel.
 
 Shape, and why it differs from the reference blueprint where it does:
@@ -18,7 +18,7 @@ Shape, and why it differs from the reference blueprint where it does:
   set in one batch (~15 ms at 1000 subjects) and every interval set's elements before an
   ``add element`` (~1 s). egressd only hands libnftables cache-free declarations (sets,
   chains, map elements re-declared inline); rules, content swaps and deletions go through
-  raw netlink batches (:mod:`egressd.fleetnft.ops`), whose cost does not grow with the fleet.
+  raw netlink batches (:mod:`egressd.kernel.ops`), whose cost does not grow with the fleet.
 * Audit mode (a policy with ``"mode": "audit"``) is set content too. Two always-present rule
   pairs at the end of ``mark_<id>`` log (``log prefix "egressd would-deny <id> "``), count
   (named counters ``subj_<id>_audit_deny`` / ``subj_<id>_audit_default``) and mark new flows
@@ -47,7 +47,7 @@ import ipaddress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from egressd.fleetnft.ops import (
+from egressd.kernel.ops import (
     ALLOW_MARK,
     AddChain,
     AddCounter,
@@ -497,7 +497,8 @@ def subject_objects(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
     n = Names(nft_id)
     ops: list[Op] = [AddSet(n.set(kind), kind[-2:], "interval") for kind in STATIC_SETS]
     ops += [
-        AddSet(n.set(f"dyn_{fam}"), fam, "timeout", DYN_TIMEOUT_S, size=cfg.max_leases) for fam in ("v4", "v6")
+        AddSet(n.set(f"dyn_{fam}"), fam, "timeout", DYN_TIMEOUT_S, size=cfg.max_leases)
+        for fam in ("v4", "v6")
     ]
     ops += [AddChain(c) for c in subject_chains(cfg, nft_id)]
     ops += [AddCounter(n.counter(kind)) for kind in AUDIT_COUNTERS]

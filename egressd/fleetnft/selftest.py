@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from egressd.fleetnft.applier import NftError
-from egressd.fleetnft.ops import (
+from egressd.kernel.applier import NftError
+from egressd.kernel.ops import (
     AddCounter,
     AddIntervals,
     AddRule,

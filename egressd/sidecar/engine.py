@@ -20,8 +20,7 @@ from typing import Any, Protocol
 import structlog
 
 from egressd.dnsproxy.server import Asker
-from egressd.fleet.explain import ip_decision
-from egressd.fleetnft.applier import NftError
+from egressd.kernel.applier import NftError
 from egressd.policy import (
     EMPTY_ALWAYS,
     AlwaysRules,
@@ -31,6 +30,7 @@ from egressd.policy import (
     ip_sets,
     normalise_name,
 )
+from egressd.policy.decide import ip_decision
 from egressd.sidecar.persist import serialise, write_atomic
 from egressd.sidecarnft.ruleset import SidecarTable, delete_table, dyn_add, ruleset
 from egressd.subject.leases import LeaseBook, Narrowed, covered_by, name_admitted, names_admitted
@@ -137,7 +137,9 @@ class SidecarEngine:
                     return []
                 candidates = leases
             else:
-                renew = set(self.leases.renewable((ip for ip, _ in leases), names_admitted(self.effective), now))
+                renew = set(
+                    self.leases.renewable((ip for ip, _ in leases), names_admitted(self.effective), now)
+                )
                 candidates = [(ip, sec) for ip, sec in leases if ip in renew]
             admitted = self.leases.admit(candidates, now)
             if not admitted:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
-from egressd.fleetnft.conntrack import _conntrack_delete, original_tuple, read_table
+from egressd.kernel.conntrack import conntrack_delete, original_tuple, read_table
 from egressd.subject.model import IPAddress, unmap_ip
 
 log = structlog.get_logger("egressd.sidecar.flows")
@@ -67,7 +67,7 @@ async def cut_disallowed(allowed: Callable[[IPAddress], bool]) -> int:
         if allowed(dst):
             continue
         try:
-            await _conntrack_delete(["-d", str(dst)], dst.version)
+            await conntrack_delete(["-d", str(dst)], dst.version)
             cut += 1
         except Exception as exc:
             log.warning("conntrack.cut_failed", destination=str(dst), error=str(exc)[:200])

@@ -21,16 +21,16 @@ import structlog
 from aiohttp import web
 
 from egressd.actionhandler.envelope import MAX_BODY_BYTES
-from egressd.fleet.proxyroute import _NO_MATCH, Reply, _edited, vault_write
-from egressd.fleet.route import UID_HEADER, Resource, RouteError, classify
-from egressd.fleet.server import BodyTooLarge, incomplete, read_limited, text
 from egressd.metrics import EgressMetrics
 from egressd.policy import PolicyError, policy_mode, rule_cap_problem
-from egressd.serving import BodyIncomplete, InFlight
 from egressd.sidecar.engine import SIDECAR_UID, SidecarEngine
 from egressd.vault.model import DEFAULT_LIMITS, VaultError, VaultLimits, parse_create, parse_mutation
 from egressd.vault.offload import off_loop
 from egressd.vault.store import VaultStore
+from egressd.web.body import BodyTooLarge, incomplete, read_limited, text
+from egressd.web.route import UID_HEADER, Resource, RouteError, classify
+from egressd.web.serving import BodyIncomplete, InFlight
+from egressd.web.vaultapi import NO_MATCH, Reply, edited_policy, vault_write
 
 MITM_CA_FINGERPRINT_HEADER = "X-Egressd-Mitm-Ca-Fingerprint"
 #: Audit (shadow) mode exists in the fleet profile only: the sidecar ruleset has no would-deny
@@ -217,12 +217,12 @@ class SidecarHTTP:
         async with self._lock:
             current = self.engine.user
             try:
-                new, reason = _edited(method, current, body)
+                new, reason = edited_policy(method, current, body)
             except PolicyError as exc:
                 return text(400, f"invalid policy: {exc.without_input()}")
             if new.audit:
                 return text(400, f"invalid policy: {AUDIT_UNSUPPORTED}")
-            if reason == _NO_MATCH:
+            if reason == NO_MATCH:
                 return web.json_response(self._status(reason=reason))  # nothing removed, nothing applied
             problem = rule_cap_problem(new, self.max_rules)
             if problem is not None:

@@ -20,12 +20,11 @@ from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import Upstream, upstreams_or_system
-from egressd.fleet.always_reload import AlwaysRulesReloader
-from egressd.fleetnft.applier import KernelTransactions, NftError
+from egressd.kernel.applier import KernelTransactions, NftError
 from egressd.metrics import EgressMetrics
 from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
 from egressd.policy import AlwaysRulesError, load_always_rules, rule_cap_problem
-from egressd.serving import ListenError, start_http, wait_for_stop
+from egressd.policy.reload import AlwaysRulesReloader
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.flows import cut_disallowed
 from egressd.sidecar.http import SidecarHTTP, VaultPrerequisites
@@ -34,6 +33,7 @@ from egressd.sidecarnft.ruleset import MITM_GID, Mode, SidecarTable
 from egressd.sidecarnft.selftest import SelfTestError, check_net_admin, check_setgid_for_mitm, run_selftest
 from egressd.subject.model import IPAddress
 from egressd.vault.store import VaultSnapshot
+from egressd.web.serving import ListenError, start_http, wait_for_stop
 
 log = structlog.get_logger("egressd.sidecar")
 

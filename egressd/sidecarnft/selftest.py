@@ -10,7 +10,7 @@ import contextlib
 import os
 from collections.abc import Callable
 
-from egressd.fleetnft.applier import NftError
+from egressd.kernel.applier import NftError
 
 
 class SelfTestError(RuntimeError):

@@ -50,7 +50,11 @@ FULL: dict[str, Any] = {"subjects": 1000, "rate": 1000.0, "paced_s": 10.0, "slic
 QUICK: dict[str, Any] = {**FULL, "subjects": 50, "paced_s": 3.0, "slice_s": 1.0, "warmup_s": 0.3, "closed_s": 2.0,
                          "splits_s": 2.0, "refresh_s": 1, "zone_names": 12000}  # fmt: skip
 PACED, CLOSED = ("direct", "proxy_new", "proxy_repeat"), ("direct", "proxy_new")
-LABELS = {"direct": "direct (baseline)", "proxy_new": "proxy, new names", "proxy_repeat": "proxy, repeated names"}
+LABELS = {
+    "direct": "direct (baseline)",
+    "proxy_new": "proxy, new names",
+    "proxy_repeat": "proxy, repeated names",
+}
 
 
 def v_name(k: int) -> tuple[str, str]:
@@ -67,10 +71,19 @@ def zone(n: int) -> list[dict[str, object]]:
 
 
 # The measured subject: deny by default; the benchmark's names match the 8th and 9th domain rule.
-MEASURED_POLICY = c.policy("deny", ("deny", DENIED), ("allow", "pypi.org"), ("allow", "files.pythonhosted.org"),
-                           ("allow", "*.github.com"), ("allow", "api.openai.com"), ("allow", "*.googleapis.com"),
-                           ("allow", "registry.npmjs.org"), ("allow", f"*.{R_SUFFIX}"), ("allow", f"*.{V_SUFFIX}"),
-                           ("allow", UPSTREAM_IP))  # fmt: skip  (the IP rule lets the direct baseline through)
+MEASURED_POLICY = c.policy(
+    "deny",
+    ("deny", DENIED),
+    ("allow", "pypi.org"),
+    ("allow", "files.pythonhosted.org"),
+    ("allow", "*.github.com"),
+    ("allow", "api.openai.com"),
+    ("allow", "*.googleapis.com"),
+    ("allow", "registry.npmjs.org"),
+    ("allow", f"*.{R_SUFFIX}"),
+    ("allow", f"*.{V_SUFFIX}"),
+    ("allow", UPSTREAM_IP),
+)  # fmt: skip  (the IP rule lets the direct baseline through)
 
 
 # ---- the client (sandbox namespace): one JSON command per stdin line, one result per line --------
@@ -115,7 +128,10 @@ class DnsClient:
     def names(self, spec: dict[str, Any], n: int) -> tuple[list[str], list[str], list[bytes]]:
         from dnslib import DNSRecord
 
-        pairs = [v_name((spec["start"] + i) % self.zone_names) if spec["kind"] == "new" else r_name(i % REPEAT) for i in range(n)]
+        pairs = [
+            v_name((spec["start"] + i) % self.zone_names) if spec["kind"] == "new" else r_name(i % REPEAT)
+            for i in range(n)
+        ]
         wires = []
         for i, (name, _) in enumerate(pairs):
             q = DNSRecord.question(name, "A")
@@ -149,7 +165,10 @@ class DnsClient:
                 rep = DNSRecord.parse(s.recv(4096))
             except TimeoutError:
                 return {"rcode": "TIMEOUT", "answers": []}
-        return {"rcode": RCODE[rep.header.rcode], "answers": [str(r.rdata) for r in rep.rr if r.rtype == QTYPE.A]}
+        return {
+            "rcode": RCODE[rep.header.rcode],
+            "answers": [str(r.rdata) for r in rep.rr if r.rtype == QTYPE.A],
+        }
 
     def _recv(self, s: socket.socket, out: list[tuple[int, int, bytes]], k: int) -> int:
         errors = 0
@@ -196,7 +215,11 @@ class DnsClient:
         lat, bad = [math.inf] * n, {}  # type: ignore[var-annotated]
         for k, t_rx, data in rx:
             i = struct.unpack("!H", data[:2])[0] if len(data) >= 2 else n
-            why = "unknown id" if i >= n or i % len(socks) != k or not sent[i] or math.isfinite(lat[i]) else self.check(data, names[i], addrs[i])
+            why = (
+                "unknown id"
+                if i >= n or i % len(socks) != k or not sent[i] or math.isfinite(lat[i])
+                else self.check(data, names[i], addrs[i])
+            )
             if why:
                 bad[why] = bad.get(why, 0) + 1
             else:
@@ -258,7 +281,10 @@ class DnsClient:
 
 def client_main(argv: list[str]) -> int:
     c.ignore_signals()  # the orchestrator ends us by closing stdin (or by PID)
-    targets = {n: (a.rpartition(":")[0], int(a.rpartition(":")[2])) for n, _, a in (t.partition("=") for t in argv[0].split(","))}
+    targets = {
+        n: (a.rpartition(":")[0], int(a.rpartition(":")[2]))
+        for n, _, a in (t.partition("=") for t in argv[0].split(","))
+    }
     client = DnsClient(targets, int(argv[1]))
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -278,12 +304,12 @@ def client_main(argv: list[str]) -> int:
 
 def wrap_targets() -> tuple[list[tuple[Any, str, str]], list[tuple[Any, str, str]]]:
     """What (3) times: (owner, attribute, key) per query, and as background events."""
+    from egressd.actionhandler.control import ControlPlane
     from egressd.dnsproxy import forwarder as dfwd
     from egressd.dnsproxy import server as dsrv
-    from egressd.fleet import refresh as frefresh
-    from egressd.fleet.always_reload import AlwaysRulesReloader
-    from egressd.fleet.control import ControlPlane
-    from egressd.fleetnft.applier import KernelTransactions
+    from egressd.kernel.applier import KernelTransactions
+    from egressd.policy.reload import AlwaysRulesReloader
+    from egressd.subject import refresh as frefresh
 
     return ([(dsrv.DnsProxy, "answer", "answer"), (ControlPlane, "asker", "decide"), (dsrv, "decide", "decide"),
              (dfwd, "_socket", "fwd_sock"), (dfwd.Forwarder, "forward", "fwd"), (ControlPlane, "learn", "learn"),
@@ -421,7 +447,11 @@ SPLITS = (
 
 
 def analyse(data: dict[str, Any], window: tuple[float, float]) -> dict[str, Any]:
-    recs = [r for r in data.get("records", []) if all(k in r for k in ("answer0", "fwd0", "sent")) and window[0] <= r["arr"] <= window[1]]
+    recs = [
+        r
+        for r in data.get("records", [])
+        if all(k in r for k in ("answer0", "fwd0", "sent")) and window[0] <= r["arr"] <= window[1]
+    ]
     per_q: list[dict[str, float]] = []
     hits: list[set[str]] = []
     bg = data.get("bg", [])
@@ -435,7 +465,9 @@ def analyse(data: dict[str, Any], window: tuple[float, float]) -> dict[str, Any]
         if "learn" in r:
             ms.update(between=r["learn0"] - f1, learn=r["learn"], nl=r.get("nl", 0.0))
         per_q.append({k: v * 1000.0 for k, v in ms.items()})
-        hits.append({str(e["kind"]).rstrip("012") for e in bg if e["t"] < r["sent"] and e["t"] + e["dur"] > r["arr"]})
+        hits.append(
+            {str(e["kind"]).rstrip("012") for e in bg if e["t"] < r["sent"] and e["t"] + e["dur"] > r["arr"]}
+        )
     parts = {k: [q[k] for q in per_q if k in q] for k, _ in SPLITS}
     cut = c.pct(parts["total"], 99)
     tail = [q for q in per_q if q["total"] >= cut]
@@ -448,7 +480,11 @@ def analyse(data: dict[str, Any], window: tuple[float, float]) -> dict[str, Any]
     for e in bg:
         if lo <= e["t"] <= hi:
             ev = events.setdefault(str(e["kind"]), {"n": 0, "max_ms": 0.0, "sum_ms": 0.0})
-            ev["n"], ev["max_ms"], ev["sum_ms"] = ev["n"] + 1, max(ev["max_ms"], 1000 * e["dur"]), ev["sum_ms"] + 1000 * e["dur"]
+            ev["n"], ev["max_ms"], ev["sum_ms"] = (
+                ev["n"] + 1,
+                max(ev["max_ms"], 1000 * e["dur"]),
+                ev["sum_ms"] + 1000 * e["dur"],
+            )
     return {"queries": len(recs), "tail": len(tail), "tail_overlap": overlap, "events": events,
             "parts": {k: {**c.summary(v), "tail_mean": c.mean([q.get(k, 0.0) for q in tail])} for k, v in parts.items() if v}}  # fmt: skip
 
@@ -465,13 +501,20 @@ class Runner:
         self.ticks: list[tuple[float, float]] = []  # when egressd's lease refresher may tick
 
     def expect_ticks(self, spawned: float, ready: float, interval: float) -> None:
-        self.ticks = [(spawned + k * interval, ready + k * interval + 0.3) for k in range(1, int(3600 / interval))]
+        self.ticks = [
+            (spawned + k * interval, ready + k * interval + 0.3) for k in range(1, int(3600 / interval))
+        ]
 
     def cmd(self, h: c.Http | None, side: str, op: str, duration: float, **kw: Any) -> dict[str, Any]:
         start = self.next_new if side.startswith("proxy") else self.next_direct
         cmd = {"op": op, "target": "direct" if side == "direct" else "proxy", "duration": duration,
                "names": {"kind": "repeat" if side.endswith("repeat") else "new", "start": start}, **kw}  # fmt: skip
-        m0, c0, mc0, w0 = c.scrape(h) if h else {}, {k: c.cpu_s(p) for k, p in self.pids.items()}, c.machine_cpu(), time.perf_counter()
+        m0, c0, mc0, w0 = (
+            c.scrape(h) if h else {},
+            {k: c.cpu_s(p) for k, p in self.pids.items()},
+            c.machine_cpu(),
+            time.perf_counter(),
+        )
         res = self.client.call(cmd, duration + 60)
         w1 = time.perf_counter()
         mc1, wall = c.machine_cpu(), w1 - w0
@@ -491,7 +534,14 @@ class Runner:
         return self.cmd(h, side, "paced", duration, rate=self.prm["rate"], sockets=self.prm["sockets"])
 
     def closed(self, h: c.Http | None, side: str, duration: float) -> dict[str, Any]:
-        return self.cmd(h, side, "closed", duration, concurrency=self.prm["concurrency"], max_queries=int(duration * 20000) + 100)
+        return self.cmd(
+            h,
+            side,
+            "closed",
+            duration,
+            concurrency=self.prm["concurrency"],
+            max_queries=int(duration * 20000) + 100,
+        )
 
 
 def aggregate(slices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -564,13 +614,30 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
     env = {"EGRESSD_DNS_ADDR": f"0.0.0.0:{DNS_PORT}", "OPENSANDBOX_EGRESS_DNS_UPSTREAM": f"{UPSTREAM_IP}:53",
            # The per-subject budget (200 q/s) would REFUSE the load, the lease cap (4096) SERVFAIL new names.
            "EGRESSD_DNS_QPS_PER_SUBJECT": "0", "EGRESSD_MAX_LEASES_PER_SUBJECT": "65536"}  # fmt: skip
-    bnf = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")  # set by pod_topology where br_netfilter exists
+    bnf = Path(
+        "/proc/sys/net/bridge/bridge-nf-call-iptables"
+    )  # set by pod_topology where br_netfilter exists
     if not (bnf.exists() and bnf.read_text().strip() == "1"):
         env["EGRESSD_ALLOW_BRIDGE_BYPASS"] = "1"
     (workdir / "zone.json").write_text(json.dumps({"records": zone(prm["zone_names"])}))
     py = [str(c.VENV_PY), str(Path(__file__).resolve())]
-    up = c.Proc([str(c.VENV_PY), str(c.UPSTREAM), "--http-ports", "", "--zone", str(workdir / "zone.json"), "--dns-port", "53"], ns=topo.ns("up"))
-    client = c.Proc([*py, "_client", f"proxy={c.GATEWAY}:53,direct={UPSTREAM_IP}:53", str(prm["zone_names"])], ns=topo.ns("sb1"))
+    up = c.Proc(
+        [
+            str(c.VENV_PY),
+            str(c.UPSTREAM),
+            "--http-ports",
+            "",
+            "--zone",
+            str(workdir / "zone.json"),
+            "--dns-port",
+            "53",
+        ],
+        ns=topo.ns("up"),
+    )
+    client = c.Proc(
+        [*py, "_client", f"proxy={c.GATEWAY}:53,direct={UPSTREAM_IP}:53", str(prm["zone_names"])],
+        ns=topo.ns("sb1"),
+    )
     d = c.Egressd(workdir, HTTP_PORT, TABLE, env)
     h: c.Http | None = None
     out: dict[str, Any] = {"prm": prm}
@@ -596,7 +663,12 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
                 per[side].append(run.paced(h, side, prm["paced_s"] / n_sl))
             d.check_alive()
         out["paced"] = {s: aggregate(v) for s, v in per.items()}
-        c.log("paced: " + ", ".join(f"{s} p50 {v['lat']['p50']:.3f} p99 {v['lat']['p99']:.3f} ms" for s, v in out["paced"].items()))
+        c.log(
+            "paced: "
+            + ", ".join(
+                f"{s} p50 {v['lat']['p50']:.3f} p99 {v['lat']['p99']:.3f} ms" for s, v in out["paced"].items()
+            )
+        )
         out["conntrack_paced"] = conntrack_count()
         for side in CLOSED:
             run.closed(h, side, 0.3)
@@ -606,8 +678,14 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
         out["closed"] = {s: aggregate(v) for s, v in closed.items()}
         for s, x in (*out["paced"].items(), *out["closed"].items()):
             if sum(x["bad"].values()) > 0.1 * max(1, x["sent"]):
-                raise c.BenchError(f"{s}: {x['bad']} wrong answers out of {x['sent']}: the set-up is broken, not slow")
-        out["conntrack_closed"], out["rss_kb"], out["names_used"] = conntrack_count(), c.mem_kb(d.pid), run.next_new
+                raise c.BenchError(
+                    f"{s}: {x['bad']} wrong answers out of {x['sent']}: the set-up is broken, not slow"
+                )
+        out["conntrack_closed"], out["rss_kb"], out["names_used"] = (
+            conntrack_count(),
+            c.mem_kb(d.pid),
+            run.next_new,
+        )
         d.check_alive()
         c.log("closed: " + ", ".join(f"{s} {v['qps']:.0f} q/s" for s, v in out["closed"].items()))
         missed = any(out["paced"][s]["lat"][q] - out["paced"]["direct"]["lat"][q] > lim
@@ -634,9 +712,15 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
             h = None
             d.stop()  # SIGTERM: the instrumented main writes its records on the way out
             f = workdir / "splits.json"
-            out["splits"] = {"proxy": prox["lat"], "direct": dire["lat"], **analyse(json.loads(f.read_text()) if f.exists() else {}, window)}
+            out["splits"] = {
+                "proxy": prox["lat"],
+                "direct": dire["lat"],
+                **analyse(json.loads(f.read_text()) if f.exists() else {}, window),
+            }
             if not out["splits"]["queries"]:
-                raise c.BenchError("splits: the instrumented egressd recorded no forwarded query (do the wrappers still fit?)")
+                raise c.BenchError(
+                    "splits: the instrumented egressd recorded no forwarded query (do the wrappers still fit?)"
+                )
             c.log(f"splits: {out['splits']['queries']} forwarded queries recorded")
     except (OSError, http.client.HTTPException, c.BenchError) as exc:
         raise c.BenchError(f"{exc}\n--- egressd log tail ---\n{d.log_tail()}") from None
@@ -658,9 +742,13 @@ def report(rep: c.Report, prm: dict[str, Any], out: dict[str, Any], first: bool)
     base = p["direct"]["lat"]
     rep.add(f"{prm['subjects']} active subjects (registered in {out['register_s']:.1f}s), the measured one {SANDBOX_IP}"
             f" registered {'first' if first else 'last'}; its policy: 9 domain rules + 1 IP rule, the names match the 8th/9th")  # fmt: skip
-    rep.add("latency = client send() -> kernel receive timestamp of the reply; baseline: the same client asking the upstream directly")
+    rep.add(
+        "latency = client send() -> kernel receive timestamp of the reply; baseline: the same client asking the upstream directly"
+    )
     rep.add("")
-    rep.add(f"(1) paced {prm['rate']:.0f} q/s open loop, {prm['sockets']} sockets, {prm['paced_s']:g}s per side in {prm['slice_s']:g}s slices, interleaved; ms")
+    rep.add(
+        f"(1) paced {prm['rate']:.0f} q/s open loop, {prm['sockets']} sockets, {prm['paced_s']:g}s per side in {prm['slice_s']:g}s slices, interleaved; ms"
+    )
     rep.table(["side", "sent", "lost", "bad", "p50", "p90", "p99", "p99.9", "max", "+p50", "+p99", "p50 ratio", "p99 ratio", "CPU egressd/up/client %", "egressd query / dynamic_add ms"],
               [[LABELS[s], x["sent"], x["lost"], sum(x["bad"].values()), *(x["lat"][q] for q in ("p50", "p90", "p99", "p999", "max")),
                 x["lat"]["p50"] - base["p50"], x["lat"]["p99"] - base["p99"], c.ratio(x["lat"]["p50"], base["p50"]), c.ratio(x["lat"]["p99"], base["p99"]),
@@ -673,11 +761,15 @@ def report(rep: c.Report, prm: dict[str, Any], out: dict[str, Any], first: bool)
     rep.add(f"  (* = the slice contained an egressd lease-refresher tick, every 30 s); conntrack entries in the pod after (1)"
             f" {out['conntrack_paced']}, after (2) {out['conntrack_closed']}; egressd RSS {out['rss_kb'] / 1024:.0f} MiB")  # fmt: skip
     rep.add("")
-    rep.add(f"(2) closed loop, {prm['concurrency']} outstanding, {prm['closed_s']:g}s per side (ABBA), new names")
+    rep.add(
+        f"(2) closed loop, {prm['concurrency']} outstanding, {prm['closed_s']:g}s per side (ABBA), new names"
+    )
     rep.table(["side", "answered", "timeouts", "bad", "q/s", "ratio", "p50 ms", "p99 ms", "CPU egressd/up/client %"],
               [[LABELS[s], x["answered"], x["timeouts"], sum(x["bad"].values()), x["qps"], c.ratio(x["qps"], cl["direct"]["qps"]), x["lat"]["p50"], x["lat"]["p99"],
                 "/".join(f"{x['cpu_pct'][k]:.0f}" for k in ("egressd", "upstream", "client"))] for s, x in cl.items()])  # fmt: skip
-    rep.add(f"  distinct new names asked through the proxy in (1)+(2): {out['names_used']} (zone {prm['zone_names']})")
+    rep.add(
+        f"  distinct new names asked through the proxy in (1)+(2): {out['names_used']} (zone {prm['zone_names']})"
+    )
     if sp := out.get("splits"):
         rep.add("")
         rep.add(f"(3) where the time goes: egressd's main() with perf_counter wrappers, {prm['splits_s']:g}s of new names,"
@@ -687,7 +779,10 @@ def report(rep: c.Report, prm: dict[str, Any], out: dict[str, Any], first: bool)
                   [[lbl, *(sp["parts"][k][q] for q in ("p50", "p99", "max", "mean", "tail_mean"))] for k, lbl in SPLITS if k in sp["parts"]])  # fmt: skip
         rep.add(f"  background events in the window (EGRESSD_REFRESH_INTERVAL={prm['refresh_s']} s): "
                 + ("; ".join(f"{k} {e['n']:.0f}x, max {e['max_ms']:.1f} ms" for k, e in sorted(sp["events"].items())) or "-"))  # fmt: skip
-        rep.add("  the slowest 1% overlapped: " + (", ".join(f"{k} {v}" for k, v in sorted(sp["tail_overlap"].items())) or "-"))
+        rep.add(
+            "  the slowest 1% overlapped: "
+            + (", ".join(f"{k} {v}" for k, v in sorted(sp["tail_overlap"].items())) or "-")
+        )
     for s in PACED[1:]:
         for q, lim in (("p50", T_P50_ADDED_MS), ("p99", T_P99_ADDED_MS)):
             added = p[s]["lat"][q] - base[q]
@@ -711,11 +806,21 @@ def main() -> int:
     p.add_argument("--subjects", type=int, default=0, help="active subjects incl. the measured one (1000)")
     p.add_argument("--rate", type=float, default=0, help="paced queries per second (1000)")
     p.add_argument("--duration", type=float, default=0, help="paced seconds per side (10; quick 3)")
-    p.add_argument("--closed-duration", type=float, default=0, help="closed-loop seconds per side (5; quick 2)")
+    p.add_argument(
+        "--closed-duration", type=float, default=0, help="closed-loop seconds per side (5; quick 2)"
+    )
     p.add_argument("--concurrency", type=int, default=0, help="closed-loop queries outstanding (32)")
     p.add_argument("--sockets", type=int, default=0, help="client sockets of the paced run (8)")
-    p.add_argument("--splits", choices=("auto", "always", "never"), help="(3): when a target is missed (auto, default), always (quick), never")
-    p.add_argument("--measured-first", action="store_true", help="register the measured subject first (its sets head the kernel's list)")
+    p.add_argument(
+        "--splits",
+        choices=("auto", "always", "never"),
+        help="(3): when a target is missed (auto, default), always (quick), never",
+    )
+    p.add_argument(
+        "--measured-first",
+        action="store_true",
+        help="register the measured subject first (its sets head the kernel's list)",
+    )
     return c.main("dns", "egbd", ["pod", "up", "sb1"], "pod", p.parse_args(), inner, build)
 
 

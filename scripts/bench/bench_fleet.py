@@ -34,7 +34,9 @@ import common as c
 PORT = 18480
 DAEMON_TABLE, DIRECT_TABLE = "egbench_fleet", "egbench_direct"
 GATEWAY = "10.100.0.1"
-BG_BASE, MEASURED_BASE, FRESH_BASE = (int(ipaddress.IPv4Address(a)) for a in ("10.100.0.16", "10.101.0.16", "10.102.0.16"))
+BG_BASE, MEASURED_BASE, FRESH_BASE = (
+    int(ipaddress.IPv4Address(a)) for a in ("10.100.0.16", "10.101.0.16", "10.102.0.16")
+)
 CONC = 8
 T_SET_P99_MS, T_SET_AT, T_REMOVE_RATIO, T_UPDATES, T_UPDATES_AT, T_SPEEDUP = 5.0, 1000, 2.0, 1000.0, 100, 10.0
 METHODS, TXNS = ("netlink", "libnft", "exec"), ("policy_swap", "create")
@@ -71,10 +73,17 @@ class FleetRun:
         t0, start, set_t = time.perf_counter(), self.registered, []
         while self.registered < upto:
             i, uid = self.registered, f"bg-{self.registered}"
-            set_t.append(self.h.action(set_body(uid, ip_of(BG_BASE, i), policy_text(i, 0)), f"SET_BINDING {uid}"))
+            set_t.append(
+                self.h.action(set_body(uid, ip_of(BG_BASE, i), policy_text(i, 0)), f"SET_BINDING {uid}")
+            )
             self.h.action(c.envelope("LIFECYCLE_HOOK", uid, hook=True), f"data-plane-ready {uid}")
             self.gen[i], self.registered = 1, i + 1
-        return {"from": start, "to": upto, "wall_s": time.perf_counter() - t0, "set": ms(set_t) if set_t else None}
+        return {
+            "from": start,
+            "to": upto,
+            "wall_s": time.perf_counter() - t0,
+            "set": ms(set_t) if set_t else None,
+        }
 
     def lifecycle(self, size: int, samples: int, warmup: int) -> dict[str, Any]:
         t: dict[str, list[float]] = {"set": [], "activate": [], "remove": []}
@@ -84,14 +93,18 @@ class FleetRun:
                 before = c.scrape(self.h)
             idx, uid = self.seq, f"m{size}-{j}"
             self.seq += 1
-            a = self.h.action(set_body(uid, ip_of(MEASURED_BASE, idx), policy_text(100000 + idx, idx)), "SET_BINDING")
+            a = self.h.action(
+                set_body(uid, ip_of(MEASURED_BASE, idx), policy_text(100000 + idx, idx)), "SET_BINDING"
+            )
             b = self.h.action(c.envelope("LIFECYCLE_HOOK", uid, hook=True), "data-plane-ready")
             r = self.h.action(c.envelope("REMOVE_BINDING", uid), "REMOVE_BINDING")
             if j >= warmup:
                 for k, v in zip(t, (a, b, r), strict=True):
                     t[k].append(v)
         d = c.delta(before, c.scrape(self.h))
-        noop = [self.h.action(c.envelope("REMOVE_BINDING", f"absent-{size}-{k}"), "no-op") for k in range(samples)]
+        noop = [
+            self.h.action(c.envelope("REMOVE_BINDING", f"absent-{size}-{k}"), "no-op") for k in range(samples)
+        ]
         out: dict[str, Any] = {k: ms(v) for k, v in t.items()}
         out["noop"] = ms(noop)
         out["nft"] = {op: c.nft_ms(d, op) for op in ("deny_first", "static_apply", "remove")}
@@ -151,7 +164,11 @@ class FleetRun:
 
 
 def daemon_phases(workdir: Path, sizes: list[int], prm: dict[str, Any]) -> dict[str, Any]:
-    env = {"PATH": ":".join(d for d in os.environ["PATH"].split(":") if not Path(d, "conntrack").exists())} if prm["no_conntrack"] else {}
+    env = (
+        {"PATH": ":".join(d for d in os.environ["PATH"].split(":") if not Path(d, "conntrack").exists())}
+        if prm["no_conntrack"]
+        else {}
+    )
     d = c.Egressd(workdir, PORT, DAEMON_TABLE, env)
     out: dict[str, Any] = {"life": {}, "grow": [], "updates": None}
     try:
@@ -161,12 +178,18 @@ def daemon_phases(workdir: Path, sizes: list[int], prm: dict[str, Any]) -> dict[
             run = FleetRun(h)
             for size in sizes:
                 out["grow"].append(run.grow(size))
-                c.log(f"daemon: {size} subjects registered ({out['grow'][-1]['wall_s']:.1f}s); {prm['samples']} samples")
+                c.log(
+                    f"daemon: {size} subjects registered ({out['grow'][-1]['wall_s']:.1f}s); {prm['samples']} samples"
+                )
                 out["life"][size] = r = run.lifecycle(size, prm["samples"], prm["warmup"])
-                c.log(f"  SET_BINDING p50 {r['set']['p50']:.2f} p99 {r['set']['p99']:.2f} ms; REMOVE p50 {r['remove']['p50']:.2f} ms")
+                c.log(
+                    f"  SET_BINDING p50 {r['set']['p50']:.2f} p99 {r['set']['p99']:.2f} ms; REMOVE p50 {r['remove']['p50']:.2f} ms"
+                )
                 if size == prm["updates_at"]:
                     out["updates"] = u = run.updates(prm["upd_seq"], prm["upd_conc"])
-                    c.log(f"  updates: sequential {u['seq']['per_s']:.0f}/s, {CONC} in flight {u['conc']['per_s']:.0f}/s")
+                    c.log(
+                        f"  updates: sequential {u['seq']['per_s']:.0f}/s, {CONC} in flight {u['conc']['per_s']:.0f}/s"
+                    )
                 d.check_alive()
         finally:
             h.close()
@@ -183,10 +206,10 @@ def daemon_phases(workdir: Path, sizes: list[int], prm: dict[str, Any]) -> dict[
 def direct_phase(sizes: list[int], reps: int) -> dict[int, dict[str, Any]]:
     import nftables
 
-    from egressd.fleet.inputs import parse_binding_input
+    from egressd.actionhandler.inputs import parse_binding_input
     from egressd.fleetnft import builder as nb
-    from egressd.fleetnft.applier import NftError, _Netlink
-    from egressd.fleetnft.ops import NetlinkBatch
+    from egressd.kernel.applier import NftError, _Netlink
+    from egressd.kernel.ops import NetlinkBatch
     from egressd.subject.model import nft_id, subject_for_uid
 
     cfg, gw = nb.TableConfig(table=DIRECT_TABLE), ipaddress.ip_address(GATEWAY)
@@ -206,7 +229,9 @@ def direct_phase(sizes: list[int], reps: int) -> dict[int, dict[str, Any]]:
             raise c.BenchError(f"libnftables rc={rc}: {str(err).strip()[:300]}\n{script[:400]}")
 
     def execd(script: str) -> None:
-        p = subprocess.run(["nft", "-f", "-"], input=script.encode(), capture_output=True, timeout=120, check=False)
+        p = subprocess.run(
+            ["nft", "-f", "-"], input=script.encode(), capture_output=True, timeout=120, check=False
+        )
         if p.returncode != 0:
             raise c.BenchError(f"nft -f - rc={p.returncode}: {p.stderr.decode(errors='replace')[:300]}")
 
@@ -243,7 +268,11 @@ def direct_phase(sizes: list[int], reps: int) -> dict[int, dict[str, Any]]:
                 libnft("".join(nb.subject_objects_script(cfg, bg(i)) for i in ids))
                 batch = NetlinkBatch(DIRECT_TABLE)
                 for i in ids:
-                    batch = batch + nb.subject_rules(cfg, bg(i).nft_id) + nb.policy_swap(DIRECT_TABLE, bg(i).nft_id, pol(i, 0))
+                    batch = (
+                        batch
+                        + nb.subject_rules(cfg, bg(i).nft_id)
+                        + nb.policy_swap(DIRECT_TABLE, bg(i).nft_id, pol(i, 0))
+                    )
                 netlink(batch)
             build_s = time.perf_counter() - t0
             c.log(f"direct: {size} subjects built in {build_s:.2f}s; {reps} reps per method and transaction")
@@ -258,18 +287,26 @@ def direct_phase(sizes: list[int], reps: int) -> dict[int, dict[str, Any]]:
             for k, m in enumerate(METHODS):  # warm-up, then: each method really swapped the set
                 swap(m, k % size)
                 swap(m, (k + 1) % size)
-                got = c.run(["nft", "list", "set", "inet", DIRECT_TABLE, f"subj_{bg((k + 1) % size).nft_id}_allow_v4"]).stdout
+                got = c.run(
+                    ["nft", "list", "set", "inet", DIRECT_TABLE, f"subj_{bg((k + 1) % size).nft_id}_allow_v4"]
+                ).stdout
                 if f"198.51.{variant % 250}.0/24" not in got:
                     raise c.BenchError(f"{m} policy swap not applied: {got[:300]!r}")
             for r in range(reps):  # subjects spread over the table: the kernel walks its set list by name
                 for k in ORDERS[r % 6]:
-                    times["policy_swap"][METHODS[k]].append(swap(METHODS[k], (r * 3 + k) * size // (3 * reps)))
+                    times["policy_swap"][METHODS[k]].append(
+                        swap(METHODS[k], (r * 3 + k) * size // (3 * reps))
+                    )
 
             def create(method: str) -> tuple[nb.SubjectNft, float]:
                 nonlocal fresh
                 s = subj(f"new-{fresh}", ip_of(FRESH_BASE, fresh))
                 fresh += 1
-                return s, apply(method, nb.subject_create(cfg, s), nb.subject_objects_script(cfg, s) + nb.subject_rules(cfg, s.nft_id).describe())
+                return s, apply(
+                    method,
+                    nb.subject_create(cfg, s),
+                    nb.subject_objects_script(cfg, s) + nb.subject_rules(cfg, s.nft_id).describe(),
+                )
 
             def drop(created: list[nb.SubjectNft]) -> None:  # untimed: the table keeps its size
                 batch = NetlinkBatch(DIRECT_TABLE)
@@ -286,7 +323,10 @@ def direct_phase(sizes: list[int], reps: int) -> dict[int, dict[str, Any]]:
                     made.append(s)
                     times["create"][METHODS[k]].append(dt)
                 drop(made)
-            results[size] = {"build_s": build_s, **{t: {m: ms(v) for m, v in by.items()} for t, by in times.items()}}
+            results[size] = {
+                "build_s": build_s,
+                **{t: {m: ms(v) for m, v in by.items()} for t, by in times.items()},
+            }
             c.run(["nft", "delete", "table", "inet", DIRECT_TABLE])
     finally:
         nl.close()
@@ -297,7 +337,10 @@ def direct_phase(sizes: list[int], reps: int) -> dict[int, dict[str, Any]]:
 def exec_floors(reps: int) -> dict[str, float]:
     """What one process spawn costs here, and the ``conntrack -D`` egressd runs when access narrows."""
     out = {}
-    for name, cmd in {"true": ["true"], "conntrack -D -s <ip>": ["conntrack", "-D", "-f", "ipv4", "-s", "10.101.255.254"]}.items():
+    for name, cmd in {
+        "true": ["true"],
+        "conntrack -D -s <ip>": ["conntrack", "-D", "-f", "ipv4", "-s", "10.101.255.254"],
+    }.items():
         if shutil.which(cmd[0]):
             ts = []
             for _ in range(reps):
@@ -342,11 +385,18 @@ def report(rep: c.Report, sizes: list[int], prm: dict[str, Any], res: dict[str, 
     rows = []
     for size in sizes:
         r = life[size]
-        for op, label in (("set", "SET_BINDING"), ("activate", "data-plane-ready"), ("remove", "REMOVE_BINDING")):
+        for op, label in (
+            ("set", "SET_BINDING"),
+            ("activate", "data-plane-ready"),
+            ("remove", "REMOVE_BINDING"),
+        ):
             rows.append([f"{size} {label}", r[op]["p50"], r[op]["p99"], c.ratio(r[op]["p50"], base[op]["p50"]),
                          c.ratio(r[op]["p99"], base[op]["p99"]), c.ratio(r[op]["p50"], r["noop"]["p50"])])  # fmt: skip
     rep.table(["subjects / action", "p50", "p99", "p50 ratio", "p99 ratio", "p50 / no-op"], rows)
-    rep.add("  no-op action (REMOVE_BINDING of an unknown uid) p50 ms: " + ", ".join(f"{s}: {life[s]['noop']['p50']:.2f}" for s in sizes))
+    rep.add(
+        "  no-op action (REMOVE_BINDING of an unknown uid) p50 ms: "
+        + ", ".join(f"{s}: {life[s]['noop']['p50']:.2f}" for s in sizes)
+    )
     rep.add("  egressd nft ms per action (transactions): " + "; ".join(
         f"{s}: " + " / ".join(f"{op} {sm / prm['samples']:.2f} ({n / prm['samples']:g})" for op, (sm, n) in life[s]["nft"].items())
         for s in sizes))  # fmt: skip
@@ -355,7 +405,9 @@ def report(rep: c.Report, sizes: list[int], prm: dict[str, Any], res: dict[str, 
         for g in res["daemon"]["grow"] if g["set"]))  # fmt: skip
     if upd:
         rep.add("")
-        rep.add(f"(c) policy updates at {upd['size']} active subjects; baseline: {upd['noop_per_s']:.0f} no-op actions/s sequential")
+        rep.add(
+            f"(c) policy updates at {upd['size']} active subjects; baseline: {upd['noop_per_s']:.0f} no-op actions/s sequential"
+        )
         rep.table(["mode", "requests", "per s", "vs no-op", "p50 ms", "p99 ms", "nft static_apply ms"],
                   [[lbl, u["n"], u["per_s"], c.ratio(u["per_s"], upd["noop_per_s"]), u["lat"]["p50"], u["lat"]["p99"], u["nft"][0] / max(1, u["nft"][1])]
                    for lbl, u in (("sequential", upd["seq"]), (f"{CONC} in flight", upd["conc"]))])  # fmt: skip
@@ -365,7 +417,9 @@ def report(rep: c.Report, sizes: list[int], prm: dict[str, Any], res: dict[str, 
               [[f"{s} {t}", *(direct[s][t][m][q] for m in METHODS for q in ("p50", "p99")),
                 c.ratio(direct[s][t]["exec"]["p50"], direct[s][t]["netlink"]["p50"]), c.ratio(direct[s][t]["exec"]["p50"], direct[s][t]["libnft"]["p50"])]
                for s in sizes for t in TXNS])  # fmt: skip
-    rep.add("  netlink = egressd's applier (creation: one subject_create batch); libnft = libnftables in-process,")
+    rep.add(
+        "  netlink = egressd's applier (creation: one subject_create batch); libnft = libnftables in-process,"
+    )
     rep.add("  exec = one `nft -f -`, both with the same change as nft text. Table build: "
             + ", ".join(f"{s}: {direct[s]['build_s']:.2f}s" for s in sizes)
             + "; spawn floors p50: " + ", ".join(f"`{k}` {v:.2f} ms" for k, v in res["floors"].items()))  # fmt: skip
@@ -374,7 +428,12 @@ def report(rep: c.Report, sizes: list[int], prm: dict[str, Any], res: dict[str, 
     rep.target(f"SET_BINDING p99 at {at} subjects{note}", life[at]["set"]["p99"] <= T_SET_P99_MS,
                f"{life[at]['set']['p99']:.2f} ms ({c.ratio(life[at]['set']['p99'], base['set']['p99'])} of {small})", f"<= {T_SET_P99_MS} ms at 1000")  # fmt: skip
     r50 = life[big]["remove"]["p50"] / base["remove"]["p50"]
-    rep.target(f"REMOVE_BINDING p50 at {big} / at {small}", r50 <= T_REMOVE_RATIO, f"{r50:.2f}x", f"<= {T_REMOVE_RATIO}x, 1000 vs 10")
+    rep.target(
+        f"REMOVE_BINDING p50 at {big} / at {small}",
+        r50 <= T_REMOVE_RATIO,
+        f"{r50:.2f}x",
+        f"<= {T_REMOVE_RATIO}x, 1000 vs 10",
+    )
     if upd:
         for lbl, u in (("sequential", upd["seq"]), (f"{CONC} in flight", upd["conc"])):
             rep.target(f"policy updates/s at {upd['size']} subjects, {lbl}", u["per_s"] >= T_UPDATES,
@@ -390,7 +449,9 @@ def main() -> int:
     p = c.parser(__doc__, "sizes 10,50, 10 samples, fewer updates")
     p.add_argument("--sizes", default="10,100,1000", help="background subject counts (default 10,100,1000)")
     p.add_argument("--samples", type=int, default=0, help="samples per size and repetitions per method")
-    p.add_argument("--no-conntrack", action="store_true", help="diagnostic: egressd without conntrack on its PATH")
+    p.add_argument(
+        "--no-conntrack", action="store_true", help="diagnostic: egressd without conntrack on its PATH"
+    )
     return c.main("fleet", "egbf", ["ns"], "ns", p.parse_args(), inner, tools=("ip", "nft"))
 
 

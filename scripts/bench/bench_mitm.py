@@ -127,16 +127,36 @@ for line in sys.stdin:
 
 def dig(topo: c.Topology, sb: int) -> None:
     """Learn API's address for sb<N> through the proxy (repeated before every batch: the lease lives 30 s)."""
-    out = c.run(["ip", "netns", "exec", topo.ns(f"sb{sb}"), "dig", f"@{c.GATEWAY}", API, "+time=2", "+tries=1", "+short"], timeout=15).stdout
+    out = c.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            topo.ns(f"sb{sb}"),
+            "dig",
+            f"@{c.GATEWAY}",
+            API,
+            "+time=2",
+            "+tries=1",
+            "+short",
+        ],
+        timeout=15,
+    ).stdout
     if API_IP not in out.split():
         raise c.BenchError(f"sb{sb} could not resolve {API}: {out.strip()!r}")
 
 
 def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Report) -> dict[str, Any]:
     if args.quick:
-        args.n_seq, args.n_conc, args.warmup = min(args.n_seq, 60), min(args.n_conc, 200), min(args.warmup, 10)
+        args.n_seq, args.n_conc, args.warmup = (
+            min(args.n_seq, 60),
+            min(args.n_conc, 200),
+            min(args.warmup, 10),
+        )
     tls = workdir / "upstream-tls"
-    (workdir / "zone.json").write_text(json.dumps({"records": [{"name": API, "type": "A", "value": API_IP, "ttl": 30}]}))
+    (workdir / "zone.json").write_text(
+        json.dumps({"records": [{"name": API, "type": "A", "value": API_IP, "ttl": 30}]})
+    )
     up = c.Proc([str(c.VENV_PY), str(c.UPSTREAM), "--http-ports", "", "--https-ports", f"443,{DIRECT_PORT}", "--tls-dir", str(tls),
                  "--tls-ips", API_IP, "--zone", str(workdir / "zone.json")], ns=topo.ns("up"))  # fmt: skip
     env = {"EGRESSD_DNS_ADDR": "0.0.0.0:15353", "OPENSANDBOX_EGRESS_DNS_UPSTREAM": f"{DNS_IP}:53",
@@ -159,9 +179,13 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
         mitm = kids[0]
         pol = c.policy("deny", ("allow", API))
         for k in (1, 2):
-            h.action(c.envelope("SET_BINDING", f"bm{k}", ip=f"10.203.0.{10 + k}", policy=pol), f"SET_BINDING bm{k}")
+            h.action(
+                c.envelope("SET_BINDING", f"bm{k}", ip=f"10.203.0.{10 + k}", policy=pol), f"SET_BINDING bm{k}"
+            )
             h.action(c.envelope("LIFECYCLE_HOOK", f"bm{k}", hook=True), f"data-plane-ready bm{k}")
-        code, text, _ = h.request("PUT", "/v1/sandboxfleets/bm1/egress/credential-vault", json.dumps(VAULT).encode())
+        code, text, _ = h.request(
+            "PUT", "/v1/sandboxfleets/bm1/egress/credential-vault", json.dumps(VAULT).encode()
+        )
         if code != 201:
             raise c.BenchError(f"vault PUT: {code} {text[:300]!r}")
         mitm_ca, up_ca = str(workdir / "mitm-conf" / "mitmproxy-ca-cert.pem"), str(tls / "ca.pem")
@@ -171,28 +195,53 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
             dig(topo, k)
             clients[k] = c.Proc([str(c.VENV_PY), "-c", CLIENT], ns=topo.ns(f"sb{k}"))
             clients[k].read_json(20)
-        procs = {"egressd": d.pid, "mitm": mitm, "upstream": up.pid, "client1": clients[1].pid, "client2": clients[2].pid}
+        procs = {
+            "egressd": d.pid,
+            "mitm": mitm,
+            "upstream": up.pid,
+            "client1": clients[1].pid,
+            "client2": clients[2].pid,
+        }
 
-        def batch(p: tuple[str, int, int, str, str], n: int, conc: int, keep: bool, deadline: float) -> dict[str, Any]:
+        def batch(
+            p: tuple[str, int, int, str, str], n: int, conc: int, keep: bool, deadline: float
+        ) -> dict[str, Any]:
             return clients[p[1]].call({"host": API, "ip": API_IP, "port": p[2], "ca": p[3], "path": PATH, "placeholder": PLACEHOLDER,
                                        "expect_echo_auth": p[4], "n": n, "conc": conc, "keepalive": keep, "deadline_s": deadline}, deadline + 30)  # fmt: skip
 
-        for p in paths:  # warm-up and sanity: leaf minted, vault snapshot cached; the upstream saw what it should
+        for (
+            p
+        ) in paths:  # warm-up and sanity: leaf minted, vault snapshot cached; the upstream saw what it should
             r = batch(p, args.warmup, 1, False, 20)
             s = r["sample"]
-            if r["errors"] or len(r["lat_ms"]) != args.warmup or (s.get("port"), s.get("tls"), s.get("local")) != (p[2], True, API_IP):
-                raise c.BenchError(f"warm-up {p[0]}: errors {r['errors']}, {len(r['lat_ms'])} ok, upstream saw {s}")
+            if (
+                r["errors"]
+                or len(r["lat_ms"]) != args.warmup
+                or (s.get("port"), s.get("tls"), s.get("local")) != (p[2], True, API_IP)
+            ):
+                raise c.BenchError(
+                    f"warm-up {p[0]}: errors {r['errors']}, {len(r['lat_ms'])} ok, upstream saw {s}"
+                )
         c.log("warm-up ok: direct reaches :8443, both MITM paths :443, the key injected on mitm+inject only")
         rss0 = {k: (c.mem_kb(procs[k]), 0) for k in ("egressd", "mitm")}
-        phases = [("new conn, sequential", False, 1, args.n_seq), (f"new conn, {args.conc} in flight", False, args.conc, args.n_conc)]
+        phases = [
+            ("new conn, sequential", False, 1, args.n_seq),
+            (f"new conn, {args.conc} in flight", False, args.conc, args.n_conc),
+        ]
         if args.keepalive:
-            phases += [("keep-alive, sequential", True, 1, args.n_seq), (f"keep-alive, {args.conc} in flight", True, args.conc, args.n_conc)]
+            phases += [
+                ("keep-alive, sequential", True, 1, args.n_seq),
+                (f"keep-alive, {args.conc} in flight", True, args.conc, args.n_conc),
+            ]
         res: dict[str, dict[str, Any]] = {}
         log_off = d.log_path.stat().st_size
         for label, keep, conc, n_total in phases:
             k = args.batches
             order = [p for r_ in range(k) for p in (paths if r_ % 2 == 0 else paths[::-1])]
-            res[label] = {p[0]: {"lat": [], "errors": {}, "wall": 0.0, "cpu": dict.fromkeys(procs, 0.0), "lookup": []} for p in paths}
+            res[label] = {
+                p[0]: {"lat": [], "errors": {}, "wall": 0.0, "cpu": dict.fromkeys(procs, 0.0), "lookup": []}
+                for p in paths
+            }
             for i, p in enumerate(order):
                 x = res[label][p[0]]
                 n = n_total // k + (1 if i // len(paths) < n_total % k else 0)
@@ -206,9 +255,16 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
                     fh.seek(log_off)
                     new = fh.read().decode(errors="replace")
                 log_off += len(new.encode())
-                x["lookup"] += [float(m[1]) for ln in new.splitlines() if "mitm.injected" in ln and (m := re.search(r'"lookup_ms":\s*([0-9.]+)', ln))]
+                x["lookup"] += [
+                    float(m[1])
+                    for ln in new.splitlines()
+                    if "mitm.injected" in ln and (m := re.search(r'"lookup_ms":\s*([0-9.]+)', ln))
+                ]
                 x["lat"] += r["lat_ms"] + [math.inf] * (n - len(r["lat_ms"]))
-                for kind, cnt in {**r["errors"], **({"not sent (time cap)": n - r["attempted"]} if r["attempted"] < n else {})}.items():
+                for kind, cnt in {
+                    **r["errors"],
+                    **({"not sent (time cap)": n - r["attempted"]} if r["attempted"] < n else {}),
+                }.items():
                     x["errors"][kind] = x["errors"].get(kind, 0) + cnt
                 x["wall"] += r["wall_s"]
             for name in ("egressd", "mitm"):
@@ -253,7 +309,10 @@ def report(rep: c.Report, args: argparse.Namespace, out: dict[str, Any], names: 
             if x["errors"]:
                 errs.append(f"  {label}, {name}: failed requests (counted as +inf) {x['errors']}")
     rep.add("(1) latency, ms")
-    rep.table(["phase", "path", "n", "req/s", "p50", "p90", "p99", "max", "+p50", "+p99", "p50 ratio", "p99 ratio"], rows)
+    rep.table(
+        ["phase", "path", "n", "req/s", "p50", "p90", "p99", "max", "+p50", "+p99", "p50 ratio", "p99 ratio"],
+        rows,
+    )
     for e in errs:
         rep.add(e)
     rep.add("")
@@ -280,9 +339,19 @@ def main() -> int:
     p.add_argument("--conc", type=int, default=16, help="requests in flight (16)")
     p.add_argument("--batches", type=int, default=4, help="interleaved batches per path and phase (4)")
     p.add_argument("--warmup", type=int, default=30, help="unrecorded requests per path first (30)")
-    p.add_argument("--no-keepalive", dest="keepalive", action="store_false", help="only the new-connection phases")
-    p.add_argument("--daemon-env", action="append", default=[], metavar="KEY=VALUE", help="extra egressd environment (experiments)")
-    return c.main("mitm", "egbm", ["pod", "up", "sb1", "sb2"], "pod", p.parse_args(), inner, build, ("ip", "nft", "dig"))
+    p.add_argument(
+        "--no-keepalive", dest="keepalive", action="store_false", help="only the new-connection phases"
+    )
+    p.add_argument(
+        "--daemon-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra egressd environment (experiments)",
+    )
+    return c.main(
+        "mitm", "egbm", ["pod", "up", "sb1", "sb2"], "pod", p.parse_args(), inner, build, ("ip", "nft", "dig")
+    )
 
 
 if __name__ == "__main__":

@@ -119,7 +119,14 @@ def _master(port: int, confdir: str) -> Any:
     logging.getLogger().setLevel(logging.WARNING)
     opts = options.Options()
     m = master.Master(opts, with_termlog=False)
-    m.addons.add(core.Core(), disable_h2c.DisableH2C(), proxyserver.Proxyserver(), next_layer.NextLayer(), tlsconfig.TlsConfig(), BenchAddon())
+    m.addons.add(
+        core.Core(),
+        disable_h2c.DisableH2C(),
+        proxyserver.Proxyserver(),
+        next_layer.NextLayer(),
+        tlsconfig.TlsConfig(),
+        BenchAddon(),
+    )
     opts.set("mode=regular", "listen_host=127.0.0.1", f"listen_port={port}", f"confdir={confdir}", "connection_strategy=lazy",
              "upstream_cert=false", "stream_large_bodies=1m", "ssl_insecure=true")  # fmt: skip
     return m
@@ -219,7 +226,13 @@ def role_daemon(mode: str, confdir: str, mitm_log: str, switch_ms: str) -> int:
             info["mitm_tid"] = inproc.tid
         elif mode == "B":  # spawned from the main thread: PDEATHSIG fires when the forking *thread* exits
             with open(mitm_log, "ab") as log:
-                child = subprocess.Popen(_self("_mitm", port, confdir), stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=_die_with_parent)
+                child = subprocess.Popen(
+                    _self("_mitm", port, confdir),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    preexec_fn=_die_with_parent,
+                )
             info["mitm_pid"] = child.pid
         if mode != "C":
             _wait_tcp(port)
@@ -284,17 +297,28 @@ def role_udp(port: str, rate_s: str, seconds: str) -> int:
         if select.select([sock], [], [], max(0.0, end - time.perf_counter()))[0]:
             drain()
     drain()
-    _emit({"rtt_ms": [round(x, 4) if x is not None else None for x in rtt], "lag_p99_ms": round(c.pct(lag, 99), 3)})
+    _emit(
+        {
+            "rtt_ms": [round(x, 4) if x is not None else None for x in rtt],
+            "lag_p99_ms": round(c.pct(lag, 99), 3),
+        }
+    )
     return 0
 
 
-def role_load(echo_port: str, proxy_port: str, inflight_s: str, max_req: str, deadline_s: str, keep: str, *cafiles: str) -> int:
+def role_load(
+    echo_port: str, proxy_port: str, inflight_s: str, max_req: str, deadline_s: str, keep: str, *cafiles: str
+) -> int:
     import aiohttp
 
     ctx = ssl.create_default_context()
     for ca in cafiles:
         ctx.load_verify_locations(ca)
-    url, proxy, inflight = f"https://127.0.0.1:{echo_port}/echo", f"http://127.0.0.1:{proxy_port}" if proxy_port != "0" else None, int(inflight_s)
+    url, proxy, inflight = (
+        f"https://127.0.0.1:{echo_port}/echo",
+        f"http://127.0.0.1:{proxy_port}" if proxy_port != "0" else None,
+        int(inflight_s),
+    )
 
     async def main() -> None:
         loop, stop = asyncio.get_running_loop(), asyncio.Event()
@@ -321,6 +345,7 @@ def role_load(echo_port: str, proxy_port: str, inflight_s: str, max_req: str, de
             if errors:
                 _emit({"error": f"load warm-up failed: {errors}"})
                 return
+
             def on_stdin() -> None:  # a line on stdin (or EOF) stops the load
                 loop.remove_reader(0)
                 stop.set()
@@ -337,7 +362,14 @@ def role_load(echo_port: str, proxy_port: str, inflight_s: str, max_req: str, de
 
             await asyncio.gather(*(worker() for _ in range(inflight)))
             el = time.perf_counter() - t0
-        _emit({"done": len(lat), "errors": errors, "rps": round(len(lat) / el, 1), "p50_ms": round(c.pct(lat, 50), 2)})
+        _emit(
+            {
+                "done": len(lat),
+                "errors": errors,
+                "rps": round(len(lat) / el, 1),
+                "p50_ms": round(c.pct(lat, 50), 2),
+            }
+        )
 
     asyncio.run(main())
     return 0
@@ -362,18 +394,28 @@ def _cert(d: Path) -> tuple[Path, Path]:
             .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False).sign(key, hashes.SHA256()))  # fmt: skip
     (d / "echo-cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (d / "echo-key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    (d / "echo-key.pem").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
     return d / "echo-cert.pem", d / "echo-key.pem"
 
 
-def measure(a: argparse.Namespace, work: Path, v: str, daemon: dict[str, Any], seconds: float) -> dict[str, Any]:
+def measure(
+    a: argparse.Namespace, work: Path, v: str, daemon: dict[str, Any], seconds: float
+) -> dict[str, Any]:
     pid, tid = int(daemon["pid"]), daemon.get("mitm_tid")
 
     def mitm() -> float:  # A: its thread; B: the child; C: none
         return c.cpu_s(pid, tid) if v == "A" else c.cpu_s(daemon["mitm_pid"]) if v == "B" else math.nan
 
     d0, m0, mc0, t0 = c.cpu_s(pid), mitm(), c.machine_cpu(), time.monotonic()
-    udp = c.Proc(_self("_udp", daemon["udp_port"], a.rate, seconds), log_path=work / "udp.err", preexec=_die_with_parent)
+    udp = c.Proc(
+        _self("_udp", daemon["udp_port"], a.rate, seconds),
+        log_path=work / "udp.err",
+        preexec=_die_with_parent,
+    )
     try:
         res = udp.read_json(seconds + 20)
     finally:
@@ -403,13 +445,19 @@ def inner(a: argparse.Namespace, _topo: c.Topology, work: Path, rep: c.Report) -
             k = (rnd - 1) % 3
             for v in "ABC"[k:] + "ABC"[:k]:
                 c.log(f"round {rnd}: {LABEL[v]}")
-                dp = c.Proc(_self("_daemon", v, confdir, work / "mitm-child.log", a.switch_interval_ms), log_path=work / "daemon.err", preexec=_die_with_parent)
+                dp = c.Proc(
+                    _self("_daemon", v, confdir, work / "mitm-child.log", a.switch_interval_ms),
+                    log_path=work / "daemon.err",
+                    preexec=_die_with_parent,
+                )
                 procs.append(dp)
                 load = None
                 try:
                     daemon = dp.read_json(START_S + 10)
                     time.sleep(0.5)  # start-up work (gc freeze, imports) settles
-                    samples.append({"v": v, "round": rnd, "phase": "idle", **measure(a, work, v, daemon, a.idle_s)})
+                    samples.append(
+                        {"v": v, "round": rnd, "phase": "idle", **measure(a, work, v, daemon, a.idle_s)}
+                    )
                     ca = [str(cert)] + ([str(confdir / "mitmproxy-ca-cert.pem")] if v != "C" else [])
                     load = c.Proc(_self("_load", echo_port, daemon["mitm_port"] if v != "C" else 0, a.inflight, a.max_requests,
                                         min(CAP_S, a.load_s + 20), int(a.keepalive), *ca), log_path=work / "load.err", preexec=_die_with_parent)  # fmt: skip
@@ -420,13 +468,17 @@ def inner(a: argparse.Namespace, _topo: c.Topology, work: Path, rep: c.Report) -
                         load.p.stdin.flush()  # type: ignore[union-attr]
                     s["load"] = load.read_json(30)
                     samples.append(s)
-                    c.log(f"  load p50 {c.pct(s['rtt'], 50):.3f} p99 {c.pct(s['rtt'], 99):.3f} max {max(s['rtt']):.1f} ms; {s['load']['rps']} req/s")
+                    c.log(
+                        f"  load p50 {c.pct(s['rtt'], 50):.3f} p99 {c.pct(s['rtt'], 99):.3f} max {max(s['rtt']):.1f} ms; {s['load']['rps']} req/s"
+                    )
                 finally:
                     if load is not None:
                         load.stop(5)
                     dp.stop(8)
     except (OSError, RuntimeError) as exc:
-        tails = "".join(f"\n--- {f.name}\n{f.read_text()[-1500:]}" for f in work.glob("*.err") if f.stat().st_size)
+        tails = "".join(
+            f"\n--- {f.name}\n{f.read_text()[-1500:]}" for f in work.glob("*.err") if f.stat().st_size
+        )
         raise c.BenchError(f"{exc}{tails}") from None
     finally:
         for p in procs:
@@ -440,12 +492,22 @@ def report(a: argparse.Namespace, rep: c.Report, samples: list[dict[str, Any]]) 
 
     rep.add(f"mitmproxy {mitmproxy.version.VERSION}; rounds {a.rounds} (A/B/C interleaved, order rotated); UDP {a.rate:g} q/s, idle {a.idle_s:g}s"
             f" + load {a.load_s:g}s per variant and round; HTTPS load {a.inflight} in flight, {'keep-alive' if a.keepalive else 'new TLS connection per request'}")  # fmt: skip
-    rep.add("UDP RTT in ms, pooled over rounds; CPU in % of one core (daemon = whole process, A's MITM thread included); baseline: C none, same phase")
-    pool = {(v, ph): [x for s in samples if s["v"] == v and s["phase"] == ph for x in s["rtt"]] for v in "ABC" for ph in ("idle", "load")}
+    rep.add(
+        "UDP RTT in ms, pooled over rounds; CPU in % of one core (daemon = whole process, A's MITM thread included); baseline: C none, same phase"
+    )
+    pool = {
+        (v, ph): [x for s in samples if s["v"] == v and s["phase"] == ph for x in s["rtt"]]
+        for v in "ABC"
+        for ph in ("idle", "load")
+    }
     rows = []
     for v in "ABC":
         for ph in ("idle", "load"):
-            ss, r, base = [s for s in samples if s["v"] == v and s["phase"] == ph], pool[(v, ph)], pool[("C", ph)]
+            ss, r, base = (
+                [s for s in samples if s["v"] == v and s["phase"] == ph],
+                pool[(v, ph)],
+                pool[("C", ph)],
+            )
             if not r:
                 continue
             rps = [s["load"]["rps"] for s in ss if "load" in s]
@@ -453,18 +515,48 @@ def report(a: argparse.Namespace, rep: c.Report, samples: list[dict[str, Any]]) 
                          f"{100 * sum(1 for x in r if x > 5) / len(r):.1f}%", c.ratio(c.pct(r, 50), c.pct(base, 50)), c.ratio(c.pct(r, 99), c.pct(base, 99)),
                          c.mean(rps) if rps else "-", *(f"{c.mean([s[k] for s in ss]):.0f}" for k in ("daemon_cpu", "mitm_cpu", "machine_cpu")),
                          f"{c.mean([s['rss_mib'] for s in ss]):.0f}"])  # fmt: skip
-    rep.table(["variant", "phase", "n", "lost", "p50", "p90", "p99", "p99.9", "max", ">5ms", "p50 ratio", "p99 ratio", "req/s", "daemon", "mitm", "machine", "RSS MiB"], rows)
+    rep.table(
+        [
+            "variant",
+            "phase",
+            "n",
+            "lost",
+            "p50",
+            "p90",
+            "p99",
+            "p99.9",
+            "max",
+            ">5ms",
+            "p50 ratio",
+            "p99 ratio",
+            "req/s",
+            "daemon",
+            "mitm",
+            "machine",
+            "RSS MiB",
+        ],
+        rows,
+    )
     rep.add("per round, load phase (UDP p50 / p99 / max ms, req/s): " + "; ".join(
         f"{LABEL[s['v']]} r{s['round']} {c.pct(s['rtt'], 50):.3f} / {c.pct(s['rtt'], 99):.2f} / {max(s['rtt']):.1f}, {s['load']['rps']}" for s in samples if "load" in s))  # fmt: skip
     la, lb = pool[("A", "load")], pool[("B", "load")]
     for q in (50, 99):
         rep.add(f"  p{q} under load: A {c.pct(la, q):.3f} vs B {c.pct(lb, q):.3f} ms = A/B {c.ratio(c.pct(la, q), c.pct(lb, q))}; "
                 f"load/idle: A {c.ratio(c.pct(la, q), c.pct(pool[('A', 'idle')], q))}, B {c.ratio(c.pct(lb, q), c.pct(pool[('B', 'idle')], q))}")  # fmt: skip
-    rep.add("  client send lag p99 per phase (noise check), ms: " + ", ".join(f"{s['v']}{s['round']}{s['phase'][0]} {s['lag_p99']}" for s in samples))
+    rep.add(
+        "  client send lag p99 per phase (noise check), ms: "
+        + ", ".join(f"{s['v']}{s['round']}{s['phase'][0]} {s['lag_p99']}" for s in samples)
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    roles: dict[str, Any] = {"_echo": role_echo, "_mitm": role_mitm, "_daemon": role_daemon, "_udp": role_udp, "_load": role_load}
+    roles: dict[str, Any] = {
+        "_echo": role_echo,
+        "_mitm": role_mitm,
+        "_daemon": role_daemon,
+        "_udp": role_udp,
+        "_load": role_load,
+    }
     if len(sys.argv) > 1 and sys.argv[1] in roles:
         return int(roles[sys.argv[1]](*sys.argv[2:]))
     p = c.parser(__doc__, "1 round, 2 s idle, 3 s load")
@@ -475,7 +567,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--inflight", type=int, default=8, help="HTTPS requests in flight (8)")
     p.add_argument("--max-requests", type=int, default=200000, help="HTTPS requests cap per phase")
     p.add_argument("--keepalive", action="store_true", help="reuse HTTPS connections")
-    p.add_argument("--switch-interval-ms", type=float, default=0.0, help="diagnostic: sys.setswitchinterval in the daemon")
+    p.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=0.0,
+        help="diagnostic: sys.setswitchinterval in the daemon",
+    )
     return c.main("mitm-placement", "egbp", ["ns"], "ns", p.parse_args(argv), inner, tools=("ip",))
 
 

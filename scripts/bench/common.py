@@ -247,7 +247,9 @@ class Topology:
 
     def veth(self, role: str, name: str, peer_role: str, peer: str, *addrs: str) -> None:
         """A veth pair made inside ``role``'s namespace, its peer moved straight into ``peer_role``'s."""
-        self.x(role, "ip", "link", "add", name, "type", "veth", "peer", "name", peer, "netns", self.ns(peer_role))
+        self.x(
+            role, "ip", "link", "add", name, "type", "veth", "peer", "name", peer, "netns", self.ns(peer_role)
+        )
         for addr in addrs:
             self.x(role, "ip", "addr", "add", addr, "dev", name)
         self.x(role, "ip", "link", "set", name, "up")
@@ -274,7 +276,9 @@ class Topology:
             if build:
                 build(self)
             for role in self.roles:
-                if self.x(role, "ip", "route", "show", "default") + self.x(role, "ip", "-6", "route", "show", "default"):
+                if self.x(role, "ip", "route", "show", "default") + self.x(
+                    role, "ip", "-6", "route", "show", "default"
+                ):
                     raise BenchError(f"safety: {self.ns(role)} has a default route")
             if _root_links() - before:
                 raise BenchError(f"safety: the root namespace gained links {sorted(_root_links() - before)}")
@@ -296,7 +300,9 @@ def pod_topology(topo: Topology, sandboxes: int, upstream_ips: Sequence[str]) ->
     topo.x("pod", "ip", "link", "add", "br0", "type", "bridge")
     topo.x("pod", "ip", "addr", "add", f"{GATEWAY}/16", "dev", "br0")
     topo.x("pod", "ip", "link", "set", "br0", "up")
-    run(["ip", "netns", "exec", topo.ns("pod"), "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1"])  # best effort
+    run(
+        ["ip", "netns", "exec", topo.ns("pod"), "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1"]
+    )  # best effort
     for i in range(1, sandboxes + 1):
         topo.veth("pod", f"vh{i}", f"sb{i}", "eth0")
         topo.x("pod", "ip", "link", "set", f"vh{i}", "master", "br0")
@@ -330,7 +336,9 @@ class Http:
                 ctype: str = "application/json") -> tuple[int, bytes, float]:  # fmt: skip
         t0 = time.perf_counter()
         try:
-            self.conn.request(method, path, body=body, headers={"Content-Type": ctype} if body is not None else {})
+            self.conn.request(
+                method, path, body=body, headers={"Content-Type": ctype} if body is not None else {}
+            )
             resp = self.conn.getresponse()
             data = resp.read()
         except (OSError, http.client.HTTPException):
@@ -356,7 +364,11 @@ def scrape(h: Http) -> dict[str, float]:
     status, data, _ = h.request("GET", "/metrics")
     if status != 200:
         raise BenchError(f"/metrics: HTTP {status}")
-    return {m[1]: float(m[2]) for ln in data.decode().splitlines() if (m := _METRIC.match(ln)) and "_bucket" not in m[1]}
+    return {
+        m[1]: float(m[2])
+        for ln in data.decode().splitlines()
+        if (m := _METRIC.match(ln)) and "_bucket" not in m[1]
+    }
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -472,7 +484,13 @@ class Report:
         cells = [[_cell(c) for c in r] for r in [head, *rows]]
         widths = [max(len(r[i]) for r in cells if i < len(r)) for i in range(len(head))]
         for k, r in enumerate(cells):
-            self.add("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))))
+            self.add(
+                "  "
+                + "  ".join(
+                    c.ljust(w) if i == 0 else c.rjust(w)
+                    for i, (c, w) in enumerate(zip(r, widths, strict=False))
+                )
+            )
             if k == 0:
                 self.add("  " + "  ".join("-" * w for w in widths))
 
@@ -492,7 +510,9 @@ class Report:
 
 def _cell(c: object) -> str:
     if isinstance(c, float):
-        return "-" if math.isnan(c) else ("inf" if math.isinf(c) else f"{c:.3f}" if abs(c) < 10 else f"{c:.1f}")
+        return (
+            "-" if math.isnan(c) else ("inf" if math.isinf(c) else f"{c:.3f}" if abs(c) < 10 else f"{c:.1f}")
+        )
     return str(c)
 
 
@@ -532,7 +552,9 @@ def main(name: str, tag: str, roles: Sequence[str], inner_role: str, args: argpa
     if os.geteuid() != 0:
         print(f"{name}: needs root (network namespaces, nftables)", file=sys.stderr)
         return 2
-    missing = [t for t in tools if shutil.which(t) is None] + ([] if EGRESSD.exists() else ["scripts/install.sh"])
+    missing = [t for t in tools if shutil.which(t) is None] + (
+        [] if EGRESSD.exists() else ["scripts/install.sh"]
+    )
     if missing:
         print(f"{name}: missing {', '.join(missing)}", file=sys.stderr)
         return 2
@@ -582,7 +604,10 @@ def _inner_main(args: argparse.Namespace, topo: Topology, inner: Inner, role: st
             skip = not skip
         elif a.split("=", 1)[0] not in _DROP:
             keep.append(a)
-    report = Report(f"egressd {_NAME[0]} benchmark", shlex.join([".venv/bin/python", os.path.relpath(sys.argv[0], ROOT), *keep]))
+    report = Report(
+        f"egressd {_NAME[0]} benchmark",
+        shlex.join([".venv/bin/python", os.path.relpath(sys.argv[0], ROOT), *keep]),
+    )
     try:
         assert_in(topo.ns(role), int(args.outer_ino))
         raw = inner(args, topo, Path(args.workdir), report)

@@ -26,8 +26,8 @@ _SCRIPT = textwrap.dedent(
         SubjectNft, TableConfig, dispatch_deletes, flush_subject_sets, gateway_release,
         header_script, policy_swap, removal_batch, subject_create, subject_keys, subject_resync,
     )
-    from egressd.fleetnft.netlink import NfTablesSocket
-    from egressd.fleetnft.ops import NetlinkBatch
+    from egressd.kernel.netlink import NfTablesSocket
+    from egressd.kernel.ops import NetlinkBatch
     from egressd.policy import parse_policy
 
     mitm = sys.argv[1] == "mitm"

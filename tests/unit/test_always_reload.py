@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from egressd.fleet.always_reload import AlwaysRulesReloader
 from egressd.policy import EMPTY_ALWAYS, AlwaysRules, load_always_rules
+from egressd.policy.reload import AlwaysRulesReloader
 
 
 class Apply:

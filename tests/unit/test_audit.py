@@ -14,11 +14,11 @@ import pytest
 from dnslib import EDNS0, QTYPE, RCODE, DNSRecord
 from structlog.testing import capture_logs
 
+from egressd.actionhandler.inputs import InputError, parse_binding_input
 from egressd.dnsproxy.decide import Action, decide
 from egressd.dnsproxy.ede import INFO_BLOCKED, INFO_OTHER, attach_ede, ede_option, read_ede
 from egressd.dnsproxy.server import Asker, DnsProxy
 from egressd.fleet.audit import AuditEvidence, counter_samples
-from egressd.fleet.inputs import InputError, parse_binding_input
 from egressd.metrics import EgressMetrics
 from egressd.policy import (
     DENY_ALL,
@@ -347,7 +347,7 @@ async def test_metrics_negotiates_openmetrics(aiohttp_client: Any) -> None:
 
 
 def test_counter_dump_request_and_reply_parsing() -> None:
-    from egressd.fleetnft import netlink as nl
+    from egressd.kernel import netlink as nl
 
     req = nl.encode_counter_dump("T", 7)
     length, msg_type, flags, seq, _pid = struct.unpack_from("=IHHII", req)

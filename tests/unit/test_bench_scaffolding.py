@@ -44,7 +44,11 @@ def test_envelope_shapes() -> None:
     import json
 
     set_b = json.loads(common.envelope("SET_BINDING", "u1", ip="10.203.0.11", policy="{}"))
-    assert set_b["attachment"]["network"] == {"ip": "10.203.0.11", "gateway": common.GATEWAY, "hostVeth": "vh-u1"}
+    assert set_b["attachment"]["network"] == {
+        "ip": "10.203.0.11",
+        "gateway": common.GATEWAY,
+        "hostVeth": "vh-u1",
+    }
     assert set_b["binding"] == {"input": "{}"}
     hook = json.loads(common.envelope("LIFECYCLE_HOOK", "u1", hook=True))
     assert hook["hook"]["name"] == "sandbox.data-plane-ready" and "attachment" not in hook
@@ -63,7 +67,9 @@ def test_report_prints_reproduce_command_targets_and_table() -> None:
 def test_every_instrumented_target_exists_with_its_kind() -> None:
     per_query, events = bench_dns.wrap_targets()
     for owner, attr, _key in per_query + events:
-        assert callable(getattr(owner, attr, None)), f"{owner!r}.{attr} is gone: update bench_dns.wrap_targets"
+        assert callable(getattr(owner, attr, None)), (
+            f"{owner!r}.{attr} is gone: update bench_dns.wrap_targets"
+        )
     learn = next(getattr(o, a) for o, a, k in per_query if k == "learn")
     assert inspect.iscoroutinefunction(learn)
 

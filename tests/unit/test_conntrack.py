@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from egressd.fleetnft import conntrack
+from egressd.kernel import conntrack
 
 V4 = (
     "ipv4     2 tcp      6 431999 ESTABLISHED src=10.203.0.11 dst=10.204.0.2 sport=40000 dport=80 "

@@ -30,12 +30,12 @@ from typing import Any
 
 import pytest
 
-import egressd.fleet.control as control_mod
+import egressd.actionhandler.control as control_mod
+from egressd.actionhandler.control import ControlPlane, Result
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
-from egressd.fleet.control import ControlPlane, Result
-from egressd.fleetnft.applier import NftError
 from egressd.fleetnft.builder import TableConfig
-from egressd.fleetnft.ops import (
+from egressd.kernel.applier import NftError
+from egressd.kernel.ops import (
     AddChain,
     AddCounter,
     AddElements,

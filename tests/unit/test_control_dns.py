@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
+from egressd.actionhandler.control import ControlPlane, Result
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
 from egressd.dnsproxy.server import Asker
-from egressd.fleet.control import ControlPlane, Result
-from egressd.fleetnft import conntrack
-from egressd.fleetnft.applier import NftError
 from egressd.fleetnft.builder import TableConfig, dyn_add, dyn_replace, policy_swap
-from egressd.fleetnft.ops import AddIntervals, AddTimed, NetlinkBatch
+from egressd.kernel import conntrack
+from egressd.kernel.applier import NftError
+from egressd.kernel.ops import AddIntervals, AddTimed, NetlinkBatch
 from egressd.policy import (
     EMPTY_ALWAYS,
     AlwaysRules,
@@ -564,7 +564,7 @@ def fake_conntrack(
     monkeypatch: pytest.MonkeyPatch, src: str, dsts: tuple[str, ...]
 ) -> list[tuple[IPAddress, IPAddress]]:
     """Established flows src -> each dst in the conntrack table; returns the list of flows cut."""
-    import egressd.fleet.control as control_mod
+    import egressd.actionhandler.control as control_mod
 
     lines = [
         f"ipv4 2 tcp 6 100 ESTABLISHED src={src} dst={d} sport=1 dport=443 src={d} dst={src}" for d in dsts

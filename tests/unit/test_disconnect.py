@@ -1,7 +1,7 @@
 """BEHAVIOUR 14.10, a client that goes away: every action is carried to its end.
 
 Two harnesses. Over real loopback sockets against the daemon's own listener
-(:func:`egressd.serving.start_http`): half-close, close and reset at each point of a request.
+(:func:`egressd.web.serving.start_http`): half-close, close and reset at each point of a request.
 Over aiohttp's test client, whose server cancels a handler when its client disconnects
 (``handler_cancellation=True``): the cancellation lands in the middle of the kernel step.
 A gated fake kernel holds the step open so the disconnect falls inside it deterministically.
@@ -22,17 +22,17 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from egressd.fleet.control import ControlPlane
+from egressd.actionhandler.control import ControlPlane
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import ACTIONS_PATH, FleetHTTP
 from egressd.fleetnft.builder import TableConfig
-from egressd.fleetnft.ops import NetlinkBatch
+from egressd.kernel.ops import NetlinkBatch
 from egressd.metrics import EgressMetrics
 from egressd.policy import DENY_ALL
-from egressd.serving import InFlight, start_http
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.http import SidecarHTTP
 from egressd.sidecarnft.ruleset import SidecarTable
+from egressd.web.serving import InFlight, start_http
 from tests.unit.test_http import RecordingTx, hook, set_binding
 from tests.unit.test_sidecar_http import AUTH, FakeKernel, ready_prereqs
 

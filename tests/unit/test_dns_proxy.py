@@ -22,7 +22,7 @@ import egressd.dnsproxy.server as server_mod
 from egressd.dnsproxy.forwarder import UPSTREAM_MARK, Forwarded, Forwarder
 from egressd.dnsproxy.server import Asker, DnsProxy
 from egressd.dnsproxy.upstreams import Upstream
-from egressd.fleetnft.applier import NftError
+from egressd.kernel.applier import NftError
 from egressd.metrics import EgressMetrics
 from egressd.policy import parse_policy
 from egressd.subject.model import Fence, IPAddress

@@ -15,11 +15,11 @@ import pytest
 import structlog
 from aiohttp import web
 
+from egressd.actionhandler.control import ControlPlane
 from egressd.cli.egressctl import main
-from egressd.fleet.control import ControlPlane
 from egressd.fleet.server import FleetHTTP
-from egressd.fleetnft.applier import NftError
 from egressd.fleetnft.builder import TableConfig
+from egressd.kernel.applier import NftError
 from egressd.metrics import EgressMetrics
 
 POLICY = json.dumps(

@@ -18,10 +18,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from egressd.actionhandler.control import ControlPlane
 from egressd.cli.ca import certificate_der, fingerprint, normalise_fingerprint
 from egressd.cli.client import CliError
 from egressd.cli.egressctl import main
-from egressd.fleet.control import ControlPlane
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.builder import TableConfig
 from egressd.metrics import EgressMetrics

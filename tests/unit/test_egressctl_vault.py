@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from egressd.actionhandler.inputs import VaultAction, parse_binding_input
 from egressd.cli.egressctl import main
-from egressd.fleet.inputs import VaultAction, parse_binding_input
 from egressd.vault.sealed import KeyRing, open_sealed, parse_sealed, parse_wrapper
 
 KEY = bytes(range(32))

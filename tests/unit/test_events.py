@@ -7,12 +7,12 @@ from typing import Any
 
 from structlog.testing import capture_logs
 
+from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import parse_action
-from egressd.fleet.control import ControlPlane
 from egressd.fleet.server import FleetHTTP
-from egressd.fleetnft.applier import NftError
 from egressd.fleetnft.builder import TableConfig
-from egressd.fleetnft.ops import NetlinkBatch
+from egressd.kernel.applier import NftError
+from egressd.kernel.ops import NetlinkBatch
 from egressd.metrics import EgressMetrics
 
 PLANTED = "planted-rule-7c1e.example.com"

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from egressd.fleet.explain import explain
 from egressd.policy import parse_policy
+from egressd.policy.explain import explain
 
 POLICY = parse_policy(
     json.dumps(

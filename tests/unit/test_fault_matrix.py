@@ -41,11 +41,11 @@ from typing import Any
 
 import pytest
 
+from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
-from egressd.fleet.control import ControlPlane
-from egressd.fleetnft.applier import NftError, NftUncertain
 from egressd.fleetnft.builder import TableConfig, header_script
-from egressd.fleetnft.ops import (
+from egressd.kernel.applier import NftError, NftUncertain
+from egressd.kernel.ops import (
     AddChain,
     AddCounter,
     AddElements,
@@ -215,7 +215,9 @@ class ModelKernel:
         _apply(scratch, batch)  # raises ModelError: nothing applied
         self.table = scratch
         if kind == "late_ack":
-            raise NftUncertain(f"netlink batch unanswered: [Errno 110] waiting for the kernel's answer ({self.calls})")
+            raise NftUncertain(
+                f"netlink batch unanswered: [Errno 110] waiting for the kernel's answer ({self.calls})"
+            )
         if kind == "late_timeout":
             await asyncio.sleep(HANG_S)
             raise TimeoutError(f"injected timeout after transaction {self.calls} applied")
@@ -343,7 +345,9 @@ def _run_chain(t: Table, chain: str, dst: IPAddress, marked: bool) -> tuple[str 
                     marked = True
                 else:
                     return rule.outcome.value, marked
-        elif _in(t, rule.set_name, dst) and not _in(t, rule.hard, dst) and not (rule.unmarked_only and marked):
+        elif (
+            _in(t, rule.set_name, dst) and not _in(t, rule.hard, dst) and not (rule.unmarked_only and marked)
+        ):
             marked = True  # an audit would-deny: logged, counted and passed
     return None, marked
 
@@ -623,7 +627,9 @@ def _scenarios() -> list[Scenario]:
         Scenario("removal_denying", bound, act(_remove(U1))),
         Scenario("rekey_ip", active(P_A), act(_set_binding(U1, P_A, ip=IP1B, gen=2))),
         Scenario("rekey_gateway", active(P_A), act(_set_binding(U1, P_A, gw=GW_B, gen=2))),
-        Scenario("rekey_ip_widen", active(P_NARROW, learn=False), act(_set_binding(U1, P_WIDE, ip=IP1B, gen=2))),
+        Scenario(
+            "rekey_ip_widen", active(P_NARROW, learn=False), act(_set_binding(U1, P_WIDE, ip=IP1B, gen=2))
+        ),
         Scenario("always_deny", active(P_A), always(_always(deny=("8.8.8.8", "example.com", "7.7.7.7")))),
         Scenario("always_allow", active(P_NARROW, learn=False), always(_always(allow=("9.9.9.9",)))),
         Scenario("dns_learn", active(P_A, learn=False), learn_b, bounded=True),
@@ -652,7 +658,9 @@ class Run:
 
 async def _fresh(mitm: bool) -> Run:
     kernel = ModelKernel()
-    control = ControlPlane(TableConfig(table=TABLE, dns_port=DNS_PORT, mitm=mitm, mitm_port=MITM_PORT), kernel)
+    control = ControlPlane(
+        TableConfig(table=TABLE, dns_port=DNS_PORT, mitm=mitm, mitm_port=MITM_PORT), kernel
+    )
     # egressd's own revocation retry is driven explicitly below, never behind a check's back.
     control.revoke_retry = (3600.0, 3600.0)
     await control.reset_table()
@@ -938,8 +946,8 @@ def test_the_shell_reports_an_unanswered_batch_as_uncertain() -> None:
     kernel committed the batch; an error answer from the kernel means it did not."""
     import errno
 
-    from egressd.fleetnft.applier import _Netlink
-    from egressd.fleetnft.netlink import NetlinkError
+    from egressd.kernel.applier import _Netlink
+    from egressd.kernel.netlink import NetlinkError
 
     class Sock:
         def __init__(self, exc: BaseException) -> None:

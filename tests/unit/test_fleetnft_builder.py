@@ -31,7 +31,7 @@ from egressd.fleetnft.builder import (
     subject_objects_script,
     subject_rules,
 )
-from egressd.fleetnft.ops import (
+from egressd.kernel.ops import (
     AddIntervals,
     AddRule,
     AddTimed,
@@ -419,8 +419,14 @@ def test_objects_script_declares_the_sets_chains_and_counters() -> None:
     for kind in ("allow", "deny", "wdeny", "audit"):
         assert f"add set inet {T} subj_s_u_1_{kind}_v4 {{ type ipv4_addr; flags interval; }}" in text
         assert f"add set inet {T} subj_s_u_1_{kind}_v6 {{ type ipv6_addr; flags interval; }}" in text
-    assert f"add set inet {T} subj_s_u_1_dyn_v4 {{ type ipv4_addr; flags timeout; timeout 360s; size 4096; }}" in text
-    assert f"add set inet {T} subj_s_u_1_dyn_v6 {{ type ipv6_addr; flags timeout; timeout 360s; size 4096; }}" in text
+    assert (
+        f"add set inet {T} subj_s_u_1_dyn_v4 {{ type ipv4_addr; flags timeout; timeout 360s; size 4096; }}"
+        in text
+    )
+    assert (
+        f"add set inet {T} subj_s_u_1_dyn_v6 {{ type ipv6_addr; flags timeout; timeout 360s; size 4096; }}"
+        in text
+    )
     assert f"add chain inet {T} subj_s_u_1" in text
     assert f"add chain inet {T} mark_s_u_1" in text
     assert f"add chain inet {T} subj_s_u_1_in" not in text

@@ -9,11 +9,11 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient
 
-from egressd.fleet.control import ControlPlane
+from egressd.actionhandler.control import ControlPlane
 from egressd.fleet.server import FleetHTTP
-from egressd.fleetnft.applier import NftError
 from egressd.fleetnft.builder import TableConfig
-from egressd.fleetnft.ops import NetlinkBatch
+from egressd.kernel.applier import NftError
+from egressd.kernel.ops import NetlinkBatch
 from egressd.metrics import EgressMetrics
 
 BASE: dict[str, Any] = {

@@ -15,13 +15,13 @@ import pytest
 from aiohttp.test_utils import TestClient
 from dnslib import QTYPE, RR, A, DNSRecord
 
+from egressd.actionhandler.control import ControlPlane
 from egressd.dnsproxy.forwarder import Forwarded
 from egressd.dnsproxy.server import DnsProxy
-from egressd.fleet.control import ControlPlane
 from egressd.fleet.server import FleetHTTP
-from egressd.fleetnft.applier import NftError
 from egressd.fleetnft.builder import TableConfig, dyn_add, dyn_replace, policy_swap
-from egressd.fleetnft.ops import AddSet, AddTimed, FlushSet, NetlinkBatch
+from egressd.kernel.applier import NftError
+from egressd.kernel.ops import AddSet, AddTimed, FlushSet, NetlinkBatch
 from egressd.metrics import EgressMetrics
 from egressd.policy import AlwaysRules, Verdict, effective_policy, parse_always_text, parse_policy
 from egressd.subject.leases import COUNT_GRACE_S, MAX_NAMES_PER_LEASE, LeaseBook, covered_by
@@ -254,7 +254,9 @@ async def test_set_binding_that_uncovers_a_kept_vault_is_refused_unchanged() -> 
     store = control.vaults.setdefault("u-1", VaultStore())
     vault = {
         "credentials": [{"name": "k", "source": {"type": "inline", "value": "sk-canary-1"}}],
-        "bindings": [{"name": "b", "match": {"hosts": ["api.x.io"]}, "auth": {"type": "bearer", "credential": "k"}}],
+        "bindings": [
+            {"name": "b", "match": {"hosts": ["api.x.io"]}, "auth": {"type": "bearer", "credential": "k"}}
+        ],
     }
     status, _ = store.put(vault, control.coverage_policy("u-1"))
     assert status in (200, 201), store
@@ -514,7 +516,9 @@ def test_policy_fixture_is_valid_json() -> None:
 
 _VAULT = {
     "credentials": [{"name": "k", "source": {"type": "inline", "value": "sk-canary-1"}}],
-    "bindings": [{"name": "b", "match": {"hosts": ["api.x.io"]}, "auth": {"type": "bearer", "credential": "k"}}],
+    "bindings": [
+        {"name": "b", "match": {"hosts": ["api.x.io"]}, "auth": {"type": "bearer", "credential": "k"}}
+    ],
 }
 
 
@@ -527,7 +531,9 @@ async def test_a_tenant_policy_write_cannot_cancel_a_pending_removal() -> None:
     proxy = ProxyRouteAPI(control)
     await activate(control, policy=ALLOW_API)
     assert (await control.handle(remove())).status == 500
-    body = json.dumps({"defaultAction": "deny", "egress": [{"action": "allow", "target": "api.x.io"}]}).encode()
+    body = json.dumps(
+        {"defaultAction": "deny", "egress": [{"action": "allow", "target": "api.x.io"}]}
+    ).encode()
     reply = await proxy.handle("PUT", "/v1/sandboxfleets/u-1/egress/policy", {}, body)
     assert reply.status == 500
     # Nor can an in-place SET_BINDING or an activation build on the state being taken away.
@@ -537,7 +543,9 @@ async def test_a_tenant_policy_write_cannot_cancel_a_pending_removal() -> None:
     asker = control.asker(SRC)
     assert asker is not None and asker.policy is None
     assert await control.learn("u-1", FENCE, [(API, 300)], "api.x.io") == []
-    await proxy.handle("PUT", "/v1/sandboxfleets/u-1/egress/credential-vault", {}, json.dumps(_VAULT).encode())
+    await proxy.handle(
+        "PUT", "/v1/sandboxfleets/u-1/egress/credential-vault", {}, json.dumps(_VAULT).encode()
+    )
     assert control.vault_for_ip(SRC) is None
     tx.left = 0  # the kernel agrees at last: the removal finishes by itself
     await _until(lambda: not control.revoking())
@@ -567,7 +575,7 @@ async def test_egressds_own_retry_applies_the_inputs_vault_action_too() -> None:
 
 
 async def test_an_always_rules_reload_never_widens_a_subject_being_closed() -> None:
-    from egressd.fleetnft.ops import AddIntervals
+    from egressd.kernel.ops import AddIntervals
 
     tx = FlakyTx("deny_first", 0)
     control = await make(tx)

@@ -13,12 +13,12 @@ import structlog
 from aiohttp.test_utils import TestClient
 from structlog.testing import capture_logs
 
+from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, MAX_BODY_BYTES
-from egressd.fleet.control import ControlPlane
 from egressd.fleet.server import ACTIONS_PATH, STATUS_PATH, FleetHTTP
-from egressd.fleetnft.applier import NftError
 from egressd.fleetnft.builder import TableConfig
-from egressd.fleetnft.ops import NetlinkBatch
+from egressd.kernel.applier import NftError
+from egressd.kernel.ops import NetlinkBatch
 from egressd.metrics import EgressMetrics
 
 SECRET = "zz-PLANTED-SECRET-7f3a9c-zz"

@@ -20,9 +20,9 @@ from pyroute2.netlink.nfnetlink.nftsocket import (
     nft_set_msg,
 )
 
-from egressd.fleetnft import netlink
 from egressd.fleetnft.builder import TableConfig, policy_swap, removal_batch, subject_rules
-from egressd.fleetnft.ops import (
+from egressd.kernel import netlink
+from egressd.kernel.ops import (
     AddIntervals,
     AddRule,
     AddTimed,
@@ -385,7 +385,7 @@ def test_parse_setelem_dump() -> None:
 
 
 def test_a_refused_element_op_is_reported_without_its_addresses() -> None:
-    from egressd.fleetnft.ops import AddIntervals, AddTimed
+    from egressd.kernel.ops import AddIntervals, AddTimed
 
     text = netlink._failed_op_text("T", AddIntervals("subj_x_allow_v4", "v4", (IPv4Network("10.9.0.0/24"),)))
     assert text == "add element inet T subj_x_allow_v4 { <1 prefixes> }"

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from egressd.fleetnft import netlink
 from egressd.fleetnft.builder import policy_swap
-from egressd.fleetnft.ops import AddElements, AddIntervals, AddTimed, FlushSet, NetlinkBatch, Op
+from egressd.kernel import netlink
+from egressd.kernel.ops import AddElements, AddIntervals, AddTimed, FlushSet, NetlinkBatch, Op
 from egressd.policy import parse_policy
 from tests.bigpolicy import big_policy
 

@@ -24,17 +24,17 @@ from aiohttp.test_utils import TestClient
 from structlog.testing import capture_logs
 from yarl import URL
 
+from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION
-from egressd.fleet.control import ControlPlane
-from egressd.fleet.pending import MAX_PER_UID
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import ACTIONS_PATH, FleetHTTP
-from egressd.fleetnft.applier import NftError
 from egressd.fleetnft.builder import TableConfig
-from egressd.fleetnft.ops import NetlinkBatch
+from egressd.kernel.applier import NftError
+from egressd.kernel.ops import NetlinkBatch
 from egressd.metrics import EgressMetrics
 from egressd.policy import EMPTY_ALWAYS, AlwaysRules, Verdict
 from egressd.policy.always import parse_always_text
+from egressd.vault.pending import MAX_PER_UID
 from egressd.vault.sealed import KeyStore
 
 SECRET = "sk-PLANTED-0xdeadbeef"

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from egressd.fleet.refresh import (
+from egressd.subject.leases import Lease, LeaseBook
+from egressd.subject.model import IPAddress
+from egressd.subject.refresh import (
     ACTIVE_TCP_STATES,
     RENEW_S,
     LeaseRefresher,
@@ -16,8 +18,6 @@ from egressd.fleet.refresh import (
     parse_conntrack,
     plan_refresh,
 )
-from egressd.subject.leases import Lease, LeaseBook
-from egressd.subject.model import IPAddress
 
 
 def ip(text: str) -> IPAddress:
@@ -190,7 +190,9 @@ def book(mirror: dict[IPAddress, float]) -> LeaseBook:
     return out
 
 
-def make(path: Path, leases: dict[str, dict[IPAddress, float]], renew: Renewals, **kw: object) -> LeaseRefresher:
+def make(
+    path: Path, leases: dict[str, dict[IPAddress, float]], renew: Renewals, **kw: object
+) -> LeaseRefresher:
     books = {uid: book(m) for uid, m in leases.items()}
     return make_books(path, books, renew, **kw)
 

@@ -19,7 +19,7 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from egressd.fleet.inputs import InputError, VaultAction, parse_binding_input
+from egressd.actionhandler.inputs import InputError, VaultAction, parse_binding_input
 from egressd.policy import AlwaysRules, Verdict
 from egressd.policy.always import parse_always_text
 from egressd.vault.sealed import KeyStore, build_wrapper, seal

@@ -8,7 +8,7 @@ import socket
 import pytest
 from aiohttp import web
 
-from egressd.serving import ListenError, start_http, wait_for_stop
+from egressd.web.serving import ListenError, start_http, wait_for_stop
 
 
 async def test_taken_port_is_one_line_and_nothing_keeps_running() -> None:

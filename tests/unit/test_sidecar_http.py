@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient
 from structlog.testing import capture_logs
 
 from egressd.actionhandler.envelope import MAX_BODY_BYTES
-from egressd.fleetnft.applier import NftError
+from egressd.kernel.applier import NftError
 from egressd.metrics import EgressMetrics
 from egressd.policy import DENY_ALL, AlwaysRules, NetworkPolicy, Verdict, judge_domain, parse_policy
 from egressd.sidecar.engine import SidecarEngine

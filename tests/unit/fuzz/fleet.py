@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION
-from egressd.fleet.control import ControlPlane
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.builder import TableConfig

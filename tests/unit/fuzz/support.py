@@ -24,7 +24,7 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from structlog.testing import capture_logs
 
-from egressd.fleetnft.ops import NetlinkBatch
+from egressd.kernel.ops import NetlinkBatch
 
 PROFILE = os.environ.get("EGRESSD_FUZZ_PROFILE", "ci").strip().lower() or "ci"
 if PROFILE not in ("ci", "campaign"):

@@ -18,7 +18,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from egressd.fleet.inputs import InputError, parse_binding_input
+from egressd.actionhandler.inputs import InputError, parse_binding_input
 from egressd.policy import (
     NetworkPolicy,
     PolicyError,

@@ -20,7 +20,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from egressd.fleet.inputs import InputError, VaultAction, parse_binding_input
+from egressd.actionhandler.inputs import InputError, VaultAction, parse_binding_input
 from egressd.policy import parse_policy_obj
 from egressd.vault.sealed import build_wrapper
 from tests.unit.fuzz import fleet as F

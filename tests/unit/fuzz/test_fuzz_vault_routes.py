@@ -24,13 +24,13 @@ from aiohttp.test_utils import make_mocked_request
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from egressd.fleet.proxyroute import Reply
-from egressd.fleet.route import GENERATION_HEADER, UID_HEADER
 from egressd.metrics import EgressMetrics
 from egressd.policy import parse_policy
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.http import SidecarHTTP, VaultPrerequisites
 from egressd.sidecarnft.ruleset import SidecarTable
+from egressd.web.route import GENERATION_HEADER, UID_HEADER
+from egressd.web.vaultapi import Reply
 from tests.unit.fuzz import fleet as F
 from tests.unit.fuzz.strategies import (
     json_values,

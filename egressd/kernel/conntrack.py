@@ -84,7 +84,7 @@ async def read_table(table: Path = CONNTRACK_TABLE) -> str | None:
 
 async def flush_flow(src: IPAddress, dst: IPAddress) -> None:
     """Cut the tracked flows from ``src`` to ``dst`` (an in-place narrowing)."""
-    await _conntrack_delete(["-s", str(src), "-d", str(dst)], src.version)
+    await conntrack_delete(["-s", str(src), "-d", str(dst)], src.version)
 
 
 async def flush_source(ip: IPAddress, table: Path = CONNTRACK_TABLE) -> None:
@@ -92,10 +92,10 @@ async def flush_source(ip: IPAddress, table: Path = CONNTRACK_TABLE) -> None:
     text = await read_table(table)
     if text is not None and not has_flows_from(text, ip):
         return
-    await _conntrack_delete(["-s", str(ip)], ip.version)
+    await conntrack_delete(["-s", str(ip)], ip.version)
 
 
-async def _conntrack_delete(selector: list[str], version: int) -> None:
+async def conntrack_delete(selector: list[str], version: int) -> None:
     exe = shutil.which("conntrack")
     if exe is None:
         raise ConntrackError("conntrack binary not found")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import structlog
 
-from egressd.fleetnft.conntrack import original_tuple
+from egressd.kernel.conntrack import original_tuple
 from egressd.subject.leases import LeaseBook
 from egressd.subject.model import IPAddress
 

@@ -19,12 +19,8 @@ from typing import Any, Protocol
 import structlog
 
 from egressd.actionhandler.envelope import HookName, LifecycleHook, RemoveBinding, SetBinding
+from egressd.actionhandler.inputs import BindingInput, InputError, VaultAction, parse_binding_input
 from egressd.dnsproxy.server import Asker
-from egressd.fleet.explain import explain as explain_target
-from egressd.fleet.explain import hard_denied, ip_decision
-from egressd.fleet.inputs import BindingInput, InputError, VaultAction, parse_binding_input
-from egressd.fleet.pending import PendingPushes
-from egressd.fleetnft.applier import NftError, NftUncertain, Transactions
 from egressd.fleetnft.builder import (
     SubjectNft,
     TableConfig,
@@ -44,10 +40,11 @@ from egressd.fleetnft.builder import (
     subject_resync,
     subject_rules,
 )
-from egressd.fleetnft.conntrack import flush_flow
-from egressd.fleetnft.conntrack import read_flows as read_conntrack_flows
-from egressd.fleetnft.netlink import element_covering
-from egressd.fleetnft.ops import NetlinkBatch, Op
+from egressd.kernel.applier import NftError, NftUncertain, Transactions
+from egressd.kernel.conntrack import flush_flow
+from egressd.kernel.conntrack import read_flows as read_conntrack_flows
+from egressd.kernel.netlink import element_covering
+from egressd.kernel.ops import NetlinkBatch, Op
 from egressd.metrics import EgressMetrics
 from egressd.policy import (
     EMPTY_ALWAYS,
@@ -60,6 +57,8 @@ from egressd.policy import (
     ip_sets,
     normalise_name,
 )
+from egressd.policy.decide import hard_denied, ip_decision
+from egressd.policy.explain import explain as explain_target
 from egressd.subject.leases import (
     DEFAULT_MAX_LEASES,
     LeaseBook,
@@ -91,6 +90,7 @@ from egressd.subject.registry import (
 )
 from egressd.vault.model import DEFAULT_LIMITS, VaultError, VaultLimits
 from egressd.vault.offload import off_loop
+from egressd.vault.pending import PendingPushes
 from egressd.vault.sealed import WRAPPER_MARKER, KeyStore
 from egressd.vault.store import VaultSnapshot, VaultStore
 
@@ -442,9 +442,7 @@ class ControlPlane:
             problem = _dispatch_key_problem(action.attachment.ip, action.attachment.gateway)
             if problem is not None:
                 return Result(400, f"invalid action envelope: {problem}")
-            binding = Binding(
-                action.attachment.ip, action.attachment.gateway, action.attachment.private_cidr
-            )
+            binding = Binding(action.attachment.ip, action.attachment.gateway, action.attachment.private_cidr)
         req = SetBindingRequest(action.uid, action.fence, action.spec_generation, binding, policy)
         entry = self.registry.get(action.uid)
         claim = binding or (entry.binding if entry else None)
@@ -748,7 +746,11 @@ class ControlPlane:
         for step in plan.steps:
             if isinstance(step, RemoveAll | DropStaleKeys) and (view.objects or view.keys):
                 return True
-            if isinstance(step, InstallDenyFirst) and view.objects and (view.applied is not None or view.keys):
+            if (
+                isinstance(step, InstallDenyFirst)
+                and view.objects
+                and (view.applied is not None or view.keys)
+            ):
                 return True
             if isinstance(step, ApplyPolicy) and view.applied is not None:
                 return True
@@ -907,7 +909,9 @@ class ControlPlane:
             if not view.objects:
                 # A new subject: sets, chains, fixed rules and keys in one transaction.
                 create, commit = self._nets_in(create, entry.uid, step.binding.private_cidr)
-                await send(create, "deny_first", KernelView(True, frozenset({(subj.ip, subj.gateway)}), rules=True))
+                await send(
+                    create, "deny_first", KernelView(True, frozenset({(subj.ip, subj.gateway)}), rules=True)
+                )
                 commit()
                 # Nothing this subject allows is established yet, yet the header accepts
                 # established flows: after a kill -9 and restart (the Fastlet's replay lands
@@ -924,7 +928,9 @@ class ControlPlane:
                 batch + subject_keys(self.table, subj), entry.uid, step.binding.private_cidr
             )
             await send(
-                batch, "deny_first", replace(view, rules=True, applied=None, keys=view.keys | {(subj.ip, subj.gateway)})
+                batch,
+                "deny_first",
+                replace(view, rules=True, applied=None, keys=view.keys | {(subj.ip, subj.gateway)}),
             )
             commit()
             self._forget_learned(entry.uid)
@@ -978,7 +984,9 @@ class ControlPlane:
             )
             stale = view.keys - kept
             ops = self._key_deletes(entry.uid, stale, keep)
-            await send(NetlinkBatch(table, tuple(ops)), "dispatch_update", replace(view, keys=view.keys & kept))
+            await send(
+                NetlinkBatch(table, tuple(ops)), "dispatch_update", replace(view, keys=view.keys & kept)
+            )
             return [ip for ip in _ips(stale) if ip not in _ips(kept)]
         assert isinstance(step, RemoveAll)
         if not view.objects and not view.keys:

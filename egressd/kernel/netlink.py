@@ -21,7 +21,7 @@ import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from egressd.fleetnft.ops import (
+from egressd.kernel.ops import (
     ALLOW_MARK,
     AddChain,
     AddCounter,

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
-from egressd.fleetnft.netlink import NetlinkError, NfTablesSocket, SetElement
-from egressd.fleetnft.ops import NetlinkBatch
+from egressd.kernel.netlink import NetlinkError, NfTablesSocket, SetElement
+from egressd.kernel.ops import NetlinkBatch
 from egressd.metrics import EgressMetrics
 
 T = TypeVar("T")

@@ -1,0 +1,118 @@
+"""The package rules of docs/architecture.md, enforced on the source tree.
+
+* No name with a leading underscore is imported from another package: a private name is the
+  business of the package that defines it.
+* A profile (``egressd.fleet``, ``egressd.sidecar``) never imports the other one, and nothing
+  below the profiles imports either: the profiles are thin composition layers over shared
+  packages. Only the entry point (``egressd.main``) chooses between them.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2] / "egressd"
+PROFILES = ("egressd.fleet", "egressd.sidecar")
+ENTRY_POINTS = ("egressd.main", "egressd.__main__")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def package_of(module: str) -> str:
+    """``egressd.fleet.server`` -> ``egressd.fleet``; a top-level module is its own package."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def imports(path: Path) -> Iterator[tuple[int, str, str | None]]:
+    """(line, imported module, imported name or None) for every absolute egressd import."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "egressd" or node.module.startswith("egressd."):
+                for alias in node.names:
+                    yield node.lineno, node.module, alias.name
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("egressd."):
+                    yield node.lineno, alias.name, None
+
+
+def source_files() -> list[Path]:
+    files = sorted(ROOT.rglob("*.py"))
+    assert len(files) > 50, "the source tree was not found"
+    return files
+
+
+def imported_package(module: str, name: str | None) -> str:
+    """The package an import reaches: ``from egressd import main`` reaches ``egressd.main``."""
+    if module == "egressd" and name is not None:
+        return package_of(f"egressd.{name}")
+    return package_of(module)
+
+
+def private_cross_package_imports() -> list[str]:
+    found = []
+    for path in source_files():
+        mine = package_of(module_name(path))
+        for line, module, name in imports(path):
+            theirs = imported_package(module, name)
+            if theirs == mine:
+                continue
+            private_module = any(p.startswith("_") and not p.startswith("__") for p in module.split("."))
+            private_name = name is not None and name.startswith("_") and not name.startswith("__")
+            if private_module or private_name:
+                found.append(f"{path.relative_to(ROOT.parent)}:{line}: {module}.{name}")
+    return found
+
+
+def profile_imports() -> list[str]:
+    found = []
+    for path in source_files():
+        me = module_name(path)
+        mine = package_of(me)
+        if me in ENTRY_POINTS:
+            continue
+        for line, module, name in imports(path):
+            theirs = imported_package(module, name)
+            if theirs in PROFILES and theirs != mine:
+                found.append(f"{path.relative_to(ROOT.parent)}:{line}: {mine} imports {theirs}")
+    return found
+
+
+def test_no_private_name_is_imported_across_packages() -> None:
+    assert private_cross_package_imports() == []
+
+
+def test_no_profile_is_imported_outside_itself_and_the_entry_point() -> None:
+    assert profile_imports() == []
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from egressd.fleet.proxyroute import _edited\n", True),
+        ("from egressd.kernel.conntrack import conntrack_delete\n", False),
+        ("from egressd.kernel._private import thing\n", True),
+    ],
+)
+def test_the_private_import_check_sees_what_it_must(tmp_path: Path, source: str, expected: bool) -> None:
+    """The checker itself: a private name from another package is found, a public one is not."""
+    path = tmp_path / "probe.py"
+    path.write_text(source)
+    hits = [
+        (module, name)
+        for _, module, name in imports(path)
+        if (name or "").startswith("_") or any(p.startswith("_") for p in module.split("."))
+    ]
+    assert bool(hits) is expected
