@@ -13,7 +13,7 @@ import structlog
 from aiohttp import web
 
 from egressd.actionhandler.control import ControlPlane
-from egressd.config import Config, ConfigError, parse_config
+from egressd.config import Config, ConfigError, ignored_settings, parse_config
 from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
@@ -26,6 +26,7 @@ from egressd.fleetnft.selftest import SelfTestError, bridge_report, run_selftest
 from egressd.hygiene import disable_core_dumps
 from egressd.kernel.applier import KernelTransactions, NftError
 from egressd.kernel.conntrack import flush_source
+from egressd.kernel.renewal import LeaseRenewal
 from egressd.logsetup import configure
 from egressd.metrics import EgressMetrics
 from egressd.mitm.service import MitmStartupError, start_mitm
@@ -34,6 +35,7 @@ from egressd.policy.reload import AlwaysRulesReloader
 from egressd.subject.refresh import LeaseRefresher
 from egressd.vault.sealed import KeyDirError, KeyStore
 from egressd.web.serving import ListenError, start_http, wait_for_stop
+from egressd.web.transport import VaultTransport
 
 log = structlog.get_logger("egressd")
 
@@ -42,7 +44,7 @@ class StartupError(Exception):
     """One-line reason start-up was refused."""
 
 
-def table_config(cfg: Config) -> TableConfig:
+def table_config(cfg: Config, renewal: LeaseRenewal = LeaseRenewal.READD) -> TableConfig:
     return TableConfig(
         table=cfg.nft_table,
         dns_port=cfg.dns_port,
@@ -51,6 +53,9 @@ def table_config(cfg: Config) -> TableConfig:
         block_doh_443=cfg.block_doh_443,
         doh_blocklist=cfg.doh_blocklist,
         max_leases=cfg.max_leases,
+        mitm_extra_ports=cfg.mitm_extra_ports if cfg.mitm_transparent else (),
+        nameserver_exempt=cfg.nameserver_exempt,
+        renew_by_replace=renewal is LeaseRenewal.REPLACE,
     )
 
 
@@ -61,14 +66,21 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
         raise StartupError(f"always-rules: {exc}") from None
 
     metrics = EgressMetrics()
+    metrics.constant_labels = cfg.metric_labels
     tx = KernelTransactions(metrics)
     try:
         try:
-            tx.run_sync(lambda: run_selftest(tx._cmd, tx._batch, table_prefix=cfg.nft_table))
+            renewal = tx.run_sync(
+                lambda: run_selftest(
+                    tx._cmd, tx._batch, table_prefix=cfg.nft_table, elements=tx._set_elements
+                )
+            )
         except SelfTestError as exc:
             raise StartupError(str(exc)) from None
         bridges = bridge_report()
-        log.info("kernel.selftest_passed", bridge=bridges.describe())
+        log.info("kernel.selftest_passed", bridge=bridges.describe(), lease_renewal=renewal.value)
+        for note in ignored_settings(cfg):
+            log.warning("config.ignored", reason=note)
         if bridges.bypass_risk and not cfg.allow_bridge_bypass:
             raise StartupError(
                 f"{bridges.failing_sysctls()} is not 1 on a bridge with non-isolated ports: bridged "
@@ -81,7 +93,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
         except KeyDirError as exc:
             raise StartupError(f"vault keys: {exc}") from None
         control = ControlPlane(
-            table_config(cfg),
+            table_config(cfg, renewal),
             tx,
             always=always,
             metrics=metrics,
@@ -167,6 +179,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             proxy=proxy,
             mitm_ca=lambda: (mitm.ca.pem, mitm.ca.fingerprint) if mitm else None,
             before_scrape=audit.refresh,
+            vault_transport=VaultTransport(cfg.vault_require_tls, cfg.vault_trusted_proxies),
         )
         runner: web.AppRunner | None = None
         try:
@@ -221,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"egressd: {exc}", file=sys.stderr)
         return 2
-    configure(cfg.log_format)
+    configure(cfg.log_format, cfg.log_level, cfg.log_fields)
     if cfg.profile == "sidecar":
         from egressd.sidecar.run import main as run_sidecar_main
 

@@ -17,6 +17,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from egressd.metriclabels import with_constant_labels
+
 OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 _EXEMPLAR_MAX_CHARS = 128  # OpenMetrics: label names + values of one exemplar together
 
@@ -225,6 +227,8 @@ class EgressMetrics:
 
     def __init__(self, subjects_by_state: Callable[[], dict[tuple[str, ...], float]] | None = None) -> None:
         r = self.registry = Registry()
+        # OPENSANDBOX_EGRESS_SANDBOX_ID / ..._METRICS_EXTRA_ATTRS: on every sample (render()).
+        self.constant_labels: tuple[tuple[str, str], ...] = ()
         self.subjects = r.register(
             Gauge("egressd_subjects", "Registered subjects by state.", ["state"], collect=subjects_by_state)
         )
@@ -315,4 +319,4 @@ class EgressMetrics:
         )
 
     def render(self, openmetrics: bool = False) -> str:
-        return self.registry.render(openmetrics)
+        return with_constant_labels(self.registry.render(openmetrics), self.constant_labels)
