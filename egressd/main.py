@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"egressd: {exc}", file=sys.stderr)
         return 2
-    configure(cfg.log_format)
+    configure(cfg.log_format, cfg.log_level, cfg.log_fields)
     if cfg.profile == "sidecar":
         from egressd.sidecar.run import run_sidecar
 

@@ -29,6 +29,8 @@ from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.samples import Exemplar, Sample
 
+from egressd.metriclabels import with_constant_labels
+
 OPENMETRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST  # "application/openmetrics-text; version=1.0.0; ..."
 _EXEMPLAR_MAX_CHARS = 128  # OpenMetrics: label names + values of one exemplar together
 
@@ -248,6 +250,8 @@ class EgressMetrics:
 
     def __init__(self, subjects_by_state: Samples | None = None) -> None:
         self.registry = CollectorRegistry()
+        # OPENSANDBOX_EGRESS_SANDBOX_ID / ..._METRICS_EXTRA_ATTRS: on every sample (render()).
+        self.constant_labels: tuple[tuple[str, str], ...] = ()
         # Registered (and so rendered) in this order: control plane and kernel, DNS and policy, MITM.
         self._control_plane(subjects_by_state)
         self._dns_and_policy()
@@ -335,4 +339,4 @@ class EgressMetrics:
         )
 
     def render(self, openmetrics: bool = False) -> str:
-        return render(self.registry, openmetrics)
+        return with_constant_labels(render(self.registry, openmetrics), self.constant_labels)

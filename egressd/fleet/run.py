@@ -16,7 +16,7 @@ import time
 import structlog
 
 from egressd.actionhandler.control import ControlPlane
-from egressd.config import Config
+from egressd.config import Config, ignored_settings
 from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
@@ -28,6 +28,7 @@ from egressd.fleetnft.builder import TableConfig
 from egressd.fleetnft.selftest import BridgeReport, SelfTestError, bridge_report, run_selftest
 from egressd.kernel.applier import KernelTransactions, NftError
 from egressd.kernel.conntrack import flush_source
+from egressd.kernel.renewal import LeaseRenewal
 from egressd.lifecycle import Running, StartupError
 from egressd.metrics import EgressMetrics
 from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
@@ -36,13 +37,14 @@ from egressd.policy.reload import AlwaysRulesReloader
 from egressd.subject.refresh import LeaseRefresher
 from egressd.vault.sealed import KeyDirError, KeyStore
 from egressd.web.serving import ListenError, start_http, wait_for_stop
+from egressd.web.transport import VaultTransport
 
 log = structlog.get_logger("egressd")
 
 __all__ = ["StartupError", "run_fleet", "table_config"]
 
 
-def table_config(cfg: Config) -> TableConfig:
+def table_config(cfg: Config, renewal: LeaseRenewal = LeaseRenewal.READD) -> TableConfig:
     return TableConfig(
         table=cfg.nft_table,
         dns_port=cfg.dns_port,
@@ -51,6 +53,9 @@ def table_config(cfg: Config) -> TableConfig:
         block_doh_443=cfg.block_doh_443,
         doh_blocklist=cfg.doh_blocklist,
         max_leases=cfg.max_leases,
+        mitm_extra_ports=cfg.mitm_extra_ports if cfg.mitm_transparent else (),
+        nameserver_exempt=cfg.nameserver_exempt,
+        renew_by_replace=renewal is LeaseRenewal.REPLACE,
     )
 
 
@@ -62,11 +67,12 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
         raise StartupError(f"always-rules: {exc}") from None
 
     metrics = EgressMetrics()
+    metrics.constant_labels = cfg.metric_labels
     tx = KernelTransactions(metrics)
     running = Running(tx)
     try:
-        bridges = _check_kernel(cfg, tx)
-        control, proxy, audit = _control_plane(cfg, tx, always, metrics)
+        bridges, renewal = _check_kernel(cfg, tx)
+        control, proxy, audit = _control_plane(cfg, tx, always, metrics, renewal)
         running.stoppers.append(control.close)
         await _reset_table(cfg, control, always)
         await _start_dns(cfg, control, metrics, running)
@@ -86,31 +92,36 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             proxy=proxy,
             mitm_ca=lambda: (mitm.ca.pem, mitm.ca.fingerprint) if mitm else None,
             before_scrape=audit.refresh,
+            vault_transport=VaultTransport(cfg.vault_require_tls, cfg.vault_trusted_proxies),
         )
         await _serve(cfg, http, running, stop)
     finally:
         await running.close()
 
 
-def _check_kernel(cfg: Config, tx: KernelTransactions) -> BridgeReport:
+def _check_kernel(cfg: Config, tx: KernelTransactions) -> tuple[BridgeReport, LeaseRenewal]:
     """Every nft feature the ruleset uses, tried in a scratch table; then the bridges."""
     try:
-        tx.run_sync(lambda: run_selftest(tx._cmd, tx._batch, table_prefix=cfg.nft_table))
+        renewal = tx.run_sync(
+            lambda: run_selftest(tx._cmd, tx._batch, table_prefix=cfg.nft_table, elements=tx._set_elements)
+        )
     except SelfTestError as exc:
         raise StartupError(str(exc)) from None
     bridges = bridge_report()
-    log.info("kernel.selftest_passed", bridge=bridges.describe())
+    log.info("kernel.selftest_passed", bridge=bridges.describe(), lease_renewal=renewal.value)
+    for note in ignored_settings(cfg):
+        log.warning("config.ignored", reason=note)
     if bridges.bypass_risk and not cfg.allow_bridge_bypass:
         raise StartupError(
             f"{bridges.failing_sysctls()} is not 1 on a bridge with non-isolated ports: bridged "
             "sandbox-to-sandbox traffic would bypass enforcement (set it to 1, isolate the ports, or "
             "EGRESSD_ALLOW_BRIDGE_BYPASS=1)"
         )
-    return bridges
+    return bridges, renewal
 
 
 def _control_plane(
-    cfg: Config, tx: KernelTransactions, always: AlwaysRules, metrics: EgressMetrics
+    cfg: Config, tx: KernelTransactions, always: AlwaysRules, metrics: EgressMetrics, renewal: LeaseRenewal
 ) -> tuple[ControlPlane, ProxyRouteAPI, AuditEvidence]:
     """The control plane and the listeners of its registry; the gauges read from it on scrape."""
     try:
@@ -118,7 +129,7 @@ def _control_plane(
     except KeyDirError as exc:
         raise StartupError(f"vault keys: {exc}") from None
     control = ControlPlane(
-        table_config(cfg),
+        table_config(cfg, renewal),
         tx,
         always=always,
         metrics=metrics,

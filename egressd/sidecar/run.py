@@ -15,12 +15,13 @@ from functools import partial
 
 import structlog
 
-from egressd.config import Config
+from egressd.config import Config, ignored_settings
 from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import Upstream, upstreams_or_system
 from egressd.kernel.applier import KernelTransactions, NftError
+from egressd.kernel.renewal import LeaseRenewal
 from egressd.lifecycle import Running, StartupError
 from egressd.metrics import EgressMetrics
 from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
@@ -35,6 +36,7 @@ from egressd.sidecarnft.selftest import SelfTestError, check_net_admin, check_se
 from egressd.subject.model import IPAddress
 from egressd.vault.store import VaultSnapshot
 from egressd.web.serving import ListenError, start_http, wait_for_stop
+from egressd.web.transport import VaultTransport
 
 log = structlog.get_logger("egressd.sidecar")
 
@@ -43,9 +45,14 @@ class SidecarStartupError(StartupError):
     """One-line reason start-up was refused."""
 
 
-def table_for(cfg: Config, upstreams: tuple[Upstream, ...]) -> SidecarTable:
+def table_for(
+    cfg: Config, upstreams: tuple[Upstream, ...], renewal: LeaseRenewal = LeaseRenewal.READD
+) -> SidecarTable:
     mode: Mode = "dns" if cfg.mode == "dns" else "dns+nft"
     return SidecarTable(
+        mitm_extra_ports=cfg.mitm_extra_ports if cfg.mitm_transparent else (),
+        nameserver_exempt=cfg.nameserver_exempt,
+        renew_by_replace=renewal is LeaseRenewal.REPLACE,
         mitm_port=cfg.mitm_port if cfg.mitm_transparent else None,
         table=cfg.nft_table,
         dns_port=cfg.dns_port,
@@ -68,6 +75,7 @@ async def run_sidecar(
     upstreams = upstreams_or_system(cfg.dns_upstreams)
     table = table_for(cfg, upstreams)
     metrics = EgressMetrics()
+    metrics.constant_labels = cfg.metric_labels
     tx = KernelTransactions(metrics)
     engine = SidecarEngine(
         table, tx, initial.policy, always=always, persist_path=cfg.policy_file, cut_flows=cut_disallowed
@@ -78,7 +86,11 @@ async def run_sidecar(
     metrics.nft_rules.collect_from(lambda: {(): float(engine.rules_installed)})
     running = Running(tx)
     try:
-        _check_kernel(cfg, tx)
+        renewal = _check_kernel(cfg, tx)
+        engine.table = table_for(cfg, upstreams, renewal)
+        log.info("kernel.selftest_passed", lease_renewal=renewal.value)
+        for note in ignored_settings(cfg):
+            log.warning("config.ignored", reason=note)
         try:
             await engine.install()
         except NftError as exc:
@@ -124,12 +136,16 @@ def _initial_policy(cfg: Config) -> tuple[AlwaysRules, Initial]:
     return always, initial
 
 
-def _check_kernel(cfg: Config, tx: KernelTransactions) -> None:
+def _check_kernel(cfg: Config, tx: KernelTransactions) -> LeaseRenewal:
     try:
         check_net_admin()
         if cfg.mitm_transparent:
             check_setgid_for_mitm()
-        tx.run_sync(lambda: run_selftest(tx._cmd, table_prefix=cfg.nft_table, dns_port=cfg.dns_port))
+        return tx.run_sync(
+            lambda: run_selftest(
+                tx._cmd, table_prefix=cfg.nft_table, dns_port=cfg.dns_port, elements=tx._set_elements
+            )
+        )
     except SelfTestError as exc:
         raise SidecarStartupError(str(exc)) from None
 
@@ -216,6 +232,7 @@ def _http(
         # One sandbox per namespace: every cached client holds this one vault.
         vault_changed=(lambda: mitm.supervisor.forget(None)) if mitm is not None else None,
         vault_limits=cfg.vault_limits,
+        vault_transport=VaultTransport(cfg.vault_require_tls, cfg.vault_trusted_proxies),
     )
 
 
