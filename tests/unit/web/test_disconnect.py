@@ -33,8 +33,8 @@ from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.http import SidecarHTTP
 from egressd.sidecarnft.ruleset import SidecarTable
 from egressd.web.serving import InFlight, start_http
-from tests.unit.test_http import RecordingTx, hook, set_binding
-from tests.unit.test_sidecar_http import AUTH, FakeKernel, ready_prereqs
+from tests.unit.fleet.test_http import RecordingTx, hook, set_binding
+from tests.unit.sidecar.test_sidecar_http import AUTH, FakeKernel, ready_prereqs
 
 ALLOW = '{"defaultAction":"deny","egress":[{"action":"allow","target":"8.8.8.8"}]}'
 OTHER = '{"defaultAction":"deny","egress":[{"action":"allow","target":"9.9.9.9"}]}'

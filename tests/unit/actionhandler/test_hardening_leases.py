@@ -28,7 +28,7 @@ from egressd.subject.leases import COUNT_GRACE_S, MAX_NAMES_PER_LEASE, LeaseBook
 from egressd.subject.model import IPAddress
 from egressd.subject.registry import State
 from egressd.vault.store import VaultStore
-from tests.unit.test_control_dns import (
+from tests.unit.actionhandler.test_control_dns import (
     FENCE,
     OLD,
     TABLE,

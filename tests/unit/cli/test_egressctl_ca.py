@@ -25,7 +25,7 @@ from egressd.cli.egressctl import main
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.builder import TableConfig
 from egressd.metrics import EgressMetrics
-from tests.unit.test_egressctl import FakeTx
+from tests.unit.cli.test_egressctl import FakeTx
 
 HEADER = "X-Egressd-Mitm-Ca-Fingerprint"
 

@@ -23,7 +23,7 @@ from egressd.actionhandler.inputs import InputError, VaultAction, parse_binding_
 from egressd.policy import AlwaysRules, Verdict
 from egressd.policy.always import parse_always_text
 from egressd.vault.sealed import KeyStore, build_wrapper, seal
-from tests.unit.test_proxy_route import (
+from tests.unit.fleet.test_proxy_route import (
     POLICY,
     POLICY_TEXT,
     SECRET,

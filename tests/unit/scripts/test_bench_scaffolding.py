@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench"
+BENCH = Path(__file__).resolve().parents[3] / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))
 
 import bench_dns  # noqa: E402

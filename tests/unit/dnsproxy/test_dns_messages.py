@@ -18,7 +18,16 @@ from egressd.dnsproxy.decide import Action, check_message, decide, refusal
 from egressd.dnsproxy.ede import INFO_BLOCKED, INFO_NOT_SUPPORTED, read_ede
 from egressd.dnsproxy.server import Asker, DnsProxy
 from egressd.metrics import EgressMetrics
-from tests.unit.test_dns_proxy import CLIENT, FENCE, POLICY, FakeForwarder, FakePolicies, active, parse, q
+from tests.unit.dnsproxy.test_dns_proxy import (
+    CLIENT,
+    FENCE,
+    POLICY,
+    FakeForwarder,
+    FakePolicies,
+    active,
+    parse,
+    q,
+)
 
 ALLOWED_ZONE = "www.example.com"  # POLICY allows *.example.com
 

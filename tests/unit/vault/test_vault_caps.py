@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from egressd.vault.model import VaultLimits
-from tests.unit.test_proxy_route import SECRET, Env, hook, make_env, set_binding, vault_doc
-from tests.unit.test_sealed_binding import keys_dir, wrapper
+from tests.unit.fleet.test_proxy_route import SECRET, Env, hook, make_env, set_binding, vault_doc
+from tests.unit.vault.test_sealed_binding import keys_dir, wrapper
 
 __all__ = ["keys_dir"]  # the fixture, imported for this module's tests
 

@@ -14,7 +14,7 @@ import pytest
 from egressd.mitm.inject import normalise_authority
 from egressd.policy import PolicyError, Verdict, delete_targets, judge_domain, merge_patch, parse_policy_obj
 from egressd.policy.idn import IdnaError, to_alabels
-from tests.unit.test_mitm_inject import bind, go, injected, req, snap
+from tests.unit.mitm.test_mitm_inject import bind, go, injected, req, snap
 
 EVIL_A = "xn--vil-9la.com"
 

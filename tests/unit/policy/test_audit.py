@@ -39,7 +39,7 @@ from egressd.policy import (
 )
 from egressd.policy.audit import safe_token
 from egressd.subject.model import Fence
-from tests.unit.test_dns_proxy import CLIENT, FakeForwarder, FakePolicies, parse, q, wire
+from tests.unit.dnsproxy.test_dns_proxy import CLIENT, FakeForwarder, FakePolicies, parse, q, wire
 
 AUDIT_TEXT = (
     '{"defaultAction":"deny","mode":"audit","egress":['
@@ -315,7 +315,7 @@ async def test_kernel_counters_become_ip_layer_samples_and_removed_subjects_are_
 
 
 async def test_http_reports_audit_mode_and_refuses_a_bad_one(aiohttp_client: Any) -> None:
-    from tests.unit.test_http import hook, make_env, post, set_binding
+    from tests.unit.fleet.test_http import hook, make_env, post, set_binding
 
     env = await make_env(aiohttp_client)
     code, body = await post(env, set_binding(policy='{"defaultAction":"deny","mode":"shadow"}'))
@@ -334,7 +334,7 @@ async def test_http_reports_audit_mode_and_refuses_a_bad_one(aiohttp_client: Any
 
 
 async def test_metrics_negotiates_openmetrics(aiohttp_client: Any) -> None:
-    from tests.unit.test_http import make_env
+    from tests.unit.fleet.test_http import make_env
 
     env = await make_env(aiohttp_client)
     env.metrics.would_deny.inc("s-u-1", "dns", "default", exemplar={"decision_id": "0123456789ab"})

@@ -23,7 +23,7 @@ from egressd.policy import DENY_ALL, parse_policy
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.http import AUTH_HEADER, SidecarHTTP, VaultPrerequisites
 from egressd.sidecarnft.ruleset import SidecarTable
-from tests.unit.test_sidecar_http import FakeKernel
+from tests.unit.sidecar.test_sidecar_http import FakeKernel
 
 TOKEN = "sdk-test-token"
 SECRET = "zz-SDK-PLANTED-SECRET-zz"

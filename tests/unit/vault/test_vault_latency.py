@@ -29,7 +29,7 @@ from egressd.dnsproxy.server import Asker, DnsProxy
 from egressd.dnsproxy.upstreams import Upstream
 from egressd.policy import parse_policy
 from egressd.subject.model import Fence, IPAddress
-from tests.unit.test_proxy_route import hook, make_env, set_binding
+from tests.unit.fleet.test_proxy_route import hook, make_env, set_binding
 
 FENCE = Fence("r1", "a1")
 DNS_POLICY = parse_policy('{"defaultAction":"deny","egress":[{"action":"allow","target":"*.example.com"}]}')
