@@ -1,30 +1,21 @@
 """§3 operation handling: ControlPlane driven with parsed actions against a fake kernel.
 
-:class:`FakeKernel` implements the ``Transactions`` protocol. It records every call (netlink
-batches as their nft-syntax :meth:`NetlinkBatch.describe`), can be told to fail (``NftError``)
-on the Nth call or on scripts/batches containing a substring, and keeps a small model of the
-table so tests can look at what is "installed". libnftables scripts (header, subject objects,
-dispatch entries) are parsed as text; netlink batches are applied op by op. The model only
-enforces kernel behaviour verified with nft 1.0 on Linux (see the test report):
-
-* a transaction (script or batch) is atomic: a failing one changes nothing;
-* re-adding a map element with *different* data fails (``File exists``);
-* deleting an element, chain or set that does not exist fails (``No such file or directory``),
-  also when the same batch already deleted it; so does flushing or filling a missing set;
-* rules may only reference declared sets/maps and live in declared chains;
-* a chain still referenced by a map element (``jump``) and a set still referenced by a rule
-  cannot be deleted (``Device or resource busy``); deleting a chain deletes its rules.
+The kernel is the shared :class:`~tests.unit.fakekernel.FakeKernel` with its
+:class:`~tests.unit.fakekernel.TextModel`: it records every call (netlink batches as their
+nft-syntax :meth:`NetlinkBatch.describe`), can be told to fail (``NftError``) on the Nth call or
+on scripts/batches containing a substring, and keeps a small model of the table so tests can
+look at what is "installed". The model enforces only kernel behaviour verified with nft 1.0 on
+Linux (listed in its docstring): transactions are atomic, a missing object is ENOENT, a
+referenced one is EBUSY, a re-pointed map key is EEXIST.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import ipaddress
 import json
-import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from ipaddress import ip_address, ip_network
 from typing import Any
 
@@ -36,16 +27,9 @@ from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBin
 from egressd.fleetnft.builder import TableConfig
 from egressd.kernel.applier import NftError
 from egressd.kernel.ops import (
-    AddChain,
-    AddCounter,
-    AddElements,
     AddIntervals,
-    AddJump,
     AddRule,
-    AddSet,
-    AddTimed,
     DeleteChain,
-    DeleteCounter,
     DeleteElement,
     DeleteSet,
     FlushSet,
@@ -54,282 +38,12 @@ from egressd.kernel.ops import (
     Outcome,
     VerdictRule,
 )
-from egressd.policy import format_element, parse_policy
+from egressd.policy import parse_policy
 from egressd.subject.registry import Entry, KernelView, State, plan_data_plane_ready
+from tests.unit.fakekernel import Call, FakeKernel, TextKernel, text_kernel
 
 TABLE = "T"
 GW = "10.0.0.1"
-
-
-# --------------------------------------------------------------------------- fake kernel
-
-
-@dataclass
-class Call:
-    n: int
-    kind: str  # "script" | "batch" | "reset"
-    op: str
-    text: str
-    ok: bool = True
-
-
-@dataclass
-class _Fault:
-    match: str | None
-    op: str | None
-    call: int | None
-    times: int
-
-
-@dataclass
-class _State:
-    table: bool = False
-    chains: dict[str, list[str]] = field(default_factory=dict)
-    sets: dict[str, dict[str, str]] = field(default_factory=dict)  # name -> key -> data ("" for sets)
-    maps: set[str] = field(default_factory=set)
-    set_kinds: dict[str, str] = field(default_factory=dict)
-    counters: set[str] = field(default_factory=set)
-
-
-_ELEMENTS = re.compile(r"elements = \{ (.*) \} \}$")
-
-
-class FakeKernel:
-    def __init__(self, *, yield_each_call: bool = True) -> None:
-        self.calls: list[Call] = []
-        self.state = _State()
-        self._faults: list[_Fault] = []
-        self._yield = yield_each_call
-
-    # -- fault injection ---------------------------------------------------------------
-
-    def fail(
-        self, *, match: str | None = None, op: str | None = None, call: int | None = None, times: int = 1
-    ) -> None:
-        """Fail the next ``times`` calls matching all given criteria (``call`` is 1-based)."""
-        self._faults.append(_Fault(match, op, call, times))
-
-    def _fault_for(self, n: int, op: str, text: str) -> bool:
-        for f in self._faults:
-            if f.times <= 0:
-                continue
-            if f.call is not None and f.call != n:
-                continue
-            if f.op is not None and f.op != op:
-                continue
-            if f.match is not None and f.match not in text:
-                continue
-            f.times -= 1
-            return True
-        return False
-
-    # -- Transactions protocol -----------------------------------------------------------
-
-    async def run_script(self, script: str, *, op: str) -> None:
-        await self._run("script", op, script, lambda st: self._apply_script(st, script))
-
-    async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
-        assert batch.table == TABLE
-        await self._run("batch", op, batch.describe(), lambda st: self._apply_batch(st, batch))
-
-    async def reset_table(self, header_with_delete: str, header: str) -> None:
-        await self._run(
-            "reset", "reset", header_with_delete, lambda st: self._reset(st, header_with_delete, header)
-        )
-
-    async def close(self) -> None:
-        pass
-
-    async def _run(self, kind: str, op: str, text: str, apply: Any) -> None:
-        if self._yield:
-            await asyncio.sleep(0)  # the real applier hops to its worker thread
-        n = len(self.calls) + 1
-        call = Call(n, kind, op, text)
-        self.calls.append(call)
-        if self._fault_for(n, op, text):
-            call.ok = False
-            raise NftError(f"injected failure of call {n}")
-        scratch = copy.deepcopy(self.state)
-        try:
-            apply(scratch)
-        except NftError:
-            call.ok = False
-            raise
-        self.state = scratch
-
-    # -- model -----------------------------------------------------------------------------
-
-    def _reset(self, st: _State, with_delete: str, header: str) -> None:
-        try:
-            self._apply_script(st, with_delete)
-        except NftError:
-            fresh = _State()
-            self._apply_script(fresh, header)
-            st.__dict__.update(fresh.__dict__)
-
-    @staticmethod
-    def _err(msg: str) -> NftError:
-        return NftError(f"Error: Could not process rule: {msg}")
-
-    def _apply_script(self, st: _State, script: str) -> None:
-        for line in script.splitlines():
-            verb, kind, fam, table, *rest = line.split(" ", 4)
-            assert fam == "inet" and table == TABLE, line
-            body = rest[0] if rest else ""
-            if kind == "table":
-                if verb == "delete":
-                    if not st.table:
-                        raise self._err("No such file or directory")
-                    st.__dict__.update(_State().__dict__)
-                else:
-                    st.table = True
-                continue
-            if not st.table:
-                raise self._err("No such file or directory")
-            name = body.split(" ", 1)[0]
-            if kind == "chain":
-                if verb == "add":
-                    st.chains.setdefault(name, [])
-                elif verb == "flush":
-                    if name not in st.chains:
-                        raise self._err("No such file or directory")
-                    st.chains[name] = []
-                else:
-                    raise AssertionError(line)
-            elif kind in ("set", "map"):
-                if verb == "add":
-                    elements = st.sets.setdefault(name, {})
-                    if kind == "map":
-                        st.maps.add(name)
-                    m = _ELEMENTS.search(body)
-                    if m:
-                        for element in m.group(1).split(", "):
-                            key, _, data = element.partition(" : ")
-                            key = key.split(" ")[0]
-                            if key in elements and elements[key] != data:
-                                raise self._err("File exists")
-                            elements[key] = data
-                elif verb == "flush":
-                    if name not in st.sets:
-                        raise self._err("No such file or directory")
-                    st.sets[name] = {}
-                else:
-                    raise AssertionError(line)
-            elif kind == "rule":
-                assert verb == "add", line
-                if name not in st.chains:
-                    raise self._err("No such file or directory")
-                rule = body.split(" ", 1)[1]
-                for ref in re.findall(r"@(\w+)", rule):
-                    if ref not in st.sets:
-                        raise self._err(f"Could not process rule: set {ref} does not exist")
-                st.chains[name].append(rule)
-            else:
-                raise AssertionError(line)
-
-    def _apply_batch(self, st: _State, batch: NetlinkBatch) -> None:
-        if batch.ops and not st.table:
-            raise self._err("No such file or directory")
-        for op in batch.ops:
-            if isinstance(op, AddSet):
-                kind = f"{op.fam}:{op.kind}"
-                if op.name in st.sets and st.set_kinds.get(op.name, kind) != kind:
-                    raise self._err("File exists")
-                st.sets.setdefault(op.name, {})
-                st.set_kinds[op.name] = kind
-            elif isinstance(op, AddChain):
-                st.chains.setdefault(op.name, [])
-            elif isinstance(op, AddCounter):
-                st.counters.add(op.name)
-            elif isinstance(op, DeleteCounter):
-                if op.name not in st.counters:
-                    raise self._err("No such file or directory")
-                if any(f'counter name "{op.name}"' in r for rules in st.chains.values() for r in rules):
-                    raise self._err("Device or resource busy")
-                st.counters.discard(op.name)
-            elif isinstance(op, AddJump):
-                elements = st.sets.get(op.map)
-                if elements is None or op.chain not in st.chains:
-                    raise self._err("No such file or directory")
-                data = f"jump {op.chain}"
-                if elements.get(str(op.key), data) != data:
-                    raise self._err("File exists")
-                elements[str(op.key)] = data
-            elif isinstance(op, AddElements):
-                elements = st.sets.get(op.name)
-                if elements is None:
-                    raise self._err("No such file or directory")
-                for key in op.keys:
-                    elements.setdefault(str(key), "")
-            elif isinstance(op, AddRule):
-                if op.chain not in st.chains:
-                    raise self._err("No such file or directory")
-                rule = op.rule.render()
-                for ref in re.findall(r"@(\w+)", rule):
-                    if ref not in st.sets:
-                        raise self._err(f"Could not process rule: set {ref} does not exist")
-                for ref in re.findall(r'counter name "(\w+)"', rule):
-                    if ref not in st.counters:
-                        raise self._err(f"Could not process rule: counter {ref} does not exist")
-                st.chains[op.chain].append(rule)
-            elif isinstance(op, FlushSet):
-                if op.name not in st.sets:
-                    raise self._err("No such file or directory")
-                st.sets[op.name] = {}
-            elif isinstance(op, AddIntervals | AddTimed):
-                elements = st.sets.get(op.name)
-                if elements is None:
-                    raise self._err("No such file or directory")
-                keys = (
-                    [format_element(n) for n in op.nets]
-                    if isinstance(op, AddIntervals)
-                    else [str(ip) for ip, _ in op.leases]
-                )
-                for key in keys:
-                    elements[key] = ""
-            elif isinstance(op, DeleteElement):
-                elements = st.sets.get(op.name)
-                if elements is None or str(op.key) not in elements:
-                    raise self._err("No such file or directory")
-                del elements[str(op.key)]
-            elif isinstance(op, DeleteChain):
-                if op.name not in st.chains:
-                    raise self._err("No such file or directory")
-                if any(d == f"jump {op.name}" for els in st.sets.values() for d in els.values()):
-                    raise self._err("Device or resource busy")
-                del st.chains[op.name]  # with its rules
-            else:
-                assert isinstance(op, DeleteSet), op
-                if op.name not in st.sets:
-                    raise self._err("No such file or directory")
-                if any(op.name in re.findall(r"@(\w+)", r) for rules in st.chains.values() for r in rules):
-                    raise self._err("Device or resource busy")
-                del st.sets[op.name]
-                st.maps.discard(op.name)
-
-    # -- introspection ---------------------------------------------------------------------
-
-    def elements(self, name: str) -> dict[str, str]:
-        return dict(self.state.sets.get(name, {}))
-
-    def rules(self, chain: str) -> list[str]:
-        return list(self.state.chains.get(chain, []))
-
-    def has_chain(self, chain: str) -> bool:
-        return chain in self.state.chains
-
-    def subject_objects(self, nid: str) -> list[str]:
-        names = [*self.state.chains, *self.state.sets]
-        return sorted(n for n in names if n in (f"subj_{nid}", f"mark_{nid}") or n.startswith(f"subj_{nid}_"))
-
-    def ok_calls(self, op: str | None = None) -> list[Call]:
-        return [c for c in self.calls if c.ok and (op is None or c.op == op) and c.kind != "reset"]
-
-    def mark(self) -> int:
-        return len(self.calls)
-
-    def since(self, mark: int) -> list[Call]:
-        return self.calls[mark:]
 
 
 # --------------------------------------------------------------------------- envelopes
@@ -397,11 +111,11 @@ POLICY_B = '{"defaultAction":"deny","egress":[{"action":"allow","target":"9.9.9.
 
 
 @pytest.fixture
-def kernel() -> FakeKernel:
-    return FakeKernel()
+def kernel() -> TextKernel:
+    return text_kernel(TABLE)
 
 
-async def make_control(kernel: FakeKernel, *, mitm: bool = False) -> ControlPlane:
+async def make_control(kernel: TextKernel, *, mitm: bool = False) -> ControlPlane:
     control = ControlPlane(TableConfig(table=TABLE, dns_port=15353, mitm=mitm), kernel)
     await control.reset_table()
     assert control.enforcement_ready
@@ -409,7 +123,7 @@ async def make_control(kernel: FakeKernel, *, mitm: bool = False) -> ControlPlan
 
 
 @pytest.fixture
-async def control(kernel: FakeKernel) -> ControlPlane:
+async def control(kernel: TextKernel) -> ControlPlane:
     return await make_control(kernel)
 
 
@@ -423,7 +137,7 @@ def ok(result: Result) -> None:
     assert result == Result(200), result
 
 
-def dispatched(kernel: FakeKernel, ip: str) -> str | None:
+def dispatched(kernel: TextKernel, ip: str) -> str | None:
     return kernel.elements("dispatch_v4").get(ip)
 
 
@@ -483,7 +197,7 @@ def in_rules(nid: str = "s_u_1") -> list[str]:
     ]
 
 
-def assert_fixed_rules(kernel: FakeKernel, nid: str = "s_u_1", *, mitm: bool = False) -> None:
+def assert_fixed_rules(kernel: TextKernel, nid: str = "s_u_1", *, mitm: bool = False) -> None:
     """The subject's rules, exactly once: they never change while it exists."""
     assert kernel.rules(f"subj_{nid}") == subj_rules(nid)
     assert kernel.rules(f"mark_{nid}") == mark_rules(nid)
@@ -491,7 +205,7 @@ def assert_fixed_rules(kernel: FakeKernel, nid: str = "s_u_1", *, mitm: bool = F
 
 
 def assert_deny_first_installed(
-    kernel: FakeKernel, nid: str = "s_u_1", ip: str = "10.0.0.5", *, mitm: bool = False
+    kernel: TextKernel, nid: str = "s_u_1", ip: str = "10.0.0.5", *, mitm: bool = False
 ) -> None:
     """Deny-first = the fixed rules with all six sets empty (nothing marked: all dropped)."""
     assert_fixed_rules(kernel, nid, mitm=mitm)
@@ -505,7 +219,7 @@ def assert_deny_first_installed(
 
 
 async def test_reset_table_installs_the_header_even_without_an_existing_table() -> None:
-    kernel = FakeKernel()
+    kernel = text_kernel(TABLE)
     control = ControlPlane(TableConfig(table=TABLE), kernel)
     assert not control.enforcement_ready
     await control.reset_table()
@@ -531,7 +245,7 @@ async def test_reset_table_installs_the_header_even_without_an_existing_table() 
     ],
 )
 async def test_bad_policy_is_400_and_registers_nothing(
-    control: ControlPlane, kernel: FakeKernel, bad: str
+    control: ControlPlane, kernel: TextKernel, bad: str
 ) -> None:
     before = kernel.mark()
     result = await control.handle(set_binding(policy=bad))
@@ -543,7 +257,7 @@ async def test_bad_policy_is_400_and_registers_nothing(
 
 
 async def test_bad_policy_for_an_active_subject_changes_nothing(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     await activate(control)
     before_entry = entry(control)
@@ -565,7 +279,7 @@ async def test_deny_all_inputs_are_ordinary_strings(control: ControlPlane, deny_
     [("127.0.0.1", GW), ("0.0.0.0", GW), ("224.0.0.1", GW), ("169.254.1.1", GW), ("10.0.0.5", "10.0.0.5")],
 )
 async def test_unusable_dispatch_key_is_400_before_any_mutation(
-    control: ControlPlane, kernel: FakeKernel, ip: str, gw: str
+    control: ControlPlane, kernel: TextKernel, ip: str, gw: str
 ) -> None:
     before = kernel.mark()
     result = await control.handle(set_binding(ip=ip, gw=gw))
@@ -591,7 +305,7 @@ class RecordingListener:
         self.events.append(("removed", uid))
 
 
-async def test_listeners_follow_the_subject_lifecycle(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_listeners_follow_the_subject_lifecycle(control: ControlPlane, kernel: TextKernel) -> None:
     listener = RecordingListener()
     control.listeners.append(listener)
     ok(await control.handle(set_binding()))
@@ -617,7 +331,7 @@ async def test_listeners_follow_the_subject_lifecycle(control: ControlPlane, ker
 
 
 async def test_set_binding_installs_deny_first_then_parks_the_policy(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     before = kernel.mark()
     ok(await control.handle(set_binding()))
@@ -648,7 +362,7 @@ async def test_set_binding_installs_deny_first_then_parks_the_policy(
 
 
 async def test_set_binding_while_denying_replaces_pending_latest_wins(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     ok(await control.handle(set_binding(policy=POLICY_A)))
     ok(await control.handle(set_binding(policy=POLICY_B, gen=2)))
@@ -660,7 +374,7 @@ async def test_set_binding_while_denying_replaces_pending_latest_wins(
     assert kernel.elements("subj_s_u_1_allow_v4") == {"9.9.9.9": ""}
 
 
-async def test_data_plane_ready_activates(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_data_plane_ready_activates(control: ControlPlane, kernel: TextKernel) -> None:
     ok(await control.handle(set_binding()))
     before = kernel.mark()
     ok(await control.handle(hook()))
@@ -676,7 +390,7 @@ async def test_data_plane_ready_activates(control: ControlPlane, kernel: FakeKer
     assert "ip daddr @subj_s_u_1_allow_v4 meta mark set 0x2" in kernel.rules("mark_s_u_1")
 
 
-async def test_data_plane_ready_twice_is_idempotent(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_data_plane_ready_twice_is_idempotent(control: ControlPlane, kernel: TextKernel) -> None:
     await activate(control)
     before = kernel.mark()
     ok(await control.handle(hook()))
@@ -685,7 +399,7 @@ async def test_data_plane_ready_twice_is_idempotent(control: ControlPlane, kerne
 
 
 async def test_data_plane_ready_without_pending_while_denying_is_409(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     ok(await control.handle(set_binding(policy=None)))
     assert entry(control).pending is None
@@ -697,7 +411,7 @@ async def test_data_plane_ready_without_pending_while_denying_is_409(
 
 
 @pytest.mark.parametrize("name", ["sandbox.runtime-ready", "sandbox.data-plane-ready"])
-async def test_hooks_absent_and_stale_are_409(control: ControlPlane, kernel: FakeKernel, name: str) -> None:
+async def test_hooks_absent_and_stale_are_409(control: ControlPlane, kernel: TextKernel, name: str) -> None:
     assert (await control.handle(hook(name=name))).status == 409
     ok(await control.handle(set_binding()))
     before = kernel.mark()
@@ -708,7 +422,7 @@ async def test_hooks_absent_and_stale_are_409(control: ControlPlane, kernel: Fak
     assert entry(control).pending is not None  # a stale hook never consumes the pending policy
 
 
-async def test_runtime_ready_is_a_noop(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_runtime_ready_is_a_noop(control: ControlPlane, kernel: TextKernel) -> None:
     ok(await control.handle(set_binding()))
     before = kernel.mark()
     ok(await control.handle(hook(name="sandbox.runtime-ready")))
@@ -716,7 +430,7 @@ async def test_runtime_ready_is_a_noop(control: ControlPlane, kernel: FakeKernel
     assert entry(control).state is State.DENYING
 
 
-async def test_in_place_update_of_an_active_subject(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_in_place_update_of_an_active_subject(control: ControlPlane, kernel: TextKernel) -> None:
     await activate(control)
     before = kernel.mark()
     ok(await control.handle(set_binding(policy=POLICY_B, gen=5)))
@@ -729,7 +443,7 @@ async def test_in_place_update_of_an_active_subject(control: ControlPlane, kerne
     assert kernel.elements("subj_s_u_1_allow_v4") == {"9.9.9.9": ""}
 
 
-async def test_null_revert_of_an_active_subject(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_null_revert_of_an_active_subject(control: ControlPlane, kernel: TextKernel) -> None:
     await activate(control)
     before = kernel.mark()
     ok(await control.handle(set_binding(policy=None)))
@@ -747,7 +461,7 @@ async def test_null_revert_of_an_active_subject(control: ControlPlane, kernel: F
 
 
 async def test_null_for_absent_subject_without_attachment_is_a_noop(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     before = kernel.mark()
     ok(await control.handle(set_binding(policy=None, ip=None)))
@@ -756,7 +470,7 @@ async def test_null_for_absent_subject_without_attachment_is_a_noop(
 
 
 async def test_null_for_absent_subject_with_attachment_installs_deny_first(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     ok(await control.handle(set_binding(policy=None)))
     assert entry(control).state is State.DENYING
@@ -768,7 +482,7 @@ async def test_null_for_absent_subject_with_attachment_installs_deny_first(
 
 
 async def test_deny_first_failure_is_500_and_retry_converges(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     kernel.fail(op="deny_first")
     result = await control.handle(set_binding())
@@ -789,14 +503,14 @@ async def test_deny_first_failure_is_500_and_retry_converges(
     assert entry(control).state is State.ACTIVE
 
 
-async def test_failure_on_nth_call_is_500(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_failure_on_nth_call_is_500(control: ControlPlane, kernel: TextKernel) -> None:
     kernel.fail(call=kernel.mark() + 1)
     assert (await control.handle(set_binding())).status == 500
     ok(await control.handle(set_binding()))
 
 
 async def test_data_plane_ready_failure_keeps_pending_and_retry_activates(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     ok(await control.handle(set_binding()))
     kernel.fail(op="static_apply")
@@ -814,7 +528,7 @@ async def test_data_plane_ready_failure_keeps_pending_and_retry_activates(
 
 
 async def test_in_place_update_failure_keeps_the_old_policy(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     await activate(control)
     kernel.fail(match="9.9.9.9")
@@ -829,7 +543,7 @@ async def test_in_place_update_failure_keeps_the_old_policy(
 
 
 async def test_revert_failure_is_500_and_never_left_active_by_retry(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     await activate(control)
     kernel.fail(op="deny_first")
@@ -840,7 +554,7 @@ async def test_revert_failure_is_500_and_never_left_active_by_retry(
     assert entry(control).policy is None
 
 
-async def test_remove(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_remove(control: ControlPlane, kernel: TextKernel) -> None:
     await activate(control)
     before = kernel.mark()
     ok(await control.handle(remove()))
@@ -855,7 +569,7 @@ async def test_remove(control: ControlPlane, kernel: FakeKernel) -> None:
 
 
 async def test_remove_failure_keeps_the_subject_and_retry_removes(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     await activate(control)
     kernel.fail(op="remove")
@@ -871,7 +585,7 @@ async def test_remove_failure_keeps_the_subject_and_retry_removes(
 
 
 async def test_remove_other_fence_is_ignored_and_absent_is_200(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     ok(await control.handle(remove("nobody")))
     await activate(control)
@@ -881,7 +595,7 @@ async def test_remove_other_fence_is_ignored_and_absent_is_200(
     assert entry(control).state is State.ACTIVE
 
 
-async def test_remove_of_a_subject_whose_install_failed(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_remove_of_a_subject_whose_install_failed(control: ControlPlane, kernel: TextKernel) -> None:
     kernel.fail(op="deny_first")
     assert (await control.handle(set_binding())).status == 500
     before = kernel.mark()
@@ -893,7 +607,7 @@ async def test_remove_of_a_subject_whose_install_failed(control: ControlPlane, k
 # --------------------------------------------------------------------------- claims and gateways
 
 
-async def test_ip_used_by_another_uid_is_409(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_ip_used_by_another_uid_is_409(control: ControlPlane, kernel: TextKernel) -> None:
     ok(await control.handle(set_binding("a", ip="10.0.0.5")))
     before = kernel.mark()
     result = await control.handle(set_binding("b", ip="10.0.0.5"))
@@ -904,7 +618,7 @@ async def test_ip_used_by_another_uid_is_409(control: ControlPlane, kernel: Fake
     assert kernel.since(before) == []
 
 
-async def test_nft_id_collision_is_409(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_nft_id_collision_is_409(control: ControlPlane, kernel: TextKernel) -> None:
     ok(await control.handle(set_binding("a-b", ip="10.0.0.5")))
     before = kernel.mark()
     result = await control.handle(set_binding("a_b", ip="10.0.0.6"))
@@ -914,7 +628,7 @@ async def test_nft_id_collision_is_409(control: ControlPlane, kernel: FakeKernel
 
 
 async def test_missing_gateway_is_500_and_subject_stays_denying(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     before = kernel.mark()
     result = await control.handle(set_binding(gw=None))
@@ -926,7 +640,7 @@ async def test_missing_gateway_is_500_and_subject_stays_denying(
 
 
 async def test_mitm_other_family_gateway_is_500() -> None:
-    kernel = FakeKernel()
+    kernel = text_kernel(TABLE)
     control = await make_control(kernel, mitm=True)
     result = await control.handle(set_binding(ip="10.0.0.5", gw="fd00::1"))
     assert result.status == 500
@@ -935,7 +649,7 @@ async def test_mitm_other_family_gateway_is_500() -> None:
 
 
 async def test_mitm_lifecycle() -> None:
-    kernel = FakeKernel()
+    kernel = text_kernel(TABLE)
     control = await make_control(kernel, mitm=True)
     ok(await control.handle(set_binding()))
     assert kernel.rules("subj_s_u_1_in")[-1] == "drop"
@@ -952,7 +666,7 @@ async def test_mitm_lifecycle() -> None:
 
 
 async def test_mitm_active_gateway_change_rekeys_in_place() -> None:
-    kernel = FakeKernel()
+    kernel = text_kernel(TABLE)
     control = await make_control(kernel, mitm=True)
     await activate(control)
     ok(await control.handle(set_binding(gw="10.0.0.254", gen=2)))
@@ -966,7 +680,7 @@ async def test_mitm_active_gateway_change_rekeys_in_place() -> None:
 
 
 async def test_rebind_to_new_ip_deletes_the_old_map_entries(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     await activate(control)
     before = kernel.mark()
@@ -994,7 +708,7 @@ async def test_rebind_to_new_ip_deletes_the_old_map_entries(
 
 
 async def test_rebind_from_denying_with_new_gateway_releases_the_old_one(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     ok(await control.handle(set_binding()))
     ok(await control.handle(set_binding(ip="10.1.0.5", gw="10.1.0.1", rid="r2")))
@@ -1004,16 +718,16 @@ async def test_rebind_from_denying_with_new_gateway_releases_the_old_one(
     )
 
 
-async def test_rebind_clears_learned_leases(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_rebind_clears_learned_leases(control: ControlPlane, kernel: TextKernel) -> None:
     await activate(control)
-    kernel.state.sets["subj_s_u_1_dyn_v4"]["93.184.216.34"] = ""  # a DNS-learned lease
+    kernel.table.sets["subj_s_u_1_dyn_v4"]["93.184.216.34"] = ""  # a DNS-learned lease
     ok(await control.handle(set_binding(rid="r2")))
     assert kernel.elements("subj_s_u_1_dyn_v4") == {}
     assert entry(control).policy is None
 
 
 async def test_active_rekey_drops_old_keys_before_adding_new(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     await activate(control)
     before = kernel.mark()
@@ -1033,7 +747,7 @@ async def test_active_rekey_drops_old_keys_before_adding_new(
 
 
 async def test_shared_gateway_released_only_with_the_last_subject(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     await activate(control, "a", "10.0.0.5")
     await activate(control, "b", "10.0.0.6")
@@ -1050,7 +764,7 @@ async def test_shared_gateway_released_only_with_the_last_subject(
     assert kernel.elements("dispatch_v4") == {}
 
 
-async def test_remove_leaves_other_subjects_untouched(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_remove_leaves_other_subjects_untouched(control: ControlPlane, kernel: TextKernel) -> None:
     await activate(control, "a", "10.0.0.5")
     await activate(control, "b", "10.0.0.6", POLICY_B)
     ok(await control.handle(remove("a")))
@@ -1062,7 +776,7 @@ async def test_remove_leaves_other_subjects_untouched(control: ControlPlane, ker
 # --------------------------------------------------------------------------- concurrency
 
 
-async def test_fifty_concurrent_set_bindings(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_fifty_concurrent_set_bindings(control: ControlPlane, kernel: TextKernel) -> None:
     actions = [set_binding(f"u{i}", ip=f"10.0.{i // 200}.{i % 200 + 10}") for i in range(50)]
     results = await asyncio.gather(*(control.handle(a) for a in actions))
     assert all(r == Result(200) for r in results)
@@ -1092,7 +806,7 @@ def _applies_after_deny_first(calls: Iterable[Call], nid: str) -> int:
 
 @pytest.mark.parametrize("hook_first", [True, False])
 async def test_concurrent_set_binding_and_data_plane_ready(
-    control: ControlPlane, kernel: FakeKernel, hook_first: bool
+    control: ControlPlane, kernel: TextKernel, hook_first: bool
 ) -> None:
     for i in range(20):
         uid = f"c{i}"
@@ -1117,7 +831,7 @@ async def test_concurrent_set_binding_and_data_plane_ready(
 @pytest.mark.parametrize("failures", [1, 2, 3])
 @pytest.mark.parametrize("hook_first", [True, False])
 async def test_concurrent_set_binding_and_data_plane_ready_with_failures(
-    control: ControlPlane, kernel: FakeKernel, failures: int, hook_first: bool
+    control: ControlPlane, kernel: TextKernel, failures: int, hook_first: bool
 ) -> None:
     kernel.fail(op="deny_first", times=failures)
     coros = [
@@ -1148,7 +862,7 @@ async def test_concurrent_set_binding_and_data_plane_ready_with_failures(
 # ------------------------------------------------------------- regressions (bugs found and fixed)
 
 
-async def test_concurrent_claims_of_the_same_ip(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_concurrent_claims_of_the_same_ip(control: ControlPlane, kernel: TextKernel) -> None:
     results = await asyncio.gather(
         control.handle(set_binding("a", ip="10.0.0.5")),
         control.handle(set_binding("b", ip="10.0.0.5")),
@@ -1160,7 +874,7 @@ async def test_concurrent_claims_of_the_same_ip(control: ControlPlane, kernel: F
     assert control.registry.resolve(ip_address("10.0.0.5")) == entry(control, winner)
 
 
-async def test_concurrent_nft_id_collision(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_concurrent_nft_id_collision(control: ControlPlane, kernel: TextKernel) -> None:
     results = await asyncio.gather(
         control.handle(set_binding("a-b", ip="10.0.0.5")),
         control.handle(set_binding("a_b", ip="10.0.0.6")),
@@ -1175,7 +889,7 @@ async def test_concurrent_nft_id_collision(control: ControlPlane, kernel: FakeKe
     ids=["new-ip-same-gateway", "same-ip-new-gateway"],
 )
 async def test_remove_after_half_applied_rekey(
-    control: ControlPlane, kernel: FakeKernel, new_ip: str, new_gw: str
+    control: ControlPlane, kernel: TextKernel, new_ip: str, new_gw: str
 ) -> None:
     ok(await control.handle(set_binding()))
     kernel.fail(match="delete element")  # the DropStaleKeys batch of the re-key
@@ -1194,7 +908,7 @@ async def test_remove_after_half_applied_rekey(
     ids=["same-fence", "rebind", "rebind-active"],
 )
 async def test_mitm_gateway_change_for_the_same_ip(rid: str, active_first: bool) -> None:
-    kernel = FakeKernel()
+    kernel = text_kernel(TABLE)
     control = await make_control(kernel, mitm=True)
     ok(await control.handle(set_binding()))
     if active_first:
@@ -1208,7 +922,7 @@ async def test_mitm_gateway_change_for_the_same_ip(rid: str, active_first: bool)
 # ------------------------------------------------------------- fixed rules, content-only changes
 
 
-async def test_fake_kernel_refuses_like_the_kernel(kernel: FakeKernel) -> None:
+async def test_fake_kernel_refuses_like_the_kernel(kernel: TextKernel) -> None:
     """The model the tests above rely on: references are checked, batches are atomic."""
     await make_control(kernel)
     # A rule naming a set that does not exist is refused, and with it the whole batch.
@@ -1231,7 +945,7 @@ async def test_fake_kernel_refuses_like_the_kernel(kernel: FakeKernel) -> None:
     # A set still referenced by a rule, a chain still referenced by a map element: busy.
     with pytest.raises(NftError, match="busy"):
         await kernel.run_batch(NetlinkBatch(TABLE, (DeleteSet("dispatch_v4"),)), op="t")
-    control = await make_control(FakeKernel())
+    control = await make_control(text_kernel(TABLE))
     ok(await control.handle(set_binding()))
     assert isinstance(control.tx, FakeKernel)
     k = control.tx
@@ -1264,7 +978,7 @@ async def test_fake_kernel_refuses_like_the_kernel(kernel: FakeKernel) -> None:
 
 
 async def test_creation_failure_leaves_nothing_and_retry_installs_rules_once(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     kernel.fail(match="add rule inet T mark_s_u_1")  # part of the one creation batch
     result = await control.handle(set_binding())
@@ -1293,7 +1007,7 @@ async def test_creation_failure_leaves_nothing_and_retry_installs_rules_once(
 
 
 async def test_rules_failure_with_mitm_is_retried_once() -> None:
-    kernel = FakeKernel()
+    kernel = text_kernel(TABLE)
     control = await make_control(kernel, mitm=True)
     kernel.fail(match="add rule inet T subj_s_u_1_in")
     assert (await control.handle(set_binding())).status == 500
@@ -1304,7 +1018,7 @@ async def test_rules_failure_with_mitm_is_retried_once() -> None:
 
 
 async def test_remove_after_rules_failure_deletes_the_objects(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     kernel.fail(match="add rule inet T mark_s_u_1")
     assert (await control.handle(set_binding())).status == 500
@@ -1319,15 +1033,15 @@ async def test_remove_after_rules_failure_deletes_the_objects(
     assert_deny_first_installed(kernel)
 
 
-def _lose_rules(control: ControlPlane, kernel: FakeKernel, uid: str = "u-1", nid: str = "s_u_1") -> None:
+def _lose_rules(control: ControlPlane, kernel: TextKernel, uid: str = "u-1", nid: str = "s_u_1") -> None:
     """Objects without their rules (what a failed rules batch leaves), for an existing subject."""
     for chain in (f"subj_{nid}", f"mark_{nid}"):
-        kernel.state.chains[chain] = []
+        kernel.table.chains[chain] = []
     control.registry.set_kernel(uid, replace(control.registry.kernel(uid), rules=False))
 
 
 async def test_apply_policy_without_rules_is_500_and_keeps_pending(
-    control: ControlPlane, kernel: FakeKernel, monkeypatch: pytest.MonkeyPatch
+    control: ControlPlane, kernel: TextKernel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ok(await control.handle(set_binding()))
     _lose_rules(control, kernel)
@@ -1360,7 +1074,7 @@ async def test_apply_policy_without_rules_is_500_and_keeps_pending(
 
 
 async def test_in_place_update_without_rules_is_500_and_keeps_the_old_policy(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     await activate(control)
     _lose_rules(control, kernel)
@@ -1373,10 +1087,10 @@ async def test_in_place_update_without_rules_is_500_and_keeps_the_old_policy(
 
 
 async def test_revert_flushes_the_sets_before_any_key_points_at_them(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     await activate(control)
-    kernel.state.sets["subj_s_u_1_dyn_v4"]["93.184.216.34"] = ""  # a DNS-learned lease
+    kernel.table.sets["subj_s_u_1_dyn_v4"]["93.184.216.34"] = ""  # a DNS-learned lease
     before = kernel.mark()
     ok(await control.handle(set_binding(policy=None)))
     calls = kernel.since(before)
@@ -1389,7 +1103,7 @@ async def test_revert_flushes_the_sets_before_any_key_points_at_them(
     assert_deny_first_installed(kernel)
 
 
-async def test_revert_whose_flush_fails_runs_no_script(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_revert_whose_flush_fails_runs_no_script(control: ControlPlane, kernel: TextKernel) -> None:
     await activate(control)
     kernel.fail(match="flush set")
     before = kernel.mark()
@@ -1401,7 +1115,7 @@ async def test_revert_whose_flush_fails_runs_no_script(control: ControlPlane, ke
     assert_deny_first_installed(kernel)
 
 
-async def test_default_allow_fills_the_allow_sets(control: ControlPlane, kernel: FakeKernel) -> None:
+async def test_default_allow_fills_the_allow_sets(control: ControlPlane, kernel: TextKernel) -> None:
     await activate(
         control, policy='{"defaultAction":"allow","egress":[{"action":"deny","target":"1.2.3.4"}]}'
     )
@@ -1416,7 +1130,7 @@ async def test_default_allow_fills_the_allow_sets(control: ControlPlane, kernel:
 
 
 async def test_policy_swap_keeps_only_leases_a_still_allowed_name_taught(
-    control: ControlPlane, kernel: FakeKernel
+    control: ControlPlane, kernel: TextKernel
 ) -> None:
     # BEHAVIOUR 14.1 wins over §8.3's "dyn sets untouched": a lease survives a swap only if a
     # name that taught it is still allowed; an element nobody taught goes with the swap.
@@ -1424,13 +1138,13 @@ async def test_policy_swap_keeps_only_leases_a_still_allowed_name_taught(
     await activate(control, policy=keep)
     fence = entry(control, "u-1").fence
     assert await control.learn("u-1", fence, [(ipaddress.ip_address("93.184.216.34"), 300)], "api.x.io")
-    kernel.state.sets["subj_s_u_1_dyn_v4"]["10.9.9.9"] = ""  # in the kernel, taught by no name
+    kernel.table.sets["subj_s_u_1_dyn_v4"]["10.9.9.9"] = ""  # in the kernel, taught by no name
     ok(await control.handle(set_binding(policy=keep, gen=2)))
     assert set(kernel.elements("subj_s_u_1_dyn_v4")) == {"93.184.216.34"}
 
 
 async def test_a_new_subject_and_a_new_address_cut_flows_a_previous_process_allowed(
-    kernel: FakeKernel,
+    kernel: TextKernel,
 ) -> None:
     """Found with the kill -9 storm (scripts/storm.py): after a kill -9 the new process's header accepts established
     flows, so flows the dead process allowed ran on after the Fastlet's replay reverted the

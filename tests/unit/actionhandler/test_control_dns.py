@@ -1,7 +1,8 @@
 """The DNS side of the fleet ControlPlane (§2, §5, §7, §9): asker, learn, renew, always-rules swap.
 
-``FakeTx`` implements the ``Transactions`` protocol: it records every script and netlink batch,
-can refuse batches of a given op with ``NftError`` and can hold a batch until released.
+The kernel is the shared :data:`~tests.unit.fakekernel.FakeTx` (no table model): it records
+every netlink batch, refuses batches of a given op with ``NftError`` and holds a batch until
+released.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import asyncio
 import ipaddress
 import json
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import Any
 
 import pytest
@@ -33,6 +34,7 @@ from egressd.policy import (
 )
 from egressd.subject.model import Fence, IPAddress
 from egressd.subject.registry import State
+from tests.unit.fakekernel import FakeTx
 
 TABLE = "T"
 FENCE = Fence("r1", "a1")
@@ -50,44 +52,6 @@ def ip(text: str) -> IPAddress:
 
 
 # --------------------------------------------------------------------------- fake kernel
-
-
-class FakeTx:
-    def __init__(self) -> None:
-        self.scripts: list[tuple[str, str]] = []
-        self.batches: list[tuple[str, NetlinkBatch]] = []
-        self.resets = 0
-        self.fail_ops: set[str] = set()
-        self.hold: Callable[[str, NetlinkBatch], asyncio.Event | None] = lambda op, batch: None
-        self.holding = asyncio.Event()
-
-    async def run_script(self, script: str, *, op: str) -> None:
-        await asyncio.sleep(0)
-        self.scripts.append((op, script))
-
-    async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
-        assert batch.table == TABLE
-        gate = self.hold(op, batch)
-        if gate is not None and not gate.is_set():
-            self.holding.set()
-            await gate.wait()
-        await asyncio.sleep(0)
-        if op in self.fail_ops:
-            raise NftError(f"injected failure of {op}")
-        self.batches.append((op, batch))
-
-    async def reset_table(self, header_with_delete: str, header: str) -> None:
-        self.resets += 1
-
-    async def close(self) -> None:
-        pass
-
-    def ops(self, op: str) -> list[NetlinkBatch]:
-        return [b for o, b in self.batches if o == op]
-
-    def clear(self) -> None:
-        self.scripts.clear()
-        self.batches.clear()
 
 
 def mirror(control: ControlPlane, uid: str = "u-1") -> dict[IPAddress, float]:
@@ -156,7 +120,7 @@ def ok(result: Result) -> None:
 
 @pytest.fixture
 def tx() -> FakeTx:
-    return FakeTx()
+    return FakeTx(table_name=TABLE)
 
 
 async def make_control(tx: FakeTx, always: AlwaysRules = OLD) -> ControlPlane:
@@ -235,7 +199,7 @@ async def test_asker_policy_is_refreshed_after_an_in_place_update(control: Contr
 
 async def test_failed_in_place_update_keeps_the_old_policy_for_dns(control: ControlPlane, tx: FakeTx) -> None:
     await activate(control, policy=ALLOW_ALL)
-    tx.fail_ops.add("static_apply")
+    tx.fail(op="static_apply", kinds=("batch",), times=None)
     result = await control.handle(set_binding(policy=ONLY_EXAMPLE, gen=2))
     assert result.status == 500
     assert "u-1" in control.revoking()  # retried by egressd itself (BEHAVIOUR 14.6)
@@ -341,7 +305,7 @@ async def test_learn_after_a_revert_adds_nothing(control: ControlPlane, tx: Fake
 
 async def test_learn_failure_propagates_and_leaves_the_mirror(control: ControlPlane, tx: FakeTx) -> None:
     await activate(control)
-    tx.fail_ops.add("dynamic_add")
+    tx.fail(op="dynamic_add", kinds=("batch",), times=None)
     with pytest.raises(NftError):
         await control.learn("u-1", FENCE, LEASES, "www.example.com")
     assert mirror(control) == {}
@@ -460,7 +424,7 @@ async def test_set_always_rules_refused_by_the_kernel_keeps_the_old_rules(
     await activate(control, "u-1", "10.0.0.5")
     await activate(control, "u-2", "10.0.0.6")
     tx.clear()
-    tx.fail_ops.add("static_apply")
+    tx.fail(op="static_apply", kinds=("batch",), times=None)
     with pytest.raises(NftError):
         await control.set_always_rules(NEW)
     assert control.always is OLD
@@ -470,7 +434,7 @@ async def test_set_always_rules_refused_by_the_kernel_keeps_the_old_rules(
     assert asker.policy == effective_policy(parse_policy(ALLOW_ALL), OLD)
     assert evaluate_domain(asker.policy, "worse.com").verdict is Verdict.ALLOW
     # A later retry succeeds in one batch.
-    tx.fail_ops.clear()
+    tx.heal()
     await control.set_always_rules(NEW)
     assert control.always is NEW
     assert len(tx.batches) == 1
@@ -502,13 +466,12 @@ async def test_activation_racing_an_always_rules_swap_ends_on_the_new_rules(
 ) -> None:
     await activate(control, "u-1", "10.0.0.5")
     ok(await control.handle(set_binding("u-2", ALLOW_ALL, ip_="10.0.0.6")))  # denying, pending
-    gate = asyncio.Event()
-    tx.hold = lambda op, batch: gate if op == "static_apply" and touches(batch, "s_u_2") else None
+    tx.hold(lambda op, batch: op == "static_apply" and batch is not None and touches(batch, "s_u_2"))
     activation = asyncio.create_task(control.handle(hook("u-2")))
-    await asyncio.wait_for(tx.holding.wait(), 2)  # u-2's activation is in the kernel now
+    await asyncio.wait_for(tx.entered.wait(), 2)  # u-2's activation is in the kernel now
     swap = asyncio.create_task(control.set_always_rules(NEW))
     await asyncio.sleep(0.01)
-    gate.set()
+    tx.release()
     ok(await asyncio.wait_for(activation, 2))
     await asyncio.wait_for(swap, 2)
     assert control.always is NEW

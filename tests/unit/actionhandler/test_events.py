@@ -11,29 +11,10 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import parse_action
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.builder import TableConfig
-from egressd.kernel.applier import NftError
-from egressd.kernel.ops import NetlinkBatch
 from egressd.metrics import EgressMetrics
+from tests.unit.fakekernel import FakeTx
 
 PLANTED = "planted-rule-7c1e.example.com"
-
-
-class Tx:
-    def __init__(self) -> None:
-        self.fail_static = False
-
-    async def run_script(self, script: str, *, op: str) -> None:
-        return None
-
-    async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
-        if self.fail_static and op == "static_apply":
-            raise NftError("refused")
-
-    async def reset_table(self, header_with_delete: str, header: str) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
 
 
 def _action(op: str, **extra: Any) -> Any:
@@ -52,7 +33,7 @@ NET = {"network": {"ip": "10.0.0.5", "gateway": "10.0.0.1", "hostVeth": "v"}}
 
 
 async def test_egress_updated_and_update_failed_events() -> None:
-    tx = Tx()
+    tx = FakeTx(yield_each_call=False)
     control = ControlPlane(TableConfig(), tx)
     await control.reset_table()
     with capture_logs() as logs:
@@ -61,7 +42,7 @@ async def test_egress_updated_and_update_failed_events() -> None:
         ).status == 200
         hook = {"name": "sandbox.data-plane-ready"}
         assert (await control.handle(_action("LIFECYCLE_HOOK", hook=hook))).status == 200
-        tx.fail_static = True
+        tx.fail(op="static_apply", kinds=("batch",), times=None)
         assert (
             await control.handle(_action("SET_BINDING", attachment=NET, binding={"input": POLICY}))
         ).status == 500
@@ -73,7 +54,7 @@ async def test_egress_updated_and_update_failed_events() -> None:
 
 
 async def test_healthz_body_is_exactly_ok(aiohttp_client: Any) -> None:
-    control = ControlPlane(TableConfig(), Tx())
+    control = ControlPlane(TableConfig(), FakeTx(yield_each_call=False))
     client = await aiohttp_client(FleetHTTP(control, EgressMetrics()).app())
     resp = await client.get("/healthz")
     assert resp.status == 503

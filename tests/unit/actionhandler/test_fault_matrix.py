@@ -1,6 +1,7 @@
 """Fault-injection matrix (issue 13 item 2; BEHAVIOUR §2, §3, §8, §9, 14.1, 14.6).
 
-Every plan the control plane executes is run against a MODEL KERNEL (a ``Transactions`` that
+Every plan the control plane executes is run against a MODEL KERNEL (the shared
+:class:`~tests.unit.fakekernel.FakeKernel` with the typed :class:`Table` model below, which
 interprets each :class:`NetlinkBatch` into an in-memory table, all or nothing like nf_tables),
 and each of the plan's kernel transactions is made to fail in turn, in each fault kind:
 
@@ -45,6 +46,7 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
 from egressd.fleetnft.builder import TableConfig, header_script
 from egressd.kernel.applier import NftError, NftUncertain
+from egressd.kernel.netlink import SetElement, interval_keys
 from egressd.kernel.ops import (
     AddChain,
     AddCounter,
@@ -67,9 +69,10 @@ from egressd.kernel.ops import (
     Rule,
     VerdictRule,
 )
-from egressd.policy import AlwaysRules, Verdict, parse_policy
+from egressd.policy import AlwaysRules, Verdict, format_element, parse_policy
 from egressd.policy.always import parse_always_text
 from egressd.subject.model import Fence, IPAddress
+from tests.unit.fakekernel import FakeKernel
 
 TABLE = "T"
 DNS_PORT = 15353
@@ -113,9 +116,19 @@ class ModelSet:
 
 @dataclass
 class Table:
+    """The fault matrix's model of the table (a :class:`~tests.unit.fakekernel.KernelModel`).
+
+    Strict where nf_tables is: a missing object (ENOENT), a busy one (a chain a map jumps to,
+    a set or counter a rule references: EBUSY), a key re-pointed at another chain or an
+    overlapping interval (EEXIST), a full timeout set (ENFILE) abort the transaction.
+    Creations without NLM_F_EXCL are no-ops when the object exists (as egressd sends them);
+    rules are appended (NLM_F_APPEND), so adding one twice holds it twice.
+    """
+
     sets: dict[str, ModelSet] = field(default_factory=dict)
     chains: dict[str, list[Rule]] = field(default_factory=dict)
     counters: set[str] = field(default_factory=set)
+    loaded: bool = False  # the header was loaded (reset_table)
 
     def copy(self) -> Table:
         return Table(
@@ -125,7 +138,57 @@ class Table:
             },
             {n: list(r) for n, r in self.chains.items()},
             set(self.counters),
+            self.loaded,
         )
+
+    def reset(self, header_with_delete: str, header: str) -> None:
+        del header_with_delete  # the model has no previous table to delete
+        fresh = Table(loaded=True)
+        for line in header.splitlines():
+            m = _DECL.match(line)
+            if m is None:
+                continue
+            kind, name, body = m.groups()
+            if kind == "chain":
+                fresh.chains.setdefault(name, [])
+                continue
+            fam = "v6" if "ipv6_addr" in body else "v4"
+            sort = "vmap" if kind == "map" else ("interval" if "flags interval" in body else "plain")
+            fresh.sets[name] = ModelSet(fam, sort)
+            assert "elements" not in body or name.startswith("doh_block"), line
+        self.sets, self.chains, self.counters, self.loaded = fresh.sets, fresh.chains, fresh.counters, True
+
+    def apply_script(self, script: str) -> None:
+        raise AssertionError(f"the fleet control plane sends netlink batches only: {script!r}")
+
+    def apply_batch(self, batch: NetlinkBatch) -> None:
+        assert self.loaded, "a batch before the header"
+        _apply(self, batch)  # raises ModelError: the fake drops this copy
+
+    def set_elements(self, name: str) -> list[SetElement]:
+        s = _need(self, name)
+        width = 4 if s.fam == "v4" else 16
+        if s.kind == "interval":
+            return [
+                SetElement(k.to_bytes(width, "big"), end) for k, end in interval_keys(list(s.nets), s.fam)
+            ]
+        return [SetElement(ip.packed) for ip in (s.jumps if s.kind == "vmap" else s.addrs)]
+
+    def elements(self, name: str) -> dict[str, str]:
+        s = self.sets.get(name)
+        if s is None:
+            return {}
+        out = {format_element(n): "" for n in s.nets} | {str(ip): "" for ip in s.addrs}
+        return out | {str(ip): f"jump {chain}" for ip, chain in s.jumps.items()}
+
+    def rules(self, chain: str) -> list[str]:
+        return [r.render() for r in self.chains.get(chain, [])]
+
+    def chain_names(self) -> list[str]:
+        return list(self.chains)
+
+    def set_names(self) -> list[str]:
+        return list(self.sets)
 
     def snapshot(self) -> tuple[Any, ...]:
         return (
@@ -145,85 +208,6 @@ def _rule_refs(rule: Rule) -> tuple[list[str], list[str]]:
 
 
 _DECL = re.compile(r"^add (set|map|chain) inet \S+ (\S+) \{ ?(.*)$")
-
-
-class ModelKernel:
-    """A fake ``Transactions`` that interprets netlink batches into a :class:`Table`.
-
-    Strict where nf_tables is: a missing object (ENOENT), a busy one (a chain a map jumps to,
-    a set or counter a rule references: EBUSY), a key re-pointed at another chain or an
-    overlapping interval (EEXIST), a full timeout set (ENFILE) abort the transaction.
-    Creations without NLM_F_EXCL are no-ops when the object exists (as egressd sends them);
-    rules are appended (NLM_F_APPEND), so adding one twice holds it twice.
-    """
-
-    def __init__(self) -> None:
-        self.table: Table | None = None
-        self.calls = 0  # transactions attempted (run_batch / run_script), faults included
-        self.fault: tuple[int, str] | None = None  # (1-based call number, kind)
-        self.fired = False
-
-    # -- Transactions protocol ----------------------------------------------------------
-
-    async def reset_table(self, header_with_delete: str, header: str) -> None:
-        del header_with_delete  # the model has no previous table to delete
-        table = Table()
-        for line in header.splitlines():
-            m = _DECL.match(line)
-            if m is None:
-                continue
-            kind, name, body = m.groups()
-            if kind == "chain":
-                table.chains.setdefault(name, [])
-                continue
-            fam = "v6" if "ipv6_addr" in body else "v4"
-            sort = "vmap" if kind == "map" else ("interval" if "flags interval" in body else "plain")
-            table.sets[name] = ModelSet(fam, sort)
-            assert "elements" not in body or name.startswith("doh_block"), line
-        self.table = table
-
-    async def run_script(self, script: str, *, op: str) -> None:
-        raise AssertionError(f"the fleet control plane sends netlink batches only ({op}): {script!r}")
-
-    async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
-        del op
-        assert batch.table == TABLE and self.table is not None
-        await asyncio.sleep(0)  # the real applier hops to its kernel thread
-        self.calls += 1
-        kind = None
-        if self.fault is not None and self.fault[0] == self.calls:
-            kind = self.fault[1]
-            self.fired = True
-        if kind == "refused":
-            raise NftError(f"injected refusal of transaction {self.calls}")
-        if kind == "timeout":
-            await asyncio.sleep(HANG_S)
-            raise TimeoutError(f"injected hang of transaction {self.calls}")
-        if kind == "hang":
-            try:
-                # Longer than the caller's bound, never forever (the real applier's socket has
-                # its own timeout); the control plane shields a learn, so the call usually
-                # returns after its caller gave up and the batch lands late all the same.
-                await asyncio.sleep(HANG_S * 3)
-            except asyncio.CancelledError:
-                # The caller gave up, the kernel thread did not: the batch lands late.
-                scratch = self.table.copy()
-                _apply(scratch, batch)
-                self.table = scratch
-                raise
-        scratch = self.table.copy()
-        _apply(scratch, batch)  # raises ModelError: nothing applied
-        self.table = scratch
-        if kind == "late_ack":
-            raise NftUncertain(
-                f"netlink batch unanswered: [Errno 110] waiting for the kernel's answer ({self.calls})"
-            )
-        if kind == "late_timeout":
-            await asyncio.sleep(HANG_S)
-            raise TimeoutError(f"injected timeout after transaction {self.calls} applied")
-
-    async def close(self) -> None:
-        pass
 
 
 def _need(table: Table, name: str) -> ModelSet:
@@ -652,12 +636,12 @@ RETRIES = ("fastlet", "egressd_first", "refused_again")
 
 @dataclass
 class Run:
-    kernel: ModelKernel
+    kernel: FakeKernel[Table]
     control: ControlPlane
 
 
 async def _fresh(mitm: bool) -> Run:
-    kernel = ModelKernel()
+    kernel = FakeKernel(model=Table(), table_name=TABLE, hang_s=HANG_S)
     control = ControlPlane(
         TableConfig(table=TABLE, dns_port=DNS_PORT, mitm=mitm, mitm_port=MITM_PORT), kernel
     )
@@ -743,13 +727,13 @@ async def _reference(scenario: Scenario, mitm: bool) -> Reference:
         await scenario.setup(run.control)
         _agree(run)
         before = _openness(run)
-        start = run.kernel.calls
+        start = run.kernel.mark()
         await _ok(scenario.action(run.control))
         assert not run.control.revoking()
         assert run.kernel.table is not None
         _agree(run)
         _REFERENCES[key] = Reference(
-            run.kernel.calls - start,
+            len(run.kernel.since(start)),
             before,
             _openness(run),
             run.kernel.table.snapshot(),
@@ -822,7 +806,7 @@ async def test_fault_matrix_cell(name: str, mitm: bool, index: int, fault: str, 
     run = await _fresh(mitm)
     await scenario.setup(run.control)
     assert _openness(run) == ref.before
-    run.kernel.fault = (run.kernel.calls + index, fault)
+    run.kernel.fail(call=run.kernel.mark() + index, fault=fault)
     try:
         if scenario.bounded:
             # As the DNS proxy does: asyncio.wait_for(learn(...), _LEARN_TIMEOUT_S).
@@ -839,7 +823,8 @@ async def test_fault_matrix_cell(name: str, mitm: bool, index: int, fault: str, 
         await _drain_revocations(run)
         _check_bounds(run, ref, "after egressd's own retry")
     if retry == "refused_again":
-        run.kernel.fault, run.kernel.fired = (run.kernel.calls + 1, "refused"), False
+        run.kernel.fail(call=run.kernel.mark() + 1)
+        run.kernel.fired = False
         try:
             result = await scenario.action(run.control)
         except Exception:
@@ -878,7 +863,7 @@ def test_matrix_size() -> None:
 async def _faulted(scenario: str, index: int, fault: str) -> Run:
     run = await _fresh(False)
     await SCENARIOS[scenario].setup(run.control)
-    run.kernel.fault = (run.kernel.calls + index, fault)
+    run.kernel.fail(call=run.kernel.mark() + index, fault=fault)
     with contextlib.suppress(Exception):
         await SCENARIOS[scenario].action(run.control)
     assert run.kernel.fired
@@ -932,7 +917,7 @@ async def test_a_lost_lease_answer_is_still_revoked_by_a_narrowing() -> None:
     c = run.control
     await _activate(c, U2, P_NEIGHBOUR, ip=IP2)
     await _activate(c, U1, P_A)
-    run.kernel.fault = (run.kernel.calls + 1, "late_ack")
+    run.kernel.fail(call=run.kernel.mark() + 1, fault="late_ack")
     with pytest.raises(NftError):
         await _learn(c)
     src, dst = ipaddress.ip_address(IP1), ipaddress.ip_address(LEARNED)

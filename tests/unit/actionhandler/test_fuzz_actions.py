@@ -12,9 +12,8 @@ from aiohttp.test_utils import TestClient
 from egressd.actionhandler.control import ControlPlane
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.builder import TableConfig
-from egressd.kernel.applier import NftError
-from egressd.kernel.ops import NetlinkBatch
 from egressd.metrics import EgressMetrics
+from tests.unit.fakekernel import FakeTx
 
 BASE: dict[str, Any] = {
     "apiVersion": "sandbox.fast.io/actions/v1",
@@ -49,29 +48,6 @@ VALUES: list[Any] = [
 ]
 
 
-class FlakyTx:
-    """Fails roughly every fifth kernel transaction (libnftables script or netlink batch)."""
-
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
-
-    async def _maybe_fail(self) -> None:
-        if self.rng.random() < 0.2:
-            raise NftError("injected")
-
-    async def run_script(self, script: str, *, op: str) -> None:
-        await self._maybe_fail()
-
-    async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
-        await self._maybe_fail()
-
-    async def reset_table(self, header_with_delete: str, header: str) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-
 def _mutate(rng: random.Random, env: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(env)
     for _ in range(rng.randint(1, 3)):
@@ -97,7 +73,9 @@ def _mutate(rng: random.Random, env: dict[str, Any]) -> dict[str, Any]:
 
 async def test_random_envelopes_never_crash(aiohttp_client: Any) -> None:
     rng = random.Random(20261130)
-    control = ControlPlane(TableConfig(), FlakyTx(rng))
+    tx = FakeTx(yield_each_call=False)
+    tx.fail_randomly(rng, 0.2)  # roughly every fifth script or batch
+    control = ControlPlane(TableConfig(), tx)
     await control.reset_table()
     client: TestClient[Any, Any] = await aiohttp_client(FleetHTTP(control, EgressMetrics()).app())
     seen: set[int] = set()

@@ -32,7 +32,6 @@ from tests.unit.actionhandler.test_control_dns import (
     FENCE,
     OLD,
     TABLE,
-    FakeTx,
     activate,
     fake_conntrack,
     hook,
@@ -41,6 +40,7 @@ from tests.unit.actionhandler.test_control_dns import (
     remove,
     set_binding,
 )
+from tests.unit.fakekernel import FakeKernel, FakeTx, InjectedFault
 
 API = ipaddress.ip_address("93.184.216.34")
 OTHER = ipaddress.ip_address("93.184.216.35")
@@ -72,7 +72,7 @@ def dyn_ops(batch: NetlinkBatch) -> list[object]:
 
 
 async def test_narrowing_to_deny_all_revokes_every_lease_in_the_swap_transaction() -> None:
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = await make(tx)
     await activate(control, policy=ALLOW_API)
     assert await control.learn("u-1", FENCE, [(API, 300)], "api.x.io") == [API]
@@ -89,7 +89,7 @@ async def test_narrowing_to_deny_all_revokes_every_lease_in_the_swap_transaction
 
 
 async def test_narrowing_keeps_only_leases_of_still_allowed_names() -> None:
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = await make(tx)
     await activate(control, policy=ALLOW_BOTH)
     await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
@@ -104,7 +104,7 @@ async def test_narrowing_keeps_only_leases_of_still_allowed_names() -> None:
 
 
 async def test_a_lease_taught_by_two_names_survives_but_the_denied_name_is_forgotten() -> None:
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = await make(tx)
     await activate(control, policy=ALLOW_BOTH)
     await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
@@ -116,7 +116,7 @@ async def test_a_lease_taught_by_two_names_survives_but_the_denied_name_is_forgo
 
 
 async def test_a_lease_whose_address_the_new_policy_denies_is_revoked() -> None:
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = await make(tx)
     await activate(control, policy=ALLOW_API)
     await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
@@ -129,7 +129,7 @@ async def test_a_lease_whose_address_the_new_policy_denies_is_revoked() -> None:
 
 
 async def test_proxy_route_policy_change_revokes_like_set_binding() -> None:
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = await make(tx)
     await activate(control, policy=ALLOW_API)
     await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
@@ -143,7 +143,7 @@ async def test_proxy_route_policy_change_revokes_like_set_binding() -> None:
 
 
 async def test_always_rules_reload_that_denies_a_name_revokes_its_leases() -> None:
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = await make(tx)
     await activate(control, policy=ALLOW_BOTH)
     await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
@@ -157,11 +157,11 @@ async def test_always_rules_reload_that_denies_a_name_revokes_its_leases() -> No
 
 
 async def test_always_rules_reload_refused_keeps_the_leases_and_the_old_rules() -> None:
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = await make(tx)
     await activate(control, policy=ALLOW_API)
     await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
-    tx.fail_ops.add("static_apply")
+    tx.fail(op="static_apply", kinds=("batch",), times=None)
     denied = AlwaysRules(deny=parse_always_text("api.x.io\n", "deny.always", Verdict.DENY), allow=())
     with pytest.raises(NftError):
         await control.set_always_rules(denied)
@@ -170,7 +170,7 @@ async def test_always_rules_reload_refused_keeps_the_leases_and_the_old_rules() 
 
 
 async def test_audit_then_enforce_never_keeps_a_lease_of_a_denied_name() -> None:
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = await make(tx)
     await activate(control, policy=ALLOW_API)
     await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
@@ -183,17 +183,16 @@ async def test_audit_then_enforce_never_keeps_a_lease_of_a_denied_name() -> None
 
 
 async def test_an_answer_in_flight_during_a_narrowing_is_not_added() -> None:
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = await make(tx)
     await activate(control, policy=ALLOW_API)
-    gate = asyncio.Event()
-    tx.hold = lambda op, batch: gate if op == "static_apply" else None
+    tx.hold(lambda op, batch: op == "static_apply")
     change = asyncio.create_task(control.handle(set_binding(policy=DENY_ALL, gen=2)))
-    await asyncio.wait_for(tx.holding.wait(), 2)  # the swap is in the kernel now
+    await asyncio.wait_for(tx.entered.wait(), 2)  # the swap is in the kernel now
     answer = asyncio.create_task(control.learn("u-1", FENCE, [(API, 300)], "api.x.io"))
     await asyncio.sleep(0.02)
     assert not answer.done(), "learn waits for the change under the subject lock"
-    gate.set()
+    tx.release()
     ok(await asyncio.wait_for(change, 2))
     assert await asyncio.wait_for(answer, 2) == []
     assert tx.ops("dynamic_add") == []
@@ -201,7 +200,7 @@ async def test_an_answer_in_flight_during_a_narrowing_is_not_added() -> None:
 
 
 async def test_refresh_never_renews_a_revoked_address() -> None:
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = await make(tx)
     await activate(control, policy=ALLOW_BOTH)
     await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
@@ -216,7 +215,7 @@ async def test_refresh_never_renews_a_revoked_address() -> None:
 async def test_refresh_rechecks_names_against_the_policy_in_force() -> None:
     # Even a lease the book still holds is not renewed once its name is denied (defence in depth:
     # the renewal decides again instead of trusting the narrowing).
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = await make(tx)
     await activate(control, policy=ALLOW_API)
     await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
@@ -233,7 +232,7 @@ def _fields(entry: Any) -> dict[str, Any]:
 
 
 async def test_narrowing_cuts_established_flows_to_revoked_leases(monkeypatch: pytest.MonkeyPatch) -> None:
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = await make(tx, conntrack_flush=lambda _ip: None)
     await activate(control, policy=ALLOW_BOTH)
     await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
@@ -248,7 +247,7 @@ async def test_narrowing_cuts_established_flows_to_revoked_leases(monkeypatch: p
 
 
 async def test_set_binding_that_uncovers_a_kept_vault_is_refused_unchanged() -> None:
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = await make(tx)
     await activate(control, policy=ALLOW_API)
     store = control.vaults.setdefault("u-1", VaultStore())
@@ -273,7 +272,7 @@ async def test_set_binding_that_uncovers_a_kept_vault_is_refused_unchanged() -> 
 
 
 async def test_dyn_sets_are_created_with_the_lease_cap_as_size() -> None:
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = ControlPlane(TableConfig(table=TABLE, max_leases=7), tx, max_leases=7)
     await control.reset_table()
     ok(await control.handle(set_binding()))
@@ -283,7 +282,7 @@ async def test_dyn_sets_are_created_with_the_lease_cap_as_size() -> None:
 
 
 async def test_an_answer_that_does_not_fit_is_trimmed_to_the_cap() -> None:
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = await make(tx, max_leases=3)
     await activate(control, policy='{"defaultAction":"allow"}')
     addrs = [ip(f"10.9.0.{i}") for i in range(1, 6)]
@@ -344,14 +343,12 @@ def _rss_kib() -> int:
 
 
 async def test_100k_distinct_names_through_one_subject_stay_bounded() -> None:
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = await make(tx, max_leases=4096)
     await activate(control, policy='{"defaultAction":"allow"}')
 
-    async def run_batch(batch: NetlinkBatch, *, op: str) -> None:
-        return None  # the kernel takes everything; the daemon's own memory is measured
-
-    tx.run_batch = run_batch  # type: ignore[method-assign]
+    # The kernel takes everything and keeps no record: the daemon's own memory is measured.
+    tx.recording, tx.yield_each_call = False, False
     base = int(ipaddress.ip_address("20.0.0.0"))
     start = _rss_kib()
     deadline = time.monotonic() + 120
@@ -373,7 +370,7 @@ async def test_100k_distinct_names_through_one_subject_stay_bounded() -> None:
 
 
 async def test_past_the_cap_the_dns_answer_is_servfail_never_an_unheld_address() -> None:
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = await make(tx, max_leases=50)
     await activate(control, policy='{"defaultAction":"allow"}')
     proxy = DnsProxy(control, _Upstream())  # type: ignore[arg-type]
@@ -390,19 +387,11 @@ async def test_past_the_cap_the_dns_answer_is_servfail_never_an_unheld_address()
 # --------------------------------------------------------------------------- 14.6 revocations
 
 
-class FlakyTx(FakeTx):
-    """Refuses the first ``n`` batches of ``op``, then accepts."""
-
-    def __init__(self, op: str, n: int) -> None:
-        super().__init__()
-        self.flaky_op, self.left = op, n
-
-    async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
-        if op == self.flaky_op and self.left > 0:
-            self.left -= 1
-            await asyncio.sleep(0)
-            raise NftError(f"injected refusal of {op}")
-        await super().run_batch(batch, op=op)
+def flaky(op: str, n: int) -> tuple[FakeTx, InjectedFault]:
+    """A kernel that refuses the first ``n`` batches of ``op``, then accepts (a test may set
+    the refusals ``left``)."""
+    tx = FakeTx(table_name=TABLE)
+    return tx, tx.fail(op=op, kinds=("batch",), times=n)
 
 
 async def _until(pred: Any, seconds: float = 3.0) -> None:
@@ -418,14 +407,14 @@ async def health(client: TestClient[Any, Any]) -> tuple[int, str]:
 
 
 async def test_a_refused_revert_is_marked_revoking_reported_and_retried(aiohttp_client: Any) -> None:
-    tx = FlakyTx("deny_first", 0)
+    tx, refusals = flaky("deny_first", 0)
     metrics = EgressMetrics()
     control = await make(tx, metrics=metrics)
     control.revoke_retry = (0.01, 0.04)
     client = await aiohttp_client(FleetHTTP(control, metrics).app())
     await activate(control, policy='{"defaultAction":"allow"}')
     await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
-    tx.left = 3  # the revert, then two retries, are refused
+    refusals.left = 3  # the revert, then two retries, are refused
     tx.clear()
     result = await control.handle(set_binding(policy=None, gen=2))
     assert result.status == 500
@@ -442,7 +431,7 @@ async def test_a_refused_revert_is_marked_revoking_reported_and_retried(aiohttp_
     (accepted,) = tx.ops("deny_first")
     flushed = {o.name for o in accepted.ops if isinstance(o, FlushSet)}
     assert {"subj_s_u_1_allow_v4", "subj_s_u_1_allow_v6", "subj_s_u_1_dyn_v4", "subj_s_u_1_dyn_v6"} <= flushed
-    assert tx.left == 0
+    assert refusals.left == 0
     assert await health(client) == (200, "ok")
     assert "egressd_revocations_pending 0" in metrics.render()
     entry = control.registry.get("u-1")
@@ -450,7 +439,7 @@ async def test_a_refused_revert_is_marked_revoking_reported_and_retried(aiohttp_
 
 
 async def test_a_refused_removal_closes_dns_and_vault_and_finishes_by_itself() -> None:
-    tx = FlakyTx("remove", 2)
+    tx, _ = flaky("remove", 2)
     control = await make(tx)
     control.revoke_retry = (0.01, 0.02)
     await activate(control, policy=ALLOW_API)
@@ -468,11 +457,11 @@ async def test_a_refused_removal_closes_dns_and_vault_and_finishes_by_itself() -
 
 
 async def test_a_refused_swap_keeps_the_old_policy_until_the_retry_applies_the_new() -> None:
-    tx = FlakyTx("static_apply", 0)
+    tx, refusals = flaky("static_apply", 0)
     control = await make(tx)
     control.revoke_retry = (0.01, 0.02)
     await activate(control, policy=ALLOW_BOTH)
-    tx.left = 1
+    refusals.left = 1
     result = await control.handle(set_binding(policy=ALLOW_CDN, gen=2))
     assert result.status == 500
     entry = control.registry.get("u-1")
@@ -483,11 +472,11 @@ async def test_a_refused_swap_keeps_the_old_policy_until_the_retry_applies_the_n
 
 
 async def test_the_fastlet_retry_also_converges_and_clears_the_revocation() -> None:
-    tx = FlakyTx("deny_first", 0)
+    tx, refusals = flaky("deny_first", 0)
     control = await make(tx)
     control.revoke_retry = (5.0, 5.0)  # egressd's own retry would come much later
     await activate(control)
-    tx.left = 1
+    refusals.left = 1
     assert (await control.handle(set_binding(policy=None, gen=2))).status == 500
     assert control.revoking()
     ok(await control.handle(set_binding(policy=None, gen=2)))
@@ -496,11 +485,11 @@ async def test_the_fastlet_retry_also_converges_and_clears_the_revocation() -> N
 
 
 async def test_a_failed_first_install_or_activation_is_not_a_revocation() -> None:
-    tx = FlakyTx("deny_first", 1)
+    tx, _ = flaky("deny_first", 1)
     control = await make(tx)
     assert (await control.handle(set_binding())).status == 500
     assert control.revoking() == {}
-    tx2 = FlakyTx("static_apply", 1)
+    tx2, _ = flaky("static_apply", 1)
     control2 = await make(tx2)
     ok(await control2.handle(set_binding()))
     assert (await control2.handle(hook())).status == 500
@@ -525,7 +514,7 @@ _VAULT = {
 async def test_a_tenant_policy_write_cannot_cancel_a_pending_removal() -> None:
     from egressd.fleet.proxyroute import ProxyRouteAPI
 
-    tx = FlakyTx("remove", 10_000)  # the kernel keeps refusing the removal
+    tx, refusals = flaky("remove", 10_000)  # the kernel keeps refusing the removal
     control = await make(tx)
     control.revoke_retry = (0.01, 0.02)
     proxy = ProxyRouteAPI(control)
@@ -547,20 +536,20 @@ async def test_a_tenant_policy_write_cannot_cancel_a_pending_removal() -> None:
         "PUT", "/v1/sandboxfleets/u-1/egress/credential-vault", {}, json.dumps(_VAULT).encode()
     )
     assert control.vault_for_ip(SRC) is None
-    tx.left = 0  # the kernel agrees at last: the removal finishes by itself
+    refusals.left = 0  # the kernel agrees at last: the removal finishes by itself
     await _until(lambda: not control.revoking())
     assert control.registry.get("u-1") is None and "u-1" not in control.vaults
 
 
 async def test_egressds_own_retry_applies_the_inputs_vault_action_too() -> None:
-    tx = FlakyTx("static_apply", 0)
+    tx, refusals = flaky("static_apply", 0)
     control = await make(tx)
     control.revoke_retry = (0.01, 0.02)
     await activate(control, policy=ALLOW_API)
     store = control.vaults.setdefault("u-1", VaultStore())
     status, _ = store.put(_VAULT, control.coverage_policy("u-1"))
     assert status in (200, 201)
-    tx.left = 1
+    refusals.left = 1
     both = {
         "defaultAction": "deny",
         "egress": [{"action": "allow", "target": "api.x.io"}, {"action": "allow", "target": "other.io"}],
@@ -577,11 +566,11 @@ async def test_egressds_own_retry_applies_the_inputs_vault_action_too() -> None:
 async def test_an_always_rules_reload_never_widens_a_subject_being_closed() -> None:
     from egressd.kernel.ops import AddIntervals
 
-    tx = FlakyTx("deny_first", 0)
+    tx, refusals = flaky("deny_first", 0)
     control = await make(tx)
     control.revoke_retry = (30.0, 30.0)  # keep egressd's own retry out of the way
     await activate(control, policy=ALLOW_API)
-    tx.left = 1
+    refusals.left = 1
     assert (await control.handle(set_binding(policy=None, gen=2))).status == 500
     tx.clear()
     new = AlwaysRules(
@@ -600,32 +589,25 @@ async def test_a_sidecar_learn_whose_caller_left_still_records_what_the_kernel_t
     from egressd.sidecar.engine import SidecarEngine
     from egressd.sidecarnft.ruleset import SidecarTable
 
-    took: list[str] = []
-
-    class SlowKernel:
-        async def run_script(self, script: str, *, op: str) -> None:
-            await asyncio.sleep(0.1)  # a slow libnftables call
-            took.append(script)
-
-    engine = SidecarEngine(SidecarTable(table="T", max_leases=4), SlowKernel(), parse_policy(ALLOW_API))
+    kernel = FakeKernel(latency=0.1)  # a slow libnftables call
+    engine = SidecarEngine(SidecarTable(table="T", max_leases=4), kernel, parse_policy(ALLOW_API))
     await engine.install()
-    took.clear()
+    kernel.clear()
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(engine.learn("sidecar", engine.fence, [(API, 300)], "api.x.io"), 0.02)
-    await _until(lambda: bool(took))
+    await _until(lambda: bool(kernel.scripts))
     await asyncio.sleep(0)
     assert API in engine.leases.live(time.monotonic()), "the kernel holds a lease the book does not know"
 
 
 async def test_a_fleet_learn_whose_caller_left_still_records_what_the_kernel_took() -> None:
-    tx = FakeTx()
+    tx = FakeTx(table_name=TABLE)
     control = await make(tx)
     await activate(control, policy=ALLOW_API)
-    gate = asyncio.Event()
-    tx.hold = lambda op, batch: gate if op == "dynamic_add" else None
+    tx.hold(lambda op, batch: op == "dynamic_add")
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(control.learn("u-1", FENCE, [(API, 300)], "api.x.io"), 0.02)
-    gate.set()
+    tx.release()
     await _until(lambda: bool(tx.ops("dynamic_add")))
     await asyncio.sleep(0)
     assert set(mirror(control)) == {API}

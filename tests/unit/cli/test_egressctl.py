@@ -19,8 +19,8 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.cli.egressctl import main
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.builder import TableConfig
-from egressd.kernel.applier import NftError
 from egressd.metrics import EgressMetrics
+from tests.unit.fakekernel import FakeTx
 
 POLICY = json.dumps(
     {
@@ -34,30 +34,11 @@ POLICY = json.dumps(
 )
 
 
-class FakeTx:
-    """Transactions that accept everything and touch no kernel."""
-
-    async def run_script(self, script: str, *, op: str) -> None:
-        return None
-
-    async def run_batch(self, batch: Any, *, op: str) -> None:
-        return None
-
-    async def reset_table(self, header_with_delete: str, header: str) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-
-class FailingTx(FakeTx):
+def failing_tx() -> FakeTx:
     """The table reset works (daemon ready) but every later transaction is refused."""
-
-    async def run_script(self, script: str, *, op: str) -> None:
-        raise NftError(f"injected failure ({op})")
-
-    async def run_batch(self, batch: Any, *, op: str) -> None:
-        raise NftError(f"injected failure ({op})")
+    tx = FakeTx(yield_each_call=False)
+    tx.fail(kinds=("script", "batch"), times=None)
+    return tx
 
 
 class Daemon:
@@ -122,17 +103,17 @@ def _serve(tx: FakeTx, *, reset: bool = True) -> Iterator[Daemon]:
 
 @pytest.fixture
 def daemon() -> Iterator[Daemon]:
-    yield from _serve(FakeTx())
+    yield from _serve(FakeTx(yield_each_call=False))
 
 
 @pytest.fixture
 def failing_daemon() -> Iterator[Daemon]:
-    yield from _serve(FailingTx())
+    yield from _serve(failing_tx())
 
 
 @pytest.fixture
 def unready_daemon() -> Iterator[Daemon]:
-    yield from _serve(FakeTx(), reset=False)
+    yield from _serve(FakeTx(yield_each_call=False), reset=False)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -25,7 +25,7 @@ from egressd.cli.egressctl import main
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.builder import TableConfig
 from egressd.metrics import EgressMetrics
-from tests.unit.cli.test_egressctl import FakeTx
+from tests.unit.fakekernel import FakeTx
 
 HEADER = "X-Egressd-Mitm-Ca-Fingerprint"
 
@@ -109,7 +109,7 @@ def fake(status: int, body: str, headers: dict[str, str] | None = None) -> Calla
 
 def fleet(mitm_ca: Callable[[], tuple[str, str] | None] | None) -> Callable[[], web.Application]:
     def make() -> web.Application:
-        control = ControlPlane(TableConfig(), FakeTx())
+        control = ControlPlane(TableConfig(), FakeTx(yield_each_call=False))
         return FleetHTTP(control, EgressMetrics(), mitm_ca=mitm_ca).app()
 
     return make

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -17,52 +17,23 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, MAX_BODY_BYTES
 from egressd.fleet.server import ACTIONS_PATH, STATUS_PATH, FleetHTTP
 from egressd.fleetnft.builder import TableConfig
-from egressd.kernel.applier import NftError
-from egressd.kernel.ops import NetlinkBatch
 from egressd.metrics import EgressMetrics
+from tests.unit.fakekernel import FakeTx
 
 SECRET = "zz-PLANTED-SECRET-7f3a9c-zz"
-
-
-@dataclass
-class RecordingTx:
-    """Transactions that record everything and fail while ``fail_on`` matches a script or batch.
-
-    Batches are recorded (and matched) as their nft-syntax rendering.
-    """
-
-    scripts: list[tuple[str, str]] = field(default_factory=list)
-    fail_on: str | None = None
-    resets: int = 0
-
-    async def run_script(self, script: str, *, op: str) -> None:
-        if self.fail_on is not None and self.fail_on in script:
-            raise NftError("Error: Could not process rule: injected")
-        self.scripts.append((op, script))
-
-    async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
-        if self.fail_on is not None and self.fail_on in batch.describe():
-            raise NftError("Error: Could not process rule: injected")
-        self.scripts.append((op, batch.describe()))
-
-    async def reset_table(self, header_with_delete: str, header: str) -> None:
-        self.resets += 1
-
-    async def close(self) -> None:
-        pass
 
 
 @dataclass
 class Env:
     client: TestClient[Any, Any]
     control: ControlPlane
-    tx: RecordingTx
+    tx: FakeTx
     http: FleetHTTP
     metrics: EgressMetrics
 
 
 async def make_env(aiohttp_client: Any, *, reset: bool = True) -> Env:
-    tx = RecordingTx()
+    tx = FakeTx(yield_each_call=False)
     metrics = EgressMetrics()
     control = ControlPlane(TableConfig(table="T"), tx, metrics=metrics)
     metrics.subjects._collect = control.state_counts
@@ -176,7 +147,7 @@ async def test_bad_policy_is_400_and_nothing_registered(env: Env) -> None:
     assert status == 400
     assert text.count("\n") <= 1
     assert len(env.control.registry) == 0
-    assert env.tx.scripts == []
+    assert env.tx.applied == []
 
 
 async def test_body_over_one_mib_is_413(env: Env) -> None:
@@ -217,7 +188,7 @@ async def test_exactly_one_mib_is_parsed_not_413(env: Env) -> None:
 
 
 async def test_nft_failure_is_500_one_line(env: Env) -> None:
-    env.tx.fail_on = "add chain inet T subj_s_u_1"
+    env.tx.fail(match="add chain inet T subj_s_u_1", kinds=("script", "batch"), times=None)
     status, text = await post(env, set_binding())
     assert status == 500
     assert text.startswith("deny-first install: ")
@@ -362,7 +333,8 @@ async def test_secret_never_leaks_on_200_409_500(env: Env) -> None:
                 set_binding("a", _policy_with_secret() + " "),  # 200 in place
             ],
         )
-        env.tx.fail_on = "subj_s_c"
+        env.tx.heal()
+        env.tx.fail(match="subj_s_c", kinds=("script", "batch"), times=None)
         more_codes, more_bodies = await _collect(
             env,
             [
@@ -370,7 +342,8 @@ async def test_secret_never_leaks_on_200_409_500(env: Env) -> None:
                 set_binding("a", _policy_with_secret(), rid="r2"),  # ok: rebind
             ],
         )
-        env.tx.fail_on = "subj_s_a"
+        env.tx.heal()
+        env.tx.fail(match="subj_s_a", kinds=("script", "batch"), times=None)
         last_codes, last_bodies = await _collect(
             env, [hook("a", rid="r2"), remove("a", rid="r2")]
         )  # 500, 500
@@ -456,7 +429,7 @@ async def test_invalid_unicode_domain_is_400_and_nothing_registered(env: Env, ta
     assert resp.status == 400, text
     assert "egress[0].target" in text and "internationalised" in text and text.count("\n") <= 1
     assert len(env.control.registry) == 0
-    assert env.tx.scripts == []
+    assert env.tx.applied == []
 
 
 async def test_unicode_domain_is_stored_and_judged_as_a_labels(env: Env) -> None:

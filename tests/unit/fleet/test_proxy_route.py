@@ -29,13 +29,12 @@ from egressd.actionhandler.envelope import API_VERSION
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import ACTIONS_PATH, FleetHTTP
 from egressd.fleetnft.builder import TableConfig
-from egressd.kernel.applier import NftError
-from egressd.kernel.ops import NetlinkBatch
 from egressd.metrics import EgressMetrics
 from egressd.policy import EMPTY_ALWAYS, AlwaysRules, Verdict
 from egressd.policy.always import parse_always_text
 from egressd.vault.pending import MAX_PER_UID
 from egressd.vault.sealed import KeyStore
+from tests.unit.fakekernel import FakeTx
 
 SECRET = "sk-PLANTED-0xdeadbeef"
 TTL = 30.0
@@ -74,44 +73,6 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.t += seconds
-
-
-@dataclass
-class RecordingTx:
-    """A kernel that accepts everything and records (op, text); it yields like the real one."""
-
-    calls: list[tuple[str, str]] = field(default_factory=list)
-    failing: list[str] = field(default_factory=list)  # ops whose next call fails (once each)
-
-    def fail_next(self, op: str) -> None:
-        self.failing.append(op)
-
-    def _maybe_fail(self, op: str) -> None:
-        if op in self.failing:
-            self.failing.remove(op)
-            raise NftError("Error: Could not process rule: injected")
-
-    async def run_script(self, script: str, *, op: str) -> None:
-        await asyncio.sleep(0)
-        self._maybe_fail(op)
-        self.calls.append((op, script))
-
-    async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
-        await asyncio.sleep(0)
-        self._maybe_fail(op)
-        self.calls.append((op, batch.describe()))
-
-    async def reset_table(self, header_with_delete: str, header: str) -> None:
-        self.calls.append(("reset", header))
-
-    async def close(self) -> None:
-        pass
-
-    def mark(self) -> int:
-        return len(self.calls)
-
-    def since(self, mark: int, op: str | None = None) -> list[str]:
-        return [text for o, text in self.calls[mark:] if op is None or o == op]
 
 
 # --------------------------------------------------------------------------- envelopes
@@ -210,7 +171,7 @@ class Env:
     client: TestClient[Any, Any]
     control: ControlPlane
     proxy: ProxyRouteAPI
-    tx: RecordingTx
+    tx: FakeTx
     metrics: EgressMetrics
     clock: FakeClock
     transcript: list[str] = field(default_factory=list)
@@ -276,7 +237,7 @@ async def make_env(
     keys: KeyStore | None = None,
     keys_dir: Path | None = None,
 ) -> Env:
-    tx = RecordingTx()
+    tx = FakeTx()
     metrics = EgressMetrics()
     clock = FakeClock()
     control = ControlPlane(
@@ -1123,7 +1084,7 @@ async def test_policy_write_while_denying_is_discarded(env: Env) -> None:
             "status": "pending",
             "reason": "subject denying; SET_BINDING input is authoritative",
         }
-    assert env.tx.since(mark) == []
+    assert env.tx.applied_since(mark) == []
     assert pending_count(env) == 0
     await env.ok(hook())
     assert (await env.call("GET", "/policy")).json()["policy"] == json.loads(POLICY_TEXT)
@@ -1141,7 +1102,7 @@ async def test_policy_writes_while_active(active: Env) -> None:
         "auditMode": False,
         "enforcementMode": "dns+nft",
     }
-    swaps = env.tx.since(mark, "static_apply")
+    swaps = env.tx.applied_since(mark, "static_apply")
     assert len(swaps) == 1 and "8.8.4.4" in swaps[0] and "9.9.9.9" not in swaps[0]
     assert (await env.call("GET", "/policy")).json()["policy"] == new
 
@@ -1149,7 +1110,7 @@ async def test_policy_writes_while_active(active: Env) -> None:
     reply = await env.call("PATCH", "/policy", body=[{"action": "allow", "target": "1.1.1.1"}])
     assert reply.status == 200
     assert reply.json()["status"] == "ok"
-    swaps = env.tx.since(mark, "static_apply")
+    swaps = env.tx.applied_since(mark, "static_apply")
     assert len(swaps) == 1 and "1.1.1.1" in swaps[0] and "8.8.4.4" in swaps[0]
     egress = (await env.call("GET", "/policy")).json()["policy"]["egress"]
     assert egress == [{"action": "allow", "target": "1.1.1.1"}, {"action": "allow", "target": "8.8.4.4"}]
@@ -1163,7 +1124,7 @@ async def test_policy_writes_while_active(active: Env) -> None:
         "auditMode": False,
         "enforcementMode": "dns+nft",
     }
-    assert len(env.tx.since(mark, "static_apply")) == 1
+    assert len(env.tx.applied_since(mark, "static_apply")) == 1
     assert (await env.call("GET", "/policy")).json()["policy"] == {"defaultAction": "deny", "egress": []}
 
     reply = await env.call("POST", "/policy", body={"defaultAction": "allow"})
@@ -1175,7 +1136,7 @@ async def test_policy_write_kernel_failure_is_500_and_changes_nothing(active: En
     env = active
     await put_vault(env)
     before = (await env.call("GET", "/policy")).json()
-    env.tx.fail_next("static_apply")
+    env.tx.fail(op="static_apply", kinds=("script", "batch"))
     new = dict(POLICY, egress=[*POLICY["egress"], {"action": "allow", "target": "1.2.3.4"}])
     reply = await env.call("PUT", "/policy", body=new)
     assert reply.status == 500
@@ -1190,7 +1151,7 @@ async def test_policy_delete_without_match_says_so(active: Env) -> None:
     reply = await env.call("DELETE", "/policy", body=["nothing.example"])
     assert reply.status == 200
     assert reply.json().get("reason") == "no matching targets found"
-    assert env.tx.since(mark) == []
+    assert env.tx.applied_since(mark) == []
 
 
 async def test_policy_reset_by_empty_body_says_so(env: Env) -> None:
@@ -1238,7 +1199,7 @@ async def test_invalid_policy_write_is_400_and_changes_nothing(active: Env, meth
     mark = env.tx.mark()
     reply = await env.call(method, "/policy", raw_body=raw)
     assert reply.status == 400
-    assert env.tx.since(mark) == []
+    assert env.tx.applied_since(mark) == []
     assert (await env.call("GET", "/policy")).json() == before
 
 
@@ -1259,14 +1220,14 @@ async def test_set_binding_over_the_rule_cap_is_400_and_changes_nothing(aiohttp_
     assert reply.status == 400
     assert reply.headers.get("Content-Type", "").startswith("text/plain")
     assert reply.text == CAP_REASON
-    assert env.state() == "absent" and env.tx.since(mark) == []
+    assert env.state() == "absent" and env.tx.applied_since(mark) == []
     # At the cap it is accepted, and an over-cap in-place update of the active subject is
     # refused without touching what is installed.
     await env.register(input=json.dumps(_policy_of(3)))
     mark = env.tx.mark()
     reply = await env.act(set_binding(input=json.dumps(_policy_of(4)), gen=2))
     assert reply.status == 400 and "OPENSANDBOX_EGRESS_MAX_RULES=3" in reply.text
-    assert env.tx.since(mark) == []
+    assert env.tx.applied_since(mark) == []
     assert env.state() == "active"
     entry = env.control.registry.get("u-1")
     assert entry is not None and entry.policy is not None and len(entry.policy.egress) == 3
@@ -1311,7 +1272,7 @@ async def test_policy_rule_cap_is_400_naming_the_limit(
     patch = [{"action": "allow", "target": "b.com"}, {"action": "allow", "target": "c.com"}]
     reply = await env.call("PATCH", "/policy", body=patch)
     assert reply.status == 400 and "OPENSANDBOX_EGRESS_MAX_RULES=2" in reply.text
-    assert env.tx.since(mark) == []
+    assert env.tx.applied_since(mark) == []
     assert (await env.call("PATCH", "/policy", body=patch[:1])).status == 200
     two = dict(three, egress=three["egress"][:2])
     assert (await env.call("PUT", "/policy", body=two)).status == 200
@@ -1335,7 +1296,7 @@ async def test_policy_change_uncovering_a_vault_binding_is_400(active: Env) -> N
     for method, body in attempts:
         reply = await env.call(method, "/policy", body=body)
         assert reply.status == 400, (method, body, reply.text)
-    assert env.tx.since(mark) == []
+    assert env.tx.applied_since(mark) == []
     assert (await env.call("GET", "/policy")).json() == before
     assert (await env.call("GET", "/credential-vault")).json() == vault_before
     assert env.control.vaults["u-1"].tag == tag

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from ipaddress import ip_address
 from pathlib import Path
 from typing import Any
@@ -15,12 +15,12 @@ from aiohttp.test_utils import TestClient
 from structlog.testing import capture_logs
 
 from egressd.actionhandler.envelope import MAX_BODY_BYTES
-from egressd.kernel.applier import NftError
 from egressd.metrics import EgressMetrics
 from egressd.policy import DENY_ALL, AlwaysRules, NetworkPolicy, Verdict, judge_domain, parse_policy
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.http import AUTH_HEADER, SidecarHTTP, VaultPrerequisites, token_matches
 from egressd.sidecarnft.ruleset import SidecarTable
+from tests.unit.fakekernel import FakeTx
 
 TOKEN = "tok-PLANTED-7c1e"
 SECRET = "zz-PLANTED-SECRET-4b2d-zz"
@@ -28,24 +28,10 @@ AUTH = {AUTH_HEADER: TOKEN}
 
 
 @dataclass
-class FakeKernel:
-    scripts: list[tuple[str, str]] = field(default_factory=list)
-    fail: bool = False
-    on_run: Callable[[str], None] | None = None
-
-    async def run_script(self, script: str, *, op: str) -> None:
-        if self.on_run is not None:
-            self.on_run(script)
-        if self.fail:
-            raise NftError("Error: Could not process rule: injected")
-        self.scripts.append((op, script))
-
-
-@dataclass
 class Env:
     client: TestClient[Any, Any]
     engine: SidecarEngine
-    kernel: FakeKernel
+    kernel: FakeTx
     http: SidecarHTTP
     path: Path
 
@@ -72,7 +58,7 @@ async def make_env(
     max_rules: int = 4096,
     mode: str = "dns+nft",
 ) -> Env:
-    kernel = FakeKernel()
+    kernel = FakeTx(yield_each_call=False)
     path = tmp_path / "policy.json"
     table = SidecarTable(table="T", mode="dns" if mode == "dns" else "dns+nft")
     engine = SidecarEngine(table, kernel, policy, persist_path=path)
@@ -295,7 +281,7 @@ async def test_other_methods_405(env: Env) -> None:
 
 async def test_policy_is_persisted_before_the_kernel_sees_it(env: Env) -> None:
     seen: list[str] = []
-    env.kernel.on_run = lambda script: seen.append(env.path.read_text())
+    env.kernel.on_call = lambda call: seen.append(env.path.read_text())
     await call(env, "PATCH", "/policy", [{"action": "allow", "target": "new.test"}])
     assert seen and "new.test" in seen[0]
     assert "new.test" in env.path.read_text()
@@ -304,10 +290,10 @@ async def test_policy_is_persisted_before_the_kernel_sees_it(env: Env) -> None:
 async def test_kernel_failure_is_500_and_changes_nothing(env: Env) -> None:
     await call(env, "POST", "/policy", {"egress": [{"action": "allow", "target": "old.test"}]})
     file_before = env.path.read_text()
-    env.kernel.fail = True
+    env.kernel.fail(times=None)
     status, body = await call(env, "PATCH", "/policy", [{"action": "allow", "target": "new.test"}])
     assert status == 500 and "policy apply" in body
-    env.kernel.fail = False
+    env.kernel.heal()
     _, got = await call(env, "GET", "/policy")
     assert rules(got["policy"]) == [("allow", "old.test")]
     assert env.path.read_text() == file_before  # the file is put back in line with the kernel
@@ -552,7 +538,7 @@ async def test_a_change_schedules_the_flow_cut(aiohttp_client: Any, tmp_path: Pa
 
 
 async def test_healthz_reports_enforcement_and_mitm(aiohttp_client: Any, tmp_path: Path) -> None:
-    engine = SidecarEngine(SidecarTable(table="T"), FakeKernel(), DENY_ALL)
+    engine = SidecarEngine(SidecarTable(table="T"), FakeTx(yield_each_call=False), DENY_ALL)
     http = SidecarHTTP(
         engine,
         EgressMetrics(),

@@ -23,7 +23,7 @@ from egressd.policy import DENY_ALL, parse_policy
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.http import AUTH_HEADER, SidecarHTTP, VaultPrerequisites
 from egressd.sidecarnft.ruleset import SidecarTable
-from tests.unit.sidecar.test_sidecar_http import FakeKernel
+from tests.unit.fakekernel import FakeTx
 
 TOKEN = "sdk-test-token"
 SECRET = "zz-SDK-PLANTED-SECRET-zz"
@@ -34,7 +34,7 @@ async def _adapter(
 ) -> tuple[EgressAdapter, SidecarHTTP]:
     engine = SidecarEngine(
         SidecarTable(table="T"),
-        FakeKernel(),
+        FakeTx(yield_each_call=False),
         parse_policy('{"egress":[{"action":"allow","target":"api.example.com"}]}'),
         persist_path=tmp_path / "policy.json",
     )

@@ -171,7 +171,7 @@ async def test_retried_data_plane_ready_keeps_the_vault(env: Env) -> None:
 
 async def test_activation_failure_keeps_the_pending_vault_for_the_retry(env: Env) -> None:
     await env.ok(set_binding(input=wrapper(vault_doc())))
-    env.tx.fail_next("static_apply")
+    env.tx.fail(op="static_apply", kinds=("script", "batch"))
     assert (await env.act(hook())).status == 500
     assert env.state() == "denying"
     assert "u-1" not in env.control.vaults
@@ -182,7 +182,7 @@ async def test_activation_failure_keeps_the_pending_vault_for_the_retry(env: Env
 
 async def test_in_place_apply_failure_keeps_the_old_vault(env: Env) -> None:
     tag = await activate_sealed(env)
-    env.tx.fail_next("static_apply")
+    env.tx.fail(op="static_apply", kinds=("script", "batch"))
     other = dict(POLICY, egress=[*POLICY["egress"], {"action": "allow", "target": "x.example.com"}])
     reply = await env.act(set_binding(input=wrapper(vault_doc("new-value"), policy=other), gen=2))
     assert reply.status == 500
@@ -204,7 +204,7 @@ async def test_wrapper_without_vault_removes_only_the_vault(env: Env, form: str)
     await env.ok(set_binding(input=json.dumps(doc), gen=2))
     assert env.state() == "active"
     assert policy_of(env) == new_policy
-    assert env.tx.since(mark, "static_apply")
+    assert env.tx.applied_since(mark, "static_apply")
     assert "u-1" not in env.control.vaults
     assert env.control.vault_for_ip(IP) is None
     assert (await env.call("GET", "/credential-vault")).status == 404
@@ -391,7 +391,7 @@ async def test_bad_wrapper_for_absent_subject_is_400_and_registers_nothing(env: 
     assert reply.status == 400, reply.text
     assert reply.text.startswith("invalid binding input")
     assert env.state() == "absent"
-    assert env.tx.since(mark) == []
+    assert env.tx.applied_since(mark) == []
     assert "u-1" not in env.control.vaults
     assert env.control.pending_pushes.count() == 1  # cached pushes neither replayed nor dropped
     assert (await env.call("GET", "/policy")).status == 404
@@ -404,7 +404,7 @@ async def test_bad_wrapper_for_active_subject_changes_nothing(env: Env, case: st
     mark = env.tx.mark()
     reply = await env.act(set_binding(input=CASES[case]("u-1"), gen=9))
     assert reply.status == 400, reply.text
-    assert env.tx.since(mark) == []
+    assert env.tx.applied_since(mark) == []
     assert env.state() == "active"
     assert policy_of(env) == before_policy
     assert env.control.registry.get("u-1").spec_generation == 1  # type: ignore[union-attr]

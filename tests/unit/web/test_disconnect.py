@@ -4,7 +4,7 @@ Two harnesses. Over real loopback sockets against the daemon's own listener
 (:func:`egressd.web.serving.start_http`): half-close, close and reset at each point of a request.
 Over aiohttp's test client, whose server cancels a handler when its client disconnects
 (``handler_cancellation=True``): the cancellation lands in the middle of the kernel step.
-A gated fake kernel holds the step open so the disconnect falls inside it deterministically.
+The shared fake kernel, held (``FakeKernel.hold``), keeps the step open so the disconnect falls inside it deterministically.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,58 +26,29 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import ACTIONS_PATH, FleetHTTP
 from egressd.fleetnft.builder import TableConfig
-from egressd.kernel.ops import NetlinkBatch
 from egressd.metrics import EgressMetrics
 from egressd.policy import DENY_ALL
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.http import SidecarHTTP
 from egressd.sidecarnft.ruleset import SidecarTable
 from egressd.web.serving import InFlight, start_http
-from tests.unit.fleet.test_http import RecordingTx, hook, set_binding
-from tests.unit.sidecar.test_sidecar_http import AUTH, FakeKernel, ready_prereqs
+from tests.unit.fakekernel import FakeTx
+from tests.unit.fleet.test_http import hook, set_binding
+from tests.unit.sidecar.test_sidecar_http import AUTH, ready_prereqs
 
 ALLOW = '{"defaultAction":"deny","egress":[{"action":"allow","target":"8.8.8.8"}]}'
 OTHER = '{"defaultAction":"deny","egress":[{"action":"allow","target":"9.9.9.9"}]}'
 
 
 @dataclass
-class GatedTx(RecordingTx):
-    """Kernel steps wait for ``gate`` while ``held``; ``entered`` is set when one is waiting."""
-
-    held: bool = False
-    gate: asyncio.Event = field(default_factory=asyncio.Event)
-    entered: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def _wait(self) -> None:
-        if self.held:
-            self.entered.set()
-            await self.gate.wait()
-
-    async def run_script(self, script: str, *, op: str) -> None:
-        await self._wait()
-        await super().run_script(script, op=op)
-
-    async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
-        await self._wait()
-        await super().run_batch(batch, op=op)
-
-    def hold(self) -> None:
-        self.held, self.gate, self.entered = True, asyncio.Event(), asyncio.Event()
-
-    def release(self) -> None:
-        self.held = False
-        self.gate.set()
-
-
-@dataclass
 class Fleet:
     control: ControlPlane
-    tx: GatedTx
+    tx: FakeTx
     http: FleetHTTP
 
 
 async def make_fleet() -> Fleet:
-    tx = GatedTx()
+    tx = FakeTx(yield_each_call=False)
     metrics = EgressMetrics()
     control = ControlPlane(TableConfig(table="T"), tx, metrics=metrics)
     await control.reset_table()
@@ -150,7 +121,7 @@ async def settled(inflight: InFlight) -> None:
 async def plan_of(*docs: object) -> list[tuple[str, str]]:
     """The kernel plan the same actions produce on a fresh daemon with a client that stays."""
     fleet = await make_fleet()
-    start = len(fleet.tx.scripts)
+    start = len(fleet.tx.applied)
     runner = await start_http(fleet.http.app(), "127.0.0.1", 0)
     host, port = runner.addresses[0][:2]
     try:
@@ -161,7 +132,7 @@ async def plan_of(*docs: object) -> list[tuple[str, str]]:
             writer.close()
     finally:
         await runner.cleanup()
-    return fleet.tx.scripts[start:]
+    return fleet.tx.applied[start:]
 
 
 # ----------------------------------------------------------------------- half-close
@@ -191,7 +162,7 @@ async def test_half_close_during_the_kernel_step_still_gets_the_200(served: Serv
 
 
 async def test_half_close_before_the_body_is_complete_applies_nothing(served: Served) -> None:
-    before = list(served.fleet.tx.scripts)
+    before = list(served.fleet.tx.applied)
     data = request_bytes(set_binding(policy=ALLOW), keep_alive=True)
     reader, writer = await connect(served)
     writer.write(data[:-10])
@@ -199,7 +170,7 @@ async def test_half_close_before_the_body_is_complete_applies_nothing(served: Se
     status, body = await read_reply(reader)
     assert status == 400 and b"incomplete" in body
     assert served.fleet.control.registry.get("u-1") is None
-    assert served.fleet.tx.scripts == before
+    assert served.fleet.tx.applied == before
 
 
 # ----------------------------------------------------------------------- close / reset
@@ -207,7 +178,7 @@ async def test_half_close_before_the_body_is_complete_applies_nothing(served: Se
 
 @pytest.mark.parametrize("how", ["close", "reset"])
 async def test_gone_before_the_body_is_complete_applies_nothing(served: Served, how: str) -> None:
-    before = list(served.fleet.tx.scripts)
+    before = list(served.fleet.tx.applied)
     data = request_bytes(set_binding(policy=ALLOW))
     _reader, writer = await connect(served)
     writer.write(data[:-10])
@@ -220,7 +191,7 @@ async def test_gone_before_the_body_is_complete_applies_nothing(served: Served, 
     await asyncio.sleep(0.1)
     await settled(served.fleet.http.inflight)
     assert served.fleet.control.registry.get("u-1") is None
-    assert served.fleet.tx.scripts == before
+    assert served.fleet.tx.applied == before
 
 
 @pytest.mark.parametrize("how", ["close", "reset"])
@@ -229,7 +200,7 @@ async def test_gone_during_the_kernel_step_the_action_completes_and_the_retry_is
 ) -> None:
     expected = await plan_of(set_binding(policy=ALLOW), hook())
     fleet = served.fleet
-    start = len(fleet.tx.scripts)
+    start = len(fleet.tx.applied)
     for doc in (set_binding(policy=ALLOW), hook()):
         fleet.tx.hold()
         reader, writer = await connect(served)
@@ -242,7 +213,7 @@ async def test_gone_during_the_kernel_step_the_action_completes_and_the_retry_is
         await asyncio.sleep(0.05)
         fleet.tx.release()
         await settled(fleet.http.inflight)
-    assert fleet.tx.scripts[start:] == expected  # the whole plan, as if the client had stayed
+    assert fleet.tx.applied[start:] == expected  # the whole plan, as if the client had stayed
     entry = fleet.control.registry.get("u-1")
     assert entry is not None and entry.state.value == "active" and entry.pending is None
     committed = (entry.state, entry.policy, entry.fence)
@@ -286,7 +257,7 @@ async def test_drain_is_bounded() -> None:
 # ----------------------------------------------------------------------- handler cancelled
 
 
-async def _cancelled_mid_step(tx: GatedTx, send: Callable[[], Awaitable[Any]], inflight: InFlight) -> None:
+async def _cancelled_mid_step(tx: FakeTx, send: Callable[[], Awaitable[Any]], inflight: InFlight) -> None:
     """``send`` is abandoned (its connection closed, its handler cancelled) during the step."""
     tx.hold()
     task = asyncio.ensure_future(send())
@@ -302,14 +273,14 @@ async def _cancelled_mid_step(tx: GatedTx, send: Callable[[], Awaitable[Any]], i
 async def test_handler_cancelled_mid_kernel_step_action_still_completes(aiohttp_client: Any) -> None:
     expected = await plan_of(set_binding(policy=ALLOW), hook(), set_binding(policy=OTHER))
     fleet = await make_fleet()
-    start = len(fleet.tx.scripts)
+    start = len(fleet.tx.applied)
     # aiohttp's test server runs with handler_cancellation=True: a disconnect cancels the handler.
     client = await aiohttp_client(fleet.http.app())
     for doc in (set_binding(policy=ALLOW), hook(), set_binding(policy=OTHER)):
         await _cancelled_mid_step(
             fleet.tx, functools.partial(client.post, ACTIONS_PATH, data=json.dumps(doc)), fleet.http.inflight
         )
-    assert fleet.tx.scripts[start:] == expected
+    assert fleet.tx.applied[start:] == expected
     entry = fleet.control.registry.get("u-1")
     assert entry is not None and entry.state.value == "active"
     assert entry.policy is not None and [r.target for r in entry.policy.egress] == ["9.9.9.9"]
@@ -345,45 +316,31 @@ async def test_proxy_route_policy_write_cancelled_mid_kernel_step_still_applies(
     assert [r.target for r in entry.policy.egress] == ["9.9.9.9"]
 
 
-@dataclass
-class GatedSidecarKernel(FakeKernel):
-    gate: asyncio.Event = field(default_factory=asyncio.Event)
-    entered: asyncio.Event = field(default_factory=asyncio.Event)
-    held: bool = False
-
-    async def run_script(self, script: str, *, op: str) -> None:
-        if self.held:
-            self.entered.set()
-            await self.gate.wait()
-        await super().run_script(script, op=op)
-
-
 async def test_sidecar_policy_write_cancelled_mid_kernel_step_still_applies(
     aiohttp_client: Any, tmp_path: Path
 ) -> None:
-    kernel = GatedSidecarKernel()
+    kernel = FakeTx(yield_each_call=False)
     engine = SidecarEngine(
         SidecarTable(table="T", mode="dns+nft"), kernel, DENY_ALL, persist_path=tmp_path / "p"
     )
     await engine.install()
     http = SidecarHTTP(engine, EgressMetrics(), token=None, max_rules=4096, prerequisites=ready_prereqs())
     client = await aiohttp_client(http.app())
-    kernel.held = True
+    kernel.hold()
     task = asyncio.ensure_future(client.put("/policy", data=ALLOW, headers=AUTH))
     await asyncio.wait_for(kernel.entered.wait(), 5)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     await asyncio.sleep(0.05)
-    kernel.held = False
-    kernel.gate.set()
+    kernel.release()
     await settled(http.inflight)
     assert [r.target for r in engine.user.egress] == ["8.8.8.8"]
     assert "8.8.8.8" in kernel.scripts[-1][1]
 
 
 async def test_sidecar_half_close_during_the_kernel_step_still_gets_the_reply(tmp_path: Path) -> None:
-    kernel = GatedSidecarKernel()
+    kernel = FakeTx(yield_each_call=False)
     engine = SidecarEngine(
         SidecarTable(table="T", mode="dns+nft"), kernel, DENY_ALL, persist_path=tmp_path / "p"
     )
@@ -392,18 +349,17 @@ async def test_sidecar_half_close_during_the_kernel_step_still_gets_the_reply(tm
     runner = await start_http(http.app(), "127.0.0.1", 0)
     host, port = runner.addresses[0][:2]
     try:
-        kernel.held = True
+        kernel.hold()
         reader, writer = await asyncio.open_connection(host, port)
         body = ALLOW.encode()
         writer.write(b"PUT /policy HTTP/1.1\r\nHost: s\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         await asyncio.wait_for(kernel.entered.wait(), 5)
         writer.write_eof()
         await asyncio.sleep(0.05)
-        kernel.held = False
-        kernel.gate.set()
+        kernel.release()
         status, reply = await read_reply(reader)
         assert status == 200 and json.loads(reply)["status"] == "ok"
         assert [r.target for r in engine.user.egress] == ["8.8.8.8"]
     finally:
-        kernel.gate.set()
+        kernel.release()
         await runner.cleanup()
