@@ -481,7 +481,7 @@ def _free_port() -> int:
     for _ in range(50):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
             t.bind(("127.0.0.1", 0))
-            port = t.getsockname()[1]
+            port: int = t.getsockname()[1]
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
                 try:
                     u.bind(("127.0.0.1", port))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,7 +298,7 @@ def _policy_with_secret() -> str:
     )
 
 
-def _assert_no_secret(bodies: list[str], logs: list[dict[str, Any]]) -> None:
+def _assert_no_secret(bodies: list[str], logs: list[MutableMapping[str, Any]]) -> None:
     for body in bodies:
         assert SECRET not in body
     rendered = json.dumps(logs, default=repr)

@@ -687,7 +687,10 @@ async def test_denying_coverage_uses_pending_policy_and_always_rules(
     assert reply.status == 200
     assert reply.json()["revision"] == 2
     # A SET_BINDING whose policy no longer covers the kept vault is refused (BEHAVIOUR 14.1).
-    uncovering = {"defaultAction": "deny", "egress": [{"action": "allow", "target": "blocked.example.net"}]}
+    uncovering: dict[str, Any] = {
+        "defaultAction": "deny",
+        "egress": [{"action": "allow", "target": "blocked.example.net"}],
+    }
     refused = await env.act(set_binding(input=json.dumps(uncovering)))
     assert refused.status == 400 and "uncovers a credential binding" in refused.text
     # A user allow cannot cover a host that deny.always blocks.

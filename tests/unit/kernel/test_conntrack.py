@@ -36,7 +36,9 @@ def test_ipv6_full_form() -> None:
 def test_no_flows_means_no_exec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     table = tmp_path / "nf_conntrack"
     table.write_text(V4)
-    monkeypatch.setattr(conntrack.shutil, "which", lambda _: pytest.fail("must not spawn conntrack"))
+    monkeypatch.setattr(
+        "egressd.kernel.conntrack.shutil.which", lambda _: pytest.fail("must not spawn conntrack")
+    )
     asyncio.run(conntrack.flush_source(ip_address("10.203.0.99"), table))
 
 

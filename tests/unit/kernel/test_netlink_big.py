@@ -213,7 +213,7 @@ class FakeKernel:
 def fake(monkeypatch: pytest.MonkeyPatch) -> Any:
     def install(**kw: Any) -> FakeKernel:
         k = FakeKernel(**kw)
-        monkeypatch.setattr(netlink.socket, "socket", lambda *_a: k)
+        monkeypatch.setattr("egressd.kernel.netlink.socket.socket", lambda *_a: k)
         return k
 
     return install

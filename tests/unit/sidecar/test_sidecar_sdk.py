@@ -61,18 +61,19 @@ async def test_sdk_policy_get_patch_delete(aiohttp_server: Any, tmp_path: Path) 
     egress, http = await _adapter(aiohttp_server, tmp_path, ready=True)
     policy = await egress.get_policy()
     assert policy.default_action == "deny"
-    assert [(r.action, r.target) for r in policy.egress] == [("allow", "api.example.com")]
+    # The SDK's model leaves ``egress`` optional (mypy cannot see the daemon always sends it).
+    assert [(r.action, r.target) for r in policy.egress] == [("allow", "api.example.com")]  # type: ignore[union-attr]
     await egress.patch_rules(
         [NetworkRule(action="allow", target="pypi.org"), NetworkRule(action="deny", target="api.example.com")]
     )
     policy = await egress.get_policy()
-    assert [(r.action, r.target) for r in policy.egress] == [
+    assert [(r.action, r.target) for r in policy.egress] == [  # type: ignore[union-attr]
         ("allow", "pypi.org"),
         ("deny", "api.example.com"),
     ]
     await egress.delete_rules(["API.example.com", "not-there.org"])
     policy = await egress.get_policy()
-    assert [(r.action, r.target) for r in policy.egress] == [("allow", "pypi.org")]
+    assert [(r.action, r.target) for r in policy.egress] == [("allow", "pypi.org")]  # type: ignore[union-attr]
     # Replace is not part of the SDK: the INTERFACE's POST /policy through the SDK's own client.
     resp = await egress._httpx_client.post("/policy", json={"defaultAction": "allow", "egress": []})
     assert resp.status_code == 200 and resp.json()["mode"] == "allow_all"

@@ -12,14 +12,13 @@ import base64
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
 
-from egressd.vault import sealed as sealed_mod
 from egressd.vault.sealed import (
     ACTIVE_KEYS,
     KeyDirError,
@@ -86,12 +85,12 @@ def keys_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def logs() -> Iterator[list[dict[str, Any]]]:
+def logs() -> Iterator[list[MutableMapping[str, Any]]]:
     with capture_logs() as captured:
         yield captured
 
 
-def assert_clean(logs: list[dict[str, Any]]) -> None:
+def assert_clean(logs: list[MutableMapping[str, Any]]) -> None:
     text = repr(logs)
     assert JUNK.decode() not in text
     for kid in ("k1", "k2", "k3", "k4", "k5", "k6"):
@@ -202,7 +201,7 @@ def test_a_new_key_retires_the_oldest_and_touch_revives_it(keys_dir: Path, clock
 
 
 def test_key_turned_invalid_is_ignored_with_one_warning(
-    keys_dir: Path, clock: Clock, logs: list[dict[str, Any]]
+    keys_dir: Path, clock: Clock, logs: list[MutableMapping[str, Any]]
 ) -> None:
     for i in (1, 2, 3):
         put(keys_dir, f"k{i}", t=i)
@@ -229,7 +228,7 @@ def test_key_turned_invalid_is_ignored_with_one_warning(
 
 
 def test_invalid_key_written_later_is_ignored_and_others_keep_working(
-    keys_dir: Path, clock: Clock, logs: list[dict[str, Any]]
+    keys_dir: Path, clock: Clock, logs: list[MutableMapping[str, Any]]
 ) -> None:
     put(keys_dir, "k1", t=1)
     store = KeyStore(keys_dir, clock=clock)
@@ -267,7 +266,7 @@ def scandirs(monkeypatch: pytest.MonkeyPatch, keys_dir: Path) -> list[str]:
             calls.append(threading.current_thread().name)
         return real(path)
 
-    monkeypatch.setattr(sealed_mod.os, "scandir", counting)
+    monkeypatch.setattr("egressd.vault.sealed.os.scandir", counting)
     return calls
 
 
