@@ -40,7 +40,7 @@ import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal, Protocol, Self, cast, overload
+from typing import Any, Literal, Protocol, Self, cast, overload
 
 from egressd.kernel.applier import NftError, NftUncertain
 from egressd.kernel.netlink import SetElement, interval_keys
@@ -572,66 +572,75 @@ class TextModel:
         if batch.ops and not self.exists:
             raise _err("No such file or directory")
         for op in batch.ops:
-            if isinstance(op, AddSet):
-                kind = f"{op.fam}:{op.kind}"
-                if op.name in self.sets and self.set_kinds.get(op.name, kind) != kind:
-                    raise _err("File exists")
-                self.sets.setdefault(op.name, {})
-                self.set_kinds[op.name] = kind
-            elif isinstance(op, AddChain):
-                self.chains.setdefault(op.name, [])
-            elif isinstance(op, AddCounter):
-                self.counters.add(op.name)
-            elif isinstance(op, DeleteCounter):
-                if op.name not in self.counters:
-                    raise _err("No such file or directory")
-                if any(f'counter name "{op.name}"' in r for rules in self.chains.values() for r in rules):
-                    raise _err("Device or resource busy")
-                self.counters.discard(op.name)
-            elif isinstance(op, AddJump):
-                elements = self.sets.get(op.map)
-                if elements is None or op.chain not in self.chains:
-                    raise _err("No such file or directory")
-                data = f"jump {op.chain}"
-                if elements.get(str(op.key), data) != data:
-                    raise _err("File exists")
-                elements[str(op.key)] = data
-            elif isinstance(op, AddElements):
-                elements = self._need(op.name)
-                for key in op.keys:
-                    elements.setdefault(str(key), "")
-            elif isinstance(op, AddRule):
-                self._add_rule(op)
-            elif isinstance(op, FlushSet):
-                self._need(op.name)
-                self.sets[op.name] = {}
-            elif isinstance(op, AddIntervals | AddTimed):
-                elements = self._need(op.name)
-                keys = (
-                    [format_element(n) for n in op.nets]
-                    if isinstance(op, AddIntervals)
-                    else [str(ip) for ip, _ in op.leases]
-                )
-                for text in keys:
-                    elements[text] = ""
-            elif isinstance(op, DeleteElement):
-                elements = self.sets.get(op.name)
-                if elements is None or str(op.key) not in elements:
-                    raise _err("No such file or directory")
-                del elements[str(op.key)]
-            elif isinstance(op, DeleteChain):
-                if op.name not in self.chains:
-                    raise _err("No such file or directory")
-                if any(d == f"jump {op.name}" for els in self.sets.values() for d in els.values()):
-                    raise _err("Device or resource busy")
-                del self.chains[op.name]  # with its rules
-            else:
-                assert isinstance(op, DeleteSet), op
-                self._need(op.name)
-                if any(op.name in re.findall(r"@(\w+)", r) for rules in self.chains.values() for r in rules):
-                    raise _err("Device or resource busy")
-                del self.sets[op.name]
-                self.maps.discard(op.name)
+            _BATCH_OPS[type(op)](self, op)
+
+    def _add_set(self, op: AddSet) -> None:
+        kind = f"{op.fam}:{op.kind}"
+        if op.name in self.sets and self.set_kinds.get(op.name, kind) != kind:
+            raise _err("File exists")
+        self.sets.setdefault(op.name, {})
+        self.set_kinds[op.name] = kind
+
+    def _add_chain(self, op: AddChain) -> None:
+        self.chains.setdefault(op.name, [])
+
+    def _add_counter(self, op: AddCounter) -> None:
+        self.counters.add(op.name)
+
+    def _delete_counter(self, op: DeleteCounter) -> None:
+        if op.name not in self.counters:
+            raise _err("No such file or directory")
+        if any(f'counter name "{op.name}"' in r for rules in self.chains.values() for r in rules):
+            raise _err("Device or resource busy")
+        self.counters.discard(op.name)
+
+    def _add_jump(self, op: AddJump) -> None:
+        elements = self.sets.get(op.map)
+        if elements is None or op.chain not in self.chains:
+            raise _err("No such file or directory")
+        data = f"jump {op.chain}"
+        if elements.get(str(op.key), data) != data:
+            raise _err("File exists")
+        elements[str(op.key)] = data
+
+    def _add_elements(self, op: AddElements) -> None:
+        elements = self._need(op.name)
+        for key in op.keys:
+            elements.setdefault(str(key), "")
+
+    def _add_keys(self, op: AddIntervals | AddTimed) -> None:
+        elements = self._need(op.name)
+        keys = (
+            [format_element(n) for n in op.nets]
+            if isinstance(op, AddIntervals)
+            else [str(ip) for ip, _ in op.leases]
+        )
+        for text in keys:
+            elements[text] = ""
+
+    def _flush_set(self, op: FlushSet) -> None:
+        self._need(op.name)
+        self.sets[op.name] = {}
+
+    def _delete_element(self, op: DeleteElement) -> None:
+        elements = self.sets.get(op.name)
+        if elements is None or str(op.key) not in elements:
+            raise _err("No such file or directory")
+        del elements[str(op.key)]
+
+    def _delete_chain(self, op: DeleteChain) -> None:
+        if op.name not in self.chains:
+            raise _err("No such file or directory")
+        if any(d == f"jump {op.name}" for els in self.sets.values() for d in els.values()):
+            raise _err("Device or resource busy")
+        del self.chains[op.name]  # with its rules
+
+    def _delete_set(self, op: DeleteSet) -> None:
+        self._need(op.name)
+        if any(op.name in re.findall(r"@(\w+)", r) for rules in self.chains.values() for r in rules):
+            raise _err("Device or resource busy")
+        del self.sets[op.name]
+        self.maps.discard(op.name)
 
     def _need(self, name: str) -> dict[str, str]:
         elements = self.sets.get(name)
@@ -675,6 +684,24 @@ class TextModel:
 
     def set_names(self) -> list[str]:
         return list(self.sets)
+
+
+# One handler per op the fleet sends; an op without one is a KeyError: the model must learn it.
+_BATCH_OPS: dict[type, Callable[[TextModel, Any], None]] = {
+    AddSet: TextModel._add_set,
+    AddChain: TextModel._add_chain,
+    AddCounter: TextModel._add_counter,
+    DeleteCounter: TextModel._delete_counter,
+    AddJump: TextModel._add_jump,
+    AddElements: TextModel._add_elements,
+    AddRule: TextModel._add_rule,
+    FlushSet: TextModel._flush_set,
+    AddIntervals: TextModel._add_keys,
+    AddTimed: TextModel._add_keys,
+    DeleteElement: TextModel._delete_element,
+    DeleteChain: TextModel._delete_chain,
+    DeleteSet: TextModel._delete_set,
+}
 
 
 def text_kernel(table: str = "T", *, yield_each_call: bool = True) -> FakeKernel[TextModel]:
