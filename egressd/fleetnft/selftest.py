@@ -167,20 +167,10 @@ def _probes(t: str) -> list[tuple[str, str]]:
     ]
 
 
-def run_selftest(
-    cmd: Callable[[str], None],
-    batch: Callable[[NetlinkBatch], None],
-    *,
-    table_prefix: str,
-) -> None:
-    """Probe the kernel through the same paths the daemon uses; raise SelfTestError."""
-    t = f"{table_prefix}-selftest-{os.getpid()}"
-    try:
-        cmd(f"add table inet {t}\ndelete table inet {t}")
-    except NftError as exc:
-        raise SelfTestError(f"nftables unusable in this namespace (need CAP_NET_ADMIN): {exc}") from None
+def _netlink_probes(t: str) -> list[tuple[str, NetlinkBatch]]:
+    """The raw netlink batches, run after :func:`_probes` built the objects they name."""
     v4 = ipaddress.IPv4Network
-    netlink_probes: list[tuple[str, NetlinkBatch]] = [
+    return [
         (
             "netlink rules (set lookups, marks, conntrack original destination)",
             NetlinkBatch(
@@ -232,6 +222,21 @@ def run_selftest(
             ),
         ),
     ]
+
+
+def run_selftest(
+    cmd: Callable[[str], None],
+    batch: Callable[[NetlinkBatch], None],
+    *,
+    table_prefix: str,
+) -> None:
+    """Probe the kernel through the same paths the daemon uses; raise SelfTestError."""
+    t = f"{table_prefix}-selftest-{os.getpid()}"
+    try:
+        cmd(f"add table inet {t}\ndelete table inet {t}")
+    except NftError as exc:
+        raise SelfTestError(f"nftables unusable in this namespace (need CAP_NET_ADMIN): {exc}") from None
+    netlink_probes = _netlink_probes(t)
     try:
         for feature, script in _probes(t):
             try:
