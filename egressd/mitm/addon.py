@@ -26,7 +26,7 @@ from mitmproxy.addonmanager import Loader
 from egressd.mitm.active import READY_EVENT
 from egressd.mitm.inject import (
     LOOKUP_FAILED,
-    Outcome,
+    InjectionDecision,
     Request,
     decide,
     find_binding,
@@ -221,7 +221,7 @@ class EgressInjector:
             **fields,
         )
 
-    def _refuse(self, flow: http.HTTPFlow, outcome: Outcome, **fields: Any) -> None:
+    def _refuse(self, flow: http.HTTPFlow, outcome: InjectionDecision, **fields: Any) -> None:
         # A chunked body may start streaming upstream while it is read: kill, never wait.
         streamed = bool(flow.request.stream) or (
             _body_pending(flow.request) and "content-length" not in flow.request.headers
@@ -239,7 +239,7 @@ class EgressInjector:
     def request(self, flow: http.HTTPFlow) -> None:
         try:
             refusal = flow.metadata.get(_META + ".refuse")
-            if isinstance(refusal, Outcome):
+            if isinstance(refusal, InjectionDecision):
                 flow.response = http.Response.make(
                     refusal.status, refusal.reason, {"Content-Type": "text/plain"}
                 )
