@@ -23,7 +23,7 @@ import copy
 import ipaddress
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from ipaddress import ip_address, ip_network
 from typing import Any
@@ -167,145 +167,34 @@ class FakeKernel:
             self._apply_script(fresh, header)
             st.__dict__.update(fresh.__dict__)
 
-    @staticmethod
-    def _err(msg: str) -> NftError:
-        return NftError(f"Error: Could not process rule: {msg}")
-
     def _apply_script(self, st: _State, script: str) -> None:
         for line in script.splitlines():
             verb, kind, fam, table, *rest = line.split(" ", 4)
             assert fam == "inet" and table == TABLE, line
             body = rest[0] if rest else ""
             if kind == "table":
-                if verb == "delete":
-                    if not st.table:
-                        raise self._err("No such file or directory")
-                    st.__dict__.update(_State().__dict__)
-                else:
-                    st.table = True
+                _script_table(st, verb)
                 continue
             if not st.table:
-                raise self._err("No such file or directory")
+                raise _err("No such file or directory")
             name = body.split(" ", 1)[0]
             if kind == "chain":
-                if verb == "add":
-                    st.chains.setdefault(name, [])
-                elif verb == "flush":
-                    if name not in st.chains:
-                        raise self._err("No such file or directory")
-                    st.chains[name] = []
-                else:
-                    raise AssertionError(line)
+                _script_chain(st, verb, name, line)
             elif kind in ("set", "map"):
-                if verb == "add":
-                    elements = st.sets.setdefault(name, {})
-                    if kind == "map":
-                        st.maps.add(name)
-                    m = _ELEMENTS.search(body)
-                    if m:
-                        for element in m.group(1).split(", "):
-                            key, _, data = element.partition(" : ")
-                            key = key.split(" ")[0]
-                            if key in elements and elements[key] != data:
-                                raise self._err("File exists")
-                            elements[key] = data
-                elif verb == "flush":
-                    if name not in st.sets:
-                        raise self._err("No such file or directory")
-                    st.sets[name] = {}
-                else:
-                    raise AssertionError(line)
+                _script_set(st, verb, kind, name, body, line)
             elif kind == "rule":
                 assert verb == "add", line
-                if name not in st.chains:
-                    raise self._err("No such file or directory")
-                rule = body.split(" ", 1)[1]
-                for ref in re.findall(r"@(\w+)", rule):
-                    if ref not in st.sets:
-                        raise self._err(f"Could not process rule: set {ref} does not exist")
-                st.chains[name].append(rule)
+                _script_rule(st, name, body)
             else:
                 raise AssertionError(line)
 
     def _apply_batch(self, st: _State, batch: NetlinkBatch) -> None:
         if batch.ops and not st.table:
-            raise self._err("No such file or directory")
+            raise _err("No such file or directory")
         for op in batch.ops:
-            if isinstance(op, AddSet):
-                kind = f"{op.fam}:{op.kind}"
-                if op.name in st.sets and st.set_kinds.get(op.name, kind) != kind:
-                    raise self._err("File exists")
-                st.sets.setdefault(op.name, {})
-                st.set_kinds[op.name] = kind
-            elif isinstance(op, AddChain):
-                st.chains.setdefault(op.name, [])
-            elif isinstance(op, AddCounter):
-                st.counters.add(op.name)
-            elif isinstance(op, DeleteCounter):
-                if op.name not in st.counters:
-                    raise self._err("No such file or directory")
-                if any(f'counter name "{op.name}"' in r for rules in st.chains.values() for r in rules):
-                    raise self._err("Device or resource busy")
-                st.counters.discard(op.name)
-            elif isinstance(op, AddJump):
-                elements = st.sets.get(op.map)
-                if elements is None or op.chain not in st.chains:
-                    raise self._err("No such file or directory")
-                data = f"jump {op.chain}"
-                if elements.get(str(op.key), data) != data:
-                    raise self._err("File exists")
-                elements[str(op.key)] = data
-            elif isinstance(op, AddElements):
-                elements = st.sets.get(op.name)
-                if elements is None:
-                    raise self._err("No such file or directory")
-                for key in op.keys:
-                    elements.setdefault(str(key), "")
-            elif isinstance(op, AddRule):
-                if op.chain not in st.chains:
-                    raise self._err("No such file or directory")
-                rule = op.rule.render()
-                for ref in re.findall(r"@(\w+)", rule):
-                    if ref not in st.sets:
-                        raise self._err(f"Could not process rule: set {ref} does not exist")
-                for ref in re.findall(r'counter name "(\w+)"', rule):
-                    if ref not in st.counters:
-                        raise self._err(f"Could not process rule: counter {ref} does not exist")
-                st.chains[op.chain].append(rule)
-            elif isinstance(op, FlushSet):
-                if op.name not in st.sets:
-                    raise self._err("No such file or directory")
-                st.sets[op.name] = {}
-            elif isinstance(op, AddIntervals | AddTimed):
-                elements = st.sets.get(op.name)
-                if elements is None:
-                    raise self._err("No such file or directory")
-                keys = (
-                    [format_element(n) for n in op.nets]
-                    if isinstance(op, AddIntervals)
-                    else [str(ip) for ip, _ in op.leases]
-                )
-                for key in keys:
-                    elements[key] = ""
-            elif isinstance(op, DeleteElement):
-                elements = st.sets.get(op.name)
-                if elements is None or str(op.key) not in elements:
-                    raise self._err("No such file or directory")
-                del elements[str(op.key)]
-            elif isinstance(op, DeleteChain):
-                if op.name not in st.chains:
-                    raise self._err("No such file or directory")
-                if any(d == f"jump {op.name}" for els in st.sets.values() for d in els.values()):
-                    raise self._err("Device or resource busy")
-                del st.chains[op.name]  # with its rules
-            else:
-                assert isinstance(op, DeleteSet), op
-                if op.name not in st.sets:
-                    raise self._err("No such file or directory")
-                if any(op.name in re.findall(r"@(\w+)", r) for rules in st.chains.values() for r in rules):
-                    raise self._err("Device or resource busy")
-                del st.sets[op.name]
-                st.maps.discard(op.name)
+            apply = _BATCH_OPS.get(type(op))
+            assert apply is not None, op
+            apply(st, op)
 
     # -- introspection ---------------------------------------------------------------------
 
@@ -330,6 +219,183 @@ class FakeKernel:
 
     def since(self, mark: int) -> list[Call]:
         return self.calls[mark:]
+
+
+# The model of one script line per object kind (libnftables text) ...
+
+
+def _err(msg: str) -> NftError:
+    return NftError(f"Error: Could not process rule: {msg}")
+
+
+def _script_table(st: _State, verb: str) -> None:
+    if verb == "delete":
+        if not st.table:
+            raise _err("No such file or directory")
+        st.__dict__.update(_State().__dict__)
+    else:
+        st.table = True
+
+
+def _script_chain(st: _State, verb: str, name: str, line: str) -> None:
+    if verb == "add":
+        st.chains.setdefault(name, [])
+    elif verb == "flush":
+        if name not in st.chains:
+            raise _err("No such file or directory")
+        st.chains[name] = []
+    else:
+        raise AssertionError(line)
+
+
+def _script_set(st: _State, verb: str, kind: str, name: str, body: str, line: str) -> None:
+    if verb == "add":
+        elements = st.sets.setdefault(name, {})
+        if kind == "map":
+            st.maps.add(name)
+        m = _ELEMENTS.search(body)
+        if m:
+            for element in m.group(1).split(", "):
+                key, _, data = element.partition(" : ")
+                key = key.split(" ")[0]
+                if key in elements and elements[key] != data:
+                    raise _err("File exists")
+                elements[key] = data
+    elif verb == "flush":
+        if name not in st.sets:
+            raise _err("No such file or directory")
+        st.sets[name] = {}
+    else:
+        raise AssertionError(line)
+
+
+def _script_rule(st: _State, chain: str, body: str) -> None:
+    if chain not in st.chains:
+        raise _err("No such file or directory")
+    rule = body.split(" ", 1)[1]
+    for ref in re.findall(r"@(\w+)", rule):
+        if ref not in st.sets:
+            raise _err(f"Could not process rule: set {ref} does not exist")
+    st.chains[chain].append(rule)
+
+
+# ... and of one netlink operation per operation type.
+
+
+def _batch_add_set(st: _State, op: AddSet) -> None:
+    kind = f"{op.fam}:{op.kind}"
+    if op.name in st.sets and st.set_kinds.get(op.name, kind) != kind:
+        raise _err("File exists")
+    st.sets.setdefault(op.name, {})
+    st.set_kinds[op.name] = kind
+
+
+def _batch_add_chain(st: _State, op: AddChain) -> None:
+    st.chains.setdefault(op.name, [])
+
+
+def _batch_add_counter(st: _State, op: AddCounter) -> None:
+    st.counters.add(op.name)
+
+
+def _batch_delete_counter(st: _State, op: DeleteCounter) -> None:
+    if op.name not in st.counters:
+        raise _err("No such file or directory")
+    if any(f'counter name "{op.name}"' in r for rules in st.chains.values() for r in rules):
+        raise _err("Device or resource busy")
+    st.counters.discard(op.name)
+
+
+def _batch_add_jump(st: _State, op: AddJump) -> None:
+    elements = st.sets.get(op.map)
+    if elements is None or op.chain not in st.chains:
+        raise _err("No such file or directory")
+    data = f"jump {op.chain}"
+    if elements.get(str(op.key), data) != data:
+        raise _err("File exists")
+    elements[str(op.key)] = data
+
+
+def _batch_add_elements(st: _State, op: AddElements) -> None:
+    elements = st.sets.get(op.name)
+    if elements is None:
+        raise _err("No such file or directory")
+    for key in op.keys:
+        elements.setdefault(str(key), "")
+
+
+def _batch_add_rule(st: _State, op: AddRule) -> None:
+    if op.chain not in st.chains:
+        raise _err("No such file or directory")
+    rule = op.rule.render()
+    for ref in re.findall(r"@(\w+)", rule):
+        if ref not in st.sets:
+            raise _err(f"Could not process rule: set {ref} does not exist")
+    for ref in re.findall(r'counter name "(\w+)"', rule):
+        if ref not in st.counters:
+            raise _err(f"Could not process rule: counter {ref} does not exist")
+    st.chains[op.chain].append(rule)
+
+
+def _batch_flush_set(st: _State, op: FlushSet) -> None:
+    if op.name not in st.sets:
+        raise _err("No such file or directory")
+    st.sets[op.name] = {}
+
+
+def _batch_add_keys(st: _State, op: AddIntervals | AddTimed) -> None:
+    elements = st.sets.get(op.name)
+    if elements is None:
+        raise _err("No such file or directory")
+    keys = (
+        [format_element(n) for n in op.nets]
+        if isinstance(op, AddIntervals)
+        else [str(ip) for ip, _ in op.leases]
+    )
+    for key in keys:
+        elements[key] = ""
+
+
+def _batch_delete_element(st: _State, op: DeleteElement) -> None:
+    elements = st.sets.get(op.name)
+    if elements is None or str(op.key) not in elements:
+        raise _err("No such file or directory")
+    del elements[str(op.key)]
+
+
+def _batch_delete_chain(st: _State, op: DeleteChain) -> None:
+    if op.name not in st.chains:
+        raise _err("No such file or directory")
+    if any(d == f"jump {op.name}" for els in st.sets.values() for d in els.values()):
+        raise _err("Device or resource busy")
+    del st.chains[op.name]  # with its rules
+
+
+def _batch_delete_set(st: _State, op: DeleteSet) -> None:
+    if op.name not in st.sets:
+        raise _err("No such file or directory")
+    if any(op.name in re.findall(r"@(\w+)", r) for rules in st.chains.values() for r in rules):
+        raise _err("Device or resource busy")
+    del st.sets[op.name]
+    st.maps.discard(op.name)
+
+
+#: FlushChain is not modelled: a batch carrying one fails the test.
+_BATCH_OPS: dict[type, Callable[[_State, Any], None]] = {
+    AddSet: _batch_add_set,
+    AddChain: _batch_add_chain,
+    AddCounter: _batch_add_counter,
+    DeleteCounter: _batch_delete_counter,
+    AddJump: _batch_add_jump,
+    AddElements: _batch_add_elements,
+    AddRule: _batch_add_rule,
+    FlushSet: _batch_flush_set,
+    AddIntervals: _batch_add_keys,
+    AddTimed: _batch_add_keys,
+    DeleteElement: _batch_delete_element,
+    DeleteChain: _batch_delete_chain,
+    DeleteSet: _batch_delete_set,
+}
 
 
 # --------------------------------------------------------------------------- envelopes
