@@ -304,6 +304,16 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     if delete_existing:
         s.add(f"delete table inet {cfg.table}")
     s.add(f"add table inet {cfg.table}")
+    doh = _split_doh(cfg.doh_blocklist)
+    _header_objects(s, cfg, doh)
+    _marking_chain(s, cfg)
+    _filter_chains(s, cfg, doh)
+    _nat_chain(s, cfg)
+    return s.text()
+
+
+def _header_objects(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> None:
+    """The table-wide maps and sets, empty but for the DoH blocklist."""
     for fam in ("v4", "v6"):
         s.obj("add", "map", _vmap_decl(marking_map(fam), fam))
         s.obj("add", "map", _vmap_decl(dispatch_map(fam), fam))
@@ -313,11 +323,12 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
         if cfg.mitm:
             s.obj("add", "map", _vmap_decl(mitm_in_map(fam), fam))
             s.obj("add", "set", _plain_set_decl(mitm_src_set(fam), fam))
-    doh = _split_doh(cfg.doh_blocklist)
     if cfg.block_doh_443 and cfg.doh_blocklist:
         for fam in ("v4", "v6"):
             s.obj("add", "set", _set_decl(doh_set(fam), fam, "interval", doh[fam]))
 
+
+def _marking_chain(s: _Script, cfg: TableConfig) -> None:
     # Prerouting: clear our bit first, so only this table's rules can grant it.
     s.obj("add", "chain", "marking { type filter hook prerouting priority 0; policy accept; }")
     s.rule("marking", f"meta mark set meta mark & {~ALLOW_MARK & 0xFFFFFFFF:#010x}")
@@ -335,6 +346,9 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     s.rule("marking", f"ip saddr vmap @{marking_map('v4')}")
     s.rule("marking", f"ip6 saddr vmap @{marking_map('v6')}")
 
+
+def _filter_chains(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> None:
+    """The forward hook (``dispatch``) and the input hook, in the order their rules apply."""
     s.obj("add", "chain", "dispatch { type filter hook forward priority 0; policy accept; }")
     s.rule("dispatch", "ct state established,related accept")
     s.rule("dispatch", "tcp dport 853 drop")
@@ -347,23 +361,7 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     # packets of the flows sandbox_in accepted.
     s.rule("input", "ct state established,related accept")
     if cfg.block_doh_443:
-        if not cfg.doh_blocklist:
-            s.rule("dispatch", "tcp dport 443 drop")
-            if cfg.mitm:
-                # nft 1.0.6 cannot type "ct original proto-dst 443" without a protocol
-                # context ("Can't parse symbolic invalid expressions"): give it tcp.
-                s.rule("input", "meta l4proto tcp ct status dnat ct original proto-dst 443 drop")
-        else:
-            for fam in ("v4", "v6"):
-                if not doh[fam]:
-                    continue
-                s.rule("dispatch", f"{l3_of(fam)} daddr @{doh_set(fam)} tcp dport 443 drop")
-                if cfg.mitm:
-                    s.rule(
-                        "input",
-                        f"meta l4proto tcp ct status dnat ct original {l3_of(fam)} daddr @{doh_set(fam)} "
-                        "ct original proto-dst 443 drop",
-                    )
+        _doh_drops(s, cfg, doh)
     # Sandboxes never reach each other, whatever their egress policy says (defaultAction
     # allow or a CIDR covering the sandbox subnet would otherwise open lateral movement).
     s.rule("dispatch", f"ip daddr @{sandbox_set('v4')} drop")
@@ -375,31 +373,55 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     s.rule("dispatch", f"meta mark & {ALLOW_MARK:#x} != {ALLOW_MARK:#x} drop")
     _sandbox_input(s, cfg)
 
+
+def _doh_drops(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> None:
+    """TCP 443 to the DoH blocklist (to anything without a list), forwarded or intercepted."""
+    if not cfg.doh_blocklist:
+        s.rule("dispatch", "tcp dport 443 drop")
+        if cfg.mitm:
+            # nft 1.0.6 cannot type "ct original proto-dst 443" without a protocol
+            # context ("Can't parse symbolic invalid expressions"): give it tcp.
+            s.rule("input", "meta l4proto tcp ct status dnat ct original proto-dst 443 drop")
+        return
+    for fam in ("v4", "v6"):
+        if not doh[fam]:
+            continue
+        s.rule("dispatch", f"{l3_of(fam)} daddr @{doh_set(fam)} tcp dport 443 drop")
+        if cfg.mitm:
+            s.rule(
+                "input",
+                f"meta l4proto tcp ct status dnat ct original {l3_of(fam)} daddr @{doh_set(fam)} "
+                "ct original proto-dst 443 drop",
+            )
+
+
+def _nat_chain(s: _Script, cfg: TableConfig) -> None:
+    """The DNS redirect per gateway and, with the MITM, the 80/443 interception."""
     s.obj("add", "chain", "nat { type nat hook prerouting priority dstnat; policy accept; }")
     for fam in ("v4", "v6"):
         for proto in ("udp", "tcp"):
             s.rule(
                 "nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} {proto} dport 53 redirect to :{cfg.dns_port}"
             )
-    if cfg.mitm:
-        # REDIRECT (to the address of the interface the packet came in on: the sandbox's
-        # gateway) instead of a per-source DNAT target: the source set carries no data, so
-        # a gateway change can never collide with an existing element.
-        # Never intercept what is not upstream (§14.2): the MITM would connect to the pod
-        # itself (any local address, loopback included) or to a sibling sandbox on the
-        # sandbox's behalf. Left alone, such packets meet sandbox_in's drop or the forward
-        # drop of sandbox destinations.
-        ports = mitm_ports(cfg)
-        s.rule("nat", f"fib daddr type local tcp dport {ports} return")
-        for fam in ("v4", "v6"):
-            s.rule("nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} tcp dport {ports} return")
-            s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_set(fam)} tcp dport {ports} return")
-            s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} tcp dport {ports} return")
-            s.rule(
-                "nat",
-                f"{l3_of(fam)} saddr @{mitm_src_set(fam)} tcp dport {ports} redirect to :{cfg.mitm_port}",
-            )
-    return s.text()
+    if not cfg.mitm:
+        return
+    # REDIRECT (to the address of the interface the packet came in on: the sandbox's
+    # gateway) instead of a per-source DNAT target: the source set carries no data, so
+    # a gateway change can never collide with an existing element.
+    # Never intercept what is not upstream (§14.2): the MITM would connect to the pod
+    # itself (any local address, loopback included) or to a sibling sandbox on the
+    # sandbox's behalf. Left alone, such packets meet sandbox_in's drop or the forward
+    # drop of sandbox destinations.
+    ports = mitm_ports(cfg)
+    s.rule("nat", f"fib daddr type local tcp dport {ports} return")
+    for fam in ("v4", "v6"):
+        s.rule("nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} tcp dport {ports} return")
+        s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_set(fam)} tcp dport {ports} return")
+        s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} tcp dport {ports} return")
+        s.rule(
+            "nat",
+            f"{l3_of(fam)} saddr @{mitm_src_set(fam)} tcp dport {ports} redirect to :{cfg.mitm_port}",
+        )
 
 
 def l3_of(fam: str) -> str:

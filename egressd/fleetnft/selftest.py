@@ -209,22 +209,10 @@ def probe_lease_renewal(
     )
 
 
-def run_selftest(
-    cmd: Callable[[str], None],
-    batch: Callable[[NetlinkBatch], None],
-    *,
-    table_prefix: str,
-    elements: Callable[[str, str], list[SetElement]],
-) -> LeaseRenewal:
-    """Probe the kernel through the same paths the daemon uses; raise SelfTestError. Returns
-    how DNS leases are to be renewed on it (``elements`` reads one set back)."""
-    t = f"{table_prefix}-selftest-{os.getpid()}"
-    try:
-        cmd(f"add table inet {t}\ndelete table inet {t}")
-    except NftError as exc:
-        raise SelfTestError(f"nftables unusable in this namespace (need CAP_NET_ADMIN): {exc}") from None
+def _netlink_probes(t: str) -> list[tuple[str, NetlinkBatch]]:
+    """The raw netlink batches, run after :func:`_probes` built the objects they name."""
     v4 = ipaddress.IPv4Network
-    netlink_probes: list[tuple[str, NetlinkBatch]] = [
+    return [
         (
             "netlink rules (set lookups, marks, conntrack original destination)",
             NetlinkBatch(
@@ -276,6 +264,23 @@ def run_selftest(
             ),
         ),
     ]
+
+
+def run_selftest(
+    cmd: Callable[[str], None],
+    batch: Callable[[NetlinkBatch], None],
+    *,
+    table_prefix: str,
+    elements: Callable[[str, str], list[SetElement]],
+) -> LeaseRenewal:
+    """Probe the kernel through the same paths the daemon uses; raise SelfTestError. Returns
+    how DNS leases are to be renewed on it (``elements`` reads one set back)."""
+    t = f"{table_prefix}-selftest-{os.getpid()}"
+    try:
+        cmd(f"add table inet {t}\ndelete table inet {t}")
+    except NftError as exc:
+        raise SelfTestError(f"nftables unusable in this namespace (need CAP_NET_ADMIN): {exc}") from None
+    netlink_probes = _netlink_probes(t)
     try:
         for feature, script in _probes(t):
             try:
