@@ -143,6 +143,13 @@ def _probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} c1 ip daddr @iv4 meta mark set 0x2\n"
             f"add rule inet {t} fwd_ meta mark & 0x2 != 0x2 drop",
         ),
+        *_match_probes(t),
+    ]
+
+
+def _match_probes(t: str) -> list[tuple[str, str]]:
+    """Matches, marks and NAT, on the objects :func:`_probes` declared before them."""
+    return [
         (
             "conntrack matches",
             f"add rule inet {t} fwd_ ct state established,related accept\n"
