@@ -64,7 +64,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
     tx = KernelTransactions(metrics)
     try:
         try:
-            tx.run_sync(lambda: run_selftest(tx._cmd, tx._batch, table_prefix=cfg.nft_table))
+            tx.run_sync(lambda: run_selftest(tx.run_script_sync, tx.run_batch_sync, table_prefix=cfg.nft_table))
         except SelfTestError as exc:
             raise StartupError(str(exc)) from None
         bridges = bridge_report()
@@ -97,9 +97,9 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             metrics, lambda: tx.list_counters(cfg.nft_table), lambda: list(control.registry)
         )
         control.listeners.append(audit)
-        metrics.pending_pushes.collect_from(lambda: {(): float(control.pending_pushes.count())})
-        metrics.subjects.collect_from(control.state_counts)
-        metrics.nft_rules.collect_from(control.rules_count)
+        metrics.pending_pushes.collect_from(lambda: {(): float(control.credentials.pending_pushes.count())})
+        metrics.subjects.collect_from(control.report.state_counts)
+        metrics.nft_rules.collect_from(control.report.rules_count)
         try:
             await control.reset_table()
         except NftError as exc:
@@ -116,9 +116,11 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
         upstreams = upstreams_or_system(cfg.dns_upstreams)
         forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
         dns = DnsProxy(
-            control,
+            control.learning.asker,
             forwarder,
             metrics,
+            # DNS-to-kernel: an answer's addresses join the asker's dyn sets before the reply.
+            on_resolved=control.learning.learn,
             lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max),
             budget=query_budget(cfg.dns_qps_per_subject),
         )
@@ -132,10 +134,10 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             "dns.listening", addr=f"{cfg.dns_host}:{cfg.dns_port}", upstreams=[str(u) for u in upstreams]
         )
         reloader = AlwaysRulesReloader(
-            cfg.always_rules_dir, always, control.set_always_rules, interval=cfg.always_reload_interval
+            cfg.always_rules_dir, always, control.always_rules.apply, interval=cfg.always_reload_interval
         )
         refresher = LeaseRefresher(
-            control.uid_for, control.leases, control.renew_leases, interval=cfg.refresh_interval
+            control.learning.uid_for, control.learning.leases, control.learning.renew_leases, interval=cfg.refresh_interval
         )
         background = [
             asyncio.create_task(reloader.run()),
@@ -146,13 +148,13 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
         if cfg.mitm_transparent:
             try:
                 mitm = await start_mitm(
-                    cfg, control.vault_for_ip, control.destination_verified, metrics=metrics
+                    cfg, control.credentials.vault_for_ip, control.learning.destination_verified, metrics=metrics
                 )
             except MitmStartupError as exc:
                 raise StartupError(str(exc)) from None
         if mitm is not None:
             background.append(asyncio.create_task(mitm.supervisor.run()))
-            control.forget_snapshots = mitm.supervisor.forget
+            control.credentials.forget_snapshots = mitm.supervisor.forget
 
         def mitm_health() -> str | None:
             if mitm is not None and not mitm.supervisor.ready:
@@ -202,7 +204,7 @@ async def _sweep_pending(control: ControlPlane, interval: float = 10.0) -> None:
     """Expired pending pushes are dropped (BEHAVIOUR §4: swept every 10 s)."""
     while True:
         await asyncio.sleep(interval)
-        control.pending_pushes.sweep(time.monotonic())
+        control.credentials.pending_pushes.sweep(time.monotonic())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

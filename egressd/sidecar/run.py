@@ -94,7 +94,9 @@ async def run_sidecar(
             check_net_admin()
             if cfg.mitm_transparent:
                 check_setgid_for_mitm()
-            tx.run_sync(lambda: run_selftest(tx._cmd, table_prefix=cfg.nft_table, dns_port=cfg.dns_port))
+            tx.run_sync(
+                lambda: run_selftest(tx.run_script_sync, table_prefix=cfg.nft_table, dns_port=cfg.dns_port)
+            )
         except SelfTestError as exc:
             raise SidecarStartupError(str(exc)) from None
         try:
@@ -105,9 +107,10 @@ async def run_sidecar(
 
         forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
         dns = DnsProxy(
-            engine,
+            engine.asker,
             forwarder,
             metrics,
+            on_resolved=engine.learn,  # DNS-to-kernel: answers join the dyn sets before the reply
             lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max),
             budget=query_budget(cfg.dns_qps_per_subject),
         )

@@ -15,7 +15,7 @@ import structlog
 
 from egressd.kernel.conntrack import original_tuple
 from egressd.subject.leases import LeaseBook
-from egressd.subject.model import IPAddress
+from egressd.subject.model import IPAddress, subject_for_uid
 
 log = structlog.get_logger("egressd.refresh")
 
@@ -107,7 +107,7 @@ class LeaseRefresher:
                 try:
                     await self.renew(uid, list(plan.renew), self.renew_s)
                 except Exception as exc:
-                    log.warning("refresh.renew_failed", subject=f"s-{uid}", error=str(exc)[:200])
+                    log.warning("refresh.renew_failed", subject=subject_for_uid(uid), error=str(exc)[:200])
         self._last = now_by_uid
 
     async def run(self) -> None:

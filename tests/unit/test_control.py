@@ -31,10 +31,12 @@ from typing import Any
 import pytest
 
 import egressd.actionhandler.control as control_mod
-from egressd.actionhandler.control import ControlPlane, Result
+from egressd.actionhandler.api import Result
+from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
 from egressd.fleetnft.builder import TableConfig
 from egressd.kernel.applier import NftError
+from egressd.kernel.netlink import SetElement
 from egressd.kernel.ops import (
     AddChain,
     AddCounter,
@@ -51,7 +53,7 @@ from egressd.kernel.ops import (
     FlushSet,
     MatchRule,
     NetlinkBatch,
-    Outcome,
+    RuleAction,
     VerdictRule,
 )
 from egressd.policy import format_element, parse_policy
@@ -136,6 +138,12 @@ class FakeKernel:
         await self._run(
             "reset", "reset", header_with_delete, lambda st: self._reset(st, header_with_delete, header)
         )
+
+    async def run_batch_inline(self, batch: NetlinkBatch, *, op: str) -> None:
+        await self.run_batch(batch, op=op)  # no separate fast path in a fake
+
+    async def list_set_elements(self, table: str, set_name: str) -> list[SetElement]:
+        raise NftError("no kernel to read set elements from")
 
     async def close(self) -> None:
         pass
@@ -1216,14 +1224,14 @@ async def test_fake_kernel_refuses_like_the_kernel(kernel: FakeKernel) -> None:
         TABLE,
         (
             AddIntervals("dns_gw_v4", "v4", (ip_network("10.9.9.9/32"),)),
-            AddRule("dispatch", MatchRule("v4", "nope", Outcome.DROP)),
+            AddRule("dispatch", MatchRule("v4", "nope", RuleAction.DROP)),
         ),
     )
     with pytest.raises(NftError):
         await kernel.run_batch(bad, op="t")
     assert kernel.elements("dns_gw_v4") == {}
     with pytest.raises(NftError):
-        await kernel.run_batch(NetlinkBatch(TABLE, (AddRule("nochain", VerdictRule(Outcome.DROP)),)), op="t")
+        await kernel.run_batch(NetlinkBatch(TABLE, (AddRule("nochain", VerdictRule(RuleAction.DROP)),)), op="t")
     with pytest.raises(NftError):
         await kernel.run_batch(NetlinkBatch(TABLE, (FlushSet("nope"),)), op="t")
     with pytest.raises(NftError):

@@ -20,6 +20,7 @@ from egressd.cli.egressctl import main
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.builder import TableConfig
 from egressd.kernel.applier import NftError
+from egressd.kernel.netlink import SetElement
 from egressd.metrics import EgressMetrics
 
 POLICY = json.dumps(
@@ -45,6 +46,12 @@ class FakeTx:
 
     async def reset_table(self, header_with_delete: str, header: str) -> None:
         return None
+
+    async def run_batch_inline(self, batch: Any, *, op: str) -> None:
+        await self.run_batch(batch, op=op)  # no separate fast path in a fake
+
+    async def list_set_elements(self, table: str, set_name: str) -> list[SetElement]:
+        raise NftError("no kernel to read set elements from")
 
     async def close(self) -> None:
         return None

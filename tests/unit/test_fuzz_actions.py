@@ -13,6 +13,7 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.builder import TableConfig
 from egressd.kernel.applier import NftError
+from egressd.kernel.netlink import SetElement
 from egressd.kernel.ops import NetlinkBatch
 from egressd.metrics import EgressMetrics
 
@@ -67,6 +68,12 @@ class FlakyTx:
 
     async def reset_table(self, header_with_delete: str, header: str) -> None:
         return None
+
+    async def run_batch_inline(self, batch: NetlinkBatch, *, op: str) -> None:
+        await self.run_batch(batch, op=op)  # no separate fast path in a fake
+
+    async def list_set_elements(self, table: str, set_name: str) -> list[SetElement]:
+        raise NftError("no kernel to read set elements from")
 
     async def close(self) -> None:
         return None

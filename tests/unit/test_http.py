@@ -18,6 +18,7 @@ from egressd.actionhandler.envelope import API_VERSION, MAX_BODY_BYTES
 from egressd.fleet.server import ACTIONS_PATH, STATUS_PATH, FleetHTTP
 from egressd.fleetnft.builder import TableConfig
 from egressd.kernel.applier import NftError
+from egressd.kernel.netlink import SetElement
 from egressd.kernel.ops import NetlinkBatch
 from egressd.metrics import EgressMetrics
 
@@ -48,6 +49,12 @@ class RecordingTx:
     async def reset_table(self, header_with_delete: str, header: str) -> None:
         self.resets += 1
 
+    async def run_batch_inline(self, batch: NetlinkBatch, *, op: str) -> None:
+        await self.run_batch(batch, op=op)  # no separate fast path in a fake
+
+    async def list_set_elements(self, table: str, set_name: str) -> list[SetElement]:
+        raise NftError("no kernel to read set elements from")
+
     async def close(self) -> None:
         pass
 
@@ -65,7 +72,7 @@ async def make_env(aiohttp_client: Any, *, reset: bool = True) -> Env:
     tx = RecordingTx()
     metrics = EgressMetrics()
     control = ControlPlane(TableConfig(table="T"), tx, metrics=metrics)
-    metrics.subjects._collect = control.state_counts
+    metrics.subjects._collect = control.report.state_counts
     if reset:
         await control.reset_table()
     http = FleetHTTP(control, metrics)

@@ -24,6 +24,8 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from structlog.testing import capture_logs
 
+from egressd.kernel.applier import NftError
+from egressd.kernel.netlink import SetElement
 from egressd.kernel.ops import NetlinkBatch
 
 PROFILE = os.environ.get("EGRESSD_FUZZ_PROFILE", "ci").strip().lower() or "ci"
@@ -152,6 +154,12 @@ class NeverFailingTx:
 
     async def reset_table(self, header_with_delete: str, header: str) -> None:
         self.calls.append(("reset", header))
+
+    async def run_batch_inline(self, batch: NetlinkBatch, *, op: str) -> None:
+        await self.run_batch(batch, op=op)  # no separate fast path in a fake
+
+    async def list_set_elements(self, table: str, set_name: str) -> list[SetElement]:
+        raise NftError("no kernel to read set elements from")
 
     async def close(self) -> None:
         return None
