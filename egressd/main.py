@@ -64,7 +64,9 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
     tx = KernelTransactions(metrics)
     try:
         try:
-            tx.run_sync(lambda: run_selftest(tx.run_script_sync, tx.run_batch_sync, table_prefix=cfg.nft_table))
+            tx.run_sync(
+                lambda: run_selftest(tx.run_script_sync, tx.run_batch_sync, table_prefix=cfg.nft_table)
+            )
         except SelfTestError as exc:
             raise StartupError(str(exc)) from None
         bridges = bridge_report()
@@ -137,7 +139,10 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             cfg.always_rules_dir, always, control.always_rules.apply, interval=cfg.always_reload_interval
         )
         refresher = LeaseRefresher(
-            control.learning.uid_for, control.learning.leases, control.learning.renew_leases, interval=cfg.refresh_interval
+            control.learning.uid_for,
+            control.learning.leases,
+            control.learning.renew_leases,
+            interval=cfg.refresh_interval,
         )
         background = [
             asyncio.create_task(reloader.run()),
@@ -148,7 +153,10 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
         if cfg.mitm_transparent:
             try:
                 mitm = await start_mitm(
-                    cfg, control.credentials.vault_for_ip, control.learning.destination_verified, metrics=metrics
+                    cfg,
+                    control.credentials.vault_for_ip,
+                    control.learning.destination_verified,
+                    metrics=metrics,
                 )
             except MitmStartupError as exc:
                 raise StartupError(str(exc)) from None

@@ -11,7 +11,6 @@ always-rules reload (always.py) and the operator views (report.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -20,11 +19,11 @@ from egressd.actionhandler.always import AlwaysRulesApply
 from egressd.actionhandler.api import OK, Result, SubjectListener
 from egressd.actionhandler.envelope import HookName, LifecycleHook, RemoveBinding, SetBinding
 from egressd.actionhandler.flows import FlowCuts
-from egressd.actionhandler.inputs import BadRequest, BindingInput, VaultAction, read_set_binding
+from egressd.actionhandler.inputs import BadRequest, BindingInput, read_set_binding
 from egressd.actionhandler.learning import DnsLearning
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.report import Report
-from egressd.actionhandler.revocation import After, Revocation, Revocations, narrows
+from egressd.actionhandler.revocation import After, Revocations, narrows
 from egressd.actionhandler.shared import Claims, Shared
 from egressd.actionhandler.steps import STEP_PREFIX, Refused, SandboxNets, StepFailed, StepRunner
 from egressd.actionhandler.vaults import Credentials
@@ -35,7 +34,6 @@ from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy
 from egressd.subject.leases import DEFAULT_MAX_LEASES
 from egressd.subject.model import IPAddress, subject_for_uid
 from egressd.subject.registry import (
-    ApplyPolicy,
     Entry,
     InstallDenyFirst,
     Plan,
@@ -46,6 +44,7 @@ from egressd.subject.registry import (
     Step,
     plan_data_plane_ready,
     plan_hook_fence,
+    plan_policy_change,
     plan_remove,
     plan_set_binding,
 )
@@ -76,26 +75,31 @@ class ControlPlane:
         self.max_rules = max_rules  # OPENSANDBOX_EGRESS_MAX_RULES on SET_BINDING input (0 = none)
         self.listeners: list[SubjectListener] = []
         self.claims = Claims()
-        self.policies = EffectivePolicies(always)
-        self.revocations = Revocations(
-            shared, rerun=self._rerun, on_closing=lambda uid: self.credentials.view_changed(uid)
+        self.policies = policies = EffectivePolicies(always)
+        self.revocations = revocations = Revocations(
+            shared,
+            execute=lambda entry, plan, after: self._execute(
+                entry, plan, failure_prefix="revocation", after=after
+            ),
+            on_closing=lambda uid: self.credentials.view_changed(uid),
         )
-        closing = self.revocations.closing
+        closing = revocations.closing
         self.credentials = Credentials(
-            shared.registry, self.policies, closing, limits=vault_limits, pending_ttl=pending_ttl
+            shared.registry, policies, closing, limits=vault_limits, pending_ttl=pending_ttl
         )
-        self.learning = DnsLearning(shared, self.policies, closing, max_leases=max_leases)
-        self.flows = FlowCuts(conntrack_flush, self.learning.leases)
+        self.learning = learning = DnsLearning(shared, policies, closing, max_leases=max_leases)
+        self.vaults, self.leases = self.credentials.stores, learning.leases
+        self.flows = FlowCuts(conntrack_flush, self.leases)
         self.nets = SandboxNets()
-        self.steps = StepRunner(shared, self.policies, self.learning, self.flows, self.nets)
-        self.always_rules = AlwaysRulesApply(shared, self.policies, self.revocations, self.learning, self.flows)
-        self.report = Report(shared, self.policies, self.revocations, self.learning.leases, self.credentials.stores)
-        # What the DNS proxy, the MITM and the tests reach most, kept under its old names.
-        self.vaults, self.leases = self.credentials.stores, self.learning.leases
-        self.asker, self.learn = self.learning.asker, self.learning.learn
-        self.renew_leases, self.destination_verified = self.learning.renew_leases, self.learning.destination_verified
-        self.vault_for_ip, self.revoking = self.credentials.vault_for_ip, self.revocations.reasons
-        self.set_always_rules = self.always_rules.apply
+        self.steps = StepRunner(shared, policies, learning, self.flows, self.nets)
+        self.always_rules = AlwaysRulesApply(shared, policies, revocations, learning, self.flows)
+        self.report = Report(shared, policies, revocations, self.leases, self.vaults)
+        # Kept under their old names: what the tests and scripts reach most.
+        self.asker, self.learn = learning.asker, learning.learn
+        self.renew_leases = learning.renew_leases
+        self.destination_verified = learning.destination_verified
+        self.vault_for_ip = self.credentials.vault_for_ip
+        self.revoking, self.set_always_rules = revocations.reasons, self.always_rules.apply
         self.enforcement_ready = False
 
     @property
@@ -171,10 +175,8 @@ class ControlPlane:
             result = await self._execute(entry, plan, failure_prefix="deny-first install", after=finish)
         if result.status == 200:
             await finish()
-        elif parsed is not None and parsed.vault is VaultAction.REMOVE and uid in self.revocations.pending:
-            # The input takes the vault away: that much needs no kernel, so it holds now.
-            self.credentials.stores.pop(uid, None)
-            self.credentials.pending_inputs.pop(uid, None)
+        elif parsed is not None and uid in self.revocations.pending:
+            self.credentials.refused(uid, parsed)
         return result
 
     async def hook(self, action: LifecycleHook) -> Result:
@@ -211,10 +213,7 @@ class ControlPlane:
 
     async def apply_user_policy_locked(self, entry: Entry, policy: NetworkPolicy) -> Result:
         """In-place policy change of an active subject (proxy-route /policy); lock held by caller."""
-        plan = Plan(
-            PlanOutcome.OK, steps=(ApplyPolicy(policy),), on_success=replace(entry, policy=policy), on_failure=entry
-        )
-        return await self._execute(entry, plan, failure_prefix="policy apply")
+        return await self._execute(entry, plan_policy_change(entry, policy), failure_prefix="policy apply")
 
     # ---- plan execution --------------------------------------------------------------------
 
@@ -242,7 +241,10 @@ class ControlPlane:
         except StepFailed as exc:
             self._commit(entry, plan.on_failure, uid)
             log.warning(
-                "subject.kernel_failed", subject=target.subject, step=type(exc.step).__name__, error=exc.reason
+                "subject.kernel_failed",
+                subject=target.subject,
+                step=type(exc.step).__name__,
+                error=exc.reason,
             )
             reason = f"{STEP_PREFIX.get(type(exc.step), failure_prefix)}: {exc.reason}"
             self.revocations.failed(uid, plan, exc, reason, after, narrowing=narrowing)
@@ -250,12 +252,6 @@ class ControlPlane:
         self._commit(entry, plan.on_success, uid)
         self.revocations.clear(uid)
         return OK
-
-    async def _rerun(self, current: Entry | None, rev: Revocation) -> None:
-        """egressd's own retry of a refused narrowing, under the subject's lock."""
-        result = await self._execute(current, rev.plan, failure_prefix="revocation", after=rev.after)
-        if result.status == 200 and rev.after is not None:
-            await rev.after()
 
     async def _step(self, entry: Entry, step: Step) -> None:
         async with self.shared.kernel_lock:

@@ -77,7 +77,10 @@ class Report:
                 if hit is None:
                     continue
                 element, end = hit
-                item: dict[str, Any] = {"set": name, "element": _element_text(element.key, end, interval=interval)}
+                item: dict[str, Any] = {
+                    "set": name,
+                    "element": _element_text(element.key, end, interval=interval),
+                }
                 if element.expires_ms is not None:
                     item["expiresInS"] = round(element.expires_ms / 1000)
                 out["sets"].append(item)

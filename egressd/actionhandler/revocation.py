@@ -18,6 +18,7 @@ from typing import Any
 
 import structlog
 
+from egressd.actionhandler.api import Result
 from egressd.actionhandler.shared import Shared
 from egressd.actionhandler.steps import StepFailed
 from egressd.subject.model import subject_for_uid
@@ -101,11 +102,11 @@ class Revocations:
         self,
         shared: Shared,
         *,
-        rerun: Callable[[Entry | None, Revocation], Awaitable[None]],
+        execute: Callable[[Entry | None, Plan, After | None], Awaitable[Result]],
         on_closing: Callable[[str], None],
     ) -> None:
         self._shared = shared
-        self._rerun = rerun  # the control plane runs the plan again, as for an action
+        self._execute = execute  # the control plane's plan executor, as for an action
         self._on_closing = on_closing  # the subject's vault view changed (closing: none)
         # Subjects whose kernel still holds more than the registry now says.
         self.pending: dict[str, Revocation] = {}
@@ -177,7 +178,9 @@ class Revocations:
                     # the revocation; keep retrying on what the registry holds now.
                     rev.expected = current
                 rev.attempts += 1
-                await self._rerun(current, rev)
+                result = await self._execute(current, rev.plan, rev.after)
+                if result.status == 200 and rev.after is not None:
+                    await rev.after()
 
     def _task_done(self, uid: str, _task: asyncio.Task[None]) -> None:
         self.tasks.pop(uid, None)

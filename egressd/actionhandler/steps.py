@@ -170,7 +170,8 @@ class StepRunner:
         sandbox is an unknown source again, so everything is dropped until the replay."""
         async with self._shared.kernel_lock:
             await self._shared.tx.reset_table(
-                header_script(self._cfg, delete_existing=True), header_script(self._cfg, delete_existing=False)
+                header_script(self._cfg, delete_existing=True),
+                header_script(self._cfg, delete_existing=False),
             )
             self.nets.held = {}
 
@@ -276,9 +277,7 @@ class StepRunner:
         self, entry: Entry, step: AddKeys, view: KernelView, txn: _Transaction
     ) -> list[IPAddress]:
         subj = _subject_nft(entry.nft_id, step.binding)
-        keys, commit = self.nets.refilled(
-            subject_keys(self._cfg, subj), entry.uid, step.binding.private_cidr
-        )
+        keys, commit = self.nets.refilled(subject_keys(self._cfg, subj), entry.uid, step.binding.private_cidr)
         await txn.send(keys, "dispatch_update", replace(view, keys=view.keys | {(subj.ip, subj.gateway)}))
         commit()
         # A new address's established flows were never judged by this subject (see above).

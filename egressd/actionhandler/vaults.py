@@ -88,6 +88,13 @@ class Credentials:
         elif committed is not None and parsed.vault is not VaultAction.KEEP:
             self.pending_inputs[uid] = parsed
 
+    def refused(self, uid: str, parsed: BindingInput) -> None:
+        """A SET_BINDING the kernel refused (its narrowing is being retried, 14.6): an input that
+        takes the vault away needs no kernel for that much, so it holds now."""
+        if parsed.vault is VaultAction.REMOVE:
+            self.stores.pop(uid, None)
+            self.pending_inputs.pop(uid, None)
+
     async def activated(self, uid: str) -> None:
         """data-plane-ready committed: the binding input's vault activates with its policy."""
         pending = self.pending_inputs.pop(uid, None)

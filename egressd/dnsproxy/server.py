@@ -55,9 +55,7 @@ AskerLookup = Callable[[IPAddress], Asker | None]
 #: The DNS-to-kernel callback, called with (uid, fence, [(address, lease seconds)], question
 #: name) before an answer is sent: puts the addresses into the asker's dyn sets and returns
 #: those the kernel now holds (the reply carries only these, BEHAVIOUR 14.4).
-OnResolved = Callable[
-    [str, Fence, list[tuple[IPAddress, int]], str | None], Awaitable[Collection[IPAddress]]
-]
+OnResolved = Callable[[str, Fence, list[tuple[IPAddress, int]], str | None], Awaitable[Collection[IPAddress]]]
 
 
 class DnsProxy:

@@ -110,7 +110,13 @@ class ProxyRouteAPI(SubjectListener):
             self.credentials.view_changed(uid)  # the MITM child drops its snapshot (14.9)
         if method in ("PUT", "POST", "PATCH"):
             revision = store.revision if store is not None else None
-            log.info("vault.write", subject=subject_for_uid(uid), method=method, code=reply.status, revision=revision)
+            log.info(
+                "vault.write",
+                subject=subject_for_uid(uid),
+                method=method,
+                code=reply.status,
+                revision=revision,
+            )
         return reply
 
     # ---- /policy (PROPOSED in §4) ----------------------------------------------------------
@@ -165,7 +171,9 @@ class ProxyRouteAPI(SubjectListener):
 
     async def registered(self, entry: Entry) -> None:
         """After a successful non-null SET_BINDING: replay cached pushes in arrival order."""
-        pushes = self.credentials.pending_pushes.take_for_replay(entry.uid, entry.spec_generation, self.clock())
+        pushes = self.credentials.pending_pushes.take_for_replay(
+            entry.uid, entry.spec_generation, self.clock()
+        )
         for push in pushes:
             req = classify(push.suffix, {"X-Fast-Sandbox-Uid": entry.uid})
             reply = await self._handle_locked(push.method, req, push.body, cache=False)

@@ -17,16 +17,13 @@ the clock difference covered by ``COUNT_GRACE_S``.
 
 from __future__ import annotations
 
-import bisect
-import ipaddress
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from egressd.policy import IpSets, NetworkPolicy, Verdict, judge_domain
+from egressd.policy.ipsets import Prefix, covered_by
 from egressd.subject.model import IPAddress
-
-Prefix = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 DEFAULT_MAX_LEASES = 4096
 # One address answered for many names (a CDN, or a sandbox cycling names on purpose) keeps
@@ -199,7 +196,11 @@ def admissible(
 
 
 def narrowed_for(
-    book: LeaseBook, effective: NetworkPolicy, deny_v4: Sequence[Prefix], deny_v6: Sequence[Prefix], now: float
+    book: LeaseBook,
+    effective: NetworkPolicy,
+    deny_v4: Sequence[Prefix],
+    deny_v6: Sequence[Prefix],
+    now: float,
 ) -> Narrowed:
     """The book under a new effective policy whose deny sets the kernel will hold are
     ``deny_v4``/``deny_v6``: a lease stays only if a name that taught it is still admitted
@@ -240,29 +241,3 @@ def names_admitted(effective: NetworkPolicy) -> Callable[[str], bool]:
         return hit
 
     return admitted
-
-
-
-def covered_by(v4: Sequence[Prefix], v6: Sequence[Prefix]) -> Callable[[IPAddress], bool]:
-    """Membership in a set of prefixes by binary search (a narrowing of 4096 leases against
-    4096 deny rules stays linear-logarithmic). Overlapping prefixes are fine: the widest
-    one wins, and callers pass normalised sets anyway."""
-    table: dict[int, tuple[list[int], list[int]]] = {}
-    for version, nets in ((4, v4), (6, v6)):
-        starts: list[int] = []
-        ends: list[int] = []
-        for net in sorted(nets, key=lambda n: (int(n.network_address), -n.num_addresses)):
-            first, last = int(net.network_address), int(net.broadcast_address)
-            if ends and first <= ends[-1]:
-                ends[-1] = max(ends[-1], last)  # inside (or touching) the previous range
-                continue
-            starts.append(first)
-            ends.append(last)
-        table[version] = (starts, ends)
-
-    def covered(ip: IPAddress) -> bool:
-        starts, ends = table[ip.version]
-        i = bisect.bisect_right(starts, int(ip)) - 1
-        return i >= 0 and int(ip) <= ends[i]
-
-    return covered

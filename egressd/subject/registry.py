@@ -227,6 +227,17 @@ def plan_data_plane_ready(entry: Entry | None, fence: Fence, *, kernel_objects: 
     return Plan(PlanOutcome.OK, steps=steps, on_success=new, on_failure=entry)
 
 
+def plan_policy_change(entry: Entry, policy: NetworkPolicy) -> Plan:
+    """In-place policy change of an active subject (a proxy-route /policy write): a failed
+    apply keeps the old policy (kernel first, registry second)."""
+    return Plan(
+        PlanOutcome.OK,
+        steps=(ApplyPolicy(policy),),
+        on_success=replace(entry, policy=policy),
+        on_failure=entry,
+    )
+
+
 def plan_hook_fence(entry: Entry | None, fence: Fence) -> Plan:
     """runtime-ready: fenced, otherwise a no-op."""
     if entry is None:

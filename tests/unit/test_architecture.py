@@ -5,6 +5,8 @@
 * A profile (``egressd.fleet``, ``egressd.sidecar``) never imports the other one, and nothing
   below the profiles imports either: the profiles are thin composition layers over shared
   packages. Only the entry point (``egressd.main``) chooses between them.
+* Outside ``egressd.actionhandler`` nothing reaches into the ``ControlPlane``: no attribute
+  with a leading underscore is read from it (its collaborators are public attributes).
 """
 
 from __future__ import annotations
@@ -88,6 +90,80 @@ def profile_imports() -> list[str]:
             if theirs in PROFILES and theirs != mine:
                 found.append(f"{path.relative_to(ROOT.parent)}:{line}: {mine} imports {theirs}")
     return found
+
+
+def control_plane_handles(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """Names (parameters, variables) and ``self`` attributes that hold a ``ControlPlane``:
+    annotated with it, or assigned a ``ControlPlane(...)`` or another such name."""
+    names: set[str] = set()
+    attrs: set[str] = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.arg)
+            and node.annotation is not None
+            and "ControlPlane" in ast.unparse(node.annotation)
+        ):
+            names.add(node.arg)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assign):
+            continue
+        value = node.value
+        holds = (isinstance(value, ast.Call) and ast.unparse(value.func).endswith("ControlPlane")) or (
+            isinstance(value, ast.Name) and value.id in names
+        )
+        for target in node.targets if holds else []:
+            if isinstance(target, ast.Name):
+                names.add(target.id)
+            elif isinstance(target, ast.Attribute) and ast.unparse(target.value) == "self":
+                attrs.add(target.attr)
+    return names, attrs
+
+
+def control_plane_private_uses(paths: list[Path]) -> list[str]:
+    found = []
+    for path in paths:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        names, attrs = control_plane_handles(tree)
+        for node in ast.walk(tree):
+            if (
+                not isinstance(node, ast.Attribute)
+                or not node.attr.startswith("_")
+                or node.attr.startswith("__")
+            ):
+                continue
+            base = node.value
+            on_name = isinstance(base, ast.Name) and base.id in names
+            on_attr = (
+                isinstance(base, ast.Attribute) and ast.unparse(base.value) == "self" and base.attr in attrs
+            )
+            if on_name or on_attr:
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_outside_the_action_handler_reaches_into_the_control_plane() -> None:
+    outside = [p for p in source_files() if package_of(module_name(p)) != "egressd.actionhandler"]
+    assert control_plane_private_uses(outside) == []
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("def f(control: ControlPlane) -> None:\n    control._revoking.clear()\n", True),
+        (
+            "class A:\n    def __init__(self, c: ControlPlane) -> None:\n        self.cp = c\n"
+            "    def f(self) -> None:\n        self.cp._locks.hold('u')\n",
+            True,
+        ),
+        ("cp = ControlPlane(cfg, tx)\ncp._execute\n", True),
+        ("def f(control: ControlPlane) -> None:\n    control.revocations.reasons()\n", False),
+        ("def f(other: Thing) -> None:\n    other._private\n", False),
+    ],
+)
+def test_the_control_plane_check_sees_what_it_must(tmp_path: Path, source: str, expected: bool) -> None:
+    path = tmp_path / "probe.py"
+    path.write_text(source)
+    assert bool(control_plane_private_uses([path])) is expected
 
 
 def test_no_private_name_is_imported_across_packages() -> None:

@@ -1231,7 +1231,9 @@ async def test_fake_kernel_refuses_like_the_kernel(kernel: FakeKernel) -> None:
         await kernel.run_batch(bad, op="t")
     assert kernel.elements("dns_gw_v4") == {}
     with pytest.raises(NftError):
-        await kernel.run_batch(NetlinkBatch(TABLE, (AddRule("nochain", VerdictRule(RuleAction.DROP)),)), op="t")
+        await kernel.run_batch(
+            NetlinkBatch(TABLE, (AddRule("nochain", VerdictRule(RuleAction.DROP)),)), op="t"
+        )
     with pytest.raises(NftError):
         await kernel.run_batch(NetlinkBatch(TABLE, (FlushSet("nope"),)), op="t")
     with pytest.raises(NftError):

@@ -24,7 +24,8 @@ from egressd.kernel.applier import NftError
 from egressd.kernel.ops import AddSet, AddTimed, FlushSet, NetlinkBatch
 from egressd.metrics import EgressMetrics
 from egressd.policy import AlwaysRules, Verdict, effective_policy, parse_always_text, parse_policy
-from egressd.subject.leases import COUNT_GRACE_S, MAX_NAMES_PER_LEASE, LeaseBook, covered_by
+from egressd.policy.ipsets import covered_by
+from egressd.subject.leases import COUNT_GRACE_S, MAX_NAMES_PER_LEASE, LeaseBook
 from egressd.subject.model import IPAddress
 from egressd.subject.registry import State
 from egressd.vault.store import VaultStore
