@@ -8,9 +8,8 @@ import ipaddress
 import socket
 import struct
 import time
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
-from typing import Protocol
 
 import structlog
 from dnslib import QTYPE, RCODE, DNSRecord
@@ -30,7 +29,7 @@ from egressd.dnsproxy.forwarder import Forwarder
 from egressd.metrics import EgressMetrics
 from egressd.policy import NetworkPolicy, evidence, new_decision_id
 from egressd.policy.audit import safe_token
-from egressd.subject.model import Fence, IPAddress, unmap_ip
+from egressd.subject.model import Fence, IPAddress, subject_for_uid, unmap_ip
 
 log = structlog.get_logger("egressd.dns")
 
@@ -51,27 +50,29 @@ class Asker:
     policy: NetworkPolicy | None
 
 
-class Policies(Protocol):
-    def asker(self, source_ip: IPAddress) -> Asker | None: ...
-
-    async def learn(
-        self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
-    ) -> Collection[IPAddress]:
-        """Put the answer's addresses into the asker's dyn sets; return those the kernel holds."""
-        ...
+#: Who is asking: the subject behind a source IP (None: an unknown source, refused).
+AskerLookup = Callable[[IPAddress], Asker | None]
+#: The DNS-to-kernel callback, called with (uid, fence, [(address, lease seconds)], question
+#: name) before an answer is sent: puts the addresses into the asker's dyn sets and returns
+#: those the kernel now holds (the reply carries only these, BEHAVIOUR 14.4).
+OnResolved = Callable[[str, Fence, list[tuple[IPAddress, int]], str | None], Awaitable[Collection[IPAddress]]]
 
 
 class DnsProxy:
     def __init__(
         self,
-        policies: Policies,
+        asker: AskerLookup,
         forwarder: Forwarder,
         metrics: EgressMetrics | None = None,
         *,
+        on_resolved: OnResolved,
         lease_bounds: tuple[int, int] = (60, 360),
         budget: QueryBudget | None = None,
     ) -> None:
-        self.policies = policies
+        # Two callables from the composition root, not the control plane: the proxy knows
+        # nothing of registries or kernels (the reference's proxy.SetOnResolved).
+        self.asker = asker
+        self.on_resolved = on_resolved
         self.forwarder = forwarder
         self.metrics = metrics
         self.lease_bounds = lease_bounds
@@ -117,7 +118,7 @@ class DnsProxy:
         if parsed is None:
             return None
         query, ip = parsed
-        asker = self.policies.asker(ip)
+        asker = self.asker(ip)
         had_edns = any(rr.rtype == QTYPE.OPT for rr in query.ar)
         # BEHAVIOUR 14.3: the budget is charged before anything else is looked at, so every
         # parsed message costs a token, a refused or denied one too.
@@ -204,11 +205,11 @@ class DnsProxy:
         try:
             # The kernel must know the addresses before the client can try to connect.
             return await asyncio.wait_for(
-                self.policies.learn(asker.uid, asker.fence, leases, name), _LEARN_TIMEOUT_S
+                self.on_resolved(asker.uid, asker.fence, leases, name), _LEARN_TIMEOUT_S
             )
         except Exception as exc:
             # Counted by the kernel shell (egress_nftables_updates_failed_total{dynamic_add}).
-            log.warning("dns.learn_failed", subject=f"s-{asker.uid}", error=str(exc)[:200])
+            log.warning("dns.learn_failed", subject=subject_for_uid(asker.uid), error=str(exc)[:200])
             return ()
 
     def _servfail(self, query: DNSRecord, tcp: bool, start: float, limit: int) -> bytes:
@@ -224,7 +225,7 @@ class DnsProxy:
         Not counted as a policy denial: the name was never judged. Unknown sources share the
         subject label ``-`` (their addresses would make the metric's cardinality theirs).
         """
-        subject = safe_token(f"s-{asker.uid}") if asker else "-"
+        subject = safe_token(subject_for_uid(asker.uid)) if asker else "-"
         decision_id = new_decision_id()
         text = evidence(decision_id, subject, "dns-budget")
         if self.metrics:
@@ -250,7 +251,7 @@ class DnsProxy:
         Returns the evidence text for the answer's EDE option: the same id, subject and rule as
         the log line and the metric's exemplar, so one grep for the id finds all three.
         """
-        subject = safe_token(f"s-{asker.uid}") if asker else "-"
+        subject = safe_token(subject_for_uid(asker.uid)) if asker else "-"
         rule = decision.rule or decision.reason
         decision_id = new_decision_id()
         text = evidence(decision_id, subject, rule)

@@ -103,7 +103,7 @@ def _check_kernel(cfg: Config, tx: KernelTransactions) -> tuple[BridgeReport, Le
     """Every nft feature the ruleset uses, tried in a scratch table; then the bridges."""
     try:
         renewal = tx.run_sync(
-            lambda: run_selftest(tx._cmd, tx._batch, table_prefix=cfg.nft_table, elements=tx._set_elements)
+            lambda: run_selftest(tx.run_script_sync, tx.run_batch_sync, table_prefix=cfg.nft_table, elements=tx.set_elements_sync)
         )
     except SelfTestError as exc:
         raise StartupError(str(exc)) from None
@@ -143,9 +143,9 @@ def _control_plane(
     proxy = ProxyRouteAPI(control, max_rules=cfg.max_rules)
     audit = AuditEvidence(metrics, lambda: tx.list_counters(cfg.nft_table), lambda: list(control.registry))
     control.listeners.append(audit)
-    metrics.pending_pushes.collect_from(lambda: {(): float(control.pending_pushes.count())})
-    metrics.subjects.collect_from(control.state_counts)
-    metrics.nft_rules.collect_from(control.rules_count)
+    metrics.pending_pushes.collect_from(lambda: {(): float(control.credentials.pending_pushes.count())})
+    metrics.subjects.collect_from(control.report.state_counts)
+    metrics.nft_rules.collect_from(control.report.rules_count)
     return control, proxy, audit
 
 
@@ -168,9 +168,11 @@ async def _start_dns(cfg: Config, control: ControlPlane, metrics: EgressMetrics,
     upstreams = upstreams_or_system(cfg.dns_upstreams)
     forwarder = running.forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
     dns = running.dns = DnsProxy(
-        control,
+        control.learning.asker,
         forwarder,
         metrics,
+        # DNS-to-kernel: an answer's addresses join the asker's dyn sets before the reply.
+        on_resolved=control.learning.learn,
         lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max),
         budget=query_budget(cfg.dns_qps_per_subject),
     )
@@ -185,10 +187,13 @@ async def _start_dns(cfg: Config, control: ControlPlane, metrics: EgressMetrics,
 
 def _start_background(cfg: Config, control: ControlPlane, always: AlwaysRules, running: Running) -> None:
     reloader = AlwaysRulesReloader(
-        cfg.always_rules_dir, always, control.set_always_rules, interval=cfg.always_reload_interval
+        cfg.always_rules_dir, always, control.always_rules.apply, interval=cfg.always_reload_interval
     )
     refresher = LeaseRefresher(
-        control.uid_for, control.leases, control.renew_leases, interval=cfg.refresh_interval
+        control.learning.uid_for,
+        control.learning.leases,
+        control.learning.renew_leases,
+        interval=cfg.refresh_interval,
     )
     running.spawn(reloader.run())
     running.spawn(refresher.run())
@@ -201,11 +206,13 @@ async def _start_mitm(
     if not cfg.mitm_transparent:
         return None
     try:
-        mitm = await start_mitm(cfg, control.vault_for_ip, control.destination_verified, metrics=metrics)
+        mitm = await start_mitm(
+            cfg, control.credentials.vault_for_ip, control.learning.destination_verified, metrics=metrics
+        )
     except MitmStartupError as exc:
         raise StartupError(str(exc)) from None
     running.supervise(mitm)
-    control.forget_snapshots = mitm.supervisor.forget
+    control.credentials.forget_snapshots = mitm.supervisor.forget
     return mitm
 
 
@@ -228,4 +235,4 @@ async def _sweep_pending(control: ControlPlane, interval: float = 10.0) -> None:
     """Expired pending pushes are dropped (BEHAVIOUR §4: swept every 10 s)."""
     while True:
         await asyncio.sleep(interval)
-        control.pending_pushes.sweep(time.monotonic())
+        control.credentials.pending_pushes.sweep(time.monotonic())

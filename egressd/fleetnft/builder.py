@@ -67,7 +67,7 @@ from egressd.kernel.ops import (
     MatchRule,
     NetlinkBatch,
     Op,
-    Outcome,
+    RuleAction,
     VerdictRule,
 )
 from egressd.policy import (
@@ -182,6 +182,12 @@ class Names:
         # The nft id is unique among registered subjects and already log-safe ([a-z0-9_]);
         # cut so the prefix fits the kernel's 127 bytes (the counter names stay exact).
         return f"{AUDIT_LOG_PREFIX}{self.nft_id[:100]} "
+
+
+def subject_set(nft_id: str, kind: str, fam: str) -> str:
+    """``subj_<id>_<kind>_<fam>``: one of a subject's sets (``kind`` one of allow, deny, wdeny,
+    audit, dyn; ``fam`` v4 or v6)."""
+    return Names(nft_id).set(f"{kind}_{fam}")
 
 
 def audit_counter_subject(name: str) -> tuple[str, str] | None:
@@ -480,10 +486,10 @@ def subject_rules(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
     n = Names(nft_id)
     ops: list[Op] = []
     for fam in ("v4", "v6"):
-        ops.append(AddRule(n.chain, MatchRule(fam, n.set(f"deny_{fam}"), Outcome.DROP)))
+        ops.append(AddRule(n.chain, MatchRule(fam, n.set(f"deny_{fam}"), RuleAction.DROP)))
     for kind in ("allow", "dyn"):
         for fam in ("v4", "v6"):
-            ops.append(AddRule(n.mark_chain, MatchRule(fam, n.set(f"{kind}_{fam}"), Outcome.MARK)))
+            ops.append(AddRule(n.mark_chain, MatchRule(fam, n.set(f"{kind}_{fam}"), RuleAction.MARK)))
     # A user-denied prefix is logged even inside an allowed one (deny beats allow, as enforced).
     for fam in ("v4", "v6"):
         audit = AuditRule(fam, n.set(f"wdeny_{fam}"), n.set(f"deny_{fam}"), n.log_prefix, n.counter("deny"))
@@ -500,18 +506,24 @@ def subject_rules(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
         ops.append(AddRule(n.mark_chain, audit))
     if cfg.mitm:
         in_rules = (
-            ("deny", Outcome.DROP),
-            ("wdeny", Outcome.DROP),
-            ("dyn", Outcome.ACCEPT),
-            ("allow", Outcome.ACCEPT),
+            ("deny", RuleAction.DROP),
+            ("wdeny", RuleAction.DROP),
+            ("dyn", RuleAction.ACCEPT),
+            ("allow", RuleAction.ACCEPT),
         )
         for kind, outcome in in_rules:
             for fam in ("v4", "v6"):
                 ops.append(
                     AddRule(n.in_chain, MatchRule(fam, n.set(f"{kind}_{fam}"), outcome, ct_original=True))
                 )
-        ops.append(AddRule(n.in_chain, VerdictRule(Outcome.DROP)))
+        ops.append(AddRule(n.in_chain, VerdictRule(RuleAction.DROP)))
     return NetlinkBatch(cfg.table, tuple(ops))
+
+
+def rules_per_subject(cfg: TableConfig) -> int:
+    """How many rules one installed subject adds to the table: its fixed rules, counted from
+    :func:`subject_rules` itself so the metric can never drift from what is installed."""
+    return len(subject_rules(cfg, "0").ops)
 
 
 def subject_keys(cfg: TableConfig, subj: SubjectNft) -> NetlinkBatch:

@@ -29,7 +29,7 @@ from egressd.kernel.ops import (
     FlushSet,
     MatchRule,
     NetlinkBatch,
-    Outcome,
+    RuleAction,
     VerdictRule,
 )
 from egressd.kernel.renewal import PROBE_FIRST_S, PROBE_SECOND_S, LeaseRenewal, extended
@@ -225,11 +225,11 @@ def _netlink_probes(t: str) -> list[tuple[str, NetlinkBatch]]:
             NetlinkBatch(
                 t,
                 (
-                    AddRule("c1", MatchRule("v4", "iv4", Outcome.DROP)),
-                    AddRule("c1", MatchRule("v6", "iv6", Outcome.DROP)),
-                    AddRule("c1", MatchRule("v4", "iv4", Outcome.MARK)),
-                    AddRule("c2", MatchRule("v4", "iv4", Outcome.ACCEPT, ct_original=True)),
-                    AddRule("c2", VerdictRule(Outcome.DROP)),
+                    AddRule("c1", MatchRule("v4", "iv4", RuleAction.DROP)),
+                    AddRule("c1", MatchRule("v6", "iv6", RuleAction.DROP)),
+                    AddRule("c1", MatchRule("v4", "iv4", RuleAction.MARK)),
+                    AddRule("c2", MatchRule("v4", "iv4", RuleAction.ACCEPT, ct_original=True)),
+                    AddRule("c2", VerdictRule(RuleAction.DROP)),
                 ),
             ),
         ),

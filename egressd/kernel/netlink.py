@@ -43,8 +43,8 @@ from egressd.kernel.ops import (
     MatchRule,
     NetlinkBatch,
     Op,
-    Outcome,
     Rule,
+    RuleAction,
 )
 from egressd.subject.model import IPAddress
 
@@ -137,7 +137,7 @@ NFT_CMP_EQ, NFT_CMP_NEQ = 0, 1
 NF_DROP, NF_ACCEPT = 0, 1
 NFPROTO_IPV4, NFPROTO_IPV6 = 2, 10
 
-_VERDICT = {Outcome.DROP: NF_DROP, Outcome.ACCEPT: NF_ACCEPT}
+_VERDICT = {RuleAction.DROP: NF_DROP, RuleAction.ACCEPT: NF_ACCEPT}
 
 
 class NetlinkError(RuntimeError):
@@ -184,7 +184,7 @@ def _expr(name: str, *attrs: bytes) -> bytes:
     return _nest(NFTA_LIST_ELEM, _str(NFTA_EXPR_NAME, name), _nest(NFTA_EXPR_DATA, *attrs))
 
 
-def _verdict(outcome: Outcome) -> bytes:
+def _verdict(outcome: RuleAction) -> bytes:
     verdict = _nest(NFTA_DATA_VERDICT, _attr(NFTA_VERDICT_CODE, struct.pack(">i", _VERDICT[outcome])))
     return _expr("immediate", _u32(NFTA_IMMEDIATE_DREG, NFT_REG_VERDICT), _nest(NFTA_IMMEDIATE_DATA, verdict))
 
@@ -294,7 +294,7 @@ def rule_expressions(rule: Rule) -> bytes:
         parts = [ct, lookup]
     else:
         parts = _daddr_lookup(rule.fam, rule.set_name)
-    parts += _set_mark() if rule.outcome is Outcome.MARK else [_verdict(rule.outcome)]
+    parts += _set_mark() if rule.outcome is RuleAction.MARK else [_verdict(rule.outcome)]
     return b"".join(parts)
 
 

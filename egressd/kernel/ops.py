@@ -17,7 +17,9 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 ALLOW_MARK = 0x2
 
 
-class Outcome(enum.StrEnum):
+class RuleAction(enum.StrEnum):
+    """What a per-subject rule does to a matching packet."""
+
     DROP = "drop"
     ACCEPT = "accept"
     MARK = "mark"  # meta mark set ALLOW_MARK (then continue)
@@ -29,19 +31,19 @@ class MatchRule:
 
     fam: str  # "v4" | "v6"
     set_name: str
-    outcome: Outcome
+    outcome: RuleAction
     ct_original: bool = False
 
     def render(self) -> str:
         l3 = "ip" if self.fam == "v4" else "ip6"
         prefix = "ct original " if self.ct_original else ""
-        tail = f"meta mark set {ALLOW_MARK:#x}" if self.outcome is Outcome.MARK else self.outcome.value
+        tail = f"meta mark set {ALLOW_MARK:#x}" if self.outcome is RuleAction.MARK else self.outcome.value
         return f"{prefix}{l3} daddr @{self.set_name} {tail}"
 
 
 @dataclass(frozen=True, slots=True)
 class VerdictRule:
-    outcome: Outcome  # DROP or ACCEPT
+    outcome: RuleAction  # DROP or ACCEPT
 
     def render(self) -> str:
         return self.outcome.value

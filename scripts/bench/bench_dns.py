@@ -329,15 +329,15 @@ def client_main(argv: list[str]) -> int:
 
 def wrap_targets() -> tuple[list[tuple[Any, str, str]], list[tuple[Any, str, str]]]:
     """What (3) times: (owner, attribute, key) per query, and as background events."""
-    from egressd.actionhandler.control import ControlPlane
+    from egressd.actionhandler.learning import DnsLearning
     from egressd.dnsproxy import forwarder as dfwd
     from egressd.dnsproxy import server as dsrv
     from egressd.kernel.applier import KernelTransactions
     from egressd.policy.reload import AlwaysRulesReloader
     from egressd.subject import refresh as frefresh
 
-    return ([(dsrv.DnsProxy, "answer", "answer"), (ControlPlane, "asker", "decide"), (dsrv, "decide", "decide"),
-             (dfwd, "_socket", "fwd_sock"), (dfwd.Forwarder, "forward", "fwd"), (ControlPlane, "learn", "learn"),
+    return ([(dsrv.DnsProxy, "answer", "answer"), (DnsLearning, "asker", "decide"), (dsrv, "decide", "decide"),
+             (dfwd, "_socket", "fwd_sock"), (dfwd.Forwarder, "forward", "fwd"), (DnsLearning, "learn", "learn"),
              (KernelTransactions, "run_batch_inline", "nl"), (KernelTransactions, "run_batch", "nl")],
             [(frefresh.LeaseRefresher, "tick", "refresh_tick"), (frefresh, "parse_conntrack", "conntrack_parse"),
              (AlwaysRulesReloader, "check", "always_rules_check")])  # fmt: skip
@@ -482,7 +482,7 @@ SPLITS = (
     ("fwd_sock", "  of which: new socket + SO_MARK"),
     ("fwd_parse", "  of which: DNSRecord.parse of the upstream reply"),
     ("between", "answer addresses + leases"),
-    ("learn", "learn total (ControlPlane.learn)"),
+    ("learn", "learn total (DnsLearning.learn)"),
     ("nl", "  of which: the dynamic_add netlink batch (encode + kernel)"),
     ("post", "pack reply"),
     ("send", "answer() returns -> sendto done"),

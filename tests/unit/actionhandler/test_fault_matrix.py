@@ -65,8 +65,8 @@ from egressd.kernel.ops import (
     FlushSet,
     MatchRule,
     NetlinkBatch,
-    Outcome,
     Rule,
+    RuleAction,
     VerdictRule,
 )
 from egressd.policy import AlwaysRules, Verdict, format_element, parse_policy
@@ -372,7 +372,7 @@ def _run_chain(t: Table, chain: str, dst: IPAddress, marked: bool) -> tuple[str 
             continue
         if isinstance(rule, MatchRule):
             if _in(t, rule.set_name, dst):
-                if rule.outcome is Outcome.MARK:
+                if rule.outcome is RuleAction.MARK:
                     marked = True
                 else:
                     return rule.outcome.value, marked
@@ -640,7 +640,7 @@ async def _renew(c: ControlPlane) -> None:
 
 async def _proxy_policy(c: ControlPlane) -> Any:
     # The proxy route's /policy write: an in-place plan under the subject's lock.
-    async with c.subject_lock(U1):
+    async with c.locks.hold(U1):
         entry = c.registry.get(U1)
         assert entry is not None
         return await c.apply_user_policy_locked(entry, parse_policy(json.dumps(P_NARROW)))
@@ -700,7 +700,7 @@ async def _fresh(mitm: bool) -> Run:
         TableConfig(table=TABLE, dns_port=DNS_PORT, mitm=mitm, mitm_port=MITM_PORT), kernel
     )
     # egressd's own revocation retry is driven explicitly below, never behind a check's back.
-    control.revoke_retry = (3600.0, 3600.0)
+    control.revocations.backoff = (3600.0, 3600.0)
     await control.reset_table()
     return Run(kernel, control)
 
@@ -715,7 +715,7 @@ def _openness(run: Run) -> frozenset[tuple[IPAddress, IPAddress]]:
 def _claimed(run: Run, src: IPAddress, dst: IPAddress) -> bool:
     """egressd's own account of (src, dst): the registry entry, its effective policy and the
     lease book, through ``explain`` (what egressctl shows and the MITM and DNS rely on)."""
-    out = run.control.explain(src, str(dst))
+    out = run.control.report.explain(src, str(dst))
     return out.get("decision") == "allow" or bool(out.get("wouldDeny"))
 
 
@@ -767,7 +767,7 @@ def _agree(run: Run) -> None:
         for dst in DESTINATIONS:
             if dst.version != src.version:
                 continue  # no such packet
-            out = run.control.explain(src, str(dst))
+            out = run.control.report.explain(src, str(dst))
             claimed = _claimed(run, src, dst) and dst not in LATERAL
             if run.control.table.mitm and out.get("wouldDeny"):
                 claimed = False
@@ -838,17 +838,17 @@ async def _drain_revocations(run: Run) -> None:
     for _ in range(50):
         if not c.revoking():
             return
-        tasks = [t for t in c._revoke_tasks.values() if not t.done()]
+        tasks = [t for t in c.revocations.tasks.values() if not t.done()]
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        c.revoke_retry = (0.0, 0.0)
+        c.revocations.backoff = (0.0, 0.0)
         # A retry per pending revocation, exactly as the background task would run it.
         for uid in list(c.revoking()):
-            task = asyncio.get_running_loop().create_task(c._retry_revocation(uid))
-            c._revoke_tasks[uid] = task
+            task = asyncio.get_running_loop().create_task(c.revocations.retry(uid))
+            c.revocations.tasks[uid] = task
             await asyncio.wait_for(asyncio.shield(task), 1.0)
     raise AssertionError(f"revocations never converged: {c.revoking()}")
 
@@ -946,7 +946,7 @@ async def test_an_activation_whose_answer_was_lost_is_re_synced_to_deny_first() 
     entry = c.registry.get(U1)
     assert entry is not None and entry.pending is not None and entry.state.value == "denying"
     assert U1 in c.revoking() and "outcome unknown" in c.revoking()[U1]
-    assert c._closing(U1)
+    assert c.revocations.closing(U1)
     await _drain_revocations(run)
     src = ipaddress.ip_address(IP1)
     assert not any(s == src for s, _ in _openness(run))  # deny-first again
