@@ -105,12 +105,16 @@ def check_separate(export_dir: Path, confdir: Path) -> None:
 
 
 def export_ca(directory: Path, pem: str | bytes) -> list[str]:
-    """Write the certificate of ``pem`` into ``directory`` (created 0755 when missing); the
-    names actually (re)written, empty when both were current. Raises :class:`ExportError`."""
+    """Write the certificate of ``pem`` into ``directory`` (created 0755 when missing; an
+    existing one keeps its mode). Returns the names actually (re)written, empty when both
+    were current. Raises :class:`ExportError`."""
     want = certificate_only(pem)
     written: list[str] = []
     try:
-        directory.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        if not directory.exists():
+            directory.mkdir(parents=True, mode=DIR_MODE)
+            # Sandboxes read it through a bind mount as another user: not the daemon's umask.
+            os.chmod(directory, DIR_MODE)
         if not directory.is_dir():
             raise ExportError(f"{directory} is not a directory")
         _remove_stale_temporaries(directory)
