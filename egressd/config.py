@@ -744,6 +744,8 @@ RESERVED_LABELS: frozenset[str] = frozenset(
         "outcome",
         "decision_id",
         "sandbox_id",
+        "protocol",  # egressd_mitm_connections_total (BEHAVIOUR 16)
+        "decision",
     }
 )
 #: The reference's iptables multiport cap (80 and 443 included), kept so a configuration moves

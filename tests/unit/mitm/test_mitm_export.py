@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-import egressd.mitm.export as export
 from egressd.config import ConfigError, parse_config
 from egressd.mitm.ca import CA_FILE, ensure_ca
 from egressd.mitm.export import (
@@ -102,7 +101,7 @@ def test_a_crash_mid_write_leaves_the_previous_file_and_no_temporary(
         real_write(fd, bytes(data[:10]))
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(export.os, "write", half_then_fail)
+    monkeypatch.setattr(os, "write", half_then_fail)
     with pytest.raises(ExportError, match="No space left on device"):
         export_ca(out, new_pem)
     monkeypatch.undo()
