@@ -91,6 +91,23 @@ class RunningMitm:
             self.socket.unlink()
 
 
+def _ca_keeper(cfg: Config) -> CaKeeper:
+    """The CA pinned or generated in the confdir, exported when ``EGRESSD_MITM_CA_EXPORT_DIR``
+    is set (MitmStartupError, one line, when either is unusable)."""
+    try:
+        ca = ensure_ca(cfg.mitm_confdir)
+    except CaError as exc:
+        raise MitmStartupError(f"mitm CA: {exc}") from None
+    keeper = CaKeeper(cfg.mitm_confdir, cfg.mitm_ca_export_dir, ca)
+    try:
+        if keeper.export_dir is not None:
+            check_separate(keeper.export_dir, cfg.mitm_confdir)
+        keeper.export()
+    except ExportError as exc:
+        raise MitmStartupError(f"EGRESSD_MITM_CA_EXPORT_DIR: {exc}") from None
+    return keeper
+
+
 async def start_mitm(
     cfg: Config,
     lookup: Lookup,
@@ -104,17 +121,8 @@ async def start_mitm(
     ``lookup``/``verify`` answer the child's vault lookups (see :mod:`egressd.mitm.active`);
     ``gid`` is the child's group id (the sidecar exempts the MITM's own traffic by it).
     """
-    try:
-        ca = ensure_ca(cfg.mitm_confdir)
-    except CaError as exc:
-        raise MitmStartupError(f"mitm CA: {exc}") from None
-    keeper = CaKeeper(cfg.mitm_confdir, cfg.mitm_ca_export_dir, ca)
-    try:
-        if keeper.export_dir is not None:
-            check_separate(keeper.export_dir, cfg.mitm_confdir)
-        keeper.export()
-    except ExportError as exc:
-        raise MitmStartupError(f"EGRESSD_MITM_CA_EXPORT_DIR: {exc}") from None
+    keeper = _ca_keeper(cfg)
+    ca = keeper.ca
     trust: Path | None = None
     if not cfg.mitm_ssl_insecure:
         trust = cfg.mitm_upstream_trust_dir

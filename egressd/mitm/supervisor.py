@@ -293,15 +293,7 @@ class MitmSupervisor:
                 continue
             event.pop("pid", None)  # ours; a clash would make the log call raise
             name = str(event.pop("event"))
-            outcome = _OUTCOMES.get(name)
-            if outcome is not None and self.metrics is not None:
-                self.metrics.mitm_requests.inc(outcome)
-            if name == CONNECTION_EVENT and self.metrics is not None:
-                # Only the known label values: the child parses untrusted traffic, and what it
-                # writes must not be able to grow the metric without bound.
-                labels = (str(event.get("protocol")), str(event.get("decision")))
-                if labels in _CONNECTION_LABELS:
-                    self.metrics.mitm_connections.inc(*labels)
+            self._count(name, event)
             if name == CACHE_EVENT:
                 # Not logged: it changes with traffic. Only the size is kept (a gauge).
                 entries = event.get("entries")
@@ -317,6 +309,20 @@ class MitmSupervisor:
                 log.warning(name, pid=proc.pid, **event)
             else:
                 log.info(name, pid=proc.pid, **event)
+
+    def _count(self, name: str, event: dict[str, object]) -> None:
+        """The metrics a decision event feeds (requests by outcome, connections by decision)."""
+        if self.metrics is None:
+            return
+        outcome = _OUTCOMES.get(name)
+        if outcome is not None:
+            self.metrics.mitm_requests.inc(outcome)
+        elif name == CONNECTION_EVENT:
+            # Only the known label values: the child parses untrusted traffic, and what it
+            # writes must not be able to grow the metric without bound.
+            labels = (str(event.get("protocol")), str(event.get("decision")))
+            if labels in _CONNECTION_LABELS:
+                self.metrics.mitm_connections.inc(*labels)
 
     async def stop(self) -> None:
         self._stopping = True
