@@ -128,8 +128,11 @@ via_mitm() {  # via_mitm N URL PORT: the request arrived from the pod (the MITM)
   grep "\"port\": $3," "$WORK/upstream.jsonl" | tail -n 1 | grep -q '"client": "10.204.0.1"'
 }
 labelled_metrics() {  # every sample carries the constant label
-  local out; out=$(inns "$POD" curl -s "127.0.0.1:$PORT/metrics") || return 1
-  grep -v '^#' <<<"$out" | grep -q . && ! grep -v '^#' <<<"$out" | grep -v '^$' | grep -qv 'smoke="fleet"'
+  local out samples; out=$(inns "$POD" curl -s "127.0.0.1:$PORT/metrics") || return 1
+  # No grep -q at the end of a pipe: it exits at its first match, the writer before it then
+  # dies of SIGPIPE, and pipefail turns that into a failure (once /metrics outgrows a buffer).
+  samples=$(grep -v '^#' <<<"$out" | grep -v '^$')
+  [ -n "$samples" ] && ! grep -qv 'smoke="fleet"' <<<"$samples"
 }
 https_get() {  # https_get N HOST IP PATH: the upstream's JSON echo (what arrived) on stdout
   inns "$(SB "$1")" curl -s -m 5 --cacert "$WORK/mitm/mitmproxy-ca-cert.pem" --resolve "$2:443:$3" "https://$2$4"
