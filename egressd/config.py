@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from egressd.dnsproxy.upstreams import Upstream, UpstreamError, parse_upstreams
-from egressd.vault.model import VaultLimits
+from egressd.vault.model import VaultLimits, compile_ignore_hosts
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -80,6 +80,17 @@ OPTIONS: tuple[Option, ...] = (
         "EGRESSD_MITM_CONFDIR",
         "--mitm-confdir",
         f"the MITM's private directory (default {DEFAULT_MITM_CONFDIR!r})",
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS",
+        "--mitmproxy-ignore-hosts",
+        "comma-separated host regexes the MITM never decrypts (BEHAVIOUR 16)",
+        "",
+    ),
+    Option(
+        "EGRESSD_MITM_CA_EXPORT_DIR",
+        "--mitm-ca-export-dir",
+        "directory to write the public MITM CA certificate into (egressd-ca.pem, egressd-ca.crt)",
     ),
     Option(
         "OPENSANDBOX_CREDENTIAL_PROXY_SOCKET",
@@ -263,6 +274,8 @@ class Config:
     vault_require_scoped_match: bool = False  # ..._CREDENTIAL_VAULT_REQUIRE_SCOPED_MATCH
     vault_trusted_proxies: tuple[IPNetwork, ...] = ()  # ..._CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS
     nameserver_exempt: tuple[IPAddress, ...] = ()  # OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT
+    mitm_ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (BEHAVIOUR 16)
+    mitm_ca_export_dir: Path | None = None  # EGRESSD_MITM_CA_EXPORT_DIR
 
     @property
     def vault_limits(self) -> VaultLimits:
@@ -270,6 +283,8 @@ class Config:
             credentials=self.vault_max_credentials,
             bindings=self.vault_max_bindings,
             require_scoped_match=self.vault_require_scoped_match,
+            # A binding host the MITM never decrypts could never be injected (§6: 400).
+            ignore_hosts=compile_ignore_hosts(self.mitm_ignore_hosts),
         )
 
     @property
@@ -404,6 +419,8 @@ class _Interception(TypedDict):
     mitm_ssl_insecure: bool
     mitm_confdir: Path
     credential_proxy_socket: Path
+    mitm_ignore_hosts: tuple[str, ...]
+    mitm_ca_export_dir: Path | None
 
 
 class _Parity(TypedDict):
@@ -580,23 +597,63 @@ def _limits(raw: Raw) -> _Limits:
 
 def _interception(raw: Raw) -> _Interception:
     """The DoH block and the MITM."""
+    mitm = _bool("OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT", raw["OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT"])
+    confdir = mitm_confdir(raw)
     return _Interception(
         block_doh_443=_bool("OPENSANDBOX_EGRESS_BLOCK_DOH_443", raw["OPENSANDBOX_EGRESS_BLOCK_DOH_443"]),
         doh_blocklist=parse_doh_blocklist(raw["OPENSANDBOX_EGRESS_DOH_BLOCKLIST"] or ""),
-        mitm_transparent=_bool(
-            "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT", raw["OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT"]
-        ),
+        mitm_transparent=mitm,
         mitm_upstream_trust_dir=Path(
             raw["OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR"] or "/etc/ssl/certs"
         ),
         mitm_ssl_insecure=_bool(
             "OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE", raw["OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE"]
         ),
-        mitm_confdir=mitm_confdir(raw),
+        mitm_confdir=confdir,
         credential_proxy_socket=Path(
             raw["OPENSANDBOX_CREDENTIAL_PROXY_SOCKET"] or "/run/opensandbox/credential-proxy/active.sock"
         ),
+        mitm_ignore_hosts=parse_ignore_hosts(raw["OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS"] or ""),
+        mitm_ca_export_dir=_ca_export_dir(raw, mitm, confdir),
     )
+
+
+def parse_ignore_hosts(value: str) -> tuple[str, ...]:
+    """Comma-separated regular expressions (mitmproxy's ``ignore_hosts`` syntax, which the
+    reference passes through): each must compile; empty items are dropped."""
+    out: list[str] = []
+    for raw in value.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        try:
+            compile_ignore_hosts((item,))
+        except re.error as exc:
+            raise ConfigError(
+                f"OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS: invalid pattern {item!r} ({exc})"
+            ) from None
+        out.append(item)
+    return tuple(out)
+
+
+def _ca_export_dir(raw: Raw, mitm: bool, confdir: Path) -> Path | None:
+    """EGRESSD_MITM_CA_EXPORT_DIR: only with the MITM, and never overlapping its confdir."""
+    text = (raw["EGRESSD_MITM_CA_EXPORT_DIR"] or "").strip()
+    if not text:
+        return None
+    export = Path(text)
+    if not mitm:
+        raise ConfigError(
+            "EGRESSD_MITM_CA_EXPORT_DIR: there is no MITM CA to export without "
+            "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT"
+        )
+    # Whoever mounts the export directory into sandboxes must never see the CA key.
+    a, b = export.absolute(), confdir.absolute()
+    if a == b or b in a.parents or a in b.parents:
+        raise ConfigError(
+            f"EGRESSD_MITM_CA_EXPORT_DIR: {export} overlaps EGRESSD_MITM_CONFDIR {confdir}, which holds the CA key"
+        )
+    return export
 
 
 def _parity(raw: Raw, mitm_port: int) -> _Parity:
@@ -687,6 +744,8 @@ RESERVED_LABELS: frozenset[str] = frozenset(
         "outcome",
         "decision_id",
         "sandbox_id",
+        "protocol",  # egressd_mitm_connections_total (BEHAVIOUR 16)
+        "decision",
     }
 )
 #: The reference's iptables multiport cap (80 and 443 included), kept so a configuration moves

@@ -330,6 +330,13 @@ class EgressMetrics:
             "Intercepted requests by outcome (injected, pass, refused, error).",
             ["outcome"],
         )
+        # BEHAVIOUR §16: redirected connections decrypted/parsed or relayed untouched.
+        self.mitm_connections = Counter(
+            r,
+            "egressd_mitm_connections_total",
+            "Connections the MITM child opened (decrypt, parse) or relayed (passthrough).",
+            ["protocol", "decision"],
+        )
         # BEHAVIOUR 14.9: how many clients' vault snapshots the child holds (bounded; a removed,
         # rebound or vault-less subject's entry is dropped), as last reported by the child.
         self.mitm_cache_entries = Gauge(

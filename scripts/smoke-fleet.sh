@@ -98,7 +98,8 @@ start_egressd() {
     OPENSANDBOX_EGRESS_DNS_UPSTREAM=10.204.0.2:53 OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT=2 \
     OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT=1 OPENSANDBOX_EGRESS_MITMPROXY_PORT=18081 \
     OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR="$WORK/tls/trust" EGRESSD_MITM_CONFDIR="$WORK/mitm" \
-    OPENSANDBOX_CREDENTIAL_PROXY_SOCKET="$WORK/run/active.sock" \
+    OPENSANDBOX_CREDENTIAL_PROXY_SOCKET="$WORK/run/active.sock" EGRESSD_MITM_CA_EXPORT_DIR="$WORK/ca-export" \
+    OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS='^pinned\.allowed\.test$' \
     OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS=8080 OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT=10.204.0.2 \
     OPENSANDBOX_EGRESS_METRICS_EXTRA_ATTRS=smoke=fleet OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS=1 \
     "$ROOT/.venv/bin/egressd" >> "$WORK/egressd.log" 2>&1 &
@@ -127,11 +128,17 @@ via_mitm() {  # via_mitm N URL PORT: the request arrived from the pod (the MITM)
   grep "\"port\": $3," "$WORK/upstream.jsonl" | tail -n 1 | grep -q '"client": "10.204.0.1"'
 }
 labelled_metrics() {  # every sample carries the constant label
-  local out; out=$(inns "$POD" curl -s "127.0.0.1:$PORT/metrics") || return 1
-  grep -v '^#' <<<"$out" | grep -q . && ! grep -v '^#' <<<"$out" | grep -v '^$' | grep -qv 'smoke="fleet"'
+  local out samples; out=$(inns "$POD" curl -s "127.0.0.1:$PORT/metrics") || return 1
+  # No grep -q at the end of a pipe: it exits at its first match, the writer before it then
+  # dies of SIGPIPE, and pipefail turns that into a failure (once /metrics outgrows a buffer).
+  samples=$(grep -v '^#' <<<"$out" | grep -v '^$')
+  [ -n "$samples" ] && ! grep -qv 'smoke="fleet"' <<<"$samples"
 }
 https_get() {  # https_get N HOST IP PATH: the upstream's JSON echo (what arrived) on stdout
   inns "$(SB "$1")" curl -s -m 5 --cacert "$WORK/mitm/mitmproxy-ca-cert.pem" --resolve "$2:443:$3" "https://$2$4"
+}
+https_upstream_ca() {  # the same, trusting only the upstream's own CA (BEHAVIOUR 16: passed through)
+  inns "$(SB "$1")" curl -s -m 5 --cacert "$WORK/tls/ca.pem" --resolve "$2:443:$3" "https://$2$4"
 }
 
 check "egressd starts in the pod namespace and reports healthy" start_egressd
@@ -184,9 +191,24 @@ printf '%s' '{"credentials":[{"name":"k","source":{"type":"inline","value":"smok
 check "vault pushed over the proxy route for sb1 -> 201" ctl vault put --uid sb1 --file "$WORK/vault.json"
 check "sb1's HTTPS call to the bound host carries the injected credential upstream" bash -c "$(declare -f inns SB https_get); P=$P WORK=$WORK https_get 1 api.allowed.test 10.204.0.2 /v1/x | grep -q 'Bearer smoke-secret-value'"
 check "the sandbox never saw the credential in the response headers" not bash -c "ip netns exec $(SB 1) curl -s -D - -o /dev/null -m 5 --cacert $WORK/mitm/mitmproxy-ca-cert.pem --resolve api.allowed.test:443:10.204.0.2 https://api.allowed.test/ | grep -q smoke-secret-value"
-sibling_gets_nothing() { local out; out=$(https_get 3 other.test 10.204.0.3 /v1/x); grep -q '"tls": true' <<<"$out" && ! grep -q smoke-secret-value <<<"$out"; }
-check "sibling sb3 calling an HTTPS host gets no credential" sibling_gets_nothing
-check "a forged Host towards an address not learned for it gets no credential" not bash -c "$(declare -f inns SB https_get); P=$P WORK=$WORK https_get 3 api.allowed.test 10.204.0.3 / | grep -q smoke-secret-value"
+sibling_gets_nothing() { local out; out=$(https_upstream_ca 3 other.test 10.204.0.3 /v1/x); grep -q '"tls": true' <<<"$out" && ! grep -q smoke-secret-value <<<"$out"; }
+check "sibling sb3 (no vault) is passed through: the upstream's own certificate, no credential" sibling_gets_nothing
+check "a forged Host towards an address not learned for it gets no credential" not bash -c "$(declare -f inns SB https_upstream_ca); P=$P WORK=$WORK https_upstream_ca 3 api.allowed.test 10.204.0.3 / | grep -q smoke-secret-value"
+check "sb1's bound host is decrypted: a client trusting only the upstream's CA is refused" not bash -c "$(declare -f inns SB https_upstream_ca); P=$P WORK=$WORK https_upstream_ca 1 api.allowed.test 10.204.0.2 /v1/x | grep -q '\"tls\": true'"
+unbound_passes() { local out; out=$(https_upstream_ca 1 www.allowed.test 10.204.0.2 /v1/x); grep -q '"tls": true' <<<"$out" && ! grep -q smoke-secret-value <<<"$out"; }
+check "sb1's allowed host without a binding is passed through (upstream certificate, no credential)" unbound_passes
+ca_exported() {
+  local d="$WORK/ca-export"
+  [ "$(ls "$d")" = "$(printf 'egressd-ca.crt\negressd-ca.pem')" ] || return 1
+  diff <(ctl ca) "$d/egressd-ca.pem" && diff "$d/egressd-ca.pem" "$d/egressd-ca.crt" || return 1
+  [ "$(stat -c %a "$d/egressd-ca.pem")" = 644 ] && [ "$(stat -c %a "$d/egressd-ca.crt")" = 644 ] || return 1
+  ! grep -q "PRIVATE KEY" "$d"/*
+}
+check "EGRESSD_MITM_CA_EXPORT_DIR holds the public CA only (egressd-ca.pem = .crt = egressctl ca, 0644)" ca_exported
+check "a sandbox trusting the exported egressd-ca.pem gets its credential" bash -c "ip netns exec $(SB 1) curl -s -m 5 --cacert $WORK/ca-export/egressd-ca.pem --resolve api.allowed.test:443:10.204.0.2 https://api.allowed.test/v1/x | grep -q 'Bearer smoke-secret-value'"
+printf '%s' '{"credentials":[{"name":"k","source":{"type":"inline","value":"smoke-secret-value"}}],"bindings":[{"name":"p","match":{"hosts":["pinned.allowed.test"]},"auth":{"type":"bearer","credential":"k"}}]}' > "$WORK/vault-ignored.json"
+ignored_refused() { local out; out=$(ctl vault put --uid sb1 --file "$WORK/vault-ignored.json" 2>&1) && return 1; grep -q ignore_hosts <<<"$out"; }
+check "a vault binding a host of OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS is refused" ignored_refused
 check "a direct connection to the MITM port is dropped" not ip netns exec "$(SB 1)" curl -s -o /dev/null --connect-timeout 1 -m 2 http://10.203.0.1:18081/
 check "egressctl ca prints the MITM CA baked into sandboxes" bash -c "diff <(ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT ca) $WORK/mitm/mitmproxy-ca-cert.pem"
 check "vault read back is sanitized (no value)" bash -c "ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT vault get --uid sb1 | grep -q bearer && ! ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT vault get --uid sb1 | grep -q smoke-secret-value"
