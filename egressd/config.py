@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from egressd.dnsproxy.upstreams import Upstream, UpstreamError, parse_upstreams
+from egressd.events.webhook import WebhookURLError, parse_webhook_url
 from egressd.vault.model import VaultLimits
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -143,6 +144,23 @@ OPTIONS: tuple[Option, ...] = (
         "start even though bridged sandbox-to-sandbox traffic would bypass the forward hook",
         boolean=True,
     ),
+    # BEHAVIOUR §15 (visibility).
+    Option(
+        "OPENSANDBOX_EGRESS_DENY_WEBHOOK",
+        "--deny-webhook",
+        "http(s) URL that gets a JSON POST for every DNS name the policy denies",
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_SANDBOX_ID",
+        "--sandbox-id",
+        "sidecar: the sandbox id the deny webhook reports (the fleet reports each subject's uid)",
+    ),
+    Option(
+        "EGRESSD_DENY_REJECT",
+        "--deny-reject",
+        "refuse denied TCP with a reset and other denied packets with ICMP admin-prohibited",
+        boolean=True,
+    ),
 )
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -188,6 +206,10 @@ class Config:
     max_leases: int = 4096  # EGRESSD_MAX_LEASES_PER_SUBJECT (BEHAVIOUR 14.4)
     vault_max_credentials: int = 256  # EGRESSD_VAULT_MAX_CREDENTIALS (BEHAVIOUR 14.7)
     vault_max_bindings: int = 256  # EGRESSD_VAULT_MAX_BINDINGS (BEHAVIOUR 14.7)
+    # BEHAVIOUR §15. The webhook URL may carry a token: kept out of repr (and of every log).
+    deny_webhook: str | None = field(default=None, repr=False)
+    sandbox_id: str = ""  # OPENSANDBOX_EGRESS_SANDBOX_ID
+    deny_reject: bool = False  # EGRESSD_DENY_REJECT
 
     @property
     def vault_limits(self) -> VaultLimits:
@@ -352,7 +374,14 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
     lease_max = _int("EGRESSD_DNS_LEASE_MAX", raw["EGRESSD_DNS_LEASE_MAX"], 1, 86400)
     if lease_min > lease_max:
         raise ConfigError("EGRESSD_DNS_LEASE_MIN is larger than EGRESSD_DNS_LEASE_MAX")
+    try:
+        deny_webhook = parse_webhook_url(raw["OPENSANDBOX_EGRESS_DENY_WEBHOOK"])
+    except WebhookURLError as exc:
+        raise ConfigError(f"OPENSANDBOX_EGRESS_DENY_WEBHOOK: {exc}") from None
     return Config(
+        deny_webhook=deny_webhook,
+        sandbox_id=(raw["OPENSANDBOX_EGRESS_SANDBOX_ID"] or "").strip(),
+        deny_reject=_bool("EGRESSD_DENY_REJECT", raw["EGRESSD_DENY_REJECT"]),
         dns_upstreams=upstreams,
         dns_lease_min=lease_min,
         # 0 switches the budget off (like OPENSANDBOX_EGRESS_MAX_RULES=0); a negative or

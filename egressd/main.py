@@ -18,9 +18,9 @@ from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import upstreams_or_system
-from egressd.fleet.audit import AuditEvidence
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import FleetHTTP
+from egressd.fleet.visibility import fleet_visibility
 from egressd.fleetnft.builder import TableConfig
 from egressd.fleetnft.selftest import SelfTestError, bridge_report, run_selftest
 from egressd.hygiene import disable_core_dumps
@@ -51,6 +51,7 @@ def table_config(cfg: Config) -> TableConfig:
         block_doh_443=cfg.block_doh_443,
         doh_blocklist=cfg.doh_blocklist,
         max_leases=cfg.max_leases,
+        deny_reject=cfg.deny_reject,
     )
 
 
@@ -93,10 +94,10 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             vault_limits=cfg.vault_limits,
         )
         proxy = ProxyRouteAPI(control, max_rules=cfg.max_rules)
-        audit = AuditEvidence(
-            metrics, lambda: tx.list_counters(cfg.nft_table), lambda: list(control.registry)
+        visibility = fleet_visibility(
+            cfg, metrics, lambda: tx.list_counters(cfg.nft_table), lambda: list(control.registry)
         )
-        control.listeners.append(audit)
+        control.listeners += [visibility.audit, visibility.drops]
         metrics.pending_pushes.collect_from(lambda: {(): float(control.pending_pushes.count())})
         metrics.subjects.collect_from(control.state_counts)
         metrics.nft_rules.collect_from(control.rules_count)
@@ -121,6 +122,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             metrics,
             lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max),
             budget=query_budget(cfg.dns_qps_per_subject),
+            events=visibility.events,
         )
         try:
             await dns.start(cfg.dns_host, cfg.dns_port)
@@ -166,10 +168,12 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             status_extra=lambda: {"bridgeNfCallIptables": bridges.nf_call_iptables},
             proxy=proxy,
             mitm_ca=lambda: (mitm.ca.pem, mitm.ca.fingerprint) if mitm else None,
-            before_scrape=audit.refresh,
+            before_scrape=visibility.before_scrape,
+            annotate_subjects=visibility.drops.annotate,
         )
         runner: web.AppRunner | None = None
         try:
+            visibility.start()
             try:
                 runner = await start_http(http.app(), cfg.http_host, cfg.http_port)
             except ListenError as exc:
@@ -194,6 +198,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
                 task.cancel()
             await dns.close()
             forwarder.close()
+            await visibility.close()
     finally:
         await tx.close()
 

@@ -314,5 +314,26 @@ class EgressMetrics:
             )
         )
 
+        # BEHAVIOUR §15: packets egressd's rules refused, read from the kernel's per-subject
+        # counters at scrape time (one dump); subject "-" = sources that are no subject.
+        self.subject_dropped = r.register(
+            Counter(
+                "egressd_subject_dropped_packets_total",
+                "Packets egressd's nft rules refused, by source subject.",
+                ["subject"],
+            )
+        )
+        # OPENSANDBOX_EGRESS_DENY_WEBHOOK: events that found the queue full, and how the others ended.
+        self.deny_webhook_dropped = r.register(
+            Counter("egressd_deny_webhook_dropped_total", "Deny webhook events dropped: queue full.")
+        )
+        self.deny_webhook_deliveries = r.register(
+            Counter(
+                "egressd_deny_webhook_deliveries_total",
+                "Deny webhook events by outcome (delivered, rejected, failed).",
+                ["result"],
+            )
+        )
+
     def render(self, openmetrics: bool = False) -> str:
         return self.registry.render(openmetrics)

@@ -23,28 +23,41 @@ class Outcome(enum.StrEnum):
     MARK = "mark"  # meta mark set ALLOW_MARK (then continue)
 
 
+def _verdict_text(outcome: Outcome, drop_chain: str) -> str:
+    if outcome is Outcome.MARK:
+        return f"meta mark set {ALLOW_MARK:#x}"
+    if outcome is Outcome.DROP and drop_chain:
+        return f"goto {drop_chain}"
+    return outcome.value
+
+
 @dataclass(frozen=True, slots=True)
 class MatchRule:
-    """``[ct original] ip|ip6 daddr @set <outcome>`` — the only per-subject rule shape."""
+    """``[ct original] ip|ip6 daddr @set <outcome>`` — the only per-subject rule shape.
+
+    ``drop_chain``: a DROP hands the packet to that chain instead (``goto``), which counts it
+    and drops or rejects it (BEHAVIOUR §15); the packet is still refused, never accepted.
+    """
 
     fam: str  # "v4" | "v6"
     set_name: str
     outcome: Outcome
     ct_original: bool = False
+    drop_chain: str = ""
 
     def render(self) -> str:
         l3 = "ip" if self.fam == "v4" else "ip6"
         prefix = "ct original " if self.ct_original else ""
-        tail = f"meta mark set {ALLOW_MARK:#x}" if self.outcome is Outcome.MARK else self.outcome.value
-        return f"{prefix}{l3} daddr @{self.set_name} {tail}"
+        return f"{prefix}{l3} daddr @{self.set_name} {_verdict_text(self.outcome, self.drop_chain)}"
 
 
 @dataclass(frozen=True, slots=True)
 class VerdictRule:
     outcome: Outcome  # DROP or ACCEPT
+    drop_chain: str = ""  # as in MatchRule
 
     def render(self) -> str:
-        return self.outcome.value
+        return _verdict_text(self.outcome, self.drop_chain)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +122,16 @@ class AddCounter:
 @dataclass(frozen=True, slots=True)
 class DeleteCounter:
     name: str
+
+
+@dataclass(frozen=True, slots=True)
+class AddCounterRef:
+    """``map[key] = "counter"`` in a counter map (``type ipv4_addr : counter``): the drop
+    counter a source address's refused packets are counted in (BEHAVIOUR §15)."""
+
+    map: str
+    key: IPAddress
+    counter: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +202,7 @@ Op = (
     | AddChain
     | AddCounter
     | DeleteCounter
+    | AddCounterRef
     | AddJump
     | AddElements
     | AddRule
@@ -229,6 +253,8 @@ class NetlinkBatch:
                 out.append(f"delete counter {t} {op.name}")
             elif isinstance(op, AddJump):
                 out.append(f"add element {t} {op.map} {{ {op.key} : jump {op.chain} }}")
+            elif isinstance(op, AddCounterRef):
+                out.append(f'add element {t} {op.map} {{ {op.key} : "{op.counter}" }}')
             elif isinstance(op, AddElements):
                 out.append(f"add element {t} {op.name} {{ {', '.join(str(k) for k in op.keys)} }}")
             elif isinstance(op, AddRule):

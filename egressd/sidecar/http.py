@@ -111,8 +111,10 @@ class SidecarHTTP:
         mitm_ca: Callable[[], tuple[str, str]] | None = None,
         vault_changed: Callable[[], None] | None = None,
         vault_limits: VaultLimits = DEFAULT_LIMITS,
+        before_scrape: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.engine = engine
+        self._before_scrape = before_scrape  # e.g. the kernel's refusal counter (BEHAVIOUR §15)
         self.vault_limits = vault_limits
         self._mitm_ca = mitm_ca
         # After every vault write: the MITM child drops its cached snapshot (BEHAVIOUR 14.9).
@@ -191,6 +193,8 @@ class SidecarHTTP:
     async def metrics_handler(self, request: web.Request) -> web.Response:
         if request.method not in ("GET", "HEAD"):
             return text(405, "method not allowed", headers={"Allow": "GET"})
+        if self._before_scrape is not None:
+            await self._before_scrape()
         return web.Response(
             text=self.metrics.render(),
             content_type="text/plain",

@@ -29,6 +29,7 @@ from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.flows import cut_disallowed
 from egressd.sidecar.http import SidecarHTTP, VaultPrerequisites
 from egressd.sidecar.persist import InitialPolicyError, choose_initial, read_text
+from egressd.sidecar.visibility import SidecarDrops, sidecar_events
 from egressd.sidecarnft.ruleset import MITM_GID, Mode, SidecarTable
 from egressd.sidecarnft.selftest import SelfTestError, check_net_admin, check_setgid_for_mitm, run_selftest
 from egressd.subject.model import IPAddress
@@ -53,6 +54,7 @@ def table_for(cfg: Config, upstreams: tuple[Upstream, ...]) -> SidecarTable:
         doh_blocklist=cfg.doh_blocklist,
         resolvers=tuple(sorted({ipaddress.ip_address(u.host) for u in upstreams}, key=str)),
         max_leases=cfg.max_leases,
+        deny_reject=cfg.deny_reject,
     )
 
 
@@ -82,8 +84,15 @@ async def run_sidecar(
     table = table_for(cfg, upstreams)
     metrics = EgressMetrics()
     tx = KernelTransactions(metrics)
+    drops = SidecarDrops(metrics, lambda: tx.list_counters(cfg.nft_table))
     engine = SidecarEngine(
-        table, tx, initial.policy, always=always, persist_path=cfg.policy_file, cut_flows=cut_disallowed
+        table,
+        tx,
+        initial.policy,
+        always=always,
+        persist_path=cfg.policy_file,
+        cut_flows=cut_disallowed,
+        carry_dropped=drops.carried,
     )
     # Only a requested stop deletes the table (§13). A start-up failure or a crash leaves it
     # enforcing: the sandbox stays closed until a sidecar serves again.
@@ -104,12 +113,14 @@ async def run_sidecar(
         log.info("policy.initial", source=initial.source, mode=cfg.mode)
 
         forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
+        events = sidecar_events(cfg, metrics, forwarder)
         dns = DnsProxy(
             engine,
             forwarder,
             metrics,
             lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max),
             budget=query_budget(cfg.dns_qps_per_subject),
+            events=events,
         )
         # The output-hook redirect always lands on loopback, and a UDP socket bound to the
         # wildcard would answer from the app's own address instead of 127.0.0.1, which the
@@ -174,9 +185,12 @@ async def run_sidecar(
             # One sandbox per namespace: every cached client holds this one vault.
             vault_changed=(lambda: mitm.supervisor.forget(None)) if mitm is not None else None,
             vault_limits=cfg.vault_limits,
+            before_scrape=drops.refresh,
         )
         runner: web.AppRunner | None = None
         try:
+            if events.webhook is not None:
+                events.webhook.start()
             try:
                 runner = await start_http(http.app(), cfg.http_host, cfg.http_port)
             except ListenError as exc:
@@ -202,6 +216,8 @@ async def run_sidecar(
             for task in background:
                 task.cancel()
             await dns.close()
+            if events.webhook is not None:
+                await events.webhook.close()
             forwarder.close()
     finally:
         if graceful:

@@ -17,7 +17,13 @@ Shape::
     chain    [M] mitm_input  filter hook input: MITM port only when redirected
     chain    egress        filter hook output, policy accept iff defaultAction allow
              (mode dns+nft only): established, mark 0x1, lo, redirected DNS, IPv6 ND, 853, DoH,
-             deny, dyn, allow, counter drop
+             deny, dyn, allow, goto denied
+    chain    denied        every refusal (BEHAVIOUR §15): counter "dropped", then drop, or with
+             EGRESSD_DENY_REJECT a TCP reset / ICMP admin-prohibited
+
+The counter lives in the table, so a rebuild would zero it: the engine reads it first and the
+new table declares it with that value (packets refused during the rebuild's own few
+milliseconds can be missed; the count never goes backwards).
 
 Nothing here touches the kernel; the shell (:mod:`egressd.sidecar.engine`) runs the text.
 """
@@ -47,6 +53,10 @@ ND_TYPES: Final = "nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert"
 #: filter chain still applies the policy to its packets.
 MITM_GID: Final = 18081
 MITM_INPUT_CHAIN: Final = "mitm_input"
+#: Every refusal goes here: counted in DROPPED_COUNTER, then dropped or rejected (§15).
+DENIED_CHAIN: Final = "denied"
+DROPPED_COUNTER: Final = "dropped"
+REFUSE: Final = f"goto {DENIED_CHAIN}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +74,8 @@ class SidecarTable:
     mitm_port: int | None = None
     #: Size of each dyn set: the lease cap (BEHAVIOUR 14.4); 0 = unbounded.
     max_leases: int = 4096
+    #: EGRESSD_DENY_REJECT (BEHAVIOUR §15): refuse with a TCP reset / ICMP admin-prohibited.
+    deny_reject: bool = False
 
 
 def _fam(net: IPNetwork | IPAddress) -> str:
@@ -116,11 +128,17 @@ def lease_element(ip: IPAddress, seconds: float) -> str:
     return f"{ip} timeout {s}s expires {s}s"
 
 
-def ruleset(cfg: SidecarTable, policy: NetworkPolicy, leases: Sequence[tuple[IPAddress, float]] = ()) -> str:
+def ruleset(
+    cfg: SidecarTable,
+    policy: NetworkPolicy,
+    leases: Sequence[tuple[IPAddress, float]] = (),
+    dropped: int = 0,
+) -> str:
     """The whole table for ``policy`` (the effective one: user + always-rules) as one script.
 
     ``leases`` are DNS-learned addresses with their remaining lifetime in seconds: a rebuild
     keeps them, so a policy change does not break names the app resolved a moment ago.
+    ``dropped``: the refusal count of the table being replaced, carried over.
     """
     t = cfg.table
     sets = ip_sets(policy)
@@ -146,6 +164,16 @@ def ruleset(cfg: SidecarTable, policy: NetworkPolicy, leases: Sequence[tuple[IPA
     def rule(chain: str, body: str) -> None:
         lines.append(f"add rule inet {t} {chain} {body}")
 
+    lines.append(f"add counter inet {t} {DROPPED_COUNTER} {{ packets {max(0, dropped)} bytes 0 }}")
+    lines.append(f"add chain inet {t} {DENIED_CHAIN}")
+    rule(DENIED_CHAIN, f'counter name "{DROPPED_COUNTER}"')
+    if cfg.deny_reject:
+        # A locally generated packet: the reset or the ICMP error reaches the app's own
+        # socket at once (connect() fails with ECONNREFUSED / EACCES instead of timing out).
+        rule(DENIED_CHAIN, "meta l4proto tcp reject with tcp reset")
+        rule(DENIED_CHAIN, "reject with icmpx admin-prohibited")
+    rule(DENIED_CHAIN, "drop")
+
     # DNS: every udp/tcp 53 packet the namespace sends goes to the local proxy, except the
     # proxy's own upstream queries (SO_MARK 0x1 set by the forwarder).
     lines.append(
@@ -167,7 +195,7 @@ def ruleset(cfg: SidecarTable, policy: NetworkPolicy, leases: Sequence[tuple[IPA
             f"add chain inet {t} {MITM_INPUT_CHAIN} {{ type filter hook input priority 0; policy accept; }}"
         )
         rule(MITM_INPUT_CHAIN, f"tcp dport {cfg.mitm_port} ct status dnat accept")
-        rule(MITM_INPUT_CHAIN, f"tcp dport {cfg.mitm_port} drop")
+        rule(MITM_INPUT_CHAIN, f"tcp dport {cfg.mitm_port} {REFUSE}")
     if cfg.mode == "dns":
         return "\n".join(lines) + "\n"
 
@@ -192,23 +220,23 @@ def ruleset(cfg: SidecarTable, policy: NetworkPolicy, leases: Sequence[tuple[IPA
     # IPv6 needs neighbour discovery to reach even the gateway (IPv4's ARP never enters an
     # inet chain). Link-local only: a hop limit of 255 cannot have been routed.
     rule(f, f"icmpv6 type {{ {ND_TYPES} }} ip6 hoplimit 255 accept")
-    rule(f, "tcp dport 853 drop")
-    rule(f, "udp dport 853 drop")
+    rule(f, f"tcp dport 853 {REFUSE}")
+    rule(f, f"udp dport 853 {REFUSE}")
     if cfg.block_doh_443:
         if not cfg.doh_blocklist:
-            rule(f, "tcp dport 443 drop")
+            rule(f, f"tcp dport 443 {REFUSE}")
         else:
             for fam in ("v4", "v6"):
                 if doh[fam]:
-                    rule(f, f"{_l3(fam)} daddr @doh_block_{fam} tcp dport 443 drop")
+                    rule(f, f"{_l3(fam)} daddr @doh_block_{fam} tcp dport 443 {REFUSE}")
     for fam in ("v4", "v6"):
-        rule(f, f"{_l3(fam)} daddr @deny_{fam} drop")
+        rule(f, f"{_l3(fam)} daddr @deny_{fam} {REFUSE}")
     for fam in ("v4", "v6"):
         rule(f, f"{_l3(fam)} daddr @{dyn_set(fam)} accept")
     for fam in ("v4", "v6"):
         rule(f, f"{_l3(fam)} daddr @allow_{fam} accept")
     if not default_allow:
-        rule(f, "counter drop")
+        rule(f, REFUSE)
     return "\n".join(lines) + "\n"
 
 

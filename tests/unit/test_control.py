@@ -38,6 +38,7 @@ from egressd.kernel.applier import NftError
 from egressd.kernel.ops import (
     AddChain,
     AddCounter,
+    AddCounterRef,
     AddElements,
     AddIntervals,
     AddJump,
@@ -215,6 +216,9 @@ class FakeKernel:
                     st.sets[name] = {}
                 else:
                     raise AssertionError(line)
+            elif kind == "counter":
+                assert verb == "add", line
+                st.counters.add(name)
             elif kind == "rule":
                 assert verb == "add", line
                 if name not in st.chains:
@@ -246,7 +250,17 @@ class FakeKernel:
                     raise self._err("No such file or directory")
                 if any(f'counter name "{op.name}"' in r for rules in st.chains.values() for r in rules):
                     raise self._err("Device or resource busy")
+                if any(d == f'"{op.name}"' for els in st.sets.values() for d in els.values()):
+                    raise self._err("Device or resource busy")  # a counter map element refers to it
                 st.counters.discard(op.name)
+            elif isinstance(op, AddCounterRef):
+                elements = st.sets.get(op.map)
+                if elements is None or op.counter not in st.counters:
+                    raise self._err("No such file or directory")
+                data = f'"{op.counter}"'
+                if elements.get(str(op.key), data) != data:
+                    raise self._err("Device or resource busy")
+                elements[str(op.key)] = data
             elif isinstance(op, AddJump):
                 elements = st.sets.get(op.map)
                 if elements is None or op.chain not in st.chains:
@@ -450,7 +464,7 @@ SET_KINDS = (
 
 
 def subj_rules(nid: str = "s_u_1") -> list[str]:
-    return [f"ip daddr @subj_{nid}_deny_v4 drop", f"ip6 daddr @subj_{nid}_deny_v6 drop"]
+    return [f"ip daddr @subj_{nid}_deny_v4 goto denied", f"ip6 daddr @subj_{nid}_deny_v6 goto denied"]
 
 
 def mark_rules(nid: str = "s_u_1") -> list[str]:
@@ -476,10 +490,15 @@ def in_rules(nid: str = "s_u_1") -> list[str]:
     return [
         *(
             f"ct original {l3} daddr @subj_{nid}_{kind}_{fam} {verdict}"
-            for kind, verdict in (("deny", "drop"), ("wdeny", "drop"), ("dyn", "accept"), ("allow", "accept"))
+            for kind, verdict in (
+                ("deny", "goto denied"),
+                ("wdeny", "goto denied"),
+                ("dyn", "accept"),
+                ("allow", "accept"),
+            )
             for l3, fam in (("ip", "v4"), ("ip6", "v6"))
         ),
-        "drop",
+        "goto denied",
     ]
 
 
@@ -510,7 +529,7 @@ async def test_reset_table_installs_the_header_even_without_an_existing_table() 
     assert not control.enforcement_ready
     await control.reset_table()
     assert control.enforcement_ready
-    assert kernel.rules("dispatch")[-1] == "meta mark & 0x2 != 0x2 drop"
+    assert kernel.rules("dispatch")[-1] == "meta mark & 0x2 != 0x2 goto denied"
     assert kernel.elements("dispatch_v4") == {}
 
 
@@ -938,7 +957,7 @@ async def test_mitm_lifecycle() -> None:
     kernel = FakeKernel()
     control = await make_control(kernel, mitm=True)
     ok(await control.handle(set_binding()))
-    assert kernel.rules("subj_s_u_1_in")[-1] == "drop"
+    assert kernel.rules("subj_s_u_1_in")[-1] == "goto denied"
     assert_deny_first_installed(kernel, mitm=True)
     assert kernel.elements("mitm_src_v4") == {"10.0.0.5": ""}
     assert kernel.elements("mitm_in_v4") == {"10.0.0.5": "jump subj_s_u_1_in"}
@@ -1082,7 +1101,10 @@ def _applies_after_deny_first(calls: Iterable[Call], nid: str) -> int:
         if not c.ok:
             continue
         text = c.text.splitlines()
-        if c.op == "deny_first" and f"add rule inet T subj_{nid} ip daddr @subj_{nid}_deny_v4 drop" in text:
+        if (
+            c.op == "deny_first"
+            and f"add rule inet T subj_{nid} ip daddr @subj_{nid}_deny_v4 goto denied" in text
+        ):
             installed = True  # objects and fixed rules are in
         if c.op == "static_apply" and f"flush set inet T subj_{nid}_allow_v4" in text:
             assert installed, "policy applied before any deny-first transaction"

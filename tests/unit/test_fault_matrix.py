@@ -48,6 +48,7 @@ from egressd.kernel.applier import NftError, NftUncertain
 from egressd.kernel.ops import (
     AddChain,
     AddCounter,
+    AddCounterRef,
     AddElements,
     AddIntervals,
     AddJump,
@@ -250,7 +251,19 @@ def _apply(t: Table, batch: NetlinkBatch) -> None:
                 raise ModelError(f"No such file or directory: counter {op.name}")
             if any(op.name in _rule_refs(r)[1] for rules in t.chains.values() for r in rules):
                 raise ModelError(f"Device or resource busy: counter {op.name}")
+            if any(f"counter:{op.name}" in s.jumps.values() for s in t.sets.values()):
+                raise ModelError(f"Device or resource busy: counter {op.name} (map element)")
             t.counters.discard(op.name)
+        elif isinstance(op, AddCounterRef):
+            # Counter maps are modelled like verdict maps, the data being the counter's name.
+            m = _need(t, op.map)
+            assert m.kind == "vmap", op
+            if op.counter not in t.counters:
+                raise ModelError(f"No such file or directory: counter {op.counter}")
+            ref = f"counter:{op.counter}"
+            if m.jumps.get(op.key, ref) != ref:
+                raise ModelError(f"Device or resource busy: {op.key} in {op.map}")
+            m.jumps[op.key] = ref
         elif isinstance(op, AddJump):
             m = _need(t, op.map)
             assert m.kind == "vmap", op
@@ -399,21 +412,21 @@ def test_the_evaluator_reads_the_header_it_models() -> None:
     for mitm in (False, True):
         text = header_script(TableConfig(table=TABLE, mitm=mitm), delete_existing=False)
         for rule in (
-            "dispatch ip daddr @sandboxes_v4 drop",
-            "dispatch ip daddr @sandbox_nets_v4 drop",
+            "dispatch ip daddr @sandboxes_v4 goto denied",
+            "dispatch ip daddr @sandbox_nets_v4 goto denied",
             "dispatch ip saddr vmap @dispatch_v4",
-            "dispatch meta mark & 0x2 != 0x2 drop",
+            "dispatch meta mark & 0x2 != 0x2 goto denied",
             "marking ip saddr vmap @marking_v4",
         ):
             assert f"add rule inet {TABLE} {rule}" in text
         if mitm:
             for rule in (
                 "input ip saddr @sandboxes_v4 jump sandbox_in",
-                f"input tcp dport {MITM_PORT} drop",
+                f"input tcp dport {MITM_PORT} goto denied",
                 f"sandbox_in tcp dport {MITM_PORT} ct status dnat ip saddr vmap @mitm_in_v4",
                 f"nat ip saddr @mitm_src_v4 tcp dport {{ 80, 443 }} redirect to :{MITM_PORT}",
                 "nat ip daddr @sandbox_nets_v4 tcp dport { 80, 443 } return",
-                "sandbox_in drop",
+                "sandbox_in goto denied",
             ):
                 assert f"add rule inet {TABLE} {rule}" in text
 
