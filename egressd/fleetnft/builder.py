@@ -44,7 +44,7 @@ Shape, and why it differs from the reference blueprint where it does:
   ``subj_<id>_dropped`` (looked up in the counter maps ``drop_counter_v4/v6``, keyed like the
   dispatch maps) or, for a source that is no subject, in ``unattributed_dropped``, then hands
   it to ``deny_verdict``: ``drop``, or with ``EGRESSD_DENY_REJECT`` a TCP reset / ICMP
-  admin-prohibited. One place decides how a refusal looks, so the knob never touches a
+  admin-prohibited (ICMP also for TCP the MITM redirect intercepted). One place decides how a refusal looks, so the knob never touches a
   subject's rules, and a lookup miss in the counter map (which only stops that rule) falls
   through to a rule that still refuses.
 """
@@ -428,6 +428,11 @@ def _denial_chains(s: _Script, cfg: TableConfig) -> None:
     s.obj("add", "counter", UNATTRIBUTED_COUNTER)
     s.obj("add", "chain", DENY_VERDICT_CHAIN)
     if cfg.deny_reject:
+        # A connection the MITM redirect took (REDIRECT = DNAT to the pod): over a bridge the
+        # kernel sends a reset straight out of the bridge port with the redirected address,
+        # which the client does not know and ignores; the ICMP error goes through the stack
+        # and is translated back, so it fails the connect at once (EHOSTUNREACH).
+        s.rule(DENY_VERDICT_CHAIN, "ct status dnat reject with icmpx admin-prohibited")
         s.rule(DENY_VERDICT_CHAIN, "meta l4proto tcp reject with tcp reset")
         s.rule(DENY_VERDICT_CHAIN, "reject with icmpx admin-prohibited")
     s.rule(DENY_VERDICT_CHAIN, "drop")  # the only verdict without the knob; unreachable with it
