@@ -16,6 +16,7 @@ from pathlib import Path
 from egressd.kernel.applier import NftError
 from egressd.kernel.ops import (
     AddCounter,
+    AddCounterRef,
     AddIntervals,
     AddRule,
     AddTimed,
@@ -164,6 +165,15 @@ def _probes(t: str) -> list[tuple[str, str]]:
             f"add chain inet {t} c3\n"
             f"add rule inet {t} in_ ip saddr @sb jump c3",  # c1, c2 are deleted by later probes
         ),
+        (
+            # BEHAVIOUR §15: refusals are counted per source through a counter map.
+            "refusal counting (counter maps, goto)",
+            f"add counter inet {t} k0\n"
+            f"add map inet {t} cm {{ type ipv4_addr : counter; }}\n"
+            f"add chain inet {t} dv\n"
+            f"add rule inet {t} dv drop\n"
+            f"add rule inet {t} fwd_ counter name ip saddr map @cm goto dv",
+        ),
     ]
 
 
@@ -191,6 +201,17 @@ def run_selftest(
                     AddRule("c1", MatchRule("v4", "iv4", Outcome.MARK)),
                     AddRule("c2", MatchRule("v4", "iv4", Outcome.ACCEPT, ct_original=True)),
                     AddRule("c2", VerdictRule(Outcome.DROP)),
+                ),
+            ),
+        ),
+        (
+            "netlink refusal counting (counter map elements, goto verdicts)",
+            NetlinkBatch(
+                t,
+                (
+                    AddCounterRef("cm", ipaddress.IPv4Address("10.0.0.5"), "k0"),
+                    AddRule("c2", MatchRule("v4", "iv4", Outcome.DROP, ct_original=True, drop_chain="dv")),
+                    AddRule("c2", VerdictRule(Outcome.DROP, drop_chain="dv")),
                 ),
             ),
         ),

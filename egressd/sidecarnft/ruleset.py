@@ -164,15 +164,16 @@ def ruleset(
     def rule(chain: str, body: str) -> None:
         lines.append(f"add rule inet {t} {chain} {body}")
 
-    lines.append(f"add counter inet {t} {DROPPED_COUNTER} {{ packets {max(0, dropped)} bytes 0 }}")
-    lines.append(f"add chain inet {t} {DENIED_CHAIN}")
-    rule(DENIED_CHAIN, f'counter name "{DROPPED_COUNTER}"')
-    if cfg.deny_reject:
-        # A locally generated packet: the reset or the ICMP error reaches the app's own
-        # socket at once (connect() fails with ECONNREFUSED / EACCES instead of timing out).
-        rule(DENIED_CHAIN, "meta l4proto tcp reject with tcp reset")
-        rule(DENIED_CHAIN, "reject with icmpx admin-prohibited")
-    rule(DENIED_CHAIN, "drop")
+    if cfg.mode == "dns+nft" or cfg.mitm_port is not None:  # something refuses packets
+        lines.append(f"add counter inet {t} {DROPPED_COUNTER} {{ packets {max(0, dropped)} bytes 0 }}")
+        lines.append(f"add chain inet {t} {DENIED_CHAIN}")
+        rule(DENIED_CHAIN, f'counter name "{DROPPED_COUNTER}"')
+        if cfg.deny_reject:
+            # A locally generated packet: the reset or the ICMP error reaches the app's own
+            # socket at once (connect() fails with ECONNREFUSED / EHOSTUNREACH, no timeout).
+            rule(DENIED_CHAIN, "meta l4proto tcp reject with tcp reset")
+            rule(DENIED_CHAIN, "reject with icmpx admin-prohibited")
+        rule(DENIED_CHAIN, "drop")
 
     # DNS: every udp/tcp 53 packet the namespace sends goes to the local proxy, except the
     # proxy's own upstream queries (SO_MARK 0x1 set by the forwarder).

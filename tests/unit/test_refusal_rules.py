@@ -266,6 +266,14 @@ def test_sidecar_refusals_are_counted_and_the_count_is_carried(reject: bool, mit
     assert "packets 0 bytes 0" in ruleset(cfg, DENY_ALL, dropped=-3)
 
 
+def test_sidecar_dns_mode_without_the_mitm_refuses_nothing() -> None:
+    script = ruleset(SidecarTable(table="T", mode="dns"), DENY_ALL, dropped=5)
+    assert "denied" not in script and "dropped" not in script
+    assert "add chain inet T denied" in ruleset(
+        SidecarTable(table="T", mode="dns", mitm_port=18081), DENY_ALL
+    )
+
+
 class ScriptKernel:
     def __init__(self) -> None:
         self.scripts: list[str] = []
