@@ -294,3 +294,25 @@ async def test_the_sidecar_engine_carries_the_count_over_every_rebuild() -> None
     assert (await engine.set_policy(parse_policy('{"defaultAction":"allow"}'))).status == 200
     assert "add counter inet T dropped { packets 5 bytes 0 }" in kernel.scripts[0]
     assert "add counter inet T dropped { packets 12 bytes 0 }" in kernel.scripts[1]
+
+
+async def test_sidecar_drops_metric_and_carry_over() -> None:
+    from egressd.metrics import EgressMetrics
+    from egressd.sidecar.visibility import SidecarDrops
+
+    metrics = EgressMetrics()
+    state: dict[str, int] | None = {"dropped": 7, "other": 1}
+
+    async def read() -> dict[str, int]:
+        if state is None:
+            raise OSError("no table")
+        return dict(state)
+
+    drops = SidecarDrops(metrics, read)
+    assert await drops.carried() == 7
+    await drops.refresh()
+    assert 'egressd_subject_dropped_packets_total{subject="s-sidecar"} 7' in metrics.render()
+    state = None
+    assert await drops.carried() == 0  # no table yet: a new table starts from 0
+    await drops.refresh()  # unreadable: the last value stays
+    assert 'egressd_subject_dropped_packets_total{subject="s-sidecar"} 7' in metrics.render()
