@@ -70,5 +70,6 @@ def sidecar_events(cfg: Config, metrics: EgressMetrics, forwarder: Forwarder) ->
             resolver=ForwarderResolver(forwarder),
         )
         log.info("webhook.enabled", webhook=display_url(cfg.deny_webhook), sandbox_id=cfg.sandbox_id or None)
-    sandbox_id = cfg.sandbox_id
+    # "or": unset is "" here (None once the parity settings own the variable): never null.
+    sandbox_id = cfg.sandbox_id or ""
     return DnsEvents(webhook=webhook, sandbox_id=lambda uid: sandbox_id)
