@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 from egressd.dnsproxy.upstreams import Upstream, UpstreamError, parse_upstreams
 from egressd.events.webhook import WebhookURLError, parse_webhook_url
 from egressd.vault.model import VaultLimits
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 class ConfigError(ValueError):
     """One-line reason the daemon refuses to start."""
+
+
+DEFAULT_MITM_CONFDIR = "/var/lib/egressd/mitm"
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +36,7 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("OPENSANDBOX_EGRESS_PROFILE", "--profile", "sidecar or fleet", "sidecar"),
+    Option("OPENSANDBOX_EGRESS_PROFILE", "--profile", "sidecar or fleet (fast-sandbox = fleet)", "sidecar"),
     Option("OPENSANDBOX_EGRESS_HTTP_ADDR", "--http-addr", "HTTP listener host:port (fleet 127.0.0.1:18080)"),
     Option(
         "EGRESSD_ALLOW_NON_LOOPBACK",
@@ -69,7 +76,12 @@ OPTIONS: tuple[Option, ...] = (
         "skip upstream TLS checks",
         boolean=True,
     ),
-    Option("EGRESSD_MITM_CONFDIR", "--mitm-confdir", "the MITM's private directory", "/var/lib/egressd/mitm"),
+    # No table default: set or not decides the precedence against its alias (below).
+    Option(
+        "EGRESSD_MITM_CONFDIR",
+        "--mitm-confdir",
+        f"the MITM's private directory (default {DEFAULT_MITM_CONFDIR!r})",
+    ),
     Option(
         "OPENSANDBOX_CREDENTIAL_PROXY_SOCKET",
         "--credential-proxy-socket",
@@ -151,17 +163,66 @@ OPTIONS: tuple[Option, ...] = (
         "http(s) URL that gets a JSON POST for every DNS name the policy denies",
     ),
     Option(
-        "OPENSANDBOX_EGRESS_SANDBOX_ID",
-        "--sandbox-id",
-        "sidecar: the sandbox id the deny webhook reports (the fleet reports each subject's uid)",
-    ),
-    Option(
         "EGRESSD_DENY_REJECT",
         "--deny-reject",
         "refuse denied TCP with a reset and other denied packets with ICMP admin-prohibited",
         boolean=True,
     ),
 )
+
+# Reference sidecar parity (issue 15 item 3): the variables the OpenSandbox server forwards to
+# its egress sidecar. Parsed by the parse_* functions at the end of this module.
+PARITY_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "OPENSANDBOX_EGRESS_MITMPROXY_CONFDIR",
+        "--mitmproxy-confdir",
+        "alias of EGRESSD_MITM_CONFDIR (both set and different: start-up error)",
+    ),
+    Option("OPENSANDBOX_EGRESS_LOG_LEVEL", "--log-level", "debug, info, warn, error or fatal", "info"),
+    Option(
+        "OPENSANDBOX_EGRESS_SANDBOX_ID",
+        "--sandbox-id",
+        "sandbox id: sandbox_id label on every metric and field on every log line (and the "
+        "sidecar's deny webhook sandboxId)",
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_METRICS_EXTRA_ATTRS",
+        "--metrics-extra-attrs",
+        "comma-separated key=value: constant labels on every metric, fields on every log line",
+        "",
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS",
+        "--mitmproxy-extra-ports",
+        "comma-separated TCP ports intercepted by the MITM besides 80 and 443 (at most 13)",
+        "",
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS",
+        "--credential-vault-require-tls",
+        "vault writes only from loopback or a trusted proxy asserting X-Forwarded-Proto: https (else 426)",
+        boolean=True,
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_SCOPED_MATCH",
+        "--credential-vault-require-scoped-match",
+        "every vault binding must list its methods and paths, and no path may be /*",
+        boolean=True,
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS",
+        "--credential-vault-trusted-proxy-cidrs",
+        "comma-separated IPs/CIDRs whose X-Forwarded-Proto: https counts as TLS",
+        "",
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT",
+        "--nameserver-exempt",
+        "comma-separated nameserver IPs sandboxes may query directly on port 53 (not proxied)",
+        "",
+    ),
+)
+OPTIONS = OPTIONS + PARITY_OPTIONS
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -206,14 +267,41 @@ class Config:
     max_leases: int = 4096  # EGRESSD_MAX_LEASES_PER_SUBJECT (BEHAVIOUR 14.4)
     vault_max_credentials: int = 256  # EGRESSD_VAULT_MAX_CREDENTIALS (BEHAVIOUR 14.7)
     vault_max_bindings: int = 256  # EGRESSD_VAULT_MAX_BINDINGS (BEHAVIOUR 14.7)
+    # Reference sidecar parity (issue 15 item 3).
+    log_level: int = logging.INFO  # OPENSANDBOX_EGRESS_LOG_LEVEL
+    sandbox_id: str | None = None  # OPENSANDBOX_EGRESS_SANDBOX_ID
+    metrics_extra_attrs: tuple[tuple[str, str], ...] = ()  # OPENSANDBOX_EGRESS_METRICS_EXTRA_ATTRS
+    mitm_extra_ports: tuple[int, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS
+    vault_require_tls: bool = False  # OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS
+    vault_require_scoped_match: bool = False  # ..._CREDENTIAL_VAULT_REQUIRE_SCOPED_MATCH
+    vault_trusted_proxies: tuple[IPNetwork, ...] = ()  # ..._CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS
+    nameserver_exempt: tuple[IPAddress, ...] = ()  # OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT
     # BEHAVIOUR §15. The webhook URL may carry a token: kept out of repr (and of every log).
     deny_webhook: str | None = field(default=None, repr=False)
-    sandbox_id: str = ""  # OPENSANDBOX_EGRESS_SANDBOX_ID
     deny_reject: bool = False  # EGRESSD_DENY_REJECT
 
     @property
     def vault_limits(self) -> VaultLimits:
-        return VaultLimits(credentials=self.vault_max_credentials, bindings=self.vault_max_bindings)
+        return VaultLimits(
+            credentials=self.vault_max_credentials,
+            bindings=self.vault_max_bindings,
+            require_scoped_match=self.vault_require_scoped_match,
+        )
+
+    @property
+    def metric_labels(self) -> tuple[tuple[str, str], ...]:
+        """Constant labels of every metric: ``sandbox_id`` first (when set), then the extra
+        attributes with their keys made Prometheus label names (the reference's OTel exporter
+        does the same: ``k8s.pod`` -> ``k8s_pod``)."""
+        out = [("sandbox_id", self.sandbox_id)] if self.sandbox_id is not None else []
+        out += [(label_name(k), v) for k, v in self.metrics_extra_attrs]
+        return tuple(out)
+
+    @property
+    def log_fields(self) -> dict[str, str]:
+        """Fields on every log line (the reference merges the same pairs into its root logger)."""
+        out = {"sandbox_id": self.sandbox_id} if self.sandbox_id is not None else {}
+        return out | dict(self.metrics_extra_attrs)
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -313,11 +401,116 @@ def parse_doh_blocklist(value: str) -> tuple[IPNetwork, ...]:
     return tuple(nets)
 
 
+#: The settings as read (flag, else environment, else default), before any check.
+Raw = Mapping[str, str | None]
+
+
+# Groups of Config fields, filled by the helpers below (typed, so mypy checks every name).
+class _Limits(TypedDict):
+    dns_qps_per_subject: int
+    refresh_interval: float
+    always_reload_interval: float
+
+
+class _Interception(TypedDict):
+    block_doh_443: bool
+    doh_blocklist: tuple[IPNetwork, ...]
+    mitm_transparent: bool
+    mitm_upstream_trust_dir: Path
+    mitm_ssl_insecure: bool
+    mitm_confdir: Path
+    credential_proxy_socket: Path
+
+
+class _Parity(TypedDict):
+    log_level: int
+    sandbox_id: str | None
+    metrics_extra_attrs: tuple[tuple[str, str], ...]
+    mitm_extra_ports: tuple[int, ...]
+    vault_require_tls: bool
+    vault_require_scoped_match: bool
+    vault_trusted_proxies: tuple[IPNetwork, ...]
+    nameserver_exempt: tuple[IPAddress, ...]
+
+
+class _Visibility(TypedDict):
+    deny_webhook: str | None
+    deny_reject: bool
+
+
+class _Caps(TypedDict):
+    max_rules: int
+    max_leases: int
+    vault_max_credentials: int
+    vault_max_bindings: int
+
+
+class _Host(TypedDict):
+    nft_table: str
+    always_rules_dir: Path
+    vault_keys_dir: Path | None
+    log_format: str
+    allow_bridge_bypass: bool
+    sidecar_keep_table: bool
+
+
 def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
+    # The helpers run in the order the settings were always checked, so a configuration
+    # with several mistakes still names the same one first.
     raw = raw_settings(env, argv)
+    profile = _profile(raw)
+    http_host, http_port, allow_non_loopback = _http_listener(raw, profile)
+    ttl = _pending_push_ttl(raw)
+    timeout = _dns_upstream_timeout(raw)
+    dns_host, dns_port = parse_hostport("EGRESSD_DNS_ADDR", raw["EGRESSD_DNS_ADDR"] or "0.0.0.0:15353")
+    mode = _choice(raw, "OPENSANDBOX_EGRESS_MODE", "dns+nft", ("dns", "dns+nft"), "dns or dns+nft")
+    table = _nft_table(raw, profile)
+    log_format = _choice(raw, "EGRESSD_LOG_FORMAT", "json", ("json", "console"), "json or console")
+    mitm_port = _int("OPENSANDBOX_EGRESS_MITMPROXY_PORT", raw["OPENSANDBOX_EGRESS_MITMPROXY_PORT"], 1, 65535)
+    if mitm_port in (http_port, dns_port):
+        raise ConfigError("OPENSANDBOX_EGRESS_MITMPROXY_PORT: collides with the HTTP or DNS port")
+    upstreams = _dns_upstreams(raw)
+    lease_min, lease_max = _lease_bounds(raw)
+    policy_file = raw["OPENSANDBOX_EGRESS_POLICY_FILE"]
+    return Config(
+        **_parity(raw, mitm_port),
+        dns_upstreams=upstreams,
+        dns_lease_min=lease_min,
+        dns_lease_max=lease_max,
+        **_visibility(raw),
+        **_limits(raw),
+        profile=profile,
+        http_host=http_host,
+        http_port=http_port,
+        allow_non_loopback=allow_non_loopback,
+        pending_push_ttl=ttl,
+        **_interception(raw),
+        mitm_port=mitm_port,
+        dns_upstream=raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM"],
+        dns_upstream_timeout=timeout,
+        dns_host=dns_host,
+        dns_port=dns_port,
+        token=raw["OPENSANDBOX_EGRESS_TOKEN"] or None,
+        rules=raw["OPENSANDBOX_EGRESS_RULES"],
+        policy_file=Path(policy_file) if policy_file else None,
+        mode=mode,
+        **_caps(raw),
+        **_host(raw, table, log_format),
+    )
+
+
+def _profile(raw: Raw) -> str:
     profile = (raw["OPENSANDBOX_EGRESS_PROFILE"] or "").strip().lower()
+    profile = PROFILE_ALIASES.get(profile, profile)
     if profile not in ("sidecar", "fleet"):
-        raise ConfigError(f"OPENSANDBOX_EGRESS_PROFILE: expected sidecar or fleet, got {profile!r}")
+        raise ConfigError(
+            f"OPENSANDBOX_EGRESS_PROFILE: expected sidecar, fleet or fast-sandbox, got {profile!r}"
+        )
+    return profile
+
+
+def _http_listener(raw: Raw, profile: str) -> tuple[str, int, bool]:
+    """(host, port, allow_non_loopback); the fleet API stays on loopback unless overridden."""
     http_default = "127.0.0.1:18080" if profile == "fleet" else "0.0.0.0:18080"
     http_host, http_port = parse_hostport(
         "OPENSANDBOX_EGRESS_HTTP_ADDR", raw["OPENSANDBOX_EGRESS_HTTP_ADDR"] or http_default
@@ -328,6 +521,10 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
             f"OPENSANDBOX_EGRESS_HTTP_ADDR: {http_host} is not loopback; the fleet API must not be reachable "
             "from sandboxes (set EGRESSD_ALLOW_NON_LOOPBACK=1 to override)"
         )
+    return http_host, http_port, allow_non_loopback
+
+
+def _pending_push_ttl(raw: Raw) -> int:
     ttl_text = (raw["OPENSANDBOX_EGRESS_PENDING_PUSH_TTL"] or "").strip()
     try:
         ttl = int(ttl_text)
@@ -335,17 +532,27 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         ttl = 30
     if ttl <= 0:
         ttl = 30  # BEHAVIOUR §4: default/<=0/invalid -> 30
+    return ttl
+
+
+def _dns_upstream_timeout(raw: Raw) -> float:
     try:
         timeout = float((raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT"] or "5").strip())
     except ValueError:
         timeout = 5.0
     if not timeout > 0:
         timeout = 5.0
-    timeout = min(timeout, 120.0)
-    dns_host, dns_port = parse_hostport("EGRESSD_DNS_ADDR", raw["EGRESSD_DNS_ADDR"] or "0.0.0.0:15353")
-    mode = (raw["OPENSANDBOX_EGRESS_MODE"] or "dns+nft").strip().lower()
-    if mode not in ("dns", "dns+nft"):
-        raise ConfigError(f"OPENSANDBOX_EGRESS_MODE: expected dns or dns+nft, got {mode!r}")
+    return min(timeout, 120.0)
+
+
+def _choice(raw: Raw, name: str, default: str, allowed: tuple[str, ...], expected: str) -> str:
+    value = (raw[name] or default).strip().lower()
+    if value not in allowed:
+        raise ConfigError(f"{name}: expected {expected}, got {value!r}")
+    return value
+
+
+def _nft_table(raw: Raw, profile: str) -> str:
     table = (
         raw["EGRESSD_NFT_TABLE"] or ("opensandbox-fleet" if profile == "fleet" else "opensandbox")
     ).strip()
@@ -356,75 +563,102 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         or len(table) > 64
     ):
         raise ConfigError(f"EGRESSD_NFT_TABLE: {table!r} is not a valid nft table name")
-    log_format = (raw["EGRESSD_LOG_FORMAT"] or "json").strip().lower()
-    if log_format not in ("json", "console"):
-        raise ConfigError(f"EGRESSD_LOG_FORMAT: expected json or console, got {log_format!r}")
-    policy_file = raw["OPENSANDBOX_EGRESS_POLICY_FILE"]
-    vault_dir = raw["EGRESSD_VAULT_KEYS_DIR"]
-    mitm_port = _int("OPENSANDBOX_EGRESS_MITMPROXY_PORT", raw["OPENSANDBOX_EGRESS_MITMPROXY_PORT"], 1, 65535)
-    if mitm_port in (http_port, dns_port):
-        raise ConfigError("OPENSANDBOX_EGRESS_MITMPROXY_PORT: collides with the HTTP or DNS port")
-    upstreams = None
-    if raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM"] is not None:
-        try:
-            upstreams = parse_upstreams(raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM"])
-        except UpstreamError as exc:
-            raise ConfigError(str(exc)) from None
+    return table
+
+
+def _dns_upstreams(raw: Raw) -> tuple[Upstream, ...] | None:
+    """None: not configured, the resolvers of /etc/resolv.conf are read at start-up."""
+    if raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM"] is None:
+        return None
+    try:
+        return parse_upstreams(raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM"])
+    except UpstreamError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _lease_bounds(raw: Raw) -> tuple[int, int]:
     lease_min = _int("EGRESSD_DNS_LEASE_MIN", raw["EGRESSD_DNS_LEASE_MIN"], 1, 86400)
     lease_max = _int("EGRESSD_DNS_LEASE_MAX", raw["EGRESSD_DNS_LEASE_MAX"], 1, 86400)
     if lease_min > lease_max:
         raise ConfigError("EGRESSD_DNS_LEASE_MIN is larger than EGRESSD_DNS_LEASE_MAX")
+    return lease_min, lease_max
+
+
+def _visibility(raw: Raw) -> _Visibility:
+    """BEHAVIOUR §15: the deny webhook (its URL may carry a token: never echoed) and the reject knob."""
     try:
         deny_webhook = parse_webhook_url(raw["OPENSANDBOX_EGRESS_DENY_WEBHOOK"])
     except WebhookURLError as exc:
         raise ConfigError(f"OPENSANDBOX_EGRESS_DENY_WEBHOOK: {exc}") from None
-    return Config(
+    return _Visibility(
         deny_webhook=deny_webhook,
-        sandbox_id=(raw["OPENSANDBOX_EGRESS_SANDBOX_ID"] or "").strip(),
         deny_reject=_bool("EGRESSD_DENY_REJECT", raw["EGRESSD_DENY_REJECT"]),
-        dns_upstreams=upstreams,
-        dns_lease_min=lease_min,
+    )
+
+
+def _limits(raw: Raw) -> _Limits:
+    return _Limits(
         # 0 switches the budget off (like OPENSANDBOX_EGRESS_MAX_RULES=0); a negative or
         # non-integer value refuses to start rather than silently running unlimited.
         dns_qps_per_subject=_int(
             "EGRESSD_DNS_QPS_PER_SUBJECT", raw["EGRESSD_DNS_QPS_PER_SUBJECT"], 0, 1_000_000
         ),
-        dns_lease_max=lease_max,
         refresh_interval=float(_int("EGRESSD_REFRESH_INTERVAL", raw["EGRESSD_REFRESH_INTERVAL"], 1, 3600)),
         always_reload_interval=float(
             _int(
                 "EGRESSD_ALWAYS_RULES_RELOAD_INTERVAL", raw["EGRESSD_ALWAYS_RULES_RELOAD_INTERVAL"], 1, 86400
             )
         ),
-        profile=profile,
-        http_host=http_host,
-        http_port=http_port,
-        allow_non_loopback=allow_non_loopback,
-        pending_push_ttl=ttl,
+    )
+
+
+def _interception(raw: Raw) -> _Interception:
+    """The DoH block and the MITM."""
+    return _Interception(
         block_doh_443=_bool("OPENSANDBOX_EGRESS_BLOCK_DOH_443", raw["OPENSANDBOX_EGRESS_BLOCK_DOH_443"]),
         doh_blocklist=parse_doh_blocklist(raw["OPENSANDBOX_EGRESS_DOH_BLOCKLIST"] or ""),
         mitm_transparent=_bool(
             "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT", raw["OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT"]
         ),
-        mitm_port=mitm_port,
         mitm_upstream_trust_dir=Path(
             raw["OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR"] or "/etc/ssl/certs"
         ),
         mitm_ssl_insecure=_bool(
             "OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE", raw["OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE"]
         ),
-        mitm_confdir=Path(raw["EGRESSD_MITM_CONFDIR"] or "/var/lib/egressd/mitm"),
+        mitm_confdir=mitm_confdir(raw),
         credential_proxy_socket=Path(
             raw["OPENSANDBOX_CREDENTIAL_PROXY_SOCKET"] or "/run/opensandbox/credential-proxy/active.sock"
         ),
-        dns_upstream=raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM"],
-        dns_upstream_timeout=timeout,
-        dns_host=dns_host,
-        dns_port=dns_port,
-        token=raw["OPENSANDBOX_EGRESS_TOKEN"] or None,
-        rules=raw["OPENSANDBOX_EGRESS_RULES"],
-        policy_file=Path(policy_file) if policy_file else None,
-        mode=mode,
+    )
+
+
+def _parity(raw: Raw, mitm_port: int) -> _Parity:
+    """The reference sidecar's variables (issue 15 item 3); see "Reference sidecar parity"."""
+    extra_ports = parse_extra_ports(raw["OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS"] or "", mitm_port)
+    return _Parity(
+        log_level=parse_log_level(raw["OPENSANDBOX_EGRESS_LOG_LEVEL"]),
+        sandbox_id=parse_sandbox_id(raw["OPENSANDBOX_EGRESS_SANDBOX_ID"]),
+        metrics_extra_attrs=parse_extra_attrs(raw["OPENSANDBOX_EGRESS_METRICS_EXTRA_ATTRS"] or ""),
+        mitm_extra_ports=extra_ports,
+        vault_require_tls=_bool(
+            "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS",
+            raw["OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS"],
+        ),
+        vault_require_scoped_match=_bool(
+            "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_SCOPED_MATCH",
+            raw["OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_SCOPED_MATCH"],
+        ),
+        vault_trusted_proxies=parse_networks(
+            "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS",
+            raw["OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS"] or "",
+        ),
+        nameserver_exempt=parse_nameserver_exempt(raw["OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT"] or ""),
+    )
+
+
+def _caps(raw: Raw) -> _Caps:
+    return _Caps(
         max_rules=_int("OPENSANDBOX_EGRESS_MAX_RULES", raw["OPENSANDBOX_EGRESS_MAX_RULES"], 0, 10_000_000),
         max_leases=_int(
             "EGRESSD_MAX_LEASES_PER_SUBJECT", raw["EGRESSD_MAX_LEASES_PER_SUBJECT"] or "4096", 1, 1_000_000
@@ -437,6 +671,13 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         vault_max_bindings=_int(
             "EGRESSD_VAULT_MAX_BINDINGS", raw["EGRESSD_VAULT_MAX_BINDINGS"] or "256", 1, 100_000
         ),
+    )
+
+
+def _host(raw: Raw, table: str, log_format: str) -> _Host:
+    """What the daemon keeps on this host: its table, its directories, its logs."""
+    vault_dir = raw["EGRESSD_VAULT_KEYS_DIR"]
+    return _Host(
         nft_table=table,
         always_rules_dir=Path(raw["EGRESSD_ALWAYS_RULES_DIR"] or "/var/egress/rules"),
         vault_keys_dir=Path(vault_dir) if vault_dir else None,
@@ -444,3 +685,197 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         allow_bridge_bypass=_bool("EGRESSD_ALLOW_BRIDGE_BYPASS", raw["EGRESSD_ALLOW_BRIDGE_BYPASS"]),
         sidecar_keep_table=_bool("EGRESSD_SIDECAR_KEEP_TABLE", raw["EGRESSD_SIDECAR_KEEP_TABLE"]),
     )
+
+
+# ---- reference sidecar parity (issue 15 item 3) ----------------------------------------------
+
+#: ``OPENSANDBOX_EGRESS_PROFILE`` values that name a profile by another name: the reference's
+#: newer name for the multi-sandbox profile.
+PROFILE_ALIASES: dict[str, str] = {"fast-sandbox": "fleet"}
+
+_LOG_LEVELS: dict[str, int] = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "fatal": logging.CRITICAL,
+}
+
+#: Label names a constant label may not take: Prometheus' own, and every label an egressd
+#: metric carries (a sample with one label twice is not valid exposition text).
+#: tests/unit/test_parity.py checks that every label of EgressMetrics is listed.
+RESERVED_LABELS: frozenset[str] = frozenset(
+    {
+        "le",
+        "quantile",
+        "state",
+        "operation",
+        "code",
+        "from",
+        "to",
+        "subject",
+        "layer",
+        "rule",
+        "reason",
+        "outcome",
+        "result",
+        "decision_id",
+        "sandbox_id",
+    }
+)
+#: The reference's iptables multiport cap (80 and 443 included), kept so a configuration moves
+#: between the two unchanged.
+MAX_MITM_PORTS = 15
+_ATTR_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+
+
+def mitm_confdir(raw: Mapping[str, str | None]) -> Path:
+    """``EGRESSD_MITM_CONFDIR`` or its reference alias ``OPENSANDBOX_EGRESS_MITMPROXY_CONFDIR``
+    (each: flag over env). One of them set: that one; both set to different directories:
+    refused, since nobody can tell which CA the operator meant to pin."""
+    ours = raw["EGRESSD_MITM_CONFDIR"] or ""
+    alias = raw["OPENSANDBOX_EGRESS_MITMPROXY_CONFDIR"] or ""
+    if ours and alias and Path(ours) != Path(alias):
+        raise ConfigError(
+            f"EGRESSD_MITM_CONFDIR ({ours!r}) and OPENSANDBOX_EGRESS_MITMPROXY_CONFDIR ({alias!r}) "
+            "name different directories; set one of them"
+        )
+    return Path(ours or alias or DEFAULT_MITM_CONFDIR)
+
+
+def parse_log_level(value: str | None) -> int:
+    """The reference's zap levels (``warning`` too); case-insensitive; unset/empty = info."""
+    text = (value or "").strip().lower() or "info"
+    if text not in _LOG_LEVELS:
+        raise ConfigError(
+            f"OPENSANDBOX_EGRESS_LOG_LEVEL: expected debug, info, warn, error or fatal, got {value!r}"
+        )
+    return _LOG_LEVELS[text]
+
+
+def _printable(name: str, value: str, limit: int) -> None:
+    if len(value) > limit:
+        raise ConfigError(f"{name}: longer than {limit} characters")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ConfigError(f"{name}: contains a control character")
+
+
+def parse_sandbox_id(value: str | None) -> str | None:
+    """Trimmed like the reference; empty = unset. It lands in every log line and metric."""
+    text = (value or "").strip()
+    if not text:
+        return None
+    _printable("OPENSANDBOX_EGRESS_SANDBOX_ID", text, 256)
+    return text
+
+
+def label_name(key: str) -> str:
+    """An attribute key as a Prometheus label name (``.`` and ``-`` become ``_``)."""
+    return key.replace(".", "_").replace("-", "_")
+
+
+def parse_extra_attrs(value: str) -> tuple[tuple[str, str], ...]:
+    """``k=v,k2=v2`` (each part trimmed, empty parts skipped), as the reference reads it; a part
+    it would skip silently (no ``=``, empty key or value) is refused here, like a key that is
+    no label name, a label egressd's metrics already use, or a key given twice."""
+    name = "OPENSANDBOX_EGRESS_METRICS_EXTRA_ATTRS"
+    out: list[tuple[str, str]] = []
+    labels: set[str] = set()
+    for raw_part in value.split(","):
+        part = raw_part.strip()
+        if not part:
+            continue
+        key, sep, val = part.partition("=")
+        key, val = key.strip(), val.strip()
+        if not sep or not key or not val:
+            raise ConfigError(f"{name}: expected key=value, got {part!r}")
+        label = label_name(key)
+        if not _ATTR_KEY.fullmatch(key) or label.startswith("__"):
+            raise ConfigError(f"{name}: {key!r} is not a valid label name")
+        if label in RESERVED_LABELS:
+            raise ConfigError(f"{name}: {key!r} is a label egressd's metrics already use")
+        if label in labels:
+            raise ConfigError(f"{name}: {key!r} is given twice")
+        _printable(name, val, 256)
+        labels.add(label)
+        out.append((key, val))
+    return tuple(out)
+
+
+def parse_extra_ports(value: str, mitm_port: int) -> tuple[int, ...]:
+    """The reference's rules: comma-separated integers 1..65535, no empty entry, no duplicate,
+    never 80 or 443 (always intercepted), at most 15 ports with those two. egressd also
+    refuses 53 and 853 (intercepting them would take DNS and DoT past their own rules) and the
+    MITM's own port."""
+    name = "OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS"
+    text = value.strip()
+    if not text:
+        return ()
+    seen = {80, 443}
+    out: list[int] = []
+    for raw_part in text.split(","):
+        part = raw_part.strip()
+        if not part:
+            raise ConfigError(f"{name}: empty entry in {value!r}")
+        port = _int(name, part, 1, 65535)
+        if port in seen:
+            raise ConfigError(f"{name}: duplicate or reserved port {port} (80/443 are always intercepted)")
+        if port in (53, 853, mitm_port):
+            raise ConfigError(f"{name}: port {port} cannot be intercepted (DNS, DoT or the MITM's own port)")
+        seen.add(port)
+        out.append(port)
+    if len(out) + 2 > MAX_MITM_PORTS:
+        raise ConfigError(f"{name}: {len(out) + 2} ports with 80 and 443, more than {MAX_MITM_PORTS}")
+    return tuple(out)
+
+
+def parse_networks(name: str, value: str) -> tuple[IPNetwork, ...]:
+    """Comma-separated IPs or CIDRs; an invalid entry refuses start-up (the reference skips it)."""
+    nets: list[IPNetwork] = []
+    for raw_part in value.split(","):
+        item = raw_part.strip()
+        if not item:
+            continue
+        try:
+            nets.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ConfigError(f"{name}: invalid entry {item!r}") from None
+    return tuple(nets)
+
+
+def parse_nameserver_exempt(value: str) -> tuple[IPAddress, ...]:
+    """Comma-separated nameserver IPs (the reference keeps single IPs only and skips anything
+    else; here a CIDR or junk refuses start-up instead of exempting less than was asked).
+    Duplicates collapse; unspecified, loopback and multicast addresses are no nameservers."""
+    name = "OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT"
+    out: list[IPAddress] = []
+    for raw_part in value.split(","):
+        item = raw_part.strip()
+        if not item:
+            continue
+        try:
+            ip = ipaddress.ip_address(item)
+        except ValueError:
+            raise ConfigError(f"{name}: {item!r} is not an IP address") from None
+        if ip.is_unspecified or ip.is_loopback or ip.is_multicast:
+            raise ConfigError(f"{name}: {item} cannot be a nameserver")
+        if ip not in out:
+            out.append(ip)
+    return tuple(out)
+
+
+def ignored_settings(cfg: Config) -> list[str]:
+    """Parity settings that have no effect with the rest of ``cfg`` (logged at start-up, so
+    nothing is ignored silently). None of them weakens enforcement by being ignored."""
+    notes = []
+    if cfg.mitm_extra_ports and not cfg.mitm_transparent:
+        notes.append(
+            "OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS: the MITM is off (OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT)"
+        )
+    if cfg.vault_trusted_proxies and not cfg.vault_require_tls:
+        notes.append(
+            "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS: only read with "
+            "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS on"
+        )
+    return notes

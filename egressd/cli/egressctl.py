@@ -369,6 +369,25 @@ def _report(ctx: Context, resp: Response, method: str, path: str, *, success: bo
 # --------------------------------------------------------------------------- status
 
 
+def _subjects_summary(subjects: list[dict[str, Any]], extra: dict[str, Any], drops: bool) -> dict[str, Any]:
+    """``egressctl status --json``'s subjects object; the refusal counts when the daemon has them."""
+    out: dict[str, Any] = {"total": len(subjects), "byState": _state_counter(subjects)}
+    if drops:
+        out["droppedPackets"] = _total_dropped(subjects)
+        out["unattributedDroppedPackets"] = extra.get("unattributedDroppedPackets")
+    return out
+
+
+def _dropped_line(subjects: list[dict[str, Any]], extra: dict[str, Any]) -> list[tuple[str, str]]:
+    return [
+        (
+            "dropped",
+            f"{_total_dropped(subjects)} packets by subjects, "
+            f"{_cell(extra.get('unattributedDroppedPackets'))} unattributed",
+        )
+    ]
+
+
 def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
     resp = ctx.client.get(STATUS_PATH)
     _expect_ok(resp, "GET", STATUS_PATH)
@@ -397,20 +416,7 @@ def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
                 "status": status,
                 "healthy": healthy,
                 "health": health_text,
-                "subjects": None
-                if subjects is None
-                else {
-                    "total": len(subjects),
-                    "byState": _state_counter(subjects),
-                    **(
-                        {
-                            "droppedPackets": _total_dropped(subjects),
-                            "unattributedDroppedPackets": extra.get("unattributedDroppedPackets"),
-                        }
-                        if drops
-                        else {}
-                    ),
-                },
+                "subjects": None if subjects is None else _subjects_summary(subjects, extra, drops),
             }
         )
     else:
@@ -428,17 +434,7 @@ def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
                         if subjects is not None
                         else f"unavailable ({subjects_error})",
                     ),
-                    *(
-                        [
-                            (
-                                "dropped",
-                                f"{_total_dropped(subjects or [])} packets by subjects, "
-                                f"{_cell(extra.get('unattributedDroppedPackets'))} unattributed",
-                            )
-                        ]
-                        if drops
-                        else []
-                    ),
+                    *(_dropped_line(subjects or [], extra) if drops else []),
                 ]
             )
         )

@@ -11,7 +11,8 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from egressd.actionhandler.control import ControlPlane, Result
+from egressd.actionhandler.api import Result
+from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import (
     API_VERSION,
     MAX_BODY_BYTES,
@@ -26,6 +27,7 @@ from egressd.metrics import OPENMETRICS_CONTENT_TYPE, EgressMetrics
 from egressd.subject.model import subject_for_uid
 from egressd.web.body import BodyTooLarge, incomplete, read_limited, text
 from egressd.web.serving import BodyIncomplete, InFlight
+from egressd.web.transport import FORWARDED_PROTO, VaultTransport
 from egressd.web.vaultapi import Reply
 
 log = structlog.get_logger("egressd.http")
@@ -58,9 +60,11 @@ class FleetHTTP:
         proxy: ProxyRouteAPI | None = None,
         mitm_ca: Callable[[], tuple[str, str] | None] | None = None,
         before_scrape: Callable[[], Awaitable[None]] | None = None,
+        vault_transport: VaultTransport | None = None,
         annotate_subjects: Callable[[list[dict[str, Any]]], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
         self.proxy = proxy
+        self.vault_transport = vault_transport or VaultTransport()
         # Adds kernel drop counts and recent denials to /v1/subjects (BEHAVIOUR §15).
         self._annotate_subjects = annotate_subjects
         # () -> (public certificate PEM, SHA-256 hex of its DER), or None while the MITM is off.
@@ -134,7 +138,10 @@ class FleetHTTP:
     async def _proxy_reply(self, request: web.Request, body: bytes) -> Reply:
         assert self.proxy is not None
         try:
-            return await self.proxy.handle(request.method, request.rel_url.raw_path, request.headers, body)
+            secure = self.vault_transport.allows(request.remote, request.headers.get(FORWARDED_PROTO))
+            return await self.proxy.handle(
+                request.method, request.rel_url.raw_path, request.headers, body, secure_transport=secure
+            )
         except Exception:
             log.exception("proxy_route.crashed", method=request.method)
             return Reply(500, text="internal error")
@@ -187,7 +194,7 @@ class FleetHTTP:
         """Operator view for egressctl (loopback only, like the rest of the fleet API)."""
         if request.method != "GET":
             return text(405, "method not allowed", headers={"Allow": "GET"})
-        subjects = self.control.describe()
+        subjects = self.control.report.describe()
         extra = await self._annotate_subjects(subjects) if self._annotate_subjects is not None else {}
         return web.json_response({"subjects": subjects, **extra})
 
@@ -202,13 +209,13 @@ class FleetHTTP:
         target = request.query.get("target", "").strip()
         if not target:
             return text(400, "target (a name or an IP) is required")
-        doc = self.control.explain(ip, target)
+        doc = self.control.report.explain(ip, target)
         try:
             target_ip = ipaddress.ip_address(target.split("/", 1)[0])
         except ValueError:
             target_ip = None  # a name: the kernel holds addresses, not names
         if target_ip is not None:
-            doc["kernelView"] = await self.control.kernel_membership(ip, target_ip)
+            doc["kernelView"] = await self.control.report.kernel_membership(ip, target_ip)
         return web.json_response(doc)
 
     async def mitm_ca(self, request: web.Request) -> web.Response:

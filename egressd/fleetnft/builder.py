@@ -76,7 +76,7 @@ from egressd.kernel.ops import (
     MatchRule,
     NetlinkBatch,
     Op,
-    Outcome,
+    RuleAction,
     VerdictRule,
 )
 from egressd.policy import (
@@ -135,6 +135,25 @@ class TableConfig:
     max_leases: int = 4096
     # EGRESSD_DENY_REJECT (BEHAVIOUR §15): refuse with a TCP reset / ICMP admin-prohibited.
     deny_reject: bool = False
+    # OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS: intercepted like 80 and 443 (MITM on).
+    mitm_extra_ports: tuple[int, ...] = ()
+    # OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT: registered sandboxes may query these directly on
+    # port 53 (udp and tcp), nothing else of them; the lateral drops still come first (14.2).
+    nameserver_exempt: tuple[IPAddress, ...] = ()
+    # The self-test found that re-adding a timed element does not extend it (egressd.kernel.renewal).
+    renew_by_replace: bool = False
+
+
+def mitm_ports(cfg: TableConfig) -> str:
+    """The intercepted TCP destination ports as an nft set literal."""
+    return "{ " + ", ".join(str(p) for p in (80, 443, *cfg.mitm_extra_ports)) + " }"
+
+
+def _exempt_literal(cfg: TableConfig, fam: str) -> str | None:
+    """The exempt nameservers of one family as an anonymous nft set, or None."""
+    version = 4 if fam == "v4" else 6
+    ips = [str(ip) for ip in cfg.nameserver_exempt if ip.version == version]
+    return "{ " + ", ".join(ips) + " }" if ips else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +207,12 @@ class Names:
         # The nft id is unique among registered subjects and already log-safe ([a-z0-9_]);
         # cut so the prefix fits the kernel's 127 bytes (the counter names stay exact).
         return f"{AUDIT_LOG_PREFIX}{self.nft_id[:100]} "
+
+
+def subject_set(nft_id: str, kind: str, fam: str) -> str:
+    """``subj_<id>_<kind>_<fam>``: one of a subject's sets (``kind`` one of allow, deny, wdeny,
+    audit, dyn; ``fam`` v4 or v6)."""
+    return Names(nft_id).set(f"{kind}_{fam}")
 
 
 def audit_counter_subject(name: str) -> tuple[str, str] | None:
@@ -326,6 +351,16 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     if delete_existing:
         s.add(f"delete table inet {cfg.table}")
     s.add(f"add table inet {cfg.table}")
+    doh = _split_doh(cfg.doh_blocklist)
+    _header_objects(s, cfg, doh)
+    _marking_chain(s, cfg)
+    _filter_chains(s, cfg, doh)
+    _nat_chain(s, cfg)
+    return s.text()
+
+
+def _header_objects(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> None:
+    """The table-wide maps and sets, empty but for the DoH blocklist."""
     for fam in ("v4", "v6"):
         s.obj("add", "map", _vmap_decl(marking_map(fam), fam))
         s.obj("add", "map", _vmap_decl(dispatch_map(fam), fam))
@@ -336,18 +371,33 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
             s.obj("add", "map", _vmap_decl(mitm_in_map(fam), fam))
             s.obj("add", "set", _plain_set_decl(mitm_src_set(fam), fam))
         s.obj("add", "map", _counter_map_decl(drop_counter_map(fam), fam))
-    doh = _split_doh(cfg.doh_blocklist)
     if cfg.block_doh_443 and cfg.doh_blocklist:
         for fam in ("v4", "v6"):
             s.obj("add", "set", _set_decl(doh_set(fam), fam, "interval", doh[fam]))
     _denial_chains(s, cfg)
 
+
+def _marking_chain(s: _Script, cfg: TableConfig) -> None:
     # Prerouting: clear our bit first, so only this table's rules can grant it.
     s.obj("add", "chain", "marking { type filter hook prerouting priority 0; policy accept; }")
     s.rule("marking", f"meta mark set meta mark & {~ALLOW_MARK & 0xFFFFFFFF:#010x}")
+    for fam in ("v4", "v6"):
+        exempt = _exempt_literal(cfg, fam)
+        if exempt is not None:
+            # Direct DNS of a registered sandbox to an exempt nameserver passes the
+            # unmarked-drop tail; the forward hook's lateral drops and the subject's deny
+            # sets are still judged before it (the DNS proxy is simply not involved).
+            s.rule(
+                "marking",
+                f"{l3_of(fam)} saddr @{sandbox_set(fam)} {l3_of(fam)} daddr {exempt} "
+                f"meta l4proto {{ tcp, udp }} th dport 53 meta mark set meta mark | {ALLOW_MARK:#x}",
+            )
     s.rule("marking", f"ip saddr vmap @{marking_map('v4')}")
     s.rule("marking", f"ip6 saddr vmap @{marking_map('v6')}")
 
+
+def _filter_chains(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> None:
+    """The forward hook (``dispatch``) and the input hook, in the order their rules apply."""
     s.obj("add", "chain", "dispatch { type filter hook forward priority 0; policy accept; }")
     s.rule("dispatch", "ct state established,related accept")
     s.rule("dispatch", f"tcp dport 853 {REFUSE}")
@@ -360,23 +410,7 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     # packets of the flows sandbox_in accepted.
     s.rule("input", "ct state established,related accept")
     if cfg.block_doh_443:
-        if not cfg.doh_blocklist:
-            s.rule("dispatch", f"tcp dport 443 {REFUSE}")
-            if cfg.mitm:
-                # nft 1.0.6 cannot type "ct original proto-dst 443" without a protocol
-                # context ("Can't parse symbolic invalid expressions"): give it tcp.
-                s.rule("input", f"meta l4proto tcp ct status dnat ct original proto-dst 443 {REFUSE}")
-        else:
-            for fam in ("v4", "v6"):
-                if not doh[fam]:
-                    continue
-                s.rule("dispatch", f"{l3_of(fam)} daddr @{doh_set(fam)} tcp dport 443 {REFUSE}")
-                if cfg.mitm:
-                    s.rule(
-                        "input",
-                        f"meta l4proto tcp ct status dnat ct original {l3_of(fam)} daddr @{doh_set(fam)} "
-                        f"ct original proto-dst 443 {REFUSE}",
-                    )
+        _doh_drops(s, cfg, doh)
     # Sandboxes never reach each other, whatever their egress policy says (defaultAction
     # allow or a CIDR covering the sandbox subnet would otherwise open lateral movement).
     s.rule("dispatch", f"ip daddr @{sandbox_set('v4')} {REFUSE}")
@@ -388,30 +422,55 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     s.rule("dispatch", f"meta mark & {ALLOW_MARK:#x} != {ALLOW_MARK:#x} {REFUSE}")
     _sandbox_input(s, cfg)
 
+
+def _doh_drops(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> None:
+    """TCP 443 to the DoH blocklist (to anything without a list), forwarded or intercepted."""
+    if not cfg.doh_blocklist:
+        s.rule("dispatch", f"tcp dport 443 {REFUSE}")
+        if cfg.mitm:
+            # nft 1.0.6 cannot type "ct original proto-dst 443" without a protocol
+            # context ("Can't parse symbolic invalid expressions"): give it tcp.
+            s.rule("input", f"meta l4proto tcp ct status dnat ct original proto-dst 443 {REFUSE}")
+        return
+    for fam in ("v4", "v6"):
+        if not doh[fam]:
+            continue
+        s.rule("dispatch", f"{l3_of(fam)} daddr @{doh_set(fam)} tcp dport 443 {REFUSE}")
+        if cfg.mitm:
+            s.rule(
+                "input",
+                f"meta l4proto tcp ct status dnat ct original {l3_of(fam)} daddr @{doh_set(fam)} "
+                f"ct original proto-dst 443 {REFUSE}",
+            )
+
+
+def _nat_chain(s: _Script, cfg: TableConfig) -> None:
+    """The DNS redirect per gateway and, with the MITM, the 80/443 interception."""
     s.obj("add", "chain", "nat { type nat hook prerouting priority dstnat; policy accept; }")
     for fam in ("v4", "v6"):
         for proto in ("udp", "tcp"):
             s.rule(
                 "nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} {proto} dport 53 redirect to :{cfg.dns_port}"
             )
-    if cfg.mitm:
-        # REDIRECT (to the address of the interface the packet came in on: the sandbox's
-        # gateway) instead of a per-source DNAT target: the source set carries no data, so
-        # a gateway change can never collide with an existing element.
-        # Never intercept what is not upstream (§14.2): the MITM would connect to the pod
-        # itself (any local address, loopback included) or to a sibling sandbox on the
-        # sandbox's behalf. Left alone, such packets meet sandbox_in's drop or the forward
-        # drop of sandbox destinations.
-        s.rule("nat", "fib daddr type local tcp dport { 80, 443 } return")
-        for fam in ("v4", "v6"):
-            s.rule("nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} tcp dport {{ 80, 443 }} return")
-            s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_set(fam)} tcp dport {{ 80, 443 }} return")
-            s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} tcp dport {{ 80, 443 }} return")
-            s.rule(
-                "nat",
-                f"{l3_of(fam)} saddr @{mitm_src_set(fam)} tcp dport {{ 80, 443 }} redirect to :{cfg.mitm_port}",
-            )
-    return s.text()
+    if not cfg.mitm:
+        return
+    # REDIRECT (to the address of the interface the packet came in on: the sandbox's
+    # gateway) instead of a per-source DNAT target: the source set carries no data, so
+    # a gateway change can never collide with an existing element.
+    # Never intercept what is not upstream (§14.2): the MITM would connect to the pod
+    # itself (any local address, loopback included) or to a sibling sandbox on the
+    # sandbox's behalf. Left alone, such packets meet sandbox_in's drop or the forward
+    # drop of sandbox destinations.
+    ports = mitm_ports(cfg)
+    s.rule("nat", f"fib daddr type local tcp dport {ports} return")
+    for fam in ("v4", "v6"):
+        s.rule("nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} tcp dport {ports} return")
+        s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_set(fam)} tcp dport {ports} return")
+        s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} tcp dport {ports} return")
+        s.rule(
+            "nat",
+            f"{l3_of(fam)} saddr @{mitm_src_set(fam)} tcp dport {ports} redirect to :{cfg.mitm_port}",
+        )
 
 
 def l3_of(fam: str) -> str:
@@ -498,11 +557,11 @@ def subject_rules(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
     ops: list[Op] = []
     for fam in ("v4", "v6"):
         ops.append(
-            AddRule(n.chain, MatchRule(fam, n.set(f"deny_{fam}"), Outcome.DROP, drop_chain=DENIED_CHAIN))
+            AddRule(n.chain, MatchRule(fam, n.set(f"deny_{fam}"), RuleAction.DROP, drop_chain=DENIED_CHAIN))
         )
     for kind in ("allow", "dyn"):
         for fam in ("v4", "v6"):
-            ops.append(AddRule(n.mark_chain, MatchRule(fam, n.set(f"{kind}_{fam}"), Outcome.MARK)))
+            ops.append(AddRule(n.mark_chain, MatchRule(fam, n.set(f"{kind}_{fam}"), RuleAction.MARK)))
     # A user-denied prefix is logged even inside an allowed one (deny beats allow, as enforced).
     for fam in ("v4", "v6"):
         audit = AuditRule(fam, n.set(f"wdeny_{fam}"), n.set(f"deny_{fam}"), n.log_prefix, n.counter("deny"))
@@ -519,18 +578,24 @@ def subject_rules(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
         ops.append(AddRule(n.mark_chain, audit))
     if cfg.mitm:
         in_rules = (
-            ("deny", Outcome.DROP),
-            ("wdeny", Outcome.DROP),
-            ("dyn", Outcome.ACCEPT),
-            ("allow", Outcome.ACCEPT),
+            ("deny", RuleAction.DROP),
+            ("wdeny", RuleAction.DROP),
+            ("dyn", RuleAction.ACCEPT),
+            ("allow", RuleAction.ACCEPT),
         )
         for kind, outcome in in_rules:
-            via = DENIED_CHAIN if outcome is Outcome.DROP else ""
+            via = DENIED_CHAIN if outcome is RuleAction.DROP else ""
             for fam in ("v4", "v6"):
                 rule = MatchRule(fam, n.set(f"{kind}_{fam}"), outcome, ct_original=True, drop_chain=via)
                 ops.append(AddRule(n.in_chain, rule))
-        ops.append(AddRule(n.in_chain, VerdictRule(Outcome.DROP, drop_chain=DENIED_CHAIN)))
+        ops.append(AddRule(n.in_chain, VerdictRule(RuleAction.DROP, drop_chain=DENIED_CHAIN)))
     return NetlinkBatch(cfg.table, tuple(ops))
+
+
+def rules_per_subject(cfg: TableConfig) -> int:
+    """How many rules one installed subject adds to the table: its fixed rules, counted from
+    :func:`subject_rules` itself so the metric can never drift from what is installed."""
+    return len(subject_rules(cfg, "0").ops)
 
 
 def subject_keys(cfg: TableConfig, subj: SubjectNft) -> NetlinkBatch:
@@ -743,12 +808,23 @@ def dyn_replace(table: str, nft_id: str, kept: Sequence[tuple[IPAddress, int]]) 
     return flush + dyn_add(table, nft_id, kept)
 
 
-def dyn_add(table: str, nft_id: str, leases: Sequence[tuple[IPAddress, int]]) -> NetlinkBatch:
-    """DNS learning (§7): addresses with per-element timeouts; re-adding refreshes the expiry."""
+def dyn_add(
+    table: str, nft_id: str, leases: Sequence[tuple[IPAddress, int]], *, replace: bool = False
+) -> NetlinkBatch:
+    """DNS learning (§7) and renewal (§9): addresses with per-element timeouts.
+
+    ``replace`` False: one add, which also sets a new expiry on an existing element where the
+    kernel supports that. True (the self-test found it does not, egressd.kernel.renewal):
+    add (so each element exists), delete, add again, in the caller's one transaction."""
     n = Names(nft_id)
     ops: list[Op] = []
     for fam in ("v4", "v6"):
         mine = tuple((ip, sec) for ip, sec in leases if family(ip) == fam)
-        if mine:
-            ops.append(AddTimed(n.set(f"dyn_{fam}"), fam, mine))
+        if not mine:
+            continue
+        name = n.set(f"dyn_{fam}")
+        ops.append(AddTimed(name, fam, mine))
+        if replace:
+            ops += [DeleteElement(name, ip) for ip, _ in mine]
+            ops.append(AddTimed(name, fam, mine))
     return NetlinkBatch(table, tuple(ops))

@@ -13,12 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from egressd.fleetnft.builder import Names, dyn_add
 from egressd.kernel.applier import NftError
+from egressd.kernel.netlink import SetElement
 from egressd.kernel.ops import (
     AddCounter,
     AddCounterRef,
     AddIntervals,
     AddRule,
+    AddSet,
     AddTimed,
     AuditRule,
     DeleteChain,
@@ -27,9 +30,10 @@ from egressd.kernel.ops import (
     FlushSet,
     MatchRule,
     NetlinkBatch,
-    Outcome,
+    RuleAction,
     VerdictRule,
 )
+from egressd.kernel.renewal import PROBE_FIRST_S, PROBE_SECOND_S, LeaseRenewal, extended
 
 
 class SelfTestError(RuntimeError):
@@ -140,6 +144,13 @@ def _probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} c1 ip daddr @iv4 meta mark set 0x2\n"
             f"add rule inet {t} fwd_ meta mark & 0x2 != 0x2 drop",
         ),
+        *_match_probes(t),
+    ]
+
+
+def _match_probes(t: str) -> list[tuple[str, str]]:
+    """Matches, marks and NAT, on the objects :func:`_probes` declared before them."""
+    return [
         (
             "conntrack matches",
             f"add rule inet {t} fwd_ ct state established,related accept\n"
@@ -147,6 +158,12 @@ def _probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} in_ tcp dport 18081 ct status dnat ip saddr vmap @vm\n"
             f"add rule inet {t} c2 udp dport 15353 ct status dnat ct original proto-dst 53 accept\n"
             f"add rule inet {t} c2 icmpv6 type {{ nd-neighbor-solicit, nd-neighbor-advert }} ip6 hoplimit 255 accept",
+        ),
+        (
+            # OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT's marking rule.
+            "transport-header port matches",
+            f"add rule inet {t} pre ip daddr {{ 192.0.2.53 }} meta l4proto {{ tcp, udp }} th dport 53 "
+            "meta mark set meta mark | 0x2",
         ),
         (
             "redirect/DNAT (nat hook)",
@@ -177,30 +194,51 @@ def _probes(t: str) -> list[tuple[str, str]]:
     ]
 
 
-def run_selftest(
-    cmd: Callable[[str], None],
+PROBE_SUBJECT = "renewal_probe"
+PROBE_IP = ipaddress.IPv4Address("192.0.2.9")
+
+
+def probe_lease_renewal(
     batch: Callable[[NetlinkBatch], None],
-    *,
-    table_prefix: str,
-) -> None:
-    """Probe the kernel through the same paths the daemon uses; raise SelfTestError."""
-    t = f"{table_prefix}-selftest-{os.getpid()}"
-    try:
-        cmd(f"add table inet {t}\ndelete table inet {t}")
-    except NftError as exc:
-        raise SelfTestError(f"nftables unusable in this namespace (need CAP_NET_ADMIN): {exc}") from None
-    v4 = ipaddress.IPv4Network
-    netlink_probes: list[tuple[str, NetlinkBatch]] = [
+    elements: Callable[[str, str], list[SetElement]],
+    table: str,
+) -> LeaseRenewal:
+    """Whether this kernel extends a lease the way :func:`dyn_add` renews one (§9), in a scratch
+    dyn set of ``table``: add with a short timeout, add again with a long one, read the expiry
+    back (one netlink dump). If it did not move, the same with ``replace=True`` must move it."""
+    name = Names(PROBE_SUBJECT).set("dyn_v4")
+
+    def expiry() -> int | None:
+        hit = next((e for e in elements(table, name) if e.key == PROBE_IP.packed), None)
+        return hit.expires_ms if hit is not None else None
+
+    batch(NetlinkBatch(table, (AddSet(name, "v4", "timeout", 360),)))
+    batch(dyn_add(table, PROBE_SUBJECT, [(PROBE_IP, PROBE_FIRST_S)]))
+    batch(dyn_add(table, PROBE_SUBJECT, [(PROBE_IP, PROBE_SECOND_S)]))
+    if extended(expiry()):
+        return LeaseRenewal.READD
+    batch(dyn_add(table, PROBE_SUBJECT, [(PROBE_IP, PROBE_SECOND_S)], replace=True))
+    if extended(expiry()):
+        return LeaseRenewal.REPLACE
+    raise SelfTestError(
+        "kernel feature missing: timed set element renewal (neither a re-add nor delete+add "
+        "extended a DNS lease)"
+    )
+
+
+def _netlink_probes(t: str) -> list[tuple[str, NetlinkBatch]]:
+    """The raw netlink batches, run after :func:`_probes` built the objects they name."""
+    return [
         (
             "netlink rules (set lookups, marks, conntrack original destination)",
             NetlinkBatch(
                 t,
                 (
-                    AddRule("c1", MatchRule("v4", "iv4", Outcome.DROP)),
-                    AddRule("c1", MatchRule("v6", "iv6", Outcome.DROP)),
-                    AddRule("c1", MatchRule("v4", "iv4", Outcome.MARK)),
-                    AddRule("c2", MatchRule("v4", "iv4", Outcome.ACCEPT, ct_original=True)),
-                    AddRule("c2", VerdictRule(Outcome.DROP)),
+                    AddRule("c1", MatchRule("v4", "iv4", RuleAction.DROP)),
+                    AddRule("c1", MatchRule("v6", "iv6", RuleAction.DROP)),
+                    AddRule("c1", MatchRule("v4", "iv4", RuleAction.MARK)),
+                    AddRule("c2", MatchRule("v4", "iv4", RuleAction.ACCEPT, ct_original=True)),
+                    AddRule("c2", VerdictRule(RuleAction.DROP)),
                 ),
             ),
         ),
@@ -210,11 +248,19 @@ def run_selftest(
                 t,
                 (
                     AddCounterRef("cm", ipaddress.IPv4Address("10.0.0.5"), "k0"),
-                    AddRule("c2", MatchRule("v4", "iv4", Outcome.DROP, ct_original=True, drop_chain="dv")),
-                    AddRule("c2", VerdictRule(Outcome.DROP, drop_chain="dv")),
+                    AddRule("c2", MatchRule("v4", "iv4", RuleAction.DROP, ct_original=True, drop_chain="dv")),
+                    AddRule("c2", VerdictRule(RuleAction.DROP, drop_chain="dv")),
                 ),
             ),
         ),
+        *_netlink_content_probes(t),
+    ]
+
+
+def _netlink_content_probes(t: str) -> list[tuple[str, NetlinkBatch]]:
+    """Audit rules and element changes, on the objects the earlier probes built."""
+    v4 = ipaddress.IPv4Network
+    return [
         (
             "netlink audit rules (counter objects, log, inverted lookups, ct state, mark tests)",
             NetlinkBatch(
@@ -253,6 +299,23 @@ def run_selftest(
             ),
         ),
     ]
+
+
+def run_selftest(
+    cmd: Callable[[str], None],
+    batch: Callable[[NetlinkBatch], None],
+    *,
+    table_prefix: str,
+    elements: Callable[[str, str], list[SetElement]],
+) -> LeaseRenewal:
+    """Probe the kernel through the same paths the daemon uses; raise SelfTestError. Returns
+    how DNS leases are to be renewed on it (``elements`` reads one set back)."""
+    t = f"{table_prefix}-selftest-{os.getpid()}"
+    try:
+        cmd(f"add table inet {t}\ndelete table inet {t}")
+    except NftError as exc:
+        raise SelfTestError(f"nftables unusable in this namespace (need CAP_NET_ADMIN): {exc}") from None
+    netlink_probes = _netlink_probes(t)
     try:
         for feature, script in _probes(t):
             try:
@@ -268,6 +331,12 @@ def run_selftest(
             batch(NetlinkBatch(t, (DeleteChain("c1"), DeleteSet("iv6"))))
         except Exception as exc:
             raise SelfTestError(f"kernel feature missing: netlink delete batches: {exc}") from None
+        try:
+            return probe_lease_renewal(batch, elements, t)
+        except SelfTestError:
+            raise
+        except Exception as exc:
+            raise SelfTestError(f"kernel feature missing: timed set element renewal: {exc}") from None
     finally:
         with contextlib.suppress(NftError):
             cmd(f"delete table inet {t}")

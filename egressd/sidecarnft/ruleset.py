@@ -76,6 +76,24 @@ class SidecarTable:
     max_leases: int = 4096
     #: EGRESSD_DENY_REJECT (BEHAVIOUR §15): refuse with a TCP reset / ICMP admin-prohibited.
     deny_reject: bool = False
+    #: OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS: intercepted like 80 and 443 (MITM on).
+    mitm_extra_ports: tuple[int, ...] = ()
+    #: OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT: the app's DNS to these is not redirected to the
+    #: proxy, and (dns+nft) they are reachable on port 53 only, after the deny sets.
+    nameserver_exempt: tuple[IPAddress, ...] = ()
+    #: Re-adding a timed element does not extend it here (egressd.kernel.renewal).
+    renew_by_replace: bool = False
+
+
+def _mitm_ports(cfg: SidecarTable) -> str:
+    return "{ " + ", ".join(str(p) for p in (80, 443, *cfg.mitm_extra_ports)) + " }"
+
+
+def _exempt(cfg: SidecarTable, fam: str) -> str | None:
+    """Exempt nameservers of one family as an anonymous nft set, or None."""
+    version = 4 if fam == "v4" else 6
+    ips = [str(ip) for ip in cfg.nameserver_exempt if ip.version == version]
+    return "{ " + ", ".join(ips) + " }" if ips else None
 
 
 def _fam(net: IPNetwork | IPAddress) -> str:
@@ -141,6 +159,30 @@ def ruleset(
     ``dropped``: the refusal count of the table being replaced, carried over.
     """
     t = cfg.table
+    doh = _split(cfg.doh_blocklist)
+    lines = [f"add table inet {t}", f"delete table inet {t}", f"add table inet {t}"]
+    lines += _set_declarations(cfg, policy, leases, doh)
+    if cfg.mode == "dns+nft" or cfg.mitm_port is not None:  # something refuses packets
+        lines += _denied_chain(cfg, dropped)
+    lines += _redirect_chain(cfg)
+    if cfg.mitm_port is not None:
+        lines += _mitm_input_chain(cfg, cfg.mitm_port)
+    if cfg.mode != "dns":
+        lines += _filter_chain(cfg, policy, doh)
+    return "\n".join(lines) + "\n"
+
+
+def _rule(t: str, chain: str, body: str) -> str:
+    return f"add rule inet {t} {chain} {body}"
+
+
+def _set_declarations(
+    cfg: SidecarTable,
+    policy: NetworkPolicy,
+    leases: Sequence[tuple[IPAddress, float]],
+    doh: dict[str, list[str]],
+) -> list[str]:
+    t = cfg.table
     sets = ip_sets(policy)
     resolvers = [ipaddress.ip_network(ip) for ip in cfg.resolvers]
     allow = _split([*sets.allow_v4, *sets.allow_v6, *resolvers])
@@ -149,96 +191,127 @@ def ruleset(
     for ip, seconds in leases:
         if seconds > 0:
             dyn[_fam(ip)].append(lease_element(ip, seconds))
-
-    lines = [f"add table inet {t}", f"delete table inet {t}", f"add table inet {t}"]
+    lines = []
     for fam in ("v4", "v6"):
         lines.append(_interval_set(t, f"allow_{fam}", fam, allow[fam]))
         lines.append(_interval_set(t, f"deny_{fam}", fam, deny[fam]))
         lines.append(_timeout_set(t, dyn_set(fam), fam, dyn[fam], cfg.max_leases))
-    doh = _split(cfg.doh_blocklist)
     if cfg.block_doh_443 and cfg.doh_blocklist:
         for fam in ("v4", "v6"):
             if doh[fam]:
                 lines.append(_interval_set(t, f"doh_block_{fam}", fam, doh[fam]))
+    return lines
 
-    def rule(chain: str, body: str) -> None:
-        lines.append(f"add rule inet {t} {chain} {body}")
 
-    if cfg.mode == "dns+nft" or cfg.mitm_port is not None:  # something refuses packets
-        lines.append(f"add counter inet {t} {DROPPED_COUNTER} {{ packets {max(0, dropped)} bytes 0 }}")
-        lines.append(f"add chain inet {t} {DENIED_CHAIN}")
-        rule(DENIED_CHAIN, f'counter name "{DROPPED_COUNTER}"')
-        if cfg.deny_reject:
-            # A locally generated packet: the reset or the ICMP error reaches the app's own
-            # socket at once (connect() fails with ECONNREFUSED / EHOSTUNREACH, no timeout).
-            rule(DENIED_CHAIN, "meta l4proto tcp reject with tcp reset")
-            rule(DENIED_CHAIN, "reject with icmpx admin-prohibited")
-        rule(DENIED_CHAIN, "drop")
+def _denied_chain(cfg: SidecarTable, dropped: int) -> list[str]:
+    t, c = cfg.table, DENIED_CHAIN
+    lines = [
+        f"add counter inet {t} {DROPPED_COUNTER} {{ packets {max(0, dropped)} bytes 0 }}",
+        f"add chain inet {t} {c}",
+        _rule(t, c, f'counter name "{DROPPED_COUNTER}"'),
+    ]
+    if cfg.deny_reject:
+        # A locally generated packet: the reset or the ICMP error reaches the app's own
+        # socket at once (connect() fails with ECONNREFUSED / EHOSTUNREACH, no timeout).
+        lines.append(_rule(t, c, "meta l4proto tcp reject with tcp reset"))
+        lines.append(_rule(t, c, "reject with icmpx admin-prohibited"))
+    lines.append(_rule(t, c, "drop"))
+    return lines
 
+
+def _redirect_chain(cfg: SidecarTable) -> list[str]:
     # DNS: every udp/tcp 53 packet the namespace sends goes to the local proxy, except the
     # proxy's own upstream queries (SO_MARK 0x1 set by the forwarder).
-    lines.append(
-        f"add chain inet {t} {REDIRECT_CHAIN} {{ type nat hook output priority -100; policy accept; }}"
-    )
-    rule(REDIRECT_CHAIN, f"meta mark {UPSTREAM_MARK:#x} return")
-    rule(REDIRECT_CHAIN, f"udp dport 53 redirect to :{cfg.dns_port}")
-    rule(REDIRECT_CHAIN, f"tcp dport 53 redirect to :{cfg.dns_port}")
+    t, c = cfg.table, REDIRECT_CHAIN
+    lines = [
+        f"add chain inet {t} {c} {{ type nat hook output priority -100; policy accept; }}",
+        _rule(t, c, f"meta mark {UPSTREAM_MARK:#x} return"),
+    ]
+    for fam in ("v4", "v6"):
+        exempt = _exempt(cfg, fam)
+        if exempt is not None:
+            # The reference's per-destination RETURN: DNS to these goes out as sent.
+            lines.append(
+                _rule(t, c, f"{_l3(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 return")
+            )
+    lines += [
+        _rule(t, c, f"udp dport 53 redirect to :{cfg.dns_port}"),
+        _rule(t, c, f"tcp dport 53 redirect to :{cfg.dns_port}"),
+    ]
     if cfg.mitm_port is not None:
         # The namespace's own HTTP(S) goes through the MITM; the MITM's upstream leg does not
         # (it would loop), and loopback destinations are nobody's upstream.
-        rule(REDIRECT_CHAIN, f"meta skgid {MITM_GID} return")
-        rule(REDIRECT_CHAIN, "ip daddr 127.0.0.0/8 return")
-        rule(REDIRECT_CHAIN, "ip6 daddr ::1 return")
-        rule(REDIRECT_CHAIN, f"tcp dport {{ 80, 443 }} redirect to :{cfg.mitm_port}")
-        # Only redirected connections may reach the MITM: a direct one (from the app or from
-        # outside the namespace) makes it connect to itself in a loop.
-        lines.append(
-            f"add chain inet {t} {MITM_INPUT_CHAIN} {{ type filter hook input priority 0; policy accept; }}"
-        )
-        rule(MITM_INPUT_CHAIN, f"tcp dport {cfg.mitm_port} ct status dnat accept")
-        rule(MITM_INPUT_CHAIN, f"tcp dport {cfg.mitm_port} {REFUSE}")
-    if cfg.mode == "dns":
-        return "\n".join(lines) + "\n"
+        lines += [
+            _rule(t, c, f"meta skgid {MITM_GID} return"),
+            _rule(t, c, "ip daddr 127.0.0.0/8 return"),
+            _rule(t, c, "ip6 daddr ::1 return"),
+            _rule(t, c, f"tcp dport {_mitm_ports(cfg)} redirect to :{cfg.mitm_port}"),
+        ]
+    return lines
 
+
+def _mitm_input_chain(cfg: SidecarTable, port: int) -> list[str]:
+    # Only redirected connections may reach the MITM: a direct one (from the app or from
+    # outside the namespace) makes it connect to itself in a loop.
+    t, c = cfg.table, MITM_INPUT_CHAIN
+    return [
+        f"add chain inet {t} {c} {{ type filter hook input priority 0; policy accept; }}",
+        _rule(t, c, f"tcp dport {port} ct status dnat accept"),
+        _rule(t, c, f"tcp dport {port} {REFUSE}"),
+    ]
+
+
+def _filter_chain(cfg: SidecarTable, policy: NetworkPolicy, doh: dict[str, list[str]]) -> list[str]:
+    """Mode dns+nft: the output filter, which enforces the policy on addresses."""
+    t, f = cfg.table, FILTER_CHAIN
     default_allow = policy.default_action is Verdict.ALLOW
     verdict = "accept" if default_allow else "drop"
-    lines.append(
-        f"add chain inet {t} {FILTER_CHAIN} {{ type filter hook output priority 0; policy {verdict}; }}"
-    )
-    f = FILTER_CHAIN
-    rule(f, "ct state established,related accept")
-    rule(f, f"meta mark {UPSTREAM_MARK:#x} accept")
+    lines = [f"add chain inet {t} {f} {{ type filter hook output priority 0; policy {verdict}; }}"]
+
+    def rule(body: str) -> None:
+        lines.append(_rule(t, f, body))
+
+    rule("ct state established,related accept")
+    rule(f"meta mark {UPSTREAM_MARK:#x} accept")
     if cfg.mitm_port is not None:
         # Redirected to the MITM (its output interface is still the original route's, so
         # "lo" does not match): accepted; the policy applies to the MITM's upstream leg.
-        rule(f, f"tcp dport {cfg.mitm_port} ct status dnat accept")
-    rule(f, 'oifname "lo" accept')
+        rule(f"tcp dport {cfg.mitm_port} ct status dnat accept")
+    rule('oifname "lo" accept')
     # A redirected DNS packet still carries the output interface it was routed to before the
     # nat hook rewrote its destination (the hook state is fixed per traversal), so "lo"
     # does not match it: accept exactly the proxy's loopback address and port.
-    rule(f, f"ip daddr 127.0.0.1 meta l4proto {{ tcp, udp }} th dport {cfg.dns_port} accept")
-    rule(f, f"ip6 daddr ::1 meta l4proto {{ tcp, udp }} th dport {cfg.dns_port} accept")
+    rule(f"ip daddr 127.0.0.1 meta l4proto {{ tcp, udp }} th dport {cfg.dns_port} accept")
+    rule(f"ip6 daddr ::1 meta l4proto {{ tcp, udp }} th dport {cfg.dns_port} accept")
     # IPv6 needs neighbour discovery to reach even the gateway (IPv4's ARP never enters an
     # inet chain). Link-local only: a hop limit of 255 cannot have been routed.
-    rule(f, f"icmpv6 type {{ {ND_TYPES} }} ip6 hoplimit 255 accept")
-    rule(f, f"tcp dport 853 {REFUSE}")
-    rule(f, f"udp dport 853 {REFUSE}")
+    rule(f"icmpv6 type {{ {ND_TYPES} }} ip6 hoplimit 255 accept")
+    rule(f"tcp dport 853 {REFUSE}")
+    rule(f"udp dport 853 {REFUSE}")
     if cfg.block_doh_443:
         if not cfg.doh_blocklist:
-            rule(f, f"tcp dport 443 {REFUSE}")
+            rule(f"tcp dport 443 {REFUSE}")
         else:
             for fam in ("v4", "v6"):
                 if doh[fam]:
-                    rule(f, f"{_l3(fam)} daddr @doh_block_{fam} tcp dport 443 {REFUSE}")
-    for fam in ("v4", "v6"):
-        rule(f, f"{_l3(fam)} daddr @deny_{fam} {REFUSE}")
-    for fam in ("v4", "v6"):
-        rule(f, f"{_l3(fam)} daddr @{dyn_set(fam)} accept")
-    for fam in ("v4", "v6"):
-        rule(f, f"{_l3(fam)} daddr @allow_{fam} accept")
+                    rule(f"{_l3(fam)} daddr @doh_block_{fam} tcp dport 443 {REFUSE}")
+    lines += [_rule(t, f, body) for body in _address_verdicts(cfg)]
     if not default_allow:
-        rule(f, REFUSE)
-    return "\n".join(lines) + "\n"
+        rule(REFUSE)
+    return lines
+
+
+def _address_verdicts(cfg: SidecarTable) -> list[str]:
+    """Deny beats everything; then exempt nameservers (port 53), leases, the allow sets."""
+    out = [f"{_l3(fam)} daddr @deny_{fam} {REFUSE}" for fam in ("v4", "v6")]
+    for fam in ("v4", "v6"):
+        exempt = _exempt(cfg, fam)
+        if exempt is not None:
+            # Port 53 only: the reference puts exempt nameservers in the allow list whole.
+            out.append(f"{_l3(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 accept")
+    out += [f"{_l3(fam)} daddr @{dyn_set(fam)} accept" for fam in ("v4", "v6")]
+    out += [f"{_l3(fam)} daddr @allow_{fam} accept" for fam in ("v4", "v6")]
+    return out
 
 
 def dyn_add(cfg: SidecarTable, leases: Sequence[tuple[IPAddress, float]]) -> str:
@@ -246,13 +319,24 @@ def dyn_add(cfg: SidecarTable, leases: Sequence[tuple[IPAddress, float]]) -> str
 
     Re-declares the sets with the elements inline: that is the cache-free path of
     libnftables 1.0.6 (``add element`` would first dump every interval set of the netns).
+    With ``renew_by_replace`` (a kernel that does not extend an element added again) each
+    set is declared with the elements (so they exist), they are deleted, and declared again:
+    still one transaction. The delete needs the set cache, which in the sidecar's namespace
+    is this one small table.
     """
-    by_fam: dict[str, list[str]] = {"v4": [], "v6": []}
+    by_fam: dict[str, list[tuple[IPAddress, str]]] = {"v4": [], "v6": []}
     for ip, seconds in leases:
-        by_fam[_fam(ip)].append(lease_element(ip, seconds))
-    lines = [
-        _timeout_set(cfg.table, dyn_set(fam), fam, els, cfg.max_leases) for fam, els in by_fam.items() if els
-    ]
+        by_fam[_fam(ip)].append((ip, lease_element(ip, seconds)))
+    lines: list[str] = []
+    for fam, items in by_fam.items():
+        if not items:
+            continue
+        declare = _timeout_set(cfg.table, dyn_set(fam), fam, [el for _, el in items], cfg.max_leases)
+        lines.append(declare)
+        if cfg.renew_by_replace:
+            keys = ", ".join(str(ip) for ip, _ in items)
+            lines.append(f"delete element inet {cfg.table} {dyn_set(fam)} {{ {keys} }}")
+            lines.append(declare)
     return "\n".join(lines) + "\n" if lines else ""
 
 

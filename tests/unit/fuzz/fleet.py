@@ -16,7 +16,7 @@ from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.builder import TableConfig
 from egressd.metrics import EgressMetrics
 from egressd.vault.sealed import KeyStore
-from tests.unit.fuzz.support import NeverFailingTx
+from tests.unit.fakekernel import FakeTx
 
 KID = "k1"
 KEY = bytes(range(32))
@@ -92,7 +92,7 @@ def seed_vault(value: str = SEED_VALUE) -> dict[str, Any]:
 @dataclass
 class Fleet:
     control: ControlPlane
-    tx: NeverFailingTx
+    tx: FakeTx
     http: FleetHTTP
     proxy: ProxyRouteAPI
 
@@ -103,7 +103,8 @@ class Fleet:
 
 
 async def make_fleet() -> Fleet:
-    tx = NeverFailingTx()
+    # Never failing: a 5xx can then have no kernel cause, so any 5xx the fuzzers see is a finding.
+    tx = FakeTx(yield_each_call=False)
     metrics = EgressMetrics()
     control = ControlPlane(TableConfig(), tx, metrics=metrics, keys=make_keystore())
     await control.reset_table()
@@ -147,7 +148,7 @@ def snapshot(fleet: Fleet) -> Any:
         )
     pushes = {
         uid: [(p.method, p.suffix, p.body, p.generation, p.deadline) for p in queue]
-        for uid, queue in c.pending_pushes._by_uid.items()
+        for uid, queue in c.credentials.pending_pushes._by_uid.items()
     }
     return (
         dict(reg._by_uid),
@@ -155,12 +156,12 @@ def snapshot(fleet: Fleet) -> Any:
         dict(reg._by_ip),
         dict(reg._by_nft_id),
         vaults,
-        {uid: (b.policy, b.vault, b.content) for uid, b in c._pending_vault.items()},
+        {uid: (b.policy, b.vault, b.content) for uid, b in c.credentials.pending_inputs.items()},
         pushes,
-        dict(c._claims_ip),
-        dict(c._claims_nft),
-        dict(c._nets),
-        sorted(c._revoking),
+        dict(c.claims.ips),
+        dict(c.claims.nft_ids),
+        dict(c.nets.held),
+        sorted(c.revocations.pending),
         {uid: dict(book._leases) for uid, book in c.leases.items()},
         list(fleet.tx.calls),
     )
