@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from egressd.dnsproxy.upstreams import Upstream, UpstreamError, parse_upstreams
+from egressd.events.webhook import WebhookURLError, parse_webhook_url
 from egressd.vault.model import VaultLimits, compile_ignore_hosts
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -166,6 +167,18 @@ OPTIONS: tuple[Option, ...] = (
         "start even though bridged sandbox-to-sandbox traffic would bypass the forward hook",
         boolean=True,
     ),
+    # BEHAVIOUR §15 (visibility).
+    Option(
+        "OPENSANDBOX_EGRESS_DENY_WEBHOOK",
+        "--deny-webhook",
+        "http(s) URL that gets a JSON POST for every DNS name the policy denies",
+    ),
+    Option(
+        "EGRESSD_DENY_REJECT",
+        "--deny-reject",
+        "refuse denied TCP with a reset and other denied packets with ICMP admin-prohibited",
+        boolean=True,
+    ),
 )
 
 # Reference sidecar parity (issue 15 item 3): the variables the OpenSandbox server forwards to
@@ -276,6 +289,9 @@ class Config:
     nameserver_exempt: tuple[IPAddress, ...] = ()  # OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT
     mitm_ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (BEHAVIOUR 16)
     mitm_ca_export_dir: Path | None = None  # EGRESSD_MITM_CA_EXPORT_DIR
+    # BEHAVIOUR §15. The webhook URL may carry a token: kept out of repr (and of every log).
+    deny_webhook: str | None = field(default=None, repr=False)
+    deny_reject: bool = False  # EGRESSD_DENY_REJECT
 
     @property
     def vault_limits(self) -> VaultLimits:
@@ -434,6 +450,11 @@ class _Parity(TypedDict):
     nameserver_exempt: tuple[IPAddress, ...]
 
 
+class _Visibility(TypedDict):
+    deny_webhook: str | None
+    deny_reject: bool
+
+
 class _Caps(TypedDict):
     max_rules: int
     max_leases: int
@@ -473,6 +494,7 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         dns_upstreams=upstreams,
         dns_lease_min=lease_min,
         dns_lease_max=lease_max,
+        **_visibility(raw),
         **_limits(raw),
         profile=profile,
         http_host=http_host,
@@ -577,6 +599,18 @@ def _lease_bounds(raw: Raw) -> tuple[int, int]:
     if lease_min > lease_max:
         raise ConfigError("EGRESSD_DNS_LEASE_MIN is larger than EGRESSD_DNS_LEASE_MAX")
     return lease_min, lease_max
+
+
+def _visibility(raw: Raw) -> _Visibility:
+    """BEHAVIOUR §15: the deny webhook (its URL may carry a token: never echoed) and the reject knob."""
+    try:
+        deny_webhook = parse_webhook_url(raw["OPENSANDBOX_EGRESS_DENY_WEBHOOK"])
+    except WebhookURLError as exc:
+        raise ConfigError(f"OPENSANDBOX_EGRESS_DENY_WEBHOOK: {exc}") from None
+    return _Visibility(
+        deny_webhook=deny_webhook,
+        deny_reject=_bool("EGRESSD_DENY_REJECT", raw["EGRESSD_DENY_REJECT"]),
+    )
 
 
 def _limits(raw: Raw) -> _Limits:
@@ -742,6 +776,7 @@ RESERVED_LABELS: frozenset[str] = frozenset(
         "rule",
         "reason",
         "outcome",
+        "result",
         "decision_id",
         "sandbox_id",
         "protocol",  # egressd_mitm_connections_total (BEHAVIOUR 16)

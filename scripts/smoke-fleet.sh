@@ -87,6 +87,23 @@ ip netns exec "$UP" "$ROOT/.venv/bin/python" scripts/fleet_upstream.py --http-po
 PIDS+=($!)
 for _ in $(seq 1 100); do grep -q ready "$WORK/upstream.out" 2>/dev/null && break; sleep 0.1; done
 mkdir -p "$WORK/rules"
+# The deny webhook's receiver (BEHAVIOUR §15), in the pod namespace: one JSON body per line.
+cat > "$WORK/webhook.py" <<'EOF'
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        with open(sys.argv[1], "ab") as f:
+            f.write(body + b"\n")
+        self.send_response(204)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", 18099), H).serve_forever()
+EOF
+touch "$WORK/webhook.jsonl"
+ip netns exec "$POD" python3 "$WORK/webhook.py" "$WORK/webhook.jsonl" > /dev/null 2>&1 &
+PIDS+=($!)
 # A service inside sb2, to prove sandboxes cannot reach each other.
 ip netns exec "$(SB 2)" python3 -m http.server 8000 --bind "$(SBIP 2)" > /dev/null 2>&1 &
 PIDS+=($!)
@@ -102,6 +119,7 @@ start_egressd() {
     OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS='^pinned\.allowed\.test$' \
     OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS=8080 OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT=10.204.0.2 \
     OPENSANDBOX_EGRESS_METRICS_EXTRA_ATTRS=smoke=fleet OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS=1 \
+    OPENSANDBOX_EGRESS_DENY_WEBHOOK="http://127.0.0.1:18099/deny" ${EXTRA_ENV:-} \
     "$ROOT/.venv/bin/egressd" >> "$WORK/egressd.log" 2>&1 &
   EGRESSD_PID=$!
   disown "$EGRESSD_PID"  # no "Killed" job notice when the kill -9 step or the cleanup ends it
@@ -122,6 +140,19 @@ reaches() { [ "$(inns "$(SB "$1")" curl -s -o /dev/null -w '%{http_code}' --conn
 resolves() { inns "$(SB "$1")" dig +short +time=2 +tries=1 @10.203.0.1 "$2" | grep -q "${3:-.}"; }
 nxdomain() { inns "$(SB "$1")" dig +time=2 +tries=1 @10.203.0.1 "$2" | grep -q "status: NXDOMAIN"; }
 upstream_saw() { grep -q "\"dns\": \"$1\"" "$WORK/upstream.jsonl"; }
+dropped() {  # dropped SUBJECT: its egressd_subject_dropped_packets_total (empty when absent)
+  inns "$POD" curl -s "127.0.0.1:$PORT/metrics" | sed -n "s/^egressd_subject_dropped_packets_total{.*subject=\"$1\"} //p"
+}
+dropped_grows() {  # dropped_grows SUBJECT COMMAND...: COMMAND makes the subject's counter grow
+  local subject=$1 before; shift; before=$(dropped "$subject"); "$@"; [ "$(dropped "$subject")" -gt "${before:-0}" ]
+}
+webhook_got() { grep -q "\"hostname\":\"$1\".*\"sandboxId\":\"$2\"" "$WORK/webhook.jsonl"; }
+wait_webhook() { for _ in $(seq 1 50); do webhook_got "$@" && return 0; sleep 0.1; done; return 1; }
+fails_fast() {  # fails_fast N URL: curl gives up in under a second despite --connect-timeout 2
+  local start end; start=$(date +%s%N)
+  inns "$(SB "$1")" curl -s -o /dev/null --connect-timeout 2 -m 3 "$2"; [ $? -eq 7 ] || return 1
+  end=$(date +%s%N); [ $(((end - start) / 1000000)) -lt 1000 ]
+}
 direct_dns() { inns "$(SB "$1")" dig +short +time=2 +tries=1 @10.204.0.2 "$2" | grep -q "$3"; }
 via_mitm() {  # via_mitm N URL PORT: the request arrived from the pod (the MITM), not the sandbox
   [ "$(inns "$(SB "$1")" curl -s -o /dev/null -w '%{http_code}' -m 3 "$2")" = 200 ] || return 1
@@ -169,6 +200,10 @@ check "sb1 follows a CNAME chain" resolves 1 www.allowed.test 10.204.0.2
 check "sb1 gets NXDOMAIN for a denied name" nxdomain 1 exfil.test
 check "the upstream never saw the denied name" not upstream_saw exfil.test
 check "sb1 cannot connect to an address it did not learn" not reaches 1 10.204.0.3
+check "the deny webhook got sb1's denied name with sandboxId sb1" wait_webhook exfil.test sb1
+check "the allowed answer is an egress.outbound event" grep -q '"target.host": "api.allowed.test"' "$WORK/egressd.log"
+check "a refused connect of sb1 grows sb1's drop counter" dropped_grows s-sb1 not reaches 1 10.204.0.3
+check "egressctl subjects shows sb1's drops and its denied name" bash -c "ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT subjects | grep s-sb1 | grep -q exfil.test"
 check "sb2 connects to its allowed IP" reaches 2 10.204.0.3
 check "sb2 cannot use the address sb1 learned" not reaches 2 10.204.0.2
 check "sb3 (default allow) reaches an unlisted IP" reaches 3 10.204.0.3
@@ -230,7 +265,8 @@ check "the new instance resolves and connects again" bash -c "ip netns exec $(SB
 kill -9 "$EGRESSD_PID" 2>/dev/null
 for _ in $(seq 1 100); do kill -0 "$EGRESSD_PID" 2>/dev/null || break; sleep 0.05; done
 check "with the daemon dead the kernel keeps enforcing" not reaches 3 10.204.0.3
-check "egressd restarts" start_egressd
+EXTRA_ENV="EGRESSD_DENY_REJECT=1"
+check "egressd restarts (now with EGRESSD_DENY_REJECT=1)" start_egressd
 ID2=$(inns "$POD" curl -s "127.0.0.1:$PORT/_fastlet/v1/actions/status")
 check "a restart gets a new instanceId" test "$ID1" != "$ID2"
 check "after the restart the table is reset to deny-all" not reaches 1 10.204.0.2
@@ -238,6 +274,9 @@ check "replay SET_BINDING sb1 -> 200" bind 1 "$ALLOW_NAME" --runtime-instance-id
 check "replay data-plane-ready sb1 -> 200" ready 1 --runtime-instance-id r2
 check "replay restores enforcement" bash -c "ip netns exec $(SB 1) dig +short @10.203.0.1 api.allowed.test >/dev/null && ip netns exec $(SB 1) curl -s -o /dev/null --connect-timeout 1 -m 2 http://10.204.0.2/"
 check "egressctl subjects lists the replayed subject" bash -c "ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT subjects | grep -q active"
+check "EGRESSD_DENY_REJECT: a denied connect fails at once, not at its timeout" fails_fast 1 http://10.204.0.3/
+check "EGRESSD_DENY_REJECT: the refusal is still counted" dropped_grows s-sb1 fails_fast 1 http://10.204.0.3/
+check "egressctl watch --count 1 draws the subjects with their drops" bash -c "ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT watch --count 1 | grep -q 'DROPPED'"
 
 echo "$PASS passed, $FAIL failed"
 

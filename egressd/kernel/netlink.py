@@ -25,6 +25,7 @@ from egressd.kernel.ops import (
     ALLOW_MARK,
     AddChain,
     AddCounter,
+    AddCounterRef,
     AddElements,
     AddIntervals,
     AddJump,
@@ -105,9 +106,10 @@ NFT_SET_INTERVAL, NFT_SET_TIMEOUT = 0x4, 0x10
 NFT_DATATYPE_IPADDR, NFT_DATATYPE_IP6ADDR = 7, 8  # nftables' datatype ids: ipv4_addr, ipv6_addr
 NFTA_SET_ELEM_DATA = 2
 NFTA_VERDICT_CHAIN = 2
-NFT_JUMP = -3
+NFT_JUMP, NFT_GOTO = -3, -4
 NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_LIST_SET, NFTA_SET_ELEM_LIST_ELEMENTS = 1, 2, 3
 NFTA_SET_ELEM_KEY, NFTA_SET_ELEM_FLAGS, NFTA_SET_ELEM_TIMEOUT, NFTA_SET_ELEM_EXPIRATION = 1, 3, 4, 5
+NFTA_SET_ELEM_OBJREF = 9  # after NFTA_SET_ELEM_PAD (8)
 NFT_SET_ELEM_INTERVAL_END = 0x1
 NFTA_EXPR_NAME, NFTA_EXPR_DATA = 1, 2
 NFTA_DATA_VALUE, NFTA_DATA_VERDICT = 1, 2
@@ -184,8 +186,16 @@ def _expr(name: str, *attrs: bytes) -> bytes:
     return _nest(NFTA_LIST_ELEM, _str(NFTA_EXPR_NAME, name), _nest(NFTA_EXPR_DATA, *attrs))
 
 
-def _verdict(outcome: RuleAction) -> bytes:
-    verdict = _nest(NFTA_DATA_VERDICT, _attr(NFTA_VERDICT_CODE, struct.pack(">i", _VERDICT[outcome])))
+def _verdict(outcome: RuleAction, drop_chain: str = "") -> bytes:
+    if outcome is RuleAction.DROP and drop_chain:
+        # goto the chain that counts and refuses (BEHAVIOUR §15), as nft encodes "goto <chain>".
+        verdict = _nest(
+            NFTA_DATA_VERDICT,
+            _attr(NFTA_VERDICT_CODE, struct.pack(">i", NFT_GOTO)),
+            _str(NFTA_VERDICT_CHAIN, drop_chain),
+        )
+    else:
+        verdict = _nest(NFTA_DATA_VERDICT, _attr(NFTA_VERDICT_CODE, struct.pack(">i", _VERDICT[outcome])))
     return _expr("immediate", _u32(NFTA_IMMEDIATE_DREG, NFT_REG_VERDICT), _nest(NFTA_IMMEDIATE_DATA, verdict))
 
 
@@ -284,7 +294,7 @@ def rule_expressions(rule: Rule) -> bytes:
     if isinstance(rule, AuditRule):
         return _audit_expressions(rule)
     if not isinstance(rule, MatchRule):
-        return _verdict(rule.outcome)
+        return _verdict(rule.outcome, rule.drop_chain)
     lookup = _expr("lookup", _str(NFTA_LOOKUP_SET, rule.set_name), _u32(NFTA_LOOKUP_SREG, NFT_REG_1))
     if rule.ct_original:
         key = NFT_CT_DST_IP if rule.fam == "v4" else NFT_CT_DST_IP6
@@ -294,7 +304,7 @@ def rule_expressions(rule: Rule) -> bytes:
         parts = [ct, lookup]
     else:
         parts = _daddr_lookup(rule.fam, rule.set_name)
-    parts += _set_mark() if rule.outcome is RuleAction.MARK else [_verdict(rule.outcome)]
+    parts += _set_mark() if rule.outcome is RuleAction.MARK else [_verdict(rule.outcome, rule.drop_chain)]
     return b"".join(parts)
 
 
@@ -449,6 +459,10 @@ def _element_op_messages(table: str, op: ElementOp) -> list[tuple[int, int, byte
             _str(NFTA_VERDICT_CHAIN, op.chain),
         )
         elem = _key(op.key, fam) + _nest(NFTA_SET_ELEM_DATA, verdict)
+        return [(NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.map, _elements([elem])))]
+    if isinstance(op, AddCounterRef):
+        fam = "v4" if op.key.version == 4 else "v6"
+        elem = _key(op.key, fam) + _str(NFTA_SET_ELEM_OBJREF, op.counter)
         return [(NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.map, _elements([elem])))]
     if isinstance(op, FlushSet):
         return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, None))]  # no element list = flush
