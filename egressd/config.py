@@ -9,6 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from egressd.dnsproxy.upstreams import Upstream, UpstreamError, parse_upstreams
+from egressd.subject.hostuid import (
+    DEFAULT_UID_PORTS,
+    DEFAULT_UID_RANGE,
+    HOST_UID_MAX,
+    HOST_UID_MIN,
+    UidPorts,
+    UidRange,
+)
 from egressd.vault.model import VaultLimits
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -143,6 +151,24 @@ OPTIONS: tuple[Option, ...] = (
         "start even though bridged sandbox-to-sandbox traffic would bypass the forward hook",
         boolean=True,
     ),
+    Option(
+        "EGRESSD_UID_RANGE",
+        "--uid-range",
+        "fleet: host uids that belong to sandboxes, first-last (BEHAVIOUR 17)",
+        str(DEFAULT_UID_RANGE),
+    ),
+    Option(
+        "EGRESSD_UID_DNS_PORT_BASE",
+        "--uid-dns-port-base",
+        "fleet: first per-subject DNS port of host-uid subjects",
+        "16000",
+    ),
+    Option(
+        "EGRESSD_UID_MAX_SUBJECTS",
+        "--uid-max-subjects",
+        "fleet: most host-uid subjects at once (one DNS and one MITM port each)",
+        "256",
+    ),
 )
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -188,10 +214,45 @@ class Config:
     max_leases: int = 4096  # EGRESSD_MAX_LEASES_PER_SUBJECT (BEHAVIOUR 14.4)
     vault_max_credentials: int = 256  # EGRESSD_VAULT_MAX_CREDENTIALS (BEHAVIOUR 14.7)
     vault_max_bindings: int = 256  # EGRESSD_VAULT_MAX_BINDINGS (BEHAVIOUR 14.7)
+    uid_ports: UidPorts = DEFAULT_UID_PORTS  # EGRESSD_UID_* (BEHAVIOUR 17)
 
     @property
     def vault_limits(self) -> VaultLimits:
         return VaultLimits(credentials=self.vault_max_credentials, bindings=self.vault_max_bindings)
+
+
+def parse_uid_range(name: str, value: str | None) -> UidRange:
+    text = (value or "").strip()
+    first, sep, last = text.partition("-")
+    try:
+        lo, hi = int(first), int(last)
+    except ValueError:
+        raise ConfigError(f"{name}: expected first-last, e.g. 100000-165535, got {value!r}") from None
+    if not sep or not HOST_UID_MIN <= lo <= hi <= HOST_UID_MAX:
+        raise ConfigError(
+            f"{name}: expected first-last with {HOST_UID_MIN} <= first <= last <= {HOST_UID_MAX}"
+        )
+    return UidRange(lo, hi)
+
+
+def _uid_ports(raw: Mapping[str, str | None], taken: Mapping[str, int]) -> UidPorts:
+    """EGRESSD_UID_*; ``taken`` are the other listeners' ports, which the block must avoid
+    (empty for the sidecar, which has no host-uid subjects)."""
+    ports = UidPorts(
+        parse_uid_range("EGRESSD_UID_RANGE", raw["EGRESSD_UID_RANGE"]),
+        _int("EGRESSD_UID_DNS_PORT_BASE", raw["EGRESSD_UID_DNS_PORT_BASE"], 1, 65535),
+        _int("EGRESSD_UID_MAX_SUBJECTS", raw["EGRESSD_UID_MAX_SUBJECTS"], 1, 16384),
+    )
+    if ports.last > 65535:
+        raise ConfigError(
+            f"EGRESSD_UID_DNS_PORT_BASE: {ports.base} + 2 x EGRESSD_UID_MAX_SUBJECTS + 1 passes port 65535"
+        )
+    for name, port in taken.items():
+        if ports.base <= port <= ports.last:
+            raise ConfigError(
+                f"EGRESSD_UID_DNS_PORT_BASE: the host-uid ports {ports.base}-{ports.last} include {name} {port}"
+            )
+    return ports
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -414,4 +475,14 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         log_format=log_format,
         allow_bridge_bypass=_bool("EGRESSD_ALLOW_BRIDGE_BYPASS", raw["EGRESSD_ALLOW_BRIDGE_BYPASS"]),
         sidecar_keep_table=_bool("EGRESSD_SIDECAR_KEEP_TABLE", raw["EGRESSD_SIDECAR_KEEP_TABLE"]),
+        uid_ports=_uid_ports(
+            raw,
+            {
+                "OPENSANDBOX_EGRESS_HTTP_ADDR": http_port,
+                "EGRESSD_DNS_ADDR": dns_port,
+                "OPENSANDBOX_EGRESS_MITMPROXY_PORT": mitm_port,
+            }
+            if profile == "fleet"
+            else {},
+        ),
     )
