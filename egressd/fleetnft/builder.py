@@ -57,11 +57,15 @@ from egressd.kernel.ops import (
     AddRule,
     AddSet,
     AddTimed,
+    AddUid,
+    AddUidJump,
+    AddUidPort,
     AuditRule,
     DeleteChain,
     DeleteCounter,
     DeleteElement,
     DeleteSet,
+    DeleteUid,
     FlushChain,
     FlushSet,
     MatchRule,
@@ -79,6 +83,7 @@ from egressd.policy import (
     ip_sets,
     normalise_networks,
 )
+from egressd.subject.hostuid import DEFAULT_UID_PORTS, UidPorts
 from egressd.subject.model import IPAddress
 
 # wdeny: the user's deny prefixes while auditing; audit: 0.0.0.0/0, ::/0 while auditing.
@@ -115,6 +120,12 @@ class TableConfig:
     doh_blocklist: tuple[IPNetwork, ...] = ()
     # Size of each dyn set: the per-subject lease cap (BEHAVIOUR 14.4); 0 = unbounded.
     max_leases: int = 4096
+    # Host-uid subjects (BEHAVIOUR 17): the uid range the output hook polices and their port
+    # block; egressd's own uid (exempt if inside the range) and HTTP port (never reachable
+    # from a sandbox uid, like every other listener of egressd's).
+    uids: UidPorts = DEFAULT_UID_PORTS
+    own_uid: int | None = None
+    http_port: int = 18080
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,6 +379,7 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
                 "nat",
                 f"{l3_of(fam)} saddr @{mitm_src_set(fam)} tcp dport {{ 80, 443 }} redirect to :{cfg.mitm_port}",
             )
+    _uid_header(s, cfg)
     return s.text()
 
 
@@ -675,3 +687,224 @@ def dyn_add(table: str, nft_id: str, leases: Sequence[tuple[IPAddress, int]]) ->
         if mine:
             ops.append(AddTimed(n.set(f"dyn_{fam}"), fam, mine))
     return NetlinkBatch(table, tuple(ops))
+
+
+# --------------------------------------------------------------------------- host-uid subjects
+#
+# BEHAVIOUR 17: sandboxes that share egressd's network namespace and differ only by host uid.
+# Their packets are locally generated, so they meet the ``output`` hook, never prerouting or
+# forward; the identity is the socket's owner (``meta skuid``). They use the same per-subject
+# chains and sets as the forward path, reached through uid-keyed verdict maps:
+#
+# * ``uid_marking`` -> ``mark_<id>`` and ``uid_dispatch`` -> ``subj_<id>`` in ONE chain
+#   (``uid_out``), followed by the same unmarked-drop tail. An in-range uid that is no
+#   subject misses both maps and dies at the tail, like an unknown source address.
+# * Unlike the forward path, established flows are NOT accepted before the subject's chains:
+#   conntrack knows no uid, so the forward path's way of revoking (cutting the source's
+#   flows) would cut the host's own flows too. Every packet is judged instead, so a revert,
+#   rebind, removal or narrowing takes effect on the next packet of every flow. Audit mode
+#   marks new flows only (its rules say ``ct state new``), so the subjects in audit mode are
+#   listed in ``uid_audit`` and their established flows pass after the deny sets.
+# * DNS to port 53 of any address is REDIRECTed (nat output) to the subject's own port, known
+#   to the DNS proxy; in-range uids that are no subject go to the port that answers NXDOMAIN.
+#   With the MITM, 80/443 go to the subject's own MITM port. The local (loopback) leg of a
+#   redirected flow is accepted only when its port belongs to the socket's uid
+#   (``uid . port`` keys): a flow that outlived its subject cannot reach a port that a later
+#   subject got.
+# * Loopback and the host's own addresses are exempt (a sandbox's processes talk to each
+#   other there), except every listener of egressd's own: the actions API, the proxies' ports.
+# * Sockets of uids outside the range (the host's own processes, egressd and its MITM child
+#   among them) are never touched; neither are egressd's (``own_uid``) and the DNS
+#   forwarder's (SO_MARK 0x1, which needs CAP_NET_ADMIN) if the range happens to cover them.
+
+UID_MARKING = "uid_marking"
+UID_DISPATCH = "uid_dispatch"
+UID_DNS = "uid_dns"  # nat: uid -> its DNS port
+UID_DNS_OWN = "uid_dns_own"  # filter: uid . its DNS port
+UID_MITM = "uid_mitm"  # nat: uid -> its MITM port
+UID_MITM_IN = "uid_mitm_in"  # filter: uid . its MITM port -> subj_<id>_in
+UID_AUDIT = "uid_audit"  # uids whose active policy audits
+UID_OUT_CHAIN = "uid_out"
+UID_LOCAL_CHAIN = "uid_local"
+UID_NAT_CHAIN = "uid_nat"
+UID_INPUT_CHAIN = "uid_input"
+FORWARDER_MARK = 0x1  # the DNS forwarder's SO_MARK (egressd/dnsproxy/forwarder.py)
+
+
+@dataclass(frozen=True, slots=True)
+class UidSubjectNft:
+    """What the ruleset needs to know about one host-uid subject."""
+
+    nft_id: str
+    host_uid: int
+    slot: int
+
+
+def _ports(lo: int, hi: int) -> str:
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def _port_set(items: Iterable[tuple[int, int]]) -> str:
+    """An anonymous set of ports and port ranges, duplicates and contained entries dropped."""
+    spans: list[tuple[int, int]] = []
+    for lo, hi in sorted(set(items)):
+        if spans and lo <= spans[-1][1] + 1:
+            spans[-1] = (spans[-1][0], max(hi, spans[-1][1]))
+        else:
+            spans.append((lo, hi))
+    return "{ " + ", ".join(_ports(lo, hi) for lo, hi in spans) + " }"
+
+
+def _uid_exemptions(s: _Script, cfg: TableConfig, chain: str) -> None:
+    if cfg.own_uid is not None and cfg.own_uid in cfg.uids.uid_range:
+        s.rule(chain, f"meta skuid {cfg.own_uid} return")
+    s.rule(chain, f"meta mark {FORWARDER_MARK:#010x} return")
+
+
+def _uid_header(s: _Script, cfg: TableConfig) -> None:
+    """The output-hook half of the header (host-uid subjects); see the block comment above."""
+    uids = cfg.uids
+    rng = f"{uids.uid_range.first}-{uids.uid_range.last}"
+    dns_lo, dns_hi = uids.dns_ports
+    s.obj("add", "map", f"{UID_MARKING} {{ type uid : verdict; }}")
+    s.obj("add", "map", f"{UID_DISPATCH} {{ type uid : verdict; }}")
+    s.obj("add", "map", f"{UID_DNS} {{ type uid : inet_service; }}")
+    s.obj("add", "set", f"{UID_DNS_OWN} {{ type uid . inet_service; }}")
+    s.obj("add", "set", f"{UID_AUDIT} {{ type uid; }}")
+    if cfg.mitm:
+        s.obj("add", "map", f"{UID_MITM} {{ type uid : inet_service; }}")
+        s.obj("add", "map", f"{UID_MITM_IN} {{ type uid . inet_service : verdict; }}")
+    for chain in (UID_OUT_CHAIN, UID_LOCAL_CHAIN, UID_NAT_CHAIN):
+        s.obj("add", "chain", chain)
+
+    s.obj("add", "chain", "output { type filter hook output priority 0; policy accept; }")
+    s.rule("output", f"meta skuid {rng} jump {UID_OUT_CHAIN}")
+    o = UID_OUT_CHAIN
+    _uid_exemptions(s, cfg, o)
+    s.rule(o, f"fib daddr type local jump {UID_LOCAL_CHAIN}")
+    s.rule(o, f"meta mark set meta mark & {~ALLOW_MARK & 0xFFFFFFFF:#010x}")
+    s.rule(o, "tcp dport 853 drop")
+    s.rule(o, "udp dport 853 drop")
+    if cfg.block_doh_443:
+        doh = _split_doh(cfg.doh_blocklist)
+        if not cfg.doh_blocklist:
+            s.rule(o, "tcp dport 443 drop")
+        for fam in ("v4", "v6"):
+            if cfg.doh_blocklist and doh[fam]:
+                s.rule(o, f"{l3_of(fam)} daddr @{doh_set(fam)} tcp dport 443 drop")
+    for fam in ("v4", "v6"):
+        s.rule(o, f"{l3_of(fam)} daddr @{sandbox_set(fam)} drop")
+        s.rule(o, f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} drop")
+    s.rule(o, f"meta skuid vmap @{UID_MARKING}")
+    s.rule(o, f"meta skuid vmap @{UID_DISPATCH}")
+    s.rule(o, f"ct state established,related meta skuid @{UID_AUDIT} accept")
+    s.rule(o, f"meta mark & {ALLOW_MARK:#x} != {ALLOW_MARK:#x} drop")
+
+    c = UID_LOCAL_CHAIN
+    for proto in ("udp", "tcp"):
+        s.rule(
+            c,
+            f"{proto} dport {dns_lo}-{dns_hi} ct status dnat ct original proto-dst 53 "
+            f"meta skuid . {proto} dport @{UID_DNS_OWN} accept",
+        )
+        s.rule(c, f"{proto} dport {uids.unknown_dns_port} ct status dnat ct original proto-dst 53 accept")
+    mitm_lo, mitm_hi = uids.mitm_ports
+    if cfg.mitm:
+        mitm = f"tcp dport {mitm_lo}-{mitm_hi} ct status dnat"
+        if cfg.block_doh_443:
+            if not cfg.doh_blocklist:
+                s.rule(c, f"{mitm} ct original proto-dst 443 drop")
+            doh = _split_doh(cfg.doh_blocklist)
+            for fam in ("v4", "v6"):
+                if cfg.doh_blocklist and doh[fam]:
+                    s.rule(
+                        c,
+                        f"{mitm} ct original {l3_of(fam)} daddr @{doh_set(fam)} ct original proto-dst 443 drop",
+                    )
+        for fam in ("v4", "v6"):
+            s.rule(c, f"{mitm} ct original {l3_of(fam)} daddr @{sandbox_set(fam)} drop")
+            s.rule(c, f"{mitm} ct original {l3_of(fam)} daddr @{sandbox_nets_set(fam)} drop")
+        s.rule(c, f"{mitm} meta skuid . tcp dport vmap @{UID_MITM_IN}")
+    own_udp = [(cfg.dns_port, cfg.dns_port), (dns_lo, dns_hi)]
+    own_tcp = [*own_udp, (cfg.http_port, cfg.http_port)]
+    if cfg.mitm:
+        own_tcp += [(cfg.mitm_port, cfg.mitm_port), (mitm_lo, mitm_hi)]
+    s.rule(c, f"udp dport {_port_set(own_udp)} drop")
+    s.rule(c, f"tcp dport {_port_set(own_tcp)} drop")
+    s.rule(c, "accept")
+
+    if cfg.mitm:
+        # The local leg of a uid subject's intercepted flow was judged on output; anything
+        # else on these ports (a remote peer, a direct connection) would make the MITM proxy
+        # to itself or to nowhere. A base chain of its own: the network subjects' input chain
+        # stays as it is.
+        s.obj("add", "chain", f"{UID_INPUT_CHAIN} {{ type filter hook input priority 0; policy accept; }}")
+        s.rule(UID_INPUT_CHAIN, f"tcp dport {mitm_lo}-{mitm_hi} ct status dnat return")
+        s.rule(UID_INPUT_CHAIN, f"tcp dport {mitm_lo}-{mitm_hi} drop")
+
+    s.obj("add", "chain", "nat_out { type nat hook output priority -100; policy accept; }")
+    s.rule("nat_out", f"meta skuid {rng} jump {UID_NAT_CHAIN}")
+    n = UID_NAT_CHAIN
+    _uid_exemptions(s, cfg, n)
+    for proto in ("udp", "tcp"):
+        s.rule(n, f"{proto} dport 53 redirect to :meta skuid map @{UID_DNS}")
+    for proto in ("udp", "tcp"):
+        s.rule(n, f"{proto} dport 53 redirect to :{uids.unknown_dns_port}")
+    if cfg.mitm:
+        s.rule(n, "fib daddr type local return")
+        for fam in ("v4", "v6"):
+            s.rule(n, f"{l3_of(fam)} daddr @{sandbox_set(fam)} return")
+            s.rule(n, f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} return")
+        s.rule(n, f"tcp dport {{ 80, 443 }} redirect to :meta skuid map @{UID_MITM}")
+
+
+def uid_subject_keys(cfg: TableConfig, subj: UidSubjectNft) -> NetlinkBatch:
+    """Point the subject's host uid at its chains and ports (idempotent)."""
+    n = Names(subj.nft_id)
+    uid, dns = subj.host_uid, cfg.uids.dns_port(subj.slot)
+    ops: list[Op] = [
+        AddUidJump(UID_DISPATCH, uid, n.chain),
+        AddUidJump(UID_MARKING, uid, n.mark_chain),
+        AddUidPort(UID_DNS, uid, dns),
+        AddUid(UID_DNS_OWN, uid, dns),
+    ]
+    if cfg.mitm:
+        mitm = cfg.uids.mitm_port(subj.slot)
+        ops += [AddUidPort(UID_MITM, uid, mitm), AddUidJump(UID_MITM_IN, uid, n.in_chain, port=mitm)]
+    return NetlinkBatch(cfg.table, tuple(ops))
+
+
+def uid_key_deletes(cfg: TableConfig, host_uid: int, slot: int) -> list[Op]:
+    """Remove a host uid from every uid map (the inverse of :func:`uid_subject_keys`), and from
+    ``uid_audit`` whether or not it is there."""
+    dns = cfg.uids.dns_port(slot)
+    ops: list[Op] = [
+        DeleteUid(UID_DISPATCH, host_uid),
+        DeleteUid(UID_MARKING, host_uid),
+        DeleteUid(UID_DNS, host_uid),
+        DeleteUid(UID_DNS_OWN, host_uid, dns),
+    ]
+    if cfg.mitm:
+        ops += [DeleteUid(UID_MITM, host_uid), DeleteUid(UID_MITM_IN, host_uid, cfg.uids.mitm_port(slot))]
+    return ops + uid_audit_ops(host_uid, audit=False)
+
+
+def uid_audit_ops(host_uid: int, *, audit: bool) -> list[Op]:
+    """``uid_audit`` membership for the subject's policy, in the caller's transaction. "Not a
+    member" is an add then a delete: a bare delete of a missing element would fail (ENOENT)
+    and abort the whole batch, and the kernel is the only one who knows for sure."""
+    ops: list[Op] = [AddUid(UID_AUDIT, host_uid)]
+    if not audit:
+        ops.append(DeleteUid(UID_AUDIT, host_uid))
+    return ops
+
+
+def uid_subject_create(cfg: TableConfig, subj: UidSubjectNft) -> NetlinkBatch:
+    """A new host-uid subject in ONE atomic batch: the same sets, chains and fixed rules as a
+    network subject, then its uid keys (no sandbox address, no gateway)."""
+    return (
+        subject_objects(cfg, subj.nft_id)
+        + subject_rules(cfg, subj.nft_id)
+        + uid_subject_keys(cfg, subj)
+        + NetlinkBatch(cfg.table, tuple(uid_audit_ops(subj.host_uid, audit=False)))
+    )

@@ -174,6 +174,46 @@ class DeleteSet:
     name: str
 
 
+@dataclass(frozen=True, slots=True)
+class AddUidJump:
+    """``map[uid] = jump chain`` in a verdict map keyed by host uid (``type uid : verdict``),
+    or by ``uid . port`` (``type uid . inet_service : verdict``) when ``port`` is given."""
+
+    map: str
+    uid: int
+    chain: str
+    port: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AddUidPort:
+    """``map[uid] = port`` in a ``type uid : inet_service`` map (a per-subject redirect port)."""
+
+    map: str
+    uid: int
+    to_port: int
+
+
+@dataclass(frozen=True, slots=True)
+class AddUid:
+    """Add ``uid`` (or ``uid . port``) to a ``type uid`` (``type uid . inet_service``) set."""
+
+    name: str
+    uid: int
+    port: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteUid:
+    """Delete the element keyed ``uid`` (or ``uid . port``) from a uid-keyed set or map."""
+
+    name: str
+    uid: int
+    port: int | None = None
+
+
+UidOp = AddUidJump | AddUidPort | AddUid | DeleteUid
+
 Op = (
     AddSet
     | AddChain
@@ -189,7 +229,22 @@ Op = (
     | FlushChain
     | DeleteChain
     | DeleteSet
+    | UidOp
 )
+
+
+def _uid_key_text(uid: int, port: int | None) -> str:
+    return str(uid) if port is None else f"{uid} . {port}"
+
+
+def describe_uid_op(t: str, op: UidOp) -> str:
+    if isinstance(op, AddUidJump):
+        return f"add element {t} {op.map} {{ {_uid_key_text(op.uid, op.port)} : jump {op.chain} }}"
+    if isinstance(op, AddUidPort):
+        return f"add element {t} {op.map} {{ {op.uid} : {op.to_port} }}"
+    if isinstance(op, AddUid):
+        return f"add element {t} {op.name} {{ {_uid_key_text(op.uid, op.port)} }}"
+    return f"delete element {t} {op.name} {{ {_uid_key_text(op.uid, op.port)} }}"
 
 
 def _fmt_net(net: IPNetwork) -> str:
@@ -213,7 +268,9 @@ class NetlinkBatch:
         t = f"inet {self.table}"
         out: list[str] = []
         for op in self.ops:
-            if isinstance(op, AddSet):
+            if isinstance(op, AddUidJump | AddUidPort | AddUid | DeleteUid):
+                out.append(describe_uid_op(t, op))
+            elif isinstance(op, AddSet):
                 typ = "ipv4_addr" if op.fam == "v4" else "ipv6_addr"
                 flags = {
                     "interval": " flags interval;",
