@@ -61,6 +61,18 @@ def _peer_ip(flow: http.HTTPFlow) -> str | None:
     return _ip_of(flow.client_conn.peername)
 
 
+def _listen_port(flow: http.HTTPFlow, shared: int | None) -> int | None:
+    """The per-subject port the flow came in on (host-uid subjects, BEHAVIOUR 17), or None on
+    the shared listener ``shared``: there the peer address names the subject, here the port.
+    ``shared`` unknown (never configured) looks every flow up by its peer address, which for a
+    host-uid sandbox (the host's own address) is nobody's: no vault, closed."""
+    sockname = flow.client_conn.sockname
+    if shared is None or not sockname:
+        return None
+    port = int(sockname[1])
+    return None if port == shared else port
+
+
 def _original_destination(flow: http.HTTPFlow) -> tuple[str, int] | None:
     addr = flow.server_conn.address
     if not addr:
@@ -115,12 +127,15 @@ def _destination_unchanged(flow: http.HTTPFlow) -> bool:
 class EgressInjector:
     def __init__(self) -> None:
         self.client: ActiveClient | None = None
+        self.shared_port: int | None = None  # the shared listener's port (``listen_port``)
 
     def load(self, loader: Loader) -> None:
         loader.add_option("egressd_active_socket", str, "", "egressd's private _active unix socket")
         loader.add_option("egressd_lookup_timeout_ms", int, 250, "milliseconds per _active lookup")
 
     def configure(self, updated: set[str]) -> None:
+        if "listen_port" in updated:
+            self.shared_port = ctx.options.listen_port
         if "egressd_active_socket" in updated or "egressd_lookup_timeout_ms" in updated:
             self.client = ActiveClient(
                 ctx.options.egressd_active_socket, ctx.options.egressd_lookup_timeout_ms / 1000
@@ -174,7 +189,12 @@ class EgressInjector:
         started = time.perf_counter()
         assert self.client is not None
         try:
-            view = await self.client.lookup(client_ip, host, dest[0] if dest else None)
+            listen = _listen_port(flow, self.shared_port)
+            dst = dest[0] if dest else None
+            if listen is None:
+                view = await self.client.lookup(client_ip, host, dst)
+            else:
+                view = await self.client.lookup(client_ip, host, dst, listen_port=listen)
         except LookupFailed as exc:
             self._refuse(flow, LOOKUP_FAILED, client=client_ip, why=str(exc))
             return

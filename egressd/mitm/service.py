@@ -14,7 +14,7 @@ from aiohttp import web
 
 from egressd.config import Config
 from egressd.metrics import EgressMetrics
-from egressd.mitm.active import Lookup, Verify, active_app
+from egressd.mitm.active import Lookup, PortVaults, Verify, active_app
 from egressd.mitm.ca import CaError, CaInfo, ensure_ca
 from egressd.mitm.supervisor import MitmOptions, MitmSupervisor, mitmdump_argv
 
@@ -64,11 +64,14 @@ async def start_mitm(
     *,
     gid: int | None = None,
     metrics: EgressMetrics | None = None,
+    by_port: PortVaults | None = None,
 ) -> RunningMitm:
     """CA, the private ``_active`` socket, then the supervised MITM child (BEHAVIOUR §10).
 
     ``lookup``/``verify`` answer the child's vault lookups (see :mod:`egressd.mitm.active`);
-    ``gid`` is the child's group id (the sidecar exempts the MITM's own traffic by it).
+    ``gid`` is the child's group id (the sidecar exempts the MITM's own traffic by it);
+    ``by_port`` the lookups of the per-subject ports the child also listens on (fleet,
+    host-uid subjects).
     """
     try:
         ca = ensure_ca(cfg.mitm_confdir)
@@ -99,7 +102,7 @@ async def start_mitm(
             sock.unlink()
     except OSError as exc:
         raise MitmStartupError(f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock}: {exc.strerror}") from None
-    active = web.AppRunner(active_app(lookup, verify), access_log=None, handle_signals=False)
+    active = web.AppRunner(active_app(lookup, verify, by_port), access_log=None, handle_signals=False)
     await active.setup()
     try:
         await web.UnixSite(active, str(sock)).start()
@@ -113,6 +116,7 @@ async def start_mitm(
         active_socket=sock,
         upstream_trust_dir=trust,
         ssl_insecure=cfg.mitm_ssl_insecure,
+        subject_ports=by_port.ports if by_port is not None else (),
     )
     log.info("mitm.ca", fingerprint=ca.fingerprint, pinned=ca.pinned, confdir=str(ca.confdir))
     return RunningMitm(ca, MitmSupervisor(mitmdump_argv(opts), gid=gid, metrics=metrics), active, sock)
