@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +22,14 @@ from egressd.subject.hostuid import (
 from egressd.vault.model import VaultLimits
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 class ConfigError(ValueError):
     """One-line reason the daemon refuses to start."""
+
+
+DEFAULT_MITM_CONFDIR = "/var/lib/egressd/mitm"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +42,7 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("OPENSANDBOX_EGRESS_PROFILE", "--profile", "sidecar or fleet", "sidecar"),
+    Option("OPENSANDBOX_EGRESS_PROFILE", "--profile", "sidecar or fleet (fast-sandbox = fleet)", "sidecar"),
     Option("OPENSANDBOX_EGRESS_HTTP_ADDR", "--http-addr", "HTTP listener host:port (fleet 127.0.0.1:18080)"),
     Option(
         "EGRESSD_ALLOW_NON_LOOPBACK",
@@ -76,7 +82,12 @@ OPTIONS: tuple[Option, ...] = (
         "skip upstream TLS checks",
         boolean=True,
     ),
-    Option("EGRESSD_MITM_CONFDIR", "--mitm-confdir", "the MITM's private directory", "/var/lib/egressd/mitm"),
+    # No table default: set or not decides the precedence against its alias (below).
+    Option(
+        "EGRESSD_MITM_CONFDIR",
+        "--mitm-confdir",
+        f"the MITM's private directory (default {DEFAULT_MITM_CONFDIR!r})",
+    ),
     Option(
         "OPENSANDBOX_CREDENTIAL_PROXY_SOCKET",
         "--credential-proxy-socket",
@@ -171,6 +182,60 @@ OPTIONS: tuple[Option, ...] = (
     ),
 )
 
+# Reference sidecar parity (issue 15 item 3): the variables the OpenSandbox server forwards to
+# its egress sidecar. Parsed by the parse_* functions at the end of this module.
+PARITY_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "OPENSANDBOX_EGRESS_MITMPROXY_CONFDIR",
+        "--mitmproxy-confdir",
+        "alias of EGRESSD_MITM_CONFDIR (both set and different: start-up error)",
+    ),
+    Option("OPENSANDBOX_EGRESS_LOG_LEVEL", "--log-level", "debug, info, warn, error or fatal", "info"),
+    Option(
+        "OPENSANDBOX_EGRESS_SANDBOX_ID",
+        "--sandbox-id",
+        "sandbox id: sandbox_id label on every metric and field on every log line (and the "
+        "sidecar's deny webhook sandboxId)",
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_METRICS_EXTRA_ATTRS",
+        "--metrics-extra-attrs",
+        "comma-separated key=value: constant labels on every metric, fields on every log line",
+        "",
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS",
+        "--mitmproxy-extra-ports",
+        "comma-separated TCP ports intercepted by the MITM besides 80 and 443 (at most 13)",
+        "",
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS",
+        "--credential-vault-require-tls",
+        "vault writes only from loopback or a trusted proxy asserting X-Forwarded-Proto: https (else 426)",
+        boolean=True,
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_SCOPED_MATCH",
+        "--credential-vault-require-scoped-match",
+        "every vault binding must list its methods and paths, and no path may be /*",
+        boolean=True,
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS",
+        "--credential-vault-trusted-proxy-cidrs",
+        "comma-separated IPs/CIDRs whose X-Forwarded-Proto: https counts as TLS",
+        "",
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT",
+        "--nameserver-exempt",
+        "comma-separated nameserver IPs sandboxes may query directly on port 53 (not proxied)",
+        "",
+    ),
+)
+OPTIONS = OPTIONS + PARITY_OPTIONS
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -214,11 +279,39 @@ class Config:
     max_leases: int = 4096  # EGRESSD_MAX_LEASES_PER_SUBJECT (BEHAVIOUR 14.4)
     vault_max_credentials: int = 256  # EGRESSD_VAULT_MAX_CREDENTIALS (BEHAVIOUR 14.7)
     vault_max_bindings: int = 256  # EGRESSD_VAULT_MAX_BINDINGS (BEHAVIOUR 14.7)
+    # Reference sidecar parity (issue 15 item 3).
+    log_level: int = logging.INFO  # OPENSANDBOX_EGRESS_LOG_LEVEL
+    sandbox_id: str | None = None  # OPENSANDBOX_EGRESS_SANDBOX_ID
+    metrics_extra_attrs: tuple[tuple[str, str], ...] = ()  # OPENSANDBOX_EGRESS_METRICS_EXTRA_ATTRS
+    mitm_extra_ports: tuple[int, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS
+    vault_require_tls: bool = False  # OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS
+    vault_require_scoped_match: bool = False  # ..._CREDENTIAL_VAULT_REQUIRE_SCOPED_MATCH
+    vault_trusted_proxies: tuple[IPNetwork, ...] = ()  # ..._CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS
+    nameserver_exempt: tuple[IPAddress, ...] = ()  # OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT
     uid_ports: UidPorts = DEFAULT_UID_PORTS  # EGRESSD_UID_* (BEHAVIOUR 17)
 
     @property
     def vault_limits(self) -> VaultLimits:
-        return VaultLimits(credentials=self.vault_max_credentials, bindings=self.vault_max_bindings)
+        return VaultLimits(
+            credentials=self.vault_max_credentials,
+            bindings=self.vault_max_bindings,
+            require_scoped_match=self.vault_require_scoped_match,
+        )
+
+    @property
+    def metric_labels(self) -> tuple[tuple[str, str], ...]:
+        """Constant labels of every metric: ``sandbox_id`` first (when set), then the extra
+        attributes with their keys made Prometheus label names (the reference's OTel exporter
+        does the same: ``k8s.pod`` -> ``k8s_pod``)."""
+        out = [("sandbox_id", self.sandbox_id)] if self.sandbox_id is not None else []
+        out += [(label_name(k), v) for k, v in self.metrics_extra_attrs]
+        return tuple(out)
+
+    @property
+    def log_fields(self) -> dict[str, str]:
+        """Fields on every log line (the reference merges the same pairs into its root logger)."""
+        out = {"sandbox_id": self.sandbox_id} if self.sandbox_id is not None else {}
+        return out | dict(self.metrics_extra_attrs)
 
 
 def parse_uid_range(name: str, value: str | None) -> UidRange:
@@ -355,8 +448,11 @@ def parse_doh_blocklist(value: str) -> tuple[IPNetwork, ...]:
 def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
     raw = raw_settings(env, argv)
     profile = (raw["OPENSANDBOX_EGRESS_PROFILE"] or "").strip().lower()
+    profile = PROFILE_ALIASES.get(profile, profile)
     if profile not in ("sidecar", "fleet"):
-        raise ConfigError(f"OPENSANDBOX_EGRESS_PROFILE: expected sidecar or fleet, got {profile!r}")
+        raise ConfigError(
+            f"OPENSANDBOX_EGRESS_PROFILE: expected sidecar, fleet or fast-sandbox, got {profile!r}"
+        )
     http_default = "127.0.0.1:18080" if profile == "fleet" else "0.0.0.0:18080"
     http_host, http_port = parse_hostport(
         "OPENSANDBOX_EGRESS_HTTP_ADDR", raw["OPENSANDBOX_EGRESS_HTTP_ADDR"] or http_default
@@ -413,7 +509,25 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
     lease_max = _int("EGRESSD_DNS_LEASE_MAX", raw["EGRESSD_DNS_LEASE_MAX"], 1, 86400)
     if lease_min > lease_max:
         raise ConfigError("EGRESSD_DNS_LEASE_MIN is larger than EGRESSD_DNS_LEASE_MAX")
+    extra_ports = parse_extra_ports(raw["OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS"] or "", mitm_port)
     return Config(
+        log_level=parse_log_level(raw["OPENSANDBOX_EGRESS_LOG_LEVEL"]),
+        sandbox_id=parse_sandbox_id(raw["OPENSANDBOX_EGRESS_SANDBOX_ID"]),
+        metrics_extra_attrs=parse_extra_attrs(raw["OPENSANDBOX_EGRESS_METRICS_EXTRA_ATTRS"] or ""),
+        mitm_extra_ports=extra_ports,
+        vault_require_tls=_bool(
+            "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS",
+            raw["OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS"],
+        ),
+        vault_require_scoped_match=_bool(
+            "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_SCOPED_MATCH",
+            raw["OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_SCOPED_MATCH"],
+        ),
+        vault_trusted_proxies=parse_networks(
+            "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS",
+            raw["OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS"] or "",
+        ),
+        nameserver_exempt=parse_nameserver_exempt(raw["OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT"] or ""),
         dns_upstreams=upstreams,
         dns_lease_min=lease_min,
         # 0 switches the budget off (like OPENSANDBOX_EGRESS_MAX_RULES=0); a negative or
@@ -445,7 +559,7 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         mitm_ssl_insecure=_bool(
             "OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE", raw["OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE"]
         ),
-        mitm_confdir=Path(raw["EGRESSD_MITM_CONFDIR"] or "/var/lib/egressd/mitm"),
+        mitm_confdir=mitm_confdir(raw),
         credential_proxy_socket=Path(
             raw["OPENSANDBOX_CREDENTIAL_PROXY_SOCKET"] or "/run/opensandbox/credential-proxy/active.sock"
         ),
@@ -486,3 +600,196 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
             else {},
         ),
     )
+
+
+# ---- reference sidecar parity (issue 15 item 3) ----------------------------------------------
+
+#: ``OPENSANDBOX_EGRESS_PROFILE`` values that name a profile by another name: the reference's
+#: newer name for the multi-sandbox profile.
+PROFILE_ALIASES: dict[str, str] = {"fast-sandbox": "fleet"}
+
+_LOG_LEVELS: dict[str, int] = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "fatal": logging.CRITICAL,
+}
+
+#: Label names a constant label may not take: Prometheus' own, and every label an egressd
+#: metric carries (a sample with one label twice is not valid exposition text).
+#: tests/unit/test_parity.py checks that every label of EgressMetrics is listed.
+RESERVED_LABELS: frozenset[str] = frozenset(
+    {
+        "le",
+        "quantile",
+        "state",
+        "operation",
+        "code",
+        "from",
+        "to",
+        "subject",
+        "layer",
+        "rule",
+        "reason",
+        "outcome",
+        "decision_id",
+        "sandbox_id",
+    }
+)
+#: The reference's iptables multiport cap (80 and 443 included), kept so a configuration moves
+#: between the two unchanged.
+MAX_MITM_PORTS = 15
+_ATTR_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+
+
+def mitm_confdir(raw: Mapping[str, str | None]) -> Path:
+    """``EGRESSD_MITM_CONFDIR`` or its reference alias ``OPENSANDBOX_EGRESS_MITMPROXY_CONFDIR``
+    (each: flag over env). One of them set: that one; both set to different directories:
+    refused, since nobody can tell which CA the operator meant to pin."""
+    ours = raw["EGRESSD_MITM_CONFDIR"] or ""
+    alias = raw["OPENSANDBOX_EGRESS_MITMPROXY_CONFDIR"] or ""
+    if ours and alias and Path(ours) != Path(alias):
+        raise ConfigError(
+            f"EGRESSD_MITM_CONFDIR ({ours!r}) and OPENSANDBOX_EGRESS_MITMPROXY_CONFDIR ({alias!r}) "
+            "name different directories; set one of them"
+        )
+    return Path(ours or alias or DEFAULT_MITM_CONFDIR)
+
+
+def parse_log_level(value: str | None) -> int:
+    """The reference's zap levels (``warning`` too); case-insensitive; unset/empty = info."""
+    text = (value or "").strip().lower() or "info"
+    if text not in _LOG_LEVELS:
+        raise ConfigError(
+            f"OPENSANDBOX_EGRESS_LOG_LEVEL: expected debug, info, warn, error or fatal, got {value!r}"
+        )
+    return _LOG_LEVELS[text]
+
+
+def _printable(name: str, value: str, limit: int) -> None:
+    if len(value) > limit:
+        raise ConfigError(f"{name}: longer than {limit} characters")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ConfigError(f"{name}: contains a control character")
+
+
+def parse_sandbox_id(value: str | None) -> str | None:
+    """Trimmed like the reference; empty = unset. It lands in every log line and metric."""
+    text = (value or "").strip()
+    if not text:
+        return None
+    _printable("OPENSANDBOX_EGRESS_SANDBOX_ID", text, 256)
+    return text
+
+
+def label_name(key: str) -> str:
+    """An attribute key as a Prometheus label name (``.`` and ``-`` become ``_``)."""
+    return key.replace(".", "_").replace("-", "_")
+
+
+def parse_extra_attrs(value: str) -> tuple[tuple[str, str], ...]:
+    """``k=v,k2=v2`` (each part trimmed, empty parts skipped), as the reference reads it; a part
+    it would skip silently (no ``=``, empty key or value) is refused here, like a key that is
+    no label name, a label egressd's metrics already use, or a key given twice."""
+    name = "OPENSANDBOX_EGRESS_METRICS_EXTRA_ATTRS"
+    out: list[tuple[str, str]] = []
+    labels: set[str] = set()
+    for raw_part in value.split(","):
+        part = raw_part.strip()
+        if not part:
+            continue
+        key, sep, val = part.partition("=")
+        key, val = key.strip(), val.strip()
+        if not sep or not key or not val:
+            raise ConfigError(f"{name}: expected key=value, got {part!r}")
+        label = label_name(key)
+        if not _ATTR_KEY.fullmatch(key) or label.startswith("__"):
+            raise ConfigError(f"{name}: {key!r} is not a valid label name")
+        if label in RESERVED_LABELS:
+            raise ConfigError(f"{name}: {key!r} is a label egressd's metrics already use")
+        if label in labels:
+            raise ConfigError(f"{name}: {key!r} is given twice")
+        _printable(name, val, 256)
+        labels.add(label)
+        out.append((key, val))
+    return tuple(out)
+
+
+def parse_extra_ports(value: str, mitm_port: int) -> tuple[int, ...]:
+    """The reference's rules: comma-separated integers 1..65535, no empty entry, no duplicate,
+    never 80 or 443 (always intercepted), at most 15 ports with those two. egressd also
+    refuses 53 and 853 (intercepting them would take DNS and DoT past their own rules) and the
+    MITM's own port."""
+    name = "OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS"
+    text = value.strip()
+    if not text:
+        return ()
+    seen = {80, 443}
+    out: list[int] = []
+    for raw_part in text.split(","):
+        part = raw_part.strip()
+        if not part:
+            raise ConfigError(f"{name}: empty entry in {value!r}")
+        port = _int(name, part, 1, 65535)
+        if port in seen:
+            raise ConfigError(f"{name}: duplicate or reserved port {port} (80/443 are always intercepted)")
+        if port in (53, 853, mitm_port):
+            raise ConfigError(f"{name}: port {port} cannot be intercepted (DNS, DoT or the MITM's own port)")
+        seen.add(port)
+        out.append(port)
+    if len(out) + 2 > MAX_MITM_PORTS:
+        raise ConfigError(f"{name}: {len(out) + 2} ports with 80 and 443, more than {MAX_MITM_PORTS}")
+    return tuple(out)
+
+
+def parse_networks(name: str, value: str) -> tuple[IPNetwork, ...]:
+    """Comma-separated IPs or CIDRs; an invalid entry refuses start-up (the reference skips it)."""
+    nets: list[IPNetwork] = []
+    for raw_part in value.split(","):
+        item = raw_part.strip()
+        if not item:
+            continue
+        try:
+            nets.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ConfigError(f"{name}: invalid entry {item!r}") from None
+    return tuple(nets)
+
+
+def parse_nameserver_exempt(value: str) -> tuple[IPAddress, ...]:
+    """Comma-separated nameserver IPs (the reference keeps single IPs only and skips anything
+    else; here a CIDR or junk refuses start-up instead of exempting less than was asked).
+    Duplicates collapse; unspecified, loopback and multicast addresses are no nameservers."""
+    name = "OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT"
+    out: list[IPAddress] = []
+    for raw_part in value.split(","):
+        item = raw_part.strip()
+        if not item:
+            continue
+        try:
+            ip = ipaddress.ip_address(item)
+        except ValueError:
+            raise ConfigError(f"{name}: {item!r} is not an IP address") from None
+        if ip.is_unspecified or ip.is_loopback or ip.is_multicast:
+            raise ConfigError(f"{name}: {item} cannot be a nameserver")
+        if ip not in out:
+            out.append(ip)
+    return tuple(out)
+
+
+def ignored_settings(cfg: Config) -> list[str]:
+    """Parity settings that have no effect with the rest of ``cfg`` (logged at start-up, so
+    nothing is ignored silently). None of them weakens enforcement by being ignored."""
+    notes = []
+    if cfg.mitm_extra_ports and not cfg.mitm_transparent:
+        notes.append(
+            "OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS: the MITM is off (OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT)"
+        )
+    if cfg.vault_trusted_proxies and not cfg.vault_require_tls:
+        notes.append(
+            "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS: only read with "
+            "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS on"
+        )
+    return notes

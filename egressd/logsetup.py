@@ -4,11 +4,26 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Mapping, MutableMapping
+from typing import Any
 
 import structlog
 
 
-def configure(fmt: str = "json", level: int = logging.INFO) -> None:
+def constant_fields(fields: Mapping[str, str]) -> structlog.typing.Processor:
+    """Adds ``fields`` (OPENSANDBOX_EGRESS_SANDBOX_ID, ..._METRICS_EXTRA_ATTRS) to every line;
+    a key the line sets itself keeps the line's value."""
+    frozen = dict(fields)
+
+    def add(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+        for key, value in frozen.items():
+            event_dict.setdefault(key, value)
+        return event_dict
+
+    return add
+
+
+def configure(fmt: str = "json", level: int = logging.INFO, fields: Mapping[str, str] | None = None) -> None:
     renderer: structlog.typing.Processor
     if fmt == "console":
         renderer = structlog.dev.ConsoleRenderer(colors=False)
@@ -17,6 +32,7 @@ def configure(fmt: str = "json", level: int = logging.INFO) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            *([constant_fields(fields)] if fields else []),
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,

@@ -40,12 +40,21 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; assert sys.ve
   "$py" -m venv .venv
 fi
 
+# requirements.lock pins every package (runtime, dev extras and the setuptools that builds
+# egressd) by version and sha256, for Python 3.12 on Linux x86_64. After changing a dependency
+# in pyproject.toml, refresh it with `scripts/refresh-lock.sh` (`--upgrade` for newer releases)
+# and commit both. The stamp holds the digest of the lock and pyproject.toml: a change to
+# either re-runs the install, whatever the files' times.
 stamp=.venv/.egressd-installed
+want=$(cat requirements.lock pyproject.toml | sha256sum | cut -d' ' -f1)
 # The sidecar compatibility tests need the OpenSandbox SDK and schemathesis (dev extras).
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ ! -x .venv/bin/egressd ] \
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ ! -x .venv/bin/egressd ] \
    || ! .venv/bin/python -c 'import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ("opensandbox", "schemathesis"))))' 2>/dev/null; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e '.[dev]'
-  touch "$stamp"
+  .venv/bin/python -m pip install -q --require-hashes -r requirements.lock
+  # egressd itself, without resolving anything more; the lock's setuptools builds it (no
+  # isolated build env fetching an unpinned backend).
+  .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+  echo "$want" >"$stamp"
 fi
 echo "install: ok ($(.venv/bin/python --version), $(nft --version))"

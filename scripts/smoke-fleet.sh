@@ -6,7 +6,8 @@
 # egressd runs in the pod namespace and is driven exactly like a Fastlet would drive it
 # (SET_BINDING, runtime-ready, data-plane-ready, policy update, SET_BINDING null,
 # REMOVE_BINDING, rebind, kill -9 + replay); a vault is pushed over the proxy route; real
-# traffic (dig, curl) from the sandboxes is checked after each step. One line per check, then
+# traffic (dig, curl) from the sandboxes is checked after each step, with the reference-parity
+# variables on (an extra MITM port, an exempt nameserver, metric labels). One line per check, then
 # "N passed, M failed". Exit 0 only when every check passed. Everything is removed on any exit.
 #
 # Nothing is created in the root namespace: veth pairs are made with both ends inside our
@@ -80,7 +81,7 @@ cat > "$WORK/zone.json" <<'EOF'
   {"name": "exfil.test", "type": "A", "value": "10.204.0.4", "ttl": 30}
 ]}
 EOF
-ip netns exec "$UP" "$ROOT/.venv/bin/python" scripts/fleet_upstream.py --http-ports 80 --zone "$WORK/zone.json" \
+ip netns exec "$UP" "$ROOT/.venv/bin/python" scripts/fleet_upstream.py --http-ports 80,8080 --zone "$WORK/zone.json" \
   --https-ports 443 --tls-dir "$WORK/tls" --tls-ips 10.204.0.2,10.204.0.3,10.204.0.4,10.204.0.5 \
   --log "$WORK/upstream.jsonl" > "$WORK/upstream.out" 2>&1 &
 PIDS+=($!)
@@ -98,6 +99,8 @@ start_egressd() {
     OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT=1 OPENSANDBOX_EGRESS_MITMPROXY_PORT=18081 \
     OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR="$WORK/tls/trust" EGRESSD_MITM_CONFDIR="$WORK/mitm" \
     OPENSANDBOX_CREDENTIAL_PROXY_SOCKET="$WORK/run/active.sock" \
+    OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS=8080 OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT=10.204.0.2 \
+    OPENSANDBOX_EGRESS_METRICS_EXTRA_ATTRS=smoke=fleet OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS=1 \
     "$ROOT/.venv/bin/egressd" >> "$WORK/egressd.log" 2>&1 &
   EGRESSD_PID=$!
   disown "$EGRESSD_PID"  # no "Killed" job notice when the kill -9 step or the cleanup ends it
@@ -118,6 +121,15 @@ reaches() { [ "$(inns "$(SB "$1")" curl -s -o /dev/null -w '%{http_code}' --conn
 resolves() { inns "$(SB "$1")" dig +short +time=2 +tries=1 @10.203.0.1 "$2" | grep -q "${3:-.}"; }
 nxdomain() { inns "$(SB "$1")" dig +time=2 +tries=1 @10.203.0.1 "$2" | grep -q "status: NXDOMAIN"; }
 upstream_saw() { grep -q "\"dns\": \"$1\"" "$WORK/upstream.jsonl"; }
+direct_dns() { inns "$(SB "$1")" dig +short +time=2 +tries=1 @10.204.0.2 "$2" | grep -q "$3"; }
+via_mitm() {  # via_mitm N URL PORT: the request arrived from the pod (the MITM), not the sandbox
+  [ "$(inns "$(SB "$1")" curl -s -o /dev/null -w '%{http_code}' -m 3 "$2")" = 200 ] || return 1
+  grep "\"port\": $3," "$WORK/upstream.jsonl" | tail -n 1 | grep -q '"client": "10.204.0.1"'
+}
+labelled_metrics() {  # every sample carries the constant label
+  local out; out=$(inns "$POD" curl -s "127.0.0.1:$PORT/metrics") || return 1
+  grep -v '^#' <<<"$out" | grep -q . && ! grep -v '^#' <<<"$out" | grep -v '^$' | grep -qv 'smoke="fleet"'
+}
 https_get() {  # https_get N HOST IP PATH: the upstream's JSON echo (what arrived) on stdout
   inns "$(SB "$1")" curl -s -m 5 --cacert "$WORK/mitm/mitmproxy-ca-cert.pem" --resolve "$2:443:$3" "https://$2$4"
 }
@@ -157,6 +169,12 @@ check "sb3 cannot reach its denied IP" not reaches 3 10.204.0.2
 check "sb2's own service answers inside sb2" ip netns exec "$(SB 2)" curl -s -o /dev/null -m 2 "http://$(SBIP 2):8000/"
 check "sandbox-to-sandbox traffic is dropped" not ip netns exec "$(SB 3)" curl -s -o /dev/null --connect-timeout 1 -m 2 "http://$(SBIP 2):8000/"
 check "DoT (853) is dropped even for allowed addresses" not ip netns exec "$(SB 3)" curl -s --connect-timeout 1 -m 2 http://10.204.0.5:853/
+check "sb2 asks the exempt nameserver directly (NAMESERVER_EXEMPT), port 53 only" bash -c "$(declare -f inns SB direct_dns reaches); P=$P; direct_dns 2 other.test 10.204.0.3 && ! reaches 2 10.204.0.2"
+check "unknown source sb4 cannot use the exempt nameserver" not direct_dns 4 other.test 10.204.0.3
+check "an extra MITM port (MITMPROXY_EXTRA_PORTS=8080) goes through the MITM" via_mitm 1 http://10.204.0.2:8080/smoke 8080
+check "the extra port is policed like 80: sb1 cannot reach an address it did not learn" not reaches 1 10.204.0.3:8080
+check "every /metrics sample carries METRICS_EXTRA_ATTRS" labelled_metrics
+check "the self-test logged how this kernel renews leases" grep -q '"lease_renewal"' "$WORK/egressd.log"
 
 # ---- policy update, vault, null, remove, rebind ------------------------------------------------
 check "in-place policy update sb2 -> 200" bind 2 '{"defaultAction":"deny","egress":[{"action":"allow","target":"10.204.0.5"}]}'

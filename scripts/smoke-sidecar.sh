@@ -7,9 +7,11 @@
 # policy for everything in it: DNS answers and TCP connections of the app (dig, curl) are
 # checked after each step, the API is driven like the OpenSandbox SDK would drive it (token,
 # PATCH/DELETE/POST /policy, a vault write that must answer 412 without the MITM), then kill -9
-# + restart and SIGTERM. A last run turns the transparent MITM on: a vault PUT succeeds, the
+# + restart and SIGTERM. A further run turns the transparent MITM on: a vault PUT succeeds, the
 # app's HTTPS to the bound host carries the credential upstream, other hosts get none, the MITM
 # port cannot be reached directly, and the MITM's group id skips injection but not the policy.
+# A last run sets the reference-parity variables (extra MITM port, exempt nameserver, vault
+# writes limited to loopback/TLS, constant metric labels).
 # One line per check, then "N passed, M failed". Exit 0 only when every check passed.
 # Everything is removed on any exit (also on failure or Ctrl-C).
 #
@@ -74,7 +76,7 @@ cat > "$WORK/zone.json" <<'JSON'
 JSON
 # HTTPS on 443 with a test CA ($WORK/tls/ca.pem, hashed copy in $WORK/tls/trust): the MITM
 # section verifies the upstream against it.
-ip netns exec "$UP" "$ROOT/.venv/bin/python" scripts/fleet_upstream.py --http-ports 80,853 --zone "$WORK/zone.json" \
+ip netns exec "$UP" "$ROOT/.venv/bin/python" scripts/fleet_upstream.py --http-ports 80,853,8080 --zone "$WORK/zone.json" \
   --https-ports 443 --tls-dir "$WORK/tls" --tls-ips 10.204.0.3,10.204.0.5,10.204.0.6,10.204.0.7 \
   --log "$WORK/upstream.jsonl" > "$WORK/upstream.out" 2>&1 &
 PIDS+=($!)
@@ -216,6 +218,45 @@ check "the credential never reached the daemon's log" not grep -q "$SECRET" "$WO
 kill -TERM "$EGRESSD_PID" 2>/dev/null
 check "SIGTERM: egressd (and its MITM child) exit 0" wait "$EGRESSD_PID"
 check "SIGTERM: the sidecar table is deleted" not table_exists
+
+# ---- reference sidecar parity (the variables the OpenSandbox server forwards) ------------------
+# The MITM again, with one more intercepted port, vault writes limited to loopback/TLS, the
+# upstream resolver exempt from the DNS redirect, and constant metric labels.
+EXTRA_ENV=(OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT=1 OPENSANDBOX_EGRESS_MITMPROXY_PORT=18081
+  OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR="$WORK/tls/trust" OPENSANDBOX_EGRESS_MITMPROXY_CONFDIR="$WORK/mitm"
+  OPENSANDBOX_CREDENTIAL_PROXY_SOCKET="$WORK/run/active.sock" OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS=8080
+  OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS=1 OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT=10.203.0.1
+  OPENSANDBOX_EGRESS_SANDBOX_ID=smoke-sb OPENSANDBOX_EGRESS_METRICS_EXTRA_ATTRS=smoke=parity
+  OPENSANDBOX_EGRESS_LOG_LEVEL=info)
+redirected_to_mitm() {  # the app's flow to PORT was redirected to the MITM (conntrack reply tuple)
+  inns "$SBX" conntrack -L -p tcp --orig-port-dst "$1" 2>/dev/null | grep -q 'sport=18081 '
+}
+labelled_metrics() {
+  local out; out=$(inns "$SBX" curl -s 127.0.0.1:18080/metrics) || return 1
+  grep -v '^#' <<<"$out" | grep -q . && ! grep -v '^#' <<<"$out" | grep -v '^$' | grep -qv 'sandbox_id="smoke-sb",smoke="parity"'
+}
+outside_vault_write() {  # from the upstream namespace, like a client that is not on loopback
+  [ "$(inns "$UP" curl -s -o /dev/null -w '%{http_code}' -m 5 -X PUT -H "OPENSANDBOX-EGRESS-AUTH: $TOKEN" \
+    -H 'X-Forwarded-Proto: https' --data-binary "$VAULT" http://10.203.0.11:18080/credential-vault)" = 426 ]
+}
+check "egressd starts with the reference parity variables" start_egressd
+check "the self-test logged how this kernel renews leases" grep -q '"lease_renewal"' "$WORK/egressd.log"
+check "POST /policy allows the bound host and one more -> 200" expect 200 POST /policy \
+  '{"defaultAction":"deny","egress":[{"action":"allow","target":"api.allowed.test"},{"action":"allow","target":"b.allowed.test"}]}'
+check "the extra port is in the redirect (MITMPROXY_EXTRA_PORTS=8080)" bash -c \
+  "ip netns exec $SBX nft list table inet opensandbox | tr -s ' ' | grep -q 'tcp dport { 80, 443, 8080 } redirect to :18081'"
+check "the app's HTTP to port 8080 goes through the MITM" bash -c \
+  "$(declare -f inns resolves redirected_to_mitm); SBX=$SBX; resolves b.allowed.test 10.204.0.7 && ip netns exec $SBX conntrack -F && [ \"\$(ip netns exec $SBX curl -s -o /dev/null -w '%{http_code}' -m 3 http://10.204.0.7:8080/smoke)\" = 200 ] && redirected_to_mitm 8080"
+check "... and its upstream leg is policed: port 8080 of an address never learned fails" not reaches 10.204.0.5:8080
+check "the exempt resolver answers the app directly, also a name the policy denies (NAMESERVER_EXEMPT)" \
+  resolves exfil.test 10.204.0.5 10.203.0.1
+check "... which opens nothing: the app still cannot connect to that address" not reaches 10.204.0.5
+check "a resolver address that is not exempt still goes through the proxy" nxdomain exfil.test 10.204.0.9
+check "a vault write from outside the namespace is 426 (CREDENTIAL_VAULT_REQUIRE_TLS)" outside_vault_write
+check "the same write over loopback -> 201" expect 201 PUT /credential-vault "$VAULT"
+check "every /metrics sample carries sandbox_id and METRICS_EXTRA_ATTRS" labelled_metrics
+kill -TERM "$EGRESSD_PID" 2>/dev/null
+check "SIGTERM: egressd exits 0" wait "$EGRESSD_PID"
 
 echo "$PASS passed, $FAIL failed"
 [ "$FAIL" -eq 0 ]

@@ -372,7 +372,7 @@ class ControlPlane:
                 admitted = book.admit(candidates, now)
                 if not admitted:
                     return []
-                batch = dyn_add(self.table.table, entry.nft_id, admitted)
+                batch = dyn_add(self.table.table, entry.nft_id, admitted, replace=self.table.renew_by_replace)
                 # The inline path is an optional fast path of the kernel shell (see applier).
                 run = getattr(self.tx, "run_batch_inline", None) or self.tx.run_batch
                 try:

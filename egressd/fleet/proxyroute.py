@@ -23,6 +23,7 @@ from egressd.subject.registry import Entry, State
 from egressd.vault.model import VaultError
 from egressd.vault.pending import PendingFull
 from egressd.web.route import Resource, RouteError, RouteRequest, classify
+from egressd.web.transport import REFUSAL_STATUS, REFUSAL_TEXT, VAULT_WRITE_METHODS
 from egressd.web.vaultapi import NO_MATCH, Reply, edited_policy, vault_write
 
 log = structlog.get_logger("egressd.proxyroute")
@@ -44,7 +45,17 @@ class ProxyRouteAPI(SubjectListener):
 
     # ---- entry point -----------------------------------------------------------------------
 
-    async def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Reply:
+    async def handle(
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str],
+        body: bytes,
+        *,
+        secure_transport: bool = True,
+    ) -> Reply:
+        """``secure_transport``: whether the request's transport may carry a vault write
+        (OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS, decided by the HTTP shell)."""
         try:
             req = classify(path, headers)
         except RouteError as exc:
@@ -52,6 +63,9 @@ class ProxyRouteAPI(SubjectListener):
         allowed = self._allowed(req)
         if method not in allowed:
             return Reply(405, text="method not allowed", allow=", ".join(allowed))
+        if req.resource is Resource.VAULT and method in VAULT_WRITE_METHODS and not secure_transport:
+            # Refused before it is cached or parsed, like the sidecar.
+            return Reply(REFUSAL_STATUS, text=REFUSAL_TEXT)
         async with self.control.subject_lock(req.uid):
             return await self._handle_locked(method, req, body, cache=True)
 

@@ -26,6 +26,7 @@ from egressd.metrics import OPENMETRICS_CONTENT_TYPE, EgressMetrics
 from egressd.subject.model import subject_for_uid
 from egressd.web.body import BodyTooLarge, incomplete, read_limited, text
 from egressd.web.serving import BodyIncomplete, InFlight
+from egressd.web.transport import FORWARDED_PROTO, VaultTransport
 from egressd.web.vaultapi import Reply
 
 log = structlog.get_logger("egressd.http")
@@ -58,8 +59,10 @@ class FleetHTTP:
         proxy: ProxyRouteAPI | None = None,
         mitm_ca: Callable[[], tuple[str, str] | None] | None = None,
         before_scrape: Callable[[], Awaitable[None]] | None = None,
+        vault_transport: VaultTransport | None = None,
     ) -> None:
         self.proxy = proxy
+        self.vault_transport = vault_transport or VaultTransport()
         # () -> (public certificate PEM, SHA-256 hex of its DER), or None while the MITM is off.
         self._mitm_ca = mitm_ca
         self._before_scrape = before_scrape
@@ -131,7 +134,10 @@ class FleetHTTP:
     async def _proxy_reply(self, request: web.Request, body: bytes) -> Reply:
         assert self.proxy is not None
         try:
-            return await self.proxy.handle(request.method, request.rel_url.raw_path, request.headers, body)
+            secure = self.vault_transport.allows(request.remote, request.headers.get(FORWARDED_PROTO))
+            return await self.proxy.handle(
+                request.method, request.rel_url.raw_path, request.headers, body, secure_transport=secure
+            )
         except Exception:
             log.exception("proxy_route.crashed", method=request.method)
             return Reply(500, text="internal error")

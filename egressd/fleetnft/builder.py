@@ -126,6 +126,25 @@ class TableConfig:
     uids: UidPorts = DEFAULT_UID_PORTS
     own_uid: int | None = None
     http_port: int = 18080
+    # OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS: intercepted like 80 and 443 (MITM on).
+    mitm_extra_ports: tuple[int, ...] = ()
+    # OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT: registered sandboxes may query these directly on
+    # port 53 (udp and tcp), nothing else of them; the lateral drops still come first (14.2).
+    nameserver_exempt: tuple[IPAddress, ...] = ()
+    # The self-test found that re-adding a timed element does not extend it (egressd.kernel.renewal).
+    renew_by_replace: bool = False
+
+
+def mitm_ports(cfg: TableConfig) -> str:
+    """The intercepted TCP destination ports as an nft set literal."""
+    return "{ " + ", ".join(str(p) for p in (80, 443, *cfg.mitm_extra_ports)) + " }"
+
+
+def _exempt_literal(cfg: TableConfig, fam: str) -> str | None:
+    """The exempt nameservers of one family as an anonymous nft set, or None."""
+    version = 4 if fam == "v4" else 6
+    ips = [str(ip) for ip in cfg.nameserver_exempt if ip.version == version]
+    return "{ " + ", ".join(ips) + " }" if ips else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,6 +332,17 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     # Prerouting: clear our bit first, so only this table's rules can grant it.
     s.obj("add", "chain", "marking { type filter hook prerouting priority 0; policy accept; }")
     s.rule("marking", f"meta mark set meta mark & {~ALLOW_MARK & 0xFFFFFFFF:#010x}")
+    for fam in ("v4", "v6"):
+        exempt = _exempt_literal(cfg, fam)
+        if exempt is not None:
+            # Direct DNS of a registered sandbox to an exempt nameserver passes the
+            # unmarked-drop tail; the forward hook's lateral drops and the subject's deny
+            # sets are still judged before it (the DNS proxy is simply not involved).
+            s.rule(
+                "marking",
+                f"{l3_of(fam)} saddr @{sandbox_set(fam)} {l3_of(fam)} daddr {exempt} "
+                f"meta l4proto {{ tcp, udp }} th dport 53 meta mark set meta mark | {ALLOW_MARK:#x}",
+            )
     s.rule("marking", f"ip saddr vmap @{marking_map('v4')}")
     s.rule("marking", f"ip6 saddr vmap @{marking_map('v6')}")
 
@@ -370,14 +400,15 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
         # itself (any local address, loopback included) or to a sibling sandbox on the
         # sandbox's behalf. Left alone, such packets meet sandbox_in's drop or the forward
         # drop of sandbox destinations.
-        s.rule("nat", "fib daddr type local tcp dport { 80, 443 } return")
+        ports = mitm_ports(cfg)
+        s.rule("nat", f"fib daddr type local tcp dport {ports} return")
         for fam in ("v4", "v6"):
-            s.rule("nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} tcp dport {{ 80, 443 }} return")
-            s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_set(fam)} tcp dport {{ 80, 443 }} return")
-            s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} tcp dport {{ 80, 443 }} return")
+            s.rule("nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} tcp dport {ports} return")
+            s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_set(fam)} tcp dport {ports} return")
+            s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} tcp dport {ports} return")
             s.rule(
                 "nat",
-                f"{l3_of(fam)} saddr @{mitm_src_set(fam)} tcp dport {{ 80, 443 }} redirect to :{cfg.mitm_port}",
+                f"{l3_of(fam)} saddr @{mitm_src_set(fam)} tcp dport {ports} redirect to :{cfg.mitm_port}",
             )
     _uid_header(s, cfg)
     return s.text()
@@ -678,14 +709,25 @@ def dyn_replace(table: str, nft_id: str, kept: Sequence[tuple[IPAddress, int]]) 
     return flush + dyn_add(table, nft_id, kept)
 
 
-def dyn_add(table: str, nft_id: str, leases: Sequence[tuple[IPAddress, int]]) -> NetlinkBatch:
-    """DNS learning (§7): addresses with per-element timeouts; re-adding refreshes the expiry."""
+def dyn_add(
+    table: str, nft_id: str, leases: Sequence[tuple[IPAddress, int]], *, replace: bool = False
+) -> NetlinkBatch:
+    """DNS learning (§7) and renewal (§9): addresses with per-element timeouts.
+
+    ``replace`` False: one add, which also sets a new expiry on an existing element where the
+    kernel supports that. True (the self-test found it does not, egressd.kernel.renewal):
+    add (so each element exists), delete, add again, in the caller's one transaction."""
     n = Names(nft_id)
     ops: list[Op] = []
     for fam in ("v4", "v6"):
         mine = tuple((ip, sec) for ip, sec in leases if family(ip) == fam)
-        if mine:
-            ops.append(AddTimed(n.set(f"dyn_{fam}"), fam, mine))
+        if not mine:
+            continue
+        name = n.set(f"dyn_{fam}")
+        ops.append(AddTimed(name, fam, mine))
+        if replace:
+            ops += [DeleteElement(name, ip) for ip, _ in mine]
+            ops.append(AddTimed(name, fam, mine))
     return NetlinkBatch(table, tuple(ops))
 
 
@@ -713,6 +755,8 @@ def dyn_add(table: str, nft_id: str, leases: Sequence[tuple[IPAddress, int]]) ->
 #   subject got.
 # * Loopback and the host's own addresses are exempt (a sandbox's processes talk to each
 #   other there), except every listener of egressd's own: the actions API, the proxies' ports.
+# * OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT is for network subjects: a uid subject's port-53
+#   traffic always goes to its own DNS port.
 # * Sockets of uids outside the range (the host's own processes, egressd and its MITM child
 #   among them) are never touched; neither are egressd's (``own_uid``) and the DNS
 #   forwarder's (SO_MARK 0x1, which needs CAP_NET_ADMIN) if the range happens to cover them.
@@ -855,7 +899,7 @@ def _uid_header(s: _Script, cfg: TableConfig) -> None:
         for fam in ("v4", "v6"):
             s.rule(n, f"{l3_of(fam)} daddr @{sandbox_set(fam)} return")
             s.rule(n, f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} return")
-        s.rule(n, f"tcp dport {{ 80, 443 }} redirect to :meta skuid map @{UID_MITM}")
+        s.rule(n, f"tcp dport {mitm_ports(cfg)} redirect to :meta skuid map @{UID_MITM}")
 
 
 def uid_subject_keys(cfg: TableConfig, subj: UidSubjectNft) -> NetlinkBatch:

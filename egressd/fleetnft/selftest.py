@@ -13,11 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from egressd.fleetnft.builder import Names, dyn_add
 from egressd.kernel.applier import NftError
+from egressd.kernel.netlink import SetElement
 from egressd.kernel.ops import (
     AddCounter,
     AddIntervals,
     AddRule,
+    AddSet,
     AddTimed,
     AuditRule,
     DeleteChain,
@@ -29,6 +32,7 @@ from egressd.kernel.ops import (
     Outcome,
     VerdictRule,
 )
+from egressd.kernel.renewal import PROBE_FIRST_S, PROBE_SECOND_S, LeaseRenewal, extended
 
 
 class SelfTestError(RuntimeError):
@@ -148,6 +152,12 @@ def _probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} c2 icmpv6 type {{ nd-neighbor-solicit, nd-neighbor-advert }} ip6 hoplimit 255 accept",
         ),
         (
+            # OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT's marking rule.
+            "transport-header port matches",
+            f"add rule inet {t} pre ip daddr {{ 192.0.2.53 }} meta l4proto {{ tcp, udp }} th dport 53 "
+            "meta mark set meta mark | 0x2",
+        ),
+        (
             "redirect/DNAT (nat hook)",
             f"add chain inet {t} nat {{ type nat hook prerouting priority dstnat; policy accept; }}\n"
             f"add set inet {t} gw {{ type ipv4_addr; elements = {{ 10.0.0.1 }} }}\n"
@@ -167,13 +177,47 @@ def _probes(t: str) -> list[tuple[str, str]]:
     ]
 
 
+PROBE_SUBJECT = "renewal_probe"
+PROBE_IP = ipaddress.IPv4Address("192.0.2.9")
+
+
+def probe_lease_renewal(
+    batch: Callable[[NetlinkBatch], None],
+    elements: Callable[[str, str], list[SetElement]],
+    table: str,
+) -> LeaseRenewal:
+    """Whether this kernel extends a lease the way :func:`dyn_add` renews one (§9), in a scratch
+    dyn set of ``table``: add with a short timeout, add again with a long one, read the expiry
+    back (one netlink dump). If it did not move, the same with ``replace=True`` must move it."""
+    name = Names(PROBE_SUBJECT).set("dyn_v4")
+
+    def expiry() -> int | None:
+        hit = next((e for e in elements(table, name) if e.key == PROBE_IP.packed), None)
+        return hit.expires_ms if hit is not None else None
+
+    batch(NetlinkBatch(table, (AddSet(name, "v4", "timeout", 360),)))
+    batch(dyn_add(table, PROBE_SUBJECT, [(PROBE_IP, PROBE_FIRST_S)]))
+    batch(dyn_add(table, PROBE_SUBJECT, [(PROBE_IP, PROBE_SECOND_S)]))
+    if extended(expiry()):
+        return LeaseRenewal.READD
+    batch(dyn_add(table, PROBE_SUBJECT, [(PROBE_IP, PROBE_SECOND_S)], replace=True))
+    if extended(expiry()):
+        return LeaseRenewal.REPLACE
+    raise SelfTestError(
+        "kernel feature missing: timed set element renewal (neither a re-add nor delete+add "
+        "extended a DNS lease)"
+    )
+
+
 def run_selftest(
     cmd: Callable[[str], None],
     batch: Callable[[NetlinkBatch], None],
     *,
     table_prefix: str,
-) -> None:
-    """Probe the kernel through the same paths the daemon uses; raise SelfTestError."""
+    elements: Callable[[str, str], list[SetElement]],
+) -> LeaseRenewal:
+    """Probe the kernel through the same paths the daemon uses; raise SelfTestError. Returns
+    how DNS leases are to be renewed on it (``elements`` reads one set back)."""
     t = f"{table_prefix}-selftest-{os.getpid()}"
     try:
         cmd(f"add table inet {t}\ndelete table inet {t}")
@@ -247,6 +291,12 @@ def run_selftest(
             batch(NetlinkBatch(t, (DeleteChain("c1"), DeleteSet("iv6"))))
         except Exception as exc:
             raise SelfTestError(f"kernel feature missing: netlink delete batches: {exc}") from None
+        try:
+            return probe_lease_renewal(batch, elements, t)
+        except SelfTestError:
+            raise
+        except Exception as exc:
+            raise SelfTestError(f"kernel feature missing: timed set element renewal: {exc}") from None
     finally:
         with contextlib.suppress(NftError):
             cmd(f"delete table inet {t}")

@@ -30,6 +30,13 @@ from egressd.vault.store import VaultStore
 from egressd.web.body import BodyTooLarge, incomplete, read_limited, text
 from egressd.web.route import UID_HEADER, Resource, RouteError, classify
 from egressd.web.serving import BodyIncomplete, InFlight
+from egressd.web.transport import (
+    FORWARDED_PROTO,
+    REFUSAL_STATUS,
+    REFUSAL_TEXT,
+    VAULT_WRITE_METHODS,
+    VaultTransport,
+)
 from egressd.web.vaultapi import NO_MATCH, Reply, edited_policy, vault_write
 
 MITM_CA_FINGERPRINT_HEADER = "X-Egressd-Mitm-Ca-Fingerprint"
@@ -111,9 +118,11 @@ class SidecarHTTP:
         mitm_ca: Callable[[], tuple[str, str]] | None = None,
         vault_changed: Callable[[], None] | None = None,
         vault_limits: VaultLimits = DEFAULT_LIMITS,
+        vault_transport: VaultTransport | None = None,
     ) -> None:
         self.engine = engine
         self.vault_limits = vault_limits
+        self.vault_transport = vault_transport or VaultTransport()
         self._mitm_ca = mitm_ca
         # After every vault write: the MITM child drops its cached snapshot (BEHAVIOUR 14.9).
         self._vault_changed = vault_changed
@@ -250,6 +259,12 @@ class SidecarHTTP:
         method = request.method
         if method not in allowed:
             return text(405, "method not allowed", headers={"Allow": ", ".join(allowed)})
+        if method in VAULT_WRITE_METHODS and not self.vault_transport.allows(
+            request.remote, request.headers.get(FORWARDED_PROTO)
+        ):
+            # Before the body is even parsed: a credential that crossed a plain network is
+            # refused, not validated (OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS).
+            return text(REFUSAL_STATUS, REFUSAL_TEXT)
         if method in _VAULT_WRITES:
             # A malformed body is a 400 whatever the prerequisites (it could never succeed);
             # a well-formed one then waits for them (412). Values never reach the reason.

@@ -64,6 +64,24 @@ class SidecarTable:
     mitm_port: int | None = None
     #: Size of each dyn set: the lease cap (BEHAVIOUR 14.4); 0 = unbounded.
     max_leases: int = 4096
+    #: OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS: intercepted like 80 and 443 (MITM on).
+    mitm_extra_ports: tuple[int, ...] = ()
+    #: OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT: the app's DNS to these is not redirected to the
+    #: proxy, and (dns+nft) they are reachable on port 53 only, after the deny sets.
+    nameserver_exempt: tuple[IPAddress, ...] = ()
+    #: Re-adding a timed element does not extend it here (egressd.kernel.renewal).
+    renew_by_replace: bool = False
+
+
+def _mitm_ports(cfg: SidecarTable) -> str:
+    return "{ " + ", ".join(str(p) for p in (80, 443, *cfg.mitm_extra_ports)) + " }"
+
+
+def _exempt(cfg: SidecarTable, fam: str) -> str | None:
+    """Exempt nameservers of one family as an anonymous nft set, or None."""
+    version = 4 if fam == "v4" else 6
+    ips = [str(ip) for ip in cfg.nameserver_exempt if ip.version == version]
+    return "{ " + ", ".join(ips) + " }" if ips else None
 
 
 def _fam(net: IPNetwork | IPAddress) -> str:
@@ -152,6 +170,11 @@ def ruleset(cfg: SidecarTable, policy: NetworkPolicy, leases: Sequence[tuple[IPA
         f"add chain inet {t} {REDIRECT_CHAIN} {{ type nat hook output priority -100; policy accept; }}"
     )
     rule(REDIRECT_CHAIN, f"meta mark {UPSTREAM_MARK:#x} return")
+    for fam in ("v4", "v6"):
+        exempt = _exempt(cfg, fam)
+        if exempt is not None:
+            # The reference's per-destination RETURN: DNS to these goes out as sent.
+            rule(REDIRECT_CHAIN, f"{_l3(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 return")
     rule(REDIRECT_CHAIN, f"udp dport 53 redirect to :{cfg.dns_port}")
     rule(REDIRECT_CHAIN, f"tcp dport 53 redirect to :{cfg.dns_port}")
     if cfg.mitm_port is not None:
@@ -160,7 +183,7 @@ def ruleset(cfg: SidecarTable, policy: NetworkPolicy, leases: Sequence[tuple[IPA
         rule(REDIRECT_CHAIN, f"meta skgid {MITM_GID} return")
         rule(REDIRECT_CHAIN, "ip daddr 127.0.0.0/8 return")
         rule(REDIRECT_CHAIN, "ip6 daddr ::1 return")
-        rule(REDIRECT_CHAIN, f"tcp dport {{ 80, 443 }} redirect to :{cfg.mitm_port}")
+        rule(REDIRECT_CHAIN, f"tcp dport {_mitm_ports(cfg)} redirect to :{cfg.mitm_port}")
         # Only redirected connections may reach the MITM: a direct one (from the app or from
         # outside the namespace) makes it connect to itself in a loop.
         lines.append(
@@ -204,6 +227,11 @@ def ruleset(cfg: SidecarTable, policy: NetworkPolicy, leases: Sequence[tuple[IPA
     for fam in ("v4", "v6"):
         rule(f, f"{_l3(fam)} daddr @deny_{fam} drop")
     for fam in ("v4", "v6"):
+        exempt = _exempt(cfg, fam)
+        if exempt is not None:
+            # Port 53 only: the reference puts exempt nameservers in the allow list whole.
+            rule(f, f"{_l3(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 accept")
+    for fam in ("v4", "v6"):
         rule(f, f"{_l3(fam)} daddr @{dyn_set(fam)} accept")
     for fam in ("v4", "v6"):
         rule(f, f"{_l3(fam)} daddr @allow_{fam} accept")
@@ -217,13 +245,24 @@ def dyn_add(cfg: SidecarTable, leases: Sequence[tuple[IPAddress, float]]) -> str
 
     Re-declares the sets with the elements inline: that is the cache-free path of
     libnftables 1.0.6 (``add element`` would first dump every interval set of the netns).
+    With ``renew_by_replace`` (a kernel that does not extend an element added again) each
+    set is declared with the elements (so they exist), they are deleted, and declared again:
+    still one transaction. The delete needs the set cache, which in the sidecar's namespace
+    is this one small table.
     """
-    by_fam: dict[str, list[str]] = {"v4": [], "v6": []}
+    by_fam: dict[str, list[tuple[IPAddress, str]]] = {"v4": [], "v6": []}
     for ip, seconds in leases:
-        by_fam[_fam(ip)].append(lease_element(ip, seconds))
-    lines = [
-        _timeout_set(cfg.table, dyn_set(fam), fam, els, cfg.max_leases) for fam, els in by_fam.items() if els
-    ]
+        by_fam[_fam(ip)].append((ip, lease_element(ip, seconds)))
+    lines: list[str] = []
+    for fam, items in by_fam.items():
+        if not items:
+            continue
+        declare = _timeout_set(cfg.table, dyn_set(fam), fam, [el for _, el in items], cfg.max_leases)
+        lines.append(declare)
+        if cfg.renew_by_replace:
+            keys = ", ".join(str(ip) for ip, _ in items)
+            lines.append(f"delete element inet {cfg.table} {dyn_set(fam)} {{ {keys} }}")
+            lines.append(declare)
     return "\n".join(lines) + "\n" if lines else ""
 
 

@@ -7,10 +7,14 @@ start-up with a one-line reason: a sidecar that cannot enforce must not run sile
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 from collections.abc import Callable
 
 from egressd.kernel.applier import NftError
+from egressd.kernel.netlink import SetElement
+from egressd.kernel.renewal import PROBE_FIRST_S, PROBE_SECOND_S, LeaseRenewal, extended
+from egressd.sidecarnft.ruleset import SidecarTable, dyn_add, dyn_set
 
 
 class SelfTestError(RuntimeError):
@@ -94,6 +98,11 @@ def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
             f"add rule inet {t} nat tcp dport 53 redirect to :{dns_port}",
         ),
         (
+            "nameserver exemption (transport-header port matches)",
+            f"add rule inet {t} nat ip daddr {{ 192.0.2.53 }} meta l4proto {{ tcp, udp }} th dport 53 return\n"
+            f"add rule inet {t} out ip daddr {{ 192.0.2.53 }} meta l4proto {{ tcp, udp }} th dport 53 accept",
+        ),
+        (
             "MITM interception (skgid exemption, port redirect, ct status dnat on input)",
             f"add rule inet {t} nat meta skgid 18081 return\n"
             f"add rule inet {t} nat ip6 daddr ::1 return\n"
@@ -105,8 +114,43 @@ def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
     ]
 
 
-def run_selftest(cmd: Callable[[str], None], *, table_prefix: str, dns_port: int) -> None:
-    """Probe the kernel through the path the daemon uses (libnftables); raise SelfTestError."""
+PROBE_IP = ipaddress.IPv4Address("192.0.2.9")
+
+
+def probe_lease_renewal(
+    cmd: Callable[[str], None], elements: Callable[[str, str], list[SetElement]], table: str
+) -> LeaseRenewal:
+    """Whether this kernel extends a lease the way the engine renews one (``dyn_add``): add with
+    a short timeout, add again with a long one, read the expiry back (a netlink dump). If it
+    did not move, the delete+add form must move it."""
+    plain = SidecarTable(table=table, max_leases=0)
+
+    def expiry() -> int | None:
+        hit = next((e for e in elements(table, dyn_set("v4")) if e.key == PROBE_IP.packed), None)
+        return hit.expires_ms if hit is not None else None
+
+    cmd(dyn_add(plain, [(PROBE_IP, PROBE_FIRST_S)]))
+    cmd(dyn_add(plain, [(PROBE_IP, PROBE_SECOND_S)]))
+    if extended(expiry()):
+        return LeaseRenewal.READD
+    cmd(dyn_add(SidecarTable(table=table, max_leases=0, renew_by_replace=True), [(PROBE_IP, PROBE_SECOND_S)]))
+    if extended(expiry()):
+        return LeaseRenewal.REPLACE
+    raise SelfTestError(
+        "kernel feature missing: timed set element renewal (neither a re-add nor delete+add "
+        "extended a DNS lease)"
+    )
+
+
+def run_selftest(
+    cmd: Callable[[str], None],
+    *,
+    table_prefix: str,
+    dns_port: int,
+    elements: Callable[[str, str], list[SetElement]],
+) -> LeaseRenewal:
+    """Probe the kernel through the path the daemon uses (libnftables); raise SelfTestError.
+    Returns how DNS leases are to be renewed on it (``elements`` reads one set back)."""
     t = f"{table_prefix}-selftest-{os.getpid()}"
     try:
         cmd(f"add table inet {t}\ndelete table inet {t}")
@@ -119,6 +163,10 @@ def run_selftest(cmd: Callable[[str], None], *, table_prefix: str, dns_port: int
                 cmd(script)
             except NftError as exc:
                 raise SelfTestError(f"kernel feature missing: {feature}: {exc}") from None
+        try:
+            return probe_lease_renewal(cmd, elements, t)
+        except NftError as exc:
+            raise SelfTestError(f"kernel feature missing: timed set element renewal: {exc}") from None
     finally:
         with contextlib.suppress(NftError):
             cmd(f"add table inet {t}\ndelete table inet {t}")

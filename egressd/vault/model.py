@@ -136,6 +136,10 @@ class VaultLimits:
     bindings: int = 256  # EGRESSD_VAULT_MAX_BINDINGS
     hosts_per_binding: int = 64
     paths_per_binding: int = 64
+    # OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_SCOPED_MATCH: a binding must name its methods
+    # and paths, and no path may cover the whole host. Carried here because every write path
+    # (proxy route, pending replay, sealed vault, sidecar) already threads the limits through.
+    require_scoped_match: bool = False
 
 
 DEFAULT_LIMITS: Final = VaultLimits()
@@ -568,7 +572,22 @@ def parse_match(obj: object, where: str, limits: VaultLimits = DEFAULT_LIMITS) -
         paths = _dedupe(parsed)
 
     _parse_ports(d.get("ports"), _join(where, "ports"))
+    if limits.require_scoped_match:
+        _check_scoped(raw_methods is not None, raw_paths is not None, paths, where)
     return Match(hosts=hosts, schemes=schemes, methods=methods, paths=paths)
+
+
+SCOPED_MATCH_ENV: Final = "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_SCOPED_MATCH"
+
+
+def _check_scoped(has_methods: bool, has_paths: bool, paths: Sequence[str], where: str) -> None:
+    """The reference's scoped-match guard: no implicit (all-methods, whole-host) binding."""
+    if not has_methods:
+        raise VaultError(f"must be explicit ({SCOPED_MATCH_ENV})", _join(where, "methods"))
+    if not has_paths:
+        raise VaultError(f"must be explicit ({SCOPED_MATCH_ENV})", _join(where, "paths"))
+    if "/*" in paths:
+        raise VaultError(f"must not contain /* ({SCOPED_MATCH_ENV})", _join(where, "paths"))
 
 
 # --------------------------------------------------------------------------------------------

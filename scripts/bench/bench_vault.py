@@ -10,7 +10,7 @@ process per oracle timing)::
 Each shape is a JSON body of at most 1 MiB, validated the way a PUT is (``json.loads`` +
 ``parse_create`` + ``validate_candidate`` against a policy covering every host), once with
 the new ambiguity check and once with the old quadratic one (kept in
-``tests/unit/test_vault_model.py`` as the tests' oracle) swapped in. The oracle runs in a
+``tests/unit/vault/test_vault_model.py`` as the tests' oracle) swapped in. The oracle runs in a
 child process with a timeout (killed by PID when it runs over): a timed-out oracle is
 reported as "> timeout", the ratio as a lower bound.
 
@@ -127,7 +127,7 @@ def validate_once(raw: bytes, limits: VaultLimits, policy: Any) -> float:
 
 
 def use_oracle() -> None:
-    from tests.unit.test_vault_model import old_check_ambiguity
+    from tests.unit.vault.test_vault_model import old_check_ambiguity
 
     model.check_ambiguity = old_check_ambiguity  # type: ignore[assignment]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from egressd.policy import format_element, ip_sets, parse_policy
 from tests.bigpolicy import big_policy
@@ -73,7 +74,9 @@ def test_a_policy_at_the_cap_activates_updates_and_reverts_in_one_transaction_ea
         ("sb1", 1, topo.sb_ip(1), None),
         ("sb2", 2, topo.sb_ip6(2), GATEWAY6),
     ]
-    kw = lambda ip, gw: {"ip": ip} if gw is None else {"ip": ip, "gateway": gw}  # noqa: E731
+
+    def kw(ip: str, gw: str | None) -> dict[str, Any]:
+        return {"ip": ip} if gw is None else {"ip": ip, "gateway": gw}
 
     for uid, _sb, ip, gw in subjects:
         one_transaction(topo, daemon, "deny_first", envelope("SET_BINDING", uid, policy=P1, **kw(ip, gw)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import pytest
 
@@ -22,7 +23,7 @@ def rules(*allow: str, deny: tuple[str, ...] = (), default: str = "deny") -> dic
     return {"defaultAction": default, "egress": egress}
 
 
-def activate(d: Daemon, i: int, policy: dict[str, object], uid: str | None = None, **kw: str) -> str:
+def activate(d: Daemon, i: int, policy: dict[str, object], uid: str | None = None, **kw: Any) -> str:
     uid = uid or f"sb{i}"
     ip = kw.pop("ip", Topology.sb_ip(i))
     code, body = d.post(envelope("SET_BINDING", uid, ip=ip, policy=json.dumps(policy), **kw))

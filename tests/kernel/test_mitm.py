@@ -629,8 +629,8 @@ def test_one_authority_http2_agreeing_names_injected_with_one_host(topo: Topolog
     try:
         learn(topo, 1, API)
         mark = len(topo.upstream_requests())
-        for headers in (_h2(API, API), _h2(API)):
-            got = authority_call(topo, 1, ip=API_IP, port=443, tls=True, sni=API, h2=headers)
+        for h2 in (_h2(API, API), _h2(API)):
+            got = authority_call(topo, 1, ip=API_IP, port=443, tls=True, sni=API, h2=h2)
             assert got["status"] == 200, got
         seen = [r for r in topo.upstream_requests()[mark:] if "dns" not in r]
         assert len(seen) == 2

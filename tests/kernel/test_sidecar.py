@@ -416,8 +416,8 @@ BIG2 = big_policy(
 
 def _assert_sidecar_sets(stopo: Topology, sidecar: Sidecar, policy: dict[str, Any] | None) -> None:
     sets = ip_sets(parse_policy(json.dumps(policy) if policy is not None else None))
-    resolver = [ipaddress.ip_network(UP_A)]
-    want = {
+    resolver = [ipaddress.IPv4Network(UP_A)]
+    want: dict[str, tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]] = {
         "allow_v4": normalise_networks([*sets.allow_v4, *resolver]),
         "allow_v6": sets.allow_v6,
         "deny_v4": sets.deny_v4,

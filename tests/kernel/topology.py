@@ -29,6 +29,7 @@ import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_PY = REPO / ".venv" / "bin" / "python"
@@ -188,7 +189,10 @@ class Topology:
         pod, up = self.pod, self.up
         self._add_ns(pod)
         self._add_ns(up)
-        p = lambda *c: self.ns(pod, *c)  # noqa: E731
+
+        def p(*c: str) -> subprocess.CompletedProcess[str]:
+            return self.ns(pod, *c)
+
         p("sysctl", "-qw", "net.ipv4.ip_forward=1")
         p("sysctl", "-qw", "net.ipv6.conf.all.forwarding=1")
         if not self.routed:
@@ -204,7 +208,10 @@ class Topology:
         p("ip", "addr", "add", f"{UP_NET}.1/24", "dev", "uplink")
         p("ip", "addr", "add", "fd00:204::1/64", "dev", "uplink", "nodad")
         p("ip", "link", "set", "uplink", "up")
-        u = lambda *c: self.ns(up, *c)  # noqa: E731
+
+        def u(*c: str) -> subprocess.CompletedProcess[str]:
+            return self.ns(up, *c)
+
         for ip in UPSTREAM_IPS:
             u("ip", "addr", "add", f"{ip}/24", "dev", "eth0")
         for ip in UPSTREAM_IPS6:
@@ -257,8 +264,13 @@ class Topology:
             "netns",
             sb,
         )
-        p = lambda *c: self.ns(self.pod, *c)  # noqa: E731
-        s = lambda *c: self.ns(sb, *c)  # noqa: E731
+
+        def p(*c: str) -> subprocess.CompletedProcess[str]:
+            return self.ns(self.pod, *c)
+
+        def s(*c: str) -> subprocess.CompletedProcess[str]:
+            return self.ns(sb, *c)
+
         vh = f"vh{i}"
         if self.routed:
             p("ip", "addr", "add", f"{GATEWAY}/32", "dev", vh)
@@ -364,7 +376,7 @@ class Topology:
             return self.curl(sb, f"https://{host}/probe", timeout, extra=("-k",)) == 200
         return self.curl(sb, f"http://{host}:{port}/probe", timeout) == 200
 
-    def upstream_requests(self) -> list[dict[str, object]]:
+    def upstream_requests(self) -> list[dict[str, Any]]:  # JSON records
         lines = self.upstream_log.read_text().splitlines()
         return [json.loads(ln) for ln in lines if ln.strip()]
 

@@ -33,8 +33,8 @@ from egressd.mitm.lookup import (
 from egressd.mitm.supervisor import FORGET_QUEUE_MAX, MitmSupervisor
 from egressd.subject.model import IPAddress
 from egressd.vault.store import VaultSnapshot, VaultStore
-from tests.unit.test_mitm_lookup import POLICY, VAULT, snapshot
-from tests.unit.test_proxy_route import hook, make_env, remove, set_binding, vault_doc
+from tests.unit.fleet.test_proxy_route import hook, make_env, remove, set_binding, vault_doc
+from tests.unit.mitm.test_mitm_lookup import POLICY, VAULT, snapshot
 
 # --------------------------------------------------------------------------- core dumps
 
@@ -62,13 +62,14 @@ def test_disable_core_dumps_in_a_child_process() -> None:
 
 def test_egressd_main_disables_core_dumps_before_parsing_anything(monkeypatch: pytest.MonkeyPatch) -> None:
     from egressd import main as main_mod
+    from egressd.config import ConfigError
 
     calls: list[str] = []
     monkeypatch.setattr(main_mod, "disable_core_dumps", lambda: calls.append("hygiene"))
 
     def parse(*_a: Any) -> Any:
         calls.append("config")
-        raise main_mod.ConfigError("stop here")
+        raise ConfigError("stop here")
 
     monkeypatch.setattr(main_mod, "parse_config", parse)
     assert main_mod.main([]) == 2

@@ -16,7 +16,7 @@ from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.builder import TableConfig
 from egressd.metrics import EgressMetrics
 from egressd.vault.sealed import KeyStore
-from tests.unit.fuzz.support import NeverFailingTx
+from tests.unit.fakekernel import FakeTx
 
 KID = "k1"
 KEY = bytes(range(32))
@@ -92,7 +92,7 @@ def seed_vault(value: str = SEED_VALUE) -> dict[str, Any]:
 @dataclass
 class Fleet:
     control: ControlPlane
-    tx: NeverFailingTx
+    tx: FakeTx
     http: FleetHTTP
     proxy: ProxyRouteAPI
 
@@ -103,7 +103,8 @@ class Fleet:
 
 
 async def make_fleet() -> Fleet:
-    tx = NeverFailingTx()
+    # Never failing: a 5xx can then have no kernel cause, so any 5xx the fuzzers see is a finding.
+    tx = FakeTx(yield_each_call=False)
     metrics = EgressMetrics()
     control = ControlPlane(TableConfig(), tx, metrics=metrics, keys=make_keystore())
     await control.reset_table()

@@ -1,4 +1,4 @@
-"""Shared pieces of the fuzz suite: budgets, case counters, the fake kernel, state snapshots.
+"""Shared pieces of the fuzz suite: budgets, case counters, state snapshots.
 
 Budgets: ``EGRESSD_FUZZ_PROFILE`` selects ``ci`` (default: small, derandomised, so the whole
 fuzz set stays well under a minute on a shared runner and never flakes) or ``campaign`` (large,
@@ -18,13 +18,10 @@ import os
 from collections import Counter
 from collections.abc import Coroutine, Iterator, MutableMapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from hypothesis import HealthCheck, settings
 from structlog.testing import capture_logs
-
-from egressd.kernel.ops import NetlinkBatch
 
 PROFILE = os.environ.get("EGRESSD_FUZZ_PROFILE", "ci").strip().lower() or "ci"
 if PROFILE not in ("ci", "campaign"):
@@ -132,36 +129,3 @@ def only_in_value_fields(body: bytes, secret: str) -> bool:
         return ok(doc, None)
     except RecursionError:
         return False
-
-
-# --------------------------------------------------------------------------- fake kernel
-
-
-@dataclass
-class NeverFailingTx:
-    """A kernel that accepts every transaction and records it, so a 5xx can have no kernel
-    cause: any 5xx the fuzzers see is a finding."""
-
-    calls: list[tuple[str, str]] = field(default_factory=list)
-
-    async def run_script(self, script: str, *, op: str) -> None:
-        self.calls.append((op, script))
-
-    async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
-        self.calls.append((op, batch.describe()))
-
-    async def reset_table(self, header_with_delete: str, header: str) -> None:
-        self.calls.append(("reset", header))
-
-    async def close(self) -> None:
-        return None
-
-
-@dataclass
-class NeverFailingKernel:
-    """The sidecar's kernel: records scripts, never fails."""
-
-    scripts: list[tuple[str, str]] = field(default_factory=list)
-
-    async def run_script(self, script: str, *, op: str) -> None:
-        self.scripts.append((op, script))

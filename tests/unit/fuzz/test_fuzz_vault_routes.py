@@ -31,6 +31,7 @@ from egressd.sidecar.http import SidecarHTTP, VaultPrerequisites
 from egressd.sidecarnft.ruleset import SidecarTable
 from egressd.web.route import GENERATION_HEADER, UID_HEADER
 from egressd.web.vaultapi import Reply
+from tests.unit.fakekernel import FakeTx
 from tests.unit.fuzz import fleet as F
 from tests.unit.fuzz.strategies import (
     json_values,
@@ -43,7 +44,6 @@ from tests.unit.fuzz.strategies import (
     vault_mutations,
 )
 from tests.unit.fuzz.support import (
-    NeverFailingKernel,
     assert_no_crash_logged,
     assert_not_in_logs,
     canary,
@@ -233,13 +233,13 @@ def test_proxy_route_never_5xx_and_refusals_change_nothing(
 @dataclass
 class Sidecar:
     engine: SidecarEngine
-    kernel: NeverFailingKernel
+    kernel: FakeTx
     http: SidecarHTTP
     persisted: list[str] = field(default_factory=list)
 
 
 async def make_sidecar(with_vault: bool) -> Sidecar:
-    kernel = NeverFailingKernel()
+    kernel = FakeTx(yield_each_call=False)  # never fails
     persisted: list[str] = []
     engine = SidecarEngine(
         SidecarTable(table="T", mode="dns+nft"),

@@ -1,0 +1,231 @@
+"""Start-up, serving and shutdown of the fleet profile: the composition root that wires the shared
+packages together (BEHAVIOUR §3 "Startup").
+
+Order: always-rules -> kernel self-test and bridge check -> control plane -> table reset to
+deny-all -> DNS proxy -> background tasks -> MITM -> HTTP. Any failure before serving is a
+one-line refusal (:class:`StartupError`, exit 1). A stop keeps the table (still enforcing); the
+next start resets it and the Fastlet replays its actions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+
+import structlog
+
+from egressd.actionhandler.control import ControlPlane
+from egressd.config import Config, ignored_settings
+from egressd.dnsproxy.budget import query_budget
+from egressd.dnsproxy.forwarder import Forwarder
+from egressd.dnsproxy.server import DnsProxy
+from egressd.dnsproxy.upstreams import upstreams_or_system
+from egressd.fleet.audit import AuditEvidence
+from egressd.fleet.proxyroute import ProxyRouteAPI
+from egressd.fleet.server import FleetHTTP
+from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.selftest import BridgeReport, SelfTestError, bridge_report, run_selftest
+from egressd.kernel.applier import KernelTransactions, NftError
+from egressd.kernel.conntrack import flush_source
+from egressd.kernel.renewal import LeaseRenewal
+from egressd.lifecycle import Running, StartupError
+from egressd.metrics import EgressMetrics
+from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
+from egressd.policy import AlwaysRules, AlwaysRulesError, load_always_rules
+from egressd.policy.reload import AlwaysRulesReloader
+from egressd.subject.refresh import LeaseRefresher
+from egressd.vault.sealed import KeyDirError, KeyStore
+from egressd.web.serving import ListenError, start_http, wait_for_stop
+from egressd.web.transport import VaultTransport
+
+log = structlog.get_logger("egressd")
+
+__all__ = ["StartupError", "run_fleet", "table_config"]
+
+
+def table_config(cfg: Config, renewal: LeaseRenewal = LeaseRenewal.READD) -> TableConfig:
+    return TableConfig(
+        table=cfg.nft_table,
+        dns_port=cfg.dns_port,
+        mitm=cfg.mitm_transparent,
+        mitm_port=cfg.mitm_port,
+        block_doh_443=cfg.block_doh_443,
+        doh_blocklist=cfg.doh_blocklist,
+        max_leases=cfg.max_leases,
+        mitm_extra_ports=cfg.mitm_extra_ports if cfg.mitm_transparent else (),
+        nameserver_exempt=cfg.nameserver_exempt,
+        renew_by_replace=renewal is LeaseRenewal.REPLACE,
+    )
+
+
+async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
+    """Run until ``stop`` (or SIGTERM/SIGINT)."""
+    try:
+        always = load_always_rules(cfg.always_rules_dir)
+    except AlwaysRulesError as exc:
+        raise StartupError(f"always-rules: {exc}") from None
+
+    metrics = EgressMetrics()
+    metrics.constant_labels = cfg.metric_labels
+    tx = KernelTransactions(metrics)
+    running = Running(tx)
+    try:
+        bridges, renewal = _check_kernel(cfg, tx)
+        control, proxy, audit = _control_plane(cfg, tx, always, metrics, renewal)
+        running.stoppers.append(control.close)
+        await _reset_table(cfg, control, always)
+        await _start_dns(cfg, control, metrics, running)
+        _start_background(cfg, control, always, running)
+        mitm = await _start_mitm(cfg, control, metrics, running)
+
+        def mitm_health() -> str | None:
+            if mitm is not None and not mitm.supervisor.ready:
+                return "mitmproxy not ready"
+            return None
+
+        http = FleetHTTP(
+            control,
+            metrics,
+            extra_health=mitm_health,
+            status_extra=lambda: {"bridgeNfCallIptables": bridges.nf_call_iptables},
+            proxy=proxy,
+            mitm_ca=lambda: (mitm.ca.pem, mitm.ca.fingerprint) if mitm else None,
+            before_scrape=audit.refresh,
+            vault_transport=VaultTransport(cfg.vault_require_tls, cfg.vault_trusted_proxies),
+        )
+        await _serve(cfg, http, running, stop)
+    finally:
+        await running.close()
+
+
+def _check_kernel(cfg: Config, tx: KernelTransactions) -> tuple[BridgeReport, LeaseRenewal]:
+    """Every nft feature the ruleset uses, tried in a scratch table; then the bridges."""
+    try:
+        renewal = tx.run_sync(
+            lambda: run_selftest(tx._cmd, tx._batch, table_prefix=cfg.nft_table, elements=tx._set_elements)
+        )
+    except SelfTestError as exc:
+        raise StartupError(str(exc)) from None
+    bridges = bridge_report()
+    log.info("kernel.selftest_passed", bridge=bridges.describe(), lease_renewal=renewal.value)
+    for note in ignored_settings(cfg):
+        log.warning("config.ignored", reason=note)
+    if bridges.bypass_risk and not cfg.allow_bridge_bypass:
+        raise StartupError(
+            f"{bridges.failing_sysctls()} is not 1 on a bridge with non-isolated ports: bridged "
+            "sandbox-to-sandbox traffic would bypass enforcement (set it to 1, isolate the ports, or "
+            "EGRESSD_ALLOW_BRIDGE_BYPASS=1)"
+        )
+    return bridges, renewal
+
+
+def _control_plane(
+    cfg: Config, tx: KernelTransactions, always: AlwaysRules, metrics: EgressMetrics, renewal: LeaseRenewal
+) -> tuple[ControlPlane, ProxyRouteAPI, AuditEvidence]:
+    """The control plane and the listeners of its registry; the gauges read from it on scrape."""
+    try:
+        keys = KeyStore(cfg.vault_keys_dir)
+    except KeyDirError as exc:
+        raise StartupError(f"vault keys: {exc}") from None
+    control = ControlPlane(
+        table_config(cfg, renewal),
+        tx,
+        always=always,
+        metrics=metrics,
+        conntrack_flush=flush_source,
+        keys=keys,
+        pending_ttl=cfg.pending_push_ttl,
+        max_leases=cfg.max_leases,
+        max_rules=cfg.max_rules,
+        vault_limits=cfg.vault_limits,
+    )
+    proxy = ProxyRouteAPI(control, max_rules=cfg.max_rules)
+    audit = AuditEvidence(metrics, lambda: tx.list_counters(cfg.nft_table), lambda: list(control.registry))
+    control.listeners.append(audit)
+    metrics.pending_pushes.collect_from(lambda: {(): float(control.pending_pushes.count())})
+    metrics.subjects.collect_from(control.state_counts)
+    metrics.nft_rules.collect_from(control.rules_count)
+    return control, proxy, audit
+
+
+async def _reset_table(cfg: Config, control: ControlPlane, always: AlwaysRules) -> None:
+    try:
+        await control.reset_table()
+    except NftError as exc:
+        raise StartupError(f"cannot reset nft table {cfg.nft_table}: {exc}") from None
+    log.info(
+        "egress.loaded",
+        **{"opensandbox.event": "egress.loaded"},
+        profile="fleet",
+        table=cfg.nft_table,
+        always_deny=len(always.deny),
+        always_allow=len(always.allow),
+    )
+
+
+async def _start_dns(cfg: Config, control: ControlPlane, metrics: EgressMetrics, running: Running) -> None:
+    upstreams = upstreams_or_system(cfg.dns_upstreams)
+    forwarder = running.forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
+    dns = running.dns = DnsProxy(
+        control,
+        forwarder,
+        metrics,
+        lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max),
+        budget=query_budget(cfg.dns_qps_per_subject),
+    )
+    try:
+        await dns.start(cfg.dns_host, cfg.dns_port)
+    except OSError as exc:
+        raise StartupError(
+            f"cannot listen for DNS on {cfg.dns_host}:{cfg.dns_port}: {exc.strerror}"
+        ) from None
+    log.info("dns.listening", addr=f"{cfg.dns_host}:{cfg.dns_port}", upstreams=[str(u) for u in upstreams])
+
+
+def _start_background(cfg: Config, control: ControlPlane, always: AlwaysRules, running: Running) -> None:
+    reloader = AlwaysRulesReloader(
+        cfg.always_rules_dir, always, control.set_always_rules, interval=cfg.always_reload_interval
+    )
+    refresher = LeaseRefresher(
+        control.uid_for, control.leases, control.renew_leases, interval=cfg.refresh_interval
+    )
+    running.spawn(reloader.run())
+    running.spawn(refresher.run())
+    running.spawn(_sweep_pending(control))
+
+
+async def _start_mitm(
+    cfg: Config, control: ControlPlane, metrics: EgressMetrics, running: Running
+) -> RunningMitm | None:
+    if not cfg.mitm_transparent:
+        return None
+    try:
+        mitm = await start_mitm(cfg, control.vault_for_ip, control.destination_verified, metrics=metrics)
+    except MitmStartupError as exc:
+        raise StartupError(str(exc)) from None
+    running.supervise(mitm)
+    control.forget_snapshots = mitm.supervisor.forget
+    return mitm
+
+
+async def _serve(cfg: Config, http: FleetHTTP, running: Running, stop: asyncio.Event | None) -> None:
+    try:
+        running.http = await start_http(http.app(), cfg.http_host, cfg.http_port)
+    except ListenError as exc:
+        raise StartupError(str(exc)) from None
+    log.info("http.listening", addr=f"{cfg.http_host}:{cfg.http_port}", instance_id=http.instance_id)
+    # Start-up objects never die: keep them out of the cyclic GC's full collections,
+    # and collect less often (tail latency of actions and DNS answers).
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 50, 100)
+    await wait_for_stop(stop)
+    log.info("shutdown", reason="signal", table_kept=cfg.nft_table)
+
+
+async def _sweep_pending(control: ControlPlane, interval: float = 10.0) -> None:
+    """Expired pending pushes are dropped (BEHAVIOUR §4: swept every 10 s)."""
+    while True:
+        await asyncio.sleep(interval)
+        control.pending_pushes.sweep(time.monotonic())
