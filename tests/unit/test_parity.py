@@ -37,8 +37,8 @@ from egressd.sidecar.http import SidecarHTTP
 from egressd.sidecarnft.ruleset import SidecarTable, ruleset
 from egressd.vault.model import VaultError, VaultLimits, parse_create, parse_mutation
 from egressd.web.transport import REFUSAL_TEXT, VaultTransport
-from tests.unit.test_proxy_route import RecordingTx
-from tests.unit.test_sidecar_http import AUTH, SECRET, VAULT, FakeKernel, ready_prereqs
+from tests.unit.fakekernel import FakeTx
+from tests.unit.sidecar.test_sidecar_http import AUTH, SECRET, VAULT, ready_prereqs
 
 FLEET = {"OPENSANDBOX_EGRESS_PROFILE": "fleet"}
 
@@ -474,7 +474,7 @@ ALLOW_API = {"egress": [{"action": "allow", "target": "api.allowed.test"}]}
 
 
 async def sidecar_client(aiohttp_client: Any, transport: VaultTransport) -> Any:
-    engine = SidecarEngine(SidecarTable(table="T"), FakeKernel(), parse_policy(json.dumps(ALLOW_API)))
+    engine = SidecarEngine(SidecarTable(table="T"), FakeTx(), parse_policy(json.dumps(ALLOW_API)))
     await engine.install()
     http = SidecarHTTP(
         engine,
@@ -524,7 +524,7 @@ async def test_sidecar_vault_transport_off_accepts_any_peer(aiohttp_client: Any)
 
 
 async def fleet_client(aiohttp_client: Any, transport: VaultTransport) -> Any:
-    control = ControlPlane(TableConfig(table="T"), RecordingTx())
+    control = ControlPlane(TableConfig(table="T"), FakeTx())
     await control.reset_table()
     proxy = ProxyRouteAPI(control)
     http = FleetHTTP(control, EgressMetrics(), proxy=proxy, vault_transport=transport)
@@ -563,7 +563,7 @@ async def test_fleet_proxy_route_vault_writes_need_loopback_or_a_trusted_tls_pro
 
 
 async def test_proxy_route_refuses_before_caching() -> None:
-    control = ControlPlane(TableConfig(table="T"), RecordingTx())
+    control = ControlPlane(TableConfig(table="T"), FakeTx())
     await control.reset_table()
     proxy = ProxyRouteAPI(control)
     path = "/v1/sandboxfleets/u-1/egress/credential-vault"
@@ -628,7 +628,7 @@ def test_scoped_match_flag_reaches_the_vault_limits() -> None:
 
 
 async def test_sidecar_scoped_match_is_a_400(aiohttp_client: Any) -> None:
-    engine = SidecarEngine(SidecarTable(table="T"), FakeKernel(), parse_policy(json.dumps(ALLOW_API)))
+    engine = SidecarEngine(SidecarTable(table="T"), FakeTx(), parse_policy(json.dumps(ALLOW_API)))
     await engine.install()
     http = SidecarHTTP(
         engine,

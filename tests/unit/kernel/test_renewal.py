@@ -23,7 +23,8 @@ from egressd.sidecarnft import ruleset as sidecar_ruleset
 from egressd.sidecarnft import selftest as sidecar_selftest
 from egressd.sidecarnft.ruleset import SidecarTable
 from egressd.subject.model import IPAddress
-from tests.unit.test_control_dns import FENCE, TABLE, FakeTx, activate
+from tests.unit.actionhandler.test_control_dns import FENCE, TABLE, activate
+from tests.unit.fakekernel import FakeTx
 
 A = ipaddress.ip_address("93.184.216.34")
 B = ipaddress.ip_address("93.184.216.35")
