@@ -496,7 +496,7 @@ def cmd_send_set_binding(ctx: Context, args: argparse.Namespace) -> int:
         raise CliError("send set-binding: --ip and --host-uid are mutually exclusive")
     ip = parse_ip(args.ip) if args.ip is not None else None
     if ip is None and host_uid is None and not null:
-        raise CliError("send set-binding: --ip or --host-uid is required (unless --null)")
+        raise CliError("send set-binding: --ip is required (or --host-uid; unless --null)")
     gateway = parse_ip(args.gateway, what="--gateway") if args.gateway is not None else None
     if gateway is None and ip is not None:
         gateway = default_gateway(ip)
