@@ -156,7 +156,8 @@ check "uid 1000 (outside the range) is untouched" reaches 1000 10.204.0.4
 check "uid 1000's DNS is not redirected (10.204.0.9 has no DNS server)" not resolves 1000 api.allowed.test
 check "uid $UA cannot reach egressd's actions API on loopback" not as "$UA" curl -s -o /dev/null --connect-timeout 1 -m 2 "http://127.0.0.1:$PORT/healthz"
 check "uid $UA cannot ask another subject's DNS port directly" not as "$UA" dig +time=1 +tries=1 -p 16001 @127.0.0.1 other.test
-check "uid $UA still reaches its own loopback services" bash -c "ip netns exec $HOST setpriv --reuid=$UA --regid=$UA --clear-groups python3 -c 'import socket; s=socket.socket(); s.bind((\"127.0.0.1\", 0)); s.listen(); c=socket.create_connection(s.getsockname(), timeout=1)'"
+SYSPY=$(PATH=/usr/bin:/bin command -v python3 || echo python3)  # one any uid may run (not a pyenv under /root)
+check "uid $UA still reaches its own loopback services" bash -c "ip netns exec $HOST setpriv --reuid=$UA --regid=$UA --clear-groups $SYSPY -c 'import socket; s=socket.socket(); s.bind((\"127.0.0.1\", 0)); s.listen(); c=socket.create_connection(s.getsockname(), timeout=1)'"
 check "egressctl subjects lists both uid subjects" bash -c "ip netns exec $HOST $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT subjects | grep -q uid:$UA && ip netns exec $HOST $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT subjects | grep -q uid:$UB"
 check "egressctl explain uid:$UA api.allowed.test -> allow" bash -c "ip netns exec $HOST $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT explain uid:$UA api.allowed.test | grep -qi '^verdict *allow'"
 

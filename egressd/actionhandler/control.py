@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import functools
 import ipaddress
+import struct
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, replace
@@ -22,8 +23,10 @@ from egressd.actionhandler.envelope import HookName, LifecycleHook, RemoveBindin
 from egressd.actionhandler.inputs import BindingInput, InputError, VaultAction, parse_binding_input
 from egressd.dnsproxy.server import Asker
 from egressd.fleetnft.builder import (
+    UID_DISPATCH,
     SubjectNft,
     TableConfig,
+    UidSubjectNft,
     dispatch_deletes,
     dispatch_map,
     dyn_add,
@@ -39,6 +42,10 @@ from egressd.fleetnft.builder import (
     subject_keys,
     subject_resync,
     subject_rules,
+    uid_audit_ops,
+    uid_key_deletes,
+    uid_subject_create,
+    uid_subject_keys,
 )
 from egressd.kernel.applier import NftError, NftUncertain, Transactions
 from egressd.kernel.conntrack import flush_flow
@@ -46,6 +53,7 @@ from egressd.kernel.conntrack import read_flows as read_conntrack_flows
 from egressd.kernel.netlink import element_covering
 from egressd.kernel.ops import NetlinkBatch, Op
 from egressd.metrics import EgressMetrics
+from egressd.mitm.lookup import port_key
 from egressd.policy import (
     EMPTY_ALWAYS,
     AlwaysRules,
@@ -59,6 +67,7 @@ from egressd.policy import (
 )
 from egressd.policy.decide import hard_denied, ip_decision
 from egressd.policy.explain import explain as explain_target
+from egressd.subject.hostuid import free_slot, host_uid_problem
 from egressd.subject.leases import (
     DEFAULT_MAX_LEASES,
     LeaseBook,
@@ -70,10 +79,12 @@ from egressd.subject.leases import (
 from egressd.subject.model import Fence, IPAddress, nft_id, subject_for_uid, unmap_ip
 from egressd.subject.registry import (
     AddKeys,
+    AnyBinding,
     ApplyPolicy,
     Binding,
     DropStaleKeys,
     Entry,
+    HostBinding,
     InstallDenyFirst,
     KernelView,
     Outcome,
@@ -116,6 +127,15 @@ class SubjectListener(Protocol):
     async def reset(self, uid: str) -> None: ...  # rebind or deny-first reinstall: drop learned state
 
     async def removed(self, uid: str) -> None: ...  # REMOVE_BINDING (also for absent uids)
+
+
+class UidPorts(Protocol):
+    """The per-subject DNS listeners of host-uid subjects (BEHAVIOUR 17): a slot's port is open
+    from before its redirect exists until its subject is removed."""
+
+    async def open(self, slot: int) -> None: ...  # raises OSError when the port cannot be bound
+
+    async def close(self, slot: int) -> None: ...
 
 
 class StepFailed(Exception):
@@ -203,11 +223,16 @@ class ControlPlane:
         self.vaults: dict[str, VaultStore] = {}
         # Set by the MITM (BEHAVIOUR 14.9): addresses whose vault snapshot the MITM child may
         # hold and must drop now (vault deleted or changed, subject removed, rebound, closing).
-        self.forget_snapshots: Callable[[list[IPAddress]], None] | None = None
+        # (A host-uid subject's snapshot is cached under its MITM port's key, not an address.)
+        self.forget_snapshots: Callable[[list[IPAddress | str]], None] | None = None
         self._pending_vault: dict[str, BindingInput] = {}
         self.pending_pushes = PendingPushes(pending_ttl)
         self._claims_ip: dict[IPAddress, str] = {}
         self._claims_nft: dict[str, str] = {}
+        # Host-uid subjects (BEHAVIOUR 17): claims in flight, and the DNS port listeners.
+        self._claims_host_uid: dict[int, str] = {}
+        self._claims_slot: dict[int, str] = {}
+        self.uid_ports: UidPorts | None = None
         self._effective: dict[str, tuple[NetworkPolicy, AlwaysRules, NetworkPolicy]] = {}
         self._ip_sets: dict[str, tuple[NetworkPolicy, IpSets]] = {}
         # Each subject's DNS leases, with the names that taught them (subject/leases.py): the
@@ -313,12 +338,22 @@ class ControlPlane:
 
     def asker(self, source_ip: IPAddress) -> Asker | None:
         """Hot path for every DNS query: a map lookup and a cached effective policy."""
-        entry = self.registry.resolve(source_ip)
+        return self._asker_of(self.registry.resolve(source_ip))
+
+    def asker_for_slot(self, slot: int) -> Asker | None:
+        """The asker behind a host-uid subject's DNS port (BEHAVIOUR 17): the port names it."""
+        return self._asker_of(self.registry.resolve_slot(slot))
+
+    def _asker_of(self, entry: Entry | None) -> Asker | None:
         if entry is None:
             return None
         if self._closing(entry.uid):
             return Asker(entry.uid, entry.fence, None)  # being closed: answered as denying
         return Asker(entry.uid, entry.fence, self.effective_for(entry))
+
+    def host_uid_subjects(self) -> dict[int, str]:
+        """Host uid -> sandbox uid of every host-uid subject (the connection refresh's view)."""
+        return {e.binding.host_uid: e.uid for e in self.registry if isinstance(e.binding, HostBinding)}
 
     def uid_for(self, source_ip: IPAddress) -> str | None:
         entry = self.registry.resolve(source_ip)
@@ -437,14 +472,19 @@ class ControlPlane:
             except InputError as exc:
                 return Result(400, f"invalid binding input: {exc}")
             policy = parsed.policy
-        binding = None
+        binding: AnyBinding | None = None
+        entry = self.registry.get(action.uid)
         if action.attachment is not None:
             problem = _dispatch_key_problem(action.attachment.ip, action.attachment.gateway)
             if problem is not None:
                 return Result(400, f"invalid action envelope: {problem}")
             binding = Binding(action.attachment.ip, action.attachment.gateway, action.attachment.private_cidr)
+        elif action.process is not None:
+            host = self._host_binding(action.uid, action.process.uid, entry)
+            if isinstance(host, Result):
+                return host
+            binding = host
         req = SetBindingRequest(action.uid, action.fence, action.spec_generation, binding, policy)
-        entry = self.registry.get(action.uid)
         claim = binding or (entry.binding if entry else None)
         conflict = self.registry.check_claims(action.uid, claim) or self._in_flight_conflict(
             action.uid, claim
@@ -511,29 +551,59 @@ class ControlPlane:
             return str(exc)
         return None
 
-    def _in_flight_conflict(self, uid: str, binding: Binding | None) -> str | None:
+    def _in_flight_conflict(self, uid: str, binding: AnyBinding | None) -> str | None:
         other = self._claims_nft.get(nft_id(subject_for_uid(uid)))
         if other is not None and other != uid:
             return f"subject id collides with sandbox {other!r} being bound"
-        if binding is not None:
+        if isinstance(binding, HostBinding):
+            other = self._claims_host_uid.get(binding.host_uid)
+            if other is not None and other != uid:
+                return f"host uid {binding.host_uid} is being bound to another sandbox"
+        elif binding is not None:
             other = self._claims_ip.get(binding.ip)
             if other is not None and other != uid:
                 return f"ip {binding.ip} is being bound to another sandbox"
         return None
 
     @contextlib.contextmanager
-    def _reserve(self, uid: str, binding: Binding | None) -> Iterator[None]:
+    def _reserve(self, uid: str, binding: AnyBinding | None) -> Iterator[None]:
         nid = nft_id(subject_for_uid(uid))
         self._claims_nft[nid] = uid
-        if binding is not None:
-            self._claims_ip[binding.ip] = uid
+        claims: list[tuple[dict[Any, str], object]] = []
+        if isinstance(binding, HostBinding):
+            claims = [(self._claims_host_uid, binding.host_uid), (self._claims_slot, binding.slot)]
+        elif binding is not None:
+            claims = [(self._claims_ip, binding.ip)]
+        for book, key in claims:
+            book[key] = uid
         try:
             yield
         finally:
             if self._claims_nft.get(nid) == uid:
                 del self._claims_nft[nid]
-            if binding is not None and self._claims_ip.get(binding.ip) == uid:
-                del self._claims_ip[binding.ip]
+            for book, key in claims:
+                if book.get(key) == uid:
+                    del book[key]
+
+    def _host_binding(self, uid: str, host_uid: int, entry: Entry | None) -> HostBinding | Result:
+        """A host-uid sandbox's binding: its uid, checked again here (the range and egressd's
+        own uid are this daemon's, whoever parsed the envelope), and its slot: the one it
+        already has (a retry, rebind or re-key keeps its ports), else the lowest free one."""
+        problem = host_uid_problem(host_uid, self.table.uids.uid_range, self.table.own_uid)
+        if problem is not None:
+            return Result(400, f"invalid action envelope: attachment.process.uid is invalid: {problem}")
+        if entry is not None and isinstance(entry.binding, HostBinding):
+            return HostBinding(host_uid, entry.binding.slot)
+        held = sorted(slot for _, slot in self.registry.kernel(uid).uid_keys)
+        if held:
+            return HostBinding(host_uid, held[0])  # a failed install's slot, still in the kernel
+        used = self.registry.slots_in_use() | {s for s, u in self._claims_slot.items() if u != uid}
+        slot = free_slot(used, self.table.uids.max_subjects)
+        if slot is None:
+            return Result(
+                409, f"no free host-uid slot (EGRESSD_UID_MAX_SUBJECTS={self.table.uids.max_subjects})"
+            )
+        return HostBinding(host_uid, slot)
 
     async def hook(self, action: LifecycleHook) -> Result:
         async with self._locks.hold(action.uid):
@@ -580,9 +650,16 @@ class ControlPlane:
         drops its cached snapshot of it (and of ``also``'s addresses, e.g. the old binding)."""
         if self.forget_snapshots is None:
             return
-        ips = {e.binding.ip for e in (self.registry.get(uid), *also) if e is not None and e.binding}
-        if ips:
-            self.forget_snapshots(sorted(ips, key=str))
+        clients: set[IPAddress | str] = set()
+        for e in (self.registry.get(uid), *also):
+            if e is None or e.binding is None:
+                continue
+            if isinstance(e.binding, HostBinding):
+                clients.add(port_key(self.table.uids.mitm_port(e.binding.slot)))
+            else:
+                clients.add(e.binding.ip)
+        if clients:
+            self.forget_snapshots(sorted(clients, key=str))
 
     def _drop_vault_state(self, uid: str, *, pushes: bool) -> None:
         self.vault_view_changed(uid)
@@ -634,10 +711,7 @@ class ControlPlane:
     def vault_for_ip(self, source_ip: IPAddress) -> VaultSnapshot | None:
         """MITM lookup: the active subject's vault snapshot (``.tag`` changes on every mutation)."""
         entry = self.registry.resolve(source_ip)
-        if entry is None or entry.state is not State.ACTIVE or self._closing(entry.uid):
-            return None
-        store = self.vaults.get(entry.uid)
-        return store.snapshot() if store is not None else None
+        return None if entry is None else self.vault_for_ip_entry(entry)
 
     def destination_verified(self, source_ip: IPAddress, host: str, dst: IPAddress) -> bool:
         """May the MITM send ``host``'s credentials to ``dst`` for this sandbox?
@@ -648,7 +722,10 @@ class ControlPlane:
         therefore never receives a credential.
         """
         entry = self.registry.resolve(source_ip)
-        if entry is None or entry.state is not State.ACTIVE or self._closing(entry.uid):
+        return entry is not None and self._destination_verified(entry, host, dst)
+
+    def _destination_verified(self, entry: Entry, host: str, dst: IPAddress) -> bool:
+        if entry.state is not State.ACTIVE or self._closing(entry.uid):
             return False
         dst = unmap_ip(dst)
         book = self.leases.get(entry.uid)
@@ -656,6 +733,26 @@ class ControlPlane:
             return True
         effective = self.effective_for(entry)
         return effective is not None and self._ip_sets_of(entry.uid, effective).explicitly_allows(dst)
+
+    def _entry_of_mitm_port(self, port: int) -> Entry | None:
+        slot = self.table.uids.slot_of_mitm_port(port)
+        return None if slot is None else self.registry.resolve_slot(slot)
+
+    def vault_for_mitm_port(self, port: int) -> VaultSnapshot | None:
+        """MITM lookup of a host-uid subject (BEHAVIOUR 17): the listener port names it."""
+        entry = self._entry_of_mitm_port(port)
+        return None if entry is None else self.vault_for_ip_entry(entry)
+
+    def destination_verified_port(self, port: int, host: str, dst: IPAddress) -> bool:
+        entry = self._entry_of_mitm_port(port)
+        return entry is not None and self._destination_verified(entry, host, dst)
+
+    def vault_for_ip_entry(self, entry: Entry) -> VaultSnapshot | None:
+        """The vault snapshot of an active subject that is not being closed, else None."""
+        if entry.state is not State.ACTIVE or self._closing(entry.uid):
+            return None
+        store = self.vaults.get(entry.uid)
+        return store.snapshot() if store is not None else None
 
     def _ip_sets_of(self, uid: str, effective: NetworkPolicy) -> IpSets:
         """``ip_sets(effective)``, kept while the effective policy object is unchanged (the MITM
@@ -744,12 +841,12 @@ class ControlPlane:
             return False
         view = self.registry.kernel(target.uid)
         for step in plan.steps:
-            if isinstance(step, RemoveAll | DropStaleKeys) and (view.objects or view.keys):
+            if isinstance(step, RemoveAll | DropStaleKeys) and (view.objects or view.keys or view.uid_keys):
                 return True
             if (
                 isinstance(step, InstallDenyFirst)
                 and view.objects
-                and (view.applied is not None or view.keys)
+                and (view.applied is not None or view.keys or view.uid_keys)
             ):
                 return True
             if isinstance(step, ApplyPolicy) and view.applied is not None:
@@ -900,7 +997,12 @@ class ControlPlane:
                     raise
             save(after)
 
+        if isinstance(step, InstallDenyFirst) and isinstance(step.binding, HostBinding):
+            return await self._uid_deny_first(entry, step.binding, view, send)
+        if isinstance(step, AddKeys) and isinstance(step.binding, HostBinding):
+            return await self._uid_add_keys(entry, step.binding, view, send)
         if isinstance(step, InstallDenyFirst):
+            assert isinstance(step.binding, Binding)
             subj = self._subject_nft(nid, step.binding)
             try:
                 create = subject_create(self.table, subj)
@@ -947,7 +1049,13 @@ class ControlPlane:
                 # (14.1); the flush runs even when the book knows of none, so an element a
                 # failed-looking learn left in the kernel does not outlive the change.
                 batch = batch + dyn_replace(table, nid, narrowed.kept if narrowed is not None else ())
-            cidr = entry.binding.private_cidr if entry.binding is not None else self._nets.get(entry.uid)
+            for host_uid, _slot in sorted(view.uid_keys):
+                # A host-uid subject's audit mode lets its established flows pass (see builder).
+                batch = batch + NetlinkBatch(table, tuple(uid_audit_ops(host_uid, audit=effective.audit)))
+            if isinstance(entry.binding, HostBinding):
+                cidr = None
+            else:
+                cidr = entry.binding.private_cidr if entry.binding is not None else self._nets.get(entry.uid)
             batch, commit = self._nets_in(batch, entry.uid, cidr)
             try:
                 await send(batch, "static_apply", replace(view, applied=step.policy))
@@ -965,12 +1073,14 @@ class ControlPlane:
             log.info(
                 "egress.updated", **{"opensandbox.event": "egress.updated", **event}, subject=entry.subject
             )
-            if view.applied is not None and self._conntrack_flush is not None:
+            if view.applied is not None and self._conntrack_flush is not None and view.keys:
                 # An in-place change: flows to destinations it no longer allows are cut,
-                # allowed ones keep running.
+                # allowed ones keep running. (A host-uid subject's packets are all judged
+                # on output: nothing of it is established past its rules.)
                 self._background_task(self._cut_disallowed(entry.uid, view.keys, effective))
             return []
         if isinstance(step, AddKeys):
+            assert isinstance(step.binding, Binding)
             subj = self._subject_nft(nid, step.binding)
             keys, commit = self._nets_in(subject_keys(self.table, subj), entry.uid, step.binding.private_cidr)
             await send(keys, "dispatch_update", replace(view, keys=view.keys | {(subj.ip, subj.gateway)}))
@@ -979,29 +1089,119 @@ class ControlPlane:
             return [] if subj.ip in _ips(view.keys) else [subj.ip]
         if isinstance(step, DropStaleKeys):
             keep = step.keep
+            keep_net = keep if isinstance(keep, Binding) else None
             kept: frozenset[tuple[IPAddress, IPAddress]] = frozenset(
-                {(keep.ip, keep.gateway)} if keep is not None and keep.gateway is not None else set()
+                {(keep_net.ip, keep_net.gateway)}
+                if keep_net is not None and keep_net.gateway is not None
+                else set()
             )
+            kept_uid = frozenset({(keep.host_uid, keep.slot)} if isinstance(keep, HostBinding) else set())
             stale = view.keys - kept
-            ops = self._key_deletes(entry.uid, stale, keep)
+            stale_uid = view.uid_keys - kept_uid
+            ops = self._key_deletes(entry.uid, stale, keep_net)
+            for host_uid, slot in sorted(stale_uid):
+                ops += uid_key_deletes(self.table, host_uid, slot)
             await send(
-                NetlinkBatch(table, tuple(ops)), "dispatch_update", replace(view, keys=view.keys & kept)
+                NetlinkBatch(table, tuple(ops)),
+                "dispatch_update",
+                replace(view, keys=view.keys & kept, uid_keys=view.uid_keys & kept_uid),
             )
+            await self._close_uid_ports(entry.uid, {s for _, s in stale_uid} - {s for _, s in kept_uid})
             return [ip for ip in _ips(stale) if ip not in _ips(kept)]
         assert isinstance(step, RemoveAll)
-        if not view.objects and not view.keys:
+        slots = {s for _, s in view.uid_keys}
+        if isinstance(entry.binding, HostBinding):
+            slots.add(entry.binding.slot)
+        if not view.objects and not view.keys and not view.uid_keys:
             save(KernelView())
+            await self._close_uid_ports(entry.uid, slots)
             return []
         ops = self._key_deletes(entry.uid, view.keys, None)
+        for host_uid, slot in sorted(view.uid_keys):
+            ops += uid_key_deletes(self.table, host_uid, slot)
         if view.objects:
             ops += removal_batch(self.table, nid, None, release_gateway=None).ops
         removal, commit = self._nets_in(NetlinkBatch(table, tuple(ops)), entry.uid, None)
         await send(removal, "remove", KernelView())
         commit()
+        await self._close_uid_ports(entry.uid, slots)
         self._forget_learned(entry.uid)
         self._effective.pop(entry.uid, None)
         self._ip_sets.pop(entry.uid, None)
         return _ips(view.keys)
+
+    # ---- host-uid subjects (BEHAVIOUR 17) ------------------------------------------------
+
+    async def _uid_deny_first(
+        self,
+        entry: Entry,
+        host: HostBinding,
+        view: KernelView,
+        send: Callable[..., Coroutine[Any, Any, None]],
+    ) -> list[IPAddress]:
+        """Deny-first for a host-uid subject: its DNS port listens before any redirect points
+        at it, then the same objects, rules and empty sets as a network subject's, keyed by
+        its uid, in one transaction. Nothing to cut: its packets are all judged on output."""
+        nid, table = entry.nft_id, self.table.table
+        subj = UidSubjectNft(nid, host.host_uid, host.slot)
+        await self._open_uid_port(host.slot)
+        key = (host.host_uid, host.slot)
+        if not view.objects:
+            create, commit = self._nets_in(uid_subject_create(self.table, subj), entry.uid, None)
+            await send(create, "deny_first", KernelView(True, rules=True, uid_keys=frozenset({key})))
+            commit()
+            return []
+        batch = flush_subject_sets(table, nid)
+        if not view.rules:
+            batch = batch + subject_rules(self.table, nid)
+        batch = batch + uid_subject_keys(self.table, subj)
+        for host_uid, _slot in sorted(view.uid_keys | {key}):
+            batch = batch + NetlinkBatch(table, tuple(uid_audit_ops(host_uid, audit=False)))
+        batch, commit = self._nets_in(batch, entry.uid, None)
+        await send(
+            batch, "deny_first", replace(view, rules=True, applied=None, uid_keys=view.uid_keys | {key})
+        )
+        commit()
+        self._forget_learned(entry.uid)
+        return _ips(view.keys)  # a network binding this one replaces: its flows are cut
+
+    async def _uid_add_keys(
+        self,
+        entry: Entry,
+        host: HostBinding,
+        view: KernelView,
+        send: Callable[..., Coroutine[Any, Any, None]],
+    ) -> list[IPAddress]:
+        """Re-key of an active subject to a host uid: its chains keep their content."""
+        table = self.table.table
+        await self._open_uid_port(host.slot)
+        audit = view.applied is not None and self.effective(view.applied).audit
+        batch = uid_subject_keys(self.table, UidSubjectNft(entry.nft_id, host.host_uid, host.slot))
+        batch = batch + NetlinkBatch(table, tuple(uid_audit_ops(host.host_uid, audit=audit)))
+        batch, commit = self._nets_in(batch, entry.uid, None)
+        key = (host.host_uid, host.slot)
+        await send(batch, "dispatch_update", replace(view, uid_keys=view.uid_keys | {key}))
+        commit()
+        return []
+
+    async def _open_uid_port(self, slot: int) -> None:
+        if self.uid_ports is None:
+            return
+        try:
+            await self.uid_ports.open(slot)
+        except OSError as exc:
+            port = self.table.uids.dns_port(slot)
+            raise _Refused(f"host-uid DNS port {port}: {exc.strerror or exc}") from None
+
+    async def _close_uid_ports(self, uid: str, slots: set[int]) -> None:
+        """Stop listening on ``uid``'s former ports, unless another subject holds one now."""
+        if self.uid_ports is None:
+            return
+        others = self.registry.slots_in_use(excluding=uid) | {
+            s for s, u in self._claims_slot.items() if u != uid
+        }
+        for slot in sorted(slots - others):
+            await self.uid_ports.close(slot)
 
     def _resync_batch(self, uid: str, nid: str, view: KernelView) -> NetlinkBatch:
         """Everything ``view`` says the subject has, made so in one batch that succeeds on
@@ -1020,7 +1220,12 @@ class ControlPlane:
                 table, nid, narrowed.kept if narrowed is not None else ()
             )
         keys = [SubjectNft(nid, ip, gw) for ip, gw in sorted(view.keys, key=str)]
-        return subject_resync(self.table, nid, keys, contents)
+        out = subject_resync(self.table, nid, keys, contents)
+        audit = view.applied is not None and self.effective(view.applied).audit
+        for host_uid, slot in sorted(view.uid_keys):
+            out = out + uid_subject_keys(self.table, UidSubjectNft(nid, host_uid, slot))
+            out = out + NetlinkBatch(table, tuple(uid_audit_ops(host_uid, audit=audit)))
+        return out
 
     def _nets_in(
         self, batch: NetlinkBatch, uid: str, cidr: ipaddress.IPv4Network | ipaddress.IPv6Network | None
@@ -1103,8 +1308,15 @@ class ControlPlane:
 
     # ---- read side -------------------------------------------------------------------------
 
-    def explain(self, source_ip: IPAddress, target: str) -> dict[str, Any]:
-        entry = self.registry.resolve(unmap_ip(source_ip))
+    def _entry_of(self, source: IPAddress | int) -> Entry | None:
+        """The subject behind a source address, or behind a host uid (an ``int``, BEHAVIOUR 17)."""
+        if isinstance(source, int):
+            return self.registry.resolve_host_uid(source)
+        return self.registry.resolve(unmap_ip(source))
+
+    def explain(self, source_ip: IPAddress | int, target: str) -> dict[str, Any]:
+        """``source_ip`` is a sandbox address, or an ``int``: a host uid."""
+        entry = self._entry_of(source_ip)
         now = time.monotonic()
         book = self.leases.get(entry.uid) if entry else None
         out = explain_target(
@@ -1114,27 +1326,37 @@ class ControlPlane:
             target=target,
             now=now,
         )
-        out["sourceIp"] = str(source_ip)
+        if isinstance(source_ip, int):
+            out["hostUid"] = source_ip
+        else:
+            out["sourceIp"] = str(source_ip)
         if entry is not None:
             out["subject"] = entry.subject
         return out
 
-    async def kernel_membership(self, source_ip: IPAddress, target: IPAddress) -> dict[str, Any]:
+    async def kernel_membership(self, source_ip: IPAddress | int, target: IPAddress) -> dict[str, Any]:
         """What the kernel itself holds for ``target`` in the source's subject (explain):
-        whether the source is in the dispatch map, and which of the subject's sets cover the
-        address (with the remaining lifetime of a DNS lease). Read from the kernel by one
-        netlink dump per set, never from egressd's own bookkeeping."""
-        source_ip, target = unmap_ip(source_ip), unmap_ip(target)
+        whether the source (an address, or a host uid) is in the dispatch map, and which of
+        the subject's sets cover the address (with the remaining lifetime of a DNS lease). Read
+        from the kernel by one netlink dump per set, never from egressd's own bookkeeping."""
+        target = unmap_ip(target)
         dump = getattr(self.tx, "list_set_elements", None)
-        entry = self.registry.resolve(source_ip)
+        entry = self._entry_of(source_ip)
         if dump is None:
             return {"available": False}
         fam = "v4" if target.version == 4 else "v6"
-        src_fam = "v4" if source_ip.version == 4 else "v6"
         table = self.table.table
         try:
-            dispatch = element_covering(source_ip, await dump(table, dispatch_map(src_fam)), interval=False)
-            out: dict[str, Any] = {"available": True, "dispatched": dispatch is not None, "sets": []}
+            if isinstance(source_ip, int):
+                key = struct.pack("=I", source_ip)  # meta skuid's host-endian u32
+                dispatched = any(e.key == key for e in await dump(table, UID_DISPATCH))
+            else:
+                source_ip = unmap_ip(source_ip)
+                src_map = dispatch_map("v4" if source_ip.version == 4 else "v6")
+                dispatched = (
+                    element_covering(source_ip, await dump(table, src_map), interval=False) is not None
+                )
+            out: dict[str, Any] = {"available": True, "dispatched": dispatched, "sets": []}
             if entry is None or not self.registry.kernel(entry.uid).objects:
                 return out
             for kind, interval in (("deny", True), ("allow", True), ("dyn", False)):
@@ -1176,8 +1398,7 @@ class ControlPlane:
                     "state": e.state.value,
                     # The kernel refused a narrowing and egressd is retrying it (14.6).
                     "revoking": e.uid in self._revoking,
-                    "sourceIp": str(e.binding.ip) if e.binding else None,
-                    "gateway": str(e.binding.gateway) if e.binding and e.binding.gateway else None,
+                    **_binding_fields(e.binding, self.table),
                     "specGeneration": e.spec_generation,
                     "pending": e.pending is not None,
                     "kernelInstalled": self.registry.kernel(e.uid).objects,
@@ -1189,6 +1410,23 @@ class ControlPlane:
                 }
             )
         return out
+
+
+def _binding_fields(binding: AnyBinding | None, table: TableConfig) -> dict[str, Any]:
+    """The dispatch key of ``egressctl subjects``: an address and gateway, or a host uid and
+    its two ports (BEHAVIOUR 17)."""
+    if isinstance(binding, HostBinding):
+        return {
+            "sourceIp": None,
+            "gateway": None,
+            "hostUid": binding.host_uid,
+            "dnsPort": table.uids.dns_port(binding.slot),
+            "mitmPort": table.uids.mitm_port(binding.slot) if table.mitm else None,
+        }
+    return {
+        "sourceIp": str(binding.ip) if binding else None,
+        "gateway": str(binding.gateway) if binding and binding.gateway else None,
+    }
 
 
 def _narrower(old: AlwaysRules, new: AlwaysRules) -> AlwaysRules:
@@ -1258,6 +1496,7 @@ def _in_doubt(before: KernelView, after: KernelView) -> KernelView:
         rules=before.rules and after.rules,
         applied=None if after.applied is None else before.applied,
         unsure=True,
+        uid_keys=before.uid_keys | after.uid_keys,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import time
 
 import structlog
@@ -19,7 +20,7 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.config import Config, ignored_settings
 from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
-from egressd.dnsproxy.server import DnsProxy
+from egressd.dnsproxy.server import DnsProxy, PortAsker
 from egressd.dnsproxy.upstreams import upstreams_or_system
 from egressd.fleet.audit import AuditEvidence
 from egressd.fleet.proxyroute import ProxyRouteAPI
@@ -31,6 +32,7 @@ from egressd.kernel.conntrack import flush_source
 from egressd.kernel.renewal import LeaseRenewal
 from egressd.lifecycle import Running, StartupError
 from egressd.metrics import EgressMetrics
+from egressd.mitm.active import PortVaults
 from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
 from egressd.policy import AlwaysRules, AlwaysRulesError, load_always_rules
 from egressd.policy.reload import AlwaysRulesReloader
@@ -56,6 +58,9 @@ def table_config(cfg: Config, renewal: LeaseRenewal = LeaseRenewal.READD) -> Tab
         mitm_extra_ports=cfg.mitm_extra_ports if cfg.mitm_transparent else (),
         nameserver_exempt=cfg.nameserver_exempt,
         renew_by_replace=renewal is LeaseRenewal.REPLACE,
+        uids=cfg.uid_ports,
+        own_uid=os.getuid(),
+        http_port=cfg.http_port,
     )
 
 
@@ -181,6 +186,31 @@ async def _start_dns(cfg: Config, control: ControlPlane, metrics: EgressMetrics,
             f"cannot listen for DNS on {cfg.dns_host}:{cfg.dns_port}: {exc.strerror}"
         ) from None
     log.info("dns.listening", addr=f"{cfg.dns_host}:{cfg.dns_port}", upstreams=[str(u) for u in upstreams])
+    ports = cfg.uid_ports
+    try:
+        # In-range uids that are no subject are redirected here: NXDOMAIN, like an unknown source.
+        await dns.start_port(PortAsker(ports.unknown_dns_port, lambda: None))
+    except OSError as exc:
+        raise StartupError(
+            f"cannot listen for DNS on 127.0.0.1:{ports.unknown_dns_port} (EGRESSD_UID_DNS_PORT_BASE): "
+            f"{exc.strerror}"
+        ) from None
+    control.uid_ports = UidDnsPorts(dns, control)
+
+
+class UidDnsPorts:
+    """The DNS proxy's per-subject listeners of host-uid subjects (BEHAVIOUR 17), by slot."""
+
+    def __init__(self, dns: DnsProxy, control: ControlPlane) -> None:
+        self._dns = dns
+        self._control = control
+
+    async def open(self, slot: int) -> None:
+        port = self._control.table.uids.dns_port(slot)
+        await self._dns.start_port(PortAsker(port, lambda: self._control.asker_for_slot(slot)))
+
+    async def close(self, slot: int) -> None:
+        await self._dns.stop_port(self._control.table.uids.dns_port(slot))
 
 
 def _start_background(cfg: Config, control: ControlPlane, always: AlwaysRules, running: Running) -> None:
@@ -188,7 +218,11 @@ def _start_background(cfg: Config, control: ControlPlane, always: AlwaysRules, r
         cfg.always_rules_dir, always, control.set_always_rules, interval=cfg.always_reload_interval
     )
     refresher = LeaseRefresher(
-        control.uid_for, control.leases, control.renew_leases, interval=cfg.refresh_interval
+        control.uid_for,
+        control.leases,
+        control.renew_leases,
+        interval=cfg.refresh_interval,
+        host_uids=control.host_uid_subjects,
     )
     running.spawn(reloader.run())
     running.spawn(refresher.run())
@@ -201,7 +235,13 @@ async def _start_mitm(
     if not cfg.mitm_transparent:
         return None
     try:
-        mitm = await start_mitm(cfg, control.vault_for_ip, control.destination_verified, metrics=metrics)
+        lo, hi = cfg.uid_ports.mitm_ports
+        by_port = PortVaults(
+            control.vault_for_mitm_port, control.destination_verified_port, tuple(range(lo, hi + 1))
+        )
+        mitm = await start_mitm(
+            cfg, control.vault_for_ip, control.destination_verified, metrics=metrics, by_port=by_port
+        )
     except MitmStartupError as exc:
         raise StartupError(str(exc)) from None
     running.supervise(mitm)

@@ -63,14 +63,14 @@ def _peer_ip(flow: http.HTTPFlow) -> str | None:
 
 def _listen_port(flow: http.HTTPFlow, shared: int | None) -> int | None:
     """The per-subject port the flow came in on (host-uid subjects, BEHAVIOUR 17), or None on
-    the shared listener ``shared``: there the peer address names the subject, here the port.
-    ``shared`` unknown (never configured) looks every flow up by its peer address, which for a
-    host-uid sandbox (the host's own address) is nobody's: no vault, closed."""
-    sockname = flow.client_conn.sockname
-    if shared is None or not sockname:
+    the shared listener (port ``shared``): there the peer address names the subject, here the
+    port does. Read from the listener's mode (``transparent@<port>``): in transparent mode
+    mitmproxy overwrites the client's ``sockname`` with the original destination."""
+    mode = getattr(flow.client_conn, "proxy_mode", None)
+    port = getattr(mode, "custom_listen_port", None)
+    if not isinstance(port, int) or port == shared:
         return None
-    port = int(sockname[1])
-    return None if port == shared else port
+    return port
 
 
 def _original_destination(flow: http.HTTPFlow) -> tuple[str, int] | None:

@@ -31,6 +31,8 @@ SECRET = "sk-uid-subject-5e1d"
 DPR = "sandbox.data-plane-ready"
 MAX_SUBJECTS = 8  # a small port block: the MITM child binds every subject port at start
 DNS_BASE = 16000
+# An interpreter another uid may run (a pyenv under /root is not one).
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or "python3"
 
 
 def policy(*names: str) -> dict[str, Any]:
@@ -230,7 +232,7 @@ def test_unregistered_in_range_uid_reaches_nothing_outside_uids_untouched(
         own = as_uid(
             utopo,
             A,
-            "python3",
+            SYSTEM_PYTHON,
             "-c",
             "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
             "socket.create_connection(s.getsockname(), timeout=1)",

@@ -124,12 +124,15 @@ async def test_client_caches_per_port_and_forgets_by_port(tmp_path: Path) -> Non
 
 
 def test_listen_port_names_the_subject_only_off_the_shared_listener() -> None:
-    def flow(sockname: tuple[Any, ...] | None) -> Any:
-        return SimpleNamespace(client_conn=SimpleNamespace(sockname=sockname))
+    from mitmproxy.proxy.mode_specs import ProxyMode
 
-    assert addon._listen_port(flow(("127.0.0.1", 16257)), 18081) == 16257
-    assert addon._listen_port(flow(("::1", 16300, 0, 0)), 18081) == 16300
-    assert addon._listen_port(flow(("10.203.0.1", 18081)), 18081) is None
+    def flow(spec: str | None) -> Any:
+        mode = ProxyMode.parse(spec) if spec is not None else None
+        # Transparent mode puts the original destination in sockname: never a port source.
+        return SimpleNamespace(client_conn=SimpleNamespace(proxy_mode=mode, sockname=("10.204.0.6", 443)))
+
+    assert addon._listen_port(flow("transparent@16257"), 18081) == 16257
+    assert addon._listen_port(flow("transparent"), 18081) is None, "the shared listener"
+    assert addon._listen_port(flow("transparent@18081"), 18081) is None
     assert addon._listen_port(flow(None), 18081) is None
-    assert addon._listen_port(flow(("127.0.0.1", 16257)), None) is None, "unknown: by peer address"
     assert json.loads(forget_message(None)) == {"op": "forget"}
