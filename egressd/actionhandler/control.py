@@ -1106,7 +1106,12 @@ class ControlPlane:
                 "dispatch_update",
                 replace(view, keys=view.keys & kept, uid_keys=view.uid_keys & kept_uid),
             )
-            await self._close_uid_ports(entry.uid, {s for _, s in stale_uid} - {s for _, s in kept_uid})
+            # The slot of the binding the subject ends with stays open (a re-key to another uid
+            # drops every key first, then adds the new one on the same slot).
+            ending = {entry.binding.slot} if isinstance(entry.binding, HostBinding) else set()
+            await self._close_uid_ports(
+                entry.uid, {s for _, s in stale_uid} - {s for _, s in kept_uid} - ending
+            )
             return [ip for ip in _ips(stale) if ip not in _ips(kept)]
         assert isinstance(step, RemoveAll)
         slots = {s for _, s in view.uid_keys}
