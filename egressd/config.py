@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 from egressd.dnsproxy.upstreams import Upstream, UpstreamError, parse_upstreams
 from egressd.subject.hostuid import (
@@ -445,14 +446,120 @@ def parse_doh_blocklist(value: str) -> tuple[IPNetwork, ...]:
     return tuple(nets)
 
 
+#: The settings as read (flag, else environment, else default), before any check.
+Raw = Mapping[str, str | None]
+
+
+# Groups of Config fields, filled by the helpers below (typed, so mypy checks every name).
+class _Limits(TypedDict):
+    dns_qps_per_subject: int
+    refresh_interval: float
+    always_reload_interval: float
+
+
+class _Interception(TypedDict):
+    block_doh_443: bool
+    doh_blocklist: tuple[IPNetwork, ...]
+    mitm_transparent: bool
+    mitm_upstream_trust_dir: Path
+    mitm_ssl_insecure: bool
+    mitm_confdir: Path
+    credential_proxy_socket: Path
+
+
+class _Parity(TypedDict):
+    log_level: int
+    sandbox_id: str | None
+    metrics_extra_attrs: tuple[tuple[str, str], ...]
+    mitm_extra_ports: tuple[int, ...]
+    vault_require_tls: bool
+    vault_require_scoped_match: bool
+    vault_trusted_proxies: tuple[IPNetwork, ...]
+    nameserver_exempt: tuple[IPAddress, ...]
+
+
+class _Caps(TypedDict):
+    max_rules: int
+    max_leases: int
+    vault_max_credentials: int
+    vault_max_bindings: int
+
+
+class _Host(TypedDict):
+    nft_table: str
+    always_rules_dir: Path
+    vault_keys_dir: Path | None
+    log_format: str
+    allow_bridge_bypass: bool
+    sidecar_keep_table: bool
+
+
 def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
+    # The helpers run in the order the settings were always checked, so a configuration
+    # with several mistakes still names the same one first.
     raw = raw_settings(env, argv)
+    profile = _profile(raw)
+    http_host, http_port, allow_non_loopback = _http_listener(raw, profile)
+    ttl = _pending_push_ttl(raw)
+    timeout = _dns_upstream_timeout(raw)
+    dns_host, dns_port = parse_hostport("EGRESSD_DNS_ADDR", raw["EGRESSD_DNS_ADDR"] or "0.0.0.0:15353")
+    mode = _choice(raw, "OPENSANDBOX_EGRESS_MODE", "dns+nft", ("dns", "dns+nft"), "dns or dns+nft")
+    table = _nft_table(raw, profile)
+    log_format = _choice(raw, "EGRESSD_LOG_FORMAT", "json", ("json", "console"), "json or console")
+    mitm_port = _int("OPENSANDBOX_EGRESS_MITMPROXY_PORT", raw["OPENSANDBOX_EGRESS_MITMPROXY_PORT"], 1, 65535)
+    if mitm_port in (http_port, dns_port):
+        raise ConfigError("OPENSANDBOX_EGRESS_MITMPROXY_PORT: collides with the HTTP or DNS port")
+    upstreams = _dns_upstreams(raw)
+    lease_min, lease_max = _lease_bounds(raw)
+    policy_file = raw["OPENSANDBOX_EGRESS_POLICY_FILE"]
+    return Config(
+        **_parity(raw, mitm_port),
+        dns_upstreams=upstreams,
+        dns_lease_min=lease_min,
+        dns_lease_max=lease_max,
+        **_limits(raw),
+        profile=profile,
+        http_host=http_host,
+        http_port=http_port,
+        allow_non_loopback=allow_non_loopback,
+        pending_push_ttl=ttl,
+        **_interception(raw),
+        mitm_port=mitm_port,
+        dns_upstream=raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM"],
+        dns_upstream_timeout=timeout,
+        dns_host=dns_host,
+        dns_port=dns_port,
+        token=raw["OPENSANDBOX_EGRESS_TOKEN"] or None,
+        rules=raw["OPENSANDBOX_EGRESS_RULES"],
+        policy_file=Path(policy_file) if policy_file else None,
+        mode=mode,
+        **_caps(raw),
+        **_host(raw, table, log_format),
+        uid_ports=_uid_ports(
+            raw,
+            {
+                "OPENSANDBOX_EGRESS_HTTP_ADDR": http_port,
+                "EGRESSD_DNS_ADDR": dns_port,
+                "OPENSANDBOX_EGRESS_MITMPROXY_PORT": mitm_port,
+            }
+            if profile == "fleet"
+            else {},
+        ),
+    )
+
+
+def _profile(raw: Raw) -> str:
     profile = (raw["OPENSANDBOX_EGRESS_PROFILE"] or "").strip().lower()
     profile = PROFILE_ALIASES.get(profile, profile)
     if profile not in ("sidecar", "fleet"):
         raise ConfigError(
             f"OPENSANDBOX_EGRESS_PROFILE: expected sidecar, fleet or fast-sandbox, got {profile!r}"
         )
+    return profile
+
+
+def _http_listener(raw: Raw, profile: str) -> tuple[str, int, bool]:
+    """(host, port, allow_non_loopback); the fleet API stays on loopback unless overridden."""
     http_default = "127.0.0.1:18080" if profile == "fleet" else "0.0.0.0:18080"
     http_host, http_port = parse_hostport(
         "OPENSANDBOX_EGRESS_HTTP_ADDR", raw["OPENSANDBOX_EGRESS_HTTP_ADDR"] or http_default
@@ -463,6 +570,10 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
             f"OPENSANDBOX_EGRESS_HTTP_ADDR: {http_host} is not loopback; the fleet API must not be reachable "
             "from sandboxes (set EGRESSD_ALLOW_NON_LOOPBACK=1 to override)"
         )
+    return http_host, http_port, allow_non_loopback
+
+
+def _pending_push_ttl(raw: Raw) -> int:
     ttl_text = (raw["OPENSANDBOX_EGRESS_PENDING_PUSH_TTL"] or "").strip()
     try:
         ttl = int(ttl_text)
@@ -470,17 +581,27 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         ttl = 30
     if ttl <= 0:
         ttl = 30  # BEHAVIOUR §4: default/<=0/invalid -> 30
+    return ttl
+
+
+def _dns_upstream_timeout(raw: Raw) -> float:
     try:
         timeout = float((raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT"] or "5").strip())
     except ValueError:
         timeout = 5.0
     if not timeout > 0:
         timeout = 5.0
-    timeout = min(timeout, 120.0)
-    dns_host, dns_port = parse_hostport("EGRESSD_DNS_ADDR", raw["EGRESSD_DNS_ADDR"] or "0.0.0.0:15353")
-    mode = (raw["OPENSANDBOX_EGRESS_MODE"] or "dns+nft").strip().lower()
-    if mode not in ("dns", "dns+nft"):
-        raise ConfigError(f"OPENSANDBOX_EGRESS_MODE: expected dns or dns+nft, got {mode!r}")
+    return min(timeout, 120.0)
+
+
+def _choice(raw: Raw, name: str, default: str, allowed: tuple[str, ...], expected: str) -> str:
+    value = (raw[name] or default).strip().lower()
+    if value not in allowed:
+        raise ConfigError(f"{name}: expected {expected}, got {value!r}")
+    return value
+
+
+def _nft_table(raw: Raw, profile: str) -> str:
     table = (
         raw["EGRESSD_NFT_TABLE"] or ("opensandbox-fleet" if profile == "fleet" else "opensandbox")
     ).strip()
@@ -491,26 +612,68 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         or len(table) > 64
     ):
         raise ConfigError(f"EGRESSD_NFT_TABLE: {table!r} is not a valid nft table name")
-    log_format = (raw["EGRESSD_LOG_FORMAT"] or "json").strip().lower()
-    if log_format not in ("json", "console"):
-        raise ConfigError(f"EGRESSD_LOG_FORMAT: expected json or console, got {log_format!r}")
-    policy_file = raw["OPENSANDBOX_EGRESS_POLICY_FILE"]
-    vault_dir = raw["EGRESSD_VAULT_KEYS_DIR"]
-    mitm_port = _int("OPENSANDBOX_EGRESS_MITMPROXY_PORT", raw["OPENSANDBOX_EGRESS_MITMPROXY_PORT"], 1, 65535)
-    if mitm_port in (http_port, dns_port):
-        raise ConfigError("OPENSANDBOX_EGRESS_MITMPROXY_PORT: collides with the HTTP or DNS port")
-    upstreams = None
-    if raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM"] is not None:
-        try:
-            upstreams = parse_upstreams(raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM"])
-        except UpstreamError as exc:
-            raise ConfigError(str(exc)) from None
+    return table
+
+
+def _dns_upstreams(raw: Raw) -> tuple[Upstream, ...] | None:
+    """None: not configured, the resolvers of /etc/resolv.conf are read at start-up."""
+    if raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM"] is None:
+        return None
+    try:
+        return parse_upstreams(raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM"])
+    except UpstreamError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _lease_bounds(raw: Raw) -> tuple[int, int]:
     lease_min = _int("EGRESSD_DNS_LEASE_MIN", raw["EGRESSD_DNS_LEASE_MIN"], 1, 86400)
     lease_max = _int("EGRESSD_DNS_LEASE_MAX", raw["EGRESSD_DNS_LEASE_MAX"], 1, 86400)
     if lease_min > lease_max:
         raise ConfigError("EGRESSD_DNS_LEASE_MIN is larger than EGRESSD_DNS_LEASE_MAX")
+    return lease_min, lease_max
+
+
+def _limits(raw: Raw) -> _Limits:
+    return _Limits(
+        # 0 switches the budget off (like OPENSANDBOX_EGRESS_MAX_RULES=0); a negative or
+        # non-integer value refuses to start rather than silently running unlimited.
+        dns_qps_per_subject=_int(
+            "EGRESSD_DNS_QPS_PER_SUBJECT", raw["EGRESSD_DNS_QPS_PER_SUBJECT"], 0, 1_000_000
+        ),
+        refresh_interval=float(_int("EGRESSD_REFRESH_INTERVAL", raw["EGRESSD_REFRESH_INTERVAL"], 1, 3600)),
+        always_reload_interval=float(
+            _int(
+                "EGRESSD_ALWAYS_RULES_RELOAD_INTERVAL", raw["EGRESSD_ALWAYS_RULES_RELOAD_INTERVAL"], 1, 86400
+            )
+        ),
+    )
+
+
+def _interception(raw: Raw) -> _Interception:
+    """The DoH block and the MITM."""
+    return _Interception(
+        block_doh_443=_bool("OPENSANDBOX_EGRESS_BLOCK_DOH_443", raw["OPENSANDBOX_EGRESS_BLOCK_DOH_443"]),
+        doh_blocklist=parse_doh_blocklist(raw["OPENSANDBOX_EGRESS_DOH_BLOCKLIST"] or ""),
+        mitm_transparent=_bool(
+            "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT", raw["OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT"]
+        ),
+        mitm_upstream_trust_dir=Path(
+            raw["OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR"] or "/etc/ssl/certs"
+        ),
+        mitm_ssl_insecure=_bool(
+            "OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE", raw["OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE"]
+        ),
+        mitm_confdir=mitm_confdir(raw),
+        credential_proxy_socket=Path(
+            raw["OPENSANDBOX_CREDENTIAL_PROXY_SOCKET"] or "/run/opensandbox/credential-proxy/active.sock"
+        ),
+    )
+
+
+def _parity(raw: Raw, mitm_port: int) -> _Parity:
+    """The reference sidecar's variables (issue 15 item 3); see "Reference sidecar parity"."""
     extra_ports = parse_extra_ports(raw["OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS"] or "", mitm_port)
-    return Config(
+    return _Parity(
         log_level=parse_log_level(raw["OPENSANDBOX_EGRESS_LOG_LEVEL"]),
         sandbox_id=parse_sandbox_id(raw["OPENSANDBOX_EGRESS_SANDBOX_ID"]),
         metrics_extra_attrs=parse_extra_attrs(raw["OPENSANDBOX_EGRESS_METRICS_EXTRA_ATTRS"] or ""),
@@ -528,49 +691,11 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
             raw["OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS"] or "",
         ),
         nameserver_exempt=parse_nameserver_exempt(raw["OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT"] or ""),
-        dns_upstreams=upstreams,
-        dns_lease_min=lease_min,
-        # 0 switches the budget off (like OPENSANDBOX_EGRESS_MAX_RULES=0); a negative or
-        # non-integer value refuses to start rather than silently running unlimited.
-        dns_qps_per_subject=_int(
-            "EGRESSD_DNS_QPS_PER_SUBJECT", raw["EGRESSD_DNS_QPS_PER_SUBJECT"], 0, 1_000_000
-        ),
-        dns_lease_max=lease_max,
-        refresh_interval=float(_int("EGRESSD_REFRESH_INTERVAL", raw["EGRESSD_REFRESH_INTERVAL"], 1, 3600)),
-        always_reload_interval=float(
-            _int(
-                "EGRESSD_ALWAYS_RULES_RELOAD_INTERVAL", raw["EGRESSD_ALWAYS_RULES_RELOAD_INTERVAL"], 1, 86400
-            )
-        ),
-        profile=profile,
-        http_host=http_host,
-        http_port=http_port,
-        allow_non_loopback=allow_non_loopback,
-        pending_push_ttl=ttl,
-        block_doh_443=_bool("OPENSANDBOX_EGRESS_BLOCK_DOH_443", raw["OPENSANDBOX_EGRESS_BLOCK_DOH_443"]),
-        doh_blocklist=parse_doh_blocklist(raw["OPENSANDBOX_EGRESS_DOH_BLOCKLIST"] or ""),
-        mitm_transparent=_bool(
-            "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT", raw["OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT"]
-        ),
-        mitm_port=mitm_port,
-        mitm_upstream_trust_dir=Path(
-            raw["OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR"] or "/etc/ssl/certs"
-        ),
-        mitm_ssl_insecure=_bool(
-            "OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE", raw["OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE"]
-        ),
-        mitm_confdir=mitm_confdir(raw),
-        credential_proxy_socket=Path(
-            raw["OPENSANDBOX_CREDENTIAL_PROXY_SOCKET"] or "/run/opensandbox/credential-proxy/active.sock"
-        ),
-        dns_upstream=raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM"],
-        dns_upstream_timeout=timeout,
-        dns_host=dns_host,
-        dns_port=dns_port,
-        token=raw["OPENSANDBOX_EGRESS_TOKEN"] or None,
-        rules=raw["OPENSANDBOX_EGRESS_RULES"],
-        policy_file=Path(policy_file) if policy_file else None,
-        mode=mode,
+    )
+
+
+def _caps(raw: Raw) -> _Caps:
+    return _Caps(
         max_rules=_int("OPENSANDBOX_EGRESS_MAX_RULES", raw["OPENSANDBOX_EGRESS_MAX_RULES"], 0, 10_000_000),
         max_leases=_int(
             "EGRESSD_MAX_LEASES_PER_SUBJECT", raw["EGRESSD_MAX_LEASES_PER_SUBJECT"] or "4096", 1, 1_000_000
@@ -583,22 +708,19 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         vault_max_bindings=_int(
             "EGRESSD_VAULT_MAX_BINDINGS", raw["EGRESSD_VAULT_MAX_BINDINGS"] or "256", 1, 100_000
         ),
+    )
+
+
+def _host(raw: Raw, table: str, log_format: str) -> _Host:
+    """What the daemon keeps on this host: its table, its directories, its logs."""
+    vault_dir = raw["EGRESSD_VAULT_KEYS_DIR"]
+    return _Host(
         nft_table=table,
         always_rules_dir=Path(raw["EGRESSD_ALWAYS_RULES_DIR"] or "/var/egress/rules"),
         vault_keys_dir=Path(vault_dir) if vault_dir else None,
         log_format=log_format,
         allow_bridge_bypass=_bool("EGRESSD_ALLOW_BRIDGE_BYPASS", raw["EGRESSD_ALLOW_BRIDGE_BYPASS"]),
         sidecar_keep_table=_bool("EGRESSD_SIDECAR_KEEP_TABLE", raw["EGRESSD_SIDECAR_KEEP_TABLE"]),
-        uid_ports=_uid_ports(
-            raw,
-            {
-                "OPENSANDBOX_EGRESS_HTTP_ADDR": http_port,
-                "EGRESSD_DNS_ADDR": dns_port,
-                "OPENSANDBOX_EGRESS_MITMPROXY_PORT": mitm_port,
-            }
-            if profile == "fleet"
-            else {},
-        ),
     )
 
 

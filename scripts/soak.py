@@ -43,6 +43,7 @@ import os
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -567,83 +568,116 @@ def run(args: argparse.Namespace) -> int:
     cleanup_stale()
     root_before = _root_snapshot()
     topo = Topology(prefix=f"egsoak{os.getpid()}", sandboxes=args.netns)
-    rows: list[dict[str, float]] = []
-    result: dict[str, Any] = {}
     try:
-        t_build = time.monotonic()
-        topo.up_()
-        log(f"topology up: {args.netns} sandbox namespaces in {time.monotonic() - t_build:.1f} s")
-        daemon = Daemon(topo, table=TABLE, port=HTTP_PORT).start()
-        assert daemon.proc is not None
-        pid = daemon.proc.pid
-        cfg_path = topo.workdir / "load.json"
-        cfg = {
-            "pod": topo.pod,
-            "outer_netns": _ns_inode("/proc/self/ns/net"),
-            "port": HTTP_PORT,
-            "subjects": args.subjects,
-            "sandbox_netns": [topo.sb(i) for i in range(1, args.netns + 1)],
-            "rate": args.rate,
-            "actions": round(duration * args.rate),
-            "dns_rate": args.dns_rate,
-            "dns_queries": round(duration * args.dns_rate),
-            "duration": duration,
-            "progress": str(topo.workdir / "progress.json"),
-            "started": str(topo.workdir / "started.json"),
-            "result": str(topo.workdir / "result.json"),
-        }
-        cfg_path.write_text(json.dumps(cfg))
-        load = topo.spawn(
-            topo.pod,
-            str(VENV_PY),
-            str(Path(__file__).resolve()),
-            "--load",
-            str(cfg_path),
-            log=topo.workdir / "load.log",
-        )
-        started = Path(str(cfg["started"]))
-        deadline = time.monotonic() + 180  # 64 registrations take seconds; a busy host, more
-        while not started.exists():
-            if load.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("load did not start: " + (topo.workdir / "load.log").read_text()[-2000:])
-            time.sleep(0.2)
-        log(f"{args.subjects} subjects active; daemon pid {pid}; soaking {duration:.0f} s")
-        t0 = time.monotonic()
-        n_samples = int(duration // args.interval) + 1
-        for k in range(n_samples):
-            due = t0 + k * args.interval
-            time.sleep(max(0.0, due - time.monotonic()))
-            if daemon.proc.poll() is not None:
-                raise RuntimeError(f"egressd exited {daemon.proc.returncode}: {daemon.log_text()[-2000:]}")
-            row: dict[str, float] = {"t": round(time.monotonic() - t0, 2), **sample(topo, daemon, pid)}
-            progress = Path(str(cfg["progress"]))
-            with contextlib.suppress(OSError, ValueError):
-                row.update({key: float(v) for key, v in json.loads(progress.read_text()).items()})
-            rows.append(row)
-            log(
-                f"t={row['t']:.0f}s rss={row['rss_kib'] / 1024:.1f}MiB fds={row['fds']:.0f} "
-                f"rules={row['nft_rules']:.0f} sets={row['nft_sets']:.0f} elems={row['nft_elements']:.0f} "
-                f"ct={row['conntrack']:.0f} thr={row['threads']:.0f} ch={row['children']:.0f} actions={row.get('actions_sent', 0):.0f} "
-                f"failed={row.get('actions_failed', 0):.0f} dns={row.get('dns_sent', 0):.0f}"
-            )
-        try:
-            load.wait(duration * 0.5 + 90)  # its own deadline is 1.5 x duration + 60 from start
-        except Exception as e:
-            raise RuntimeError("load did not finish") from e
-        result_path = Path(str(cfg["result"]))
-        if load.returncode != 0 or not result_path.exists():
-            raise RuntimeError(
-                f"load exited {load.returncode}: {(topo.workdir / 'load.log').read_text()[-2000:]}"
-            )
-        result = json.loads(result_path.read_text())
-        daemon_errors = [ln for ln in daemon.log_text().splitlines() if '"error"' in ln or "Traceback" in ln]
+        rows, result, daemon_errors = _soak(args, topo, duration)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)  # let the teardown finish
         topo.down()
         if _root_snapshot() != root_before:
             log("WARNING: the root namespace's tables or routes changed during the run (another job?)")
+    return _verdict(args, rows, result, daemon_errors, warmup, date, prefix)
 
+
+def _soak(
+    args: argparse.Namespace, topo: Topology, duration: float
+) -> tuple[list[dict[str, float]], dict[str, Any], list[str]]:
+    """Start egressd and the load, sample until the load is done: (samples, the load's result,
+    the daemon's error lines)."""
+    t_build = time.monotonic()
+    topo.up_()
+    log(f"topology up: {args.netns} sandbox namespaces in {time.monotonic() - t_build:.1f} s")
+    daemon = Daemon(topo, table=TABLE, port=HTTP_PORT).start()
+    assert daemon.proc is not None
+    cfg = {
+        "pod": topo.pod,
+        "outer_netns": _ns_inode("/proc/self/ns/net"),
+        "port": HTTP_PORT,
+        "subjects": args.subjects,
+        "sandbox_netns": [topo.sb(i) for i in range(1, args.netns + 1)],
+        "rate": args.rate,
+        "actions": round(duration * args.rate),
+        "dns_rate": args.dns_rate,
+        "dns_queries": round(duration * args.dns_rate),
+        "duration": duration,
+        "progress": str(topo.workdir / "progress.json"),
+        "started": str(topo.workdir / "started.json"),
+        "result": str(topo.workdir / "result.json"),
+    }
+    load = _start_load(topo, cfg)
+    log(f"{args.subjects} subjects active; daemon pid {daemon.proc.pid}; soaking {duration:.0f} s")
+    rows = _sample_loop(topo, daemon, Path(str(cfg["progress"])), duration, args.interval)
+    try:
+        load.wait(duration * 0.5 + 90)  # its own deadline is 1.5 x duration + 60 from start
+    except Exception as e:
+        raise RuntimeError("load did not finish") from e
+    result_path = Path(str(cfg["result"]))
+    if load.returncode != 0 or not result_path.exists():
+        raise RuntimeError(
+            f"load exited {load.returncode}: {(topo.workdir / 'load.log').read_text()[-2000:]}"
+        )
+    result = json.loads(result_path.read_text())
+    daemon_errors = [ln for ln in daemon.log_text().splitlines() if '"error"' in ln or "Traceback" in ln]
+    return rows, result, daemon_errors
+
+
+def _start_load(topo: Topology, cfg: dict[str, Any]) -> subprocess.Popen[str]:
+    """The load process in the pod namespace, once it has registered every subject."""
+    cfg_path = topo.workdir / "load.json"
+    cfg_path.write_text(json.dumps(cfg))
+    load = topo.spawn(
+        topo.pod,
+        str(VENV_PY),
+        str(Path(__file__).resolve()),
+        "--load",
+        str(cfg_path),
+        log=topo.workdir / "load.log",
+    )
+    started = Path(str(cfg["started"]))
+    deadline = time.monotonic() + 180  # 64 registrations take seconds; a busy host, more
+    while not started.exists():
+        if load.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("load did not start: " + (topo.workdir / "load.log").read_text()[-2000:])
+        time.sleep(0.2)
+    return load
+
+
+def _sample_loop(
+    topo: Topology, daemon: Daemon, progress: Path, duration: float, interval: float
+) -> list[dict[str, float]]:
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    rows: list[dict[str, float]] = []
+    t0 = time.monotonic()
+    n_samples = int(duration // interval) + 1
+    for k in range(n_samples):
+        due = t0 + k * interval
+        time.sleep(max(0.0, due - time.monotonic()))
+        if daemon.proc.poll() is not None:
+            raise RuntimeError(f"egressd exited {daemon.proc.returncode}: {daemon.log_text()[-2000:]}")
+        row: dict[str, float] = {"t": round(time.monotonic() - t0, 2), **sample(topo, daemon, pid)}
+        with contextlib.suppress(OSError, ValueError):
+            row.update({key: float(v) for key, v in json.loads(progress.read_text()).items()})
+        rows.append(row)
+        log(
+            f"t={row['t']:.0f}s rss={row['rss_kib'] / 1024:.1f}MiB fds={row['fds']:.0f} "
+            f"rules={row['nft_rules']:.0f} sets={row['nft_sets']:.0f} elems={row['nft_elements']:.0f} "
+            f"ct={row['conntrack']:.0f} thr={row['threads']:.0f} ch={row['children']:.0f} actions={row.get('actions_sent', 0):.0f} "
+            f"failed={row.get('actions_failed', 0):.0f} dns={row.get('dns_sent', 0):.0f}"
+        )
+    return rows
+
+
+def _verdict(
+    args: argparse.Namespace,
+    rows: list[dict[str, float]],
+    result: dict[str, Any],
+    daemon_errors: list[str],
+    warmup: float,
+    date: str,
+    prefix: Path,
+) -> int:
+    """Fit, judge and write the CSV, the plot and the text report; 0 = PASS."""
     verdicts = judge(rows, warmup)
     failed = int(result["actions_failed"]) + (int(result["actions_planned"]) - int(result["actions_sent"]))
     ok = failed == 0 and all(v.ok for v in verdicts)

@@ -807,6 +807,19 @@ class Storm:
             kind = "register" if absent else "update"
         if kind == "dns":
             return "dns"
+        if kind.startswith("register"):
+            return self._register_requests(kind, absent)
+        if kind == "vault_put":
+            # Mostly a subject whose policy can cover the binding (else 400 every time).
+            covered = [u for u in registered if (c := m.coverage(m.subs[u])) is not None and c.covers_api]
+            if covered and self.rng.random() < 0.7:
+                registered = covered
+        uid = self.rng.choice(registered)
+        return self._subject_requests(kind, uid, m.subs[uid])
+
+    def _register_requests(self, kind: str, absent: list[str]) -> list[Request] | str:
+        """A SET_BINDING for a new uid; for ``register_cached_vault`` after a vault push."""
+        m = self.model
         if kind == "register":
             uid = self.rng.choice(absent)
             # Mostly a free address; sometimes a taken one (409, §2 PROPOSED).
@@ -815,25 +828,20 @@ class Storm:
             return [
                 self.set_request(kind, uid, self._next("r"), "a1", addr, self._cidr(addr), self._policy())
             ]
-        if kind == "register_cached_vault":
-            uid = self.rng.choice(absent)
-            free = [a for a in ADDRS if not m.conflict(uid, a)]
-            if not free:
-                return "dns"
-            addr = self.rng.choice(free)
-            key = self.rng.choice(["api", "wild", "cidr"])
-            put = self.vault_request("cached vault PUT", "PUT", uid, self.rng.choice(VAULT_KEYS))
-            return [
-                put,
-                self.set_request("register after cached push", uid, self._next("r"), "a1", addr, None, key),
-            ]
-        if kind == "vault_put":
-            # Mostly a subject whose policy can cover the binding (else 400 every time).
-            covered = [u for u in registered if (c := m.coverage(m.subs[u])) is not None and c.covers_api]
-            if covered and self.rng.random() < 0.7:
-                registered = covered
-        uid = self.rng.choice(registered)
-        s = m.subs[uid]
+        uid = self.rng.choice(absent)
+        free = [a for a in ADDRS if not m.conflict(uid, a)]
+        if not free:
+            return "dns"
+        addr = self.rng.choice(free)
+        key = self.rng.choice(["api", "wild", "cidr"])
+        put = self.vault_request("cached vault PUT", "PUT", uid, self.rng.choice(VAULT_KEYS))
+        return [
+            put,
+            self.set_request("register after cached push", uid, self._next("r"), "a1", addr, None, key),
+        ]
+
+    def _subject_requests(self, kind: str, uid: str, s: Sub) -> list[Request]:
+        """The requests of one action on the registered subject ``uid``."""
         if kind == "activate":
             name = DPR if self.rng.random() < 0.75 else RR
             return [self.hook_request(f"hook {name}", uid, s.rid, s.aid, name)]
@@ -911,7 +919,15 @@ class Storm:
     def compare(self, when: str) -> None:
         k = self.kernel()
         self.tally.comparisons += 1
-        subs = self.model.subs
+        self._compare_header(k, when)
+        self._compare_objects(k, when)
+        for fam in ("v4", "v6"):
+            self._compare_table_wide(k, when, fam)
+        self._compare_subjects(k, when)
+        if "subj" in self.templates and [r.count('"drop"') for r in self.templates["subj"]] != [1, 1]:
+            self.tally.note("missing_denies", "a subject chain does not hold exactly its two deny-set drops")
+
+    def _compare_header(self, k: Kernel, when: str) -> None:
         note = self.tally.note
         if self.header_rules is None:
             self.header_rules = {c: k.rules.get(c, []) for c in HEADER_CHAINS}
@@ -923,9 +939,11 @@ class Storm:
                 note("missing_denies", "header sandbox_in chain does not end with a drop")
         elif {c: k.rules.get(c, []) for c in HEADER_CHAINS} != self.header_rules:
             note("missing_denies", f"{when}: header rules changed")
-        # objects: expected per registered subject, nothing else
+
+    def _compare_objects(self, k: Kernel, when: str) -> None:
+        """Objects: the expected ones per registered subject, nothing else."""
         expected_names = self.header_sets | HEADER_CHAINS
-        for s in subs.values():
+        for s in self.model.subs.values():
             expected_names |= {f"subj_{s.nid}_{kind}" for kind in SUBJECT_SET_KINDS}
             expected_names |= {f"subj_{s.nid}", f"mark_{s.nid}"} | (
                 {f"subj_{s.nid}_in"} if self.mitm else set()
@@ -933,44 +951,45 @@ class Storm:
             expected_names |= {f"subj_{s.nid}_audit_deny", f"subj_{s.nid}_audit_default"}
         have = k.names()
         for name in sorted(have - expected_names):
-            note("leaked_objects", f"{when}: {name}")
+            self.tally.note("leaked_objects", f"{when}: {name}")
         for name in sorted(expected_names - have):
-            note("missing_denies", f"{when}: missing object {name}")
-        # table-wide maps and sets
-        for fam in ("v4", "v6"):
-            mine = [s for s in subs.values() if (":" in s.addr.ip) == (fam == "v6")]
-            want_disp = {s.addr.ip: f"subj_{s.nid}" for s in mine}
-            want_mark = {s.addr.ip: f"mark_{s.nid}" for s in mine}
-            keyed = [(f"dispatch_{fam}", want_disp), (f"marking_{fam}", want_mark)]
-            if self.mitm:
-                keyed.append((f"mitm_in_{fam}", {s.addr.ip: f"subj_{s.nid}_in" for s in mine}))
-                self._set_diff(when, f"mitm_src_{fam}", k, {s.addr.ip for s in mine}, deny=False)
-            for mname, want in keyed:
-                got = k.maps.get(mname, {})
-                for ip, target in got.items():
-                    if want.get(ip) != target:
-                        note("stale_allows", f"{when}: {mname} {ip} -> {target}, model {want.get(ip)}")
-                for ip, target in want.items():
-                    if ip not in got:
-                        owner = self.model.owner_of_ip(ip)
-                        cat = (
-                            "missing_denies"
-                            if owner is not None and owner.state == "denying"
-                            else "mismatches"
-                        )
-                        note(cat, f"{when}: {mname} lacks {ip} -> {target}")
-            self._set_diff(when, f"sandboxes_{fam}", k, {s.addr.ip for s in mine}, deny=True)
-            gws = {s.addr.gw for s in subs.values() if (":" in s.addr.gw) == (fam == "v6")}
-            self._set_diff(when, f"dns_gw_{fam}", k, gws, deny=False)
-            nets = [
-                ipaddress.ip_network(s.cidr)
-                for s in subs.values()
-                if s.cidr and (":" in s.cidr) == (fam == "v6")
-            ]
-            want_nets = {_net_text(n) for n in ipaddress.collapse_addresses(nets)}  # type: ignore[type-var]
-            self._set_diff(when, f"sandbox_nets_{fam}", k, want_nets, deny=True)
-        # per subject: set contents and fixed rules
-        for s in subs.values():
+            self.tally.note("missing_denies", f"{when}: missing object {name}")
+
+    def _compare_table_wide(self, k: Kernel, when: str, fam: str) -> None:
+        """The table-wide maps and sets of one family."""
+        subs = self.model.subs
+        mine = [s for s in subs.values() if (":" in s.addr.ip) == (fam == "v6")]
+        want_disp = {s.addr.ip: f"subj_{s.nid}" for s in mine}
+        want_mark = {s.addr.ip: f"mark_{s.nid}" for s in mine}
+        keyed = [(f"dispatch_{fam}", want_disp), (f"marking_{fam}", want_mark)]
+        if self.mitm:
+            keyed.append((f"mitm_in_{fam}", {s.addr.ip: f"subj_{s.nid}_in" for s in mine}))
+            self._set_diff(when, f"mitm_src_{fam}", k, {s.addr.ip for s in mine}, deny=False)
+        for mname, want in keyed:
+            self._map_diff(when, mname, k.maps.get(mname, {}), want)
+        self._set_diff(when, f"sandboxes_{fam}", k, {s.addr.ip for s in mine}, deny=True)
+        gws = {s.addr.gw for s in subs.values() if (":" in s.addr.gw) == (fam == "v6")}
+        self._set_diff(when, f"dns_gw_{fam}", k, gws, deny=False)
+        nets = [
+            ipaddress.ip_network(s.cidr) for s in subs.values() if s.cidr and (":" in s.cidr) == (fam == "v6")
+        ]
+        want_nets = {_net_text(n) for n in ipaddress.collapse_addresses(nets)}  # type: ignore[type-var]
+        self._set_diff(when, f"sandbox_nets_{fam}", k, want_nets, deny=True)
+
+    def _map_diff(self, when: str, mname: str, got: dict[str, str], want: dict[str, str]) -> None:
+        note = self.tally.note
+        for ip, target in got.items():
+            if want.get(ip) != target:
+                note("stale_allows", f"{when}: {mname} {ip} -> {target}, model {want.get(ip)}")
+        for ip, target in want.items():
+            if ip not in got:
+                owner = self.model.owner_of_ip(ip)
+                cat = "missing_denies" if owner is not None and owner.state == "denying" else "mismatches"
+                note(cat, f"{when}: {mname} lacks {ip} -> {target}")
+
+    def _compare_subjects(self, k: Kernel, when: str) -> None:
+        """Per subject: set contents and fixed rules."""
+        for s in self.model.subs.values():
             p = POLICIES[s.policy] if s.state == "active" and s.policy is not None else None
             for kind in SUBJECT_SET_KINDS:
                 name = f"subj_{s.nid}_{kind}"
@@ -980,23 +999,28 @@ class Storm:
                     allowed = set(s.leases) if p is not None else set()
                     fam6 = kind.endswith("v6")
                     for e in sorted(k.sets[name] - {a for a in allowed if (":" in a) == fam6}):
-                        note("stale_allows", f"{when}: {name} holds {e} (no still-allowed name taught it)")
+                        self.tally.note(
+                            "stale_allows", f"{when}: {name} holds {e} (no still-allowed name taught it)"
+                        )
                     continue
                 contents = p.sets.get(kind, frozenset()) if p is not None else frozenset()
                 self._set_diff(when, name, k, set(contents), deny=kind.split("_")[0] in ("deny", "wdeny"))
-            chains = [(f"subj_{s.nid}", "subj"), (f"mark_{s.nid}", "mark")]
-            if self.mitm:
-                chains.append((f"subj_{s.nid}_in", "in"))
-            for chain, tkey in chains:
-                if chain not in k.chains:
-                    continue
-                # The nft id appears in set, counter and log-prefix names; the rest is the same.
-                rules = [r.replace(s.nid, "ID") for r in k.rules.get(chain, [])]
-                template = self.templates.setdefault(tkey, rules)
-                if rules != template:
-                    note("missing_denies", f"{when}: rules of {chain} differ from every other subject's")
-        if "subj" in self.templates and [r.count('"drop"') for r in self.templates["subj"]] != [1, 1]:
-            note("missing_denies", "a subject chain does not hold exactly its two deny-set drops")
+            self._compare_rules(k, when, s)
+
+    def _compare_rules(self, k: Kernel, when: str, s: Sub) -> None:
+        chains = [(f"subj_{s.nid}", "subj"), (f"mark_{s.nid}", "mark")]
+        if self.mitm:
+            chains.append((f"subj_{s.nid}_in", "in"))
+        for chain, tkey in chains:
+            if chain not in k.chains:
+                continue
+            # The nft id appears in set, counter and log-prefix names; the rest is the same.
+            rules = [r.replace(s.nid, "ID") for r in k.rules.get(chain, [])]
+            template = self.templates.setdefault(tkey, rules)
+            if rules != template:
+                self.tally.note(
+                    "missing_denies", f"{when}: rules of {chain} differ from every other subject's"
+                )
 
     def _set_diff(self, when: str, name: str, k: Kernel, want: set[str], *, deny: bool) -> None:
         got = k.sets.get(name)
@@ -1142,51 +1166,11 @@ class Storm:
         cleanup_stale()
         self.topo = Topology(prefix=f"egs{os.getpid()}", sandboxes=4).up_()
         try:
-            env: dict[str, str] = {}
-            if self.mitm:
-                w = self.topo.workdir
-                env = {
-                    "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT": "1",
-                    "OPENSANDBOX_EGRESS_MITMPROXY_PORT": str(self.args.port + 1),
-                    "OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR": str(self.topo.tls_dir / "trust"),
-                    "EGRESSD_MITM_CONFDIR": str(w / "mitm-conf"),
-                    "OPENSANDBOX_CREDENTIAL_PROXY_SOCKET": str(w / "mitm-run" / "active.sock"),
-                    "EGRESSD_MITM_WORKERS": "1",
-                }
-            self.daemon = Daemon(self.topo, table=TABLE, port=self.args.port, env=env)
+            self.daemon = Daemon(self.topo, table=TABLE, port=self.args.port, env=self._daemon_env())
             self.http = PodHTTP(self.topo.pod, self.args.port)
             self.start_daemon()
             self.check_header_only()
-            n, kills = self.args.actions, self.args.kills
-            points = set(self.rng.sample(range(1, n), min(kills, n - 1))) if kills else set()
-            inflight_points = {p for p in points if self.rng.random() < self.args.inflight}
-            started = time.monotonic()
-            for i in range(n):
-                if time.monotonic() > self.deadline:
-                    raise TimeoutError(f"storm exceeded --max-seconds at action {i}")
-                reqs = self.random_requests()
-                self.tally.actions += 1
-                if i in inflight_points and isinstance(reqs, list):
-                    self.kill(reqs)
-                    continue
-                if isinstance(reqs, list):
-                    for req in reqs:
-                        self.send(req)
-                else:
-                    self.dns_query()
-                if i in points:
-                    self.kill(None)
-                    continue
-                if i == self.args.inject_at and self.args.inject:
-                    self.inject(self.args.inject)
-                    self.compare(f"after injecting {self.args.inject}")
-                if self.args.check_every and i % self.args.check_every == 0:
-                    self.compare(f"after action {i}")
-                if self.args.verbose and i % 100 == 0:
-                    print(
-                        f"storm: {i}/{n} actions, {self.tally.kills} kills, {time.monotonic() - started:.0f}s",
-                        flush=True,
-                    )
+            self._storm()
             self.compare("at the end")
         except BaseException:
             if self.daemon is not None:
@@ -1198,6 +1182,56 @@ class Storm:
             if self.daemon is not None and self.daemon.proc is not None:
                 self.daemon.kill(signal.SIGTERM)
             self.topo.down()
+
+    def _daemon_env(self) -> dict[str, str]:
+        if not self.mitm:
+            return {}
+        assert self.topo is not None
+        w = self.topo.workdir
+        return {
+            "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT": "1",
+            "OPENSANDBOX_EGRESS_MITMPROXY_PORT": str(self.args.port + 1),
+            "OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR": str(self.topo.tls_dir / "trust"),
+            "EGRESSD_MITM_CONFDIR": str(w / "mitm-conf"),
+            "OPENSANDBOX_CREDENTIAL_PROXY_SOCKET": str(w / "mitm-run" / "active.sock"),
+            "EGRESSD_MITM_WORKERS": "1",
+        }
+
+    def _storm(self) -> None:
+        """The random actions, with the kills (some in flight) at random points among them."""
+        n, kills = self.args.actions, self.args.kills
+        points = set(self.rng.sample(range(1, n), min(kills, n - 1))) if kills else set()
+        inflight_points = {p for p in points if self.rng.random() < self.args.inflight}
+        started = time.monotonic()
+        for i in range(n):
+            if time.monotonic() > self.deadline:
+                raise TimeoutError(f"storm exceeded --max-seconds at action {i}")
+            reqs = self.random_requests()
+            self.tally.actions += 1
+            if i in inflight_points and isinstance(reqs, list):
+                self.kill(reqs)
+                continue
+            if isinstance(reqs, list):
+                for req in reqs:
+                    self.send(req)
+            else:
+                self.dns_query()
+            if i in points:
+                self.kill(None)
+                continue
+            self._after_action(i)
+            if self.args.verbose and i % 100 == 0:
+                print(
+                    f"storm: {i}/{n} actions, {self.tally.kills} kills, {time.monotonic() - started:.0f}s",
+                    flush=True,
+                )
+
+    def _after_action(self, i: int) -> None:
+        if i == self.args.inject_at and self.args.inject:
+            self.inject(self.args.inject)
+            self.compare(f"after injecting {self.args.inject}")
+        if self.args.check_every and i % self.args.check_every == 0:
+            self.compare(f"after action {i}")
 
 
 def _is_ip(text: str) -> bool:

@@ -1,4 +1,5 @@
-"""Decoding of ``binding.input``: a bare policy (§5) or the ``osbEgressInput`` wrapper (§11).
+"""Decoding of a SET_BINDING: ``binding.input``, a bare policy (§5) or the ``osbEgressInput``
+wrapper (§11), and the attachment's dispatch key.
 
 Everything is decided here, before any mutation, in the order of §11: wrapper JSON -> policy
 (400) -> AEAD open (400, never 500) -> §6 validation against the wrapper's policy plus the
@@ -8,9 +9,11 @@ always-rules (400). Reasons never contain input content, ciphertext or plaintext
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from dataclasses import dataclass, field
 
+from egressd.actionhandler.envelope import SetBinding
 from egressd.policy import (
     EMPTY_ALWAYS,
     AlwaysRules,
@@ -21,8 +24,12 @@ from egressd.policy import (
     parse_policy_obj,
     rule_cap_problem,
 )
+from egressd.subject.model import IPAddress
+from egressd.subject.registry import Binding, SetBindingRequest
 from egressd.vault.model import DEFAULT_LIMITS, VaultContent, VaultError, VaultLimits, parse_create
+from egressd.vault.offload import off_loop
 from egressd.vault.sealed import (
+    WRAPPER_MARKER,
     KeyStore,
     SealError,
     decode_vault_plaintext,
@@ -85,6 +92,62 @@ def parse_binding_input(
         raise InputError(f"invalid policy: {exc.without_input()}") from None
     _check_cap(policy, max_rules)
     return BindingInput(policy)
+
+
+class BadRequest(ValueError):
+    """A SET_BINDING that cannot be used; ``str()`` is the whole 400 reason (never input content)."""
+
+
+async def read_set_binding(
+    action: SetBinding,
+    *,
+    keys: KeyStore | None,
+    always: AlwaysRules,
+    max_rules: int,
+    limits: VaultLimits,
+) -> tuple[SetBindingRequest, BindingInput | None]:
+    """A SET_BINDING's input and attachment, decided before anything changes (§3 step 1): a
+    400 never changes anything. Raises :class:`BadRequest`.
+
+    A due key-directory rescan runs in a thread, not on the loop that serves DNS (the lookup
+    inside then finds it done; §11, at most one scan a second). A sealed vault (decryption,
+    up to 1 MiB of validation) is parsed in the vault worker (14.7); a bare policy stays on
+    the loop, so a busy vault worker never delays it.
+    """
+    parsed: BindingInput | None = None
+    if action.input is not None:
+        if keys is not None:
+            await keys.refresh_async()
+        parse = functools.partial(
+            parse_binding_input,
+            action.input,
+            uid=action.uid,
+            keys=keys,
+            always=always,
+            max_rules=max_rules,
+            limits=limits,
+        )
+        try:
+            parsed = await off_loop(parse) if WRAPPER_MARKER in action.input else parse()
+        except InputError as exc:
+            raise BadRequest(f"invalid binding input: {exc}") from None
+    binding = None
+    if (att := action.attachment) is not None:
+        problem = _dispatch_key_problem(att.ip, att.gateway)
+        if problem is not None:
+            raise BadRequest(f"invalid action envelope: {problem}")
+        binding = Binding(att.ip, att.gateway, att.private_cidr)
+    policy = parsed.policy if parsed is not None else None
+    return SetBindingRequest(action.uid, action.fence, action.spec_generation, binding, policy), parsed
+
+
+def _dispatch_key_problem(ip: IPAddress, gateway: IPAddress | None) -> str | None:
+    """A source IP that cannot identify one sandbox would dispatch someone else's traffic."""
+    if ip.is_unspecified or ip.is_loopback or ip.is_multicast or ip.is_link_local:
+        return f"attachment.network.ip {ip} cannot identify a sandbox"
+    if gateway is not None and gateway == ip:
+        return "attachment.network.gateway equals the sandbox ip"
+    return None
 
 
 def _check_cap(policy: NetworkPolicy, max_rules: int) -> None:

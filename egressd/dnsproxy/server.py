@@ -9,9 +9,8 @@ import ipaddress
 import socket
 import struct
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import structlog
 from dnslib import QTYPE, RCODE, DNSRecord
@@ -31,7 +30,7 @@ from egressd.dnsproxy.forwarder import Forwarder
 from egressd.metrics import EgressMetrics
 from egressd.policy import NetworkPolicy, evidence, new_decision_id
 from egressd.policy.audit import safe_token
-from egressd.subject.model import Fence, IPAddress, unmap_ip
+from egressd.subject.model import Fence, IPAddress, subject_for_uid, unmap_ip
 
 log = structlog.get_logger("egressd.dns")
 
@@ -63,27 +62,29 @@ class PortAsker:
     asker: Callable[[], Asker | None] = field(compare=False)
 
 
-class Policies(Protocol):
-    def asker(self, source_ip: IPAddress) -> Asker | None: ...
-
-    async def learn(
-        self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
-    ) -> Collection[IPAddress]:
-        """Put the answer's addresses into the asker's dyn sets; return those the kernel holds."""
-        ...
+#: Who is asking: the subject behind a source IP (None: an unknown source, refused).
+AskerLookup = Callable[[IPAddress], Asker | None]
+#: The DNS-to-kernel callback, called with (uid, fence, [(address, lease seconds)], question
+#: name) before an answer is sent: puts the addresses into the asker's dyn sets and returns
+#: those the kernel now holds (the reply carries only these, BEHAVIOUR 14.4).
+OnResolved = Callable[[str, Fence, list[tuple[IPAddress, int]], str | None], Awaitable[Collection[IPAddress]]]
 
 
 class DnsProxy:
     def __init__(
         self,
-        policies: Policies,
+        asker: AskerLookup,
         forwarder: Forwarder,
         metrics: EgressMetrics | None = None,
         *,
+        on_resolved: OnResolved,
         lease_bounds: tuple[int, int] = (60, 360),
         budget: QueryBudget | None = None,
     ) -> None:
-        self.policies = policies
+        # Two callables from the composition root, not the control plane: the proxy knows
+        # nothing of registries or kernels (the reference's proxy.SetOnResolved).
+        self.asker = asker
+        self.on_resolved = on_resolved
         self.forwarder = forwarder
         self.metrics = metrics
         self.lease_bounds = lease_bounds
@@ -137,17 +138,11 @@ class DnsProxy:
         The asker is the subject behind the source address, or with ``by_port`` the subject
         the listener's port belongs to."""
         start = time.perf_counter()
-        try:
-            query = DNSRecord.parse(data)
-        except Exception:
+        parsed = _parse_query(data, client)
+        if parsed is None:
             return None
-        if query.header.qr:
-            return None  # a response, not a query
-        try:
-            ip = unmap_ip(ipaddress.ip_address(client.split("%", 1)[0]))
-        except ValueError:
-            return None
-        asker = self.policies.asker(ip) if by_port is None else by_port.asker()
+        query, ip = parsed
+        asker = self.asker(ip) if by_port is None else by_port.asker()
         had_edns = any(rr.rtype == QTYPE.OPT for rr in query.ar)
         # BEHAVIOUR 14.3: the budget is charged before anything else is looked at, so every
         # parsed message costs a token, a refused or denied one too.
@@ -155,49 +150,61 @@ class DnsProxy:
             return self._over_budget(query, ip, asker, had_edns, tcp, start)
         decision = decide(query, asker.policy if asker else None, known_source=asker is not None)
         if decision.action is not Action.FORWARD:
-            text = self._record(decision, ip, asker)
-            reply = refusal(query, decision.action)
-            if had_edns and decision.action is Action.NXDOMAIN:
-                attach_ede(reply, INFO_BLOCKED, text)
-            elif had_edns and decision.action is Action.REFUSED:
-                attach_ede(reply, INFO_NOT_SUPPORTED, text)
-            return self._finish(reply, query, tcp, start)
+            return self._refuse(decision, query, ip, asker, had_edns, tcp, start)
         assert asker is not None
         # Audit: the name is answered, but NOT learned into the dyn sets. The audit rules of the
         # subject's chain pass (and count) the flow at the IP layer, and leaving audit closes it
         # at once: no lease of a would-deny name outlives the audit mode.
         audit_text = self._record(decision, ip, asker) if decision.would_deny else None
+        return await self._forward(query, decision, asker, audit_text, had_edns, tcp, start)
+
+    def _refuse(
+        self,
+        decision: Decision,
+        query: DNSRecord,
+        ip: IPAddress,
+        asker: Asker | None,
+        had_edns: bool,
+        tcp: bool,
+        start: float,
+    ) -> bytes:
+        """NXDOMAIN or REFUSED for a denied name, with the denial's evidence as EDE."""
+        text = self._record(decision, ip, asker)
+        reply = refusal(query, decision.action)
+        if had_edns and decision.action is Action.NXDOMAIN:
+            attach_ede(reply, INFO_BLOCKED, text)
+        elif had_edns and decision.action is Action.REFUSED:
+            attach_ede(reply, INFO_NOT_SUPPORTED, text)
+        return self._finish(reply, query, tcp, start)
+
+    async def _forward(
+        self,
+        query: DNSRecord,
+        decision: Decision,
+        asker: Asker,
+        audit_text: str | None,
+        had_edns: bool,
+        tcp: bool,
+        start: float,
+    ) -> bytes:
+        """Ask upstream, learn the answer's addresses (unless auditing), then reply."""
         limit = _udp_limit(query)  # the client's own limit, before we add EDNS for the upstream
         forwarded = await self.forwarder.forward(with_edns(query), tcp=tcp)
         if forwarded.reply is None:
             if self.metrics:
                 self.metrics.dns_failed.inc(forwarded.failure)
-            servfail = query.reply()
-            servfail.header.rcode = RCODE.SERVFAIL
-            return self._finish(servfail, query, tcp, start, limit)
+            return self._servfail(query, tcp, start, limit)
         reply = forwarded.reply
         addresses = answer_addresses(reply) if audit_text is None else []
         trimmed = False
         if addresses:
-            lo, hi = self.lease_bounds
-            leases = [(addr, lease_seconds(ttl, lo, hi)) for addr, ttl in addresses]
-            learned: Collection[IPAddress] = ()
-            try:
-                # The kernel must know the addresses before the client can try to connect.
-                learned = await asyncio.wait_for(
-                    self.policies.learn(asker.uid, asker.fence, leases, decision.name), _LEARN_TIMEOUT_S
-                )
-            except Exception as exc:
-                # Counted by the kernel shell (egress_nftables_updates_failed_total{dynamic_add}).
-                log.warning("dns.learn_failed", subject=f"s-{asker.uid}", error=str(exc)[:200])
+            learned = await self._learn(asker, decision.name, addresses)
             if not learned:
                 # Nothing of the answer is in the kernel (cap full, refused, or the policy
                 # changed meanwhile): an answer the client could not use is not sent (14.4).
                 if self.metrics:
                     self.metrics.dns_failed.inc("not_learned")
-                servfail = query.reply()
-                servfail.header.rcode = RCODE.SERVFAIL
-                return self._finish(servfail, query, tcp, start, limit)
+                return self._servfail(query, tcp, start, limit)
             trimmed = _keep_learned(reply, set(learned))
         if audit_text is not None and had_edns:
             attach_ede(reply, INFO_OTHER, audit_text)
@@ -213,6 +220,27 @@ class DnsProxy:
             reply.ar = [rr for rr in reply.ar if rr.rtype != QTYPE.OPT]
         return self._finish(reply, query, tcp, start, limit)
 
+    async def _learn(
+        self, asker: Asker, name: str | None, addresses: list[tuple[IPAddress, int]]
+    ) -> Collection[IPAddress]:
+        """The answer's addresses the kernel now holds for ``asker`` (none when learning failed)."""
+        lo, hi = self.lease_bounds
+        leases = [(addr, lease_seconds(ttl, lo, hi)) for addr, ttl in addresses]
+        try:
+            # The kernel must know the addresses before the client can try to connect.
+            return await asyncio.wait_for(
+                self.on_resolved(asker.uid, asker.fence, leases, name), _LEARN_TIMEOUT_S
+            )
+        except Exception as exc:
+            # Counted by the kernel shell (egress_nftables_updates_failed_total{dynamic_add}).
+            log.warning("dns.learn_failed", subject=subject_for_uid(asker.uid), error=str(exc)[:200])
+            return ()
+
+    def _servfail(self, query: DNSRecord, tcp: bool, start: float, limit: int) -> bytes:
+        servfail = query.reply()
+        servfail.header.rcode = RCODE.SERVFAIL
+        return self._finish(servfail, query, tcp, start, limit)
+
     def _over_budget(
         self, query: DNSRecord, ip: IPAddress, asker: Asker | None, had_edns: bool, tcp: bool, start: float
     ) -> bytes:
@@ -221,7 +249,7 @@ class DnsProxy:
         Not counted as a policy denial: the name was never judged. Unknown sources share the
         subject label ``-`` (their addresses would make the metric's cardinality theirs).
         """
-        subject = safe_token(f"s-{asker.uid}") if asker else "-"
+        subject = safe_token(subject_for_uid(asker.uid)) if asker else "-"
         decision_id = new_decision_id()
         text = evidence(decision_id, subject, "dns-budget")
         if self.metrics:
@@ -247,7 +275,7 @@ class DnsProxy:
         Returns the evidence text for the answer's EDE option: the same id, subject and rule as
         the log line and the metric's exemplar, so one grep for the id finds all three.
         """
-        subject = safe_token(f"s-{asker.uid}") if asker else "-"
+        subject = safe_token(subject_for_uid(asker.uid)) if asker else "-"
         rule = decision.rule or decision.reason
         decision_id = new_decision_id()
         text = evidence(decision_id, subject, rule)
@@ -447,6 +475,22 @@ def _keep_learned(reply: DNSRecord, learned: set[IPAddress]) -> bool:
         return False
     reply.rr = kept
     return True
+
+
+def _parse_query(data: bytes, client: str) -> tuple[DNSRecord, IPAddress] | None:
+    """The query and its source address; None for anything that is not a parseable query
+    from an IP address (answered with silence)."""
+    try:
+        query = DNSRecord.parse(data)
+    except Exception:
+        return None
+    if query.header.qr:
+        return None  # a response, not a query
+    try:
+        ip = unmap_ip(ipaddress.ip_address(client.split("%", 1)[0]))
+    except ValueError:
+        return None
+    return query, ip
 
 
 def _udp_limit(query: DNSRecord) -> int:

@@ -18,6 +18,7 @@ import structlog
 from egressd.fleetnft.builder import audit_counter_subject
 from egressd.metrics import EgressMetrics
 from egressd.policy.audit import safe_token
+from egressd.subject.model import subject_for_uid
 from egressd.subject.registry import Entry
 
 log = structlog.get_logger("egressd.audit")
@@ -77,7 +78,7 @@ class AuditEvidence:
     # ---- SubjectListener: a subject's DNS-layer series go with the subject ---------------------
 
     def _forget(self, uid: str) -> None:
-        subject = safe_token(f"s-{uid}")
+        subject = safe_token(subject_for_uid(uid))
         self.metrics.would_deny.forget(lambda labels: labels[0] != subject)
         self.metrics.dns_rate_limited.forget(lambda labels: labels[0] != subject)
 

@@ -13,12 +13,14 @@ from typing import Any
 
 import structlog
 
-from egressd.actionhandler.control import ControlPlane, SubjectListener
+from egressd.actionhandler.api import SubjectListener
+from egressd.actionhandler.control import ControlPlane
 from egressd.policy import (
     PolicyError,
     policy_mode,
     rule_cap_problem,
 )
+from egressd.subject.model import subject_for_uid
 from egressd.subject.registry import Entry, State
 from egressd.vault.model import VaultError
 from egressd.vault.pending import PendingFull
@@ -39,6 +41,7 @@ class ProxyRouteAPI(SubjectListener):
         self, control: ControlPlane, *, max_rules: int = 4096, clock: Callable[[], float] = time.monotonic
     ):
         self.control = control
+        self.credentials = control.credentials  # the vaults, their pending pushes and limits
         self.max_rules = max_rules
         self.clock = clock
         control.listeners.append(self)
@@ -66,7 +69,7 @@ class ProxyRouteAPI(SubjectListener):
         if req.resource is Resource.VAULT and method in VAULT_WRITE_METHODS and not secure_transport:
             # Refused before it is cached or parsed, like the sidecar.
             return Reply(REFUSAL_STATUS, text=REFUSAL_TEXT)
-        async with self.control.subject_lock(req.uid):
+        async with self.control.locks.hold(req.uid):
             return await self._handle_locked(method, req, body, cache=True)
 
     @staticmethod
@@ -85,7 +88,7 @@ class ProxyRouteAPI(SubjectListener):
             if not cache:
                 return Reply(404, text="sandbox not registered")
             try:
-                self.control.pending_pushes.add(
+                self.credentials.pending_pushes.add(
                     req.uid, method, req.suffix, body, req.generation, self.clock()
                 )
             except PendingFull:
@@ -109,19 +112,25 @@ class ProxyRouteAPI(SubjectListener):
             req.resource,
             req.name,
             body,
-            lambda: self.control.vaults.get(uid),
-            lambda: self.control.coverage_policy(uid),
-            self.control.vault_limits,
+            lambda: self.credentials.stores.get(uid),
+            lambda: self.credentials.coverage_policy(uid),
+            self.credentials.limits,
         )
         if store is None:
-            self.control.vaults.pop(uid, None)
+            self.credentials.stores.pop(uid, None)
         else:
-            self.control.vaults[uid] = store
+            self.credentials.stores[uid] = store
         if method != "GET":
-            self.control.vault_view_changed(uid)  # the MITM child drops its snapshot (14.9)
+            self.credentials.view_changed(uid)  # the MITM child drops its snapshot (14.9)
         if method in ("PUT", "POST", "PATCH"):
             revision = store.revision if store is not None else None
-            log.info("vault.write", subject=f"s-{uid}", method=method, code=reply.status, revision=revision)
+            log.info(
+                "vault.write",
+                subject=subject_for_uid(uid),
+                method=method,
+                code=reply.status,
+                revision=revision,
+            )
         return reply
 
     # ---- /policy (PROPOSED in §4) ----------------------------------------------------------
@@ -158,10 +167,10 @@ class ProxyRouteAPI(SubjectListener):
         if problem is not None:
             # 400 like every other fleet input refusal (BEHAVIOUR 14.5); the sidecar says 413.
             return Reply(400, text=problem)
-        store = self.control.vaults.get(entry.uid)
+        store = self.credentials.stores.get(entry.uid)
         if store is not None:
             try:
-                store.check_policy(self.control.effective(new))
+                store.check_policy(self.control.policies.effective(new))
             except VaultError as exc:
                 return Reply(400, text=f"policy change uncovers a credential binding: {exc}")
         result = await self.control.apply_user_policy_locked(entry, new)
@@ -176,11 +185,13 @@ class ProxyRouteAPI(SubjectListener):
 
     async def registered(self, entry: Entry) -> None:
         """After a successful non-null SET_BINDING: replay cached pushes in arrival order."""
-        pushes = self.control.pending_pushes.take_for_replay(entry.uid, entry.spec_generation, self.clock())
+        pushes = self.credentials.pending_pushes.take_for_replay(
+            entry.uid, entry.spec_generation, self.clock()
+        )
         for push in pushes:
             req = classify(push.suffix, {"X-Fast-Sandbox-Uid": entry.uid})
             reply = await self._handle_locked(push.method, req, push.body, cache=False)
-            log.info("pending.replayed", subject=f"s-{entry.uid}", method=push.method, code=reply.status)
+            log.info("pending.replayed", subject=entry.subject, method=push.method, code=reply.status)
 
     async def unbound(self, uid: str) -> None:
         return None

@@ -108,7 +108,12 @@ def _check_kernel(cfg: Config, tx: KernelTransactions) -> tuple[BridgeReport, Le
     """Every nft feature the ruleset uses, tried in a scratch table; then the bridges."""
     try:
         renewal = tx.run_sync(
-            lambda: run_selftest(tx._cmd, tx._batch, table_prefix=cfg.nft_table, elements=tx._set_elements)
+            lambda: run_selftest(
+                tx.run_script_sync,
+                tx.run_batch_sync,
+                table_prefix=cfg.nft_table,
+                elements=tx.set_elements_sync,
+            )
         )
     except SelfTestError as exc:
         raise StartupError(str(exc)) from None
@@ -148,9 +153,9 @@ def _control_plane(
     proxy = ProxyRouteAPI(control, max_rules=cfg.max_rules)
     audit = AuditEvidence(metrics, lambda: tx.list_counters(cfg.nft_table), lambda: list(control.registry))
     control.listeners.append(audit)
-    metrics.pending_pushes.collect_from(lambda: {(): float(control.pending_pushes.count())})
-    metrics.subjects.collect_from(control.state_counts)
-    metrics.nft_rules.collect_from(control.rules_count)
+    metrics.pending_pushes.collect_from(lambda: {(): float(control.credentials.pending_pushes.count())})
+    metrics.subjects.collect_from(control.report.state_counts)
+    metrics.nft_rules.collect_from(control.report.rules_count)
     return control, proxy, audit
 
 
@@ -173,9 +178,11 @@ async def _start_dns(cfg: Config, control: ControlPlane, metrics: EgressMetrics,
     upstreams = upstreams_or_system(cfg.dns_upstreams)
     forwarder = running.forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
     dns = running.dns = DnsProxy(
-        control,
+        control.learning.asker,
         forwarder,
         metrics,
+        # DNS-to-kernel: an answer's addresses join the asker's dyn sets before the reply.
+        on_resolved=control.learning.learn,
         lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max),
         budget=query_budget(cfg.dns_qps_per_subject),
     )
@@ -195,7 +202,7 @@ async def _start_dns(cfg: Config, control: ControlPlane, metrics: EgressMetrics,
             f"cannot listen for DNS on 127.0.0.1:{ports.unknown_dns_port} (EGRESSD_UID_DNS_PORT_BASE): "
             f"{exc.strerror}"
         ) from None
-    control.uid_ports = UidDnsPorts(dns, control)
+    control.uid_ports.ports = UidDnsPorts(dns, control)
 
 
 class UidDnsPorts:
@@ -207,7 +214,7 @@ class UidDnsPorts:
 
     async def open(self, slot: int) -> None:
         port = self._control.table.uids.dns_port(slot)
-        await self._dns.start_port(PortAsker(port, lambda: self._control.asker_for_slot(slot)))
+        await self._dns.start_port(PortAsker(port, lambda: self._control.learning.asker_for_slot(slot)))
 
     async def close(self, slot: int) -> None:
         await self._dns.stop_port(self._control.table.uids.dns_port(slot))
@@ -215,14 +222,14 @@ class UidDnsPorts:
 
 def _start_background(cfg: Config, control: ControlPlane, always: AlwaysRules, running: Running) -> None:
     reloader = AlwaysRulesReloader(
-        cfg.always_rules_dir, always, control.set_always_rules, interval=cfg.always_reload_interval
+        cfg.always_rules_dir, always, control.always_rules.apply, interval=cfg.always_reload_interval
     )
     refresher = LeaseRefresher(
-        control.uid_for,
-        control.leases,
-        control.renew_leases,
+        control.learning.uid_for,
+        control.learning.leases,
+        control.learning.renew_leases,
         interval=cfg.refresh_interval,
-        host_uids=control.host_uid_subjects,
+        host_uids=control.learning.host_uid_subjects,
     )
     running.spawn(reloader.run())
     running.spawn(refresher.run())
@@ -237,15 +244,21 @@ async def _start_mitm(
     try:
         lo, hi = cfg.uid_ports.mitm_ports
         by_port = PortVaults(
-            control.vault_for_mitm_port, control.destination_verified_port, tuple(range(lo, hi + 1))
+            control.credentials.vault_for_mitm_port,
+            control.learning.destination_verified_port,
+            tuple(range(lo, hi + 1)),
         )
         mitm = await start_mitm(
-            cfg, control.vault_for_ip, control.destination_verified, metrics=metrics, by_port=by_port
+            cfg,
+            control.credentials.vault_for_ip,
+            control.learning.destination_verified,
+            metrics=metrics,
+            by_port=by_port,
         )
     except MitmStartupError as exc:
         raise StartupError(str(exc)) from None
     running.supervise(mitm)
-    control.forget_snapshots = mitm.supervisor.forget
+    control.credentials.forget_snapshots = mitm.supervisor.forget
     return mitm
 
 
@@ -268,4 +281,4 @@ async def _sweep_pending(control: ControlPlane, interval: float = 10.0) -> None:
     """Expired pending pushes are dropped (BEHAVIOUR §4: swept every 10 s)."""
     while True:
         await asyncio.sleep(interval)
-        control.pending_pushes.sweep(time.monotonic())
+        control.credentials.pending_pushes.sweep(time.monotonic())

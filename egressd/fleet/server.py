@@ -11,7 +11,8 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from egressd.actionhandler.control import ControlPlane, Result
+from egressd.actionhandler.api import Result
+from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import (
     API_VERSION,
     MAX_BODY_BYTES,
@@ -190,7 +191,7 @@ class FleetHTTP:
         """Operator view for egressctl (loopback only, like the rest of the fleet API)."""
         if request.method != "GET":
             return text(405, "method not allowed", headers={"Allow": "GET"})
-        return web.json_response({"subjects": self.control.describe()})
+        return web.json_response({"subjects": self.control.report.describe()})
 
     async def explain(self, request: web.Request) -> web.Response:
         """Operator view for ``egressctl explain``: ?ip=<sandbox source ip>&target=<name or ip>,
@@ -211,13 +212,13 @@ class FleetHTTP:
         target = request.query.get("target", "").strip()
         if not target:
             return text(400, "target (a name or an IP) is required")
-        doc = self.control.explain(ip, target)
+        doc = self.control.report.explain(ip, target)
         try:
             target_ip = ipaddress.ip_address(target.split("/", 1)[0])
         except ValueError:
             target_ip = None  # a name: the kernel holds addresses, not names
         if target_ip is not None:
-            doc["kernelView"] = await self.control.kernel_membership(ip, target_ip)
+            doc["kernelView"] = await self.control.report.kernel_membership(ip, target_ip)
         return web.json_response(doc)
 
     async def mitm_ca(self, request: web.Request) -> web.Response:

@@ -71,7 +71,7 @@ from egressd.kernel.ops import (
     MatchRule,
     NetlinkBatch,
     Op,
-    Outcome,
+    RuleAction,
     VerdictRule,
 )
 from egressd.policy import (
@@ -195,6 +195,12 @@ class Names:
         return f"{AUDIT_LOG_PREFIX}{self.nft_id[:100]} "
 
 
+def subject_set(nft_id: str, kind: str, fam: str) -> str:
+    """``subj_<id>_<kind>_<fam>``: one of a subject's sets (``kind`` one of allow, deny, wdeny,
+    audit, dyn; ``fam`` v4 or v6)."""
+    return Names(nft_id).set(f"{kind}_{fam}")
+
+
 def audit_counter_subject(name: str) -> tuple[str, str] | None:
     """``subj_<id>_audit_<kind>`` -> (nft id, kind), else None."""
     for kind in AUDIT_COUNTERS:
@@ -315,6 +321,17 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     if delete_existing:
         s.add(f"delete table inet {cfg.table}")
     s.add(f"add table inet {cfg.table}")
+    doh = _split_doh(cfg.doh_blocklist)
+    _header_objects(s, cfg, doh)
+    _marking_chain(s, cfg)
+    _filter_chains(s, cfg, doh)
+    _nat_chain(s, cfg)
+    _uid_header(s, cfg)
+    return s.text()
+
+
+def _header_objects(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> None:
+    """The table-wide maps and sets, empty but for the DoH blocklist."""
     for fam in ("v4", "v6"):
         s.obj("add", "map", _vmap_decl(marking_map(fam), fam))
         s.obj("add", "map", _vmap_decl(dispatch_map(fam), fam))
@@ -324,11 +341,12 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
         if cfg.mitm:
             s.obj("add", "map", _vmap_decl(mitm_in_map(fam), fam))
             s.obj("add", "set", _plain_set_decl(mitm_src_set(fam), fam))
-    doh = _split_doh(cfg.doh_blocklist)
     if cfg.block_doh_443 and cfg.doh_blocklist:
         for fam in ("v4", "v6"):
             s.obj("add", "set", _set_decl(doh_set(fam), fam, "interval", doh[fam]))
 
+
+def _marking_chain(s: _Script, cfg: TableConfig) -> None:
     # Prerouting: clear our bit first, so only this table's rules can grant it.
     s.obj("add", "chain", "marking { type filter hook prerouting priority 0; policy accept; }")
     s.rule("marking", f"meta mark set meta mark & {~ALLOW_MARK & 0xFFFFFFFF:#010x}")
@@ -346,6 +364,9 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     s.rule("marking", f"ip saddr vmap @{marking_map('v4')}")
     s.rule("marking", f"ip6 saddr vmap @{marking_map('v6')}")
 
+
+def _filter_chains(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> None:
+    """The forward hook (``dispatch``) and the input hook, in the order their rules apply."""
     s.obj("add", "chain", "dispatch { type filter hook forward priority 0; policy accept; }")
     s.rule("dispatch", "ct state established,related accept")
     s.rule("dispatch", "tcp dport 853 drop")
@@ -358,23 +379,7 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     # packets of the flows sandbox_in accepted.
     s.rule("input", "ct state established,related accept")
     if cfg.block_doh_443:
-        if not cfg.doh_blocklist:
-            s.rule("dispatch", "tcp dport 443 drop")
-            if cfg.mitm:
-                # nft 1.0.6 cannot type "ct original proto-dst 443" without a protocol
-                # context ("Can't parse symbolic invalid expressions"): give it tcp.
-                s.rule("input", "meta l4proto tcp ct status dnat ct original proto-dst 443 drop")
-        else:
-            for fam in ("v4", "v6"):
-                if not doh[fam]:
-                    continue
-                s.rule("dispatch", f"{l3_of(fam)} daddr @{doh_set(fam)} tcp dport 443 drop")
-                if cfg.mitm:
-                    s.rule(
-                        "input",
-                        f"meta l4proto tcp ct status dnat ct original {l3_of(fam)} daddr @{doh_set(fam)} "
-                        "ct original proto-dst 443 drop",
-                    )
+        _doh_drops(s, cfg, doh)
     # Sandboxes never reach each other, whatever their egress policy says (defaultAction
     # allow or a CIDR covering the sandbox subnet would otherwise open lateral movement).
     s.rule("dispatch", f"ip daddr @{sandbox_set('v4')} drop")
@@ -386,32 +391,55 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     s.rule("dispatch", f"meta mark & {ALLOW_MARK:#x} != {ALLOW_MARK:#x} drop")
     _sandbox_input(s, cfg)
 
+
+def _doh_drops(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> None:
+    """TCP 443 to the DoH blocklist (to anything without a list), forwarded or intercepted."""
+    if not cfg.doh_blocklist:
+        s.rule("dispatch", "tcp dport 443 drop")
+        if cfg.mitm:
+            # nft 1.0.6 cannot type "ct original proto-dst 443" without a protocol
+            # context ("Can't parse symbolic invalid expressions"): give it tcp.
+            s.rule("input", "meta l4proto tcp ct status dnat ct original proto-dst 443 drop")
+        return
+    for fam in ("v4", "v6"):
+        if not doh[fam]:
+            continue
+        s.rule("dispatch", f"{l3_of(fam)} daddr @{doh_set(fam)} tcp dport 443 drop")
+        if cfg.mitm:
+            s.rule(
+                "input",
+                f"meta l4proto tcp ct status dnat ct original {l3_of(fam)} daddr @{doh_set(fam)} "
+                "ct original proto-dst 443 drop",
+            )
+
+
+def _nat_chain(s: _Script, cfg: TableConfig) -> None:
+    """The DNS redirect per gateway and, with the MITM, the 80/443 interception."""
     s.obj("add", "chain", "nat { type nat hook prerouting priority dstnat; policy accept; }")
     for fam in ("v4", "v6"):
         for proto in ("udp", "tcp"):
             s.rule(
                 "nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} {proto} dport 53 redirect to :{cfg.dns_port}"
             )
-    if cfg.mitm:
-        # REDIRECT (to the address of the interface the packet came in on: the sandbox's
-        # gateway) instead of a per-source DNAT target: the source set carries no data, so
-        # a gateway change can never collide with an existing element.
-        # Never intercept what is not upstream (§14.2): the MITM would connect to the pod
-        # itself (any local address, loopback included) or to a sibling sandbox on the
-        # sandbox's behalf. Left alone, such packets meet sandbox_in's drop or the forward
-        # drop of sandbox destinations.
-        ports = mitm_ports(cfg)
-        s.rule("nat", f"fib daddr type local tcp dport {ports} return")
-        for fam in ("v4", "v6"):
-            s.rule("nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} tcp dport {ports} return")
-            s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_set(fam)} tcp dport {ports} return")
-            s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} tcp dport {ports} return")
-            s.rule(
-                "nat",
-                f"{l3_of(fam)} saddr @{mitm_src_set(fam)} tcp dport {ports} redirect to :{cfg.mitm_port}",
-            )
-    _uid_header(s, cfg)
-    return s.text()
+    if not cfg.mitm:
+        return
+    # REDIRECT (to the address of the interface the packet came in on: the sandbox's
+    # gateway) instead of a per-source DNAT target: the source set carries no data, so
+    # a gateway change can never collide with an existing element.
+    # Never intercept what is not upstream (§14.2): the MITM would connect to the pod
+    # itself (any local address, loopback included) or to a sibling sandbox on the
+    # sandbox's behalf. Left alone, such packets meet sandbox_in's drop or the forward
+    # drop of sandbox destinations.
+    ports = mitm_ports(cfg)
+    s.rule("nat", f"fib daddr type local tcp dport {ports} return")
+    for fam in ("v4", "v6"):
+        s.rule("nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} tcp dport {ports} return")
+        s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_set(fam)} tcp dport {ports} return")
+        s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} tcp dport {ports} return")
+        s.rule(
+            "nat",
+            f"{l3_of(fam)} saddr @{mitm_src_set(fam)} tcp dport {ports} redirect to :{cfg.mitm_port}",
+        )
 
 
 def l3_of(fam: str) -> str:
@@ -470,10 +498,10 @@ def subject_rules(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
     n = Names(nft_id)
     ops: list[Op] = []
     for fam in ("v4", "v6"):
-        ops.append(AddRule(n.chain, MatchRule(fam, n.set(f"deny_{fam}"), Outcome.DROP)))
+        ops.append(AddRule(n.chain, MatchRule(fam, n.set(f"deny_{fam}"), RuleAction.DROP)))
     for kind in ("allow", "dyn"):
         for fam in ("v4", "v6"):
-            ops.append(AddRule(n.mark_chain, MatchRule(fam, n.set(f"{kind}_{fam}"), Outcome.MARK)))
+            ops.append(AddRule(n.mark_chain, MatchRule(fam, n.set(f"{kind}_{fam}"), RuleAction.MARK)))
     # A user-denied prefix is logged even inside an allowed one (deny beats allow, as enforced).
     for fam in ("v4", "v6"):
         audit = AuditRule(fam, n.set(f"wdeny_{fam}"), n.set(f"deny_{fam}"), n.log_prefix, n.counter("deny"))
@@ -490,18 +518,24 @@ def subject_rules(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
         ops.append(AddRule(n.mark_chain, audit))
     if cfg.mitm:
         in_rules = (
-            ("deny", Outcome.DROP),
-            ("wdeny", Outcome.DROP),
-            ("dyn", Outcome.ACCEPT),
-            ("allow", Outcome.ACCEPT),
+            ("deny", RuleAction.DROP),
+            ("wdeny", RuleAction.DROP),
+            ("dyn", RuleAction.ACCEPT),
+            ("allow", RuleAction.ACCEPT),
         )
         for kind, outcome in in_rules:
             for fam in ("v4", "v6"):
                 ops.append(
                     AddRule(n.in_chain, MatchRule(fam, n.set(f"{kind}_{fam}"), outcome, ct_original=True))
                 )
-        ops.append(AddRule(n.in_chain, VerdictRule(Outcome.DROP)))
+        ops.append(AddRule(n.in_chain, VerdictRule(RuleAction.DROP)))
     return NetlinkBatch(cfg.table, tuple(ops))
+
+
+def rules_per_subject(cfg: TableConfig) -> int:
+    """How many rules one installed subject adds to the table: its fixed rules, counted from
+    :func:`subject_rules` itself so the metric can never drift from what is installed."""
+    return len(subject_rules(cfg, "0").ops)
 
 
 def subject_keys(cfg: TableConfig, subj: SubjectNft) -> NetlinkBatch:
@@ -807,9 +841,19 @@ def _uid_exemptions(s: _Script, cfg: TableConfig, chain: str) -> None:
 
 def _uid_header(s: _Script, cfg: TableConfig) -> None:
     """The output-hook half of the header (host-uid subjects); see the block comment above."""
-    uids = cfg.uids
-    rng = f"{uids.uid_range.first}-{uids.uid_range.last}"
-    dns_lo, dns_hi = uids.dns_ports
+    _uid_objects(s, cfg)
+    _uid_out_chain(s, cfg)
+    _uid_local_chain(s, cfg)
+    if cfg.mitm:
+        _uid_input_chain(s, cfg)
+    _uid_nat_chain(s, cfg)
+
+
+def _uid_range(cfg: TableConfig) -> str:
+    return f"{cfg.uids.uid_range.first}-{cfg.uids.uid_range.last}"
+
+
+def _uid_objects(s: _Script, cfg: TableConfig) -> None:
     s.obj("add", "map", f"{UID_MARKING} {{ type uid : verdict; }}")
     s.obj("add", "map", f"{UID_DISPATCH} {{ type uid : verdict; }}")
     s.obj("add", "map", f"{UID_DNS} {{ type uid : inet_service; }}")
@@ -821,8 +865,11 @@ def _uid_header(s: _Script, cfg: TableConfig) -> None:
     for chain in (UID_OUT_CHAIN, UID_LOCAL_CHAIN, UID_NAT_CHAIN):
         s.obj("add", "chain", chain)
 
+
+def _uid_out_chain(s: _Script, cfg: TableConfig) -> None:
+    """The forward path's dispatch, marking and tail on output, judged on every packet."""
     s.obj("add", "chain", "output { type filter hook output priority 0; policy accept; }")
-    s.rule("output", f"meta skuid {rng} jump {UID_OUT_CHAIN}")
+    s.rule("output", f"meta skuid {_uid_range(cfg)} jump {UID_OUT_CHAIN}")
     o = UID_OUT_CHAIN
     _uid_exemptions(s, cfg, o)
     s.rule(o, f"fib daddr type local jump {UID_LOCAL_CHAIN}")
@@ -830,11 +877,10 @@ def _uid_header(s: _Script, cfg: TableConfig) -> None:
     s.rule(o, "tcp dport 853 drop")
     s.rule(o, "udp dport 853 drop")
     if cfg.block_doh_443:
-        doh = _split_doh(cfg.doh_blocklist)
         if not cfg.doh_blocklist:
             s.rule(o, "tcp dport 443 drop")
-        for fam in ("v4", "v6"):
-            if cfg.doh_blocklist and doh[fam]:
+        for fam, entries in _split_doh(cfg.doh_blocklist).items():
+            if entries:
                 s.rule(o, f"{l3_of(fam)} daddr @{doh_set(fam)} tcp dport 443 drop")
     for fam in ("v4", "v6"):
         s.rule(o, f"{l3_of(fam)} daddr @{sandbox_set(fam)} drop")
@@ -844,7 +890,12 @@ def _uid_header(s: _Script, cfg: TableConfig) -> None:
     s.rule(o, f"ct state established,related meta skuid @{UID_AUDIT} accept")
     s.rule(o, f"meta mark & {ALLOW_MARK:#x} != {ALLOW_MARK:#x} drop")
 
-    c = UID_LOCAL_CHAIN
+
+def _uid_local_chain(s: _Script, cfg: TableConfig) -> None:
+    """What an in-range uid may reach on the host itself: its own redirects, anything but
+    egressd's listeners."""
+    uids, c = cfg.uids, UID_LOCAL_CHAIN
+    dns_lo, dns_hi = uids.dns_ports
     for proto in ("udp", "tcp"):
         s.rule(
             c,
@@ -852,54 +903,64 @@ def _uid_header(s: _Script, cfg: TableConfig) -> None:
             f"meta skuid . {proto} dport @{UID_DNS_OWN} accept",
         )
         s.rule(c, f"{proto} dport {uids.unknown_dns_port} ct status dnat ct original proto-dst 53 accept")
-    mitm_lo, mitm_hi = uids.mitm_ports
     if cfg.mitm:
-        mitm = f"tcp dport {mitm_lo}-{mitm_hi} ct status dnat"
-        if cfg.block_doh_443:
-            if not cfg.doh_blocklist:
-                s.rule(c, f"{mitm} ct original proto-dst 443 drop")
-            doh = _split_doh(cfg.doh_blocklist)
-            for fam in ("v4", "v6"):
-                if cfg.doh_blocklist and doh[fam]:
-                    s.rule(
-                        c,
-                        f"{mitm} ct original {l3_of(fam)} daddr @{doh_set(fam)} ct original proto-dst 443 drop",
-                    )
-        for fam in ("v4", "v6"):
-            s.rule(c, f"{mitm} ct original {l3_of(fam)} daddr @{sandbox_set(fam)} drop")
-            s.rule(c, f"{mitm} ct original {l3_of(fam)} daddr @{sandbox_nets_set(fam)} drop")
-        s.rule(c, f"{mitm} meta skuid . tcp dport vmap @{UID_MITM_IN}")
+        _uid_local_mitm(s, cfg)
     own_udp = [(cfg.dns_port, cfg.dns_port), (dns_lo, dns_hi)]
     own_tcp = [*own_udp, (cfg.http_port, cfg.http_port)]
     if cfg.mitm:
-        own_tcp += [(cfg.mitm_port, cfg.mitm_port), (mitm_lo, mitm_hi)]
+        own_tcp += [(cfg.mitm_port, cfg.mitm_port), uids.mitm_ports]
     s.rule(c, f"udp dport {_port_set(own_udp)} drop")
     s.rule(c, f"tcp dport {_port_set(own_tcp)} drop")
     s.rule(c, "accept")
 
-    if cfg.mitm:
-        # The local leg of a uid subject's intercepted flow was judged on output; anything
-        # else on these ports (a remote peer, a direct connection) would make the MITM proxy
-        # to itself or to nowhere. A base chain of its own: the network subjects' input chain
-        # stays as it is.
-        s.obj("add", "chain", f"{UID_INPUT_CHAIN} {{ type filter hook input priority 0; policy accept; }}")
-        s.rule(UID_INPUT_CHAIN, f"tcp dport {mitm_lo}-{mitm_hi} ct status dnat return")
-        s.rule(UID_INPUT_CHAIN, f"tcp dport {mitm_lo}-{mitm_hi} drop")
 
+def _uid_local_mitm(s: _Script, cfg: TableConfig) -> None:
+    """An intercepted flow of a uid subject, judged on its original destination by its own
+    ``subj_<id>_in`` (keyed by ``uid . port``: only its own MITM port)."""
+    mitm_lo, mitm_hi = cfg.uids.mitm_ports
+    c, mitm = UID_LOCAL_CHAIN, f"tcp dport {mitm_lo}-{mitm_hi} ct status dnat"
+    if cfg.block_doh_443:
+        if not cfg.doh_blocklist:
+            s.rule(c, f"{mitm} ct original proto-dst 443 drop")
+        for fam, entries in _split_doh(cfg.doh_blocklist).items():
+            if entries:
+                s.rule(
+                    c, f"{mitm} ct original {l3_of(fam)} daddr @{doh_set(fam)} ct original proto-dst 443 drop"
+                )
+    for fam in ("v4", "v6"):
+        s.rule(c, f"{mitm} ct original {l3_of(fam)} daddr @{sandbox_set(fam)} drop")
+        s.rule(c, f"{mitm} ct original {l3_of(fam)} daddr @{sandbox_nets_set(fam)} drop")
+    s.rule(c, f"{mitm} meta skuid . tcp dport vmap @{UID_MITM_IN}")
+
+
+def _uid_input_chain(s: _Script, cfg: TableConfig) -> None:
+    """The local leg of a uid subject's intercepted flow was judged on output; anything else
+    on these ports (a remote peer, a direct connection) would make the MITM proxy to itself
+    or to nowhere. A base chain of its own: the network subjects' input chain stays as is."""
+    mitm_lo, mitm_hi = cfg.uids.mitm_ports
+    s.obj("add", "chain", f"{UID_INPUT_CHAIN} {{ type filter hook input priority 0; policy accept; }}")
+    s.rule(UID_INPUT_CHAIN, f"tcp dport {mitm_lo}-{mitm_hi} ct status dnat return")
+    s.rule(UID_INPUT_CHAIN, f"tcp dport {mitm_lo}-{mitm_hi} drop")
+
+
+def _uid_nat_chain(s: _Script, cfg: TableConfig) -> None:
+    """Port-53 traffic to any address goes to the uid's own DNS port (unknown uids: to the
+    NXDOMAIN port); with the MITM, what would be intercepted goes to its own MITM port."""
     s.obj("add", "chain", "nat_out { type nat hook output priority -100; policy accept; }")
-    s.rule("nat_out", f"meta skuid {rng} jump {UID_NAT_CHAIN}")
+    s.rule("nat_out", f"meta skuid {_uid_range(cfg)} jump {UID_NAT_CHAIN}")
     n = UID_NAT_CHAIN
     _uid_exemptions(s, cfg, n)
     for proto in ("udp", "tcp"):
         s.rule(n, f"{proto} dport 53 redirect to :meta skuid map @{UID_DNS}")
     for proto in ("udp", "tcp"):
-        s.rule(n, f"{proto} dport 53 redirect to :{uids.unknown_dns_port}")
-    if cfg.mitm:
-        s.rule(n, "fib daddr type local return")
-        for fam in ("v4", "v6"):
-            s.rule(n, f"{l3_of(fam)} daddr @{sandbox_set(fam)} return")
-            s.rule(n, f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} return")
-        s.rule(n, f"tcp dport {mitm_ports(cfg)} redirect to :meta skuid map @{UID_MITM}")
+        s.rule(n, f"{proto} dport 53 redirect to :{cfg.uids.unknown_dns_port}")
+    if not cfg.mitm:
+        return
+    s.rule(n, "fib daddr type local return")
+    for fam in ("v4", "v6"):
+        s.rule(n, f"{l3_of(fam)} daddr @{sandbox_set(fam)} return")
+        s.rule(n, f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} return")
+    s.rule(n, f"tcp dport {mitm_ports(cfg)} redirect to :meta skuid map @{UID_MITM}")
 
 
 def uid_subject_keys(cfg: TableConfig, subj: UidSubjectNft) -> NetlinkBatch:

@@ -29,7 +29,7 @@ from egressd.kernel.ops import (
     FlushSet,
     MatchRule,
     NetlinkBatch,
-    Outcome,
+    RuleAction,
     VerdictRule,
 )
 from egressd.kernel.renewal import PROBE_FIRST_S, PROBE_SECOND_S, LeaseRenewal, extended
@@ -143,6 +143,13 @@ def _probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} c1 ip daddr @iv4 meta mark set 0x2\n"
             f"add rule inet {t} fwd_ meta mark & 0x2 != 0x2 drop",
         ),
+        *_match_probes(t),
+    ]
+
+
+def _match_probes(t: str) -> list[tuple[str, str]]:
+    """Matches, marks and NAT, on the objects :func:`_probes` declared before them."""
+    return [
         (
             "conntrack matches",
             f"add rule inet {t} fwd_ ct state established,related accept\n"
@@ -209,32 +216,20 @@ def probe_lease_renewal(
     )
 
 
-def run_selftest(
-    cmd: Callable[[str], None],
-    batch: Callable[[NetlinkBatch], None],
-    *,
-    table_prefix: str,
-    elements: Callable[[str, str], list[SetElement]],
-) -> LeaseRenewal:
-    """Probe the kernel through the same paths the daemon uses; raise SelfTestError. Returns
-    how DNS leases are to be renewed on it (``elements`` reads one set back)."""
-    t = f"{table_prefix}-selftest-{os.getpid()}"
-    try:
-        cmd(f"add table inet {t}\ndelete table inet {t}")
-    except NftError as exc:
-        raise SelfTestError(f"nftables unusable in this namespace (need CAP_NET_ADMIN): {exc}") from None
+def _netlink_probes(t: str) -> list[tuple[str, NetlinkBatch]]:
+    """The raw netlink batches, run after :func:`_probes` built the objects they name."""
     v4 = ipaddress.IPv4Network
-    netlink_probes: list[tuple[str, NetlinkBatch]] = [
+    return [
         (
             "netlink rules (set lookups, marks, conntrack original destination)",
             NetlinkBatch(
                 t,
                 (
-                    AddRule("c1", MatchRule("v4", "iv4", Outcome.DROP)),
-                    AddRule("c1", MatchRule("v6", "iv6", Outcome.DROP)),
-                    AddRule("c1", MatchRule("v4", "iv4", Outcome.MARK)),
-                    AddRule("c2", MatchRule("v4", "iv4", Outcome.ACCEPT, ct_original=True)),
-                    AddRule("c2", VerdictRule(Outcome.DROP)),
+                    AddRule("c1", MatchRule("v4", "iv4", RuleAction.DROP)),
+                    AddRule("c1", MatchRule("v6", "iv6", RuleAction.DROP)),
+                    AddRule("c1", MatchRule("v4", "iv4", RuleAction.MARK)),
+                    AddRule("c2", MatchRule("v4", "iv4", RuleAction.ACCEPT, ct_original=True)),
+                    AddRule("c2", VerdictRule(RuleAction.DROP)),
                 ),
             ),
         ),
@@ -276,6 +271,23 @@ def run_selftest(
             ),
         ),
     ]
+
+
+def run_selftest(
+    cmd: Callable[[str], None],
+    batch: Callable[[NetlinkBatch], None],
+    *,
+    table_prefix: str,
+    elements: Callable[[str, str], list[SetElement]],
+) -> LeaseRenewal:
+    """Probe the kernel through the same paths the daemon uses; raise SelfTestError. Returns
+    how DNS leases are to be renewed on it (``elements`` reads one set back)."""
+    t = f"{table_prefix}-selftest-{os.getpid()}"
+    try:
+        cmd(f"add table inet {t}\ndelete table inet {t}")
+    except NftError as exc:
+        raise SelfTestError(f"nftables unusable in this namespace (need CAP_NET_ADMIN): {exc}") from None
+    netlink_probes = _netlink_probes(t)
     try:
         for feature, script in _probes(t):
             try:

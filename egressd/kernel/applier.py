@@ -40,6 +40,17 @@ class Transactions(Protocol):
 
     async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None: ...
 
+    async def run_batch_inline(self, batch: NetlinkBatch, *, op: str) -> None:
+        """:meth:`run_batch` without the hop to the kernel thread (a DNS lease add on the reply
+        path); the caller holds the control plane's kernel lock. A shell without such a fast
+        path runs it as :meth:`run_batch`."""
+        ...
+
+    async def list_set_elements(self, table: str, set_name: str) -> list[SetElement]:
+        """One set's elements as the kernel holds them (a read, for explain); raises
+        :class:`NftError` when the kernel cannot be asked."""
+        ...
+
     async def reset_table(self, header_with_delete: str, header: str) -> None: ...
 
     async def close(self) -> None: ...
@@ -94,7 +105,9 @@ class KernelTransactions:
             self._nft = ctx
         return self._nft
 
-    def _cmd(self, script: str) -> None:
+    def run_script_sync(self, script: str) -> None:
+        """One libnftables script as one transaction, on the calling thread: only on the
+        kernel thread (inside :meth:`run_sync`, e.g. the start-up self-test)."""
         rc, _out, err = self._ctx().cmd(script)
         if rc != 0:
             first = next((ln for ln in str(err).splitlines() if ln.strip()), "unknown error")
@@ -112,21 +125,25 @@ class KernelTransactions:
         except (NetlinkError, OSError) as exc:
             raise NftError(f"counter dump refused: {exc}") from None
 
-    def _set_elements(self, table: str, set_name: str) -> list[SetElement]:
+    def set_elements_sync(self, table: str, set_name: str) -> list[SetElement]:
+        """One set's elements (one netlink dump), on the calling thread: only on the kernel
+        thread (inside :meth:`run_sync`, e.g. the self-test's lease-renewal probe)."""
         try:
             return self._thread_netlink().sock.set_elements(table, set_name)
         except (NetlinkError, OSError) as exc:
             raise NftError(f"set element dump refused: {exc}") from None
 
-    def _batch(self, batch: NetlinkBatch) -> None:
+    def run_batch_sync(self, batch: NetlinkBatch) -> None:
+        """One netlink batch as one transaction, on the calling thread: only on the kernel
+        thread (inside :meth:`run_sync`), whose netlink socket it uses."""
         self._thread_netlink().run(batch)
 
     def _reset(self, header_with_delete: str, header: str) -> None:
         try:
-            self._cmd(header_with_delete)
+            self.run_script_sync(header_with_delete)
         except NftError:
             # "delete table" fails when the table is missing; retry without it.
-            self._cmd(header)
+            self.run_script_sync(header)
 
     @contextlib.contextmanager
     def _measured(self, op: str) -> Iterator[None]:
@@ -149,10 +166,10 @@ class KernelTransactions:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def run_script(self, script: str, *, op: str) -> None:
-        await self._call(op, self._cmd, script)
+        await self._call(op, self.run_script_sync, script)
 
     async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
-        await self._call(op, self._batch, batch)
+        await self._call(op, self.run_batch_sync, batch)
 
     async def run_batch_inline(self, batch: NetlinkBatch, *, op: str) -> None:
         # A lease add is one tiny transaction (~0.1-0.2 ms in the kernel); the hop to the kernel
@@ -178,7 +195,7 @@ class KernelTransactions:
         """One set's elements as the kernel holds them (explain: "what the kernel has for it").
         One netlink dump of that set on the kernel thread; a read, not a transaction."""
         return await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._set_elements, table, set_name
+            self._pool, self.set_elements_sync, table, set_name
         )
 
     def run_sync(self, fn: Callable[[], T]) -> T:

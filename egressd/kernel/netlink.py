@@ -18,7 +18,7 @@ import itertools
 import os
 import socket
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from egressd.kernel.ops import (
@@ -40,14 +40,15 @@ from egressd.kernel.ops import (
     DeleteElement,
     DeleteSet,
     DeleteUid,
+    ElementOp,
     FlushChain,
     FlushSet,
     IPNetwork,
     MatchRule,
     NetlinkBatch,
     Op,
-    Outcome,
     Rule,
+    RuleAction,
     UidOp,
 )
 from egressd.subject.model import IPAddress
@@ -141,7 +142,7 @@ NFT_CMP_EQ, NFT_CMP_NEQ = 0, 1
 NF_DROP, NF_ACCEPT = 0, 1
 NFPROTO_IPV4, NFPROTO_IPV6 = 2, 10
 
-_VERDICT = {Outcome.DROP: NF_DROP, Outcome.ACCEPT: NF_ACCEPT}
+_VERDICT = {RuleAction.DROP: NF_DROP, RuleAction.ACCEPT: NF_ACCEPT}
 
 
 class NetlinkError(RuntimeError):
@@ -188,7 +189,7 @@ def _expr(name: str, *attrs: bytes) -> bytes:
     return _nest(NFTA_LIST_ELEM, _str(NFTA_EXPR_NAME, name), _nest(NFTA_EXPR_DATA, *attrs))
 
 
-def _verdict(outcome: Outcome) -> bytes:
+def _verdict(outcome: RuleAction) -> bytes:
     verdict = _nest(NFTA_DATA_VERDICT, _attr(NFTA_VERDICT_CODE, struct.pack(">i", _VERDICT[outcome])))
     return _expr("immediate", _u32(NFTA_IMMEDIATE_DREG, NFT_REG_VERDICT), _nest(NFTA_IMMEDIATE_DATA, verdict))
 
@@ -298,7 +299,7 @@ def rule_expressions(rule: Rule) -> bytes:
         parts = [ct, lookup]
     else:
         parts = _daddr_lookup(rule.fam, rule.set_name)
-    parts += _set_mark() if rule.outcome is Outcome.MARK else [_verdict(rule.outcome)]
+    parts += _set_mark() if rule.outcome is RuleAction.MARK else [_verdict(rule.outcome)]
     return b"".join(parts)
 
 
@@ -419,26 +420,17 @@ def encode_op(table: str, op: Op, set_id: int = 0) -> list[tuple[int, int, bytes
     prefixes, a big DNS answer), which become several messages of the same batch."""
     if isinstance(op, AddUidJump | AddUidPort | AddUid | DeleteUid):
         return encode_uid_op(table, op)
+    if isinstance(op, ElementOp):
+        return _element_op_messages(table, op)
+    return [_object_op_message(table, op, set_id)]
+
+
+def _object_op_message(table: str, op: Op, set_id: int) -> tuple[int, int, bytes]:
+    """The one message that creates or deletes a set, chain, counter or rule."""
     if isinstance(op, AddSet):
-        v4 = op.fam == "v4"
-        flags = {"interval": NFT_SET_INTERVAL, "timeout": NFT_SET_TIMEOUT}.get(op.kind, 0)
-        body = (
-            _str(NFTA_SET_TABLE, table)
-            + _str(NFTA_SET_NAME, op.name)
-            + _u32(NFTA_SET_FLAGS, flags)
-            + _u32(NFTA_SET_KEY_TYPE, NFT_DATATYPE_IPADDR if v4 else NFT_DATATYPE_IP6ADDR)
-            + _u32(NFTA_SET_KEY_LEN, 4 if v4 else 16)
-            + _u32(NFTA_SET_ID, set_id)
-        )
-        if op.kind == "timeout":
-            body += _u64(NFTA_SET_TIMEOUT, op.timeout_s * 1000)
-        if op.size:
-            body += _nest(NFTA_SET_DESC, _u32(NFTA_SET_DESC_SIZE, op.size))
-        return [(NFT_MSG_NEWSET, NLM_F_CREATE, body)]
+        return NFT_MSG_NEWSET, NLM_F_CREATE, _new_set(table, op, set_id)
     if isinstance(op, AddChain):
-        return [
-            (NFT_MSG_NEWCHAIN, NLM_F_CREATE, _str(NFTA_CHAIN_TABLE, table) + _str(NFTA_CHAIN_NAME, op.name))
-        ]
+        return NFT_MSG_NEWCHAIN, NLM_F_CREATE, _str(NFTA_CHAIN_TABLE, table) + _str(NFTA_CHAIN_NAME, op.name)
     if isinstance(op, AddCounter | DeleteCounter):
         body = (
             _str(NFTA_OBJ_TABLE, table)
@@ -446,9 +438,45 @@ def encode_op(table: str, op: Op, set_id: int = 0) -> list[tuple[int, int, bytes
             + _u32(NFTA_OBJ_TYPE, NFT_OBJECT_COUNTER)
         )
         if isinstance(op, DeleteCounter):
-            return [(NFT_MSG_DELOBJ, 0, body)]
+            return NFT_MSG_DELOBJ, 0, body
         zero = _u64(NFTA_COUNTER_BYTES, 0) + _u64(NFTA_COUNTER_PACKETS, 0)
-        return [(NFT_MSG_NEWOBJ, NLM_F_CREATE, body + _nest(NFTA_OBJ_DATA, zero))]
+        return NFT_MSG_NEWOBJ, NLM_F_CREATE, body + _nest(NFTA_OBJ_DATA, zero)
+    if isinstance(op, AddRule):
+        body = (
+            _str(NFTA_RULE_TABLE, table)
+            + _str(NFTA_RULE_CHAIN, op.chain)
+            + _nest(NFTA_RULE_EXPRESSIONS, rule_expressions(op.rule))
+        )
+        return NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, body
+    if isinstance(op, FlushChain):
+        # DELRULE naming only the chain (no handle) deletes all its rules: ``nft flush chain``.
+        return NFT_MSG_DELRULE, 0, _str(NFTA_RULE_TABLE, table) + _str(NFTA_RULE_CHAIN, op.name)
+    if isinstance(op, DeleteChain):
+        return NFT_MSG_DELCHAIN, 0, _str(NFTA_CHAIN_TABLE, table) + _str(NFTA_CHAIN_NAME, op.name)
+    assert isinstance(op, DeleteSet)
+    return NFT_MSG_DELSET, 0, _str(NFTA_SET_TABLE, table) + _str(NFTA_SET_NAME, op.name)
+
+
+def _new_set(table: str, op: AddSet, set_id: int) -> bytes:
+    v4 = op.fam == "v4"
+    flags = {"interval": NFT_SET_INTERVAL, "timeout": NFT_SET_TIMEOUT}.get(op.kind, 0)
+    body = (
+        _str(NFTA_SET_TABLE, table)
+        + _str(NFTA_SET_NAME, op.name)
+        + _u32(NFTA_SET_FLAGS, flags)
+        + _u32(NFTA_SET_KEY_TYPE, NFT_DATATYPE_IPADDR if v4 else NFT_DATATYPE_IP6ADDR)
+        + _u32(NFTA_SET_KEY_LEN, 4 if v4 else 16)
+        + _u32(NFTA_SET_ID, set_id)
+    )
+    if op.kind == "timeout":
+        body += _u64(NFTA_SET_TIMEOUT, op.timeout_s * 1000)
+    if op.size:
+        body += _nest(NFTA_SET_DESC, _u32(NFTA_SET_DESC_SIZE, op.size))
+    return body
+
+
+def _element_op_messages(table: str, op: ElementOp) -> list[tuple[int, int, bytes]]:
+    """Element additions (split over messages when long), deletions and flushes."""
     if isinstance(op, AddJump):
         fam = "v4" if op.key.version == 4 else "v6"
         verdict = _nest(
@@ -458,22 +486,16 @@ def encode_op(table: str, op: Op, set_id: int = 0) -> list[tuple[int, int, bytes
         )
         elem = _key(op.key, fam) + _nest(NFTA_SET_ELEM_DATA, verdict)
         return [(NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.map, _elements([elem])))]
-    if isinstance(op, AddElements):
-        groups = [[_key(k, "v4" if k.version == 4 else "v6")] for k in op.keys]
-        return _element_messages(NFT_MSG_NEWSETELEM, NLM_F_CREATE, table, op.name, groups)
-    if isinstance(op, AddRule):
-        body = (
-            _str(NFTA_RULE_TABLE, table)
-            + _str(NFTA_RULE_CHAIN, op.chain)
-            + _nest(NFTA_RULE_EXPRESSIONS, rule_expressions(op.rule))
-        )
-        return [(NFT_MSG_NEWRULE, NLM_F_CREATE | NLM_F_APPEND, body)]
     if isinstance(op, FlushSet):
         return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, None))]  # no element list = flush
-    if isinstance(op, AddIntervals):
+    if isinstance(op, DeleteElement):
+        fam = "v4" if op.key.version == 4 else "v6"
+        return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, _elements([_key(op.key, fam)])))]
+    if isinstance(op, AddElements):
+        groups = [[_key(k, "v4" if k.version == 4 else "v6")] for k in op.keys]
+    elif isinstance(op, AddIntervals):
         groups = _interval_groups(op.nets, op.fam)
-        return _element_messages(NFT_MSG_NEWSETELEM, NLM_F_CREATE, table, op.name, groups)
-    if isinstance(op, AddTimed):
+    else:
         groups = [
             [
                 _key(ip, op.fam)
@@ -482,17 +504,7 @@ def encode_op(table: str, op: Op, set_id: int = 0) -> list[tuple[int, int, bytes
             ]
             for ip, sec in op.leases
         ]
-        return _element_messages(NFT_MSG_NEWSETELEM, NLM_F_CREATE, table, op.name, groups)
-    if isinstance(op, DeleteElement):
-        fam = "v4" if op.key.version == 4 else "v6"
-        return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, _elements([_key(op.key, fam)])))]
-    if isinstance(op, FlushChain):
-        # DELRULE naming only the chain (no handle) deletes all its rules: ``nft flush chain``.
-        return [(NFT_MSG_DELRULE, 0, _str(NFTA_RULE_TABLE, table) + _str(NFTA_RULE_CHAIN, op.name))]
-    if isinstance(op, DeleteChain):
-        return [(NFT_MSG_DELCHAIN, 0, _str(NFTA_CHAIN_TABLE, table) + _str(NFTA_CHAIN_NAME, op.name))]
-    assert isinstance(op, DeleteSet)
-    return [(NFT_MSG_DELSET, 0, _str(NFTA_SET_TABLE, table) + _str(NFTA_SET_NAME, op.name))]
+    return _element_messages(NFT_MSG_NEWSETELEM, NLM_F_CREATE, table, op.name, groups)
 
 
 def _nlmsg(msg_type: int, flags: int, seq: int, family: int, res_id: int, body: bytes) -> bytes:
@@ -684,6 +696,19 @@ def buffer_sizes(batch_bytes: int, messages: int) -> tuple[int, int]:
     return batch_bytes + 4096, max(MIN_RCVBUF, (messages + 2) * ACK_TRUESIZE)
 
 
+def _acks(buf: bytes) -> Iterator[tuple[int, int]]:
+    """(seq, error code) of every NLMSG_ERROR message in ``buf``, 0 being an ACK."""
+    off = 0
+    while off + 20 <= len(buf):
+        length, msg_type, _flags, seq, _pid = struct.unpack_from("=IHHII", buf, off)
+        if length < 16:
+            break
+        if msg_type == NLMSG_ERROR:
+            (code,) = struct.unpack_from("=i", buf, off + 16)
+            yield seq, code
+        off += (length + 3) & ~3
+
+
 class NfTablesSocket:
     """A NETLINK_NETFILTER socket applying batches; one per kernel thread, bound to its netns."""
 
@@ -727,31 +752,26 @@ class NfTablesSocket:
         # One ACK or error per message (every message carries NLM_F_ACK), all queued before
         # sendall returns. An error on the batch framing itself (e.g. EPERM) ends the wait.
         while pending:
-            try:
-                buf = self._sock.recv(1 << 16)
-            except TimeoutError:
-                raise NetlinkError(errno.ETIMEDOUT, "waiting for the kernel's answer") from None
-            except OSError as exc:
-                if exc.errno == errno.ENOBUFS:
-                    # Answers were dropped: the kernel may have committed the batch.
-                    raise NetlinkError(errno.ENOBUFS, "answers lost (receive buffer full)") from None
-                raise
-            off = 0
-            while off + 20 <= len(buf):
-                length, msg_type, _flags, seq, _pid = struct.unpack_from("=IHHII", buf, off)
-                if length < 16:
-                    break
-                if msg_type == NLMSG_ERROR:
-                    (code,) = struct.unpack_from("=i", buf, off + 16)
-                    if seq in pending:
-                        pending.discard(seq)
-                        if code != 0 and failure is None:
-                            failure = NetlinkError(-code, _failed_op_text(batch.table, by_seq[seq]))
-                    elif code != 0 and first <= seq < self._seq:
-                        raise NetlinkError(-code, "batch")
-                off += (length + 3) & ~3
+            for seq, code in _acks(self._recv_answers()):
+                if seq in pending:
+                    pending.discard(seq)
+                    if code != 0 and failure is None:
+                        failure = NetlinkError(-code, _failed_op_text(batch.table, by_seq[seq]))
+                elif code != 0 and first <= seq < self._seq:
+                    raise NetlinkError(-code, "batch")
         if failure is not None:
             raise failure
+
+    def _recv_answers(self) -> bytes:
+        try:
+            return self._sock.recv(1 << 16)
+        except TimeoutError:
+            raise NetlinkError(errno.ETIMEDOUT, "waiting for the kernel's answer") from None
+        except OSError as exc:
+            if exc.errno == errno.ENOBUFS:
+                # Answers were dropped: the kernel may have committed the batch.
+                raise NetlinkError(errno.ENOBUFS, "answers lost (receive buffer full)") from None
+            raise
 
     def _dump[T](
         self, request: Callable[[int], bytes], parse: Callable[[bytes], tuple[list[T], bool]], what: str

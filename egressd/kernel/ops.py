@@ -17,7 +17,9 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 ALLOW_MARK = 0x2
 
 
-class Outcome(enum.StrEnum):
+class RuleAction(enum.StrEnum):
+    """What a per-subject rule does to a matching packet."""
+
     DROP = "drop"
     ACCEPT = "accept"
     MARK = "mark"  # meta mark set ALLOW_MARK (then continue)
@@ -29,19 +31,19 @@ class MatchRule:
 
     fam: str  # "v4" | "v6"
     set_name: str
-    outcome: Outcome
+    outcome: RuleAction
     ct_original: bool = False
 
     def render(self) -> str:
         l3 = "ip" if self.fam == "v4" else "ip6"
         prefix = "ct original " if self.ct_original else ""
-        tail = f"meta mark set {ALLOW_MARK:#x}" if self.outcome is Outcome.MARK else self.outcome.value
+        tail = f"meta mark set {ALLOW_MARK:#x}" if self.outcome is RuleAction.MARK else self.outcome.value
         return f"{prefix}{l3} daddr @{self.set_name} {tail}"
 
 
 @dataclass(frozen=True, slots=True)
 class VerdictRule:
-    outcome: Outcome  # DROP or ACCEPT
+    outcome: RuleAction  # DROP or ACCEPT
 
     def render(self) -> str:
         return self.outcome.value
@@ -232,6 +234,9 @@ Op = (
     | UidOp
 )
 
+#: The operations on a set's or a map's contents; the others create or delete kernel objects.
+ElementOp = AddJump | AddElements | FlushSet | AddIntervals | AddTimed | DeleteElement
+
 
 def _uid_key_text(uid: int, port: int | None) -> str:
     return str(uid) if port is None else f"{uid} . {port}"
@@ -266,43 +271,52 @@ class NetlinkBatch:
     def describe(self) -> str:
         """The batch in nft syntax (what ``nft -f`` would be given for the same change)."""
         t = f"inet {self.table}"
-        out: list[str] = []
-        for op in self.ops:
-            if isinstance(op, AddUidJump | AddUidPort | AddUid | DeleteUid):
-                out.append(describe_uid_op(t, op))
-            elif isinstance(op, AddSet):
-                typ = "ipv4_addr" if op.fam == "v4" else "ipv6_addr"
-                flags = {
-                    "interval": " flags interval;",
-                    "timeout": f" flags timeout; timeout {op.timeout_s}s;",
-                }
-                size = f" size {op.size};" if op.size else ""
-                out.append(f"add set {t} {op.name} {{ type {typ};{flags.get(op.kind, '')}{size} }}")
-            elif isinstance(op, AddChain):
-                out.append(f"add chain {t} {op.name}")
-            elif isinstance(op, AddCounter):
-                out.append(f"add counter {t} {op.name}")
-            elif isinstance(op, DeleteCounter):
-                out.append(f"delete counter {t} {op.name}")
-            elif isinstance(op, AddJump):
-                out.append(f"add element {t} {op.map} {{ {op.key} : jump {op.chain} }}")
-            elif isinstance(op, AddElements):
-                out.append(f"add element {t} {op.name} {{ {', '.join(str(k) for k in op.keys)} }}")
-            elif isinstance(op, AddRule):
-                out.append(f"add rule {t} {op.chain} {op.rule.render()}")
-            elif isinstance(op, FlushSet):
-                out.append(f"flush set {t} {op.name}")
-            elif isinstance(op, AddIntervals):
-                out.append(f"add element {t} {op.name} {{ {', '.join(_fmt_net(n) for n in op.nets)} }}")
-            elif isinstance(op, AddTimed):
-                elems = ", ".join(f"{ip} timeout {s}s expires {s}s" for ip, s in op.leases)
-                out.append(f"add element {t} {op.name} {{ {elems} }}")
-            elif isinstance(op, DeleteElement):
-                out.append(f"delete element {t} {op.name} {{ {op.key} }}")
-            elif isinstance(op, FlushChain):
-                out.append(f"flush chain {t} {op.name}")
-            elif isinstance(op, DeleteChain):
-                out.append(f"delete chain {t} {op.name}")
-            else:
-                out.append(f"delete set {t} {op.name}")
+        out = [
+            describe_uid_op(t, op)
+            if isinstance(op, AddUidJump | AddUidPort | AddUid | DeleteUid)
+            else _describe_elements(t, op)
+            if isinstance(op, ElementOp)
+            else _describe_object(t, op)
+            for op in self.ops
+        ]
         return "\n".join(out) + ("\n" if out else "")
+
+
+def _describe_object(t: str, op: Op) -> str:
+    if isinstance(op, AddSet):
+        typ = "ipv4_addr" if op.fam == "v4" else "ipv6_addr"
+        flags = {
+            "interval": " flags interval;",
+            "timeout": f" flags timeout; timeout {op.timeout_s}s;",
+        }
+        size = f" size {op.size};" if op.size else ""
+        return f"add set {t} {op.name} {{ type {typ};{flags.get(op.kind, '')}{size} }}"
+    if isinstance(op, AddChain):
+        return f"add chain {t} {op.name}"
+    if isinstance(op, AddCounter):
+        return f"add counter {t} {op.name}"
+    if isinstance(op, DeleteCounter):
+        return f"delete counter {t} {op.name}"
+    if isinstance(op, AddRule):
+        return f"add rule {t} {op.chain} {op.rule.render()}"
+    if isinstance(op, FlushChain):
+        return f"flush chain {t} {op.name}"
+    if isinstance(op, DeleteChain):
+        return f"delete chain {t} {op.name}"
+    assert isinstance(op, DeleteSet)
+    return f"delete set {t} {op.name}"
+
+
+def _describe_elements(t: str, op: ElementOp) -> str:
+    if isinstance(op, AddJump):
+        return f"add element {t} {op.map} {{ {op.key} : jump {op.chain} }}"
+    if isinstance(op, AddElements):
+        return f"add element {t} {op.name} {{ {', '.join(str(k) for k in op.keys)} }}"
+    if isinstance(op, FlushSet):
+        return f"flush set {t} {op.name}"
+    if isinstance(op, AddIntervals):
+        return f"add element {t} {op.name} {{ {', '.join(_fmt_net(n) for n in op.nets)} }}"
+    if isinstance(op, AddTimed):
+        elems = ", ".join(f"{ip} timeout {s}s expires {s}s" for ip, s in op.leases)
+        return f"add element {t} {op.name} {{ {elems} }}"
+    return f"delete element {t} {op.name} {{ {op.key} }}"

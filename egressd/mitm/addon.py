@@ -26,7 +26,7 @@ from mitmproxy.addonmanager import Loader
 from egressd.mitm.active import READY_EVENT
 from egressd.mitm.inject import (
     LOOKUP_FAILED,
-    Outcome,
+    InjectionDecision,
     Request,
     decide,
     find_binding,
@@ -124,6 +124,23 @@ def _destination_unchanged(flow: http.HTTPFlow) -> bool:
     return (flow.request.host, flow.request.port) == (addr[0], addr[1])
 
 
+def _decision_request(req: http.Request, authority: str, port: int, sni: str | None) -> Request:
+    """What :func:`decide` sees of the request at ``requestheaders`` time (no body yet)."""
+    return Request(
+        scheme=req.scheme,
+        host=authority,
+        port=port,
+        method=req.method,
+        path=req.path,
+        headers=tuple(req.headers.items(multi=True)),
+        body=None,
+        content_type=req.headers.get("content-type"),
+        content_encoding=req.headers.get("content-encoding"),
+        sni=sni,
+        transfer_encoding=req.headers.get("transfer-encoding"),
+    )
+
+
 class EgressInjector:
     def __init__(self) -> None:
         self.client: ActiveClient | None = None
@@ -167,30 +184,18 @@ class EgressInjector:
         req = flow.request
         client_ip = _peer_ip(flow)
         dest = _original_destination(flow)
+        dst = dest[0] if dest else None
         sni = flow.client_conn.sni if req.scheme == "https" else None
         port = dest[1] if dest else req.port
-        # One authority (BEHAVIOUR 14.8), for every flow, vault or not, before the lookup:
-        # mitmproxy forwards the HTTP/1 absolute-form authority and both ``:authority`` and
-        # ``Host`` as they came, while the decision would run on one of them.
-        one = one_authority(req.authority, req.headers.get_all("host"), sni, port, req.path)
-        if one.refusal is not None:
-            self._refuse(
-                flow, one.refusal, client=client_ip, dst=dest[0] if dest else None, method=req.method
-            )
+        authority = self._one_authority(flow, client_ip, dst, sni, port)
+        if authority is None:
             return
-        _forward_on_one_authority(req)
-        if not _destination_unchanged(flow):
-            emit("mitm.error", hook="requestheaders", error="destination changed")
-            flow.kill()
-            return
-        authority = one.value or ""
         norm = normalise_authority(authority) if authority else None
         host = norm[0] if norm else None
         started = time.perf_counter()
         assert self.client is not None
         try:
             listen = _listen_port(flow, self.shared_port)
-            dst = dest[0] if dest else None
             if listen is None:
                 view = await self.client.lookup(client_ip, host, dst)
             else:
@@ -201,47 +206,55 @@ class EgressInjector:
         if view.snapshot is None:
             return  # no vault: plain pass-through
         flow.metadata[_META] = view.snapshot
-        request = Request(
-            scheme=req.scheme,
-            host=authority,
-            port=port,
-            method=req.method,
-            path=req.path,
-            headers=tuple(req.headers.items(multi=True)),
-            body=None,
-            content_type=req.headers.get("content-type"),
-            content_encoding=req.headers.get("content-encoding"),
-            sni=sni,
-            transfer_encoding=req.headers.get("transfer-encoding"),
-        )
-        outcome = decide(view.snapshot, request, destination_ok=view.destination_ok)
+        request = _decision_request(req, authority, port, sni)
+        decision = decide(view.snapshot, request, destination_ok=view.destination_ok)
         fields = {
             "client": client_ip,
             "host": host,
-            "dst": dest[0] if dest else None,
+            "dst": dst,
             "method": req.method,
             "revision": view.snapshot.revision,
-            "binding": outcome.binding,
+            "binding": decision.binding,
             "lookup_ms": round((time.perf_counter() - started) * 1000, 3),
         }
-        if outcome.kind == "refuse":
-            self._refuse(flow, outcome, **fields)
+        if decision.kind == "refuse":
+            self._refuse(flow, decision, **fields)
             return
-        if outcome.kind == "pass":
-            emit("mitm.pass", reason=outcome.reason, **fields)
+        if decision.kind == "pass":
+            emit("mitm.pass", reason=decision.reason, **fields)
             return
-        if outcome.new_path is not None:
-            req.path = outcome.new_path
-        req.headers = _headers(outcome.rewrite_headers(request.headers))
-        flow.metadata[_META + ".binding"] = outcome.binding
+        if decision.new_path is not None:
+            req.path = decision.new_path
+        req.headers = _headers(decision.rewrite_headers(request.headers))
+        flow.metadata[_META + ".binding"] = decision.binding
         emit(
             "mitm.injected",
-            headers=list(outcome.injected_names),
-            substituted=list(outcome.substituted),
+            headers=list(decision.injected_names),
+            substituted=list(decision.substituted),
             **fields,
         )
 
-    def _refuse(self, flow: http.HTTPFlow, outcome: Outcome, **fields: Any) -> None:
+    def _one_authority(
+        self, flow: http.HTTPFlow, client_ip: str | None, dst: str | None, sni: str | None, port: int
+    ) -> str | None:
+        """The request's one authority ("" when it names none), now the only one on the wire;
+        None when the flow was refused or killed instead."""
+        req = flow.request
+        # One authority (BEHAVIOUR 14.8), for every flow, vault or not, before the lookup:
+        # mitmproxy forwards the HTTP/1 absolute-form authority and both ``:authority`` and
+        # ``Host`` as they came, while the decision would run on one of them.
+        one = one_authority(req.authority, req.headers.get_all("host"), sni, port, req.path)
+        if one.refusal is not None:
+            self._refuse(flow, one.refusal, client=client_ip, dst=dst, method=req.method)
+            return None
+        _forward_on_one_authority(req)
+        if not _destination_unchanged(flow):
+            emit("mitm.error", hook="requestheaders", error="destination changed")
+            flow.kill()
+            return None
+        return one.value or ""
+
+    def _refuse(self, flow: http.HTTPFlow, outcome: InjectionDecision, **fields: Any) -> None:
         # A chunked body may start streaming upstream while it is read: kill, never wait.
         streamed = bool(flow.request.stream) or (
             _body_pending(flow.request) and "content-length" not in flow.request.headers
@@ -259,7 +272,7 @@ class EgressInjector:
     def request(self, flow: http.HTTPFlow) -> None:
         try:
             refusal = flow.metadata.get(_META + ".refuse")
-            if isinstance(refusal, Outcome):
+            if isinstance(refusal, InjectionDecision):
                 flow.response = http.Response.make(
                     refusal.status, refusal.reason, {"Content-Type": "text/plain"}
                 )

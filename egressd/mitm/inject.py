@@ -2,7 +2,7 @@
 
 Pure functions on plain data: no I/O, no logging, no mitmproxy. The addon turns a flow into a
 :class:`Request`, calls :func:`decide` with the client's :class:`VaultSnapshot` (the ``_active``
-body of §10), and applies the :class:`Outcome`:
+body of §10), and applies the :class:`InjectionDecision`:
 
 * ``pass``: forward untouched (no vault, no binding matches, destination not verified, TLS
   without SNI). Nothing about the request is changed.
@@ -11,7 +11,7 @@ body of §10), and applies the :class:`Outcome`:
   then). ``status`` is 403 from :func:`decide`; :data:`LOOKUP_FAILED` is the 503 the addon uses
   when the ``_active`` lookup fails.
 * ``inject``: apply, in this order, ``new_path`` (path and query, when not None),
-  ``header_updates`` then ``set_headers`` (:meth:`Outcome.rewrite_headers` does both), and
+  ``header_updates`` then ``set_headers`` (:meth:`InjectionDecision.rewrite_headers` does both), and
   ``new_body`` (when not None; the adapter then fixes ``Content-Length`` / drops
   ``Transfer-Encoding`` as for any body rewrite). Response headers of such a flow go through
   :func:`redact_response_headers` with the snapshot's ``redactions``.
@@ -38,7 +38,7 @@ so a sandbox that opens a connection to an address of its choice and sends
 ``Host: api.example.com`` never receives that binding's credential.
 
 Secrecy: credential values and placeholders never appear in a ``reason`` or in the
-``repr()``/``str()`` of :class:`Request` or :class:`Outcome` (request paths, headers and
+``repr()``/``str()`` of :class:`Request` or :class:`InjectionDecision` (request paths, headers and
 bodies are hidden too: they may carry placeholders). Reasons are fixed texts plus binding
 names.
 """
@@ -76,9 +76,9 @@ __all__ = [
     "REASON_TARGET_OVERRIDE",
     "REDACTION_MARKER",
     "TARGET_OVERRIDE_HEADERS",
+    "DecisionKind",
+    "InjectionDecision",
     "OneAuthority",
-    "Outcome",
-    "OutcomeKind",
     "Request",
     "RewriteError",
     "decide",
@@ -134,7 +134,7 @@ TARGET_OVERRIDE_HEADERS: Final = frozenset(
     }
 )
 
-OutcomeKind = Literal["pass", "inject", "refuse"]
+DecisionKind = Literal["pass", "inject", "refuse"]
 Surface = Literal["path", "query", "header", "body"]
 
 
@@ -149,7 +149,7 @@ class Request:
     ``host`` is the Host header / ``:authority`` (may carry ``:port``); ``port`` the
     connection's (original) destination port; ``path`` the raw request target including the
     query; ``headers`` in wire order, duplicates kept (indices are what
-    :attr:`Outcome.header_updates` refers to); ``body`` None when streamed or not read yet;
+    :attr:`InjectionDecision.header_updates` refers to); ``body`` None when streamed or not read yet;
     ``content_type`` / ``content_encoding`` / ``transfer_encoding`` the request's header
     values (None when absent); ``sni`` the client's ClientHello SNI (None for plaintext HTTP
     or no SNI). The caller has already reduced the request to :func:`one_authority`.
@@ -170,7 +170,7 @@ class Request:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class InjectionDecision:
     """What to do with a request; see the module docstring for how to apply it.
 
     ``reason`` is a fixed text (for a refusal: the response body); ``binding`` names the
@@ -184,7 +184,7 @@ class Outcome:
     (``path``, ``query``, ``header``, ``body``) where a placeholder was replaced, for logs.
     """
 
-    kind: OutcomeKind
+    kind: DecisionKind
     status: int = 0
     reason: str = ""
     binding: str | None = None
@@ -198,7 +198,7 @@ class Outcome:
         path = "None" if self.new_path is None else "<redacted>"
         body = "None" if self.new_body is None else f"<{len(self.new_body)} bytes>"
         return (
-            f"Outcome(kind={self.kind!r}, status={self.status}, reason={self.reason!r}, "
+            f"InjectionDecision(kind={self.kind!r}, status={self.status}, reason={self.reason!r}, "
             f"binding={self.binding!r}, set_headers={list(self.injected_names)!r}, "
             f"header_updates=<{len(self.header_updates)}>, new_path={path}, new_body={body}, "
             f"substituted={self.substituted!r})"
@@ -237,18 +237,18 @@ class RewriteError(ValueError):
     """An outcome asks for a rewrite outside the exact list (never expected; fail closed)."""
 
 
-LOOKUP_FAILED: Final = Outcome("refuse", status=503, reason=REASON_LOOKUP_FAILED)
+LOOKUP_FAILED: Final = InjectionDecision("refuse", status=503, reason=REASON_LOOKUP_FAILED)
 """The outcome for every intercepted flow of a client whose ``_active`` lookup failed (§10)."""
 
-_PASS_NO_VAULT: Final = Outcome("pass", reason=REASON_NO_VAULT)
-_PASS_NO_MATCH: Final = Outcome("pass", reason=REASON_NO_MATCH)
+_PASS_NO_VAULT: Final = InjectionDecision("pass", reason=REASON_NO_VAULT)
+_PASS_NO_MATCH: Final = InjectionDecision("pass", reason=REASON_NO_MATCH)
 
 
-def _refuse(reason: str, binding: str | None = None, status: int = 403) -> Outcome:
-    return Outcome("refuse", status=status, reason=reason, binding=binding)
+def _refuse(reason: str, binding: str | None = None, status: int = 403) -> InjectionDecision:
+    return InjectionDecision("refuse", status=status, reason=reason, binding=binding)
 
 
-AMBIGUOUS_AUTHORITY: Final = Outcome("refuse", status=400, reason=REASON_AUTHORITY)
+AMBIGUOUS_AUTHORITY: Final = InjectionDecision("refuse", status=400, reason=REASON_AUTHORITY)
 """The 400 of :func:`one_authority` (BEHAVIOUR 14.8)."""
 
 
@@ -328,7 +328,7 @@ class OneAuthority:
     (a Host / ``:authority`` text, None when the request names none), or ``refusal``."""
 
     value: str | None
-    refusal: Outcome | None = None
+    refusal: InjectionDecision | None = None
 
 
 def one_authority(
@@ -657,7 +657,7 @@ def substitute_body(
 # The decision
 
 
-def decide(snapshot: VaultSnapshot | None, req: Request, *, destination_ok: bool) -> Outcome:
+def decide(snapshot: VaultSnapshot | None, req: Request, *, destination_ok: bool) -> InjectionDecision:
     """Match ``req`` against ``snapshot`` and say whether to pass, refuse or inject (§10).
 
     Order: no vault -> pass; no binding matches (scheme, canonical port, method, path without
@@ -675,38 +675,66 @@ def decide(snapshot: VaultSnapshot | None, req: Request, *, destination_ok: bool
     target = _target(req)
     if target is None:
         return _PASS_NO_MATCH
-    path, has_query, query = req.path.partition("?")
+    path = req.path.partition("?")[0]
     bindings = snapshot.bindings
     matched = _matches(bindings, target, path)
     if not matched:
         return _PASS_NO_MATCH
     if not destination_ok:
-        return Outcome("pass", reason=REASON_DESTINATION)
+        return InjectionDecision("pass", reason=REASON_DESTINATION)
     if target.scheme == "https" and not req.sni:
-        return Outcome("pass", reason=REASON_NO_SNI)
+        return InjectionDecision("pass", reason=REASON_NO_SNI)
     top = max(matched.values())
     chosen = [bindings[i] for i, p in matched.items() if p == top]
     if len(chosen) > 1:
         return _refuse(REASON_AMBIGUOUS)
-    binding = chosen[0]
-    if req.sni and not _sni_in_scope(req.sni, binding):
-        return _refuse(REASON_SNI, binding.name)
-    expected = set(matched)
-    if _path_refused(bindings, target, path, expected, allow_nested=False):
-        return _refuse(REASON_PATH, binding.name)
-    if _hop_by_hop_problem(req.headers):
-        return _refuse(REASON_HOP_BY_HOP, binding.name, status=400)
-    if any(name.strip().lower() in TARGET_OVERRIDE_HEADERS for name, _ in req.headers):
-        return _refuse(REASON_TARGET_OVERRIDE, binding.name)
+    selected = _Selected(chosen[0], bindings, target, set(matched))
+    refusal = _refusal(req, selected, path)
+    if refusal is not None:
+        return refusal
+    return _injection(req, selected)
 
+
+@dataclass(frozen=True, slots=True)
+class _Selected:
+    """The one binding a request matched at the top precedence, and what it was matched on:
+    a path (decoded, or substituted) must match exactly the same bindings."""
+
+    binding: ActiveBinding
+    bindings: Sequence[ActiveBinding]
+    target: _Target
+    matched: set[int]
+
+    def path_refused(self, path: str, *, allow_nested: bool) -> bool:
+        return _path_refused(self.bindings, self.target, path, self.matched, allow_nested=allow_nested)
+
+
+def _refusal(req: Request, selected: _Selected, path: str) -> InjectionDecision | None:
+    """Why the request must not carry the selected binding's credentials, if it must not."""
+    name = selected.binding.name
+    if req.sni and not _sni_in_scope(req.sni, selected.binding):
+        return _refuse(REASON_SNI, name)
+    if selected.path_refused(path, allow_nested=False):
+        return _refuse(REASON_PATH, name)
+    if _hop_by_hop_problem(req.headers):
+        return _refuse(REASON_HOP_BY_HOP, name, status=400)
+    if any(header.strip().lower() in TARGET_OVERRIDE_HEADERS for header, _ in req.headers):
+        return _refuse(REASON_TARGET_OVERRIDE, name)
+    return None
+
+
+def _injection(req: Request, selected: _Selected) -> InjectionDecision:
+    """The substitutions on every surface, then the binding's headers."""
+    binding = selected.binding
     substituted: list[Surface] = []
     subs = binding.substitutions
+    path, has_query, query = req.path.partition("?")
     new_path, n_path = substitute(path, _replacements(subs, "path", "url"))
     if n_path:
         substituted.append("path")
         # Values are URL-encoded, so a value's own "%" makes a nested escape: allowed here,
         # but ".." / backslashes at any depth and a changed binding match are refused.
-        if _path_refused(bindings, target, new_path, expected, allow_nested=True):
+        if selected.path_refused(new_path, allow_nested=True):
             return _refuse(REASON_SUBSTITUTED_PATH, binding.name)
     new_query, n_query = substitute(query, _replacements(subs, "query", "url")) if has_query else ("", 0)
     if n_query:
@@ -715,15 +743,7 @@ def decide(snapshot: VaultSnapshot | None, req: Request, *, destination_ok: bool
     if n_path or n_query:
         target_path = new_path + (f"?{new_query}" if has_query else "")
 
-    header_replacements = _replacements(subs, "header", "raw")
-    updates: list[tuple[int, str]] = []
-    if header_replacements:
-        for index, (name, value) in enumerate(req.headers):
-            if header_reserved(name):
-                continue
-            new_value, n = substitute(value, header_replacements)
-            if n:
-                updates.append((index, new_value))
+    updates = _header_updates(req.headers, _replacements(subs, "header", "raw"))
     if updates:
         substituted.append("header")
 
@@ -734,7 +754,7 @@ def decide(snapshot: VaultSnapshot | None, req: Request, *, destination_ok: bool
         substituted.append("body")
 
     set_headers = tuple((h.name, h.value) for h in binding.headers if not header_reserved(h.name))
-    return Outcome(
+    return InjectionDecision(
         "inject",
         binding=binding.name,
         set_headers=set_headers,
@@ -743,6 +763,22 @@ def decide(snapshot: VaultSnapshot | None, req: Request, *, destination_ok: bool
         new_body=new_body,
         substituted=tuple(substituted),
     )
+
+
+def _header_updates(
+    headers: Sequence[tuple[str, str]], replacements: Sequence[tuple[str, str]]
+) -> list[tuple[int, str]]:
+    """(index, new value) of every non-reserved header a ``header`` substitution changed."""
+    updates: list[tuple[int, str]] = []
+    if not replacements:
+        return updates
+    for index, (name, value) in enumerate(headers):
+        if header_reserved(name):
+            continue
+        new_value, n = substitute(value, replacements)
+        if n:
+            updates.append((index, new_value))
+    return updates
 
 
 # --------------------------------------------------------------------------------------------

@@ -68,10 +68,9 @@ async def start_mitm(
 ) -> RunningMitm:
     """CA, the private ``_active`` socket, then the supervised MITM child (BEHAVIOUR §10).
 
-    ``lookup``/``verify`` answer the child's vault lookups (see :mod:`egressd.mitm.active`);
-    ``gid`` is the child's group id (the sidecar exempts the MITM's own traffic by it);
-    ``by_port`` the lookups of the per-subject ports the child also listens on (fleet,
-    host-uid subjects).
+    ``lookup``/``verify`` (and ``by_port``, for the per-subject ports of host-uid subjects)
+    answer the child's vault lookups (:mod:`egressd.mitm.active`); ``gid`` is the child's
+    group id (the sidecar exempts the MITM's own traffic by it).
     """
     try:
         ca = ensure_ca(cfg.mitm_confdir)
@@ -110,13 +109,17 @@ async def start_mitm(
     except OSError as exc:
         await active.cleanup()
         raise MitmStartupError(f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock}: {exc.strerror}") from None
-    opts = MitmOptions(
+    opts = _options(cfg, sock, trust, by_port.ports if by_port else ())
+    log.info("mitm.ca", fingerprint=ca.fingerprint, pinned=ca.pinned, confdir=str(ca.confdir))
+    return RunningMitm(ca, MitmSupervisor(mitmdump_argv(opts), gid=gid, metrics=metrics), active, sock)
+
+
+def _options(cfg: Config, sock: Path, trust: Path | None, subject_ports: tuple[int, ...]) -> MitmOptions:
+    return MitmOptions(
         port=cfg.mitm_port,
         confdir=cfg.mitm_confdir,
         active_socket=sock,
         upstream_trust_dir=trust,
         ssl_insecure=cfg.mitm_ssl_insecure,
-        subject_ports=by_port.ports if by_port is not None else (),
+        subject_ports=subject_ports,
     )
-    log.info("mitm.ca", fingerprint=ca.fingerprint, pinned=ca.pinned, confdir=str(ca.confdir))
-    return RunningMitm(ca, MitmSupervisor(mitmdump_argv(opts), gid=gid, metrics=metrics), active, sock)

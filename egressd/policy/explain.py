@@ -46,29 +46,42 @@ def explain(
         return out
     out["auditMode"] = effective.audit
     if kind is TargetKind.DOMAIN:
-        d = evaluate_domain(effective, text)
-        judged = judge_domain(effective, text)
-        if judged.would_deny:
-            outcome = "; audit mode: would-deny, logged and counted, answered (not learned)"
-        elif d.verdict is Verdict.ALLOW:
-            outcome = "; the name resolves (answers become leases)"
-        else:
-            outcome = "; NXDOMAIN, never forwarded"
-        out.update(
-            layer="dns",
-            decision=d.verdict.value,
-            rule=_rule_json(d.rule.action, d.rule.target) if d.rule else None,
-            ruleLabel=judged.rule,
-            reason=(
-                "first matching rule"
-                if d.rule
-                else f"no rule matches: defaultAction {effective.default_action}"
-            )
-            + outcome,
+        out.update(_explain_name(effective, text))
+    else:
+        out.update(_explain_address(effective, leases, text, now))
+    return out
+
+
+def _explain_name(effective: NetworkPolicy, name: str) -> dict[str, Any]:
+    """What the DNS proxy does with a query for ``name``."""
+    d = evaluate_domain(effective, name)
+    judged = judge_domain(effective, name)
+    if judged.would_deny:
+        outcome = "; audit mode: would-deny, logged and counted, answered (not learned)"
+    elif d.verdict is Verdict.ALLOW:
+        outcome = "; the name resolves (answers become leases)"
+    else:
+        outcome = "; NXDOMAIN, never forwarded"
+    out: dict[str, Any] = dict(
+        layer="dns",
+        decision=d.verdict.value,
+        rule=_rule_json(d.rule.action, d.rule.target) if d.rule else None,
+        ruleLabel=judged.rule,
+        reason=(
+            "first matching rule" if d.rule else f"no rule matches: defaultAction {effective.default_action}"
         )
-        if judged.would_deny:
-            out["wouldDeny"] = True
-        return out
+        + outcome,
+    )
+    if judged.would_deny:
+        out["wouldDeny"] = True
+    return out
+
+
+def _explain_address(
+    effective: NetworkPolicy, leases: dict[IPAddress, float], text: str, now: float
+) -> dict[str, Any]:
+    """What the kernel sets do with a flow to the address (or a network's first address)."""
+    out: dict[str, Any] = {}
     ip = unmap_ip(ipaddress.ip_address(text.split("/", 1)[0]))
     verdict, where, reason = ip_decision(effective, leases, ip, now)
     if verdict is Verdict.DENY and effective.audit and not hard_denied(effective, ip):

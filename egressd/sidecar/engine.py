@@ -33,7 +33,7 @@ from egressd.policy import (
 from egressd.policy.decide import ip_decision
 from egressd.sidecar.persist import serialise, write_atomic
 from egressd.sidecarnft.ruleset import SidecarTable, delete_table, dyn_add, ruleset
-from egressd.subject.leases import LeaseBook, Narrowed, covered_by, name_admitted, names_admitted
+from egressd.subject.leases import LeaseBook, Narrowed, admissible, destination_verified, narrowed_for
 from egressd.subject.model import Fence, IPAddress
 
 log = structlog.get_logger("egressd.sidecar")
@@ -48,7 +48,9 @@ class Kernel(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class ChangeResult:
+    """A policy change's answer: the HTTP status and, on failure, why."""
+
     status: int
     reason: str = ""
 
@@ -99,18 +101,15 @@ class SidecarEngine:
     def fence(self) -> Fence:
         return Fence(SIDECAR_UID, str(self.generation))
 
-    # ---- DNS proxy side (the Policies protocol) ----------------------------------------------
+    # ---- DNS proxy side (its asker and on_resolved callbacks) --------------------------------
 
     def asker(self, source_ip: IPAddress) -> Asker:
         return Asker(SIDECAR_UID, self.fence, self.effective)
 
     def destination_verified(self, client_ip: IPAddress, host: str, dst: IPAddress) -> bool:
-        """May the MITM send ``host``'s credentials to ``dst``? Only if the DNS proxy answered
-        ``host`` with ``dst`` (lease running) or an explicit IP/CIDR allow rule covers it and no
-        deny rule does (``defaultAction: allow`` does not count). Same rule as the fleet."""
-        if self.leases.verified(dst, normalise_name(host), self._clock()):
-            return True
-        return self._sets.explicitly_allows(dst)
+        """May the MITM send ``host``'s credentials to ``dst``? The rule both profiles share
+        (:func:`egressd.subject.leases.destination_verified`), for the one subject."""
+        return destination_verified(self.leases, self._sets, normalise_name(host), dst, self._clock())
 
     async def learn(
         self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
@@ -129,19 +128,11 @@ class SidecarEngine:
             if not self.enforcement_ready:
                 return []
             now = self._clock()
-            # Decided again under the policy in force now: an answer that raced a change adds
-            # nothing the change denies.
             if name is not None:
                 name = normalise_name(name)
-                if not name_admitted(self.effective, name):
-                    return []
-                candidates = leases
-            else:
-                renew = set(
-                    self.leases.renewable((ip for ip, _ in leases), names_admitted(self.effective), now)
-                )
-                candidates = [(ip, sec) for ip, sec in leases if ip in renew]
-            admitted = self.leases.admit(candidates, now)
+            # Decided again under the policy in force now: an answer that raced a change adds
+            # nothing the change denies.
+            admitted = admissible(self.leases, self.effective, leases, name, now)
             if not admitted:
                 return []
             await self.kernel.run_script(dyn_add(self.table, admitted), op="dynamic_add")
@@ -154,8 +145,7 @@ class SidecarEngine:
         """The leases that survive ``effective``: a name that taught them is still allowed
         and no deny rule covers the address (BEHAVIOUR 14.1, same rule as the fleet)."""
         sets = ip_sets(effective)
-        denied = covered_by(sets.deny_v4, sets.deny_v6)
-        return self.leases.narrowed(names_admitted(effective), denied, self._clock())
+        return narrowed_for(self.leases, effective, sets.deny_v4, sets.deny_v6, self._clock())
 
     def allows_ip(self, ip: IPAddress) -> bool:
         """Whether the installed ruleset accepts a new connection to ``ip`` (mode dns+nft)."""
@@ -193,17 +183,17 @@ class SidecarEngine:
         if self.persist_path is not None:
             self._writer(self.persist_path, serialise(policy))
 
-    async def set_policy(self, policy: NetworkPolicy) -> Outcome:
+    async def set_policy(self, policy: NetworkPolicy) -> ChangeResult:
         """Persist, rebuild, commit. 500 (with everything unchanged) when a step fails."""
         return await self._change(policy, self.always, persist=True)
 
     async def set_always_rules(self, always: AlwaysRules) -> None:
         """Always-rules reload: rebuild with the new rules; raises when the kernel refuses."""
-        outcome = await self._change(self.user, always, persist=False)
-        if outcome.status != 200:
-            raise RuntimeError(outcome.reason)
+        result = await self._change(self.user, always, persist=False)
+        if result.status != 200:
+            raise RuntimeError(result.reason)
 
-    async def _change(self, policy: NetworkPolicy, always: AlwaysRules, *, persist: bool) -> Outcome:
+    async def _change(self, policy: NetworkPolicy, always: AlwaysRules, *, persist: bool) -> ChangeResult:
         effective = effective_policy(policy, always)
         event = {"egress.default": policy.default_action.value, "rules": len(policy.egress)}
         async with self._kernel_lock:
@@ -216,7 +206,7 @@ class SidecarEngine:
                         **{"opensandbox.event": "egress.update_failed", **event},
                         error=f"persist: {exc.strerror or exc}",
                     )
-                    return Outcome(500, f"cannot persist policy: {exc.strerror or type(exc).__name__}")
+                    return ChangeResult(500, f"cannot persist policy: {exc.strerror or type(exc).__name__}")
             narrowed = self._narrowed(effective)
             try:
                 script = ruleset(self.table, effective, narrowed.kept)
@@ -231,7 +221,7 @@ class SidecarEngine:
                     **{"opensandbox.event": "egress.update_failed", **event},
                     error=str(exc)[:200],
                 )
-                return Outcome(500, f"policy apply: {exc}")
+                return ChangeResult(500, f"policy apply: {exc}")
             self.user = policy
             self.always = always
             self.effective = effective
@@ -244,7 +234,7 @@ class SidecarEngine:
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
         log.info("egress.updated", **{"opensandbox.event": "egress.updated", **event})
-        return Outcome(200)
+        return ChangeResult(200)
 
 
 def _rule_count(script: str) -> int:

@@ -241,9 +241,9 @@ class SidecarHTTP:
                     self.vault.check_policy(self.engine.effective_for(new))
                 except VaultError as exc:
                     return text(400, f"policy change uncovers a credential binding: {exc}")
-            outcome = await self.engine.set_policy(new)
-            if outcome.status != 200:
-                return text(outcome.status, outcome.reason)
+            result = await self.engine.set_policy(new)
+            if result.status != 200:
+                return text(result.status, result.reason)
             extra = {"reason": reason} if reason else {}
             return web.json_response(self._status(**extra))
 

@@ -143,7 +143,10 @@ def _check_kernel(cfg: Config, tx: KernelTransactions) -> LeaseRenewal:
             check_setgid_for_mitm()
         return tx.run_sync(
             lambda: run_selftest(
-                tx._cmd, table_prefix=cfg.nft_table, dns_port=cfg.dns_port, elements=tx._set_elements
+                tx.run_script_sync,
+                table_prefix=cfg.nft_table,
+                dns_port=cfg.dns_port,
+                elements=tx.set_elements_sync,
             )
         )
     except SelfTestError as exc:
@@ -159,9 +162,10 @@ async def _start_dns(
 ) -> None:
     forwarder = running.forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
     dns = running.dns = DnsProxy(
-        engine,
+        engine.asker,
         forwarder,
         metrics,
+        on_resolved=engine.learn,  # DNS-to-kernel: answers join the dyn sets before the reply
         lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max),
         budget=query_budget(cfg.dns_qps_per_subject),
     )

@@ -141,6 +141,28 @@ def ruleset(cfg: SidecarTable, policy: NetworkPolicy, leases: Sequence[tuple[IPA
     keeps them, so a policy change does not break names the app resolved a moment ago.
     """
     t = cfg.table
+    doh = _split(cfg.doh_blocklist)
+    lines = [f"add table inet {t}", f"delete table inet {t}", f"add table inet {t}"]
+    lines += _set_declarations(cfg, policy, leases, doh)
+    lines += _redirect_chain(cfg)
+    if cfg.mitm_port is not None:
+        lines += _mitm_input_chain(cfg, cfg.mitm_port)
+    if cfg.mode != "dns":
+        lines += _filter_chain(cfg, policy, doh)
+    return "\n".join(lines) + "\n"
+
+
+def _rule(t: str, chain: str, body: str) -> str:
+    return f"add rule inet {t} {chain} {body}"
+
+
+def _set_declarations(
+    cfg: SidecarTable,
+    policy: NetworkPolicy,
+    leases: Sequence[tuple[IPAddress, float]],
+    doh: dict[str, list[str]],
+) -> list[str]:
+    t = cfg.table
     sets = ip_sets(policy)
     resolvers = [ipaddress.ip_network(ip) for ip in cfg.resolvers]
     allow = _split([*sets.allow_v4, *sets.allow_v6, *resolvers])
@@ -149,95 +171,111 @@ def ruleset(cfg: SidecarTable, policy: NetworkPolicy, leases: Sequence[tuple[IPA
     for ip, seconds in leases:
         if seconds > 0:
             dyn[_fam(ip)].append(lease_element(ip, seconds))
-
-    lines = [f"add table inet {t}", f"delete table inet {t}", f"add table inet {t}"]
+    lines = []
     for fam in ("v4", "v6"):
         lines.append(_interval_set(t, f"allow_{fam}", fam, allow[fam]))
         lines.append(_interval_set(t, f"deny_{fam}", fam, deny[fam]))
         lines.append(_timeout_set(t, dyn_set(fam), fam, dyn[fam], cfg.max_leases))
-    doh = _split(cfg.doh_blocklist)
     if cfg.block_doh_443 and cfg.doh_blocklist:
         for fam in ("v4", "v6"):
             if doh[fam]:
                 lines.append(_interval_set(t, f"doh_block_{fam}", fam, doh[fam]))
+    return lines
 
-    def rule(chain: str, body: str) -> None:
-        lines.append(f"add rule inet {t} {chain} {body}")
 
+def _redirect_chain(cfg: SidecarTable) -> list[str]:
     # DNS: every udp/tcp 53 packet the namespace sends goes to the local proxy, except the
     # proxy's own upstream queries (SO_MARK 0x1 set by the forwarder).
-    lines.append(
-        f"add chain inet {t} {REDIRECT_CHAIN} {{ type nat hook output priority -100; policy accept; }}"
-    )
-    rule(REDIRECT_CHAIN, f"meta mark {UPSTREAM_MARK:#x} return")
+    t, c = cfg.table, REDIRECT_CHAIN
+    lines = [
+        f"add chain inet {t} {c} {{ type nat hook output priority -100; policy accept; }}",
+        _rule(t, c, f"meta mark {UPSTREAM_MARK:#x} return"),
+    ]
     for fam in ("v4", "v6"):
         exempt = _exempt(cfg, fam)
         if exempt is not None:
             # The reference's per-destination RETURN: DNS to these goes out as sent.
-            rule(REDIRECT_CHAIN, f"{_l3(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 return")
-    rule(REDIRECT_CHAIN, f"udp dport 53 redirect to :{cfg.dns_port}")
-    rule(REDIRECT_CHAIN, f"tcp dport 53 redirect to :{cfg.dns_port}")
+            lines.append(
+                _rule(t, c, f"{_l3(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 return")
+            )
+    lines += [
+        _rule(t, c, f"udp dport 53 redirect to :{cfg.dns_port}"),
+        _rule(t, c, f"tcp dport 53 redirect to :{cfg.dns_port}"),
+    ]
     if cfg.mitm_port is not None:
         # The namespace's own HTTP(S) goes through the MITM; the MITM's upstream leg does not
         # (it would loop), and loopback destinations are nobody's upstream.
-        rule(REDIRECT_CHAIN, f"meta skgid {MITM_GID} return")
-        rule(REDIRECT_CHAIN, "ip daddr 127.0.0.0/8 return")
-        rule(REDIRECT_CHAIN, "ip6 daddr ::1 return")
-        rule(REDIRECT_CHAIN, f"tcp dport {_mitm_ports(cfg)} redirect to :{cfg.mitm_port}")
-        # Only redirected connections may reach the MITM: a direct one (from the app or from
-        # outside the namespace) makes it connect to itself in a loop.
-        lines.append(
-            f"add chain inet {t} {MITM_INPUT_CHAIN} {{ type filter hook input priority 0; policy accept; }}"
-        )
-        rule(MITM_INPUT_CHAIN, f"tcp dport {cfg.mitm_port} ct status dnat accept")
-        rule(MITM_INPUT_CHAIN, f"tcp dport {cfg.mitm_port} drop")
-    if cfg.mode == "dns":
-        return "\n".join(lines) + "\n"
+        lines += [
+            _rule(t, c, f"meta skgid {MITM_GID} return"),
+            _rule(t, c, "ip daddr 127.0.0.0/8 return"),
+            _rule(t, c, "ip6 daddr ::1 return"),
+            _rule(t, c, f"tcp dport {_mitm_ports(cfg)} redirect to :{cfg.mitm_port}"),
+        ]
+    return lines
 
+
+def _mitm_input_chain(cfg: SidecarTable, port: int) -> list[str]:
+    # Only redirected connections may reach the MITM: a direct one (from the app or from
+    # outside the namespace) makes it connect to itself in a loop.
+    t, c = cfg.table, MITM_INPUT_CHAIN
+    return [
+        f"add chain inet {t} {c} {{ type filter hook input priority 0; policy accept; }}",
+        _rule(t, c, f"tcp dport {port} ct status dnat accept"),
+        _rule(t, c, f"tcp dport {port} drop"),
+    ]
+
+
+def _filter_chain(cfg: SidecarTable, policy: NetworkPolicy, doh: dict[str, list[str]]) -> list[str]:
+    """Mode dns+nft: the output filter, which enforces the policy on addresses."""
+    t, f = cfg.table, FILTER_CHAIN
     default_allow = policy.default_action is Verdict.ALLOW
     verdict = "accept" if default_allow else "drop"
-    lines.append(
-        f"add chain inet {t} {FILTER_CHAIN} {{ type filter hook output priority 0; policy {verdict}; }}"
-    )
-    f = FILTER_CHAIN
-    rule(f, "ct state established,related accept")
-    rule(f, f"meta mark {UPSTREAM_MARK:#x} accept")
+    lines = [f"add chain inet {t} {f} {{ type filter hook output priority 0; policy {verdict}; }}"]
+
+    def rule(body: str) -> None:
+        lines.append(_rule(t, f, body))
+
+    rule("ct state established,related accept")
+    rule(f"meta mark {UPSTREAM_MARK:#x} accept")
     if cfg.mitm_port is not None:
         # Redirected to the MITM (its output interface is still the original route's, so
         # "lo" does not match): accepted; the policy applies to the MITM's upstream leg.
-        rule(f, f"tcp dport {cfg.mitm_port} ct status dnat accept")
-    rule(f, 'oifname "lo" accept')
+        rule(f"tcp dport {cfg.mitm_port} ct status dnat accept")
+    rule('oifname "lo" accept')
     # A redirected DNS packet still carries the output interface it was routed to before the
     # nat hook rewrote its destination (the hook state is fixed per traversal), so "lo"
     # does not match it: accept exactly the proxy's loopback address and port.
-    rule(f, f"ip daddr 127.0.0.1 meta l4proto {{ tcp, udp }} th dport {cfg.dns_port} accept")
-    rule(f, f"ip6 daddr ::1 meta l4proto {{ tcp, udp }} th dport {cfg.dns_port} accept")
+    rule(f"ip daddr 127.0.0.1 meta l4proto {{ tcp, udp }} th dport {cfg.dns_port} accept")
+    rule(f"ip6 daddr ::1 meta l4proto {{ tcp, udp }} th dport {cfg.dns_port} accept")
     # IPv6 needs neighbour discovery to reach even the gateway (IPv4's ARP never enters an
     # inet chain). Link-local only: a hop limit of 255 cannot have been routed.
-    rule(f, f"icmpv6 type {{ {ND_TYPES} }} ip6 hoplimit 255 accept")
-    rule(f, "tcp dport 853 drop")
-    rule(f, "udp dport 853 drop")
+    rule(f"icmpv6 type {{ {ND_TYPES} }} ip6 hoplimit 255 accept")
+    rule("tcp dport 853 drop")
+    rule("udp dport 853 drop")
     if cfg.block_doh_443:
         if not cfg.doh_blocklist:
-            rule(f, "tcp dport 443 drop")
+            rule("tcp dport 443 drop")
         else:
             for fam in ("v4", "v6"):
                 if doh[fam]:
-                    rule(f, f"{_l3(fam)} daddr @doh_block_{fam} tcp dport 443 drop")
-    for fam in ("v4", "v6"):
-        rule(f, f"{_l3(fam)} daddr @deny_{fam} drop")
+                    rule(f"{_l3(fam)} daddr @doh_block_{fam} tcp dport 443 drop")
+    lines += [_rule(t, f, body) for body in _address_verdicts(cfg)]
+    if not default_allow:
+        rule("counter drop")
+    return lines
+
+
+def _address_verdicts(cfg: SidecarTable) -> list[str]:
+    """Deny beats everything; then exempt nameservers (port 53), leases, the allow sets."""
+    out = [f"{_l3(fam)} daddr @deny_{fam} drop" for fam in ("v4", "v6")]
     for fam in ("v4", "v6"):
         exempt = _exempt(cfg, fam)
         if exempt is not None:
             # Port 53 only: the reference puts exempt nameservers in the allow list whole.
-            rule(f, f"{_l3(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 accept")
-    for fam in ("v4", "v6"):
-        rule(f, f"{_l3(fam)} daddr @{dyn_set(fam)} accept")
-    for fam in ("v4", "v6"):
-        rule(f, f"{_l3(fam)} daddr @allow_{fam} accept")
-    if not default_allow:
-        rule(f, "counter drop")
-    return "\n".join(lines) + "\n"
+            out.append(f"{_l3(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 accept")
+    out += [f"{_l3(fam)} daddr @{dyn_set(fam)} accept" for fam in ("v4", "v6")]
+    out += [f"{_l3(fam)} daddr @allow_{fam} accept" for fam in ("v4", "v6")]
+    return out
 
 
 def dyn_add(cfg: SidecarTable, leases: Sequence[tuple[IPAddress, float]]) -> str:

@@ -5,7 +5,9 @@ which addresses of an answer may enter the kernel's dyn sets (the per-subject ca
 BEHAVIOUR 14.4), which leases survive a narrowing policy change (14.1), which live
 addresses the connection refresh may renew (§9, 14.1), and whether the MITM may send a
 host's credential to an address (§10: only to an address the DNS proxy answered for that
-host).
+host). Those questions are answered here once, for both (:func:`admissible`,
+:func:`narrowed_for`, :func:`destination_verified`); the profiles only apply the answers to
+their kernels.
 
 A lease lives as long as the longest answer that carried it; the kernel element gets that
 same lifetime (callers send :meth:`LeaseBook.admit`'s seconds), so the book never believes
@@ -15,13 +17,12 @@ the clock difference covered by ``COUNT_GRACE_S``.
 
 from __future__ import annotations
 
-import bisect
-import ipaddress
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from egressd.policy import NetworkPolicy, Verdict, judge_domain
+from egressd.policy import IpSets, NetworkPolicy, Verdict, judge_domain
+from egressd.policy.ipsets import Prefix, covered_by
 from egressd.subject.model import IPAddress
 
 DEFAULT_MAX_LEASES = 4096
@@ -170,6 +171,58 @@ class LeaseBook:
         return Narrowed(book, tuple(kept), tuple(revoked))
 
 
+def admissible(
+    book: LeaseBook,
+    effective: NetworkPolicy,
+    leases: Sequence[tuple[IPAddress, int]],
+    name: str | None,
+    now: float,
+) -> list[tuple[IPAddress, int]]:
+    """What of one answer may enter the subject's dyn sets now, with the seconds the kernel
+    elements must get; nothing is recorded (:meth:`LeaseBook.record` once the kernel took it).
+
+    Decided against the policy in force now (BEHAVIOUR 14.1): an answer (``name``, normalised,
+    the question it was for) only while that name is admitted; a connection refresh (``name``
+    None) only for addresses a still-admitted name taught. Then the lease cap (14.4).
+    """
+    if name is not None:
+        if not name_admitted(effective, name):
+            return []
+        candidates: Sequence[tuple[IPAddress, int]] = leases
+    else:
+        renew = set(book.renewable((ip for ip, _ in leases), names_admitted(effective), now))
+        candidates = [(ip, sec) for ip, sec in leases if ip in renew]
+    return book.admit(candidates, now)
+
+
+def narrowed_for(
+    book: LeaseBook,
+    effective: NetworkPolicy,
+    deny_v4: Sequence[Prefix],
+    deny_v6: Sequence[Prefix],
+    now: float,
+) -> Narrowed:
+    """The book under a new effective policy whose deny sets the kernel will hold are
+    ``deny_v4``/``deny_v6``: a lease stays only if a name that taught it is still admitted
+    and no deny prefix covers it (BEHAVIOUR 14.1)."""
+    return book.narrowed(names_admitted(effective), covered_by(deny_v4, deny_v6), now)
+
+
+def destination_verified(
+    book: LeaseBook | None, sets: IpSets | None, name: str, dst: IPAddress, now: float
+) -> bool:
+    """May the MITM send ``name``'s credentials to ``dst`` (§10)?
+
+    Only if the DNS proxy answered ``name`` (normalised) with ``dst`` and that lease still
+    runs, or an explicit IP/CIDR allow rule of the subject's effective policy (``sets``; not
+    ``defaultAction: allow``) covers ``dst`` and no deny rule does. A sandbox that forges
+    Host/SNI towards an address of its choice therefore never receives a credential.
+    """
+    if book is not None and book.verified(dst, name, now):
+        return True
+    return sets is not None and sets.explicitly_allows(dst)
+
+
 def name_admitted(effective: NetworkPolicy, name: str) -> bool:
     """May an answer for ``name`` (normalised) be learned? Allowed and not merely audited: an
     audit would-deny is answered but never learned."""
@@ -188,31 +241,3 @@ def names_admitted(effective: NetworkPolicy) -> Callable[[str], bool]:
         return hit
 
     return admitted
-
-
-Prefix = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-
-def covered_by(v4: Sequence[Prefix], v6: Sequence[Prefix]) -> Callable[[IPAddress], bool]:
-    """Membership in a set of prefixes by binary search (a narrowing of 4096 leases against
-    4096 deny rules stays linear-logarithmic). Overlapping prefixes are fine: the widest
-    one wins, and callers pass normalised sets anyway."""
-    table: dict[int, tuple[list[int], list[int]]] = {}
-    for version, nets in ((4, v4), (6, v6)):
-        starts: list[int] = []
-        ends: list[int] = []
-        for net in sorted(nets, key=lambda n: (int(n.network_address), -n.num_addresses)):
-            first, last = int(net.network_address), int(net.broadcast_address)
-            if ends and first <= ends[-1]:
-                ends[-1] = max(ends[-1], last)  # inside (or touching) the previous range
-                continue
-            starts.append(first)
-            ends.append(last)
-        table[version] = (starts, ends)
-
-    def covered(ip: IPAddress) -> bool:
-        starts, ends = table[ip.version]
-        i = bisect.bisect_right(starts, int(ip)) - 1
-        return i >= 0 and int(ip) <= ends[i]
-
-    return covered

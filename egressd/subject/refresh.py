@@ -19,7 +19,7 @@ import structlog
 from egressd.kernel.conntrack import original_tuple
 from egressd.kernel.sockets import PROC_TCP, read_uid_flows
 from egressd.subject.leases import LeaseBook
-from egressd.subject.model import IPAddress
+from egressd.subject.model import IPAddress, subject_for_uid
 
 log = structlog.get_logger("egressd.refresh")
 
@@ -50,19 +50,17 @@ def parse_conntrack(lines: Iterable[str]) -> dict[IPAddress, set[IPAddress]]:
 @dataclass(frozen=True, slots=True)
 class RefreshPlan:
     renew: tuple[IPAddress, ...]
-    forget: tuple[IPAddress, ...]
 
 
 def plan_refresh(
-    mirror: dict[IPAddress, float], active_now: set[IPAddress], active_last: set[IPAddress], now: float
+    mirror: dict[IPAddress, float], active_now: set[IPAddress], active_last: set[IPAddress]
 ) -> RefreshPlan:
-    """Renew tracked addresses active now, and once more those active last tick only
-    (a flow that closed between two ticks keeps its lease one extra round); forget tracked
-    addresses that expired and are not active."""
+    """Renew tracked addresses active now, and once more those active last tick only (a flow
+    that closed between two ticks keeps its lease one extra round). Expired leases need no
+    plan: the lease book forgets them itself (:meth:`LeaseBook.expire`)."""
     active = active_now | active_last
     renew = tuple(sorted((ip for ip in mirror if ip in active), key=str))
-    forget = tuple(sorted((ip for ip, exp in mirror.items() if exp <= now and ip not in active), key=str))
-    return RefreshPlan(renew, forget)
+    return RefreshPlan(renew)
 
 
 class LeaseRefresher:
@@ -110,13 +108,13 @@ class LeaseRefresher:
             if book is None:
                 continue
             book.expire(now)  # per-lease bookkeeping ends with the lease (14.4)
-            plan = plan_refresh(book.live(now), now_by_uid.get(uid, set()), self._last.get(uid, set()), now)
+            plan = plan_refresh(book.live(now), now_by_uid.get(uid, set()), self._last.get(uid, set()))
             # The renewal re-decides every address by the names that taught it (14.1).
             if plan.renew:
                 try:
                     await self.renew(uid, list(plan.renew), self.renew_s)
                 except Exception as exc:
-                    log.warning("refresh.renew_failed", subject=f"s-{uid}", error=str(exc)[:200])
+                    log.warning("refresh.renew_failed", subject=subject_for_uid(uid), error=str(exc)[:200])
         self._last = now_by_uid
 
     async def _host_flows(self, now_by_uid: dict[str, set[IPAddress]]) -> None:

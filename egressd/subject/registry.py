@@ -131,7 +131,9 @@ class RemoveAll:
 Step = InstallDenyFirst | ApplyPolicy | DropStaleKeys | AddKeys | RemoveAll
 
 
-class Outcome(enum.StrEnum):
+class PlanOutcome(enum.StrEnum):
+    """What executing a plan amounts to: its steps run (OK), 200 at once (NOOP), or 409."""
+
     OK = "ok"
     NOOP = "noop"  # 200 without touching anything
     CONFLICT = "conflict"  # 409
@@ -139,7 +141,7 @@ class Outcome(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    outcome: Outcome
+    outcome: PlanOutcome
     reason: str = ""
     steps: tuple[Step, ...] = ()
     on_success: Entry | None = None  # None = unregister
@@ -158,7 +160,7 @@ class SetBindingRequest:
 
 
 def _conflict(reason: str) -> Plan:
-    return Plan(Outcome.CONFLICT, reason)
+    return Plan(PlanOutcome.CONFLICT, reason)
 
 
 def plan_set_binding(entry: Entry | None, req: SetBindingRequest) -> Plan:
@@ -166,10 +168,10 @@ def plan_set_binding(entry: Entry | None, req: SetBindingRequest) -> Plan:
     if entry is None:
         if req.binding is None:
             # PROPOSED: null for an absent subject without attachment is a no-op.
-            return Plan(Outcome.NOOP, "nothing bound")
+            return Plan(PlanOutcome.NOOP, "nothing bound")
         new = Entry(req.uid, req.fence, State.DENYING, req.binding, req.spec_generation, pending=req.policy)
         failed = replace(new, pending=None)
-        return Plan(Outcome.OK, steps=(InstallDenyFirst(req.binding),), on_success=new, on_failure=failed)
+        return Plan(PlanOutcome.OK, steps=(InstallDenyFirst(req.binding),), on_success=new, on_failure=failed)
 
     binding = req.binding or entry.binding
     if entry.fence != req.fence:
@@ -179,7 +181,7 @@ def plan_set_binding(entry: Entry | None, req: SetBindingRequest) -> Plan:
         steps: tuple[Step, ...] = ()
         steps = (InstallDenyFirst(binding), DropStaleKeys(binding)) if binding is not None else (RemoveAll(),)
         return Plan(
-            Outcome.OK,
+            PlanOutcome.OK,
             steps=steps,
             on_success=new,
             on_failure=failed,
@@ -195,7 +197,7 @@ def plan_set_binding(entry: Entry | None, req: SetBindingRequest) -> Plan:
             steps = (InstallDenyFirst(binding), DropStaleKeys(binding))
             new = replace(base, state=State.DENYING, policy=None, pending=None)
             return Plan(
-                Outcome.OK, steps=steps, on_success=new, on_failure=replace(new, binding=entry.binding)
+                PlanOutcome.OK, steps=steps, on_success=new, on_failure=replace(new, binding=entry.binding)
             )
         steps = ()
         if rekey:
@@ -206,7 +208,7 @@ def plan_set_binding(entry: Entry | None, req: SetBindingRequest) -> Plan:
         new = replace(base, policy=req.policy)
         # A failed in-place apply keeps the old policy (kernel first, registry second).
         return Plan(
-            Outcome.OK,
+            PlanOutcome.OK,
             steps=steps,
             on_success=new,
             on_failure=replace(entry, spec_generation=req.spec_generation),
@@ -216,7 +218,7 @@ def plan_set_binding(entry: Entry | None, req: SetBindingRequest) -> Plan:
     assert binding is not None
     # A failed re-run keeps the previous pending policy: the new input was never accepted.
     return Plan(
-        Outcome.OK,
+        PlanOutcome.OK,
         steps=(InstallDenyFirst(binding), DropStaleKeys(binding)),
         on_success=replace(base, pending=req.policy),
         on_failure=base,
@@ -230,7 +232,7 @@ def plan_data_plane_ready(entry: Entry | None, fence: Fence, *, kernel_objects: 
         return _conflict("stale fence")
     if entry.pending is None:
         if entry.state is State.ACTIVE:
-            return Plan(Outcome.NOOP, "already active")  # PROPOSED: idempotent retry
+            return Plan(PlanOutcome.NOOP, "already active")  # PROPOSED: idempotent retry
         return _conflict("no pending policy")
     steps: tuple[Step, ...] = (ApplyPolicy(entry.pending),)
     if not kernel_objects and entry.binding is not None:
@@ -238,7 +240,18 @@ def plan_data_plane_ready(entry: Entry | None, fence: Fence, *, kernel_objects: 
         steps = (InstallDenyFirst(entry.binding), *steps)
     new = replace(entry, state=State.ACTIVE, policy=entry.pending, pending=None)
     # Failure keeps the pending policy so the retried hook succeeds.
-    return Plan(Outcome.OK, steps=steps, on_success=new, on_failure=entry)
+    return Plan(PlanOutcome.OK, steps=steps, on_success=new, on_failure=entry)
+
+
+def plan_policy_change(entry: Entry, policy: NetworkPolicy) -> Plan:
+    """In-place policy change of an active subject (a proxy-route /policy write): a failed
+    apply keeps the old policy (kernel first, registry second)."""
+    return Plan(
+        PlanOutcome.OK,
+        steps=(ApplyPolicy(policy),),
+        on_success=replace(entry, policy=policy),
+        on_failure=entry,
+    )
 
 
 def plan_hook_fence(entry: Entry | None, fence: Fence) -> Plan:
@@ -247,16 +260,16 @@ def plan_hook_fence(entry: Entry | None, fence: Fence) -> Plan:
         return _conflict("subject not registered")
     if entry.fence != fence:
         return _conflict("stale fence")
-    return Plan(Outcome.NOOP, "runtime-ready")
+    return Plan(PlanOutcome.NOOP, "runtime-ready")
 
 
 def plan_remove(entry: Entry | None, fence: Fence) -> Plan:
     if entry is None:
-        return Plan(Outcome.NOOP, "not registered", removed=True)
+        return Plan(PlanOutcome.NOOP, "not registered", removed=True)
     if entry.fence != fence:
-        return Plan(Outcome.NOOP, "stale fence ignored")
+        return Plan(PlanOutcome.NOOP, "stale fence ignored")
     # Until the kernel removal succeeds the subject stays registered, so a retry resumes.
-    return Plan(Outcome.OK, steps=(RemoveAll(),), on_success=None, on_failure=entry, removed=True)
+    return Plan(PlanOutcome.OK, steps=(RemoveAll(),), on_success=None, on_failure=entry, removed=True)
 
 
 class RegistryConflict(Exception):

@@ -469,6 +469,12 @@ def parse_host(text: str, where: str) -> str:
     host = host.lower()
     if host.endswith("."):
         host = host[:-1]
+    _check_host_shape(host, raw, where)
+    return host
+
+
+def _check_host_shape(host: str, raw: str, where: str) -> None:
+    """``host`` (normalised from ``raw``) is an FQDN, or ``*.`` and an FQDN; else a 400."""
     if "://" in host:
         raise VaultError(f"must be a host name, not a URL (got {echo(raw)})", where)
     if "/" in host:
@@ -491,7 +497,6 @@ def parse_host(text: str, where: str) -> str:
     for label in labels:
         if not _LABEL_RE.fullmatch(label):
             raise VaultError(f"invalid host name label {echo(label)} (got {echo(raw)})", where)
-    return host
 
 
 def _string_list(
@@ -528,53 +533,66 @@ def _parse_ports(value: object, where: str) -> None:
 def parse_match(obj: object, where: str, limits: VaultLimits = DEFAULT_LIMITS) -> Match:
     """``CredentialMatch``, normalised per §6; ``ports`` validated then dropped."""
     d = _object(obj, where, _MATCH_KEYS)
+    hosts = _parse_hosts(d, where, limits)
+    schemes = _parse_schemes(d, where)
+    methods = _parse_methods(d, where)
+    paths = _parse_paths(d, where, limits)
+    _parse_ports(d.get("ports"), _join(where, "ports"))
+    if limits.require_scoped_match:
+        # Validated above: a present value is a list, and an empty one counts as absent.
+        _check_scoped(bool(d.get("methods")), bool(d.get("paths")), paths, where)
+    return Match(hosts=hosts, schemes=schemes, methods=methods, paths=paths)
+
+
+def _parse_hosts(d: Mapping[str, object], where: str, limits: VaultLimits) -> tuple[str, ...]:
     hosts_where = _join(where, "hosts")
     raw_hosts = _string_list(d, where, "hosts", limits.hosts_per_binding)
     if raw_hosts is None:
         if d.get("hosts") is None:
             raise VaultError("is required", hosts_where)
         raise VaultError("must not be empty", hosts_where)
-    hosts = _dedupe(parse_host(text, w) for w, text in raw_hosts)
+    return _dedupe(parse_host(text, w) for w, text in raw_hosts)
 
-    schemes: tuple[str, ...] = DEFAULT_SCHEMES
+
+def _parse_schemes(d: Mapping[str, object], where: str) -> tuple[str, ...]:
     raw_schemes = _string_list(d, where, "schemes")
-    if raw_schemes is not None:
-        parsed: list[str] = []
-        for w, text in raw_schemes:
-            scheme = text.strip().lower()
-            if scheme not in SCHEME_PORTS:
-                raise VaultError(f"must be 'https' or 'http', got {echo(text)}", w)
-            parsed.append(scheme)
-        schemes = _dedupe(parsed)
+    if raw_schemes is None:
+        return DEFAULT_SCHEMES
+    parsed: list[str] = []
+    for w, text in raw_schemes:
+        scheme = text.strip().lower()
+        if scheme not in SCHEME_PORTS:
+            raise VaultError(f"must be 'https' or 'http', got {echo(text)}", w)
+        parsed.append(scheme)
+    return _dedupe(parsed)
 
-    methods: tuple[str, ...] = DEFAULT_METHODS
+
+def _parse_methods(d: Mapping[str, object], where: str) -> tuple[str, ...]:
     raw_methods = _string_list(d, where, "methods")
-    if raw_methods is not None:
-        parsed = []
-        for w, text in raw_methods:
-            method = text.strip()
-            if not method:
-                raise VaultError("must not be blank", w)
-            if not method.isascii():
-                raise VaultError(f"must be ASCII, got {echo(text)}", w)
-            parsed.append(method.upper())
-        methods = _dedupe(parsed)
+    if raw_methods is None:
+        return DEFAULT_METHODS
+    parsed: list[str] = []
+    for w, text in raw_methods:
+        method = text.strip()
+        if not method:
+            raise VaultError("must not be blank", w)
+        if not method.isascii():
+            raise VaultError(f"must be ASCII, got {echo(text)}", w)
+        parsed.append(method.upper())
+    return _dedupe(parsed)
 
-    paths: tuple[str, ...] = DEFAULT_PATHS
+
+def _parse_paths(d: Mapping[str, object], where: str, limits: VaultLimits) -> tuple[str, ...]:
     raw_paths = _string_list(d, where, "paths", limits.paths_per_binding)
-    if raw_paths is not None:
-        parsed = []
-        for w, text in raw_paths:
-            path = text.strip()
-            if not path.startswith("/"):
-                raise VaultError(f"must start with '/', got {echo(text)}", w)
-            parsed.append(path)
-        paths = _dedupe(parsed)
-
-    _parse_ports(d.get("ports"), _join(where, "ports"))
-    if limits.require_scoped_match:
-        _check_scoped(raw_methods is not None, raw_paths is not None, paths, where)
-    return Match(hosts=hosts, schemes=schemes, methods=methods, paths=paths)
+    if raw_paths is None:
+        return DEFAULT_PATHS
+    parsed: list[str] = []
+    for w, text in raw_paths:
+        path = text.strip()
+        if not path.startswith("/"):
+            raise VaultError(f"must start with '/', got {echo(text)}", w)
+        parsed.append(path)
+    return _dedupe(parsed)
 
 
 SCOPED_MATCH_ENV: Final = "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_SCOPED_MATCH"

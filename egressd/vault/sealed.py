@@ -587,22 +587,37 @@ def parse_sealed(obj: object) -> Sealed:
     missing = sorted(_SEALED_KEYS.difference(obj))
     if missing:
         _fail(f"vault: missing {', '.join(missing)}")
-    v = obj["v"]
+    _check_version(obj["v"])
+    kid = _sealed_kid(obj["kid"])
+    _check_alg(obj["alg"])
+    blob = _sealed_blob(obj["ct"])
+    return Sealed(kid=kid, nonce=blob[:NONCE_BYTES], ciphertext=blob[NONCE_BYTES:])
+
+
+def _check_version(v: object) -> None:
     if type(v) is not int:
         _fail("vault.v must be an integer")
     if v != SEALED_VERSION:
         _fail(f"vault.v: unsupported version (expected {SEALED_VERSION})")
-    kid = obj["kid"]
+
+
+def _sealed_kid(kid: object) -> str:
     if not isinstance(kid, str):
         _fail("vault.kid must be a string")
     if not valid_kid(kid):
         _fail("vault.kid: invalid (expected 1-64 characters of [A-Za-z0-9._-])")
-    alg = obj["alg"]
+    return kid
+
+
+def _check_alg(alg: object) -> None:
     if not isinstance(alg, str):
         _fail("vault.alg must be a string")
     if alg != ALG:
         _fail(f"vault.alg: unsupported algorithm (expected {ALG})")
-    ct = obj["ct"]
+
+
+def _sealed_blob(ct: object) -> bytes:
+    """``ct`` decoded: nonce || ciphertext || tag."""
     if not isinstance(ct, str):
         _fail("vault.ct must be a string")
     blob = _b64decode_std(ct)
@@ -613,7 +628,7 @@ def parse_sealed(obj: object) -> Sealed:
             f"vault.ct: too short ({len(blob)} bytes; at least {MIN_SEALED_BYTES} = "
             f"{NONCE_BYTES}-byte nonce + {TAG_BYTES}-byte tag)"
         )
-    return Sealed(kid=kid, nonce=blob[:NONCE_BYTES], ciphertext=blob[NONCE_BYTES:])
+    return blob
 
 
 def _aad(uid: str) -> bytes:

@@ -43,7 +43,9 @@ from egressd.vault.model import (
     REDACTED,
     AuthType,
     Binding,
+    BindingMutations,
     Credential,
+    CredentialMutations,
     Match,
     Mutation,
     VaultContent,
@@ -288,6 +290,45 @@ class Vault:
 # The store
 
 
+def _mutated_credentials(
+    current: Mapping[str, Credential], ops: CredentialMutations, revision: int
+) -> dict[str, Credential]:
+    """Deletions, then replacements, then additions, each stamped with ``revision``; naming a
+    credential that is not there (or, to add, one that is) is a :class:`VaultError`."""
+    credentials = dict(current)
+    for i, name in enumerate(ops.delete):
+        if credentials.pop(name, None) is None:
+            raise VaultError(f"credential {echo(name)} does not exist", f"credentials.delete[{i}]")
+    for i, c in enumerate(ops.replace):
+        if c.name not in credentials:
+            raise VaultError(f"credential {echo(c.name)} does not exist", f"credentials.replace[{i}].name")
+        credentials[c.name] = replace(c, revision=revision)
+    for i, c in enumerate(ops.add):
+        if c.name in credentials:
+            raise VaultError(f"credential {echo(c.name)} already exists", f"credentials.add[{i}].name")
+        credentials[c.name] = replace(c, revision=revision)
+    return credentials
+
+
+def _mutated_bindings(
+    current: Mapping[str, Binding], ops: BindingMutations, revision: int
+) -> dict[str, Binding]:
+    """Like :func:`_mutated_credentials`, for the bindings."""
+    bindings = dict(current)
+    for i, name in enumerate(ops.delete):
+        if bindings.pop(name, None) is None:
+            raise VaultError(f"binding {echo(name)} does not exist", f"bindings.delete[{i}]")
+    for i, b in enumerate(ops.replace):
+        if b.name not in bindings:
+            raise VaultError(f"binding {echo(b.name)} does not exist", f"bindings.replace[{i}].name")
+        bindings[b.name] = replace(b, revision=revision)
+    for i, b in enumerate(ops.add):
+        if b.name in bindings:
+            raise VaultError(f"binding {echo(b.name)} already exists", f"bindings.add[{i}].name")
+        bindings[b.name] = replace(b, revision=revision)
+    return bindings
+
+
 class VaultStore:
     """At most one vault (the fleet keeps one store per subject, the sidecar one).
 
@@ -489,34 +530,8 @@ class VaultStore:
     @staticmethod
     def _apply(current: Vault, mutation: Mutation) -> Vault:
         revision = current.revision + 1
-        credentials = dict(current.credentials)
-        bindings = dict(current.bindings)
-        ops_c = mutation.credentials
-        for i, name in enumerate(ops_c.delete):
-            if credentials.pop(name, None) is None:
-                raise VaultError(f"credential {echo(name)} does not exist", f"credentials.delete[{i}]")
-        for i, c in enumerate(ops_c.replace):
-            if c.name not in credentials:
-                raise VaultError(
-                    f"credential {echo(c.name)} does not exist", f"credentials.replace[{i}].name"
-                )
-            credentials[c.name] = replace(c, revision=revision)
-        for i, c in enumerate(ops_c.add):
-            if c.name in credentials:
-                raise VaultError(f"credential {echo(c.name)} already exists", f"credentials.add[{i}].name")
-            credentials[c.name] = replace(c, revision=revision)
-        ops_b = mutation.bindings
-        for i, name in enumerate(ops_b.delete):
-            if bindings.pop(name, None) is None:
-                raise VaultError(f"binding {echo(name)} does not exist", f"bindings.delete[{i}]")
-        for i, b in enumerate(ops_b.replace):
-            if b.name not in bindings:
-                raise VaultError(f"binding {echo(b.name)} does not exist", f"bindings.replace[{i}].name")
-            bindings[b.name] = replace(b, revision=revision)
-        for i, b in enumerate(ops_b.add):
-            if b.name in bindings:
-                raise VaultError(f"binding {echo(b.name)} already exists", f"bindings.add[{i}].name")
-            bindings[b.name] = replace(b, revision=revision)
+        credentials = _mutated_credentials(current.credentials, mutation.credentials, revision)
+        bindings = _mutated_bindings(current.bindings, mutation.bindings, revision)
         return Vault.build(current.incarnation, revision, credentials.values(), bindings.values())
 
     def delete(self) -> Response:

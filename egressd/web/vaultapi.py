@@ -109,18 +109,7 @@ def vault_request(
     ``limits``; an existing one keeps its own.
     """
     if method == "GET":
-        if store is None:
-            return Reply(404, text="no credential vault"), None
-        if resource is Resource.VAULT:
-            return _from_store(store.get()), store
-        if resource is Resource.CREDENTIALS:
-            return _from_store(store.credentials()), store
-        if resource is Resource.BINDINGS:
-            return _from_store(store.bindings()), store
-        assert name is not None
-        if resource is Resource.CREDENTIAL:
-            return _from_store(store.credential(name)), store
-        return _from_store(store.binding(name)), store
+        return _vault_read(resource, name, store), store
     if method == "DELETE":
         if store is None:
             return Reply(404, text="no credential vault"), None
@@ -142,6 +131,21 @@ def vault_request(
     if fresh and reply.status >= 300:
         return reply, None
     return reply, target
+
+
+def _vault_read(resource: Resource, name: str | None, store: VaultStore | None) -> Reply:
+    if store is None:
+        return Reply(404, text="no credential vault")
+    if resource is Resource.VAULT:
+        return _from_store(store.get())
+    if resource is Resource.CREDENTIALS:
+        return _from_store(store.credentials())
+    if resource is Resource.BINDINGS:
+        return _from_store(store.bindings())
+    assert name is not None
+    if resource is Resource.CREDENTIAL:
+        return _from_store(store.credential(name))
+    return _from_store(store.binding(name))
 
 
 NO_MATCH = "no matching targets found"

@@ -229,54 +229,79 @@ class DnsClient:
 
     def closed(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Closed loop: one query outstanding per socket; a reply (or a 1 s timeout) sends the next."""
-        conc, max_q = int(cmd["concurrency"]), min(int(cmd["max_queries"]), 65536)
-        socks = self.sockets(cmd["target"], conc)
-        names, addrs, wires = self.names(cmd["names"], max_q)
-        slot_of = {s.fileno(): k for k, s in enumerate(socks)}
+        return _ClosedLoop(self, cmd).run()
+
+
+class _ClosedLoop:
+    """The state of one :meth:`DnsClient.closed` run: per socket the query outstanding."""
+
+    def __init__(self, client: DnsClient, cmd: dict[str, Any]) -> None:
+        self.client = client
+        conc, self.max_q = int(cmd["concurrency"]), min(int(cmd["max_queries"]), 65536)
+        self.socks = client.sockets(cmd["target"], conc)
+        self.names, self.addrs, self.wires = client.names(cmd["names"], self.max_q)
+        self.cur, self.sent_ns, self.deadline = [-1] * conc, [0] * conc, [0.0] * conc
+        self.lat: list[float] = []
+        self.done_at: list[float] = []
+        self.bad: dict[str, int] = {}
+        self.counter = self.timeouts = 0
+        self.duration = float(cmd["duration"])
+        self.start = self.stop_at = 0.0
+        self.issuing = True
+
+    def run(self) -> dict[str, Any]:
+        slot_of = {s.fileno(): k for k, s in enumerate(self.socks)}
         ep = select.epoll()
-        for s in socks:
+        for s in self.socks:
             ep.register(s.fileno(), select.EPOLLIN)
-        cur, sent_ns, deadline = [-1] * conc, [0] * conc, [0.0] * conc
-        lat, done_at, bad, counter, timeouts = [], [], {}, 0, 0  # type: ignore[var-annotated]
-        start = time.perf_counter()
-        stop_at, issuing = start + float(cmd["duration"]), True
-
-        def issue(k: int) -> None:
-            nonlocal counter
-            if issuing and counter < max_q and time.perf_counter() < stop_at:
-                cur[k], deadline[k], sent_ns[k] = counter, time.perf_counter() + 1.0, time.time_ns()
-                counter += 1
-                with contextlib.suppress(OSError):
-                    socks[k].send(wires[cur[k]])
-
-        for k in range(conc):
-            issue(k)
-        while time.perf_counter() < stop_at + 2.0:
-            issuing = time.perf_counter() < stop_at and counter < max_q
-            if not issuing and all(x < 0 for x in cur):
+        self.start = time.perf_counter()
+        self.stop_at = self.start + self.duration
+        for k in range(len(self.socks)):
+            self.issue(k)
+        while time.perf_counter() < self.stop_at + 2.0:
+            self.issuing = time.perf_counter() < self.stop_at and self.counter < self.max_q
+            if not self.issuing and all(x < 0 for x in self.cur):
                 break
             for f, _ev in ep.poll(0.01):
-                k, rx = slot_of[f], []  # type: ignore[var-annotated]
-                self._recv(socks[k], rx, k)
-                for _k, t_rx, data in rx:
-                    i = cur[k]
-                    if i < 0 or len(data) < 2 or struct.unpack("!H", data[:2])[0] != i & 0xFFFF:
-                        continue  # stale
-                    if why := self.check(data, names[i], addrs[i]):
-                        bad[why] = bad.get(why, 0) + 1
-                    lat.append((t_rx - sent_ns[k]) / 1e6)
-                    done_at.append(time.perf_counter())
-                    cur[k] = -1
-                    issue(k)
-            now = time.perf_counter()
-            for k in range(conc):
-                if cur[k] >= 0 and now > deadline[k]:
-                    timeouts, cur[k] = timeouts + 1, -1
-                    issue(k)
-        window = min(time.perf_counter(), stop_at) - start
-        in_window = sum(1 for t in done_at if t <= start + window)
-        return {"issued": counter, "answered": len(lat), "qps": in_window / window, "timeouts": timeouts, "bad": bad,
-                "lat_ms": [round(x, 4) for x in lat], "window_s": window}  # fmt: skip
+                self.receive(slot_of[f])
+            self.expire()
+        window = min(time.perf_counter(), self.stop_at) - self.start
+        in_window = sum(1 for t in self.done_at if t <= self.start + window)
+        return {"issued": self.counter, "answered": len(self.lat), "qps": in_window / window, "timeouts": self.timeouts,
+                "bad": self.bad, "lat_ms": [round(x, 4) for x in self.lat], "window_s": window}  # fmt: skip
+
+    def issue(self, k: int) -> None:
+        if self.issuing and self.counter < self.max_q and time.perf_counter() < self.stop_at:
+            self.cur[k], self.deadline[k], self.sent_ns[k] = (
+                self.counter,
+                time.perf_counter() + 1.0,
+                time.time_ns(),
+            )
+            self.counter += 1
+            with contextlib.suppress(OSError):
+                self.socks[k].send(self.wires[self.cur[k]])
+
+    def receive(self, k: int) -> None:
+        rx: list[tuple[int, int, bytes]] = []
+        self.client._recv(self.socks[k], rx, k)
+        for _k, t_rx, data in rx:
+            i = self.cur[k]
+            if i < 0 or len(data) < 2 or struct.unpack("!H", data[:2])[0] != i & 0xFFFF:
+                continue  # stale
+            if why := self.client.check(data, self.names[i], self.addrs[i]):
+                self.bad[why] = self.bad.get(why, 0) + 1
+            self.lat.append((t_rx - self.sent_ns[k]) / 1e6)
+            self.done_at.append(time.perf_counter())
+            self.cur[k] = -1
+            self.issue(k)
+
+    def expire(self) -> None:
+        """A query unanswered for a second counts as a timeout; the socket sends the next."""
+        now = time.perf_counter()
+        for k in range(len(self.socks)):
+            if self.cur[k] >= 0 and now > self.deadline[k]:
+                self.timeouts, self.cur[k] = self.timeouts + 1, -1
+                self.issue(k)
 
 
 def client_main(argv: list[str]) -> int:
@@ -304,15 +329,15 @@ def client_main(argv: list[str]) -> int:
 
 def wrap_targets() -> tuple[list[tuple[Any, str, str]], list[tuple[Any, str, str]]]:
     """What (3) times: (owner, attribute, key) per query, and as background events."""
-    from egressd.actionhandler.control import ControlPlane
+    from egressd.actionhandler.learning import DnsLearning
     from egressd.dnsproxy import forwarder as dfwd
     from egressd.dnsproxy import server as dsrv
     from egressd.kernel.applier import KernelTransactions
     from egressd.policy.reload import AlwaysRulesReloader
     from egressd.subject import refresh as frefresh
 
-    return ([(dsrv.DnsProxy, "answer", "answer"), (ControlPlane, "asker", "decide"), (dsrv, "decide", "decide"),
-             (dfwd, "_socket", "fwd_sock"), (dfwd.Forwarder, "forward", "fwd"), (ControlPlane, "learn", "learn"),
+    return ([(dsrv.DnsProxy, "answer", "answer"), (DnsLearning, "asker", "decide"), (dsrv, "decide", "decide"),
+             (dfwd, "_socket", "fwd_sock"), (dfwd.Forwarder, "forward", "fwd"), (DnsLearning, "learn", "learn"),
              (KernelTransactions, "run_batch_inline", "nl"), (KernelTransactions, "run_batch", "nl")],
             [(frefresh.LeaseRefresher, "tick", "refresh_tick"), (frefresh, "parse_conntrack", "conntrack_parse"),
              (AlwaysRulesReloader, "check", "always_rules_check")])  # fmt: skip
@@ -344,40 +369,47 @@ def wrap(owner: Any, attr: str, done: Any) -> None:
         setattr(owner, attr, w_sync)
 
 
-def instrumented_main(out_path: str) -> int:
-    from dnslib import DNSRecord
+class _Splits:
+    """What the instrumented egressd records: per query (the reply task's context holds its
+    record) the time in each wrapped call, and background events (GC, refresher ticks,
+    always-rules checks, event-loop stalls)."""
 
-    from egressd import main as emain
-    from egressd.dnsproxy import forwarder as dfwd
-    from egressd.dnsproxy import server as dsrv
+    def __init__(self) -> None:
+        self.cur: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("q", default=None)
+        self.arrival: contextvars.ContextVar[float] = contextvars.ContextVar("arrival", default=0.0)
+        self.records: list[dict[str, float]] = []
+        self.bg: list[dict[str, Any]] = []
+        self.tasks: list[Any] = []
+        self._gc_t: dict[str, float] = {}
 
-    pc = time.perf_counter
-    cur: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("q", default=None)
-    arrival: contextvars.ContextVar[float] = contextvars.ContextVar("arrival", default=0.0)
-    records: list[dict[str, float]] = []
-    bg: list[dict[str, Any]] = []  # GC, refresher ticks, always-rules checks, loop stalls
-    gc_t: dict[str, float] = {}
-
-    def on_gc(phase: str, info: dict[str, int]) -> None:
+    def on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            gc_t["t"] = pc()
-        elif "t" in gc_t:
-            t = gc_t.pop("t")
-            bg.append({"kind": f"gc{info.get('generation', -1)}", "t": t, "dur": pc() - t})
+            self._gc_t["t"] = time.perf_counter()
+        elif "t" in self._gc_t:
+            t = self._gc_t.pop("t")
+            self.bg.append(
+                {"kind": f"gc{info.get('generation', -1)}", "t": t, "dur": time.perf_counter() - t}
+            )
 
-    gc.callbacks.append(on_gc)
-
-    def note(key: str, t: float) -> None:
-        rec = cur.get()
+    def note(self, key: str, t: float) -> None:
+        rec = self.cur.get()
         if rec is not None:
             rec.setdefault(key + "0", t)
-            rec[key] = rec.get(key, 0.0) + pc() - t
+            rec[key] = rec.get(key, 0.0) + time.perf_counter() - t
 
-    def timed_parse(key: str) -> type[DNSRecord]:
+    def event(self, kind: str, t: float) -> None:
+        self.bg.append({"kind": kind, "t": t, "dur": time.perf_counter() - t})
+
+    def timed_parse(self, key: str) -> Any:
+        """A DNSRecord whose ``parse`` is timed as ``key``."""
+        from dnslib import DNSRecord
+
+        note = self.note
+
         class Timed(DNSRecord):  # type: ignore[misc]  # dnslib has no type information
             @classmethod
             def parse(cls, packet: bytes) -> DNSRecord:
-                t = pc()
+                t = time.perf_counter()
                 try:
                     return DNSRecord.parse(packet)
                 finally:
@@ -385,48 +417,60 @@ def instrumented_main(out_path: str) -> int:
 
         return Timed
 
+    async def stall_watch(self) -> None:  # event-loop stalls: a 5 ms sleep that overshoots by > 2 ms
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.005)
+            if (late := time.perf_counter() - t - 0.005) > 0.002:
+                self.bg.append({"kind": "loop_stall", "t": t + 0.005, "dur": late})
+
+
+def _instrument_proxy(sp: _Splits) -> None:
+    """Per query: its arrival, its record, and the reply's send; the stall watch from start()."""
+    from egressd.dnsproxy import forwarder as dfwd
+    from egressd.dnsproxy import server as dsrv
+
     orig_received, orig_reply, orig_start = dsrv._Udp.datagram_received, dsrv._Udp._reply, dsrv.DnsProxy.start
 
     def datagram_received(self: Any, *a: Any) -> None:
-        token = arrival.set(pc())  # the reply task copies this context
+        token = sp.arrival.set(time.perf_counter())  # the reply task copies this context
         try:
             orig_received(self, *a)
         finally:
-            arrival.reset(token)
+            sp.arrival.reset(token)
 
     async def reply(self: Any, *a: Any) -> None:
-        rec: dict[str, float] = {"arr": arrival.get()}
-        cur.set(rec)  # the task's own context: visible to everything this query awaits
+        rec: dict[str, float] = {"arr": sp.arrival.get()}
+        sp.cur.set(rec)  # the task's own context: visible to everything this query awaits
         await orig_reply(self, *a)
-        rec["sent"] = pc()
-        if "fwd" in rec and len(records) < 200_000:
-            records.append(rec)
-
-    async def stall_watch() -> None:  # event-loop stalls: a 5 ms sleep that overshoots by > 2 ms
-        while True:
-            t = pc()
-            await asyncio.sleep(0.005)
-            if (late := pc() - t - 0.005) > 0.002:
-                bg.append({"kind": "loop_stall", "t": t + 0.005, "dur": late})
-
-    tasks: list[Any] = []
+        rec["sent"] = time.perf_counter()
+        if "fwd" in rec and len(sp.records) < 200_000:
+            sp.records.append(rec)
 
     async def start(self: Any, *a: Any, **kw: Any) -> None:
         await orig_start(self, *a, **kw)
-        tasks.append(asyncio.get_running_loop().create_task(stall_watch()))
+        sp.tasks.append(asyncio.get_running_loop().create_task(sp.stall_watch()))
 
     for owner, attr, fn in ((dsrv._Udp, "datagram_received", datagram_received), (dsrv._Udp, "_reply", reply), (dsrv.DnsProxy, "start", start),
-                            (dsrv, "DNSRecord", timed_parse("q_parse")), (dfwd, "DNSRecord", timed_parse("fwd_parse"))):  # fmt: skip
+                            (dsrv, "DNSRecord", sp.timed_parse("q_parse")), (dfwd, "DNSRecord", sp.timed_parse("fwd_parse"))):  # fmt: skip
         setattr(owner, attr, fn)
+
+
+def instrumented_main(out_path: str) -> int:
+    from egressd import main as emain
+
+    sp = _Splits()
+    gc.callbacks.append(sp.on_gc)
+    _instrument_proxy(sp)
     per_query, events = wrap_targets()
     for owner, attr, key in per_query:
-        wrap(owner, attr, lambda t, k=key: note(k, t))
+        wrap(owner, attr, lambda t, k=key: sp.note(k, t))
     for owner, attr, key in events:
-        wrap(owner, attr, lambda t, k=key: bg.append({"kind": k, "t": t, "dur": pc() - t}))
+        wrap(owner, attr, lambda t, k=key: sp.event(k, t))
     try:
         return emain.main([])
     finally:
-        Path(out_path).write_text(json.dumps({"records": records, "bg": bg}))
+        Path(out_path).write_text(json.dumps({"records": sp.records, "bg": sp.bg}))
 
 
 SPLITS = (
@@ -438,7 +482,7 @@ SPLITS = (
     ("fwd_sock", "  of which: new socket + SO_MARK"),
     ("fwd_parse", "  of which: DNSRecord.parse of the upstream reply"),
     ("between", "answer addresses + leases"),
-    ("learn", "learn total (ControlPlane.learn)"),
+    ("learn", "learn total (DnsLearning.learn)"),
     ("nl", "  of which: the dynamic_add netlink batch (encode + kernel)"),
     ("post", "pack reply"),
     ("send", "answer() returns -> sendto done"),
@@ -611,14 +655,6 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
         prm[key] = getattr(args, key) or prm[key]
     prm["paced_s"], prm["closed_s"] = args.duration or prm["paced_s"], args.closed_duration or prm["closed_s"]
     splits = args.splits or ("always" if args.quick else "auto")
-    env = {"EGRESSD_DNS_ADDR": f"0.0.0.0:{DNS_PORT}", "OPENSANDBOX_EGRESS_DNS_UPSTREAM": f"{UPSTREAM_IP}:53",
-           # The per-subject budget (200 q/s) would REFUSE the load, the lease cap (4096) SERVFAIL new names.
-           "EGRESSD_DNS_QPS_PER_SUBJECT": "0", "EGRESSD_MAX_LEASES_PER_SUBJECT": "65536"}  # fmt: skip
-    bnf = Path(
-        "/proc/sys/net/bridge/bridge-nf-call-iptables"
-    )  # set by pod_topology where br_netfilter exists
-    if not (bnf.exists() and bnf.read_text().strip() == "1"):
-        env["EGRESSD_ALLOW_BRIDGE_BYPASS"] = "1"
     (workdir / "zone.json").write_text(json.dumps({"records": zone(prm["zone_names"])}))
     py = [str(c.VENV_PY), str(Path(__file__).resolve())]
     up = c.Proc(
@@ -638,7 +674,7 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
         [*py, "_client", f"proxy={c.GATEWAY}:53,direct={UPSTREAM_IP}:53", str(prm["zone_names"])],
         ns=topo.ns("sb1"),
     )
-    d = c.Egressd(workdir, HTTP_PORT, TABLE, env)
+    d = c.Egressd(workdir, HTTP_PORT, TABLE, egressd_env())
     h: c.Http | None = None
     out: dict[str, Any] = {"prm": prm}
     try:
@@ -653,34 +689,10 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
         run = Runner(client, prm, {"egressd": d.pid, "upstream": up.pid})
         run.expect_ticks(t_spawn, t_ready, 30.0)  # EGRESSD_REFRESH_INTERVAL's default
         sanity(run)
-        for side in PACED:
-            run.paced(h, side, prm["warmup_s"])
-        n_sl = max(1, round(prm["paced_s"] / prm["slice_s"]))
-        per: dict[str, list[dict[str, Any]]] = {s: [] for s in PACED}
-        for r in range(n_sl):  # sides interleaved in slices, rotating order: drift hits all alike
-            order = PACED[r % 3 :] + PACED[: r % 3]
-            for side in reversed(order) if r % 2 else order:
-                per[side].append(run.paced(h, side, prm["paced_s"] / n_sl))
-            d.check_alive()
-        out["paced"] = {s: aggregate(v) for s, v in per.items()}
-        c.log(
-            "paced: "
-            + ", ".join(
-                f"{s} p50 {v['lat']['p50']:.3f} p99 {v['lat']['p99']:.3f} ms" for s, v in out["paced"].items()
-            )
-        )
+        out["paced"] = paced_phase(run, h, d, prm)
         out["conntrack_paced"] = conntrack_count()
-        for side in CLOSED:
-            run.closed(h, side, 0.3)
-        closed: dict[str, list[dict[str, Any]]] = {s: [] for s in CLOSED}
-        for side in (*CLOSED, *reversed(CLOSED)):  # ABBA
-            closed[side].append(run.closed(h, side, prm["closed_s"] / 2))
-        out["closed"] = {s: aggregate(v) for s, v in closed.items()}
-        for s, x in (*out["paced"].items(), *out["closed"].items()):
-            if sum(x["bad"].values()) > 0.1 * max(1, x["sent"]):
-                raise c.BenchError(
-                    f"{s}: {x['bad']} wrong answers out of {x['sent']}: the set-up is broken, not slow"
-                )
+        out["closed"] = closed_phase(run, h, prm)
+        check_answers(out["paced"], out["closed"])
         out["conntrack_closed"], out["rss_kb"], out["names_used"] = (
             conntrack_count(),
             c.mem_kb(d.pid),
@@ -693,35 +705,7 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
         if splits == "always" or (splits == "auto" and missed):
             h.close()
             h = None
-            d.stop()
-            c.log("splits: egressd restarted instrumented; registering the subjects again")
-            d.env["EGRESSD_REFRESH_INTERVAL"] = str(prm["refresh_s"])
-            d.start([*py, "_egressd", str(workdir / "splits.json")])
-            h = c.Http(HTTP_PORT)
-            register(h, prm["subjects"], args.measured_first)
-            run2 = Runner(client, prm, {"egressd": d.pid, "upstream": up.pid})
-            run2.next_new = prm["zone_names"] // 4  # a fresh table: every name is new to it
-            sanity(run2)
-            for side in CLOSED:
-                run2.paced(h, side, prm["warmup_s"])
-            t0 = time.perf_counter()  # CLOCK_MONOTONIC is shared by every process: it delimits the window
-            prox = aggregate([run2.paced(h, "proxy_new", prm["splits_s"])])
-            window = (t0, time.perf_counter())
-            dire = aggregate([run2.paced(h, "direct", prm["splits_s"])])
-            h.close()
-            h = None
-            d.stop()  # SIGTERM: the instrumented main writes its records on the way out
-            f = workdir / "splits.json"
-            out["splits"] = {
-                "proxy": prox["lat"],
-                "direct": dire["lat"],
-                **analyse(json.loads(f.read_text()) if f.exists() else {}, window),
-            }
-            if not out["splits"]["queries"]:
-                raise c.BenchError(
-                    "splits: the instrumented egressd recorded no forwarded query (do the wrappers still fit?)"
-                )
-            c.log(f"splits: {out['splits']['queries']} forwarded queries recorded")
+            out["splits"] = splits_phase(d, client, up.pid, py, workdir, prm, args.measured_first)
     except (OSError, http.client.HTTPException, c.BenchError) as exc:
         raise c.BenchError(f"{exc}\n--- egressd log tail ---\n{d.log_tail()}") from None
     finally:
@@ -734,6 +718,98 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
         d.stop()
         up.stop()
     report(rep, prm, out, args.measured_first)
+    return out
+
+
+def egressd_env() -> dict[str, str]:
+    env = {"EGRESSD_DNS_ADDR": f"0.0.0.0:{DNS_PORT}", "OPENSANDBOX_EGRESS_DNS_UPSTREAM": f"{UPSTREAM_IP}:53",
+           # The per-subject budget (200 q/s) would REFUSE the load, the lease cap (4096) SERVFAIL new names.
+           "EGRESSD_DNS_QPS_PER_SUBJECT": "0", "EGRESSD_MAX_LEASES_PER_SUBJECT": "65536"}  # fmt: skip
+    bnf = Path(
+        "/proc/sys/net/bridge/bridge-nf-call-iptables"
+    )  # set by pod_topology where br_netfilter exists
+    if not (bnf.exists() and bnf.read_text().strip() == "1"):
+        env["EGRESSD_ALLOW_BRIDGE_BYPASS"] = "1"
+    return env
+
+
+def paced_phase(run: Runner, h: c.Http, d: c.Egressd, prm: dict[str, Any]) -> dict[str, Any]:
+    """(1): the paced sides interleaved in slices."""
+    for side in PACED:
+        run.paced(h, side, prm["warmup_s"])
+    n_sl = max(1, round(prm["paced_s"] / prm["slice_s"]))
+    per: dict[str, list[dict[str, Any]]] = {s: [] for s in PACED}
+    for r in range(n_sl):  # sides interleaved in slices, rotating order: drift hits all alike
+        order = PACED[r % 3 :] + PACED[: r % 3]
+        for side in reversed(order) if r % 2 else order:
+            per[side].append(run.paced(h, side, prm["paced_s"] / n_sl))
+        d.check_alive()
+    paced = {s: aggregate(v) for s, v in per.items()}
+    c.log(
+        "paced: "
+        + ", ".join(f"{s} p50 {v['lat']['p50']:.3f} p99 {v['lat']['p99']:.3f} ms" for s, v in paced.items())
+    )
+    return paced
+
+
+def closed_phase(run: Runner, h: c.Http, prm: dict[str, Any]) -> dict[str, Any]:
+    """(2): closed loop, ABBA."""
+    for side in CLOSED:
+        run.closed(h, side, 0.3)
+    per: dict[str, list[dict[str, Any]]] = {s: [] for s in CLOSED}
+    for side in (*CLOSED, *reversed(CLOSED)):  # ABBA
+        per[side].append(run.closed(h, side, prm["closed_s"] / 2))
+    return {s: aggregate(v) for s, v in per.items()}
+
+
+def check_answers(*phases: dict[str, Any]) -> None:
+    for s, x in (item for phase in phases for item in phase.items()):
+        if sum(x["bad"].values()) > 0.1 * max(1, x["sent"]):
+            raise c.BenchError(
+                f"{s}: {x['bad']} wrong answers out of {x['sent']}: the set-up is broken, not slow"
+            )
+
+
+def splits_phase(
+    d: c.Egressd,
+    client: c.Proc,
+    upstream_pid: int,
+    py: list[str],
+    workdir: Path,
+    prm: dict[str, Any],
+    measured_first: bool,
+) -> dict[str, Any]:
+    """(3): egressd restarted with its own main() instrumented; proxy (new names), then direct."""
+    d.stop()
+    c.log("splits: egressd restarted instrumented; registering the subjects again")
+    d.env["EGRESSD_REFRESH_INTERVAL"] = str(prm["refresh_s"])
+    d.start([*py, "_egressd", str(workdir / "splits.json")])
+    h = c.Http(HTTP_PORT)
+    try:
+        register(h, prm["subjects"], measured_first)
+        run2 = Runner(client, prm, {"egressd": d.pid, "upstream": upstream_pid})
+        run2.next_new = prm["zone_names"] // 4  # a fresh table: every name is new to it
+        sanity(run2)
+        for side in CLOSED:
+            run2.paced(h, side, prm["warmup_s"])
+        t0 = time.perf_counter()  # CLOCK_MONOTONIC is shared by every process: it delimits the window
+        prox = aggregate([run2.paced(h, "proxy_new", prm["splits_s"])])
+        window = (t0, time.perf_counter())
+        dire = aggregate([run2.paced(h, "direct", prm["splits_s"])])
+    finally:
+        h.close()
+    d.stop()  # SIGTERM: the instrumented main writes its records on the way out
+    f = workdir / "splits.json"
+    out = {
+        "proxy": prox["lat"],
+        "direct": dire["lat"],
+        **analyse(json.loads(f.read_text()) if f.exists() else {}, window),
+    }
+    if not out["queries"]:
+        raise c.BenchError(
+            "splits: the instrumented egressd recorded no forwarded query (do the wrappers still fit?)"
+        )
+    c.log(f"splits: {out['queries']} forwarded queries recorded")
     return out
 
 

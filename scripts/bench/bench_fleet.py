@@ -31,6 +31,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as c
 
+from egressd.fleetnft import builder as nb
+from egressd.kernel.ops import NetlinkBatch
+
 PORT = 18480
 DAEMON_TABLE, DIRECT_TABLE = "egbench_fleet", "egbench_direct"
 GATEWAY = "10.100.0.1"
@@ -204,30 +207,63 @@ def daemon_phases(workdir: Path, sizes: list[int], prm: dict[str, Any]) -> dict[
 
 
 def direct_phase(sizes: list[int], reps: int) -> dict[int, dict[str, Any]]:
-    import nftables
+    run = DirectRun()
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        for size in sizes:
+            c.run(["nft", "delete", "table", "inet", DIRECT_TABLE])
+            build_s = run.build(size)
+            c.log(f"direct: {size} subjects built in {build_s:.2f}s; {reps} reps per method and transaction")
+            times: dict[str, dict[str, list[float]]] = {t: {m: [] for m in METHODS} for t in TXNS}
+            run.check_swaps(size)
+            for r in range(reps):  # subjects spread over the table: the kernel walks its set list by name
+                for k in ORDERS[r % 6]:
+                    times["policy_swap"][METHODS[k]].append(
+                        run.swap(METHODS[k], (r * 3 + k) * size // (3 * reps))
+                    )
+            run.drop([run.create(m)[0] for m in METHODS])  # warm-up
+            for r in range(reps):
+                made = []
+                for k in ORDERS[r % 6]:
+                    s, dt = run.create(METHODS[k])
+                    made.append(s)
+                    times["create"][METHODS[k]].append(dt)
+                run.drop(made)
+            results[size] = {
+                "build_s": build_s,
+                **{t: {m: ms(v) for m, v in by.items()} for t, by in times.items()},
+            }
+            c.run(["nft", "delete", "table", "inet", DIRECT_TABLE])
+    finally:
+        run.nl.close()
+        c.run(["nft", "delete", "table", "inet", DIRECT_TABLE])
+    return results
 
-    from egressd.actionhandler.inputs import parse_binding_input
-    from egressd.fleetnft import builder as nb
-    from egressd.kernel.applier import NftError, _Netlink
-    from egressd.kernel.ops import NetlinkBatch
-    from egressd.subject.model import nft_id, subject_for_uid
 
-    cfg, gw = nb.TableConfig(table=DIRECT_TABLE), ipaddress.ip_address(GATEWAY)
-    ctx = nftables.Nftables()  # created inside the namespace: bound to it
-    ctx.set_echo_output(False)  # as in the daemon: echo forces a full cache fill
-    ctx.set_handle_output(False)
-    nl = _Netlink()
+class DirectRun:
+    """(d)'s table, and one transaction applied by each method: egressd's netlink applier,
+    libnftables (a context created inside the namespace: bound to it) and ``nft -f -``."""
 
-    def timed(fn: Any, arg: Any) -> float:
-        t0 = time.perf_counter()
-        fn(arg)
-        return time.perf_counter() - t0
+    def __init__(self) -> None:
+        import nftables
 
-    def libnft(script: str) -> None:
-        rc, _o, err = ctx.cmd(script)
+        from egressd.kernel.applier import _Netlink
+
+        self.cfg, self.gw = nb.TableConfig(table=DIRECT_TABLE), ipaddress.ip_address(GATEWAY)
+        self.ctx = nftables.Nftables()
+        self.ctx.set_echo_output(False)  # as in the daemon: echo forces a full cache fill
+        self.ctx.set_handle_output(False)
+        self.nl = _Netlink()
+        self.fresh = self.variant = 0
+
+    # -- the three methods
+
+    def libnft(self, script: str) -> None:
+        rc, _o, err = self.ctx.cmd(script)
         if rc != 0:
             raise c.BenchError(f"libnftables rc={rc}: {str(err).strip()[:300]}\n{script[:400]}")
 
+    @staticmethod
     def execd(script: str) -> None:
         p = subprocess.run(
             ["nft", "-f", "-"], input=script.encode(), capture_output=True, timeout=120, check=False
@@ -235,103 +271,98 @@ def direct_phase(sizes: list[int], reps: int) -> dict[int, dict[str, Any]]:
         if p.returncode != 0:
             raise c.BenchError(f"nft -f - rc={p.returncode}: {p.stderr.decode(errors='replace')[:300]}")
 
-    def netlink(batch: NetlinkBatch) -> None:
+    def netlink(self, batch: NetlinkBatch) -> None:
+        from egressd.kernel.applier import NftError
+
         try:
-            nl.run(batch)
+            self.nl.run(batch)
         except NftError as exc:
             raise c.BenchError(f"netlink: {exc}\n{batch.describe()[:400]}") from None
 
-    def subj(uid: str, ip: str) -> nb.SubjectNft:
-        return nb.SubjectNft(nft_id(subject_for_uid(uid)), ipaddress.ip_address(ip), gw)
-
-    def bg(i: int) -> nb.SubjectNft:
-        return subj(f"bg-{i}", ip_of(BG_BASE, i))
-
-    def pol(i: int, v: int) -> Any:
-        return parse_binding_input(policy_text(i, v)).policy
-
-    def apply(method: str, batch: NetlinkBatch | None, text: str) -> float:
+    def apply(self, method: str, batch: NetlinkBatch | None, text: str) -> float:
+        """Seconds ``method`` took: the batch for netlink, the text for the others."""
+        t0 = time.perf_counter()
         if method == "netlink":
             assert batch is not None
-            return timed(netlink, batch)
-        return timed(libnft if method == "libnft" else execd, text)
+            self.netlink(batch)
+        else:
+            (self.libnft if method == "libnft" else self.execd)(text)
+        return time.perf_counter() - t0
 
-    results: dict[int, dict[str, Any]] = {}
-    fresh = variant = 0
-    try:
-        for size in sizes:
-            c.run(["nft", "delete", "table", "inet", DIRECT_TABLE])
-            t0 = time.perf_counter()
-            libnft(nb.header_script(cfg, delete_existing=False))
-            for lo in range(0, size, 50):  # 50 subjects per build transaction
-                ids = range(lo, min(size, lo + 50))
-                libnft("".join(nb.subject_objects_script(cfg, bg(i)) for i in ids))
-                batch = NetlinkBatch(DIRECT_TABLE)
-                for i in ids:
-                    batch = (
-                        batch
-                        + nb.subject_rules(cfg, bg(i).nft_id)
-                        + nb.policy_swap(DIRECT_TABLE, bg(i).nft_id, pol(i, 0))
-                    )
-                netlink(batch)
-            build_s = time.perf_counter() - t0
-            c.log(f"direct: {size} subjects built in {build_s:.2f}s; {reps} reps per method and transaction")
-            times: dict[str, dict[str, list[float]]] = {t: {m: [] for m in METHODS} for t in TXNS}
+    # -- subjects
 
-            def swap(method: str, i: int) -> float:
-                nonlocal variant
-                variant += 1
-                b = nb.policy_swap(DIRECT_TABLE, bg(i).nft_id, pol(i, variant))
-                return apply(method, b, b.describe())
+    def subj(self, uid: str, ip: str) -> nb.SubjectNft:
+        from egressd.subject.model import nft_id, subject_for_uid
 
-            for k, m in enumerate(METHODS):  # warm-up, then: each method really swapped the set
-                swap(m, k % size)
-                swap(m, (k + 1) % size)
-                got = c.run(
-                    ["nft", "list", "set", "inet", DIRECT_TABLE, f"subj_{bg((k + 1) % size).nft_id}_allow_v4"]
-                ).stdout
-                if f"198.51.{variant % 250}.0/24" not in got:
-                    raise c.BenchError(f"{m} policy swap not applied: {got[:300]!r}")
-            for r in range(reps):  # subjects spread over the table: the kernel walks its set list by name
-                for k in ORDERS[r % 6]:
-                    times["policy_swap"][METHODS[k]].append(
-                        swap(METHODS[k], (r * 3 + k) * size // (3 * reps))
-                    )
+        return nb.SubjectNft(nft_id(subject_for_uid(uid)), ipaddress.ip_address(ip), self.gw)
 
-            def create(method: str) -> tuple[nb.SubjectNft, float]:
-                nonlocal fresh
-                s = subj(f"new-{fresh}", ip_of(FRESH_BASE, fresh))
-                fresh += 1
-                return s, apply(
-                    method,
-                    nb.subject_create(cfg, s),
-                    nb.subject_objects_script(cfg, s) + nb.subject_rules(cfg, s.nft_id).describe(),
+    def bg(self, i: int) -> nb.SubjectNft:
+        return self.subj(f"bg-{i}", ip_of(BG_BASE, i))
+
+    @staticmethod
+    def pol(i: int, v: int) -> Any:
+        from egressd.actionhandler.inputs import parse_binding_input
+
+        return parse_binding_input(policy_text(i, v)).policy
+
+    # -- the transactions
+
+    def build(self, size: int) -> float:
+        """The header and ``size`` subjects, 50 per build transaction; seconds taken."""
+        t0 = time.perf_counter()
+        self.libnft(nb.header_script(self.cfg, delete_existing=False))
+        for lo in range(0, size, 50):
+            ids = range(lo, min(size, lo + 50))
+            self.libnft("".join(nb.subject_objects_script(self.cfg, self.bg(i)) for i in ids))
+            batch = NetlinkBatch(DIRECT_TABLE)
+            for i in ids:
+                batch = (
+                    batch
+                    + nb.subject_rules(self.cfg, self.bg(i).nft_id)
+                    + nb.policy_swap(DIRECT_TABLE, self.bg(i).nft_id, self.pol(i, 0))
                 )
+            self.netlink(batch)
+        return time.perf_counter() - t0
 
-            def drop(created: list[nb.SubjectNft]) -> None:  # untimed: the table keeps its size
-                batch = NetlinkBatch(DIRECT_TABLE)
-                for s in created:
-                    batch = batch + nb.removal_batch(cfg, s.nft_id, s.ip, release_gateway=None)
-                netlink(batch)
-                time.sleep(0.01)  # the kernel's deferred clean-up of the deleted objects
+    def swap(self, method: str, i: int) -> float:
+        self.variant += 1
+        b = nb.policy_swap(DIRECT_TABLE, self.bg(i).nft_id, self.pol(i, self.variant))
+        return self.apply(method, b, b.describe())
 
-            drop([create(m)[0] for m in METHODS])  # warm-up
-            for r in range(reps):
-                made = []
-                for k in ORDERS[r % 6]:
-                    s, dt = create(METHODS[k])
-                    made.append(s)
-                    times["create"][METHODS[k]].append(dt)
-                drop(made)
-            results[size] = {
-                "build_s": build_s,
-                **{t: {m: ms(v) for m, v in by.items()} for t, by in times.items()},
-            }
-            c.run(["nft", "delete", "table", "inet", DIRECT_TABLE])
-    finally:
-        nl.close()
-        c.run(["nft", "delete", "table", "inet", DIRECT_TABLE])
-    return results
+    def check_swaps(self, size: int) -> None:
+        """Warm-up, then: each method really swapped the set."""
+        for k, m in enumerate(METHODS):
+            self.swap(m, k % size)
+            self.swap(m, (k + 1) % size)
+            got = c.run(
+                [
+                    "nft",
+                    "list",
+                    "set",
+                    "inet",
+                    DIRECT_TABLE,
+                    f"subj_{self.bg((k + 1) % size).nft_id}_allow_v4",
+                ]
+            ).stdout
+            if f"198.51.{self.variant % 250}.0/24" not in got:
+                raise c.BenchError(f"{m} policy swap not applied: {got[:300]!r}")
+
+    def create(self, method: str) -> tuple[nb.SubjectNft, float]:
+        s = self.subj(f"new-{self.fresh}", ip_of(FRESH_BASE, self.fresh))
+        self.fresh += 1
+        return s, self.apply(
+            method,
+            nb.subject_create(self.cfg, s),
+            nb.subject_objects_script(self.cfg, s) + nb.subject_rules(self.cfg, s.nft_id).describe(),
+        )
+
+    def drop(self, created: list[nb.SubjectNft]) -> None:
+        """Untimed: the table keeps its size."""
+        batch = NetlinkBatch(DIRECT_TABLE)
+        for s in created:
+            batch = batch + nb.removal_batch(self.cfg, s.nft_id, s.ip, release_gateway=None)
+        self.netlink(batch)
+        time.sleep(0.01)  # the kernel's deferred clean-up of the deleted objects
 
 
 def exec_floors(reps: int) -> dict[str, float]:

@@ -146,6 +146,10 @@ def dig(topo: c.Topology, sb: int) -> None:
         raise c.BenchError(f"sb{sb} could not resolve {API}: {out.strip()!r}")
 
 
+#: (label, sandbox, port, CA file, the Authorization the upstream must see)
+BenchPath = tuple[str, int, int, str, str]
+
+
 def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Report) -> dict[str, Any]:
     if args.quick:
         args.n_seq, args.n_conc, args.warmup = (
@@ -171,26 +175,11 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
             raise c.BenchError("upstream did not start")
         d.start(timeout=30)
         h = c.Http(HTTP_PORT, 30)
-        deadline = time.monotonic() + 20
-        while len(kids := c.children(d.pid)) != 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if len(kids) != 1:
-            raise c.BenchError(f"expected one MITM child of egressd {d.pid}, got {kids}")
-        mitm = kids[0]
-        pol = c.policy("deny", ("allow", API))
-        for k in (1, 2):
-            h.action(
-                c.envelope("SET_BINDING", f"bm{k}", ip=f"10.203.0.{10 + k}", policy=pol), f"SET_BINDING bm{k}"
-            )
-            h.action(c.envelope("LIFECYCLE_HOOK", f"bm{k}", hook=True), f"data-plane-ready bm{k}")
-        code, text, _ = h.request(
-            "PUT", "/v1/sandboxfleets/bm1/egress/credential-vault", json.dumps(VAULT).encode()
-        )
-        if code != 201:
-            raise c.BenchError(f"vault PUT: {code} {text[:300]!r}")
+        mitm = mitm_child(d)
+        register(h)
         mitm_ca, up_ca = str(workdir / "mitm-conf" / "mitmproxy-ca-cert.pem"), str(tls / "ca.pem")
-        paths = [("direct", 1, DIRECT_PORT, up_ca, f"Bearer {PLACEHOLDER}"), ("mitm+inject", 1, 443, mitm_ca, "[REDACTED]"),
-                 ("mitm pass", 2, 443, mitm_ca, f"Bearer {PLACEHOLDER}")]  # fmt: skip
+        paths: list[BenchPath] = [("direct", 1, DIRECT_PORT, up_ca, f"Bearer {PLACEHOLDER}"), ("mitm+inject", 1, 443, mitm_ca, "[REDACTED]"),
+                                  ("mitm pass", 2, 443, mitm_ca, f"Bearer {PLACEHOLDER}")]  # fmt: skip
         for k in (1, 2):
             dig(topo, k)
             clients[k] = c.Proc([str(c.VENV_PY), "-c", CLIENT], ns=topo.ns(f"sb{k}"))
@@ -202,73 +191,13 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
             "client1": clients[1].pid,
             "client2": clients[2].pid,
         }
-
-        def batch(
-            p: tuple[str, int, int, str, str], n: int, conc: int, keep: bool, deadline: float
-        ) -> dict[str, Any]:
-            return clients[p[1]].call({"host": API, "ip": API_IP, "port": p[2], "ca": p[3], "path": PATH, "placeholder": PLACEHOLDER,
-                                       "expect_echo_auth": p[4], "n": n, "conc": conc, "keepalive": keep, "deadline_s": deadline}, deadline + 30)  # fmt: skip
-
-        for (
-            p
-        ) in paths:  # warm-up and sanity: leaf minted, vault snapshot cached; the upstream saw what it should
-            r = batch(p, args.warmup, 1, False, 20)
-            s = r["sample"]
-            if (
-                r["errors"]
-                or len(r["lat_ms"]) != args.warmup
-                or (s.get("port"), s.get("tls"), s.get("local")) != (p[2], True, API_IP)
-            ):
-                raise c.BenchError(
-                    f"warm-up {p[0]}: errors {r['errors']}, {len(r['lat_ms'])} ok, upstream saw {s}"
-                )
+        warm_up(clients, paths, args.warmup)
         c.log("warm-up ok: direct reaches :8443, both MITM paths :443, the key injected on mitm+inject only")
         rss0 = {k: (c.mem_kb(procs[k]), 0) for k in ("egressd", "mitm")}
-        phases = [
-            ("new conn, sequential", False, 1, args.n_seq),
-            (f"new conn, {args.conc} in flight", False, args.conc, args.n_conc),
-        ]
-        if args.keepalive:
-            phases += [
-                ("keep-alive, sequential", True, 1, args.n_seq),
-                (f"keep-alive, {args.conc} in flight", True, args.conc, args.n_conc),
-            ]
+        log = LogTail(d.log_path)
         res: dict[str, dict[str, Any]] = {}
-        log_off = d.log_path.stat().st_size
-        for label, keep, conc, n_total in phases:
-            k = args.batches
-            order = [p for r_ in range(k) for p in (paths if r_ % 2 == 0 else paths[::-1])]
-            res[label] = {
-                p[0]: {"lat": [], "errors": {}, "wall": 0.0, "cpu": dict.fromkeys(procs, 0.0), "lookup": []}
-                for p in paths
-            }
-            for i, p in enumerate(order):
-                x = res[label][p[0]]
-                n = n_total // k + (1 if i // len(paths) < n_total % k else 0)
-                dig(topo, p[1])
-                c0 = {name: c.cpu_s(pid) for name, pid in procs.items()}
-                r = batch(p, n, conc, keep, PHASE_CAP_S / k)
-                for name, pid in procs.items():
-                    x["cpu"][name] += c.cpu_s(pid) - c0[name]
-                time.sleep(0.05)  # the supervisor re-logs the addon's last lines
-                with d.log_path.open("rb") as fh:
-                    fh.seek(log_off)
-                    new = fh.read().decode(errors="replace")
-                log_off += len(new.encode())
-                x["lookup"] += [
-                    float(m[1])
-                    for ln in new.splitlines()
-                    if "mitm.injected" in ln and (m := re.search(r'"lookup_ms":\s*([0-9.]+)', ln))
-                ]
-                x["lat"] += r["lat_ms"] + [math.inf] * (n - len(r["lat_ms"]))
-                for kind, cnt in {
-                    **r["errors"],
-                    **({"not sent (time cap)": n - r["attempted"]} if r["attempted"] < n else {}),
-                }.items():
-                    x["errors"][kind] = x["errors"].get(kind, 0) + cnt
-                x["wall"] += r["wall_s"]
-            for name in ("egressd", "mitm"):
-                res[label][name + "_rss_kb"] = {"kb": c.mem_kb(procs[name])}
+        for label, keep, conc, n_total in phases(args):
+            res[label] = run_phase(args, topo, clients, paths, procs, log, keep, conc, n_total)
             c.log(f"{label}: done")
         if c.children(d.pid) != [mitm]:
             raise c.BenchError("the MITM child was restarted during the run: figures not comparable")
@@ -286,6 +215,126 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
         up.stop()
     report(rep, args, out, [p[0] for p in paths])
     return out
+
+
+def mitm_child(d: c.Egressd) -> int:
+    """The PID of egressd's one MITM child (the benchmark times it on its own)."""
+    deadline = time.monotonic() + 20
+    while len(kids := c.children(d.pid)) != 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if len(kids) != 1:
+        raise c.BenchError(f"expected one MITM child of egressd {d.pid}, got {kids}")
+    return kids[0]
+
+
+def register(h: c.Http) -> None:
+    """bm1 and bm2 active with the same policy; only bm1 has the vault."""
+    pol = c.policy("deny", ("allow", API))
+    for k in (1, 2):
+        h.action(
+            c.envelope("SET_BINDING", f"bm{k}", ip=f"10.203.0.{10 + k}", policy=pol), f"SET_BINDING bm{k}"
+        )
+        h.action(c.envelope("LIFECYCLE_HOOK", f"bm{k}", hook=True), f"data-plane-ready bm{k}")
+    code, text, _ = h.request(
+        "PUT", "/v1/sandboxfleets/bm1/egress/credential-vault", json.dumps(VAULT).encode()
+    )
+    if code != 201:
+        raise c.BenchError(f"vault PUT: {code} {text[:300]!r}")
+
+
+def batch(
+    clients: dict[int, c.Proc], p: BenchPath, n: int, conc: int, keep: bool, deadline: float
+) -> dict[str, Any]:
+    return clients[p[1]].call({"host": API, "ip": API_IP, "port": p[2], "ca": p[3], "path": PATH, "placeholder": PLACEHOLDER,
+                               "expect_echo_auth": p[4], "n": n, "conc": conc, "keepalive": keep, "deadline_s": deadline}, deadline + 30)  # fmt: skip
+
+
+def warm_up(clients: dict[int, c.Proc], paths: list[BenchPath], n: int) -> None:
+    """Warm-up and sanity: leaf minted, vault snapshot cached; the upstream saw what it should."""
+    for p in paths:
+        r = batch(clients, p, n, 1, False, 20)
+        s = r["sample"]
+        if (
+            r["errors"]
+            or len(r["lat_ms"]) != n
+            or (s.get("port"), s.get("tls"), s.get("local")) != (p[2], True, API_IP)
+        ):
+            raise c.BenchError(
+                f"warm-up {p[0]}: errors {r['errors']}, {len(r['lat_ms'])} ok, upstream saw {s}"
+            )
+
+
+def phases(args: argparse.Namespace) -> list[tuple[str, bool, int, int]]:
+    """(label, keep-alive, in flight, requests) of each measured phase."""
+    out = [
+        ("new conn, sequential", False, 1, args.n_seq),
+        (f"new conn, {args.conc} in flight", False, args.conc, args.n_conc),
+    ]
+    if args.keepalive:
+        out += [
+            ("keep-alive, sequential", True, 1, args.n_seq),
+            (f"keep-alive, {args.conc} in flight", True, args.conc, args.n_conc),
+        ]
+    return out
+
+
+class LogTail:
+    """What egressd logged since the last read (the addon's lookup times)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, path.stat().st_size
+
+    def read(self) -> str:
+        with self.path.open("rb") as fh:
+            fh.seek(self.offset)
+            new = fh.read().decode(errors="replace")
+        self.offset += len(new.encode())
+        return new
+
+
+def run_phase(
+    args: argparse.Namespace,
+    topo: c.Topology,
+    clients: dict[int, c.Proc],
+    paths: list[BenchPath],
+    procs: dict[str, int],
+    log: LogTail,
+    keep: bool,
+    conc: int,
+    n_total: int,
+) -> dict[str, Any]:
+    """One phase: the paths in interleaved batches (ABBA...), CPU per process, lookup times."""
+    k = args.batches
+    order = [p for r_ in range(k) for p in (paths if r_ % 2 == 0 else paths[::-1])]
+    res: dict[str, Any] = {
+        p[0]: {"lat": [], "errors": {}, "wall": 0.0, "cpu": dict.fromkeys(procs, 0.0), "lookup": []}
+        for p in paths
+    }
+    for i, p in enumerate(order):
+        x = res[p[0]]
+        n = n_total // k + (1 if i // len(paths) < n_total % k else 0)
+        dig(topo, p[1])
+        c0 = {name: c.cpu_s(pid) for name, pid in procs.items()}
+        r = batch(clients, p, n, conc, keep, PHASE_CAP_S / k)
+        for name, pid in procs.items():
+            x["cpu"][name] += c.cpu_s(pid) - c0[name]
+        time.sleep(0.05)  # the supervisor re-logs the addon's last lines
+        new = log.read()
+        x["lookup"] += [
+            float(m[1])
+            for ln in new.splitlines()
+            if "mitm.injected" in ln and (m := re.search(r'"lookup_ms":\s*([0-9.]+)', ln))
+        ]
+        x["lat"] += r["lat_ms"] + [math.inf] * (n - len(r["lat_ms"]))
+        for kind, cnt in {
+            **r["errors"],
+            **({"not sent (time cap)": n - r["attempted"]} if r["attempted"] < n else {}),
+        }.items():
+            x["errors"][kind] = x["errors"].get(kind, 0) + cnt
+        x["wall"] += r["wall_s"]
+    for name in ("egressd", "mitm"):
+        res[name + "_rss_kb"] = {"kb": c.mem_kb(procs[name])}
+    return res
 
 
 def report(rep: c.Report, args: argparse.Namespace, out: dict[str, Any], names: list[str]) -> None:

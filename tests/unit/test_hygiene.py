@@ -317,7 +317,7 @@ async def test_forgets_reach_the_child_and_its_cache_reports_become_the_gauge(tm
 async def test_egressd_names_the_address_on_vault_delete_rebind_and_removal(aiohttp_client: Any) -> None:
     env = await make_env(aiohttp_client)
     forgotten: list[list[str]] = []
-    env.control.forget_snapshots = lambda ips: forgotten.append([str(ip) for ip in ips])
+    env.control.credentials.forget_snapshots = lambda ips: forgotten.append([str(ip) for ip in ips])
 
     def taken() -> list[list[str]]:
         out = list(forgotten)

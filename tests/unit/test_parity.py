@@ -569,7 +569,7 @@ async def test_proxy_route_refuses_before_caching() -> None:
     path = "/v1/sandboxfleets/u-1/egress/credential-vault"
     reply = await proxy.handle("PUT", path, {}, json.dumps(VAULT).encode(), secure_transport=False)
     assert (reply.status, reply.text) == (426, REFUSAL_TEXT)
-    assert control.pending_pushes.count() == 0
+    assert control.credentials.pending_pushes.count() == 0
     assert (await proxy.handle("PUT", path, {}, json.dumps(VAULT).encode())).status == 202
 
 

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 import egressd.actionhandler.control as control_mod
-from egressd.actionhandler.control import ControlPlane, Result
+from egressd.actionhandler.api import Result
+from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
 from egressd.fleetnft.builder import TableConfig
 from egressd.kernel.applier import NftError
@@ -35,7 +36,7 @@ from egressd.kernel.ops import (
     FlushSet,
     MatchRule,
     NetlinkBatch,
-    Outcome,
+    RuleAction,
     VerdictRule,
 )
 from egressd.policy import parse_policy
@@ -930,14 +931,16 @@ async def test_fake_kernel_refuses_like_the_kernel(kernel: TextKernel) -> None:
         TABLE,
         (
             AddIntervals("dns_gw_v4", "v4", (ip_network("10.9.9.9/32"),)),
-            AddRule("dispatch", MatchRule("v4", "nope", Outcome.DROP)),
+            AddRule("dispatch", MatchRule("v4", "nope", RuleAction.DROP)),
         ),
     )
     with pytest.raises(NftError):
         await kernel.run_batch(bad, op="t")
     assert kernel.elements("dns_gw_v4") == {}
     with pytest.raises(NftError):
-        await kernel.run_batch(NetlinkBatch(TABLE, (AddRule("nochain", VerdictRule(Outcome.DROP)),)), op="t")
+        await kernel.run_batch(
+            NetlinkBatch(TABLE, (AddRule("nochain", VerdictRule(RuleAction.DROP)),)), op="t"
+        )
     with pytest.raises(NftError):
         await kernel.run_batch(NetlinkBatch(TABLE, (FlushSet("nope"),)), op="t")
     with pytest.raises(NftError):

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from egressd.actionhandler.control import ControlPlane, Result
+from egressd.actionhandler.api import Result
+from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
 from egressd.dnsproxy.server import Asker
 from egressd.fleetnft.builder import TableConfig, dyn_add, dyn_replace, policy_swap
@@ -179,7 +180,7 @@ async def test_asker_policy_is_cached(control: ControlPlane) -> None:
     assert first.policy is second.policy
     entry = control.registry.get("u-1")
     assert entry is not None
-    assert control.effective_for(entry) is first.policy
+    assert control.policies.effective_for(entry) is first.policy
 
 
 async def test_asker_policy_is_refreshed_after_an_in_place_update(control: ControlPlane) -> None:
@@ -220,13 +221,13 @@ async def test_effective_for_is_none_unless_active(control: ControlPlane) -> Non
     ok(await control.handle(set_binding()))
     entry = control.registry.get("u-1")
     assert entry is not None and entry.state is State.DENYING
-    assert control.effective_for(entry) is None
+    assert control.policies.effective_for(entry) is None
 
 
 async def test_uid_for(control: ControlPlane) -> None:
     ok(await control.handle(set_binding()))
-    assert control.uid_for(ip("10.0.0.5")) == "u-1"
-    assert control.uid_for(ip("10.0.0.9")) is None
+    assert control.learning.uid_for(ip("10.0.0.5")) == "u-1"
+    assert control.learning.uid_for(ip("10.0.0.9")) is None
 
 
 # --------------------------------------------------------------------------- learn
@@ -527,7 +528,7 @@ def fake_conntrack(
     monkeypatch: pytest.MonkeyPatch, src: str, dsts: tuple[str, ...]
 ) -> list[tuple[IPAddress, IPAddress]]:
     """Established flows src -> each dst in the conntrack table; returns the list of flows cut."""
-    import egressd.actionhandler.control as control_mod
+    import egressd.actionhandler.flows as flows_mod
 
     lines = [
         f"ipv4 2 tcp 6 100 ESTABLISHED src={src} dst={d} sport=1 dport=443 src={d} dst={src}" for d in dsts
@@ -541,8 +542,8 @@ def fake_conntrack(
     async def flush(s: IPAddress, d: IPAddress) -> None:
         cut.append((s, d))
 
-    monkeypatch.setattr(control_mod, "read_conntrack_flows", flows)
-    monkeypatch.setattr(control_mod, "flush_flow", flush)
+    monkeypatch.setattr(flows_mod, "read_conntrack_flows", flows)
+    monkeypatch.setattr(flows_mod, "flush_flow", flush)
     return cut
 
 
@@ -554,11 +555,11 @@ async def test_in_place_audit_change_cuts_only_hard_denied_flows(
     cut = fake_conntrack(monkeypatch, "10.0.0.5", ("1.1.1.1", "8.8.8.8", "1.2.3.4"))
     # Still audit after the change: 8.8.8.8 is only would-deny (passes, not cut); 1.2.3.4 is
     # denied by deny.always (hard, cut).
-    control.always = NEW
+    control.policies.always = NEW
     entry = control.registry.get("u-1")
     assert entry is not None
-    effective = control.effective(parse_policy(audit))
-    await control._cut_disallowed("u-1", frozenset({(ip("10.0.0.5"), ip("10.0.0.1"))}), effective)
+    effective = control.policies.effective(parse_policy(audit))
+    await control.flows.cut_disallowed("u-1", frozenset({(ip("10.0.0.5"), ip("10.0.0.1"))}), effective)
     assert cut == [(ip("10.0.0.5"), ip("1.2.3.4"))]
 
 

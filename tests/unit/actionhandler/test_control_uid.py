@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from egressd.actionhandler.control import ControlPlane, Result
+from egressd.actionhandler.api import Result
+from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, SetBinding, parse_action
 from egressd.fleetnft.builder import TableConfig
 from egressd.subject.hostuid import UidPorts, UidRange
@@ -79,7 +80,7 @@ async def make(
     control = ControlPlane(TableConfig(table=TABLE, mitm=mitm, uids=ports, own_uid=own_uid), kernel)
     await control.reset_table()
     listeners = Ports()
-    control.uid_ports = listeners
+    control.uid_ports.ports = listeners
     return control, kernel, listeners
 
 
@@ -112,7 +113,7 @@ async def test_deny_first_keys_the_uid_and_opens_its_dns_port_first() -> None:
     assert ports.events == ["open 0"]
     assert control.registry.kernel("u-1").uid_keys == frozenset({(A, 0)})
     # Deny-first: the DNS port answers as denying, the sets are empty.
-    asker = control.asker_for_slot(0)
+    asker = control.learning.asker_for_slot(0)
     assert asker is not None and asker.uid == "u-1" and asker.policy is None
     assert kernel.elements("subj_s_u_1_allow_v4") == {}
 
@@ -123,9 +124,9 @@ async def test_activation_fills_the_same_sets_and_the_port_knows_the_policy() ->
     ok(await control.handle(uid_binding(policy=names)))
     ok(await control.handle(hook()))
     assert kernel.elements("subj_s_u_1_allow_v4") == {"8.8.8.8": ""}
-    asker = control.asker_for_slot(0)
+    asker = control.learning.asker_for_slot(0)
     assert asker is not None and asker.policy is not None
-    assert control.asker_for_slot(1) is None, "a port nobody holds: an unknown source"
+    assert control.learning.asker_for_slot(1) is None, "a port nobody holds: an unknown source"
     # DNS learning goes to the subject's dyn sets as for a network subject.
     learned = await control.learn("u-1", asker.fence, [(ip_address("8.8.4.4"), 60)], "dns.google")
     assert learned == [ip_address("8.8.4.4")]
@@ -262,7 +263,7 @@ async def test_network_and_uid_subjects_coexist_and_rekey_across_kinds() -> None
 async def test_vault_by_mitm_port_and_forget_by_port_key() -> None:
     control, _, _ = await make(mitm=True)
     forgotten: list[list[Any]] = []
-    control.forget_snapshots = forgotten.append
+    control.credentials.forget_snapshots = forgotten.append
     ok(
         await control.handle(
             uid_binding(
@@ -283,36 +284,36 @@ async def test_vault_by_mitm_port_and_forget_by_port_key() -> None:
     }
     from egressd.vault.store import VaultStore
 
-    coverage = control.coverage_policy("u-1")
+    coverage = control.credentials.coverage_policy("u-1")
     store = VaultStore()
     assert store.put(store_doc, coverage)[0] == 201
     control.vaults["u-1"] = store
-    assert control.vault_for_mitm_port(PORTS.mitm_port(0)) is not None
-    assert control.vault_for_mitm_port(PORTS.mitm_port(1)) is None
+    assert control.credentials.vault_for_mitm_port(PORTS.mitm_port(0)) is not None
+    assert control.credentials.vault_for_mitm_port(PORTS.mitm_port(1)) is None
     assert control.vault_for_ip(ip_address("10.0.0.5")) is None
     ok(await control.handle(remove()))
     assert ["port:16005"] in forgotten
-    assert control.vault_for_mitm_port(PORTS.mitm_port(0)) is None
+    assert control.credentials.vault_for_mitm_port(PORTS.mitm_port(0)) is None
 
 
 async def test_describe_and_explain_name_the_host_uid() -> None:
     control, _, _ = await make(mitm=True)
     ok(await control.handle(uid_binding()))
     ok(await control.handle(hook()))
-    [row] = control.describe()
+    [row] = control.report.describe()
     assert row["hostUid"] == A and row["dnsPort"] == 16000 and row["mitmPort"] == 16005
     assert row["sourceIp"] is None
-    doc = control.explain(A, "8.8.8.8")
+    doc = control.report.explain(A, "8.8.8.8")
     assert doc["subject"] == "s-u-1" and doc["hostUid"] == A and doc["decision"] == "allow"
-    assert control.explain(B, "8.8.8.8").get("subject") is None
-    view = await control.kernel_membership(A, ip_address("8.8.8.8"))
+    assert control.report.explain(B, "8.8.8.8").get("subject") is None
+    view = await control.report.kernel_membership(A, ip_address("8.8.8.8"))
     assert view["available"] and view["dispatched"]
     assert [s["set"] for s in view["sets"]] == ["subj_s_u_1_allow_v4"]
-    assert not (await control.kernel_membership(B, ip_address("8.8.8.8")))["dispatched"]
+    assert not (await control.report.kernel_membership(B, ip_address("8.8.8.8")))["dispatched"]
 
 
 async def test_host_uid_subjects_for_the_refresh() -> None:
     control, _, _ = await make()
     ok(await control.handle(uid_binding("u-1", A)))
     ok(await control.handle(set_binding("net", ip="10.0.0.5")))
-    assert control.host_uid_subjects() == {A: "u-1"}
+    assert control.learning.host_uid_subjects() == {A: "u-1"}

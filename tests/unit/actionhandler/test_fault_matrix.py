@@ -65,8 +65,8 @@ from egressd.kernel.ops import (
     FlushSet,
     MatchRule,
     NetlinkBatch,
-    Outcome,
     Rule,
+    RuleAction,
     VerdictRule,
 )
 from egressd.policy import AlwaysRules, Verdict, format_element, parse_policy
@@ -219,88 +219,135 @@ def _need(table: Table, name: str) -> ModelSet:
 
 def _apply(t: Table, batch: NetlinkBatch) -> None:
     for op in batch.ops:
-        if isinstance(op, AddSet):
-            old = t.sets.get(op.name)
-            if old is None:
-                t.sets[op.name] = ModelSet(op.fam, op.kind, op.size)
-            elif (old.fam, old.kind, old.size) != (op.fam, op.kind, op.size):
-                raise ModelError(f"File exists: set {op.name} with other properties")
-        elif isinstance(op, AddChain):
-            t.chains.setdefault(op.name, [])
-        elif isinstance(op, AddCounter):
-            t.counters.add(op.name)
-        elif isinstance(op, DeleteCounter):
-            if op.name not in t.counters:
-                raise ModelError(f"No such file or directory: counter {op.name}")
-            if any(op.name in _rule_refs(r)[1] for rules in t.chains.values() for r in rules):
-                raise ModelError(f"Device or resource busy: counter {op.name}")
-            t.counters.discard(op.name)
-        elif isinstance(op, AddJump):
-            m = _need(t, op.map)
-            assert m.kind == "vmap", op
-            if op.chain not in t.chains:
-                raise ModelError(f"No such file or directory: chain {op.chain}")
-            if m.jumps.get(op.key, op.chain) != op.chain:
-                raise ModelError(f"File exists: {op.key} in {op.map}")
-            m.jumps[op.key] = op.chain
-        elif isinstance(op, AddElements):
-            s = _need(t, op.name)
-            assert s.kind == "plain", op
-            s.addrs.update(op.keys)
-        elif isinstance(op, AddRule):
-            if op.chain not in t.chains:
-                raise ModelError(f"No such file or directory: chain {op.chain}")
-            sets, counters = _rule_refs(op.rule)
-            for name in sets:
-                _need(t, name)
-            for name in counters:
-                if name not in t.counters:
-                    raise ModelError(f"No such file or directory: counter {name}")
-            t.chains[op.chain].append(op.rule)
-        elif isinstance(op, FlushSet):
-            s = _need(t, op.name)
-            s.nets.clear()
-            s.addrs.clear()
-            s.jumps.clear()
-        elif isinstance(op, AddIntervals):
-            s = _need(t, op.name)
-            assert s.kind == "interval", op
-            for net in op.nets:
-                if any(net != n and net.overlaps(n) for n in s.nets if n.version == net.version):
-                    raise ModelError(f"File exists: {net} overlaps an element of {op.name}")
-                s.nets.add(net)
-        elif isinstance(op, AddTimed):
-            s = _need(t, op.name)
-            assert s.kind == "timeout", op
-            s.addrs.update(ip for ip, _ in op.leases)  # expiry is not modelled: tests run in ms
-            if s.size and len(s.addrs) > s.size:
-                raise ModelError(f"Too many open files in system: {op.name} is full")
-        elif isinstance(op, DeleteElement):
-            s = _need(t, op.name)
-            if s.kind == "vmap":
-                if op.key not in s.jumps:
-                    raise ModelError(f"No such file or directory: {op.key} in {op.name}")
-                del s.jumps[op.key]
-            else:
-                if op.key not in s.addrs:
-                    raise ModelError(f"No such file or directory: {op.key} in {op.name}")
-                s.addrs.discard(op.key)
-        elif isinstance(op, FlushChain):
-            if op.name not in t.chains:
-                raise ModelError(f"No such file or directory: chain {op.name}")
-            t.chains[op.name] = []
-        elif isinstance(op, DeleteChain):
-            if op.name not in t.chains:
-                raise ModelError(f"No such file or directory: chain {op.name}")
-            if any(op.name in s.jumps.values() for s in t.sets.values()):
-                raise ModelError(f"Device or resource busy: chain {op.name}")
-            del t.chains[op.name]  # with its rules
-        else:
-            assert isinstance(op, DeleteSet), op
-            _need(t, op.name)
-            if any(op.name in _rule_refs(r)[0] for rules in t.chains.values() for r in rules):
-                raise ModelError(f"Device or resource busy: set {op.name}")
-            del t.sets[op.name]
+        _APPLY[type(op)](t, op)
+
+
+def _add_set(t: Table, op: AddSet) -> None:
+    old = t.sets.get(op.name)
+    if old is None:
+        t.sets[op.name] = ModelSet(op.fam, op.kind, op.size)
+    elif (old.fam, old.kind, old.size) != (op.fam, op.kind, op.size):
+        raise ModelError(f"File exists: set {op.name} with other properties")
+
+
+def _add_chain(t: Table, op: AddChain) -> None:
+    t.chains.setdefault(op.name, [])
+
+
+def _add_counter(t: Table, op: AddCounter) -> None:
+    t.counters.add(op.name)
+
+
+def _delete_counter(t: Table, op: DeleteCounter) -> None:
+    if op.name not in t.counters:
+        raise ModelError(f"No such file or directory: counter {op.name}")
+    if any(op.name in _rule_refs(r)[1] for rules in t.chains.values() for r in rules):
+        raise ModelError(f"Device or resource busy: counter {op.name}")
+    t.counters.discard(op.name)
+
+
+def _add_jump(t: Table, op: AddJump) -> None:
+    m = _need(t, op.map)
+    assert m.kind == "vmap", op
+    if op.chain not in t.chains:
+        raise ModelError(f"No such file or directory: chain {op.chain}")
+    if m.jumps.get(op.key, op.chain) != op.chain:
+        raise ModelError(f"File exists: {op.key} in {op.map}")
+    m.jumps[op.key] = op.chain
+
+
+def _add_elements(t: Table, op: AddElements) -> None:
+    s = _need(t, op.name)
+    assert s.kind == "plain", op
+    s.addrs.update(op.keys)
+
+
+def _add_rule(t: Table, op: AddRule) -> None:
+    if op.chain not in t.chains:
+        raise ModelError(f"No such file or directory: chain {op.chain}")
+    sets, counters = _rule_refs(op.rule)
+    for name in sets:
+        _need(t, name)
+    for name in counters:
+        if name not in t.counters:
+            raise ModelError(f"No such file or directory: counter {name}")
+    t.chains[op.chain].append(op.rule)
+
+
+def _flush_set(t: Table, op: FlushSet) -> None:
+    s = _need(t, op.name)
+    s.nets.clear()
+    s.addrs.clear()
+    s.jumps.clear()
+
+
+def _add_intervals(t: Table, op: AddIntervals) -> None:
+    s = _need(t, op.name)
+    assert s.kind == "interval", op
+    for net in op.nets:
+        if any(net != n and net.overlaps(n) for n in s.nets if n.version == net.version):
+            raise ModelError(f"File exists: {net} overlaps an element of {op.name}")
+        s.nets.add(net)
+
+
+def _add_timed(t: Table, op: AddTimed) -> None:
+    s = _need(t, op.name)
+    assert s.kind == "timeout", op
+    s.addrs.update(ip for ip, _ in op.leases)  # expiry is not modelled: tests run in ms
+    if s.size and len(s.addrs) > s.size:
+        raise ModelError(f"Too many open files in system: {op.name} is full")
+
+
+def _delete_element(t: Table, op: DeleteElement) -> None:
+    s = _need(t, op.name)
+    if s.kind == "vmap":
+        if op.key not in s.jumps:
+            raise ModelError(f"No such file or directory: {op.key} in {op.name}")
+        del s.jumps[op.key]
+    else:
+        if op.key not in s.addrs:
+            raise ModelError(f"No such file or directory: {op.key} in {op.name}")
+        s.addrs.discard(op.key)
+
+
+def _flush_chain(t: Table, op: FlushChain) -> None:
+    if op.name not in t.chains:
+        raise ModelError(f"No such file or directory: chain {op.name}")
+    t.chains[op.name] = []
+
+
+def _delete_chain(t: Table, op: DeleteChain) -> None:
+    if op.name not in t.chains:
+        raise ModelError(f"No such file or directory: chain {op.name}")
+    if any(op.name in s.jumps.values() for s in t.sets.values()):
+        raise ModelError(f"Device or resource busy: chain {op.name}")
+    del t.chains[op.name]  # with its rules
+
+
+def _delete_set(t: Table, op: DeleteSet) -> None:
+    _need(t, op.name)
+    if any(op.name in _rule_refs(r)[0] for rules in t.chains.values() for r in rules):
+        raise ModelError(f"Device or resource busy: set {op.name}")
+    del t.sets[op.name]
+
+
+#: One model function per operation type (a KeyError for an operation the model lacks).
+_APPLY: dict[type, Callable[[Table, Any], None]] = {
+    AddSet: _add_set,
+    AddChain: _add_chain,
+    AddCounter: _add_counter,
+    DeleteCounter: _delete_counter,
+    AddJump: _add_jump,
+    AddElements: _add_elements,
+    AddRule: _add_rule,
+    FlushSet: _flush_set,
+    AddIntervals: _add_intervals,
+    AddTimed: _add_timed,
+    DeleteElement: _delete_element,
+    FlushChain: _flush_chain,
+    DeleteChain: _delete_chain,
+    DeleteSet: _delete_set,
+}
 
 
 # --------------------------------------------------------------------------- openness
@@ -325,7 +372,7 @@ def _run_chain(t: Table, chain: str, dst: IPAddress, marked: bool) -> tuple[str 
             continue
         if isinstance(rule, MatchRule):
             if _in(t, rule.set_name, dst):
-                if rule.outcome is Outcome.MARK:
+                if rule.outcome is RuleAction.MARK:
                     marked = True
                 else:
                     return rule.outcome.value, marked
@@ -549,78 +596,85 @@ class Scenario:
     bounded: bool = False
 
 
+async def _neighbour(c: ControlPlane) -> None:
+    await _activate(c, U2, P_NEIGHBOUR, ip=IP2)
+
+
+async def _bound(c: ControlPlane) -> None:
+    await _neighbour(c)
+    await _ok(c.handle(_set_binding(U1, P_A)))
+
+
+def _active(policy: object, *, learn: bool = True) -> Step:
+    async def setup(c: ControlPlane) -> None:
+        await _neighbour(c)
+        await _activate(c, U1, policy)
+        if learn:
+            await _learn(c)
+
+    return setup
+
+
+def _act(action: Any) -> Step:
+    async def run(c: ControlPlane) -> Any:
+        return await c.handle(action)
+
+    return run
+
+
+def _set_always(rules: AlwaysRules) -> Step:
+    async def run(c: ControlPlane) -> None:
+        await c.set_always_rules(rules)
+
+    return run
+
+
+async def _learn_b(c: ControlPlane) -> None:
+    if not await c.learn(U1, FENCE1, [(ipaddress.ip_address(LEARNED_B), 300)], "example.com"):
+        raise RuntimeError("learn returned nothing")
+
+
+async def _renew(c: ControlPlane) -> None:
+    await c.renew_leases(U1, [ipaddress.ip_address(LEARNED)], 360)
+
+
+async def _proxy_policy(c: ControlPlane) -> Any:
+    # The proxy route's /policy write: an in-place plan under the subject's lock.
+    async with c.locks.hold(U1):
+        entry = c.registry.get(U1)
+        assert entry is not None
+        return await c.apply_user_policy_locked(entry, parse_policy(json.dumps(P_NARROW)))
+
+
 def _scenarios() -> list[Scenario]:
-    async def neighbour(c: ControlPlane) -> None:
-        await _activate(c, U2, P_NEIGHBOUR, ip=IP2)
-
-    async def none(c: ControlPlane) -> None:
-        await neighbour(c)
-
-    async def bound(c: ControlPlane) -> None:
-        await neighbour(c)
-        await _ok(c.handle(_set_binding(U1, P_A)))
-
-    def active(policy: object, *, learn: bool = True) -> Step:
-        async def setup(c: ControlPlane) -> None:
-            await neighbour(c)
-            await _activate(c, U1, policy)
-            if learn:
-                await _learn(c)
-
-        return setup
-
-    def act(action: Any) -> Step:
-        async def run(c: ControlPlane) -> Any:
-            return await c.handle(action)
-
-        return run
-
-    def always(rules: AlwaysRules) -> Step:
-        async def run(c: ControlPlane) -> None:
-            await c.set_always_rules(rules)
-
-        return run
-
-    async def learn_b(c: ControlPlane) -> None:
-        if not await c.learn(U1, FENCE1, [(ipaddress.ip_address(LEARNED_B), 300)], "example.com"):
-            raise RuntimeError("learn returned nothing")
-
-    async def refresh(c: ControlPlane) -> None:
-        await c.renew_leases(U1, [ipaddress.ip_address(LEARNED)], 360)
-
-    async def proxy_policy(c: ControlPlane) -> Any:
-        # The proxy route's /policy write: an in-place plan under the subject's lock.
-        async with c.subject_lock(U1):
-            entry = c.registry.get(U1)
-            assert entry is not None
-            return await c.apply_user_policy_locked(entry, parse_policy(json.dumps(P_NARROW)))
-
     return [
-        Scenario("deny_first", none, act(_set_binding(U1, P_A))),
-        Scenario("deny_first_rerun", bound, act(_set_binding(U1, P_WIDE, gen=2))),
-        Scenario("activation", bound, act(_ready(U1))),
-        Scenario("update_narrow", active(P_A), act(_set_binding(U1, P_NARROW, gen=2))),
-        Scenario("update_widen", active(P_NARROW, learn=False), act(_set_binding(U1, P_WIDE, gen=2))),
-        Scenario("update_open", active(P_A), act(_set_binding(U1, P_OPEN, gen=2))),
-        Scenario("proxy_policy", active(P_A), proxy_policy),
-        Scenario("revert", active(P_A), act(_set_binding(U1, None, gen=2))),
-        Scenario("revert_other_ip", active(P_A), act(_set_binding(U1, None, ip=IP1B, gw=GW_B, gen=2))),
-        Scenario("rebind_same_ip", active(P_A), act(_set_binding(U1, P_WIDE, rid="r2"))),
-        Scenario("rebind_other_ip", active(P_A), act(_set_binding(U1, P_WIDE, rid="r2", ip=IP1B))),
-        Scenario("removal", active(P_A), act(_remove(U1))),
-        Scenario("removal_denying", bound, act(_remove(U1))),
-        Scenario("rekey_ip", active(P_A), act(_set_binding(U1, P_A, ip=IP1B, gen=2))),
-        Scenario("rekey_gateway", active(P_A), act(_set_binding(U1, P_A, gw=GW_B, gen=2))),
+        Scenario("deny_first", _neighbour, _act(_set_binding(U1, P_A))),
+        Scenario("deny_first_rerun", _bound, _act(_set_binding(U1, P_WIDE, gen=2))),
+        Scenario("activation", _bound, _act(_ready(U1))),
+        Scenario("update_narrow", _active(P_A), _act(_set_binding(U1, P_NARROW, gen=2))),
+        Scenario("update_widen", _active(P_NARROW, learn=False), _act(_set_binding(U1, P_WIDE, gen=2))),
+        Scenario("update_open", _active(P_A), _act(_set_binding(U1, P_OPEN, gen=2))),
+        Scenario("proxy_policy", _active(P_A), _proxy_policy),
+        Scenario("revert", _active(P_A), _act(_set_binding(U1, None, gen=2))),
+        Scenario("revert_other_ip", _active(P_A), _act(_set_binding(U1, None, ip=IP1B, gw=GW_B, gen=2))),
+        Scenario("rebind_same_ip", _active(P_A), _act(_set_binding(U1, P_WIDE, rid="r2"))),
+        Scenario("rebind_other_ip", _active(P_A), _act(_set_binding(U1, P_WIDE, rid="r2", ip=IP1B))),
+        Scenario("removal", _active(P_A), _act(_remove(U1))),
+        Scenario("removal_denying", _bound, _act(_remove(U1))),
+        Scenario("rekey_ip", _active(P_A), _act(_set_binding(U1, P_A, ip=IP1B, gen=2))),
+        Scenario("rekey_gateway", _active(P_A), _act(_set_binding(U1, P_A, gw=GW_B, gen=2))),
         Scenario(
-            "rekey_ip_widen", active(P_NARROW, learn=False), act(_set_binding(U1, P_WIDE, ip=IP1B, gen=2))
+            "rekey_ip_widen", _active(P_NARROW, learn=False), _act(_set_binding(U1, P_WIDE, ip=IP1B, gen=2))
         ),
-        Scenario("always_deny", active(P_A), always(_always(deny=("8.8.8.8", "example.com", "7.7.7.7")))),
-        Scenario("always_allow", active(P_NARROW, learn=False), always(_always(allow=("9.9.9.9",)))),
-        Scenario("dns_learn", active(P_A, learn=False), learn_b, bounded=True),
-        Scenario("dns_learn_renew", active(P_A), learn_b, bounded=True),
-        Scenario("refresh", active(P_A), refresh),
-        Scenario("audit_on", active(P_A), act(_set_binding(U1, P_AUDIT, gen=2))),
-        Scenario("audit_off", active(P_AUDIT, learn=False), act(_set_binding(U1, P_A, gen=2))),
+        Scenario(
+            "always_deny", _active(P_A), _set_always(_always(deny=("8.8.8.8", "example.com", "7.7.7.7")))
+        ),
+        Scenario("always_allow", _active(P_NARROW, learn=False), _set_always(_always(allow=("9.9.9.9",)))),
+        Scenario("dns_learn", _active(P_A, learn=False), _learn_b, bounded=True),
+        Scenario("dns_learn_renew", _active(P_A), _learn_b, bounded=True),
+        Scenario("refresh", _active(P_A), _renew),
+        Scenario("audit_on", _active(P_A), _act(_set_binding(U1, P_AUDIT, gen=2))),
+        Scenario("audit_off", _active(P_AUDIT, learn=False), _act(_set_binding(U1, P_A, gen=2))),
     ]
 
 
@@ -646,7 +700,7 @@ async def _fresh(mitm: bool) -> Run:
         TableConfig(table=TABLE, dns_port=DNS_PORT, mitm=mitm, mitm_port=MITM_PORT), kernel
     )
     # egressd's own revocation retry is driven explicitly below, never behind a check's back.
-    control.revoke_retry = (3600.0, 3600.0)
+    control.revocations.backoff = (3600.0, 3600.0)
     await control.reset_table()
     return Run(kernel, control)
 
@@ -661,7 +715,7 @@ def _openness(run: Run) -> frozenset[tuple[IPAddress, IPAddress]]:
 def _claimed(run: Run, src: IPAddress, dst: IPAddress) -> bool:
     """egressd's own account of (src, dst): the registry entry, its effective policy and the
     lease book, through ``explain`` (what egressctl shows and the MITM and DNS rely on)."""
-    out = run.control.explain(src, str(dst))
+    out = run.control.report.explain(src, str(dst))
     return out.get("decision") == "allow" or bool(out.get("wouldDeny"))
 
 
@@ -713,7 +767,7 @@ def _agree(run: Run) -> None:
         for dst in DESTINATIONS:
             if dst.version != src.version:
                 continue  # no such packet
-            out = run.control.explain(src, str(dst))
+            out = run.control.report.explain(src, str(dst))
             claimed = _claimed(run, src, dst) and dst not in LATERAL
             if run.control.table.mitm and out.get("wouldDeny"):
                 claimed = False
@@ -784,17 +838,17 @@ async def _drain_revocations(run: Run) -> None:
     for _ in range(50):
         if not c.revoking():
             return
-        tasks = [t for t in c._revoke_tasks.values() if not t.done()]
+        tasks = [t for t in c.revocations.tasks.values() if not t.done()]
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        c.revoke_retry = (0.0, 0.0)
+        c.revocations.backoff = (0.0, 0.0)
         # A retry per pending revocation, exactly as the background task would run it.
         for uid in list(c.revoking()):
-            task = asyncio.get_running_loop().create_task(c._retry_revocation(uid))
-            c._revoke_tasks[uid] = task
+            task = asyncio.get_running_loop().create_task(c.revocations.retry(uid))
+            c.revocations.tasks[uid] = task
             await asyncio.wait_for(asyncio.shield(task), 1.0)
     raise AssertionError(f"revocations never converged: {c.revoking()}")
 
@@ -892,7 +946,7 @@ async def test_an_activation_whose_answer_was_lost_is_re_synced_to_deny_first() 
     entry = c.registry.get(U1)
     assert entry is not None and entry.pending is not None and entry.state.value == "denying"
     assert U1 in c.revoking() and "outcome unknown" in c.revoking()[U1]
-    assert c._closing(U1)
+    assert c.revocations.closing(U1)
     await _drain_revocations(run)
     src = ipaddress.ip_address(IP1)
     assert not any(s == src for s, _ in _openness(run))  # deny-first again

@@ -24,7 +24,8 @@ from egressd.kernel.applier import NftError
 from egressd.kernel.ops import AddSet, AddTimed, FlushSet, NetlinkBatch
 from egressd.metrics import EgressMetrics
 from egressd.policy import AlwaysRules, Verdict, effective_policy, parse_always_text, parse_policy
-from egressd.subject.leases import COUNT_GRACE_S, MAX_NAMES_PER_LEASE, LeaseBook, covered_by
+from egressd.policy.ipsets import covered_by
+from egressd.subject.leases import COUNT_GRACE_S, MAX_NAMES_PER_LEASE, LeaseBook
 from egressd.subject.model import IPAddress
 from egressd.subject.registry import State
 from egressd.vault.store import VaultStore
@@ -85,7 +86,7 @@ async def test_narrowing_to_deny_all_revokes_every_lease_in_the_swap_transaction
     assert dyn_ops(batch) == [FlushSet("subj_s_u_1_dyn_v4"), FlushSet("subj_s_u_1_dyn_v6")]
     assert mirror(control) == {}
     assert not control.destination_verified(SRC, "api.x.io", API), "the MITM must not inject any more"
-    assert control.explain(SRC, str(API))["decision"] == "deny"
+    assert control.report.explain(SRC, str(API))["decision"] == "deny"
 
 
 async def test_narrowing_keeps_only_leases_of_still_allowed_names() -> None:
@@ -135,7 +136,7 @@ async def test_proxy_route_policy_change_revokes_like_set_binding() -> None:
     await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
     entry = control.registry.get("u-1")
     assert entry is not None
-    async with control.subject_lock("u-1"):
+    async with control.locks.hold("u-1"):
         result = await control.apply_user_policy_locked(entry, parse_policy(DENY_ALL))
     assert result.status == 200
     assert mirror(control) == {}
@@ -257,7 +258,7 @@ async def test_set_binding_that_uncovers_a_kept_vault_is_refused_unchanged() -> 
             {"name": "b", "match": {"hosts": ["api.x.io"]}, "auth": {"type": "bearer", "credential": "k"}}
         ],
     }
-    status, _ = store.put(vault, control.coverage_policy("u-1"))
+    status, _ = store.put(vault, control.credentials.coverage_policy("u-1"))
     assert status in (200, 201), store
     tx.clear()
     result = await control.handle(set_binding(policy=DENY_ALL, gen=2))
@@ -373,7 +374,7 @@ async def test_past_the_cap_the_dns_answer_is_servfail_never_an_unheld_address()
     tx = FakeTx(table_name=TABLE)
     control = await make(tx, max_leases=50)
     await activate(control, policy='{"defaultAction":"allow"}')
-    proxy = DnsProxy(control, _Upstream())  # type: ignore[arg-type]
+    proxy = DnsProxy(control.asker, _Upstream(), on_resolved=control.learn)  # type: ignore[arg-type]
     codes = []
     for i in range(60):
         query = DNSRecord.question(f"n{i}.names.test", "A")
@@ -410,7 +411,7 @@ async def test_a_refused_revert_is_marked_revoking_reported_and_retried(aiohttp_
     tx, refusals = flaky("deny_first", 0)
     metrics = EgressMetrics()
     control = await make(tx, metrics=metrics)
-    control.revoke_retry = (0.01, 0.04)
+    control.revocations.backoff = (0.01, 0.04)
     client = await aiohttp_client(FleetHTTP(control, metrics).app())
     await activate(control, policy='{"defaultAction":"allow"}')
     await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
@@ -421,7 +422,7 @@ async def test_a_refused_revert_is_marked_revoking_reported_and_retried(aiohttp_
     assert control.revoking() == {"u-1": result.reason}
     assert await health(client) == (503, "revocation pending: s-u-1\n")
     assert "egressd_revocations_pending 1" in metrics.render()
-    assert control.describe()[0]["revoking"] is True
+    assert control.report.describe()[0]["revoking"] is True
     # While the kernel still holds the old allow, egressd decides as if it were gone.
     asker = control.asker(SRC)
     assert asker is not None and asker.policy is None
@@ -441,7 +442,7 @@ async def test_a_refused_revert_is_marked_revoking_reported_and_retried(aiohttp_
 async def test_a_refused_removal_closes_dns_and_vault_and_finishes_by_itself() -> None:
     tx, _ = flaky("remove", 2)
     control = await make(tx)
-    control.revoke_retry = (0.01, 0.02)
+    control.revocations.backoff = (0.01, 0.02)
     await activate(control, policy=ALLOW_API)
     control.vaults["u-1"] = VaultStore()
     result = await control.handle(remove())
@@ -459,7 +460,7 @@ async def test_a_refused_removal_closes_dns_and_vault_and_finishes_by_itself() -
 async def test_a_refused_swap_keeps_the_old_policy_until_the_retry_applies_the_new() -> None:
     tx, refusals = flaky("static_apply", 0)
     control = await make(tx)
-    control.revoke_retry = (0.01, 0.02)
+    control.revocations.backoff = (0.01, 0.02)
     await activate(control, policy=ALLOW_BOTH)
     refusals.left = 1
     result = await control.handle(set_binding(policy=ALLOW_CDN, gen=2))
@@ -474,7 +475,7 @@ async def test_a_refused_swap_keeps_the_old_policy_until_the_retry_applies_the_n
 async def test_the_fastlet_retry_also_converges_and_clears_the_revocation() -> None:
     tx, refusals = flaky("deny_first", 0)
     control = await make(tx)
-    control.revoke_retry = (5.0, 5.0)  # egressd's own retry would come much later
+    control.revocations.backoff = (5.0, 5.0)  # egressd's own retry would come much later
     await activate(control)
     refusals.left = 1
     assert (await control.handle(set_binding(policy=None, gen=2))).status == 500
@@ -516,7 +517,7 @@ async def test_a_tenant_policy_write_cannot_cancel_a_pending_removal() -> None:
 
     tx, refusals = flaky("remove", 10_000)  # the kernel keeps refusing the removal
     control = await make(tx)
-    control.revoke_retry = (0.01, 0.02)
+    control.revocations.backoff = (0.01, 0.02)
     proxy = ProxyRouteAPI(control)
     await activate(control, policy=ALLOW_API)
     assert (await control.handle(remove())).status == 500
@@ -544,10 +545,10 @@ async def test_a_tenant_policy_write_cannot_cancel_a_pending_removal() -> None:
 async def test_egressds_own_retry_applies_the_inputs_vault_action_too() -> None:
     tx, refusals = flaky("static_apply", 0)
     control = await make(tx)
-    control.revoke_retry = (0.01, 0.02)
+    control.revocations.backoff = (0.01, 0.02)
     await activate(control, policy=ALLOW_API)
     store = control.vaults.setdefault("u-1", VaultStore())
-    status, _ = store.put(_VAULT, control.coverage_policy("u-1"))
+    status, _ = store.put(_VAULT, control.credentials.coverage_policy("u-1"))
     assert status in (200, 201)
     refusals.left = 1
     both = {
@@ -568,7 +569,7 @@ async def test_an_always_rules_reload_never_widens_a_subject_being_closed() -> N
 
     tx, refusals = flaky("deny_first", 0)
     control = await make(tx)
-    control.revoke_retry = (30.0, 30.0)  # keep egressd's own retry out of the way
+    control.revocations.backoff = (30.0, 30.0)  # keep egressd's own retry out of the way
     await activate(control, policy=ALLOW_API)
     refusals.left = 1
     assert (await control.handle(set_binding(policy=None, gen=2))).status == 500

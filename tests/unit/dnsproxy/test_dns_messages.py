@@ -16,7 +16,7 @@ from egressd.config import ConfigError, parse_config
 from egressd.dnsproxy.budget import QueryBudget, query_budget
 from egressd.dnsproxy.decide import Action, check_message, decide, refusal
 from egressd.dnsproxy.ede import INFO_BLOCKED, INFO_NOT_SUPPORTED, read_ede
-from egressd.dnsproxy.server import Asker, DnsProxy
+from egressd.dnsproxy.server import Asker
 from egressd.metrics import EgressMetrics
 from tests.unit.dnsproxy.test_dns_proxy import (
     CLIENT,
@@ -25,6 +25,7 @@ from tests.unit.dnsproxy.test_dns_proxy import (
     FakeForwarder,
     FakePolicies,
     active,
+    dns_proxy,
     parse,
     q,
 )
@@ -155,7 +156,7 @@ async def test_refused_messages_are_answered_locally_and_never_forwarded(
     case: str, data: bytes, action: Action, reason: str, tcp: bool
 ) -> None:
     policies, fwd, metrics = FakePolicies(active()), FakeForwarder(), EgressMetrics()
-    proxy = DnsProxy(policies, fwd, metrics)  # type: ignore[arg-type]
+    proxy = dns_proxy(policies, fwd, metrics)
     reply = parse(await proxy.answer(data, CLIENT, tcp=tcp))  # never silence: a reply comes back
     want = RCODE.REFUSED if action is Action.REFUSED else RCODE.FORMERR
     assert reply.header.rcode == want, case
@@ -167,7 +168,7 @@ async def test_refused_messages_are_answered_locally_and_never_forwarded(
 
 async def test_unknown_source_update_is_refused_too() -> None:
     fwd = FakeForwarder()
-    proxy = DnsProxy(FakePolicies({}), fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies({}), fwd)
     reply = parse(await proxy.answer(update().pack(), CLIENT, tcp=False))
     assert reply.header.rcode == RCODE.REFUSED and fwd.calls == []
 
@@ -175,7 +176,7 @@ async def test_unknown_source_update_is_refused_too() -> None:
 async def test_refused_opcode_carries_ede_not_supported_to_edns_clients() -> None:
     msg = update()
     msg.add_ar(EDNS0(udp_len=1232))
-    proxy = DnsProxy(FakePolicies(active()), FakeForwarder())  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), FakeForwarder())
     reply = parse(await proxy.answer(msg.pack(), CLIENT, tcp=False))
     assert reply.header.rcode == RCODE.REFUSED
     [(code, text)] = read_ede(reply)
@@ -187,7 +188,7 @@ async def test_refused_opcode_carries_ede_not_supported_to_edns_clients() -> Non
 
 async def test_a_plain_query_is_still_forwarded() -> None:
     fwd = FakeForwarder()
-    proxy = DnsProxy(FakePolicies(active()), fwd, budget=QueryBudget(200))  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), fwd, budget=QueryBudget(200))
     reply = parse(await proxy.answer(q(ALLOWED_ZONE, edns=1232).pack(), CLIENT, tcp=False))
     assert reply.header.rcode == RCODE.NOERROR and len(fwd.calls) == 1
 
@@ -211,7 +212,7 @@ async def test_over_budget_is_refused_with_ede_15_unforwarded_and_counted() -> N
     askers = {**active(), OTHER: Asker("u-2", FENCE, POLICY)}
     policies, fwd, metrics = FakePolicies(askers), FakeForwarder(), EgressMetrics()
     budget = QueryBudget(2, clock=clock)  # burst 4
-    proxy = DnsProxy(policies, fwd, metrics, budget=budget)  # type: ignore[arg-type]
+    proxy = dns_proxy(policies, fwd, metrics, budget=budget)
     rcodes = []
     for i in range(10):
         reply = parse(await proxy.answer(q(ALLOWED_ZONE, qid=i, edns=1232).pack(), CLIENT, tcp=False))
@@ -235,7 +236,7 @@ async def test_over_budget_is_refused_with_ede_15_unforwarded_and_counted() -> N
 
 async def test_over_budget_without_edns_has_no_opt() -> None:
     budget = QueryBudget(1, burst=1, clock=Clock())
-    proxy = DnsProxy(FakePolicies(active()), FakeForwarder(), budget=budget)  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), FakeForwarder(), budget=budget)
     await proxy.answer(q(ALLOWED_ZONE).pack(), CLIENT, tcp=False)
     reply = parse(await proxy.answer(q(ALLOWED_ZONE).pack(), CLIENT, tcp=False))
     assert reply.header.rcode == RCODE.REFUSED and reply.ar == []
@@ -243,7 +244,7 @@ async def test_over_budget_without_edns_has_no_opt() -> None:
 
 async def test_denied_and_malformed_queries_cost_budget_too() -> None:
     fwd, metrics = FakeForwarder(), EgressMetrics()
-    proxy = DnsProxy(FakePolicies(active()), fwd, metrics, budget=QueryBudget(1, clock=Clock()))  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), fwd, metrics, budget=QueryBudget(1, clock=Clock()))
     await proxy.answer(q("api.example.com").pack(), CLIENT, tcp=False)  # denied by policy
     await proxy.answer(update().pack(), CLIENT, tcp=False)  # refused message
     reply = parse(await proxy.answer(q(ALLOWED_ZONE).pack(), CLIENT, tcp=False))
@@ -253,7 +254,7 @@ async def test_denied_and_malformed_queries_cost_budget_too() -> None:
 
 async def test_unknown_sources_are_budgeted_per_address_under_one_label() -> None:
     metrics = EgressMetrics()
-    proxy = DnsProxy(FakePolicies(active()), FakeForwarder(), metrics, budget=QueryBudget(1, clock=Clock()))  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), FakeForwarder(), metrics, budget=QueryBudget(1, clock=Clock()))
     for _ in range(3):
         await proxy.answer(q(ALLOWED_ZONE).pack(), "10.9.9.9", tcp=False)
     last = parse(await proxy.answer(q(ALLOWED_ZONE).pack(), "10.9.9.9", tcp=False))
@@ -265,7 +266,7 @@ async def test_unknown_sources_are_budgeted_per_address_under_one_label() -> Non
 
 async def test_no_budget_means_unlimited() -> None:
     fwd = FakeForwarder(respond=lambda query: query.reply())  # no addresses: nothing to learn
-    proxy = DnsProxy(FakePolicies(active()), fwd, budget=query_budget(0))  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), fwd, budget=query_budget(0))
     for _ in range(1000):
         await proxy.answer(q(ALLOWED_ZONE).pack(), CLIENT, tcp=False)
     assert len(fwd.calls) == 1000

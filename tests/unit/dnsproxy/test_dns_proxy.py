@@ -13,6 +13,7 @@ import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 from dnslib import AAAA, CNAME, EDNS0, QTYPE, RCODE, RR, TXT, A, DNSHeader, DNSRecord
@@ -132,6 +133,11 @@ class FakePolicies:
         return [addr for addr, _ in leases if addr not in self.refused]
 
 
+def dns_proxy(policies: FakePolicies, forwarder: Any, *args: Any, **kw: Any) -> DnsProxy:
+    """A proxy wired to the fake's asker and learn, as the composition root wires the real ones."""
+    return DnsProxy(policies.asker, forwarder, *args, on_resolved=policies.learn, **kw)
+
+
 def active(policy: object = POLICY) -> dict[str, Asker]:
     return {CLIENT: Asker("u-1", FENCE, policy)}  # type: ignore[arg-type]
 
@@ -156,7 +162,7 @@ async def test_denied_query_is_nxdomain_and_never_forwarded(
 ) -> None:
     policies, fwd = FakePolicies(askers), FakeForwarder()
     metrics = EgressMetrics()
-    proxy = DnsProxy(policies, fwd, metrics)  # type: ignore[arg-type]
+    proxy = dns_proxy(policies, fwd, metrics)
     reply = parse(await proxy.answer(wire(q(name, qid=777)), CLIENT, tcp=tcp))
     assert fwd.calls == []
     assert policies.learned == [] and policies.events == []
@@ -171,7 +177,7 @@ async def test_denied_query_is_nxdomain_and_never_forwarded(
 @pytest.mark.parametrize("qtype", ["TXT", "MX", "ANY", "AAAA", "CNAME", "SRV", "HTTPS"])
 async def test_every_qtype_of_a_denied_name_is_nxdomain(qtype: str) -> None:
     fwd = FakeForwarder()
-    proxy = DnsProxy(FakePolicies(active()), fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), fwd)
     reply = parse(await proxy.answer(wire(q("api.example.com", qtype)), CLIENT, tcp=False))
     assert reply.header.rcode == RCODE.NXDOMAIN
     assert reply.rr == []
@@ -180,7 +186,7 @@ async def test_every_qtype_of_a_denied_name_is_nxdomain(qtype: str) -> None:
 
 async def test_no_question_is_formerr_and_not_forwarded() -> None:
     fwd = FakeForwarder()
-    proxy = DnsProxy(FakePolicies(active()), fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), fwd)
     reply = parse(await proxy.answer(wire(DNSRecord(DNSHeader(id=99))), CLIENT, tcp=False))
     assert reply.header.id == 99
     assert reply.header.rcode == RCODE.FORMERR
@@ -189,7 +195,7 @@ async def test_no_question_is_formerr_and_not_forwarded() -> None:
 
 async def test_denied_reply_to_an_edns_client_is_still_nxdomain() -> None:
     fwd = FakeForwarder()
-    proxy = DnsProxy(FakePolicies(active()), fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), fwd)
     reply = parse(await proxy.answer(wire(q("api.example.com", edns=1232)), CLIENT, tcp=False))
     assert reply.header.rcode == RCODE.NXDOMAIN
     assert reply.rr == []
@@ -201,7 +207,7 @@ async def test_denied_reply_to_an_edns_client_is_still_nxdomain() -> None:
 
 async def test_a_response_packet_gets_no_answer() -> None:
     policies, fwd = FakePolicies(active()), FakeForwarder()
-    proxy = DnsProxy(policies, fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(policies, fwd)
     response = a_reply(q(), ("1.2.3.4", 5))
     assert response.header.qr == 1
     assert await proxy.answer(wire(response), CLIENT, tcp=False) is None
@@ -215,13 +221,13 @@ async def test_a_response_packet_gets_no_answer() -> None:
 )
 async def test_garbage_gets_no_answer(data: bytes) -> None:
     policies, fwd = FakePolicies(active()), FakeForwarder()
-    proxy = DnsProxy(policies, fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(policies, fwd)
     assert await proxy.answer(data, CLIENT, tcp=False) is None
     assert fwd.calls == []
 
 
 async def test_unparseable_client_address_gets_no_answer() -> None:
-    proxy = DnsProxy(FakePolicies(active()), FakeForwarder())  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), FakeForwarder())
     assert await proxy.answer(wire(q()), "not-an-ip", tcp=False) is None
 
 
@@ -240,7 +246,7 @@ async def test_unparseable_client_address_gets_no_answer() -> None:
 async def test_client_address_is_unmapped_before_lookup(client: str, looked_up: str) -> None:
     askers = {looked_up: Asker("u-1", FENCE, POLICY)}
     policies, fwd = FakePolicies(askers), FakeForwarder()
-    proxy = DnsProxy(policies, fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(policies, fwd)
     reply = parse(await proxy.answer(wire(q()), client, tcp=False))
     assert policies.lookups == [ip(looked_up)]
     assert isinstance(policies.lookups[0], type(ip(looked_up)))
@@ -253,7 +259,7 @@ async def test_client_address_is_unmapped_before_lookup(client: str, looked_up: 
 
 async def test_allowed_query_is_forwarded_and_answered() -> None:
     policies, fwd = FakePolicies(active()), FakeForwarder()
-    proxy = DnsProxy(policies, fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(policies, fwd)
     reply = parse(await proxy.answer(wire(q(qid=1234)), CLIENT, tcp=False))
     assert reply.header.id == 1234
     assert reply.header.rcode == RCODE.NOERROR
@@ -266,7 +272,7 @@ async def test_allowed_query_is_forwarded_and_answered() -> None:
 
 async def test_tcp_flag_is_passed_to_the_forwarder() -> None:
     fwd = FakeForwarder()
-    proxy = DnsProxy(FakePolicies(active()), fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), fwd)
     await proxy.answer(wire(q()), CLIENT, tcp=True)
     assert [tcp for _, tcp in fwd.calls] == [True]
 
@@ -283,7 +289,7 @@ async def test_learn_gets_clamped_leases_of_every_answer_address() -> None:
         return reply
 
     policies = FakePolicies(active())
-    proxy = DnsProxy(policies, FakeForwarder(respond))  # type: ignore[arg-type]
+    proxy = dns_proxy(policies, FakeForwarder(respond))
     await proxy.answer(wire(q()), CLIENT, tcp=False)
     assert policies.learned == [
         (
@@ -302,7 +308,7 @@ async def test_learn_gets_clamped_leases_of_every_answer_address() -> None:
 async def test_learn_uses_the_configured_lease_bounds() -> None:
     policies = FakePolicies(active())
     fwd = FakeForwarder(lambda query: a_reply(query, ("1.1.1.1", 0), ("1.1.1.2", 86400), ("1.1.1.3", 50)))
-    proxy = DnsProxy(policies, fwd, lease_bounds=(90, 120))  # type: ignore[arg-type]
+    proxy = dns_proxy(policies, fwd, lease_bounds=(90, 120))
     await proxy.answer(wire(q()), CLIENT, tcp=False)
     assert policies.learned[0][2] == [(ip("1.1.1.1"), 90), (ip("1.1.1.2"), 120), (ip("1.1.1.3"), 110)]
 
@@ -318,14 +324,14 @@ async def test_learn_uses_the_configured_lease_bounds() -> None:
 )
 async def test_no_addresses_no_learn(respond: Callable[[DNSRecord], DNSRecord]) -> None:
     policies = FakePolicies(active())
-    proxy = DnsProxy(policies, FakeForwarder(respond))  # type: ignore[arg-type]
+    proxy = dns_proxy(policies, FakeForwarder(respond))
     assert await proxy.answer(wire(q()), CLIENT, tcp=False) is not None
     assert policies.events == []
 
 
 async def test_learn_completes_before_answer_returns() -> None:
     policies = FakePolicies(active())
-    proxy = DnsProxy(policies, FakeForwarder())  # type: ignore[arg-type]
+    proxy = dns_proxy(policies, FakeForwarder())
     out = await proxy.answer(wire(q()), CLIENT, tcp=False)
     policies.events.append("answer:returned")
     assert out is not None
@@ -335,7 +341,7 @@ async def test_learn_completes_before_answer_returns() -> None:
 async def test_answer_waits_for_a_slow_learn() -> None:
     policies = FakePolicies(active())
     policies.learn_gate = asyncio.Event()
-    proxy = DnsProxy(policies, FakeForwarder())  # type: ignore[arg-type]
+    proxy = dns_proxy(policies, FakeForwarder())
     task = asyncio.create_task(proxy.answer(wire(q()), CLIENT, tcp=False))
     await asyncio.wait_for(policies.learn_started.wait(), 2)
     await asyncio.sleep(0.05)
@@ -351,7 +357,7 @@ async def test_failing_learn_answers_servfail_without_the_addresses() -> None:
     policies = FakePolicies(active())
     policies.learn_error = NftError("nft refused")
     metrics = EgressMetrics()
-    proxy = DnsProxy(policies, FakeForwarder(), metrics)  # type: ignore[arg-type]
+    proxy = dns_proxy(policies, FakeForwarder(), metrics)
     reply = parse(await proxy.answer(wire(q(qid=55)), CLIENT, tcp=False))
     assert policies.events == ["learn:start", "learn:failed"]
     assert reply.header.id == 55
@@ -366,7 +372,7 @@ async def test_hanging_learn_is_bounded_and_answered_servfail(monkeypatch: pytes
     monkeypatch.setattr(server_mod, "_LEARN_TIMEOUT_S", 0.1)
     policies = FakePolicies(active())
     policies.learn_gate = asyncio.Event()  # never set
-    proxy = DnsProxy(policies, FakeForwarder())  # type: ignore[arg-type]
+    proxy = dns_proxy(policies, FakeForwarder())
     reply = parse(await asyncio.wait_for(proxy.answer(wire(q()), CLIENT, tcp=False), 2))
     assert reply.header.rcode == RCODE.SERVFAIL
     assert policies.learned == []
@@ -381,7 +387,7 @@ async def test_all_upstreams_failing_is_servfail(tcp: bool) -> None:
     fwd = FakeForwarder(lambda query: None)
     fwd.failure = "rcode"
     metrics = EgressMetrics()
-    proxy = DnsProxy(policies, fwd, metrics)  # type: ignore[arg-type]
+    proxy = dns_proxy(policies, fwd, metrics)
     reply = parse(await proxy.answer(wire(q(qid=31337)), CLIENT, tcp=tcp))
     assert reply.header.id == 31337
     assert reply.header.qr == 1
@@ -395,7 +401,7 @@ async def test_all_upstreams_failing_is_servfail(tcp: bool) -> None:
 
 async def test_nxdomain_from_upstream_is_passed_through() -> None:
     fwd = FakeForwarder(lambda query: a_reply(query, rcode=RCODE.NXDOMAIN))
-    proxy = DnsProxy(FakePolicies(active()), fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), fwd)
     reply = parse(await proxy.answer(wire(q()), CLIENT, tcp=False))
     assert reply.header.rcode == RCODE.NXDOMAIN
 
@@ -405,7 +411,7 @@ async def test_nxdomain_from_upstream_is_passed_through() -> None:
 
 async def test_query_without_edns_is_forwarded_with_opt_4096_and_reply_has_no_opt() -> None:
     fwd = FakeForwarder()
-    proxy = DnsProxy(FakePolicies(active()), fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), fwd)
     reply = parse(await proxy.answer(wire(q()), CLIENT, tcp=False))
     ((sent, _),) = fwd.calls
     (opt,) = opts(sent)
@@ -416,7 +422,7 @@ async def test_query_without_edns_is_forwarded_with_opt_4096_and_reply_has_no_op
 
 async def test_client_edns_is_forwarded_unchanged_and_the_reply_keeps_opt() -> None:
     fwd = FakeForwarder()
-    proxy = DnsProxy(FakePolicies(active()), fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), fwd)
     reply = parse(await proxy.answer(wire(q(edns=1232)), CLIENT, tcp=False))
     ((sent, _),) = fwd.calls
     assert [int(o.rclass) for o in opts(sent)] == [1232]
@@ -425,7 +431,7 @@ async def test_client_edns_is_forwarded_unchanged_and_the_reply_keeps_opt() -> N
 
 async def test_big_reply_to_a_non_edns_udp_client_is_truncated() -> None:
     fwd = FakeForwarder(lambda query: big_reply(query, 5))  # ~1.3 KB
-    proxy = DnsProxy(FakePolicies(active()), fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), fwd)
     out = await proxy.answer(wire(q("www.example.com", "TXT", qid=8)), CLIENT, tcp=False)
     assert out is not None
     assert len(out) <= 512
@@ -436,7 +442,7 @@ async def test_big_reply_to_a_non_edns_udp_client_is_truncated() -> None:
 
 async def test_huge_reply_to_a_non_edns_udp_client_is_truncated() -> None:
     fwd = FakeForwarder(lambda query: big_reply(query, 20))  # > 4096 bytes
-    proxy = DnsProxy(FakePolicies(active()), fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), fwd)
     out = await proxy.answer(wire(q("www.example.com", "TXT", qid=8)), CLIENT, tcp=False)
     assert out is not None
     assert len(out) <= 512
@@ -447,7 +453,7 @@ async def test_huge_reply_to_a_non_edns_udp_client_is_truncated() -> None:
 
 async def test_reply_over_the_clients_edns_size_is_truncated() -> None:
     fwd = FakeForwarder(lambda query: big_reply(query, 5))  # ~1.3 KB
-    proxy = DnsProxy(FakePolicies(active()), fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), fwd)
     out = await proxy.answer(wire(q("www.example.com", "TXT", edns=1232)), CLIENT, tcp=False)
     assert out is not None
     assert len(out) <= 1232
@@ -456,7 +462,7 @@ async def test_reply_over_the_clients_edns_size_is_truncated() -> None:
 
 async def test_reply_within_the_clients_edns_size_is_not_truncated() -> None:
     fwd = FakeForwarder(lambda query: big_reply(query, 5))
-    proxy = DnsProxy(FakePolicies(active()), fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), fwd)
     out = await proxy.answer(wire(q("www.example.com", "TXT", edns=4096)), CLIENT, tcp=False)
     reply = parse(out)
     assert reply.header.tc == 0
@@ -466,7 +472,7 @@ async def test_reply_within_the_clients_edns_size_is_not_truncated() -> None:
 @pytest.mark.parametrize("edns", [None, 512, 1232])
 async def test_tcp_replies_are_never_truncated(edns: int | None) -> None:
     fwd = FakeForwarder(lambda query: big_reply(query, 20))
-    proxy = DnsProxy(FakePolicies(active()), fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(FakePolicies(active()), fwd)
     out = await proxy.answer(wire(q("www.example.com", "TXT", edns=edns)), CLIENT, tcp=True)
     assert out is not None and len(out) > 4096
     reply = parse(out)
@@ -494,7 +500,7 @@ def _free_port() -> int:
 async def test_listeners_answer_over_udp_and_tcp() -> None:
     policies = FakePolicies({"127.0.0.1": Asker("u-1", FENCE, POLICY)})
     fwd = FakeForwarder()
-    proxy = DnsProxy(policies, fwd)  # type: ignore[arg-type]
+    proxy = dns_proxy(policies, fwd)
     port = _free_port()
     await proxy.start("127.0.0.1", port)
     try:
@@ -869,7 +875,7 @@ async def test_reply_carries_only_the_addresses_the_kernel_took() -> None:
     policies = FakePolicies(active())
     policies.refused = {ip("10.9.0.2")}
     for tcp in (False, True):
-        proxy = DnsProxy(policies, FakeForwarder(two))  # type: ignore[arg-type]
+        proxy = dns_proxy(policies, FakeForwarder(two))
         reply = parse(await proxy.answer(wire(q(edns=1232)), CLIENT, tcp=tcp))
         assert reply.header.rcode == RCODE.NOERROR
         assert [str(rr.rdata) for rr in reply.rr if rr.rtype == QTYPE.A] == ["10.9.0.1"]
@@ -878,7 +884,7 @@ async def test_reply_carries_only_the_addresses_the_kernel_took() -> None:
 async def test_no_address_fits_is_servfail() -> None:
     policies = FakePolicies(active())
     policies.refused = {ip("93.184.216.34")}
-    proxy = DnsProxy(policies, FakeForwarder())  # type: ignore[arg-type]
+    proxy = dns_proxy(policies, FakeForwarder())
     reply = parse(await proxy.answer(wire(q()), CLIENT, tcp=False))
     assert reply.header.rcode == RCODE.SERVFAIL
     assert reply.rr == []

@@ -76,6 +76,10 @@ class FakePolicies:
         return [addr for addr, _ in leases]
 
 
+def make(policies: FakePolicies, fwd: FakeForwarder) -> DnsProxy:
+    return DnsProxy(policies.asker, fwd, on_resolved=policies.learn)  # type: ignore[arg-type]
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -86,7 +90,7 @@ async def test_the_port_names_the_asker_not_the_source_address() -> None:
     # The source address belongs to a network subject; the port to host-uid subject u-2.
     policies = FakePolicies({HOST: Asker("u-1", FENCE, POLICY)})
     fwd = FakeForwarder()
-    proxy = DnsProxy(policies, fwd)  # type: ignore[arg-type]
+    proxy = make(policies, fwd)
     by_port = PortAsker(16001, lambda: Asker("u-2", FENCE, POLICY))
     reply = parse(await proxy.answer(wire(q("www.example.com")), HOST, tcp=False, by_port=by_port))
     assert reply.header.rcode == RCODE.NOERROR
@@ -96,7 +100,7 @@ async def test_the_port_names_the_asker_not_the_source_address() -> None:
 
 async def test_a_port_nobody_holds_is_an_unknown_source() -> None:
     policies, fwd = FakePolicies({HOST: Asker("u-1", FENCE, POLICY)}), FakeForwarder()
-    proxy = DnsProxy(policies, fwd)  # type: ignore[arg-type]
+    proxy = make(policies, fwd)
     reply = parse(
         await proxy.answer(
             wire(q("www.example.com")), HOST, tcp=False, by_port=PortAsker(16256, lambda: None)
@@ -108,7 +112,7 @@ async def test_a_port_nobody_holds_is_an_unknown_source() -> None:
 
 async def test_a_denying_port_subject_is_nxdomain() -> None:
     fwd = FakeForwarder()
-    proxy = DnsProxy(FakePolicies(), fwd)  # type: ignore[arg-type]
+    proxy = make(FakePolicies(), fwd)
     by_port = PortAsker(16001, lambda: Asker("u-2", FENCE, None))
     reply = parse(await proxy.answer(wire(q("www.example.com")), HOST, tcp=False, by_port=by_port))
     assert reply.header.rcode == RCODE.NXDOMAIN and fwd.calls == []
@@ -117,7 +121,7 @@ async def test_a_denying_port_subject_is_nxdomain() -> None:
 async def test_the_asker_is_read_per_query() -> None:
     # A removal or rebind between two queries of one socket takes effect on the second.
     holder: list[Asker | None] = [Asker("u-2", FENCE, POLICY)]
-    proxy = DnsProxy(FakePolicies(), FakeForwarder())  # type: ignore[arg-type]
+    proxy = make(FakePolicies(), FakeForwarder())
     by_port = PortAsker(16001, lambda: holder[0])
     first = parse(await proxy.answer(wire(q("www.example.com")), HOST, tcp=False, by_port=by_port))
     holder[0] = None
@@ -128,7 +132,7 @@ async def test_the_asker_is_read_per_query() -> None:
 async def test_in_flight_bound_is_per_port() -> None:
     policies = FakePolicies()
     policies.learn_gate = asyncio.Event()
-    proxy = DnsProxy(policies, FakeForwarder())  # type: ignore[arg-type]
+    proxy = make(policies, FakeForwarder())
     flood = PortAsker(16001, lambda: Asker("u-2", FENCE, POLICY))
     other = PortAsker(16002, lambda: Asker("u-3", FENCE, POLICY))
     tasks = [
@@ -150,7 +154,7 @@ async def test_in_flight_bound_is_per_port() -> None:
 
 
 async def test_start_and_stop_a_port_listener_udp_and_tcp() -> None:
-    proxy = DnsProxy(FakePolicies(), FakeForwarder())  # type: ignore[arg-type]
+    proxy = make(FakePolicies(), FakeForwarder())
     port = free_port()
     await proxy.start_port(PortAsker(port, lambda: Asker("u-2", FENCE, POLICY)), hosts=("127.0.0.1",))
     await proxy.start_port(PortAsker(port, lambda: None), hosts=("127.0.0.1",))  # already open: no-op
@@ -182,7 +186,7 @@ async def test_start_and_stop_a_port_listener_udp_and_tcp() -> None:
 
 
 async def test_a_port_taken_by_someone_else_raises_and_leaves_nothing_open() -> None:
-    proxy = DnsProxy(FakePolicies(), FakeForwarder())  # type: ignore[arg-type]
+    proxy = make(FakePolicies(), FakeForwarder())
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()

@@ -36,7 +36,7 @@ async def make_env(aiohttp_client: Any, *, reset: bool = True) -> Env:
     tx = FakeTx(yield_each_call=False)
     metrics = EgressMetrics()
     control = ControlPlane(TableConfig(table="T"), tx, metrics=metrics)
-    metrics.subjects._collect = control.state_counts
+    metrics.subjects._collect = control.report.state_counts
     if reset:
         await control.reset_table()
     http = FleetHTTP(control, metrics)

@@ -252,8 +252,8 @@ async def make_env(
     await control.reset_table()
     proxy = ProxyRouteAPI(control, max_rules=max_rules, clock=clock)
     # Wired as egressd.main does.
-    metrics.pending_pushes.collect_from(lambda: {(): float(control.pending_pushes.count())})
-    metrics.subjects.collect_from(control.state_counts)
+    metrics.pending_pushes.collect_from(lambda: {(): float(control.credentials.pending_pushes.count())})
+    metrics.subjects.collect_from(control.report.state_counts)
     client = await aiohttp_client(FleetHTTP(control, metrics, proxy=proxy).app())
     return Env(client, control, proxy, tx, metrics, clock)
 
@@ -281,7 +281,7 @@ async def env(aiohttp_client: Any, logs: list[dict[str, Any]]) -> AsyncIterator[
 
 
 def pending_count(env: Env) -> int:
-    return env.control.pending_pushes.count()
+    return env.control.credentials.pending_pushes.count()
 
 
 def pending_metric(text: str) -> float:
@@ -1380,7 +1380,7 @@ async def test_secret_never_leaks_across_the_proxy_route(env: Env, logs: list[di
     snap = env.control.vault_for_ip(ip)
     assert snap is not None and any(SECRET in r for r in snap.redactions)  # planted indeed
     assert SECRET not in repr(env.control.vaults["u-1"])
-    assert SECRET not in repr(env.control.pending_pushes.__dict__)
+    assert SECRET not in repr(env.control.credentials.pending_pushes.__dict__)
     metrics = await env.metrics_text()
     assert SECRET not in metrics
     await env.ok(remove())
@@ -1391,7 +1391,7 @@ async def test_secret_never_leaks_across_the_proxy_route(env: Env, logs: list[di
 
 async def test_pending_push_repr_never_shows_the_body(env: Env) -> None:
     assert (await env.call("PUT", "/credential-vault", "nobody", body=vault_doc())).status == 202
-    queue = env.control.pending_pushes._by_uid["nobody"]
+    queue = env.control.credentials.pending_pushes._by_uid["nobody"]
     assert SECRET not in repr(queue)
     assert SECRET not in str(queue)
 

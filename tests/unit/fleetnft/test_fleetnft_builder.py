@@ -43,8 +43,10 @@ from egressd.kernel.ops import (
     FlushSet,
     MatchRule,
     NetlinkBatch,
-    Outcome,
     VerdictRule,
+)
+from egressd.kernel.ops import (
+    RuleAction as Outcome,
 )
 from egressd.policy import AlwaysRules, Verdict, effective_policy, parse_always_text, parse_policy
 from egressd.subject.model import IPAddress

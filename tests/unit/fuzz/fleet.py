@@ -148,7 +148,7 @@ def snapshot(fleet: Fleet) -> Any:
         )
     pushes = {
         uid: [(p.method, p.suffix, p.body, p.generation, p.deadline) for p in queue]
-        for uid, queue in c.pending_pushes._by_uid.items()
+        for uid, queue in c.credentials.pending_pushes._by_uid.items()
     }
     return (
         dict(reg._by_uid),
@@ -156,12 +156,12 @@ def snapshot(fleet: Fleet) -> Any:
         dict(reg._by_ip),
         dict(reg._by_nft_id),
         vaults,
-        {uid: (b.policy, b.vault, b.content) for uid, b in c._pending_vault.items()},
+        {uid: (b.policy, b.vault, b.content) for uid, b in c.credentials.pending_inputs.items()},
         pushes,
-        dict(c._claims_ip),
-        dict(c._claims_nft),
-        dict(c._nets),
-        sorted(c._revoking),
+        dict(c.claims.ips),
+        dict(c.claims.nft_ids),
+        dict(c.nets.held),
+        sorted(c.revocations.pending),
         {uid: dict(book._leases) for uid, book in c.leases.items()},
         list(fleet.tx.calls),
     )

@@ -202,7 +202,7 @@ def test_dns_answers_are_policy_bound(
         genuine.add_answer(RR("www.example.com", QTYPE.A, rdata=A("93.184.216.34"), ttl=60))
         mutation = data.draw(mutate_bytes(bytes(genuine.pack()) + upstream_mutation, max_steps=6))
     forwarder = FakeForwarder(script, mutation, addresses)
-    proxy = DnsProxy(policies, forwarder)  # type: ignore[arg-type]
+    proxy = DnsProxy(policies.asker, forwarder, on_resolved=policies.learn)  # type: ignore[arg-type]
     reply = run(proxy.answer(wire, client, tcp=tcp))
     event(f"forwarded={bool(forwarder.calls)} reply={reply is not None}")
     # Forwarded only for an active subject, one question, and a name the policy allows.

@@ -24,7 +24,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from mitmproxy.test import tutils
 
-from egressd.mitm.inject import Outcome, Request, decide, header_reserved, normalise_authority
+from egressd.mitm.inject import InjectionDecision, Request, decide, header_reserved, normalise_authority
 from egressd.policy import domain_matches, parse_policy
 from egressd.vault.store import VaultSnapshot, VaultStore
 from tests.unit.fuzz.strategies import domains, mutate_bytes
@@ -250,7 +250,9 @@ def _in_scope(host: str, patterns: tuple[str, ...]) -> bool:
     return any(domain_matches(p, host) for p in patterns)
 
 
-def _check_outcome(snapshot: VaultSnapshot, req: Request, ok: bool, out: Outcome, secret: str) -> None:
+def _check_outcome(
+    snapshot: VaultSnapshot, req: Request, ok: bool, out: InjectionDecision, secret: str
+) -> None:
     shown = repr(out) + out.reason + str(out)
     assert secret not in shown and PLACEHOLDER not in shown
     assert not any(header_reserved(name) for name, _ in out.set_headers)

@@ -33,7 +33,7 @@ from egressd.kernel.ops import (
     FlushSet,
     MatchRule,
     NetlinkBatch,
-    Outcome,
+    RuleAction,
     VerdictRule,
 )
 from egressd.policy import parse_policy
@@ -54,7 +54,7 @@ def _oracle_verdict(code: int) -> dict[str, Any]:
 
 
 def _oracle_rule(rule: MatchRule | VerdictRule) -> list[dict[str, Any]]:
-    code = {Outcome.DROP: 0, Outcome.ACCEPT: 1}
+    code = {RuleAction.DROP: 0, RuleAction.ACCEPT: 1}
     if isinstance(rule, VerdictRule):
         return [_oracle_verdict(code[rule.outcome])]
     out = []
@@ -87,7 +87,7 @@ def _oracle_rule(rule: MatchRule | VerdictRule) -> list[dict[str, Any]]:
             )
         )
     out.append(_ex("lookup", [("NFTA_LOOKUP_SET", rule.set_name), ("NFTA_LOOKUP_SREG", 1)]))
-    if rule.outcome is Outcome.MARK:
+    if rule.outcome is RuleAction.MARK:
         mark = {"attrs": [("NFTA_DATA_VALUE", struct.pack("=I", 2))]}
         out.append(_ex("immediate", [("NFTA_IMMEDIATE_DREG", 1), ("NFTA_IMMEDIATE_DATA", mark)]))
         out.append(_ex("meta", [("NFTA_META_KEY", 3), ("NFTA_META_SREG", 1)]))
@@ -141,13 +141,13 @@ def _ours(op: Any, seq: int = 7) -> bytes:
 # ---- byte-for-byte agreement -------------------------------------------------------------------
 
 RULES = [
-    MatchRule("v4", "subj_s_u_1_deny_v4", Outcome.DROP),
-    MatchRule("v6", "subj_s_u_1_deny_v6", Outcome.DROP),
-    MatchRule("v4", "subj_s_u_1_allow_v4", Outcome.MARK),
-    MatchRule("v6", "subj_s_u_1_dyn_v6", Outcome.MARK),
-    MatchRule("v4", "subj_s_u_1_allow_v4", Outcome.ACCEPT, ct_original=True),
-    MatchRule("v6", "subj_s_u_1_deny_v6", Outcome.DROP, ct_original=True),
-    VerdictRule(Outcome.DROP),
+    MatchRule("v4", "subj_s_u_1_deny_v4", RuleAction.DROP),
+    MatchRule("v6", "subj_s_u_1_deny_v6", RuleAction.DROP),
+    MatchRule("v4", "subj_s_u_1_allow_v4", RuleAction.MARK),
+    MatchRule("v6", "subj_s_u_1_dyn_v6", RuleAction.MARK),
+    MatchRule("v4", "subj_s_u_1_allow_v4", RuleAction.ACCEPT, ct_original=True),
+    MatchRule("v6", "subj_s_u_1_deny_v6", RuleAction.DROP, ct_original=True),
+    VerdictRule(RuleAction.DROP),
 ]
 
 

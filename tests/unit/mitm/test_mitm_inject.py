@@ -25,8 +25,8 @@ from egressd.mitm.inject import (
     REASON_SUBSTITUTED_PATH,
     REASON_TARGET_OVERRIDE,
     TARGET_OVERRIDE_HEADERS,
+    InjectionDecision,
     OneAuthority,
-    Outcome,
     Request,
     RewriteError,
     decide,
@@ -120,11 +120,11 @@ def req(
     )
 
 
-def go(snapshot: VaultSnapshot | None, request: Request, destination_ok: bool = True) -> Outcome:
+def go(snapshot: VaultSnapshot | None, request: Request, destination_ok: bool = True) -> InjectionDecision:
     return decide(snapshot, request, destination_ok=destination_ok)
 
 
-def injected(outcome: Outcome) -> dict[str, str]:
+def injected(outcome: InjectionDecision) -> dict[str, str]:
     assert outcome.kind == "inject", outcome
     return dict(outcome.set_headers)
 
@@ -177,7 +177,7 @@ def test_passthrough_injects_nothing_but_substitutes() -> None:
 
 def test_no_snapshot_passes() -> None:
     out = go(None, req())
-    assert out == Outcome("pass", reason=REASON_NO_VAULT)
+    assert out == InjectionDecision("pass", reason=REASON_NO_VAULT)
 
 
 def test_lookup_failed_outcome() -> None:
@@ -234,7 +234,7 @@ def test_ambiguity_only_among_the_top_precedence() -> None:
 
 def test_wildcard_never_matches_apex() -> None:
     s = snap(bind("wild", ["*.example.com"]))
-    assert go(s, req(host="example.com")) == Outcome("pass", reason=REASON_NO_MATCH)
+    assert go(s, req(host="example.com")) == InjectionDecision("pass", reason=REASON_NO_MATCH)
     assert go(s, req(host="a.b.example.com")).binding == "wild"
     assert go(s, req(host="badexample.com")).kind == "pass"
 
@@ -266,7 +266,7 @@ def test_host_normalised() -> None:
 def test_non_matching_requests_pass(request_: Request, why: str) -> None:
     s = snap(bind(paths=["/v1/*"], methods=["GET", "POST"]))
     out = go(s, request_)
-    assert out == Outcome("pass", reason=REASON_NO_MATCH), why
+    assert out == InjectionDecision("pass", reason=REASON_NO_MATCH), why
 
 
 def test_method_case_insensitive_and_query_dropped() -> None:
@@ -294,13 +294,13 @@ def test_sni_mismatch_refused() -> None:
 
 def test_no_sni_on_https_passes() -> None:
     out = go(snap(bind()), req(sni=None))
-    assert out == Outcome("pass", reason=REASON_NO_SNI)
+    assert out == InjectionDecision("pass", reason=REASON_NO_SNI)
 
 
 def test_destination_not_verified_passes_without_credentials() -> None:
     s = snap(bind())
     out = go(s, req(), destination_ok=False)
-    assert out == Outcome("pass", reason=REASON_DESTINATION)
+    assert out == InjectionDecision("pass", reason=REASON_DESTINATION)
     # Never a refusal either: the request is outside every binding's scope.
     amb = _combined(snap(bind("one")), snap(bind("two")))
     assert go(amb, req(), destination_ok=False).kind == "pass"
@@ -789,14 +789,14 @@ def test_rewrite_outside_the_list_raises() -> None:
     missing header is a bug and fails closed (the addon kills the flow)."""
     headers = (("Host", "api.example.com"), ("X-A", "a"))
     with pytest.raises(RewriteError):
-        Outcome("inject", header_updates=((0, "evil.example"),)).rewrite_headers(headers)
+        InjectionDecision("inject", header_updates=((0, "evil.example"),)).rewrite_headers(headers)
     with pytest.raises(RewriteError):
-        Outcome("inject", header_updates=((5, "x"),)).rewrite_headers(headers)
+        InjectionDecision("inject", header_updates=((5, "x"),)).rewrite_headers(headers)
     with pytest.raises(RewriteError):
-        Outcome("inject", set_headers=(("host", "evil.example"),)).rewrite_headers(headers)
+        InjectionDecision("inject", set_headers=(("host", "evil.example"),)).rewrite_headers(headers)
     with pytest.raises(RewriteError):
-        Outcome("inject", set_headers=((":authority", "evil.example"),)).rewrite_headers(headers)
-    assert Outcome("inject", header_updates=((1, "b"),)).rewrite_headers(headers) == [
+        InjectionDecision("inject", set_headers=((":authority", "evil.example"),)).rewrite_headers(headers)
+    assert InjectionDecision("inject", header_updates=((1, "b"),)).rewrite_headers(headers) == [
         ("Host", "api.example.com"),
         ("X-A", "b"),
     ]

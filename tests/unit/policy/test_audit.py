@@ -39,7 +39,7 @@ from egressd.policy import (
 )
 from egressd.policy.audit import safe_token
 from egressd.subject.model import Fence
-from tests.unit.dnsproxy.test_dns_proxy import CLIENT, FakeForwarder, FakePolicies, parse, q, wire
+from tests.unit.dnsproxy.test_dns_proxy import CLIENT, FakeForwarder, FakePolicies, dns_proxy, parse, q, wire
 
 AUDIT_TEXT = (
     '{"defaultAction":"deny","mode":"audit","egress":['
@@ -177,7 +177,7 @@ def test_ede_option_wire_format_rfc8914() -> None:
 def _proxy(policy: object) -> tuple[DnsProxy, FakePolicies, FakeForwarder, EgressMetrics]:
     policies = FakePolicies({CLIENT: Asker("u-1", Fence("r1", "a1"), policy)})  # type: ignore[arg-type]
     fwd, metrics = FakeForwarder(), EgressMetrics()
-    return DnsProxy(policies, fwd, metrics), policies, fwd, metrics  # type: ignore[arg-type]
+    return dns_proxy(policies, fwd, metrics), policies, fwd, metrics
 
 
 async def test_audit_would_deny_is_answered_not_learned_and_one_id_ties_ede_log_and_metric() -> None:

@@ -126,41 +126,35 @@ NOW = 1000.0
 A_, B_, C_, D_, E_ = (ip(f"93.184.216.{i}") for i in range(1, 6))
 
 
-def test_plan_renews_active_tracked_and_forgets_expired_inactive() -> None:
+def test_plan_renews_active_tracked_addresses() -> None:
     mirror = {
         A_: NOW + 100,  # active now -> renew
-        B_: NOW - 5,  # expired, active last tick only -> renew once (not forgotten)
-        C_: NOW - 5,  # expired, inactive -> forget
-        D_: NOW + 100,  # live, inactive -> neither
-        E_: NOW - 1,  # expired but active now -> renew, not forgotten
+        B_: NOW - 5,  # active last tick only -> renew once
+        C_: NOW - 5,  # inactive -> not renewed
+        D_: NOW + 100,  # live, inactive -> not renewed
+        E_: NOW - 1,  # active now -> renew
     }
     untracked = ip("8.8.8.8")
-    plan = plan_refresh(mirror, {A_, E_, untracked}, {B_, untracked}, NOW)
+    plan = plan_refresh(mirror, {A_, E_, untracked}, {B_, untracked})
     assert set(plan.renew) == {A_, B_, E_}
-    assert plan.forget == (C_,)
     assert untracked not in plan.renew
 
 
 def test_plan_never_renews_untracked_addresses() -> None:
-    plan = plan_refresh({}, {A_, B_}, {C_}, NOW)
-    assert plan == RefreshPlan((), ())
-
-
-def test_plan_expiry_boundary_counts_as_expired() -> None:
-    assert plan_refresh({A_: NOW}, set(), set(), NOW).forget == (A_,)
-    assert plan_refresh({A_: NOW + 0.001}, set(), set(), NOW).forget == ()
+    plan = plan_refresh({}, {A_, B_}, {C_})
+    assert plan == RefreshPlan(())
 
 
 def test_plan_is_deterministic() -> None:
     mirror = {ip("10.0.0.9"): NOW + 1, ip("10.0.0.10"): NOW + 1, ip("1.1.1.1"): NOW + 1}
-    plan = plan_refresh(mirror, set(mirror), set(), NOW)
+    plan = plan_refresh(mirror, set(mirror), set())
     assert plan.renew == tuple(sorted(mirror, key=str))
 
 
 def test_plan_does_not_mutate_its_inputs() -> None:
     mirror = {A_: NOW - 1}
     now_set, last_set = {B_}, {C_}
-    plan_refresh(mirror, now_set, last_set, NOW)
+    plan_refresh(mirror, now_set, last_set)
     assert mirror == {A_: NOW - 1} and now_set == {B_} and last_set == {C_}
 
 

@@ -17,7 +17,6 @@ from egressd.subject.registry import (
     Entry,
     InstallDenyFirst,
     KernelView,
-    Outcome,
     Plan,
     Registry,
     RemoveAll,
@@ -27,6 +26,9 @@ from egressd.subject.registry import (
     plan_hook_fence,
     plan_remove,
     plan_set_binding,
+)
+from egressd.subject.registry import (
+    PlanOutcome as Outcome,
 )
 
 UID = "u-1"

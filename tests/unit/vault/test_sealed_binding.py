@@ -393,7 +393,7 @@ async def test_bad_wrapper_for_absent_subject_is_400_and_registers_nothing(env: 
     assert env.state() == "absent"
     assert env.tx.applied_since(mark) == []
     assert "u-1" not in env.control.vaults
-    assert env.control.pending_pushes.count() == 1  # cached pushes neither replayed nor dropped
+    assert env.control.credentials.pending_pushes.count() == 1  # cached pushes neither replayed nor dropped
     assert (await env.call("GET", "/policy")).status == 404
 
 

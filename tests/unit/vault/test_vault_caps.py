@@ -24,7 +24,7 @@ def two_credentials() -> dict[str, Any]:
 
 async def small_env(aiohttp_client: Any, **kw: Any) -> Env:
     env = await make_env(aiohttp_client, **kw)
-    env.control.vault_limits = SMALL
+    env.control.credentials.limits = SMALL
     return env
 
 

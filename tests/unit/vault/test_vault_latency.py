@@ -158,7 +158,9 @@ async def test_dns_of_another_subject_keeps_its_latency_while_a_vault_is_validat
     loop = asyncio.get_running_loop()
     upstream_transport, _ = await loop.create_datagram_endpoint(_Upstream, local_addr=("127.0.0.1", 0))
     up_port = upstream_transport.get_extra_info("sockname")[1]
-    proxy = DnsProxy(_OtherSubject(), Forwarder([Upstream("127.0.0.1", up_port)], 2.0, mark=None))
+    other = _OtherSubject()
+    forwarder = Forwarder([Upstream("127.0.0.1", up_port)], 2.0, mark=None)
+    proxy = DnsProxy(other.asker, forwarder, on_resolved=other.learn)
     port = _free_udp_port()
     await proxy.start("127.0.0.1", port)
     env = await make_env(aiohttp_client)

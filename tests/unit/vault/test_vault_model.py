@@ -985,8 +985,8 @@ def _old_path_pair(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, str] | 
     return None
 
 
-def _old_host_pairs(bindings: list[Binding]) -> dict[tuple[int, int], tuple[str, str]]:
-    """egressd/vault/model.py before 14.7, verbatim apart from names: every pair sharing a host."""
+def _old_host_owners(bindings: list[Binding]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """(exact host -> binding indices, wildcard suffix -> binding indices)."""
     exact: dict[str, list[int]] = {}
     wild: dict[str, list[int]] = {}
     for i, b in enumerate(bindings):
@@ -995,6 +995,13 @@ def _old_host_pairs(bindings: list[Binding]) -> dict[tuple[int, int], tuple[str,
                 wild.setdefault(host[2:], []).append(i)
             else:
                 exact.setdefault(host, []).append(i)
+    return exact, wild
+
+
+def _old_host_pairs(bindings: list[Binding]) -> dict[tuple[int, int], tuple[str, str]]:
+    """egressd/vault/model.py before 14.7, verbatim apart from names and the index of hosts
+    (:func:`_old_host_owners`): every pair sharing a host."""
+    exact, wild = _old_host_owners(bindings)
     pairs: dict[tuple[int, int], tuple[str, str]] = {}
 
     def add(i: int, j: int, hi: str, hj: str) -> None:

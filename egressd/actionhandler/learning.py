@@ -1,0 +1,166 @@
+"""The fleet's DNS side: who asks, and the DNS-to-kernel callback that learns answers.
+
+:meth:`DnsLearning.asker` and :meth:`DnsLearning.learn` are the two callables the composition
+root hands the DNS proxy. The decisions (which addresses of an answer may enter the dyn sets,
+which leases survive a narrowing, whether the MITM may trust an address for a host) are the
+lease book's (subject/leases.py), shared with the sidecar; this module applies them to the
+fleet's kernel under the subject's lock and the kernel lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from egressd.actionhandler.policies import EffectivePolicies
+from egressd.actionhandler.shared import Shared
+from egressd.dnsproxy.server import Asker
+from egressd.fleetnft.builder import dyn_add, policy_contents
+from egressd.kernel.applier import NftError, NftUncertain
+from egressd.policy import NetworkPolicy, normalise_name
+from egressd.subject.leases import (
+    DEFAULT_MAX_LEASES,
+    LeaseBook,
+    Narrowed,
+    admissible,
+    destination_verified,
+    narrowed_for,
+)
+from egressd.subject.model import Fence, IPAddress, unmap_ip
+from egressd.subject.registry import Entry, HostBinding, State
+
+
+class DnsLearning:
+    def __init__(
+        self,
+        shared: Shared,
+        policies: EffectivePolicies,
+        closing: Callable[[str], bool],
+        *,
+        max_leases: int = DEFAULT_MAX_LEASES,
+    ) -> None:
+        self._shared = shared
+        self._policies = policies
+        # A subject whose revert, rebind or removal the kernel refused (14.6) is answered
+        # as denying, learns nothing and verifies nothing.
+        self._closing = closing
+        self.max_leases = max_leases
+        # Each subject's DNS leases, with the names that taught them: the refresh mirror, the
+        # lease cap, narrowing on policy changes, flow cuts and the MITM's check.
+        self.leases: dict[str, LeaseBook] = {}
+
+    def asker(self, source_ip: IPAddress) -> Asker | None:
+        """Hot path for every DNS query: a map lookup and a cached effective policy."""
+        return self._asker_of(self._shared.registry.resolve(source_ip))
+
+    def asker_for_slot(self, slot: int) -> Asker | None:
+        """The asker behind a host-uid subject's DNS port (BEHAVIOUR 17): the port names it."""
+        return self._asker_of(self._shared.registry.resolve_slot(slot))
+
+    def host_uid_subjects(self) -> dict[int, str]:
+        """Host uid -> sandbox uid of every host-uid subject (the connection refresh's view)."""
+        return {
+            e.binding.host_uid: e.uid for e in self._shared.registry if isinstance(e.binding, HostBinding)
+        }
+
+    def _asker_of(self, entry: Entry | None) -> Asker | None:
+        if entry is None:
+            return None
+        if self._closing(entry.uid):
+            return Asker(entry.uid, entry.fence, None)  # being closed: answered as denying
+        return Asker(entry.uid, entry.fence, self._policies.effective_for(entry))
+
+    def uid_for(self, source_ip: IPAddress) -> str | None:
+        entry = self._shared.registry.resolve(source_ip)
+        return entry.uid if entry is not None else None
+
+    async def renew_leases(self, uid: str, ips: list[IPAddress], seconds: int) -> None:
+        """Connection refresh: re-add still-used DNS leases (one transaction per subject)."""
+        entry = self._shared.registry.get(uid)
+        if entry is not None:
+            await self.learn(uid, entry.fence, [(ip, seconds) for ip in ips])
+
+    async def learn(
+        self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
+    ) -> list[IPAddress]:
+        """Put DNS-learned addresses into the subject's dyn sets before the answer is sent;
+        return those the kernel now holds (the reply carries only these, BEHAVIOUR 14.4).
+
+        Under the subject's lock and decided again there, against the policy in force now
+        (BEHAVIOUR 14.1): an answer that arrives after a revert, rebind, removal or a change
+        that denies its name must never reopen it. ``name`` None is the connection refresh:
+        it renews only addresses that a still-allowed name taught.
+
+        Shielded: a caller that stops waiting (the DNS proxy's bound) does not stop a kernel
+        step that may already be under way, so the book always records what the kernel took.
+        """
+        return await asyncio.shield(self._learn(uid, fence, leases, name))
+
+    async def _learn(
+        self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None
+    ) -> list[IPAddress]:
+        shared = self._shared
+        async with shared.locks.hold(uid):
+            entry = shared.registry.get(uid)
+            if entry is None or entry.fence != fence or entry.state is not State.ACTIVE:
+                return []
+            if self._closing(uid) or not shared.registry.kernel(uid).rules:
+                return []
+            async with shared.kernel_lock:
+                effective = self._policies.effective_for(entry)  # always-rules change under this lock
+                if effective is None:
+                    return []
+                now = time.monotonic()
+                book = self.leases.setdefault(uid, LeaseBook(self.max_leases))
+                if name is not None:
+                    name = normalise_name(name.strip())
+                admitted = admissible(book, effective, leases, name, now)
+                if not admitted:
+                    return []
+                batch = dyn_add(
+                    shared.table.table, entry.nft_id, admitted, replace=shared.table.renew_by_replace
+                )
+                try:
+                    await shared.tx.run_batch_inline(batch, op="dynamic_add")
+                except BaseException as exc:
+                    if not isinstance(exc, NftError) or isinstance(exc, NftUncertain):
+                        # Unanswered, timed out or cancelled by the DNS proxy's bound (the
+                        # kernel thread may still commit it): the kernel may hold the leases.
+                        # The book must never be narrower than the kernel, or a later
+                        # narrowing would not revoke them (it rewrites the dyn sets from it).
+                        book.record(admitted, name, now)
+                    raise
+                book.record(admitted, name, now)
+            return [ip for ip, _ in admitted]
+
+    def narrowed(self, uid: str, effective: NetworkPolicy) -> Narrowed | None:
+        """The subject's leases under a new effective policy (None: it has none)."""
+        book = self.leases.get(uid)
+        if book is None or not len(book):
+            return None
+        contents = policy_contents(effective)  # the deny sets the kernel will hold
+        return narrowed_for(book, effective, contents["deny_v4"], contents["deny_v6"], time.monotonic())
+
+    def destination_verified(self, source_ip: IPAddress, host: str, dst: IPAddress) -> bool:
+        """May the MITM send ``host``'s credentials to ``dst`` for this sandbox? The lease
+        book's rule (:func:`egressd.subject.leases.destination_verified`), for the active
+        subject behind ``source_ip`` only."""
+        return self._verified(self._shared.registry.resolve(source_ip), host, dst)
+
+    def destination_verified_port(self, port: int, host: str, dst: IPAddress) -> bool:
+        """The same for a host-uid subject, named by its MITM port (BEHAVIOUR 17)."""
+        slot = self._shared.table.uids.slot_of_mitm_port(port)
+        return slot is not None and self._verified(self._shared.registry.resolve_slot(slot), host, dst)
+
+    def _verified(self, entry: Entry | None, host: str, dst: IPAddress) -> bool:
+        if entry is None or entry.state is not State.ACTIVE or self._closing(entry.uid):
+            return False
+        effective = self._policies.effective_for(entry)
+        sets = self._policies.ip_sets_of(entry.uid, effective) if effective is not None else None
+        book = self.leases.get(entry.uid)
+        now = time.monotonic()
+        return destination_verified(book, sets, normalise_name(host.strip()), unmap_ip(dst), now)
+
+    def forget(self, uid: str) -> None:
+        self.leases.pop(uid, None)

@@ -1,0 +1,192 @@
+"""What operators see: /v1/subjects, /v1/explain (with the kernel's own view) and the gauges.
+
+Read-only: nothing here changes a subject or the kernel. The decision shown is the policy
+layer's (policy/explain.py); the kernel view is read from the kernel itself, one netlink
+dump per set, never from egressd's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import struct
+import time
+from typing import Any
+
+from egressd.actionhandler.policies import EffectivePolicies
+from egressd.actionhandler.revocation import Revocations
+from egressd.actionhandler.shared import Shared
+from egressd.fleetnft.builder import (
+    UID_DISPATCH,
+    TableConfig,
+    dispatch_map,
+    family,
+    rules_per_subject,
+    subject_set,
+)
+from egressd.kernel.applier import NftError
+from egressd.kernel.netlink import element_covering
+from egressd.policy import NetworkPolicy
+from egressd.policy.explain import explain as explain_target
+from egressd.subject.leases import LeaseBook
+from egressd.subject.model import IPAddress, unmap_ip
+from egressd.subject.registry import AnyBinding, Entry, HostBinding, State
+from egressd.vault.store import VaultStore
+
+
+class Report:
+    def __init__(
+        self,
+        shared: Shared,
+        policies: EffectivePolicies,
+        revocations: Revocations,
+        leases: dict[str, LeaseBook],
+        vaults: dict[str, VaultStore],
+    ) -> None:
+        self._shared = shared
+        self._policies = policies
+        self._revocations = revocations
+        self._leases = leases
+        self._vaults = vaults
+
+    def _entry_of(self, source: IPAddress | int) -> Entry | None:
+        """The subject behind a source address, or behind a host uid (an ``int``, BEHAVIOUR 17)."""
+        if isinstance(source, int):
+            return self._shared.registry.resolve_host_uid(source)
+        return self._shared.registry.resolve(unmap_ip(source))
+
+    def explain(self, source_ip: IPAddress | int, target: str) -> dict[str, Any]:
+        """``source_ip`` is a sandbox address, or an ``int``: a host uid."""
+        entry = self._entry_of(source_ip)
+        now = time.monotonic()
+        book = self._leases.get(entry.uid) if entry else None
+        out = explain_target(
+            state=entry.state.value if entry else None,
+            effective=self._policies.effective_for(entry) if entry else None,
+            leases=book.live(now) if book is not None else {},
+            target=target,
+            now=now,
+        )
+        if isinstance(source_ip, int):
+            out["hostUid"] = source_ip
+        else:
+            out["sourceIp"] = str(source_ip)
+        if entry is not None:
+            out["subject"] = entry.subject
+        return out
+
+    async def kernel_membership(self, source_ip: IPAddress | int, target: IPAddress) -> dict[str, Any]:
+        """What the kernel itself holds for ``target`` in the source's subject (explain):
+        whether the source (an address, or a host uid) is in the dispatch map, and which of
+        the subject's sets cover the address (with the remaining lifetime of a DNS lease)."""
+        target = unmap_ip(target)
+        registry, table = self._shared.registry, self._shared.table.table
+        entry = self._entry_of(source_ip)
+        try:
+            out: dict[str, Any] = {
+                "available": True,
+                "dispatched": await self._dispatched(source_ip),
+                "sets": [],
+            }
+            if entry is None or not registry.kernel(entry.uid).objects:
+                return out
+            for kind, interval in (("deny", True), ("allow", True), ("dyn", False)):
+                name = subject_set(entry.nft_id, kind, family(target))
+                hit = element_covering(
+                    target, await self._shared.tx.list_set_elements(table, name), interval=interval
+                )
+                if hit is None:
+                    continue
+                element, end = hit
+                item: dict[str, Any] = {
+                    "set": name,
+                    "element": _element_text(element.key, end, interval=interval),
+                }
+                if element.expires_ms is not None:
+                    item["expiresInS"] = round(element.expires_ms / 1000)
+                out["sets"].append(item)
+        except NftError as exc:
+            return {"available": False, "error": str(exc)[:200]}
+        return out
+
+    async def _dispatched(self, source: IPAddress | int) -> bool:
+        """Whether the kernel's dispatch map holds the source (its uid map for a host uid)."""
+        dump, table = self._shared.tx.list_set_elements, self._shared.table.table
+        if isinstance(source, int):
+            key = struct.pack("=I", source)  # meta skuid's host-endian u32
+            return any(e.key == key for e in await dump(table, UID_DISPATCH))
+        source = unmap_ip(source)
+        return (
+            element_covering(source, await dump(table, dispatch_map(family(source))), interval=False)
+            is not None
+        )
+
+    def rules_count(self) -> dict[tuple[str, ...], float]:
+        """Rules in the table: each installed subject's fixed rules."""
+        registry = self._shared.registry
+        installed = sum(1 for e in registry if registry.kernel(e.uid).rules)
+        return {(): float(rules_per_subject(self._shared.table) * installed)}
+
+    def state_counts(self) -> dict[tuple[str, ...], float]:
+        counts = self._shared.registry.counts()
+        return {(s.value,): float(n) for s, n in counts.items()}
+
+    def describe(self) -> list[dict[str, Any]]:
+        registry = self._shared.registry
+        out = []
+        now = time.monotonic()
+        for e in sorted(registry, key=lambda e: e.uid):
+            pol = e.policy if e.state is State.ACTIVE else None
+            out.append(
+                {
+                    "subject": e.subject,
+                    "uid": e.uid,
+                    "state": e.state.value,
+                    # The kernel refused a narrowing and egressd is retrying it (14.6).
+                    "revoking": e.uid in self._revocations.pending,
+                    **_binding_fields(e.binding, self._shared.table),
+                    "specGeneration": e.spec_generation,
+                    "pending": e.pending is not None,
+                    "kernelInstalled": registry.kernel(e.uid).objects,
+                    "policy": _policy_summary(pol),
+                    # Audit (shadow) mode of the ACTIVE policy only: deny-first never audits.
+                    "auditMode": bool(pol is not None and pol.audit),
+                    "vaultRevision": self._vaults[e.uid].revision if e.uid in self._vaults else None,
+                    "leases": len(self._leases[e.uid].live(now)) if e.uid in self._leases else 0,
+                }
+            )
+        return out
+
+
+def _binding_fields(binding: AnyBinding | None, table: TableConfig) -> dict[str, Any]:
+    """The dispatch key of ``egressctl subjects``: an address and gateway, or a host uid and
+    its ports (BEHAVIOUR 17)."""
+    if isinstance(binding, HostBinding):
+        return {
+            "sourceIp": None,
+            "gateway": None,
+            "hostUid": binding.host_uid,
+            "dnsPort": table.uids.dns_port(binding.slot),
+            "mitmPort": table.uids.mitm_port(binding.slot) if table.mitm else None,
+        }
+    return {
+        "sourceIp": str(binding.ip) if binding else None,
+        "gateway": str(binding.gateway) if binding and binding.gateway else None,
+    }
+
+
+def _element_text(start: bytes, end: bytes | None, *, interval: bool) -> str:
+    """A set element as nft would print it: an address, or an interval [start, end) as CIDR(s)
+    (``end`` None in an interval set: up to the top of the address space)."""
+    first = ipaddress.ip_address(start)
+    if not interval:
+        return str(first)
+    top = (1 << (8 * len(start))) - 1
+    last = ipaddress.ip_address(int.from_bytes(end, "big") - 1 if end is not None else top)
+    nets = ipaddress.summarize_address_range(first, last)
+    return ", ".join(str(n.network_address) if n.num_addresses == 1 else str(n) for n in nets)
+
+
+def _policy_summary(policy: NetworkPolicy | None) -> dict[str, Any] | None:
+    if policy is None:
+        return None
+    return {"defaultAction": policy.default_action.value, "rules": len(policy.egress)}
