@@ -35,7 +35,7 @@ from egressd.subject.registry import Entry, HostBinding, KernelView, Registry, S
 UidKeys = frozenset[tuple[int, int]]  # (host uid, slot)
 
 
-class UidPorts(Protocol):
+class DnsListeners(Protocol):
     """The DNS proxy's per-subject listeners: a slot's port listens from before any redirect
     points at it until its subject is gone."""
 
@@ -146,7 +146,7 @@ class PortBook:
         self._table = table
         self._registry = registry
         self._claims = claims
-        self.ports: UidPorts | None = None
+        self.ports: DnsListeners | None = None
 
     async def open(self, slot: int) -> None:
         """Raises OSError when the port cannot be bound (the step then fails closed: no

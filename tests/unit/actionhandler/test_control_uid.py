@@ -55,7 +55,7 @@ def uid_binding(
 
 
 class Ports:
-    """The DNS listeners the control plane asks for (UidPorts), recorded."""
+    """The DNS listeners the control plane asks for (DnsListeners), recorded."""
 
     def __init__(self) -> None:
         self.listening: set[int] = set()
