@@ -143,10 +143,7 @@ def _check_kernel(cfg: Config, tx: KernelTransactions) -> LeaseRenewal:
             check_setgid_for_mitm()
         return tx.run_sync(
             lambda: run_selftest(
-                tx.run_script_sync,
-                table_prefix=cfg.nft_table,
-                dns_port=cfg.dns_port,
-                elements=tx.set_elements_sync,
+                tx.run_script_sync, table_prefix=cfg.nft_table, dns_port=cfg.dns_port, elements=tx.set_elements_sync
             )
         )
     except SelfTestError as exc:
