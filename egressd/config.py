@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from egressd.dnsproxy.upstreams import Upstream, UpstreamError, parse_upstreams
+from egressd.events.webhook import WebhookURLError, parse_webhook_url
 from egressd.subject.hostuid import (
     DEFAULT_UID_PORTS,
     DEFAULT_UID_RANGE,
@@ -20,7 +21,7 @@ from egressd.subject.hostuid import (
     UidPorts,
     UidRange,
 )
-from egressd.vault.model import VaultLimits
+from egressd.vault.model import VaultLimits, compile_ignore_hosts
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -88,6 +89,17 @@ OPTIONS: tuple[Option, ...] = (
         "EGRESSD_MITM_CONFDIR",
         "--mitm-confdir",
         f"the MITM's private directory (default {DEFAULT_MITM_CONFDIR!r})",
+    ),
+    Option(
+        "OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS",
+        "--mitmproxy-ignore-hosts",
+        "comma-separated host regexes the MITM never decrypts (BEHAVIOUR 16)",
+        "",
+    ),
+    Option(
+        "EGRESSD_MITM_CA_EXPORT_DIR",
+        "--mitm-ca-export-dir",
+        "directory to write the public MITM CA certificate into (egressd-ca.pem, egressd-ca.crt)",
     ),
     Option(
         "OPENSANDBOX_CREDENTIAL_PROXY_SOCKET",
@@ -180,6 +192,18 @@ OPTIONS: tuple[Option, ...] = (
         "--uid-max-subjects",
         "fleet: most host-uid subjects at once (one DNS and one MITM port each)",
         "256",
+    ),
+    # BEHAVIOUR §15 (visibility).
+    Option(
+        "OPENSANDBOX_EGRESS_DENY_WEBHOOK",
+        "--deny-webhook",
+        "http(s) URL that gets a JSON POST for every DNS name the policy denies",
+    ),
+    Option(
+        "EGRESSD_DENY_REJECT",
+        "--deny-reject",
+        "refuse denied TCP with a reset and other denied packets with ICMP admin-prohibited",
+        boolean=True,
     ),
 )
 
@@ -290,6 +314,11 @@ class Config:
     vault_trusted_proxies: tuple[IPNetwork, ...] = ()  # ..._CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS
     nameserver_exempt: tuple[IPAddress, ...] = ()  # OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT
     uid_ports: UidPorts = DEFAULT_UID_PORTS  # EGRESSD_UID_* (BEHAVIOUR 17)
+    mitm_ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (BEHAVIOUR 16)
+    mitm_ca_export_dir: Path | None = None  # EGRESSD_MITM_CA_EXPORT_DIR
+    # BEHAVIOUR §15. The webhook URL may carry a token: kept out of repr (and of every log).
+    deny_webhook: str | None = field(default=None, repr=False)
+    deny_reject: bool = False  # EGRESSD_DENY_REJECT
 
     @property
     def vault_limits(self) -> VaultLimits:
@@ -297,6 +326,8 @@ class Config:
             credentials=self.vault_max_credentials,
             bindings=self.vault_max_bindings,
             require_scoped_match=self.vault_require_scoped_match,
+            # A binding host the MITM never decrypts could never be injected (§6: 400).
+            ignore_hosts=compile_ignore_hosts(self.mitm_ignore_hosts),
         )
 
     @property
@@ -465,6 +496,8 @@ class _Interception(TypedDict):
     mitm_ssl_insecure: bool
     mitm_confdir: Path
     credential_proxy_socket: Path
+    mitm_ignore_hosts: tuple[str, ...]
+    mitm_ca_export_dir: Path | None
 
 
 class _Parity(TypedDict):
@@ -476,6 +509,11 @@ class _Parity(TypedDict):
     vault_require_scoped_match: bool
     vault_trusted_proxies: tuple[IPNetwork, ...]
     nameserver_exempt: tuple[IPAddress, ...]
+
+
+class _Visibility(TypedDict):
+    deny_webhook: str | None
+    deny_reject: bool
 
 
 class _Caps(TypedDict):
@@ -517,6 +555,7 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         dns_upstreams=upstreams,
         dns_lease_min=lease_min,
         dns_lease_max=lease_max,
+        **_visibility(raw),
         **_limits(raw),
         profile=profile,
         http_host=http_host,
@@ -633,6 +672,18 @@ def _lease_bounds(raw: Raw) -> tuple[int, int]:
     return lease_min, lease_max
 
 
+def _visibility(raw: Raw) -> _Visibility:
+    """BEHAVIOUR §15: the deny webhook (its URL may carry a token: never echoed) and the reject knob."""
+    try:
+        deny_webhook = parse_webhook_url(raw["OPENSANDBOX_EGRESS_DENY_WEBHOOK"])
+    except WebhookURLError as exc:
+        raise ConfigError(f"OPENSANDBOX_EGRESS_DENY_WEBHOOK: {exc}") from None
+    return _Visibility(
+        deny_webhook=deny_webhook,
+        deny_reject=_bool("EGRESSD_DENY_REJECT", raw["EGRESSD_DENY_REJECT"]),
+    )
+
+
 def _limits(raw: Raw) -> _Limits:
     return _Limits(
         # 0 switches the budget off (like OPENSANDBOX_EGRESS_MAX_RULES=0); a negative or
@@ -651,23 +702,63 @@ def _limits(raw: Raw) -> _Limits:
 
 def _interception(raw: Raw) -> _Interception:
     """The DoH block and the MITM."""
+    mitm = _bool("OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT", raw["OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT"])
+    confdir = mitm_confdir(raw)
     return _Interception(
         block_doh_443=_bool("OPENSANDBOX_EGRESS_BLOCK_DOH_443", raw["OPENSANDBOX_EGRESS_BLOCK_DOH_443"]),
         doh_blocklist=parse_doh_blocklist(raw["OPENSANDBOX_EGRESS_DOH_BLOCKLIST"] or ""),
-        mitm_transparent=_bool(
-            "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT", raw["OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT"]
-        ),
+        mitm_transparent=mitm,
         mitm_upstream_trust_dir=Path(
             raw["OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR"] or "/etc/ssl/certs"
         ),
         mitm_ssl_insecure=_bool(
             "OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE", raw["OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE"]
         ),
-        mitm_confdir=mitm_confdir(raw),
+        mitm_confdir=confdir,
         credential_proxy_socket=Path(
             raw["OPENSANDBOX_CREDENTIAL_PROXY_SOCKET"] or "/run/opensandbox/credential-proxy/active.sock"
         ),
+        mitm_ignore_hosts=parse_ignore_hosts(raw["OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS"] or ""),
+        mitm_ca_export_dir=_ca_export_dir(raw, mitm, confdir),
     )
+
+
+def parse_ignore_hosts(value: str) -> tuple[str, ...]:
+    """Comma-separated regular expressions (mitmproxy's ``ignore_hosts`` syntax, which the
+    reference passes through): each must compile; empty items are dropped."""
+    out: list[str] = []
+    for raw in value.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        try:
+            compile_ignore_hosts((item,))
+        except re.error as exc:
+            raise ConfigError(
+                f"OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS: invalid pattern {item!r} ({exc})"
+            ) from None
+        out.append(item)
+    return tuple(out)
+
+
+def _ca_export_dir(raw: Raw, mitm: bool, confdir: Path) -> Path | None:
+    """EGRESSD_MITM_CA_EXPORT_DIR: only with the MITM, and never overlapping its confdir."""
+    text = (raw["EGRESSD_MITM_CA_EXPORT_DIR"] or "").strip()
+    if not text:
+        return None
+    export = Path(text)
+    if not mitm:
+        raise ConfigError(
+            "EGRESSD_MITM_CA_EXPORT_DIR: there is no MITM CA to export without "
+            "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT"
+        )
+    # Whoever mounts the export directory into sandboxes must never see the CA key.
+    a, b = export.absolute(), confdir.absolute()
+    if a == b or b in a.parents or a in b.parents:
+        raise ConfigError(
+            f"EGRESSD_MITM_CA_EXPORT_DIR: {export} overlaps EGRESSD_MITM_CONFDIR {confdir}, which holds the CA key"
+        )
+    return export
 
 
 def _parity(raw: Raw, mitm_port: int) -> _Parity:
@@ -756,8 +847,11 @@ RESERVED_LABELS: frozenset[str] = frozenset(
         "rule",
         "reason",
         "outcome",
+        "result",
         "decision_id",
         "sandbox_id",
+        "protocol",  # egressd_mitm_connections_total (BEHAVIOUR 16)
+        "decision",
     }
 )
 #: The reference's iptables multiport cap (80 and 443 included), kept so a configuration moves

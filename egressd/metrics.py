@@ -252,10 +252,12 @@ class EgressMetrics:
         self.registry = CollectorRegistry()
         # OPENSANDBOX_EGRESS_SANDBOX_ID / ..._METRICS_EXTRA_ATTRS: on every sample (render()).
         self.constant_labels: tuple[tuple[str, str], ...] = ()
-        # Registered (and so rendered) in this order: control plane and kernel, DNS and policy, MITM.
+        # Registered (and so rendered) in this order: control plane and kernel, DNS and policy,
+        # MITM, visibility.
         self._control_plane(subjects_by_state)
         self._dns_and_policy()
         self._mitm()
+        self._visibility()
 
     def _control_plane(self, subjects_by_state: Samples | None) -> None:
         r = self.registry
@@ -330,12 +332,41 @@ class EgressMetrics:
             "Intercepted requests by outcome (injected, pass, refused, error).",
             ["outcome"],
         )
+        # BEHAVIOUR §16: redirected connections decrypted/parsed or relayed untouched.
+        self.mitm_connections = Counter(
+            r,
+            "egressd_mitm_connections_total",
+            "Connections the MITM child opened (decrypt, parse) or relayed (passthrough).",
+            ["protocol", "decision"],
+        )
         # BEHAVIOUR 14.9: how many clients' vault snapshots the child holds (bounded; a removed,
         # rebound or vault-less subject's entry is dropped), as last reported by the child.
         self.mitm_cache_entries = Gauge(
             r,
             "egressd_mitm_snapshot_cache_entries",
             "Clients whose vault snapshot the MITM child holds in its cache.",
+        )
+
+
+    def _visibility(self) -> None:
+        r = self.registry
+        # BEHAVIOUR §15: packets egressd's rules refused, read from the kernel's per-subject
+        # counters at scrape time (one dump); subject "-" = sources that are no subject.
+        self.subject_dropped = Counter(
+            r,
+            "egressd_subject_dropped_packets_total",
+            "Packets egressd's nft rules refused, by source subject.",
+            ["subject"],
+        )
+        # OPENSANDBOX_EGRESS_DENY_WEBHOOK: events that found the queue full, and how the others ended.
+        self.deny_webhook_dropped = Counter(
+            r, "egressd_deny_webhook_dropped_total", "Deny webhook events dropped: queue full."
+        )
+        self.deny_webhook_deliveries = Counter(
+            r,
+            "egressd_deny_webhook_deliveries_total",
+            "Deny webhook events by outcome (delivered, rejected, failed).",
+            ["result"],
         )
 
     def render(self, openmetrics: bool = False) -> str:

@@ -87,6 +87,23 @@ ip netns exec "$UP" "$ROOT/.venv/bin/python" scripts/fleet_upstream.py --http-po
 PIDS+=($!)
 for _ in $(seq 1 100); do grep -q ready "$WORK/upstream.out" 2>/dev/null && break; sleep 0.1; done
 mkdir -p "$WORK/rules"
+# The deny webhook's receiver (BEHAVIOUR §15), in the pod namespace: one JSON body per line.
+cat > "$WORK/webhook.py" <<'EOF'
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        with open(sys.argv[1], "ab") as f:
+            f.write(body + b"\n")
+        self.send_response(204)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", 18099), H).serve_forever()
+EOF
+touch "$WORK/webhook.jsonl"
+ip netns exec "$POD" python3 "$WORK/webhook.py" "$WORK/webhook.jsonl" > /dev/null 2>&1 &
+PIDS+=($!)
 # A service inside sb2, to prove sandboxes cannot reach each other.
 ip netns exec "$(SB 2)" python3 -m http.server 8000 --bind "$(SBIP 2)" > /dev/null 2>&1 &
 PIDS+=($!)
@@ -98,9 +115,11 @@ start_egressd() {
     OPENSANDBOX_EGRESS_DNS_UPSTREAM=10.204.0.2:53 OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT=2 \
     OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT=1 OPENSANDBOX_EGRESS_MITMPROXY_PORT=18081 \
     OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR="$WORK/tls/trust" EGRESSD_MITM_CONFDIR="$WORK/mitm" \
-    OPENSANDBOX_CREDENTIAL_PROXY_SOCKET="$WORK/run/active.sock" \
+    OPENSANDBOX_CREDENTIAL_PROXY_SOCKET="$WORK/run/active.sock" EGRESSD_MITM_CA_EXPORT_DIR="$WORK/ca-export" \
+    OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS='^pinned\.allowed\.test$' \
     OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS=8080 OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT=10.204.0.2 \
     OPENSANDBOX_EGRESS_METRICS_EXTRA_ATTRS=smoke=fleet OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS=1 \
+    OPENSANDBOX_EGRESS_DENY_WEBHOOK="http://127.0.0.1:18099/deny" ${EXTRA_ENV:-} \
     "$ROOT/.venv/bin/egressd" >> "$WORK/egressd.log" 2>&1 &
   EGRESSD_PID=$!
   disown "$EGRESSD_PID"  # no "Killed" job notice when the kill -9 step or the cleanup ends it
@@ -121,17 +140,36 @@ reaches() { [ "$(inns "$(SB "$1")" curl -s -o /dev/null -w '%{http_code}' --conn
 resolves() { inns "$(SB "$1")" dig +short +time=2 +tries=1 @10.203.0.1 "$2" | grep -q "${3:-.}"; }
 nxdomain() { inns "$(SB "$1")" dig +time=2 +tries=1 @10.203.0.1 "$2" | grep -q "status: NXDOMAIN"; }
 upstream_saw() { grep -q "\"dns\": \"$1\"" "$WORK/upstream.jsonl"; }
+dropped() {  # dropped SUBJECT: its egressd_subject_dropped_packets_total (empty when absent)
+  inns "$POD" curl -s "127.0.0.1:$PORT/metrics" | sed -n "s/^egressd_subject_dropped_packets_total{.*subject=\"$1\"} //p"
+}
+dropped_grows() {  # dropped_grows SUBJECT COMMAND...: COMMAND makes the subject's counter grow
+  local subject=$1 before; shift; before=$(dropped "$subject"); "$@"; [ "$(dropped "$subject")" -gt "${before:-0}" ]
+}
+webhook_got() { grep -q "\"hostname\":\"$1\".*\"sandboxId\":\"$2\"" "$WORK/webhook.jsonl"; }
+wait_webhook() { for _ in $(seq 1 50); do webhook_got "$@" && return 0; sleep 0.1; done; return 1; }
+fails_fast() {  # fails_fast N URL: curl gives up in under a second despite --connect-timeout 2
+  local start end; start=$(date +%s%N)
+  inns "$(SB "$1")" curl -s -o /dev/null --connect-timeout 2 -m 3 "$2"; [ $? -eq 7 ] || return 1
+  end=$(date +%s%N); [ $(((end - start) / 1000000)) -lt 1000 ]
+}
 direct_dns() { inns "$(SB "$1")" dig +short +time=2 +tries=1 @10.204.0.2 "$2" | grep -q "$3"; }
 via_mitm() {  # via_mitm N URL PORT: the request arrived from the pod (the MITM), not the sandbox
   [ "$(inns "$(SB "$1")" curl -s -o /dev/null -w '%{http_code}' -m 3 "$2")" = 200 ] || return 1
   grep "\"port\": $3," "$WORK/upstream.jsonl" | tail -n 1 | grep -q '"client": "10.204.0.1"'
 }
 labelled_metrics() {  # every sample carries the constant label
-  local out; out=$(inns "$POD" curl -s "127.0.0.1:$PORT/metrics") || return 1
-  grep -v '^#' <<<"$out" | grep -q . && ! grep -v '^#' <<<"$out" | grep -v '^$' | grep -qv 'smoke="fleet"'
+  local out samples; out=$(inns "$POD" curl -s "127.0.0.1:$PORT/metrics") || return 1
+  # No grep -q at the end of a pipe: it exits at its first match, the writer before it then
+  # dies of SIGPIPE, and pipefail turns that into a failure (once /metrics outgrows a buffer).
+  samples=$(grep -v '^#' <<<"$out" | grep -v '^$')
+  [ -n "$samples" ] && ! grep -qv 'smoke="fleet"' <<<"$samples"
 }
 https_get() {  # https_get N HOST IP PATH: the upstream's JSON echo (what arrived) on stdout
   inns "$(SB "$1")" curl -s -m 5 --cacert "$WORK/mitm/mitmproxy-ca-cert.pem" --resolve "$2:443:$3" "https://$2$4"
+}
+https_upstream_ca() {  # the same, trusting only the upstream's own CA (BEHAVIOUR 16: passed through)
+  inns "$(SB "$1")" curl -s -m 5 --cacert "$WORK/tls/ca.pem" --resolve "$2:443:$3" "https://$2$4"
 }
 
 check "egressd starts in the pod namespace and reports healthy" start_egressd
@@ -162,6 +200,10 @@ check "sb1 follows a CNAME chain" resolves 1 www.allowed.test 10.204.0.2
 check "sb1 gets NXDOMAIN for a denied name" nxdomain 1 exfil.test
 check "the upstream never saw the denied name" not upstream_saw exfil.test
 check "sb1 cannot connect to an address it did not learn" not reaches 1 10.204.0.3
+check "the deny webhook got sb1's denied name with sandboxId sb1" wait_webhook exfil.test sb1
+check "the allowed answer is an egress.outbound event" grep -q '"target.host": "api.allowed.test"' "$WORK/egressd.log"
+check "a refused connect of sb1 grows sb1's drop counter" dropped_grows s-sb1 not reaches 1 10.204.0.3
+check "egressctl subjects shows sb1's drops and its denied name" bash -c "ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT subjects | grep s-sb1 | grep -q exfil.test"
 check "sb2 connects to its allowed IP" reaches 2 10.204.0.3
 check "sb2 cannot use the address sb1 learned" not reaches 2 10.204.0.2
 check "sb3 (default allow) reaches an unlisted IP" reaches 3 10.204.0.3
@@ -184,9 +226,24 @@ printf '%s' '{"credentials":[{"name":"k","source":{"type":"inline","value":"smok
 check "vault pushed over the proxy route for sb1 -> 201" ctl vault put --uid sb1 --file "$WORK/vault.json"
 check "sb1's HTTPS call to the bound host carries the injected credential upstream" bash -c "$(declare -f inns SB https_get); P=$P WORK=$WORK https_get 1 api.allowed.test 10.204.0.2 /v1/x | grep -q 'Bearer smoke-secret-value'"
 check "the sandbox never saw the credential in the response headers" not bash -c "ip netns exec $(SB 1) curl -s -D - -o /dev/null -m 5 --cacert $WORK/mitm/mitmproxy-ca-cert.pem --resolve api.allowed.test:443:10.204.0.2 https://api.allowed.test/ | grep -q smoke-secret-value"
-sibling_gets_nothing() { local out; out=$(https_get 3 other.test 10.204.0.3 /v1/x); grep -q '"tls": true' <<<"$out" && ! grep -q smoke-secret-value <<<"$out"; }
-check "sibling sb3 calling an HTTPS host gets no credential" sibling_gets_nothing
-check "a forged Host towards an address not learned for it gets no credential" not bash -c "$(declare -f inns SB https_get); P=$P WORK=$WORK https_get 3 api.allowed.test 10.204.0.3 / | grep -q smoke-secret-value"
+sibling_gets_nothing() { local out; out=$(https_upstream_ca 3 other.test 10.204.0.3 /v1/x); grep -q '"tls": true' <<<"$out" && ! grep -q smoke-secret-value <<<"$out"; }
+check "sibling sb3 (no vault) is passed through: the upstream's own certificate, no credential" sibling_gets_nothing
+check "a forged Host towards an address not learned for it gets no credential" not bash -c "$(declare -f inns SB https_upstream_ca); P=$P WORK=$WORK https_upstream_ca 3 api.allowed.test 10.204.0.3 / | grep -q smoke-secret-value"
+check "sb1's bound host is decrypted: a client trusting only the upstream's CA is refused" not bash -c "$(declare -f inns SB https_upstream_ca); P=$P WORK=$WORK https_upstream_ca 1 api.allowed.test 10.204.0.2 /v1/x | grep -q '\"tls\": true'"
+unbound_passes() { local out; out=$(https_upstream_ca 1 www.allowed.test 10.204.0.2 /v1/x); grep -q '"tls": true' <<<"$out" && ! grep -q smoke-secret-value <<<"$out"; }
+check "sb1's allowed host without a binding is passed through (upstream certificate, no credential)" unbound_passes
+ca_exported() {
+  local d="$WORK/ca-export"
+  [ "$(ls "$d")" = "$(printf 'egressd-ca.crt\negressd-ca.pem')" ] || return 1
+  diff <(ctl ca) "$d/egressd-ca.pem" && diff "$d/egressd-ca.pem" "$d/egressd-ca.crt" || return 1
+  [ "$(stat -c %a "$d/egressd-ca.pem")" = 644 ] && [ "$(stat -c %a "$d/egressd-ca.crt")" = 644 ] || return 1
+  ! grep -q "PRIVATE KEY" "$d"/*
+}
+check "EGRESSD_MITM_CA_EXPORT_DIR holds the public CA only (egressd-ca.pem = .crt = egressctl ca, 0644)" ca_exported
+check "a sandbox trusting the exported egressd-ca.pem gets its credential" bash -c "ip netns exec $(SB 1) curl -s -m 5 --cacert $WORK/ca-export/egressd-ca.pem --resolve api.allowed.test:443:10.204.0.2 https://api.allowed.test/v1/x | grep -q 'Bearer smoke-secret-value'"
+printf '%s' '{"credentials":[{"name":"k","source":{"type":"inline","value":"smoke-secret-value"}}],"bindings":[{"name":"p","match":{"hosts":["pinned.allowed.test"]},"auth":{"type":"bearer","credential":"k"}}]}' > "$WORK/vault-ignored.json"
+ignored_refused() { local out; out=$(ctl vault put --uid sb1 --file "$WORK/vault-ignored.json" 2>&1) && return 1; grep -q ignore_hosts <<<"$out"; }
+check "a vault binding a host of OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS is refused" ignored_refused
 check "a direct connection to the MITM port is dropped" not ip netns exec "$(SB 1)" curl -s -o /dev/null --connect-timeout 1 -m 2 http://10.203.0.1:18081/
 check "egressctl ca prints the MITM CA baked into sandboxes" bash -c "diff <(ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT ca) $WORK/mitm/mitmproxy-ca-cert.pem"
 check "vault read back is sanitized (no value)" bash -c "ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT vault get --uid sb1 | grep -q bearer && ! ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT vault get --uid sb1 | grep -q smoke-secret-value"
@@ -208,7 +265,8 @@ check "the new instance resolves and connects again" bash -c "ip netns exec $(SB
 kill -9 "$EGRESSD_PID" 2>/dev/null
 for _ in $(seq 1 100); do kill -0 "$EGRESSD_PID" 2>/dev/null || break; sleep 0.05; done
 check "with the daemon dead the kernel keeps enforcing" not reaches 3 10.204.0.3
-check "egressd restarts" start_egressd
+EXTRA_ENV="EGRESSD_DENY_REJECT=1"
+check "egressd restarts (now with EGRESSD_DENY_REJECT=1)" start_egressd
 ID2=$(inns "$POD" curl -s "127.0.0.1:$PORT/_fastlet/v1/actions/status")
 check "a restart gets a new instanceId" test "$ID1" != "$ID2"
 check "after the restart the table is reset to deny-all" not reaches 1 10.204.0.2
@@ -216,6 +274,9 @@ check "replay SET_BINDING sb1 -> 200" bind 1 "$ALLOW_NAME" --runtime-instance-id
 check "replay data-plane-ready sb1 -> 200" ready 1 --runtime-instance-id r2
 check "replay restores enforcement" bash -c "ip netns exec $(SB 1) dig +short @10.203.0.1 api.allowed.test >/dev/null && ip netns exec $(SB 1) curl -s -o /dev/null --connect-timeout 1 -m 2 http://10.204.0.2/"
 check "egressctl subjects lists the replayed subject" bash -c "ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT subjects | grep -q active"
+check "EGRESSD_DENY_REJECT: a denied connect fails at once, not at its timeout" fails_fast 1 http://10.204.0.3/
+check "EGRESSD_DENY_REJECT: the refusal is still counted" dropped_grows s-sb1 fails_fast 1 http://10.204.0.3/
+check "egressctl watch --count 1 draws the subjects with their drops" bash -c "ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT watch --count 1 | grep -q 'DROPPED'"
 
 echo "$PASS passed, $FAIL failed"
 

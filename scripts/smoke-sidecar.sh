@@ -82,6 +82,24 @@ ip netns exec "$UP" "$ROOT/.venv/bin/python" scripts/fleet_upstream.py --http-po
 PIDS+=($!)
 for _ in $(seq 1 100); do grep -q ready "$WORK/upstream.out" 2>/dev/null && break; sleep 0.1; done
 mkdir -p "$WORK/rules"
+# The deny webhook's receiver (BEHAVIOUR §15), on an upstream address the sandbox's policy never
+# allows: the sidecar's own (marked) connection must reach it anyway.
+cat > "$WORK/webhook.py" <<'PY'
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        with open(sys.argv[1], "ab") as f:
+            f.write(body + b"\n")
+        self.send_response(204)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("10.204.0.8", 18099), H).serve_forever()
+PY
+touch "$WORK/webhook.jsonl"
+ip netns exec "$UP" python3 "$WORK/webhook.py" "$WORK/webhook.jsonl" > /dev/null 2>&1 &
+PIDS+=($!)
 
 INITIAL='{"defaultAction":"deny","egress":[{"action":"allow","target":"*.allowed.test"},{"action":"allow","target":"10.204.0.6"}]}'
 
@@ -92,6 +110,7 @@ start_egressd() {
     OPENSANDBOX_EGRESS_RULES="$INITIAL" OPENSANDBOX_EGRESS_MAX_RULES=20 \
     OPENSANDBOX_EGRESS_DNS_UPSTREAM=10.203.0.1:53 OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT=2 \
     EGRESSD_ALWAYS_RULES_DIR="$WORK/rules" EGRESSD_LOG_FORMAT=json \
+    OPENSANDBOX_EGRESS_DENY_WEBHOOK=http://10.204.0.8:18099/deny OPENSANDBOX_EGRESS_SANDBOX_ID=smoke-sb \
     "$ROOT/.venv/bin/egressd" >> "$WORK/egressd.log" 2>&1 &
   EGRESSD_PID=$!
   PIDS+=("$EGRESSD_PID")
@@ -113,6 +132,17 @@ resolves() { inns "$SBX" dig +short +time=2 +tries=1 "@${3:-10.204.0.2}" "$1" | 
 nxdomain() { inns "$SBX" dig +time=2 +tries=1 "@${2:-10.204.0.2}" "$1" | grep -q "status: NXDOMAIN"; }
 upstream_saw() { grep -q "\"dns\": \"$1\"" "$WORK/upstream.jsonl"; }
 table_exists() { inns "$SBX" nft list table inet opensandbox; }
+dropped() { inns "$SBX" curl -s 127.0.0.1:18080/metrics | sed -n 's/^egressd_subject_dropped_packets_total{.*subject="s-sidecar"} //p'; }
+dropped_grows() { local before; before=$(dropped); "$@"; [ "$(dropped)" -gt "${before:-0}" ]; }
+wait_webhook() {  # wait_webhook HOSTNAME SANDBOX_ID
+  for _ in $(seq 1 50); do grep -q "\"hostname\":\"$1\".*\"sandboxId\":\"$2\"" "$WORK/webhook.jsonl" && return 0; sleep 0.1; done
+  return 1
+}
+fails_fast() {  # fails_fast URL: curl gives up in under a second despite --connect-timeout 2
+  local start end; start=$(date +%s%N)
+  inns "$SBX" curl -s -o /dev/null --connect-timeout 2 -m 3 "$1"; [ $? -eq 7 ] || return 1
+  end=$(date +%s%N); [ $(((end - start) / 1000000)) -lt 1000 ]
+}
 
 check "egressd starts in the sandbox namespace and reports healthy" start_egressd
 check "the API refuses a request without the token (401)" \
@@ -130,6 +160,10 @@ check "a denied name gets NXDOMAIN" nxdomain exfil.test
 check "the upstream never saw the denied name" not upstream_saw exfil.test
 check "a query to another resolver address is filtered too" nxdomain exfil.test 10.204.0.9
 check "the app cannot connect to an address it did not learn" not reaches 10.204.0.5
+check "the deny webhook got the denied name with OPENSANDBOX_EGRESS_SANDBOX_ID" wait_webhook exfil.test smoke-sb
+check "... while the app itself cannot reach the receiver's address" not reaches 10.204.0.8
+check "the refused connect grows the sidecar's drop counter" dropped_grows not reaches 10.204.0.5
+check "the allowed answer is an egress.outbound event" grep -q '"target.host": "api.allowed.test"' "$WORK/egressd.log"
 check "an allowed literal IP is reachable" reaches 10.204.0.6
 check "DoT (853) is dropped even to an allowed address" not inns "$SBX" curl -s --connect-timeout 1 -m 2 http://10.204.0.6:853/
 
@@ -153,10 +187,16 @@ check "POST /policy replaces the policy -> 200" expect 200 POST /policy '{"defau
 check "the change was persisted to OPENSANDBOX_EGRESS_POLICY_FILE" grep -q '"api.allowed.test"' "$POLICY_FILE"
 
 # ---- restart and shutdown ---------------------------------------------------------------------
+DROPPED_BEFORE=$(dropped)
 kill -9 "$EGRESSD_PID" 2>/dev/null; wait "$EGRESSD_PID" 2>/dev/null
 check "with the daemon dead the kernel keeps enforcing" not reaches 10.204.0.5
 check "with the daemon dead DNS stays closed (no bypass to the upstream)" not resolves api.allowed.test
-check "egressd restarts" start_egressd
+EXTRA_ENV=(EGRESSD_DENY_REJECT=1)
+check "egressd restarts (now with EGRESSD_DENY_REJECT=1)" start_egressd
+check "the drop counter was carried over the restart's rebuild" bash -c "[ \"\$(ip netns exec $SBX curl -s 127.0.0.1:18080/metrics | sed -n 's/^egressd_subject_dropped_packets_total{.*subject=\"s-sidecar\"} //p')\" -ge ${DROPPED_BEFORE:-1} ]"
+check "EGRESSD_DENY_REJECT: a denied connect fails at once, not at its timeout" fails_fast http://10.204.0.5/
+check "EGRESSD_DENY_REJECT: the refusal is still counted" dropped_grows fails_fast http://10.204.0.5/
+EXTRA_ENV=()
 check "the restart keeps the persisted policy (not OPENSANDBOX_EGRESS_RULES)" not resolves www.allowed.test
 check "the restarted sidecar enforces it" bash -c "ip netns exec $SBX dig +short +time=2 +tries=1 @10.204.0.2 api.allowed.test | grep -q 10.204.0.3"
 check "the restarted sidecar still denies" nxdomain exfil.test
@@ -170,10 +210,11 @@ check "and leaves no table behind" not table_exists
 # ---- transparent MITM (credential injection) --------------------------------------------------
 # The sidecar's MITM intercepts the namespace's own TCP 80/443 (nat output redirect); its child
 # runs with group id 18081, which the redirect exempts (meta skgid), so its upstream leg is not
-# intercepted again. The app trusts the MITM CA ($MITM_CA); the MITM trusts the upstream's CA.
+# intercepted again. Only the bound host is decrypted (BEHAVIOUR 16): for it the app trusts the
+# MITM CA ($MITM_CA); every other host is passed through with the upstream's own certificate.
 EXTRA_ENV=(OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT=1 OPENSANDBOX_EGRESS_MITMPROXY_PORT=18081
   OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR="$WORK/tls/trust" EGRESSD_MITM_CONFDIR="$WORK/mitm"
-  OPENSANDBOX_CREDENTIAL_PROXY_SOCKET="$WORK/run/active.sock")
+  OPENSANDBOX_CREDENTIAL_PROXY_SOCKET="$WORK/run/active.sock" EGRESSD_MITM_CA_EXPORT_DIR="$WORK/ca-export")
 MITM_CA="$WORK/mitm/mitmproxy-ca-cert.pem"
 SECRET="smoke-mitm-secret-value"
 VAULT='{"credentials":[{"name":"key","source":{"type":"inline","value":"'$SECRET'"}}],"bindings":[{"name":"api","match":{"hosts":["api.allowed.test"]},"auth":{"type":"bearer","credential":"key"}}]}'
@@ -191,7 +232,7 @@ healthz_fingerprint() {  # 200, and the header equals the SHA-256 of the CA cert
 check "egressd starts with the MITM on; healthz only turns 200 once the MITM is ready" start_egressd
 check "healthz is 200 with X-Egressd-Mitm-Ca-Fingerprint = SHA-256 of the CA certificate" healthz_fingerprint
 check "the MITM redirect is in the sidecar table (skgid 18081 exempt, direct connections dropped)" bash -c \
-  "ip netns exec $SBX nft list table inet opensandbox | tr -s ' ' > $WORK/table.txt; grep -q 'skgid 18081 return' $WORK/table.txt && grep -q 'tcp dport { 80, 443 } redirect to :18081' $WORK/table.txt && grep -q 'tcp dport 18081 drop' $WORK/table.txt"
+  "ip netns exec $SBX nft list table inet opensandbox | tr -s ' ' > $WORK/table.txt; grep -q 'skgid 18081 return' $WORK/table.txt && grep -q 'tcp dport { 80, 443 } redirect to :18081' $WORK/table.txt && grep -q 'tcp dport 18081 goto denied' $WORK/table.txt"
 check "POST /policy allows the bound host and one more -> 200" expect 200 POST /policy \
   '{"defaultAction":"deny","egress":[{"action":"allow","target":"api.allowed.test"},{"action":"allow","target":"b.allowed.test"}]}'
 check "PUT /credential-vault with the token -> 201 (every prerequisite holds)" expect 201 PUT /credential-vault "$VAULT"
@@ -201,8 +242,14 @@ check "HTTPS to the bound host carries the injected credential upstream" bash -c
   "$(declare -f inns https_get); SBX=$SBX MITM_CA=$MITM_CA; https_get api.allowed.test 10.204.0.3 | grep -q 'Bearer $SECRET'"
 check "the app never sees the credential in the response headers" not bash -c \
   "ip netns exec $SBX curl -s -D - -o /dev/null -m 5 --cacert $MITM_CA --resolve api.allowed.test:443:10.204.0.3 https://api.allowed.test/ | grep -q $SECRET"
-check "HTTPS to another allowed host goes through the MITM but gets no credential" bash -c \
-  "$(declare -f inns https_get); SBX=$SBX MITM_CA=$MITM_CA; out=\$(https_get b.allowed.test 10.204.0.7); grep -q '\"tls\": true' <<<\"\$out\" && ! grep -q $SECRET <<<\"\$out\""
+check "HTTPS to another allowed host is passed through (upstream's own certificate), no credential" bash -c \
+  "$(declare -f inns https_get); SBX=$SBX MITM_CA=$MITM_CA; out=\$(https_get b.allowed.test 10.204.0.7 $WORK/tls/ca.pem); grep -q '\"tls\": true' <<<\"\$out\" && ! grep -q $SECRET <<<\"\$out\""
+check "the bound host is decrypted: trusting only the upstream's CA fails there" not bash -c \
+  "$(declare -f inns https_get); SBX=$SBX MITM_CA=$MITM_CA; https_get api.allowed.test 10.204.0.3 $WORK/tls/ca.pem | grep -q '\"tls\": true'"
+check "a passed-through connection is policed too: an address never learned is not reached" not bash -c \
+  "$(declare -f inns https_get); SBX=$SBX MITM_CA=$MITM_CA; https_get b.allowed.test 10.204.0.5 $WORK/tls/ca.pem | grep -q '\"tls\": true'"
+check "EGRESSD_MITM_CA_EXPORT_DIR holds the CA certificate only (egressd-ca.pem = .crt, 0644)" bash -c \
+  "cmp $WORK/ca-export/egressd-ca.pem $MITM_CA && cmp $WORK/ca-export/egressd-ca.crt $MITM_CA && [ \$(stat -c %a $WORK/ca-export/egressd-ca.pem) = 644 ] && ! grep -q 'PRIVATE KEY' $WORK/ca-export/*"
 check "a forged Host towards the other name's address gets no credential" bash -c \
   "$(declare -f inns https_get); SBX=$SBX MITM_CA=$MITM_CA; out=\$(https_get api.allowed.test 10.204.0.7); grep -q '\"tls\": true' <<<\"\$out\" && ! grep -q $SECRET <<<\"\$out\""
 check "the MITM's upstream leg is policed: HTTPS to an address never learned fails" not bash -c \
@@ -232,8 +279,11 @@ redirected_to_mitm() {  # the app's flow to PORT was redirected to the MITM (con
   inns "$SBX" conntrack -L -p tcp --orig-port-dst "$1" 2>/dev/null | grep -q 'sport=18081 '
 }
 labelled_metrics() {
-  local out; out=$(inns "$SBX" curl -s 127.0.0.1:18080/metrics) || return 1
-  grep -v '^#' <<<"$out" | grep -q . && ! grep -v '^#' <<<"$out" | grep -v '^$' | grep -qv 'sandbox_id="smoke-sb",smoke="parity"'
+  local out samples; out=$(inns "$SBX" curl -s 127.0.0.1:18080/metrics) || return 1
+  # No grep -q at the end of a pipe: it exits at its first match, the writer before it then
+  # dies of SIGPIPE, and pipefail turns that into a failure (once /metrics outgrows a buffer).
+  samples=$(grep -v '^#' <<<"$out" | grep -v '^$')
+  [ -n "$samples" ] && ! grep -qv 'sandbox_id="smoke-sb",smoke="parity"' <<<"$samples"
 }
 outside_vault_write() {  # from the upstream namespace, like a client that is not on loopback
   [ "$(inns "$UP" curl -s -o /dev/null -w '%{http_code}' -m 5 -X PUT -H "OPENSANDBOX-EGRESS-AUTH: $TOKEN" \

@@ -452,27 +452,39 @@ class Model:
 HEADER_SETS = {
     f"{kind}_{fam}"
     for fam in ("v4", "v6")
-    for kind in ("marking", "dispatch", "sandboxes", "sandbox_nets", "dns_gw")
+    for kind in ("marking", "dispatch", "sandboxes", "sandbox_nets", "dns_gw", "drop_counter")
 }
 # The header's host-uid half (BEHAVIOUR 17): its maps stay empty, the storm binds no uid subject.
-UID_HEADER_SETS = {"uid_marking", "uid_dispatch", "uid_dns", "uid_dns_own", "uid_audit"}
+UID_HEADER_SETS = {"uid_marking", "uid_dispatch", "uid_dns", "uid_dns_own", "uid_audit", "uid_drop_counter"}
 MITM_HEADER_SETS = {f"{kind}_{fam}" for fam in ("v4", "v6") for kind in ("mitm_in", "mitm_src")} | {
     "uid_mitm",
     "uid_mitm_in",
 }
+# BEHAVIOUR §15: every refusal goes through "denied" (counted) to "deny_verdict".
 HEADER_CHAINS = {
     "marking",
     "dispatch",
     "input",
     "sandbox_in",
     "nat",
+    "denied",
+    "deny_verdict",
     "output",
     "uid_out",
     "uid_local",
     "uid_nat",
     "nat_out",
+    "uid_denied",
 }
 MITM_HEADER_CHAINS = {"uid_input"}
+HEADER_COUNTERS = {"unattributed_dropped"}
+
+
+def _refuses(rule_json: str) -> bool:
+    """A rule whose verdict refuses: a drop, or the goto to the counting refusal chain."""
+    return '"drop"' in rule_json or '"goto": {"target": "denied"}' in rule_json
+
+
 SUBJECT_SET_KINDS = [f"{k}_{fam}" for k in (*STATIC_KINDS, "dyn") for fam in ("v4", "v6")]
 
 
@@ -506,8 +518,11 @@ class Kernel:
                 k.sets[s["name"]] = {_elem_text(e) for e in s.get("elem", [])}
             elif "map" in item:
                 m = item["map"]
+                # Verdict maps carry {"jump": {"target": chain}}; counter maps a counter's name.
                 k.maps[m["name"]] = {
-                    _elem_text(e[0]): str(e[1].get("jump", {}).get("target", json.dumps(e[1])))
+                    _elem_text(e[0]): e[1]
+                    if isinstance(e[1], str)
+                    else str(e[1].get("jump", {}).get("target", json.dumps(e[1])))
                     for e in m.get("elem", [])
                 }
             elif "chain" in item:
@@ -921,7 +936,7 @@ class Storm:
         """Right after a restart, before any replay: nothing but the deny-all header."""
         k = self.kernel()
         self.tally.restart_checks += 1
-        extra = k.names() - self.header_sets - self.header_chains
+        extra = k.names() - self.header_sets - self.header_chains - HEADER_COUNTERS
         if extra:
             self.tally.note("restart_not_header", f"objects besides the header: {sorted(extra)[:8]}")
         for name in self.header_sets:
@@ -942,7 +957,7 @@ class Storm:
         for fam in ("v4", "v6"):
             self._compare_table_wide(k, when, fam)
         self._compare_subjects(k, when)
-        if "subj" in self.templates and [r.count('"drop"') for r in self.templates["subj"]] != [1, 1]:
+        if "subj" in self.templates and [int(_refuses(r)) for r in self.templates["subj"]] != [1, 1]:
             self.tally.note("missing_denies", "a subject chain does not hold exactly its two deny-set drops")
 
     def _compare_header(self, k: Kernel, when: str) -> None:
@@ -951,22 +966,28 @@ class Storm:
             self.header_rules = {c: k.rules.get(c, []) for c in self.header_chains}
             # The first start's header is the reference: it must end the forward hook with
             # the unmarked-drop and the sandbox input chain with a drop (fail closed).
-            if not self.header_rules["dispatch"] or '"drop"' not in self.header_rules["dispatch"][-1]:
+            if not self.header_rules["dispatch"] or not _refuses(self.header_rules["dispatch"][-1]):
                 note("missing_denies", "header dispatch chain does not end with a drop")
-            if not self.header_rules["sandbox_in"] or '"drop"' not in self.header_rules["sandbox_in"][-1]:
+            if not self.header_rules["sandbox_in"] or not _refuses(self.header_rules["sandbox_in"][-1]):
                 note("missing_denies", "header sandbox_in chain does not end with a drop")
+            if not self.header_rules["deny_verdict"] or '"drop"' not in self.header_rules["deny_verdict"][-1]:
+                note("missing_denies", "header deny_verdict chain does not end with a drop")
         elif {c: k.rules.get(c, []) for c in self.header_chains} != self.header_rules:
             note("missing_denies", f"{when}: header rules changed")
 
     def _compare_objects(self, k: Kernel, when: str) -> None:
         """Objects: the expected ones per registered subject, nothing else."""
-        expected_names = self.header_sets | self.header_chains
+        expected_names = self.header_sets | self.header_chains | HEADER_COUNTERS
         for s in self.model.subs.values():
             expected_names |= {f"subj_{s.nid}_{kind}" for kind in SUBJECT_SET_KINDS}
             expected_names |= {f"subj_{s.nid}", f"mark_{s.nid}"} | (
                 {f"subj_{s.nid}_in"} if self.mitm else set()
             )
-            expected_names |= {f"subj_{s.nid}_audit_deny", f"subj_{s.nid}_audit_default"}
+            expected_names |= {
+                f"subj_{s.nid}_audit_deny",
+                f"subj_{s.nid}_audit_default",
+                f"subj_{s.nid}_dropped",
+            }
         have = k.names()
         for name in sorted(have - expected_names):
             self.tally.note("leaked_objects", f"{when}: {name}")
@@ -985,6 +1006,7 @@ class Storm:
             self._set_diff(when, f"mitm_src_{fam}", k, {s.addr.ip for s in mine}, deny=False)
         for mname, want in keyed:
             self._map_diff(when, mname, k.maps.get(mname, {}), want)
+        self._counter_map_diff(when, fam, k, {s.addr.ip: f"subj_{s.nid}_dropped" for s in mine})
         self._set_diff(when, f"sandboxes_{fam}", k, {s.addr.ip for s in mine}, deny=True)
         gws = {s.addr.gw for s in subs.values() if (":" in s.addr.gw) == (fam == "v6")}
         self._set_diff(when, f"dns_gw_{fam}", k, gws, deny=False)
@@ -1004,6 +1026,19 @@ class Storm:
                 owner = self.model.owner_of_ip(ip)
                 cat = "missing_denies" if owner is not None and owner.state == "denying" else "mismatches"
                 note(cat, f"{when}: {mname} lacks {ip} -> {target}")
+
+    def _counter_map_diff(self, when: str, fam: str, k: Kernel, want_ctr: dict[str, str]) -> None:
+        """Counting only (never an allow): every dispatched key's refusals go to its own
+        subject's counter, and no other key is in the counter map."""
+        got_ctr = k.maps.get(f"drop_counter_{fam}", {})
+        for ip, counter in got_ctr.items():
+            if want_ctr.get(ip) != counter:
+                self.tally.note(
+                    "mismatches", f"{when}: drop_counter_{fam} {ip} -> {counter}, model {want_ctr.get(ip)}"
+                )
+        for ip in k.maps.get(f"dispatch_{fam}", {}):
+            if ip in want_ctr and ip not in got_ctr:
+                self.tally.note("mismatches", f"{when}: drop_counter_{fam} lacks {ip}")
 
     def _compare_subjects(self, k: Kernel, when: str) -> None:
         """Per subject: set contents and fixed rules."""

@@ -4,6 +4,7 @@ Commands (global options ``--addr``, ``--json``, ``--timeout`` go before or afte
 
     egressctl status
     egressctl subjects
+    egressctl watch [--interval SECONDS] [--count N]
     egressctl send set-binding --uid U --ip IP [--gateway GW] [--host-veth V]
     egressctl send set-binding --uid U --host-uid N             (a host-uid sandbox)
                                [--runtime-instance-id R] [--attachment-id A] [--spec-generation N]
@@ -43,6 +44,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -81,6 +83,7 @@ from egressd.cli.vault import (
     vault_headers,
     vault_path,
 )
+from egressd.cli.watch import Snapshot, denials_cell, run_watch
 
 __all__ = ["COMMANDS", "EXIT_CODES", "Command", "Context", "build_parser", "main", "register"]
 
@@ -287,14 +290,33 @@ def _encode(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode("ascii")
 
 
-def _fetch_subjects(ctx: Context) -> list[dict[str, Any]]:
+def _fetch_subjects_doc(ctx: Context) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The subjects and the document's other top-level fields (e.g. the unattributed drops)."""
     resp = ctx.client.get(SUBJECTS_PATH)
     _expect_ok(resp, "GET", SUBJECTS_PATH)
     payload = resp.json()
     subjects = payload.get("subjects") if isinstance(payload, dict) else None
     if not isinstance(subjects, list) or not all(isinstance(s, dict) for s in subjects):
         raise CliError(f"GET {SUBJECTS_PATH}: unexpected payload (no subjects list)", EXIT_FAILURE)
-    return subjects
+    assert isinstance(payload, dict)
+    return subjects, {k: v for k, v in payload.items() if k != "subjects"}
+
+
+def _fetch_subjects(ctx: Context) -> list[dict[str, Any]]:
+    return _fetch_subjects_doc(ctx)[0]
+
+
+def _reports_drops(extra: dict[str, Any]) -> bool:
+    """A daemon that counts refusals (BEHAVIOUR §15) says so with this key, even with no subject."""
+    return "unattributedDroppedPackets" in extra
+
+
+def _total_dropped(subjects: Sequence[dict[str, Any]]) -> int:
+    return sum(
+        s["droppedPackets"]
+        for s in subjects
+        if isinstance(s.get("droppedPackets"), int) and not isinstance(s.get("droppedPackets"), bool)
+    )
 
 
 def _cell(value: Any) -> str:
@@ -348,6 +370,25 @@ def _report(ctx: Context, resp: Response, method: str, path: str, *, success: bo
 # --------------------------------------------------------------------------- status
 
 
+def _subjects_summary(subjects: list[dict[str, Any]], extra: dict[str, Any], drops: bool) -> dict[str, Any]:
+    """``egressctl status --json``'s subjects object; the refusal counts when the daemon has them."""
+    out: dict[str, Any] = {"total": len(subjects), "byState": _state_counter(subjects)}
+    if drops:
+        out["droppedPackets"] = _total_dropped(subjects)
+        out["unattributedDroppedPackets"] = extra.get("unattributedDroppedPackets")
+    return out
+
+
+def _dropped_line(subjects: list[dict[str, Any]], extra: dict[str, Any]) -> list[tuple[str, str]]:
+    return [
+        (
+            "dropped",
+            f"{_total_dropped(subjects)} packets by subjects, "
+            f"{_cell(extra.get('unattributedDroppedPackets'))} unattributed",
+        )
+    ]
+
+
 def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
     resp = ctx.client.get(STATUS_PATH)
     _expect_ok(resp, "GET", STATUS_PATH)
@@ -363,10 +404,12 @@ def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
     # Subject counts are a convenience: a failure there does not fail the readiness check.
     subjects: list[dict[str, Any]] | None
     subjects_error: str | None = None
+    extra: dict[str, Any] = {}
     try:
-        subjects = _fetch_subjects(ctx)
+        subjects, extra = _fetch_subjects_doc(ctx)
     except CliError as exc:
         subjects, subjects_error = None, exc.reason
+    drops = subjects is not None and _reports_drops(extra)
 
     if ctx.json_output:
         ctx.emit_json(
@@ -374,9 +417,7 @@ def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
                 "status": status,
                 "healthy": healthy,
                 "health": health_text,
-                "subjects": None
-                if subjects is None
-                else {"total": len(subjects), "byState": _state_counter(subjects)},
+                "subjects": None if subjects is None else _subjects_summary(subjects, extra, drops),
             }
         )
     else:
@@ -394,6 +435,7 @@ def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
                         if subjects is not None
                         else f"unavailable ({subjects_error})",
                     ),
+                    *(_dropped_line(subjects or [], extra) if drops else []),
                 ]
             )
         )
@@ -406,11 +448,23 @@ def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_subjects(ctx: Context, args: argparse.Namespace) -> int:
-    subjects = _fetch_subjects(ctx)
+    subjects, extra = _fetch_subjects_doc(ctx)
     if ctx.json_output:
         ctx.emit_json(subjects)
         return EXIT_OK
-    headers = ("SUBJECT", "STATE", "SOURCE-IP", "GATEWAY", "POLICY", "PENDING", "VAULT-REV", "LEASES")
+    headers: tuple[str, ...] = (
+        "SUBJECT",
+        "STATE",
+        "SOURCE-IP",
+        "GATEWAY",
+        "POLICY",
+        "PENDING",
+        "VAULT-REV",
+        "LEASES",
+    )
+    drops = _reports_drops(extra)
+    if drops:
+        headers += ("DROPPED", "RECENT-DENIALS")
     rows = [
         (
             _cell(s.get("subject")),
@@ -421,10 +475,84 @@ def cmd_subjects(ctx: Context, args: argparse.Namespace) -> int:
             "yes" if s.get("pending") else "no",
             _cell(s.get("vaultRevision")),
             _cell(s.get("leases")),
+            *((_cell(s.get("droppedPackets")), denials_cell(s.get("recentDenials"))) if drops else ()),
         )
         for s in subjects
     ]
     ctx.lines(table(headers, rows))
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- watch
+
+
+def _configure_watch(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--interval",
+        type=_positive_float,
+        default=2.0,
+        metavar="SECONDS",
+        help="seconds between refreshes (default 2)",
+    )
+    parser.add_argument(
+        "--count",
+        type=_non_negative_int,
+        metavar="N",
+        help="stop after N refreshes (default: until Ctrl-C)",
+    )
+
+
+def cmd_watch(ctx: Context, args: argparse.Namespace) -> int:
+    # The first read must work (exit 3 / 1 like any command); later failures are shown in
+    # the frame and the watch goes on.
+    first: list[Snapshot] = []
+    subjects, extra = _fetch_subjects_doc(ctx)
+    first.append(Snapshot(subjects, extra.get("unattributedDroppedPackets")))
+
+    def fetch() -> Snapshot:
+        if first:
+            return first.pop()
+        try:
+            subjects, extra = _fetch_subjects_doc(ctx)
+        except CliError as exc:
+            return Snapshot(error=exc.reason)
+        return Snapshot(subjects, extra.get("unattributedDroppedPackets"))
+
+    def emit_json() -> Snapshot:
+        snap = fetch()
+        if snap.error is not None:
+            ctx.emit_json({"error": snap.error})
+        else:
+            ctx.emit_json({"subjects": list(snap.subjects), "unattributedDroppedPackets": snap.unattributed})
+        return snap
+
+    count: int | None = args.count
+    try:
+        if ctx.json_output:
+            # One document per refresh (JSON lines): the raw /v1/subjects answers.
+            index = 0
+            while count is None or index < count:
+                index += 1
+                emit_json()
+                sys.stdout.flush()
+                if count is None or index < count:
+                    time.sleep(args.interval)
+            return EXIT_OK
+
+        def out(text: str) -> None:
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+
+        run_watch(
+            fetch,
+            out,
+            addr=ctx.addr,
+            interval=args.interval,
+            count=count,
+            tty=sys.stdout.isatty(),
+        )
+    except KeyboardInterrupt:
+        return EXIT_OK  # the normal way to end a watch
     return EXIT_OK
 
 
@@ -821,6 +949,19 @@ STATUS = Command(
 
 SUBJECTS = Command("subjects", "list registered subjects", run=cmd_subjects)
 
+WATCH = Command(
+    "watch",
+    "live table of subjects, their refused packets and recent DNS denials",
+    run=cmd_watch,
+    configure=_configure_watch,
+    epilog=(
+        f"GET {SUBJECTS_PATH} every --interval seconds. On a terminal each refresh replaces the\n"
+        "screen; into a pipe refreshes follow each other. NEW is the packets refused since the\n"
+        "previous refresh. --json prints one /v1/subjects document per refresh (JSON lines).\n"
+        "Exit 0 after --count refreshes or on Ctrl-C; 1/3 when the first read fails."
+    ),
+)
+
 EXPLAIN = Command(
     "explain",
     "would this sandbox reach this destination, and why",
@@ -902,7 +1043,7 @@ CA = Command(
 )
 
 #: Top-level commands, in help order. Further commands are appended via :func:`register`.
-COMMANDS: list[Command] = [STATUS, SUBJECTS, EXPLAIN, SEND, VAULT, CA]
+COMMANDS: list[Command] = [STATUS, SUBJECTS, WATCH, EXPLAIN, SEND, VAULT, CA]
 
 
 def register(command: Command) -> None:

@@ -27,6 +27,7 @@ from egressd.dnsproxy.decide import (
 )
 from egressd.dnsproxy.ede import INFO_BLOCKED, INFO_NOT_SUPPORTED, INFO_OTHER, attach_ede
 from egressd.dnsproxy.forwarder import Forwarder
+from egressd.events.dns import DnsEvents
 from egressd.metrics import EgressMetrics
 from egressd.policy import NetworkPolicy, evidence, new_decision_id
 from egressd.policy.audit import safe_token
@@ -80,11 +81,14 @@ class DnsProxy:
         on_resolved: OnResolved,
         lease_bounds: tuple[int, int] = (60, 360),
         budget: QueryBudget | None = None,
+        events: DnsEvents | None = None,
     ) -> None:
         # Two callables from the composition root, not the control plane: the proxy knows
         # nothing of registries or kernels (the reference's proxy.SetOnResolved).
         self.asker = asker
         self.on_resolved = on_resolved
+        # BEHAVIOUR §15: deny webhook, recent denials, egress.outbound (never awaited).
+        self.events = events
         self.forwarder = forwarder
         self.metrics = metrics
         self.lease_bounds = lease_bounds
@@ -191,6 +195,8 @@ class DnsProxy:
         limit = _udp_limit(query)  # the client's own limit, before we add EDNS for the upstream
         forwarded = await self.forwarder.forward(with_edns(query), tcp=tcp)
         if forwarded.reply is None:
+            if audit_text is None:
+                self._answered(asker.uid, decision.name, None, forwarded.failure)
             if self.metrics:
                 self.metrics.dns_failed.inc(forwarded.failure)
             return self._servfail(query, tcp, start, limit)
@@ -206,6 +212,8 @@ class DnsProxy:
                     self.metrics.dns_failed.inc("not_learned")
                 return self._servfail(query, tcp, start, limit)
             trimmed = _keep_learned(reply, set(learned))
+        if audit_text is None:
+            self._answered(asker.uid, decision.name, reply)
         if audit_text is not None and had_edns:
             attach_ede(reply, INFO_OTHER, audit_text)
         elif (
@@ -286,6 +294,8 @@ class DnsProxy:
                 self.metrics.policy_denied.inc(
                     exemplar={"decision_id": decision_id, "rule": rule, "subject": subject}
                 )
+        if self.events is not None and decision.action is Action.NXDOMAIN:
+            self.events.denied(asker.uid if asker else None, decision.name, decision.reason, rule)
         if self._may_log(ip):
             verb = "would-deny" if decision.would_deny else "denied"
             log.info(
@@ -301,6 +311,12 @@ class DnsProxy:
                 audit=decision.would_deny,
             )
         return text
+
+    def _answered(self, uid: str, name: str, reply: DNSRecord | None, error: str | None = None) -> None:
+        """``egress.outbound`` for an allowed answer: the addresses the sandbox gets (§15)."""
+        if self.events is not None and self.events.answer_due(uid):
+            ips = [addr for addr, _ in answer_addresses(reply)] if reply is not None else []
+            self.events.answered(uid, name, ips, error)
 
     def _may_log(self, ip: IPAddress) -> bool:
         second = int(time.monotonic())

@@ -22,9 +22,9 @@ from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy, PortAsker
 from egressd.dnsproxy.upstreams import upstreams_or_system
-from egressd.fleet.audit import AuditEvidence
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import FleetHTTP
+from egressd.fleet.visibility import FleetVisibility, fleet_visibility
 from egressd.fleetnft.builder import TableConfig
 from egressd.fleetnft.selftest import BridgeReport, SelfTestError, bridge_report, run_selftest
 from egressd.kernel.applier import KernelTransactions, NftError
@@ -61,6 +61,7 @@ def table_config(cfg: Config, renewal: LeaseRenewal = LeaseRenewal.READD) -> Tab
         uids=cfg.uid_ports,
         own_uid=os.getuid(),
         http_port=cfg.http_port,
+        deny_reject=cfg.deny_reject,
     )
 
 
@@ -77,10 +78,13 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
     running = Running(tx)
     try:
         bridges, renewal = _check_kernel(cfg, tx)
-        control, proxy, audit = _control_plane(cfg, tx, always, metrics, renewal)
+        control, proxy, visibility = _control_plane(cfg, tx, always, metrics, renewal)
         running.stoppers.append(control.close)
+        # The deny webhook's worker; events queued after its close are dropped (BEHAVIOUR §15).
+        visibility.start()
+        running.stoppers.append(visibility.close)
         await _reset_table(cfg, control, always)
-        await _start_dns(cfg, control, metrics, running)
+        await _start_dns(cfg, control, metrics, running, visibility)
         _start_background(cfg, control, always, running)
         mitm = await _start_mitm(cfg, control, metrics, running)
 
@@ -96,8 +100,9 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             status_extra=lambda: {"bridgeNfCallIptables": bridges.nf_call_iptables},
             proxy=proxy,
             mitm_ca=lambda: (mitm.ca.pem, mitm.ca.fingerprint) if mitm else None,
-            before_scrape=audit.refresh,
+            before_scrape=visibility.before_scrape,
             vault_transport=VaultTransport(cfg.vault_require_tls, cfg.vault_trusted_proxies),
+            annotate_subjects=visibility.drops.annotate,
         )
         await _serve(cfg, http, running, stop)
     finally:
@@ -132,7 +137,7 @@ def _check_kernel(cfg: Config, tx: KernelTransactions) -> tuple[BridgeReport, Le
 
 def _control_plane(
     cfg: Config, tx: KernelTransactions, always: AlwaysRules, metrics: EgressMetrics, renewal: LeaseRenewal
-) -> tuple[ControlPlane, ProxyRouteAPI, AuditEvidence]:
+) -> tuple[ControlPlane, ProxyRouteAPI, FleetVisibility]:
     """The control plane and the listeners of its registry; the gauges read from it on scrape."""
     try:
         keys = KeyStore(cfg.vault_keys_dir)
@@ -151,12 +156,15 @@ def _control_plane(
         vault_limits=cfg.vault_limits,
     )
     proxy = ProxyRouteAPI(control, max_rules=cfg.max_rules)
-    audit = AuditEvidence(metrics, lambda: tx.list_counters(cfg.nft_table), lambda: list(control.registry))
-    control.listeners.append(audit)
+    # Audit evidence and refusal counts (BEHAVIOUR §15) share one counter dump per scrape.
+    visibility = fleet_visibility(
+        cfg, metrics, lambda: tx.list_counters(cfg.nft_table), lambda: list(control.registry)
+    )
+    control.listeners += [visibility.audit, visibility.drops]
     metrics.pending_pushes.collect_from(lambda: {(): float(control.credentials.pending_pushes.count())})
     metrics.subjects.collect_from(control.report.state_counts)
     metrics.nft_rules.collect_from(control.report.rules_count)
-    return control, proxy, audit
+    return control, proxy, visibility
 
 
 async def _reset_table(cfg: Config, control: ControlPlane, always: AlwaysRules) -> None:
@@ -174,7 +182,9 @@ async def _reset_table(cfg: Config, control: ControlPlane, always: AlwaysRules) 
     )
 
 
-async def _start_dns(cfg: Config, control: ControlPlane, metrics: EgressMetrics, running: Running) -> None:
+async def _start_dns(
+    cfg: Config, control: ControlPlane, metrics: EgressMetrics, running: Running, visibility: FleetVisibility
+) -> None:
     upstreams = upstreams_or_system(cfg.dns_upstreams)
     forwarder = running.forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
     dns = running.dns = DnsProxy(
@@ -185,6 +195,7 @@ async def _start_dns(cfg: Config, control: ControlPlane, metrics: EgressMetrics,
         on_resolved=control.learning.learn,
         lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max),
         budget=query_budget(cfg.dns_qps_per_subject),
+        events=visibility.events,
     )
     try:
         await dns.start(cfg.dns_host, cfg.dns_port)

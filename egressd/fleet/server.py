@@ -61,9 +61,12 @@ class FleetHTTP:
         mitm_ca: Callable[[], tuple[str, str] | None] | None = None,
         before_scrape: Callable[[], Awaitable[None]] | None = None,
         vault_transport: VaultTransport | None = None,
+        annotate_subjects: Callable[[list[dict[str, Any]]], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
         self.proxy = proxy
         self.vault_transport = vault_transport or VaultTransport()
+        # Adds kernel drop counts and recent denials to /v1/subjects (BEHAVIOUR §15).
+        self._annotate_subjects = annotate_subjects
         # () -> (public certificate PEM, SHA-256 hex of its DER), or None while the MITM is off.
         self._mitm_ca = mitm_ca
         self._before_scrape = before_scrape
@@ -191,7 +194,9 @@ class FleetHTTP:
         """Operator view for egressctl (loopback only, like the rest of the fleet API)."""
         if request.method != "GET":
             return text(405, "method not allowed", headers={"Allow": "GET"})
-        return web.json_response({"subjects": self.control.report.describe()})
+        subjects = self.control.report.describe()
+        extra = await self._annotate_subjects(subjects) if self._annotate_subjects is not None else {}
+        return web.json_response({"subjects": subjects, **extra})
 
     async def explain(self, request: web.Request) -> web.Response:
         """Operator view for ``egressctl explain``: ?ip=<sandbox source ip>&target=<name or ip>,

@@ -39,6 +39,14 @@ Shape, and why it differs from the reference blueprint where it does:
   what egressd redirected (DNS, the MITM) and drops every other pod listener. A routed
   topology (one /32 veth per sandbox, the gateway on each) makes sibling traffic cross the
   nat and input hooks exactly like upstream traffic, so the bridge is no safeguard here.
+* Every refusal is counted (BEHAVIOUR §15): each drop of the header and of a subject's chains
+  is a ``goto denied``. ``denied`` counts the packet in its source's named counter
+  ``subj_<id>_dropped`` (looked up in the counter maps ``drop_counter_v4/v6``, keyed like the
+  dispatch maps) or, for a source that is no subject, in ``unattributed_dropped``, then hands
+  it to ``deny_verdict``: ``drop``, or with ``EGRESSD_DENY_REJECT`` a TCP reset / ICMP
+  admin-prohibited (ICMP also for TCP the MITM redirect intercepted). One place decides how a refusal looks, so the knob never touches a
+  subject's rules, and a lookup miss in the counter map (which only stops that rule) falls
+  through to a rule that still refuses.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from egressd.kernel.ops import (
     ALLOW_MARK,
     AddChain,
     AddCounter,
+    AddCounterRef,
     AddElements,
     AddIntervals,
     AddJump,
@@ -58,6 +67,7 @@ from egressd.kernel.ops import (
     AddSet,
     AddTimed,
     AddUid,
+    AddUidCounterRef,
     AddUidJump,
     AddUidPort,
     AuditRule,
@@ -104,6 +114,15 @@ DYN_TIMEOUT_S = 360
 #: Regular chain the input hook sends sandbox-sourced packets to (BEHAVIOUR 14.2).
 SANDBOX_IN_CHAIN = "sandbox_in"
 ND_TYPES = "nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert"
+#: Every refusal goes here (BEHAVIOUR §15): counted per source, then DENY_VERDICT_CHAIN.
+DENIED_CHAIN = "denied"
+#: How a refusal looks: drop, or (EGRESSD_DENY_REJECT) TCP reset / ICMP admin-prohibited.
+DENY_VERDICT_CHAIN = "deny_verdict"
+#: Refusals of sources that are no subject (unknown sources, a privateCidr address nobody
+#: registered, the pod's own connections to the MITM port).
+UNATTRIBUTED_COUNTER = "unattributed_dropped"
+DROPPED_SUFFIX = "_dropped"
+REFUSE = f"goto {DENIED_CHAIN}"
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -126,6 +145,8 @@ class TableConfig:
     uids: UidPorts = DEFAULT_UID_PORTS
     own_uid: int | None = None
     http_port: int = 18080
+    # EGRESSD_DENY_REJECT (BEHAVIOUR §15): refuse with a TCP reset / ICMP admin-prohibited.
+    deny_reject: bool = False
     # OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS: intercepted like 80 and 443 (MITM on).
     mitm_extra_ports: tuple[int, ...] = ()
     # OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT: registered sandboxes may query these directly on
@@ -189,6 +210,11 @@ class Names:
         return f"subj_{self.nft_id}_audit_{kind}"
 
     @property
+    def dropped_counter(self) -> str:
+        """Every packet of the subject that egressd's rules refuse (BEHAVIOUR §15)."""
+        return f"subj_{self.nft_id}{DROPPED_SUFFIX}"
+
+    @property
     def log_prefix(self) -> str:
         # The nft id is unique among registered subjects and already log-safe ([a-z0-9_]);
         # cut so the prefix fits the kernel's 127 bytes (the counter names stay exact).
@@ -207,6 +233,13 @@ def audit_counter_subject(name: str) -> tuple[str, str] | None:
         suffix = f"_audit_{kind}"
         if name.startswith("subj_") and name.endswith(suffix):
             return name[len("subj_") : -len(suffix)], kind
+    return None
+
+
+def dropped_counter_subject(name: str) -> str | None:
+    """``subj_<id>_dropped`` -> the nft id, else None (audit counters never end that way)."""
+    if name.startswith("subj_") and name.endswith(DROPPED_SUFFIX) and len(name) > 5 + len(DROPPED_SUFFIX):
+        return name[len("subj_") : -len(DROPPED_SUFFIX)]
     return None
 
 
@@ -293,6 +326,15 @@ def sandbox_nets_refresh(nets: Iterable[IPNetwork]) -> list[Op]:
     return ops
 
 
+def drop_counter_map(fam: str) -> str:
+    """Source address -> its subject's drop counter (``type ipv4_addr : counter``)."""
+    return f"drop_counter_{fam}"
+
+
+def _counter_map_decl(name: str, fam: str) -> str:
+    return f"{name} {{ type {_addr_type(fam)} : counter; }}"
+
+
 def gateway_set(fam: str) -> str:
     return f"dns_gw_{fam}"
 
@@ -341,9 +383,11 @@ def _header_objects(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> 
         if cfg.mitm:
             s.obj("add", "map", _vmap_decl(mitm_in_map(fam), fam))
             s.obj("add", "set", _plain_set_decl(mitm_src_set(fam), fam))
+        s.obj("add", "map", _counter_map_decl(drop_counter_map(fam), fam))
     if cfg.block_doh_443 and cfg.doh_blocklist:
         for fam in ("v4", "v6"):
             s.obj("add", "set", _set_decl(doh_set(fam), fam, "interval", doh[fam]))
+    _denial_chains(s, cfg)
 
 
 def _marking_chain(s: _Script, cfg: TableConfig) -> None:
@@ -369,8 +413,8 @@ def _filter_chains(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> N
     """The forward hook (``dispatch``) and the input hook, in the order their rules apply."""
     s.obj("add", "chain", "dispatch { type filter hook forward priority 0; policy accept; }")
     s.rule("dispatch", "ct state established,related accept")
-    s.rule("dispatch", "tcp dport 853 drop")
-    s.rule("dispatch", "udp dport 853 drop")
+    s.rule("dispatch", f"tcp dport 853 {REFUSE}")
+    s.rule("dispatch", f"udp dport 853 {REFUSE}")
     # Input exists with or without the MITM: a sandbox can address the pod itself (the
     # gateway, any other pod address) and that never crosses the forward hook (§14.2).
     s.obj("add", "chain", "input { type filter hook input priority 0; policy accept; }")
@@ -382,34 +426,34 @@ def _filter_chains(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> N
         _doh_drops(s, cfg, doh)
     # Sandboxes never reach each other, whatever their egress policy says (defaultAction
     # allow or a CIDR covering the sandbox subnet would otherwise open lateral movement).
-    s.rule("dispatch", f"ip daddr @{sandbox_set('v4')} drop")
-    s.rule("dispatch", f"ip6 daddr @{sandbox_set('v6')} drop")
-    s.rule("dispatch", f"ip daddr @{sandbox_nets_set('v4')} drop")
-    s.rule("dispatch", f"ip6 daddr @{sandbox_nets_set('v6')} drop")
+    s.rule("dispatch", f"ip daddr @{sandbox_set('v4')} {REFUSE}")
+    s.rule("dispatch", f"ip6 daddr @{sandbox_set('v6')} {REFUSE}")
+    s.rule("dispatch", f"ip daddr @{sandbox_nets_set('v4')} {REFUSE}")
+    s.rule("dispatch", f"ip6 daddr @{sandbox_nets_set('v6')} {REFUSE}")
     s.rule("dispatch", f"ip saddr vmap @{dispatch_map('v4')}")
     s.rule("dispatch", f"ip6 saddr vmap @{dispatch_map('v6')}")
-    s.rule("dispatch", f"meta mark & {ALLOW_MARK:#x} != {ALLOW_MARK:#x} drop")
+    s.rule("dispatch", f"meta mark & {ALLOW_MARK:#x} != {ALLOW_MARK:#x} {REFUSE}")
     _sandbox_input(s, cfg)
 
 
 def _doh_drops(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> None:
     """TCP 443 to the DoH blocklist (to anything without a list), forwarded or intercepted."""
     if not cfg.doh_blocklist:
-        s.rule("dispatch", "tcp dport 443 drop")
+        s.rule("dispatch", f"tcp dport 443 {REFUSE}")
         if cfg.mitm:
             # nft 1.0.6 cannot type "ct original proto-dst 443" without a protocol
             # context ("Can't parse symbolic invalid expressions"): give it tcp.
-            s.rule("input", "meta l4proto tcp ct status dnat ct original proto-dst 443 drop")
+            s.rule("input", f"meta l4proto tcp ct status dnat ct original proto-dst 443 {REFUSE}")
         return
     for fam in ("v4", "v6"):
         if not doh[fam]:
             continue
-        s.rule("dispatch", f"{l3_of(fam)} daddr @{doh_set(fam)} tcp dport 443 drop")
+        s.rule("dispatch", f"{l3_of(fam)} daddr @{doh_set(fam)} tcp dport 443 {REFUSE}")
         if cfg.mitm:
             s.rule(
                 "input",
                 f"meta l4proto tcp ct status dnat ct original {l3_of(fam)} daddr @{doh_set(fam)} "
-                "ct original proto-dst 443 drop",
+                f"ct original proto-dst 443 {REFUSE}",
             )
 
 
@@ -446,6 +490,33 @@ def l3_of(fam: str) -> str:
     return "ip" if fam == "v4" else "ip6"
 
 
+def _denial_chains(s: _Script, cfg: TableConfig) -> None:
+    """``denied`` and ``deny_verdict`` (BEHAVIOUR §15), declared before any rule jumps there.
+
+    An objref map lookup that misses (a source that is no subject, or the other family)
+    only ends its own rule, so each counted rule carries the verdict and the last one
+    refuses whatever arrives: there is no way through ``denied`` that accepts.
+    """
+    s.obj("add", "counter", UNATTRIBUTED_COUNTER)
+    s.obj("add", "chain", DENY_VERDICT_CHAIN)
+    if cfg.deny_reject:
+        # A connection the MITM redirect took (REDIRECT = DNAT to the pod): over a bridge the
+        # kernel sends a reset straight out of the bridge port with the redirected address,
+        # which the client does not know and ignores; the ICMP error goes through the stack
+        # and is translated back, so it fails the connect at once (EHOSTUNREACH).
+        s.rule(DENY_VERDICT_CHAIN, "ct status dnat reject with icmpx admin-prohibited")
+        s.rule(DENY_VERDICT_CHAIN, "meta l4proto tcp reject with tcp reset")
+        s.rule(DENY_VERDICT_CHAIN, "reject with icmpx admin-prohibited")
+    s.rule(DENY_VERDICT_CHAIN, "drop")  # the only verdict without the knob; unreachable with it
+    s.obj("add", "chain", DENIED_CHAIN)
+    for fam in ("v4", "v6"):
+        s.rule(
+            DENIED_CHAIN,
+            f"counter name {l3_of(fam)} saddr map @{drop_counter_map(fam)} goto {DENY_VERDICT_CHAIN}",
+        )
+    s.rule(DENIED_CHAIN, f'counter name "{UNATTRIBUTED_COUNTER}" goto {DENY_VERDICT_CHAIN}')
+
+
 def _sandbox_input(s: _Script, cfg: TableConfig) -> None:
     """§14.2 on the input hook: what a sandbox source may reach on the pod itself.
 
@@ -467,7 +538,7 @@ def _sandbox_input(s: _Script, cfg: TableConfig) -> None:
     if cfg.mitm:
         # Mandatory: a direct connection to the MITM port makes it proxy to itself in a
         # loop (from any source, the pod's own loopback included).
-        s.rule("input", f"tcp dport {cfg.mitm_port} drop")
+        s.rule("input", f"tcp dport {cfg.mitm_port} {REFUSE}")
 
     c = SANDBOX_IN_CHAIN
     for proto in ("udp", "tcp"):
@@ -480,11 +551,11 @@ def _sandbox_input(s: _Script, cfg: TableConfig) -> None:
         for fam in ("v4", "v6"):
             # Belt and braces for the nat exemption: an intercepted flow whose original
             # destination is a sandbox is lateral movement through the MITM.
-            s.rule(c, f"ct status dnat ct original {l3_of(fam)} daddr @{sandbox_set(fam)} drop")
-            s.rule(c, f"ct status dnat ct original {l3_of(fam)} daddr @{sandbox_nets_set(fam)} drop")
+            s.rule(c, f"ct status dnat ct original {l3_of(fam)} daddr @{sandbox_set(fam)} {REFUSE}")
+            s.rule(c, f"ct status dnat ct original {l3_of(fam)} daddr @{sandbox_nets_set(fam)} {REFUSE}")
         s.rule(c, f"tcp dport {port} ct status dnat ip saddr vmap @{mitm_in_map('v4')}")
         s.rule(c, f"tcp dport {port} ct status dnat ip6 saddr vmap @{mitm_in_map('v6')}")
-    s.rule(c, "drop")
+    s.rule(c, REFUSE)
 
 
 def subject_rules(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
@@ -498,7 +569,9 @@ def subject_rules(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
     n = Names(nft_id)
     ops: list[Op] = []
     for fam in ("v4", "v6"):
-        ops.append(AddRule(n.chain, MatchRule(fam, n.set(f"deny_{fam}"), RuleAction.DROP)))
+        ops.append(
+            AddRule(n.chain, MatchRule(fam, n.set(f"deny_{fam}"), RuleAction.DROP, drop_chain=DENIED_CHAIN))
+        )
     for kind in ("allow", "dyn"):
         for fam in ("v4", "v6"):
             ops.append(AddRule(n.mark_chain, MatchRule(fam, n.set(f"{kind}_{fam}"), RuleAction.MARK)))
@@ -524,11 +597,11 @@ def subject_rules(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
             ("allow", RuleAction.ACCEPT),
         )
         for kind, outcome in in_rules:
+            via = DENIED_CHAIN if outcome is RuleAction.DROP else ""
             for fam in ("v4", "v6"):
-                ops.append(
-                    AddRule(n.in_chain, MatchRule(fam, n.set(f"{kind}_{fam}"), outcome, ct_original=True))
-                )
-        ops.append(AddRule(n.in_chain, VerdictRule(RuleAction.DROP)))
+                rule = MatchRule(fam, n.set(f"{kind}_{fam}"), outcome, ct_original=True, drop_chain=via)
+                ops.append(AddRule(n.in_chain, rule))
+        ops.append(AddRule(n.in_chain, VerdictRule(RuleAction.DROP, drop_chain=DENIED_CHAIN)))
     return NetlinkBatch(cfg.table, tuple(ops))
 
 
@@ -543,6 +616,8 @@ def subject_keys(cfg: TableConfig, subj: SubjectNft) -> NetlinkBatch:
     n = Names(subj.nft_id)
     fam = family(subj.ip)
     ops: list[Op] = [
+        # First: the counter exists before the dispatch jump can send a packet to a drop.
+        AddCounterRef(drop_counter_map(fam), subj.ip, n.dropped_counter),
         AddJump(dispatch_map(fam), subj.ip, n.chain),
         AddElements(sandbox_set(fam), (subj.ip,)),
         AddJump(marking_map(fam), subj.ip, n.mark_chain),
@@ -579,6 +654,7 @@ def subject_objects(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
     ]
     ops += [AddChain(c) for c in subject_chains(cfg, nft_id)]
     ops += [AddCounter(n.counter(kind)) for kind in AUDIT_COUNTERS]
+    ops.append(AddCounter(n.dropped_counter))
     return NetlinkBatch(cfg.table, tuple(ops))
 
 
@@ -705,6 +781,7 @@ def dispatch_deletes(cfg: TableConfig, ip: IPAddress, *, release_gateway: IPAddr
     maps = [marking_map(fam), dispatch_map(fam), sandbox_set(fam)]
     if cfg.mitm:
         maps += [mitm_src_set(fam), mitm_in_map(fam)]
+    maps.append(drop_counter_map(fam))  # last: the counter outlives every way a packet reaches a drop
     ops: list[Op] = [DeleteElement(m, ip) for m in maps]
     if release_gateway is not None:
         ops.append(gateway_release(release_gateway))
@@ -730,6 +807,7 @@ def removal_batch(
     ops += [DeleteChain(c) for c in subject_chains(cfg, nft_id)]
     ops += [DeleteSet(n.set(kind)) for kind in SETS]
     ops += [DeleteCounter(n.counter(kind)) for kind in AUDIT_COUNTERS]
+    ops.append(DeleteCounter(n.dropped_counter))
     return NetlinkBatch(cfg.table, tuple(ops))
 
 
@@ -789,6 +867,8 @@ def dyn_add(
 #   subject got.
 # * Loopback and the host's own addresses are exempt (a sandbox's processes talk to each
 #   other there), except every listener of egressd's own: the actions API, the proxies' ports.
+# * Refusals go to ``uid_denied``: counted in the subject's ``subj_<id>_dropped`` by the socket's
+#   owner, then ``deny_verdict`` (drop, or the EGRESSD_DENY_REJECT reply) like every refusal.
 # * OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT is for network subjects: a uid subject's port-53
 #   traffic always goes to its own DNS port.
 # * Sockets of uids outside the range (the host's own processes, egressd and its MITM child
@@ -802,6 +882,9 @@ UID_DNS_OWN = "uid_dns_own"  # filter: uid . its DNS port
 UID_MITM = "uid_mitm"  # nat: uid -> its MITM port
 UID_MITM_IN = "uid_mitm_in"  # filter: uid . its MITM port -> subj_<id>_in
 UID_AUDIT = "uid_audit"  # uids whose active policy audits
+UID_DROP_COUNTER = "uid_drop_counter"  # uid -> subj_<id>_dropped (BEHAVIOUR §15)
+UID_DENIED_CHAIN = "uid_denied"
+UID_REFUSE = f"goto {UID_DENIED_CHAIN}"
 UID_OUT_CHAIN = "uid_out"
 UID_LOCAL_CHAIN = "uid_local"
 UID_NAT_CHAIN = "uid_nat"
@@ -864,6 +947,13 @@ def _uid_objects(s: _Script, cfg: TableConfig) -> None:
         s.obj("add", "map", f"{UID_MITM_IN} {{ type uid . inet_service : verdict; }}")
     for chain in (UID_OUT_CHAIN, UID_LOCAL_CHAIN, UID_NAT_CHAIN):
         s.obj("add", "chain", chain)
+    # Refusals of in-range uids (BEHAVIOUR §15): their packets carry the host's address, so
+    # they are counted by the socket's owner; an unknown uid's go on to ``denied`` (there:
+    # unattributed), which also decides how a refusal looks (EGRESSD_DENY_REJECT).
+    s.obj("add", "map", f"{UID_DROP_COUNTER} {{ type uid : counter; }}")
+    s.obj("add", "chain", UID_DENIED_CHAIN)
+    s.rule(UID_DENIED_CHAIN, f"counter name meta skuid map @{UID_DROP_COUNTER} goto {DENY_VERDICT_CHAIN}")
+    s.rule(UID_DENIED_CHAIN, REFUSE)
 
 
 def _uid_out_chain(s: _Script, cfg: TableConfig) -> None:
@@ -874,21 +964,21 @@ def _uid_out_chain(s: _Script, cfg: TableConfig) -> None:
     _uid_exemptions(s, cfg, o)
     s.rule(o, f"fib daddr type local jump {UID_LOCAL_CHAIN}")
     s.rule(o, f"meta mark set meta mark & {~ALLOW_MARK & 0xFFFFFFFF:#010x}")
-    s.rule(o, "tcp dport 853 drop")
-    s.rule(o, "udp dport 853 drop")
+    s.rule(o, f"tcp dport 853 {UID_REFUSE}")
+    s.rule(o, f"udp dport 853 {UID_REFUSE}")
     if cfg.block_doh_443:
         if not cfg.doh_blocklist:
-            s.rule(o, "tcp dport 443 drop")
+            s.rule(o, f"tcp dport 443 {UID_REFUSE}")
         for fam, entries in _split_doh(cfg.doh_blocklist).items():
             if entries:
-                s.rule(o, f"{l3_of(fam)} daddr @{doh_set(fam)} tcp dport 443 drop")
+                s.rule(o, f"{l3_of(fam)} daddr @{doh_set(fam)} tcp dport 443 {UID_REFUSE}")
     for fam in ("v4", "v6"):
-        s.rule(o, f"{l3_of(fam)} daddr @{sandbox_set(fam)} drop")
-        s.rule(o, f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} drop")
+        s.rule(o, f"{l3_of(fam)} daddr @{sandbox_set(fam)} {UID_REFUSE}")
+        s.rule(o, f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} {UID_REFUSE}")
     s.rule(o, f"meta skuid vmap @{UID_MARKING}")
     s.rule(o, f"meta skuid vmap @{UID_DISPATCH}")
     s.rule(o, f"ct state established,related meta skuid @{UID_AUDIT} accept")
-    s.rule(o, f"meta mark & {ALLOW_MARK:#x} != {ALLOW_MARK:#x} drop")
+    s.rule(o, f"meta mark & {ALLOW_MARK:#x} != {ALLOW_MARK:#x} {UID_REFUSE}")
 
 
 def _uid_local_chain(s: _Script, cfg: TableConfig) -> None:
@@ -909,8 +999,8 @@ def _uid_local_chain(s: _Script, cfg: TableConfig) -> None:
     own_tcp = [*own_udp, (cfg.http_port, cfg.http_port)]
     if cfg.mitm:
         own_tcp += [(cfg.mitm_port, cfg.mitm_port), uids.mitm_ports]
-    s.rule(c, f"udp dport {_port_set(own_udp)} drop")
-    s.rule(c, f"tcp dport {_port_set(own_tcp)} drop")
+    s.rule(c, f"udp dport {_port_set(own_udp)} {UID_REFUSE}")
+    s.rule(c, f"tcp dport {_port_set(own_tcp)} {UID_REFUSE}")
     s.rule(c, "accept")
 
 
@@ -921,15 +1011,15 @@ def _uid_local_mitm(s: _Script, cfg: TableConfig) -> None:
     c, mitm = UID_LOCAL_CHAIN, f"tcp dport {mitm_lo}-{mitm_hi} ct status dnat"
     if cfg.block_doh_443:
         if not cfg.doh_blocklist:
-            s.rule(c, f"{mitm} ct original proto-dst 443 drop")
+            s.rule(c, f"{mitm} ct original proto-dst 443 {UID_REFUSE}")
         for fam, entries in _split_doh(cfg.doh_blocklist).items():
             if entries:
                 s.rule(
-                    c, f"{mitm} ct original {l3_of(fam)} daddr @{doh_set(fam)} ct original proto-dst 443 drop"
+                    c, f"{mitm} ct original {l3_of(fam)} daddr @{doh_set(fam)} ct original proto-dst 443 {UID_REFUSE}"
                 )
     for fam in ("v4", "v6"):
-        s.rule(c, f"{mitm} ct original {l3_of(fam)} daddr @{sandbox_set(fam)} drop")
-        s.rule(c, f"{mitm} ct original {l3_of(fam)} daddr @{sandbox_nets_set(fam)} drop")
+        s.rule(c, f"{mitm} ct original {l3_of(fam)} daddr @{sandbox_set(fam)} {UID_REFUSE}")
+        s.rule(c, f"{mitm} ct original {l3_of(fam)} daddr @{sandbox_nets_set(fam)} {UID_REFUSE}")
     s.rule(c, f"{mitm} meta skuid . tcp dport vmap @{UID_MITM_IN}")
 
 
@@ -940,7 +1030,7 @@ def _uid_input_chain(s: _Script, cfg: TableConfig) -> None:
     mitm_lo, mitm_hi = cfg.uids.mitm_ports
     s.obj("add", "chain", f"{UID_INPUT_CHAIN} {{ type filter hook input priority 0; policy accept; }}")
     s.rule(UID_INPUT_CHAIN, f"tcp dport {mitm_lo}-{mitm_hi} ct status dnat return")
-    s.rule(UID_INPUT_CHAIN, f"tcp dport {mitm_lo}-{mitm_hi} drop")
+    s.rule(UID_INPUT_CHAIN, f"tcp dport {mitm_lo}-{mitm_hi} {UID_REFUSE}")
 
 
 def _uid_nat_chain(s: _Script, cfg: TableConfig) -> None:
@@ -968,6 +1058,8 @@ def uid_subject_keys(cfg: TableConfig, subj: UidSubjectNft) -> NetlinkBatch:
     n = Names(subj.nft_id)
     uid, dns = subj.host_uid, cfg.uids.dns_port(subj.slot)
     ops: list[Op] = [
+        # First: the counter exists before the dispatch jump can send a packet to a refusal.
+        AddUidCounterRef(UID_DROP_COUNTER, uid, n.dropped_counter),
         AddUidJump(UID_DISPATCH, uid, n.chain),
         AddUidJump(UID_MARKING, uid, n.mark_chain),
         AddUidPort(UID_DNS, uid, dns),
@@ -991,7 +1083,8 @@ def uid_key_deletes(cfg: TableConfig, host_uid: int, slot: int) -> list[Op]:
     ]
     if cfg.mitm:
         ops += [DeleteUid(UID_MITM, host_uid), DeleteUid(UID_MITM_IN, host_uid, cfg.uids.mitm_port(slot))]
-    return ops + uid_audit_ops(host_uid, audit=False)
+    # Last: nothing jumps to a refusal of this uid any more (its counter may go after this).
+    return [*ops, DeleteUid(UID_DROP_COUNTER, host_uid), *uid_audit_ops(host_uid, audit=False)]
 
 
 def uid_audit_ops(host_uid: int, *, audit: bool) -> list[Op]:

@@ -18,6 +18,7 @@ from egressd.kernel.applier import NftError
 from egressd.kernel.netlink import SetElement
 from egressd.kernel.ops import (
     AddCounter,
+    AddCounterRef,
     AddIntervals,
     AddRule,
     AddSet,
@@ -181,6 +182,15 @@ def _match_probes(t: str) -> list[tuple[str, str]]:
             f"add chain inet {t} c3\n"
             f"add rule inet {t} in_ ip saddr @sb jump c3",  # c1, c2 are deleted by later probes
         ),
+        (
+            # BEHAVIOUR §15: refusals are counted per source through a counter map.
+            "refusal counting (counter maps, goto)",
+            f"add counter inet {t} k0\n"
+            f"add map inet {t} cm {{ type ipv4_addr : counter; }}\n"
+            f"add chain inet {t} dv\n"
+            f"add rule inet {t} dv drop\n"
+            f"add rule inet {t} fwd_ counter name ip saddr map @cm goto dv",
+        ),
     ]
 
 
@@ -218,7 +228,6 @@ def probe_lease_renewal(
 
 def _netlink_probes(t: str) -> list[tuple[str, NetlinkBatch]]:
     """The raw netlink batches, run after :func:`_probes` built the objects they name."""
-    v4 = ipaddress.IPv4Network
     return [
         (
             "netlink rules (set lookups, marks, conntrack original destination)",
@@ -233,6 +242,25 @@ def _netlink_probes(t: str) -> list[tuple[str, NetlinkBatch]]:
                 ),
             ),
         ),
+        (
+            "netlink refusal counting (counter map elements, goto verdicts)",
+            NetlinkBatch(
+                t,
+                (
+                    AddCounterRef("cm", ipaddress.IPv4Address("10.0.0.5"), "k0"),
+                    AddRule("c2", MatchRule("v4", "iv4", RuleAction.DROP, ct_original=True, drop_chain="dv")),
+                    AddRule("c2", VerdictRule(RuleAction.DROP, drop_chain="dv")),
+                ),
+            ),
+        ),
+        *_netlink_content_probes(t),
+    ]
+
+
+def _netlink_content_probes(t: str) -> list[tuple[str, NetlinkBatch]]:
+    """Audit rules and element changes, on the objects the earlier probes built."""
+    v4 = ipaddress.IPv4Network
+    return [
         (
             "netlink audit rules (counter objects, log, inverted lookups, ct state, mark tests)",
             NetlinkBatch(

@@ -25,6 +25,7 @@ from egressd.kernel.ops import (
     ALLOW_MARK,
     AddChain,
     AddCounter,
+    AddCounterRef,
     AddElements,
     AddIntervals,
     AddJump,
@@ -32,6 +33,7 @@ from egressd.kernel.ops import (
     AddSet,
     AddTimed,
     AddUid,
+    AddUidCounterRef,
     AddUidJump,
     AddUidPort,
     AuditRule,
@@ -110,9 +112,10 @@ NFT_SET_INTERVAL, NFT_SET_TIMEOUT = 0x4, 0x10
 NFT_DATATYPE_IPADDR, NFT_DATATYPE_IP6ADDR = 7, 8  # nftables' datatype ids: ipv4_addr, ipv6_addr
 NFTA_SET_ELEM_DATA = 2
 NFTA_VERDICT_CHAIN = 2
-NFT_JUMP = -3
+NFT_JUMP, NFT_GOTO = -3, -4
 NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_LIST_SET, NFTA_SET_ELEM_LIST_ELEMENTS = 1, 2, 3
 NFTA_SET_ELEM_KEY, NFTA_SET_ELEM_FLAGS, NFTA_SET_ELEM_TIMEOUT, NFTA_SET_ELEM_EXPIRATION = 1, 3, 4, 5
+NFTA_SET_ELEM_OBJREF = 9  # after NFTA_SET_ELEM_PAD (8)
 NFT_SET_ELEM_INTERVAL_END = 0x1
 NFTA_EXPR_NAME, NFTA_EXPR_DATA = 1, 2
 NFTA_DATA_VALUE, NFTA_DATA_VERDICT = 1, 2
@@ -189,8 +192,16 @@ def _expr(name: str, *attrs: bytes) -> bytes:
     return _nest(NFTA_LIST_ELEM, _str(NFTA_EXPR_NAME, name), _nest(NFTA_EXPR_DATA, *attrs))
 
 
-def _verdict(outcome: RuleAction) -> bytes:
-    verdict = _nest(NFTA_DATA_VERDICT, _attr(NFTA_VERDICT_CODE, struct.pack(">i", _VERDICT[outcome])))
+def _verdict(outcome: RuleAction, drop_chain: str = "") -> bytes:
+    if outcome is RuleAction.DROP and drop_chain:
+        # goto the chain that counts and refuses (BEHAVIOUR §15), as nft encodes "goto <chain>".
+        verdict = _nest(
+            NFTA_DATA_VERDICT,
+            _attr(NFTA_VERDICT_CODE, struct.pack(">i", NFT_GOTO)),
+            _str(NFTA_VERDICT_CHAIN, drop_chain),
+        )
+    else:
+        verdict = _nest(NFTA_DATA_VERDICT, _attr(NFTA_VERDICT_CODE, struct.pack(">i", _VERDICT[outcome])))
     return _expr("immediate", _u32(NFTA_IMMEDIATE_DREG, NFT_REG_VERDICT), _nest(NFTA_IMMEDIATE_DATA, verdict))
 
 
@@ -289,7 +300,7 @@ def rule_expressions(rule: Rule) -> bytes:
     if isinstance(rule, AuditRule):
         return _audit_expressions(rule)
     if not isinstance(rule, MatchRule):
-        return _verdict(rule.outcome)
+        return _verdict(rule.outcome, rule.drop_chain)
     lookup = _expr("lookup", _str(NFTA_LOOKUP_SET, rule.set_name), _u32(NFTA_LOOKUP_SREG, NFT_REG_1))
     if rule.ct_original:
         key = NFT_CT_DST_IP if rule.fam == "v4" else NFT_CT_DST_IP6
@@ -299,7 +310,7 @@ def rule_expressions(rule: Rule) -> bytes:
         parts = [ct, lookup]
     else:
         parts = _daddr_lookup(rule.fam, rule.set_name)
-    parts += _set_mark() if rule.outcome is RuleAction.MARK else [_verdict(rule.outcome)]
+    parts += _set_mark() if rule.outcome is RuleAction.MARK else [_verdict(rule.outcome, rule.drop_chain)]
     return b"".join(parts)
 
 
@@ -399,7 +410,7 @@ def encode_uid_op(table: str, op: UidOp) -> list[tuple[int, int, bytes]]:
     if isinstance(op, DeleteUid):
         key = _uid_key(op.uid, op.port)
         return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, _elements([key])))]
-    elem = _uid_key(op.uid, None if isinstance(op, AddUidPort) else op.port)
+    elem = _uid_key(op.uid, None if isinstance(op, AddUidPort | AddUidCounterRef) else op.port)
     name = op.name if isinstance(op, AddUid) else op.map
     if isinstance(op, AddUidJump):
         verdict = _nest(
@@ -411,6 +422,8 @@ def encode_uid_op(table: str, op: UidOp) -> list[tuple[int, int, bytes]]:
     elif isinstance(op, AddUidPort):
         # inet_service is network byte order, as ``th dport`` loads it.
         elem += _data_value(NFTA_SET_ELEM_DATA, struct.pack(">H", op.to_port))
+    elif isinstance(op, AddUidCounterRef):
+        elem += _str(NFTA_SET_ELEM_OBJREF, op.counter)
     return [(NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, name, _elements([elem])))]
 
 
@@ -418,7 +431,7 @@ def encode_op(table: str, op: Op, set_id: int = 0) -> list[tuple[int, int, bytes
     """(nf_tables message type, extra nlmsg flags, attributes) of each message of one
     operation: one message, except element lists too long for one attribute (a big policy's
     prefixes, a big DNS answer), which become several messages of the same batch."""
-    if isinstance(op, AddUidJump | AddUidPort | AddUid | DeleteUid):
+    if isinstance(op, AddUidJump | AddUidPort | AddUidCounterRef | AddUid | DeleteUid):
         return encode_uid_op(table, op)
     if isinstance(op, ElementOp):
         return _element_op_messages(table, op)
@@ -485,6 +498,10 @@ def _element_op_messages(table: str, op: ElementOp) -> list[tuple[int, int, byte
             _str(NFTA_VERDICT_CHAIN, op.chain),
         )
         elem = _key(op.key, fam) + _nest(NFTA_SET_ELEM_DATA, verdict)
+        return [(NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.map, _elements([elem])))]
+    if isinstance(op, AddCounterRef):
+        fam = "v4" if op.key.version == 4 else "v6"
+        elem = _key(op.key, fam) + _str(NFTA_SET_ELEM_OBJREF, op.counter)
         return [(NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.map, _elements([elem])))]
     if isinstance(op, FlushSet):
         return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, None))]  # no element list = flush

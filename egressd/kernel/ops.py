@@ -25,28 +25,41 @@ class RuleAction(enum.StrEnum):
     MARK = "mark"  # meta mark set ALLOW_MARK (then continue)
 
 
+def _verdict_text(outcome: RuleAction, drop_chain: str) -> str:
+    if outcome is RuleAction.MARK:
+        return f"meta mark set {ALLOW_MARK:#x}"
+    if outcome is RuleAction.DROP and drop_chain:
+        return f"goto {drop_chain}"
+    return outcome.value
+
+
 @dataclass(frozen=True, slots=True)
 class MatchRule:
-    """``[ct original] ip|ip6 daddr @set <outcome>`` — the only per-subject rule shape."""
+    """``[ct original] ip|ip6 daddr @set <outcome>`` — the only per-subject rule shape.
+
+    ``drop_chain``: a DROP hands the packet to that chain instead (``goto``), which counts it
+    and drops or rejects it (BEHAVIOUR §15); the packet is still refused, never accepted.
+    """
 
     fam: str  # "v4" | "v6"
     set_name: str
     outcome: RuleAction
     ct_original: bool = False
+    drop_chain: str = ""
 
     def render(self) -> str:
         l3 = "ip" if self.fam == "v4" else "ip6"
         prefix = "ct original " if self.ct_original else ""
-        tail = f"meta mark set {ALLOW_MARK:#x}" if self.outcome is RuleAction.MARK else self.outcome.value
-        return f"{prefix}{l3} daddr @{self.set_name} {tail}"
+        return f"{prefix}{l3} daddr @{self.set_name} {_verdict_text(self.outcome, self.drop_chain)}"
 
 
 @dataclass(frozen=True, slots=True)
 class VerdictRule:
     outcome: RuleAction  # DROP or ACCEPT
+    drop_chain: str = ""  # as in MatchRule
 
     def render(self) -> str:
-        return self.outcome.value
+        return _verdict_text(self.outcome, self.drop_chain)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +124,16 @@ class AddCounter:
 @dataclass(frozen=True, slots=True)
 class DeleteCounter:
     name: str
+
+
+@dataclass(frozen=True, slots=True)
+class AddCounterRef:
+    """``map[key] = "counter"`` in a counter map (``type ipv4_addr : counter``): the drop
+    counter a source address's refused packets are counted in (BEHAVIOUR §15)."""
+
+    map: str
+    key: IPAddress
+    counter: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +220,16 @@ class AddUidPort:
 
 
 @dataclass(frozen=True, slots=True)
+class AddUidCounterRef:
+    """``map[uid] = "counter"`` in a ``type uid : counter`` map: the drop counter a host-uid
+    subject's refused packets are counted in (BEHAVIOUR §15 x 17)."""
+
+    map: str
+    uid: int
+    counter: str
+
+
+@dataclass(frozen=True, slots=True)
 class AddUid:
     """Add ``uid`` (or ``uid . port``) to a ``type uid`` (``type uid . inet_service``) set."""
 
@@ -214,13 +247,14 @@ class DeleteUid:
     port: int | None = None
 
 
-UidOp = AddUidJump | AddUidPort | AddUid | DeleteUid
+UidOp = AddUidJump | AddUidPort | AddUidCounterRef | AddUid | DeleteUid
 
 Op = (
     AddSet
     | AddChain
     | AddCounter
     | DeleteCounter
+    | AddCounterRef
     | AddJump
     | AddElements
     | AddRule
@@ -235,7 +269,7 @@ Op = (
 )
 
 #: The operations on a set's or a map's contents; the others create or delete kernel objects.
-ElementOp = AddJump | AddElements | FlushSet | AddIntervals | AddTimed | DeleteElement
+ElementOp = AddJump | AddCounterRef | AddElements | FlushSet | AddIntervals | AddTimed | DeleteElement
 
 
 def _uid_key_text(uid: int, port: int | None) -> str:
@@ -247,6 +281,8 @@ def describe_uid_op(t: str, op: UidOp) -> str:
         return f"add element {t} {op.map} {{ {_uid_key_text(op.uid, op.port)} : jump {op.chain} }}"
     if isinstance(op, AddUidPort):
         return f"add element {t} {op.map} {{ {op.uid} : {op.to_port} }}"
+    if isinstance(op, AddUidCounterRef):
+        return f'add element {t} {op.map} {{ {op.uid} : "{op.counter}" }}'
     if isinstance(op, AddUid):
         return f"add element {t} {op.name} {{ {_uid_key_text(op.uid, op.port)} }}"
     return f"delete element {t} {op.name} {{ {_uid_key_text(op.uid, op.port)} }}"
@@ -273,7 +309,7 @@ class NetlinkBatch:
         t = f"inet {self.table}"
         out = [
             describe_uid_op(t, op)
-            if isinstance(op, AddUidJump | AddUidPort | AddUid | DeleteUid)
+            if isinstance(op, AddUidJump | AddUidPort | AddUidCounterRef | AddUid | DeleteUid)
             else _describe_elements(t, op)
             if isinstance(op, ElementOp)
             else _describe_object(t, op)
@@ -310,6 +346,8 @@ def _describe_object(t: str, op: Op) -> str:
 def _describe_elements(t: str, op: ElementOp) -> str:
     if isinstance(op, AddJump):
         return f"add element {t} {op.map} {{ {op.key} : jump {op.chain} }}"
+    if isinstance(op, AddCounterRef):
+        return f'add element {t} {op.map} {{ {op.key} : "{op.counter}" }}'
     if isinstance(op, AddElements):
         return f"add element {t} {op.name} {{ {', '.join(str(k) for k in op.keys)} }}"
     if isinstance(op, FlushSet):

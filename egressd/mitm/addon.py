@@ -1,14 +1,19 @@
-"""The egressd addon, loaded by the supervised ``mitmdump`` (``-s``): credential injection (§10).
+"""The egressd addon, loaded by the supervised ``mitmdump`` (``-s``): credential injection (§10)
+and selective interception (§16).
 
-Thin shell around :mod:`egressd.mitm.inject` (the decision) and :mod:`egressd.mitm.lookup`
-(the vault of the flow's client IP, and whether the connection's original destination was
-learned for the request host). Everything it decides is logged as one JSON line on stdout
+Thin shell around :mod:`egressd.mitm.inject` (the decision), :mod:`egressd.mitm.intercept`
+(which connections are opened at all) and :mod:`egressd.mitm.lookup` (the vault of the flow's
+client IP, and whether the connection's original destination was learned for the request
+host). Everything it decides is logged as one JSON line on stdout
 (names, binding, revision, host, method, header names; never values), which the daemon's
 supervisor re-emits through its own logger.
 
 Fail closed: a failed lookup refuses the request before anything reaches the upstream (503
 when the body is complete, killed when it is streamed or chunked); an unexpected error in a
-hook kills the flow instead of letting mitmproxy carry on with an undecided request.
+hook kills the flow instead of letting mitmproxy carry on with an undecided request. A
+connection is relayed unopened only on a positive answer (no vault, no binding for its SNI,
+an ignored host); when the connection-time lookup fails it is opened, so that the request
+path above refuses its requests.
 """
 
 from __future__ import annotations
@@ -16,12 +21,17 @@ from __future__ import annotations
 import gc
 import ipaddress
 import json
+import re
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mitmproxy import ctx, http, tls
 from mitmproxy.addonmanager import Loader
+from mitmproxy.addons.next_layer import stack_match
+from mitmproxy.proxy import layer, layers
+from mitmproxy.proxy.layers import modes
 
 from egressd.mitm.active import READY_EVENT
 from egressd.mitm.inject import (
@@ -35,7 +45,17 @@ from egressd.mitm.inject import (
     redact_response_headers,
     substitute_body,
 )
-from egressd.mitm.lookup import ActiveClient, LookupFailed
+from egressd.mitm.intercept import (
+    CONNECTION_EVENT,
+    REASON_LOOKUP_FAILED,
+    Decision,
+    Verdict,
+    http_by_vault,
+    http_early,
+    tls_by_vault,
+    tls_early,
+)
+from egressd.mitm.lookup import ActiveClient, LookupFailed, View
 from egressd.subject.model import unmap_ip
 from egressd.vault.store import VaultSnapshot
 
@@ -57,16 +77,22 @@ def _ip_of(addr: tuple[str, int] | tuple[str, int, int, int] | None) -> str | No
         return None
 
 
+def _address(addr: tuple[str, int] | tuple[str, int, int, int] | None) -> tuple[str, int] | None:
+    ip = _ip_of(addr)
+    return None if ip is None or addr is None else (ip, int(addr[1]))
+
+
 def _peer_ip(flow: http.HTTPFlow) -> str | None:
     return _ip_of(flow.client_conn.peername)
 
 
-def _listen_port(flow: http.HTTPFlow, shared: int | None) -> int | None:
-    """The per-subject port the flow came in on (host-uid subjects, BEHAVIOUR 17), or None on
-    the shared listener (port ``shared``): there the peer address names the subject, here the
-    port does. Read from the listener's mode (``transparent@<port>``): in transparent mode
-    mitmproxy overwrites the client's ``sockname`` with the original destination."""
-    mode = getattr(flow.client_conn, "proxy_mode", None)
+def _listen_port(client: object, shared: int | None) -> int | None:
+    """The per-subject port the client connection came in on (host-uid subjects, BEHAVIOUR
+    17), or None on the shared listener (port ``shared``): there the peer address names the
+    subject, here the port does. Read from the listener's mode (``transparent@<port>``): in
+    transparent mode mitmproxy overwrites the client's ``sockname`` with the original
+    destination."""
+    mode = getattr(client, "proxy_mode", None)
     port = getattr(mode, "custom_listen_port", None)
     if not isinstance(port, int) or port == shared:
         return None
@@ -145,6 +171,7 @@ class EgressInjector:
     def __init__(self) -> None:
         self.client: ActiveClient | None = None
         self.shared_port: int | None = None  # the shared listener's port (``listen_port``)
+        self.ignore: tuple[re.Pattern[str], ...] = ()
 
     def load(self, loader: Loader) -> None:
         loader.add_option("egressd_active_socket", str, "", "egressd's private _active unix socket")
@@ -157,6 +184,10 @@ class EgressInjector:
             self.client = ActiveClient(
                 ctx.options.egressd_active_socket, ctx.options.egressd_lookup_timeout_ms / 1000
             )
+        if "ignore_hosts" in updated:
+            # mitmproxy's own option (its next_layer tries it on address:port, Host, SNI:port);
+            # kept here for the bare SNI (intercept.ignored).
+            self.ignore = tuple(re.compile(p, re.IGNORECASE) for p in ctx.options.ignore_hosts)
 
     def running(self) -> None:
         # Start-up objects live forever: keep them out of full collections, which otherwise
@@ -170,6 +201,111 @@ class EgressInjector:
     async def done(self) -> None:
         if self.client is not None:
             await self.client.close()
+
+    # ---- connection side: open it or relay it (BEHAVIOUR §16) -------------------------------
+
+    async def tls_clienthello(self, data: tls.ClientHelloData) -> None:
+        try:
+            await self._tls_clienthello(data)
+        except Exception as exc:
+            # Left opened, not relayed: every request on it is decided (and refused when the
+            # vault cannot be read) by the request hooks below.
+            emit("mitm.error", hook="tls_clienthello", error=type(exc).__name__)
+
+    async def _tls_clienthello(self, data: tls.ClientHelloData) -> None:
+        context = data.context
+        client_ip = _ip_of(context.client.peername)
+        dest = _address(context.server.address)
+        sni = data.client_hello.sni
+        verdict = tls_early(sni, dest[1] if dest else None, self.ignore)
+        started = time.perf_counter()
+        if verdict is None:
+            verdict = await self._vault_verdict(
+                context.client, client_ip, lambda snap: tls_by_vault(snap, sni), "decrypt"
+            )
+        self._connection("tls", verdict, started, client=client_ip, sni=(sni or "")[:255] or None, dest=dest)
+        if not verdict.opens:
+            # mitmproxy relays the ClientHello and everything after it to the original
+            # destination, the address the kernel's input chain judged (transparent mode).
+            data.ignore_connection = True
+
+    async def next_layer(self, nextlayer: layer.NextLayer) -> None:
+        """Plain HTTP straight on the redirected connection (not inside TLS): relayed as TCP
+        for a subject without an http binding. mitmproxy's NextLayer chose the layer already."""
+        try:
+            await self._next_layer(nextlayer)
+        except Exception as exc:
+            # The HTTP layer stays: its requests are decided by the request hooks.
+            emit("mitm.error", hook="next_layer", error=type(exc).__name__)
+
+    async def _next_layer(self, nextlayer: layer.NextLayer) -> None:
+        context = nextlayer.context
+        chosen = nextlayer.layer
+        # The layer NextLayer built for the redirected connection itself has just joined the
+        # stack behind the mode layer; HTTP inside decrypted TLS sits deeper and is not ours.
+        if (
+            not isinstance(chosen, layers.HttpLayer)
+            or not stack_match(context, [modes.TransparentProxy, layers.HttpLayer])
+            or context.layers[-1] is not chosen
+        ):
+            return
+        client_ip = _ip_of(context.client.peername)
+        dest = _address(context.server.address)
+        started = time.perf_counter()
+        verdict = http_early(dest[1] if dest else None)
+        if verdict is None:
+            verdict = await self._vault_verdict(context.client, client_ip, http_by_vault, "parse")
+        self._connection("http", verdict, started, client=client_ip, sni=None, dest=dest)
+        if not verdict.opens:
+            context.layers.remove(chosen)  # the relay replaces it (a layer joins on creation)
+            nextlayer.layer = layers.TCPLayer(context, ignore=True)
+
+    async def _vault_verdict(
+        self,
+        conn: object,
+        client_ip: str | None,
+        decide: Callable[[VaultSnapshot | None], Verdict],
+        opened: Decision,
+    ) -> Verdict:
+        """Decide with the client's vault; a failed lookup opens the connection (fail closed:
+        its requests then meet the same failure and are refused before the upstream)."""
+        try:
+            view = await self._lookup(conn, client_ip, None, None)
+        except LookupFailed:
+            return Verdict(opened, REASON_LOOKUP_FAILED)
+        return decide(view.snapshot)
+
+    async def _lookup(self, conn: object, client_ip: str | None, host: str | None, dst: str | None) -> View:
+        """The vault of the connection's client: by its listener port on a host-uid subject's
+        port (BEHAVIOUR 17), else by its peer address."""
+        assert self.client is not None
+        listen = _listen_port(conn, self.shared_port)
+        if listen is None:
+            return await self.client.lookup(client_ip, host, dst)
+        return await self.client.lookup(client_ip, host, dst, listen_port=listen)
+
+    @staticmethod
+    def _connection(
+        protocol: str,
+        verdict: Verdict,
+        started: float,
+        *,
+        client: str | None,
+        sni: str | None,
+        dest: tuple[str, int] | None,
+    ) -> None:
+        emit(
+            CONNECTION_EVENT,
+            protocol=protocol,
+            decision=verdict.decision,
+            reason=verdict.reason,
+            binding=verdict.binding,
+            client=client,
+            sni=sni,
+            dst=dest[0] if dest else None,
+            port=dest[1] if dest else None,
+            lookup_ms=round((time.perf_counter() - started) * 1000, 3),
+        )
 
     # ---- request side ----------------------------------------------------------------------
 
@@ -195,11 +331,7 @@ class EgressInjector:
         started = time.perf_counter()
         assert self.client is not None
         try:
-            listen = _listen_port(flow, self.shared_port)
-            if listen is None:
-                view = await self.client.lookup(client_ip, host, dst)
-            else:
-                view = await self.client.lookup(client_ip, host, dst, listen_port=listen)
+            view = await self._lookup(flow.client_conn, client_ip, host, dst)
         except LookupFailed as exc:
             self._refuse(flow, LOOKUP_FAILED, client=client_ip, why=str(exc))
             return

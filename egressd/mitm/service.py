@@ -1,5 +1,6 @@
-"""Start-up of the MITM side of the daemon, shared by both profiles: the CA, the private
-``_active`` unix socket the child reads vaults from, and the supervised child itself."""
+"""Start-up of the MITM side of the daemon, shared by both profiles: the CA (and its export,
+``EGRESSD_MITM_CA_EXPORT_DIR``), the private ``_active`` unix socket the child reads vaults
+from, and the supervised child itself."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from egressd.config import Config
 from egressd.metrics import EgressMetrics
 from egressd.mitm.active import Lookup, PortVaults, Verify, active_app
 from egressd.mitm.ca import CaError, CaInfo, ensure_ca
+from egressd.mitm.export import ExportError, check_separate, export_ca
 from egressd.mitm.supervisor import MitmOptions, MitmSupervisor, mitmdump_argv
 
 log = structlog.get_logger("egressd.mitm")
@@ -44,17 +46,66 @@ class MitmStartupError(Exception):
 
 
 @dataclass
-class RunningMitm:
+class CaKeeper:
+    """The CA in use, and its exported copy. The child reads the CA from the confdir at every
+    start, so the CA can only change then: :meth:`refresh` runs before each restart."""
+
+    confdir: Path
+    export_dir: Path | None
     ca: CaInfo
+
+    def export(self) -> None:
+        if self.export_dir is None:
+            return
+        written = export_ca(self.export_dir, self.ca.pem)
+        if written:
+            log.info(
+                "mitm.ca_exported", dir=str(self.export_dir), files=written, fingerprint=self.ca.fingerprint
+            )
+
+    def refresh(self) -> None:
+        """Re-check the confdir's CA (a replaced pinned CA, a deleted one regenerated) and keep
+        the export in step. Raises CaError/ExportError: the child is then not started."""
+        ca = ensure_ca(self.confdir)
+        if ca.fingerprint != self.ca.fingerprint:
+            log.warning("mitm.ca_changed", old=self.ca.fingerprint, new=ca.fingerprint, pinned=ca.pinned)
+            self.ca = ca
+        self.export()
+
+
+@dataclass
+class RunningMitm:
+    keeper: CaKeeper
     supervisor: MitmSupervisor
     active: web.AppRunner
     socket: Path
+
+    @property
+    def ca(self) -> CaInfo:
+        return self.keeper.ca
 
     async def close(self) -> None:
         await self.supervisor.stop()
         await self.active.cleanup()
         with contextlib.suppress(OSError):
             self.socket.unlink()
+
+
+def _ca_keeper(cfg: Config) -> CaKeeper:
+    """The CA pinned or generated in the confdir, exported when ``EGRESSD_MITM_CA_EXPORT_DIR``
+    is set (MitmStartupError, one line, when either is unusable)."""
+    try:
+        ca = ensure_ca(cfg.mitm_confdir)
+    except CaError as exc:
+        raise MitmStartupError(f"mitm CA: {exc}") from None
+    keeper = CaKeeper(cfg.mitm_confdir, cfg.mitm_ca_export_dir, ca)
+    try:
+        if keeper.export_dir is not None:
+            check_separate(keeper.export_dir, cfg.mitm_confdir)
+        keeper.export()
+    except ExportError as exc:
+        raise MitmStartupError(f"EGRESSD_MITM_CA_EXPORT_DIR: {exc}") from None
+    return keeper
 
 
 async def start_mitm(
@@ -72,10 +123,8 @@ async def start_mitm(
     answer the child's vault lookups (:mod:`egressd.mitm.active`); ``gid`` is the child's
     group id (the sidecar exempts the MITM's own traffic by it).
     """
-    try:
-        ca = ensure_ca(cfg.mitm_confdir)
-    except CaError as exc:
-        raise MitmStartupError(f"mitm CA: {exc}") from None
+    keeper = _ca_keeper(cfg)
+    ca = keeper.ca
     trust: Path | None = None
     if not cfg.mitm_ssl_insecure:
         trust = cfg.mitm_upstream_trust_dir
@@ -111,7 +160,8 @@ async def start_mitm(
         raise MitmStartupError(f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock}: {exc.strerror}") from None
     opts = _options(cfg, sock, trust, by_port.ports if by_port else ())
     log.info("mitm.ca", fingerprint=ca.fingerprint, pinned=ca.pinned, confdir=str(ca.confdir))
-    return RunningMitm(ca, MitmSupervisor(mitmdump_argv(opts), gid=gid, metrics=metrics), active, sock)
+    supervisor = MitmSupervisor(mitmdump_argv(opts), gid=gid, metrics=metrics, before_restart=keeper.refresh)
+    return RunningMitm(keeper, supervisor, active, sock)
 
 
 def _options(cfg: Config, sock: Path, trust: Path | None, subject_ports: tuple[int, ...]) -> MitmOptions:
@@ -122,4 +172,5 @@ def _options(cfg: Config, sock: Path, trust: Path | None, subject_ports: tuple[i
         upstream_trust_dir=trust,
         ssl_insecure=cfg.mitm_ssl_insecure,
         subject_ports=subject_ports,
+        ignore_hosts=cfg.mitm_ignore_hosts,
     )

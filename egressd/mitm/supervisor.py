@@ -38,6 +38,7 @@ import structlog
 
 from egressd.metrics import EgressMetrics
 from egressd.mitm.active import CACHE_EVENT, READY_EVENT
+from egressd.mitm.intercept import CONNECTION_EVENT
 from egressd.mitm.lookup import CACHE_MAX_ENTRIES, FORGET_BATCH, forget_message
 
 log = structlog.get_logger("egressd.mitm")
@@ -60,6 +61,7 @@ class MitmOptions:
     # Per-subject listeners (host-uid subjects, BEHAVIOUR 17), all bound from the start: a
     # subject's port then never waits for the child, and the kernel lets only its owner in.
     subject_ports: tuple[int, ...] = ()
+    ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (BEHAVIOUR §16)
 
 
 def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
@@ -80,6 +82,8 @@ def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
         settings.append("ssl_insecure=true")
     else:
         settings.append(f"ssl_verify_upstream_trusted_confdir={opts.upstream_trust_dir}")
+    # mitmproxy's own pass-through option, one --set per pattern (a sequence option appends).
+    settings += [f"ignore_hosts={pattern}" for pattern in opts.ignore_hosts]
     settings += [
         f"egressd_active_socket={opts.active_socket}",
         f"egressd_lookup_timeout_ms={round(opts.lookup_timeout * 1000)}",
@@ -137,14 +141,19 @@ class MitmSupervisor:
         backoff: tuple[float, float] = (0.2, 5.0),
         gid: int | None = None,
         metrics: EgressMetrics | None = None,
+        before_restart: Callable[[], None] | None = None,
     ) -> None:
         """``gid``: run the child with this group id (and no supplementary groups). The sidecar
         profile exempts the MITM's own upstream connections from its 80/443 redirect by
-        ``meta skgid``; the user id is kept so the interpreter and confdir stay readable."""
+        ``meta skgid``; the user id is kept so the interpreter and confdir stay readable.
+        ``before_restart`` runs before every start but the first (the CA is re-checked and
+        re-exported there); when it raises, no child is started and it is tried again after
+        the backoff: nothing listens, so intercepted connections are refused (closed)."""
         self.argv = list(argv)
         self.backoff = backoff
         self.gid = gid
         self.metrics = metrics
+        self.before_restart = before_restart
         if metrics is not None:
             metrics.mitm_ready.collect_from(lambda: {(): 1.0 if self.ready else 0.0})
             metrics.mitm_cache_entries.collect_from(lambda: {(): float(self.cache_entries)})
@@ -214,6 +223,15 @@ class MitmSupervisor:
     async def run(self) -> None:
         delay = self.backoff[0]
         while not self._stopping:
+            if self.starts and self.before_restart is not None:
+                try:
+                    self.before_restart()
+                except Exception as exc:
+                    # One line, the reason only (CaError/ExportError never carry key material).
+                    log.error("mitm.restart_refused", error=str(exc)[:200])
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.backoff[1])
+                    continue
             self.starts += 1
             if self.metrics is not None:
                 self.metrics.mitm_starts.inc()
@@ -280,9 +298,7 @@ class MitmSupervisor:
                 continue
             event.pop("pid", None)  # ours; a clash would make the log call raise
             name = str(event.pop("event"))
-            outcome = _OUTCOMES.get(name)
-            if outcome is not None and self.metrics is not None:
-                self.metrics.mitm_requests.inc(outcome)
+            self._count(name, event)
             if name == CACHE_EVENT:
                 # Not logged: it changes with traffic. Only the size is kept (a gauge).
                 entries = event.get("entries")
@@ -299,6 +315,20 @@ class MitmSupervisor:
             else:
                 log.info(name, pid=proc.pid, **event)
 
+    def _count(self, name: str, event: dict[str, object]) -> None:
+        """The metrics a decision event feeds (requests by outcome, connections by decision)."""
+        if self.metrics is None:
+            return
+        outcome = _OUTCOMES.get(name)
+        if outcome is not None:
+            self.metrics.mitm_requests.inc(outcome)
+        elif name == CONNECTION_EVENT:
+            # Only the known label values: the child parses untrusted traffic, and what it
+            # writes must not be able to grow the metric without bound.
+            labels = (str(event.get("protocol")), str(event.get("decision")))
+            if labels in _CONNECTION_LABELS:
+                self.metrics.mitm_connections.inc(*labels)
+
     async def stop(self) -> None:
         self._stopping = True
         proc = self._proc
@@ -311,6 +341,10 @@ class MitmSupervisor:
             proc.kill()
             await proc.wait()
 
+
+_CONNECTION_LABELS: Final = frozenset(
+    {("tls", "decrypt"), ("tls", "passthrough"), ("http", "parse"), ("http", "passthrough")}
+)
 
 _OUTCOMES: Final = {
     "mitm.injected": "injected",

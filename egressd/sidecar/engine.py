@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -67,6 +67,7 @@ class SidecarEngine:
         writer: Callable[[Path, str], None] = write_atomic,
         clock: Callable[[], float] = time.monotonic,
         cut_flows: Callable[[Callable[[IPAddress], bool]], Coroutine[Any, Any, int]] | None = None,
+        carry_dropped: Callable[[], Awaitable[int]] | None = None,
     ) -> None:
         self.table = table
         self.kernel = kernel
@@ -92,6 +93,12 @@ class SidecarEngine:
         self._cut_flows = cut_flows
         self._background: set[asyncio.Task[int]] = set()
         self.rules_installed = 0  # for egress_nftables_rules_count
+        # The refusal count of the table a rebuild replaces (BEHAVIOUR §15), read under the
+        # kernel lock just before the rebuild; None: start from 0 (unit tests).
+        self._carry_dropped = carry_dropped
+
+    async def _dropped(self) -> int:
+        return await self._carry_dropped() if self._carry_dropped is not None else 0
 
     def effective_for(self, policy: NetworkPolicy) -> NetworkPolicy:
         """``policy`` with the current always-rules merged in (what DNS and nft would enforce)."""
@@ -159,7 +166,7 @@ class SidecarEngine:
     async def install(self) -> None:
         """Start-up: build the table for the current policy (NftError is fatal to the caller)."""
         async with self._kernel_lock:
-            script = ruleset(self.table, self.effective)
+            script = ruleset(self.table, self.effective, dropped=await self._dropped())
             await self.kernel.run_script(script, op="static_apply")
             self.rules_installed = _rule_count(script)
             self.enforcement_ready = True
@@ -209,7 +216,7 @@ class SidecarEngine:
                     return ChangeResult(500, f"cannot persist policy: {exc.strerror or type(exc).__name__}")
             narrowed = self._narrowed(effective)
             try:
-                script = ruleset(self.table, effective, narrowed.kept)
+                script = ruleset(self.table, effective, narrowed.kept, await self._dropped())
                 await self.kernel.run_script(script, op="static_apply")
             except NftError as exc:
                 if persist:

@@ -119,8 +119,10 @@ class SidecarHTTP:
         vault_changed: Callable[[], None] | None = None,
         vault_limits: VaultLimits = DEFAULT_LIMITS,
         vault_transport: VaultTransport | None = None,
+        before_scrape: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.engine = engine
+        self._before_scrape = before_scrape  # e.g. the kernel's refusal counter (BEHAVIOUR §15)
         self.vault_limits = vault_limits
         self.vault_transport = vault_transport or VaultTransport()
         self._mitm_ca = mitm_ca
@@ -200,6 +202,8 @@ class SidecarHTTP:
     async def metrics_handler(self, request: web.Request) -> web.Response:
         if request.method not in ("GET", "HEAD"):
             return text(405, "method not allowed", headers={"Allow": "GET"})
+        if self._before_scrape is not None:
+            await self._before_scrape()
         return web.Response(
             text=self.metrics.render(),
             content_type="text/plain",

@@ -31,6 +31,7 @@ from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.flows import cut_disallowed
 from egressd.sidecar.http import SidecarHTTP, VaultPrerequisites
 from egressd.sidecar.persist import Initial, InitialPolicyError, choose_initial, read_text
+from egressd.sidecar.visibility import SidecarDrops, sidecar_events
 from egressd.sidecarnft.ruleset import MITM_GID, Mode, SidecarTable
 from egressd.sidecarnft.selftest import SelfTestError, check_net_admin, check_setgid_for_mitm, run_selftest
 from egressd.subject.model import IPAddress
@@ -61,6 +62,7 @@ def table_for(
         doh_blocklist=cfg.doh_blocklist,
         resolvers=tuple(sorted({ipaddress.ip_address(u.host) for u in upstreams}, key=str)),
         max_leases=cfg.max_leases,
+        deny_reject=cfg.deny_reject,
     )
 
 
@@ -77,8 +79,15 @@ async def run_sidecar(
     metrics = EgressMetrics()
     metrics.constant_labels = cfg.metric_labels
     tx = KernelTransactions(metrics)
+    drops = SidecarDrops(metrics, lambda: tx.list_counters(cfg.nft_table))
     engine = SidecarEngine(
-        table, tx, initial.policy, always=always, persist_path=cfg.policy_file, cut_flows=cut_disallowed
+        table,
+        tx,
+        initial.policy,
+        always=always,
+        persist_path=cfg.policy_file,
+        cut_flows=cut_disallowed,
+        carry_dropped=drops.carried,
     )
     # Only a requested stop deletes the table (§13). A start-up failure or a crash leaves it
     # enforcing: the sandbox stays closed until a sidecar serves again.
@@ -111,7 +120,7 @@ async def run_sidecar(
         mitm = await _start_mitm(cfg, engine, metrics, vault_lookup, running)
         if mitm is not None:
             mitm_ready = lambda: mitm.supervisor.ready  # noqa: E731
-        http = _http(cfg, engine, metrics, mitm, mitm_ready)
+        http = _http(cfg, engine, metrics, mitm, mitm_ready, drops)
         graceful = await _serve(cfg, http, running, stop)
     finally:
         await running.close(partial(_delete_table, cfg, engine) if graceful else None)
@@ -158,6 +167,11 @@ async def _start_dns(
     running: Running,
 ) -> None:
     forwarder = running.forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
+    events = sidecar_events(cfg, metrics, forwarder)
+    if events.webhook is not None:
+        # The deny webhook's worker; events queued after its close are dropped (BEHAVIOUR §15).
+        events.webhook.start()
+        running.stoppers.append(events.webhook.close)
     dns = running.dns = DnsProxy(
         engine.asker,
         forwarder,
@@ -165,6 +179,7 @@ async def _start_dns(
         on_resolved=engine.learn,  # DNS-to-kernel: answers join the dyn sets before the reply
         lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max),
         budget=query_budget(cfg.dns_qps_per_subject),
+        events=events,
     )
     # The output-hook redirect always lands on loopback, and a UDP socket bound to the
     # wildcard would answer from the app's own address instead of 127.0.0.1, which the
@@ -209,6 +224,7 @@ def _http(
     metrics: EgressMetrics,
     mitm: RunningMitm | None,
     mitm_ready: Callable[[], bool],
+    drops: SidecarDrops,
 ) -> SidecarHTTP:
     prerequisites = VaultPrerequisites(
         token_set=cfg.token is not None,
@@ -234,6 +250,7 @@ def _http(
         vault_changed=(lambda: mitm.supervisor.forget(None)) if mitm is not None else None,
         vault_limits=cfg.vault_limits,
         vault_transport=VaultTransport(cfg.vault_require_tls, cfg.vault_trusted_proxies),
+        before_scrape=drops.refresh,  # the kernel's refusal counter (BEHAVIOUR §15)
     )
 
 

@@ -17,7 +17,13 @@ Shape::
     chain    [M] mitm_input  filter hook input: MITM port only when redirected
     chain    egress        filter hook output, policy accept iff defaultAction allow
              (mode dns+nft only): established, mark 0x1, lo, redirected DNS, IPv6 ND, 853, DoH,
-             deny, dyn, allow, counter drop
+             deny, dyn, allow, goto denied
+    chain    denied        every refusal (BEHAVIOUR §15): counter "dropped", then drop, or with
+             EGRESSD_DENY_REJECT a TCP reset / ICMP admin-prohibited
+
+The counter lives in the table, so a rebuild would zero it: the engine reads it first and the
+new table declares it with that value (packets refused during the rebuild's own few
+milliseconds can be missed; the count never goes backwards).
 
 Nothing here touches the kernel; the shell (:mod:`egressd.sidecar.engine`) runs the text.
 """
@@ -47,6 +53,10 @@ ND_TYPES: Final = "nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert"
 #: filter chain still applies the policy to its packets.
 MITM_GID: Final = 18081
 MITM_INPUT_CHAIN: Final = "mitm_input"
+#: Every refusal goes here: counted in DROPPED_COUNTER, then dropped or rejected (§15).
+DENIED_CHAIN: Final = "denied"
+DROPPED_COUNTER: Final = "dropped"
+REFUSE: Final = f"goto {DENIED_CHAIN}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +74,8 @@ class SidecarTable:
     mitm_port: int | None = None
     #: Size of each dyn set: the lease cap (BEHAVIOUR 14.4); 0 = unbounded.
     max_leases: int = 4096
+    #: EGRESSD_DENY_REJECT (BEHAVIOUR §15): refuse with a TCP reset / ICMP admin-prohibited.
+    deny_reject: bool = False
     #: OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS: intercepted like 80 and 443 (MITM on).
     mitm_extra_ports: tuple[int, ...] = ()
     #: OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT: the app's DNS to these is not redirected to the
@@ -134,16 +146,24 @@ def lease_element(ip: IPAddress, seconds: float) -> str:
     return f"{ip} timeout {s}s expires {s}s"
 
 
-def ruleset(cfg: SidecarTable, policy: NetworkPolicy, leases: Sequence[tuple[IPAddress, float]] = ()) -> str:
+def ruleset(
+    cfg: SidecarTable,
+    policy: NetworkPolicy,
+    leases: Sequence[tuple[IPAddress, float]] = (),
+    dropped: int = 0,
+) -> str:
     """The whole table for ``policy`` (the effective one: user + always-rules) as one script.
 
     ``leases`` are DNS-learned addresses with their remaining lifetime in seconds: a rebuild
     keeps them, so a policy change does not break names the app resolved a moment ago.
+    ``dropped``: the refusal count of the table being replaced, carried over.
     """
     t = cfg.table
     doh = _split(cfg.doh_blocklist)
     lines = [f"add table inet {t}", f"delete table inet {t}", f"add table inet {t}"]
     lines += _set_declarations(cfg, policy, leases, doh)
+    if cfg.mode == "dns+nft" or cfg.mitm_port is not None:  # something refuses packets
+        lines += _denied_chain(cfg, dropped)
     lines += _redirect_chain(cfg)
     if cfg.mitm_port is not None:
         lines += _mitm_input_chain(cfg, cfg.mitm_port)
@@ -180,6 +200,22 @@ def _set_declarations(
         for fam in ("v4", "v6"):
             if doh[fam]:
                 lines.append(_interval_set(t, f"doh_block_{fam}", fam, doh[fam]))
+    return lines
+
+
+def _denied_chain(cfg: SidecarTable, dropped: int) -> list[str]:
+    t, c = cfg.table, DENIED_CHAIN
+    lines = [
+        f"add counter inet {t} {DROPPED_COUNTER} {{ packets {max(0, dropped)} bytes 0 }}",
+        f"add chain inet {t} {c}",
+        _rule(t, c, f'counter name "{DROPPED_COUNTER}"'),
+    ]
+    if cfg.deny_reject:
+        # A locally generated packet: the reset or the ICMP error reaches the app's own
+        # socket at once (connect() fails with ECONNREFUSED / EHOSTUNREACH, no timeout).
+        lines.append(_rule(t, c, "meta l4proto tcp reject with tcp reset"))
+        lines.append(_rule(t, c, "reject with icmpx admin-prohibited"))
+    lines.append(_rule(t, c, "drop"))
     return lines
 
 
@@ -221,7 +257,7 @@ def _mitm_input_chain(cfg: SidecarTable, port: int) -> list[str]:
     return [
         f"add chain inet {t} {c} {{ type filter hook input priority 0; policy accept; }}",
         _rule(t, c, f"tcp dport {port} ct status dnat accept"),
-        _rule(t, c, f"tcp dport {port} drop"),
+        _rule(t, c, f"tcp dport {port} {REFUSE}"),
     ]
 
 
@@ -250,24 +286,24 @@ def _filter_chain(cfg: SidecarTable, policy: NetworkPolicy, doh: dict[str, list[
     # IPv6 needs neighbour discovery to reach even the gateway (IPv4's ARP never enters an
     # inet chain). Link-local only: a hop limit of 255 cannot have been routed.
     rule(f"icmpv6 type {{ {ND_TYPES} }} ip6 hoplimit 255 accept")
-    rule("tcp dport 853 drop")
-    rule("udp dport 853 drop")
+    rule(f"tcp dport 853 {REFUSE}")
+    rule(f"udp dport 853 {REFUSE}")
     if cfg.block_doh_443:
         if not cfg.doh_blocklist:
-            rule("tcp dport 443 drop")
+            rule(f"tcp dport 443 {REFUSE}")
         else:
             for fam in ("v4", "v6"):
                 if doh[fam]:
-                    rule(f"{_l3(fam)} daddr @doh_block_{fam} tcp dport 443 drop")
+                    rule(f"{_l3(fam)} daddr @doh_block_{fam} tcp dport 443 {REFUSE}")
     lines += [_rule(t, f, body) for body in _address_verdicts(cfg)]
     if not default_allow:
-        rule("counter drop")
+        rule(REFUSE)
     return lines
 
 
 def _address_verdicts(cfg: SidecarTable) -> list[str]:
     """Deny beats everything; then exempt nameservers (port 53), leases, the allow sets."""
-    out = [f"{_l3(fam)} daddr @deny_{fam} drop" for fam in ("v4", "v6")]
+    out = [f"{_l3(fam)} daddr @deny_{fam} {REFUSE}" for fam in ("v4", "v6")]
     for fam in ("v4", "v6"):
         exempt = _exempt(cfg, fam)
         if exempt is not None:

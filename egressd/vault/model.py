@@ -73,6 +73,7 @@ __all__ = [
     "check_ignore_hosts",
     "check_references",
     "check_size",
+    "compile_ignore_hosts",
     "echo",
     "host_covered",
     "parse_auth",
@@ -130,7 +131,11 @@ VaultStatus = Literal[400, 404, 409, 412]
 class VaultLimits:
     """How big one vault may be (BEHAVIOUR 14.7). Every count is checked on the raw JSON array
     before its items are parsed, so an oversized body costs no more than reading its length.
-    ``env`` names what the operator can change (the per-binding caps are fixed)."""
+    ``env`` names what the operator can change (the per-binding caps are fixed).
+
+    ``ignore_hosts`` are the MITM's pass-through patterns (``OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS``):
+    a binding host matching one is refused like an oversized vault, since it could never be
+    injected (§6). They travel with the caps because every vault write is held to both."""
 
     credentials: int = 256  # EGRESSD_VAULT_MAX_CREDENTIALS
     bindings: int = 256  # EGRESSD_VAULT_MAX_BINDINGS
@@ -140,6 +145,13 @@ class VaultLimits:
     # and paths, and no path may cover the whole host. Carried here because every write path
     # (proxy route, pending replay, sealed vault, sidecar) already threads the limits through.
     require_scoped_match: bool = False
+    ignore_hosts: tuple[re.Pattern[str], ...] = ()
+
+
+def compile_ignore_hosts(patterns: Iterable[str]) -> tuple[re.Pattern[str], ...]:
+    """mitmproxy's ``ignore_hosts`` semantics: searched (not anchored), case-insensitively.
+    Raises :class:`re.error` for a pattern that does not compile."""
+    return tuple(re.compile(p, re.IGNORECASE) for p in patterns)
 
 
 DEFAULT_LIMITS: Final = VaultLimits()
@@ -1246,4 +1258,4 @@ def validate_candidate(
     check_references(credentials, ordered)
     check_ambiguity(ordered)
     check_coverage(ordered, policy)
-    check_ignore_hosts(ordered, ignore_hosts)
+    check_ignore_hosts(ordered, (*ignore_hosts, *limits.ignore_hosts))

@@ -7,15 +7,19 @@ Run as root from the repository root::
 
 Namespaces ``egbm<pid>-{pod,up,sb1,sb2}`` (common.pod_topology). One egressd with
 ``OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT=1`` in the pod; the kernel redirects only TCP 80/443
-of MITM subjects to the MITM child, so the three paths share the kernel dispatch and the
-upstream process (scripts/fleet_upstream.py, HTTPS on 443 and 8443) and differ only by the MITM:
+of MITM subjects to the MITM child, so the paths share the kernel dispatch and the upstream
+process (scripts/fleet_upstream.py, HTTPS on 443 and 8443) and differ only by the MITM:
 
-* ``direct`` (baseline)  sb1 -> api.example.test:8443, not intercepted;
-* ``mitm+inject``        sb1 -> :443 through the MITM; sb1's vault binding matches every request;
-* ``mitm pass``          sb2 (bound, no vault) -> :443 through the MITM: pass-through.
+* ``direct`` (baseline)    sb1 -> api.example.test:8443, not intercepted;
+* ``mitm+inject``          sb1 -> :443 through the MITM; sb1's vault binding matches every request;
+* ``mitm decrypt, no match`` sb1 -> :443, a path outside the binding: decrypted (the SNI is a
+                           binding host, BEHAVIOUR §16), nothing injected;
+* ``mitm passthrough``     sb2 (bound, no vault) -> :443 through the MITM: not decrypted, the
+                           connection is relayed as TCP (§16); the client trusts only the
+                           upstream's CA, so a decrypted connection would fail.
 
 Phases: new TLS connection per request, sequential and 16 in flight; the same over keep-alive
-connections. The paths alternate in batches (direct, inject, pass, pass, inject, direct, ...).
+connections. The paths alternate in batches (forwards, then backwards, ...).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import common as c
 API, API_IP, DNS_IP = "api.example.test", "10.204.0.6", "10.204.0.2"
 DIRECT_PORT, MITM_PORT, HTTP_PORT, TABLE = 8443, 18181, 18190, "egbm-mitm"
 SECRET, PLACEHOLDER, PATH = "sk-live-BENCH-0c7e11", "PLACEHOLDER-BENCH", "/v1/models"
+OTHER_PATH = "/v2/models"  # outside the binding's /v1/*
 PHASE_CAP_S = 60.0
 T_P50_ADDED_MS, T_P99_ADDED_MS = 3.0, 15.0
 VAULT = {"credentials": [{"name": "key", "source": {"type": "inline", "value": SECRET}}],
@@ -146,8 +151,8 @@ def dig(topo: c.Topology, sb: int) -> None:
         raise c.BenchError(f"sb{sb} could not resolve {API}: {out.strip()!r}")
 
 
-#: (label, sandbox, port, CA file, the Authorization the upstream must see)
-BenchPath = tuple[str, int, int, str, str]
+#: (label, sandbox, port, CA file, the Authorization the upstream must see, request path)
+BenchPath = tuple[str, int, int, str, str, str]
 
 
 def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Report) -> dict[str, Any]:
@@ -178,8 +183,10 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
         mitm = mitm_child(d)
         register(h)
         mitm_ca, up_ca = str(workdir / "mitm-conf" / "mitmproxy-ca-cert.pem"), str(tls / "ca.pem")
-        paths: list[BenchPath] = [("direct", 1, DIRECT_PORT, up_ca, f"Bearer {PLACEHOLDER}"), ("mitm+inject", 1, 443, mitm_ca, "[REDACTED]"),
-                                  ("mitm pass", 2, 443, mitm_ca, f"Bearer {PLACEHOLDER}")]  # fmt: skip
+        paths: list[BenchPath] = [("direct", 1, DIRECT_PORT, up_ca, f"Bearer {PLACEHOLDER}", PATH),
+                                  ("mitm+inject", 1, 443, mitm_ca, "[REDACTED]", PATH),
+                                  ("mitm decrypt, no match", 1, 443, mitm_ca, f"Bearer {PLACEHOLDER}", OTHER_PATH),
+                                  ("mitm passthrough", 2, 443, up_ca, f"Bearer {PLACEHOLDER}", PATH)]  # fmt: skip
         for k in (1, 2):
             dig(topo, k)
             clients[k] = c.Proc([str(c.VENV_PY), "-c", CLIENT], ns=topo.ns(f"sb{k}"))
@@ -192,7 +199,7 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
             "client2": clients[2].pid,
         }
         warm_up(clients, paths, args.warmup)
-        c.log("warm-up ok: direct reaches :8443, both MITM paths :443, the key injected on mitm+inject only")
+        c.log("warm-up ok: direct reaches :8443, the MITM paths :443, the key injected on mitm+inject only")
         rss0 = {k: (c.mem_kb(procs[k]), 0) for k in ("egressd", "mitm")}
         log = LogTail(d.log_path)
         res: dict[str, dict[str, Any]] = {}
@@ -245,7 +252,7 @@ def register(h: c.Http) -> None:
 def batch(
     clients: dict[int, c.Proc], p: BenchPath, n: int, conc: int, keep: bool, deadline: float
 ) -> dict[str, Any]:
-    return clients[p[1]].call({"host": API, "ip": API_IP, "port": p[2], "ca": p[3], "path": PATH, "placeholder": PLACEHOLDER,
+    return clients[p[1]].call({"host": API, "ip": API_IP, "port": p[2], "ca": p[3], "path": p[5], "placeholder": PLACEHOLDER,
                                "expect_echo_auth": p[4], "n": n, "conc": conc, "keepalive": keep, "deadline_s": deadline}, deadline + 30)  # fmt: skip
 
 
@@ -307,9 +314,9 @@ def run_phase(
     k = args.batches
     order = [p for r_ in range(k) for p in (paths if r_ % 2 == 0 else paths[::-1])]
     res: dict[str, Any] = {
-        p[0]: {"lat": [], "errors": {}, "wall": 0.0, "cpu": dict.fromkeys(procs, 0.0), "lookup": []}
+        p[0]: {"lat": [], "errors": {}, "wall": 0.0, "cpu": dict.fromkeys(procs, 0.0), "lookup": [], "decide": []}
         for p in paths
-    }
+    }  # fmt: skip
     for i, p in enumerate(order):
         x = res[p[0]]
         n = n_total // k + (1 if i // len(paths) < n_total % k else 0)
@@ -325,6 +332,13 @@ def run_phase(
             for ln in new.splitlines()
             if "mitm.injected" in ln and (m := re.search(r'"lookup_ms":\s*([0-9.]+)', ln))
         ]
+        # The connection-time decision of a relayed connection (§16: one vault lookup).
+        x["decide"] += [
+            float(m[1])
+            for ln in new.splitlines()
+            if "mitm.connection" in ln and '"passthrough"' in ln
+            and (m := re.search(r'"lookup_ms":\s*([0-9.]+)', ln))
+        ]  # fmt: skip
         x["lat"] += r["lat_ms"] + [math.inf] * (n - len(r["lat_ms"]))
         for kind, cnt in {
             **r["errors"],
@@ -374,6 +388,8 @@ def report(rep: c.Report, args: argparse.Namespace, out: dict[str, Any], names: 
             + f"; peak {out['hwm_kb']['egressd'] / 1024:.1f} / {out['hwm_kb']['mitm'] / 1024:.1f}")  # fmt: skip
     rep.add("(4) the addon's vault lookup + decision (lookup_ms of mitm.injected), ms: " + "; ".join(
         f"{lbl} p50 {c.pct(lk, 50):.2f} p99 {c.pct(lk, 99):.2f} (n {len(lk)})" for lbl, by in out["phases"].items() if (lk := by["mitm+inject"]["lookup"])))  # fmt: skip
+    rep.add("(5) the addon's connection decision for mitm passthrough (lookup_ms of mitm.connection), ms: " + "; ".join(
+        f"{lbl} p50 {c.pct(dk, 50):.2f} p99 {c.pct(dk, 99):.2f} (n {len(dk)})" for lbl, by in out["phases"].items() if (dk := by["mitm passthrough"]["decide"])))  # fmt: skip
     rep.add(f"    whole daemon log: mitm.refused {out['refused']}, mitm.error {out['mitm_errors']}")
 
 

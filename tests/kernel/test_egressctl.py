@@ -137,7 +137,7 @@ def test_status_human_and_json(ctld: Daemon) -> None:
     r = ctl(ctld, "status").ok()
     assert r.err == ""
     fields = kv(r.out)
-    assert list(fields) == ["instance", "ready", "health", "mitm-ca", "subjects"]
+    assert list(fields) == ["instance", "ready", "health", "mitm-ca", "subjects", "dropped"]
     assert fields["ready"] == "yes" and fields["health"] == "ok" and fields["mitm-ca"] == "disabled"
     assert fields["instance"] == ctld.status()["instanceId"]
 
@@ -150,6 +150,8 @@ def test_status_human_and_json(ctld: Daemon) -> None:
         assert st["ready"] is True and isinstance(st["instanceId"], str)
         assert st.get("mitmCaFingerprint") is None
         assert isinstance(doc["subjects"]["total"], int) and isinstance(doc["subjects"]["byState"], dict)
+        assert isinstance(doc["subjects"]["droppedPackets"], int)  # BEHAVIOUR §15
+        assert isinstance(doc["subjects"]["unattributedDroppedPackets"], int)
 
 
 # --------------------------------------------------------------------------- send + subjects
@@ -181,9 +183,11 @@ def test_send_drives_the_kernel_and_subjects_shows_it(ctld: Daemon) -> None:
         r = ctl(ctld, "subjects").ok()
         header, *rows = r.out.splitlines()
         cols = ["SUBJECT", "STATE", "SOURCE-IP", "GATEWAY", "POLICY", "PENDING", "VAULT-REV", "LEASES"]
-        assert header.split() == cols
+        assert header.split() == [*cols, "DROPPED", "RECENT-DENIALS"]  # BEHAVIOUR §15
         (line,) = [ln for ln in rows if ln.startswith(f"s-{uid} ")]
-        assert line.split() == [f"s-{uid}", "active", ip, GATEWAY, "default=deny,rules=3", "no", "-", "0"]
+        assert line.split()[:8] == [f"s-{uid}", "active", ip, GATEWAY, "default=deny,rules=3", "no", "-", "0"]
+        dropped, denials = line.split()[8:]
+        assert int(dropped) > 0 and denials == "-"  # the refused probe above, counted by the kernel
         # Cells are aligned under their headers.
         assert line.index(ip) == header.index("SOURCE-IP")
         row = subject(ctld, uid)

@@ -268,7 +268,12 @@ def _normalised_table(d: Daemon) -> list[str]:
         for kind, obj in item.items():
             if kind == "metainfo" or not isinstance(obj, dict):
                 continue
-            o = {k: v for k, v in obj.items() if k != "handle"}
+            # Counter values are traffic, not state (BEHAVIOUR §15 counts every refusal).
+            o = {
+                k: v
+                for k, v in obj.items()
+                if k != "handle" and not (kind == "counter" and k in ("packets", "bytes"))
+            }
             if "elem" in o:
                 o["elem"] = sorted(json.dumps(e, sort_keys=True) for e in o["elem"])
             items.append(json.dumps({kind: o}, sort_keys=True))

@@ -63,6 +63,22 @@ VAULT: dict[str, Any] = {
 }
 
 
+# BEHAVIOUR §16: only an SNI naming an https binding host is decrypted. The tests below that
+# send an SNI of b.test to check what the MITM does with the decrypted request (14.8) give m1
+# a binding for b.test that no request of theirs matches.
+VAULT_SNI_B: dict[str, Any] = {
+    "credentials": VAULT["credentials"],
+    "bindings": [
+        *VAULT["bindings"],
+        {
+            "name": "b-unused",
+            "match": {"hosts": ["b.test"], "methods": ["GET"], "paths": ["/b-only/*"]},
+            "auth": {"type": "bearer", "credential": "key"},
+        },
+    ],
+}
+
+
 @pytest.fixture(scope="module")
 def mitm(topo: Topology) -> Iterator[Daemon]:
     env = {
@@ -86,6 +102,14 @@ def mitm(topo: Topology) -> Iterator[Daemon]:
 
 def ca_file(topo: Topology) -> str:
     return str(topo.workdir / "mitm-conf" / "mitmproxy-ca-cert.pem")
+
+
+def client_trust(topo: Topology) -> str:
+    """What the sandbox clients trust: the MITM CA (decrypted connections, BEHAVIOUR §16) and
+    the upstream's test CA (connections the MITM passes through untouched)."""
+    bundle = topo.workdir / "client-trust.pem"
+    bundle.write_text(Path(ca_file(topo)).read_text() + (topo.tls_dir / "ca.pem").read_text())
+    return str(bundle)
 
 
 def bind(d: Daemon, i: int, uid: str, policy: object = POLICY, vault: dict[str, Any] | None = VAULT) -> None:
@@ -144,9 +168,11 @@ def call(
     extra: tuple[str, ...] = (),
     timeout: float = 3.0,
 ) -> Reply:
-    """One curl from sandbox ``i`` trusting the MITM CA; ``resolve`` pins host:port:ip."""
+    """One curl from sandbox ``i`` trusting both CAs (:func:`client_trust`); ``resolve`` pins
+    host:port:ip."""
     hdr_file = topo.workdir / f"hdr-{i}.txt"
-    args = ["curl", "-s", "-X", method, "--cacert", ca_file(topo), "-D", str(hdr_file), "-m", str(timeout)]
+    trust = client_trust(topo)
+    args = ["curl", "-s", "-X", method, "--cacert", trust, "-D", str(hdr_file), "-m", str(timeout)]
     args += ["-w", "\n%{http_code}"]
     if resolve:
         args += ["--resolve", resolve]
@@ -191,7 +217,7 @@ def test_status_and_healthz_carry_the_ca_fingerprint(topo: Topology, mitm: Daemo
 
 
 def test_credential_only_for_the_matching_binding(topo: Topology, mitm: Daemon) -> None:
-    bind(mitm, 1, "m1")
+    bind(mitm, 1, "m1", vault=VAULT_SNI_B)
     try:
         learn(topo, 1, API)
         r = api(topo, 1, headers=("Authorization: Bearer " + PLACEHOLDER,))
@@ -459,7 +485,7 @@ def authority_call(
     """One crafted request from sandbox ``i`` (tests/kernel/authority_client.py)."""
     args = [sys.executable, str(AUTHORITY_CLIENT), "--ip", ip, "--port", str(port), "--timeout", "3"]
     if tls:
-        args += ["--tls", "--ca", ca_file(topo)] + (["--sni", sni] if sni else [])
+        args += ["--tls", "--ca", client_trust(topo)] + (["--sni", sni] if sni else [])
     if raw is not None:
         path = topo.workdir / f"raw-{i}.bin"
         path.write_bytes(raw)
@@ -563,7 +589,7 @@ def test_one_authority_http1_spelled_differently_is_injected_once(topo: Topology
 def test_one_authority_sni_and_host_disagree(topo: Topology, mitm: Daemon) -> None:
     """14.8: an SNI other than the request's authority is refused (400), either way round,
     with curl's own TLS (``--connect-to`` keeps the URL's SNI, ``-H Host`` names another)."""
-    bind(mitm, 1, "m1")
+    bind(mitm, 1, "m1", vault=VAULT_SNI_B)
     try:
         learn(topo, 1, API)
         learn(topo, 1, "b.test")

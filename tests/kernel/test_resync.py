@@ -101,5 +101,5 @@ def test_the_resync_batch_converges_from_both_states(scratch: str, case: str, mi
         assert "s_u_1" not in first
     else:
         # The fixed rules exactly once, whichever state the batch started from.
-        assert first.count("@subj_s_u_1_deny_v4 drop") == (2 if mitm == "mitm" else 1)
+        assert first.count("@subj_s_u_1_deny_v4 goto denied") == (2 if mitm == "mitm" else 1)
         assert "10.0.0.5 : jump subj_s_u_1" in first

@@ -29,6 +29,27 @@ POLICY = {
     "defaultAction": "deny",
     "egress": [{"action": "allow", "target": API}, {"action": "allow", "target": "b.test"}],
 }
+# BEHAVIOUR §16: an SNI of b.test is decrypted only with a binding naming b.test (unused here).
+VAULT_SNI_B = {
+    "credentials": VAULT["credentials"],
+    "bindings": [
+        *VAULT["bindings"],
+        {
+            "name": "b",
+            "match": {"hosts": ["b.test"], "paths": ["/b-only/*"]},
+            "auth": {"type": "bearer", "credential": "key"},
+        },
+    ],
+}
+
+
+def client_trust(sc: Sidecar) -> Path:
+    """The MITM CA (decrypted connections) and the upstream's (connections passed through)."""
+    bundle = sc.topo.workdir / "sidecar-client-trust.pem"
+    bundle.write_text(
+        (sc.mitm_confdir / "mitmproxy-ca-cert.pem").read_text() + (sc.topo.tls_dir / "ca.pem").read_text()
+    )
+    return bundle
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +76,7 @@ def sidecar(mtopo: Topology) -> Iterator[Sidecar]:
 def https(
     sc: Sidecar, host: str, ip: str, path: str = "/v1/x", timeout: float = 3.0
 ) -> tuple[int, dict[str, Any]]:
-    ca = sc.mitm_confdir / "mitmproxy-ca-cert.pem"
+    ca = client_trust(sc)
     r = sc.topo.ns(
         sc.ns,
         "curl",
@@ -105,7 +126,7 @@ def _crafted(sc: Sidecar, raw: bytes, sni: str = API) -> dict[str, Any]:
     path = sc.topo.workdir / "sidecar-raw.bin"
     path.write_bytes(raw)
     client = Path(__file__).with_name("authority_client.py")
-    ca = sc.mitm_confdir / "mitmproxy-ca-cert.pem"
+    ca = client_trust(sc)
     args = [sys.executable, str(client), "--ip", API_IP, "--port", "443", "--tls", "--ca", str(ca)]
     r = sc.topo.ns(sc.ns, *args, "--sni", sni, "--raw", str(path), check=False, timeout=20)
     out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1]) if r.stdout.strip() else {}
@@ -117,7 +138,7 @@ def test_one_authority_in_the_sidecar(sidecar: Sidecar) -> None:
     """14.8 in the sidecar profile: an absolute-form target, a second Host or an SNI naming
     another host than the bound Host is refused (400) before the upstream, no credential."""
     sidecar.set_policy(POLICY)
-    assert sidecar.api("PUT", "/credential-vault", VAULT)[0] == 201
+    assert sidecar.api("PUT", "/credential-vault", VAULT_SNI_B)[0] == 201
     assert sidecar.dig(API)[0] == "NOERROR" and sidecar.dig("b.test")[0] == "NOERROR"
     before = len(sidecar.topo.upstream_requests())
     for raw, sni in (

@@ -48,6 +48,7 @@ from egressd.kernel.netlink import SetElement, interval_keys
 from egressd.kernel.ops import (
     AddChain,
     AddCounter,
+    AddCounterRef,
     AddElements,
     AddIntervals,
     AddJump,
@@ -55,6 +56,7 @@ from egressd.kernel.ops import (
     AddSet,
     AddTimed,
     AddUid,
+    AddUidCounterRef,
     AddUidJump,
     AddUidPort,
     DeleteChain,
@@ -536,15 +538,20 @@ class TextModel:
                 self._script_set(verb, kind, name, body, line)
             elif kind == "rule":
                 assert verb == "add", line
-                if name not in self.chains:
-                    raise _err("No such file or directory")
-                rule = body.split(" ", 1)[1]
-                for ref in re.findall(r"@(\w+)", rule):
-                    if ref not in self.sets:
-                        raise _err(f"Could not process rule: set {ref} does not exist")
-                self.chains[name].append(rule)
+                self._script_rule(name, body.split(" ", 1)[1])
+            elif kind == "counter":
+                assert verb == "add", line
+                self.counters.add(name)  # the header's unattributed_dropped
             else:
                 raise AssertionError(line)
+
+    def _script_rule(self, chain: str, rule: str) -> None:
+        if chain not in self.chains:
+            raise _err("No such file or directory")
+        for ref in re.findall(r"@(\w+)", rule):
+            if ref not in self.sets:
+                raise _err(f"Could not process rule: set {ref} does not exist")
+        self.chains[chain].append(rule)
 
     def _script_chain(self, verb: str, name: str, line: str) -> None:
         if verb == "add":
@@ -602,7 +609,18 @@ class TextModel:
             raise _err("No such file or directory")
         if any(f'counter name "{op.name}"' in r for rules in self.chains.values() for r in rules):
             raise _err("Device or resource busy")
+        if any(d == f'"{op.name}"' for els in self.sets.values() for d in els.values()):
+            raise _err("Device or resource busy")  # a counter map element refers to it
         self.counters.discard(op.name)
+
+    def _add_counter_ref(self, op: AddCounterRef) -> None:
+        elements = self.sets.get(op.map)
+        if elements is None or op.counter not in self.counters:
+            raise _err("No such file or directory")
+        data = f'"{op.counter}"'
+        if elements.get(str(op.key), data) != data:
+            raise _err("Device or resource busy")
+        elements[str(op.key)] = data
 
     def _add_jump(self, op: AddJump) -> None:
         elements = self.sets.get(op.map)
@@ -626,6 +644,11 @@ class TextModel:
 
     def _add_uid_port(self, op: AddUidPort) -> None:
         self._uid_element(op.map, str(op.uid), str(op.to_port))
+
+    def _add_uid_counter_ref(self, op: AddUidCounterRef) -> None:
+        if op.counter not in self.counters:
+            raise _err("No such file or directory")
+        self._uid_element(op.map, str(op.uid), f'"{op.counter}"')
 
     def _add_uid(self, op: AddUid) -> None:
         self._uid_element(op.name, _uid_key(op.uid, op.port), "")
@@ -728,6 +751,7 @@ _BATCH_OPS: dict[type, Callable[[TextModel, Any], None]] = {
     AddChain: TextModel._add_chain,
     AddCounter: TextModel._add_counter,
     DeleteCounter: TextModel._delete_counter,
+    AddCounterRef: TextModel._add_counter_ref,
     AddJump: TextModel._add_jump,
     AddElements: TextModel._add_elements,
     AddRule: TextModel._add_rule,
@@ -736,6 +760,7 @@ _BATCH_OPS: dict[type, Callable[[TextModel, Any], None]] = {
     AddTimed: TextModel._add_keys,
     AddUidJump: TextModel._add_uid_jump,
     AddUidPort: TextModel._add_uid_port,
+    AddUidCounterRef: TextModel._add_uid_counter_ref,
     AddUid: TextModel._add_uid,
     DeleteUid: TextModel._delete_uid,
     DeleteElement: TextModel._delete_element,

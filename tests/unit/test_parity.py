@@ -365,7 +365,7 @@ def test_sidecar_exempt_nameservers_skip_the_redirect_and_get_port_53_only() -> 
     egress = [ln.split(" egress ", 1)[1] for ln in lines if ln.startswith("add rule inet T egress")]
     accept = "ip daddr { 10.204.0.9 } meta l4proto { tcp, udp } th dport 53 accept"
     assert (
-        egress.index("ip6 daddr @deny_v6 drop")
+        egress.index("ip6 daddr @deny_v6 goto denied")
         < egress.index(accept)
         < egress.index("ip daddr @dyn_allow_v4 accept")
     )

@@ -165,7 +165,7 @@ SET_KINDS = (
 
 
 def subj_rules(nid: str = "s_u_1") -> list[str]:
-    return [f"ip daddr @subj_{nid}_deny_v4 drop", f"ip6 daddr @subj_{nid}_deny_v6 drop"]
+    return [f"ip daddr @subj_{nid}_deny_v4 goto denied", f"ip6 daddr @subj_{nid}_deny_v6 goto denied"]
 
 
 def mark_rules(nid: str = "s_u_1") -> list[str]:
@@ -191,10 +191,15 @@ def in_rules(nid: str = "s_u_1") -> list[str]:
     return [
         *(
             f"ct original {l3} daddr @subj_{nid}_{kind}_{fam} {verdict}"
-            for kind, verdict in (("deny", "drop"), ("wdeny", "drop"), ("dyn", "accept"), ("allow", "accept"))
+            for kind, verdict in (
+                ("deny", "goto denied"),
+                ("wdeny", "goto denied"),
+                ("dyn", "accept"),
+                ("allow", "accept"),
+            )
             for l3, fam in (("ip", "v4"), ("ip6", "v6"))
         ),
-        "drop",
+        "goto denied",
     ]
 
 
@@ -225,7 +230,7 @@ async def test_reset_table_installs_the_header_even_without_an_existing_table() 
     assert not control.enforcement_ready
     await control.reset_table()
     assert control.enforcement_ready
-    assert kernel.rules("dispatch")[-1] == "meta mark & 0x2 != 0x2 drop"
+    assert kernel.rules("dispatch")[-1] == "meta mark & 0x2 != 0x2 goto denied"
     assert kernel.elements("dispatch_v4") == {}
 
 
@@ -653,7 +658,7 @@ async def test_mitm_lifecycle() -> None:
     kernel = text_kernel(TABLE)
     control = await make_control(kernel, mitm=True)
     ok(await control.handle(set_binding()))
-    assert kernel.rules("subj_s_u_1_in")[-1] == "drop"
+    assert kernel.rules("subj_s_u_1_in")[-1] == "goto denied"
     assert_deny_first_installed(kernel, mitm=True)
     assert kernel.elements("mitm_src_v4") == {"10.0.0.5": ""}
     assert kernel.elements("mitm_in_v4") == {"10.0.0.5": "jump subj_s_u_1_in"}
@@ -797,7 +802,10 @@ def _applies_after_deny_first(calls: Iterable[Call], nid: str) -> int:
         if not c.ok:
             continue
         text = c.text.splitlines()
-        if c.op == "deny_first" and f"add rule inet T subj_{nid} ip daddr @subj_{nid}_deny_v4 drop" in text:
+        if (
+            c.op == "deny_first"
+            and f"add rule inet T subj_{nid} ip daddr @subj_{nid}_deny_v4 goto denied" in text
+        ):
             installed = True  # objects and fixed rules are in
         if c.op == "static_apply" and f"flush set inet T subj_{nid}_allow_v4" in text:
             assert installed, "policy applied before any deny-first transaction"

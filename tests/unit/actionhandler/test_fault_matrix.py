@@ -50,6 +50,7 @@ from egressd.kernel.netlink import SetElement, interval_keys
 from egressd.kernel.ops import (
     AddChain,
     AddCounter,
+    AddCounterRef,
     AddElements,
     AddIntervals,
     AddJump,
@@ -243,7 +244,21 @@ def _delete_counter(t: Table, op: DeleteCounter) -> None:
         raise ModelError(f"No such file or directory: counter {op.name}")
     if any(op.name in _rule_refs(r)[1] for rules in t.chains.values() for r in rules):
         raise ModelError(f"Device or resource busy: counter {op.name}")
+    if any(f"counter:{op.name}" in s.jumps.values() for s in t.sets.values()):
+        raise ModelError(f"Device or resource busy: counter {op.name} (map element)")
     t.counters.discard(op.name)
+
+
+def _add_counter_ref(t: Table, op: AddCounterRef) -> None:
+    # Counter maps are modelled like verdict maps, the data being the counter's name.
+    m = _need(t, op.map)
+    assert m.kind == "vmap", op
+    if op.counter not in t.counters:
+        raise ModelError(f"No such file or directory: counter {op.counter}")
+    ref = f"counter:{op.counter}"
+    if m.jumps.get(op.key, ref) != ref:
+        raise ModelError(f"Device or resource busy: {op.key} in {op.map}")
+    m.jumps[op.key] = ref
 
 
 def _add_jump(t: Table, op: AddJump) -> None:
@@ -337,6 +352,7 @@ _APPLY: dict[type, Callable[[Table, Any], None]] = {
     AddChain: _add_chain,
     AddCounter: _add_counter,
     DeleteCounter: _delete_counter,
+    AddCounterRef: _add_counter_ref,
     AddJump: _add_jump,
     AddElements: _add_elements,
     AddRule: _add_rule,
@@ -430,21 +446,21 @@ def test_the_evaluator_reads_the_header_it_models() -> None:
     for mitm in (False, True):
         text = header_script(TableConfig(table=TABLE, mitm=mitm), delete_existing=False)
         for rule in (
-            "dispatch ip daddr @sandboxes_v4 drop",
-            "dispatch ip daddr @sandbox_nets_v4 drop",
+            "dispatch ip daddr @sandboxes_v4 goto denied",
+            "dispatch ip daddr @sandbox_nets_v4 goto denied",
             "dispatch ip saddr vmap @dispatch_v4",
-            "dispatch meta mark & 0x2 != 0x2 drop",
+            "dispatch meta mark & 0x2 != 0x2 goto denied",
             "marking ip saddr vmap @marking_v4",
         ):
             assert f"add rule inet {TABLE} {rule}" in text
         if mitm:
             for rule in (
                 "input ip saddr @sandboxes_v4 jump sandbox_in",
-                f"input tcp dport {MITM_PORT} drop",
+                f"input tcp dport {MITM_PORT} goto denied",
                 f"sandbox_in tcp dport {MITM_PORT} ct status dnat ip saddr vmap @mitm_in_v4",
                 f"nat ip saddr @mitm_src_v4 tcp dport {{ 80, 443 }} redirect to :{MITM_PORT}",
                 "nat ip daddr @sandbox_nets_v4 tcp dport { 80, 443 } return",
-                "sandbox_in drop",
+                "sandbox_in goto denied",
             ):
                 assert f"add rule inet {TABLE} {rule}" in text
 

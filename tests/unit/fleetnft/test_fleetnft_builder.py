@@ -83,8 +83,8 @@ ALLOW_BUT = parse_policy('{"defaultAction":"allow","egress":[{"action":"deny","t
 
 # The fixed per-subject rules, in nft syntax.
 SUBJ_CHAIN_RULES = [
-    "ip daddr @subj_s_u_1_deny_v4 drop",
-    "ip6 daddr @subj_s_u_1_deny_v6 drop",
+    "ip daddr @subj_s_u_1_deny_v4 goto denied",
+    "ip6 daddr @subj_s_u_1_deny_v6 goto denied",
 ]
 MARK_CHAIN_RULES = [
     "ip daddr @subj_s_u_1_allow_v4 meta mark set 0x2",
@@ -101,15 +101,15 @@ MARK_CHAIN_RULES = [
     'log prefix "egressd would-deny s_u_1 " counter name "subj_s_u_1_audit_default" meta mark set 0x2',
 ]
 IN_CHAIN_RULES = [
-    "ct original ip daddr @subj_s_u_1_deny_v4 drop",
-    "ct original ip6 daddr @subj_s_u_1_deny_v6 drop",
-    "ct original ip daddr @subj_s_u_1_wdeny_v4 drop",
-    "ct original ip6 daddr @subj_s_u_1_wdeny_v6 drop",
+    "ct original ip daddr @subj_s_u_1_deny_v4 goto denied",
+    "ct original ip6 daddr @subj_s_u_1_deny_v6 goto denied",
+    "ct original ip daddr @subj_s_u_1_wdeny_v4 goto denied",
+    "ct original ip6 daddr @subj_s_u_1_wdeny_v6 goto denied",
     "ct original ip daddr @subj_s_u_1_dyn_v4 accept",
     "ct original ip6 daddr @subj_s_u_1_dyn_v6 accept",
     "ct original ip daddr @subj_s_u_1_allow_v4 accept",
     "ct original ip6 daddr @subj_s_u_1_allow_v6 accept",
-    "drop",
+    "goto denied",
 ]
 
 
@@ -229,15 +229,15 @@ def test_header_dispatch_rules_in_order_with_unmarked_drop_last() -> None:
     dispatch = rules_of(header_script(CFG, delete_existing=False), "dispatch")
     assert dispatch == [
         "ct state established,related accept",
-        "tcp dport 853 drop",
-        "udp dport 853 drop",
-        "ip daddr @sandboxes_v4 drop",
-        "ip6 daddr @sandboxes_v6 drop",
-        "ip daddr @sandbox_nets_v4 drop",
-        "ip6 daddr @sandbox_nets_v6 drop",
+        "tcp dport 853 goto denied",
+        "udp dport 853 goto denied",
+        "ip daddr @sandboxes_v4 goto denied",
+        "ip6 daddr @sandboxes_v6 goto denied",
+        "ip daddr @sandbox_nets_v4 goto denied",
+        "ip6 daddr @sandbox_nets_v6 goto denied",
         "ip saddr vmap @dispatch_v4",
         "ip6 saddr vmap @dispatch_v6",
-        "meta mark & 0x2 != 0x2 drop",
+        "meta mark & 0x2 != 0x2 goto denied",
     ]
 
 
@@ -256,7 +256,7 @@ def test_header_input_lets_sandbox_sources_reach_only_the_dns_redirect() -> None
         "udp dport 15353 ct status dnat ct original proto-dst 53 accept",
         "tcp dport 15353 ct status dnat ct original proto-dst 53 accept",
         "icmpv6 type { nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert } ip6 hoplimit 255 accept",
-        "drop",
+        "goto denied",
     ]
     assert f"add chain inet {T} sandbox_in" in lines(script)
 
@@ -295,19 +295,19 @@ def test_header_mitm() -> None:
         'iifname != "lo" ip saddr @sandbox_nets_v4 jump sandbox_in',
         "ip6 saddr @sandboxes_v6 jump sandbox_in",
         'iifname != "lo" ip6 saddr @sandbox_nets_v6 jump sandbox_in',
-        "tcp dport 18081 drop",
+        "tcp dport 18081 goto denied",
     ]
     assert rules_of(script, "sandbox_in") == [
         "udp dport 15353 ct status dnat ct original proto-dst 53 accept",
         "tcp dport 15353 ct status dnat ct original proto-dst 53 accept",
         "icmpv6 type { nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert } ip6 hoplimit 255 accept",
-        "ct status dnat ct original ip daddr @sandboxes_v4 drop",
-        "ct status dnat ct original ip daddr @sandbox_nets_v4 drop",
-        "ct status dnat ct original ip6 daddr @sandboxes_v6 drop",
-        "ct status dnat ct original ip6 daddr @sandbox_nets_v6 drop",
+        "ct status dnat ct original ip daddr @sandboxes_v4 goto denied",
+        "ct status dnat ct original ip daddr @sandbox_nets_v4 goto denied",
+        "ct status dnat ct original ip6 daddr @sandboxes_v6 goto denied",
+        "ct status dnat ct original ip6 daddr @sandbox_nets_v6 goto denied",
         "tcp dport 18081 ct status dnat ip saddr vmap @mitm_in_v4",
         "tcp dport 18081 ct status dnat ip6 saddr vmap @mitm_in_v6",
-        "drop",
+        "goto denied",
     ]
     nat = rules_of(script, "nat")
     # Nothing addressed to the pod itself or to a sandbox is intercepted (14.2).
@@ -326,7 +326,7 @@ def test_header_mitm() -> None:
     assert nat.index("ip daddr @dns_gw_v4 tcp dport { 80, 443 } return") < nat.index(
         "ip saddr @mitm_src_v4 tcp dport { 80, 443 } redirect to :18081"
     )
-    assert rules_of(script, "dispatch")[-1] == "meta mark & 0x2 != 0x2 drop"
+    assert rules_of(script, "dispatch")[-1] == "meta mark & 0x2 != 0x2 goto denied"
 
 
 @pytest.mark.parametrize("mitm", [False, True])
@@ -334,15 +334,15 @@ def test_header_doh_without_blocklist_drops_all_443(mitm: bool) -> None:
     cfg = TableConfig(table=T, mitm=mitm, block_doh_443=True)
     script = header_script(cfg, delete_existing=False)
     dispatch = rules_of(script, "dispatch")
-    assert "tcp dport 443 drop" in dispatch
-    assert dispatch.index("tcp dport 443 drop") < dispatch.index("ip saddr vmap @dispatch_v4")
-    assert dispatch[-1] == "meta mark & 0x2 != 0x2 drop"
+    assert "tcp dport 443 goto denied" in dispatch
+    assert dispatch.index("tcp dport 443 goto denied") < dispatch.index("ip saddr vmap @dispatch_v4")
+    assert dispatch[-1] == "meta mark & 0x2 != 0x2 goto denied"
     assert "doh_block" not in script
     input_rules = rules_of(script, "input")
     if mitm:
-        assert "meta l4proto tcp ct status dnat ct original proto-dst 443 drop" in input_rules
+        assert "meta l4proto tcp ct status dnat ct original proto-dst 443 goto denied" in input_rules
         assert input_rules.index(
-            "meta l4proto tcp ct status dnat ct original proto-dst 443 drop"
+            "meta l4proto tcp ct status dnat ct original proto-dst 443 goto denied"
         ) < input_rules.index("ip saddr @sandboxes_v4 jump sandbox_in")
     else:
         assert not any("443" in r for r in input_rules)
@@ -367,20 +367,16 @@ def test_header_doh_with_blocklist_v4_and_v6(mitm: bool) -> None:
         in text
     )
     dispatch = rules_of(script, "dispatch")
-    assert "ip daddr @doh_block_v4 tcp dport 443 drop" in dispatch
-    assert "ip6 daddr @doh_block_v6 tcp dport 443 drop" in dispatch
-    assert "tcp dport 443 drop" not in dispatch  # not global with a blocklist
-    assert dispatch[-1] == "meta mark & 0x2 != 0x2 drop"
-    assert dispatch.index("ip6 daddr @doh_block_v6 tcp dport 443 drop") < dispatch.index(
+    assert "ip daddr @doh_block_v4 tcp dport 443 goto denied" in dispatch
+    assert "ip6 daddr @doh_block_v6 tcp dport 443 goto denied" in dispatch
+    assert "tcp dport 443 goto denied" not in dispatch  # not global with a blocklist
+    assert dispatch[-1] == "meta mark & 0x2 != 0x2 goto denied"
+    assert dispatch.index("ip6 daddr @doh_block_v6 tcp dport 443 goto denied") < dispatch.index(
         "ip saddr vmap @dispatch_v4"
     )
     input_rules = rules_of(script, "input")
-    v4_in = (
-        "meta l4proto tcp ct status dnat ct original ip daddr @doh_block_v4 ct original proto-dst 443 drop"
-    )
-    v6_in = (
-        "meta l4proto tcp ct status dnat ct original ip6 daddr @doh_block_v6 ct original proto-dst 443 drop"
-    )
+    v4_in = "meta l4proto tcp ct status dnat ct original ip daddr @doh_block_v4 ct original proto-dst 443 goto denied"
+    v6_in = "meta l4proto tcp ct status dnat ct original ip6 daddr @doh_block_v6 ct original proto-dst 443 goto denied"
     if mitm:
         assert v4_in in input_rules
         assert v6_in in input_rules
@@ -393,7 +389,7 @@ def test_header_doh_blocklist_v6_only_has_no_v4_rule() -> None:
     script = header_script(cfg, delete_existing=False)
     assert "elements = { 2001:db8::1 }" in script  # hosts printed bare
     dispatch = rules_of(script, "dispatch")
-    assert "ip6 daddr @doh_block_v6 tcp dport 443 drop" in dispatch
+    assert "ip6 daddr @doh_block_v6 tcp dport 443 goto denied" in dispatch
     assert not any("doh_block_v4" in r for r in dispatch)
 
 
@@ -401,7 +397,7 @@ def test_header_blocklist_ignored_when_blocking_is_off() -> None:
     cfg = TableConfig(table=T, block_doh_443=False, doh_blocklist=(ip_network("1.1.1.1/32"),))
     script = header_script(cfg, delete_existing=False)
     assert "doh_block" not in script
-    assert "443 drop" not in script
+    assert "443 goto denied" not in script
 
 
 def test_header_doh_blocklist_is_normalised() -> None:
@@ -460,8 +456,8 @@ def test_subject_rules_are_the_fixed_rule_list() -> None:
     batch = subject_rules(CFG, "s_u_1")
     assert batch.table == T
     assert batch.ops == (
-        AddRule("subj_s_u_1", MatchRule("v4", "subj_s_u_1_deny_v4", Outcome.DROP)),
-        AddRule("subj_s_u_1", MatchRule("v6", "subj_s_u_1_deny_v6", Outcome.DROP)),
+        AddRule("subj_s_u_1", MatchRule("v4", "subj_s_u_1_deny_v4", Outcome.DROP, drop_chain="denied")),
+        AddRule("subj_s_u_1", MatchRule("v6", "subj_s_u_1_deny_v6", Outcome.DROP, drop_chain="denied")),
         AddRule("mark_s_u_1", MatchRule("v4", "subj_s_u_1_allow_v4", Outcome.MARK)),
         AddRule("mark_s_u_1", MatchRule("v6", "subj_s_u_1_allow_v6", Outcome.MARK)),
         AddRule("mark_s_u_1", MatchRule("v4", "subj_s_u_1_dyn_v4", Outcome.MARK)),
@@ -499,7 +495,7 @@ def test_subject_rules_mitm_in_chain() -> None:
     assert batch_rules(batch, "subj_s_u_1_in") == IN_CHAIN_RULES
     in_ops = [op.rule for op in batch.ops if isinstance(op, AddRule) and op.chain == "subj_s_u_1_in"]
     assert all(r.ct_original for r in in_ops if isinstance(r, MatchRule))
-    assert in_ops[-1] == VerdictRule(Outcome.DROP)
+    assert in_ops[-1] == VerdictRule(Outcome.DROP, drop_chain="denied")
     assert batch.ops[: len(subject_rules(CFG, "s_u_1").ops)] == subject_rules(CFG, "s_u_1").ops
 
 
@@ -735,11 +731,13 @@ def test_removal_batch_op_order() -> None:
         DeleteElement("marking_v4", ip),
         DeleteElement("dispatch_v4", ip),
         DeleteElement("sandboxes_v4", ip),
+        DeleteElement("drop_counter_v4", ip),
         DeleteChain("subj_s_u_1"),
         DeleteChain("mark_s_u_1"),
         *(DeleteSet(f"subj_s_u_1_{k}") for k in SET_KINDS),
         DeleteCounter("subj_s_u_1_audit_deny"),
         DeleteCounter("subj_s_u_1_audit_default"),
+        DeleteCounter("subj_s_u_1_dropped"),
     )
     kinds = [type(op) for op in batch.ops]
     # map elements, then chains (their rules reference the sets and counters), then those
@@ -757,6 +755,7 @@ def test_removal_batch_releases_the_gateway_with_mitm() -> None:
         ("sandboxes_v4", SUBJ.ip),
         ("mitm_src_v4", SUBJ.ip),
         ("mitm_in_v4", SUBJ.ip),
+        ("drop_counter_v4", SUBJ.ip),
         ("dns_gw_v4", SUBJ.gateway),
     ]
     chains = [op.name for op in batch.ops if isinstance(op, DeleteChain)]
@@ -764,14 +763,14 @@ def test_removal_batch_releases_the_gateway_with_mitm() -> None:
     kinds = [type(op) for op in batch.ops]
     assert kinds.index(DeleteChain) > max(i for i, k in enumerate(kinds) if k is DeleteElement)
     assert kinds.index(DeleteSet) > max(i for i, k in enumerate(kinds) if k is DeleteChain)
-    assert batch.describe().splitlines()[5] == "delete element inet T dns_gw_v4 { 10.0.0.1 }"
+    assert batch.describe().splitlines()[6] == "delete element inet T dns_gw_v4 { 10.0.0.1 }"
 
 
 def test_removal_batch_without_ip_drops_only_objects() -> None:
     batch = removal_batch(CFG, "s_u_1", None, release_gateway=None)
     assert all(not isinstance(op, DeleteElement) for op in batch.ops)
-    assert len(batch.ops) == 2 + len(SET_KINDS) + 2
-    assert len(removal_batch(MITM, "s_u_1", None, release_gateway=None).ops) == 3 + len(SET_KINDS) + 2
+    assert len(batch.ops) == 2 + len(SET_KINDS) + 3
+    assert len(removal_batch(MITM, "s_u_1", None, release_gateway=None).ops) == 3 + len(SET_KINDS) + 3
 
 
 def test_removal_batch_describe() -> None:
@@ -780,12 +779,14 @@ def test_removal_batch_describe() -> None:
         "delete element inet T marking_v4 { 10.0.0.5 }",
         "delete element inet T dispatch_v4 { 10.0.0.5 }",
         "delete element inet T sandboxes_v4 { 10.0.0.5 }",
+        "delete element inet T drop_counter_v4 { 10.0.0.5 }",
         "delete element inet T dns_gw_v4 { 10.0.0.1 }",
         "delete chain inet T subj_s_u_1",
         "delete chain inet T mark_s_u_1",
         *(f"delete set inet T subj_s_u_1_{k}" for k in SET_KINDS),
         "delete counter inet T subj_s_u_1_audit_deny",
         "delete counter inet T subj_s_u_1_audit_default",
+        "delete counter inet T subj_s_u_1_dropped",
     ]
     assert text.endswith("\n")
     assert NetlinkBatch(T).describe() == ""
@@ -793,12 +794,13 @@ def test_removal_batch_describe() -> None:
 
 def test_removal_batch_describe_v6_with_mitm() -> None:
     text = removal_batch(MITM, "s_u_6", SUBJ6.ip, release_gateway=SUBJ6.gateway).describe()
-    assert text.splitlines()[:6] == [
+    assert text.splitlines()[:7] == [
         "delete element inet T marking_v6 { fd00::5 }",
         "delete element inet T dispatch_v6 { fd00::5 }",
         "delete element inet T sandboxes_v6 { fd00::5 }",
         "delete element inet T mitm_src_v6 { fd00::5 }",
         "delete element inet T mitm_in_v6 { fd00::5 }",
+        "delete element inet T drop_counter_v6 { fd00::5 }",
         "delete element inet T dns_gw_v6 { fd00::1 }",
     ]
     assert "delete chain inet T subj_s_u_6_in" in text.splitlines()
@@ -810,6 +812,7 @@ def test_dispatch_deletes_v6_and_gateway_of_other_family() -> None:
         DeleteElement("marking_v6", ip_address("fd00::5")),
         DeleteElement("dispatch_v6", ip_address("fd00::5")),
         DeleteElement("sandboxes_v6", ip_address("fd00::5")),
+        DeleteElement("drop_counter_v6", ip_address("fd00::5")),
         DeleteElement("dns_gw_v4", ip_address("10.0.0.1")),
     ]
     assert gateway_release(ip_address("fd00::1")) == DeleteElement("dns_gw_v6", ip_address("fd00::1"))

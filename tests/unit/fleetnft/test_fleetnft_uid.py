@@ -19,7 +19,7 @@ from egressd.fleetnft.builder import (
     uid_subject_keys,
 )
 from egressd.kernel import netlink
-from egressd.kernel.ops import AddUid, AddUidJump, AddUidPort, DeleteUid, NetlinkBatch
+from egressd.kernel.ops import AddUid, AddUidCounterRef, AddUidJump, AddUidPort, DeleteUid, NetlinkBatch
 from egressd.subject.hostuid import UidPorts, UidRange
 
 T = "opensandbox-fleet"
@@ -51,18 +51,30 @@ def test_uid_out_is_the_forward_path_on_output() -> None:
         "meta mark 0x00000001 return",
         "fib daddr type local jump uid_local",
         "meta mark set meta mark & 0xfffffffd",
-        "tcp dport 853 drop",
-        "udp dport 853 drop",
-        "ip daddr @sandboxes_v4 drop",
-        "ip daddr @sandbox_nets_v4 drop",
-        "ip6 daddr @sandboxes_v6 drop",
-        "ip6 daddr @sandbox_nets_v6 drop",
+        "tcp dport 853 goto uid_denied",
+        "udp dport 853 goto uid_denied",
+        "ip daddr @sandboxes_v4 goto uid_denied",
+        "ip daddr @sandbox_nets_v4 goto uid_denied",
+        "ip6 daddr @sandboxes_v6 goto uid_denied",
+        "ip6 daddr @sandbox_nets_v6 goto uid_denied",
         "meta skuid vmap @uid_marking",
         "meta skuid vmap @uid_dispatch",
         # No "ct state established accept" before the subject's chains: every packet is judged.
         "ct state established,related meta skuid @uid_audit accept",
-        "meta mark & 0x2 != 0x2 drop",
+        "meta mark & 0x2 != 0x2 goto uid_denied",
     ]
+
+
+def test_uid_refusals_are_counted_by_the_socket_owner_then_refused_like_all() -> None:
+    lines = header(TableConfig())
+    assert f"add map inet {T} uid_drop_counter {{ type uid : counter; }}" in lines
+    assert chain(lines, "uid_denied") == [
+        "counter name meta skuid map @uid_drop_counter goto deny_verdict",
+        "goto denied",
+    ]
+    # Declared before the first rule that goes there.
+    first = min(i for i, ln in enumerate(lines) if ln.endswith("goto uid_denied"))
+    assert lines.index(f"add chain inet {T} uid_denied") < first
 
 
 def test_own_uid_is_exempt_only_inside_the_range() -> None:
@@ -90,8 +102,8 @@ def test_uid_local_accepts_only_own_redirects_and_guards_egressds_listeners() ->
         "udp dport 16256 ct status dnat ct original proto-dst 53 accept",
         "tcp dport 16000-16256 ct status dnat ct original proto-dst 53 meta skuid . tcp dport @uid_dns_own accept",
         "tcp dport 16256 ct status dnat ct original proto-dst 53 accept",
-        "udp dport { 15353, 16000-16256 } drop",
-        "tcp dport { 15353, 16000-16256, 18080 } drop",
+        "udp dport { 15353, 16000-16256 } goto uid_denied",
+        "tcp dport { 15353, 16000-16256, 18080 } goto uid_denied",
         "accept",
     ]
 
@@ -109,12 +121,12 @@ def test_mitm_intercepts_per_uid_port_and_judges_on_the_original_destination() -
     ]
     local = chain(lines, "uid_local")
     assert "tcp dport 16257-16512 ct status dnat meta skuid . tcp dport vmap @uid_mitm_in" in local
-    assert "tcp dport { 15353, 16000-16512, 18080-18081 } drop" in local
+    assert "tcp dport { 15353, 16000-16512, 18080-18081 } goto uid_denied" in local
     assert local[-1] == "accept"
     assert f"add chain inet {T} uid_input {{ type filter hook input priority 0; policy accept; }}" in lines
     assert chain(lines, "uid_input") == [
         "tcp dport 16257-16512 ct status dnat return",
-        "tcp dport 16257-16512 drop",
+        "tcp dport 16257-16512 goto uid_denied",
     ]
     assert not any("16257" in line for line in chain(lines, "input"))
     assert f"add map inet {T} uid_mitm_in {{ type uid . inet_service : verdict; }}" in lines
@@ -128,15 +140,15 @@ def test_doh_blocking_applies_to_uid_subjects(blocklist: bool) -> None:
     lines = header(TableConfig(mitm=True, block_doh_443=True, doh_blocklist=nets))
     out, local = chain(lines, "uid_out"), chain(lines, "uid_local")
     if blocklist:
-        assert "ip daddr @doh_block_v4 tcp dport 443 drop" in out
+        assert "ip daddr @doh_block_v4 tcp dport 443 goto uid_denied" in out
         assert (
-            "tcp dport 16257-16512 ct status dnat ct original ip daddr @doh_block_v4 ct original proto-dst 443 drop"
-            in local
+            "tcp dport 16257-16512 ct status dnat ct original ip daddr @doh_block_v4 ct original proto-dst 443 "
+            "goto uid_denied" in local
         )
         assert not any("doh_block_v6" in line for line in out)
     else:
-        assert "tcp dport 443 drop" in out
-        assert "tcp dport 16257-16512 ct status dnat ct original proto-dst 443 drop" in local
+        assert "tcp dport 443 goto uid_denied" in out
+        assert "tcp dport 16257-16512 ct status dnat ct original proto-dst 443 goto uid_denied" in local
 
 
 def test_configured_range_and_ports() -> None:
@@ -151,6 +163,7 @@ def test_configured_range_and_ports() -> None:
 
 def test_keys_point_the_uid_at_the_subjects_chains_and_ports() -> None:
     assert uid_subject_keys(TableConfig(), SUBJ).describe().splitlines() == [
+        f'add element inet {T} uid_drop_counter {{ 100001 : "subj_s_u_1_dropped" }}',
         f"add element inet {T} uid_dispatch {{ 100001 : jump subj_s_u_1 }}",
         f"add element inet {T} uid_marking {{ 100001 : jump mark_s_u_1 }}",
         f"add element inet {T} uid_dns {{ 100001 : 16003 }}",
@@ -173,6 +186,7 @@ def test_deletes_are_the_inverse_of_the_keys_and_leave_no_audit_membership() -> 
         f"delete element inet {T} uid_dns_own {{ 100001 . 16003 }}",
         f"delete element inet {T} uid_mitm {{ 100001 }}",
         f"delete element inet {T} uid_mitm_in {{ 100001 . 16260 }}",
+        f"delete element inet {T} uid_drop_counter {{ 100001 }}",
         f"add element inet {T} uid_audit {{ 100001 }}",
         f"delete element inet {T} uid_audit {{ 100001 }}",
     ]
@@ -273,3 +287,10 @@ def test_uid_jump_bytes_match_pyroute2(port: int | None, key: bytes) -> None:
     }
     elem = [("NFTA_SET_ELEM_KEY", _value(key)), ("NFTA_SET_ELEM_DATA", verdict)]
     assert _ours(AddUidJump("m", 100001, "c", port=port)) == _oracle(NFT_MSG_NEWSETELEM, "m", elem, NEW)
+
+
+def test_uid_counter_ref_bytes_match_pyroute2() -> None:
+    elem = [("NFTA_SET_ELEM_KEY", _value(UID)), ("NFTA_SET_ELEM_OBJREF", "subj_s_u_1_dropped")]
+    assert _ours(AddUidCounterRef("uid_drop_counter", 100001, "subj_s_u_1_dropped")) == _oracle(
+        NFT_MSG_NEWSETELEM, "uid_drop_counter", elem, NEW
+    )

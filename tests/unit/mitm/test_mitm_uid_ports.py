@@ -129,7 +129,7 @@ def test_listen_port_names_the_subject_only_off_the_shared_listener() -> None:
     def flow(spec: str | None) -> Any:
         mode = ProxyMode.parse(spec) if spec is not None else None
         # Transparent mode puts the original destination in sockname: never a port source.
-        return SimpleNamespace(client_conn=SimpleNamespace(proxy_mode=mode, sockname=("10.204.0.6", 443)))
+        return SimpleNamespace(proxy_mode=mode, sockname=("10.204.0.6", 443))
 
     assert addon._listen_port(flow("transparent@16257"), 18081) == 16257
     assert addon._listen_port(flow("transparent"), 18081) is None, "the shared listener"

@@ -25,6 +25,10 @@ add set inet T dyn_allow_v4 { type ipv4_addr; flags timeout; timeout 360s; size 
 add set inet T allow_v6 { type ipv6_addr; flags interval; }
 add set inet T deny_v6 { type ipv6_addr; flags interval; }
 add set inet T dyn_allow_v6 { type ipv6_addr; flags timeout; timeout 360s; size 4096; }
+add counter inet T dropped { packets 0 bytes 0 }
+add chain inet T denied
+add rule inet T denied counter name "dropped"
+add rule inet T denied drop
 add chain inet T dns_redirect { type nat hook output priority -100; policy accept; }
 add rule inet T dns_redirect meta mark 0x1 return
 add rule inet T dns_redirect udp dport 53 redirect to :15353
@@ -36,15 +40,15 @@ add rule inet T egress oifname "lo" accept
 add rule inet T egress ip daddr 127.0.0.1 meta l4proto { tcp, udp } th dport 15353 accept
 add rule inet T egress ip6 daddr ::1 meta l4proto { tcp, udp } th dport 15353 accept
 add rule inet T egress icmpv6 type { nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert } ip6 hoplimit 255 accept
-add rule inet T egress tcp dport 853 drop
-add rule inet T egress udp dport 853 drop
-add rule inet T egress ip daddr @deny_v4 drop
-add rule inet T egress ip6 daddr @deny_v6 drop
+add rule inet T egress tcp dport 853 goto denied
+add rule inet T egress udp dport 853 goto denied
+add rule inet T egress ip daddr @deny_v4 goto denied
+add rule inet T egress ip6 daddr @deny_v6 goto denied
 add rule inet T egress ip daddr @dyn_allow_v4 accept
 add rule inet T egress ip6 daddr @dyn_allow_v6 accept
 add rule inet T egress ip daddr @allow_v4 accept
 add rule inet T egress ip6 daddr @allow_v6 accept
-add rule inet T egress counter drop
+add rule inet T egress goto denied
 """
 
 
@@ -74,7 +78,7 @@ def test_p1_ip_layer_vector() -> None:
     )
     # deny is checked before allow: 10.0.0.1 is dropped although the /24 allows it.
     lines = script.splitlines()
-    assert lines.index("add rule inet T egress ip daddr @deny_v4 drop") < lines.index(
+    assert lines.index("add rule inet T egress ip daddr @deny_v4 goto denied") < lines.index(
         "add rule inet T egress ip daddr @allow_v4 accept"
     )
 
@@ -106,8 +110,8 @@ def test_default_allow_is_policy_accept_without_tail_drop() -> None:
     pol = parse_policy('{"defaultAction":"allow","egress":[{"action":"deny","target":"1.2.3.4"}]}')
     script = ruleset(SidecarTable(table="T"), pol)
     assert "add chain inet T egress { type filter hook output priority 0; policy accept; }" in script
-    assert "counter drop" not in script
-    assert "add rule inet T egress ip daddr @deny_v4 drop" in script
+    assert "add rule inet T egress goto denied" not in script
+    assert "add rule inet T egress ip daddr @deny_v4 goto denied" in script
     assert "deny_v4 { type ipv4_addr; flags interval; elements = { 1.2.3.4 } }" in script
 
 
@@ -143,8 +147,8 @@ def test_resolvers_join_the_allow_sets_normalised() -> None:
 def test_doh_without_blocklist_drops_all_443() -> None:
     script = ruleset(SidecarTable(table="T", block_doh_443=True), DENY_ALL)
     lines = script.splitlines()
-    assert "add rule inet T egress tcp dport 443 drop" in lines
-    assert lines.index("add rule inet T egress tcp dport 443 drop") < lines.index(
+    assert "add rule inet T egress tcp dport 443 goto denied" in lines
+    assert lines.index("add rule inet T egress tcp dport 443 goto denied") < lines.index(
         "add rule inet T egress ip daddr @allow_v4 accept"
     )
     assert "doh_block" not in script
@@ -164,11 +168,11 @@ def test_doh_blocklist_sets_per_family() -> None:
         "add set inet T doh_block_v6 { type ipv6_addr; flags interval; elements = { 2606:4700::/32 } }"
         in script
     )
-    assert "add rule inet T egress ip daddr @doh_block_v4 tcp dport 443 drop" in script
-    assert "add rule inet T egress ip6 daddr @doh_block_v6 tcp dport 443 drop" in script
-    assert "tcp dport 443 drop\n" not in script.replace("@doh_block_v4 tcp dport 443 drop\n", "").replace(
-        "@doh_block_v6 tcp dport 443 drop\n", ""
-    )
+    assert "add rule inet T egress ip daddr @doh_block_v4 tcp dport 443 goto denied" in script
+    assert "add rule inet T egress ip6 daddr @doh_block_v6 tcp dport 443 goto denied" in script
+    assert "tcp dport 443 goto denied\n" not in script.replace(
+        "@doh_block_v4 tcp dport 443 goto denied\n", ""
+    ).replace("@doh_block_v6 tcp dport 443 goto denied\n", "")
 
 
 def test_blocklist_ignored_when_blocking_is_off() -> None:

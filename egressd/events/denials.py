@@ -1,0 +1,61 @@
+"""The last few DNS denials of each subject, for ``egressctl subjects`` / ``watch`` (BEHAVIOUR §15).
+
+Bounded twice: a handful of entries per subject, and a cap on how many subjects are tracked
+(entries go with their subject on removal or rebind; the cap only matters if that bookkeeping
+were ever missed). An entry is the denied name, the rule that denied it and when: what the
+denial log line already says, never anything the query carried besides its name.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from egressd.events.webhook import normalise_hostname, timestamp
+
+PER_SUBJECT = 8
+MAX_SUBJECTS = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class Denial:
+    name: str
+    rule: str
+    at: float  # wall clock (seconds since the epoch)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"name": self.name, "rule": self.rule, "at": timestamp(self.at)}
+
+
+class RecentDenials:
+    def __init__(
+        self,
+        per_subject: int = PER_SUBJECT,
+        max_subjects: int = MAX_SUBJECTS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._per_subject = per_subject
+        self._max_subjects = max_subjects
+        self._clock = clock
+        self._rings: dict[str, deque[Denial]] = {}
+
+    def add(self, uid: str, name: str, rule: str) -> None:
+        ring = self._rings.get(uid)
+        if ring is None:
+            if len(self._rings) >= self._max_subjects:
+                del self._rings[next(iter(self._rings))]  # the longest-tracked subject
+            ring = self._rings[uid] = deque(maxlen=self._per_subject)
+        ring.append(Denial(normalise_hostname(name)[:253], rule[:64], self._clock()))
+
+    def of(self, uid: str) -> list[Denial]:
+        """Oldest first."""
+        return list(self._rings.get(uid, ()))
+
+    def forget(self, uid: str) -> None:
+        self._rings.pop(uid, None)
+
+    def __len__(self) -> int:
+        return len(self._rings)

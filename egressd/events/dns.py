@@ -1,0 +1,56 @@
+"""The DNS proxy's one hook into the visibility events (BEHAVIOUR §15).
+
+:meth:`DnsEvents.denied` runs for every refusal the proxy answers and
+:meth:`DnsEvents.answered` for every allowed answer; both return at once (no I/O, no await):
+the webhook only queues, the ring only appends, the outbound line is rate-limited.
+
+Which denials count: names a known subject asked that its policy (or its deny-first state)
+denies, i.e. NXDOMAIN for reason ``policy`` or ``denying``. Malformed or refused messages and
+unknown sources are not a sandbox's denied name: they have no sandbox to name, and an unknown
+source could otherwise fill the webhook queue for everybody (they stay in the denial log and
+``egress_policy_denied_total``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from egressd.events.denials import RecentDenials
+from egressd.events.outbound import OutboundLog
+from egressd.events.webhook import DenyWebhook
+from egressd.policy.audit import safe_token
+from egressd.subject.model import IPAddress, subject_for_uid
+
+DENIAL_REASONS = frozenset({"policy", "denying"})
+
+
+class DnsEvents:
+    def __init__(
+        self,
+        *,
+        webhook: DenyWebhook | None = None,
+        denials: RecentDenials | None = None,
+        outbound: OutboundLog | None = None,
+        sandbox_id: Callable[[str], str] = lambda uid: uid,
+    ) -> None:
+        self.webhook = webhook
+        self.denials = denials
+        self.outbound = outbound if outbound is not None else OutboundLog()
+        # Fleet: the subject's uid; sidecar: OPENSANDBOX_EGRESS_SANDBOX_ID.
+        self._sandbox_id = sandbox_id
+
+    def denied(self, uid: str | None, name: str, reason: str, rule: str) -> None:
+        if uid is None or reason not in DENIAL_REASONS or not name:
+            return
+        if self.denials is not None:
+            self.denials.add(uid, name, rule)
+        if self.webhook is not None:
+            self.webhook.publish(name, self._sandbox_id(uid))
+
+    def answer_due(self, uid: str) -> bool:
+        """Whether :meth:`answered` would log (lets the proxy skip collecting addresses)."""
+        return self.outbound.due(uid)
+
+    def answered(self, uid: str, name: str, ips: Sequence[IPAddress], error: str | None = None) -> None:
+        """An allowed answer whose line :meth:`answer_due` granted."""
+        self.outbound.emit(safe_token(subject_for_uid(uid)), name, ips, error)

@@ -1,0 +1,132 @@
+"""Per-subject refusal counts of the fleet profile (BEHAVIOUR §15), read from the kernel.
+
+Every refusal of the table goes through the ``denied`` chain, which counts it in the source's
+named counter ``subj_<id>_dropped`` (or ``unattributed_dropped`` for a source that is no
+subject, exported as ``subject="-"``). A scrape, ``/v1/subjects`` (``egressctl subjects``,
+``status``, ``watch``) and the audit evidence all read the same counter objects; concurrent
+readers share one netlink dump (:class:`CounterDump`).
+
+The recent-denials ring (DNS layer) is attached to the same subject documents here and
+follows the subject's lifecycle as a :class:`~egressd.actionhandler.control.SubjectListener`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import structlog
+
+from egressd.events.denials import RecentDenials
+from egressd.fleetnft.builder import UNATTRIBUTED_COUNTER, dropped_counter_subject
+from egressd.metrics import EgressMetrics
+from egressd.policy.audit import safe_token
+from egressd.subject.registry import Entry
+
+log = structlog.get_logger("egressd.drops")
+
+UNATTRIBUTED = "-"
+
+Counters = dict[str, int]
+
+
+class CounterDump:
+    """The table's counter objects; callers that arrive while a dump runs get that dump's
+    answer instead of starting another one (a scrape reads audit and drop counters at once)."""
+
+    def __init__(self, read: Callable[[], Awaitable[Counters]]) -> None:
+        self._read = read
+        self._inflight: asyncio.Future[Counters] | None = None
+        self.dumps = 0
+
+    async def __call__(self) -> Counters:
+        if self._inflight is None or self._inflight.done():
+            self.dumps += 1
+            self._inflight = asyncio.ensure_future(self._read())
+        return await asyncio.shield(self._inflight)
+
+
+def dropped_by_nft_id(counters: Counters) -> tuple[dict[str, int], int]:
+    """(nft id -> refused packets, unattributed packets) from the table's counters."""
+    out: dict[str, int] = {}
+    for name, packets in counters.items():
+        nft_id = dropped_counter_subject(name)
+        if nft_id is not None:
+            out[nft_id] = packets
+    return out, counters.get(UNATTRIBUTED_COUNTER, 0)
+
+
+def dropped_samples(counters: Counters, subjects: dict[str, str]) -> dict[tuple[str, ...], float]:
+    """{(subject,): packets} for the registered subjects (``subjects``: nft id -> name) and
+    ``("-",)`` for the unattributed ones; a counter of a subject being removed is skipped,
+    so the metric never names a subject that is gone."""
+    by_id, unattributed = dropped_by_nft_id(counters)
+    out: dict[tuple[str, ...], float] = {
+        (name,): float(by_id[nft_id]) for nft_id, name in subjects.items() if nft_id in by_id
+    }
+    out[(UNATTRIBUTED,)] = float(unattributed)
+    return out
+
+
+class DropCounters:
+    """``egressd_subject_dropped_packets_total`` and the per-subject fields of ``/v1/subjects``."""
+
+    def __init__(
+        self,
+        metrics: EgressMetrics,
+        read: Callable[[], Awaitable[Counters]],
+        entries: Callable[[], Iterable[Entry]],
+        denials: RecentDenials | None = None,
+    ) -> None:
+        self._read = read
+        self._entries = entries
+        self.denials = denials
+        self._samples: dict[tuple[str, ...], float] = {}
+        metrics.subject_dropped.collect_from(lambda: dict(self._samples))
+
+    async def _counters(self) -> Counters | None:
+        try:
+            return await self._read()
+        except Exception as exc:
+            log.warning("drops.counters_unreadable", error=str(exc)[:200])
+            return None
+
+    async def refresh(self) -> None:
+        """Before a scrape. A failed read keeps the last samples (counters only ever grow)."""
+        counters = await self._counters()
+        if counters is None:
+            return
+        subjects = {e.nft_id: safe_token(e.subject) for e in self._entries()}
+        self._samples = dropped_samples(counters, subjects)
+
+    async def annotate(self, subjects: list[dict[str, Any]]) -> dict[str, Any]:
+        """Add ``droppedPackets`` (None when the kernel could not be read) and
+        ``recentDenials`` (oldest first) to each subject document of ``/v1/subjects``; return
+        the document's extra top-level fields."""
+        counters = await self._counters()
+        by_id, unattributed = dropped_by_nft_id(counters or {})
+        nft_ids = {e.uid: e.nft_id for e in self._entries()}
+        for doc in subjects:
+            uid = str(doc.get("uid", ""))
+            nft_id = nft_ids.get(uid)
+            doc["droppedPackets"] = None if counters is None or nft_id is None else by_id.get(nft_id, 0)
+            denials = self.denials.of(uid) if self.denials is not None else []
+            doc["recentDenials"] = [d.as_json() for d in denials]
+        return {"unattributedDroppedPackets": None if counters is None else unattributed}
+
+    # ---- SubjectListener: the ring of a subject goes with it (and with its old instance) ---------
+
+    async def registered(self, entry: Entry) -> None:
+        return None
+
+    async def unbound(self, uid: str) -> None:
+        return None
+
+    async def reset(self, uid: str) -> None:
+        if self.denials is not None:
+            self.denials.forget(uid)
+
+    async def removed(self, uid: str) -> None:
+        if self.denials is not None:
+            self.denials.forget(uid)
