@@ -113,6 +113,9 @@ upstream_saw() { grep -q "\"dns\": \"$1\"" "$WORK/upstream.jsonl"; }
 https_get() {  # https_get UID HOST IP PATH: the upstream's JSON echo (what arrived) on stdout
   as "$1" curl -s -m 5 --cacert "$WORK/ca.pem" --resolve "$2:443:$3" "https://$2$4"
 }
+https_upstream_ca() {  # the same, trusting only the upstream's own CA (no vault: passed through)
+  as "$1" curl -s -m 5 --cacert "$WORK/upstream-ca.pem" --resolve "$2:443:$3" "https://$2$4"
+}
 no_uid_objects() {  # no element of uid $1 and no object of subject $2 left in the table
   local out; out=$(inns "$HOST" nft list table inet "$TABLE") || return 1
   ! grep -q "$1" <<<"$out" && ! grep -q "s_$2" <<<"$out"
@@ -120,6 +123,7 @@ no_uid_objects() {  # no element of uid $1 and no object of subject $2 left in t
 
 check "egressd starts in the host namespace and reports healthy" start_egressd
 cp "$WORK/mitm/mitmproxy-ca-cert.pem" "$WORK/ca.pem" && chmod 644 "$WORK/ca.pem"
+cp "$WORK/tls/ca.pem" "$WORK/upstream-ca.pem" && chmod 644 "$WORK/upstream-ca.pem"
 ID1=$(inns "$HOST" curl -s "127.0.0.1:$PORT/_fastlet/v1/actions/status")
 
 ALLOW_A='{"defaultAction":"deny","egress":[{"action":"allow","target":"*.allowed.test"}]}'
@@ -165,9 +169,9 @@ check "egressctl explain uid:$UA api.allowed.test -> allow" bash -c "ip netns ex
 printf '%s' '{"credentials":[{"name":"k","source":{"type":"inline","value":"smoke-uid-secret"}}],"bindings":[{"name":"b","match":{"hosts":["api.allowed.test"]},"auth":{"type":"bearer","credential":"k"}}]}' > "$WORK/vault.json"
 check "vault pushed over the proxy route for ua -> 201" ctl vault put --uid ua --file "$WORK/vault.json"
 check "uid $UA's HTTPS call carries the injected credential upstream" bash -c "$(declare -f as https_get); HOST=$HOST WORK=$WORK; https_get $UA api.allowed.test 10.204.0.2 /v1/x | grep -q 'Bearer smoke-uid-secret'"
-uid_b_gets_nothing() { local out; out=$(https_get "$UB" other.test 10.204.0.3 /v1/x); grep -q '"tls": true' <<<"$out" && ! grep -q smoke-uid-secret <<<"$out"; }
-check "uid $UB's HTTPS call (no vault) gets no credential" uid_b_gets_nothing
-check "uid $UB forging uid $UA's host gets no credential" not bash -c "$(declare -f as https_get); HOST=$HOST WORK=$WORK; https_get $UB api.allowed.test 10.204.0.2 /v1/x | grep -q smoke-uid-secret"
+uid_b_gets_nothing() { local out; out=$(https_upstream_ca "$UB" other.test 10.204.0.3 /v1/x); grep -q '"tls": true' <<<"$out" && ! grep -q smoke-uid-secret <<<"$out"; }
+check "uid $UB's HTTPS call (no vault) is passed through: the upstream's certificate, no credential" uid_b_gets_nothing
+check "uid $UB forging uid $UA's host gets no credential" not bash -c "$(declare -f as https_get https_upstream_ca); HOST=$HOST WORK=$WORK; https_get $UB api.allowed.test 10.204.0.2 /v1/x | grep -q smoke-uid-secret || https_upstream_ca $UB api.allowed.test 10.204.0.2 /v1/x | grep -q smoke-uid-secret"
 check "the secret never reached the daemon's log" not grep -q smoke-uid-secret "$WORK/egressd.log"
 
 # ---- removal, restart and replay --------------------------------------------------------------

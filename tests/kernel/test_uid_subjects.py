@@ -157,6 +157,10 @@ def uidd(utopo: Topology) -> Iterator[Daemon]:
         ca = utopo.workdir / "ca.pem"
         shutil.copy(utopo.workdir / "mitm-conf" / "mitmproxy-ca-cert.pem", ca)
         os.chmod(ca, 0o644)
+        # A subject without a vault is passed through (BEHAVIOUR 16): the upstream's own CA.
+        upstream_ca = utopo.workdir / "upstream-ca.pem"
+        shutil.copy(utopo.tls_dir / "ca.pem", upstream_ca)
+        os.chmod(upstream_ca, 0o644)
         yield d
     finally:
         if d.proc is not None:
@@ -186,6 +190,12 @@ def test_two_uids_each_with_its_own_policy_deny_first_until_ready(utopo: Topolog
         assert reaches(utopo, B, B_IP)
         assert dig(utopo, B, "a.test")[0] == "NXDOMAIN"
         assert not reaches(utopo, B, A_IP), "an address A learned is not B's"
+        # A refusal on the output path is B's: counted in its own drop counter by the socket's
+        # owner (8080: not intercepted, so judged by uid_out itself).
+        assert not reaches(utopo, B, A_IP, port=8080)
+        counter = json.loads(uidd.nft("-j", "list", "counter", "inet", uidd.table, "subj_s_ub_dropped"))
+        [packets] = [c["counter"]["packets"] for c in counter["nftables"] if "counter" in c]
+        assert packets > 0
         # Over TCP too, and to any address: the redirect is per uid, not per server.
         tcp = as_uid(
             utopo, A, "dig", "+tcp", "+short", "+time=2", "+tries=1", f"@{UPSTREAM_IPS[3]}", "a.test"
@@ -295,7 +305,7 @@ def test_injection_for_the_bound_uid_only(utopo: Topology, uidd: Daemon) -> None
         for uid in (A, B):
             assert dig(utopo, uid, API) == ("NOERROR", [API_IP])
 
-        def https(uid: int) -> dict[str, Any]:
+        def https(uid: int, ca: str) -> dict[str, Any]:
             r = as_uid(
                 utopo,
                 uid,
@@ -304,16 +314,17 @@ def test_injection_for_the_bound_uid_only(utopo: Topology, uidd: Daemon) -> None
                 "-m",
                 "5",
                 "--cacert",
-                str(utopo.workdir / "ca.pem"),
+                str(utopo.workdir / ca),
                 "--resolve",
                 f"{API}:443:{API_IP}",
                 f"https://{API}/v1/x",
             )
             return dict(json.loads(r.stdout)) if r.stdout.startswith("{") else {}
 
-        got_a, got_b = https(A), https(B)
+        got_a = https(A, "ca.pem")  # decrypted by the MITM: its CA
+        got_b = https(B, "upstream-ca.pem")  # no vault: passed through, the upstream's own CA
         assert got_a.get("headers", {}).get("Authorization") == f"Bearer {SECRET}", got_a
-        assert got_b, "B's request reached the upstream"
+        assert got_b.get("tls") is True, "B's request reached the upstream"
         assert "Authorization" not in got_b.get("headers", {})
         assert SECRET not in uidd.log_text()
     finally:
