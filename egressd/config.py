@@ -13,6 +13,14 @@ from typing import TypedDict
 
 from egressd.dnsproxy.upstreams import Upstream, UpstreamError, parse_upstreams
 from egressd.events.webhook import WebhookURLError, parse_webhook_url
+from egressd.subject.hostuid import (
+    DEFAULT_UID_PORTS,
+    DEFAULT_UID_RANGE,
+    HOST_UID_MAX,
+    HOST_UID_MIN,
+    UidPorts,
+    UidRange,
+)
 from egressd.vault.model import VaultLimits, compile_ignore_hosts
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -167,6 +175,24 @@ OPTIONS: tuple[Option, ...] = (
         "start even though bridged sandbox-to-sandbox traffic would bypass the forward hook",
         boolean=True,
     ),
+    Option(
+        "EGRESSD_UID_RANGE",
+        "--uid-range",
+        "fleet: host uids that belong to sandboxes, first-last (BEHAVIOUR 17)",
+        str(DEFAULT_UID_RANGE),
+    ),
+    Option(
+        "EGRESSD_UID_DNS_PORT_BASE",
+        "--uid-dns-port-base",
+        "fleet: first per-subject DNS port of host-uid subjects",
+        "16000",
+    ),
+    Option(
+        "EGRESSD_UID_MAX_SUBJECTS",
+        "--uid-max-subjects",
+        "fleet: most host-uid subjects at once (one DNS and one MITM port each)",
+        "256",
+    ),
     # BEHAVIOUR §15 (visibility).
     Option(
         "OPENSANDBOX_EGRESS_DENY_WEBHOOK",
@@ -287,6 +313,7 @@ class Config:
     vault_require_scoped_match: bool = False  # ..._CREDENTIAL_VAULT_REQUIRE_SCOPED_MATCH
     vault_trusted_proxies: tuple[IPNetwork, ...] = ()  # ..._CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS
     nameserver_exempt: tuple[IPAddress, ...] = ()  # OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT
+    uid_ports: UidPorts = DEFAULT_UID_PORTS  # EGRESSD_UID_* (BEHAVIOUR 17)
     mitm_ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (BEHAVIOUR 16)
     mitm_ca_export_dir: Path | None = None  # EGRESSD_MITM_CA_EXPORT_DIR
     # BEHAVIOUR §15. The webhook URL may carry a token: kept out of repr (and of every log).
@@ -317,6 +344,40 @@ class Config:
         """Fields on every log line (the reference merges the same pairs into its root logger)."""
         out = {"sandbox_id": self.sandbox_id} if self.sandbox_id is not None else {}
         return out | dict(self.metrics_extra_attrs)
+
+
+def parse_uid_range(name: str, value: str | None) -> UidRange:
+    text = (value or "").strip()
+    first, sep, last = text.partition("-")
+    try:
+        lo, hi = int(first), int(last)
+    except ValueError:
+        raise ConfigError(f"{name}: expected first-last, e.g. 100000-165535, got {value!r}") from None
+    if not sep or not HOST_UID_MIN <= lo <= hi <= HOST_UID_MAX:
+        raise ConfigError(
+            f"{name}: expected first-last with {HOST_UID_MIN} <= first <= last <= {HOST_UID_MAX}"
+        )
+    return UidRange(lo, hi)
+
+
+def _uid_ports(raw: Mapping[str, str | None], taken: Mapping[str, int]) -> UidPorts:
+    """EGRESSD_UID_*; ``taken`` are the other listeners' ports, which the block must avoid
+    (empty for the sidecar, which has no host-uid subjects)."""
+    ports = UidPorts(
+        parse_uid_range("EGRESSD_UID_RANGE", raw["EGRESSD_UID_RANGE"]),
+        _int("EGRESSD_UID_DNS_PORT_BASE", raw["EGRESSD_UID_DNS_PORT_BASE"], 1, 65535),
+        _int("EGRESSD_UID_MAX_SUBJECTS", raw["EGRESSD_UID_MAX_SUBJECTS"], 1, 16384),
+    )
+    if ports.last > 65535:
+        raise ConfigError(
+            f"EGRESSD_UID_DNS_PORT_BASE: {ports.base} + 2 x EGRESSD_UID_MAX_SUBJECTS + 1 passes port 65535"
+        )
+    for name, port in taken.items():
+        if ports.base <= port <= ports.last:
+            raise ConfigError(
+                f"EGRESSD_UID_DNS_PORT_BASE: the host-uid ports {ports.base}-{ports.last} include {name} {port}"
+            )
+    return ports
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -513,6 +574,16 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         mode=mode,
         **_caps(raw),
         **_host(raw, table, log_format),
+        uid_ports=_uid_ports(
+            raw,
+            {
+                "OPENSANDBOX_EGRESS_HTTP_ADDR": http_port,
+                "EGRESSD_DNS_ADDR": dns_port,
+                "OPENSANDBOX_EGRESS_MITMPROXY_PORT": mitm_port,
+            }
+            if profile == "fleet"
+            else {},
+        ),
     )
 
 

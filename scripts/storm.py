@@ -454,9 +454,29 @@ HEADER_SETS = {
     for fam in ("v4", "v6")
     for kind in ("marking", "dispatch", "sandboxes", "sandbox_nets", "dns_gw", "drop_counter")
 }
-MITM_HEADER_SETS = {f"{kind}_{fam}" for fam in ("v4", "v6") for kind in ("mitm_in", "mitm_src")}
+# The header's host-uid half (BEHAVIOUR 17): its maps stay empty, the storm binds no uid subject.
+UID_HEADER_SETS = {"uid_marking", "uid_dispatch", "uid_dns", "uid_dns_own", "uid_audit", "uid_drop_counter"}
+MITM_HEADER_SETS = {f"{kind}_{fam}" for fam in ("v4", "v6") for kind in ("mitm_in", "mitm_src")} | {
+    "uid_mitm",
+    "uid_mitm_in",
+}
 # BEHAVIOUR §15: every refusal goes through "denied" (counted) to "deny_verdict".
-HEADER_CHAINS = {"marking", "dispatch", "input", "sandbox_in", "nat", "denied", "deny_verdict"}
+HEADER_CHAINS = {
+    "marking",
+    "dispatch",
+    "input",
+    "sandbox_in",
+    "nat",
+    "denied",
+    "deny_verdict",
+    "output",
+    "uid_out",
+    "uid_local",
+    "uid_nat",
+    "nat_out",
+    "uid_denied",
+}
+MITM_HEADER_CHAINS = {"uid_input"}
 HEADER_COUNTERS = {"unattributed_dropped"}
 
 
@@ -674,7 +694,8 @@ class Storm:
         self.templates: dict[str, list[str]] = {}
         self.deadline = time.monotonic() + args.max_seconds
         self.mitm: bool = args.mitm
-        self.header_sets = HEADER_SETS | (MITM_HEADER_SETS if self.mitm else set())
+        self.header_sets = HEADER_SETS | UID_HEADER_SETS | (MITM_HEADER_SETS if self.mitm else set())
+        self.header_chains = HEADER_CHAINS | (MITM_HEADER_CHAINS if self.mitm else set())
         self.codes: dict[str, int] = {}  # "label code" -> count: what the run exercised
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -915,7 +936,7 @@ class Storm:
         """Right after a restart, before any replay: nothing but the deny-all header."""
         k = self.kernel()
         self.tally.restart_checks += 1
-        extra = k.names() - self.header_sets - HEADER_CHAINS - HEADER_COUNTERS
+        extra = k.names() - self.header_sets - self.header_chains - HEADER_COUNTERS
         if extra:
             self.tally.note("restart_not_header", f"objects besides the header: {sorted(extra)[:8]}")
         for name in self.header_sets:
@@ -924,7 +945,7 @@ class Storm:
                 self.tally.note("restart_not_header", f"{name} not empty: {sorted(elems)[:6]}")
         if (
             self.header_rules is not None
-            and {c: k.rules.get(c, []) for c in HEADER_CHAINS} != self.header_rules
+            and {c: k.rules.get(c, []) for c in self.header_chains} != self.header_rules
         ):
             self.tally.note("restart_not_header", "header rules differ from the first start's")
 
@@ -942,7 +963,7 @@ class Storm:
     def _compare_header(self, k: Kernel, when: str) -> None:
         note = self.tally.note
         if self.header_rules is None:
-            self.header_rules = {c: k.rules.get(c, []) for c in HEADER_CHAINS}
+            self.header_rules = {c: k.rules.get(c, []) for c in self.header_chains}
             # The first start's header is the reference: it must end the forward hook with
             # the unmarked-drop and the sandbox input chain with a drop (fail closed).
             if not self.header_rules["dispatch"] or not _refuses(self.header_rules["dispatch"][-1]):
@@ -951,12 +972,12 @@ class Storm:
                 note("missing_denies", "header sandbox_in chain does not end with a drop")
             if not self.header_rules["deny_verdict"] or '"drop"' not in self.header_rules["deny_verdict"][-1]:
                 note("missing_denies", "header deny_verdict chain does not end with a drop")
-        elif {c: k.rules.get(c, []) for c in HEADER_CHAINS} != self.header_rules:
+        elif {c: k.rules.get(c, []) for c in self.header_chains} != self.header_rules:
             note("missing_denies", f"{when}: header rules changed")
 
     def _compare_objects(self, k: Kernel, when: str) -> None:
         """Objects: the expected ones per registered subject, nothing else."""
-        expected_names = self.header_sets | HEADER_CHAINS | HEADER_COUNTERS
+        expected_names = self.header_sets | self.header_chains | HEADER_COUNTERS
         for s in self.model.subs.values():
             expected_names |= {f"subj_{s.nid}_{kind}" for kind in SUBJECT_SET_KINDS}
             expected_names |= {f"subj_{s.nid}", f"mark_{s.nid}"} | (

@@ -19,6 +19,7 @@ from egressd.actionhandler.always import AlwaysRulesApply
 from egressd.actionhandler.api import OK, Result, SubjectListener
 from egressd.actionhandler.envelope import HookName, LifecycleHook, RemoveBinding, SetBinding
 from egressd.actionhandler.flows import FlowCuts
+from egressd.actionhandler.hostuid import PortBook, with_host_binding
 from egressd.actionhandler.inputs import BadRequest, BindingInput, read_set_binding
 from egressd.actionhandler.learning import DnsLearning
 from egressd.actionhandler.policies import EffectivePolicies
@@ -85,13 +86,14 @@ class ControlPlane:
         )
         closing = revocations.closing
         self.credentials = Credentials(
-            shared.registry, policies, closing, limits=vault_limits, pending_ttl=pending_ttl
+            shared.registry, policies, closing, limits=vault_limits, pending_ttl=pending_ttl, uids=table.uids
         )
         self.learning = learning = DnsLearning(shared, policies, closing, max_leases=max_leases)
         self.vaults, self.leases = self.credentials.stores, learning.leases
         self.flows = FlowCuts(conntrack_flush, self.leases)
         self.nets = SandboxNets()
-        self.steps = StepRunner(shared, policies, learning, self.flows, self.nets)
+        self.uid_ports = PortBook(table, shared.registry, self.claims)  # host-uid DNS listeners
+        self.steps = StepRunner(shared, policies, learning, self.flows, self.nets, self.uid_ports)
         self.always_rules = AlwaysRulesApply(shared, policies, revocations, learning, self.flows)
         self.report = Report(shared, policies, revocations, self.leases, self.vaults)
         # Kept under their old names: what the tests and scripts reach most.
@@ -139,7 +141,10 @@ class ControlPlane:
                 )
             except BadRequest as exc:
                 return Result(400, str(exc))
-            return await self._bind(action.uid, req, parsed)
+            keyed = with_host_binding(self.table, self.registry, self.claims, action, req)
+            if isinstance(keyed, Result):
+                return keyed
+            return await self._bind(action.uid, keyed, parsed)
 
     async def _bind(self, uid: str, req: SetBindingRequest, parsed: BindingInput | None) -> Result:
         entry = self.registry.get(uid)

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass, field
 from typing import NoReturn, cast
 
+from egressd.subject.hostuid import DEFAULT_UID_RANGE, UidRange, host_uid_problem
 from egressd.subject.model import Fence, IPAddress, uid_problem, unmap_ip
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "EnvelopeError",
     "HookName",
     "LifecycleHook",
+    "ProcessAttachment",
     "RemoveBinding",
     "SetBinding",
     "parse_action",
@@ -69,10 +71,20 @@ class Attachment:
 
 
 @dataclass(frozen=True, slots=True)
+class ProcessAttachment:
+    """``attachment.process`` of a SET_BINDING (BEHAVIOUR 17): the sandbox is every process of
+    host uid ``uid`` in egressd's own network namespace; that uid is the dispatch key."""
+
+    uid: int
+
+
+@dataclass(frozen=True, slots=True)
 class SetBinding:
     """SET_BINDING. ``input`` None is the JSON literal null (binding removal).
 
-    ``input`` is kept out of ``repr`` so the binding input never reaches logs.
+    At most one of ``attachment`` (a network sandbox, keyed by source IP) and ``process``
+    (a host-uid sandbox) is set. ``input`` is kept out of ``repr`` so the binding input never
+    reaches logs.
     """
 
     uid: str
@@ -80,12 +92,14 @@ class SetBinding:
     spec_generation: int
     attachment: Attachment | None
     input: str | None = field(repr=False)
+    process: ProcessAttachment | None = None
 
     def __repr__(self) -> str:
         shown = "None" if self.input is None else "<redacted>"
         return (
             f"SetBinding(uid={self.uid!r}, fence={self.fence!r}, "
-            f"spec_generation={self.spec_generation!r}, attachment={self.attachment!r}, input={shown})"
+            f"spec_generation={self.spec_generation!r}, attachment={self.attachment!r}, "
+            f"process={self.process!r}, input={shown})"
         )
 
 
@@ -286,6 +300,31 @@ def _attachment(doc: _JSONObject, *, required: bool) -> Attachment | None:
     return Attachment(ip=ip, host_veth=host_veth or "", gateway=gateway, private_cidr=private_cidr)
 
 
+def _process(
+    doc: _JSONObject, *, required: bool, uid_range: UidRange, own_uid: int | None
+) -> ProcessAttachment | None:
+    """``attachment.process`` (BEHAVIOUR 17); None when the block is absent.
+
+    Only ``uid`` is read: an integer (JSON number without fraction or exponent, never a
+    string or a boolean) inside ``uid_range`` and not egressd's own uid. Like a network
+    attachment's ip, a missing uid means "no attachment" for a null input.
+    """
+    process = _block(_block(doc, "attachment", "attachment"), "process", "attachment.process")
+    if process is None:
+        return None
+    value = process.get("uid")
+    if value is None:
+        if required:
+            _fail("attachment.process.uid is required")
+        return None
+    if type(value) is not int:
+        _fail("attachment.process.uid must be an integer")
+    problem = host_uid_problem(value, uid_range, own_uid)
+    if problem is not None:
+        _fail(f"attachment.process.uid is invalid: {problem}")
+    return ProcessAttachment(uid=value)
+
+
 def _hook(doc: _JSONObject) -> HookName:
     hook = _block(doc, "hook", "hook")
     if hook is None:
@@ -311,8 +350,28 @@ def _fence(doc: _JSONObject) -> Fence:
 # --------------------------------------------------------------------------- entry point
 
 
-def parse_action(body: bytes) -> Action:
-    """Parse one action envelope; raises :class:`EnvelopeError` on any violation."""
+def _attachments(
+    doc: _JSONObject, *, required: bool, uid_range: UidRange, own_uid: int | None
+) -> tuple[Attachment | None, ProcessAttachment | None]:
+    """A network attachment or a process attachment, never both: one sandbox has one
+    dispatch key, and two would make its identity depend on which one a hook checks."""
+    attachment = _block(doc, "attachment", "attachment")
+    has_process = attachment is not None and attachment.get("process") is not None
+    if has_process and attachment is not None and attachment.get("network") is not None:
+        _fail("attachment.network and attachment.process are mutually exclusive")
+    if has_process:
+        return None, _process(doc, required=required, uid_range=uid_range, own_uid=own_uid)
+    return _attachment(doc, required=required), None
+
+
+def parse_action(
+    body: bytes, *, uid_range: UidRange = DEFAULT_UID_RANGE, own_uid: int | None = None
+) -> Action:
+    """Parse one action envelope; raises :class:`EnvelopeError` on any violation.
+
+    ``uid_range`` (``EGRESSD_UID_RANGE``) and ``own_uid`` (egressd's uid) bound the host uid
+    of a process attachment.
+    """
     doc = _decode(body)
     _api_version(doc)
     uid = _uid(doc)
@@ -320,13 +379,16 @@ def parse_action(body: bytes) -> Action:
     if op == _OP_SET_BINDING:
         binding_input = _binding_input(doc)
         spec_generation = _spec_generation(doc)
-        attachment = _attachment(doc, required=binding_input is not None)
+        attachment, process = _attachments(
+            doc, required=binding_input is not None, uid_range=uid_range, own_uid=own_uid
+        )
         return SetBinding(
             uid=uid,
             fence=_fence(doc),
             spec_generation=spec_generation,
             attachment=attachment,
             input=binding_input,
+            process=process,
         )
     if op == _OP_LIFECYCLE_HOOK:
         hook = _hook(doc)

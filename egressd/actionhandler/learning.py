@@ -28,7 +28,7 @@ from egressd.subject.leases import (
     narrowed_for,
 )
 from egressd.subject.model import Fence, IPAddress, unmap_ip
-from egressd.subject.registry import State
+from egressd.subject.registry import Entry, HostBinding, State
 
 
 class DnsLearning:
@@ -52,7 +52,19 @@ class DnsLearning:
 
     def asker(self, source_ip: IPAddress) -> Asker | None:
         """Hot path for every DNS query: a map lookup and a cached effective policy."""
-        entry = self._shared.registry.resolve(source_ip)
+        return self._asker_of(self._shared.registry.resolve(source_ip))
+
+    def asker_for_slot(self, slot: int) -> Asker | None:
+        """The asker behind a host-uid subject's DNS port (BEHAVIOUR 17): the port names it."""
+        return self._asker_of(self._shared.registry.resolve_slot(slot))
+
+    def host_uid_subjects(self) -> dict[int, str]:
+        """Host uid -> sandbox uid of every host-uid subject (the connection refresh's view)."""
+        return {
+            e.binding.host_uid: e.uid for e in self._shared.registry if isinstance(e.binding, HostBinding)
+        }
+
+    def _asker_of(self, entry: Entry | None) -> Asker | None:
         if entry is None:
             return None
         if self._closing(entry.uid):
@@ -106,7 +118,9 @@ class DnsLearning:
                 admitted = admissible(book, effective, leases, name, now)
                 if not admitted:
                     return []
-                batch = dyn_add(shared.table.table, entry.nft_id, admitted, replace=shared.table.renew_by_replace)
+                batch = dyn_add(
+                    shared.table.table, entry.nft_id, admitted, replace=shared.table.renew_by_replace
+                )
                 try:
                     await shared.tx.run_batch_inline(batch, op="dynamic_add")
                 except BaseException as exc:
@@ -132,7 +146,14 @@ class DnsLearning:
         """May the MITM send ``host``'s credentials to ``dst`` for this sandbox? The lease
         book's rule (:func:`egressd.subject.leases.destination_verified`), for the active
         subject behind ``source_ip`` only."""
-        entry = self._shared.registry.resolve(source_ip)
+        return self._verified(self._shared.registry.resolve(source_ip), host, dst)
+
+    def destination_verified_port(self, port: int, host: str, dst: IPAddress) -> bool:
+        """The same for a host-uid subject, named by its MITM port (BEHAVIOUR 17)."""
+        slot = self._shared.table.uids.slot_of_mitm_port(port)
+        return slot is not None and self._verified(self._shared.registry.resolve_slot(slot), host, dst)
+
+    def _verified(self, entry: Entry | None, host: str, dst: IPAddress) -> bool:
         if entry is None or entry.state is not State.ACTIVE or self._closing(entry.uid):
             return False
         effective = self._policies.effective_for(entry)

@@ -8,20 +8,28 @@ dump per set, never from egressd's own bookkeeping.
 from __future__ import annotations
 
 import ipaddress
+import struct
 import time
 from typing import Any
 
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.revocation import Revocations
 from egressd.actionhandler.shared import Shared
-from egressd.fleetnft.builder import dispatch_map, family, rules_per_subject, subject_set
+from egressd.fleetnft.builder import (
+    UID_DISPATCH,
+    TableConfig,
+    dispatch_map,
+    family,
+    rules_per_subject,
+    subject_set,
+)
 from egressd.kernel.applier import NftError
 from egressd.kernel.netlink import element_covering
 from egressd.policy import NetworkPolicy
 from egressd.policy.explain import explain as explain_target
 from egressd.subject.leases import LeaseBook
 from egressd.subject.model import IPAddress, unmap_ip
-from egressd.subject.registry import State
+from egressd.subject.registry import AnyBinding, Entry, HostBinding, State
 from egressd.vault.store import VaultStore
 
 
@@ -40,8 +48,15 @@ class Report:
         self._leases = leases
         self._vaults = vaults
 
-    def explain(self, source_ip: IPAddress, target: str) -> dict[str, Any]:
-        entry = self._shared.registry.resolve(unmap_ip(source_ip))
+    def _entry_of(self, source: IPAddress | int) -> Entry | None:
+        """The subject behind a source address, or behind a host uid (an ``int``, BEHAVIOUR 17)."""
+        if isinstance(source, int):
+            return self._shared.registry.resolve_host_uid(source)
+        return self._shared.registry.resolve(unmap_ip(source))
+
+    def explain(self, source_ip: IPAddress | int, target: str) -> dict[str, Any]:
+        """``source_ip`` is a sandbox address, or an ``int``: a host uid."""
+        entry = self._entry_of(source_ip)
         now = time.monotonic()
         book = self._leases.get(entry.uid) if entry else None
         out = explain_target(
@@ -51,29 +66,34 @@ class Report:
             target=target,
             now=now,
         )
-        out["sourceIp"] = str(source_ip)
+        if isinstance(source_ip, int):
+            out["hostUid"] = source_ip
+        else:
+            out["sourceIp"] = str(source_ip)
         if entry is not None:
             out["subject"] = entry.subject
         return out
 
-    async def kernel_membership(self, source_ip: IPAddress, target: IPAddress) -> dict[str, Any]:
+    async def kernel_membership(self, source_ip: IPAddress | int, target: IPAddress) -> dict[str, Any]:
         """What the kernel itself holds for ``target`` in the source's subject (explain):
-        whether the source is in the dispatch map, and which of the subject's sets cover the
-        address (with the remaining lifetime of a DNS lease)."""
-        source_ip, target = unmap_ip(source_ip), unmap_ip(target)
+        whether the source (an address, or a host uid) is in the dispatch map, and which of
+        the subject's sets cover the address (with the remaining lifetime of a DNS lease)."""
+        target = unmap_ip(target)
         registry, table = self._shared.registry, self._shared.table.table
-        dump = self._shared.tx.list_set_elements
-        entry = registry.resolve(source_ip)
+        entry = self._entry_of(source_ip)
         try:
-            dispatched = element_covering(
-                source_ip, await dump(table, dispatch_map(family(source_ip))), interval=False
-            )
-            out: dict[str, Any] = {"available": True, "dispatched": dispatched is not None, "sets": []}
+            out: dict[str, Any] = {
+                "available": True,
+                "dispatched": await self._dispatched(source_ip),
+                "sets": [],
+            }
             if entry is None or not registry.kernel(entry.uid).objects:
                 return out
             for kind, interval in (("deny", True), ("allow", True), ("dyn", False)):
                 name = subject_set(entry.nft_id, kind, family(target))
-                hit = element_covering(target, await dump(table, name), interval=interval)
+                hit = element_covering(
+                    target, await self._shared.tx.list_set_elements(table, name), interval=interval
+                )
                 if hit is None:
                     continue
                 element, end = hit
@@ -87,6 +107,18 @@ class Report:
         except NftError as exc:
             return {"available": False, "error": str(exc)[:200]}
         return out
+
+    async def _dispatched(self, source: IPAddress | int) -> bool:
+        """Whether the kernel's dispatch map holds the source (its uid map for a host uid)."""
+        dump, table = self._shared.tx.list_set_elements, self._shared.table.table
+        if isinstance(source, int):
+            key = struct.pack("=I", source)  # meta skuid's host-endian u32
+            return any(e.key == key for e in await dump(table, UID_DISPATCH))
+        source = unmap_ip(source)
+        return (
+            element_covering(source, await dump(table, dispatch_map(family(source))), interval=False)
+            is not None
+        )
 
     def rules_count(self) -> dict[tuple[str, ...], float]:
         """Rules in the table: each installed subject's fixed rules."""
@@ -111,8 +143,7 @@ class Report:
                     "state": e.state.value,
                     # The kernel refused a narrowing and egressd is retrying it (14.6).
                     "revoking": e.uid in self._revocations.pending,
-                    "sourceIp": str(e.binding.ip) if e.binding else None,
-                    "gateway": str(e.binding.gateway) if e.binding and e.binding.gateway else None,
+                    **_binding_fields(e.binding, self._shared.table),
                     "specGeneration": e.spec_generation,
                     "pending": e.pending is not None,
                     "kernelInstalled": registry.kernel(e.uid).objects,
@@ -124,6 +155,23 @@ class Report:
                 }
             )
         return out
+
+
+def _binding_fields(binding: AnyBinding | None, table: TableConfig) -> dict[str, Any]:
+    """The dispatch key of ``egressctl subjects``: an address and gateway, or a host uid and
+    its ports (BEHAVIOUR 17)."""
+    if isinstance(binding, HostBinding):
+        return {
+            "sourceIp": None,
+            "gateway": None,
+            "hostUid": binding.host_uid,
+            "dnsPort": table.uids.dns_port(binding.slot),
+            "mitmPort": table.uids.mitm_port(binding.slot) if table.mitm else None,
+        }
+    return {
+        "sourceIp": str(binding.ip) if binding else None,
+        "gateway": str(binding.gateway) if binding and binding.gateway else None,
+    }
 
 
 def _element_text(start: bytes, end: bytes | None, *, interval: bool) -> str:

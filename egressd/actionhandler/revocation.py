@@ -75,10 +75,11 @@ def narrows(plan: Plan, registry: Registry) -> bool:
     if target is None:
         return False
     view = registry.kernel(target.uid)
+    keyed = bool(view.keys or view.uid_keys)
     for step in plan.steps:
-        if isinstance(step, RemoveAll | DropStaleKeys) and (view.objects or view.keys):
+        if isinstance(step, RemoveAll | DropStaleKeys) and (view.objects or keyed):
             return True
-        if isinstance(step, InstallDenyFirst) and view.objects and (view.applied is not None or view.keys):
+        if isinstance(step, InstallDenyFirst) and view.objects and (view.applied is not None or keyed):
             return True
         if isinstance(step, ApplyPolicy) and view.applied is not None:
             return True

@@ -12,12 +12,13 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from egressd.fleetnft.builder import TableConfig
 from egressd.kernel.applier import Transactions
 from egressd.metrics import EgressMetrics
 from egressd.subject.model import IPAddress, nft_id, subject_for_uid
-from egressd.subject.registry import Binding, Registry
+from egressd.subject.registry import AnyBinding, HostBinding, Registry
 
 
 class SubjectLocks:
@@ -42,37 +43,52 @@ class SubjectLocks:
 
 
 class Claims:
-    """The nft ids and IPs SET_BINDINGs in flight are binding: visible from before their first
-    await, so a concurrent SET_BINDING of another uid for the same ip or nft id gets 409
-    instead of sharing kernel objects (the registry only knows committed entries)."""
+    """The nft ids, IPs, host uids and slots SET_BINDINGs in flight are binding: visible from
+    before their first await, so a concurrent SET_BINDING of another uid for the same key gets
+    409 instead of sharing kernel objects (the registry only knows committed entries)."""
 
     def __init__(self) -> None:
         self.ips: dict[IPAddress, str] = {}
         self.nft_ids: dict[str, str] = {}
+        self.host_uids: dict[int, str] = {}  # host-uid subjects (BEHAVIOUR 17)
+        self.slots: dict[int, str] = {}
 
-    def conflict(self, uid: str, binding: Binding | None) -> str | None:
+    def conflict(self, uid: str, binding: AnyBinding | None) -> str | None:
         other = self.nft_ids.get(nft_id(subject_for_uid(uid)))
         if other is not None and other != uid:
             return f"subject id collides with sandbox {other!r} being bound"
-        if binding is not None:
+        if isinstance(binding, HostBinding):
+            other = self.host_uids.get(binding.host_uid)
+            if other is not None and other != uid:
+                return f"host uid {binding.host_uid} is being bound to another sandbox"
+        elif binding is not None:
             other = self.ips.get(binding.ip)
             if other is not None and other != uid:
                 return f"ip {binding.ip} is being bound to another sandbox"
         return None
 
+    def slots_of_others(self, uid: str) -> set[int]:
+        return {slot for slot, owner in self.slots.items() if owner != uid}
+
     @contextlib.contextmanager
-    def reserve(self, uid: str, binding: Binding | None) -> Iterator[None]:
+    def reserve(self, uid: str, binding: AnyBinding | None) -> Iterator[None]:
         nid = nft_id(subject_for_uid(uid))
         self.nft_ids[nid] = uid
-        if binding is not None:
-            self.ips[binding.ip] = uid
+        held: list[tuple[dict[Any, str], object]] = []
+        if isinstance(binding, HostBinding):
+            held = [(self.host_uids, binding.host_uid), (self.slots, binding.slot)]
+        elif binding is not None:
+            held = [(self.ips, binding.ip)]
+        for book, key in held:
+            book[key] = uid
         try:
             yield
         finally:
             if self.nft_ids.get(nid) == uid:
                 del self.nft_ids[nid]
-            if binding is not None and self.ips.get(binding.ip) == uid:
-                del self.ips[binding.ip]
+            for book, key in held:
+                if book.get(key) == uid:
+                    del book[key]
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import structlog
 
+from egressd.actionhandler import hostuid
 from egressd.actionhandler.flows import FlowCuts
 from egressd.actionhandler.learning import DnsLearning
 from egressd.actionhandler.policies import EffectivePolicies
@@ -42,6 +43,7 @@ from egressd.subject.registry import (
     Binding,
     DropStaleKeys,
     Entry,
+    HostBinding,
     InstallDenyFirst,
     KernelView,
     RemoveAll,
@@ -87,6 +89,7 @@ def in_doubt(before: KernelView, after: KernelView) -> KernelView:
         rules=before.rules and after.rules,
         applied=None if after.applied is None else before.applied,
         unsure=True,
+        uid_keys=before.uid_keys | after.uid_keys,
     )
 
 
@@ -157,6 +160,7 @@ class StepRunner:
         learning: DnsLearning,
         flows: FlowCuts,
         nets: SandboxNets,
+        ports: hostuid.PortBook,
     ) -> None:
         self._shared = shared
         self._cfg = shared.table
@@ -164,6 +168,7 @@ class StepRunner:
         self._learning = learning
         self._flows = flows
         self.nets = nets
+        self.ports = ports  # host-uid subjects' DNS listeners
 
     async def reset_table(self) -> None:
         """The table replaced by the deny-all header in one transaction (start-up): every
@@ -191,10 +196,14 @@ class StepRunner:
             txn.prelude = self.resync_batch(entry.uid, entry.nft_id, view)
             view = replace(view, rules=view.objects, unsure=False)
         match step:
+            case InstallDenyFirst(binding=HostBinding() as host):
+                return await self._uid_deny_first(entry, host, view, txn)
             case InstallDenyFirst():
                 return await self._deny_first(entry, step, view, txn)
             case ApplyPolicy():
                 return await self._apply_policy(entry, step, view, txn)
+            case AddKeys(binding=HostBinding() as host):
+                return await self._uid_add_keys(entry, host, view, txn)
             case AddKeys():
                 return await self._add_keys(entry, step, view, txn)
             case DropStaleKeys():
@@ -202,10 +211,44 @@ class StepRunner:
             case RemoveAll():
                 return await self._remove_all(entry, view, txn)
 
+    async def _uid_deny_first(
+        self, entry: Entry, host: HostBinding, view: KernelView, txn: _Transaction
+    ) -> list[IPAddress]:
+        """A host-uid subject's deny-first: its DNS port listens before any redirect points
+        at it. Nothing to cut (its packets are all judged on output), except the flows of a
+        network binding it replaces."""
+        await self._open_port(host.slot)
+        batch, after = hostuid.deny_first(self._cfg, entry, host, view)
+        batch, commit = self.nets.refilled(batch, entry.uid, None)
+        await txn.send(batch, "deny_first", after)
+        commit()
+        if view.objects:
+            self._learning.forget(entry.uid)
+        return ips(view.keys)
+
+    async def _uid_add_keys(
+        self, entry: Entry, host: HostBinding, view: KernelView, txn: _Transaction
+    ) -> list[IPAddress]:
+        await self._open_port(host.slot)
+        audit = view.applied is not None and self._policies.effective(view.applied).audit
+        batch, commit = self.nets.refilled(hostuid.add_keys(self._cfg, entry, host, audit), entry.uid, None)
+        key = (host.host_uid, host.slot)
+        await txn.send(batch, "dispatch_update", replace(view, uid_keys=view.uid_keys | {key}))
+        commit()
+        return []
+
+    async def _open_port(self, slot: int) -> None:
+        try:
+            await self.ports.open(slot)
+        except OSError as exc:
+            port = self._cfg.uids.dns_port(slot)
+            raise Refused(f"host-uid DNS port {port}: {exc.strerror or exc}") from None
+
     async def _deny_first(
         self, entry: Entry, step: InstallDenyFirst, view: KernelView, txn: _Transaction
     ) -> list[IPAddress]:
         nid, cfg = entry.nft_id, self._cfg
+        assert isinstance(step.binding, Binding)
         subj = _subject_nft(nid, step.binding)
         try:
             create = subject_create(cfg, subj)
@@ -251,8 +294,9 @@ class StepRunner:
             # (14.1); the flush runs even when the book knows of none, so an element a
             # failed-looking learn left in the kernel does not outlive the change.
             batch = batch + dyn_replace(table, nid, narrowed.kept if narrowed is not None else ())
-        cidr = entry.binding.private_cidr if entry.binding is not None else self.nets.held.get(entry.uid)
-        batch, commit = self.nets.refilled(batch, entry.uid, cidr)
+        # A host-uid subject's audit mode lets its established flows pass (fleetnft/builder.py).
+        batch = batch + hostuid.audit_membership(self._cfg, view.uid_keys, effective.audit)
+        batch, commit = self.nets.refilled(batch, entry.uid, _cidr(entry, self.nets))
         try:
             await txn.send(batch, "static_apply", replace(view, applied=step.policy))
         except NftError as exc:
@@ -267,15 +311,17 @@ class StepRunner:
         if narrowed is not None:
             self._learning.leases[entry.uid] = narrowed.book
         log.info("egress.updated", **{"opensandbox.event": "egress.updated", **event}, subject=entry.subject)
-        if view.applied is not None and self._flows.enabled:
+        if view.applied is not None and self._flows.enabled and view.keys:
             # An in-place change: flows to destinations it no longer allows are cut,
-            # allowed ones keep running.
+            # allowed ones keep running. (A host-uid subject has nothing established past
+            # its rules.)
             self._flows.background(self._flows.cut_disallowed(entry.uid, view.keys, effective))
         return []
 
     async def _add_keys(
         self, entry: Entry, step: AddKeys, view: KernelView, txn: _Transaction
     ) -> list[IPAddress]:
+        assert isinstance(step.binding, Binding)
         subj = _subject_nft(entry.nft_id, step.binding)
         keys, commit = self.nets.refilled(subject_keys(self._cfg, subj), entry.uid, step.binding.private_cidr)
         await txn.send(keys, "dispatch_update", replace(view, keys=view.keys | {(subj.ip, subj.gateway)}))
@@ -286,26 +332,36 @@ class StepRunner:
     async def _drop_stale_keys(
         self, entry: Entry, step: DropStaleKeys, view: KernelView, txn: _Transaction
     ) -> list[IPAddress]:
-        keep = step.keep
+        keep = step.keep if isinstance(step.keep, Binding) else None
         kept: Keys = frozenset(
             {(keep.ip, keep.gateway)} if keep is not None and keep.gateway is not None else set()
         )
-        stale = view.keys - kept
-        ops = self._key_deletes(entry.uid, stale, keep)
+        kept_uid = hostuid.kept(step.keep)
+        stale, stale_uid = view.keys - kept, view.uid_keys - kept_uid
+        ops = self._key_deletes(entry.uid, stale, keep) + hostuid.key_deletes(self._cfg, stale_uid)
         batch = NetlinkBatch(self._cfg.table, tuple(ops))
-        await txn.send(batch, "dispatch_update", replace(view, keys=view.keys & kept))
+        await txn.send(
+            batch, "dispatch_update", replace(view, keys=view.keys & kept, uid_keys=view.uid_keys & kept_uid)
+        )
+        # The slot of the binding the subject ends with stays open (a re-key to another uid
+        # drops every key first, then adds the new one on the same slot).
+        ending = hostuid.slots(entry, kept_uid)
+        await self.ports.close(entry.uid, {slot for _, slot in stale_uid} - ending)
         return [ip for ip in ips(stale) if ip not in ips(kept)]
 
     async def _remove_all(self, entry: Entry, view: KernelView, txn: _Transaction) -> list[IPAddress]:
-        if not view.objects and not view.keys:
+        slots = hostuid.slots(entry, view.uid_keys)
+        if not view.objects and not view.keys and not view.uid_keys:
             txn.save(KernelView())
+            await self.ports.close(entry.uid, slots)
             return []
-        ops = self._key_deletes(entry.uid, view.keys, None)
+        ops = self._key_deletes(entry.uid, view.keys, None) + hostuid.key_deletes(self._cfg, view.uid_keys)
         if view.objects:
             ops += removal_batch(self._cfg, entry.nft_id, None, release_gateway=None).ops
         removal, commit = self.nets.refilled(NetlinkBatch(self._cfg.table, tuple(ops)), entry.uid, None)
         await txn.send(removal, "remove", KernelView())
         commit()
+        await self.ports.close(entry.uid, slots)
         self._learning.forget(entry.uid)
         self._policies.forget(entry.uid)
         return ips(view.keys)
@@ -327,7 +383,9 @@ class StepRunner:
                 table, nid, narrowed.kept if narrowed is not None else ()
             )
         keys = [SubjectNft(nid, ip, gw) for ip, gw in sorted(view.keys, key=str)]
-        return subject_resync(self._cfg, nid, keys, contents)
+        audit = view.applied is not None and self._policies.effective(view.applied).audit
+        uid_keys = hostuid.resync_keys(self._cfg, nid, view, audit)
+        return subject_resync(self._cfg, nid, keys, contents) + uid_keys
 
     def _key_deletes(self, uid: str, stale: Keys, keep: Binding | None) -> list[Op]:
         """Deletions for stale dispatch keys: each map element and gateway exactly once."""
@@ -342,6 +400,13 @@ class StepRunner:
             if not self._shared.registry.gateway_in_use(gw, excluding=uid):
                 ops.append(gateway_release(gw))
         return ops
+
+
+def _cidr(entry: Entry, nets: SandboxNets) -> Network | None:
+    """The privateCidr the subject's binding names (none for a host-uid subject)."""
+    if isinstance(entry.binding, HostBinding):
+        return None
+    return entry.binding.private_cidr if entry.binding is not None else nets.held.get(entry.uid)
 
 
 def _subject_nft(nid: str, binding: Binding) -> SubjectNft:

@@ -15,9 +15,11 @@ import structlog
 
 from egressd.actionhandler.inputs import BindingInput, VaultAction
 from egressd.actionhandler.policies import EffectivePolicies
+from egressd.mitm.lookup import port_key
 from egressd.policy import NetworkPolicy
+from egressd.subject.hostuid import DEFAULT_UID_PORTS, UidPorts
 from egressd.subject.model import IPAddress, subject_for_uid
-from egressd.subject.registry import Entry, Plan, PlanOutcome, Registry, State
+from egressd.subject.registry import Entry, HostBinding, Plan, PlanOutcome, Registry, State
 from egressd.vault.model import VaultError, VaultLimits
 from egressd.vault.offload import off_loop
 from egressd.vault.pending import PendingPushes
@@ -35,6 +37,7 @@ class Credentials:
         *,
         limits: VaultLimits,
         pending_ttl: float,
+        uids: UidPorts = DEFAULT_UID_PORTS,
     ) -> None:
         self._registry = registry
         self._policies = policies
@@ -46,16 +49,26 @@ class Credentials:
         self.pending_pushes = PendingPushes(pending_ttl)
         # Set by the MITM (BEHAVIOUR 14.9): addresses whose vault snapshot the MITM child may
         # hold and must drop now (vault deleted or changed, subject removed, rebound, closing).
-        self.forget_snapshots: Callable[[list[IPAddress]], None] | None = None
+        # (A host-uid subject's snapshot is cached under its MITM port's key, not an address.)
+        self.forget_snapshots: Callable[[list[IPAddress | str]], None] | None = None
+        self._uids = uids  # host-uid subjects' MITM ports (BEHAVIOUR 17)
 
     def view_changed(self, uid: str, *also: Entry | None) -> None:
-        """What ``vault_for_ip`` answers for ``uid``'s address may have changed: the MITM child
-        drops its cached snapshot of it (and of ``also``'s addresses, e.g. the old binding)."""
+        """What ``vault_for_ip`` answers for ``uid``'s address (``vault_for_mitm_port`` for
+        its port) may have changed: the MITM child drops its cached snapshot of it (and of
+        ``also``'s, e.g. the old binding)."""
         if self.forget_snapshots is None:
             return
-        ips = {e.binding.ip for e in (self._registry.get(uid), *also) if e is not None and e.binding}
-        if ips:
-            self.forget_snapshots(sorted(ips, key=str))
+        clients: set[IPAddress | str] = set()
+        for e in (self._registry.get(uid), *also):
+            if e is None or e.binding is None:
+                continue
+            if isinstance(e.binding, HostBinding):
+                clients.add(port_key(self._uids.mitm_port(e.binding.slot)))
+            else:
+                clients.add(e.binding.ip)
+        if clients:
+            self.forget_snapshots(sorted(clients, key=str))
 
     def drop(self, uid: str, *, pushes: bool) -> None:
         self.view_changed(uid)
@@ -143,7 +156,14 @@ class Credentials:
 
     def vault_for_ip(self, source_ip: IPAddress) -> VaultSnapshot | None:
         """MITM lookup: the active subject's vault snapshot (``.tag`` changes on every mutation)."""
-        entry = self._registry.resolve(source_ip)
+        return self._snapshot(self._registry.resolve(source_ip))
+
+    def vault_for_mitm_port(self, port: int) -> VaultSnapshot | None:
+        """MITM lookup of a host-uid subject (BEHAVIOUR 17): its listener port names it."""
+        slot = self._uids.slot_of_mitm_port(port)
+        return None if slot is None else self._snapshot(self._registry.resolve_slot(slot))
+
+    def _snapshot(self, entry: Entry | None) -> VaultSnapshot | None:
         if entry is None or entry.state is not State.ACTIVE or self._closing(entry.uid):
             return None
         store = self.stores.get(entry.uid)

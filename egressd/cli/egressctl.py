@@ -6,6 +6,7 @@ Commands (global options ``--addr``, ``--json``, ``--timeout`` go before or afte
     egressctl subjects
     egressctl watch [--interval SECONDS] [--count N]
     egressctl send set-binding --uid U --ip IP [--gateway GW] [--host-veth V]
+    egressctl send set-binding --uid U --host-uid N             (a host-uid sandbox)
                                [--runtime-instance-id R] [--attachment-id A] [--spec-generation N]
                                [--policy JSON | --policy-file PATH|- | --input-file PATH|- | --null]
     egressctl send hook {runtime-ready|data-plane-ready|sandbox.*} --uid U [--runtime-instance-id R]
@@ -15,7 +16,7 @@ Commands (global options ``--addr``, ``--json``, ``--timeout`` go before or afte
     egressctl vault seal --uid U --policy-file P [--vault-file V --key-file K [--kid KID]] [--out FILE]
     egressctl vault put|post|patch --uid U [--path SUB] --file BODY.json|- [--generation N] [--suffix-only]
     egressctl vault get|delete --uid U [--path SUB] [--generation N] [--suffix-only]
-    egressctl explain SANDBOX-IP NAME-OR-IP
+    egressctl explain SANDBOX-IP|uid:N NAME-OR-IP
     egressctl ca
 
 Output: human text by default (aligned tables, ``key  value`` blocks); with ``--json`` exactly one
@@ -468,7 +469,7 @@ def cmd_subjects(ctx: Context, args: argparse.Namespace) -> int:
         (
             _cell(s.get("subject")),
             _cell("revoking" if s.get("revoking") else s.get("state")),
-            _cell(s.get("sourceIp")),
+            _cell(s.get("sourceIp") if s.get("hostUid") is None else f"uid:{s.get('hostUid')}"),
             _cell(s.get("gateway")),
             _policy_cell(s.get("policy")) + (",audit" if s.get("auditMode") else ""),
             "yes" if s.get("pending") else "no",
@@ -591,6 +592,12 @@ def _configure_set_binding(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host-veth", metavar="V", help="attachment.network.hostVeth (default veth-<uid>)")
     parser.add_argument(
+        "--host-uid",
+        type=_non_negative_int,
+        metavar="N",
+        help="attachment.process.uid: a host-uid sandbox (BEHAVIOUR 17), instead of --ip",
+    )
+    parser.add_argument(
         "--spec-generation",
         type=_non_negative_int,
         default=DEFAULT_SPEC_GENERATION,
@@ -612,12 +619,17 @@ def _configure_set_binding(parser: argparse.ArgumentParser) -> None:
 
 def cmd_send_set_binding(ctx: Context, args: argparse.Namespace) -> int:
     null: bool = args.null
+    host_uid: int | None = args.host_uid
+    if host_uid is not None and args.ip is not None:
+        raise CliError("send set-binding: --ip and --host-uid are mutually exclusive")
     ip = parse_ip(args.ip) if args.ip is not None else None
-    if ip is None and not null:
-        raise CliError("send set-binding: --ip is required (unless --null)")
+    if ip is None and host_uid is None and not null:
+        raise CliError("send set-binding: --ip is required (or --host-uid; unless --null)")
     gateway = parse_ip(args.gateway, what="--gateway") if args.gateway is not None else None
     if gateway is None and ip is not None:
         gateway = default_gateway(ip)
+    if host_uid is not None and gateway is not None:
+        raise CliError("send set-binding: --gateway belongs to --ip (a host-uid sandbox has none)")
 
     binding_input: str | None
     if null:
@@ -644,6 +656,7 @@ def cmd_send_set_binding(ctx: Context, args: argparse.Namespace) -> int:
         ip=ip,
         gateway=gateway,
         host_veth=args.host_veth if args.host_veth is not None else f"veth-{args.uid}",
+        host_uid=host_uid,
     )
     return _post_action(ctx, _encode(doc))
 
@@ -816,14 +829,20 @@ def _vault_request_command(name: str, help_text: str, *, with_body: bool) -> Com
 
 
 def _configure_explain(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("sandbox_ip", metavar="SANDBOX-IP", help="the sandbox's source IP address")
+    parser.add_argument(
+        "sandbox_ip",
+        metavar="SANDBOX-IP",
+        help="the sandbox's source IP address, or uid:N for a host-uid sandbox",
+    )
     parser.add_argument(
         "target", metavar="NAME-OR-IP", help="a destination name (DNS layer) or address (IP layer)"
     )
 
 
 def cmd_explain(ctx: Context, args: argparse.Namespace) -> int:
-    query = urllib.parse.urlencode({"ip": args.sandbox_ip, "target": args.target})
+    source: str = args.sandbox_ip
+    key = "hostUid" if source.startswith("uid:") else "ip"
+    query = urllib.parse.urlencode({key: source.removeprefix("uid:"), "target": args.target})
     path = f"/v1/explain?{query}"
     resp = ctx.client.get(path)
     if resp.status == 400:
@@ -843,7 +862,7 @@ def cmd_explain(ctx: Context, args: argparse.Namespace) -> int:
         key_values(
             [
                 ("verdict", verdict),
-                ("source", _cell(doc.get("sourceIp", args.sandbox_ip))),
+                ("source", _cell(_explained_source(doc, args.sandbox_ip))),
                 ("subject", f"{doc.get('subject', '-')} ({doc.get('state')})"),
                 ("target", _cell(doc.get("target", args.target))),
                 ("layer", _cell(doc.get("layer"))),
@@ -857,6 +876,12 @@ def cmd_explain(ctx: Context, args: argparse.Namespace) -> int:
         )
     )
     return EXIT_OK
+
+
+def _explained_source(doc: dict[str, Any], asked: str) -> object:
+    if doc.get("hostUid") is not None:
+        return f"uid:{doc['hostUid']}"
+    return doc.get("sourceIp", asked)
 
 
 def _kernel_cell(doc: dict[str, Any]) -> str:

@@ -95,14 +95,19 @@ def binding_envelope(
     ip: IPAddress | None,
     gateway: IPAddress | None,
     host_veth: str,
+    host_uid: int | None = None,
 ) -> dict[str, Any]:
     """SET_BINDING. ``binding_input`` None is the literal JSON null (binding removed).
 
-    The attachment block is omitted when ``ip`` is None (only meaningful with a null input).
+    ``host_uid`` makes it a host-uid sandbox (``attachment.process.uid``, BEHAVIOUR 17). The
+    attachment block is omitted when neither it nor ``ip`` is given (only meaningful with a
+    null input).
     """
     revision = {"specGeneration": spec_generation, **_fence(runtime_instance_id, attachment_id)}
     doc = _base("SET_BINDING", uid, revision)
-    if ip is not None:
+    if host_uid is not None:
+        doc["attachment"] = {"process": {"uid": host_uid}}
+    elif ip is not None:
         network: dict[str, Any] = {"ip": str(ip), "hostVeth": host_veth}
         if gateway is not None:
             network["gateway"] = str(gateway)

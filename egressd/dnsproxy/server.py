@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 from dnslib import QTYPE, RCODE, DNSRecord
@@ -51,6 +52,17 @@ class Asker:
     policy: NetworkPolicy | None
 
 
+@dataclass(frozen=True, slots=True)
+class PortAsker:
+    """A listener whose port names the asker (host-uid subjects, BEHAVIOUR 17): every uid
+    sandbox asks from the host's own address, and the kernel redirected each one's queries to
+    a port of its own. ``asker`` answers for whoever holds the port now (None: nobody, which
+    is answered like an unknown source)."""
+
+    port: int
+    asker: Callable[[], Asker | None] = field(compare=False)
+
+
 #: Who is asking: the subject behind a source IP (None: an unknown source, refused).
 AskerLookup = Callable[[IPAddress], Asker | None]
 #: The DNS-to-kernel callback, called with (uid, fence, [(address, lease seconds)], question
@@ -83,6 +95,8 @@ class DnsProxy:
         self.budget = budget  # None: no per-subject query budget (EGRESSD_DNS_QPS_PER_SUBJECT=0)
         self._transports: list[asyncio.DatagramTransport] = []
         self._servers: list[asyncio.Server] = []
+        # Per-subject listeners by port: (transports, servers).
+        self._ports: dict[int, tuple[list[asyncio.DatagramTransport], list[asyncio.Server]]] = {}
         self._in_flight: dict[str, int] = {}
         self._log_window: dict[IPAddress, tuple[int, int]] = {}  # ip -> (second, lines logged)
         self._tcp_conns: dict[str, int] = {}
@@ -105,24 +119,34 @@ class DnsProxy:
         else:
             counter[client] = n
 
-    async def bounded_answer(self, data: bytes, client: str, *, tcp: bool) -> bytes | None:
-        if not self._admit(self._in_flight, client, MAX_IN_FLIGHT_PER_CLIENT):
+    async def bounded_answer(
+        self, data: bytes, client: str, *, tcp: bool, by_port: PortAsker | None = None
+    ) -> bytes | None:
+        # Behind a port listener every client is the host's own address: the bound is per port,
+        # so one uid sandbox's flood cannot take the others' share.
+        key = _client_key(client, by_port)
+        if not self._admit(self._in_flight, key, MAX_IN_FLIGHT_PER_CLIENT):
             return None
         try:
-            return await self.answer(data, client, tcp=tcp)
+            return await self.answer(data, client, tcp=tcp, by_port=by_port)
         finally:
-            self._release(self._in_flight, client)
+            self._release(self._in_flight, key)
 
     # ---- one query ---------------------------------------------------------------------------
 
-    async def answer(self, data: bytes, client: str, *, tcp: bool) -> bytes | None:
-        """The reply bytes for one query from ``client``, or None to stay silent (unparseable)."""
+    async def answer(
+        self, data: bytes, client: str, *, tcp: bool, by_port: PortAsker | None = None
+    ) -> bytes | None:
+        """The reply bytes for one query from ``client``, or None to stay silent (unparseable).
+
+        The asker is the subject behind the source address, or with ``by_port`` the subject
+        the listener's port belongs to."""
         start = time.perf_counter()
         parsed = _parse_query(data, client)
         if parsed is None:
             return None
         query, ip = parsed
-        asker = self.asker(ip)
+        asker = self.asker(ip) if by_port is None else by_port.asker()
         had_edns = any(rr.rtype == QTYPE.OPT for rr in query.ar)
         # BEHAVIOUR 14.3: the budget is charged before anything else is looked at, so every
         # parsed message costs a token, a refused or denied one too.
@@ -345,20 +369,59 @@ class DnsProxy:
             self._transports.append(transport)
             self._servers.append(await asyncio.start_server(self._serve_tcp, sock=tcp))
 
+    async def start_port(self, by_port: PortAsker, hosts: tuple[str, ...] = ("127.0.0.1", "::1")) -> None:
+        """Listen (UDP and TCP) on a host-uid subject's own port, on loopback only: the kernel
+        REDIRECTs a locally generated packet to 127.0.0.1 or ::1. A host without IPv6 on
+        loopback gets the IPv4 pair only; any other failure closes what was opened and raises."""
+        if by_port.port in self._ports:
+            return
+        loop = asyncio.get_running_loop()
+        transports: list[asyncio.DatagramTransport] = []
+        servers: list[asyncio.Server] = []
+        try:
+            for h in hosts:
+                fam = socket.AF_INET6 if ":" in h else socket.AF_INET
+                try:
+                    udp, tcp = _bound_pair(fam, h, by_port.port)
+                except OSError as exc:
+                    if fam == socket.AF_INET6 and exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                        continue
+                    raise
+                transport, _ = await loop.create_datagram_endpoint(lambda: _Udp(self, by_port), sock=udp)
+                transports.append(transport)
+                servers.append(
+                    await asyncio.start_server(lambda r, w: self._serve_tcp(r, w, by_port), sock=tcp)
+                )
+        except BaseException:
+            await _close_all(transports, servers, wait=False)
+            raise
+        self._ports[by_port.port] = (transports, servers)
+
+    async def stop_port(self, port: int) -> None:
+        """Stop listening on a subject's port at once. A query being answered still is, and an
+        open TCP connection ends at its idle timeout (its asker is gone: NXDOMAIN meanwhile);
+        the caller (a removal) does not wait for either."""
+        transports, servers = self._ports.pop(port, ([], []))
+        await _close_all(transports, servers, wait=False)
+
+    def listening_ports(self) -> list[int]:
+        return sorted(self._ports)
+
     async def close(self) -> None:
-        for t in self._transports:
-            t.close()
-        for srv in self._servers:
-            srv.close()
-            with contextlib.suppress(Exception):
-                await srv.wait_closed()
+        for transports, servers in self._ports.values():
+            await _close_all(transports, servers)
+        self._ports.clear()
+        await _close_all(self._transports, self._servers)
         self._transports.clear()
         self._servers.clear()
 
-    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve_tcp(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, by_port: PortAsker | None = None
+    ) -> None:
         peer = writer.get_extra_info("peername")
         client = str(peer[0])
-        if not self._admit(self._tcp_conns, client, MAX_TCP_PER_CLIENT):
+        key = _client_key(client, by_port)
+        if not self._admit(self._tcp_conns, key, MAX_TCP_PER_CLIENT):
             writer.close()
             return
         try:
@@ -366,7 +429,7 @@ class DnsProxy:
                 head = await asyncio.wait_for(reader.readexactly(2), _TCP_IDLE_S)
                 (length,) = struct.unpack("!H", head)
                 data = await asyncio.wait_for(reader.readexactly(length), _TCP_IDLE_S)
-                reply = await self.bounded_answer(data, client, tcp=True)
+                reply = await self.bounded_answer(data, client, tcp=True, by_port=by_port)
                 if reply is None:
                     break
                 writer.write(struct.pack("!H", len(reply)) + reply)
@@ -374,10 +437,43 @@ class DnsProxy:
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
-            self._release(self._tcp_conns, client)
+            self._release(self._tcp_conns, key)
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+
+def _client_key(client: str, by_port: PortAsker | None) -> str:
+    return client if by_port is None else f"{client}@{by_port.port}"
+
+
+def _bound_pair(fam: socket.AddressFamily, host: str, port: int) -> tuple[socket.socket, socket.socket]:
+    udp = socket.socket(fam, socket.SOCK_DGRAM)
+    tcp = socket.socket(fam, socket.SOCK_STREAM)
+    try:
+        for s in (udp, tcp):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if fam == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind((host, port))
+        tcp.listen(256)
+    except BaseException:
+        udp.close()
+        tcp.close()
+        raise
+    return udp, tcp
+
+
+async def _close_all(
+    transports: list[asyncio.DatagramTransport], servers: list[asyncio.Server], *, wait: bool = True
+) -> None:
+    for t in transports:
+        t.close()
+    for srv in servers:
+        srv.close()
+        if wait:  # Server.wait_closed also waits for every open connection to end
+            with contextlib.suppress(Exception):
+                await srv.wait_closed()
 
 
 def _keep_learned(reply: DNSRecord, learned: set[IPAddress]) -> bool:
@@ -421,8 +517,9 @@ def _udp_limit(query: DNSRecord) -> int:
 
 
 class _Udp(asyncio.DatagramProtocol):
-    def __init__(self, proxy: DnsProxy) -> None:
+    def __init__(self, proxy: DnsProxy, by_port: PortAsker | None = None) -> None:
         self.proxy = proxy
+        self.by_port = by_port
         self.transport: asyncio.DatagramTransport | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -437,7 +534,7 @@ class _Udp(asyncio.DatagramProtocol):
 
     async def _reply(self, data: bytes, addr: tuple[str | int, ...]) -> None:
         try:
-            reply = await self.proxy.bounded_answer(data, str(addr[0]), tcp=False)
+            reply = await self.proxy.bounded_answer(data, str(addr[0]), tcp=False, by_port=self.by_port)
         except Exception:
             log.exception("dns.query_crashed")
             return

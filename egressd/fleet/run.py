@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import time
 
 import structlog
@@ -19,7 +20,7 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.config import Config, ignored_settings
 from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
-from egressd.dnsproxy.server import DnsProxy
+from egressd.dnsproxy.server import DnsProxy, PortAsker
 from egressd.dnsproxy.upstreams import upstreams_or_system
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import FleetHTTP
@@ -31,6 +32,7 @@ from egressd.kernel.conntrack import flush_source
 from egressd.kernel.renewal import LeaseRenewal
 from egressd.lifecycle import Running, StartupError
 from egressd.metrics import EgressMetrics
+from egressd.mitm.active import PortVaults
 from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
 from egressd.policy import AlwaysRules, AlwaysRulesError, load_always_rules
 from egressd.policy.reload import AlwaysRulesReloader
@@ -56,6 +58,9 @@ def table_config(cfg: Config, renewal: LeaseRenewal = LeaseRenewal.READD) -> Tab
         mitm_extra_ports=cfg.mitm_extra_ports if cfg.mitm_transparent else (),
         nameserver_exempt=cfg.nameserver_exempt,
         renew_by_replace=renewal is LeaseRenewal.REPLACE,
+        uids=cfg.uid_ports,
+        own_uid=os.getuid(),
+        http_port=cfg.http_port,
         deny_reject=cfg.deny_reject,
     )
 
@@ -108,7 +113,12 @@ def _check_kernel(cfg: Config, tx: KernelTransactions) -> tuple[BridgeReport, Le
     """Every nft feature the ruleset uses, tried in a scratch table; then the bridges."""
     try:
         renewal = tx.run_sync(
-            lambda: run_selftest(tx.run_script_sync, tx.run_batch_sync, table_prefix=cfg.nft_table, elements=tx.set_elements_sync)
+            lambda: run_selftest(
+                tx.run_script_sync,
+                tx.run_batch_sync,
+                table_prefix=cfg.nft_table,
+                elements=tx.set_elements_sync,
+            )
         )
     except SelfTestError as exc:
         raise StartupError(str(exc)) from None
@@ -194,6 +204,31 @@ async def _start_dns(
             f"cannot listen for DNS on {cfg.dns_host}:{cfg.dns_port}: {exc.strerror}"
         ) from None
     log.info("dns.listening", addr=f"{cfg.dns_host}:{cfg.dns_port}", upstreams=[str(u) for u in upstreams])
+    ports = cfg.uid_ports
+    try:
+        # In-range uids that are no subject are redirected here: NXDOMAIN, like an unknown source.
+        await dns.start_port(PortAsker(ports.unknown_dns_port, lambda: None))
+    except OSError as exc:
+        raise StartupError(
+            f"cannot listen for DNS on 127.0.0.1:{ports.unknown_dns_port} (EGRESSD_UID_DNS_PORT_BASE): "
+            f"{exc.strerror}"
+        ) from None
+    control.uid_ports.ports = UidDnsPorts(dns, control)
+
+
+class UidDnsPorts:
+    """The DNS proxy's per-subject listeners of host-uid subjects (BEHAVIOUR 17), by slot."""
+
+    def __init__(self, dns: DnsProxy, control: ControlPlane) -> None:
+        self._dns = dns
+        self._control = control
+
+    async def open(self, slot: int) -> None:
+        port = self._control.table.uids.dns_port(slot)
+        await self._dns.start_port(PortAsker(port, lambda: self._control.learning.asker_for_slot(slot)))
+
+    async def close(self, slot: int) -> None:
+        await self._dns.stop_port(self._control.table.uids.dns_port(slot))
 
 
 def _start_background(cfg: Config, control: ControlPlane, always: AlwaysRules, running: Running) -> None:
@@ -205,6 +240,7 @@ def _start_background(cfg: Config, control: ControlPlane, always: AlwaysRules, r
         control.learning.leases,
         control.learning.renew_leases,
         interval=cfg.refresh_interval,
+        host_uids=control.learning.host_uid_subjects,
     )
     running.spawn(reloader.run())
     running.spawn(refresher.run())
@@ -217,8 +253,18 @@ async def _start_mitm(
     if not cfg.mitm_transparent:
         return None
     try:
+        lo, hi = cfg.uid_ports.mitm_ports
+        by_port = PortVaults(
+            control.credentials.vault_for_mitm_port,
+            control.learning.destination_verified_port,
+            tuple(range(lo, hi + 1)),
+        )
         mitm = await start_mitm(
-            cfg, control.credentials.vault_for_ip, control.learning.destination_verified, metrics=metrics
+            cfg,
+            control.credentials.vault_for_ip,
+            control.learning.destination_verified,
+            metrics=metrics,
+            by_port=by_port,
         )
     except MitmStartupError as exc:
         raise StartupError(str(exc)) from None

@@ -199,13 +199,21 @@ class FleetHTTP:
         return web.json_response({"subjects": subjects, **extra})
 
     async def explain(self, request: web.Request) -> web.Response:
-        """Operator view for ``egressctl explain``: ?ip=<sandbox source ip>&target=<name or ip>."""
+        """Operator view for ``egressctl explain``: ?ip=<sandbox source ip>&target=<name or ip>,
+        or ?hostUid=<host uid>&target=... for a host-uid sandbox (BEHAVIOUR 17)."""
         if request.method != "GET":
             return text(405, "method not allowed", headers={"Allow": "GET"})
-        try:
-            ip = ipaddress.ip_address(request.query.get("ip", "").strip())
-        except ValueError:
-            return text(400, "ip must be the sandbox's source IP address")
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address | int
+        host_uid = request.query.get("hostUid")
+        if host_uid is not None:
+            if not host_uid.strip().isascii() or not host_uid.strip().isdigit():
+                return text(400, "hostUid must be a host uid (an integer)")
+            ip = int(host_uid.strip())
+        else:
+            try:
+                ip = ipaddress.ip_address(request.query.get("ip", "").strip())
+            except ValueError:
+                return text(400, "ip must be the sandbox's source IP address")
         target = request.query.get("target", "").strip()
         if not target:
             return text(400, "target (a name or an IP) is required")
@@ -250,7 +258,8 @@ class FleetHTTP:
 
     async def _act(self, body: bytes) -> web.Response:
         try:
-            action = parse_action(body)
+            uids = self.control.table
+            action = parse_action(body, uid_range=uids.uids.uid_range, own_uid=uids.own_uid)
         except EnvelopeError as exc:
             self.metrics.actions.inc("invalid", "400")
             return text(400, f"invalid action envelope: {exc}")

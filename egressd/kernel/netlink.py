@@ -32,11 +32,16 @@ from egressd.kernel.ops import (
     AddRule,
     AddSet,
     AddTimed,
+    AddUid,
+    AddUidCounterRef,
+    AddUidJump,
+    AddUidPort,
     AuditRule,
     DeleteChain,
     DeleteCounter,
     DeleteElement,
     DeleteSet,
+    DeleteUid,
     ElementOp,
     FlushChain,
     FlushSet,
@@ -46,6 +51,7 @@ from egressd.kernel.ops import (
     Op,
     Rule,
     RuleAction,
+    UidOp,
 )
 from egressd.subject.model import IPAddress
 
@@ -390,10 +396,43 @@ def _element_messages(
     return [(msg_type, flags, _elem_list(table, name, _elements(c))) for c in chunks]
 
 
+def _uid_key(uid: int, port: int | None = None) -> bytes:
+    """``meta skuid`` loads the socket's uid as a host-endian u32; a ``uid . inet_service``
+    concatenation appends the port in network byte order, padded to the 4-byte register."""
+    key = struct.pack("=I", uid)
+    if port is not None:
+        key += struct.pack(">H", port) + b"\0\0"
+    return _data_value(NFTA_SET_ELEM_KEY, key)
+
+
+def encode_uid_op(table: str, op: UidOp) -> list[tuple[int, int, bytes]]:
+    """The one message of an element operation on a uid-keyed set or map (BEHAVIOUR 17)."""
+    if isinstance(op, DeleteUid):
+        key = _uid_key(op.uid, op.port)
+        return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, _elements([key])))]
+    elem = _uid_key(op.uid, None if isinstance(op, AddUidPort | AddUidCounterRef) else op.port)
+    name = op.name if isinstance(op, AddUid) else op.map
+    if isinstance(op, AddUidJump):
+        verdict = _nest(
+            NFTA_DATA_VERDICT,
+            _attr(NFTA_VERDICT_CODE, struct.pack(">i", NFT_JUMP)),
+            _str(NFTA_VERDICT_CHAIN, op.chain),
+        )
+        elem += _nest(NFTA_SET_ELEM_DATA, verdict)
+    elif isinstance(op, AddUidPort):
+        # inet_service is network byte order, as ``th dport`` loads it.
+        elem += _data_value(NFTA_SET_ELEM_DATA, struct.pack(">H", op.to_port))
+    elif isinstance(op, AddUidCounterRef):
+        elem += _str(NFTA_SET_ELEM_OBJREF, op.counter)
+    return [(NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, name, _elements([elem])))]
+
+
 def encode_op(table: str, op: Op, set_id: int = 0) -> list[tuple[int, int, bytes]]:
     """(nf_tables message type, extra nlmsg flags, attributes) of each message of one
     operation: one message, except element lists too long for one attribute (a big policy's
     prefixes, a big DNS answer), which become several messages of the same batch."""
+    if isinstance(op, AddUidJump | AddUidPort | AddUidCounterRef | AddUid | DeleteUid):
+        return encode_uid_op(table, op)
     if isinstance(op, ElementOp):
         return _element_op_messages(table, op)
     return [_object_op_message(table, op, set_id)]

@@ -199,6 +199,56 @@ class DeleteSet:
     name: str
 
 
+@dataclass(frozen=True, slots=True)
+class AddUidJump:
+    """``map[uid] = jump chain`` in a verdict map keyed by host uid (``type uid : verdict``),
+    or by ``uid . port`` (``type uid . inet_service : verdict``) when ``port`` is given."""
+
+    map: str
+    uid: int
+    chain: str
+    port: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AddUidPort:
+    """``map[uid] = port`` in a ``type uid : inet_service`` map (a per-subject redirect port)."""
+
+    map: str
+    uid: int
+    to_port: int
+
+
+@dataclass(frozen=True, slots=True)
+class AddUidCounterRef:
+    """``map[uid] = "counter"`` in a ``type uid : counter`` map: the drop counter a host-uid
+    subject's refused packets are counted in (BEHAVIOUR §15 x 17)."""
+
+    map: str
+    uid: int
+    counter: str
+
+
+@dataclass(frozen=True, slots=True)
+class AddUid:
+    """Add ``uid`` (or ``uid . port``) to a ``type uid`` (``type uid . inet_service``) set."""
+
+    name: str
+    uid: int
+    port: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteUid:
+    """Delete the element keyed ``uid`` (or ``uid . port``) from a uid-keyed set or map."""
+
+    name: str
+    uid: int
+    port: int | None = None
+
+
+UidOp = AddUidJump | AddUidPort | AddUidCounterRef | AddUid | DeleteUid
+
 Op = (
     AddSet
     | AddChain
@@ -215,10 +265,27 @@ Op = (
     | FlushChain
     | DeleteChain
     | DeleteSet
+    | UidOp
 )
 
 #: The operations on a set's or a map's contents; the others create or delete kernel objects.
 ElementOp = AddJump | AddCounterRef | AddElements | FlushSet | AddIntervals | AddTimed | DeleteElement
+
+
+def _uid_key_text(uid: int, port: int | None) -> str:
+    return str(uid) if port is None else f"{uid} . {port}"
+
+
+def describe_uid_op(t: str, op: UidOp) -> str:
+    if isinstance(op, AddUidJump):
+        return f"add element {t} {op.map} {{ {_uid_key_text(op.uid, op.port)} : jump {op.chain} }}"
+    if isinstance(op, AddUidPort):
+        return f"add element {t} {op.map} {{ {op.uid} : {op.to_port} }}"
+    if isinstance(op, AddUidCounterRef):
+        return f'add element {t} {op.map} {{ {op.uid} : "{op.counter}" }}'
+    if isinstance(op, AddUid):
+        return f"add element {t} {op.name} {{ {_uid_key_text(op.uid, op.port)} }}"
+    return f"delete element {t} {op.name} {{ {_uid_key_text(op.uid, op.port)} }}"
 
 
 def _fmt_net(net: IPNetwork) -> str:
@@ -241,7 +308,11 @@ class NetlinkBatch:
         """The batch in nft syntax (what ``nft -f`` would be given for the same change)."""
         t = f"inet {self.table}"
         out = [
-            _describe_elements(t, op) if isinstance(op, ElementOp) else _describe_object(t, op)
+            describe_uid_op(t, op)
+            if isinstance(op, AddUidJump | AddUidPort | AddUidCounterRef | AddUid | DeleteUid)
+            else _describe_elements(t, op)
+            if isinstance(op, ElementOp)
+            else _describe_object(t, op)
             for op in self.ops
         ]
         return "\n".join(out) + ("\n" if out else "")

@@ -13,6 +13,11 @@ egressd extension: with ``host=<request host>&dst=<original destination ip>`` th
 or 304) also carries ``X-Egressd-Destination: verified|unverified`` — whether the subject's
 DNS proxy learned ``dst`` for ``host`` (or an explicit IP allow rule covers it). The MITM
 injects only towards verified destinations, in the same round trip as the vault revalidation.
+
+egressd extension (host-uid subjects, BEHAVIOUR 17): with ``port=<listener port>`` the client is
+the subject that port belongs to, not the peer address (every host-uid sandbox connects from
+the host's own address, and the kernel redirected each one to a MITM port of its own). A port
+that is no subject's answers 404; a malformed one 400.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ ACTIVE_PATH = "/credential-vault/_active"
 
 Lookup = Callable[[IPAddress], VaultSnapshot | None]
 Verify = Callable[[IPAddress, str, IPAddress], bool]
+PortLookup = Callable[[int], VaultSnapshot | None]
+PortVerify = Callable[[int, str, IPAddress], bool]
 DESTINATION_HEADER = "X-Egressd-Destination"
 READY_EVENT = "mitm.ready"  # the addon's JSON line once its listener is bound
 CACHE_EVENT = "mitm.cache"  # the child's snapshot cache size, whenever it changed (BEHAVIOUR 14.9)
@@ -44,6 +51,24 @@ class ActiveReply:
     etag: str | None = None
     body: dict[str, Any] | None = field(default=None, repr=False)  # holds credential values
     destination: str | None = None  # "verified" / "unverified" when host and dst were asked
+
+
+@dataclass(frozen=True, slots=True)
+class PortVaults:
+    """Vault lookups of the MITM listeners whose port names the subject (BEHAVIOUR 17), and
+    those ports (the child listens on all of them from its start)."""
+
+    lookup: PortLookup
+    verify: PortVerify
+    ports: tuple[int, ...] = ()
+
+
+def _port(text: str) -> int | None:
+    text = text.strip()
+    if not text.isascii() or not text.isdigit() or len(text) > 5:
+        return None
+    port = int(text)
+    return port if 1 <= port <= 65535 else None
 
 
 def _quoted(tag: str) -> str:
@@ -58,6 +83,8 @@ def active_lookup(
     verify: Verify | None = None,
     host: str | None = None,
     dst: str | None = None,
+    port: str | None = None,
+    by_port: PortVaults | None = None,
 ) -> ActiveReply:
     if not client_ip:
         return ActiveReply(400)
@@ -66,12 +93,24 @@ def active_lookup(
         dst_ip = unmap_ip(ipaddress.ip_address(dst.strip())) if dst else None
     except ValueError:
         return ActiveReply(400)
-    snapshot = lookup(ip)
+    listener = _port(port) if port is not None else None
+    if port is not None and listener is None:
+        return ActiveReply(400)
+    if listener is not None:
+        # Never the peer address instead: it is the host's, shared by every uid sandbox.
+        snapshot = by_port.lookup(listener) if by_port is not None else None
+    else:
+        snapshot = lookup(ip)
     if snapshot is None:
         return ActiveReply(404)
     destination = None
     if host is not None or dst_ip is not None:
-        ok = verify is not None and bool(host) and dst_ip is not None and verify(ip, host or "", dst_ip)
+        ok = False
+        if host and dst_ip is not None:
+            if listener is not None:
+                ok = by_port is not None and by_port.verify(listener, host, dst_ip)
+            else:
+                ok = verify is not None and verify(ip, host, dst_ip)
         destination = "verified" if ok else "unverified"
     etag = _quoted(snapshot.tag)
     if if_none_match is not None:
@@ -81,7 +120,9 @@ def active_lookup(
     return ActiveReply(200, etag, snapshot.to_json(), destination=destination)
 
 
-def active_app(lookup: Lookup, verify: Verify | None = None) -> web.Application:
+def active_app(
+    lookup: Lookup, verify: Verify | None = None, by_port: PortVaults | None = None
+) -> web.Application:
     async def handle(request: web.Request) -> web.Response:
         if request.method != "GET":
             return web.Response(status=405, headers={"Allow": "GET"})
@@ -92,6 +133,8 @@ def active_app(lookup: Lookup, verify: Verify | None = None) -> web.Application:
             verify=verify,
             host=request.query.get("host"),
             dst=request.query.get("dst"),
+            port=request.query.get("port"),
+            by_port=by_port,
         )
         headers = {"ETag": reply.etag} if reply.etag else {}
         if reply.destination is not None:

@@ -55,7 +55,7 @@ from egressd.mitm.intercept import (
     tls_by_vault,
     tls_early,
 )
-from egressd.mitm.lookup import ActiveClient, LookupFailed
+from egressd.mitm.lookup import ActiveClient, LookupFailed, View
 from egressd.subject.model import unmap_ip
 from egressd.vault.store import VaultSnapshot
 
@@ -84,6 +84,19 @@ def _address(addr: tuple[str, int] | tuple[str, int, int, int] | None) -> tuple[
 
 def _peer_ip(flow: http.HTTPFlow) -> str | None:
     return _ip_of(flow.client_conn.peername)
+
+
+def _listen_port(client: object, shared: int | None) -> int | None:
+    """The per-subject port the client connection came in on (host-uid subjects, BEHAVIOUR
+    17), or None on the shared listener (port ``shared``): there the peer address names the
+    subject, here the port does. Read from the listener's mode (``transparent@<port>``): in
+    transparent mode mitmproxy overwrites the client's ``sockname`` with the original
+    destination."""
+    mode = getattr(client, "proxy_mode", None)
+    port = getattr(mode, "custom_listen_port", None)
+    if not isinstance(port, int) or port == shared:
+        return None
+    return port
 
 
 def _original_destination(flow: http.HTTPFlow) -> tuple[str, int] | None:
@@ -157,6 +170,7 @@ def _decision_request(req: http.Request, authority: str, port: int, sni: str | N
 class EgressInjector:
     def __init__(self) -> None:
         self.client: ActiveClient | None = None
+        self.shared_port: int | None = None  # the shared listener's port (``listen_port``)
         self.ignore: tuple[re.Pattern[str], ...] = ()
 
     def load(self, loader: Loader) -> None:
@@ -164,6 +178,8 @@ class EgressInjector:
         loader.add_option("egressd_lookup_timeout_ms", int, 250, "milliseconds per _active lookup")
 
     def configure(self, updated: set[str]) -> None:
+        if "listen_port" in updated:
+            self.shared_port = ctx.options.listen_port
         if "egressd_active_socket" in updated or "egressd_lookup_timeout_ms" in updated:
             self.client = ActiveClient(
                 ctx.options.egressd_active_socket, ctx.options.egressd_lookup_timeout_ms / 1000
@@ -204,7 +220,9 @@ class EgressInjector:
         verdict = tls_early(sni, dest[1] if dest else None, self.ignore)
         started = time.perf_counter()
         if verdict is None:
-            verdict = await self._vault_verdict(client_ip, lambda snap: tls_by_vault(snap, sni), "decrypt")
+            verdict = await self._vault_verdict(
+                context.client, client_ip, lambda snap: tls_by_vault(snap, sni), "decrypt"
+            )
         self._connection("tls", verdict, started, client=client_ip, sni=(sni or "")[:255] or None, dest=dest)
         if not verdict.opens:
             # mitmproxy relays the ClientHello and everything after it to the original
@@ -236,23 +254,35 @@ class EgressInjector:
         started = time.perf_counter()
         verdict = http_early(dest[1] if dest else None)
         if verdict is None:
-            verdict = await self._vault_verdict(client_ip, http_by_vault, "parse")
+            verdict = await self._vault_verdict(context.client, client_ip, http_by_vault, "parse")
         self._connection("http", verdict, started, client=client_ip, sni=None, dest=dest)
         if not verdict.opens:
             context.layers.remove(chosen)  # the relay replaces it (a layer joins on creation)
             nextlayer.layer = layers.TCPLayer(context, ignore=True)
 
     async def _vault_verdict(
-        self, client_ip: str | None, decide: Callable[[VaultSnapshot | None], Verdict], opened: Decision
+        self,
+        conn: object,
+        client_ip: str | None,
+        decide: Callable[[VaultSnapshot | None], Verdict],
+        opened: Decision,
     ) -> Verdict:
         """Decide with the client's vault; a failed lookup opens the connection (fail closed:
         its requests then meet the same failure and are refused before the upstream)."""
-        assert self.client is not None
         try:
-            view = await self.client.lookup(client_ip, None, None)
+            view = await self._lookup(conn, client_ip, None, None)
         except LookupFailed:
             return Verdict(opened, REASON_LOOKUP_FAILED)
         return decide(view.snapshot)
+
+    async def _lookup(self, conn: object, client_ip: str | None, host: str | None, dst: str | None) -> View:
+        """The vault of the connection's client: by its listener port on a host-uid subject's
+        port (BEHAVIOUR 17), else by its peer address."""
+        assert self.client is not None
+        listen = _listen_port(conn, self.shared_port)
+        if listen is None:
+            return await self.client.lookup(client_ip, host, dst)
+        return await self.client.lookup(client_ip, host, dst, listen_port=listen)
 
     @staticmethod
     def _connection(
@@ -301,7 +331,7 @@ class EgressInjector:
         started = time.perf_counter()
         assert self.client is not None
         try:
-            view = await self.client.lookup(client_ip, host, dst)
+            view = await self._lookup(flow.client_conn, client_ip, host, dst)
         except LookupFailed as exc:
             self._refuse(flow, LOOKUP_FAILED, client=client_ip, why=str(exc))
             return

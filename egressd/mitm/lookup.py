@@ -40,8 +40,26 @@ CACHE_MAX_ENTRIES: Final = 4096  # a fleet host runs far fewer sandboxes; evicti
 FORGET_BATCH: Final = 256  # addresses per forget line (a line stays well under the reader's limit)
 
 
+def port_key(port: int) -> str:
+    """The cache key of the clients of a per-subject MITM port (host-uid subjects, BEHAVIOUR
+    17): the port names the subject there, the peer address (the host's own) names nobody."""
+    return f"port:{port}"
+
+
+def _canonical_key(text: str) -> str:
+    """A forget line's entry as a cache key; raises ValueError when it is neither an address
+    nor a :func:`port_key`."""
+    if text.startswith("port:"):
+        digits = text[5:]
+        if not digits.isascii() or not digits.isdigit() or not 1 <= int(digits) <= 65535:
+            raise ValueError(text)
+        return port_key(int(digits))
+    return str(unmap_ip(ipaddress.ip_address(text)))
+
+
 def forget_message(ips: Iterable[str] | None) -> bytes:
-    """One line for the child's stdin: forget these client addresses (None: every client)."""
+    """One line for the child's stdin: forget these clients (None: every client). An entry is
+    a client address or a :func:`port_key`."""
     doc: dict[str, object] = {"op": "forget"}
     if ips is not None:
         doc["ips"] = list(ips)
@@ -61,8 +79,8 @@ def parse_forget(line: bytes) -> list[str] | None:
         raw = doc["ips"]
         if not isinstance(raw, list) or not all(isinstance(ip, str) for ip in raw):
             return None
-        return [str(unmap_ip(ipaddress.ip_address(ip))) for ip in raw]
-    except ValueError:  # bad JSON or a bad address
+        return [_canonical_key(ip) for ip in raw]
+    except ValueError:  # bad JSON, a bad address or a bad port
         return None
 
 
@@ -138,14 +156,21 @@ class ActiveClient:
             )
         return self._session
 
-    async def lookup(self, client_ip: str | None, host: str | None, dst: str | None) -> View:
+    async def lookup(
+        self, client_ip: str | None, host: str | None, dst: str | None, listen_port: int | None = None
+    ) -> View:
+        """``listen_port``: the flow came in on a per-subject port (BEHAVIOUR 17), whose
+        subject is the client; its snapshot is cached under :func:`port_key`."""
         if not client_ip:
             raise LookupFailed("no peer address")
-        cached = self.cache.get(client_ip)
-        forgets = self._forgets
         query = {"clientIp": client_ip}
+        if listen_port is not None:
+            query["port"] = str(listen_port)
         if host and dst:
             query.update(host=host, dst=dst)
+        key = client_ip if listen_port is None else port_key(listen_port)
+        cached = self.cache.get(key)
+        forgets = self._forgets
         headers = {"If-None-Match": f'"{cached.tag}"'} if cached is not None else {}
         try:
             async with self._client().get(
@@ -156,18 +181,18 @@ class ActiveClient:
                     resp.status, resp.headers.get("ETag"), resp.headers.get(DESTINATION_HEADER), body, cached
                 )
         except LookupFailed:
-            self.cache.pop(client_ip, None)
+            self.cache.pop(key, None)
             raise
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            self.cache.pop(client_ip, None)
+            self.cache.pop(key, None)
             raise LookupFailed(type(exc).__name__) from None
         if view.snapshot is None or forgets != self._forgets:
             # A forget arrived while this reply was on its way: egressd may have answered
             # before the change it then announced, so the reply serves this request only and
             # is not kept (the forget and the reply travel on different channels).
-            self.cache.pop(client_ip, None)
+            self.cache.pop(key, None)
         else:
-            self._store(client_ip, view.snapshot)
+            self._store(key, view.snapshot)
         return view
 
     async def close(self) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import signal
 import sys
 from collections.abc import Sequence
@@ -128,10 +129,21 @@ async def _main(argv: Sequence[str]) -> int:
     return 0
 
 
+def raise_fd_limit() -> None:
+    """The soft open-files limit up to the hard one: every per-subject port (host-uid
+    subjects) is one or two listening sockets, and the connections need room beside them."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # exec reset the dumpable flag the daemon had: set it again before the CA key (loaded when
     # the options are set) or any vault snapshot is in this process (BEHAVIOUR 14.9).
     disable_core_dumps()
+    raise_fd_limit()
     return asyncio.run(_main(sys.argv[1:] if argv is None else argv))
 
 

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from egressd.config import Config
 from egressd.metrics import EgressMetrics
-from egressd.mitm.active import Lookup, Verify, active_app
+from egressd.mitm.active import Lookup, PortVaults, Verify, active_app
 from egressd.mitm.ca import CaError, CaInfo, ensure_ca
 from egressd.mitm.export import ExportError, check_separate, export_ca
 from egressd.mitm.supervisor import MitmOptions, MitmSupervisor, mitmdump_argv
@@ -115,11 +115,13 @@ async def start_mitm(
     *,
     gid: int | None = None,
     metrics: EgressMetrics | None = None,
+    by_port: PortVaults | None = None,
 ) -> RunningMitm:
     """CA, the private ``_active`` socket, then the supervised MITM child (BEHAVIOUR §10).
 
-    ``lookup``/``verify`` answer the child's vault lookups (see :mod:`egressd.mitm.active`);
-    ``gid`` is the child's group id (the sidecar exempts the MITM's own traffic by it).
+    ``lookup``/``verify`` (and ``by_port``, for the per-subject ports of host-uid subjects)
+    answer the child's vault lookups (:mod:`egressd.mitm.active`); ``gid`` is the child's
+    group id (the sidecar exempts the MITM's own traffic by it).
     """
     keeper = _ca_keeper(cfg)
     ca = keeper.ca
@@ -148,7 +150,7 @@ async def start_mitm(
             sock.unlink()
     except OSError as exc:
         raise MitmStartupError(f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock}: {exc.strerror}") from None
-    active = web.AppRunner(active_app(lookup, verify), access_log=None, handle_signals=False)
+    active = web.AppRunner(active_app(lookup, verify, by_port), access_log=None, handle_signals=False)
     await active.setup()
     try:
         await web.UnixSite(active, str(sock)).start()
@@ -156,14 +158,19 @@ async def start_mitm(
     except OSError as exc:
         await active.cleanup()
         raise MitmStartupError(f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock}: {exc.strerror}") from None
-    opts = MitmOptions(
+    opts = _options(cfg, sock, trust, by_port.ports if by_port else ())
+    log.info("mitm.ca", fingerprint=ca.fingerprint, pinned=ca.pinned, confdir=str(ca.confdir))
+    supervisor = MitmSupervisor(mitmdump_argv(opts), gid=gid, metrics=metrics, before_restart=keeper.refresh)
+    return RunningMitm(keeper, supervisor, active, sock)
+
+
+def _options(cfg: Config, sock: Path, trust: Path | None, subject_ports: tuple[int, ...]) -> MitmOptions:
+    return MitmOptions(
         port=cfg.mitm_port,
         confdir=cfg.mitm_confdir,
         active_socket=sock,
         upstream_trust_dir=trust,
         ssl_insecure=cfg.mitm_ssl_insecure,
+        subject_ports=subject_ports,
         ignore_hosts=cfg.mitm_ignore_hosts,
     )
-    log.info("mitm.ca", fingerprint=ca.fingerprint, pinned=ca.pinned, confdir=str(ca.confdir))
-    supervisor = MitmSupervisor(mitmdump_argv(opts), gid=gid, metrics=metrics, before_restart=keeper.refresh)
-    return RunningMitm(keeper, supervisor, active, sock)

@@ -58,6 +58,9 @@ class MitmOptions:
     ssl_insecure: bool = False
     stream_large_bodies: str = "1m"
     lookup_timeout: float = 0.25
+    # Per-subject listeners (host-uid subjects, BEHAVIOUR 17), all bound from the start: a
+    # subject's port then never waits for the child, and the kernel lets only its owner in.
+    subject_ports: tuple[int, ...] = ()
     ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (BEHAVIOUR §16)
 
 
@@ -65,6 +68,7 @@ def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
     """The child's command line (pure; tested): the lean master of :mod:`egressd.mitm.runner`."""
     settings = [
         "mode=transparent",
+        *(f"mode=transparent@{port}" for port in opts.subject_ports),
         f"listen_port={opts.port}",
         f"confdir={opts.confdir}",
         # Nothing reaches the upstream before the addon has decided: no eager connect, no
@@ -166,6 +170,7 @@ class MitmSupervisor:
 
     def forget(self, ips: Iterable[object] | None) -> None:
         """Tell the running child to drop these clients' vault snapshots (None: all of them).
+        A client is an address, or a per-subject port's :func:`~egressd.mitm.lookup.port_key`.
 
         Called synchronously at the mutation (subject removed or rebound, vault deleted or
         changed); delivery is asynchronous, in order, and never blocks the caller. Without a

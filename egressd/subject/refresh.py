@@ -1,6 +1,9 @@
 """Connection refresh (BEHAVIOUR §9): DNS leases of still-established TCP flows are renewed.
 
 The planner is pure; :class:`LeaseRefresher` reads ``/proc/net/nf_conntrack`` and applies.
+Host-uid subjects (BEHAVIOUR 17) share the host's source address, so their flows are found in
+the socket tables instead (``/proc/net/tcp{,6}``, by uid): their packets are all judged on
+output, and a lease that expires under a live connection would stop it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 import structlog
 
 from egressd.kernel.conntrack import original_tuple
+from egressd.kernel.sockets import PROC_TCP, read_uid_flows
 from egressd.subject.leases import LeaseBook
 from egressd.subject.model import IPAddress, subject_for_uid
 
@@ -71,8 +75,12 @@ class LeaseRefresher:
         interval: float = INTERVAL_S,
         renew_s: int = RENEW_S,
         path: Path = Path("/proc/net/nf_conntrack"),
+        host_uids: Callable[[], dict[int, str]] | None = None,
+        socket_tables: tuple[Path, ...] = PROC_TCP,
     ) -> None:
         self.subjects_by_ip = subjects_by_ip
+        self.host_uids = host_uids  # host uid -> sandbox uid of the host-uid subjects
+        self.socket_tables = socket_tables
         self.leases = leases
         self.renew = renew
         self.interval = interval
@@ -93,6 +101,7 @@ class LeaseRefresher:
             uid = self.subjects_by_ip(src)
             if uid is not None:
                 now_by_uid.setdefault(uid, set()).update(dsts)
+        await self._host_flows(now_by_uid)
         now = time.monotonic()
         for uid in list(self.leases):
             book = self.leases.get(uid)
@@ -107,6 +116,19 @@ class LeaseRefresher:
                 except Exception as exc:
                     log.warning("refresh.renew_failed", subject=subject_for_uid(uid), error=str(exc)[:200])
         self._last = now_by_uid
+
+    async def _host_flows(self, now_by_uid: dict[str, set[IPAddress]]) -> None:
+        """Add the live connections of the host-uid subjects, by the uid that owns the socket."""
+        subjects = self.host_uids() if self.host_uids is not None else {}
+        if not subjects:
+            return
+        try:
+            by_host_uid = await read_uid_flows(subjects.keys(), self.socket_tables)
+        except OSError as exc:
+            log.warning("refresh.read_failed", error=str(exc)[:200], table="sockets")
+            return
+        for host_uid, remotes in by_host_uid.items():
+            now_by_uid.setdefault(subjects[host_uid], set()).update(remotes)
 
     async def run(self) -> None:
         while True:

@@ -6,7 +6,8 @@ what one action does to one subject: the kernel steps to run (in order), the reg
 to commit when all of them succeed, and the entry to keep when one fails. The control plane
 runs the steps ("kernel first, registry second") under the subject's lock.
 
-:class:`Registry` holds the committed entries and the hot-path index source IP -> subject.
+:class:`Registry` holds the committed entries and the hot-path indexes: source IP -> subject
+for network sandboxes, host uid and port slot -> subject for host-uid sandboxes (BEHAVIOUR 17).
 """
 
 from __future__ import annotations
@@ -39,6 +40,19 @@ class Binding:
 
 
 @dataclass(frozen=True, slots=True)
+class HostBinding:
+    """Identity of a host-uid sandbox (BEHAVIOUR 17): its processes' host uid, the dispatch key
+    (``meta skuid``), and the slot that names its own DNS and MITM ports. The slot is the
+    control plane's choice, kept for the subject's life (a rebind keeps it)."""
+
+    host_uid: int
+    slot: int
+
+
+AnyBinding = Binding | HostBinding
+
+
+@dataclass(frozen=True, slots=True)
 class KernelView:
     """What this subject has in the kernel right now, as far as the daemon applied it.
 
@@ -57,6 +71,8 @@ class KernelView:
     # then cover both, ``rules`` is True only if both have them, ``applied`` is what the
     # registry still claims; the subject's next transaction first re-creates exactly this.
     unsure: bool = False
+    # (host uid, slot) pairs in the uid maps (host-uid subjects), like ``keys``.
+    uid_keys: frozenset[tuple[int, int]] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +82,7 @@ class Entry:
     uid: str
     fence: Fence
     state: State
-    binding: Binding | None
+    binding: AnyBinding | None
     spec_generation: int = 0
     pending: NetworkPolicy | None = None  # user policy waiting for data-plane-ready
     policy: NetworkPolicy | None = None  # user policy in force (active only)
@@ -85,7 +101,7 @@ class Entry:
 class InstallDenyFirst:
     """Declare + empty the subject's objects, drop-all content, dispatch entries for ``binding``."""
 
-    binding: Binding
+    binding: AnyBinding
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,14 +113,14 @@ class ApplyPolicy:
 class DropStaleKeys:
     """Remove every dispatch key except the one of ``keep`` (after a re-key)."""
 
-    keep: Binding | None
+    keep: AnyBinding | None
 
 
 @dataclass(frozen=True, slots=True)
 class AddKeys:
     """Point ``binding`` at the subject's existing chains (re-key of an active subject)."""
 
-    binding: Binding
+    binding: AnyBinding
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +155,7 @@ class SetBindingRequest:
     uid: str
     fence: Fence
     spec_generation: int
-    binding: Binding | None
+    binding: AnyBinding | None
     policy: NetworkPolicy | None  # parsed input; None = the JSON null
 
 
@@ -276,6 +292,8 @@ class Registry:
         self._kernel: dict[str, KernelView] = {}
         self._by_ip: dict[IPAddress, str] = {}
         self._by_nft_id: dict[str, str] = {}
+        self._by_host_uid: dict[int, str] = {}
+        self._by_slot: dict[int, str] = {}
 
     def get(self, uid: str) -> Entry | None:
         return self._by_uid.get(uid)
@@ -285,18 +303,41 @@ class Registry:
         uid = self._by_ip.get(source_ip)
         return None if uid is None else self._by_uid.get(uid)
 
+    def resolve_host_uid(self, host_uid: int) -> Entry | None:
+        uid = self._by_host_uid.get(host_uid)
+        return None if uid is None else self._by_uid.get(uid)
+
+    def resolve_slot(self, slot: int) -> Entry | None:
+        """Hot path of a host-uid subject's DNS and MITM ports: slot -> entry."""
+        uid = self._by_slot.get(slot)
+        return None if uid is None else self._by_uid.get(uid)
+
+    def slots_in_use(self, *, excluding: str | None = None) -> set[int]:
+        """Slots a committed entry names or some subject's uid keys still hold in the kernel."""
+        used = {slot for slot, uid in self._by_slot.items() if uid != excluding}
+        for uid, view in self._kernel.items():
+            if uid != excluding:
+                used |= {slot for _, slot in view.uid_keys}
+        return used
+
     def __iter__(self) -> Iterator[Entry]:
         return iter(list(self._by_uid.values()))
 
     def __len__(self) -> int:
         return len(self._by_uid)
 
-    def check_claims(self, uid: str, binding: Binding | None) -> str | None:
+    def check_claims(self, uid: str, binding: AnyBinding | None) -> str | None:
         """Why ``uid`` cannot take these keys (409), or None."""
         other = self._by_nft_id.get(nft_id(subject_for_uid(uid)))
         if other is not None and other != uid:
             return f"subject id collides with registered sandbox {other!r}"
-        if binding is not None:
+        if isinstance(binding, HostBinding):
+            owner = self._by_host_uid.get(binding.host_uid)
+            if owner is not None and owner != uid:
+                return f"host uid {binding.host_uid} already dispatches to another sandbox"
+            if self.host_uid_in_use(binding.host_uid, excluding=uid):
+                return f"host uid {binding.host_uid} is still installed for another sandbox"
+        elif binding is not None:
             owner = self._by_ip.get(binding.ip)
             if owner is not None and owner != uid:
                 return f"ip {binding.ip} already dispatches to another sandbox"
@@ -304,21 +345,33 @@ class Registry:
                 return f"ip {binding.ip} is still installed for another sandbox"
         return None
 
+    def _unindex(self, entry: Entry) -> None:
+        uid, binding = entry.uid, entry.binding
+        if isinstance(binding, HostBinding):
+            if self._by_host_uid.get(binding.host_uid) == uid:
+                del self._by_host_uid[binding.host_uid]
+            if self._by_slot.get(binding.slot) == uid:
+                del self._by_slot[binding.slot]
+        elif binding is not None and self._by_ip.get(binding.ip) == uid:
+            del self._by_ip[binding.ip]
+
     def put(self, entry: Entry) -> None:
         old = self._by_uid.get(entry.uid)
-        if old is not None and old.binding is not None and self._by_ip.get(old.binding.ip) == entry.uid:
-            del self._by_ip[old.binding.ip]
+        if old is not None:
+            self._unindex(old)
         self._by_uid[entry.uid] = entry
         self._by_nft_id[entry.nft_id] = entry.uid
-        if entry.binding is not None:
+        if isinstance(entry.binding, HostBinding):
+            self._by_host_uid[entry.binding.host_uid] = entry.uid
+            self._by_slot[entry.binding.slot] = entry.uid
+        elif entry.binding is not None:
             self._by_ip[entry.binding.ip] = entry.uid
 
     def drop(self, uid: str) -> None:
         old = self._by_uid.pop(uid, None)
         if old is None:
             return
-        if old.binding is not None and self._by_ip.get(old.binding.ip) == uid:
-            del self._by_ip[old.binding.ip]
+        self._unindex(old)
         if self._by_nft_id.get(old.nft_id) == uid:
             del self._by_nft_id[old.nft_id]
 
@@ -334,6 +387,12 @@ class Registry:
     def gateway_in_use(self, gateway: IPAddress, *, excluding: str) -> bool:
         return any(
             u != excluding and any(k[1] == gateway for k in view.keys) for u, view in self._kernel.items()
+        )
+
+    def host_uid_in_use(self, host_uid: int, *, excluding: str) -> bool:
+        return any(
+            u != excluding and any(k[0] == host_uid for k in view.uid_keys)
+            for u, view in self._kernel.items()
         )
 
     def ip_in_use(self, ip: IPAddress, *, excluding: str) -> bool:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from egressd.fleetnft.builder import TableConfig, header_script
+from egressd.subject.hostuid import UidPorts, UidRange
 
 BLOCKLIST = (ipaddress.ip_network("1.1.1.1/32"), ipaddress.ip_network("2606:4700::/32"))
 CASES = {
@@ -24,6 +25,13 @@ CASES = {
     # Failed to parse before ("ct original proto-dst 443" without a protocol context).
     "mitm-doh-all": TableConfig(table="T", mitm=True, block_doh_443=True),
     "mitm-doh-list": TableConfig(table="T", mitm=True, block_doh_443=True, doh_blocklist=BLOCKLIST),
+    # Host-uid subjects (BEHAVIOUR 17): egressd's own uid inside the range, a one-uid range
+    # and a one-subject port block (single ports instead of ranges).
+    "uid-own-inside": TableConfig(table="T", mitm=True, own_uid=100500),
+    "uid-single": TableConfig(table="T", mitm=True, uids=UidPorts(UidRange(7, 7), 30000, 1)),
+    "uid-doh-v6-only": TableConfig(
+        table="T", mitm=True, block_doh_443=True, doh_blocklist=(ipaddress.ip_network("2606:4700::/32"),)
+    ),
 }
 
 

@@ -37,6 +37,7 @@ import copy
 import ipaddress
 import random
 import re
+import struct
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -54,10 +55,15 @@ from egressd.kernel.ops import (
     AddRule,
     AddSet,
     AddTimed,
+    AddUid,
+    AddUidCounterRef,
+    AddUidJump,
+    AddUidPort,
     DeleteChain,
     DeleteCounter,
     DeleteElement,
     DeleteSet,
+    DeleteUid,
     FlushSet,
     NetlinkBatch,
 )
@@ -460,6 +466,11 @@ class FakeKernel[M: KernelModel]:
 _ELEMENTS = re.compile(r"elements = \{ (.*) \} \}$")
 
 
+def _uid_key(uid: int, port: int | None) -> str:
+    """A uid-keyed element as nft prints it: ``100001`` or ``100001 . 16000``."""
+    return str(uid) if port is None else f"{uid} . {port}"
+
+
 def _err(msg: str) -> NftError:
     return NftError(f"Error: Could not process rule: {msg}")
 
@@ -557,7 +568,7 @@ class TextModel:
             elements = self.sets.setdefault(name, {})
             if kind == "map":
                 self.maps.add(name)
-            fam = "v6" if "ipv6_addr" in body else "v4"
+            fam = "v6" if "ipv6_addr" in body else ("uid" if "type uid" in body else "v4")
             self.set_kinds.setdefault(name, f"{fam}:{'interval' if 'flags interval' in body else kind}")
             m = _ELEMENTS.search(body)
             if m:
@@ -619,6 +630,35 @@ class TextModel:
         if elements.get(str(op.key), data) != data:
             raise _err("File exists")
         elements[str(op.key)] = data
+
+    def _uid_element(self, name: str, key: str, data: str) -> None:
+        elements = self._need(name)
+        if elements.get(key, data) != data:
+            raise _err("File exists")
+        elements[key] = data
+
+    def _add_uid_jump(self, op: AddUidJump) -> None:
+        if op.chain not in self.chains:
+            raise _err("No such file or directory")
+        self._uid_element(op.map, _uid_key(op.uid, op.port), f"jump {op.chain}")
+
+    def _add_uid_port(self, op: AddUidPort) -> None:
+        self._uid_element(op.map, str(op.uid), str(op.to_port))
+
+    def _add_uid_counter_ref(self, op: AddUidCounterRef) -> None:
+        if op.counter not in self.counters:
+            raise _err("No such file or directory")
+        self._uid_element(op.map, str(op.uid), f'"{op.counter}"')
+
+    def _add_uid(self, op: AddUid) -> None:
+        self._uid_element(op.name, _uid_key(op.uid, op.port), "")
+
+    def _delete_uid(self, op: DeleteUid) -> None:
+        elements = self.sets.get(op.name)
+        key = _uid_key(op.uid, op.port)
+        if elements is None or key not in elements:
+            raise _err("No such file or directory")
+        del elements[key]
 
     def _add_elements(self, op: AddElements) -> None:
         elements = self._need(op.name)
@@ -684,6 +724,8 @@ class TextModel:
         if elements is None:
             raise NftError(f"set element dump refused: No such file or directory ({name})")
         fam, _, kind = self.set_kinds.get(name, "v4:plain").partition(":")
+        if fam == "uid":
+            return [SetElement(struct.pack("=I", int(key.split(" ")[0]))) for key in elements]
         if kind != "interval":
             return [SetElement(ipaddress.ip_address(key).packed) for key in elements]
         nets = [ipaddress.ip_network(key) for key in elements]
@@ -716,6 +758,11 @@ _BATCH_OPS: dict[type, Callable[[TextModel, Any], None]] = {
     FlushSet: TextModel._flush_set,
     AddIntervals: TextModel._add_keys,
     AddTimed: TextModel._add_keys,
+    AddUidJump: TextModel._add_uid_jump,
+    AddUidPort: TextModel._add_uid_port,
+    AddUidCounterRef: TextModel._add_uid_counter_ref,
+    AddUid: TextModel._add_uid,
+    DeleteUid: TextModel._delete_uid,
     DeleteElement: TextModel._delete_element,
     DeleteChain: TextModel._delete_chain,
     DeleteSet: TextModel._delete_set,

@@ -679,7 +679,7 @@ async def test_mitm_active_gateway_change_rekeys_in_place() -> None:
     e = entry(control)
     assert e.state is State.ACTIVE
     assert e.binding is not None
-    assert str(e.binding.gateway) == "10.0.0.254"
+    assert str(e.binding.gateway) == "10.0.0.254"  # type: ignore[union-attr]
     assert kernel.elements("mitm_src_v4") == {"10.0.0.5": ""}
     assert kernel.elements("dns_gw_v4") == {"10.0.0.254": ""}
     assert dispatched(kernel, "10.0.0.5") == "jump subj_s_u_1"

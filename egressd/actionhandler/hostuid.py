@@ -1,0 +1,163 @@
+"""Host-uid subjects in the action handling (BEHAVIOUR 17): their binding and their kernel keys.
+
+A host-uid sandbox is keyed by its processes' host uid (``attachment.process.uid``) and gets a
+*slot*, which names its own DNS port (and, with the MITM, its MITM port). Its kernel objects,
+rules and set contents are a network subject's; only its keys differ: uid map elements instead
+of address ones (fleetnft/builder.py, "host-uid subjects"). The step runner (steps.py) calls
+the batch builders here for a subject whose binding or kernel view has uid keys.
+
+Nothing of a host-uid subject is established past its rules (its packets are all judged on
+output), so its steps never ask for flows to be cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Protocol
+
+from egressd.actionhandler.api import Result
+from egressd.actionhandler.envelope import SetBinding
+from egressd.actionhandler.shared import Claims
+from egressd.fleetnft.builder import (
+    TableConfig,
+    UidSubjectNft,
+    flush_subject_sets,
+    subject_rules,
+    uid_audit_ops,
+    uid_key_deletes,
+    uid_subject_create,
+    uid_subject_keys,
+)
+from egressd.kernel.ops import NetlinkBatch, Op
+from egressd.subject.hostuid import free_slot, host_uid_problem
+from egressd.subject.registry import Entry, HostBinding, KernelView, Registry, SetBindingRequest
+
+UidKeys = frozenset[tuple[int, int]]  # (host uid, slot)
+
+
+class DnsListeners(Protocol):
+    """The DNS proxy's per-subject listeners: a slot's port listens from before any redirect
+    points at it until its subject is gone."""
+
+    async def open(self, slot: int) -> None: ...  # raises OSError when the port cannot be bound
+
+    async def close(self, slot: int) -> None: ...
+
+
+def host_binding(
+    table: TableConfig, registry: Registry, claims: Claims, uid: str, host_uid: int
+) -> HostBinding | Result:
+    """The binding of ``uid``'s host-uid sandbox, or the refusal.
+
+    The uid is checked again here (the range and egressd's own uid are this daemon's, whoever
+    parsed the envelope). The slot is the one the subject has (a retry, rebind or re-key keeps
+    its ports), else one a failed install left in the kernel, else the lowest free one.
+    """
+    problem = host_uid_problem(host_uid, table.uids.uid_range, table.own_uid)
+    if problem is not None:
+        return Result(400, f"invalid action envelope: attachment.process.uid is invalid: {problem}")
+    entry = registry.get(uid)
+    if entry is not None and isinstance(entry.binding, HostBinding):
+        return HostBinding(host_uid, entry.binding.slot)
+    held = sorted(slot for _, slot in registry.kernel(uid).uid_keys)
+    if held:
+        return HostBinding(host_uid, held[0])
+    slot = free_slot(registry.slots_in_use() | claims.slots_of_others(uid), table.uids.max_subjects)
+    if slot is None:
+        return Result(409, f"no free host-uid slot (EGRESSD_UID_MAX_SUBJECTS={table.uids.max_subjects})")
+    return HostBinding(host_uid, slot)
+
+
+def with_host_binding(
+    table: TableConfig, registry: Registry, claims: Claims, action: SetBinding, req: SetBindingRequest
+) -> SetBindingRequest | Result:
+    """``req`` keyed by the action's host uid when it names one (else unchanged)."""
+    if action.process is None:
+        return req
+    host = host_binding(table, registry, claims, action.uid, action.process.uid)
+    return host if isinstance(host, Result) else replace(req, binding=host)
+
+
+def audit_membership(cfg: TableConfig, uid_keys: UidKeys, audit: bool) -> NetlinkBatch:
+    """``uid_audit`` for each of the subject's uids: in it while its active policy audits."""
+    ops: list[Op] = []
+    for host_uid, _slot in sorted(uid_keys):
+        ops += uid_audit_ops(host_uid, audit=audit)
+    return NetlinkBatch(cfg.table, tuple(ops))
+
+
+def deny_first(
+    cfg: TableConfig, entry: Entry, host: HostBinding, view: KernelView
+) -> tuple[NetlinkBatch, KernelView]:
+    """Deny-first for a host-uid subject, and the view after it: a new subject's objects,
+    rules and keys in one batch; or every set emptied, the rules if missing, and the keys."""
+    nid = entry.nft_id
+    subj = UidSubjectNft(nid, host.host_uid, host.slot)
+    keys = view.uid_keys | {(host.host_uid, host.slot)}
+    if not view.objects:
+        return uid_subject_create(cfg, subj), KernelView(True, rules=True, uid_keys=keys)
+    batch = flush_subject_sets(cfg.table, nid)
+    if not view.rules:
+        batch = batch + subject_rules(cfg, nid)
+    batch = batch + uid_subject_keys(cfg, subj) + audit_membership(cfg, keys, audit=False)
+    return batch, KernelView(True, view.keys, True, None, uid_keys=keys)
+
+
+def add_keys(cfg: TableConfig, entry: Entry, host: HostBinding, audit: bool) -> NetlinkBatch:
+    """Point a host uid at an existing subject's chains (a re-key of an active subject)."""
+    keys: UidKeys = frozenset({(host.host_uid, host.slot)})
+    subj = UidSubjectNft(entry.nft_id, host.host_uid, host.slot)
+    return uid_subject_keys(cfg, subj) + audit_membership(cfg, keys, audit)
+
+
+def key_deletes(cfg: TableConfig, uid_keys: UidKeys) -> list[Op]:
+    ops: list[Op] = []
+    for host_uid, slot in sorted(uid_keys):
+        ops += uid_key_deletes(cfg, host_uid, slot)
+    return ops
+
+
+def resync_keys(cfg: TableConfig, nid: str, view: KernelView, audit: bool) -> NetlinkBatch:
+    """The uid keys of ``view`` re-declared (each a no-op when present), for the re-sync after
+    an unanswered transaction."""
+    out = NetlinkBatch(cfg.table)
+    for host_uid, slot in sorted(view.uid_keys):
+        out = out + uid_subject_keys(cfg, UidSubjectNft(nid, host_uid, slot))
+    return out + audit_membership(cfg, view.uid_keys, audit)
+
+
+def kept(keep: object) -> UidKeys:
+    """The uid keys a DropStaleKeys keeps (those of a host-uid binding kept, else none)."""
+    return frozenset({(keep.host_uid, keep.slot)}) if isinstance(keep, HostBinding) else frozenset()
+
+
+def slots(entry: Entry, uid_keys: UidKeys) -> set[int]:
+    """The slots ``entry`` holds: its binding's and those of its uid keys."""
+    out = {slot for _, slot in uid_keys}
+    if isinstance(entry.binding, HostBinding):
+        out.add(entry.binding.slot)
+    return out
+
+
+class PortBook:
+    """Opens and closes the per-subject DNS listeners (none without a DNS proxy: unit tests)."""
+
+    def __init__(self, table: TableConfig, registry: Registry, claims: Claims) -> None:
+        self._table = table
+        self._registry = registry
+        self._claims = claims
+        self.ports: DnsListeners | None = None
+
+    async def open(self, slot: int) -> None:
+        """Raises OSError when the port cannot be bound (the step then fails closed: no
+        redirect is installed towards a port nobody listens on)."""
+        if self.ports is not None:
+            await self.ports.open(slot)
+
+    async def close(self, uid: str, slots: set[int]) -> None:
+        """Stop listening on ``uid``'s former ports, unless another subject holds one now."""
+        if self.ports is None:
+            return
+        others = self._registry.slots_in_use(excluding=uid) | self._claims.slots_of_others(uid)
+        for slot in sorted(slots - others):
+            await self.ports.close(slot)
