@@ -93,7 +93,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS",
         "--mitmproxy-ignore-hosts",
-        "comma-separated host regexes the MITM never decrypts (BEHAVIOUR 16)",
+        "comma-separated host regexes the MITM never decrypts (docs/behaviour.md §16)",
         "",
     ),
     Option(
@@ -128,13 +128,13 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "EGRESSD_VAULT_MAX_CREDENTIALS",
         "--vault-max-credentials",
-        "credentials one vault may hold (BEHAVIOUR 14.7)",
+        "credentials one vault may hold (docs/behaviour.md §14.7)",
         "256",
     ),
     Option(
         "EGRESSD_VAULT_MAX_BINDINGS",
         "--vault-max-bindings",
-        "bindings one vault may hold (BEHAVIOUR 14.7)",
+        "bindings one vault may hold (docs/behaviour.md §14.7)",
         "256",
     ),
     Option("EGRESSD_DNS_ADDR", "--dns-addr", "shared DNS proxy listener", "0.0.0.0:15353"),
@@ -178,7 +178,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "EGRESSD_UID_RANGE",
         "--uid-range",
-        "fleet: host uids that belong to sandboxes, first-last (BEHAVIOUR 17)",
+        "fleet: host uids that belong to sandboxes, first-last (docs/behaviour.md §17)",
         str(DEFAULT_UID_RANGE),
     ),
     Option(
@@ -193,7 +193,7 @@ OPTIONS: tuple[Option, ...] = (
         "fleet: most host-uid subjects at once (one DNS and one MITM port each)",
         "256",
     ),
-    # BEHAVIOUR §15 (visibility).
+    # docs/behaviour.md §15 (visibility).
     Option(
         "OPENSANDBOX_EGRESS_DENY_WEBHOOK",
         "--deny-webhook",
@@ -295,15 +295,15 @@ class Config:
     log_format: str
     allow_bridge_bypass: bool
     dns_upstreams: tuple[Upstream, ...] | None = None  # None: from /etc/resolv.conf at start-up
-    dns_qps_per_subject: int = 200  # BEHAVIOUR 14.3; 0 = no budget
+    dns_qps_per_subject: int = 200  # docs/behaviour.md §14.3; 0 = no budget
     dns_lease_min: int = 60
     dns_lease_max: int = 360
     refresh_interval: float = 30.0
     always_reload_interval: float = 60.0
     sidecar_keep_table: bool = False
-    max_leases: int = 4096  # EGRESSD_MAX_LEASES_PER_SUBJECT (BEHAVIOUR 14.4)
-    vault_max_credentials: int = 256  # EGRESSD_VAULT_MAX_CREDENTIALS (BEHAVIOUR 14.7)
-    vault_max_bindings: int = 256  # EGRESSD_VAULT_MAX_BINDINGS (BEHAVIOUR 14.7)
+    max_leases: int = 4096  # EGRESSD_MAX_LEASES_PER_SUBJECT (docs/behaviour.md §14.4)
+    vault_max_credentials: int = 256  # EGRESSD_VAULT_MAX_CREDENTIALS (docs/behaviour.md §14.7)
+    vault_max_bindings: int = 256  # EGRESSD_VAULT_MAX_BINDINGS (docs/behaviour.md §14.7)
     # Reference sidecar parity (issue 15 item 3).
     log_level: int = logging.INFO  # OPENSANDBOX_EGRESS_LOG_LEVEL
     sandbox_id: str | None = None  # OPENSANDBOX_EGRESS_SANDBOX_ID
@@ -313,10 +313,10 @@ class Config:
     vault_require_scoped_match: bool = False  # ..._CREDENTIAL_VAULT_REQUIRE_SCOPED_MATCH
     vault_trusted_proxies: tuple[IPNetwork, ...] = ()  # ..._CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS
     nameserver_exempt: tuple[IPAddress, ...] = ()  # OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT
-    uid_ports: UidPorts = DEFAULT_UID_PORTS  # EGRESSD_UID_* (BEHAVIOUR 17)
-    mitm_ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (BEHAVIOUR 16)
+    uid_ports: UidPorts = DEFAULT_UID_PORTS  # EGRESSD_UID_* (docs/behaviour.md §17)
+    mitm_ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (docs/behaviour.md §16)
     mitm_ca_export_dir: Path | None = None  # EGRESSD_MITM_CA_EXPORT_DIR
-    # BEHAVIOUR §15. The webhook URL may carry a token: kept out of repr (and of every log).
+    # docs/behaviour.md §15. The webhook URL may carry a token: kept out of repr (and of every log).
     deny_webhook: str | None = field(default=None, repr=False)
     deny_reject: bool = False  # EGRESSD_DENY_REJECT
 
@@ -619,7 +619,7 @@ def _pending_push_ttl(raw: Raw) -> int:
     except ValueError:
         ttl = 30
     if ttl <= 0:
-        ttl = 30  # BEHAVIOUR §4: default/<=0/invalid -> 30
+        ttl = 30  # docs/protocol.md §4: default/<=0/invalid -> 30
     return ttl
 
 
@@ -673,7 +673,7 @@ def _lease_bounds(raw: Raw) -> tuple[int, int]:
 
 
 def _visibility(raw: Raw) -> _Visibility:
-    """BEHAVIOUR §15: the deny webhook (its URL may carry a token: never echoed) and the reject knob."""
+    """docs/behaviour.md §15: the deny webhook (its URL may carry a token: never echoed) and the reject knob."""
     try:
         deny_webhook = parse_webhook_url(raw["OPENSANDBOX_EGRESS_DENY_WEBHOOK"])
     except WebhookURLError as exc:
@@ -850,7 +850,7 @@ RESERVED_LABELS: frozenset[str] = frozenset(
         "result",
         "decision_id",
         "sandbox_id",
-        "protocol",  # egressd_mitm_connections_total (BEHAVIOUR 16)
+        "protocol",  # egressd_mitm_connections_total (docs/behaviour.md §16)
         "decision",
     }
 )

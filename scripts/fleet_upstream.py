@@ -211,7 +211,7 @@ def _dns_reply(zone: Zone, log_path: Path | None, data: bytes, client: str, prot
             "ts": time.time(),
             "dns": str(request.q.qname).lower().rstrip("."),
             "qtype": QTYPE[request.q.qtype],
-            # so tests can prove no UPDATE/NOTIFY (BEHAVIOUR 14.3) ever reached the upstream
+            # so tests can prove no UPDATE/NOTIFY (docs/behaviour.md §14.3) ever reached the upstream
             "opcode": OPCODE.get(request.header.opcode, str(request.header.opcode)),
             "client": client.removeprefix("::ffff:"),
             "proto": proto,

@@ -50,7 +50,7 @@ class Claims:
     def __init__(self) -> None:
         self.ips: dict[IPAddress, str] = {}
         self.nft_ids: dict[str, str] = {}
-        self.host_uids: dict[int, str] = {}  # host-uid subjects (BEHAVIOUR 17)
+        self.host_uids: dict[int, str] = {}  # host-uid subjects (docs/behaviour.md §17)
         self.slots: dict[int, str] = {}
 
     def conflict(self, uid: str, binding: AnyBinding | None) -> str | None:

@@ -1,4 +1,4 @@
-"""egressctl: operator / dispatcher CLI over the egressd HTTP surface (INTERFACE.md).
+"""egressctl: operator / dispatcher CLI over the egressd HTTP surface (docs/protocol.md).
 
 Commands (global options ``--addr``, ``--json``, ``--timeout`` go before or after the command)::
 
@@ -307,7 +307,7 @@ def _fetch_subjects(ctx: Context) -> list[dict[str, Any]]:
 
 
 def _reports_drops(extra: dict[str, Any]) -> bool:
-    """A daemon that counts refusals (BEHAVIOUR §15) says so with this key, even with no subject."""
+    """A daemon that counts refusals (docs/behaviour.md §15) says so with this key, even with no subject."""
     return "unattributedDroppedPackets" in extra
 
 
@@ -595,7 +595,7 @@ def _configure_set_binding(parser: argparse.ArgumentParser) -> None:
         "--host-uid",
         type=_non_negative_int,
         metavar="N",
-        help="attachment.process.uid: a host-uid sandbox (BEHAVIOUR 17), instead of --ip",
+        help="attachment.process.uid: a host-uid sandbox (docs/behaviour.md §17), instead of --ip",
     )
     parser.add_argument(
         "--spec-generation",
@@ -1006,7 +1006,7 @@ VAULT = Command(
     "vault",
     "act as the proxy route on the per-sandbox credential vault; seal a vault into a binding input",
     description=(
-        "Credential vault of a fleet sandbox (BEHAVIOUR §4/§6) and the sealed vault of the binding input (§11).\n"
+        "Credential vault of a fleet sandbox (docs/behaviour.md §4/§6) and the sealed vault of the binding input (§11).\n"
         "put/post/patch/get/delete send one request to /v1/sandboxfleets/<uid>/egress/credential-vault[...].\n"
         'seal prints the binding.input string {"osbEgressInput":1,"policy":...,"vault":...} for\n'
         "'send set-binding --input-file'."

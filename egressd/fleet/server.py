@@ -1,4 +1,4 @@
-"""aiohttp surface of the fleet profile (INTERFACE.md "HTTP surface, fleet profile")."""
+"""aiohttp surface of the fleet profile (docs/protocol.md "HTTP surface, fleet profile")."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class FleetHTTP:
     ) -> None:
         self.proxy = proxy
         self.vault_transport = vault_transport or VaultTransport()
-        # Adds kernel drop counts and recent denials to /v1/subjects (BEHAVIOUR §15).
+        # Adds kernel drop counts and recent denials to /v1/subjects (docs/behaviour.md §15).
         self._annotate_subjects = annotate_subjects
         # () -> (public certificate PEM, SHA-256 hex of its DER), or None while the MITM is off.
         self._mitm_ca = mitm_ca
@@ -75,7 +75,7 @@ class FleetHTTP:
         self.instance_id = instance_id or new_instance_id()
         self._extra_health = extra_health
         self._status_extra = status_extra
-        # Actions and proxy-route writes whose body was read run to their end (BEHAVIOUR 14.10).
+        # Actions and proxy-route writes whose body was read run to their end (docs/behaviour.md §14.10).
         self.inflight = InFlight()
 
     def health_problem(self) -> str | None:
@@ -83,7 +83,7 @@ class FleetHTTP:
             return "enforcement not installed"
         revoking = self.control.revoking()
         if revoking:
-            # The kernel still holds more than these subjects may have (BEHAVIOUR 14.6).
+            # The kernel still holds more than these subjects may have (docs/behaviour.md §14.6).
             names = ", ".join(sorted(subject_for_uid(uid) for uid in revoking))
             return f"revocation pending: {names}"
         if self._extra_health is not None:
@@ -200,7 +200,7 @@ class FleetHTTP:
 
     async def explain(self, request: web.Request) -> web.Response:
         """Operator view for ``egressctl explain``: ?ip=<sandbox source ip>&target=<name or ip>,
-        or ?hostUid=<host uid>&target=... for a host-uid sandbox (BEHAVIOUR 17)."""
+        or ?hostUid=<host uid>&target=... for a host-uid sandbox (docs/behaviour.md §17)."""
         if request.method != "GET":
             return text(405, "method not allowed", headers={"Allow": "GET"})
         ip: ipaddress.IPv4Address | ipaddress.IPv6Address | int

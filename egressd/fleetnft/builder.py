@@ -1,4 +1,4 @@
-"""Pure generation of the fleet nftables ruleset (BEHAVIOUR.md §8).
+"""Pure generation of the fleet nftables ruleset (docs/behaviour.md §8).
 
 Everything here returns text (libnftables scripts, one script = one atomic transaction) or
 :class:`~egressd.kernel.ops.NetlinkBatch` data (one batch = one atomic transaction);
@@ -32,14 +32,14 @@ Shape, and why it differs from the reference blueprint where it does:
   gateway element lives exactly as long as some subject uses that gateway.
 * With MITM, interception is a REDIRECT for sources in ``mitm_src_v4/v6`` (feasibility
   measured REDIRECT and DNAT-to-gateway as equivalent: both keep the original destination).
-* No lateral movement on any hook (BEHAVIOUR 14.2): the forward hook drops sandbox
+* No lateral movement on any hook (docs/behaviour.md §14.2): the forward hook drops sandbox
   destinations; the nat hook never intercepts a packet addressed to the pod itself or to a
   sandbox (the MITM would connect there on the sandbox's behalf); and the input hook, with or
   without the MITM, sends registered sandbox sources to ``sandbox_in``, which accepts only
   what egressd redirected (DNS, the MITM) and drops every other pod listener. A routed
   topology (one /32 veth per sandbox, the gateway on each) makes sibling traffic cross the
   nat and input hooks exactly like upstream traffic, so the bridge is no safeguard here.
-* Every refusal is counted (BEHAVIOUR §15): each drop of the header and of a subject's chains
+* Every refusal is counted (docs/behaviour.md §15): each drop of the header and of a subject's chains
   is a ``goto denied``. ``denied`` counts the packet in its source's named counter
   ``subj_<id>_dropped`` (looked up in the counter maps ``drop_counter_v4/v6``, keyed like the
   dispatch maps) or, for a source that is no subject, in ``unattributed_dropped``, then hands
@@ -111,10 +111,10 @@ SETS = (*STATIC_SETS, "dyn_v4", "dyn_v6")
 AUDIT_COUNTERS = ("deny", "default")  # which audit rule counted: a user deny prefix, or no allow
 AUDIT_LOG_PREFIX = "egressd would-deny "
 DYN_TIMEOUT_S = 360
-#: Regular chain the input hook sends sandbox-sourced packets to (BEHAVIOUR 14.2).
+#: Regular chain the input hook sends sandbox-sourced packets to (docs/behaviour.md §14.2).
 SANDBOX_IN_CHAIN = "sandbox_in"
 ND_TYPES = "nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert"
-#: Every refusal goes here (BEHAVIOUR §15): counted per source, then DENY_VERDICT_CHAIN.
+#: Every refusal goes here (docs/behaviour.md §15): counted per source, then DENY_VERDICT_CHAIN.
 DENIED_CHAIN = "denied"
 #: How a refusal looks: drop, or (EGRESSD_DENY_REJECT) TCP reset / ICMP admin-prohibited.
 DENY_VERDICT_CHAIN = "deny_verdict"
@@ -137,15 +137,15 @@ class TableConfig:
     mitm_port: int = 18081
     block_doh_443: bool = False
     doh_blocklist: tuple[IPNetwork, ...] = ()
-    # Size of each dyn set: the per-subject lease cap (BEHAVIOUR 14.4); 0 = unbounded.
+    # Size of each dyn set: the per-subject lease cap (docs/behaviour.md §14.4); 0 = unbounded.
     max_leases: int = 4096
-    # Host-uid subjects (BEHAVIOUR 17): the uid range the output hook polices and their port
+    # Host-uid subjects (docs/behaviour.md §17): the uid range the output hook polices and their port
     # block; egressd's own uid (exempt if inside the range) and HTTP port (never reachable
     # from a sandbox uid, like every other listener of egressd's).
     uids: UidPorts = DEFAULT_UID_PORTS
     own_uid: int | None = None
     http_port: int = 18080
-    # EGRESSD_DENY_REJECT (BEHAVIOUR §15): refuse with a TCP reset / ICMP admin-prohibited.
+    # EGRESSD_DENY_REJECT (docs/behaviour.md §15): refuse with a TCP reset / ICMP admin-prohibited.
     deny_reject: bool = False
     # OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS: intercepted like 80 and 443 (MITM on).
     mitm_extra_ports: tuple[int, ...] = ()
@@ -187,7 +187,7 @@ def _addr_type(fam: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Names:
-    """nft object names of one subject (INTERFACE.md, "Kernel objects")."""
+    """nft object names of one subject (docs/protocol.md, "Kernel objects")."""
 
     nft_id: str
 
@@ -211,7 +211,7 @@ class Names:
 
     @property
     def dropped_counter(self) -> str:
-        """Every packet of the subject that egressd's rules refuse (BEHAVIOUR §15)."""
+        """Every packet of the subject that egressd's rules refuse (docs/behaviour.md §15)."""
         return f"subj_{self.nft_id}{DROPPED_SUFFIX}"
 
     @property
@@ -308,7 +308,7 @@ def sandbox_set(fam: str) -> str:
 
 def sandbox_nets_set(fam: str) -> str:
     """Union of every registered attachment's ``privateCidr``: an address there is a sandbox
-    (BEHAVIOUR 14.2) even when no subject registered it (a second address a sandbox gave
+    (docs/behaviour.md §14.2) even when no subject registered it (a second address a sandbox gave
     itself, a sandbox whose binding has not arrived yet)."""
     return f"sandbox_nets_{fam}"
 
@@ -491,7 +491,7 @@ def l3_of(fam: str) -> str:
 
 
 def _denial_chains(s: _Script, cfg: TableConfig) -> None:
-    """``denied`` and ``deny_verdict`` (BEHAVIOUR §15), declared before any rule jumps there.
+    """``denied`` and ``deny_verdict`` (docs/behaviour.md §15), declared before any rule jumps there.
 
     An objref map lookup that misses (a source that is no subject, or the other family)
     only ends its own rule, so each counted rule carries the verdict and the last one
@@ -812,7 +812,7 @@ def removal_batch(
 
 
 def dyn_replace(table: str, nft_id: str, kept: Sequence[tuple[IPAddress, int]]) -> NetlinkBatch:
-    """A narrowing change's dyn-set part (BEHAVIOUR 14.1): both dyn sets emptied and refilled
+    """A narrowing change's dyn-set part (docs/behaviour.md §14.1): both dyn sets emptied and refilled
     with the leases that survive, in the caller's transaction. A flush, not per-element
     deletes: an element the kernel already expired would make a delete fail (ENOENT) and
     abort the whole swap."""
@@ -845,7 +845,7 @@ def dyn_add(
 
 # --------------------------------------------------------------------------- host-uid subjects
 #
-# BEHAVIOUR 17: sandboxes that share egressd's network namespace and differ only by host uid.
+# docs/behaviour.md §17: sandboxes that share egressd's network namespace and differ only by host uid.
 # Their packets are locally generated, so they meet the ``output`` hook, never prerouting or
 # forward; the identity is the socket's owner (``meta skuid``). They use the same per-subject
 # chains and sets as the forward path, reached through uid-keyed verdict maps:
@@ -882,7 +882,7 @@ UID_DNS_OWN = "uid_dns_own"  # filter: uid . its DNS port
 UID_MITM = "uid_mitm"  # nat: uid -> its MITM port
 UID_MITM_IN = "uid_mitm_in"  # filter: uid . its MITM port -> subj_<id>_in
 UID_AUDIT = "uid_audit"  # uids whose active policy audits
-UID_DROP_COUNTER = "uid_drop_counter"  # uid -> subj_<id>_dropped (BEHAVIOUR §15)
+UID_DROP_COUNTER = "uid_drop_counter"  # uid -> subj_<id>_dropped (docs/behaviour.md §15)
 UID_DENIED_CHAIN = "uid_denied"
 UID_REFUSE = f"goto {UID_DENIED_CHAIN}"
 UID_OUT_CHAIN = "uid_out"
@@ -947,7 +947,7 @@ def _uid_objects(s: _Script, cfg: TableConfig) -> None:
         s.obj("add", "map", f"{UID_MITM_IN} {{ type uid . inet_service : verdict; }}")
     for chain in (UID_OUT_CHAIN, UID_LOCAL_CHAIN, UID_NAT_CHAIN):
         s.obj("add", "chain", chain)
-    # Refusals of in-range uids (BEHAVIOUR §15): their packets carry the host's address, so
+    # Refusals of in-range uids (docs/behaviour.md §15): their packets carry the host's address, so
     # they are counted by the socket's owner; an unknown uid's go on to ``denied`` (there:
     # unattributed), which also decides how a refusal looks (EGRESSD_DENY_REJECT).
     s.obj("add", "map", f"{UID_DROP_COUNTER} {{ type uid : counter; }}")

@@ -174,7 +174,7 @@ def _match_probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} nat ip daddr 10.0.0.1 tcp dport 8443 dnat ip to 10.0.0.1:18081",
         ),
         (
-            # BEHAVIOUR 14.2: nothing addressed to the pod itself is intercepted, and the
+            # docs/behaviour.md §14.2: nothing addressed to the pod itself is intercepted, and the
             # input hook sends sandbox sources to a regular chain.
             "local-address lookups (fib) and input jumps",
             f"add rule inet {t} nat fib daddr type local tcp dport {{ 80, 443 }} return\n"
@@ -183,7 +183,7 @@ def _match_probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} in_ ip saddr @sb jump c3",  # c1, c2 are deleted by later probes
         ),
         (
-            # BEHAVIOUR §15: refusals are counted per source through a counter map.
+            # docs/behaviour.md §15: refusals are counted per source through a counter map.
             "refusal counting (counter maps, goto)",
             f"add counter inet {t} k0\n"
             f"add map inet {t} cm {{ type ipv4_addr : counter; }}\n"

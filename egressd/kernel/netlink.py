@@ -194,7 +194,7 @@ def _expr(name: str, *attrs: bytes) -> bytes:
 
 def _verdict(outcome: RuleAction, drop_chain: str = "") -> bytes:
     if outcome is RuleAction.DROP and drop_chain:
-        # goto the chain that counts and refuses (BEHAVIOUR §15), as nft encodes "goto <chain>".
+        # goto the chain that counts and refuses (docs/behaviour.md §15), as nft encodes "goto <chain>".
         verdict = _nest(
             NFTA_DATA_VERDICT,
             _attr(NFTA_VERDICT_CODE, struct.pack(">i", NFT_GOTO)),
@@ -406,7 +406,7 @@ def _uid_key(uid: int, port: int | None = None) -> bytes:
 
 
 def encode_uid_op(table: str, op: UidOp) -> list[tuple[int, int, bytes]]:
-    """The one message of an element operation on a uid-keyed set or map (BEHAVIOUR 17)."""
+    """The one message of an element operation on a uid-keyed set or map (docs/behaviour.md §17)."""
     if isinstance(op, DeleteUid):
         key = _uid_key(op.uid, op.port)
         return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, _elements([key])))]

@@ -1,4 +1,4 @@
-"""Transparent MITM credential injection (BEHAVIOUR §10).
+"""Transparent MITM credential injection (docs/behaviour.md §10).
 
 :mod:`egressd.mitm.inject` holds the pure decisions (binding match, refusals, header
 injection, substitutions, response-header redaction) on plain data; the mitmproxy addon is a

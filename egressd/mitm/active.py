@@ -1,4 +1,4 @@
-"""The MITM's vault lookup (BEHAVIOUR §10): ``GET /credential-vault/_active?clientIp=<ip>``.
+"""The MITM's vault lookup (docs/behaviour.md §10): ``GET /credential-vault/_active?clientIp=<ip>``.
 
 Served only on a private unix socket (credential values are in the body). The decision is
 transport-free (:func:`active_lookup`); :func:`active_app` is the thin aiohttp shell.
@@ -14,7 +14,7 @@ or 304) also carries ``X-Egressd-Destination: verified|unverified`` — whether 
 DNS proxy learned ``dst`` for ``host`` (or an explicit IP allow rule covers it). The MITM
 injects only towards verified destinations, in the same round trip as the vault revalidation.
 
-egressd extension (host-uid subjects, BEHAVIOUR 17): with ``port=<listener port>`` the client is
+egressd extension (host-uid subjects, docs/behaviour.md §17): with ``port=<listener port>`` the client is
 the subject that port belongs to, not the peer address (every host-uid sandbox connects from
 the host's own address, and the kernel redirected each one to a MITM port of its own). A port
 that is no subject's answers 404; a malformed one 400.
@@ -42,7 +42,7 @@ PortLookup = Callable[[int], VaultSnapshot | None]
 PortVerify = Callable[[int, str, IPAddress], bool]
 DESTINATION_HEADER = "X-Egressd-Destination"
 READY_EVENT = "mitm.ready"  # the addon's JSON line once its listener is bound
-CACHE_EVENT = "mitm.cache"  # the child's snapshot cache size, whenever it changed (BEHAVIOUR 14.9)
+CACHE_EVENT = "mitm.cache"  # the child's snapshot cache size, whenever it changed (docs/behaviour.md §14.9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +55,7 @@ class ActiveReply:
 
 @dataclass(frozen=True, slots=True)
 class PortVaults:
-    """Vault lookups of the MITM listeners whose port names the subject (BEHAVIOUR 17), and
+    """Vault lookups of the MITM listeners whose port names the subject (docs/behaviour.md §17), and
     those ports (the child listens on all of them from its start)."""
 
     lookup: PortLookup

@@ -87,8 +87,8 @@ def _peer_ip(flow: http.HTTPFlow) -> str | None:
 
 
 def _listen_port(client: object, shared: int | None) -> int | None:
-    """The per-subject port the client connection came in on (host-uid subjects, BEHAVIOUR
-    17), or None on the shared listener (port ``shared``): there the peer address names the
+    """The per-subject port the client connection came in on (host-uid subjects, docs/behaviour.md
+    §17), or None on the shared listener (port ``shared``): there the peer address names the
     subject, here the port does. Read from the listener's mode (``transparent@<port>``): in
     transparent mode mitmproxy overwrites the client's ``sockname`` with the original
     destination."""
@@ -202,7 +202,7 @@ class EgressInjector:
         if self.client is not None:
             await self.client.close()
 
-    # ---- connection side: open it or relay it (BEHAVIOUR §16) -------------------------------
+    # ---- connection side: open it or relay it (docs/behaviour.md §16) -------------------------------
 
     async def tls_clienthello(self, data: tls.ClientHelloData) -> None:
         try:
@@ -277,7 +277,7 @@ class EgressInjector:
 
     async def _lookup(self, conn: object, client_ip: str | None, host: str | None, dst: str | None) -> View:
         """The vault of the connection's client: by its listener port on a host-uid subject's
-        port (BEHAVIOUR 17), else by its peer address."""
+        port (docs/behaviour.md §17), else by its peer address."""
         assert self.client is not None
         listen = _listen_port(conn, self.shared_port)
         if listen is None:
@@ -372,7 +372,7 @@ class EgressInjector:
         """The request's one authority ("" when it names none), now the only one on the wire;
         None when the flow was refused or killed instead."""
         req = flow.request
-        # One authority (BEHAVIOUR 14.8), for every flow, vault or not, before the lookup:
+        # One authority (docs/behaviour.md §14.8), for every flow, vault or not, before the lookup:
         # mitmproxy forwards the HTTP/1 absolute-form authority and both ``:authority`` and
         # ``Host`` as they came, while the decision would run on one of them.
         one = one_authority(req.authority, req.headers.get_all("host"), sni, port, req.path)

@@ -1,4 +1,4 @@
-"""Credential injection decisions for the transparent MITM (BEHAVIOUR §10, §6).
+"""Credential injection decisions for the transparent MITM (docs/behaviour.md §10, §6).
 
 Pure functions on plain data: no I/O, no logging, no mitmproxy. The addon turns a flow into a
 :class:`Request`, calls :func:`decide` with the client's :class:`VaultSnapshot` (the ``_active``
@@ -22,7 +22,7 @@ are done there, before the upstream connection exists), keep ``outcome.binding``
 ``request`` call :func:`substitute_body` with :func:`find_binding` of the same snapshot (not a
 re-fetched one) unless the body was streamed.
 
-One authority (BEHAVIOUR 14.8): before anything else the addon reduces the request to
+One authority (docs/behaviour.md §14.8): before anything else the addon reduces the request to
 :func:`one_authority`: the HTTP/1 absolute-form authority, the HTTP/2 ``:authority``, the
 ``Host`` header and the SNI must all name the same host (and any explicit port the
 connection's), else 400 before the lookup, before the upstream. The addon then forwards that
@@ -118,7 +118,7 @@ CONNECTION_TOKENS: Final = frozenset({"close", "keep-alive", "upgrade", "te"})
 
 #: Headers that servers and front ends honour as the request's real host, path or method.
 #: A binding names hosts, paths and methods; a credential injected into a request that
-#: carries one of these would be used for a target the binding does not name (BEHAVIOUR 14.8).
+#: carries one of these would be used for a target the binding does not name (docs/behaviour.md §14.8).
 TARGET_OVERRIDE_HEADERS: Final = frozenset(
     {
         "forwarded",
@@ -249,7 +249,7 @@ def _refuse(reason: str, binding: str | None = None, status: int = 403) -> Injec
 
 
 AMBIGUOUS_AUTHORITY: Final = InjectionDecision("refuse", status=400, reason=REASON_AUTHORITY)
-"""The 400 of :func:`one_authority` (BEHAVIOUR 14.8)."""
+"""The 400 of :func:`one_authority` (docs/behaviour.md §14.8)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,7 +263,7 @@ def _dns_name(text: str) -> str | None:
     """A-labels, lower-cased, one trailing dot dropped; None unless it looks like a DNS name.
 
     A Unicode Host (or SNI) is compared as its A-labels, like the binding hosts and the names
-    the DNS proxy learned (BEHAVIOUR 14.3); one that is not a valid IDN matches nothing.
+    the DNS proxy learned (docs/behaviour.md §14.3); one that is not a valid IDN matches nothing.
     """
     try:
         name = to_alabels(text.strip()).lower()
@@ -334,7 +334,7 @@ class OneAuthority:
 def one_authority(
     target: str, host_headers: Sequence[str], sni: str | None, port: int, path: str = "/"
 ) -> OneAuthority:
-    """The request's one authority (BEHAVIOUR 14.8), or the 400 :data:`AMBIGUOUS_AUTHORITY`.
+    """The request's one authority (docs/behaviour.md §14.8), or the 400 :data:`AMBIGUOUS_AUTHORITY`.
 
     ``target`` is the HTTP/1 absolute-form authority or the HTTP/2 ``:authority`` ("" when
     absent: origin-form); ``host_headers`` every ``Host`` header value in wire order; ``sni``

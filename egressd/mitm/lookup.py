@@ -1,4 +1,4 @@
-"""The MITM side of the ``_active`` vault lookup (BEHAVIOUR §10): cache, revalidation, failure.
+"""The MITM side of the ``_active`` vault lookup (docs/behaviour.md §10): cache, revalidation, failure.
 
 One lookup per intercepted request: ``GET /credential-vault/_active?clientIp=…&host=…&dst=…``
 with ``If-None-Match`` when a snapshot of that client is cached, over the daemon's private
@@ -10,7 +10,7 @@ Failure (timeout 0.25 s, refused, 5xx, bad JSON/schema/ETag, 304 without a cache
 carrying the tag we already hold) drops the client's cache and raises: the caller then blocks
 the request before anything reaches the upstream. 404 drops the cache: no vault, no injection.
 
-The cache is bounded (BEHAVIOUR 14.9): at most :data:`CACHE_MAX_ENTRIES` clients, least
+The cache is bounded (docs/behaviour.md §14.9): at most :data:`CACHE_MAX_ENTRIES` clients, least
 recently used evicted first. Eviction only costs the evicted client one full (200) lookup.
 egressd also tells the child to *forget* clients whose snapshot it must no longer hold
 (subject removed or rebound, vault deleted or changed): one JSON line per batch on the
@@ -41,8 +41,8 @@ FORGET_BATCH: Final = 256  # addresses per forget line (a line stays well under 
 
 
 def port_key(port: int) -> str:
-    """The cache key of the clients of a per-subject MITM port (host-uid subjects, BEHAVIOUR
-    17): the port names the subject there, the peer address (the host's own) names nobody."""
+    """The cache key of the clients of a per-subject MITM port (host-uid subjects, docs/behaviour.md
+    §17): the port names the subject there, the peer address (the host's own) names nobody."""
     return f"port:{port}"
 
 
@@ -159,7 +159,7 @@ class ActiveClient:
     async def lookup(
         self, client_ip: str | None, host: str | None, dst: str | None, listen_port: int | None = None
     ) -> View:
-        """``listen_port``: the flow came in on a per-subject port (BEHAVIOUR 17), whose
+        """``listen_port``: the flow came in on a per-subject port (docs/behaviour.md §17), whose
         subject is the client; its snapshot is cached under :func:`port_key`."""
         if not client_ip:
             raise LookupFailed("no peer address")

@@ -11,7 +11,7 @@ no ``config.yaml`` is read from the confdir.
 Run as ``python -m egressd.mitm.runner --set name=value …`` (options of mitmproxy and of the
 egressd addon, as built by :func:`egressd.mitm.supervisor.mitmdump_argv`).
 
-Besides mitmproxy, two small tasks (BEHAVIOUR 14.9): stdin carries egressd's *forget* lines
+Besides mitmproxy, two small tasks (docs/behaviour.md §14.9): stdin carries egressd's *forget* lines
 (clients whose vault snapshot the cache must drop now: subject removed or rebound, vault
 deleted), and a ``mitm.cache`` event reports the cache size whenever it changed, so egressd
 can export it (``egressd_mitm_snapshot_cache_entries``).
@@ -141,7 +141,7 @@ def raise_fd_limit() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     # exec reset the dumpable flag the daemon had: set it again before the CA key (loaded when
-    # the options are set) or any vault snapshot is in this process (BEHAVIOUR 14.9).
+    # the options are set) or any vault snapshot is in this process (docs/behaviour.md §14.9).
     disable_core_dumps()
     raise_fd_limit()
     return asyncio.run(_main(sys.argv[1:] if argv is None else argv))

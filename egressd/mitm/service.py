@@ -117,7 +117,7 @@ async def start_mitm(
     metrics: EgressMetrics | None = None,
     by_port: PortVaults | None = None,
 ) -> RunningMitm:
-    """CA, the private ``_active`` socket, then the supervised MITM child (BEHAVIOUR §10).
+    """CA, the private ``_active`` socket, then the supervised MITM child (docs/behaviour.md §10).
 
     ``lookup``/``verify`` (and ``by_port``, for the per-subject ports of host-uid subjects)
     answer the child's vault lookups (:mod:`egressd.mitm.active`); ``gid`` is the child's

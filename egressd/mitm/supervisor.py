@@ -13,7 +13,7 @@ is False, ``/healthz`` answers 503 and intercepted connections are refused by th
 (nothing listens on the port): fail closed. It is restarted with a capped backoff.
 
 The child's stdin is egressd's one-way channel to it: :meth:`MitmSupervisor.forget` queues
-client addresses whose cached vault snapshot the child must drop (BEHAVIOUR 14.9), written
+client addresses whose cached vault snapshot the child must drop (docs/behaviour.md §14.9), written
 as forget lines (:func:`egressd.mitm.lookup.forget_message`). The queue is bounded: past
 :data:`FORGET_QUEUE_MAX` addresses it collapses into one "forget every client" line. The
 child reports its cache size in ``mitm.cache`` events (``egressd_mitm_snapshot_cache_entries``).
@@ -58,10 +58,10 @@ class MitmOptions:
     ssl_insecure: bool = False
     stream_large_bodies: str = "1m"
     lookup_timeout: float = 0.25
-    # Per-subject listeners (host-uid subjects, BEHAVIOUR 17), all bound from the start: a
+    # Per-subject listeners (host-uid subjects, docs/behaviour.md §17), all bound from the start: a
     # subject's port then never waits for the child, and the kernel lets only its owner in.
     subject_ports: tuple[int, ...] = ()
-    ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (BEHAVIOUR §16)
+    ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (docs/behaviour.md §16)
 
 
 def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:

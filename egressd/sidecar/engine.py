@@ -93,7 +93,7 @@ class SidecarEngine:
         self._cut_flows = cut_flows
         self._background: set[asyncio.Task[int]] = set()
         self.rules_installed = 0  # for egress_nftables_rules_count
-        # The refusal count of the table a rebuild replaces (BEHAVIOUR §15), read under the
+        # The refusal count of the table a rebuild replaces (docs/behaviour.md §15), read under the
         # kernel lock just before the rebuild; None: start from 0 (unit tests).
         self._carry_dropped = carry_dropped
 
@@ -150,7 +150,7 @@ class SidecarEngine:
 
     def _narrowed(self, effective: NetworkPolicy) -> Narrowed:
         """The leases that survive ``effective``: a name that taught them is still allowed
-        and no deny rule covers the address (BEHAVIOUR 14.1, same rule as the fleet)."""
+        and no deny rule covers the address (docs/behaviour.md §14.1, same rule as the fleet)."""
         sets = ip_sets(effective)
         return narrowed_for(self.leases, effective, sets.deny_v4, sets.deny_v6, self._clock())
 
@@ -179,7 +179,7 @@ class SidecarEngine:
         )
 
     async def shutdown(self) -> None:
-        """Remove the table (BEHAVIOUR §13: shutdown deletes the sidecar table)."""
+        """Remove the table (docs/behaviour.md §13: shutdown deletes the sidecar table)."""
         async with self._kernel_lock:
             self.enforcement_ready = False
             await self.kernel.run_script(delete_table(self.table), op="reset")

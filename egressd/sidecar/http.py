@@ -1,4 +1,4 @@
-"""The sidecar HTTP surface (BEHAVIOUR §5, §6, §13; reference/egress-api.yaml).
+"""The sidecar HTTP surface (docs/behaviour.md §5, §6, §13; reference/egress-api.yaml).
 
 ``/policy`` (GET, POST/PUT replace, PATCH merge, DELETE by target), ``/credential-vault``
 and its sub-resources, ``/healthz`` and ``/metrics``. With a token configured, ``/policy``
@@ -122,11 +122,11 @@ class SidecarHTTP:
         before_scrape: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.engine = engine
-        self._before_scrape = before_scrape  # e.g. the kernel's refusal counter (BEHAVIOUR §15)
+        self._before_scrape = before_scrape  # e.g. the kernel's refusal counter (docs/behaviour.md §15)
         self.vault_limits = vault_limits
         self.vault_transport = vault_transport or VaultTransport()
         self._mitm_ca = mitm_ca
-        # After every vault write: the MITM child drops its cached snapshot (BEHAVIOUR 14.9).
+        # After every vault write: the MITM child drops its cached snapshot (docs/behaviour.md §14.9).
         self._vault_changed = vault_changed
         self.metrics = metrics
         self._token = token
@@ -137,7 +137,7 @@ class SidecarHTTP:
         # Policy and vault writes are serialised: a policy change checks vault coverage and
         # then awaits the kernel; no vault write may slip in between.
         self._lock = asyncio.Lock()
-        # A write whose body was read runs to its end whatever the client does (BEHAVIOUR 14.10).
+        # A write whose body was read runs to its end whatever the client does (docs/behaviour.md §14.10).
         self.inflight = InFlight()
 
     @property

@@ -169,7 +169,7 @@ async def _start_dns(
     forwarder = running.forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
     events = sidecar_events(cfg, metrics, forwarder)
     if events.webhook is not None:
-        # The deny webhook's worker; events queued after its close are dropped (BEHAVIOUR §15).
+        # The deny webhook's worker; events queued after its close are dropped (docs/behaviour.md §15).
         events.webhook.start()
         running.stoppers.append(events.webhook.close)
     dns = running.dns = DnsProxy(
@@ -250,7 +250,7 @@ def _http(
         vault_changed=(lambda: mitm.supervisor.forget(None)) if mitm is not None else None,
         vault_limits=cfg.vault_limits,
         vault_transport=VaultTransport(cfg.vault_require_tls, cfg.vault_trusted_proxies),
-        before_scrape=drops.refresh,  # the kernel's refusal counter (BEHAVIOUR §15)
+        before_scrape=drops.refresh,  # the kernel's refusal counter (docs/behaviour.md §15)
     )
 
 

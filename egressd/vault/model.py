@@ -1,4 +1,4 @@
-"""The credential vault documents (BEHAVIOUR.md §6, OSEP-0012): parsing, validation, checks.
+"""The credential vault documents (docs/behaviour.md §6, OSEP-0012): parsing, validation, checks.
 
 Everything here is pure: decoded JSON in, frozen dataclasses out. Every rejection is a
 :class:`VaultError` carrying the HTTP status (400 unless stated) and a one-line message that
@@ -129,7 +129,7 @@ VaultStatus = Literal[400, 404, 409, 412]
 
 @dataclass(frozen=True, slots=True)
 class VaultLimits:
-    """How big one vault may be (BEHAVIOUR 14.7). Every count is checked on the raw JSON array
+    """How big one vault may be (docs/behaviour.md §14.7). Every count is checked on the raw JSON array
     before its items are parsed, so an oversized body costs no more than reading its length.
     ``env`` names what the operator can change (the per-binding caps are fixed).
 
@@ -466,7 +466,7 @@ _MATCH_KEYS: Final = frozenset({"hosts", "schemes", "methods", "paths", "ports"}
 def parse_host(text: str, where: str) -> str:
     """A binding host: A-labels, lower-cased, one trailing dot dropped; an FQDN or ``*.`` + FQDN.
 
-    A Unicode host becomes its A-labels (IDNA 2008 / UTS-46, BEHAVIOUR 14.3), the form the
+    A Unicode host becomes its A-labels (IDNA 2008 / UTS-46, docs/behaviour.md §14.3), the form the
     policy's domain targets, DNS queries and TLS SNI all use, so coverage, ambiguity and the
     MITM's match compare like with like; an invalid one is a 400.
     """

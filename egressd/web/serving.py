@@ -1,5 +1,5 @@
 """What both profiles' shells do the same way: bind the HTTP API, wait for SIGTERM/SIGINT, and
-carry every mutating request to its end whatever its client does (BEHAVIOUR 14.10)."""
+carry every mutating request to its end whatever its client does (docs/behaviour.md §14.10)."""
 
 from __future__ import annotations
 

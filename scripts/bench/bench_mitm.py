@@ -13,7 +13,7 @@ process (scripts/fleet_upstream.py, HTTPS on 443 and 8443) and differ only by th
 * ``direct`` (baseline)    sb1 -> api.example.test:8443, not intercepted;
 * ``mitm+inject``          sb1 -> :443 through the MITM; sb1's vault binding matches every request;
 * ``mitm decrypt, no match`` sb1 -> :443, a path outside the binding: decrypted (the SNI is a
-                           binding host, BEHAVIOUR §16), nothing injected;
+                           binding host, docs/behaviour.md §16), nothing injected;
 * ``mitm passthrough``     sb2 (bound, no vault) -> :443 through the MITM: not decrypted, the
                            connection is relayed as TCP (§16); the client trusts only the
                            upstream's CA, so a decrypted connection would fail.

@@ -1,4 +1,4 @@
-"""BEHAVIOUR 14.2, no lateral movement on any hook, tried with real packets.
+"""docs/behaviour.md §14.2, no lateral movement on any hook, tried with real packets.
 
 Runs in two shapes, each its own throwaway topology: the bridged one (all sandboxes on br0)
 and a routed one (one veth per sandbox, /32 routes, the gateway address on every pod-side
@@ -233,7 +233,7 @@ EXTRA_SRC = "10.203.0.99"  # an address sandbox 1 gives itself: in the CIDR, nev
 
 
 def bind_cidr(d: Daemon, i: int, uid: str) -> None:
-    """Like :func:`bind`, with ``attachment.network.privateCidr`` (BEHAVIOUR 14.2)."""
+    """Like :func:`bind`, with ``attachment.network.privateCidr`` (docs/behaviour.md §14.2)."""
     env = envelope("SET_BINDING", uid, ip=Topology.sb_ip(i), gateway=GATEWAY, policy=ALLOW_ALL)
     env["attachment"]["network"]["privateCidr"] = PRIVATE_CIDR  # type: ignore[index]
     code, body = d.post(env)
@@ -322,4 +322,4 @@ def test_zz_the_table_keeps_the_lateral_guards(lat: Daemon) -> None:
     names = lat.object_names()
     assert {"input", "sandbox_in", "dispatch", "sandboxes_v4", "sandboxes_v6"} <= names
     listing = lat.nft("list", "chain", "inet", lat.table, "sandbox_in")
-    assert listing.count("goto denied") >= 1  # every refusal is counted (BEHAVIOUR §15)
+    assert listing.count("goto denied") >= 1  # every refusal is counted (docs/behaviour.md §15)

@@ -1,4 +1,4 @@
-"""Sealed-vault key files added and removed while the real fleet daemon runs (BEHAVIOUR §11).
+"""Sealed-vault key files added and removed while the real fleet daemon runs (docs/behaviour.md §11).
 
 One daemon with its own ``EGRESSD_VAULT_KEYS_DIR``, table and port; SET_BINDING envelopes with
 wrappers sealed by ``egressd.vault.sealed`` (what ``egressctl vault seal`` does). The daemon

@@ -24,7 +24,7 @@ Searched: every HTTP response (status line, headers, body) egressd gave during t
 (including /metrics, /healthz, actions/status, /v1/subjects, /v1/explain, every GET of the
 vault and its sub-resources, /policy), every egressctl stdout/stderr (``vault get`` included),
 the response *headers* the sandbox received through the MITM (the body is the upstream's echo,
-which egressd passes untouched by design, BEHAVIOUR §10), the daemon logs (the MITM child's
+which egressd passes untouched by design, docs/behaviour.md §10), the daemon logs (the MITM child's
 lines are re-logged there), and every file under the topology work dir (MITM confdirs,
 credential-proxy socket dirs, key dir, always-rules dirs, sidecar policy file, logs), the
 daemons' and MITM children's cwd (files changed during the test) and every regular file they

@@ -29,7 +29,7 @@ POLICY = {
     "defaultAction": "deny",
     "egress": [{"action": "allow", "target": API}, {"action": "allow", "target": "b.test"}],
 }
-# BEHAVIOUR §16: an SNI of b.test is decrypted only with a binding naming b.test (unused here).
+# docs/behaviour.md §16: an SNI of b.test is decrypted only with a binding naming b.test (unused here).
 VAULT_SNI_B = {
     "credentials": VAULT["credentials"],
     "bindings": [

@@ -1,4 +1,4 @@
-"""Configuration (INTERFACE.md "Environment"): env and --flags in, Config out; flags win."""
+"""Configuration (docs/protocol.md "Environment"): env and --flags in, Config out; flags win."""
 
 from __future__ import annotations
 

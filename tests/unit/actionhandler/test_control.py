@@ -1143,7 +1143,7 @@ async def test_default_allow_fills_the_allow_sets(control: ControlPlane, kernel:
 async def test_policy_swap_keeps_only_leases_a_still_allowed_name_taught(
     control: ControlPlane, kernel: TextKernel
 ) -> None:
-    # BEHAVIOUR 14.1 wins over §8.3's "dyn sets untouched": a lease survives a swap only if a
+    # docs/behaviour.md §14.1 wins over §8.3's "dyn sets untouched": a lease survives a swap only if a
     # name that taught it is still allowed; an element nobody taught goes with the swap.
     keep = '{"defaultAction":"deny","egress":[{"action":"allow","target":"api.x.io"}]}'
     await activate(control, policy=keep)

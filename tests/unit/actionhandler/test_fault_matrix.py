@@ -1,4 +1,4 @@
-"""Fault-injection matrix (issue 13 item 2; BEHAVIOUR §2, §3, §8, §9, 14.1, 14.6).
+"""Fault-injection matrix (issue 13 item 2; docs/behaviour.md §2, §3, §8, §9, 14.1, 14.6).
 
 Every plan the control plane executes is run against a MODEL KERNEL (the shared
 :class:`~tests.unit.fakekernel.FakeKernel` with the typed :class:`Table` model below, which

@@ -71,7 +71,7 @@ SET_KINDS = (
 )
 SETS6 = [f"subj_s_u_1_{k}" for k in SET_KINDS]
 
-# BEHAVIOUR §8.3's example (example.com is a domain: DNS only, no set element).
+# docs/behaviour.md §8.3's example (example.com is a domain: DNS only, no set element).
 EXAMPLE = parse_policy(
     '{"defaultAction":"deny","egress":['
     '{"action":"allow","target":"example.com"},'

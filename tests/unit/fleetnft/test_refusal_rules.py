@@ -1,4 +1,4 @@
-"""BEHAVIOUR §15 in the rulesets: every refusal egressd's rules make goes through one counting
+"""docs/behaviour.md §15 in the rulesets: every refusal egressd's rules make goes through one counting
 chain, EGRESSD_DENY_REJECT changes only how the refusal looks, and the per-subject counter
 lives and dies with the subject. Netlink encodings of the new shapes are checked against
 pyroute2, like the rest of the encoder."""

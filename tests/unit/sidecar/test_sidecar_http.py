@@ -1,4 +1,4 @@
-"""Sidecar HTTP surface (BEHAVIOUR §5, §6, §13) over a SidecarEngine on a fake kernel."""
+"""Sidecar HTTP surface (docs/behaviour.md §5, §6, §13) over a SidecarEngine on a fake kernel."""
 
 from __future__ import annotations
 
@@ -597,7 +597,7 @@ def test_audit_initial_policy_is_refused() -> None:
     assert fallback.source == "default" and fallback.warning and "sidecar" in fallback.warning
 
 
-# ---- BEHAVIOUR 14.3: Unicode targets are A-labels -------------------------------------------------
+# ---- docs/behaviour.md §14.3: Unicode targets are A-labels -------------------------------------------------
 
 
 async def test_unicode_targets_become_a_labels_and_invalid_ones_are_400(env: Env) -> None:

@@ -1,4 +1,4 @@
-"""Sealed vault in the binding input (BEHAVIOUR §11, §3, §6) through the real fleet app.
+"""Sealed vault in the binding input (docs/behaviour.md §11, §3, §6) through the real fleet app.
 
 Real AES-256-GCM keys in a temporary EGRESSD_VAULT_KEYS_DIR, wrappers built with
 ``egressd.vault.sealed.seal``, envelopes POSTed to /_fastlet/v1/actions. The harness (fake

@@ -183,7 +183,7 @@ def test_host_valid(raw: str, expected: str) -> None:
         "api.example.com..",
         "api.example.com:443",
         "exa mple.com",
-        # BEHAVIOUR 14.3: Unicode hosts are converted (see test_unicode_host_becomes_a_labels);
+        # docs/behaviour.md §14.3: Unicode hosts are converted (see test_unicode_host_becomes_a_labels);
         # only names that are not valid IDNA 2008 are refused.
         "☃.example.com",
         "a\u200db.example.com",
