@@ -204,15 +204,14 @@ async def _start_dns(
             f"cannot listen for DNS on {cfg.dns_host}:{cfg.dns_port}: {exc.strerror}"
         ) from None
     log.info("dns.listening", addr=f"{cfg.dns_host}:{cfg.dns_port}", upstreams=[str(u) for u in upstreams])
-    ports = cfg.uid_ports
+    port = cfg.uid_ports.unknown_dns_port
     try:
         # In-range uids that are no subject are redirected here: NXDOMAIN, like an unknown source.
-        await dns.start_port(PortAsker(ports.unknown_dns_port, lambda: None))
+        await dns.start_port(PortAsker(port, lambda: None))
     except OSError as exc:
-        raise StartupError(
-            f"cannot listen for DNS on 127.0.0.1:{ports.unknown_dns_port} (EGRESSD_UID_DNS_PORT_BASE): "
-            f"{exc.strerror}"
-        ) from None
+        # Still closed without it (their queries get no answer instead of NXDOMAIN); another
+        # daemon in this namespace may hold the block (each needs its own EGRESSD_UID_DNS_PORT_BASE).
+        log.warning("dns.unknown_uid_port_unavailable", port=port, error=exc.strerror or str(exc))
     control.uid_ports.ports = UidDnsPorts(dns, control)
 
 
