@@ -67,6 +67,18 @@ def ms(xs: list[float]) -> dict[str, float]:
 # ---- (a) (b) (c): through the daemon ------------------------------------------------------------
 
 
+
+def subject_objects(cfg: nb.TableConfig, s: nb.SubjectNft) -> str:
+    """The libnftables path's objects plus what the netlink path adds to a subject: its drop
+    counter and the counter-map key (docs/behaviour.md §15), so removals find them."""
+    n = nb.Names(s.nft_id)
+    fam = "v4" if s.ip.version == 4 else "v6"
+    return (
+        nb.subject_objects_script(cfg, s)
+        + f"add counter inet {cfg.table} {n.dropped_counter}\n"
+        + f'add element inet {cfg.table} {nb.drop_counter_map(fam)} {{ {s.ip} : "{n.dropped_counter}" }}\n'
+    )
+
 class FleetRun:
     def __init__(self, h: c.Http) -> None:
         self.h, self.registered, self.seq = h, 0, 0
@@ -313,7 +325,7 @@ class DirectRun:
         self.libnft(nb.header_script(self.cfg, delete_existing=False))
         for lo in range(0, size, 50):
             ids = range(lo, min(size, lo + 50))
-            self.libnft("".join(nb.subject_objects_script(self.cfg, self.bg(i)) for i in ids))
+            self.libnft("".join(subject_objects(self.cfg, self.bg(i)) for i in ids))
             batch = NetlinkBatch(DIRECT_TABLE)
             for i in ids:
                 batch = (
@@ -353,7 +365,7 @@ class DirectRun:
         return s, self.apply(
             method,
             nb.subject_create(self.cfg, s),
-            nb.subject_objects_script(self.cfg, s) + nb.subject_rules(self.cfg, s.nft_id).describe(),
+            subject_objects(self.cfg, s) + nb.subject_rules(self.cfg, s.nft_id).describe(),
         )
 
     def drop(self, created: list[nb.SubjectNft]) -> None:
