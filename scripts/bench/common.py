@@ -188,10 +188,14 @@ class Proc:
             raise BenchError(f"{self.what}: {out.get('error') or out.get('fatal')}")
         return out
 
-    def call(self, cmd: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def send(self, cmd: dict[str, Any]) -> None:
+        """One command without waiting for its answer (several clients then run at once)."""
         assert self.p.stdin is not None
         self.p.stdin.write((json.dumps(cmd) + "\n").encode())
         self.p.stdin.flush()
+
+    def call(self, cmd: dict[str, Any], timeout: float) -> dict[str, Any]:
+        self.send(cmd)
         return self.read_json(timeout)
 
     def stop(self, grace: float = 10) -> None:
@@ -292,28 +296,31 @@ class Topology:
             self.created.clear()
 
 
-def pod_topology(topo: Topology, sandboxes: int, upstream_ips: Sequence[str]) -> None:
+def pod_topology(topo: Topology, sandboxes: int, upstream_ips: Sequence[str], prefix: str = "") -> None:
     """pod: bridge br0 10.203.0.1/16 + uplink 10.204.0.1; sandboxes sb<i> 10.203.0.(10+i);
     upstream ``up`` with ``upstream_ips`` (/24). sb<i> routes only 10.204.0.0/24 via the pod,
-    ``up`` only 10.203.0.0/16 back: no default route anywhere."""
-    topo.x("pod", "sysctl", "-qw", "net.ipv4.ip_forward=1")
-    topo.x("pod", "ip", "link", "add", "br0", "type", "bridge")
-    topo.x("pod", "ip", "addr", "add", f"{GATEWAY}/16", "dev", "br0")
-    topo.x("pod", "ip", "link", "set", "br0", "up")
+    ``up`` only 10.203.0.0/16 back: no default route anywhere. With ``prefix`` the roles are
+    ``<prefix>pod``, ``<prefix>up``, ``<prefix>sb<i>``: copies with the same addresses side by side."""
+    pod, up = f"{prefix}pod", f"{prefix}up"
+    topo.x(pod, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+    topo.x(pod, "ip", "link", "add", "br0", "type", "bridge")
+    topo.x(pod, "ip", "addr", "add", f"{GATEWAY}/16", "dev", "br0")
+    topo.x(pod, "ip", "link", "set", "br0", "up")
     run(
-        ["ip", "netns", "exec", topo.ns("pod"), "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1"]
+        ["ip", "netns", "exec", topo.ns(pod), "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=1"]
     )  # best effort
     for i in range(1, sandboxes + 1):
-        topo.veth("pod", f"vh{i}", f"sb{i}", "eth0")
-        topo.x("pod", "ip", "link", "set", f"vh{i}", "master", "br0")
-        topo.x(f"sb{i}", "ip", "addr", "add", f"10.203.0.{10 + i}/16", "dev", "eth0")
-        topo.x(f"sb{i}", "ip", "link", "set", "eth0", "up")
-        topo.x(f"sb{i}", "ip", "route", "add", "10.204.0.0/24", "via", GATEWAY)
-    topo.veth("pod", "uplink", "up", "eth0", f"{UPLINK_IP}/24")
+        sb = f"{prefix}sb{i}"
+        topo.veth(pod, f"vh{i}", sb, "eth0")
+        topo.x(pod, "ip", "link", "set", f"vh{i}", "master", "br0")
+        topo.x(sb, "ip", "addr", "add", f"10.203.0.{10 + i}/16", "dev", "eth0")
+        topo.x(sb, "ip", "link", "set", "eth0", "up")
+        topo.x(sb, "ip", "route", "add", "10.204.0.0/24", "via", GATEWAY)
+    topo.veth(pod, "uplink", up, "eth0", f"{UPLINK_IP}/24")
     for ip in upstream_ips:
-        topo.x("up", "ip", "addr", "add", f"{ip}/24", "dev", "eth0")
-    topo.x("up", "ip", "link", "set", "eth0", "up")
-    topo.x("up", "ip", "route", "add", "10.203.0.0/16", "via", UPLINK_IP)
+        topo.x(up, "ip", "addr", "add", f"{ip}/24", "dev", "eth0")
+    topo.x(up, "ip", "link", "set", "eth0", "up")
+    topo.x(up, "ip", "route", "add", "10.203.0.0/16", "via", UPLINK_IP)
 
 
 def assert_in(ns: str, outer_ino: int) -> None:
@@ -323,14 +330,41 @@ def assert_in(ns: str, outer_ino: int) -> None:
         raise BenchError(f"safety: not inside netns {ns} (self={mine} outer={outer_ino} expected={expected})")
 
 
+@contextlib.contextmanager
+def in_netns(ns: str | None) -> Iterator[None]:
+    """This thread inside ``ns`` (one of this run's namespaces) for the block, then back home.
+
+    A socket keeps the namespace it was created in, so a loopback connection to a daemon in a
+    sibling namespace is made this way; nothing else runs while the thread is away."""
+    if ns is None:
+        yield
+        return
+    with open("/proc/thread-self/ns/net") as home, open(f"/run/netns/{ns}") as there:
+        os.setns(there.fileno(), os.CLONE_NEWNET)
+        try:
+            yield
+        finally:
+            os.setns(home.fileno(), os.CLONE_NEWNET)
+
+
 # ---- egressd ------------------------------------------------------------------------------------
 
 
-class Http:
-    """One keep-alive HTTP/1.1 connection to 127.0.0.1 (inside the namespace)."""
+class _NsConnection(http.client.HTTPConnection):
+    def __init__(self, port: int, timeout: float, netns: str | None) -> None:
+        super().__init__("127.0.0.1", port, timeout=timeout)
+        self._netns = netns
 
-    def __init__(self, port: int, timeout: float = 120) -> None:
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    def connect(self) -> None:
+        with in_netns(self._netns):
+            super().connect()
+
+
+class Http:
+    """One keep-alive HTTP/1.1 connection to 127.0.0.1 (inside the namespace, or ``netns``)."""
+
+    def __init__(self, port: int, timeout: float = 120, netns: str | None = None) -> None:
+        self.conn: http.client.HTTPConnection = _NsConnection(port, timeout, netns)
 
     def request(self, method: str, path: str, body: bytes | None = None,
                 ctype: str = "application/json") -> tuple[int, bytes, float]:  # fmt: skip
@@ -382,10 +416,12 @@ def nft_ms(d: dict[str, float], op: str) -> tuple[float, int]:
 
 
 class Egressd:
-    """The real ``.venv/bin/egressd`` (fleet profile) in this namespace, ended by PID."""
+    """The real ``.venv/bin/egressd`` (fleet profile) in this namespace (or ``netns``), ended by PID."""
 
-    def __init__(self, workdir: Path, port: int, table: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, workdir: Path, port: int, table: str, env: dict[str, str] | None = None,
+                 netns: str | None = None) -> None:  # fmt: skip
         self.workdir, self.port, self.table, self.env = workdir, port, table, dict(env or {})
+        self.netns = netns
         self.log_path = workdir / f"egressd-{table}.log"
         (workdir / "always-rules").mkdir(exist_ok=True)
         self.proc: Proc | None = None
@@ -397,13 +433,13 @@ class Egressd:
             "EGRESSD_ALWAYS_RULES_DIR": str(self.workdir / "always-rules"), **self.env,
         }  # fmt: skip
         t0 = time.perf_counter()
-        self.proc = Proc(argv or [str(EGRESSD)], log_path=self.log_path, env=env, stdin=False)
+        self.proc = Proc(argv or [str(EGRESSD)], ns=self.netns, log_path=self.log_path, env=env, stdin=False)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.p.poll() is not None:
                 raise BenchError(f"egressd exited with {self.proc.p.returncode}:\n{self.log_tail()}")
             with contextlib.suppress(OSError, http.client.HTTPException):
-                h = Http(self.port, 2)
+                h = Http(self.port, 2, self.netns)
                 try:
                     if h.request("GET", "/healthz")[0] == 200:
                         return time.perf_counter() - t0
@@ -429,7 +465,17 @@ class Egressd:
         if self.proc is not None:
             self.proc.stop(15)
         self.proc = None
-        run(["nft", "delete", "table", "inet", self.table])  # shutdown keeps it; later phases must not see it
+        # shutdown keeps it; later phases must not see it
+        run(
+            [
+                *(["ip", "netns", "exec", self.netns] if self.netns else []),
+                "nft",
+                "delete",
+                "table",
+                "inet",
+                self.table,
+            ]
+        )
 
 
 def envelope(op: str, uid: str, *, ip: str | None = None, policy: str | None = None, hook: bool = False,
@@ -496,6 +542,10 @@ class Report:
 
     def target(self, name: str, met: bool, measured: str, target: str) -> None:
         self.targets.append(f"  [{'MET' if met else 'MISSED':<6}] {name}: {measured}   (target {target})")
+
+    def unjudged(self, name: str, why: str, target: str) -> None:
+        """A target this run cannot judge (its comparison is missing): neither MET nor MISSED."""
+        self.targets.append(f"  [{'n/a':<6}] {name}: {why}   (target {target})")
 
     def text(self) -> str:
         load1 = os.getloadavg()

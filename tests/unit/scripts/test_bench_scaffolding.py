@@ -94,3 +94,173 @@ def test_wrap_passes_arguments_and_result_through(is_async: bool) -> None:
         got = asyncio.run(got)
     assert got == [(1, 2), {"name": "x"}]
     assert len(calls) == 1
+
+
+# ---- bench_mitm: configurations, schedule and the issue-16 verdicts ---------------------------
+
+import argparse  # noqa: E402
+
+import bench_mitm as bm  # noqa: E402
+
+
+def test_env_spec_parses_pairs_and_the_default_environment() -> None:
+    assert bm.parse_env_spec("EGRESSD_MITM_WORKERS=1, EGRESSD_MITM_TLS_RESUME=off") == {
+        "EGRESSD_MITM_WORKERS": "1",
+        "EGRESSD_MITM_TLS_RESUME": "off",
+    }
+    assert bm.parse_env_spec("") == {}
+    assert bm.parse_env_spec("A=") == {"A": ""}
+    assert bm.parse_env_spec("A=x=y") == {"A": "x=y"}
+
+
+@pytest.mark.parametrize("spec", ["WORKERS", "lower=1", "=1", "A=1,A=2", "A B=1"])
+def test_env_spec_rejects_what_is_not_env_assignments(spec: str) -> None:
+    with pytest.raises(ValueError):
+        bm.parse_env_spec(spec)
+    with pytest.raises(argparse.ArgumentTypeError):
+        bm._env_arg(spec)
+
+
+def test_configurations_default_one_worker_against_the_default() -> None:
+    assert [c.env for c in bm.configurations([], None)] == [{bm.WORKERS_ENV: "1"}, {}]
+    assert [c.env for c in bm.configurations([], 2)] == [{bm.WORKERS_ENV: "1"}, {bm.WORKERS_ENV: "2"}]
+    labels = [c.label for c in bm.configurations([], None)]
+    assert labels == ["A: EGRESSD_MITM_WORKERS=1", "B: defaults"]
+
+
+def test_configurations_compare_one_is_an_ab_against_the_defaults() -> None:
+    got = bm.configurations([{"EGRESSD_MITM_TLS_RESUME": "off"}], 2)
+    assert [c.env for c in got] == [
+        {bm.WORKERS_ENV: "2"},
+        {bm.WORKERS_ENV: "2", "EGRESSD_MITM_TLS_RESUME": "off"},
+    ]
+
+
+def test_configurations_compare_several_are_taken_as_given() -> None:
+    same = {bm.WORKERS_ENV: "1"}
+    got = bm.configurations([same, same], 4)  # --workers does not override an explicit setting
+    assert [c.env for c in got] == [same, same]
+    assert [c.label[:2] for c in got] == ["A:", "B:"]
+    with pytest.raises(ValueError):
+        bm.configurations([{}] * (len(bm.PREFIXES) + 1), None)
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"), [(None, 2), ("1", 1), ("3", 3), ("40", 16), ("0", 1), ("x", 2), (" 4 ", 4)]
+)
+def test_expected_workers_follows_the_spec(raw: str | None, want: int) -> None:
+    env = {} if raw is None else {bm.WORKERS_ENV: raw}
+    assert bm.expected_workers(env, 2) == want
+
+
+def test_split_and_the_interleaved_batch_order() -> None:
+    assert bm.split(10, 4) == [3, 3, 2, 2]
+    assert sum(bm.split(801, 4)) == 801
+    order = bm.batch_order(2, ["direct", "mitm"], 3)
+    assert order[:4] == [(0, 0, "direct"), (0, 0, "mitm"), (0, 1, "direct"), (0, 1, "mitm")]
+    assert order[4:8] == [(1, 1, "mitm"), (1, 1, "direct"), (1, 0, "mitm"), (1, 0, "direct")]
+    for r in range(3):  # every (configuration, path) once per round
+        assert sorted(x[1:] for x in order if x[0] == r) == sorted(x[1:] for x in order[:4])
+
+
+def test_merge_adds_up_clients_that_ran_at_once() -> None:
+    a = {
+        "lat_ms": [1.0],
+        "conn_ms": [0.5],
+        "errors": {"status 503": 1},
+        "attempted": 2,
+        "wall_s": 1.0,
+        "sample": {},
+    }
+    b = {"lat_ms": [2.0], "errors": {"status 503": 2}, "attempted": 3, "wall_s": 1.5, "sample": {"port": 443}}
+    m = bm.merge([a, b])
+    assert m["lat_ms"] == [1.0, 2.0] and m["conn_ms"] == [0.5]
+    assert m["errors"] == {"status 503": 3} and m["attempted"] == 5
+    assert m["wall_s"] == 1.5 and m["sample"] == {"port": 443}
+
+
+def test_workers_verdict_needs_half_of_a_positive_finite_reference() -> None:
+    assert bm.workers_met(100.0, 50.0) and not bm.workers_met(100.0, 50.1)
+    assert not bm.workers_met(0.0, -1.0)  # nothing to halve
+    assert not bm.workers_met(math.inf, 1.0) and not bm.workers_met(100.0, math.inf)
+    assert not bm.workers_met(math.nan, 1.0)
+
+
+def test_connection_verdict_is_twice_the_direct_connection_time() -> None:
+    assert bm.conn_met(4.0, 2.0) and not bm.conn_met(4.01, 2.0)
+    assert not bm.conn_met(math.inf, 2.0) and not bm.conn_met(1.0, math.nan)
+
+
+def test_workers_pairs_go_by_the_children_found() -> None:
+    assert bm.workers_pairs([1, 2]) == [(0, 1)]
+    assert bm.workers_pairs([2, 1, 4]) == [(1, 0), (1, 2)]
+    assert bm.workers_pairs([1, 1]) == []  # main ignores the variable: nothing to judge
+
+
+def _args(**kw: Any) -> argparse.Namespace:
+    base = {"conc": 16, "subjects": 4, "n_seq": 8, "n_conc": 16, "keepalive": True, "batches": 2}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_phases_keep_the_old_ones_and_add_the_spread_ones() -> None:
+    got = bm.phases(_args())
+    assert [p.label for p in got] == [
+        "new conn, sequential",
+        "new conn, 16 in flight",
+        "new conn, 16 in flight over 4 sandboxes",
+        "keep-alive, sequential",
+        "keep-alive, 16 in flight",
+        "keep-alive, 16 in flight over 4 sandboxes",
+    ]
+    assert [p.multi for p in got] == [False, False, True] * 2
+    assert len(bm.phases(_args(keepalive=False))) == 3
+    assert bm.multi_sandboxes(4) == (1, 3, 4, 5)
+    assert bm.roles(2, 4)[:3] == ["apod", "aup", "asb1"] and "bsb5" in bm.roles(2, 4)
+
+
+def _stats(p50: float, conn: float = 1.0) -> dict[str, Any]:
+    return {"lat": [p50] * 9, "conn": [conn] * 9, "errors": {}, "wall": 1.0, "lookup": [0.5], "decide": [],
+            "cpu": {"egressd": 0.001, "mitm1": 0.01, "mitm2": 0.01, "upstream": 0.001, "clients": 0.002}}  # fmt: skip
+
+
+def _out(children: list[int], inject_added: list[float]) -> dict[str, Any]:
+    paths = ["direct", "mitm+inject", "mitm decrypt, no match", "mitm passthrough"]
+    phases_: dict[str, Any] = {}
+    for ph in bm.phases(_args()):
+        names = paths[:2] if ph.multi else paths
+        phases_[ph.label] = [
+            {"paths": {n: _stats(2.0 + {"direct": 0.0, "mitm+inject": a}.get(n, 1.0)) for n in names},
+             "rss_kb": {"egressd": 1024, "mitm1": 2048}}
+            for a in inject_added
+        ]  # fmt: skip
+    rss = [{"egressd": 1024, "mitm1": 2048}] * len(children)
+    return {"configs": [{"label": f"{'AB'[i]}: x", "env": {}, "mitm_children": n, "expected_workers": n}
+                        for i, n in enumerate(children)],
+            "phases": phases_, "rss_before_kb": rss, "hwm_kb": rss, "refused": [0, 0], "mitm_errors": [0, 0]}  # fmt: skip
+
+
+def test_report_judges_both_issue_16_targets() -> None:
+    rep = common.Report("egressd mitm benchmark", "cmd")
+    bm.report(rep, _args(), _out([1, 2], [10.0, 4.0]))
+    text = rep.text()
+    assert (
+        "[MET   ] issue 16 workers, new conn, 16 in flight over 4 sandboxes, mitm+inject: B (2 workers) vs A"
+        in text
+    )
+    # direct connection time 1.0 ms: 10 ms added misses 2x, 4 ms added misses too, 2 ms would meet
+    assert "[MISSED] issue 16 connection, A, new conn, sequential, mitm+inject" in text
+    assert "added p50 (mitm new-conn) <= 2 x direct connection time" in text
+    assert "0.40x" in text  # B's added p50 over A's, side by side
+
+
+def test_report_does_not_judge_workers_without_a_multi_worker_side() -> None:
+    rep = common.Report("egressd mitm benchmark", "cmd")
+    bm.report(rep, _args(), _out([1, 1], [2.0, 2.0]))
+    text = rep.text()
+    assert "[n/a   ] issue 16 workers" in text and "[MET   ] issue 16 workers" not in text
+    assert "[MET   ] issue 16 connection, B" in text
+
+
+def test_in_netns_without_a_namespace_is_a_no_op() -> None:
+    with common.in_netns(None):
+        pass
