@@ -55,7 +55,7 @@ OTHER_PATH = "/v2/models"  # outside the binding's /v1/*
 WORKERS_ENV = "EGRESSD_MITM_WORKERS"
 PREFIXES = "abcd"  # one topology copy per configuration: at most four daemons on this machine
 PHASE_CAP_S = 60.0
-DIG_EVERY_S = 10.0  # the lease lives 30 s; a batch is capped at PHASE_CAP_S / batches <= 15 s
+LEASE_S = 30.0  # the zone's TTL: the learned destination lives this long after a dig
 T_P50_ADDED_MS, T_P99_ADDED_MS = 3.0, 15.0
 T_WORKERS_FACTOR = 0.5  # issue 16: added p50 with 16 in flight at most half the one-worker figure
 T_CONN_FACTOR = 2.0  # issue 16: new-connection added p50 within 2x the direct connection time
@@ -399,7 +399,8 @@ class Pod:
 
     def dig(self, sb: int) -> None:
         """Learn API's address for sb<N> through the proxy (again before a batch when it is getting old)."""
-        if time.monotonic() - self.dug.get(sb, -math.inf) < DIG_EVERY_S:
+        # A batch may run PHASE_CAP_S / batches: the lease must outlive it, with 5 s to spare.
+        if time.monotonic() - self.dug.get(sb, -math.inf) < LEASE_S - 5.0 - PHASE_CAP_S / self.args.batches:
             return
         out = c.run(["ip", "netns", "exec", self.topo.ns(f"{self.prefix}sb{sb}"), "dig", f"@{c.GATEWAY}", API,
                      "+time=2", "+tries=1", "+short"], timeout=15).stdout  # fmt: skip
@@ -433,15 +434,19 @@ class Pod:
                 raise c.BenchError(f"{self.prefix} warm-up {p.label} {p.sandboxes}: errors {r['errors']},"
                                    f" {len(r['lat_ms'])} ok, upstream saw {s}")  # fmt: skip
 
+    def mitm_children(self) -> list[int]:
+        """egressd's children that run the MITM (not a passing helper such as ``conntrack``)."""
+        return sorted(k for k in c.children(self.d.pid) if "mitm" in cmdline(k))
+
     def find_mitm(self) -> None:
         """egressd's MITM children (the workers): all that are up, waiting a little for the expected count."""
         want, deadline = expected_workers(self.d.env, os.cpu_count() or 1), time.monotonic() + 20
-        while not (kids := c.children(self.d.pid)) and time.monotonic() < deadline:
+        while not (kids := self.mitm_children()) and time.monotonic() < deadline:
             time.sleep(0.1)
         settle = time.monotonic() + 2
         while len(kids) < want and time.monotonic() < settle:
             time.sleep(0.1)
-            kids = c.children(self.d.pid)
+            kids = self.mitm_children()
         if not kids:
             raise c.BenchError(f"{self.prefix}: no MITM child of egressd {self.d.pid}")
         self.mitm = sorted(kids)
@@ -465,6 +470,13 @@ class Pod:
         self.d.stop()
         if self.up is not None:
             self.up.stop()
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def cpu_now(procs: Mapping[str, Sequence[int]]) -> dict[str, float]:
@@ -528,6 +540,7 @@ def run_phase(
 def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Report) -> dict[str, Any]:
     if args.quick:
         args.n_seq, args.n_conc, args.warmup = min(args.n_seq, 40), min(args.n_conc, 128), min(args.warmup, 6)
+        args.batches = min(args.batches, 4)  # each batch costs ~60 ms of round trips and log settling
     cfgs = configurations(args.compare, args.workers)
     pods = [Pod(cfg, PREFIXES[i], topo, workdir, args) for i, cfg in enumerate(cfgs)]
     try:
@@ -560,7 +573,7 @@ def measure_all(args: argparse.Namespace, pods: Sequence[Pod]) -> dict[str, Any]
         res[ph.label] = run_phase(args, pods, logs, ph)
         c.log(f"{ph.label}: done")
     for pod in pods:
-        if sorted(c.children(pod.d.pid)) != pod.mitm:
+        if pod.mitm_children() != pod.mitm:
             raise c.BenchError(
                 f"{pod.cfg.label}: a MITM child was restarted during the run: figures not comparable"
             )
@@ -761,14 +774,18 @@ def build(args: argparse.Namespace) -> Any:
 
 
 def main() -> int:
-    p = c.parser(__doc__, "40 sequential / 128 concurrent requests per path, phase and configuration")
+    p = c.parser(
+        __doc__, "40 sequential / 128 concurrent requests per path, phase and configuration, 4 batches"
+    )
     p.add_argument("--n-seq", type=int, default=300, help="sequential requests per path and phase (300)")
     p.add_argument("--n-conc", type=int, default=800, help="concurrent requests per path and phase (800)")
     p.add_argument("--conc", type=int, default=16, help="requests in flight (16)")
     p.add_argument(
         "--subjects", type=int, default=4, help="sandboxes the multi-sandbox phases spread over (4)"
     )
-    p.add_argument("--batches", type=int, default=4, help="interleaved batches per path and phase (4)")
+    p.add_argument(
+        "--batches", type=int, default=8, help="interleaved batches per configuration, path and phase (8)"
+    )
     p.add_argument("--warmup", type=int, default=30, help="unrecorded requests per path first (30)")
     p.add_argument(
         "--workers", type=int, help=f"{WORKERS_ENV} of the measured configuration(s) (default: unset)"

@@ -264,3 +264,10 @@ def test_report_does_not_judge_workers_without_a_multi_worker_side() -> None:
 def test_in_netns_without_a_namespace_is_a_no_op() -> None:
     with common.in_netns(None):
         pass
+
+
+def test_cmdline_reads_a_process_and_tolerates_a_gone_one() -> None:
+    import os
+
+    assert "python" in bm.cmdline(os.getpid()).lower()
+    assert bm.cmdline(2**22 + 1) == ""  # above the kernel's pid_max: never a process
