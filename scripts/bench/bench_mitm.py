@@ -384,9 +384,12 @@ class Pod:
             cl.read_json(20)
 
     def register(self, h: c.Http) -> None:
-        """Every sandbox active with the same policy; all but sb2 with their own vault."""
+        """Every sandbox active with the same policy; all but sb2 with their own vault.
+
+        The spread sandboxes first: egressd gives a new subject the least loaded MITM worker, so
+        registered in a row they land on the workers in turn, not with sb2 in the middle."""
         pol = c.policy("deny", ("allow", API))
-        for k in self.sandboxes:
+        for k in (*self.vaults, 2):
             h.action(
                 c.envelope("SET_BINDING", f"bm{k}", ip=f"10.203.0.{10 + k}", policy=pol), f"SET_BINDING bm{k}"
             )
@@ -450,6 +453,16 @@ class Pod:
         if not kids:
             raise c.BenchError(f"{self.prefix}: no MITM child of egressd {self.d.pid}")
         self.mitm = sorted(kids)
+
+    def workers_of(self) -> dict[int, Any]:
+        """Each sandbox's MITM worker as egressd reports it (``mitmWorker`` of /v1/subjects; absent
+        on an egressd without workers)."""
+        assert self.h is not None
+        code, text, _ = self.h.request("GET", "/v1/subjects")
+        if code != 200:
+            raise c.BenchError(f"{self.prefix}: /v1/subjects: HTTP {code}")
+        by_uid = {e.get("uid"): e for e in json.loads(text).get("subjects", [])}
+        return {k: by_uid.get(f"bm{k}", {}).get("mitmWorker", "-") for k in self.sandboxes}
 
     def procs(self) -> dict[str, list[int]]:
         """The processes whose CPU is counted: each MITM worker on its own."""
@@ -578,9 +591,10 @@ def measure_all(args: argparse.Namespace, pods: Sequence[Pod]) -> dict[str, Any]
                 f"{pod.cfg.label}: a MITM child was restarted during the run: figures not comparable"
             )
     whole = [pod.d.log_path.read_text(errors="replace") for pod in pods]
+    assigned = [pod.workers_of() for pod in pods]
     return {
-        "configs": [{"label": p.cfg.label, "env": dict(p.cfg.env), "mitm_children": len(p.mitm),
-                     "expected_workers": expected_workers(p.d.env, os.cpu_count() or 1)} for p in pods],
+        "configs": [{"label": p.cfg.label, "env": dict(p.cfg.env), "mitm_children": len(p.mitm), "workers_of": w,
+                     "expected_workers": expected_workers(p.d.env, os.cpu_count() or 1)} for p, w in zip(pods, assigned, strict=True)],
         "phases": res,
         "rss_before_kb": rss0, "hwm_kb": [pod.rss_kb("VmHWM") for pod in pods],
         "refused": [w.count("mitm.refused") for w in whole], "mitm_errors": [w.count("mitm.error") for w in whole],
@@ -607,7 +621,8 @@ def report(rep: c.Report, args: argparse.Namespace, out: dict[str, Any]) -> None
     rep.add("configurations (one topology copy and one egressd each, all running, batches alternating):")
     for cf in out["configs"]:
         rep.add(f"  {cf['label']}: {cf['mitm_children']} MITM child(ren) of egressd found"
-                f" (the spec's {WORKERS_ENV} gives {cf['expected_workers']})")  # fmt: skip
+                f" (the spec's {WORKERS_ENV} gives {cf['expected_workers']}); each sandbox's worker (mitmWorker"
+                " of /v1/subjects): " + ", ".join(f"sb{k} {w}" for k, w in cf["workers_of"].items()))  # fmt: skip
     rep.add("")
     latency_table(rep, out)
     conn_table(rep, out)

@@ -234,7 +234,8 @@ def _out(children: list[int], inject_added: list[float]) -> dict[str, Any]:
             for a in inject_added
         ]  # fmt: skip
     rss = [{"egressd": 1024, "mitm1": 2048}] * len(children)
-    return {"configs": [{"label": f"{'AB'[i]}: x", "env": {}, "mitm_children": n, "expected_workers": n}
+    return {"configs": [{"label": f"{'AB'[i]}: x", "env": {}, "mitm_children": n, "expected_workers": n,
+                         "workers_of": {1: 0, 3: n - 1}}
                         for i, n in enumerate(children)],
             "phases": phases_, "rss_before_kb": rss, "hwm_kb": rss, "refused": [0, 0], "mitm_errors": [0, 0]}  # fmt: skip
 
@@ -251,6 +252,7 @@ def test_report_judges_both_issue_16_targets() -> None:
     assert "[MISSED] issue 16 connection, A, new conn, sequential, mitm+inject" in text
     assert "added p50 (mitm new-conn) <= 2 x direct connection time" in text
     assert "0.40x" in text  # B's added p50 over A's, side by side
+    assert "sb1 0, sb3 1" in text  # where egressd put the spread sandboxes
 
 
 def test_report_does_not_judge_workers_without_a_multi_worker_side() -> None:
