@@ -41,7 +41,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -780,7 +780,9 @@ def conn_targets(rep: c.Report, out: dict[str, Any]) -> None:
                    f"added p50 (mitm new-conn) <= {T_CONN_FACTOR:g} x direct connection time")  # fmt: skip
 
 
-def build(args: argparse.Namespace) -> Any:
+def build(args: argparse.Namespace) -> Callable[[c.Topology], None]:
+    """One topology copy per configuration."""
+
     def _build(topo: c.Topology) -> None:
         for x in PREFIXES[: len(configurations(args.compare, args.workers))]:
             c.pod_topology(topo, args.subjects + 1, [DNS_IP, API_IP], prefix=x)
@@ -818,6 +820,8 @@ def main() -> int:
         n = len(configurations(args.compare, args.workers))
     except ValueError as exc:
         p.error(str(exc))
+    if args.workers is not None and not 1 <= args.workers <= 16:
+        p.error(f"--workers must be 1..16 (what {WORKERS_ENV} accepts)")
     if not 1 <= args.subjects <= args.conc or args.subjects > 8:
         p.error("--subjects must be 1..8 and at most --conc")
     return c.main(
