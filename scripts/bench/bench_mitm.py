@@ -552,7 +552,7 @@ def run_phase(
 
 def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Report) -> dict[str, Any]:
     if args.quick:
-        args.n_seq, args.n_conc, args.warmup = min(args.n_seq, 40), min(args.n_conc, 128), min(args.warmup, 6)
+        args.n_seq, args.n_conc, args.warmup = min(args.n_seq, 32), min(args.n_conc, 96), min(args.warmup, 6)
         args.batches = min(args.batches, 4)  # each batch costs ~60 ms of round trips and log settling
     cfgs = configurations(args.compare, args.workers)
     pods = [Pod(cfg, PREFIXES[i], topo, workdir, args) for i, cfg in enumerate(cfgs)]
@@ -792,7 +792,7 @@ def build(args: argparse.Namespace) -> Callable[[c.Topology], None]:
 
 def main() -> int:
     p = c.parser(
-        __doc__, "40 sequential / 128 concurrent requests per path, phase and configuration, 4 batches"
+        __doc__, "32 sequential / 96 concurrent requests per path, phase and configuration, 4 batches"
     )
     p.add_argument("--n-seq", type=int, default=300, help="sequential requests per path and phase (300)")
     p.add_argument("--n-conc", type=int, default=800, help="concurrent requests per path and phase (800)")
