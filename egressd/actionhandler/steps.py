@@ -34,7 +34,6 @@ from egressd.fleetnft.builder import (
     subject_resync,
     subject_rules,
 )
-from egressd.fleetnft.workers import WorkerAssignment
 from egressd.kernel.applier import NftError, NftUncertain, Transactions
 from egressd.kernel.ops import NetlinkBatch, Op
 from egressd.subject.model import IPAddress
@@ -170,9 +169,7 @@ class StepRunner:
         self._flows = flows
         self.nets = nets
         self.ports = ports  # host-uid subjects' DNS listeners
-        # Network subjects' MITM workers (EGRESSD_MITM_WORKERS): kept from a subject's first
-        # MITM entries to its removal, so its mitm_port elements never change value.
-        self.workers = WorkerAssignment(self._cfg.mitm_workers)
+        self.workers = shared.workers
 
     async def reset_table(self) -> None:
         """The table replaced by the deny-all header in one transaction (start-up): every

@@ -96,7 +96,10 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             control,
             metrics,
             extra_health=mitm_health,
-            status_extra=lambda: {"bridgeNfCallIptables": bridges.nf_call_iptables},
+            status_extra=lambda: {
+                "bridgeNfCallIptables": bridges.nf_call_iptables,
+                **({"mitmWorkers": mitm.supervisor.status_doc()} if mitm is not None else {}),
+            },
             proxy=proxy,
             mitm_ca=lambda: (mitm.ca.pem, mitm.ca.fingerprint) if mitm else None,
             before_scrape=visibility.before_scrape,

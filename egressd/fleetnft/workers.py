@@ -18,6 +18,12 @@ def least_loaded(loads: Sequence[int]) -> int:
     return min(range(len(loads)), key=lambda i: (loads[i], i))
 
 
+def uid_worker(slot: int, workers: int) -> int:
+    """The worker that listens on a host-uid subject's own MITM port: the port block is
+    partitioned by slot (slot % workers), so every port has exactly one listener."""
+    return slot % workers
+
+
 class WorkerAssignment:
     def __init__(self, workers: int) -> None:
         if workers < 1:

@@ -17,6 +17,7 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from egressd.fleetnft.workers import uid_worker
 from egressd.metrics import EgressMetrics
 from egressd.mitm.supervisor import MitmOptions, MitmSupervisor, mitmdump_argv
 
@@ -27,14 +28,9 @@ def worker_options(opts: MitmOptions, workers: int) -> list[MitmOptions]:
     first = opts.subject_ports[0] if opts.subject_ports else 0
     out: list[MitmOptions] = []
     for i in range(workers):
-        mine = tuple(p for p in opts.subject_ports if (p - first) % workers == i)
+        mine = tuple(p for p in opts.subject_ports if uid_worker(p - first, workers) == i)
         out.append(replace(opts, port=opts.port + i, subject_ports=mine))
     return out
-
-
-def uid_worker(slot: int, workers: int) -> int:
-    """The worker that listens on a host-uid subject's MITM port (see :func:`worker_options`)."""
-    return slot % workers
 
 
 def not_ready_message(workers: Sequence[int]) -> str | None:
@@ -108,6 +104,13 @@ class MitmPool:
 
     def status(self) -> list[WorkerStatus]:
         return [WorkerStatus(s.worker, p, s.pid, s.ready, s.starts) for s, p in zip(self.workers, self.ports, strict=True)]
+
+    def status_doc(self) -> list[dict[str, object]]:
+        """The status report's ``mitmWorkers``."""
+        return [
+            {"worker": w.worker, "port": w.port, "pid": w.pid, "ready": w.ready, "starts": w.starts}
+            for w in self.status()
+        ]
 
     def forget(self, ips: Iterable[object] | None) -> None:
         items = None if ips is None else list(ips)  # an iterator would be used up by the first worker
