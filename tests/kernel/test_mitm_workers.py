@@ -82,6 +82,12 @@ def _subject_workers(d: Daemon) -> dict[str, Any]:
     return {s["uid"]: s.get("mitmWorker") for s in subjects}
 
 
+def _worker(d: Daemon, i: int) -> dict[str, Any]:
+    ws = d.status()["mitmWorkers"]
+    assert isinstance(ws, list)
+    return next(dict(w) for w in ws if w["worker"] == i)
+
+
 def _http_requests(topo: Topology) -> int:
     return sum(1 for r in topo.upstream_requests() if "dns" not in r)
 
@@ -129,7 +135,7 @@ def test_a_dead_worker_blocks_its_subjects_only_then_recovers(topo: Topology, wo
         for i in (1, 2):
             learn(topo, i, API)
             assert api(topo, i).code == 200
-        victim = next(w for w in workers.status()["mitmWorkers"] if w["worker"] == 1)  # type: ignore[union-attr]
+        victim = _worker(workers, 1)
         os.kill(victim["pid"], signal.SIGKILL)
         deadline = time.monotonic() + 2
         while time.monotonic() < deadline and _healthz(workers)[0] == 200:
@@ -148,7 +154,7 @@ def test_a_dead_worker_blocks_its_subjects_only_then_recovers(topo: Topology, wo
         while time.monotonic() < deadline and _healthz(workers)[0] != 200:
             time.sleep(0.1)
         assert _healthz(workers)[0] == 200
-        now = next(w for w in workers.status()["mitmWorkers"] if w["worker"] == 1)  # type: ignore[union-attr]
+        now = _worker(workers, 1)
         assert now["pid"] != victim["pid"] and now["starts"] == victim["starts"] + 1
         r = api(topo, 2)
         assert r.code == 200 and r.upstream_header("Authorization") == f"Bearer {SECRET}"
