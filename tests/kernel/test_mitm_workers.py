@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -169,3 +170,17 @@ def test_removal_frees_the_worker_port_element(topo: Topology, workers: Daemon) 
     workers.post(envelope("REMOVE_BINDING", "w3"))
     assert workers.map_keys("mitm_port_v4") == set()
     assert Topology.sb_ip(3) not in workers.nft("list", "set", "inet", TABLE, "mitm_src_v4")
+
+
+def test_the_host_uid_port_block_is_partitioned_between_the_workers(workers: Daemon) -> None:
+    """Every per-subject MITM port (docs/behaviour.md §17) has exactly one worker listening."""
+    lo, hi = 16000 + 256 + 1, 16000 + 2 * 256  # the default block's MITM ports
+    owners: dict[int, list[int]] = {}
+    for w in (_worker(workers, 0), _worker(workers, 1)):
+        argv = Path(f"/proc/{w['pid']}/cmdline").read_bytes().decode().split("\0")
+        for arg in argv:
+            if arg.startswith("mode=transparent@"):
+                owners.setdefault(int(arg.split("@", 1)[1]), []).append(int(w["worker"]))
+    assert sorted(owners) == list(range(lo, hi + 1))
+    assert all(len(v) == 1 for v in owners.values())
+    assert owners[lo] == [0] and owners[lo + 1] == [1] and owners[lo + 2] == [0]
