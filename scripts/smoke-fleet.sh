@@ -251,7 +251,7 @@ check "the secret never reached the daemon's log" not grep -q smoke-secret-value
 listening() { inns "$POD" ss -Hltn "sport = :$1" | grep -q LISTEN; }
 check "EGRESSD_MITM_WORKERS=2: both worker ports listen (18081, 18082)" bash -c "$(declare -f inns listening); P=$P POD=$POD; listening 18081 && listening 18082"
 check "egressctl status shows both workers ready" bash -c "[ \"\$(ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT status | grep -c 'mitm-worker .* ready')\" = 2 ]"
-worker_served() { inns "$POD" curl -s "127.0.0.1:$PORT/metrics" | grep "^egressd_mitm_connections_total{worker=\"$1\"" | grep -qv ' 0$'; }
+worker_served() { inns "$POD" curl -s "127.0.0.1:$PORT/metrics" | grep '^egressd_mitm_connections_total{' | grep "worker=\"$1\"" | grep -qv ' 0$'; }
 check "each worker served intercepted connections (subjects spread over both)" bash -c "$(declare -f inns worker_served); P=$P POD=$POD PORT=$PORT; worker_served 0 && worker_served 1"
 check "SET_BINDING null sb3 -> 200" ctl send set-binding --uid sb3 --ip "$(SBIP 3)" --gateway 10.203.0.1 --null
 check "after null sb3 reaches nothing" not reaches 3 10.204.0.3
