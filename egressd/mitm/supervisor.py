@@ -267,6 +267,7 @@ class MitmSupervisor:
                 self.ready = False
                 self._became_ready.clear()
                 self._proc = None
+                self.pid = None  # the status report shows no pid for a worker that is down
             if self._stopping:
                 break
             log.warning("mitm.exited", pid=proc.pid, code=code, restart_in_s=delay, worker=self.worker)

@@ -204,3 +204,18 @@ async def test_a_dead_worker_is_restarted_alone_after_the_ca_check(tmp_path: Pat
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def test_egressctl_status_lines_per_worker() -> None:
+    from egressd.cli.egressctl import _worker_lines
+
+    doc = [
+        {"worker": 0, "port": 18081, "pid": 41, "ready": True, "starts": 1},
+        {"worker": 1, "port": 18082, "pid": None, "ready": False, "starts": 2},
+        "junk",
+    ]
+    assert _worker_lines(doc) == [
+        ("mitm-worker 0", "pid 41 port 18081 ready starts 1"),
+        ("mitm-worker 1", "pid - port 18082 NOT READY starts 2"),
+    ]
+    assert _worker_lines(None) == []
