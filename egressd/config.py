@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,11 @@ OPTIONS: tuple[Option, ...] = (
         boolean=True,
     ),
     Option("OPENSANDBOX_EGRESS_MITMPROXY_PORT", "--mitmproxy-port", "MITM listener port", "18081"),
+    Option(
+        "EGRESSD_MITM_WORKERS",
+        "--mitm-workers",
+        "fleet: MITM worker processes, 1..16 (default: usable CPUs); worker i listens on the MITM port + i",
+    ),
     Option(
         "OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR",
         "--mitmproxy-upstream-trust-dir",
@@ -319,6 +325,12 @@ class Config:
     # docs/behaviour.md §15. The webhook URL may carry a token: kept out of repr (and of every log).
     deny_webhook: str | None = field(default=None, repr=False)
     deny_reject: bool = False  # EGRESSD_DENY_REJECT
+    # EGRESSD_MITM_WORKERS: worker i listens on mitm_port + i (the sidecar: always 1).
+    mitm_workers: int = 1
+
+    @property
+    def mitm_worker_ports(self) -> tuple[int, ...]:
+        return tuple(self.mitm_port + i for i in range(self.mitm_workers))
 
     @property
     def vault_limits(self) -> VaultLimits:
@@ -360,9 +372,9 @@ def parse_uid_range(name: str, value: str | None) -> UidRange:
     return UidRange(lo, hi)
 
 
-def _uid_ports(raw: Mapping[str, str | None], taken: Mapping[str, int]) -> UidPorts:
-    """EGRESSD_UID_*; ``taken`` are the other listeners' ports, which the block must avoid
-    (empty for the sidecar, which has no host-uid subjects)."""
+def _uid_ports(raw: Mapping[str, str | None], taken: Mapping[str, tuple[int, int]]) -> UidPorts:
+    """EGRESSD_UID_*; ``taken`` are the other listeners' port ranges (first, last), which the
+    block must avoid (empty for the sidecar, which has no host-uid subjects)."""
     ports = UidPorts(
         parse_uid_range("EGRESSD_UID_RANGE", raw["EGRESSD_UID_RANGE"]),
         _int("EGRESSD_UID_DNS_PORT_BASE", raw["EGRESSD_UID_DNS_PORT_BASE"], 1, 65535),
@@ -372,12 +384,58 @@ def _uid_ports(raw: Mapping[str, str | None], taken: Mapping[str, int]) -> UidPo
         raise ConfigError(
             f"EGRESSD_UID_DNS_PORT_BASE: {ports.base} + 2 x EGRESSD_UID_MAX_SUBJECTS + 1 passes port 65535"
         )
-    for name, port in taken.items():
-        if ports.base <= port <= ports.last:
+    for name, (lo, hi) in taken.items():
+        if lo <= ports.last and ports.base <= hi:
+            what = str(lo) if lo == hi else f"{lo}-{hi} (with EGRESSD_MITM_WORKERS)"
             raise ConfigError(
-                f"EGRESSD_UID_DNS_PORT_BASE: the host-uid ports {ports.base}-{ports.last} include {name} {port}"
+                f"EGRESSD_UID_DNS_PORT_BASE: the host-uid ports {ports.base}-{ports.last} include {name} {what}"
             )
     return ports
+
+
+MAX_MITM_WORKERS = 16
+
+
+def default_mitm_workers(cpus: int) -> int:
+    """Unset EGRESSD_MITM_WORKERS: one worker per usable CPU, clamped to 1..16."""
+    return max(1, min(MAX_MITM_WORKERS, cpus))
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def parse_mitm_workers(value: str | None, cpus: int) -> int:
+    """``EGRESSD_MITM_WORKERS``: an integer 1..16; unset (or empty) = the usable CPUs."""
+    if value is None or not value.strip():
+        return default_mitm_workers(cpus)
+    return _int("EGRESSD_MITM_WORKERS", value, 1, MAX_MITM_WORKERS)
+
+
+def _mitm_listeners(raw: Raw, profile: str, others: tuple[int, int]) -> tuple[int, int]:
+    """(MITM port, workers). Worker i listens on port + i; the whole range must fit in
+    1..65535 and miss the HTTP and DNS ports. The sidecar has one subject, so one worker
+    (the variable is still checked, so a typo refuses start-up in both profiles)."""
+    port = _int("OPENSANDBOX_EGRESS_MITMPROXY_PORT", raw["OPENSANDBOX_EGRESS_MITMPROXY_PORT"], 1, 65535)
+    if port in others:
+        raise ConfigError("OPENSANDBOX_EGRESS_MITMPROXY_PORT: collides with the HTTP or DNS port")
+    workers = parse_mitm_workers(raw["EGRESSD_MITM_WORKERS"], _usable_cpus())
+    if profile != "fleet":
+        return port, 1
+    last = port + workers - 1
+    if last > 65535:
+        raise ConfigError(
+            f"EGRESSD_MITM_WORKERS: {workers} worker ports from OPENSANDBOX_EGRESS_MITMPROXY_PORT {port} pass port 65535"
+        )
+    for other in others:
+        if port <= other <= last:
+            raise ConfigError(
+                f"EGRESSD_MITM_WORKERS: the worker ports {port}-{last} include the HTTP or DNS port {other}"
+            )
+    return port, workers
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -544,14 +602,12 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
     mode = _choice(raw, "OPENSANDBOX_EGRESS_MODE", "dns+nft", ("dns", "dns+nft"), "dns or dns+nft")
     table = _nft_table(raw, profile)
     log_format = _choice(raw, "EGRESSD_LOG_FORMAT", "json", ("json", "console"), "json or console")
-    mitm_port = _int("OPENSANDBOX_EGRESS_MITMPROXY_PORT", raw["OPENSANDBOX_EGRESS_MITMPROXY_PORT"], 1, 65535)
-    if mitm_port in (http_port, dns_port):
-        raise ConfigError("OPENSANDBOX_EGRESS_MITMPROXY_PORT: collides with the HTTP or DNS port")
+    mitm_port, workers = _mitm_listeners(raw, profile, (http_port, dns_port))
     upstreams = _dns_upstreams(raw)
     lease_min, lease_max = _lease_bounds(raw)
     policy_file = raw["OPENSANDBOX_EGRESS_POLICY_FILE"]
     return Config(
-        **_parity(raw, mitm_port),
+        **_parity(raw, mitm_port, workers),
         dns_upstreams=upstreams,
         dns_lease_min=lease_min,
         dns_lease_max=lease_max,
@@ -564,6 +620,7 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         pending_push_ttl=ttl,
         **_interception(raw),
         mitm_port=mitm_port,
+        mitm_workers=workers,
         dns_upstream=raw["OPENSANDBOX_EGRESS_DNS_UPSTREAM"],
         dns_upstream_timeout=timeout,
         dns_host=dns_host,
@@ -577,9 +634,9 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         uid_ports=_uid_ports(
             raw,
             {
-                "OPENSANDBOX_EGRESS_HTTP_ADDR": http_port,
-                "EGRESSD_DNS_ADDR": dns_port,
-                "OPENSANDBOX_EGRESS_MITMPROXY_PORT": mitm_port,
+                "OPENSANDBOX_EGRESS_HTTP_ADDR": (http_port, http_port),
+                "EGRESSD_DNS_ADDR": (dns_port, dns_port),
+                "OPENSANDBOX_EGRESS_MITMPROXY_PORT": (mitm_port, mitm_port + workers - 1),
             }
             if profile == "fleet"
             else {},
@@ -761,9 +818,9 @@ def _ca_export_dir(raw: Raw, mitm: bool, confdir: Path) -> Path | None:
     return export
 
 
-def _parity(raw: Raw, mitm_port: int) -> _Parity:
+def _parity(raw: Raw, mitm_port: int, workers: int = 1) -> _Parity:
     """The reference sidecar's variables (issue 15 item 3); see "Reference sidecar parity"."""
-    extra_ports = parse_extra_ports(raw["OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS"] or "", mitm_port)
+    extra_ports = parse_extra_ports(raw["OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS"] or "", mitm_port, workers)
     return _Parity(
         log_level=parse_log_level(raw["OPENSANDBOX_EGRESS_LOG_LEVEL"]),
         sandbox_id=parse_sandbox_id(raw["OPENSANDBOX_EGRESS_SANDBOX_ID"]),
@@ -852,6 +909,7 @@ RESERVED_LABELS: frozenset[str] = frozenset(
         "sandbox_id",
         "protocol",  # egressd_mitm_connections_total (docs/behaviour.md §16)
         "decision",
+        "worker",  # the egressd_mitm_* series (EGRESSD_MITM_WORKERS)
     }
 )
 #: The reference's iptables multiport cap (80 and 443 included), kept so a configuration moves
@@ -933,11 +991,11 @@ def parse_extra_attrs(value: str) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def parse_extra_ports(value: str, mitm_port: int) -> tuple[int, ...]:
+def parse_extra_ports(value: str, mitm_port: int, workers: int = 1) -> tuple[int, ...]:
     """The reference's rules: comma-separated integers 1..65535, no empty entry, no duplicate,
     never 80 or 443 (always intercepted), at most 15 ports with those two. egressd also
     refuses 53 and 853 (intercepting them would take DNS and DoT past their own rules) and the
-    MITM's own port."""
+    MITM's own ports (every worker's)."""
     name = "OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS"
     text = value.strip()
     if not text:
@@ -951,7 +1009,7 @@ def parse_extra_ports(value: str, mitm_port: int) -> tuple[int, ...]:
         port = _int(name, part, 1, 65535)
         if port in seen:
             raise ConfigError(f"{name}: duplicate or reserved port {port} (80/443 are always intercepted)")
-        if port in (53, 853, mitm_port):
+        if port in (53, 853) or mitm_port <= port < mitm_port + workers:
             raise ConfigError(f"{name}: port {port} cannot be intercepted (DNS, DoT or the MITM's own port)")
         seen.add(port)
         out.append(port)

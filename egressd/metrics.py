@@ -322,22 +322,28 @@ class EgressMetrics:
     def _mitm(self) -> None:
         r = self.registry
         # The transparent MITM child (docs/behaviour.md §10), counted from the addon's decision events.
-        self.mitm_ready = Gauge(r, "egressd_mitm_ready", "1 when the MITM child is listening.")
+        # Every series carries the worker index (EGRESSD_MITM_WORKERS; the sidecar: always "0").
+        self.mitm_ready = Gauge(
+            r, "egressd_mitm_ready", "1 when the MITM worker child is listening.", ["worker"]
+        )
         self.mitm_starts = Counter(
-            r, "egressd_mitm_starts_total", "MITM child processes started (restarts included)."
+            r,
+            "egressd_mitm_starts_total",
+            "MITM worker child processes started (restarts included).",
+            ["worker"],
         )
         self.mitm_requests = Counter(
             r,
             "egressd_mitm_requests_total",
             "Intercepted requests by outcome (injected, pass, refused, error).",
-            ["outcome"],
+            ["worker", "outcome"],
         )
         # docs/behaviour.md §16: redirected connections decrypted/parsed or relayed untouched.
         self.mitm_connections = Counter(
             r,
             "egressd_mitm_connections_total",
             "Connections the MITM child opened (decrypt, parse) or relayed (passthrough).",
-            ["protocol", "decision"],
+            ["worker", "protocol", "decision"],
         )
         # docs/behaviour.md §14.9: how many clients' vault snapshots the child holds (bounded; a removed,
         # rebound or vault-less subject's entry is dropped), as last reported by the child.
@@ -345,6 +351,7 @@ class EgressMetrics:
             r,
             "egressd_mitm_snapshot_cache_entries",
             "Clients whose vault snapshot the MITM child holds in its cache.",
+            ["worker"],
         )
 
 

@@ -113,7 +113,7 @@ start_egressd() {
   ip netns exec "$POD" env OPENSANDBOX_EGRESS_PROFILE=fleet OPENSANDBOX_EGRESS_HTTP_ADDR="127.0.0.1:$PORT" \
     EGRESSD_NFT_TABLE="$TABLE" EGRESSD_ALWAYS_RULES_DIR="$WORK/rules" EGRESSD_LOG_FORMAT=json \
     OPENSANDBOX_EGRESS_DNS_UPSTREAM=10.204.0.2:53 OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT=2 \
-    OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT=1 OPENSANDBOX_EGRESS_MITMPROXY_PORT=18081 \
+    OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT=1 OPENSANDBOX_EGRESS_MITMPROXY_PORT=18081 EGRESSD_MITM_WORKERS=2 \
     OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR="$WORK/tls/trust" EGRESSD_MITM_CONFDIR="$WORK/mitm" \
     OPENSANDBOX_CREDENTIAL_PROXY_SOCKET="$WORK/run/active.sock" EGRESSD_MITM_CA_EXPORT_DIR="$WORK/ca-export" \
     OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS='^pinned\.allowed\.test$' \
@@ -248,6 +248,11 @@ check "a direct connection to the MITM port is dropped" not ip netns exec "$(SB 
 check "egressctl ca prints the MITM CA baked into sandboxes" bash -c "diff <(ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT ca) $WORK/mitm/mitmproxy-ca-cert.pem"
 check "vault read back is sanitized (no value)" bash -c "ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT vault get --uid sb1 | grep -q bearer && ! ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT vault get --uid sb1 | grep -q smoke-secret-value"
 check "the secret never reached the daemon's log" not grep -q smoke-secret-value "$WORK/egressd.log"
+listening() { inns "$POD" ss -Hltn "sport = :$1" | grep -q LISTEN; }
+check "EGRESSD_MITM_WORKERS=2: both worker ports listen (18081, 18082)" bash -c "$(declare -f inns listening); P=$P POD=$POD; listening 18081 && listening 18082"
+check "egressctl status shows both workers ready" bash -c "[ \"\$(ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT status | grep -c 'mitm-worker .* ready')\" = 2 ]"
+worker_served() { inns "$POD" curl -s "127.0.0.1:$PORT/metrics" | grep '^egressd_mitm_connections_total{' | grep "worker=\"$1\"" | grep -qv ' 0$'; }
+check "each worker served intercepted connections (subjects spread over both)" bash -c "$(declare -f inns worker_served); P=$P POD=$POD PORT=$PORT; worker_served 0 && worker_served 1"
 check "SET_BINDING null sb3 -> 200" ctl send set-binding --uid sb3 --ip "$(SBIP 3)" --gateway 10.203.0.1 --null
 check "after null sb3 reaches nothing" not reaches 3 10.204.0.3
 check "REMOVE_BINDING sb2 -> 200" ctl send remove --uid sb2

@@ -23,6 +23,7 @@ from egressd.fleetnft.builder import (
     rules_per_subject,
     subject_set,
 )
+from egressd.fleetnft.workers import uid_worker
 from egressd.kernel.applier import NftError
 from egressd.kernel.netlink import element_covering
 from egressd.policy import NetworkPolicy
@@ -144,6 +145,7 @@ class Report:
                     # The kernel refused a narrowing and egressd is retrying it (14.6).
                     "revoking": e.uid in self._revocations.pending,
                     **_binding_fields(e.binding, self._shared.table),
+                    **_worker_field(e.binding, self._shared, e.uid),
                     "specGeneration": e.spec_generation,
                     "pending": e.pending is not None,
                     "kernelInstalled": registry.kernel(e.uid).objects,
@@ -172,6 +174,17 @@ def _binding_fields(binding: AnyBinding | None, table: TableConfig) -> dict[str,
         "sourceIp": str(binding.ip) if binding else None,
         "gateway": str(binding.gateway) if binding and binding.gateway else None,
     }
+
+
+def _worker_field(binding: AnyBinding | None, shared: Shared, uid: str) -> dict[str, Any]:
+    """``mitmWorker``: the MITM worker its intercepted connections go to (EGRESSD_MITM_WORKERS),
+    None without the MITM or before the subject has its MITM entries."""
+    table = shared.table
+    if not table.mitm or binding is None:
+        return {"mitmWorker": None}
+    if isinstance(binding, HostBinding):
+        return {"mitmWorker": uid_worker(binding.slot, table.mitm_workers)}
+    return {"mitmWorker": shared.workers.peek(uid)}
 
 
 def _element_text(start: bytes, end: bytes | None, *, interval: bool) -> str:

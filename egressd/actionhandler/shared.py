@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.workers import WorkerAssignment
 from egressd.kernel.applier import Transactions
 from egressd.metrics import EgressMetrics
 from egressd.subject.model import IPAddress, nft_id, subject_for_uid
@@ -102,3 +103,9 @@ class Shared:
     locks: SubjectLocks = field(default_factory=SubjectLocks)
     # Held around every kernel transaction and the bookkeeping read or changed with it.
     kernel_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Network subjects' MITM workers (EGRESSD_MITM_WORKERS): kept from a subject's first MITM
+    # entries to its removal, so its mitm_port elements never change value.
+    workers: WorkerAssignment = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.workers = WorkerAssignment(self.table.mitm_workers)

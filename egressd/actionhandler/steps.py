@@ -169,6 +169,7 @@ class StepRunner:
         self._flows = flows
         self.nets = nets
         self.ports = ports  # host-uid subjects' DNS listeners
+        self.workers = shared.workers
 
     async def reset_table(self) -> None:
         """The table replaced by the deny-all header in one transaction (start-up): every
@@ -249,7 +250,7 @@ class StepRunner:
     ) -> list[IPAddress]:
         nid, cfg = entry.nft_id, self._cfg
         assert isinstance(step.binding, Binding)
-        subj = _subject_nft(nid, step.binding)
+        subj = _subject_nft(nid, step.binding, self.workers.of(entry.uid))
         try:
             create = subject_create(cfg, subj)
         except ValueError as exc:
@@ -322,7 +323,7 @@ class StepRunner:
         self, entry: Entry, step: AddKeys, view: KernelView, txn: _Transaction
     ) -> list[IPAddress]:
         assert isinstance(step.binding, Binding)
-        subj = _subject_nft(entry.nft_id, step.binding)
+        subj = _subject_nft(entry.nft_id, step.binding, self.workers.of(entry.uid))
         keys, commit = self.nets.refilled(subject_keys(self._cfg, subj), entry.uid, step.binding.private_cidr)
         await txn.send(keys, "dispatch_update", replace(view, keys=view.keys | {(subj.ip, subj.gateway)}))
         commit()
@@ -353,6 +354,7 @@ class StepRunner:
         slots = hostuid.slots(entry, view.uid_keys)
         if not view.objects and not view.keys and not view.uid_keys:
             txn.save(KernelView())
+            self.workers.release(entry.uid)
             await self.ports.close(entry.uid, slots)
             return []
         ops = self._key_deletes(entry.uid, view.keys, None) + hostuid.key_deletes(self._cfg, view.uid_keys)
@@ -361,6 +363,7 @@ class StepRunner:
         removal, commit = self.nets.refilled(NetlinkBatch(self._cfg.table, tuple(ops)), entry.uid, None)
         await txn.send(removal, "remove", KernelView())
         commit()
+        self.workers.release(entry.uid)
         await self.ports.close(entry.uid, slots)
         self._learning.forget(entry.uid)
         self._policies.forget(entry.uid)
@@ -382,7 +385,8 @@ class StepRunner:
             contents = policy_swap(table, nid, effective) + dyn_replace(
                 table, nid, narrowed.kept if narrowed is not None else ()
             )
-        keys = [SubjectNft(nid, ip, gw) for ip, gw in sorted(view.keys, key=str)]
+        worker = self.workers.of(uid) if view.keys else 0
+        keys = [SubjectNft(nid, ip, gw, worker) for ip, gw in sorted(view.keys, key=str)]
         audit = view.applied is not None and self._policies.effective(view.applied).audit
         uid_keys = hostuid.resync_keys(self._cfg, nid, view, audit)
         return subject_resync(self._cfg, nid, keys, contents) + uid_keys
@@ -409,7 +413,7 @@ def _cidr(entry: Entry, nets: SandboxNets) -> Network | None:
     return entry.binding.private_cidr if entry.binding is not None else nets.held.get(entry.uid)
 
 
-def _subject_nft(nid: str, binding: Binding) -> SubjectNft:
+def _subject_nft(nid: str, binding: Binding, worker: int) -> SubjectNft:
     if binding.gateway is None:
         raise Refused("attachment.network.gateway is required for the DNS redirect")
-    return SubjectNft(nid, binding.ip, binding.gateway)
+    return SubjectNft(nid, binding.ip, binding.gateway, worker)

@@ -389,6 +389,21 @@ def _dropped_line(subjects: list[dict[str, Any]], extra: dict[str, Any]) -> list
     ]
 
 
+def _worker_lines(workers: object) -> list[tuple[str, str]]:
+    """One line per MITM worker (EGRESSD_MITM_WORKERS): pid, port, readiness, starts."""
+    if not isinstance(workers, list):
+        return []
+    return [
+        (
+            f"mitm-worker {_cell(w.get('worker'))}",
+            f"pid {_cell(w.get('pid'))} port {_cell(w.get('port'))} "
+            f"{'ready' if w.get('ready') is True else 'NOT READY'} starts {_cell(w.get('starts'))}",
+        )
+        for w in workers
+        if isinstance(w, dict)
+    ]
+
+
 def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
     resp = ctx.client.get(STATUS_PATH)
     _expect_ok(resp, "GET", STATUS_PATH)
@@ -429,6 +444,7 @@ def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
                     ("ready", "yes" if ready else "no"),
                     ("health", health_text if healthy else f"{health.status} {health_text}"),
                     ("mitm-ca", _cell(fp) if fp else "disabled"),
+                    *_worker_lines(status.get("mitmWorkers")),
                     (
                         "subjects",
                         _state_counts(subjects)

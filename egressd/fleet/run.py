@@ -52,6 +52,7 @@ def table_config(cfg: Config, renewal: LeaseRenewal = LeaseRenewal.READD) -> Tab
         dns_port=cfg.dns_port,
         mitm=cfg.mitm_transparent,
         mitm_port=cfg.mitm_port,
+        mitm_workers=cfg.mitm_workers,
         block_doh_443=cfg.block_doh_443,
         doh_blocklist=cfg.doh_blocklist,
         max_leases=cfg.max_leases,
@@ -89,15 +90,16 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
         mitm = await _start_mitm(cfg, control, metrics, running)
 
         def mitm_health() -> str | None:
-            if mitm is not None and not mitm.supervisor.ready:
-                return "mitmproxy not ready"
-            return None
+            return mitm.supervisor.health() if mitm is not None else None
 
         http = FleetHTTP(
             control,
             metrics,
             extra_health=mitm_health,
-            status_extra=lambda: {"bridgeNfCallIptables": bridges.nf_call_iptables},
+            status_extra=lambda: {
+                "bridgeNfCallIptables": bridges.nf_call_iptables,
+                **({"mitmWorkers": mitm.supervisor.status_doc()} if mitm is not None else {}),
+            },
             proxy=proxy,
             mitm_ca=lambda: (mitm.ca.pem, mitm.ca.fingerprint) if mitm else None,
             before_scrape=visibility.before_scrape,

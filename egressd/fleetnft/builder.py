@@ -31,7 +31,12 @@ Shape, and why it differs from the reference blueprint where it does:
 * The DNS redirect is per gateway: a gateway set feeds two shared redirect rules, and the
   gateway element lives exactly as long as some subject uses that gateway.
 * With MITM, interception is a REDIRECT for sources in ``mitm_src_v4/v6`` (feasibility
-  measured REDIRECT and DNAT-to-gateway as equivalent: both keep the original destination).
+  measured REDIRECT and DNAT-to-gateway as equivalent: both keep the original destination)
+  to the source's MITM worker port, looked up in ``mitm_port_v4/v6`` (EGRESSD_MITM_WORKERS:
+  one worker per subject, so its snapshot cache stays warm). The port element is added and
+  deleted in the same transaction as the ``mitm_src`` and ``mitm_in`` elements, and an
+  intercepted source whose lookup misses is dropped right after the redirect rule: there is
+  no state in which an intercepted source reaches 80/443 upstream past a worker.
 * No lateral movement on any hook (docs/behaviour.md §14.2): the forward hook drops sandbox
   destinations; the nat hook never intercepts a packet addressed to the pod itself or to a
   sandbox (the MITM would connect there on the sandbox's behalf); and the input hook, with or
@@ -63,6 +68,7 @@ from egressd.kernel.ops import (
     AddElements,
     AddIntervals,
     AddJump,
+    AddPort,
     AddRule,
     AddSet,
     AddTimed,
@@ -154,6 +160,13 @@ class TableConfig:
     nameserver_exempt: tuple[IPAddress, ...] = ()
     # The self-test found that re-adding a timed element does not extend it (egressd.kernel.renewal).
     renew_by_replace: bool = False
+    # EGRESSD_MITM_WORKERS: worker i listens on mitm_port + i.
+    mitm_workers: int = 1
+
+
+def worker_ports(cfg: TableConfig) -> str:
+    """Every MITM worker's listening port, as an nft port or range."""
+    return _ports(cfg.mitm_port, cfg.mitm_port + cfg.mitm_workers - 1)
 
 
 def mitm_ports(cfg: TableConfig) -> str:
@@ -175,6 +188,7 @@ class SubjectNft:
     nft_id: str
     ip: IPAddress
     gateway: IPAddress
+    worker: int = 0  # the MITM worker its intercepted connections go to (fleetnft.workers)
 
 
 def family(ip: IPAddress | IPNetwork) -> str:
@@ -301,6 +315,25 @@ def mitm_src_set(fam: str) -> str:
     return f"mitm_src_{fam}"
 
 
+def mitm_port_map(fam: str) -> str:
+    """Source address -> its MITM worker's port (``type ipv4_addr : inet_service``)."""
+    return f"mitm_port_{fam}"
+
+
+def _port_map_decl(name: str, fam: str, elements: Sequence[str] = ()) -> str:
+    body = f"type {_addr_type(fam)} : inet_service;"
+    if elements:
+        body += f" elements = {{ {', '.join(elements)} }}"
+    return f"{name} {{ {body} }}"
+
+
+def subject_worker_port(cfg: TableConfig, subj: SubjectNft) -> int:
+    """The worker port of ``subj``; a worker the table has no port for is refused (ValueError)."""
+    if not 0 <= subj.worker < cfg.mitm_workers:
+        raise ValueError(f"MITM worker {subj.worker} does not exist ({cfg.mitm_workers} workers)")
+    return cfg.mitm_port + subj.worker
+
+
 def sandbox_set(fam: str) -> str:
     """Every registered sandbox address: never a forwarding destination (no lateral movement)."""
     return f"sandboxes_{fam}"
@@ -383,6 +416,7 @@ def _header_objects(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> 
         if cfg.mitm:
             s.obj("add", "map", _vmap_decl(mitm_in_map(fam), fam))
             s.obj("add", "set", _plain_set_decl(mitm_src_set(fam), fam))
+            s.obj("add", "map", _port_map_decl(mitm_port_map(fam), fam))
         s.obj("add", "map", _counter_map_decl(drop_counter_map(fam), fam))
     if cfg.block_doh_443 and cfg.doh_blocklist:
         for fam in ("v4", "v6"):
@@ -480,10 +514,11 @@ def _nat_chain(s: _Script, cfg: TableConfig) -> None:
         s.rule("nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} tcp dport {ports} return")
         s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_set(fam)} tcp dport {ports} return")
         s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} tcp dport {ports} return")
-        s.rule(
-            "nat",
-            f"{l3_of(fam)} saddr @{mitm_src_set(fam)} tcp dport {ports} redirect to :{cfg.mitm_port}",
-        )
+        src = f"{l3_of(fam)} saddr @{mitm_src_set(fam)} tcp dport {ports}"
+        s.rule("nat", f"{src} redirect to :{l3_of(fam)} saddr map @{mitm_port_map(fam)}")
+        # A map miss only ends the rule above: an intercepted source without a worker port
+        # must not fall through to the forward path (and upstream unintercepted).
+        s.rule("nat", f"{src} drop")
 
 
 def l3_of(fam: str) -> str:
@@ -538,7 +573,7 @@ def _sandbox_input(s: _Script, cfg: TableConfig) -> None:
     if cfg.mitm:
         # Mandatory: a direct connection to the MITM port makes it proxy to itself in a
         # loop (from any source, the pod's own loopback included).
-        s.rule("input", f"tcp dport {cfg.mitm_port} {REFUSE}")
+        s.rule("input", f"tcp dport {worker_ports(cfg)} {REFUSE}")
 
     c = SANDBOX_IN_CHAIN
     for proto in ("udp", "tcp"):
@@ -547,7 +582,7 @@ def _sandbox_input(s: _Script, cfg: TableConfig) -> None:
     # chain). Hop limit 255: link-local, it cannot have been routed here.
     s.rule(c, f"icmpv6 type {{ {ND_TYPES} }} ip6 hoplimit 255 accept")
     if cfg.mitm:
-        port = cfg.mitm_port
+        port = worker_ports(cfg)
         for fam in ("v4", "v6"):
             # Belt and braces for the nat exemption: an intercepted flow whose original
             # destination is a sandbox is lateral movement through the MITM.
@@ -624,7 +659,11 @@ def subject_keys(cfg: TableConfig, subj: SubjectNft) -> NetlinkBatch:
         AddElements(gateway_set(family(subj.gateway)), (subj.gateway,)),
     ]
     if cfg.mitm:
-        ops += [AddJump(mitm_in_map(fam), subj.ip, n.in_chain), AddElements(mitm_src_set(fam), (subj.ip,))]
+        ops += [
+            AddPort(mitm_port_map(fam), subj.ip, subject_worker_port(cfg, subj)),
+            AddJump(mitm_in_map(fam), subj.ip, n.in_chain),
+            AddElements(mitm_src_set(fam), (subj.ip,)),
+        ]
     return NetlinkBatch(cfg.table, tuple(ops))
 
 
@@ -730,6 +769,8 @@ def _dispatch_entries(s: _Script, cfg: TableConfig, subj: SubjectNft) -> None:
     gfam = family(subj.gateway)
     s.obj("add", "set", _plain_set_decl(gateway_set(gfam), gfam, [str(subj.gateway)]))
     if cfg.mitm:
+        port = subject_worker_port(cfg, subj)
+        s.obj("add", "map", _port_map_decl(mitm_port_map(fam), fam, [f"{ip} : {port}"]))
         s.obj("add", "map", _vmap_decl(mitm_in_map(fam), fam, [f"{ip} : jump {n.in_chain}"]))
         s.obj("add", "set", _plain_set_decl(mitm_src_set(fam), fam, [ip]))
 
@@ -780,7 +821,9 @@ def dispatch_deletes(cfg: TableConfig, ip: IPAddress, *, release_gateway: IPAddr
     fam = family(ip)
     maps = [marking_map(fam), dispatch_map(fam), sandbox_set(fam)]
     if cfg.mitm:
-        maps += [mitm_src_set(fam), mitm_in_map(fam)]
+        # The source leaves mitm_src before its port: never intercepted without a worker port
+        # (and within one transaction either order is atomic anyway).
+        maps += [mitm_src_set(fam), mitm_in_map(fam), mitm_port_map(fam)]
     maps.append(drop_counter_map(fam))  # last: the counter outlives every way a packet reaches a drop
     ops: list[Op] = [DeleteElement(m, ip) for m in maps]
     if release_gateway is not None:
@@ -998,7 +1041,7 @@ def _uid_local_chain(s: _Script, cfg: TableConfig) -> None:
     own_udp = [(cfg.dns_port, cfg.dns_port), (dns_lo, dns_hi)]
     own_tcp = [*own_udp, (cfg.http_port, cfg.http_port)]
     if cfg.mitm:
-        own_tcp += [(cfg.mitm_port, cfg.mitm_port), uids.mitm_ports]
+        own_tcp += [(cfg.mitm_port, cfg.mitm_port + cfg.mitm_workers - 1), uids.mitm_ports]
     s.rule(c, f"udp dport {_port_set(own_udp)} {UID_REFUSE}")
     s.rule(c, f"tcp dport {_port_set(own_tcp)} {UID_REFUSE}")
     s.rule(c, "accept")

@@ -29,6 +29,7 @@ from egressd.kernel.ops import (
     AddElements,
     AddIntervals,
     AddJump,
+    AddPort,
     AddRule,
     AddSet,
     AddTimed,
@@ -502,6 +503,11 @@ def _element_op_messages(table: str, op: ElementOp) -> list[tuple[int, int, byte
     if isinstance(op, AddCounterRef):
         fam = "v4" if op.key.version == 4 else "v6"
         elem = _key(op.key, fam) + _str(NFTA_SET_ELEM_OBJREF, op.counter)
+        return [(NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.map, _elements([elem])))]
+    if isinstance(op, AddPort):
+        fam = "v4" if op.key.version == 4 else "v6"
+        # inet_service is network byte order, as ``redirect to :<map>`` loads it.
+        elem = _key(op.key, fam) + _data_value(NFTA_SET_ELEM_DATA, struct.pack(">H", op.to_port))
         return [(NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.map, _elements([elem])))]
     if isinstance(op, FlushSet):
         return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, None))]  # no element list = flush

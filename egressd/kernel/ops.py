@@ -146,6 +146,16 @@ class AddJump:
 
 
 @dataclass(frozen=True, slots=True)
+class AddPort:
+    """``map[addr] = port`` in a ``type ipv4_addr : inet_service`` map (the MITM worker port a
+    source is redirected to, EGRESSD_MITM_WORKERS)."""
+
+    map: str
+    key: IPAddress
+    to_port: int
+
+
+@dataclass(frozen=True, slots=True)
 class AddElements:
     """Add addresses to a plain (non-interval, no-timeout) set."""
 
@@ -256,6 +266,7 @@ Op = (
     | DeleteCounter
     | AddCounterRef
     | AddJump
+    | AddPort
     | AddElements
     | AddRule
     | FlushSet
@@ -269,7 +280,7 @@ Op = (
 )
 
 #: The operations on a set's or a map's contents; the others create or delete kernel objects.
-ElementOp = AddJump | AddCounterRef | AddElements | FlushSet | AddIntervals | AddTimed | DeleteElement
+ElementOp = AddJump | AddPort | AddCounterRef | AddElements | FlushSet | AddIntervals | AddTimed | DeleteElement
 
 
 def _uid_key_text(uid: int, port: int | None) -> str:
@@ -348,6 +359,8 @@ def _describe_elements(t: str, op: ElementOp) -> str:
         return f"add element {t} {op.map} {{ {op.key} : jump {op.chain} }}"
     if isinstance(op, AddCounterRef):
         return f'add element {t} {op.map} {{ {op.key} : "{op.counter}" }}'
+    if isinstance(op, AddPort):
+        return f"add element {t} {op.map} {{ {op.key} : {op.to_port} }}"
     if isinstance(op, AddElements):
         return f"add element {t} {op.name} {{ {', '.join(str(k) for k in op.keys)} }}"
     if isinstance(op, FlushSet):

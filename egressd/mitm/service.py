@@ -18,7 +18,8 @@ from egressd.metrics import EgressMetrics
 from egressd.mitm.active import Lookup, PortVaults, Verify, active_app
 from egressd.mitm.ca import CaError, CaInfo, ensure_ca
 from egressd.mitm.export import ExportError, check_separate, export_ca
-from egressd.mitm.supervisor import MitmOptions, MitmSupervisor, mitmdump_argv
+from egressd.mitm.pool import MitmPool
+from egressd.mitm.supervisor import MitmOptions
 
 log = structlog.get_logger("egressd.mitm")
 
@@ -76,7 +77,7 @@ class CaKeeper:
 @dataclass
 class RunningMitm:
     keeper: CaKeeper
-    supervisor: MitmSupervisor
+    supervisor: MitmPool  # the workers (EGRESSD_MITM_WORKERS), each supervised on its own
     active: web.AppRunner
     socket: Path
 
@@ -117,7 +118,7 @@ async def start_mitm(
     metrics: EgressMetrics | None = None,
     by_port: PortVaults | None = None,
 ) -> RunningMitm:
-    """CA, the private ``_active`` socket, then the supervised MITM child (docs/behaviour.md §10).
+    """CA, the private ``_active`` socket, then the supervised MITM workers (docs/behaviour.md §10).
 
     ``lookup``/``verify`` (and ``by_port``, for the per-subject ports of host-uid subjects)
     answer the child's vault lookups (:mod:`egressd.mitm.active`); ``gid`` is the child's
@@ -160,7 +161,10 @@ async def start_mitm(
         raise MitmStartupError(f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock}: {exc.strerror}") from None
     opts = _options(cfg, sock, trust, by_port.ports if by_port else ())
     log.info("mitm.ca", fingerprint=ca.fingerprint, pinned=ca.pinned, confdir=str(ca.confdir))
-    supervisor = MitmSupervisor(mitmdump_argv(opts), gid=gid, metrics=metrics, before_restart=keeper.refresh)
+    # keeper.refresh runs before every worker's restart: the CA can change only at a start.
+    supervisor = MitmPool.build(
+        opts, cfg.mitm_workers, gid=gid, metrics=metrics, before_restart=keeper.refresh
+    )
     return RunningMitm(keeper, supervisor, active, sock)
 
 

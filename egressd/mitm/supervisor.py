@@ -142,21 +142,23 @@ class MitmSupervisor:
         gid: int | None = None,
         metrics: EgressMetrics | None = None,
         before_restart: Callable[[], None] | None = None,
+        worker: int = 0,
     ) -> None:
         """``gid``: run the child with this group id (and no supplementary groups). The sidecar
         profile exempts the MITM's own upstream connections from its 80/443 redirect by
         ``meta skgid``; the user id is kept so the interpreter and confdir stay readable.
         ``before_restart`` runs before every start but the first (the CA is re-checked and
         re-exported there); when it raises, no child is started and it is tried again after
-        the backoff: nothing listens, so intercepted connections are refused (closed)."""
+        the backoff: nothing listens, so intercepted connections are refused (closed).
+        ``worker``: this child's index among the workers (EGRESSD_MITM_WORKERS), the ``worker``
+        label of its metrics; the gauges are registered by :class:`egressd.mitm.pool.MitmPool`."""
         self.argv = list(argv)
+        self.worker = worker
+        self._label = str(worker)
         self.backoff = backoff
         self.gid = gid
         self.metrics = metrics
         self.before_restart = before_restart
-        if metrics is not None:
-            metrics.mitm_ready.collect_from(lambda: {(): 1.0 if self.ready else 0.0})
-            metrics.mitm_cache_entries.collect_from(lambda: {(): float(self.cache_entries)})
         self.ready = False
         self.cache_entries = 0  # as last reported by the running child (a new one starts empty)
         self._forget: set[str] = set()
@@ -234,7 +236,7 @@ class MitmSupervisor:
                     continue
             self.starts += 1
             if self.metrics is not None:
-                self.metrics.mitm_starts.inc()
+                self.metrics.mitm_starts.inc(self._label)
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *self.argv,
@@ -251,7 +253,7 @@ class MitmSupervisor:
                 continue
             self._proc = proc
             self.pid = proc.pid
-            log.info("mitm.started", pid=proc.pid, start=self.starts)
+            log.info("mitm.started", pid=proc.pid, start=self.starts, worker=self.worker)
             feeder = asyncio.create_task(self._feed(proc))
             try:
                 was_ready = await self._pump(proc)
@@ -265,9 +267,10 @@ class MitmSupervisor:
                 self.ready = False
                 self._became_ready.clear()
                 self._proc = None
+                self.pid = None  # the status report shows no pid for a worker that is down
             if self._stopping:
                 break
-            log.warning("mitm.exited", pid=proc.pid, code=code, restart_in_s=delay)
+            log.warning("mitm.exited", pid=proc.pid, code=code, restart_in_s=delay, worker=self.worker)
             await asyncio.sleep(delay)
             delay = self.backoff[0] if was_ready else min(delay * 2, self.backoff[1])
 
@@ -297,6 +300,7 @@ class MitmSupervisor:
                     log.warning("mitm.output", pid=proc.pid, line=output_kind(line))
                 continue
             event.pop("pid", None)  # ours; a clash would make the log call raise
+            event.pop("worker", None)
             name = str(event.pop("event"))
             self._count(name, event)
             if name == CACHE_EVENT:
@@ -309,7 +313,7 @@ class MitmSupervisor:
                 was_ready = True
                 self.ready = True
                 self._became_ready.set()
-                log.info("mitm.ready", pid=proc.pid, **event)
+                log.info("mitm.ready", pid=proc.pid, worker=self.worker, **event)
             elif name in ("mitm.refused", "mitm.error"):
                 log.warning(name, pid=proc.pid, **event)
             else:
@@ -321,13 +325,13 @@ class MitmSupervisor:
             return
         outcome = _OUTCOMES.get(name)
         if outcome is not None:
-            self.metrics.mitm_requests.inc(outcome)
+            self.metrics.mitm_requests.inc(self._label, outcome)
         elif name == CONNECTION_EVENT:
             # Only the known label values: the child parses untrusted traffic, and what it
             # writes must not be able to grow the metric without bound.
             labels = (str(event.get("protocol")), str(event.get("decision")))
             if labels in _CONNECTION_LABELS:
-                self.metrics.mitm_connections.inc(*labels)
+                self.metrics.mitm_connections.inc(self._label, *labels)
 
     async def stop(self) -> None:
         self._stopping = True

@@ -77,7 +77,7 @@ def child_pid(topo: Topology, ns: str, parent: int) -> int:
 
 def cache_entries(text: str) -> float | None:
     for line in text.splitlines():
-        if line.startswith("egressd_mitm_snapshot_cache_entries "):
+        if line.startswith('egressd_mitm_snapshot_cache_entries{worker="0"} '):
             return float(line.split()[1])
     return None
 

@@ -709,8 +709,8 @@ def test_zz_mitm_metrics(mitm: Daemon) -> None:
         for line in text.splitlines()
         if line.startswith("egressd_mitm_")
     }
-    assert samples["egressd_mitm_ready"] == 1
-    assert samples["egressd_mitm_starts_total"] >= 2, "the kill test restarted it"
-    assert samples['egressd_mitm_requests_total{outcome="injected"}'] > 0
-    assert samples['egressd_mitm_requests_total{outcome="refused"}'] > 0
+    assert samples['egressd_mitm_ready{worker="0"}'] == 1
+    assert samples['egressd_mitm_starts_total{worker="0"}'] >= 2, "the kill test restarted it"
+    assert samples['egressd_mitm_requests_total{worker="0",outcome="injected"}'] > 0
+    assert samples['egressd_mitm_requests_total{worker="0",outcome="refused"}'] > 0
     assert SECRET not in text

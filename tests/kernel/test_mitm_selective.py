@@ -399,7 +399,7 @@ def test_zz_metrics_count_decrypted_and_relayed_connections(sel: Daemon) -> None
     }
     for labels in ('protocol="tls",decision="decrypt"', 'protocol="tls",decision="passthrough"',
                    'protocol="http",decision="parse"', 'protocol="http",decision="passthrough"'):  # fmt: skip
-        assert samples[f"egressd_mitm_connections_total{{{labels}}}"] > 0, samples
+        assert samples[f'egressd_mitm_connections_total{{worker="0",{labels}}}'] > 0, samples
 
 
 def test_zzz_a_replaced_ca_is_exported_when_the_child_restarts(topo: Topology, sel: Daemon) -> None:

@@ -426,6 +426,10 @@ class Daemon:
             "EGRESSD_DNS_ADDR": "0.0.0.0:15353",
             "OPENSANDBOX_EGRESS_DNS_UPSTREAM": f"{DNS_UPSTREAM}:53",
             "OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT": "2",
+            # One MITM child unless a test asks for more (tests/kernel/test_mitm_workers.py):
+            # the tests that find "the" child by its parent assume one. EGRESSD_TEST_MITM_WORKERS
+            # runs the others with more (e.g. tests/kernel/test_uid_subjects.py with 2).
+            "EGRESSD_MITM_WORKERS": os.environ.get("EGRESSD_TEST_MITM_WORKERS", "1"),
             **self.env,
         }
         self.proc = self.topo.spawn(

@@ -52,6 +52,7 @@ from egressd.kernel.ops import (
     AddElements,
     AddIntervals,
     AddJump,
+    AddPort,
     AddRule,
     AddSet,
     AddTimed,
@@ -622,6 +623,15 @@ class TextModel:
             raise _err("Device or resource busy")
         elements[str(op.key)] = data
 
+    def _add_port(self, op: AddPort) -> None:
+        elements = self.sets.get(op.map)
+        if elements is None:
+            raise _err("No such file or directory")
+        data = str(op.to_port)
+        if elements.get(str(op.key), data) != data:
+            raise _err("Device or resource busy")
+        elements[str(op.key)] = data
+
     def _add_jump(self, op: AddJump) -> None:
         elements = self.sets.get(op.map)
         if elements is None or op.chain not in self.chains:
@@ -752,6 +762,7 @@ _BATCH_OPS: dict[type, Callable[[TextModel, Any], None]] = {
     AddCounter: TextModel._add_counter,
     DeleteCounter: TextModel._delete_counter,
     AddCounterRef: TextModel._add_counter_ref,
+    AddPort: TextModel._add_port,
     AddJump: TextModel._add_jump,
     AddElements: TextModel._add_elements,
     AddRule: TextModel._add_rule,

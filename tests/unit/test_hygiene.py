@@ -30,6 +30,7 @@ from egressd.mitm.lookup import (
     forget_message,
     parse_forget,
 )
+from egressd.mitm.pool import MitmPool
 from egressd.mitm.supervisor import FORGET_QUEUE_MAX, MitmSupervisor
 from egressd.subject.model import IPAddress
 from egressd.vault.store import VaultSnapshot, VaultStore
@@ -292,6 +293,7 @@ async def test_forgets_reach_the_child_and_its_cache_reports_become_the_gauge(tm
     )
     metrics = EgressMetrics()
     sup = MitmSupervisor([sys.executable, "-c", script], metrics=metrics)
+    MitmPool([sup], [18081]).watch(metrics)  # the pool registers the per-worker gauges
     task = asyncio.create_task(sup.run())
     try:
         assert await sup.wait_ready(10)
@@ -302,7 +304,7 @@ async def test_forgets_reach_the_child_and_its_cache_reports_become_the_gauge(tm
             await asyncio.sleep(0.01)
         assert sup.cache_entries == 7
         assert json.loads(got.read_bytes()) == {"op": "forget", "ips": ["10.0.0.5"]}
-        assert "egressd_mitm_snapshot_cache_entries 7" in metrics.render()
+        assert 'egressd_mitm_snapshot_cache_entries{worker="0"} 7' in metrics.render()
     finally:
         await sup.stop()
         task.cancel()

@@ -54,6 +54,7 @@ from egressd.kernel.ops import (
     AddElements,
     AddIntervals,
     AddJump,
+    AddPort,
     AddRule,
     AddSet,
     AddTimed,
@@ -339,6 +340,16 @@ def _delete_chain(t: Table, op: DeleteChain) -> None:
     del t.chains[op.name]  # with its rules
 
 
+def _add_port(t: Table, op: AddPort) -> None:
+    # Port maps are modelled like verdict maps too; another value for a key is EBUSY.
+    m = _need(t, op.map)
+    assert m.kind == "vmap", op
+    ref = f"port:{op.to_port}"
+    if m.jumps.get(op.key, ref) != ref:
+        raise ModelError(f"Device or resource busy: {op.key} in {op.map}")
+    m.jumps[op.key] = ref
+
+
 def _delete_set(t: Table, op: DeleteSet) -> None:
     _need(t, op.name)
     if any(op.name in _rule_refs(r)[0] for rules in t.chains.values() for r in rules):
@@ -353,6 +364,7 @@ _APPLY: dict[type, Callable[[Table, Any], None]] = {
     AddCounter: _add_counter,
     DeleteCounter: _delete_counter,
     AddCounterRef: _add_counter_ref,
+    AddPort: _add_port,
     AddJump: _add_jump,
     AddElements: _add_elements,
     AddRule: _add_rule,
@@ -419,6 +431,9 @@ def kernel_allows(t: Table, cfg: TableConfig, src: IPAddress, dst: IPAddress) ->
         # hands the rest to the source's subj_<id>_in via mitm_in (no element: drop).
         if not (_in(t, f"sandboxes_{fam}", src) or _in(t, f"sandbox_nets_{fam}", src)):
             return False
+        # No worker port: the nat drop right after the redirect (never the forward path).
+        if _vmap_target(t, f"mitm_port_{fam}", src) is None:
+            return False
         chain = _vmap_target(t, f"mitm_in_{fam}", src)
         if chain is None:
             return False
@@ -458,7 +473,8 @@ def test_the_evaluator_reads_the_header_it_models() -> None:
                 "input ip saddr @sandboxes_v4 jump sandbox_in",
                 f"input tcp dport {MITM_PORT} goto denied",
                 f"sandbox_in tcp dport {MITM_PORT} ct status dnat ip saddr vmap @mitm_in_v4",
-                f"nat ip saddr @mitm_src_v4 tcp dport {{ 80, 443 }} redirect to :{MITM_PORT}",
+                "nat ip saddr @mitm_src_v4 tcp dport { 80, 443 } redirect to :ip saddr map @mitm_port_v4",
+                "nat ip saddr @mitm_src_v4 tcp dport { 80, 443 } drop",
                 "nat ip daddr @sandbox_nets_v4 tcp dport { 80, 443 } return",
                 "sandbox_in goto denied",
             ):

@@ -289,6 +289,7 @@ def test_header_mitm() -> None:
     for fam, typ in (("v4", "ipv4_addr"), ("v6", "ipv6_addr")):
         assert f"add map inet {T} mitm_in_{fam} {{ type {typ} : verdict; }}" in text
         assert f"add set inet {T} mitm_src_{fam} {{ type {typ}; }}" in text
+        assert f"add map inet {T} mitm_port_{fam} {{ type {typ} : inet_service; }}" in text
     assert rules_of(script, "input") == [
         "ct state established,related accept",
         "ip saddr @sandboxes_v4 jump sandbox_in",
@@ -312,19 +313,22 @@ def test_header_mitm() -> None:
     nat = rules_of(script, "nat")
     # Nothing addressed to the pod itself or to a sandbox is intercepted (14.2).
     assert nat.index("fib daddr type local tcp dport { 80, 443 } return") < nat.index(
-        "ip saddr @mitm_src_v4 tcp dport { 80, 443 } redirect to :18081"
+        "ip saddr @mitm_src_v4 tcp dport { 80, 443 } redirect to :ip saddr map @mitm_port_v4"
     )
     for fam, l3 in (("v4", "ip"), ("v6", "ip6")):
         assert nat.index(f"{l3} daddr @sandboxes_{fam} tcp dport {{ 80, 443 }} return") < nat.index(
-            f"{l3} saddr @mitm_src_{fam} tcp dport {{ 80, 443 }} redirect to :18081"
+            f"{l3} saddr @mitm_src_{fam} tcp dport {{ 80, 443 }} redirect to :{l3} saddr map @mitm_port_{fam}"
         )
+        # A worker-port miss is dropped right after the redirect, never forwarded.
+        redirect = nat.index(f"{l3} saddr @mitm_src_{fam} tcp dport {{ 80, 443 }} redirect to :{l3} saddr map @mitm_port_{fam}")
+        assert nat[redirect + 1] == f"{l3} saddr @mitm_src_{fam} tcp dport {{ 80, 443 }} drop"
     assert "ip daddr @dns_gw_v4 tcp dport { 80, 443 } return" in nat
-    assert "ip saddr @mitm_src_v4 tcp dport { 80, 443 } redirect to :18081" in nat
+    assert "ip saddr @mitm_src_v4 tcp dport { 80, 443 } redirect to :ip saddr map @mitm_port_v4" in nat
     assert "ip6 daddr @dns_gw_v6 tcp dport { 80, 443 } return" in nat
-    assert "ip6 saddr @mitm_src_v6 tcp dport { 80, 443 } redirect to :18081" in nat
+    assert "ip6 saddr @mitm_src_v6 tcp dport { 80, 443 } redirect to :ip6 saddr map @mitm_port_v6" in nat
     # The gateway exemption precedes the interception of the same family.
     assert nat.index("ip daddr @dns_gw_v4 tcp dport { 80, 443 } return") < nat.index(
-        "ip saddr @mitm_src_v4 tcp dport { 80, 443 } redirect to :18081"
+        "ip saddr @mitm_src_v4 tcp dport { 80, 443 } redirect to :ip saddr map @mitm_port_v4"
     )
     assert rules_of(script, "dispatch")[-1] == "meta mark & 0x2 != 0x2 goto denied"
 
@@ -560,7 +564,8 @@ def test_objects_script_mitm() -> None:
         in text
     )
     assert f"add set inet {T} mitm_src_v4 {{ type ipv4_addr; elements = {{ 10.0.0.5 }} }}" in text
-    assert dispatch_entries(MITM, SUBJ) == "\n".join(text[-6:]) + "\n"
+    assert f"add map inet {T} mitm_port_v4 {{ type ipv4_addr : inet_service; elements = {{ 10.0.0.5 : 18081 }} }}" in text
+    assert dispatch_entries(MITM, SUBJ) == "\n".join(text[-7:]) + "\n"
 
 
 def test_objects_script_mitm_mismatched_gateway_family_raises() -> None:
@@ -755,6 +760,7 @@ def test_removal_batch_releases_the_gateway_with_mitm() -> None:
         ("sandboxes_v4", SUBJ.ip),
         ("mitm_src_v4", SUBJ.ip),
         ("mitm_in_v4", SUBJ.ip),
+        ("mitm_port_v4", SUBJ.ip),
         ("drop_counter_v4", SUBJ.ip),
         ("dns_gw_v4", SUBJ.gateway),
     ]
@@ -763,7 +769,7 @@ def test_removal_batch_releases_the_gateway_with_mitm() -> None:
     kinds = [type(op) for op in batch.ops]
     assert kinds.index(DeleteChain) > max(i for i, k in enumerate(kinds) if k is DeleteElement)
     assert kinds.index(DeleteSet) > max(i for i, k in enumerate(kinds) if k is DeleteChain)
-    assert batch.describe().splitlines()[6] == "delete element inet T dns_gw_v4 { 10.0.0.1 }"
+    assert batch.describe().splitlines()[7] == "delete element inet T dns_gw_v4 { 10.0.0.1 }"
 
 
 def test_removal_batch_without_ip_drops_only_objects() -> None:
@@ -794,12 +800,13 @@ def test_removal_batch_describe() -> None:
 
 def test_removal_batch_describe_v6_with_mitm() -> None:
     text = removal_batch(MITM, "s_u_6", SUBJ6.ip, release_gateway=SUBJ6.gateway).describe()
-    assert text.splitlines()[:7] == [
+    assert text.splitlines()[:8] == [
         "delete element inet T marking_v6 { fd00::5 }",
         "delete element inet T dispatch_v6 { fd00::5 }",
         "delete element inet T sandboxes_v6 { fd00::5 }",
         "delete element inet T mitm_src_v6 { fd00::5 }",
         "delete element inet T mitm_in_v6 { fd00::5 }",
+        "delete element inet T mitm_port_v6 { fd00::5 }",
         "delete element inet T drop_counter_v6 { fd00::5 }",
         "delete element inet T dns_gw_v6 { fd00::1 }",
     ]

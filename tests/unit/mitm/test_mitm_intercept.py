@@ -287,7 +287,7 @@ async def test_connection_events_are_counted_with_known_labels_only() -> None:
         await sup.stop()
         task.cancel()
     text = metrics.render()
-    assert 'egressd_mitm_connections_total{protocol="tls",decision="passthrough"} 1' in text
-    assert 'egressd_mitm_connections_total{protocol="tls",decision="decrypt"} 1' in text
-    assert 'egressd_mitm_connections_total{protocol="http",decision="parse"} 1' in text
+    assert 'egressd_mitm_connections_total{worker="0",protocol="tls",decision="passthrough"} 1' in text
+    assert 'egressd_mitm_connections_total{worker="0",protocol="tls",decision="decrypt"} 1' in text
+    assert 'egressd_mitm_connections_total{worker="0",protocol="http",decision="parse"} 1' in text
     assert text.count("egressd_mitm_connections_total{") == 3
