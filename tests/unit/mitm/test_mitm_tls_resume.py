@@ -25,7 +25,7 @@ from egressd.config import ConfigError, parse_config
 from egressd.mitm import runner, tlsresume
 from egressd.mitm.lookup import forget_message
 from egressd.mitm.resume import SessionCache, SessionKey
-from egressd.mitm.selfconnect import LOCAL_NAMES, ListenIndex
+from egressd.mitm.selfconnect import LOCAL_NAMES, SELF_CONNECT_ERROR, IndexedProxyserver, ListenIndex
 from egressd.mitm.supervisor import MitmOptions, mitmdump_argv
 from egressd.mitm.tlsresume import TlsResumption, snapshot_session
 
@@ -424,3 +424,44 @@ def test_the_knob_defaults_on_and_reaches_the_child(tmp_path: Path) -> None:
     off = mitmdump_argv(MitmOptions(1, tmp_path, tmp_path / "s", None, tls_resume=False))
     assert "egressd_tls_resume=true" in on
     assert "egressd_tls_resume=false" in off
+
+
+class _Servers:
+    """What IndexedProxyserver reads of mitmproxy's server list."""
+
+    def __init__(self, listeners: list[tuple[str, int, str]]) -> None:
+        self.is_updating = False
+        self.listeners = listeners
+        self.walks = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self.walks += 1
+        for host, port, transport in self.listeners:
+            yield type(
+                "S",
+                (),
+                {"listen_addrs": [(host, port)], "mode": type("M", (), {"transport_protocol": transport})},
+            )()
+
+
+def _connect(p: Any, host: str, port: int) -> str | None:
+    server = connection.Server(address=(host, port))
+    p.server_connect(type("D", (), {"server": server, "client": None})())
+    return server.error
+
+
+def test_the_indexed_proxyserver_refuses_self_connects_and_follows_listener_changes() -> None:
+    p: Any = IndexedProxyserver()
+    assert p.name == "proxyserver", "mitmproxy and the addon look it up by this name"
+    fake = _Servers([("0.0.0.0", 18081, "tcp")])
+    p.servers = fake
+    assert _connect(p, "127.0.0.1", 18081) == SELF_CONNECT_ERROR
+    assert _connect(p, "10.204.0.6", 443) is None
+    assert _connect(p, "10.204.0.6", 443) is None
+    assert fake.walks == 1, "one walk, then the index answers"
+    fake.listeners.append(("0.0.0.0", 16300, "tcp"))
+    p._servers_changed()  # mitmproxy's `changed` signal
+    assert _connect(p, "localhost", 16300) == SELF_CONNECT_ERROR
+    fake.is_updating = True  # while servers change: mitmproxy's own walk (on the real list)
+    p.servers = type("Empty", (), {"is_updating": True, "__iter__": lambda self: iter(())})()
+    assert _connect(p, "127.0.0.1", 16300) is None
