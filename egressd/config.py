@@ -103,6 +103,12 @@ OPTIONS: tuple[Option, ...] = (
         "",
     ),
     Option(
+        "EGRESSD_MITM_TLS_RESUME",
+        "--mitm-tls-resume",
+        "on/off: the MITM resumes upstream TLS sessions, per sandbox, SNI and address",
+        "on",
+    ),
+    Option(
         "EGRESSD_MITM_CA_EXPORT_DIR",
         "--mitm-ca-export-dir",
         "directory to write the public MITM CA certificate into (egressd-ca.pem, egressd-ca.crt)",
@@ -322,6 +328,7 @@ class Config:
     uid_ports: UidPorts = DEFAULT_UID_PORTS  # EGRESSD_UID_* (docs/behaviour.md §17)
     mitm_ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (docs/behaviour.md §16)
     mitm_ca_export_dir: Path | None = None  # EGRESSD_MITM_CA_EXPORT_DIR
+    mitm_tls_resume: bool = True  # EGRESSD_MITM_TLS_RESUME (docs/behaviour.md §10)
     # docs/behaviour.md §15. The webhook URL may carry a token: kept out of repr (and of every log).
     deny_webhook: str | None = field(default=None, repr=False)
     deny_reject: bool = False  # EGRESSD_DENY_REJECT
@@ -556,6 +563,7 @@ class _Interception(TypedDict):
     credential_proxy_socket: Path
     mitm_ignore_hosts: tuple[str, ...]
     mitm_ca_export_dir: Path | None
+    mitm_tls_resume: bool
 
 
 class _Parity(TypedDict):
@@ -777,6 +785,7 @@ def _interception(raw: Raw) -> _Interception:
         ),
         mitm_ignore_hosts=parse_ignore_hosts(raw["OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS"] or ""),
         mitm_ca_export_dir=_ca_export_dir(raw, mitm, confdir),
+        mitm_tls_resume=_bool("EGRESSD_MITM_TLS_RESUME", raw["EGRESSD_MITM_TLS_RESUME"]),
     )
 
 

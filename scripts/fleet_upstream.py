@@ -47,6 +47,12 @@ def make_app(log_path: Path | None, port: int, tls: bool = False) -> web.Applica
             "ts": time.time(),
             "port": port,
             "tls": tls,
+            # Whether this TLS connection resumed a session (the MITM's session resumption tests).
+            "tlsResumed": bool(
+                getattr(request.transport.get_extra_info("ssl_object"), "session_reused", False)
+            )
+            if tls and request.transport
+            else False,
             "client": _client_ip(request),
             "method": request.method,
             "path": request.path_qs,

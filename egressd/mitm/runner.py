@@ -2,9 +2,10 @@
 
 ``mitmdump`` loads 36 addons (playback, export, map-local, the flow dumper, …) and every flow
 event is dispatched through all of them; measured, that dispatch was a quarter of the child's
-CPU per request. This master loads: core (option checks), proxyserver + next_layer + tlsconfig
-(the proxy itself), disable_h2c (refuses h2c upgrades, which would smuggle requests past the
-hooks), errorcheck (start-up errors exit non-zero, so the supervisor restarts us), termlog (warnings
+CPU per request. This master loads: core (option checks), proxyserver (with the indexed
+self-connect check of :mod:`egressd.mitm.selfconnect`) + next_layer + tlsconfig (the proxy
+itself), upstream TLS session resumption (:mod:`egressd.mitm.tlsresume`), disable_h2c (refuses
+h2c upgrades, which would smuggle requests past the hooks), errorcheck (start-up errors exit non-zero, so the supervisor restarts us), termlog (warnings
 on stdout) and the egressd addon. There is no flow dumper at all (headers carry credentials), and
 no ``config.yaml`` is read from the confdir.
 
@@ -29,12 +30,14 @@ from collections.abc import Sequence
 from typing import Final
 
 from mitmproxy import exceptions, master, options
-from mitmproxy.addons import core, disable_h2c, errorcheck, next_layer, proxyserver, tlsconfig
+from mitmproxy.addons import core, disable_h2c, errorcheck, next_layer, tlsconfig
 
 from egressd.hygiene import disable_core_dumps
 from egressd.mitm.active import CACHE_EVENT
 from egressd.mitm.addon import EgressInjector, emit
 from egressd.mitm.lookup import parse_forget
+from egressd.mitm.selfconnect import IndexedProxyserver
+from egressd.mitm.tlsresume import TlsResumption
 
 CACHE_REPORT_INTERVAL_S: Final = 0.5
 _STDIN_LINE_LIMIT: Final = 1 << 20
@@ -71,7 +74,9 @@ class _CacheReport:
             await asyncio.sleep(CACHE_REPORT_INTERVAL_S)
 
 
-async def _follow_forgets(injector: EgressInjector, report: _CacheReport) -> None:
+async def _follow_forgets(
+    injector: EgressInjector, report: _CacheReport, resumption: TlsResumption | None = None
+) -> None:
     """Apply egressd's forget lines from stdin until it closes (run stand-alone: no stdin)."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=_STDIN_LINE_LIMIT)
@@ -86,9 +91,12 @@ async def _follow_forgets(injector: EgressInjector, report: _CacheReport) -> Non
             line = b"?\n"
         if not line:
             return
+        forget = parse_forget(line)
+        if resumption is not None:  # a forgotten client's upstream TLS sessions go too
+            resumption.forget(forget)
         client = injector.client
         if client is not None:
-            client.forget(parse_forget(line))
+            client.forget(forget)
         report()  # at once: egressd (and its tests) see the drop without waiting a period
 
 
@@ -99,12 +107,14 @@ async def _main(argv: Sequence[str]) -> int:
     opts = options.Options()
     m = master.Master(opts, with_termlog=True)
     injector = EgressInjector()
+    resumption = TlsResumption()
     m.addons.add(
         core.Core(),
         disable_h2c.DisableH2C(),
-        proxyserver.Proxyserver(),
+        IndexedProxyserver(),
         next_layer.NextLayer(),
         tlsconfig.TlsConfig(),
+        resumption,  # after tlsconfig: it offers a session on the SSL.Connection tlsconfig built
         injector,
         errorcheck.ErrorCheck(),
     )
@@ -118,7 +128,10 @@ async def _main(argv: Sequence[str]) -> int:
         loop.add_signal_handler(sig, m.shutdown)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     report = _CacheReport(injector)
-    tasks = [asyncio.create_task(report.run()), asyncio.create_task(_follow_forgets(injector, report))]
+    tasks = [
+        asyncio.create_task(report.run()),
+        asyncio.create_task(_follow_forgets(injector, report, resumption)),
+    ]
     try:
         await m.run()
     finally:

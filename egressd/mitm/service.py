@@ -177,4 +177,5 @@ def _options(cfg: Config, sock: Path, trust: Path | None, subject_ports: tuple[i
         ssl_insecure=cfg.mitm_ssl_insecure,
         subject_ports=subject_ports,
         ignore_hosts=cfg.mitm_ignore_hosts,
+        tls_resume=cfg.mitm_tls_resume,
     )

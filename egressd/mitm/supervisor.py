@@ -62,6 +62,7 @@ class MitmOptions:
     # subject's port then never waits for the child, and the kernel lets only its owner in.
     subject_ports: tuple[int, ...] = ()
     ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (docs/behaviour.md §16)
+    tls_resume: bool = True  # EGRESSD_MITM_TLS_RESUME (egressd.mitm.tlsresume)
 
 
 def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
@@ -87,6 +88,7 @@ def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
     settings += [
         f"egressd_active_socket={opts.active_socket}",
         f"egressd_lookup_timeout_ms={round(opts.lookup_timeout * 1000)}",
+        f"egressd_tls_resume={'true' if opts.tls_resume else 'false'}",
     ]
     argv = [python, "-m", "egressd.mitm.runner"]
     for setting in settings:
