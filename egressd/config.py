@@ -114,6 +114,13 @@ OPTIONS: tuple[Option, ...] = (
         "directory to write the public MITM CA certificate into (egressd-ca.pem, egressd-ca.crt)",
     ),
     Option(
+        "EGRESSD_MITM_VAULT_PUSH",
+        "--mitm-vault-push",
+        "on: the MITM answers vault lookups from memory until egressd signals a narrowing (off: "
+        "one _active round trip per lookup)",
+        "on",
+    ),
+    Option(
         "OPENSANDBOX_CREDENTIAL_PROXY_SOCKET",
         "--credential-proxy-socket",
         "private unix socket the MITM reads vaults from",
@@ -329,6 +336,7 @@ class Config:
     mitm_ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (docs/behaviour.md §16)
     mitm_ca_export_dir: Path | None = None  # EGRESSD_MITM_CA_EXPORT_DIR
     mitm_tls_resume: bool = True  # EGRESSD_MITM_TLS_RESUME (docs/behaviour.md §10)
+    mitm_vault_push: bool = True  # EGRESSD_MITM_VAULT_PUSH (docs/behaviour.md §10, "answered from memory")
     # docs/behaviour.md §15. The webhook URL may carry a token: kept out of repr (and of every log).
     deny_webhook: str | None = field(default=None, repr=False)
     deny_reject: bool = False  # EGRESSD_DENY_REJECT
@@ -564,6 +572,7 @@ class _Interception(TypedDict):
     mitm_ignore_hosts: tuple[str, ...]
     mitm_ca_export_dir: Path | None
     mitm_tls_resume: bool
+    mitm_vault_push: bool
 
 
 class _Parity(TypedDict):
@@ -786,6 +795,7 @@ def _interception(raw: Raw) -> _Interception:
         mitm_ignore_hosts=parse_ignore_hosts(raw["OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS"] or ""),
         mitm_ca_export_dir=_ca_export_dir(raw, mitm, confdir),
         mitm_tls_resume=_bool("EGRESSD_MITM_TLS_RESUME", raw["EGRESSD_MITM_TLS_RESUME"]),
+        mitm_vault_push=_bool("EGRESSD_MITM_VAULT_PUSH", raw["EGRESSD_MITM_VAULT_PUSH"]),
     )
 
 

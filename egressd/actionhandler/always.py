@@ -16,6 +16,7 @@ from egressd.actionhandler.shared import Shared
 from egressd.fleetnft.builder import dyn_replace, policy_swap
 from egressd.kernel.applier import NftError, NftUncertain
 from egressd.kernel.ops import NetlinkBatch
+from egressd.mitm import seqmap
 from egressd.policy import AlwaysRules, NetworkPolicy, effective_policy
 from egressd.subject.leases import LeaseBook
 from egressd.subject.model import IPAddress
@@ -73,6 +74,7 @@ class AlwaysRulesApply:
                     raise
             self._policies.always = always
             self._learning.leases.update(books)
+            seqmap.narrowed()  # every subject's effective policy changed
         if self._flows.enabled:
             # A newly always-denied destination must not stay reachable over flows opened
             # before the reload: cut exactly the flows the new rules no longer allow.

@@ -18,6 +18,7 @@ from egressd.actionhandler.shared import Shared
 from egressd.dnsproxy.server import Asker
 from egressd.fleetnft.builder import dyn_add, policy_contents
 from egressd.kernel.applier import NftError, NftUncertain
+from egressd.mitm import seqmap
 from egressd.policy import NetworkPolicy, normalise_name
 from egressd.subject.leases import (
     DEFAULT_MAX_LEASES,
@@ -25,6 +26,7 @@ from egressd.subject.leases import (
     Narrowed,
     admissible,
     destination_verified,
+    destination_verified_until,
     narrowed_for,
 )
 from egressd.subject.model import Fence, IPAddress, unmap_ip
@@ -153,6 +155,19 @@ class DnsLearning:
         slot = self._shared.table.uids.slot_of_mitm_port(port)
         return slot is not None and self._verified(self._shared.registry.resolve_slot(slot), host, dst)
 
+    def destination_verified_until(self, source_ip: IPAddress, host: str, dst: IPAddress) -> float:
+        """:meth:`destination_verified` with its deadline (the MITM's ``_active`` answers from memory
+        until then, absent a narrowing; 0.0: not verified)."""
+        return self._verified_until(self._shared.registry.resolve(source_ip), host, dst)
+
+    def destination_verified_until_port(self, port: int, host: str, dst: IPAddress) -> float:
+        slot = self._shared.table.uids.slot_of_mitm_port(port)
+        return (
+            self._verified_until(self._shared.registry.resolve_slot(slot), host, dst)
+            if slot is not None
+            else 0.0
+        )
+
     def _verified(self, entry: Entry | None, host: str, dst: IPAddress) -> bool:
         if entry is None or entry.state is not State.ACTIVE or self._closing(entry.uid):
             return False
@@ -162,5 +177,15 @@ class DnsLearning:
         now = time.monotonic()
         return destination_verified(book, sets, normalise_name(host.strip()), unmap_ip(dst), now)
 
+    def _verified_until(self, entry: Entry | None, host: str, dst: IPAddress) -> float:
+        if entry is None or entry.state is not State.ACTIVE or self._closing(entry.uid):
+            return 0.0
+        effective = self._policies.effective_for(entry)
+        sets = self._policies.ip_sets_of(entry.uid, effective) if effective is not None else None
+        book = self.leases.get(entry.uid)
+        now = time.monotonic()
+        return destination_verified_until(book, sets, normalise_name(host.strip()), unmap_ip(dst), now)
+
     def forget(self, uid: str) -> None:
         self.leases.pop(uid, None)
+        seqmap.narrowed()

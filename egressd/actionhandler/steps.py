@@ -36,6 +36,7 @@ from egressd.fleetnft.builder import (
 )
 from egressd.kernel.applier import NftError, NftUncertain, Transactions
 from egressd.kernel.ops import NetlinkBatch, Op
+from egressd.mitm import seqmap
 from egressd.subject.model import IPAddress
 from egressd.subject.registry import (
     AddKeys,
@@ -311,6 +312,7 @@ class StepRunner:
         commit()
         if narrowed is not None:
             self._learning.leases[entry.uid] = narrowed.book
+            seqmap.narrowed()  # names that verified destinations may be gone
         log.info("egress.updated", **{"opensandbox.event": "egress.updated", **event}, subject=entry.subject)
         if view.applied is not None and self._flows.enabled and view.keys:
             # An in-place change: flows to destinations it no longer allows are cut,

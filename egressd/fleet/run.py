@@ -257,13 +257,13 @@ async def _start_mitm(
         lo, hi = cfg.uid_ports.mitm_ports
         by_port = PortVaults(
             control.credentials.vault_for_mitm_port,
-            control.learning.destination_verified_port,
+            control.learning.destination_verified_until_port,
             tuple(range(lo, hi + 1)),
         )
         mitm = await start_mitm(
             cfg,
             control.credentials.vault_for_ip,
-            control.learning.destination_verified,
+            control.learning.destination_verified_until,
             metrics=metrics,
             by_port=by_port,
         )

@@ -24,6 +24,7 @@ from egressd.actionhandler.envelope import (
 )
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.metrics import OPENMETRICS_CONTENT_TYPE, EgressMetrics
+from egressd.mitm import seqmap
 from egressd.subject.model import subject_for_uid
 from egressd.web.body import BodyTooLarge, incomplete, read_limited, text
 from egressd.web.serving import BodyIncomplete, InFlight
@@ -92,7 +93,7 @@ class FleetHTTP:
 
     def app(self) -> web.Application:
         # client_max_size is a second line of defence; read_limited refuses first.
-        app = web.Application(client_max_size=MAX_BODY_BYTES + 1)
+        app = web.Application(client_max_size=MAX_BODY_BYTES + 1, middlewares=[seqmap.after_writes])
         self.inflight.attach(app)
         app.router.add_route("*", "/healthz", self.healthz)
         app.router.add_route("*", STATUS_PATH, self.status)

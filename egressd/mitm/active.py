@@ -14,6 +14,12 @@ or 304) also carries ``X-Egressd-Destination: verified|unverified`` — whether 
 DNS proxy learned ``dst`` for ``host`` (or an explicit IP allow rule covers it). The MITM
 injects only towards verified destinations, in the same round trip as the vault revalidation.
 
+egressd extension (docs/behaviour.md §10, "answered from memory"): when ``verify`` answers with the
+monotonic deadline of the lease that verified the pair (a float; ``math.inf`` for an explicit
+IP rule) rather than a bool, a verified reply also carries ``X-Egressd-Destination-Ttl:
+<seconds left>`` (capped at :data:`MAX_DESTINATION_TTL_S`): how long the MITM may remember the
+verdict, absent a narrowing (:mod:`egressd.mitm.seqmap`).
+
 egressd extension (host-uid subjects, docs/behaviour.md §17): with ``port=<listener port>`` the client is
 the subject that port belongs to, not the peer address (every host-uid sandbox connects from
 the host's own address, and the kernel redirected each one to a MITM port of its own). A port
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,10 +44,13 @@ from egressd.vault.store import VaultSnapshot
 ACTIVE_PATH = "/credential-vault/_active"
 
 Lookup = Callable[[IPAddress], VaultSnapshot | None]
-Verify = Callable[[IPAddress, str, IPAddress], bool]
+# A bool, or the deadline (monotonic) until which the pair stays verified (0.0: not verified).
+Verify = Callable[[IPAddress, str, IPAddress], bool | float]
 PortLookup = Callable[[int], VaultSnapshot | None]
-PortVerify = Callable[[int, str, IPAddress], bool]
+PortVerify = Callable[[int, str, IPAddress], bool | float]
 DESTINATION_HEADER = "X-Egressd-Destination"
+DESTINATION_TTL_HEADER = "X-Egressd-Destination-Ttl"
+MAX_DESTINATION_TTL_S = 300.0
 READY_EVENT = "mitm.ready"  # the addon's JSON line once its listener is bound
 CACHE_EVENT = "mitm.cache"  # the child's snapshot cache size, whenever it changed (docs/behaviour.md §14.9)
 
@@ -51,6 +61,7 @@ class ActiveReply:
     etag: str | None = None
     body: dict[str, Any] | None = field(default=None, repr=False)  # holds credential values
     destination: str | None = None  # "verified" / "unverified" when host and dst were asked
+    destination_ttl: float | None = None  # seconds the verdict may be remembered (verified only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,21 +114,30 @@ def active_lookup(
         snapshot = lookup(ip)
     if snapshot is None:
         return ActiveReply(404)
-    destination = None
+    destination, ttl = None, None
     if host is not None or dst_ip is not None:
-        ok = False
+        verdict: bool | float = False
         if host and dst_ip is not None:
             if listener is not None:
-                ok = by_port is not None and by_port.verify(listener, host, dst_ip)
+                verdict = by_port is not None and by_port.verify(listener, host, dst_ip)
             else:
-                ok = verify is not None and verify(ip, host, dst_ip)
-        destination = "verified" if ok else "unverified"
+                verdict = verify is not None and verify(ip, host, dst_ip)
+        destination = "verified" if verdict else "unverified"
+        ttl = _ttl(verdict)
     etag = _quoted(snapshot.tag)
     if if_none_match is not None:
         wanted = {bare_etag(part) for part in if_none_match.split(",")}
         if snapshot.tag in wanted:
-            return ActiveReply(304, etag, destination=destination)
-    return ActiveReply(200, etag, snapshot.to_json(), destination=destination)
+            return ActiveReply(304, etag, destination=destination, destination_ttl=ttl)
+    return ActiveReply(200, etag, snapshot.to_json(), destination=destination, destination_ttl=ttl)
+
+
+def _ttl(verdict: bool | float) -> float | None:
+    """Seconds a verified verdict may be remembered: only a deadline says (a bool does not)."""
+    if isinstance(verdict, bool) or not verdict:
+        return None
+    left = min(float(verdict) - time.monotonic(), MAX_DESTINATION_TTL_S)
+    return left if left > 0 else None
 
 
 def active_app(
@@ -139,6 +159,8 @@ def active_app(
         headers = {"ETag": reply.etag} if reply.etag else {}
         if reply.destination is not None:
             headers[DESTINATION_HEADER] = reply.destination
+        if reply.destination_ttl is not None:
+            headers[DESTINATION_TTL_HEADER] = f"{reply.destination_ttl:.3f}"
         headers["Cache-Control"] = "no-store"
         if reply.body is None:
             return web.Response(status=reply.status, headers=headers)

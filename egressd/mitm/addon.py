@@ -56,6 +56,7 @@ from egressd.mitm.intercept import (
     tls_early,
 )
 from egressd.mitm.lookup import ActiveClient, LookupFailed, View
+from egressd.mitm.seqmap import SeqReader
 from egressd.subject.model import unmap_ip
 from egressd.vault.store import VaultSnapshot
 
@@ -167,6 +168,17 @@ def _decision_request(req: http.Request, authority: str, port: int, sni: str | N
     )
 
 
+def _sequence_reader(path: str) -> SeqReader | None:
+    """The map egressd bumps on every narrowing; without it every lookup is a pull (closed)."""
+    if not path:
+        return None
+    try:
+        return SeqReader(path)
+    except OSError as exc:
+        emit("mitm.error", hook="configure", error=f"vault push: {type(exc).__name__}")
+        return None
+
+
 class EgressInjector:
     def __init__(self) -> None:
         self.client: ActiveClient | None = None
@@ -176,13 +188,16 @@ class EgressInjector:
     def load(self, loader: Loader) -> None:
         loader.add_option("egressd_active_socket", str, "", "egressd's private _active unix socket")
         loader.add_option("egressd_lookup_timeout_ms", int, 250, "milliseconds per _active lookup")
+        loader.add_option("egressd_vault_push", str, "", "egressd's narrowing sequence map (empty: pull always)")
 
     def configure(self, updated: set[str]) -> None:
         if "listen_port" in updated:
             self.shared_port = ctx.options.listen_port
-        if "egressd_active_socket" in updated or "egressd_lookup_timeout_ms" in updated:
+        if updated & {"egressd_active_socket", "egressd_lookup_timeout_ms", "egressd_vault_push"}:
             self.client = ActiveClient(
-                ctx.options.egressd_active_socket, ctx.options.egressd_lookup_timeout_ms / 1000
+                ctx.options.egressd_active_socket,
+                ctx.options.egressd_lookup_timeout_ms / 1000,
+                seq=_sequence_reader(ctx.options.egressd_vault_push),
             )
         if "ignore_hosts" in updated:
             # mitmproxy's own option (its next_layer tries it on address:port, Host, SNI:port);

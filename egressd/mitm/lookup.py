@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,7 +31,9 @@ from urllib.parse import urlencode
 
 import aiohttp
 
-from egressd.mitm.active import ACTIVE_PATH, DESTINATION_HEADER
+from egressd.mitm.active import ACTIVE_PATH, DESTINATION_HEADER, DESTINATION_TTL_HEADER
+from egressd.mitm.memo import Memo, parse_ttl
+from egressd.mitm.seqmap import SeqReader
 from egressd.mitm.wire import WireError, bare_etag, snapshot_from_active
 from egressd.subject.model import unmap_ip
 from egressd.vault.store import VaultSnapshot
@@ -122,9 +125,18 @@ class ActiveClient:
     """Per-client-IP snapshot cache over the daemon's ``_active`` unix socket (bounded, LRU)."""
 
     def __init__(
-        self, socket_path: str, timeout: float = LOOKUP_TIMEOUT_S, max_entries: int = CACHE_MAX_ENTRIES
+        self,
+        socket_path: str,
+        timeout: float = LOOKUP_TIMEOUT_S,
+        max_entries: int = CACHE_MAX_ENTRIES,
+        seq: SeqReader | None = None,
     ) -> None:
+        """``seq``: egressd's narrowing sequence map (docs/behaviour.md §10): with it, answers
+        still stamped with its current values come from :attr:`memo`, without a round trip."""
         self.socket_path = socket_path
+        self.seq = seq
+        self.memo = Memo(max_clients=max(1, max_entries))
+        self.recalled = 0  # lookups answered from memory (tests, diagnostics)
         self.timeout = timeout
         self.max_entries = max(1, max_entries)
         self.cache: OrderedDict[str, VaultSnapshot] = OrderedDict()
@@ -144,9 +156,11 @@ class ActiveClient:
         self._forgets += 1
         if ips is None:
             self.cache.clear()
+            self.memo.forget(None)
             return
         for ip in ips:
             self.cache.pop(ip, None)
+            self.memo.forget(ip)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -169,8 +183,15 @@ class ActiveClient:
         if host and dst:
             query.update(host=host, dst=dst)
         key = client_ip if listen_port is None else port_key(listen_port)
+        stamp = self.seq.stamp(key) if self.seq is not None else None
+        sent_at = time.monotonic()
+        remembered = self.memo.recall(key, host, dst, stamp, sent_at)
+        if remembered is not None:
+            self.recalled += 1
+            return View(remembered[0], remembered[1])
         cached = self.cache.get(key)
         forgets = self._forgets
+        ttl: float | None = None
         headers = {"If-None-Match": f'"{cached.tag}"'} if cached is not None else {}
         try:
             async with self._client().get(
@@ -180,19 +201,28 @@ class ActiveClient:
                 view = interpret(
                     resp.status, resp.headers.get("ETag"), resp.headers.get(DESTINATION_HEADER), body, cached
                 )
+                ttl = parse_ttl(resp.headers.get(DESTINATION_TTL_HEADER)) if view.destination_ok else None
         except LookupFailed:
             self.cache.pop(key, None)
+            self.memo.forget(key)
             raise
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             self.cache.pop(key, None)
+            self.memo.forget(key)
             raise LookupFailed(type(exc).__name__) from None
-        if view.snapshot is None or forgets != self._forgets:
+        if forgets != self._forgets:
             # A forget arrived while this reply was on its way: egressd may have answered
             # before the change it then announced, so the reply serves this request only and
             # is not kept (the forget and the reply travel on different channels).
             self.cache.pop(key, None)
+            return view
+        if view.snapshot is None:
+            self.cache.pop(key, None)
         else:
             self._store(key, view.snapshot)
+        # Stamped with what was read before the request: a narrowing egressd made while it
+        # was on its way has changed the stamp already, and the next lookup pulls.
+        self.memo.learn(key, host, dst, view.snapshot, ttl, stamp, sent_at)
         return view
 
     async def close(self) -> None:

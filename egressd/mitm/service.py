@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import structlog
@@ -15,10 +15,12 @@ from aiohttp import web
 
 from egressd.config import Config
 from egressd.metrics import EgressMetrics
+from egressd.mitm import seqmap
 from egressd.mitm.active import Lookup, PortVaults, Verify, active_app
 from egressd.mitm.ca import CaError, CaInfo, ensure_ca
 from egressd.mitm.export import ExportError, check_separate, export_ca
 from egressd.mitm.pool import MitmPool
+from egressd.mitm.seqmap import SeqWriter, seq_path
 from egressd.mitm.supervisor import MitmOptions
 
 log = structlog.get_logger("egressd.mitm")
@@ -80,12 +82,16 @@ class RunningMitm:
     supervisor: MitmPool  # the workers (EGRESSD_MITM_WORKERS), each supervised on its own
     active: web.AppRunner
     socket: Path
+    seq: SeqWriter | None = None  # EGRESSD_MITM_VAULT_PUSH=on
 
     @property
     def ca(self) -> CaInfo:
         return self.keeper.ca
 
     async def close(self) -> None:
+        if self.seq is not None:
+            seqmap.uninstall(self.seq)
+            self.seq.close()
         await self.supervisor.stop()
         await self.active.cleanup()
         with contextlib.suppress(OSError):
@@ -160,12 +166,29 @@ async def start_mitm(
         await active.cleanup()
         raise MitmStartupError(f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock}: {exc.strerror}") from None
     opts = _options(cfg, sock, trust, by_port.ports if by_port else ())
+    seq = _sequence_map(cfg, sock)
+    if seq is not None:
+        opts = replace(opts, vault_push=seq.path)
     log.info("mitm.ca", fingerprint=ca.fingerprint, pinned=ca.pinned, confdir=str(ca.confdir))
     # keeper.refresh runs before every worker's restart: the CA can change only at a start.
     supervisor = MitmPool.build(
         opts, cfg.mitm_workers, gid=gid, metrics=metrics, before_restart=keeper.refresh
     )
-    return RunningMitm(keeper, supervisor, active, sock)
+    return RunningMitm(keeper, supervisor, active, sock, seq)
+
+
+def _sequence_map(cfg: Config, sock: Path) -> SeqWriter | None:
+    """The narrowing sequence map beside the socket (docs/behaviour.md §10, "answered from memory"); None
+    when off or when it cannot be made: the child then pulls on every lookup, as before."""
+    if not cfg.mitm_vault_push:
+        return None
+    try:
+        seq = SeqWriter(seq_path(sock))
+    except OSError as exc:
+        log.warning("mitm.vault_push_unavailable", error=exc.strerror or type(exc).__name__)
+        return None
+    seqmap.install(seq)
+    return seq
 
 
 def _options(cfg: Config, sock: Path, trust: Path | None, subject_ports: tuple[int, ...]) -> MitmOptions:

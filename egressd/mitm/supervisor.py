@@ -37,6 +37,7 @@ from typing import Final
 import structlog
 
 from egressd.metrics import EgressMetrics
+from egressd.mitm import seqmap
 from egressd.mitm.active import CACHE_EVENT, READY_EVENT
 from egressd.mitm.intercept import CONNECTION_EVENT
 from egressd.mitm.lookup import CACHE_MAX_ENTRIES, FORGET_BATCH, forget_message
@@ -63,6 +64,7 @@ class MitmOptions:
     subject_ports: tuple[int, ...] = ()
     ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (docs/behaviour.md §16)
     tls_resume: bool = True  # EGRESSD_MITM_TLS_RESUME (egressd.mitm.tlsresume)
+    vault_push: Path | None = None  # the narrowing sequence map (EGRESSD_MITM_VAULT_PUSH=on)
 
 
 def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
@@ -89,6 +91,7 @@ def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
         f"egressd_active_socket={opts.active_socket}",
         f"egressd_lookup_timeout_ms={round(opts.lookup_timeout * 1000)}",
         f"egressd_tls_resume={'true' if opts.tls_resume else 'false'}",
+        f"egressd_vault_push={opts.vault_push or ''}",
     ]
     argv = [python, "-m", "egressd.mitm.runner"]
     for setting in settings:
@@ -180,6 +183,8 @@ class MitmSupervisor:
         changed); delivery is asynchronous, in order, and never blocks the caller. Without a
         running child there is nothing to forget: the next one starts with an empty cache.
         """
+        ips = None if ips is None else list(ips)
+        seqmap.narrowed(ips)  # before anything else: the worker's memory is void from now
         if self._proc is None:
             return
         if ips is None:

@@ -21,6 +21,7 @@ import structlog
 
 from egressd.dnsproxy.server import Asker
 from egressd.kernel.applier import NftError
+from egressd.mitm import seqmap
 from egressd.policy import (
     EMPTY_ALWAYS,
     AlwaysRules,
@@ -33,7 +34,14 @@ from egressd.policy import (
 from egressd.policy.decide import ip_decision
 from egressd.sidecar.persist import serialise, write_atomic
 from egressd.sidecarnft.ruleset import SidecarTable, delete_table, dyn_add, ruleset
-from egressd.subject.leases import LeaseBook, Narrowed, admissible, destination_verified, narrowed_for
+from egressd.subject.leases import (
+    LeaseBook,
+    Narrowed,
+    admissible,
+    destination_verified,
+    destination_verified_until,
+    narrowed_for,
+)
 from egressd.subject.model import Fence, IPAddress
 
 log = structlog.get_logger("egressd.sidecar")
@@ -117,6 +125,11 @@ class SidecarEngine:
         """May the MITM send ``host``'s credentials to ``dst``? The rule both profiles share
         (:func:`egressd.subject.leases.destination_verified`), for the one subject."""
         return destination_verified(self.leases, self._sets, normalise_name(host), dst, self._clock())
+
+    def destination_verified_until(self, client_ip: IPAddress, host: str, dst: IPAddress) -> float:
+        """The same with its deadline (monotonic; 0.0: not verified), for the MITM's memory
+        (docs/behaviour.md §10, "answered from memory")."""
+        return destination_verified_until(self.leases, self._sets, normalise_name(host), dst, self._clock())
 
     async def learn(
         self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
@@ -236,6 +249,7 @@ class SidecarEngine:
             self.generation += 1
             self.rules_installed = _rule_count(script)
             self.leases = narrowed.book
+            seqmap.narrowed()  # the policy and its lease book changed together
             if self._cut_flows is not None and self.table.mode == "dns+nft":
                 task = asyncio.get_running_loop().create_task(self._cut_flows(self.allows_ip))
                 self._background.add(task)

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from egressd.actionhandler.envelope import MAX_BODY_BYTES
 from egressd.metrics import EgressMetrics
+from egressd.mitm import seqmap
 from egressd.policy import PolicyError, policy_mode, rule_cap_problem
 from egressd.sidecar.engine import SIDECAR_UID, SidecarEngine
 from egressd.vault.model import DEFAULT_LIMITS, VaultError, VaultLimits, parse_create, parse_mutation
@@ -147,7 +148,7 @@ class SidecarHTTP:
     # ---- app ---------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES + 1)
+        app = web.Application(client_max_size=MAX_BODY_BYTES + 1, middlewares=[seqmap.after_writes])
         self.inflight.attach(app)
         app.router.add_route("*", "/healthz", self.healthz)
         app.router.add_route("*", "/metrics", self.metrics_handler)

@@ -211,7 +211,7 @@ async def _start_mitm(
     if not cfg.mitm_transparent:
         return None
     try:
-        mitm = await start_mitm(cfg, vault_lookup, engine.destination_verified, gid=MITM_GID, metrics=metrics)
+        mitm = await start_mitm(cfg, vault_lookup, engine.destination_verified_until, gid=MITM_GID, metrics=metrics)
     except MitmStartupError as exc:
         raise SidecarStartupError(str(exc)) from None
     running.supervise(mitm)

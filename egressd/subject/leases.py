@@ -98,6 +98,14 @@ class LeaseBook:
         expiry = lease.names.get(name)
         return expiry is not None and expiry > now
 
+    def verified_until(self, ip: IPAddress, name: str, now: float) -> float:
+        """When :meth:`verified` stops holding (monotonic), absent a narrowing; 0.0 if it does not."""
+        lease = self._leases.get(ip)
+        if lease is None or lease.expiry <= now:
+            return 0.0
+        expiry = lease.names.get(name)
+        return min(expiry, lease.expiry) if expiry is not None and expiry > now else 0.0
+
     def admit(self, leases: Iterable[tuple[IPAddress, int]], now: float) -> list[tuple[IPAddress, int]]:
         """The addresses of an answer that fit, with the seconds the kernel element must get.
 
@@ -221,6 +229,18 @@ def destination_verified(
     if book is not None and book.verified(dst, name, now):
         return True
     return sets is not None and sets.explicitly_allows(dst)
+
+
+def destination_verified_until(
+    book: LeaseBook | None, sets: IpSets | None, name: str, dst: IPAddress, now: float
+) -> float:
+    """:func:`destination_verified` with its deadline (monotonic; ``math.inf`` for an explicit IP
+    rule, 0.0 when not verified): until then only a narrowing can end it (docs/behaviour.md §10, "answered
+    from memory")."""
+    until = book.verified_until(dst, name, now) if book is not None else 0.0
+    if until > now:
+        return until
+    return math.inf if sets is not None and sets.explicitly_allows(dst) else 0.0
 
 
 def name_admitted(effective: NetworkPolicy, name: str) -> bool:

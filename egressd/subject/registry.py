@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from ipaddress import IPv4Network, IPv6Network
 
+from egressd.mitm import seqmap
 from egressd.policy import NetworkPolicy
 from egressd.subject.model import Fence, IPAddress, Subject, nft_id, subject_for_uid
 
@@ -366,6 +367,8 @@ class Registry:
             self._by_slot[entry.binding.slot] = entry.uid
         elif entry.binding is not None:
             self._by_ip[entry.binding.ip] = entry.uid
+        # A policy, state or binding change: what the MITM may remember of it is void.
+        seqmap.narrowed()
 
     def drop(self, uid: str) -> None:
         old = self._by_uid.pop(uid, None)
@@ -374,6 +377,7 @@ class Registry:
         self._unindex(old)
         if self._by_nft_id.get(old.nft_id) == uid:
             del self._by_nft_id[old.nft_id]
+        seqmap.narrowed()
 
     def kernel(self, uid: str) -> KernelView:
         return self._kernel.get(uid, _EMPTY_KERNEL)

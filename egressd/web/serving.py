@@ -13,6 +13,8 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
+from egressd.mitm import seqmap
+
 log = structlog.get_logger("egressd.http")
 
 T = TypeVar("T")
@@ -125,6 +127,8 @@ class InFlight:
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
+        # A mutation ended, perhaps after its handler (and the write middleware) was gone.
+        seqmap.narrowed()
         # The mutations catch their own errors; one that escapes is a bug, and with its
         # handler gone (shield marks the exception retrieved) nobody else would see it.
         if not task.cancelled() and (exc := task.exception()) is not None:

@@ -1,0 +1,172 @@
+"""The narrowing sequence map: how a MITM worker knows, without a round trip, that what it
+remembers of a client is still what egressd would answer (docs/behaviour.md §10, "answered from memory").
+
+egressd owns a small file next to its private ``_active`` socket (same 0700 directory, mode
+0600, no secret in it: only counters), mapped into memory by egressd (read-write) and by every
+MITM worker (read-only). It holds :data:`SLOTS` little-endian 64-bit counters: slot 0 is
+*every client*, the others are the clients whose :func:`slot_of` they are. Whenever something
+may narrow what ``_active`` answers (a vault deleted or changed, a subject removed, rebound or
+closing, a policy or always-rules change, a lease book narrowed, any mutation through the HTTP
+API), egressd writes a fresh value of one process-wide counter into the slot(s) concerned, in
+the same synchronous step that changed the state and before the mutation's caller is answered.
+
+A worker stamps what it learns from a pull with the two slots it read *before* the pull
+(:meth:`SeqReader.stamp`) and answers from memory only while both are unchanged. A narrowing
+therefore reaches every worker the moment it happens, whatever the worker is doing, without
+egressd waiting for anyone: a worker that is stopped, slow or dead cannot hold a mutation up,
+and cannot answer from a stale memory either (its next request finds a changed slot and
+pulls). Slots are shared by many clients (a hash): a change of one client costs its slot-mates
+one pull each, never a stale answer. Values only grow, so a slot never returns to a stamp.
+
+Widening changes (a new DNS answer, a new vault) need no bump: the memory holds only positive
+verdicts and snapshots, and what it lacks is pulled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+import zlib
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Final
+
+from aiohttp import web
+
+SLOTS: Final = 4096
+SLOT_BYTES: Final = 8
+MAP_BYTES: Final = SLOTS * SLOT_BYTES
+_U64: Final = struct.Struct("<Q")
+
+Stamp = tuple[int, int]  # (slot 0, the client's slot) as read before a pull
+
+
+def slot_of(key: str) -> int:
+    """The slot of one client key (an address as egressd and the addon print it, or a
+    ``port:<n>`` key): stable across processes (crc32, not Python's salted hash), never 0."""
+    return 1 + zlib.crc32(key.encode()) % (SLOTS - 1)
+
+
+def seq_path(socket_path: Path | str) -> Path:
+    """The map's file, beside the private socket (its directory is the one that is 0700)."""
+    return Path(f"{socket_path}.seq")
+
+
+class SeqWriter:
+    """egressd's side: creates the file (replacing any old one), bumps slots."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._seq = 0
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, MAP_BYTES)
+            self._map: mmap.mmap | None = mmap.mmap(
+                fd, MAP_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        finally:
+            os.close(fd)
+
+    def bump(self, keys: Iterable[object] | None) -> None:
+        """Something about these clients (None: any client) may have narrowed."""
+        m = self._map
+        if m is None:
+            return
+        self._seq += 1
+        value = _U64.pack(self._seq)
+        slots = [0] if keys is None else sorted({slot_of(str(k)) for k in keys})
+        for slot in slots:
+            m[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES] = value
+
+    def close(self) -> None:
+        if self._map is not None:
+            # Every reader's memory becomes unusable first: the last value seen is never
+            # seen again once the file is gone (a reader of a closed map pulls).
+            self.bump(None)
+            self._map.close()
+            self._map = None
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+
+class SeqReader:
+    """A worker's side: the map, read-only. Any failure reads as None (pull)."""
+
+    def __init__(self, path: str) -> None:
+        self._map: mmap.mmap | None = None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_size != MAP_BYTES:
+                raise OSError("sequence map of the wrong size")
+            self._map = mmap.mmap(fd, MAP_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+
+    def _read(self, slot: int) -> int:
+        assert self._map is not None
+        off = slot * SLOT_BYTES
+        # Read until two reads agree: an 8-byte store is one instruction on the platforms we
+        # run on, the second read only guards against a torn copy elsewhere.
+        for _ in range(4):
+            first = _U64.unpack_from(self._map, off)[0]
+            if _U64.unpack_from(self._map, off)[0] == first:
+                return int(first)
+        raise OSError("sequence slot kept changing")
+
+    def stamp(self, key: str) -> Stamp | None:
+        if self._map is None:
+            return None
+        try:
+            return self._read(0), self._read(slot_of(key))
+        except (OSError, ValueError):
+            return None
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+
+# Every writer of this process (a test may run several daemons in one process): a narrowing
+# bumps all of them, which is never less safe than bumping the right one.
+_WRITERS: set[SeqWriter] = set()
+
+
+def install(writer: SeqWriter) -> None:
+    _WRITERS.add(writer)
+
+
+def uninstall(writer: SeqWriter) -> None:
+    _WRITERS.discard(writer)
+
+
+def narrowed(keys: Iterable[object] | None = None) -> None:
+    """Call right after a change that may narrow what ``_active`` answers (None: for any
+    client), before its caller is answered. Cheap, synchronous, a no-op without a MITM."""
+    if not _WRITERS:
+        return
+    listed = None if keys is None else list(keys)
+    for writer in list(_WRITERS):
+        writer.bump(listed)
+
+
+_READS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+@web.middleware
+async def after_writes(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every write through the HTTP API may have narrowed something (a vault, a policy, a
+    binding): the MITM's memory of every client is void before its caller hears back. Also
+    when the handler failed half-way; coarse, and never less safe than the exact slots."""
+    try:
+        return await handler(request)
+    finally:
+        if request.method not in _READS:
+            narrowed()
