@@ -122,8 +122,10 @@ def active_lookup(
                 verdict = by_port is not None and by_port.verify(listener, host, dst_ip)
             else:
                 verdict = verify is not None and verify(ip, host, dst_ip)
-        destination = "verified" if verdict else "unverified"
         ttl = _ttl(verdict)
+        # A deadline already past is no verdict (a bool says nothing about time).
+        ok = bool(verdict) if isinstance(verdict, bool) else ttl is not None
+        destination = "verified" if ok else "unverified"
     etag = _quoted(snapshot.tag)
     if if_none_match is not None:
         wanted = {bare_etag(part) for part in if_none_match.split(",")}

@@ -18,16 +18,23 @@ and cannot answer from a stale memory either (its next request finds a changed s
 pulls). Slots are shared by many clients (a hash): a change of one client costs its slot-mates
 one pull each, never a stale answer. Values only grow, so a slot never returns to a stamp.
 
+egressd also writes its monotonic clock into the last slot every :data:`BEAT_S`: a worker
+whose egressd has fallen silent for more than :data:`MAX_SILENCE_S` (stopped, wedged) stops
+answering from memory and pulls, so §10's lookup-failure rule (refuse the client's requests)
+holds for it as before.
+
 Widening changes (a new DNS answer, a new vault) need no bump: the memory holds only positive
 verdicts and snapshots, and what it lacks is pulled.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import mmap
 import os
 import struct
+import time
 import zlib
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -38,6 +45,9 @@ from aiohttp import web
 SLOTS: Final = 4096
 SLOT_BYTES: Final = 8
 MAP_BYTES: Final = SLOTS * SLOT_BYTES
+BEAT_SLOT: Final = SLOTS - 1  # egressd's heartbeat (monotonic ns), not a client slot
+BEAT_S: Final = 0.05
+MAX_SILENCE_S: Final = 0.25  # as long as one pull may take (LOOKUP_TIMEOUT_S)
 _U64: Final = struct.Struct("<Q")
 
 Stamp = tuple[int, int]  # (slot 0, the client's slot) as read before a pull
@@ -46,7 +56,7 @@ Stamp = tuple[int, int]  # (slot 0, the client's slot) as read before a pull
 def slot_of(key: str) -> int:
     """The slot of one client key (an address as egressd and the addon print it, or a
     ``port:<n>`` key): stable across processes (crc32, not Python's salted hash), never 0."""
-    return 1 + zlib.crc32(key.encode()) % (SLOTS - 1)
+    return 1 + zlib.crc32(key.encode()) % (SLOTS - 2)
 
 
 def seq_path(socket_path: Path | str) -> Path:
@@ -60,6 +70,7 @@ class SeqWriter:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._seq = 0
+        self._beat: asyncio.TimerHandle | None = None
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -83,7 +94,21 @@ class SeqWriter:
         for slot in slots:
             m[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES] = value
 
+    def beat(self) -> None:
+        """egressd is alive now (monotonic clocks are one clock across the host's processes)."""
+        if self._map is not None:
+            off = BEAT_SLOT * SLOT_BYTES
+            self._map[off : off + SLOT_BYTES] = _U64.pack(time.monotonic_ns())
+
+    def start_heartbeat(self) -> None:
+        """Beat every :data:`BEAT_S` on the running loop: it stops when the loop does."""
+        self.beat()
+        self._beat = asyncio.get_running_loop().call_later(BEAT_S, self.start_heartbeat)
+
     def close(self) -> None:
+        if self._beat is not None:
+            self._beat.cancel()
+            self._beat = None
         if self._map is not None:
             # Every reader's memory becomes unusable first: the last value seen is never
             # seen again once the file is gone (a reader of a closed map pulls).
@@ -97,8 +122,9 @@ class SeqWriter:
 class SeqReader:
     """A worker's side: the map, read-only. Any failure reads as None (pull)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, max_silence: float = MAX_SILENCE_S) -> None:
         self._map: mmap.mmap | None = None
+        self.max_silence_ns = int(max_silence * 1e9)
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             if os.fstat(fd).st_size != MAP_BYTES:
@@ -119,9 +145,12 @@ class SeqReader:
         raise OSError("sequence slot kept changing")
 
     def stamp(self, key: str) -> Stamp | None:
+        """The client's stamp, or None (pull) when egressd has been silent too long."""
         if self._map is None:
             return None
         try:
+            if time.monotonic_ns() - self._read(BEAT_SLOT) > self.max_silence_ns:
+                return None
             return self._read(0), self._read(slot_of(key))
         except (OSError, ValueError):
             return None

@@ -188,6 +188,7 @@ def _sequence_map(cfg: Config, sock: Path) -> SeqWriter | None:
         log.warning("mitm.vault_push_unavailable", error=exc.strerror or type(exc).__name__)
         return None
     seqmap.install(seq)
+    seq.start_heartbeat()
     return seq
 
 

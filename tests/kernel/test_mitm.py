@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from egressd.mitm.seqmap import MAX_SILENCE_S
 from tests.kernel.topology import GATEWAY, GATEWAY6, UPSTREAM_IPS, Daemon, Topology, envelope
 
 SECRET = "sk-live-MITM-4f9a2c"  # the real key: only ever in the vault and upstream
@@ -319,6 +321,78 @@ def test_vault_removal_applies_to_the_next_request(topo: Topology, mitm: Daemon)
         unbind(mitm, "m1")
 
 
+KEEPALIVE_CLIENT = r"""
+import http.client, json, socket, ssl, sys
+ctx = ssl.create_default_context(cafile=sys.argv[1])
+class Conn(http.client.HTTPSConnection):
+    def connect(self):
+        raw = socket.create_connection((sys.argv[2], 443), 5)
+        self.sock = ctx.wrap_socket(raw, server_hostname=self.host)
+conn = Conn(sys.argv[3], 443, context=ctx, timeout=5)
+for line in sys.stdin:
+    conn.request("GET", line.strip(), headers={"Connection": "keep-alive"})
+    r = conn.getresponse()
+    body = r.read().decode(errors="replace")
+    print(json.dumps({"status": r.status, "body": body, "port": conn.sock.getsockname()[1]}), flush=True)
+"""
+
+
+def test_vault_changes_reach_the_next_request_on_a_kept_alive_connection(
+    topo: Topology, mitm: Daemon
+) -> None:
+    """docs/behaviour.md §10, "answered from memory": the worker answers from memory between changes, and a
+    delete or a change is honoured by the very next request on the same connection."""
+    bind(mitm, 1, "m1")
+    proc = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            topo.sb(1),
+            sys.executable,
+            "-c",
+            KEEPALIVE_CLIENT,
+            client_trust(topo),
+            API_IP,
+            API,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+
+    def get() -> tuple[int, str | None, int]:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("/v1/models\n")
+        proc.stdin.flush()
+        out = json.loads(proc.stdout.readline())
+        return (
+            out["status"],
+            Reply(out["status"], out["body"], "").upstream_header("Authorization"),
+            out["port"],
+        )
+
+    try:
+        learn(topo, 1, API)
+        first = get()
+        assert first[:2] == (200, f"Bearer {SECRET}")
+        assert get() == first and get() == first, "from memory: still injected"
+        assert vault_call(mitm, "m1", "DELETE")[0] == 204
+        assert get() == (200, None, first[2]), "the very next request, same connection"
+        changed = json.loads(json.dumps(VAULT))
+        changed["credentials"][0]["source"]["value"] = SECRET + "-v3"
+        assert vault_call(mitm, "m1", "PUT", changed)[0] == 201
+        assert get() == (200, f"Bearer {SECRET}-v3", first[2])
+        changed["credentials"][0]["source"]["value"] = SECRET + "-v4"
+        assert vault_call(mitm, "m1", "PUT", changed)[0] == 200  # replaced
+        assert get() == (200, f"Bearer {SECRET}-v4", first[2]), "a changed credential, not the remembered one"
+    finally:
+        proc.kill()
+        proc.wait(5)
+        unbind(mitm, "m1")
+
+
 def test_lookup_failure_blocks_before_the_upstream(topo: Topology, mitm: Daemon) -> None:
     bind(mitm, 1, "m1")
     try:
@@ -327,6 +401,9 @@ def test_lookup_failure_blocks_before_the_upstream(topo: Topology, mitm: Daemon)
         mark = len(topo.upstream_requests())
         assert mitm.proc is not None
         os.kill(mitm.proc.pid, signal.SIGSTOP)  # the vault lookup times out (0.25 s)
+        # The worker's memory outlives a silent egressd by at most its heartbeat's bound
+        # (docs/behaviour.md §10, "answered from memory"); then it pulls, and the pull times out.
+        time.sleep(2 * MAX_SILENCE_S)
         try:
             r = api(topo, 1)
             assert r.code == 503, r.text
