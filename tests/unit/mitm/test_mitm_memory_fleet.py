@@ -1,0 +1,99 @@
+"""docs/behaviour.md §10, "answered from memory", against the fleet control plane (fake kernel): every
+narrowing bumps the sequence map before the call that made it returns, and the destination
+deadline egressd hands out ends with the lease."""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from egressd.actionhandler.control import ControlPlane
+from egressd.fleetnft.builder import TableConfig
+from egressd.mitm import seqmap
+from egressd.mitm.seqmap import SeqReader, SeqWriter
+from egressd.policy import AlwaysRules, Verdict, parse_always_text
+from tests.unit.actionhandler.test_control_dns import FENCE, OLD, TABLE, activate, ok, remove, set_binding
+from tests.unit.fakekernel import FakeTx
+
+SRC = "10.0.0.5"
+API = ipaddress.ip_address("93.184.216.34")
+ALLOW_API = '{"defaultAction":"deny","egress":[{"action":"allow","target":"api.x.io"}]}'
+ALLOW_OTHER = '{"defaultAction":"deny","egress":[{"action":"allow","target":"cdn.x.io"}]}'
+
+
+@pytest.fixture
+def reader(tmp_path: Path) -> Iterator[SeqReader]:
+    writer = SeqWriter(tmp_path / "a.sock.seq")
+    writer.beat()
+    seqmap.install(writer)
+    r = SeqReader(str(writer.path), max_silence=60)
+    try:
+        yield r
+    finally:
+        r.close()
+        seqmap.uninstall(writer)
+        writer.close()
+
+
+async def _control() -> ControlPlane:
+    control = ControlPlane(TableConfig(table=TABLE, dns_port=15353), FakeTx(table_name=TABLE), always=OLD)
+    await control.reset_table()
+    return control
+
+
+def _until(control: ControlPlane) -> float:
+    return control.learning.destination_verified_until(ipaddress.ip_address(SRC), "api.x.io", API)
+
+
+async def test_a_learned_destination_is_handed_out_with_its_lease_deadline(reader: SeqReader) -> None:
+    control = await _control()
+    await activate(control, policy=ALLOW_API)
+    assert _until(control) == 0.0
+    await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
+    left = _until(control) - time.monotonic()
+    assert 0 < left <= 360, "the lease's own lifetime (clamped TTL + 60)"
+    assert control.learning.destination_verified(ipaddress.ip_address(SRC), "api.x.io", API)
+
+
+async def test_a_policy_narrowing_bumps_before_it_returns(reader: SeqReader) -> None:
+    control = await _control()
+    await activate(control, policy=ALLOW_API)
+    await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
+    before = reader.stamp(SRC)
+    ok(await control.handle(set_binding("u-1", ALLOW_OTHER)))
+    assert reader.stamp(SRC) != before
+    assert _until(control) == 0.0, "the name no longer verifies: nothing may remember it"
+
+
+async def test_an_always_rules_reload_bumps_every_client(reader: SeqReader) -> None:
+    control = await _control()
+    await activate(control, policy=ALLOW_API)
+    await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
+    before = reader.stamp(SRC)
+    denied = AlwaysRules(deny=parse_always_text("api.x.io\n", "deny.always", Verdict.DENY), allow=())
+    await control.set_always_rules(denied)
+    assert reader.stamp(SRC) != before and reader.stamp("10.9.9.9") != before
+    assert _until(control) == 0.0
+
+
+async def test_a_removal_bumps_before_it_returns(reader: SeqReader) -> None:
+    control = await _control()
+    await activate(control, policy=ALLOW_API)
+    await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
+    before = reader.stamp(SRC)
+    ok(await control.handle(remove("u-1")))
+    assert reader.stamp(SRC) != before
+    assert _until(control) == 0.0
+
+
+async def test_a_dns_answer_does_not_bump(reader: SeqReader) -> None:
+    """A widening: the worker does not remember unverified pairs, so it needs no signal."""
+    control = await _control()
+    await activate(control, policy=ALLOW_API)
+    before = reader.stamp(SRC)
+    await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
+    assert reader.stamp(SRC) == before
