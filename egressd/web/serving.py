@@ -113,6 +113,7 @@ class InFlight:
 
     def __init__(self, drain_timeout: float = DRAIN_TIMEOUT) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._orphans: set[asyncio.Task[Any]] = set()  # their handler was cancelled
         self.drain_timeout = drain_timeout
 
     def __len__(self) -> int:
@@ -123,12 +124,19 @@ class InFlight:
         self._tasks.add(task)
         task.add_done_callback(self._done)
         # A cancelled handler stops waiting here; the task itself goes on.
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._orphans.add(task)
+            raise
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
-        # A mutation ended, perhaps after its handler (and the write middleware) was gone.
-        seqmap.narrowed()
+        if task in self._orphans:
+            # It ended after its handler (and the write middleware's bump) was gone: what it
+            # changed must void the MITM's memory too (docs/behaviour.md §10, "answered from memory").
+            self._orphans.discard(task)
+            seqmap.narrowed()
         # The mutations catch their own errors; one that escapes is a bug, and with its
         # handler gone (shield marks the exception retrieved) nobody else would see it.
         if not task.cancelled() and (exc := task.exception()) is not None:

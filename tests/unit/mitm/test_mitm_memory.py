@@ -33,6 +33,7 @@ from egressd.subject.leases import LeaseBook, destination_verified, destination_
 from egressd.subject.model import Fence, IPAddress
 from egressd.subject.registry import Entry, Registry, State
 from egressd.vault.store import VaultSnapshot, VaultStore
+from egressd.web.serving import InFlight
 
 SECRET = "sk-PLANTED-memory-41"
 POLICY = parse_policy('{"defaultAction":"deny","egress":[{"action":"allow","target":"api.example.com"}]}')
@@ -441,3 +442,35 @@ async def test_start_mitm_makes_the_map_beside_the_socket_and_removes_it(tmp_pat
         assert off.seq is None and "egressd_vault_push=" in off.supervisor.argv
     finally:
         await off.close()
+
+
+async def test_a_write_whose_client_left_bumps_when_it_ends(writer: SeqWriter) -> None:
+    """The middleware's bump runs when the handler is cancelled, before the shielded mutation
+    has finished: the mutation's own end bumps again."""
+    reader = SeqReader(str(writer.path), max_silence=60)
+    inflight = InFlight()
+    release = asyncio.Event()
+
+    async def mutation() -> int:
+        await release.wait()
+        return 1
+
+    waiter = asyncio.create_task(inflight.run(mutation()))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    before = reader.stamp(CLIENT)
+    release.set()
+    await inflight.drain(1)
+    await asyncio.sleep(0)
+    assert reader.stamp(CLIENT) != before
+    # A mutation whose handler waited for it does not bump on its own (the middleware does).
+    release.clear()
+    done = asyncio.create_task(inflight.run(mutation()))
+    await asyncio.sleep(0)
+    release.set()
+    await done
+    after = reader.stamp(CLIENT)
+    await asyncio.sleep(0)
+    assert reader.stamp(CLIENT) == after

@@ -8,16 +8,22 @@ import ipaddress
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from egressd.actionhandler.control import ControlPlane
 from egressd.fleetnft.builder import TableConfig
+from egressd.metrics import EgressMetrics
 from egressd.mitm import seqmap
 from egressd.mitm.seqmap import SeqReader, SeqWriter
-from egressd.policy import AlwaysRules, Verdict, parse_always_text
+from egressd.policy import AlwaysRules, Verdict, parse_always_text, parse_policy
+from egressd.sidecar.engine import SIDECAR_UID, SidecarEngine
+from egressd.sidecar.http import SidecarHTTP
+from egressd.sidecarnft.ruleset import SidecarTable
 from tests.unit.actionhandler.test_control_dns import FENCE, OLD, TABLE, activate, ok, remove, set_binding
 from tests.unit.fakekernel import FakeTx
+from tests.unit.sidecar.test_sidecar_http import ready_prereqs
 
 SRC = "10.0.0.5"
 API = ipaddress.ip_address("93.184.216.34")
@@ -97,3 +103,26 @@ async def test_a_dns_answer_does_not_bump(reader: SeqReader) -> None:
     before = reader.stamp(SRC)
     await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")
     assert reader.stamp(SRC) == before
+
+
+# --------------------------------------------------------------------------- the sidecar profile
+
+
+async def test_sidecar_policy_changes_bump_with_and_without_http(
+    reader: SeqReader, aiohttp_client: Any, tmp_path: Path
+) -> None:
+    engine = SidecarEngine(SidecarTable(table="T"), FakeTx(yield_each_call=False), parse_policy(ALLOW_API))
+    await engine.install()
+    await engine.learn(SIDECAR_UID, engine.fence, [(API, 300)], "api.x.io")
+    assert engine.destination_verified_until(ipaddress.ip_address(SRC), "api.x.io", API) > time.monotonic()
+    before = reader.stamp(SRC)
+    assert (await engine.set_policy(parse_policy(ALLOW_OTHER))).status == 200
+    assert reader.stamp(SRC) != before, "the engine bumps itself (an always-rules reload has no HTTP caller)"
+    assert engine.destination_verified_until(ipaddress.ip_address(SRC), "api.x.io", API) == 0.0
+    http = SidecarHTTP(engine, EgressMetrics(), token=None, max_rules=4096, prerequisites=ready_prereqs())
+    client = await aiohttp_client(http.app())
+    mid = reader.stamp(SRC)
+    assert (await client.get("/policy")).status == 200
+    assert reader.stamp(SRC) == mid
+    await client.post("/policy", data=b"{}")
+    assert reader.stamp(SRC) != mid, "any write through the API, whatever it answered"
