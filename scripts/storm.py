@@ -486,6 +486,9 @@ def _refuses(rule_json: str) -> bool:
 
 
 SUBJECT_SET_KINDS = [f"{k}_{fam}" for k in (*STATIC_KINDS, "dyn") for fam in ("v4", "v6")]
+# Made by a subject's first audit policy and kept until its removal (fleetnft/builder.py):
+# optional objects, required while the active policy audits.
+AUDIT_SET_KINDS = {f"{k}_{fam}" for k in ("wdeny", "audit") for fam in ("v4", "v6")}
 
 
 def _elem_text(e: Any) -> str:
@@ -978,8 +981,14 @@ class Storm:
     def _compare_objects(self, k: Kernel, when: str) -> None:
         """Objects: the expected ones per registered subject, nothing else."""
         expected_names = self.header_sets | self.header_chains | HEADER_COUNTERS
+        optional: set[str] = set()
         for s in self.model.subs.values():
-            expected_names |= {f"subj_{s.nid}_{kind}" for kind in SUBJECT_SET_KINDS}
+            auditing = s.state == "active" and s.policy is not None and POLICIES[s.policy].audit
+            kinds = (
+                SUBJECT_SET_KINDS if auditing else [k for k in SUBJECT_SET_KINDS if k not in AUDIT_SET_KINDS]
+            )
+            expected_names |= {f"subj_{s.nid}_{kind}" for kind in kinds}
+            optional |= {f"subj_{s.nid}_{kind}" for kind in AUDIT_SET_KINDS}
             expected_names |= {f"subj_{s.nid}", f"mark_{s.nid}"} | (
                 {f"subj_{s.nid}_in"} if self.mitm else set()
             )
@@ -989,7 +998,7 @@ class Storm:
                 f"subj_{s.nid}_dropped",
             }
         have = k.names()
-        for name in sorted(have - expected_names):
+        for name in sorted(have - expected_names - optional):
             self.tally.note("leaked_objects", f"{when}: {name}")
         for name in sorted(expected_names - have):
             self.tally.note("missing_denies", f"{when}: missing object {name}")
@@ -1064,11 +1073,17 @@ class Storm:
         chains = [(f"subj_{s.nid}", "subj"), (f"mark_{s.nid}", "mark")]
         if self.mitm:
             chains.append((f"subj_{s.nid}_in", "in"))
+        audited = f"subj_{s.nid}_audit_v4" in k.sets
         for chain, tkey in chains:
             if chain not in k.chains:
                 continue
-            # The nft id appears in set, counter and log-prefix names; the rest is the same.
+            # The nft id appears in set, counter and log-prefix names; the rest is the same
+            # among subjects with (or among those without) the audit objects.
             rules = [r.replace(s.nid, "ID") for r in k.rules.get(chain, [])]
+            if tkey == "mark" and sum('"log"' in r for r in rules) != (4 if audited else 0):
+                self.tally.note("missing_denies", f"{when}: {chain} audit rules do not match its audit sets")
+            if tkey != "subj" and audited:
+                tkey += ":audit"
             template = self.templates.setdefault(tkey, rules)
             if rules != template:
                 self.tally.note(

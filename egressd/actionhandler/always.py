@@ -56,7 +56,9 @@ class AlwaysRulesApply:
                     closing = self._revocations.closing(entry.uid)
                     rules = narrower(self._policies.always, always) if closing else always
                     effective = effective_policy(view.applied, rules)
-                    batch = batch + policy_swap(table, entry.nft_id, effective)
+                    # An audit policy was applied with its audit objects (steps.py), so
+                    # ``view.audit`` holds for it; policy_swap refuses the impossible rest.
+                    batch = batch + policy_swap(table, entry.nft_id, effective, audit_objects=view.audit)
                     applied.append((entry.uid, view.keys, effective))
                     narrowed = self._learning.narrowed(entry.uid, effective)
                     # A newly always-denied name loses its leases in the same transaction (the

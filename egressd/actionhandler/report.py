@@ -123,9 +123,9 @@ class Report:
 
     def rules_count(self) -> dict[tuple[str, ...], float]:
         """Rules in the table: each installed subject's fixed rules."""
-        registry = self._shared.registry
-        installed = sum(1 for e in registry if registry.kernel(e.uid).rules)
-        return {(): float(rules_per_subject(self._shared.table) * installed)}
+        registry, cfg = self._shared.registry, self._shared.table
+        views = [registry.kernel(e.uid) for e in registry]
+        return {(): float(sum(rules_per_subject(cfg, audit=v.audit) for v in views if v.rules))}
 
     def state_counts(self) -> dict[tuple[str, ...], float]:
         counts = self._shared.registry.counts()

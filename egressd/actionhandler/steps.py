@@ -21,6 +21,7 @@ from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.shared import Shared
 from egressd.fleetnft.builder import (
     SubjectNft,
+    audit_objects,
     dispatch_deletes,
     dyn_replace,
     flush_subject_sets,
@@ -37,6 +38,7 @@ from egressd.fleetnft.builder import (
 from egressd.kernel.applier import NftError, NftUncertain, Transactions
 from egressd.kernel.ops import NetlinkBatch, Op
 from egressd.mitm import seqmap
+from egressd.policy import NetworkPolicy
 from egressd.subject.model import IPAddress
 from egressd.subject.registry import (
     AddKeys,
@@ -91,6 +93,7 @@ def in_doubt(before: KernelView, after: KernelView) -> KernelView:
         applied=None if after.applied is None else before.applied,
         unsure=True,
         uid_keys=before.uid_keys | after.uid_keys,
+        audit=before.audit or after.audit,
     )
 
 
@@ -270,9 +273,9 @@ class StepRunner:
             return [subj.ip]
         # Revert, rebind or retry: empty every set before any (new) key points at the
         # chains, all in one transaction.
-        batch = flush_subject_sets(cfg.table, nid)
+        batch = flush_subject_sets(cfg.table, nid, audit=view.audit)
         if not view.rules:
-            batch = batch + subject_rules(cfg, nid)
+            batch = batch + subject_rules(cfg, nid, audit=view.audit)
         batch, commit = self.nets.refilled(
             batch + subject_keys(cfg, subj), entry.uid, step.binding.private_cidr
         )
@@ -289,7 +292,7 @@ class StepRunner:
         nid, table = entry.nft_id, self._cfg.table
         effective = self._policies.effective(step.policy)
         event = {"egress.default": effective.default_action.value, "rules": len(effective.egress)}
-        batch = policy_swap(table, nid, effective)
+        batch, audit = self._policy_batch(nid, effective, view)
         narrowed = self._learning.narrowed(entry.uid, effective)
         if view.applied is not None:
             # In place: leases no still-allowed name taught leave in the same transaction
@@ -300,7 +303,7 @@ class StepRunner:
         batch = batch + hostuid.audit_membership(self._cfg, view.uid_keys, effective.audit)
         batch, commit = self.nets.refilled(batch, entry.uid, _cidr(entry, self.nets))
         try:
-            await txn.send(batch, "static_apply", replace(view, applied=step.policy))
+            await txn.send(batch, "static_apply", replace(view, applied=step.policy, audit=audit))
         except NftError as exc:
             log.warning(
                 "egress.update_failed",
@@ -320,6 +323,20 @@ class StepRunner:
             # its rules.)
             self._flows.background(self._flows.cut_disallowed(entry.uid, view.keys, effective))
         return []
+
+    def _policy_batch(
+        self, nid: str, effective: NetworkPolicy, view: KernelView
+    ) -> tuple[NetlinkBatch, bool]:
+        """The static sets' swap to ``effective`` (with the audit objects first when it is the
+        subject's first audit policy), and whether the subject has audit objects after it.
+        Deny-first content (``applied`` None; every writer of static sets skips such a
+        subject, see always.py) is empty, so its first policy is only filled in."""
+        table = self._cfg.table
+        make = effective.audit and not view.audit
+        batch = audit_objects(self._cfg, nid) if make else NetlinkBatch(table)
+        audit = view.audit or make
+        fill = policy_swap(table, nid, effective, audit_objects=audit, known_empty=view.applied is None)
+        return batch + fill, audit
 
     async def _add_keys(
         self, entry: Entry, step: AddKeys, view: KernelView, txn: _Transaction
@@ -361,7 +378,7 @@ class StepRunner:
             return []
         ops = self._key_deletes(entry.uid, view.keys, None) + hostuid.key_deletes(self._cfg, view.uid_keys)
         if view.objects:
-            ops += removal_batch(self._cfg, entry.nft_id, None, release_gateway=None).ops
+            ops += removal_batch(self._cfg, entry.nft_id, None, release_gateway=None, audit=view.audit).ops
         removal, commit = self.nets.refilled(NetlinkBatch(self._cfg.table, tuple(ops)), entry.uid, None)
         await txn.send(removal, "remove", KernelView())
         commit()
@@ -380,18 +397,18 @@ class StepRunner:
         if not view.objects:
             return NetlinkBatch(table)  # neither state has objects (nor keys, which jump to them)
         if view.applied is None:
-            contents = flush_subject_sets(table, nid)
+            contents = flush_subject_sets(table, nid, audit=view.audit)
         else:
             effective = self._policies.effective(view.applied)
             narrowed = self._learning.narrowed(uid, effective)
-            contents = policy_swap(table, nid, effective) + dyn_replace(
+            contents = policy_swap(table, nid, effective, audit_objects=view.audit) + dyn_replace(
                 table, nid, narrowed.kept if narrowed is not None else ()
             )
         worker = self.workers.of(uid) if view.keys else 0
         keys = [SubjectNft(nid, ip, gw, worker) for ip, gw in sorted(view.keys, key=str)]
         audit = view.applied is not None and self._policies.effective(view.applied).audit
         uid_keys = hostuid.resync_keys(self._cfg, nid, view, audit)
-        return subject_resync(self._cfg, nid, keys, contents) + uid_keys
+        return subject_resync(self._cfg, nid, keys, contents, audit=view.audit) + uid_keys
 
     def _key_deletes(self, uid: str, stale: Keys, keep: Binding | None) -> list[Op]:
         """Deletions for stale dispatch keys: each map element and gateway exactly once."""

@@ -10,7 +10,8 @@ Shape, and why it differs from the reference blueprint where it does:
   of one ``ip saddr X jump`` rule per subject: one lookup per packet at any fleet size, and a
   subject's entry can be removed without knowing rule handles.
 * A subject's rules are fixed for its lifetime (deny sets drop; allow and dyn sets mark
-  ``0x2``); its state lives only in its set contents. Deny-first is "all six sets empty":
+  ``0x2``), except that its first audit policy adds the audit rules once; its state lives
+  only in its set contents. Deny-first is "all its sets empty":
   nothing is marked, so the unmarked-drop tail drops everything. ``defaultAction: allow`` is
   ``0.0.0.0/0`` and ``::/0`` in the allow sets. So activation, policy updates and reverts are
   set-content swaps, never rule changes.
@@ -19,7 +20,10 @@ Shape, and why it differs from the reference blueprint where it does:
   ``add element`` (~1 s). egressd only hands libnftables cache-free declarations (sets,
   chains, map elements re-declared inline); rules, content swaps and deletions go through
   raw netlink batches (:mod:`egressd.kernel.ops`), whose cost does not grow with the fleet.
-* Audit mode (a policy with ``"mode": "audit"``) is set content too. Two always-present rule
+* Audit mode (a policy with ``"mode": "audit"``) is set content too, once the subject has its
+  audit objects (:func:`audit_objects`, added in the transaction of its first audit policy
+  and kept until removal; a subject that never audits has 6 sets, not 10, and every
+  set-name lookup in the kernel walks the table's whole list of sets). Two rule
   pairs at the end of ``mark_<id>`` log (``log prefix "egressd would-deny <id> "``), count
   (named counters ``subj_<id>_audit_deny`` / ``subj_<id>_audit_default``) and mark new flows
   to ``wdeny`` (the user's deny prefixes, moved out of ``deny`` while auditing) and, if still
@@ -102,18 +106,16 @@ from egressd.policy import (
 from egressd.subject.hostuid import DEFAULT_UID_PORTS, UidPorts
 from egressd.subject.model import IPAddress
 
+CORE_SETS = ("allow_v4", "allow_v6", "deny_v4", "deny_v6")
 # wdeny: the user's deny prefixes while auditing; audit: 0.0.0.0/0, ::/0 while auditing.
-STATIC_SETS = (
-    "allow_v4",
-    "allow_v6",
-    "deny_v4",
-    "deny_v6",
-    "wdeny_v4",
-    "wdeny_v6",
-    "audit_v4",
-    "audit_v6",
-)
-SETS = (*STATIC_SETS, "dyn_v4", "dyn_v6")
+# Declared (with the audit rules that read them) by :func:`audit_objects` on the subject's
+# first audit policy and kept until its removal: the kernel finds a set by name by walking the
+# table's list of sets, so every set fewer per subject makes every set-name lookup of every
+# transaction cheaper (scripts/bench/README.md, fleet: 10 -> 6 sets per subject).
+AUDIT_SETS = ("wdeny_v4", "wdeny_v6", "audit_v4", "audit_v6")
+STATIC_SETS = (*CORE_SETS, *AUDIT_SETS)
+DYN_SETS = ("dyn_v4", "dyn_v6")
+SETS = (*STATIC_SETS, *DYN_SETS)
 AUDIT_COUNTERS = ("deny", "default")  # which audit rule counted: a user deny prefix, or no allow
 AUDIT_LOG_PREFIX = "egressd would-deny "
 DYN_TIMEOUT_S = 360
@@ -593,11 +595,17 @@ def _sandbox_input(s: _Script, cfg: TableConfig) -> None:
     s.rule(c, REFUSE)
 
 
-def subject_rules(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
-    """The subject's fixed rules, added once when its chains are first created.
+def subject_sets(*, audit: bool) -> tuple[str, ...]:
+    """The kinds of set a subject has: the audit sets only once :func:`audit_objects` made them."""
+    return (*CORE_SETS, *(AUDIT_SETS if audit else ()), *DYN_SETS)
 
-    ``subj_<id>``: deny sets drop. ``mark_<id>``: allow and dyn sets mark 0x2, then the audit
-    rules (which match nothing while ``wdeny`` and ``audit`` are empty).
+
+def subject_rules(cfg: TableConfig, nft_id: str, *, audit: bool = False) -> NetlinkBatch:
+    """The subject's fixed rules, added once when its chains are first created (the audit
+    rules with its audit objects, :func:`audit_objects`).
+
+    ``subj_<id>``: deny sets drop. ``mark_<id>``: allow and dyn sets mark 0x2, then (``audit``)
+    the audit rules, which match nothing while ``wdeny`` and ``audit`` are empty.
     ``subj_<id>_in`` (MITM): IN(drop) of §8.2 on the conntrack original destination; the
     intercepted path is never audited, so ``wdeny`` drops there like ``deny``.
     """
@@ -607,15 +615,25 @@ def subject_rules(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
         ops.append(
             AddRule(n.chain, MatchRule(fam, n.set(f"deny_{fam}"), RuleAction.DROP, drop_chain=DENIED_CHAIN))
         )
+    ops += _mark_rules(n, audit=audit)
+    if cfg.mitm:
+        ops += _in_rules(n, audit=audit)
+    return NetlinkBatch(cfg.table, tuple(ops))
+
+
+def _mark_rules(n: Names, *, audit: bool) -> list[Op]:
+    ops: list[Op] = []
     for kind in ("allow", "dyn"):
         for fam in ("v4", "v6"):
             ops.append(AddRule(n.mark_chain, MatchRule(fam, n.set(f"{kind}_{fam}"), RuleAction.MARK)))
+    if not audit:
+        return ops
     # A user-denied prefix is logged even inside an allowed one (deny beats allow, as enforced).
     for fam in ("v4", "v6"):
-        audit = AuditRule(fam, n.set(f"wdeny_{fam}"), n.set(f"deny_{fam}"), n.log_prefix, n.counter("deny"))
-        ops.append(AddRule(n.mark_chain, audit))
+        rule = AuditRule(fam, n.set(f"wdeny_{fam}"), n.set(f"deny_{fam}"), n.log_prefix, n.counter("deny"))
+        ops.append(AddRule(n.mark_chain, rule))
     for fam in ("v4", "v6"):
-        audit = AuditRule(
+        rule = AuditRule(
             fam,
             n.set(f"audit_{fam}"),
             n.set(f"deny_{fam}"),
@@ -623,27 +641,48 @@ def subject_rules(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
             n.counter("default"),
             unmarked_only=True,
         )
-        ops.append(AddRule(n.mark_chain, audit))
+        ops.append(AddRule(n.mark_chain, rule))
+    return ops
+
+
+def _in_rules(n: Names, *, audit: bool) -> list[Op]:
+    in_rules = (
+        ("deny", RuleAction.DROP),
+        *((("wdeny", RuleAction.DROP),) if audit else ()),
+        ("dyn", RuleAction.ACCEPT),
+        ("allow", RuleAction.ACCEPT),
+    )
+    ops: list[Op] = []
+    for kind, outcome in in_rules:
+        via = DENIED_CHAIN if outcome is RuleAction.DROP else ""
+        for fam in ("v4", "v6"):
+            rule = MatchRule(fam, n.set(f"{kind}_{fam}"), outcome, ct_original=True, drop_chain=via)
+            ops.append(AddRule(n.in_chain, rule))
+    ops.append(AddRule(n.in_chain, VerdictRule(RuleAction.DROP, drop_chain=DENIED_CHAIN)))
+    return ops
+
+
+def audit_objects(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
+    """Audit mode's objects for a subject that has none yet, for the caller's transaction: the
+    ``wdeny`` and ``audit`` sets (empty), and ``mark_<id>`` (and ``subj_<id>_in``) rebuilt with
+    the rules that read them. The chains are emptied and refilled in the same atomic batch, so
+    no packet ever meets a chain without its allow/deny rules; the sets are declared (a no-op
+    when present) before any rule names them."""
+    n = Names(nft_id)
+    ops: list[Op] = [AddSet(n.set(kind), kind[-2:], "interval") for kind in AUDIT_SETS]
+    ops.append(FlushChain(n.mark_chain))
+    ops += _mark_rules(n, audit=True)
     if cfg.mitm:
-        in_rules = (
-            ("deny", RuleAction.DROP),
-            ("wdeny", RuleAction.DROP),
-            ("dyn", RuleAction.ACCEPT),
-            ("allow", RuleAction.ACCEPT),
-        )
-        for kind, outcome in in_rules:
-            via = DENIED_CHAIN if outcome is RuleAction.DROP else ""
-            for fam in ("v4", "v6"):
-                rule = MatchRule(fam, n.set(f"{kind}_{fam}"), outcome, ct_original=True, drop_chain=via)
-                ops.append(AddRule(n.in_chain, rule))
-        ops.append(AddRule(n.in_chain, VerdictRule(RuleAction.DROP, drop_chain=DENIED_CHAIN)))
+        ops.append(FlushChain(n.in_chain))
+        ops += _in_rules(n, audit=True)
     return NetlinkBatch(cfg.table, tuple(ops))
 
 
-def rules_per_subject(cfg: TableConfig) -> int:
-    """How many rules one installed subject adds to the table: its fixed rules, counted from
-    :func:`subject_rules` itself so the metric can never drift from what is installed."""
-    return len(subject_rules(cfg, "0").ops)
+def rules_per_subject(cfg: TableConfig, *, audit: bool = False) -> int:
+    """How many rules one installed subject adds to the table: its fixed rules (with the audit
+    rules once it has them), counted from :func:`subject_rules` itself so the metric can never
+    drift from what is installed."""
+    return len(subject_rules(cfg, "0", audit=audit).ops)
 
 
 def subject_keys(cfg: TableConfig, subj: SubjectNft) -> NetlinkBatch:
@@ -683,10 +722,12 @@ def subject_chains(cfg: TableConfig, nft_id: str) -> list[str]:
     return [n.chain, n.mark_chain] + ([n.in_chain] if cfg.mitm else [])
 
 
-def subject_objects(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
-    """Declare the subject's sets, chains and counters (each a no-op when it exists)."""
+def subject_objects(cfg: TableConfig, nft_id: str, *, audit: bool = False) -> NetlinkBatch:
+    """Declare the subject's sets, chains and counters (each a no-op when it exists); the
+    audit sets only with ``audit``."""
     n = Names(nft_id)
-    ops: list[Op] = [AddSet(n.set(kind), kind[-2:], "interval") for kind in STATIC_SETS]
+    kinds = CORE_SETS + (AUDIT_SETS if audit else ())
+    ops: list[Op] = [AddSet(n.set(kind), kind[-2:], "interval") for kind in kinds]
     ops += [
         AddSet(n.set(f"dyn_{fam}"), fam, "timeout", DYN_TIMEOUT_S, size=cfg.max_leases)
         for fam in ("v4", "v6")
@@ -698,15 +739,17 @@ def subject_objects(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
 
 
 def subject_resync(
-    cfg: TableConfig, nft_id: str, keys: Iterable[SubjectNft], contents: NetlinkBatch
+    cfg: TableConfig, nft_id: str, keys: Iterable[SubjectNft], contents: NetlinkBatch, *, audit: bool
 ) -> NetlinkBatch:
     """Make the kernel hold exactly one state of a subject whichever of two states it holds
     now (after a transaction whose answer never came): every object declared (no-op when
     present), its chains emptied and given their fixed rules once, ``contents`` (flushes and
     refills of all its sets), and every one of ``keys``. Each part succeeds on both states,
-    so the caller's own operations can follow in the same transaction."""
+    so the caller's own operations can follow in the same transaction. ``audit``: either state
+    may have the audit objects; both then end with them."""
     ops: list[Op] = [FlushChain(c) for c in subject_chains(cfg, nft_id)]
-    out = subject_objects(cfg, nft_id) + NetlinkBatch(cfg.table, tuple(ops)) + subject_rules(cfg, nft_id)
+    out = subject_objects(cfg, nft_id, audit=audit) + NetlinkBatch(cfg.table, tuple(ops))
+    out = out + subject_rules(cfg, nft_id, audit=audit)
     out = out + contents
     for subj in keys:
         out = out + subject_keys(cfg, subj)
@@ -723,7 +766,7 @@ def subject_objects_script(cfg: TableConfig, subj: SubjectNft) -> str:
         raise ValueError("gateway and sandbox ip are of different address families")
     s = _Script(cfg.table)
     n = Names(subj.nft_id)
-    for kind in STATIC_SETS:
+    for kind in CORE_SETS:
         s.obj("add", "set", _set_decl(n.set(kind), kind[-2:], "interval"))
     for fam in ("v4", "v6"):
         s.obj(
@@ -746,10 +789,12 @@ def subject_objects_script(cfg: TableConfig, subj: SubjectNft) -> str:
     return s.text()
 
 
-def flush_subject_sets(table: str, nft_id: str) -> NetlinkBatch:
-    """Deny-first content: all six sets empty (leases included, so a rebind never keeps them)."""
+def flush_subject_sets(table: str, nft_id: str, *, audit: bool) -> NetlinkBatch:
+    """Deny-first content: every set of the subject empty (leases included, so a rebind never
+    keeps them); ``audit``: it has the audit sets, which must be emptied too (``audit`` holds
+    0.0.0.0/0 while auditing)."""
     n = Names(nft_id)
-    return NetlinkBatch(table, tuple(FlushSet(n.set(kind)) for kind in SETS))
+    return NetlinkBatch(table, tuple(FlushSet(n.set(kind)) for kind in subject_sets(audit=audit)))
 
 
 def dispatch_entries(cfg: TableConfig, subj: SubjectNft) -> str:
@@ -801,12 +846,24 @@ def policy_contents(effective: NetworkPolicy) -> dict[str, tuple[IPNetwork, ...]
     }
 
 
-def policy_swap(table: str, nft_id: str, effective: NetworkPolicy) -> NetlinkBatch:
-    """§8.3 as one atomic batch: each static set flushed and refilled; dyn sets untouched."""
+def policy_swap(
+    table: str, nft_id: str, effective: NetworkPolicy, *, audit_objects: bool, known_empty: bool = False
+) -> NetlinkBatch:
+    """§8.3 as one atomic batch: each static set flushed and refilled; dyn sets untouched.
+
+    ``audit_objects``: the subject has the audit sets (an audit policy needs them: raises
+    ValueError without). ``known_empty``: every static set is empty (deny-first content, the
+    registry's ``applied`` None), so the flushes are left out: each is one more set-name
+    lookup, a walk of the table's list of sets in the kernel."""
+    if effective.audit and not audit_objects:
+        raise ValueError("an audit policy needs the subject's audit objects")
     n = Names(nft_id)
     ops: list[Op] = []
     for kind, nets in policy_contents(effective).items():
-        ops.append(FlushSet(n.set(kind)))
+        if kind in AUDIT_SETS and not audit_objects:
+            continue  # empty for a policy that does not audit, and absent
+        if not known_empty:
+            ops.append(FlushSet(n.set(kind)))
         if nets:
             ops.append(AddIntervals(n.set(kind), kind[-2:], nets))
     return NetlinkBatch(table, tuple(ops))
@@ -837,6 +894,7 @@ def removal_batch(
     ip: IPAddress | None,
     *,
     release_gateway: IPAddress | None,
+    audit: bool,
 ) -> NetlinkBatch:
     """§8.5 without the rebuild: one atomic batch dropping exactly this subject's objects.
 
@@ -848,7 +906,7 @@ def removal_batch(
     if ip is not None:
         ops += dispatch_deletes(cfg, ip, release_gateway=release_gateway)
     ops += [DeleteChain(c) for c in subject_chains(cfg, nft_id)]
-    ops += [DeleteSet(n.set(kind)) for kind in SETS]
+    ops += [DeleteSet(n.set(kind)) for kind in subject_sets(audit=audit)]
     ops += [DeleteCounter(n.counter(kind)) for kind in AUDIT_COUNTERS]
     ops.append(DeleteCounter(n.dropped_counter))
     return NetlinkBatch(cfg.table, tuple(ops))
@@ -1058,7 +1116,8 @@ def _uid_local_mitm(s: _Script, cfg: TableConfig) -> None:
         for fam, entries in _split_doh(cfg.doh_blocklist).items():
             if entries:
                 s.rule(
-                    c, f"{mitm} ct original {l3_of(fam)} daddr @{doh_set(fam)} ct original proto-dst 443 {UID_REFUSE}"
+                    c,
+                    f"{mitm} ct original {l3_of(fam)} daddr @{doh_set(fam)} ct original proto-dst 443 {UID_REFUSE}",
                 )
     for fam in ("v4", "v6"):
         s.rule(c, f"{mitm} ct original {l3_of(fam)} daddr @{sandbox_set(fam)} {UID_REFUSE}")

@@ -74,6 +74,9 @@ class KernelView:
     unsure: bool = False
     # (host uid, slot) pairs in the uid maps (host-uid subjects), like ``keys``.
     uid_keys: frozenset[tuple[int, int]] = frozenset()
+    # The audit sets and rules exist (made by the subject's first audit policy, kept until
+    # its removal); when ``unsure``, either state may have them.
+    audit: bool = False
 
 
 @dataclass(frozen=True, slots=True)

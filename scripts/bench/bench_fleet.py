@@ -67,7 +67,6 @@ def ms(xs: list[float]) -> dict[str, float]:
 # ---- (a) (b) (c): through the daemon ------------------------------------------------------------
 
 
-
 def subject_objects(cfg: nb.TableConfig, s: nb.SubjectNft) -> str:
     """The libnftables path's objects plus what the netlink path adds to a subject: its drop
     counter and the counter-map key (docs/behaviour.md §15), so removals find them."""
@@ -78,6 +77,7 @@ def subject_objects(cfg: nb.TableConfig, s: nb.SubjectNft) -> str:
         + f"add counter inet {cfg.table} {n.dropped_counter}\n"
         + f'add element inet {cfg.table} {nb.drop_counter_map(fam)} {{ {s.ip} : "{n.dropped_counter}" }}\n'
     )
+
 
 class FleetRun:
     def __init__(self, h: c.Http) -> None:
@@ -331,14 +331,14 @@ class DirectRun:
                 batch = (
                     batch
                     + nb.subject_rules(self.cfg, self.bg(i).nft_id)
-                    + nb.policy_swap(DIRECT_TABLE, self.bg(i).nft_id, self.pol(i, 0))
+                    + nb.policy_swap(DIRECT_TABLE, self.bg(i).nft_id, self.pol(i, 0), audit_objects=False)
                 )
             self.netlink(batch)
         return time.perf_counter() - t0
 
     def swap(self, method: str, i: int) -> float:
         self.variant += 1
-        b = nb.policy_swap(DIRECT_TABLE, self.bg(i).nft_id, self.pol(i, self.variant))
+        b = nb.policy_swap(DIRECT_TABLE, self.bg(i).nft_id, self.pol(i, self.variant), audit_objects=False)
         return self.apply(method, b, b.describe())
 
     def check_swaps(self, size: int) -> None:
@@ -372,7 +372,7 @@ class DirectRun:
         """Untimed: the table keeps its size."""
         batch = NetlinkBatch(DIRECT_TABLE)
         for s in created:
-            batch = batch + nb.removal_batch(self.cfg, s.nft_id, s.ip, release_gateway=None)
+            batch = batch + nb.removal_batch(self.cfg, s.nft_id, s.ip, release_gateway=None, audit=False)
         self.netlink(batch)
         time.sleep(0.01)  # the kernel's deferred clean-up of the deleted objects
 

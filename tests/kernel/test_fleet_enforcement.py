@@ -205,18 +205,19 @@ def test_nft_failure_leaves_subject_denying_and_retry_converges(topo: Topology, 
 
 def test_failed_activation_keeps_pending_and_retry_succeeds(topo: Topology, daemon: Daemon) -> None:
     bind(daemon, 1, allow_ips(UP_A))
-    # Sabotage for a real kernel refusal: take away the v6 allow set (and the one rule that
-    # references it), so the activation's content swap names a set that does not exist.
-    rule = "ip6 daddr @subj_s_sb1_allow_v6 meta mark set 0x00000002"
+    # Sabotage for a real kernel refusal: take away the v4 allow set (and the one rule that
+    # references it), so the activation's fill (adds only: deny-first sets are empty) names a
+    # set that does not exist.
+    rule = "ip daddr @subj_s_sb1_allow_v4 meta mark set 0x00000002"
     handle = _rule_handle(daemon, "mark_s_sb1", rule)
     daemon.nft("delete", "rule", "inet", daemon.table, "mark_s_sb1", "handle", handle)
-    daemon.nft("delete", "set", "inet", daemon.table, "subj_s_sb1_allow_v6")
+    daemon.nft("delete", "set", "inet", daemon.table, "subj_s_sb1_allow_v4")
     code, body = daemon.post(envelope("LIFECYCLE_HOOK", "sb1", hook=DPR))
     assert code == 500, body
     assert not topo.reaches(1, UP_A)
     # Repair, then the retried hook activates the same (kept) pending policy.
     daemon.nft(
-        "add", "set", "inet", daemon.table, "subj_s_sb1_allow_v6", "{ type ipv6_addr; flags interval; }"
+        "add", "set", "inet", daemon.table, "subj_s_sb1_allow_v4", "{ type ipv4_addr; flags interval; }"
     )
     daemon.nft("add", "rule", "inet", daemon.table, "mark_s_sb1", *rule.split())
     activate(daemon, "sb1")

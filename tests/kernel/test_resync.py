@@ -23,7 +23,7 @@ _SCRIPT = textwrap.dedent(
     """
     import ipaddress, subprocess, sys
     from egressd.fleetnft.builder import (
-        SubjectNft, TableConfig, dispatch_deletes, flush_subject_sets, gateway_release,
+        SubjectNft, TableConfig, audit_objects, dispatch_deletes, flush_subject_sets, gateway_release,
         header_script, policy_swap, removal_batch, subject_create, subject_keys, subject_resync,
     )
     from egressd.kernel.netlink import NfTablesSocket
@@ -47,23 +47,38 @@ _SCRIPT = textwrap.dedent(
                              check=True).stdout
         return out
 
-    def resync(applied):
-        contents = flush_subject_sets("T", "s_u_1") if applied is None else policy_swap("T", "s_u_1", applied)
-        return subject_resync(cfg, "s_u_1", [subj], contents)
+    def resync(applied, audit=False):
+        if applied is None:
+            contents = flush_subject_sets("T", "s_u_1", audit=audit)
+        else:
+            contents = policy_swap("T", "s_u_1", applied, audit_objects=audit)
+        return subject_resync(cfg, "s_u_1", [subj], contents, audit=audit)
+
+    def swap(p, audit=False):
+        return policy_swap("T", "s_u_1", p, audit_objects=audit)
 
     if case == "create":
         # A first install went unanswered: nothing, or the whole deny-first subject.
         states = [NetlinkBatch("T"), subject_create(cfg, subj)]
-        step = resync(None) + flush_subject_sets("T", "s_u_1") + subject_keys(cfg, subj)
+        step = resync(None) + flush_subject_sets("T", "s_u_1", audit=False) + subject_keys(cfg, subj)
     elif case == "apply":
         # An activation went unanswered: deny-first content, or the policy's.
-        states = [subject_create(cfg, subj), subject_create(cfg, subj) + policy_swap("T", "s_u_1", policy)]
-        step = resync(None) + policy_swap("T", "s_u_1", policy)
+        states = [subject_create(cfg, subj), subject_create(cfg, subj) + swap(policy)]
+        step = resync(None) + swap(policy)
+    elif case == "audit":
+        # A subject's first audit policy went unanswered: no audit objects, or them and the
+        # audit content. The re-sync leaves both with the audit objects.
+        audited = parse_policy(
+            '{"defaultAction":"deny","mode":"audit","egress":[{"action":"deny","target":"9.9.9.9"}]}'
+        )
+        before = subject_create(cfg, subj) + swap(policy)
+        states = [before, before + audit_objects(cfg, "s_u_1") + swap(audited, True)]
+        step = resync(policy, True) + swap(audited, True)
     else:
         # A removal went unanswered: the active subject, or nothing.
-        states = [subject_create(cfg, subj) + policy_swap("T", "s_u_1", policy), NetlinkBatch("T")]
+        states = [subject_create(cfg, subj) + swap(policy), NetlinkBatch("T")]
         removal = dispatch_deletes(cfg, subj.ip, release_gateway=None) + [gateway_release(subj.gateway)]
-        removal += removal_batch(cfg, "s_u_1", None, release_gateway=None).ops
+        removal += removal_batch(cfg, "s_u_1", None, release_gateway=None, audit=False).ops
         step = resync(policy) + NetlinkBatch("T", tuple(removal))
     for state in states:
         reset()
@@ -86,7 +101,7 @@ def scratch() -> Iterator[str]:
 
 
 @pytest.mark.parametrize("mitm", ["plain", "mitm"])
-@pytest.mark.parametrize("case", ["create", "apply", "remove"])
+@pytest.mark.parametrize("case", ["create", "apply", "audit", "remove"])
 def test_the_resync_batch_converges_from_both_states(scratch: str, case: str, mitm: str) -> None:
     r = subprocess.run(
         ["ip", "netns", "exec", scratch, sys.executable, "-c", _SCRIPT, mitm, case],
@@ -103,3 +118,6 @@ def test_the_resync_batch_converges_from_both_states(scratch: str, case: str, mi
         # The fixed rules exactly once, whichever state the batch started from.
         assert first.count("@subj_s_u_1_deny_v4 goto denied") == (2 if mitm == "mitm" else 1)
         assert "10.0.0.5 : jump subj_s_u_1" in first
+        # The audit sets and rules only where an audit policy made them, then exactly once.
+        assert first.count("log prefix") == (4 if case == "audit" else 0)
+        assert ("subj_s_u_1_wdeny_v4" in first) is (case == "audit")

@@ -20,7 +20,7 @@ _SCRIPT = textwrap.dedent(
     """
     import ipaddress, subprocess, sys
     from egressd.fleetnft.builder import (
-        SubjectNft, TableConfig, UidSubjectNft, flush_subject_sets, header_script, policy_swap,
+        SubjectNft, TableConfig, UidSubjectNft, audit_objects, flush_subject_sets, header_script, policy_swap,
         removal_batch, subject_create, uid_audit_ops, uid_key_deletes, uid_subject_create,
         uid_subject_keys,
     )
@@ -47,15 +47,19 @@ _SCRIPT = textwrap.dedent(
     # Re-running the keys is a no-op (a retried deny-first), so is "not in uid_audit" twice.
     sock.run(uid_subject_keys(cfg, a) + NetlinkBatch("T", tuple(uid_audit_ops(100001, audit=False))))
     # Activation into audit mode: the set swap and the audit membership in one transaction.
-    sock.run(policy_swap("T", "s_a", audit) + NetlinkBatch("T", tuple(uid_audit_ops(100001, audit=True))))
+    sock.run(
+        audit_objects(cfg, "s_a") + policy_swap("T", "s_a", audit, audit_objects=True, known_empty=True)
+        + NetlinkBatch("T", tuple(uid_audit_ops(100001, audit=True)))
+    )
     print(listing())
     print("=====")
     # Back to deny-first, then removal of both uid subjects (the network one stays).
-    sock.run(flush_subject_sets("T", "s_a") + NetlinkBatch("T", tuple(uid_audit_ops(100001, audit=False))))
+    sock.run(flush_subject_sets("T", "s_a", audit=True) + NetlinkBatch("T", tuple(uid_audit_ops(100001, audit=False))))
     print(listing())
     print("=====")
     for s in (a, b):
-        ops = uid_key_deletes(cfg, s.host_uid, s.slot) + list(removal_batch(cfg, s.nft_id, None, release_gateway=None).ops)
+        gone = removal_batch(cfg, s.nft_id, None, release_gateway=None, audit=s is a)
+        ops = uid_key_deletes(cfg, s.host_uid, s.slot) + list(gone.ops)
         sock.run(NetlinkBatch("T", tuple(ops)))
     print(listing())
     print("=====")

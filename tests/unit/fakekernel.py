@@ -65,6 +65,7 @@ from egressd.kernel.ops import (
     DeleteElement,
     DeleteSet,
     DeleteUid,
+    FlushChain,
     FlushSet,
     NetlinkBatch,
 )
@@ -702,6 +703,11 @@ class TextModel:
             raise _err("Device or resource busy")
         del self.chains[op.name]  # with its rules
 
+    def _flush_chain(self, op: FlushChain) -> None:
+        if op.name not in self.chains:
+            raise _err("No such file or directory")
+        self.chains[op.name] = []
+
     def _delete_set(self, op: DeleteSet) -> None:
         self._need(op.name)
         if any(op.name in re.findall(r"@(\w+)", r) for rules in self.chains.values() for r in rules):
@@ -767,6 +773,7 @@ _BATCH_OPS: dict[type, Callable[[TextModel, Any], None]] = {
     AddElements: TextModel._add_elements,
     AddRule: TextModel._add_rule,
     FlushSet: TextModel._flush_set,
+    FlushChain: TextModel._flush_chain,
     AddIntervals: TextModel._add_keys,
     AddTimed: TextModel._add_keys,
     AddUidJump: TextModel._add_uid_jump,

@@ -25,7 +25,7 @@ import egressd.actionhandler.control as control_mod
 from egressd.actionhandler.api import Result
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
-from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.builder import TableConfig, subject_sets
 from egressd.kernel.applier import NftError
 from egressd.kernel.ops import (
     AddIntervals,
@@ -168,32 +168,40 @@ def subj_rules(nid: str = "s_u_1") -> list[str]:
     return [f"ip daddr @subj_{nid}_deny_v4 goto denied", f"ip6 daddr @subj_{nid}_deny_v6 goto denied"]
 
 
-def mark_rules(nid: str = "s_u_1") -> list[str]:
+def mark_rules(nid: str = "s_u_1", *, audit: bool = False) -> list[str]:
+    """``mark_<id>``'s rules; the audit rules only once an audit policy made them."""
     log = f'log prefix "egressd would-deny {nid} "'
     unmarked = "meta mark & 0x00000002 != 0x00000002 "
-    return [
+    marks = [
         *(
             f"{l3} daddr @subj_{nid}_{kind}_{fam} meta mark set 0x2"
             for kind in ("allow", "dyn")
             for l3, fam in (("ip", "v4"), ("ip6", "v6"))
         ),
-        *(
-            f"{l3} daddr @subj_{nid}_{kind}_{fam} {l3} daddr != @subj_{nid}_deny_{fam} ct state new "
-            f"{unmarked if kind == 'audit' else ''}{log} "
-            f'counter name "subj_{nid}_audit_{counter}" meta mark set 0x2'
-            for kind, counter in (("wdeny", "deny"), ("audit", "default"))
-            for l3, fam in (("ip", "v4"), ("ip6", "v6"))
-        ),
     ]
+    return (
+        marks
+        if not audit
+        else [
+            *marks,
+            *(
+                f"{l3} daddr @subj_{nid}_{kind}_{fam} {l3} daddr != @subj_{nid}_deny_{fam} ct state new "
+                f"{unmarked if kind == 'audit' else ''}{log} "
+                f'counter name "subj_{nid}_audit_{counter}" meta mark set 0x2'
+                for kind, counter in (("wdeny", "deny"), ("audit", "default"))
+                for l3, fam in (("ip", "v4"), ("ip6", "v6"))
+            ),
+        ]
+    )
 
 
-def in_rules(nid: str = "s_u_1") -> list[str]:
+def in_rules(nid: str = "s_u_1", *, audit: bool = False) -> list[str]:
     return [
         *(
             f"ct original {l3} daddr @subj_{nid}_{kind}_{fam} {verdict}"
             for kind, verdict in (
                 ("deny", "goto denied"),
-                ("wdeny", "goto denied"),
+                *((("wdeny", "goto denied"),) if audit else ()),
                 ("dyn", "accept"),
                 ("allow", "accept"),
             )
@@ -213,7 +221,7 @@ def assert_fixed_rules(kernel: TextKernel, nid: str = "s_u_1", *, mitm: bool = F
 def assert_deny_first_installed(
     kernel: TextKernel, nid: str = "s_u_1", ip: str = "10.0.0.5", *, mitm: bool = False
 ) -> None:
-    """Deny-first = the fixed rules with all six sets empty (nothing marked: all dropped)."""
+    """Deny-first = the fixed rules with all sets empty (nothing marked: all dropped)."""
     assert_fixed_rules(kernel, nid, mitm=mitm)
     for kind in SET_KINDS:
         assert kernel.elements(f"subj_{nid}_{kind}") == {}
@@ -807,7 +815,7 @@ def _applies_after_deny_first(calls: Iterable[Call], nid: str) -> int:
             and f"add rule inet T subj_{nid} ip daddr @subj_{nid}_deny_v4 goto denied" in text
         ):
             installed = True  # objects and fixed rules are in
-        if c.op == "static_apply" and f"flush set inet T subj_{nid}_allow_v4" in text:
+        if c.op == "static_apply" and any(f"subj_{nid}_allow_v4" in ln for ln in text):
             assert installed, "policy applied before any deny-first transaction"
             applied += 1
     return applied
@@ -1107,8 +1115,9 @@ async def test_revert_flushes_the_sets_before_any_key_points_at_them(
     calls = kernel.since(before)
     assert [(c.kind, c.op) for c in calls] == [("batch", "deny_first")]
     text = calls[0].text.splitlines()
-    n = len(SET_KINDS)
-    assert text[:n] == [f"flush set inet T subj_s_u_1_{k}" for k in SET_KINDS]
+    kinds = subject_sets(audit=False)  # it never audited: no audit sets to flush
+    n = len(kinds)
+    assert text[:n] == [f"flush set inet T subj_s_u_1_{k}" for k in kinds]
     assert all(ln.startswith("add element") for ln in text[n:])
     assert "add rule" not in calls[0].text
     assert_deny_first_installed(kernel)
@@ -1176,3 +1185,80 @@ async def test_a_new_subject_and_a_new_address_cut_flows_a_previous_process_allo
     ok(await control.handle(set_binding(policy=POLICY_B, ip="10.0.0.6", gen=3)))
     assert cut[1:] == ["10.0.0.5", "10.0.0.6"], "re-key: the old address and the new one"
     assert entry(control).state is State.ACTIVE
+
+
+# --------------------------------------------------------------------------- lazy audit objects
+
+AUDITING = '{"defaultAction":"deny","mode":"audit","egress":[{"action":"deny","target":"9.9.9.0/24"}]}'
+AUDIT_KINDS = ("wdeny_v4", "wdeny_v6", "audit_v4", "audit_v6")
+
+
+@pytest.mark.parametrize("mitm", [False, True])
+async def test_a_subject_that_never_audits_has_no_audit_objects(mitm: bool) -> None:
+    kernel = text_kernel(TABLE)
+    control = await make_control(kernel, mitm=mitm)
+    await activate(control)
+    names = set(kernel.table.set_names())
+    assert {f"subj_s_u_1_{k}" for k in subject_sets(audit=False)} <= names
+    assert not {f"subj_s_u_1_{k}" for k in AUDIT_KINDS} & names
+    assert_fixed_rules(kernel, mitm=mitm)
+
+
+@pytest.mark.parametrize("mitm", [False, True])
+async def test_the_first_audit_policy_adds_the_audit_objects_in_its_own_transaction(mitm: bool) -> None:
+    kernel = text_kernel(TABLE)
+    control = await make_control(kernel, mitm=mitm)
+    await activate(control)
+    before = kernel.mark()
+    ok(await control.handle(set_binding(policy=AUDITING, gen=2)))
+    calls = kernel.since(before)
+    assert [(c.kind, c.op) for c in calls] == [("batch", "static_apply")]  # atomic with the swap
+    assert kernel.elements("subj_s_u_1_audit_v4") == {"0.0.0.0/0": ""}
+    assert kernel.elements("subj_s_u_1_wdeny_v4") == {"9.9.9.0/24": ""}
+    # The chains were rebuilt, not appended to: every rule exactly once, wdeny before the accepts.
+    assert kernel.rules("subj_s_u_1") == subj_rules()
+    assert kernel.rules("mark_s_u_1") == mark_rules(audit=True)
+    assert kernel.rules("subj_s_u_1_in") == (in_rules(audit=True) if mitm else [])
+    assert entry(control).state is State.ACTIVE
+    # A second audit policy is a content swap only.
+    before = kernel.mark()
+    ok(await control.handle(set_binding(policy=AUDITING.replace("9.9.9.0", "9.9.8.0"), gen=3)))
+    assert "add rule" not in kernel.since(before)[0].text
+
+
+async def test_leaving_audit_mode_empties_the_audit_sets(control: ControlPlane, kernel: TextKernel) -> None:
+    """``audit`` holds 0.0.0.0/0 while auditing: a revert or an enforcing policy that left it
+    would let everything through the audit rules."""
+    await activate(control, policy=AUDITING)
+    ok(await control.handle(set_binding(policy=POLICY_A, gen=2)))  # enforcing again, in place
+    assert all(kernel.elements(f"subj_s_u_1_{k}") == {} for k in AUDIT_KINDS)
+    ok(await control.handle(set_binding(policy=AUDITING, gen=3)))
+    assert kernel.elements("subj_s_u_1_audit_v4") == {"0.0.0.0/0": ""}
+    ok(await control.handle(set_binding(policy=None, gen=4)))  # revert to deny-first
+    for kind in (*AUDIT_KINDS, "allow_v4", "deny_v4"):
+        assert kernel.elements(f"subj_s_u_1_{kind}") == {}, kind
+    assert kernel.rules("mark_s_u_1") == mark_rules(audit=True)  # kept until removal
+
+
+@pytest.mark.parametrize("audited", [False, True])
+async def test_removal_deletes_exactly_the_sets_the_subject_has(
+    control: ControlPlane, kernel: TextKernel, audited: bool
+) -> None:
+    await activate(control, policy=AUDITING if audited else POLICY_A)
+    ok(await control.handle(remove()))
+    assert not [n for n in kernel.table.set_names() if n.startswith("subj_s_u_1")]
+    assert not [c for c in kernel.table.chain_names() if "s_u_1" in c]
+
+
+async def test_the_first_policy_fills_the_empty_sets_without_flushing(
+    control: ControlPlane, kernel: TextKernel
+) -> None:
+    """Every flush is one more set-name lookup in the kernel; deny-first sets are empty."""
+    ok(await control.handle(set_binding()))
+    before = kernel.mark()
+    ok(await control.handle(hook()))
+    (first,) = kernel.since(before)
+    assert "flush" not in first.text and "subj_s_u_1_allow_v4" in first.text
+    before = kernel.mark()
+    ok(await control.handle(set_binding(policy=POLICY_A, gen=2)))  # in place: flush and refill
+    assert "flush set inet T subj_s_u_1_allow_v4" in kernel.since(before)[0].text

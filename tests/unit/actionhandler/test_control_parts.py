@@ -144,10 +144,13 @@ def test_subject_set_names_one_of_the_subjects_sets() -> None:
     assert subject_set("s_u_1", "deny", "v4") in names and subject_set("s_u_1", "allow", "v6") in names
 
 
-@pytest.mark.parametrize(("mitm", "rules"), [(False, 10), (True, 19)])
-async def test_the_rules_gauge_counts_each_installed_subjects_fixed_rules(mitm: bool, rules: int) -> None:
+@pytest.mark.parametrize(("mitm", "rules", "audit_rules"), [(False, 6, 10), (True, 13, 19)])
+async def test_the_rules_gauge_counts_each_installed_subjects_fixed_rules(
+    mitm: bool, rules: int, audit_rules: int
+) -> None:
     cfg = TableConfig(table=TABLE, dns_port=15353, mitm=mitm)
     assert rules_per_subject(cfg) == len(subject_rules(cfg, "x").ops) == rules
+    assert rules_per_subject(cfg, audit=True) == len(subject_rules(cfg, "x", audit=True).ops) == audit_rules
     control = await make(FakeTx(), mitm=mitm)
     assert control.report.rules_count() == {(): 0.0}
     await activate(control, "u-1", "10.0.0.5", ONLY_8)

@@ -19,6 +19,7 @@ from egressd.fleetnft.builder import (
     SubjectNft,
     TableConfig,
     audit_counter_subject,
+    audit_objects,
     dispatch_deletes,
     dispatch_entries,
     dyn_add,
@@ -30,16 +31,19 @@ from egressd.fleetnft.builder import (
     removal_batch,
     subject_objects_script,
     subject_rules,
+    subject_sets,
 )
 from egressd.kernel.ops import (
     AddIntervals,
     AddRule,
+    AddSet,
     AddTimed,
     AuditRule,
     DeleteChain,
     DeleteCounter,
     DeleteElement,
     DeleteSet,
+    FlushChain,
     FlushSet,
     MatchRule,
     NetlinkBatch,
@@ -148,7 +152,7 @@ def _matches(rule: MatchRule | AuditRule, contents: Contents, dst: IPAddress) ->
 def forward_path(cfg: TableConfig, contents: Contents, dst: str) -> tuple[str, list[str]]:
     """(verdict, audit counters that counted the flow) for the first packet of a new flow."""
     addr = ip_address(dst)
-    batch = subject_rules(cfg, "s_u_1")
+    batch = subject_rules(cfg, "s_u_1", audit=True)
     marked = False
     counted: list[str] = []
     for op in batch.ops:
@@ -178,7 +182,7 @@ def forward_verdict(cfg: TableConfig, contents: Contents, dst: str) -> str:
 
 def mitm_in_verdict(contents: Contents, dst: str) -> str:
     addr = ip_address(dst)
-    for op in subject_rules(MITM, "s_u_1").ops:
+    for op in subject_rules(MITM, "s_u_1", audit=True).ops:
         assert isinstance(op, AddRule)
         if op.chain != "subj_s_u_1_in":
             continue
@@ -418,9 +422,10 @@ def test_header_doh_blocklist_is_normalised() -> None:
 
 def test_objects_script_declares_the_sets_chains_and_counters() -> None:
     text = lines(subject_objects_script(CFG, SUBJ))
-    for kind in ("allow", "deny", "wdeny", "audit"):
+    for kind in ("allow", "deny"):
         assert f"add set inet {T} subj_s_u_1_{kind}_v4 {{ type ipv4_addr; flags interval; }}" in text
         assert f"add set inet {T} subj_s_u_1_{kind}_v6 {{ type ipv6_addr; flags interval; }}" in text
+    assert not [ln for ln in text if "wdeny" in ln or "audit_v" in ln]  # made by the first audit policy
     assert (
         f"add set inet {T} subj_s_u_1_dyn_v4 {{ type ipv4_addr; flags timeout; timeout 360s; size 4096; }}"
         in text
@@ -435,7 +440,7 @@ def test_objects_script_declares_the_sets_chains_and_counters() -> None:
     assert f"add counter inet {T} subj_s_u_1_audit_deny" in text
     assert f"add counter inet {T} subj_s_u_1_audit_default" in text
     declared = [ln for ln in text if ln.startswith(f"add set inet {T} subj_")]
-    assert len(declared) == 10
+    assert len(declared) == 6
 
 
 def test_objects_script_has_no_rules_no_flushes_no_deletes() -> None:
@@ -457,7 +462,9 @@ def test_objects_script_declarations_come_before_the_dispatch_entries() -> None:
 
 
 def test_subject_rules_are_the_fixed_rule_list() -> None:
-    batch = subject_rules(CFG, "s_u_1")
+    batch = subject_rules(CFG, "s_u_1", audit=True)
+    # Without the audit objects: the same rules less the audit ones.
+    assert subject_rules(CFG, "s_u_1").ops == batch.ops[:6]
     assert batch.table == T
     assert batch.ops == (
         AddRule("subj_s_u_1", MatchRule("v4", "subj_s_u_1_deny_v4", Outcome.DROP, drop_chain="denied")),
@@ -493,14 +500,18 @@ def test_subject_rules_are_the_fixed_rule_list() -> None:
 
 
 def test_subject_rules_mitm_in_chain() -> None:
-    batch = subject_rules(MITM, "s_u_1")
+    batch = subject_rules(MITM, "s_u_1", audit=True)
     assert batch_rules(batch, "subj_s_u_1") == SUBJ_CHAIN_RULES
     assert batch_rules(batch, "mark_s_u_1") == MARK_CHAIN_RULES
     assert batch_rules(batch, "subj_s_u_1_in") == IN_CHAIN_RULES
     in_ops = [op.rule for op in batch.ops if isinstance(op, AddRule) and op.chain == "subj_s_u_1_in"]
     assert all(r.ct_original for r in in_ops if isinstance(r, MatchRule))
     assert in_ops[-1] == VerdictRule(Outcome.DROP, drop_chain="denied")
-    assert batch.ops[: len(subject_rules(CFG, "s_u_1").ops)] == subject_rules(CFG, "s_u_1").ops
+    plain = subject_rules(CFG, "s_u_1", audit=True).ops
+    assert batch.ops[: len(plain)] == plain
+    # Without the audit objects the input path has no wdeny drop, in the same order otherwise.
+    bare = batch_rules(subject_rules(MITM, "s_u_1"), "subj_s_u_1_in")
+    assert bare == [r for r in IN_CHAIN_RULES if "wdeny" not in r]
 
 
 def test_subject_rules_do_not_depend_on_anything_but_the_id() -> None:
@@ -510,7 +521,7 @@ def test_subject_rules_do_not_depend_on_anything_but_the_id() -> None:
 
 
 def test_flush_subject_sets_empties_every_set() -> None:
-    batch = flush_subject_sets(T, "s_u_1")
+    batch = flush_subject_sets(T, "s_u_1", audit=True)
     assert batch == NetlinkBatch(T, tuple(FlushSet(name) for name in SETS6))
     assert batch.describe().splitlines() == [f"flush set inet {T} {name}" for name in SETS6]
 
@@ -588,7 +599,7 @@ NO_AUDIT = {"wdeny_v4": (), "wdeny_v6": (), "audit_v4": (), "audit_v6": ()}
 
 
 def test_policy_swap_for_the_spec_example() -> None:
-    batch = policy_swap(T, "s_u_1", EXAMPLE)
+    batch = policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True)
     assert batch == NetlinkBatch(
         T,
         (
@@ -606,7 +617,7 @@ def test_policy_swap_for_the_spec_example() -> None:
 
 
 def test_policy_swap_describe() -> None:
-    assert policy_swap(T, "s_u_1", EXAMPLE).describe() == (
+    assert policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True).describe() == (
         "flush set inet T subj_s_u_1_allow_v4\n"
         "add element inet T subj_s_u_1_allow_v4 { 8.8.8.8 }\n"
         "flush set inet T subj_s_u_1_allow_v6\n"
@@ -617,7 +628,7 @@ def test_policy_swap_describe() -> None:
 
 
 def test_policy_swap_never_touches_dyn_sets_rules_maps_or_header() -> None:
-    batch = policy_swap(T, "s_u_1", EXAMPLE)
+    batch = policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True)
     touched = {op.name for op in batch.ops if isinstance(op, FlushSet | AddIntervals)}
     assert touched == {f"subj_s_u_1_{k}" for k in SET_KINDS if not k.startswith("dyn")}
     assert all(isinstance(op, FlushSet | AddIntervals) for op in batch.ops)  # no rules, no deletes
@@ -633,10 +644,10 @@ def test_policy_swap_never_touches_dyn_sets_rules_maps_or_header() -> None:
 
 
 def test_policy_swap_empty_sets_get_no_elements() -> None:
-    batch = policy_swap(T, "s_u_1", EXAMPLE)
+    batch = policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True)
     filled = [op.name for op in batch.ops if isinstance(op, AddIntervals)]
     assert filled == ["subj_s_u_1_allow_v4", "subj_s_u_1_deny_v4"]
-    deny_all = policy_swap(T, "s_u_1", parse_policy("{}"))
+    deny_all = policy_swap(T, "s_u_1", parse_policy("{}"), audit_objects=True)
     assert deny_all.ops == tuple(FlushSet(f"subj_s_u_1_{k}") for k in SET_KINDS if not k.startswith("dyn"))
     assert "add element" not in deny_all.describe()
 
@@ -646,13 +657,17 @@ def test_policy_swap_v6_and_cidr_elements() -> None:
         '{"egress":[{"action":"allow","target":"2001:db8::/32"},{"action":"allow","target":"2001:db8::1"},'
         '{"action":"allow","target":"10.99.0.9/24"},{"action":"deny","target":"2001:db8::dead"}]}'
     )
-    adds = {op.name: op for op in policy_swap(T, "s_u_1", pol).ops if isinstance(op, AddIntervals)}
+    adds = {
+        op.name: op
+        for op in policy_swap(T, "s_u_1", pol, audit_objects=True).ops
+        if isinstance(op, AddIntervals)
+    }
     assert adds == {
         "subj_s_u_1_allow_v6": AddIntervals("subj_s_u_1_allow_v6", "v6", (ip_network("2001:db8::/32"),)),
         "subj_s_u_1_allow_v4": AddIntervals("subj_s_u_1_allow_v4", "v4", (ip_network("10.99.0.0/24"),)),
         "subj_s_u_1_deny_v6": AddIntervals("subj_s_u_1_deny_v6", "v6", (ip_network("2001:db8::dead/128"),)),
     }
-    text = policy_swap(T, "s_u_1", pol).describe().splitlines()
+    text = policy_swap(T, "s_u_1", pol, audit_objects=True).describe().splitlines()
     assert f"add element inet {T} subj_s_u_1_allow_v6 {{ 2001:db8::/32 }}" in text
     assert f"add element inet {T} subj_s_u_1_allow_v4 {{ 10.99.0.0/24 }}" in text
     assert f"add element inet {T} subj_s_u_1_deny_v6 {{ 2001:db8::dead }}" in text
@@ -666,7 +681,7 @@ def test_policy_swap_default_allow_fills_the_allow_sets_with_everything() -> Non
         "deny_v6": (),
         **NO_AUDIT,
     }
-    batch = policy_swap(T, "s_u_1", ALLOW_ALL)
+    batch = policy_swap(T, "s_u_1", ALLOW_ALL, audit_objects=True)
     assert batch.ops == (
         FlushSet("subj_s_u_1_allow_v4"),
         AddIntervals("subj_s_u_1_allow_v4", "v4", (ip_network("0.0.0.0/0"),)),
@@ -729,7 +744,7 @@ def test_dyn_leases_are_allowed_but_never_beat_a_deny() -> None:
 
 
 def test_removal_batch_op_order() -> None:
-    batch = removal_batch(CFG, "s_u_1", SUBJ.ip, release_gateway=None)
+    batch = removal_batch(CFG, "s_u_1", SUBJ.ip, release_gateway=None, audit=True)
     assert batch.table == T
     ip = SUBJ.ip
     assert batch.ops == (
@@ -752,7 +767,7 @@ def test_removal_batch_op_order() -> None:
 
 
 def test_removal_batch_releases_the_gateway_with_mitm() -> None:
-    batch = removal_batch(MITM, "s_u_1", SUBJ.ip, release_gateway=SUBJ.gateway)
+    batch = removal_batch(MITM, "s_u_1", SUBJ.ip, release_gateway=SUBJ.gateway, audit=True)
     elements = [(op.name, op.key) for op in batch.ops if isinstance(op, DeleteElement)]
     assert elements == [
         ("marking_v4", SUBJ.ip),
@@ -773,14 +788,17 @@ def test_removal_batch_releases_the_gateway_with_mitm() -> None:
 
 
 def test_removal_batch_without_ip_drops_only_objects() -> None:
-    batch = removal_batch(CFG, "s_u_1", None, release_gateway=None)
+    batch = removal_batch(CFG, "s_u_1", None, release_gateway=None, audit=True)
     assert all(not isinstance(op, DeleteElement) for op in batch.ops)
     assert len(batch.ops) == 2 + len(SET_KINDS) + 3
-    assert len(removal_batch(MITM, "s_u_1", None, release_gateway=None).ops) == 3 + len(SET_KINDS) + 3
+    assert (
+        len(removal_batch(MITM, "s_u_1", None, release_gateway=None, audit=True).ops)
+        == 3 + len(SET_KINDS) + 3
+    )
 
 
 def test_removal_batch_describe() -> None:
-    text = removal_batch(CFG, "s_u_1", SUBJ.ip, release_gateway=SUBJ.gateway).describe()
+    text = removal_batch(CFG, "s_u_1", SUBJ.ip, release_gateway=SUBJ.gateway, audit=True).describe()
     assert text.splitlines() == [
         "delete element inet T marking_v4 { 10.0.0.5 }",
         "delete element inet T dispatch_v4 { 10.0.0.5 }",
@@ -799,7 +817,7 @@ def test_removal_batch_describe() -> None:
 
 
 def test_removal_batch_describe_v6_with_mitm() -> None:
-    text = removal_batch(MITM, "s_u_6", SUBJ6.ip, release_gateway=SUBJ6.gateway).describe()
+    text = removal_batch(MITM, "s_u_6", SUBJ6.ip, release_gateway=SUBJ6.gateway, audit=True).describe()
     assert text.splitlines()[:8] == [
         "delete element inet T marking_v6 { fd00::5 }",
         "delete element inet T dispatch_v6 { fd00::5 }",
@@ -827,7 +845,7 @@ def test_dispatch_deletes_v6_and_gateway_of_other_family() -> None:
 
 def test_netlink_batch_truthiness_and_concatenation() -> None:
     assert not NetlinkBatch(T)
-    flush = flush_subject_sets(T, "s_u_1")
+    flush = flush_subject_sets(T, "s_u_1", audit=True)
     rules = subject_rules(CFG, "s_u_1")
     assert flush
     joined = flush + rules
@@ -938,7 +956,7 @@ def test_audit_never_applies_to_the_mitm_input_path(dst: str) -> None:
 
 def test_audit_rule_log_prefix_fits_the_kernel_limit_for_the_longest_ids() -> None:
     nid = "s_" + "x" * 128
-    rules = [op.rule for op in subject_rules(CFG, nid).ops if isinstance(op, AddRule)]
+    rules = [op.rule for op in subject_rules(CFG, nid, audit=True).ops if isinstance(op, AddRule)]
     audit = [r for r in rules if isinstance(r, AuditRule)]
     assert len(audit) == 4
     assert all(
@@ -948,3 +966,46 @@ def test_audit_rule_log_prefix_fits_the_kernel_limit_for_the_longest_ids() -> No
     assert audit_counter_subject(f"subj_{nid}_audit_default") == (nid, "default")
     assert audit_counter_subject("subj_s_u_1_audit_deny") == ("s_u_1", "deny")
     assert audit_counter_subject("other") is None
+
+
+# --------------------------------------------------------------------------- lazy audit objects
+
+
+def test_audit_objects_declare_the_sets_and_rebuild_the_chains_that_read_them() -> None:
+    for cfg in (CFG, MITM):
+        batch = audit_objects(cfg, "s_u_1")
+        kinds = ("wdeny_v4", "wdeny_v6", "audit_v4", "audit_v6")
+        assert [op for op in batch.ops if isinstance(op, AddSet)] == [
+            AddSet(f"subj_s_u_1_{k}", k[-2:], "interval") for k in kinds
+        ]
+        chains = ["mark_s_u_1"] + (["subj_s_u_1_in"] if cfg.mitm else [])
+        assert [op for op in batch.ops if isinstance(op, FlushChain)] == [FlushChain(c) for c in chains]
+        full = subject_rules(cfg, "s_u_1", audit=True)
+        for chain in chains:
+            # Flushed first, then exactly the chain's audit-mode rules: never appended twice.
+            mine = [op for op in batch.ops if getattr(op, "chain", None) == chain or op == FlushChain(chain)]
+            assert mine[0] == FlushChain(chain)
+            assert batch_rules(NetlinkBatch(T, tuple(mine[1:])), chain) == batch_rules(full, chain)
+        assert not [op for op in batch.ops if getattr(op, "chain", None) == "subj_s_u_1"]
+
+
+def test_policy_swap_without_audit_objects_never_names_an_audit_set() -> None:
+    batch = policy_swap(T, "s_u_1", EXAMPLE, audit_objects=False)
+    assert "wdeny" not in batch.describe() and "audit_v" not in batch.describe()
+    with pytest.raises(ValueError, match="audit objects"):
+        policy_swap(T, "s_u_1", replace(EXAMPLE, audit=True), audit_objects=False)
+
+
+def test_policy_swap_into_known_empty_sets_only_adds() -> None:
+    full = policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True)
+    fill = policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True, known_empty=True)
+    assert fill.ops == tuple(op for op in full.ops if not isinstance(op, FlushSet))
+    assert fill.ops and not any(isinstance(op, FlushSet) for op in fill.ops)
+
+
+def test_removal_deletes_the_audit_sets_only_when_they_exist() -> None:
+    for audit in (False, True):
+        ops = removal_batch(CFG, "s_u_1", None, release_gateway=None, audit=audit).ops
+        deleted = {op.name for op in ops if isinstance(op, DeleteSet)}
+        assert deleted == {f"subj_s_u_1_{k}" for k in subject_sets(audit=audit)}
+        assert ("subj_s_u_1_audit_v4" in deleted) is audit

@@ -131,7 +131,7 @@ def test_the_reject_knob_changes_nothing_but_the_verdict_chain() -> None:
 
 @pytest.mark.parametrize("mitm", [False, True])
 def test_every_subject_refusal_goes_through_the_counting_chain(mitm: bool) -> None:
-    batch = subject_rules(TableConfig(table=T, mitm=mitm), "s_u_1")
+    batch = subject_rules(TableConfig(table=T, mitm=mitm), "s_u_1", audit=True)
     drops = [
         op.rule
         for op in batch.ops
@@ -153,7 +153,7 @@ def test_the_subject_counter_lives_and_dies_with_the_subject() -> None:
     assert subject_keys(cfg, SUBJ6).ops[0] == AddCounterRef("drop_counter_v6", SUBJ6.ip, "subj_s_u_6_dropped")
     # Every way a key goes (re-key, rebind, removal) takes the map element with it.
     assert DeleteElement("drop_counter_v4", SUBJ.ip) in dispatch_deletes(cfg, SUBJ.ip, release_gateway=None)
-    removal = removal_batch(cfg, "s_u_1", SUBJ.ip, release_gateway=None).ops
+    removal = removal_batch(cfg, "s_u_1", SUBJ.ip, release_gateway=None, audit=True).ops
     assert removal.index(DeleteElement("drop_counter_v4", SUBJ.ip)) < removal.index(
         DeleteCounter("subj_s_u_1_dropped")
     )

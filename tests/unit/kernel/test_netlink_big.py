@@ -71,7 +71,7 @@ def _set_name(body: bytes) -> str:
 
 def _cap_policy_batch() -> NetlinkBatch:
     policy = parse_policy(json.dumps(big_policy(4096, first=["10.204.0.2"], last=["fd00:204::9"])))
-    return policy_swap(T, "s_u_1", policy)
+    return policy_swap(T, "s_u_1", policy, audit_objects=False)
 
 
 # ---- the encoder (pure) ------------------------------------------------------------------------
