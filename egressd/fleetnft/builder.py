@@ -1063,6 +1063,12 @@ def _uid_out_chain(s: _Script, cfg: TableConfig) -> None:
     s.rule("output", f"meta skuid {_uid_range(cfg)} jump {UID_OUT_CHAIN}")
     o = UID_OUT_CHAIN
     _uid_exemptions(s, cfg, o)
+    # A sandbox uid answering from one of egressd's listener ports squats it (a worker that is
+    # restarting, a port egressd has not bound yet): it would receive another subject's
+    # redirected DNS or intercepted flows. Its replies never leave, so nothing connects.
+    own_udp, own_tcp = _own_listener_ports(cfg)
+    s.rule(o, f"udp sport {own_udp} {UID_REFUSE}")
+    s.rule(o, f"tcp sport {own_tcp} {UID_REFUSE}")
     s.rule(o, f"fib daddr type local jump {UID_LOCAL_CHAIN}")
     s.rule(o, f"meta mark set meta mark & {~ALLOW_MARK & 0xFFFFFFFF:#010x}")
     s.rule(o, f"tcp dport 853 {UID_REFUSE}")
@@ -1096,13 +1102,21 @@ def _uid_local_chain(s: _Script, cfg: TableConfig) -> None:
         s.rule(c, f"{proto} dport {uids.unknown_dns_port} ct status dnat ct original proto-dst 53 accept")
     if cfg.mitm:
         _uid_local_mitm(s, cfg)
+    own_udp, own_tcp = _own_listener_ports(cfg)
+    s.rule(c, f"udp dport {own_udp} {UID_REFUSE}")
+    s.rule(c, f"tcp dport {own_tcp} {UID_REFUSE}")
+    s.rule(c, "accept")
+
+
+def _own_listener_ports(cfg: TableConfig) -> tuple[str, str]:
+    """egressd's UDP and TCP listener ports (DNS, per-subject DNS, HTTP, every MITM worker and
+    per-subject MITM port), as anonymous nft sets."""
+    dns_lo, dns_hi = cfg.uids.dns_ports
     own_udp = [(cfg.dns_port, cfg.dns_port), (dns_lo, dns_hi)]
     own_tcp = [*own_udp, (cfg.http_port, cfg.http_port)]
     if cfg.mitm:
-        own_tcp += [(cfg.mitm_port, cfg.mitm_port + cfg.mitm_workers - 1), uids.mitm_ports]
-    s.rule(c, f"udp dport {_port_set(own_udp)} {UID_REFUSE}")
-    s.rule(c, f"tcp dport {_port_set(own_tcp)} {UID_REFUSE}")
-    s.rule(c, "accept")
+        own_tcp += [(cfg.mitm_port, cfg.mitm_port + cfg.mitm_workers - 1), cfg.uids.mitm_ports]
+    return _port_set(own_udp), _port_set(own_tcp)
 
 
 def _uid_local_mitm(s: _Script, cfg: TableConfig) -> None:

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -330,6 +331,88 @@ def test_injection_for_the_bound_uid_only(utopo: Topology, uidd: Daemon) -> None
     finally:
         remove(uidd, "ua")
         remove(uidd, "ub")
+
+
+SQUATTER = r"""
+import socket, sys, time
+port = int(sys.argv[1])
+print("trying", flush=True)
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+end = time.monotonic() + 10
+while True:
+    try:
+        s.bind(("0.0.0.0", port))
+        break
+    except OSError:
+        if time.monotonic() > end:
+            print("gave up", flush=True)
+            sys.exit(1)
+        time.sleep(0.002)
+s.listen(8)
+print("bound", flush=True)
+s.settimeout(6)
+try:
+    s.accept()
+    print("accepted", flush=True)
+except OSError:
+    print("none", flush=True)
+"""
+
+
+def _line(proc: subprocess.Popen[str], deadline_s: float) -> str:
+    """The squatter's next line (it prints within its own bounded waits)."""
+    assert proc.stdout is not None
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        line = proc.stdout.readline().strip()
+        if line or proc.poll() is not None:
+            return line
+    return ""
+
+
+def test_a_sandbox_uid_cannot_squat_a_dead_workers_port(utopo: Topology, uidd: Daemon) -> None:
+    """A restarting MITM worker leaves its ports free for a moment. An in-range uid that binds one
+    (here C, the victim A's per-subject MITM port) must not receive A's intercepted connection:
+    its replies from egressd's listener ports are refused on output, so nothing connects."""
+    bind(uidd, "ua", A, policy(API))
+    squatter: subprocess.Popen[str] | None = None
+    try:
+        assert dig(utopo, A, API) == ("NOERROR", [API_IP])
+        code, body = uidd.get("/v1/subjects")
+        assert code == 200, body
+        doc = json.loads(body)
+        subjects = doc["subjects"] if isinstance(doc, dict) else doc
+        port = next(int(s["mitmPort"]) for s in subjects if s["uid"] == "ua")
+        workers = uidd.status()["mitmWorkers"]
+        assert isinstance(workers, list)
+        slot = port - (DNS_BASE + MAX_SUBJECTS + 1)  # the per-subject MITM block follows the DNS block
+        owner = next(w for w in workers if int(w["worker"]) == slot % len(workers))  # slot % N serves it
+        squatter = utopo.spawn(
+            utopo.pod,
+            "setpriv",
+            f"--reuid={C}",
+            f"--regid={C}",
+            "--clear-groups",
+            SYSTEM_PYTHON,
+            "-c",
+            SQUATTER,
+            str(port),
+            ready_line="trying",
+        )
+        os.kill(int(owner["pid"]), signal.SIGKILL)
+        assert _line(squatter, 12) == "bound", "the squatter could not take the port"
+        r = as_uid(utopo, A, "curl", "-s", "-o", "/dev/null", "-m", "2", f"http://{API_IP}/x")
+        assert r.returncode != 0, "A's intercepted connection was answered"
+        assert _line(squatter, 10) == "none", "the squatter accepted A's connection"
+    finally:
+        if squatter is not None:
+            utopo.stop(squatter)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and uidd.get("/healthz")[0] != 200:
+            time.sleep(0.1)
+        remove(uidd, "ua")
+    assert uidd.get("/healthz")[0] == 200, "the worker came back once the port was free"
 
 
 def test_kill_9_and_replay_restore_a_uid_subject(utopo: Topology, uidd: Daemon) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from typing import Any
 
@@ -49,6 +50,8 @@ def test_output_hook_polices_only_the_uid_range() -> None:
 def test_uid_out_is_the_forward_path_on_output() -> None:
     assert chain(header(TableConfig()), "uid_out") == [
         "meta mark 0x00000001 return",
+        "udp sport { 15353, 16000-16256 } goto uid_denied",
+        "tcp sport { 15353, 16000-16256, 18080 } goto uid_denied",
         "fib daddr type local jump uid_local",
         "meta mark set meta mark & 0xfffffffd",
         "tcp dport 853 goto uid_denied",
@@ -294,3 +297,17 @@ def test_uid_counter_ref_bytes_match_pyroute2() -> None:
     assert _ours(AddUidCounterRef("uid_drop_counter", 100001, "subj_s_u_1_dropped")) == _oracle(
         NFT_MSG_NEWSETELEM, "uid_drop_counter", elem, NEW
     )
+
+
+def test_a_sandbox_uid_never_answers_from_one_of_egressds_listener_ports() -> None:
+    """Port squatting (review of issue 16): a sandbox uid that binds a restarting worker's port, or
+    another subject's DNS/MITM port, would receive that subject's redirected flows. Its replies
+    from any of egressd's listener ports are refused before anything else in uid_out."""
+    cfg = dataclasses.replace(TableConfig(), mitm=True, mitm_workers=3)
+    out = chain(header(cfg), "uid_out")
+    assert out[1:3] == [
+        "udp sport { 15353, 16000-16256 } goto uid_denied",
+        "tcp sport { 15353, 16000-16512, 18080-18083 } goto uid_denied",
+    ]
+    lo, hi = cfg.uids.mitm_ports
+    assert (lo, hi) == (16257, 16512)  # the per-subject MITM block is inside the refused range
