@@ -14,7 +14,8 @@ keys), ``fill`` (its first policy), ``update`` (an in-place change) and ``remove
 * ``after``: both (egressd's path);
 * ``handles``: ``after``, its removal deleting the sets by kernel handle (``NFTA_SET_HANDLE``,
   learned by a ``GETSET`` dump after creation, outside the timed transactions) instead of by
-  name (nft_handles.py; probe only, the lever was rejected).
+  name (nft_handles.py; probe only, the lever was rejected). Only with ``--variants``; a run
+  that measures it makes every variant dump and remove the same way.
 
 One table per variant (every background subject shaped like the variant), the variants'
 rounds interleaved per size. Loopback-free: no packet is sent.
@@ -74,6 +75,7 @@ class Variant:
         self.noflush = name in ("noflush", "after", "handles")
         self.by_handle = name == "handles"
         self.removed: set[str] = set()  # the last removed subject's sets: gone by the next dump
+        self.dump = False  # learn the set handles after creation (set when "handles" is measured)
         self.cfg = nb.TableConfig(table=table)
 
     def create(self, s: nb.SubjectNft) -> NetlinkBatch:
@@ -114,12 +116,23 @@ def timed(sock: NfTablesSocket, batch: NetlinkBatch) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
+def fill_update_remove(sock: NfTablesSocket, v: Variant, s: nb.SubjectNft, k: int) -> dict[str, float]:
+    out = {"fill": timed(sock, v.swap(s.nft_id, policy(k), first=True))}
+    out["update"] = timed(sock, v.swap(s.nft_id, policy(k + 1), first=False))
+    out["remove"] = timed(sock, v.remove(s))
+    time.sleep(0.005)  # the kernel's deferred release of the removed objects
+    return out
+
+
 def one_round(sock: NfTablesSocket, hsock: HandleSocket, v: Variant, k: int) -> dict[str, float]:
     s = subject(k, "10.128.0.0")
     out = {"create": timed(sock, v.create(s))}
-    # Learned right after creation (where the daemon would take them from NEWSET's echo). Every
-    # variant dumps, so that only the DELSET encoding differs: the dump's reply of 6N sets
-    # evicts the caches the next transactions would find warm.
+    if not v.dump:
+        out.update(fill_update_remove(sock, v, s, k))
+        return out
+    # Learned right after creation (where the daemon would take them from NEWSET's echo). With
+    # ``handles`` in the run every variant dumps, so that only the DELSET encoding differs: the
+    # dump's reply of 6N sets evicts the caches the next transactions would find warm.
     handles = hsock.set_handles(v.cfg.table)
     if v.removed & handles.keys():
         raise RuntimeError(
@@ -143,6 +156,8 @@ def measure(size: int, rounds: int, names: tuple[str, ...]) -> dict[str, dict[st
     sock = NfTablesSocket(timeout=30)
     hsock = HandleSocket()
     variants = {name: Variant(name, f"egbench_levers_{name}") for name in names}
+    for v in variants.values():
+        v.dump = "handles" in names
     try:
         for v in variants.values():
             build(sock, v, size)
@@ -173,7 +188,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--sizes", default="10,1000")
     ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; ratios are to the first")
+    ap.add_argument(
+        "--variants",
+        default="before,six,noflush,after",
+        help=f"comma-separated, of {','.join(VARIANTS)}; ratios are to the first",
+    )
     ap.add_argument("--quick", action="store_true", help="sizes 10,100, 10 rounds")
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
