@@ -11,7 +11,11 @@ keys), ``fill`` (its first policy), ``update`` (an in-place change) and ``remove
 * ``before``: 10 sets per subject (audit sets made with the subject), first policy flushed;
 * ``six``: the audit sets and rules only with a first audit policy (6 sets per subject);
 * ``noflush``: the first policy only adds to the empty deny-first sets;
-* ``after``: both (egressd's path).
+* ``after``: both (egressd's path);
+* ``handles``: ``after``, its removal deleting the sets by kernel handle (``NFTA_SET_HANDLE``,
+  learned by a ``GETSET`` dump after creation, outside the timed transactions) instead of by
+  name (nft_handles.py; probe only, the lever was rejected). Only with ``--variants``; a run
+  that measures it makes every variant dump and remove the same way.
 
 One table per variant (every background subject shaped like the variant), the variants'
 rounds interleaved per size. Loopback-free: no packet is sent.
@@ -33,12 +37,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from nft_handles import HandleSocket  # noqa: E402
+
 from egressd.fleetnft import builder as nb  # noqa: E402
 from egressd.kernel.netlink import NfTablesSocket  # noqa: E402
 from egressd.kernel.ops import NetlinkBatch  # noqa: E402
 from egressd.policy import NetworkPolicy, parse_policy  # noqa: E402
 
-VARIANTS = ("before", "six", "noflush", "after")
+VARIANTS = ("before", "six", "noflush", "after", "handles")
 PHASES = ("create", "fill", "update", "remove")
 GATEWAY = ipaddress.ip_address("10.100.0.1")
 
@@ -65,8 +71,11 @@ class Variant:
     """The transactions of one variant for a subject."""
 
     def __init__(self, name: str, table: str) -> None:
-        self.six = name in ("six", "after")
-        self.noflush = name in ("noflush", "after")
+        self.six = name in ("six", "after", "handles")
+        self.noflush = name in ("noflush", "after", "handles")
+        self.by_handle = name == "handles"
+        self.removed: set[str] = set()  # the last removed subject's sets: gone by the next dump
+        self.dump = False  # learn the set handles after creation (set when "handles" is measured)
         self.cfg = nb.TableConfig(table=table)
 
     def create(self, s: nb.SubjectNft) -> NetlinkBatch:
@@ -107,40 +116,71 @@ def timed(sock: NfTablesSocket, batch: NetlinkBatch) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def one_round(sock: NfTablesSocket, v: Variant, k: int) -> dict[str, float]:
-    s = subject(k, "10.128.0.0")
-    out = {"create": timed(sock, v.create(s))}
-    out["fill"] = timed(sock, v.swap(s.nft_id, policy(k), first=True))
+def fill_update_remove(sock: NfTablesSocket, v: Variant, s: nb.SubjectNft, k: int) -> dict[str, float]:
+    out = {"fill": timed(sock, v.swap(s.nft_id, policy(k), first=True))}
     out["update"] = timed(sock, v.swap(s.nft_id, policy(k + 1), first=False))
     out["remove"] = timed(sock, v.remove(s))
     time.sleep(0.005)  # the kernel's deferred release of the removed objects
     return out
 
 
-def measure(size: int, rounds: int) -> dict[str, dict[str, float]]:
+def one_round(sock: NfTablesSocket, hsock: HandleSocket, v: Variant, k: int) -> dict[str, float]:
+    s = subject(k, "10.128.0.0")
+    out = {"create": timed(sock, v.create(s))}
+    if not v.dump:
+        out.update(fill_update_remove(sock, v, s, k))
+        return out
+    # Learned right after creation (where the daemon would take them from NEWSET's echo). With
+    # ``handles`` in the run every variant dumps, so that only the DELSET encoding differs: the
+    # dump's reply of 6N sets evicts the caches the next transactions would find warm.
+    handles = hsock.set_handles(v.cfg.table)
+    if v.removed & handles.keys():
+        raise RuntimeError(
+            f"{v.cfg.table}: sets survived their removal: {sorted(v.removed & handles.keys())}"
+        )
+    v.removed = {nb.Names(s.nft_id).set(kind) for kind in nb.subject_sets(audit=not v.six)}
+    if not v.removed <= handles.keys():
+        raise RuntimeError(f"{v.cfg.table}: the dump misses sets of {s.nft_id}")
+    out["fill"] = timed(sock, v.swap(s.nft_id, policy(k), first=True))
+    out["update"] = timed(sock, v.swap(s.nft_id, policy(k + 1), first=False))
+    # Every variant's removal goes through the same re-encoding socket (an empty map changes
+    # nothing), so the Python side is the same and the difference is the kernel's.
+    t0 = time.perf_counter()
+    hsock.run(v.remove(s), handles if v.by_handle else {})
+    out["remove"] = (time.perf_counter() - t0) * 1000
+    time.sleep(0.005)  # the kernel's deferred release of the removed objects
+    return out
+
+
+def measure(size: int, rounds: int, names: tuple[str, ...]) -> dict[str, dict[str, float]]:
     sock = NfTablesSocket(timeout=30)
-    variants = {name: Variant(name, f"egbench_levers_{name}") for name in VARIANTS}
+    hsock = HandleSocket()
+    variants = {name: Variant(name, f"egbench_levers_{name}") for name in names}
+    for v in variants.values():
+        v.dump = "handles" in names
     try:
         for v in variants.values():
             build(sock, v, size)
-        samples: dict[str, dict[str, list[float]]] = {n: {p: [] for p in PHASES} for n in VARIANTS}
+        samples: dict[str, dict[str, list[float]]] = {n: {p: [] for p in PHASES} for n in names}
         for k in range(rounds):
-            for n in VARIANTS[k % 4 :] + VARIANTS[: k % 4]:  # rotate the order: no variant always first
-                for p, ms in one_round(sock, variants[n], k).items():
+            r = k % len(names)
+            for n in names[r:] + names[:r]:  # rotate the order: no variant always first
+                for p, ms in one_round(sock, hsock, variants[n], k).items():
                     samples[n][p].append(ms)
         return {n: {p: statistics.median(x) for p, x in by.items()} for n, by in samples.items()}
     finally:
         sock.close()
+        hsock.close()
         for v in variants.values():
             subprocess.run(["nft", "delete", "table", "inet", v.cfg.table], capture_output=True, check=False)
 
 
-def report(results: dict[int, dict[str, dict[str, float]]]) -> None:
-    print("kernel time per transaction, p50 ms (ratio to 'before' of the same size)")
+def report(results: dict[int, dict[str, dict[str, float]]], names: tuple[str, ...]) -> None:
+    print(f"kernel time per transaction, p50 ms (ratio to {names[0]!r} of the same size)")
     print(f"{'N':>5} {'variant':8} " + " ".join(f"{p:>16}" for p in PHASES))
     for size, by in results.items():
-        for n in VARIANTS:
-            cells = [f"{by[n][p]:7.3f} ({by[n][p] / by['before'][p]:4.2f}x)" for p in PHASES]
+        for n in names:
+            cells = [f"{by[n][p]:7.3f} ({by[n][p] / by[names[0]][p]:4.2f}x)" for p in PHASES]
             print(f"{size:>5} {n:8} " + " ".join(f"{c:>16}" for c in cells))
 
 
@@ -148,6 +188,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--sizes", default="10,1000")
     ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument(
+        "--variants",
+        default="before,six,noflush,after",
+        help=f"comma-separated, of {','.join(VARIANTS)}; ratios are to the first",
+    )
     ap.add_argument("--quick", action="store_true", help="sizes 10,100, 10 rounds")
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -161,8 +206,12 @@ def main() -> int:
         argv = [unshare, "--net", "--", sys.executable, __file__, "--inside", *sys.argv[1:]]
         return subprocess.run(argv, check=False, timeout=1800).returncode
     sizes = [int(x) for x in args.sizes.split(",")]
-    results = {size: measure(size, args.rounds) for size in sizes}
-    report(results)
+    names = tuple(args.variants.split(","))
+    if not names or any(n not in VARIANTS for n in names):
+        print(f"--variants: choose from {','.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    results = {size: measure(size, args.rounds, names) for size in sizes}
+    report(results, names)
     return 0
 
 
