@@ -11,10 +11,11 @@ scripts/install.sh >/dev/null || { echo "bench: install failed" >&2; exit 1; }
 PASS=0; FAIL=0
 LOGS=$(mktemp -d /tmp/egbench-quick.XXXXXX)
 trap 'rm -rf "$LOGS"' EXIT
-for b in fleet dns mitm mitm_placement vault; do
+for b in fleet dns mitm mitm_placement vault fleet_levers; do
+  script="scripts/bench/bench_$b.py"; [ -f "$script" ] || script="scripts/bench/$b.py"
   t0=$(date +%s)
   # SIGTERM on overrun: the benchmark cleans up on it (SIGKILL 30 s later only if it hangs).
-  timeout --kill-after=30 240 .venv/bin/python "scripts/bench/bench_$b.py" --quick >"$LOGS/$b.out" 2>"$LOGS/$b.err"
+  timeout --kill-after=30 240 .venv/bin/python "$script" --quick >"$LOGS/$b.out" 2>"$LOGS/$b.err"
   rc=$?
   dt=$(( $(date +%s) - t0 ))
   base=$(grep -oE 'namespaces egb[a-z]+[0-9]+-' "$LOGS/$b.err" | head -1 | sed 's/^namespaces //')
@@ -22,12 +23,12 @@ for b in fleet dns mitm mitm_placement vault; do
   if [ -n "$base" ]; then left=$(ip netns list | awk '{print $1}' | grep -F -- "$base" || true); fi
   cat "$LOGS/$b.out"
   if [ $rc -eq 0 ] && [ -z "$left" ]; then
-    PASS=$((PASS + 1)); echo "PASS  bench_$b.py --quick (${dt}s)"
+    PASS=$((PASS + 1)); echo "PASS  $script --quick (${dt}s)"
   else
     FAIL=$((FAIL + 1))
-    echo "--- bench_$b.py stderr (tail) ---"; grep -v '^{' "$LOGS/$b.err" | tail -25
+    echo "--- $script stderr (tail) ---"; grep -v '^{' "$LOGS/$b.err" | tail -25
     [ -n "$left" ] && echo "left behind: $left"
-    echo "FAIL  bench_$b.py --quick (rc=$rc, ${dt}s)"
+    echo "FAIL  $script --quick (rc=$rc, ${dt}s)"
   fi
 done
 echo "bench: $PASS passed, $FAIL failed"
