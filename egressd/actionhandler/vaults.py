@@ -105,6 +105,7 @@ class Credentials:
         """A SET_BINDING the kernel refused (its narrowing is being retried, 14.6): an input that
         takes the vault away needs no kernel for that much, so it holds now."""
         if parsed.vault is VaultAction.REMOVE:
+            self.view_changed(uid)
             self.stores.pop(uid, None)
             self.pending_inputs.pop(uid, None)
 
@@ -134,6 +135,13 @@ class Credentials:
             # vault goes first, so nothing validated for another policy is injected meanwhile.
             self.stores.pop(uid, None)
             status, _ = await off_loop(work.put_content, parsed.content, coverage)
+            if status < 400:
+                self.stores[uid] = work
+                # A pull during the validation learned "no vault" (a 404 the MITM remembers)
+                # under the stamp of the bump above; nothing else bumps after a background
+                # activation (the revocation retry), so this widening bumps itself.
+                self.view_changed(uid)
+                return
         if status < 400:
             self.stores[uid] = work
         else:

@@ -8,6 +8,11 @@ never where it links tenants:
   on a per-subject port), so a ticket never crosses sandboxes (the upstream would see two
   tenants' connections as one client), and a forgotten client (removed or rebound subject:
   the forget lines of docs/behaviour.md §14.9) loses its sessions;
+* the client's **epoch** when its connection started (its slot in egressd's narrowing sequence
+  map, which egressd bumps synchronously at a removal or rebind; without the map, a local
+  count of forget lines): a session learned under an older epoch never resumes on a newer
+  connection, also when it was stored after the forget (a connection that began before it)
+  or when a worker's forget line has not arrived yet;
 * the **SNI** (the name the session was verified for) and the **upstream address**: a changed
   address never resumes; a changed server at the same address cannot (it does not hold the
   ticket's key), so it meets the full handshake and its verification;
@@ -41,6 +46,7 @@ class SessionKey:
     address: tuple[str, int]  # the upstream the handshake went to
     verify: bool  # certificate verification on
     trust: str  # which trust store verified it ("" when verification is off)
+    epoch: tuple[int, ...]  # the client's epoch when its connection started (see above)
 
 
 class SessionCache[S]:

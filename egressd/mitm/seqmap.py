@@ -23,8 +23,14 @@ whose egressd has fallen silent for more than :data:`MAX_SILENCE_S` (stopped, we
 answering from memory and pulls, so §10's lookup-failure rule (refuse the client's requests)
 holds for it as before.
 
-Widening changes (a new DNS answer, a new vault) need no bump: the memory holds only positive
-verdicts and snapshots, and what it lacks is pulled.
+Widening changes (a new DNS answer, a new vault) need no bump of their own when nothing was
+remembered in between; but the memory also holds refusals (a 404: no vault for this client), so
+a widening that a worker may have pulled a refusal across (an await between the narrowing bump
+and installing the new state) bumps again once the new state is in place.
+
+The MITM's upstream TLS session resumption (:mod:`egressd.mitm.tlsresume`) reads the client's
+slot too, as the epoch a client connection starts under (:meth:`SeqReader.value`): a session
+learned under an older value never resumes on a newer connection.
 """
 
 from __future__ import annotations
@@ -155,6 +161,16 @@ class SeqReader:
         except (OSError, ValueError):
             return None
 
+    def value(self, key: str) -> int | None:
+        """The client's slot as it is now, whatever the heartbeat (None: unreadable). Values
+        only grow, and the slot changes synchronously at the client's removal or rebind."""
+        if self._map is None:
+            return None
+        try:
+            return self._read(slot_of(key))
+        except (OSError, ValueError):
+            return None
+
     def close(self) -> None:
         if self._map is not None:
             self._map.close()
@@ -185,6 +201,20 @@ def narrowed(keys: Iterable[object] | None = None) -> None:
 
 
 _READS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
+_UNTOUCHED: Final = "egressd.seqmap.untouched"
+
+
+def refused_untouched(request: web.Request) -> None:
+    """Mark a request refused before any handler could change state (a wrong token, a body
+    that was never read in full): :func:`after_writes` does not void the memory for it, so a
+    tenant's flood of refused writes does not turn every memory answer into a pull. Call it
+    only on a return path that changed nothing."""
+    request[_UNTOUCHED] = True
+
+
+def _untouched(request: web.Request) -> bool:
+    # A path or method no route has (404/405 from the router) never reached a handler.
+    return request.get(_UNTOUCHED) is True or request.match_info.http_exception is not None
 
 
 @web.middleware
@@ -193,9 +223,10 @@ async def after_writes(
 ) -> web.StreamResponse:
     """Every write through the HTTP API may have narrowed something (a vault, a policy, a
     binding): the MITM's memory of every client is void before its caller hears back. Also
-    when the handler failed half-way; coarse, and never less safe than the exact slots."""
+    when the handler failed half-way; coarse, and never less safe than the exact slots. Not
+    for a request refused before any handler ran (:func:`refused_untouched`, routing errors)."""
     try:
         return await handler(request)
     finally:
-        if request.method not in _READS:
+        if request.method not in _READS and not _untouched(request):
             narrowed()

@@ -1,6 +1,7 @@
 """The MITM child's upstream TLS session resumption (``egressd_tls_resume``; docs/behaviour.md §10).
 
 A mitmproxy addon, loaded after ``tlsconfig`` (which builds the upstream ``SSL.Connection``):
+``client_connected`` records the client's epoch (:class:`~egressd.mitm.resume.SessionKey`),
 ``tls_start_server`` offers a session of :class:`~egressd.mitm.resume.SessionCache` for the
 connection's key, ``tls_established_server`` remembers the verified connection, and the first
 complete response on it stores a copy of its session: in TLS 1.3 the server's tickets arrive after
@@ -23,19 +24,43 @@ from OpenSSL import SSL
 from egressd.mitm.addon import _address, _ip_of, _listen_port, emit
 from egressd.mitm.lookup import port_key
 from egressd.mitm.resume import SessionCache, SessionKey
+from egressd.mitm.seqmap import SLOTS, SeqReader, slot_of
 
 OPTION: Final = "egressd_tls_resume"
 _TRACKED_MAX: Final = 65536  # established upstream connections waiting for their session
 _EXPIRE_EVERY_S: Final = 30.0
+_MAP_OPTION: Final = "egressd_vault_push"  # the injector's option: egressd's sequence map
+
+
+def _open_map(path: str) -> SeqReader | None:
+    if not path:
+        return None
+    try:
+        return SeqReader(path)
+    except OSError as exc:  # then the local forget counts are the epoch
+        emit("mitm.error", hook="configure", error=f"tls resume map: {type(exc).__name__}")
+        return None
+
+
+def client_key(client: connection.Client, shared_port: int | None) -> str | None:
+    """The sandbox behind a client connection, as egressd names it in its bumps and forgets."""
+    listen = _listen_port(client, shared_port)
+    return port_key(listen) if listen is not None else _ip_of(client.peername)
 
 
 class TlsResumption:
-    def __init__(self, clock: Any = time.monotonic) -> None:
+    def __init__(self, clock: Any = time.monotonic, seq: SeqReader | None = None) -> None:
         self.enabled = True
         self.shared_port: int | None = None
         self.cache: SessionCache[tuple[SSL.Context, SSL.Session]] = SessionCache()
         self.clock = clock
+        self.seq = seq
         self._tracked: dict[str, tuple[SessionKey, Any]] = {}  # server connection id -> (key, SSL.Connection)
+        self._epochs: dict[str, tuple[int, ...]] = {}  # client connection id -> its epoch at the start
+        # Forget lines seen, for all clients and per slot (a hash, so bounded): the epoch
+        # without the map, and on top of it with one.
+        self._forgot_all = 0
+        self._forgot = [0] * SLOTS
         self._expired_at = 0.0
 
     def load(self, loader: Loader) -> None:
@@ -46,6 +71,14 @@ class TlsResumption:
             self.shared_port = ctx.options.listen_port
         if OPTION in updated:
             self.enabled = bool(getattr(ctx.options, OPTION))
+        if _MAP_OPTION in updated:
+            # Epochs of another map are not comparable: start afresh.
+            if self.seq is not None:
+                self.seq.close()
+            self.seq = _open_map(getattr(ctx.options, _MAP_OPTION))
+            self.cache.forget(None)
+            self._tracked.clear()
+            self._epochs.clear()
         # A changed verification setting or trust store invalidates what was verified before.
         if updated & {
             OPTION,
@@ -58,23 +91,51 @@ class TlsResumption:
 
     def forget(self, clients: list[str] | None) -> None:
         """egressd's forget line (docs/behaviour.md §14.9): the subject behind these clients is gone or
-        rebound, so the next sandbox with the same address or port must not get its sessions."""
+        rebound, so the next sandbox with the same address or port must not get its sessions.
+        Connections that start from now on have a newer epoch (without the map, the only one
+        that moves; with it, egressd moved the slot already)."""
         self.cache.forget(clients)
         if clients is None:
+            self._forgot_all += 1
             self._tracked.clear()
         else:
             gone = set(clients)
+            for client in gone:
+                self._forgot[slot_of(client)] += 1
             for sid in [s for s, (key, _) in self._tracked.items() if key.client in gone]:
                 del self._tracked[sid]
+
+    def _epoch(self, client: str) -> tuple[int, ...] | None:
+        local = (self._forgot_all, self._forgot[slot_of(client)])
+        if self.seq is None:
+            return local
+        value = self.seq.value(client)
+        return None if value is None else (value, *local)
+
+    def client_connected(self, client: connection.Client) -> None:
+        """The epoch is taken when the client connection starts: whatever this connection
+        stores later belongs to that epoch, also when a removal comes in between."""
+        if len(self._epochs) >= _TRACKED_MAX:
+            return  # no epoch: nothing is offered or stored for this connection
+        try:
+            key = client_key(client, self.shared_port)
+            epoch = self._epoch(key) if key is not None else None
+            if epoch is not None:
+                self._epochs[client.id] = epoch
+        except Exception as exc:
+            emit("mitm.error", hook="client_connected", error=type(exc).__name__)
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        self._epochs.pop(client.id, None)
 
     def _key(self, data: tls.TlsData) -> SessionKey | None:
         server = data.conn
         if not isinstance(server, connection.Server):
             return None
-        listen = _listen_port(data.context.client, self.shared_port)
-        client = port_key(listen) if listen is not None else _ip_of(data.context.client.peername)
+        client = client_key(data.context.client, self.shared_port)
+        epoch = self._epochs.get(data.context.client.id)
         address = _address(server.address)
-        if client is None or address is None or not server.sni or data.is_dtls:
+        if client is None or epoch is None or address is None or not server.sni or data.is_dtls:
             return None
         verify = not ctx.options.ssl_insecure
         trust = (
@@ -82,7 +143,9 @@ class TlsResumption:
             if verify
             else ""
         )
-        return SessionKey(client=client, sni=server.sni, address=address, verify=verify, trust=trust)
+        return SessionKey(
+            client=client, sni=server.sni, address=address, verify=verify, trust=trust, epoch=epoch
+        )
 
     def tls_start_server(self, data: tls.TlsData) -> None:
         if not self.enabled or data.ssl_conn is None:

@@ -162,15 +162,18 @@ class SidecarHTTP:
     ) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def wrapped(request: web.Request) -> web.Response:
             if not token_matches(self._token, request.headers.get(AUTH_HEADER)):
+                seqmap.refused_untouched(request)
                 # Same answer for a missing and a wrong token.
                 return text(401, "unauthorized")
             try:
                 body = await read_limited(request)
             except BodyTooLarge:
+                seqmap.refused_untouched(request)
                 return text(
                     413, f"request body exceeds {MAX_BODY_BYTES} bytes", headers={"Connection": "close"}
                 )
             except BodyIncomplete:
+                seqmap.refused_untouched(request)
                 return incomplete()
             return await self.inflight.run(run(request, body))
 

@@ -126,3 +126,104 @@ async def test_sidecar_policy_changes_bump_with_and_without_http(
     assert reader.stamp(SRC) == mid
     await client.post("/policy", data=b"{}")
     assert reader.stamp(SRC) != mid, "any write through the API, whatever it answered"
+
+
+async def test_a_vault_installed_after_its_validation_bumps_again(
+    reader: SeqReader, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review of issue 16: an activation that validates off the loop (the always-rules
+    changed since the input arrived, or the revocation retry, with no HTTP middleware after
+    it) bumped before the await only. A pull during the await learned "no vault" (a 404 the
+    worker remembers) under the new stamp, so the subject ran without its credential until
+    an unrelated narrowing. The install bumps too."""
+    from egressd.actionhandler import vaults
+    from egressd.actionhandler.inputs import BindingInput, VaultAction
+    from egressd.vault.model import parse_create
+    from egressd.vault.offload import off_loop as real_off_loop
+
+    control = await _control()
+    await activate(control, policy=ALLOW_API)
+    control.credentials.forget_snapshots = seqmap.narrowed  # as the MITM supervisor does
+    during: list[tuple[Any, Any]] = []
+
+    async def pull_meanwhile(fn: Any, *args: Any) -> Any:
+        during.append((reader.stamp(SRC), control.credentials.vault_for_ip(ipaddress.ip_address(SRC))))
+        return await real_off_loop(fn, *args)
+
+    monkeypatch.setattr(vaults, "off_loop", pull_meanwhile)
+    content = parse_create(
+        {
+            "credentials": [{"name": "key", "source": {"type": "inline", "value": "sk-live-1"}}],
+            "bindings": [
+                {
+                    "name": "api",
+                    "match": {"hosts": ["api.x.io"]},
+                    "auth": {"type": "bearer", "credential": "key"},
+                }
+            ],
+        }
+    )
+    parsed = BindingInput(parse_policy(ALLOW_API), VaultAction.SET, content, validated_against=None)
+    await control.credentials.activate("u-1", parsed)
+    assert len(during) == 1
+    stamp_then, snapshot_then = during[0]
+    assert snapshot_then is None, "the pull meanwhile saw no vault (and would remember it)"
+    assert control.credentials.vault_for_ip(ipaddress.ip_address(SRC)) is not None
+    assert reader.stamp(SRC) != stamp_then, "the remembered 404 outlived the new vault"
+
+
+async def test_a_refused_binding_that_takes_the_vault_bumps(reader: SeqReader) -> None:
+    from egressd.actionhandler.inputs import BindingInput, VaultAction
+
+    control = await _control()
+    await activate(control, policy=ALLOW_API)
+    control.credentials.forget_snapshots = seqmap.narrowed
+    before = reader.stamp(SRC)
+    control.credentials.refused("u-1", BindingInput(parse_policy(ALLOW_API), VaultAction.REMOVE))
+    assert reader.stamp(SRC) != before
+
+
+async def test_sidecar_writes_refused_before_any_handler_do_not_void_the_memory(
+    reader: SeqReader, aiohttp_client: Any
+) -> None:
+    """Review of issue 16: the sidecar API listens on the sandbox's side; a flood of refused
+    writes (wrong token, no such path) turned every memory answer into a pull. Only those
+    skip the bump: an authorised write still bumps whatever it answers."""
+    from egressd.sidecar.http import AUTH_HEADER
+
+    engine = SidecarEngine(SidecarTable(table="T"), FakeTx(yield_each_call=False), parse_policy(ALLOW_API))
+    await engine.install()
+    http = SidecarHTTP(engine, EgressMetrics(), token="s3cret", max_rules=4096, prerequisites=ready_prereqs())
+    client = await aiohttp_client(http.app())
+    before = reader.stamp(SRC)
+    assert (await client.post("/policy", data=b"{}")).status == 401
+    assert (await client.put("/policy", data=b"{}", headers={AUTH_HEADER: "wrong"})).status == 401
+    assert (await client.delete("/credential-vault/x", headers={AUTH_HEADER: "wrong"})).status == 401
+    assert (await client.post("/no-such-path", data=b"{}")).status == 404
+    assert reader.stamp(SRC) == before
+    await client.post("/policy", data=b"{}", headers={AUTH_HEADER: "s3cret"})
+    assert reader.stamp(SRC) != before, "an authorised write bumps, whatever it answered"
+    mid = reader.stamp(SRC)
+    await client.post("/healthz", data=b"{}")  # a handler ran (and refused): still bumps
+    assert reader.stamp(SRC) != mid
+
+
+@pytest.mark.parametrize("change", ["remove", "rebind"])
+async def test_a_removal_or_rebind_moves_the_clients_own_slot_before_it_returns(
+    reader: SeqReader, change: str
+) -> None:
+    """The MITM's TLS resumption epoch is the client's own slot (not slot 0, which every API
+    write moves): the old address's slot must move before the action returns, so a sandbox
+    that gets the address next never resumes the old subject's session."""
+    from egressd.mitm.supervisor import MitmSupervisor
+
+    control = await _control()
+    await activate(control, policy=ALLOW_API)
+    control.credentials.forget_snapshots = MitmSupervisor(["true"]).forget  # as fleet/run.py wires it
+    before = reader.value(SRC)
+    if change == "remove":
+        ok(await control.handle(remove("u-1")))
+    else:
+        ok(await control.handle(set_binding("u-1", ALLOW_API, ip_="10.0.0.6", rid="r2", aid="a2")))
+        assert control.registry.resolve(ipaddress.ip_address(SRC)) is None
+    assert reader.value(SRC) != before

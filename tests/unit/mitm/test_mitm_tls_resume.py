@@ -22,7 +22,7 @@ from mitmproxy.test import taddons
 from OpenSSL import SSL
 
 from egressd.config import ConfigError, parse_config
-from egressd.mitm import runner, tlsresume
+from egressd.mitm import runner, seqmap, tlsresume
 from egressd.mitm.lookup import forget_message
 from egressd.mitm.resume import SessionCache, SessionKey
 from egressd.mitm.selfconnect import LOCAL_NAMES, SELF_CONNECT_ERROR, IndexedProxyserver, ListenIndex
@@ -30,7 +30,12 @@ from egressd.mitm.supervisor import MitmOptions, mitmdump_argv
 from egressd.mitm.tlsresume import TlsResumption, snapshot_session
 
 K = SessionKey(
-    client="10.203.0.11", sni="api.example.test", address=("10.204.0.6", 443), verify=True, trust="t"
+    client="10.203.0.11",
+    sni="api.example.test",
+    address=("10.204.0.6", 443),
+    verify=True,
+    trust="t",
+    epoch=(0, 0),
 )
 
 
@@ -50,13 +55,14 @@ def test_a_session_is_handed_out_once_newest_first() -> None:
 @pytest.mark.parametrize(
     "other",
     [
-        SessionKey("10.203.0.12", K.sni, K.address, K.verify, K.trust),  # another sandbox
-        SessionKey("port:16300", K.sni, K.address, K.verify, K.trust),  # a host-uid subject
-        SessionKey(K.client, "other.example.test", K.address, K.verify, K.trust),  # another SNI
-        SessionKey(K.client, K.sni, ("10.204.0.7", 443), K.verify, K.trust),  # the upstream moved
-        SessionKey(K.client, K.sni, ("10.204.0.6", 8443), K.verify, K.trust),  # another port
-        SessionKey(K.client, K.sni, K.address, False, ""),  # verification off
-        SessionKey(K.client, K.sni, K.address, True, "another trust store"),
+        SessionKey("10.203.0.12", K.sni, K.address, K.verify, K.trust, K.epoch),  # another sandbox
+        SessionKey("port:16300", K.sni, K.address, K.verify, K.trust, K.epoch),  # a host-uid subject
+        SessionKey(K.client, "other.example.test", K.address, K.verify, K.trust, K.epoch),  # another SNI
+        SessionKey(K.client, K.sni, ("10.204.0.7", 443), K.verify, K.trust, K.epoch),  # the upstream moved
+        SessionKey(K.client, K.sni, ("10.204.0.6", 8443), K.verify, K.trust, K.epoch),  # another port
+        SessionKey(K.client, K.sni, K.address, False, "", K.epoch),  # verification off
+        SessionKey(K.client, K.sni, K.address, True, "another trust store", K.epoch),
+        SessionKey(K.client, K.sni, K.address, K.verify, K.trust, (1, 0)),  # a newer epoch
     ],
 )
 def test_no_session_crosses_a_key_field(other: SessionKey) -> None:
@@ -68,7 +74,7 @@ def test_no_session_crosses_a_key_field(other: SessionKey) -> None:
 
 def test_an_unverified_session_never_reaches_a_verified_handshake() -> None:
     cache: SessionCache[str] = SessionCache()
-    unverified = SessionKey(K.client, K.sni, K.address, False, "")
+    unverified = SessionKey(K.client, K.sni, K.address, False, "", K.epoch)
     cache.put(unverified, "insecure", 0.0)
     assert cache.take(K, 0.0) is None
     cache.put(K, "verified", 0.0)
@@ -94,7 +100,7 @@ def test_bounds_per_key_and_in_all() -> None:
         cache.put(K, i, 0.0)
     assert len(cache) == 2
     assert [cache.take(K, 0.0), cache.take(K, 0.0), cache.take(K, 0.0)] == [4, 3, None]
-    keys = [SessionKey(f"10.203.0.{i}", K.sni, K.address, True, "t") for i in range(5)]
+    keys = [SessionKey(f"10.203.0.{i}", K.sni, K.address, True, "t", K.epoch) for i in range(5)]
     for i, key in enumerate(keys):
         cache.put(key, i, 0.0)
     assert len(cache) == 3
@@ -103,8 +109,8 @@ def test_bounds_per_key_and_in_all() -> None:
 
 def test_forget_drops_only_the_named_clients() -> None:
     cache: SessionCache[str] = SessionCache()
-    other = SessionKey("10.203.0.12", K.sni, K.address, True, "t")
-    port = SessionKey("port:16300", K.sni, K.address, True, "t")
+    other = SessionKey("10.203.0.12", K.sni, K.address, True, "t", K.epoch)
+    port = SessionKey("port:16300", K.sni, K.address, True, "t", K.epoch)
     for key in (K, other, port):
         cache.put(key, key.client, 0.0)
     cache.forget(["10.203.0.11", "port:16300"])
@@ -158,6 +164,13 @@ def _data(
     return data
 
 
+def _data_on(a: TlsResumption, *args: Any) -> Any:
+    """``_data`` of a client connection the addon saw start (so it has its epoch)."""
+    data = _data(*args)
+    a.client_connected(data.context.client)
+    return data
+
+
 def _flow_for(data: Any) -> Any:
     flow: Any = type("FlowStub", (), {})()
     flow.server_conn = data.conn
@@ -177,7 +190,7 @@ def addon(monkeypatch: pytest.MonkeyPatch) -> Iterator[TlsResumption]:
 def _handshake(a: TlsResumption, ctx: object, client: str, session: object, port: int = 40000) -> _FakeConn:
     """One upstream connection: start (maybe offered a session), established, one response."""
     conn = _FakeConn(ctx, session)
-    data = _data(client, "api.example.test", ("10.204.0.6", 443), conn, port)
+    data = _data_on(a, client, "api.example.test", ("10.204.0.6", 443), conn, port)
     a.tls_start_server(data)
     a.tls_established_server(data)
     a.response(_flow_for(data))
@@ -198,9 +211,11 @@ def test_the_same_sandbox_resumes_and_another_does_not(addon: TlsResumption) -> 
 def test_a_per_subject_port_is_its_own_client(addon: TlsResumption) -> None:
     """Host-uid subjects share the host's address; the listener port names the sandbox."""
     ctx = object()
-    key_shared = addon._key(_data("10.0.0.1", "api.example.test", ("10.204.0.6", 443), _FakeConn(ctx)))
+    key_shared = addon._key(
+        _data_on(addon, "10.0.0.1", "api.example.test", ("10.204.0.6", 443), _FakeConn(ctx))
+    )
     assert key_shared is not None and key_shared.client == "10.0.0.1"
-    data = _data("10.0.0.1", "api.example.test", ("10.204.0.6", 443), _FakeConn(ctx))
+    data = _data_on(addon, "10.0.0.1", "api.example.test", ("10.204.0.6", 443), _FakeConn(ctx))
     data.context.client.proxy_mode = type("Mode", (), {"custom_listen_port": 16300})()
     key_port = addon._key(data)
     assert key_port is not None and key_port.client == "port:16300"
@@ -209,7 +224,7 @@ def test_a_per_subject_port_is_its_own_client(addon: TlsResumption) -> None:
 def test_no_session_from_a_connection_without_a_verified_handshake(addon: TlsResumption) -> None:
     ctx = object()
     conn = _FakeConn(ctx, "ticket")
-    data = _data("10.203.0.11", "api.example.test", ("10.204.0.6", 443), conn)
+    data = _data_on(addon, "10.203.0.11", "api.example.test", ("10.204.0.6", 443), conn)
     addon.tls_start_server(data)
     addon.response(_flow_for(data))  # no tls_established_server: never stored
     addon.server_disconnected(type("D", (), {"server": data.conn})())
@@ -219,7 +234,7 @@ def test_no_session_from_a_connection_without_a_verified_handshake(addon: TlsRes
 def test_a_failed_upstream_handshake_drops_the_keys_sessions(addon: TlsResumption) -> None:
     ctx = object()
     _handshake(addon, ctx, "10.203.0.11", "ticket")
-    failed = _data("10.203.0.11", "api.example.test", ("10.204.0.6", 443), _FakeConn(ctx))
+    failed = _data_on(addon, "10.203.0.11", "api.example.test", ("10.204.0.6", 443), _FakeConn(ctx))
     addon.tls_failed_server(failed)
     assert len(addon.cache) == 0
 
@@ -233,7 +248,7 @@ def test_verification_settings_are_part_of_the_key_and_a_change_clears_the_cache
     addon: TlsResumption,
 ) -> None:
     ctx = object()
-    data = _data("10.203.0.11", "api.example.test", ("10.204.0.6", 443), _FakeConn(ctx))
+    data = _data_on(addon, "10.203.0.11", "api.example.test", ("10.204.0.6", 443), _FakeConn(ctx))
     verified = addon._key(data)
     _handshake(addon, ctx, "10.203.0.11", "ticket")
     from mitmproxy import ctx as mctx
@@ -252,7 +267,7 @@ def test_off_offers_and_stores_nothing(addon: TlsResumption) -> None:
     ctx = object()
     _handshake(addon, ctx, "10.203.0.11", "ticket")
     assert len(addon.cache) == 0
-    key = addon._key(_data("10.203.0.11", "api.example.test", ("10.204.0.6", 443), _FakeConn(ctx)))
+    key = addon._key(_data_on(addon, "10.203.0.11", "api.example.test", ("10.204.0.6", 443), _FakeConn(ctx)))
     assert key is not None
     stored: Any = (ctx, "x")
     addon.cache.put(key, stored, 1000.0)
@@ -268,6 +283,108 @@ def test_forget_reaches_the_sessions(addon: TlsResumption) -> None:
     assert _handshake(addon, ctx, "10.203.0.12", None).offered == "b"
 
 
+def test_a_session_stored_after_the_forget_does_not_reach_the_next_tenant(addon: TlsResumption) -> None:
+    """Review of issue 16: a connection of the removed subject A that began before the forget
+    line and completes its handshake (and first response) after it stored its session under
+    A's address; B, registered on that address next, resumed it. A's epoch is older now."""
+    ctx = object()
+    a_conn = _FakeConn(ctx, "A-ticket")
+    a = _data_on(addon, "10.203.0.11", "api.example.test", ("10.204.0.6", 443), a_conn, 40000)
+    addon.tls_start_server(a)
+    addon.forget(["10.203.0.11"])  # egressd removed A
+    addon.tls_established_server(a)
+    addon.response(_flow_for(a))
+    b_conn = _FakeConn(ctx, None)
+    b = _data_on(addon, "10.203.0.11", "api.example.test", ("10.204.0.6", 443), b_conn, 40001)
+    addon.tls_start_server(b)
+    assert b_conn.offered is None
+
+
+@pytest.mark.parametrize("forgotten", [["10.203.0.11"], None])
+def test_without_the_map_forget_lines_move_the_epoch(
+    addon: TlsResumption, forgotten: list[str] | None
+) -> None:
+    """A session stored under the old epoch after the forget (the cache forgot what it held
+    then) is not offered to a connection that started after it; another client's forget
+    changes nothing for this one."""
+    ctx = object()
+    _handshake(addon, ctx, "10.203.0.11", "a")
+    addon.forget(["10.203.0.12"])
+    assert _handshake(addon, ctx, "10.203.0.11", "a2").offered == "a", "another client's forget"
+    old = addon._key(_data_on(addon, "10.203.0.11", "api.example.test", ("10.204.0.6", 443), _FakeConn(ctx)))
+    assert old is not None
+    addon.forget(forgotten)
+    stale: Any = (ctx, "stale")
+    addon.cache.put(old, stale, 1000.0)
+    assert _handshake(addon, ctx, "10.203.0.11", None).offered is None
+
+
+@pytest.fixture
+def seq_map(tmp_path: Path) -> Iterator[tuple[seqmap.SeqWriter, seqmap.SeqReader]]:
+    writer = seqmap.SeqWriter(tmp_path / "active.seq")
+    reader = seqmap.SeqReader(str(writer.path))
+    try:
+        yield writer, reader
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_with_the_map_a_bump_ends_the_epoch_before_any_forget_line(
+    addon: TlsResumption, seq_map: tuple[seqmap.SeqWriter, seqmap.SeqReader]
+) -> None:
+    """A worker whose forget line has not arrived yet: egressd bumped the client's slot
+    synchronously at the removal, so the next tenant's connection has a newer epoch."""
+    writer, reader = seq_map
+    addon.seq = reader
+    ctx = object()
+    _handshake(addon, ctx, "10.203.0.11", "A-ticket")
+    _handshake(addon, ctx, "10.203.0.12", "other")
+    assert _handshake(addon, ctx, "10.203.0.11", "A-ticket-2").offered == "A-ticket", "same epoch resumes"
+    writer.bump(["10.203.0.11"])  # the removal of A; no forget line reaches this worker
+    assert _handshake(addon, ctx, "10.203.0.11", None).offered is None, "B does not get A's session"
+    assert _handshake(addon, ctx, "10.203.0.12", None).offered == "other"
+
+
+def test_with_the_map_a_session_stored_after_the_bump_stays_in_the_old_epoch(
+    addon: TlsResumption, seq_map: tuple[seqmap.SeqWriter, seqmap.SeqReader]
+) -> None:
+    writer, reader = seq_map
+    addon.seq = reader
+    ctx = object()
+    a = _data_on(addon, "10.203.0.11", "api.example.test", ("10.204.0.6", 443), _FakeConn(ctx, "A"))
+    addon.tls_start_server(a)
+    writer.bump(["10.203.0.11"])
+    addon.tls_established_server(a)
+    addon.response(_flow_for(a))
+    assert len(addon.cache) == 1
+    assert _handshake(addon, ctx, "10.203.0.11", None).offered is None
+
+
+def test_an_unreadable_map_offers_and_stores_nothing(
+    addon: TlsResumption, seq_map: tuple[seqmap.SeqWriter, seqmap.SeqReader]
+) -> None:
+    _, reader = seq_map
+    addon.seq = reader
+    reader.close()  # reads as None: no epoch, so no resumption (closed)
+    ctx = object()
+    _handshake(addon, ctx, "10.203.0.11", "ticket")
+    assert len(addon.cache) == 0
+    assert _handshake(addon, ctx, "10.203.0.11", None).offered is None
+
+
+def test_a_connection_the_addon_did_not_see_start_does_not_resume(addon: TlsResumption) -> None:
+    ctx = object()
+    _handshake(addon, ctx, "10.203.0.11", "ticket")
+    unseen = _FakeConn(ctx)
+    addon.tls_start_server(_data("10.203.0.11", "api.example.test", ("10.204.0.6", 443), unseen))
+    assert unseen.offered is None
+    data = _data_on(addon, "10.203.0.11", "api.example.test", ("10.204.0.6", 443), _FakeConn(ctx))
+    assert data.context.client.id in addon._epochs
+    addon.client_disconnected(data.context.client)
+    assert data.context.client.id not in addon._epochs
+
+
 def test_an_error_leaves_the_full_handshake(addon: TlsResumption) -> None:
     class Broken(_FakeConn):
         def set_session(self, session: object) -> None:
@@ -276,7 +393,9 @@ def test_an_error_leaves_the_full_handshake(addon: TlsResumption) -> None:
     ctx = object()
     _handshake(addon, ctx, "10.203.0.11", "ticket")
     broken = Broken(ctx)
-    addon.tls_start_server(_data("10.203.0.11", "api.example.test", ("10.204.0.6", 443), broken))  # no raise
+    addon.tls_start_server(
+        _data_on(addon, "10.203.0.11", "api.example.test", ("10.204.0.6", 443), broken)
+    )  # no raise
     assert broken.offered is None
 
 
@@ -465,3 +584,24 @@ def test_the_indexed_proxyserver_refuses_self_connects_and_follows_listener_chan
     fake.is_updating = True  # while servers change: mitmproxy's own walk (on the real list)
     p.servers = type("Empty", (), {"is_updating": True, "__iter__": lambda self: iter(())})()
     assert _connect(p, "127.0.0.1", 16300) is None
+
+
+def test_the_child_reads_the_map_egressd_vault_push_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from egressd.mitm.addon import EgressInjector
+
+    monkeypatch.setattr(tlsresume, "emit", lambda *a, **kw: None)
+    writer = seqmap.SeqWriter(tmp_path / "active.seq")
+    resumption, injector = TlsResumption(), EgressInjector()
+    try:
+        with taddons.context(resumption, injector) as tctx:  # type: ignore[no-untyped-call]
+            assert resumption.seq is None
+            tctx.options.update(egressd_vault_push=str(writer.path))
+            assert resumption.seq is not None
+            writer.bump(["10.203.0.11"])
+            assert resumption._epoch("10.203.0.11") == (1, 0, 0)
+            tctx.options.update(egressd_vault_push=str(tmp_path / "missing"))
+            assert resumption.seq is None, "an unreadable map: the local counts are the epoch"
+    finally:
+        writer.close()
