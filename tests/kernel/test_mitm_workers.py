@@ -184,3 +184,27 @@ def test_the_host_uid_port_block_is_partitioned_between_the_workers(workers: Dae
     assert sorted(owners) == list(range(lo, hi + 1))
     assert all(len(v) == 1 for v in owners.values())
     assert owners[lo] == [0] and owners[lo + 1] == [1] and owners[lo + 2] == [0]
+
+
+def test_an_intercepted_source_without_a_worker_port_never_reaches_the_upstream(
+    topo: Topology, workers: Daemon
+) -> None:
+    """A kernel state no transaction makes (the port element gone, ``mitm_src`` still holding the
+    source): the redirect's map lookup misses, and the rule after it drops the packet instead of
+    letting it take the forward path to the upstream unintercepted (uninjected, undecrypted)."""
+    _bind(workers, 4, "w4")
+    try:
+        learn(topo, 4, API)
+        assert api(topo, 4).code == 200
+        ip = Topology.sb_ip(4)
+        workers.nft("delete", "element", "inet", TABLE, "mitm_port_v4", f"{{ {ip} }}")
+        assert ip in workers.nft("list", "set", "inet", TABLE, "mitm_src_v4")
+        seen = _http_requests(topo)
+        assert api(topo, 4, timeout=1.0).code == 0
+        assert _http_requests(topo) == seen, "the upstream heard from a source that skipped the MITM"
+    finally:
+        # Put an element back so the removal (which deletes it) goes through.
+        ip = Topology.sb_ip(4)
+        workers.nft("add", "element", "inet", TABLE, "mitm_port_v4", f"{{ {ip} : {MITM_PORT} }}", check=False)
+        code, text = workers.post(envelope("REMOVE_BINDING", "w4"))
+        assert code == 200, text
