@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.kernel.test_mitm import POLICY, SECRET, VAULT, api, learn
-from tests.kernel.topology import Daemon, Topology, envelope
+from tests.kernel.topology import GATEWAY, Daemon, Topology, envelope
 
 MITM_PORT = 18281
 TABLE = "egt-mitmw"
@@ -208,3 +208,15 @@ def test_an_intercepted_source_without_a_worker_port_never_reaches_the_upstream(
         workers.nft("add", "element", "inet", TABLE, "mitm_port_v4", f"{{ {ip} : {MITM_PORT} }}", check=False)
         code, text = workers.post(envelope("REMOVE_BINDING", "w4"))
         assert code == 200, text
+
+
+def test_a_direct_connection_to_any_worker_port_is_dropped(topo: Topology, workers: Daemon) -> None:
+    """The input hook polices every worker's port, not only the first: a sandbox that connects to
+    one directly (no REDIRECT, so no original destination to judge) gets nothing."""
+    _bind(workers, 1, "w1")
+    try:
+        for port in (MITM_PORT, MITM_PORT + 1):
+            assert topo.curl(1, f"http://{GATEWAY}:{port}/", timeout=1.0) == 0, port
+            assert topo.curl(1, f"https://{GATEWAY}:{port}/", timeout=1.0) == 0, port
+    finally:
+        workers.post(envelope("REMOVE_BINDING", "w1"))
