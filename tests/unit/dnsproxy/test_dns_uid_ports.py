@@ -81,9 +81,19 @@ def make(policies: FakePolicies, fwd: FakeForwarder) -> DnsProxy:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free for UDP *and* TCP on 127.0.0.1 (the listener binds both; a UDP-free port can be
+    some TCP connection's local port, which made this flaky under a busy machine)."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+            u.bind(("127.0.0.1", 0))
+            port = int(u.getsockname()[1])
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
+                try:
+                    t.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no port free for both UDP and TCP")
 
 
 async def test_the_port_names_the_asker_not_the_source_address() -> None:
