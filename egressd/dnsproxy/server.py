@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import ipaddress
 import socket
 import struct
@@ -28,6 +27,7 @@ from egressd.dnsproxy.decide import (
 from egressd.dnsproxy.ede import INFO_BLOCKED, INFO_NOT_SUPPORTED, INFO_OTHER, attach_ede
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.events.dns import DnsEvents
+from egressd.kernel.listeners import NO_IPV6, bound_socket
 from egressd.metrics import EgressMetrics
 from egressd.policy import NetworkPolicy, evidence, new_decision_id
 from egressd.policy.audit import safe_token
@@ -82,6 +82,7 @@ class DnsProxy:
         lease_bounds: tuple[int, int] = (60, 360),
         budget: QueryBudget | None = None,
         events: DnsEvents | None = None,
+        listener_mark: int | None = None,
     ) -> None:
         # Two callables from the composition root, not the control plane: the proxy knows
         # nothing of registries or kernels (the reference's proxy.SetOnResolved).
@@ -93,6 +94,9 @@ class DnsProxy:
         self.metrics = metrics
         self.lease_bounds = lease_bounds
         self.budget = budget  # None: no per-subject query budget (EGRESSD_DNS_QPS_PER_SUBJECT=0)
+        # SO_MARK of every listener (fleet: egressd.kernel.listeners.OWNER_MARK, which the
+        # table's input chain asks of whatever socket receives on egressd's ports).
+        self.listener_mark = listener_mark
         self._transports: list[asyncio.DatagramTransport] = []
         self._servers: list[asyncio.Server] = []
         # Per-subject listeners by port: (transports, servers).
@@ -356,15 +360,7 @@ class DnsProxy:
         if host == "0.0.0.0" and socket.has_ipv6:
             hosts.append("::")
         for h in hosts:
-            fam = socket.AF_INET6 if ":" in h else socket.AF_INET
-            udp = socket.socket(fam, socket.SOCK_DGRAM)
-            tcp = socket.socket(fam, socket.SOCK_STREAM)
-            for s in (udp, tcp):
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if fam == socket.AF_INET6:
-                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                s.bind((h, port))
-            tcp.listen(256)
+            udp, tcp = _bound_pair(h, port, self.listener_mark)
             transport, _ = await loop.create_datagram_endpoint(lambda: _Udp(self), sock=udp)
             self._transports.append(transport)
             self._servers.append(await asyncio.start_server(self._serve_tcp, sock=tcp))
@@ -380,11 +376,10 @@ class DnsProxy:
         servers: list[asyncio.Server] = []
         try:
             for h in hosts:
-                fam = socket.AF_INET6 if ":" in h else socket.AF_INET
                 try:
-                    udp, tcp = _bound_pair(fam, h, by_port.port)
+                    udp, tcp = _bound_pair(h, by_port.port, self.listener_mark)
                 except OSError as exc:
-                    if fam == socket.AF_INET6 and exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                    if ":" in h and exc.errno in NO_IPV6:
                         continue
                     raise
                 transport, _ = await loop.create_datagram_endpoint(lambda: _Udp(self, by_port), sock=udp)
@@ -447,19 +442,14 @@ def _client_key(client: str, by_port: PortAsker | None) -> str:
     return client if by_port is None else f"{client}@{by_port.port}"
 
 
-def _bound_pair(fam: socket.AddressFamily, host: str, port: int) -> tuple[socket.socket, socket.socket]:
-    udp = socket.socket(fam, socket.SOCK_DGRAM)
-    tcp = socket.socket(fam, socket.SOCK_STREAM)
+def _bound_pair(host: str, port: int, mark: int | None) -> tuple[socket.socket, socket.socket]:
+    """The UDP socket and the listening TCP socket of one address (docs/behaviour.md §20.1: the UDP
+    one never shares its port, both carry the owner mark when one is given)."""
+    udp = bound_socket(host, port, socket.SOCK_DGRAM, mark=mark)
     try:
-        for s in (udp, tcp):
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if fam == socket.AF_INET6:
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            s.bind((host, port))
-        tcp.listen(256)
+        tcp = bound_socket(host, port, socket.SOCK_STREAM, mark=mark, backlog=256)
     except BaseException:
         udp.close()
-        tcp.close()
         raise
     return udp, tcp
 

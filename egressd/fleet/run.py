@@ -29,6 +29,7 @@ from egressd.fleetnft.builder import TableConfig
 from egressd.fleetnft.selftest import BridgeReport, SelfTestError, bridge_report, run_selftest
 from egressd.kernel.applier import KernelTransactions, NftError
 from egressd.kernel.conntrack import flush_source
+from egressd.kernel.listeners import OWNER_MARK
 from egressd.kernel.renewal import LeaseRenewal
 from egressd.lifecycle import Running, StartupError
 from egressd.metrics import EgressMetrics
@@ -63,6 +64,7 @@ def table_config(cfg: Config, renewal: LeaseRenewal = LeaseRenewal.READD) -> Tab
         own_uid=os.getuid(),
         http_port=cfg.http_port,
         deny_reject=cfg.deny_reject,
+        sandbox_ifaces=cfg.sandbox_ifaces,
     )
 
 
@@ -198,6 +200,7 @@ async def _start_dns(
         lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max),
         budget=query_budget(cfg.dns_qps_per_subject),
         events=visibility.events,
+        listener_mark=OWNER_MARK,
     )
     try:
         await dns.start(cfg.dns_host, cfg.dns_port)
@@ -266,6 +269,7 @@ async def _start_mitm(
             control.learning.destination_verified_until,
             metrics=metrics,
             by_port=by_port,
+            listen_mark=OWNER_MARK,
         )
     except MitmStartupError as exc:
         raise StartupError(str(exc)) from None
@@ -276,7 +280,7 @@ async def _start_mitm(
 
 async def _serve(cfg: Config, http: FleetHTTP, running: Running, stop: asyncio.Event | None) -> None:
     try:
-        running.http = await start_http(http.app(), cfg.http_host, cfg.http_port)
+        running.http = await start_http(http.app(), cfg.http_host, cfg.http_port, mark=OWNER_MARK)
     except ListenError as exc:
         raise StartupError(str(exc)) from None
     log.info("http.listening", addr=f"{cfg.http_host}:{cfg.http_port}", instance_id=http.instance_id)

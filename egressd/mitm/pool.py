@@ -18,7 +18,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from egressd.fleetnft.workers import uid_worker
+from egressd.kernel.listeners import raise_fd_limit
 from egressd.metrics import EgressMetrics
+from egressd.mitm.handover import Listen
 from egressd.mitm.supervisor import MitmOptions, MitmSupervisor, mitmdump_argv
 
 
@@ -68,8 +70,17 @@ class MitmPool:
         before_restart: Callable[[], None] | None = None,
     ) -> MitmPool:
         each = worker_options(opts, workers)
+        # egressd binds every worker's listeners (docs/behaviour.md §20.1): room for them.
+        raise_fd_limit()
         sups = [
-            MitmSupervisor(mitmdump_argv(o), gid=gid, metrics=metrics, before_restart=before_restart, worker=i)
+            MitmSupervisor(
+                mitmdump_argv(o),
+                gid=gid,
+                metrics=metrics,
+                before_restart=before_restart,
+                worker=i,
+                listen=Listen((o.port, *o.subject_ports), opts.listen_mark),
+            )
             for i, o in enumerate(each)
         ]
         pool = cls(sups, [o.port for o in each])

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import resource
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -33,8 +33,10 @@ from mitmproxy import exceptions, master, options
 from mitmproxy.addons import core, disable_h2c, errorcheck, next_layer, tlsconfig
 
 from egressd.hygiene import disable_core_dumps
+from egressd.kernel.listeners import raise_fd_limit
 from egressd.mitm.active import CACHE_EVENT
 from egressd.mitm.addon import EgressInjector, emit
+from egressd.mitm.handover import adopt, listen_on_adopted
 from egressd.mitm.lookup import parse_forget
 from egressd.mitm.selfconnect import IndexedProxyserver
 from egressd.mitm.tlsresume import TlsResumption
@@ -101,6 +103,9 @@ async def _follow_forgets(
 
 
 async def _main(argv: Sequence[str]) -> int:
+    # Listen on the sockets egressd bound and marked for us (docs/behaviour.md §20.1), before
+    # any option can make mitmproxy start a server.
+    listen_on_adopted(adopt(os.environ))
     logging.getLogger().setLevel(logging.INFO)
     for noisy in ("asyncio", "hpack"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -140,16 +145,6 @@ async def _main(argv: Sequence[str]) -> int:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     return 0
-
-
-def raise_fd_limit() -> None:
-    """The soft open-files limit up to the hard one: every per-subject port (host-uid
-    subjects) is one or two listening sockets, and the connections need room beside them."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
-    if soft != resource.RLIM_INFINITY and soft < target:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -123,13 +123,14 @@ async def start_mitm(
     gid: int | None = None,
     metrics: EgressMetrics | None = None,
     by_port: PortVaults | None = None,
+    listen_mark: int | None = None,
 ) -> RunningMitm:
     """CA, the private ``_active`` socket, then the supervised MITM workers (docs/behaviour.md §10).
 
     ``lookup``/``verify`` (and ``by_port``, for the per-subject ports of host-uid subjects)
     answer the child's vault lookups (:mod:`egressd.mitm.active`); ``gid`` is the child's
-    group id (the sidecar exempts the MITM's own traffic by it).
-    """
+    group id (the sidecar exempts the MITM's own traffic by it); ``listen_mark`` the workers'
+    listeners' SO_MARK (the fleet's owner mark, docs/behaviour.md §20.1)."""
     keeper = _ca_keeper(cfg)
     ca = keeper.ca
     trust: Path | None = None
@@ -165,15 +166,13 @@ async def start_mitm(
     except OSError as exc:
         await active.cleanup()
         raise MitmStartupError(f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock}: {exc.strerror}") from None
-    opts = _options(cfg, sock, trust, by_port.ports if by_port else ())
+    opts = _options(cfg, sock, trust, by_port.ports if by_port else (), listen_mark)
     seq = _sequence_map(cfg, sock)
     if seq is not None:
         opts = replace(opts, vault_push=seq.path)
     log.info("mitm.ca", fingerprint=ca.fingerprint, pinned=ca.pinned, confdir=str(ca.confdir))
     # keeper.refresh runs before every worker's restart: the CA can change only at a start.
-    supervisor = MitmPool.build(
-        opts, cfg.mitm_workers, gid=gid, metrics=metrics, before_restart=keeper.refresh
-    )
+    supervisor = MitmPool.build(opts, cfg.mitm_workers, gid=gid, metrics=metrics, before_restart=keeper.refresh)
     return RunningMitm(keeper, supervisor, active, sock, seq)
 
 
@@ -192,7 +191,9 @@ def _sequence_map(cfg: Config, sock: Path) -> SeqWriter | None:
     return seq
 
 
-def _options(cfg: Config, sock: Path, trust: Path | None, subject_ports: tuple[int, ...]) -> MitmOptions:
+def _options(
+    cfg: Config, sock: Path, trust: Path | None, subject_ports: tuple[int, ...], listen_mark: int | None
+) -> MitmOptions:
     return MitmOptions(
         port=cfg.mitm_port,
         confdir=cfg.mitm_confdir,
@@ -202,4 +203,5 @@ def _options(cfg: Config, sock: Path, trust: Path | None, subject_ports: tuple[i
         subject_ports=subject_ports,
         ignore_hosts=cfg.mitm_ignore_hosts,
         tls_resume=cfg.mitm_tls_resume,
+        listen_mark=listen_mark,
     )

@@ -36,9 +36,11 @@ from typing import Final
 
 import structlog
 
+from egressd.kernel.listeners import wildcard_listeners
 from egressd.metrics import EgressMetrics
 from egressd.mitm import seqmap
 from egressd.mitm.active import CACHE_EVENT, READY_EVENT
+from egressd.mitm.handover import Listen, handover_env
 from egressd.mitm.intercept import CONNECTION_EVENT
 from egressd.mitm.lookup import CACHE_MAX_ENTRIES, FORGET_BATCH, forget_message
 
@@ -65,6 +67,8 @@ class MitmOptions:
     ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (docs/behaviour.md §16)
     tls_resume: bool = True  # EGRESSD_MITM_TLS_RESUME (egressd.mitm.tlsresume)
     vault_push: Path | None = None  # the narrowing sequence map (EGRESSD_MITM_VAULT_PUSH=on)
+    # SO_MARK of the listeners the supervisor binds for the child (fleet: OWNER_MARK, §20.1).
+    listen_mark: int | None = None
 
 
 def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
@@ -148,6 +152,7 @@ class MitmSupervisor:
         metrics: EgressMetrics | None = None,
         before_restart: Callable[[], None] | None = None,
         worker: int = 0,
+        listen: Listen | None = None,
     ) -> None:
         """``gid``: run the child with this group id (and no supplementary groups). The sidecar
         profile exempts the MITM's own upstream connections from its 80/443 redirect by
@@ -156,8 +161,12 @@ class MitmSupervisor:
         re-exported there); when it raises, no child is started and it is tried again after
         the backoff: nothing listens, so intercepted connections are refused (closed).
         ``worker``: this child's index among the workers (EGRESSD_MITM_WORKERS), the ``worker``
-        label of its metrics; the gauges are registered by :class:`egressd.mitm.pool.MitmPool`."""
+        label of its metrics; the gauges are registered by :class:`egressd.mitm.pool.MitmPool`.
+        ``listen``: the child's listening ports, bound (and marked) here before each start and
+        handed to it (:mod:`egressd.mitm.handover`): the child holds no capability, so it could
+        not mark them itself; None: the child binds its own (tests)."""
         self.argv = list(argv)
+        self.listen = listen
         self.worker = worker
         self._label = str(worker)
         self.backoff = backoff
@@ -232,29 +241,8 @@ class MitmSupervisor:
     async def run(self) -> None:
         delay = self.backoff[0]
         while not self._stopping:
-            if self.starts and self.before_restart is not None:
-                try:
-                    self.before_restart()
-                except Exception as exc:
-                    # One line, the reason only (CaError/ExportError never carry key material).
-                    log.error("mitm.restart_refused", error=str(exc)[:200])
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, self.backoff[1])
-                    continue
-            self.starts += 1
-            if self.metrics is not None:
-                self.metrics.mitm_starts.inc(self._label)
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    *self.argv,
-                    stdin=asyncio.subprocess.PIPE,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.STDOUT,
-                    preexec_fn=_child_setup(self.gid),
-                )
-            except (OSError, subprocess.SubprocessError) as exc:
-                # SubprocessError: the pre-exec set-up failed (e.g. no CAP_SETGID for the gid).
-                log.error("mitm.spawn_failed", error=getattr(exc, "strerror", None) or str(exc)[:200])
+            proc = await self._start_child()
+            if proc is None:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.backoff[1])
                 continue
@@ -280,6 +268,44 @@ class MitmSupervisor:
             log.warning("mitm.exited", pid=proc.pid, code=code, restart_in_s=delay, worker=self.worker)
             await asyncio.sleep(delay)
             delay = self.backoff[0] if was_ready else min(delay * 2, self.backoff[1])
+
+    async def _start_child(self) -> asyncio.subprocess.Process | None:
+        """The CA check (before every start but the first), the listeners, then the child; None
+        (logged, retried after the backoff) when one of them fails: nothing listens meanwhile."""
+        if self.starts and self.before_restart is not None:
+            try:
+                self.before_restart()
+            except Exception as exc:
+                # One line, the reason only (CaError/ExportError never carry key material).
+                log.error("mitm.restart_refused", error=str(exc)[:200])
+                return None
+        try:
+            socks = await asyncio.to_thread(wildcard_listeners, self.listen.ports, mark=self.listen.mark) if self.listen else []
+        except OSError as exc:
+            # Somebody holds one of the worker's ports (a sandbox uid squatting it while the
+            # child restarted): it receives nothing (docs/behaviour.md §20.1); the child waits.
+            log.error("mitm.listen_failed", error=exc.strerror or str(exc)[:200], worker=self.worker)
+            return None
+        self.starts += 1
+        if self.metrics is not None:
+            self.metrics.mitm_starts.inc(self._label)
+        try:
+            return await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                preexec_fn=_child_setup(self.gid),
+                pass_fds=[s.fileno() for s in socks],
+                env=handover_env(socks) if socks else None,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            # SubprocessError: the pre-exec set-up failed (e.g. no CAP_SETGID for the gid).
+            log.error("mitm.spawn_failed", error=getattr(exc, "strerror", None) or str(exc)[:200])
+            return None
+        finally:
+            for sock in socks:  # the child holds them now: its death frees the ports
+                sock.close()
 
     async def _pump(self, proc: asyncio.subprocess.Process) -> bool:
         """Read the child's output until it closes; True once it reported ready."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -13,6 +14,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
+from egressd.kernel.listeners import NO_IPV6, bound_socket
 from egressd.mitm import seqmap
 
 log = structlog.get_logger("egressd.http")
@@ -89,14 +91,25 @@ def make_runner(app: web.Application) -> web.AppRunner:
     )
 
 
-async def start_http(app: web.Application, host: str, port: int) -> web.AppRunner:
+async def start_http(app: web.Application, host: str, port: int, *, mark: int | None = None) -> web.AppRunner:
     """The running site's runner (the caller cleans it up); :class:`ListenError` if the address
-    cannot be bound (nothing is left running then)."""
+    cannot be bound (nothing is left running then). ``mark``: the listener's SO_MARK (the fleet
+    marks its sockets as egressd's own, docs/behaviour.md §20.1)."""
     runner = make_runner(app)
     await runner.setup()
+    socks: list[socket.socket] = []
     try:
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        for h in ("127.0.0.1", "::1") if host == "localhost" else (host,):
+            try:
+                socks.append(bound_socket(h, port, socket.SOCK_STREAM, mark=mark, backlog=128))
+            except OSError as exc:
+                if not (host == "localhost" and ":" in h and exc.errno in NO_IPV6):
+                    raise
+        for sock in socks:
+            await web.SockSite(runner, sock).start()
     except OSError as exc:
+        for sock in socks:
+            sock.close()
         await runner.cleanup()
         raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     return runner

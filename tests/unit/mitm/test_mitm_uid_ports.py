@@ -141,14 +141,14 @@ def test_listen_port_names_the_subject_only_off_the_shared_listener() -> None:
 def test_the_child_raises_its_open_files_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     import resource
 
-    from egressd.mitm import runner
+    from egressd.kernel import listeners
 
     calls: list[tuple[int, int]] = []
     monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))
     monkeypatch.setattr(resource, "setrlimit", lambda _, limits: calls.append(limits))
-    runner.raise_fd_limit()
+    listeners.raise_fd_limit()
     assert calls == [(4096, 4096)]
     calls.clear()
     monkeypatch.setattr(resource, "getrlimit", lambda _: (4096, 4096))
-    runner.raise_fd_limit()
+    listeners.raise_fd_limit()
     assert calls == []
