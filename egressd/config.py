@@ -14,6 +14,7 @@ from typing import TypedDict
 
 from egressd.dnsproxy.upstreams import Upstream, UpstreamError, parse_upstreams
 from egressd.events.webhook import WebhookURLError, parse_webhook_url
+from egressd.fleetnft.ifaces import iface_problem
 from egressd.subject.hostuid import (
     DEFAULT_UID_PORTS,
     DEFAULT_UID_RANGE,
@@ -212,6 +213,13 @@ OPTIONS: tuple[Option, ...] = (
         "fleet: most host-uid subjects at once (one DNS and one MITM port each)",
         "256",
     ),
+    Option(
+        "EGRESSD_SANDBOX_IFACES",
+        "--sandbox-ifaces",
+        "fleet: comma-separated interface names, or name* prefixes, whose packets are a sandbox's "
+        "besides the attachments' hostVeths (bridges; docs/behaviour.md §20.2)",
+        "",
+    ),
     # docs/behaviour.md §15 (visibility).
     Option(
         "OPENSANDBOX_EGRESS_DENY_WEBHOOK",
@@ -342,6 +350,8 @@ class Config:
     deny_reject: bool = False  # EGRESSD_DENY_REJECT
     # EGRESSD_MITM_WORKERS: worker i listens on mitm_port + i (the sidecar: always 1).
     mitm_workers: int = 1
+    # EGRESSD_SANDBOX_IFACES (docs/behaviour.md §20.2): names and "prefix*" of sandbox-facing interfaces.
+    sandbox_ifaces: tuple[str, ...] = ()
 
     @property
     def mitm_worker_ports(self) -> tuple[int, ...]:
@@ -385,6 +395,21 @@ def parse_uid_range(name: str, value: str | None) -> UidRange:
             f"{name}: expected first-last with {HOST_UID_MIN} <= first <= last <= {HOST_UID_MAX}"
         )
     return UidRange(lo, hi)
+
+
+def parse_sandbox_ifaces(value: str | None) -> tuple[str, ...]:
+    """EGRESSD_SANDBOX_IFACES: interface names or ``prefix*``, each one that can name an
+    interface other than loopback (a bad entry refuses the start: it would police nothing)."""
+    out: list[str] = []
+    for raw in (value or "").split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        problem = iface_problem(item, prefix_ok=True)
+        if problem is not None:
+            raise ConfigError(f"EGRESSD_SANDBOX_IFACES: {item!r} {problem}")
+        out.append(item)
+    return tuple(dict.fromkeys(out))
 
 
 def _uid_ports(raw: Mapping[str, str | None], taken: Mapping[str, tuple[int, int]]) -> UidPorts:
@@ -648,6 +673,7 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
         mode=mode,
         **_caps(raw),
         **_host(raw, table, log_format),
+        sandbox_ifaces=parse_sandbox_ifaces(raw["EGRESSD_SANDBOX_IFACES"]),
         uid_ports=_uid_ports(
             raw,
             {
@@ -1085,4 +1111,7 @@ def ignored_settings(cfg: Config) -> list[str]:
             "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS: only read with "
             "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS on"
         )
+    if cfg.sandbox_ifaces and cfg.profile != "fleet":
+        # The sidecar runs inside its sandbox's namespace: no interface there faces another.
+        notes.append("EGRESSD_SANDBOX_IFACES: fleet only (the sidecar shares its sandbox's namespace)")
     return notes

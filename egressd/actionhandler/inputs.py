@@ -136,7 +136,7 @@ async def read_set_binding(
         problem = _dispatch_key_problem(att.ip, att.gateway)
         if problem is not None:
             raise BadRequest(f"invalid action envelope: {problem}")
-        binding = Binding(att.ip, att.gateway, att.private_cidr)
+        binding = Binding(att.ip, att.gateway, att.private_cidr, att.host_veth or None)
     policy = parsed.policy if parsed is not None else None
     return SetBindingRequest(action.uid, action.fence, action.spec_generation, binding, policy), parsed
 

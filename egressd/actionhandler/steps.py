@@ -9,6 +9,7 @@ view for the next one. Callers of :meth:`StepRunner.run` hold the kernel lock.
 from __future__ import annotations
 
 import ipaddress
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -20,6 +21,7 @@ from egressd.actionhandler.learning import DnsLearning
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.shared import Shared
 from egressd.fleetnft.builder import (
+    SANDBOX_IFACES_SET,
     SubjectNft,
     audit_objects,
     dispatch_deletes,
@@ -35,8 +37,9 @@ from egressd.fleetnft.builder import (
     subject_resync,
     subject_rules,
 )
+from egressd.fleetnft.ifaces import usable_host_veth
 from egressd.kernel.applier import NftError, NftUncertain, Transactions
-from egressd.kernel.ops import NetlinkBatch, Op
+from egressd.kernel.ops import AddIface, DeleteIface, NetlinkBatch, Op
 from egressd.mitm import seqmap
 from egressd.policy import NetworkPolicy
 from egressd.subject.model import IPAddress
@@ -102,27 +105,60 @@ def ips(keys: Keys) -> list[IPAddress]:
 
 
 class SandboxNets:
-    """privateCidr per subject as the kernel's sandbox_nets sets hold them (14.2)."""
+    """What the kernel holds per subject to recognise sandboxes on the input hook: its
+    privateCidr in the ``sandbox_nets`` union (14.2) and its hostVeth in ``sandbox_ifaces`` (20.2)."""
 
     def __init__(self) -> None:
         self.held: dict[str, Network] = {}
+        self.ifaces: dict[str, str] = {}
+        self._naming: Counter[str] = Counter()  # interface -> how many subjects name it
+
+    def forget_all(self) -> None:
+        """The table was reset: nothing of any subject is held any more."""
+        self.held, self.ifaces, self._naming = {}, {}, Counter()
 
     def refilled(
-        self, batch: NetlinkBatch, uid: str, cidr: Network | None
+        self, batch: NetlinkBatch, uid: str, cidr: Network | None, iface: str | None
     ) -> tuple[NetlinkBatch, Callable[[], None]]:
-        """``batch`` plus, when ``uid``'s privateCidr changes, the refill of the kernel's
-        union of every subject's CIDR (same transaction); and the commit to call after it."""
-        if self.held.get(uid) == cidr:
+        """``batch`` plus, in the same transaction, the refill of the kernel's union of every
+        subject's CIDR when ``uid``'s changes, and its interface's entry when that changes;
+        and the commit to call after it."""
+        iface = usable_host_veth(iface)
+        ops = self._iface_ops(uid, iface)
+        desired = self.held
+        if self.held.get(uid) != cidr:
+            desired = {u: n for u, n in self.held.items() if u != uid}
+            if cidr is not None:
+                desired[uid] = cidr
+            ops += sandbox_nets_refresh(desired.values())
+        if not ops:
             return batch, lambda: None
-        desired = {u: n for u, n in self.held.items() if u != uid}
-        if cidr is not None:
-            desired[uid] = cidr
-        refill = NetlinkBatch(batch.table, tuple(sandbox_nets_refresh(desired.values())))
 
         def commit() -> None:
             self.held = desired
+            old = self.ifaces.pop(uid, None)
+            if old is not None:
+                self._naming[old] -= 1
+                if self._naming[old] <= 0:
+                    del self._naming[old]
+            if iface is not None:
+                self.ifaces[uid] = iface
+                self._naming[iface] += 1
 
-        return batch + refill, commit
+        return batch + NetlinkBatch(batch.table, tuple(ops)), commit
+
+    def _iface_ops(self, uid: str, iface: str | None) -> list[Op]:
+        """The new name in (adding is idempotent); the old one out when no other subject names
+        it (added first: a delete of a missing element would fail the whole transaction)."""
+        old = self.ifaces.get(uid)
+        if old == iface:
+            return []
+        ops: list[Op] = []
+        if iface is not None:
+            ops.append(AddIface(SANDBOX_IFACES_SET, iface))
+        if old is not None and self._naming[old] <= 1:
+            ops += [AddIface(SANDBOX_IFACES_SET, old), DeleteIface(SANDBOX_IFACES_SET, old)]
+        return ops
 
 
 @dataclass(slots=True)
@@ -183,7 +219,7 @@ class StepRunner:
                 header_script(self._cfg, delete_existing=True),
                 header_script(self._cfg, delete_existing=False),
             )
-            self.nets.held = {}
+            self.nets.forget_all()
 
     async def run(self, entry: Entry, step: Step) -> list[IPAddress]:
         """Run one step's transactions in order; return the sources whose flows to cut."""
@@ -224,7 +260,7 @@ class StepRunner:
         network binding it replaces."""
         await self._open_port(host.slot)
         batch, after = hostuid.deny_first(self._cfg, entry, host, view)
-        batch, commit = self.nets.refilled(batch, entry.uid, None)
+        batch, commit = self.nets.refilled(batch, entry.uid, None, None)
         await txn.send(batch, "deny_first", after)
         commit()
         if view.objects:
@@ -236,7 +272,9 @@ class StepRunner:
     ) -> list[IPAddress]:
         await self._open_port(host.slot)
         audit = view.applied is not None and self._policies.effective(view.applied).audit
-        batch, commit = self.nets.refilled(hostuid.add_keys(self._cfg, entry, host, audit), entry.uid, None)
+        batch, commit = self.nets.refilled(
+            hostuid.add_keys(self._cfg, entry, host, audit), entry.uid, None, None
+        )
         key = (host.host_uid, host.slot)
         await txn.send(batch, "dispatch_update", replace(view, uid_keys=view.uid_keys | {key}))
         commit()
@@ -262,7 +300,9 @@ class StepRunner:
         key = (subj.ip, subj.gateway)
         if not view.objects:
             # A new subject: sets, chains, fixed rules and keys in one transaction.
-            create, commit = self.nets.refilled(create, entry.uid, step.binding.private_cidr)
+            create, commit = self.nets.refilled(
+                create, entry.uid, step.binding.private_cidr, step.binding.host_veth
+            )
             await txn.send(create, "deny_first", KernelView(True, frozenset({key}), rules=True))
             commit()
             # Nothing this subject allows is established yet, yet the header accepts
@@ -277,7 +317,7 @@ class StepRunner:
         if not view.rules:
             batch = batch + subject_rules(cfg, nid, audit=view.audit)
         batch, commit = self.nets.refilled(
-            batch + subject_keys(cfg, subj), entry.uid, step.binding.private_cidr
+            batch + subject_keys(cfg, subj), entry.uid, step.binding.private_cidr, step.binding.host_veth
         )
         await txn.send(batch, "deny_first", replace(view, rules=True, applied=None, keys=view.keys | {key}))
         commit()
@@ -301,7 +341,7 @@ class StepRunner:
             batch = batch + dyn_replace(table, nid, narrowed.kept if narrowed is not None else ())
         # A host-uid subject's audit mode lets its established flows pass (fleetnft/builder.py).
         batch = batch + hostuid.audit_membership(self._cfg, view.uid_keys, effective.audit)
-        batch, commit = self.nets.refilled(batch, entry.uid, _cidr(entry, self.nets))
+        batch, commit = self.nets.refilled(batch, entry.uid, *_recognised_by(entry, self.nets))
         try:
             await txn.send(batch, "static_apply", replace(view, applied=step.policy, audit=audit))
         except NftError as exc:
@@ -343,7 +383,9 @@ class StepRunner:
     ) -> list[IPAddress]:
         assert isinstance(step.binding, Binding)
         subj = _subject_nft(entry.nft_id, step.binding, self.workers.of(entry.uid))
-        keys, commit = self.nets.refilled(subject_keys(self._cfg, subj), entry.uid, step.binding.private_cidr)
+        keys, commit = self.nets.refilled(
+            subject_keys(self._cfg, subj), entry.uid, step.binding.private_cidr, step.binding.host_veth
+        )
         await txn.send(keys, "dispatch_update", replace(view, keys=view.keys | {(subj.ip, subj.gateway)}))
         commit()
         # A new address's established flows were never judged by this subject (see above).
@@ -379,7 +421,7 @@ class StepRunner:
         ops = self._key_deletes(entry.uid, view.keys, None) + hostuid.key_deletes(self._cfg, view.uid_keys)
         if view.objects:
             ops += removal_batch(self._cfg, entry.nft_id, None, release_gateway=None, audit=view.audit).ops
-        removal, commit = self.nets.refilled(NetlinkBatch(self._cfg.table, tuple(ops)), entry.uid, None)
+        removal, commit = self.nets.refilled(NetlinkBatch(self._cfg.table, tuple(ops)), entry.uid, None, None)
         await txn.send(removal, "remove", KernelView())
         commit()
         self.workers.release(entry.uid)
@@ -425,11 +467,13 @@ class StepRunner:
         return ops
 
 
-def _cidr(entry: Entry, nets: SandboxNets) -> Network | None:
-    """The privateCidr the subject's binding names (none for a host-uid subject)."""
+def _recognised_by(entry: Entry, nets: SandboxNets) -> tuple[Network | None, str | None]:
+    """The privateCidr and hostVeth the subject's binding names (none for a host-uid subject)."""
     if isinstance(entry.binding, HostBinding):
-        return None
-    return entry.binding.private_cidr if entry.binding is not None else nets.held.get(entry.uid)
+        return None, None
+    if entry.binding is not None:
+        return entry.binding.private_cidr, entry.binding.host_veth
+    return nets.held.get(entry.uid), nets.ifaces.get(entry.uid)
 
 
 def _subject_nft(nid: str, binding: Binding, worker: int) -> SubjectNft:

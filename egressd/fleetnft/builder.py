@@ -64,6 +64,7 @@ import ipaddress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from egressd.kernel.listeners import OWNER_MARK
 from egressd.kernel.ops import (
     ALLOW_MARK,
     AddChain,
@@ -121,6 +122,10 @@ AUDIT_LOG_PREFIX = "egressd would-deny "
 DYN_TIMEOUT_S = 360
 #: Regular chain the input hook sends sandbox-sourced packets to (docs/behaviour.md §14.2).
 SANDBOX_IN_CHAIN = "sandbox_in"
+#: The attachments' hostVeths (``type ifname``): packets arriving there are a sandbox's (§20.2).
+SANDBOX_IFACES_SET = "sandbox_ifaces"
+#: Regular chain the input hook sends everything addressed to egressd's ports to (§20.1).
+OWNED_IN_CHAIN = "owned_in"
 ND_TYPES = "nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert"
 #: Every refusal goes here (docs/behaviour.md §15): counted per source, then DENY_VERDICT_CHAIN.
 DENIED_CHAIN = "denied"
@@ -164,6 +169,10 @@ class TableConfig:
     renew_by_replace: bool = False
     # EGRESSD_MITM_WORKERS: worker i listens on mitm_port + i.
     mitm_workers: int = 1
+    # EGRESSD_SANDBOX_IFACES (docs/behaviour.md §20.2): interface names, or ``prefix*``, whose
+    # packets come from sandboxes (bridges, veth name prefixes), beside the attachments'
+    # hostVeths (set ``sandbox_ifaces``).
+    sandbox_ifaces: tuple[str, ...] = ()
 
 
 def worker_ports(cfg: TableConfig) -> str:
@@ -423,6 +432,7 @@ def _header_objects(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> 
     if cfg.block_doh_443 and cfg.doh_blocklist:
         for fam in ("v4", "v6"):
             s.obj("add", "set", _set_decl(doh_set(fam), fam, "interval", doh[fam]))
+    s.obj("add", "set", f"{SANDBOX_IFACES_SET} {{ type ifname; }}")
     _denial_chains(s, cfg)
 
 
@@ -455,6 +465,7 @@ def _filter_chains(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> N
     # gateway, any other pod address) and that never crosses the forward hook (§14.2).
     s.obj("add", "chain", "input { type filter hook input priority 0; policy accept; }")
     s.obj("add", "chain", SANDBOX_IN_CHAIN)
+    _owned_ports_input(s, cfg)
     # Replies to the pod's own flows (upstream DNS, the MITM's upstream leg) and the later
     # packets of the flows sandbox_in accepted.
     s.rule("input", "ct state established,related accept")
@@ -554,6 +565,39 @@ def _denial_chains(s: _Script, cfg: TableConfig) -> None:
     s.rule(DENIED_CHAIN, f'counter name "{UNATTRIBUTED_COUNTER}" goto {DENY_VERDICT_CHAIN}')
 
 
+def _owned_ports_input(s: _Script, cfg: TableConfig) -> None:
+    """docs/behaviour.md §20.1 on the receiving side: what is addressed to one of egressd's
+    listener ports reaches only a socket of egressd's (:data:`OWNER_MARK`).
+
+    Before the established-flows accept, so no packet of any state skips it: a squatter that
+    bound a port egressd was not using at that instant (a worker restarting, egressd down, a
+    port of the per-subject blocks) would otherwise get a SYN-cookie handshake's first flight,
+    a child socket's data before ``accept()``, or datagrams of a flow conntrack already knows.
+    ``socket mark`` reads a *full* socket only (a listener, an accepted or not-yet-accepted
+    child, a UDP socket); a request or TIME_WAIT socket, or no socket at all, does not match, so
+    egressd's own handshakes complete (their final ACK meets a request socket) and a port
+    nobody listens on still answers with a reset. Data always lands on a full socket, which
+    must be egressd's. Replies to connections egressd (or anyone) opened from such a port are
+    the other direction of a flow and are left alone.
+    """
+    s.obj("add", "chain", OWNED_IN_CHAIN)
+    s.rule(OWNED_IN_CHAIN, "ct direction reply return")
+    s.rule(OWNED_IN_CHAIN, f"socket mark != {OWNER_MARK:#010x} {REFUSE}")
+    own_udp, own_tcp = _own_listener_ports(cfg)
+    s.rule("input", f"udp dport {own_udp} jump {OWNED_IN_CHAIN}")
+    s.rule("input", f"tcp dport {own_tcp} jump {OWNED_IN_CHAIN}")
+
+
+def _sandbox_ifaces_input(s: _Script, cfg: TableConfig) -> None:
+    """docs/behaviour.md §20.2: a packet that arrives on a sandbox-facing interface is a sandbox's,
+    whatever its source address (a link-local one, another family than the registered one, one
+    it gave itself, a sandbox not registered yet or any more): it meets ``sandbox_in``."""
+    s.rule("input", f"iifname @{SANDBOX_IFACES_SET} jump {SANDBOX_IN_CHAIN}")
+    for name in cfg.sandbox_ifaces:
+        # nft reads a trailing "*" of a quoted interface name as a prefix match.
+        s.rule("input", f'iifname "{name}" jump {SANDBOX_IN_CHAIN}')
+
+
 def _sandbox_input(s: _Script, cfg: TableConfig) -> None:
     """§14.2 on the input hook: what a sandbox source may reach on the pod itself.
 
@@ -563,8 +607,10 @@ def _sandbox_input(s: _Script, cfg: TableConfig) -> None:
     direct DNS or MITM port, the actions API, a helper on the gateway address, ICMP) is
     dropped. Sandbox sources are the registered subject addresses (``sandboxes_v4/v6``, the
     set the forward drop uses); the pod's own traffic and upstream peers never match them,
-    so nothing else that reaches the input hook changes.
+    so nothing else that reaches the input hook changes. The sandbox-facing interfaces come
+    first (:func:`_sandbox_ifaces_input`); the addresses stay as a second layer.
     """
+    _sandbox_ifaces_input(s, cfg)
     for fam in ("v4", "v6"):
         s.rule("input", f"{l3_of(fam)} saddr @{sandbox_set(fam)} jump {SANDBOX_IN_CHAIN}")
         # Any address of an attachment's privateCidr is a sandbox too, except the pod's own

@@ -15,10 +15,12 @@ from pathlib import Path
 
 from egressd.fleetnft.builder import Names, dyn_add
 from egressd.kernel.applier import NftError
+from egressd.kernel.listeners import OWNER_MARK
 from egressd.kernel.netlink import SetElement
 from egressd.kernel.ops import (
     AddCounter,
     AddCounterRef,
+    AddIface,
     AddIntervals,
     AddRule,
     AddSet,
@@ -26,6 +28,7 @@ from egressd.kernel.ops import (
     AuditRule,
     DeleteChain,
     DeleteElement,
+    DeleteIface,
     DeleteSet,
     FlushSet,
     MatchRule,
@@ -183,6 +186,22 @@ def _match_probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} in_ ip saddr @sb jump c3",  # c1, c2 are deleted by later probes
         ),
         (
+            # docs/behaviour.md §20.1: what is sent to egressd's ports reaches egressd's sockets only.
+            "socket ownership matches (socket mark, ct direction)",
+            f"add chain inet {t} own\n"
+            f"add rule inet {t} own ct direction reply return\n"
+            f"add rule inet {t} own socket mark != {OWNER_MARK:#010x} drop\n"
+            f"add rule inet {t} in_ udp dport {{ 15353, 16000-16256 }} jump own\n"
+            f"add rule inet {t} in_ tcp dport {{ 15353, 18080-18081 }} jump own",
+        ),
+        (
+            # docs/behaviour.md §20.2: sandbox-facing interfaces, by name, set and prefix.
+            "interface-name sets and prefixes",
+            f"add set inet {t} ifs {{ type ifname; }}\n"
+            f"add rule inet {t} in_ iifname @ifs jump c3\n"
+            f'add rule inet {t} in_ iifname "vh*" jump c3',
+        ),
+        (
             # docs/behaviour.md §15: refusals are counted per source through a counter map.
             "refusal counting (counter maps, goto)",
             f"add counter inet {t} k0\n"
@@ -286,6 +305,13 @@ def _netlink_content_probes(t: str) -> list[tuple[str, NetlinkBatch]]:
         (
             "netlink timeout elements",
             NetlinkBatch(t, (AddTimed("tv4", "v4", ((ipaddress.IPv4Address("192.0.2.2"), 60),)),)),
+        ),
+        (
+            "netlink interface-name elements",
+            NetlinkBatch(
+                t,
+                (AddIface("ifs", "egressd-probe"), AddIface("ifs", "vh0"), DeleteIface("ifs", "egressd-probe")),
+            ),
         ),
         (
             "netlink delete batches",

@@ -27,6 +27,7 @@ from egressd.kernel.ops import (
     AddCounter,
     AddCounterRef,
     AddElements,
+    AddIface,
     AddIntervals,
     AddJump,
     AddPort,
@@ -41,11 +42,13 @@ from egressd.kernel.ops import (
     DeleteChain,
     DeleteCounter,
     DeleteElement,
+    DeleteIface,
     DeleteSet,
     DeleteUid,
     ElementOp,
     FlushChain,
     FlushSet,
+    IfaceOp,
     IPNetwork,
     MatchRule,
     NetlinkBatch,
@@ -428,12 +431,33 @@ def encode_uid_op(table: str, op: UidOp) -> list[tuple[int, int, bytes]]:
     return [(NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, name, _elements([elem])))]
 
 
+IFNAMSIZ = 16  # an ``ifname`` key: the name, NUL-padded to the kernel's interface name size
+
+
+def iface_key(iface: str) -> bytes:
+    """An interface name as a ``type ifname`` set key (what ``meta iifname`` loads)."""
+    raw = iface.encode()
+    if not 0 < len(raw) < IFNAMSIZ:
+        raise ValueError(f"interface name {iface!r} is not 1..{IFNAMSIZ - 1} bytes")
+    return raw.ljust(IFNAMSIZ, b"\0")
+
+
+def encode_iface_op(table: str, op: IfaceOp) -> list[tuple[int, int, bytes]]:
+    """The one message of an element operation on a ``type ifname`` set (docs/behaviour.md §20.2)."""
+    elem = _data_value(NFTA_SET_ELEM_KEY, iface_key(op.iface))
+    if isinstance(op, DeleteIface):
+        return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, _elements([elem])))]
+    return [(NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.name, _elements([elem])))]
+
+
 def encode_op(table: str, op: Op, set_id: int = 0) -> list[tuple[int, int, bytes]]:
     """(nf_tables message type, extra nlmsg flags, attributes) of each message of one
     operation: one message, except element lists too long for one attribute (a big policy's
     prefixes, a big DNS answer), which become several messages of the same batch."""
     if isinstance(op, AddUidJump | AddUidPort | AddUidCounterRef | AddUid | DeleteUid):
         return encode_uid_op(table, op)
+    if isinstance(op, AddIface | DeleteIface):
+        return encode_iface_op(table, op)
     if isinstance(op, ElementOp):
         return _element_op_messages(table, op)
     return [_object_op_message(table, op, set_id)]

@@ -259,6 +259,26 @@ class DeleteUid:
 
 UidOp = AddUidJump | AddUidPort | AddUidCounterRef | AddUid | DeleteUid
 
+
+@dataclass(frozen=True, slots=True)
+class AddIface:
+    """Add an interface name to a ``type ifname`` set (a sandbox-facing interface, §20.2);
+    a no-op when it is there."""
+
+    name: str
+    iface: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteIface:
+    """Delete an interface name from a ``type ifname`` set (fails when it is not there)."""
+
+    name: str
+    iface: str
+
+
+IfaceOp = AddIface | DeleteIface
+
 Op = (
     AddSet
     | AddChain
@@ -277,6 +297,7 @@ Op = (
     | DeleteChain
     | DeleteSet
     | UidOp
+    | IfaceOp
 )
 
 #: The operations on a set's or a map's contents; the others create or delete kernel objects.
@@ -297,6 +318,11 @@ def describe_uid_op(t: str, op: UidOp) -> str:
     if isinstance(op, AddUid):
         return f"add element {t} {op.name} {{ {_uid_key_text(op.uid, op.port)} }}"
     return f"delete element {t} {op.name} {{ {_uid_key_text(op.uid, op.port)} }}"
+
+
+def describe_iface_op(t: str, op: IfaceOp) -> str:
+    verb = "add" if isinstance(op, AddIface) else "delete"
+    return f'{verb} element {t} {op.name} {{ "{op.iface}" }}'
 
 
 def _fmt_net(net: IPNetwork) -> str:
@@ -321,6 +347,8 @@ class NetlinkBatch:
         out = [
             describe_uid_op(t, op)
             if isinstance(op, AddUidJump | AddUidPort | AddUidCounterRef | AddUid | DeleteUid)
+            else describe_iface_op(t, op)
+            if isinstance(op, AddIface | DeleteIface)
             else _describe_elements(t, op)
             if isinstance(op, ElementOp)
             else _describe_object(t, op)

@@ -38,6 +38,9 @@ class Binding:
     # of the dispatch identity: a changed CIDR alone is no re-key (no keys to move, no flows
     # to cut); the control plane refreshes the kernel's union with the next transaction.
     private_cidr: IPv4Network | IPv6Network | None = field(default=None, compare=False)
+    # attachment.network.hostVeth: the pod-side interface its packets arrive on (§20.2); like
+    # the CIDR, kept in the kernel's set of sandbox-facing interfaces, no part of the identity.
+    host_veth: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,9 +78,16 @@ def net(request: pytest.FixtureRequest) -> Iterator[Topology]:
         t.down()
 
 
+def sandbox_ifaces(topo: Topology) -> str:
+    """EGRESSD_SANDBOX_IFACES of each shape (docs/behaviour.md §20.2): the bridge by a prefix; in
+    the routed shape sandbox 3's veth by name (it is never registered here, so no hostVeth
+    names it), sandboxes 1 and 2 by their attachments' hostVeth."""
+    return "vh3" if topo.routed else "br*"
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["plain", "mitm"])
 def lat(request: pytest.FixtureRequest, net: Topology) -> Iterator[Daemon]:
-    env: dict[str, str] = {"EGRESSD_DNS_ADDR": f"0.0.0.0:{DNS_PORT}"}
+    env: dict[str, str] = {"EGRESSD_DNS_ADDR": f"0.0.0.0:{DNS_PORT}", "EGRESSD_SANDBOX_IFACES": sandbox_ifaces(net)}
     if request.param:
         env |= {
             "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT": "1",
@@ -123,8 +130,11 @@ class Listener:
 
 
 def bind(d: Daemon, i: int, uid: str, *, v6: bool = False, policy: object = ALLOW_ALL) -> None:
+    """Register sandbox ``i`` (hostVeth: its real pod-side veth) and activate its policy."""
     ip, gw = (Topology.sb_ip6(i), GATEWAY6) if v6 else (Topology.sb_ip(i), GATEWAY)
-    code, body = d.post(envelope("SET_BINDING", uid, ip=ip, gateway=gw, policy=policy))
+    env = envelope("SET_BINDING", uid, ip=ip, gateway=gw, policy=policy)
+    env["attachment"]["network"]["hostVeth"] = f"vh{i}"  # type: ignore[index]
+    code, body = d.post(env)
     assert (code, body) == (200, "{}"), body
     code, body = d.post(envelope("LIFECYCLE_HOOK", uid, hook=DPR))
     assert (code, body) == (200, "{}"), body
@@ -210,21 +220,59 @@ def test_pod_listeners_are_unreachable_from_a_sandbox(net: Topology, lat: Daemon
         pod.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (docs/security.md, Lateral movement): only registered addresses are "
-    "sandbox sources on the input hook; an address of a family no privateCidr covers is not",
-)
+def pod_link_local(topo: Topology, i: int) -> str:
+    """The pod's IPv6 link-local address on the interface sandbox ``i`` faces."""
+    dev = f"vh{i}" if topo.routed else "br0"
+    out = topo.ns(topo.pod, "ip", "-6", "-o", "addr", "show", "dev", dev, "scope", "link").stdout
+    return out.split("inet6 ", 1)[1].split("/", 1)[0]
+
+
+def connects_v6_link_local(topo: Topology, sb: int, host: str, port: int) -> bool:
+    code = (
+        "import socket; s = socket.socket(socket.AF_INET6); s.settimeout(1.0); "
+        f"s.connect(({host!r}, {port}, 0, socket.if_nametoindex('eth0'))); s.close()"
+    )
+    return topo.ns(topo.sb(sb), "python3", "-c", code, check=False, timeout=15).returncode == 0
+
+
 def test_an_unregistered_address_of_a_sandbox_reaches_no_pod_listener(net: Topology, lat: Daemon) -> None:
-    """Sandbox 1 is registered with its IPv4 address only; its IPv6 address is unknown."""
+    """docs/behaviour.md §20.2 (was a strict xfail): sandbox 1 is registered with its IPv4 address
+    only. From its IPv6 address, its automatic link-local one and an IPv4 address it gave
+    itself (no privateCidr names it), it reaches no pod listener bound to the wildcard."""
     pod = Listener(net, net.pod, (8000,), "pod-unregistered")
+    spoofed = "10.203.0.98"
+    net.ns(net.sb(1), "ip", "addr", "add", f"{spoofed}/32", "dev", "eth0", check=False)
     try:
         bind(lat, 1, "a1")
         time.sleep(0.2)
-        reached = connects(net, 1, GATEWAY6, 8000)
-        assert not reached and pod.accepts() == []
+        assert not connects(net, 1, GATEWAY6, 8000), "from the global IPv6 address"
+        assert not connects_v6_link_local(net, 1, pod_link_local(net, 1), 8000), "from fe80::"
+        assert not connects_from(net, 1, spoofed, GATEWAY, 8000), "from an address it gave itself"
+        assert pod.accepts() == [], "a pod listener was reached from a sandbox interface"
+        # What egressd redirected still answers from the registered address.
+        assert dig_port(net, 1, GATEWAY, 53) == "NOERROR"
+        if net.routed:  # the hostVeth is what names vh1 in this shape
+            assert '"vh1"' in lat.nft("list", "set", "inet", lat.table, "sandbox_ifaces")
     finally:
         unbind(lat, "a1")
+        net.ns(net.sb(1), "ip", "addr", "del", f"{spoofed}/32", "dev", "eth0", check=False)
+        pod.stop()
+    # The subject's hostVeth leaves with it (no other subject names it).
+    assert '"vh1"' not in lat.nft("list", "set", "inet", lat.table, "sandbox_ifaces")
+
+
+def test_a_sandbox_that_is_not_registered_reaches_no_pod_listener(net: Topology, lat: Daemon) -> None:
+    """docs/behaviour.md §20.2: sandbox 3 has no subject (not yet, or any more). Its interface is
+    sandbox-facing by EGRESSD_SANDBOX_IFACES (a bridge prefix, or its veth's name), so neither
+    the gateway's IPv4 nor its IPv6 address answers it, on any port but what egressd redirected."""
+    pod = Listener(net, net.pod, (8000, 80), "pod-unknown")
+    try:
+        for host in (GATEWAY, GATEWAY6, POD_UPLINK):
+            for port in (8000, 80, DNS_PORT):
+                assert not connects(net, 3, host, port), (host, port)
+        assert not connects_v6_link_local(net, 3, pod_link_local(net, 3), 8000)
+        assert pod.accepts() == [], "a pod listener was reached from an unregistered sandbox"
+    finally:
         pod.stop()
 
 

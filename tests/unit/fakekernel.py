@@ -50,6 +50,7 @@ from egressd.kernel.ops import (
     AddCounter,
     AddCounterRef,
     AddElements,
+    AddIface,
     AddIntervals,
     AddJump,
     AddPort,
@@ -63,6 +64,7 @@ from egressd.kernel.ops import (
     DeleteChain,
     DeleteCounter,
     DeleteElement,
+    DeleteIface,
     DeleteSet,
     DeleteUid,
     FlushChain,
@@ -570,7 +572,7 @@ class TextModel:
             elements = self.sets.setdefault(name, {})
             if kind == "map":
                 self.maps.add(name)
-            fam = "v6" if "ipv6_addr" in body else ("uid" if "type uid" in body else "v4")
+            fam = "v6" if "ipv6_addr" in body else ("uid" if "type uid" in body else "ifname" if "type ifname" in body else "v4")
             self.set_kinds.setdefault(name, f"{fam}:{'interval' if 'flags interval' in body else kind}")
             m = _ELEMENTS.search(body)
             if m:
@@ -670,6 +672,15 @@ class TextModel:
         if elements is None or key not in elements:
             raise _err("No such file or directory")
         del elements[key]
+
+    def _add_iface(self, op: AddIface) -> None:
+        self._need(op.name)[f'"{op.iface}"'] = ""
+
+    def _delete_iface(self, op: DeleteIface) -> None:
+        elements = self.sets.get(op.name)
+        if elements is None or f'"{op.iface}"' not in elements:
+            raise _err("No such file or directory")
+        del elements[f'"{op.iface}"']
 
     def _add_elements(self, op: AddElements) -> None:
         elements = self._need(op.name)
@@ -781,6 +792,8 @@ _BATCH_OPS: dict[type, Callable[[TextModel, Any], None]] = {
     AddUidCounterRef: TextModel._add_uid_counter_ref,
     AddUid: TextModel._add_uid,
     DeleteUid: TextModel._delete_uid,
+    AddIface: TextModel._add_iface,
+    DeleteIface: TextModel._delete_iface,
     DeleteElement: TextModel._delete_element,
     DeleteChain: TextModel._delete_chain,
     DeleteSet: TextModel._delete_set,

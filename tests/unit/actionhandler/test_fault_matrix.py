@@ -52,6 +52,7 @@ from egressd.kernel.ops import (
     AddCounter,
     AddCounterRef,
     AddElements,
+    AddIface,
     AddIntervals,
     AddJump,
     AddPort,
@@ -62,6 +63,7 @@ from egressd.kernel.ops import (
     DeleteChain,
     DeleteCounter,
     DeleteElement,
+    DeleteIface,
     DeleteSet,
     FlushChain,
     FlushSet,
@@ -99,6 +101,7 @@ class ModelSet:
     nets: set[Net] = field(default_factory=set)  # interval sets
     addrs: set[IPAddress] = field(default_factory=set)  # plain and timeout sets
     jumps: dict[IPAddress, str] = field(default_factory=dict)  # verdict maps: key -> chain
+    names: set[str] = field(default_factory=set)  # ifname sets (sandbox_ifaces)
 
     def has(self, ip: IPAddress) -> bool:
         if self.kind == "interval":
@@ -113,6 +116,7 @@ class ModelSet:
             frozenset(self.nets),
             frozenset(self.addrs),
             frozenset(self.jumps.items()),
+            frozenset(self.names),
         )
 
 
@@ -135,7 +139,7 @@ class Table:
     def copy(self) -> Table:
         return Table(
             {
-                n: ModelSet(s.fam, s.kind, s.size, set(s.nets), set(s.addrs), dict(s.jumps))
+                n: ModelSet(s.fam, s.kind, s.size, set(s.nets), set(s.addrs), dict(s.jumps), set(s.names))
                 for n, s in self.sets.items()
             },
             {n: list(r) for n, r in self.chains.items()},
@@ -357,6 +361,17 @@ def _delete_set(t: Table, op: DeleteSet) -> None:
     del t.sets[op.name]
 
 
+def _add_iface(t: Table, op: AddIface) -> None:
+    _need(t, op.name).names.add(op.iface)
+
+
+def _delete_iface(t: Table, op: DeleteIface) -> None:
+    s = _need(t, op.name)
+    if op.iface not in s.names:
+        raise ModelError(f"No such file or directory: {op.iface} in {op.name}")
+    s.names.discard(op.iface)
+
+
 #: One model function per operation type (a KeyError for an operation the model lacks).
 _APPLY: dict[type, Callable[[Table, Any], None]] = {
     AddSet: _add_set,
@@ -375,6 +390,8 @@ _APPLY: dict[type, Callable[[Table, Any], None]] = {
     FlushChain: _flush_chain,
     DeleteChain: _delete_chain,
     DeleteSet: _delete_set,
+    AddIface: _add_iface,
+    DeleteIface: _delete_iface,
 }
 
 

@@ -250,7 +250,10 @@ def test_header_input_lets_sandbox_sources_reach_only_the_dns_redirect() -> None
     redirected ``<gateway>:53``; nothing else arriving at the input hook is touched."""
     script = header_script(CFG, delete_existing=False)
     assert rules_of(script, "input") == [
+        "udp dport { 15353, 16000-16256 } jump owned_in",
+        "tcp dport { 15353, 16000-16256, 18080 } jump owned_in",
         "ct state established,related accept",
+        "iifname @sandbox_ifaces jump sandbox_in",
         "ip saddr @sandboxes_v4 jump sandbox_in",
         'iifname != "lo" ip saddr @sandbox_nets_v4 jump sandbox_in',
         "ip6 saddr @sandboxes_v6 jump sandbox_in",
@@ -295,7 +298,10 @@ def test_header_mitm() -> None:
         assert f"add set inet {T} mitm_src_{fam} {{ type {typ}; }}" in text
         assert f"add map inet {T} mitm_port_{fam} {{ type {typ} : inet_service; }}" in text
     assert rules_of(script, "input") == [
+        "udp dport { 15353, 16000-16256 } jump owned_in",
+        "tcp dport { 15353, 16000-16512, 18080-18081 } jump owned_in",
         "ct state established,related accept",
+        "iifname @sandbox_ifaces jump sandbox_in",
         "ip saddr @sandboxes_v4 jump sandbox_in",
         'iifname != "lo" ip saddr @sandbox_nets_v4 jump sandbox_in',
         "ip6 saddr @sandboxes_v6 jump sandbox_in",
