@@ -9,6 +9,8 @@ from typing import Any
 
 import structlog
 
+from egressd.terminal import visible
+
 
 def constant_fields(fields: Mapping[str, str]) -> structlog.typing.Processor:
     """Adds ``fields`` (OPENSANDBOX_EGRESS_SANDBOX_ID, ..._METRICS_EXTRA_ATTRS) to every line;
@@ -23,12 +25,24 @@ def constant_fields(fields: Mapping[str, str]) -> structlog.typing.Processor:
     return add
 
 
+def visible_fields(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Console lines (docs/behaviour.md §20.3): every text field with its control characters made
+    visible. DNS names, SNI, paths and names come from sandboxes, tenants and upstreams, and the
+    console renderer prints text as it is (JSON lines are escaped by the encoder). A traceback
+    keeps its line breaks, each of its lines escaped."""
+    for key, value in list(event_dict.items()):
+        if key == "exception" and isinstance(value, str):
+            event_dict[key] = "\n".join(visible(line) for line in value.split("\n"))
+        elif isinstance(value, str):
+            event_dict[key] = visible(value)
+    return event_dict
+
+
 def configure(fmt: str = "json", level: int = logging.INFO, fields: Mapping[str, str] | None = None) -> None:
-    renderer: structlog.typing.Processor
-    if fmt == "console":
-        renderer = structlog.dev.ConsoleRenderer(colors=False)
-    else:
-        renderer = structlog.processors.JSONRenderer()
+    console = fmt == "console"
+    renderer: structlog.typing.Processor = (
+        structlog.dev.ConsoleRenderer(colors=False) if console else structlog.processors.JSONRenderer()
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -36,6 +50,7 @@ def configure(fmt: str = "json", level: int = logging.INFO, fields: Mapping[str,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            *([visible_fields] if console else []),
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from egressd.terminal import visible
+
 __all__ = [
     "DEFAULT_ADDR",
     "EXIT_FAILURE",
@@ -58,8 +60,9 @@ class CliError(Exception):
 
 
 def one_line(text: str, limit: int = _MAX_REASON) -> str:
-    """Collapse whitespace (newlines included) and bound the length."""
-    flat = " ".join(text.split())
+    """Collapse whitespace (newlines included), make control characters visible
+    (docs/behaviour.md §20.3: daemon answers quote names a tenant chose) and bound the length."""
+    flat = visible(" ".join(text.split()))
     if len(flat) > limit:
         return flat[: limit - 3] + "..."
     return flat

@@ -84,6 +84,7 @@ from egressd.cli.vault import (
     vault_path,
 )
 from egressd.cli.watch import Snapshot, denials_cell, run_watch
+from egressd.terminal import json_line, visible
 
 __all__ = ["COMMANDS", "EXIT_CODES", "Command", "Context", "build_parser", "main", "register"]
 
@@ -128,14 +129,16 @@ class Context:
         # Lazy: commands that never talk to the daemon are not failed by a bad --addr.
         return DaemonClient(self.addr, self.timeout)
 
+    # Every line goes through egressd.terminal.visible (docs/behaviour.md §20.3): names a tenant,
+    # a sandbox or an upstream chose never reach the terminal with their control characters.
     def out(self, line: str = "") -> None:
-        print(line, file=sys.stdout)
+        print(visible(line), file=sys.stdout)
 
     def note(self, message: str) -> None:
-        print(f"{PROG}: note: {message}", file=sys.stderr)
+        print(visible(f"{PROG}: note: {message}"), file=sys.stderr)
 
     def emit_json(self, obj: Any) -> None:
-        print(json.dumps(obj, separators=(", ", ": ")), file=sys.stdout)
+        print(json_line(obj), file=sys.stdout)
 
     def lines(self, lines: Sequence[str]) -> None:
         for line in lines:
@@ -143,7 +146,7 @@ class Context:
 
     def fail(self, reason: str, code: int = EXIT_FAILURE) -> int:
         """The one stderr line of a failure whose result was already printed; returns ``code``."""
-        print(f"{PROG}: {one_line(reason)}", file=sys.stderr)
+        print(f"{PROG}: {one_line(reason)}", file=sys.stderr)  # one_line escapes
         return code
 
 
@@ -555,7 +558,7 @@ def cmd_watch(ctx: Context, args: argparse.Namespace) -> int:
                     time.sleep(args.interval)
             return EXIT_OK
 
-        def out(text: str) -> None:
+        def out(text: str) -> None:  # run_watch made every line visible (CLEAR is its own)
             sys.stdout.write(text + "\n")
             sys.stdout.flush()
 
@@ -949,8 +952,9 @@ def cmd_ca(ctx: Context, args: argparse.Namespace) -> int:
     if ctx.json_output:
         ctx.emit_json({"fingerprint": fp, "pem": pem})
     else:
-        # The PEM text exactly as served (redirect to a file and it is the certificate file).
-        sys.stdout.write(pem if pem.endswith("\n") else pem + "\n")
+        # The PEM text as served (redirect to a file and it is the certificate file), only
+        # ever with its control characters made visible (a certificate has none).
+        sys.stdout.write("".join(visible(line) + "\n" for line in pem.splitlines()))
     return EXIT_OK
 
 
@@ -1088,7 +1092,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx = Context(addr=args.addr, timeout=args.timeout, json_output=args.json)
         return handler(ctx, args)
     except CliError as exc:
-        print(f"{PROG}: {exc.reason}", file=sys.stderr)
+        print(visible(f"{PROG}: {exc.reason}"), file=sys.stderr)
         return exc.code
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

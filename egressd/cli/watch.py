@@ -19,6 +19,7 @@ from typing import Any
 
 from egressd.cli.client import one_line
 from egressd.cli.render import table
+from egressd.terminal import visible
 
 CLEAR = "\x1b[H\x1b[2J"
 DENIALS_SHOWN = 3
@@ -127,7 +128,7 @@ def run_watch(
     while count is None or index < count:
         index += 1
         lines = frame(fetch(), history, addr=addr, now=clock(), interval=interval, index=index, count=count)
-        text = "\n".join(lines)
+        text = "\n".join(visible(line) for line in lines)  # docs/behaviour.md §20.3
         if tty:
             out(CLEAR + text)
         else:

@@ -406,12 +406,16 @@ def _string(value: object, where: str) -> str:
 
 
 def _name(value: object, where: str) -> str:
-    """A trimmed, non-blank name (credential, binding, reference)."""
+    """A trimmed, non-blank name (credential, binding, reference) of printable characters only
+    (docs/behaviour.md §20.3): names are shown to operators (egressctl, logs), and a control or
+    format character in one could rewrite their terminal."""
     if value is None:
         raise VaultError("is required", where)
     text = _string(value, where).strip()
     if not text:
         raise VaultError("must not be blank", where)
+    if not text.isprintable():
+        raise VaultError("must be printable characters only (no control or format characters)", where)
     return text
 
 

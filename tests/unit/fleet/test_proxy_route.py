@@ -1555,3 +1555,14 @@ async def test_invalid_policy_write_does_not_echo_the_input(active: Env, method:
     reply = await active.call(method, "/policy", body=body)
     assert reply.status == 400 and "[0]" in reply.text, reply.text
     assert SECRET not in reply.text  # the env fixture checks the transcript and logs again
+
+
+async def test_a_vault_item_name_with_control_characters_is_400(active: Env) -> None:
+    """docs/behaviour.md §20.3: an operator is shown these names; an escape sequence is refused."""
+    env = active
+    doc = vault_doc(SECRET)
+    doc["bindings"][0]["name"] = "b\x9b2J\u202e"
+    reply = await env.call("PUT", "/credential-vault", body=doc)
+    assert reply.status == 400, reply.text
+    assert "bindings[0].name" in reply.text and "printable" in reply.text and "\x9b" not in reply.text
+    assert (await env.call("GET", "/credential-vault")).status == 404

@@ -656,3 +656,14 @@ async def test_vault_caps_hold_on_the_sidecar(aiohttp_client: Any, tmp_path: Pat
     binding = {**VAULT["bindings"][0], "match": {"hosts": hosts}}
     status, body = await call(env, "PUT", "/credential-vault", {**VAULT, "bindings": [binding]})
     assert status == 400 and "hosts per binding" in body
+
+
+async def test_a_vault_item_name_with_control_characters_is_400(aiohttp_client: Any, tmp_path: Path) -> None:
+    """docs/behaviour.md §20.3: an operator is shown these names; an escape sequence is refused."""
+    env = await make_env(aiohttp_client, tmp_path, policy=parse_policy(json.dumps(ALLOW_API)))
+    evil = json.loads(json.dumps(VAULT))
+    evil["credentials"][0]["name"] = evil["bindings"][0]["auth"]["credential"] = "k\x1b]0;owned\x07\x1b[2J"
+    status, body = await call(env, "PUT", "/credential-vault", evil)
+    assert status == 400 and "credentials[0].name" in body and "printable" in body
+    assert "\x1b" not in body and SECRET not in body
+    assert (await call(env, "GET", "/credential-vault"))[0] == 404

@@ -1266,3 +1266,34 @@ def test_coverage_is_not_rules_times_hosts() -> None:
     started = time.perf_counter()
     check_coverage(many, pol)
     assert time.perf_counter() - started < 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/behaviour.md §20.3: names an operator sees are printable
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tok\x1b]0;owned\x07\x1b[2J",  # OSC window title, then clear screen
+        "tok\x9b2J",  # C1 CSI
+        "tok\x7f",  # DEL
+        "to\nk",  # a line break inside (the ends are trimmed)
+        "abc\u202edcba",  # bidi override
+        "zero\u200bwidth",  # zero-width space
+        "tok\x00",
+    ],
+)
+def test_item_names_must_be_printable(name: str) -> None:
+    err = bad(body(credentials=[cred(name)], bindings=[]), "credentials[0].name")
+    assert "printable" in err.reason
+    assert name not in str(err)  # never echoed raw
+    err = bad(body(credentials=[cred()], bindings=[binding(name)]), "bindings[0].name")
+    assert "printable" in err.reason
+    bad({"credentials": {"delete": [name]}}, "credentials.delete[0]", parse=parse_mutation)
+
+
+def test_printable_names_stay_accepted_and_trimmed() -> None:
+    vault = parse_create(body(credentials=[cred("  GitHub token · prod  ")], bindings=[]))
+    assert vault.credentials[0].name == "GitHub token · prod"
+    assert parse_create(body(credentials=[cred("名前")], bindings=[])).credentials[0].name == "名前"
