@@ -124,6 +124,8 @@ class SandboxNets:
         subject's CIDR when ``uid``'s changes, and its interface's entry when that changes;
         and the commit to call after it."""
         iface = usable_host_veth(iface)
+        if self.held.get(uid) == cidr and self.ifaces.get(uid) == iface:
+            return batch, lambda: None
         ops = self._iface_ops(uid, iface)
         desired = self.held
         if self.held.get(uid) != cidr:
@@ -131,8 +133,6 @@ class SandboxNets:
             if cidr is not None:
                 desired[uid] = cidr
             ops += sandbox_nets_refresh(desired.values())
-        if not ops:
-            return batch, lambda: None
 
         def commit() -> None:
             self.held = desired
