@@ -453,7 +453,7 @@ HEADER_SETS = {
     f"{kind}_{fam}"
     for fam in ("v4", "v6")
     for kind in ("marking", "dispatch", "sandboxes", "sandbox_nets", "dns_gw", "drop_counter")
-}
+} | {"sandbox_ifaces"}  # docs/behaviour.md §20.2: the attachments' hostVeths
 # The header's host-uid half (docs/behaviour.md §17): its maps stay empty, the storm binds no uid subject.
 UID_HEADER_SETS = {"uid_marking", "uid_dispatch", "uid_dns", "uid_dns_own", "uid_audit", "uid_drop_counter"}
 MITM_HEADER_SETS = {f"{kind}_{fam}" for fam in ("v4", "v6") for kind in ("mitm_in", "mitm_src")} | {
@@ -465,6 +465,7 @@ HEADER_CHAINS = {
     "marking",
     "dispatch",
     "input",
+    "owned_in",  # docs/behaviour.md §20.1
     "sandbox_in",
     "nat",
     "denied",
