@@ -202,4 +202,5 @@ def _options(cfg: Config, sock: Path, trust: Path | None, subject_ports: tuple[i
         subject_ports=subject_ports,
         ignore_hosts=cfg.mitm_ignore_hosts,
         tls_resume=cfg.mitm_tls_resume,
+        body_redaction=cfg.mitm_body_redaction,
     )
