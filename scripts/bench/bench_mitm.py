@@ -641,7 +641,7 @@ def report(rep: c.Report, args: argparse.Namespace, out: dict[str, Any]) -> None
                 f" (the spec's {WORKERS_ENV} gives {cf['expected_workers']}); each sandbox's worker (mitmWorker"
                 " of /v1/subjects): " + ", ".join(f"sb{k} {w}" for k, w in cf["workers_of"].items()))  # fmt: skip
     rep.add("")
-    if out["phases"]:
+    if out.get("phases"):
         latency_table(rep, out)
         conn_table(rep, out)
         cpu_table(rep, out)
@@ -651,7 +651,7 @@ def report(rep: c.Report, args: argparse.Namespace, out: dict[str, Any]) -> None
         latency_targets(rep, out)
         workers_targets(rep, out)
         conn_targets(rep, out)
-    if out["stream"] is not None:
+    if out.get("stream") is not None:
         mitm_stream.report(rep, out["stream"])
 
 

@@ -210,6 +210,7 @@ class RssPeak:
         self._stop.set()
         self._thread.join(2)
         self.peak = max(self.peak, rss_kib(self.pid))
+        print(f"MITM child {self.pid}: VmRSS {self.before / 1024:.1f} MiB, peak +{self.growth_mib:.1f} MiB")
 
     @property
     def growth_mib(self) -> float:
