@@ -33,12 +33,16 @@ _COMPILED_CACHE: Final = 256
 
 @dataclass(frozen=True, slots=True)
 class Needles:
-    """A redaction set compiled for byte search: the strings as UTF-8, longest first, and for
-    each first byte the strings that start with it (the carry-over check)."""
+    """A redaction set compiled for byte search: the strings as UTF-8, longest first; for each
+    first byte the strings that start with it (the carry-over check); and the search plan: the
+    strings that contain no other one (``roots``, searched in the data) and, for each root, the
+    longer strings that contain it at a known offset (checked only where the root occurs:
+    ``Bearer <v>`` costs no scan of its own beside ``<v>``)."""
 
     strings: tuple[bytes, ...] = field(repr=False)
     by_first: dict[int, tuple[bytes, ...]] = field(repr=False)
     longest: int
+    roots: tuple[tuple[bytes, tuple[tuple[bytes, int], ...]], ...] = field(repr=False, default=())
 
     def __repr__(self) -> str:  # never the values
         return f"Needles(<{len(self.strings)} redacted>, longest={self.longest})"
@@ -55,10 +59,19 @@ def _compile(redactions: tuple[str, ...]) -> Needles:
     by_first: dict[int, list[bytes]] = {}
     for s in strings:
         by_first.setdefault(s[0], []).append(s)
+    # Shortest first: a string's root is the first shorter string found inside it.
+    roots: dict[bytes, list[tuple[bytes, int]]] = {}
+    for s in sorted(strings, key=lambda b: (len(b), b)):
+        inner = next((r for r in roots if r in s), None)
+        if inner is None:
+            roots[s] = []
+        else:
+            roots[inner].append((s, s.index(inner)))
     return Needles(
         strings=tuple(strings),
         by_first={k: tuple(v) for k, v in by_first.items()},
         longest=max((len(s) for s in strings), default=0),
+        roots=tuple((r, tuple(d)) for r, d in roots.items()),
     )
 
 
@@ -68,13 +81,20 @@ def compile_needles(redactions: Iterable[str]) -> Needles:
 
 
 def _matches(buf: bytes, needles: Needles, limit: int) -> list[tuple[int, int]]:
-    """Every occurrence ``(start, end)`` in ``buf`` that starts before ``limit``, sorted."""
+    """Every occurrence ``(start, end)`` in ``buf`` that starts before ``limit``, sorted. Only
+    the roots are searched; a string containing a root can only occur around one of its
+    occurrences (``buf`` holds at most the longest string past ``limit``: searched whole)."""
     spans: list[tuple[int, int]] = []
-    for needle in needles.strings:
-        i = buf.find(needle, 0, limit + len(needle) - 1)
+    for root, outer in needles.roots:
+        i = buf.find(root)
         while i >= 0:
-            spans.append((i, i + len(needle)))
-            i = buf.find(needle, i + 1, limit + len(needle) - 1)
+            if i < limit:
+                spans.append((i, i + len(root)))
+            for s, offset in outer:
+                start = i - offset
+                if 0 <= start < limit and buf.startswith(s, start):
+                    spans.append((start, start + len(s)))
+            i = buf.find(root, i + 1)
     spans.sort()
     return spans
 

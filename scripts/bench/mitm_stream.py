@@ -260,15 +260,33 @@ def measure_ttfb(clients: Clients, paths: Sequence[StreamPath], rounds: int) -> 
     return out
 
 
-def measure_throughput(clients: Clients, paths: Sequence[StreamPath], mib: int, rounds: int) -> dict[str, list[float]]:
+def _cpu(clients: Clients, path: StreamPath) -> dict[str, float]:
+    """CPU seconds so far of the processes a download on ``path`` runs through."""
+    pod = clients.pods[path.pod]
+    return {
+        "MITM": sum(c.cpu_s(pid) for pid in pod.mitm),
+        "upstream": c.cpu_s(pod.up.pid if pod.up else 0),
+        "client": c.cpu_s(clients.procs[(path.pod, path.sandbox)].pid),
+    }
+
+
+def measure_throughput(
+    clients: Clients, paths: Sequence[StreamPath], mib: int, rounds: int
+) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
+    """MiB/s of each download, and CPU ms per MiB of each process on the path (summed)."""
     by = {p.label: p for p in paths}
     out: dict[str, list[float]] = {p.label: [] for p in paths}
+    cpu: dict[str, dict[str, float]] = {p.label: {"MITM": 0.0, "upstream": 0.0, "client": 0.0} for p in paths}
     for lbl in interleaved(list(by), rounds):
+        before = _cpu(clients, by[lbl])
         r = clients.call(by[lbl], {"op": "download", "size": mib << 20, "framing": "length"}, 600)
+        after = _cpu(clients, by[lbl])
         if r["bytes"] != mib << 20:
             raise c.BenchError(f"{lbl}: {r['bytes']} bytes of {mib << 20}")
         out[lbl].append(mib / r["s"])
-    return out
+        for k in cpu[lbl]:
+            cpu[lbl][k] += (after[k] - before[k]) * 1000.0 / (mib * rounds)
+    return out, cpu
 
 
 def measure_memory(clients: Clients, pod: Any, sz: dict[str, int]) -> list[dict[str, Any]]:
@@ -303,12 +321,12 @@ def run(args: argparse.Namespace, pods: Sequence[Any], topo: c.Topology) -> dict
         paths = _paths(pods)
         ttfb = measure_ttfb(clients, paths, sz["sse"])
         c.log("stream: SSE time to first byte done")
-        throughput = measure_throughput(clients, paths, sz["throughput"], sz["rounds"])
+        throughput, cpu = measure_throughput(clients, paths, sz["throughput"], sz["rounds"])
         c.log("stream: throughput done")
         memory = measure_memory(clients, pods[0], sz)
     finally:
         clients.stop()
-    return {"sizes": sz, "ttfb": ttfb, "throughput": throughput, "memory": memory}
+    return {"sizes": sz, "ttfb": ttfb, "throughput": throughput, "cpu_ms_per_mib": cpu, "memory": memory}
 
 
 # ---- the report ---------------------------------------------------------------------------------
@@ -329,8 +347,13 @@ def report(rep: c.Report, out: Mapping[str, Any]) -> None:
     rep.table(["path", "n", "p50", "p90", "p99", "+p50 vs relayed", "delay p50", "delay p99"], rows)
     rep.add(f"  bulk download with Content-Length, {sz['throughput']} MiB x {sz['rounds']} per path, MiB/s (median; all)")
     direct = median(tput["direct"])
-    rep.table(["path", "median MiB/s", "vs direct", "all"],
-              [[lbl, median(v), c.ratio(median(v), direct), " ".join(f"{x:.0f}" for x in v)] for lbl, v in tput.items()])  # fmt: skip
+    cpu = out.get("cpu_ms_per_mib", {})
+    rows = []
+    for lbl, v in tput.items():
+        u = cpu.get(lbl, {})
+        rows.append([lbl, median(v), c.ratio(median(v), direct), " ".join(f"{x:.0f}" for x in v),
+                     u.get("MITM", math.nan), u.get("upstream", math.nan), u.get("client", math.nan)])  # fmt: skip
+    rep.table(["path", "median MiB/s", "vs direct", "all", "CPU ms/MiB: MITM", "upstream", "client"], rows)
     rep.add("  memory (what must not break): decrypted + redacted, MITM child VmRSS peak - before, sampled every 20 ms;"
             " bytes hash-compared end to end")  # fmt: skip
     rep.table(["transfer", "MITM growth MiB", "MITM RSS before MiB", "MiB/s"],
