@@ -12,8 +12,8 @@ Endpoints (GET unless said otherwise; every duration in ms):
   per event ``{"sse": X, "i": k, "sent": t}`` written as it is sent.
   ``ct`` replaces the content type, ``framing=close`` (HTTP/1.1) ends the body with the
   connection instead of chunking it.
-* ``/_stream/bomb?size=N&ce=gzip|deflate|br|zstd&framing=length|chunked``: N zero bytes in that
-  coding, written in one piece (a decompression bomb).
+* ``/_stream/bomb?size=N&ce=gzip|deflate|br|zstd[,...]&framing=length|chunked``: N zero bytes
+  in that coding (or stack of codings), written in one piece (a decompression bomb).
 * ``/_stream/bytes?size=N&framing=length|chunked|close[&chunk=65536]``: N bytes of a fixed
   pseudo-random pattern, ``X-Body-Sha256`` announces their hash.
 * ``/_stream/echo?header=authorization&fmt=raw|pct|json|b64|basic&split=K[,K2]&gap=100
@@ -189,15 +189,21 @@ _BOMBS: dict[tuple[int, str], bytes] = {}
 
 
 def bomb_body(size: int, ce: str) -> tuple[bytes, str]:
-    """``size`` zero bytes in content coding ``ce`` (a decompression bomb; cached)."""
+    """``size`` zero bytes in content coding ``ce`` (a decompression bomb; cached). ``ce`` may
+    stack codings (``gzip,gzip``: the zeros gzipped, then that gzipped again, as the
+    Content-Encoding lists them)."""
     if (size, ce) not in _BOMBS:
-        flusher, zeros, out = _Flusher(ce, level=9), bytes(1 << 20), []
+        codings = [x.strip() for x in ce.split(",") if x.strip()]
+        flusher, zeros, out = _Flusher(codings[0], level=9), bytes(1 << 20), []
         whole, rest = divmod(size, len(zeros))
         for _ in range(whole):
             out.append(flusher.more(zeros))
         out.append(flusher.part(zeros[:rest], last=True))
-        _BOMBS[(size, ce)] = b"".join(out)
-    return _BOMBS[(size, ce)], ce
+        body = b"".join(out)
+        for coding in codings[1:]:
+            body = _Flusher(coding, level=9).part(body, last=True)
+        _BOMBS[(size, ce)] = body
+    return _BOMBS[(size, ce)], ", ".join(codings)
 
 
 def sse_event(i: int, echo: str | None) -> tuple[bytes, float]:
