@@ -63,6 +63,9 @@ from egressd.subject.model import unmap_ip
 from egressd.vault.store import VaultSnapshot
 
 _META = "egressd"
+#: A response the MITM would not pass on (a body it cannot scan, a decompression bomb): its
+#: request was already counted (injected / pass), so this is no request outcome of its own.
+RESPONSE_REFUSED_EVENT = "mitm.response_refused"
 #: A response body with a known length up to this is buffered (mitmproxy's ``stream_large_bodies``).
 DEFAULT_BUFFER_LIMIT = 1 << 20
 _REDACT_BUFFERED = _META + ".redact"  # a buffered body, redacted whole in the ``response`` hook
@@ -491,7 +494,7 @@ class EgressInjector:
 
     @staticmethod
     def _abort(flow: http.HTTPFlow, why: str) -> None:
-        emit("mitm.refused", status=502, reason=why, killed=True, client=_peer_ip(flow), host=flow.request.host)
+        emit(RESPONSE_REFUSED_EVENT, status=502, reason=why, client=_peer_ip(flow), host=flow.request.pretty_host)
         if flow.killable:
             flow.kill()
 
@@ -523,7 +526,7 @@ class EgressInjector:
         body = flow.response.stream if flow.response is not None else None
         if isinstance(body, BodyFilter) and body.failed is not None:
             # egressd.mitm.streampatch aborted the streamed body: say why, as a refusal.
-            emit("mitm.refused", status=502, reason=body.failed, killed=True, client=_peer_ip(flow), host=flow.request.host)
+            emit(RESPONSE_REFUSED_EVENT, status=502, reason=body.failed, client=_peer_ip(flow), host=flow.request.pretty_host)
             return
         msg = flow.error.msg if flow.error is not None else ""
         emit(

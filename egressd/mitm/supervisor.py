@@ -323,7 +323,7 @@ class MitmSupervisor:
                 self.ready = True
                 self._became_ready.set()
                 log.info("mitm.ready", pid=proc.pid, worker=self.worker, **event)
-            elif name in ("mitm.refused", "mitm.error"):
+            elif name in ("mitm.refused", "mitm.response_refused", "mitm.error"):
                 log.warning(name, pid=proc.pid, **event)
             else:
                 log.info(name, pid=proc.pid, **event)

@@ -403,7 +403,7 @@ def test_decompression_bomb_is_refused_on_its_first_chunk(topo: Topology, mitm: 
     assert rc != 0 and len(body) < 16 * MIB, (rc, len(body))  # aborted, not ended cleanly
     assert rss.growth_mib < 64, rss.growth_mib
     log = mitm.log_text()[mark:]
-    assert "mitm.refused" in log and "decoded to more than" in log, log[-2000:]
+    assert "mitm.response_refused" in log and "decoded to more than" in log, log[-2000:]
 
 
 @pytest.mark.parametrize("framing", ["length", "chunked"])

@@ -79,7 +79,7 @@ def test_a_body_it_cannot_decode_is_refused(capsys: pytest.CaptureFixture[str]) 
     addon.responseheaders(f)
     assert f.error is not None and f.error.msg == Error.KILLED_MESSAGE
     out = events(capsys)
-    assert '"mitm.refused"' in out and "content-encoding" in out
+    assert '"mitm.response_refused"' in out and "content-encoding" in out
 
 
 def test_an_aborted_stream_is_logged_as_a_refusal(capsys: pytest.CaptureFixture[str]) -> None:
@@ -91,7 +91,7 @@ def test_an_aborted_stream_is_logged_as_a_refusal(capsys: pytest.CaptureFixture[
     f.error = Error("response body refused by egressd")
     addon.error(f)
     out = events(capsys)
-    assert '"mitm.refused"' in out and "gzip: corrupt" in out
+    assert '"mitm.response_refused"' in out and "gzip: corrupt" in out
     f.error = None
     addon.response(f)  # at the end: killed rather than ended cleanly
     assert f.error is not None and f.error.msg == Error.KILLED_MESSAGE
