@@ -110,6 +110,13 @@ OPTIONS: tuple[Option, ...] = (
         "on",
     ),
     Option(
+        "EGRESSD_MITM_BODY_REDACTION",
+        "--mitm-body-redaction",
+        "on/off: the MITM redacts vault strings from response bodies and WebSocket messages"
+        " (off only to measure what redaction costs: an echoing upstream then hands them back)",
+        "on",
+    ),
+    Option(
         "EGRESSD_MITM_CA_EXPORT_DIR",
         "--mitm-ca-export-dir",
         "directory to write the public MITM CA certificate into (egressd-ca.pem, egressd-ca.crt)",
@@ -344,6 +351,7 @@ class Config:
     mitm_ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (docs/behaviour.md §16)
     mitm_ca_export_dir: Path | None = None  # EGRESSD_MITM_CA_EXPORT_DIR
     mitm_tls_resume: bool = True  # EGRESSD_MITM_TLS_RESUME (docs/behaviour.md §10)
+    mitm_body_redaction: bool = True  # EGRESSD_MITM_BODY_REDACTION (docs/behaviour.md §10)
     mitm_vault_push: bool = True  # EGRESSD_MITM_VAULT_PUSH (docs/behaviour.md §10, "answered from memory")
     # docs/behaviour.md §15. The webhook URL may carry a token: kept out of repr (and of every log).
     deny_webhook: str | None = field(default=None, repr=False)
@@ -597,6 +605,7 @@ class _Interception(TypedDict):
     mitm_ignore_hosts: tuple[str, ...]
     mitm_ca_export_dir: Path | None
     mitm_tls_resume: bool
+    mitm_body_redaction: bool
     mitm_vault_push: bool
 
 
@@ -821,6 +830,7 @@ def _interception(raw: Raw) -> _Interception:
         mitm_ignore_hosts=parse_ignore_hosts(raw["OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS"] or ""),
         mitm_ca_export_dir=_ca_export_dir(raw, mitm, confdir),
         mitm_tls_resume=_bool("EGRESSD_MITM_TLS_RESUME", raw["EGRESSD_MITM_TLS_RESUME"]),
+        mitm_body_redaction=_bool("EGRESSD_MITM_BODY_REDACTION", raw["EGRESSD_MITM_BODY_REDACTION"]),
         mitm_vault_push=_bool("EGRESSD_MITM_VAULT_PUSH", raw["EGRESSD_MITM_VAULT_PUSH"]),
     )
 

@@ -4,9 +4,17 @@
 * HTTP echo servers on the given ports (dual-stack): every request is answered with a JSON
   echo of what arrived (headers, body up to 4 KiB). The response also carries the request's
   ``Authorization`` back as ``X-Echo-Authorization`` (tests of response-header redaction).
+  The echo also carries ``seen``: base64 of ``{"headers", "body"}`` as they arrived, so a test
+  can read what the upstream received through a MITM that redacts its credential strings from
+  response bodies (docs/behaviour.md §10; an upstream that encodes a credential can always hand
+  it back, which is what this does on purpose).
+* Under ``/_stream/`` the streaming endpoints of ``upstream_streams.py`` (server-sent events,
+  bulk bodies, split echoes, an upload sink, a WebSocket).
 * With ``--tls-dir DIR``, HTTPS echo servers on ``--https-ports``: a test CA is created once
   in ``DIR/ca.pem`` (and ``DIR/trust/``, an OpenSSL hashed directory holding it), and a leaf
-  for every zone name, ``*.test``, ``*.example.test`` and the upstream addresses.
+  for every zone name, ``*.test``, ``*.example.test`` and the upstream addresses. A TLS
+  connection whose SNI starts with ``h2.`` is offered HTTP/2 (ALPN ``h2``) and served the same
+  endpoints over it.
 * An authoritative DNS server (UDP and TCP, dual-stack) for a zone given as JSON
   (``--zone``): ``{"records": [{"name": "a.test", "type": "A|AAAA|CNAME", "value": "...",
   "ttl": 30}]}``. Names are answered case-insensitively, CNAME chains are followed inside
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import datetime
 import ipaddress
 import json
@@ -30,6 +39,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import upstream_streams
 from aiohttp import web
 from dnslib import AAAA, CNAME, OPCODE, QTYPE, RCODE, RR, A, DNSRecord
 
@@ -40,37 +50,53 @@ def _client_ip(request: web.Request) -> str:
     return host.removeprefix("::ffff:")
 
 
+def echo_record(
+    port: int, tls: bool, client: str, method: str, path: str, host: str, local: str,
+    headers: dict[str, str], body: bytes, resumed: bool = False,
+) -> dict[str, object]:  # fmt: skip
+    seen = {"headers": headers, "body": body[:4096].decode("utf-8", "replace")}
+    return {
+        "ts": time.time(),
+        "port": port,
+        "tls": tls,
+        # Whether this TLS connection resumed a session (the MITM's session resumption tests).
+        "tlsResumed": resumed,
+        "client": client,
+        "method": method,
+        "path": path,
+        "host": host,
+        "local": local,
+        "headers": headers,
+        "bodyBytes": len(body),
+        "body": seen["body"],
+        "seen": base64.b64encode(json.dumps(seen).encode()).decode(),
+    }
+
+
 def make_app(log_path: Path | None, port: int, tls: bool = False) -> web.Application:
     async def echo(request: web.Request) -> web.Response:
         body = await request.read()
-        record = {
-            "ts": time.time(),
-            "port": port,
-            "tls": tls,
-            # Whether this TLS connection resumed a session (the MITM's session resumption tests).
-            "tlsResumed": bool(
-                getattr(request.transport.get_extra_info("ssl_object"), "session_reused", False)
-            )
-            if tls and request.transport
-            else False,
-            "client": _client_ip(request),
-            "method": request.method,
-            "path": request.path_qs,
-            "host": request.host,
-            "local": str(request.transport.get_extra_info("sockname")[0]).removeprefix("::ffff:")
-            if request.transport
-            else "?",
-            "headers": dict(request.headers),
-            "bodyBytes": len(body),
-            "body": body[:4096].decode("utf-8", "replace"),
-        }
-        _append(log_path, record)
+        ssl_obj = request.transport.get_extra_info("ssl_object") if request.transport else None
+        record = echo_record(
+            port,
+            tls,
+            _client_ip(request),
+            request.method,
+            request.path_qs,
+            request.host,
+            str(request.transport.get_extra_info("sockname")[0]).removeprefix("::ffff:") if request.transport else "?",
+            dict(request.headers),
+            body,
+            resumed=bool(getattr(ssl_obj, "session_reused", False)) if tls else False,
+        )
+        _append(log_path, {k: v for k, v in record.items() if k != "seen"})
         echo_headers = {}
         if "Authorization" in request.headers:
             echo_headers["X-Echo-Authorization"] = request.headers["Authorization"]
         return web.json_response(record, headers=echo_headers)
 
     app = web.Application(client_max_size=64 << 20)  # large-body tests
+    upstream_streams.add_routes(app, upstream_streams.write_log(log_path))
     app.router.add_route("*", "/{tail:.*}", echo)
     return app
 
@@ -138,6 +164,7 @@ def make_tls(tls_dir: Path, names: list[str], ips: list[str]) -> ssl.SSLContext:
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(str(leaf_path), str(key_path))
     ctx.set_alpn_protocols(["http/1.1"])
+    ctx.sni_callback = upstream_streams.sni_switch(upstream_streams.h2_context(str(leaf_path), str(key_path)))
     return ctx
 
 
@@ -253,6 +280,19 @@ def _dual_stack(kind: int, port: int) -> socket.socket:
     return sock
 
 
+def _h2_fallback(port: int, log_path: Path | None) -> upstream_streams.Echo:
+    """The plain echo over HTTP/2 (paths outside ``/_stream/``)."""
+
+    def echo(headers: dict[str, str], body: bytes) -> dict[str, object]:
+        plain = {k: v for k, v in headers.items() if not k.startswith(":")}
+        record = echo_record(port, True, "?", headers.get(":method", "?"), headers.get(":path", "/"),
+                             headers.get(":authority", ""), "?", plain, body)  # fmt: skip
+        _append(log_path, {k: v for k, v in record.items() if k != "seen"})
+        return record
+
+    return echo
+
+
 async def serve(
     ports: list[int],
     log_path: Path | None,
@@ -262,6 +302,9 @@ async def serve(
 ) -> None:
     runners = []
     https = https or {}
+    loop = asyncio.get_running_loop()
+    closers = []
+    log = upstream_streams.write_log(log_path)
     for port in ports:
         runner = web.AppRunner(make_app(log_path, port, tls=port in https), access_log=None)
         await runner.setup()
@@ -270,10 +313,21 @@ async def serve(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("::", port))
         sock.listen(128)
-        await web.SockSite(runner, sock, ssl_context=https.get(port)).start()
+        if port in https:
+            # One TLS listener for both protocols: ALPN (h2 only for SNI h2.*) picks the server.
+            server, fallback = runner.server, _h2_fallback(port, log_path)
+            assert server is not None
+            tls_server = await loop.create_server(
+                lambda s=server, f=fallback: upstream_streams.AlpnDispatch(
+                    s, lambda: upstream_streams.H2Server(log, f)
+                ),
+                sock=sock,
+                ssl=https[port],
+            )
+            closers.append(tls_server.close)
+        else:
+            await web.SockSite(runner, sock).start()
         runners.append(runner)
-    loop = asyncio.get_running_loop()
-    closers = []
     if zone is not None:
         udp_sock = _dual_stack(socket.SOCK_DGRAM, dns_port)
         transport, _ = await loop.create_datagram_endpoint(lambda: _DnsUdp(zone, log_path), sock=udp_sock)

@@ -168,6 +168,15 @@ labelled_metrics() {  # every sample carries the constant label
 https_get() {  # https_get N HOST IP PATH: the upstream's JSON echo (what arrived) on stdout
   inns "$(SB "$1")" curl -s -m 5 --cacert "$WORK/mitm/mitmproxy-ca-cert.pem" --resolve "$2:443:$3" "https://$2$4"
 }
+seen() {  # the upstream's own base64 copy of what it received (the MITM redacts the echo's plain fields)
+  "$ROOT/.venv/bin/python" -c 'import base64, json, sys; print(base64.b64decode(json.load(sys.stdin)["seen"]).decode())'
+}
+first_event_early() {  # N HOST IP: an SSE answer's first event arrives while the upstream still sends (5 x 500 ms)
+  local got
+  got=$(inns "$(SB "$1")" timeout 1.5 curl -s -N --cacert "$WORK/mitm/mitmproxy-ca-cert.pem" --resolve "$2:443:$3" \
+    "https://$2/_stream/sse?n=5&gap=500" | head -c 2000 || true)
+  grep -q '^data: {"i": 0' <<<"$got"
+}
 https_upstream_ca() {  # the same, trusting only the upstream's own CA (docs/behaviour.md §16: passed through)
   inns "$(SB "$1")" curl -s -m 5 --cacert "$WORK/tls/ca.pem" --resolve "$2:443:$3" "https://$2$4"
 }
@@ -224,7 +233,9 @@ check "after the update sb2 reaches the new IP" reaches 2 10.204.0.5
 check "after the update sb2 no longer reaches the old IP" not reaches 2 10.204.0.3
 printf '%s' '{"credentials":[{"name":"k","source":{"type":"inline","value":"smoke-secret-value"}}],"bindings":[{"name":"b","match":{"hosts":["api.allowed.test"]},"auth":{"type":"bearer","credential":"k"}}]}' > "$WORK/vault.json"
 check "vault pushed over the proxy route for sb1 -> 201" ctl vault put --uid sb1 --file "$WORK/vault.json"
-check "sb1's HTTPS call to the bound host carries the injected credential upstream" bash -c "$(declare -f inns SB https_get); P=$P WORK=$WORK https_get 1 api.allowed.test 10.204.0.2 /v1/x | grep -q 'Bearer smoke-secret-value'"
+check "sb1's HTTPS call to the bound host carries the injected credential upstream" bash -c "$(declare -f inns SB https_get seen); P=$P WORK=$WORK ROOT=$ROOT; https_get 1 api.allowed.test 10.204.0.2 /v1/x | seen | grep -q 'Bearer smoke-secret-value'"
+check "the upstream's echo of the credential comes back redacted in the body" bash -c "$(declare -f inns SB https_get); P=$P WORK=$WORK; out=\$(https_get 1 api.allowed.test 10.204.0.2 /v1/x); grep -q '\"Authorization\": \"\[REDACTED\]\"' <<<\"\$out\" && ! grep -q smoke-secret-value <<<\"\$out\""
+check "a server-sent-events answer reaches sb1 as it is produced, through the decrypting MITM" bash -c "$(declare -f inns SB first_event_early); P=$P WORK=$WORK; first_event_early 1 api.allowed.test 10.204.0.2"
 check "the sandbox never saw the credential in the response headers" not bash -c "ip netns exec $(SB 1) curl -s -D - -o /dev/null -m 5 --cacert $WORK/mitm/mitmproxy-ca-cert.pem --resolve api.allowed.test:443:10.204.0.2 https://api.allowed.test/ | grep -q smoke-secret-value"
 sibling_gets_nothing() { local out; out=$(https_upstream_ca 3 other.test 10.204.0.3 /v1/x); grep -q '"tls": true' <<<"$out" && ! grep -q smoke-secret-value <<<"$out"; }
 check "sibling sb3 (no vault) is passed through: the upstream's own certificate, no credential" sibling_gets_nothing
@@ -240,7 +251,7 @@ ca_exported() {
   ! grep -q "PRIVATE KEY" "$d"/*
 }
 check "EGRESSD_MITM_CA_EXPORT_DIR holds the public CA only (egressd-ca.pem = .crt = egressctl ca, 0644)" ca_exported
-check "a sandbox trusting the exported egressd-ca.pem gets its credential" bash -c "ip netns exec $(SB 1) curl -s -m 5 --cacert $WORK/ca-export/egressd-ca.pem --resolve api.allowed.test:443:10.204.0.2 https://api.allowed.test/v1/x | grep -q 'Bearer smoke-secret-value'"
+check "a sandbox trusting the exported egressd-ca.pem gets its credential" bash -c "$(declare -f seen); ROOT=$ROOT; ip netns exec $(SB 1) curl -s -m 5 --cacert $WORK/ca-export/egressd-ca.pem --resolve api.allowed.test:443:10.204.0.2 https://api.allowed.test/v1/x | seen | grep -q 'Bearer smoke-secret-value'"
 printf '%s' '{"credentials":[{"name":"k","source":{"type":"inline","value":"smoke-secret-value"}}],"bindings":[{"name":"p","match":{"hosts":["pinned.allowed.test"]},"auth":{"type":"bearer","credential":"k"}}]}' > "$WORK/vault-ignored.json"
 ignored_refused() { local out; out=$(ctl vault put --uid sb1 --file "$WORK/vault-ignored.json" 2>&1) && return 1; grep -q ignore_hosts <<<"$out"; }
 check "a vault binding a host of OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS is refused" ignored_refused

@@ -221,6 +221,15 @@ VAULT='{"credentials":[{"name":"key","source":{"type":"inline","value":"'$SECRET
 https_get() {  # https_get HOST IP [CA]: the upstream's JSON echo of what arrived, on stdout
   inns "$SBX" curl -s -m 5 --cacert "${3:-$MITM_CA}" --resolve "$1:443:$2" "https://$1/v1/x"
 }
+seen() {  # the upstream's own base64 copy of what it received (the MITM redacts the echo's plain fields)
+  "$ROOT/.venv/bin/python" -c 'import base64, json, sys; print(base64.b64decode(json.load(sys.stdin)["seen"]).decode())'
+}
+first_event_early() {  # HOST IP: an SSE answer's first event arrives while the upstream still sends (5 x 500 ms)
+  local got
+  got=$(inns "$SBX" timeout 1.5 curl -s -N --cacert "$MITM_CA" --resolve "$1:443:$2" \
+    "https://$1/_stream/sse?n=5&gap=500" | head -c 2000 || true)
+  grep -q '^data: {"i": 0' <<<"$got"
+}
 as_mitm_gid() { inns "$SBX" setpriv --regid 18081 --clear-groups "$@"; }
 healthz_fingerprint() {  # 200, and the header equals the SHA-256 of the CA certificate's DER
   local hdrs fp
@@ -239,7 +248,11 @@ check "PUT /credential-vault with the token -> 201 (every prerequisite holds)" e
 check "the app resolves both names (the leases the MITM's destination check uses)" bash -c \
   "$(declare -f inns resolves); SBX=$SBX; resolves api.allowed.test 10.204.0.3 && resolves b.allowed.test 10.204.0.7"
 check "HTTPS to the bound host carries the injected credential upstream" bash -c \
-  "$(declare -f inns https_get); SBX=$SBX MITM_CA=$MITM_CA; https_get api.allowed.test 10.204.0.3 | grep -q 'Bearer $SECRET'"
+  "$(declare -f inns https_get seen); SBX=$SBX MITM_CA=$MITM_CA ROOT=$ROOT; https_get api.allowed.test 10.204.0.3 | seen | grep -q 'Bearer $SECRET'"
+check "the upstream's echo of the credential comes back redacted in the body" bash -c \
+  "$(declare -f inns https_get); SBX=$SBX MITM_CA=$MITM_CA; out=\$(https_get api.allowed.test 10.204.0.3); grep -q '\"Authorization\": \"\[REDACTED\]\"' <<<\"\$out\" && ! grep -q $SECRET <<<\"\$out\""
+check "a server-sent-events answer reaches the app as it is produced, through the decrypting MITM" bash -c \
+  "$(declare -f inns first_event_early); SBX=$SBX MITM_CA=$MITM_CA; first_event_early api.allowed.test 10.204.0.3"
 check "the app never sees the credential in the response headers" not bash -c \
   "ip netns exec $SBX curl -s -D - -o /dev/null -m 5 --cacert $MITM_CA --resolve api.allowed.test:443:10.204.0.3 https://api.allowed.test/ | grep -q $SECRET"
 check "HTTPS to another allowed host is passed through (upstream's own certificate), no credential" bash -c \

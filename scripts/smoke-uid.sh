@@ -113,6 +113,9 @@ upstream_saw() { grep -q "\"dns\": \"$1\"" "$WORK/upstream.jsonl"; }
 https_get() {  # https_get UID HOST IP PATH: the upstream's JSON echo (what arrived) on stdout
   as "$1" curl -s -m 5 --cacert "$WORK/ca.pem" --resolve "$2:443:$3" "https://$2$4"
 }
+seen() {  # the upstream's own base64 copy of what it received (the MITM redacts the echo's plain fields)
+  "$ROOT/.venv/bin/python" -c 'import base64, json, sys; print(base64.b64decode(json.load(sys.stdin)["seen"]).decode())'
+}
 https_upstream_ca() {  # the same, trusting only the upstream's own CA (no vault: passed through)
   as "$1" curl -s -m 5 --cacert "$WORK/upstream-ca.pem" --resolve "$2:443:$3" "https://$2$4"
 }
@@ -168,7 +171,7 @@ check "egressctl explain uid:$UA api.allowed.test -> allow" bash -c "ip netns ex
 # ---- vault and MITM ---------------------------------------------------------------------------
 printf '%s' '{"credentials":[{"name":"k","source":{"type":"inline","value":"smoke-uid-secret"}}],"bindings":[{"name":"b","match":{"hosts":["api.allowed.test"]},"auth":{"type":"bearer","credential":"k"}}]}' > "$WORK/vault.json"
 check "vault pushed over the proxy route for ua -> 201" ctl vault put --uid ua --file "$WORK/vault.json"
-check "uid $UA's HTTPS call carries the injected credential upstream" bash -c "$(declare -f as https_get); HOST=$HOST WORK=$WORK; https_get $UA api.allowed.test 10.204.0.2 /v1/x | grep -q 'Bearer smoke-uid-secret'"
+check "uid $UA's HTTPS call carries the injected credential upstream" bash -c "$(declare -f as https_get seen); HOST=$HOST WORK=$WORK ROOT=$ROOT; https_get $UA api.allowed.test 10.204.0.2 /v1/x | seen | grep -q 'Bearer smoke-uid-secret'"
 uid_b_gets_nothing() { local out; out=$(https_upstream_ca "$UB" other.test 10.204.0.3 /v1/x); grep -q '"tls": true' <<<"$out" && ! grep -q smoke-uid-secret <<<"$out"; }
 check "uid $UB's HTTPS call (no vault) is passed through: the upstream's certificate, no credential" uid_b_gets_nothing
 check "uid $UB forging uid $UA's host gets no credential" not bash -c "$(declare -f as https_get https_upstream_ca); HOST=$HOST WORK=$WORK; https_get $UB api.allowed.test 10.204.0.2 /v1/x | grep -q smoke-uid-secret || https_upstream_ca $UB api.allowed.test 10.204.0.2 /v1/x | grep -q smoke-uid-secret"

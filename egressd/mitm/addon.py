@@ -32,6 +32,7 @@ from mitmproxy.addonmanager import Loader
 from mitmproxy.addons.next_layer import stack_match
 from mitmproxy.proxy import layer, layers
 from mitmproxy.proxy.layers import modes
+from mitmproxy.utils import human
 
 from egressd.mitm.active import READY_EVENT
 from egressd.mitm.inject import (
@@ -42,7 +43,6 @@ from egressd.mitm.inject import (
     find_binding,
     normalise_authority,
     one_authority,
-    redact_response_headers,
     substitute_body,
 )
 from egressd.mitm.intercept import (
@@ -56,11 +56,19 @@ from egressd.mitm.intercept import (
     tls_early,
 )
 from egressd.mitm.lookup import ActiveClient, LookupFailed, View
+from egressd.mitm.redact import Needles, compile_needles, redact_bytes, redact_str
+from egressd.mitm.respbody import BodyFilter, ResponsePlan, narrow_accept_encoding, plan_response
 from egressd.mitm.seqmap import SeqReader
 from egressd.subject.model import unmap_ip
 from egressd.vault.store import VaultSnapshot
 
 _META = "egressd"
+#: A response the MITM would not pass on (a body it cannot scan, a decompression bomb): its
+#: request was already counted (injected / pass), so this is no request outcome of its own.
+RESPONSE_REFUSED_EVENT = "mitm.response_refused"
+#: A response body with a known length up to this is buffered (mitmproxy's ``stream_large_bodies``).
+DEFAULT_BUFFER_LIMIT = 1 << 20
+_REDACT_BUFFERED = _META + ".redact"  # a buffered body, redacted whole in the ``response`` hook
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -184,13 +192,20 @@ class EgressInjector:
         self.client: ActiveClient | None = None
         self.shared_port: int | None = None  # the shared listener's port (``listen_port``)
         self.ignore: tuple[re.Pattern[str], ...] = ()
+        self.body_redaction = True  # egressd_body_redaction (EGRESSD_MITM_BODY_REDACTION)
+        self.buffer_limit = DEFAULT_BUFFER_LIMIT  # mitmproxy's stream_large_bodies
 
     def load(self, loader: Loader) -> None:
         loader.add_option("egressd_active_socket", str, "", "egressd's private _active unix socket")
+        loader.add_option("egressd_body_redaction", bool, True, "redact response bodies and WebSocket messages")
         loader.add_option("egressd_lookup_timeout_ms", int, 250, "milliseconds per _active lookup")
         loader.add_option("egressd_vault_push", str, "", "egressd's narrowing sequence map (empty: pull always)")
 
     def configure(self, updated: set[str]) -> None:
+        if "egressd_body_redaction" in updated:
+            self.body_redaction = ctx.options.egressd_body_redaction
+        if "stream_large_bodies" in updated:
+            self.buffer_limit = human.parse_size(ctx.options.stream_large_bodies) or DEFAULT_BUFFER_LIMIT
         if "listen_port" in updated:
             self.shared_port = ctx.options.listen_port
         if updated & {"egressd_active_socket", "egressd_lookup_timeout_ms", "egressd_vault_push"}:
@@ -353,6 +368,11 @@ class EgressInjector:
         if view.snapshot is None:
             return  # no vault: plain pass-through
         flow.metadata[_META] = view.snapshot
+        if self.body_redaction and view.snapshot.redactions:
+            # Its response will be scanned: ask only for codings the scan can undo.
+            narrowed = narrow_accept_encoding(req.headers.get_all("accept-encoding"))
+            if narrowed is not None:
+                req.headers["accept-encoding"] = narrowed
         request = _decision_request(req, authority, port, sni)
         decision = decide(view.snapshot, request, destination_ok=view.destination_ok)
         fields = {
@@ -445,23 +465,57 @@ class EgressInjector:
             flow.kill()
 
     def response(self, flow: http.HTTPFlow) -> None:
-        """Response trailers (chunked HTTP/1, HTTP/2) are sent after this hook, streamed or
-        not: redacted like the headers, which they are on the wire."""
+        """The whole response has been read (buffered) or passed on (streamed). Buffered bodies
+        are redacted here; trailers (chunked HTTP/1, HTTP/2) are sent after this hook, streamed
+        or not, and are redacted like the headers they are on the wire. A streamed body whose
+        coding turned out truncated is aborted rather than ended cleanly."""
         try:
-            snapshot = flow.metadata.get(_META)
-            if (
-                not isinstance(snapshot, VaultSnapshot)
-                or flow.response is None
-                or not flow.response.trailers
-                or not snapshot.redactions
-            ):
+            resp = flow.response
+            needles = _needles_of(flow)
+            if resp is None:
                 return
-            trailers = list(flow.response.trailers.items(multi=True))
-            redacted = redact_response_headers(trailers, snapshot.redactions)
-            if redacted != trailers:
-                flow.response.trailers = _headers(redacted)
+            body = resp.stream
+            if isinstance(body, BodyFilter) and body.failed is not None:
+                self._abort(flow, body.failed)
+                return
+            if needles is None:
+                return
+            if flow.metadata.get(_REDACT_BUFFERED) and resp.raw_content:
+                redacted = redact_bytes(resp.raw_content, needles)
+                if redacted != resp.raw_content:
+                    resp.raw_content = redacted
+                    if "content-length" in resp.headers:
+                        resp.headers["content-length"] = str(len(redacted))
+            if resp.trailers and (trailers := _redacted_headers(resp.trailers, needles)) is not None:
+                resp.trailers = trailers
         except Exception as exc:
             emit("mitm.error", hook="response", error=type(exc).__name__)
+            flow.kill()
+
+    @staticmethod
+    def _abort(flow: http.HTTPFlow, why: str) -> None:
+        emit(RESPONSE_REFUSED_EVENT, status=502, reason=why, client=_peer_ip(flow), host=flow.request.pretty_host)
+        if flow.killable:
+            flow.kill()
+
+    def websocket_message(self, flow: http.HTTPFlow) -> None:
+        """Every WebSocket message, either way, with the flow's redaction strings replaced
+        (mitmproxy hands over whole messages: frame boundaries are already joined)."""
+        try:
+            ws = flow.websocket
+            if ws is None or not ws.messages:
+                return
+            message = ws.messages[-1]
+            # mitmproxy keeps every message of a connection on its flow: a long-lived socket
+            # would grow the child without bound. Only the message in hand is needed.
+            del ws.messages[:-1]
+            needles = _needles_of(flow)
+            if needles is not None and self.body_redaction and message.content:
+                redacted = redact_bytes(message.content, needles)
+                if redacted != message.content:
+                    message.content = redacted
+        except Exception as exc:
+            emit("mitm.error", hook="websocket_message", error=type(exc).__name__)
             flow.kill()
 
     # ---- errors ------------------------------------------------------------------------------
@@ -469,6 +523,11 @@ class EgressInjector:
     def error(self, flow: http.HTTPFlow) -> None:
         """Malformed HTTP, upstream failures, killed flows: logged by kind, never by content
         (mitmproxy's message may quote raw bytes; only the text before the first ':' is kept)."""
+        body = flow.response.stream if flow.response is not None else None
+        if isinstance(body, BodyFilter) and body.failed is not None:
+            # egressd.mitm.streampatch aborted the streamed body: say why, as a refusal.
+            emit(RESPONSE_REFUSED_EVENT, status=502, reason=body.failed, client=_peer_ip(flow), host=flow.request.pretty_host)
+            return
         msg = flow.error.msg if flow.error is not None else ""
         emit(
             "mitm.flow_error",
@@ -485,16 +544,70 @@ class EgressInjector:
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         try:
-            snapshot = flow.metadata.get(_META)
-            if not isinstance(snapshot, VaultSnapshot) or flow.response is None or not snapshot.redactions:
-                return
-            headers = list(flow.response.headers.items(multi=True))
-            redacted = redact_response_headers(headers, snapshot.redactions)
-            if redacted != headers:
-                flow.response.headers = _headers(redacted)
+            self._responseheaders(flow)
         except Exception as exc:
             emit("mitm.error", hook="responseheaders", error=type(exc).__name__)
             flow.kill()
 
+    def _responseheaders(self, flow: http.HTTPFlow) -> None:
+        """Header values redacted; the body streamed or buffered, and scanned (docs/behaviour.md
+        §10), decided here from the headers before its first byte (:func:`plan_response`)."""
+        resp = flow.response
+        if resp is None:
+            return
+        needles = _needles_of(flow)
+        if needles is not None:
+            if (headers := _redacted_headers(resp.headers, needles)) is not None:
+                resp.headers = headers
+            if resp.reason:
+                resp.reason = redact_str(resp.reason, needles)
+        plan = plan_response(
+            method=flow.request.method,
+            status=resp.status_code,
+            get=resp.headers.get_all,
+            response_version=resp.http_version,
+            request_version=flow.request.http_version,
+            redact=needles is not None and self.body_redaction,
+            buffer_limit=self.buffer_limit,
+        )
+        if plan.refuse is not None:
+            self._abort(flow, plan.refuse)
+            return
+        if plan.stream:
+            resp.stream = _stream_body(resp, plan, needles)
+        elif plan.redact:
+            flow.metadata[_REDACT_BUFFERED] = True
+
+
+def _needles_of(flow: http.HTTPFlow) -> Needles | None:
+    """The flow's redaction strings, compiled; None when it has none (no vault)."""
+    snapshot = flow.metadata.get(_META)
+    if not isinstance(snapshot, VaultSnapshot) or not snapshot.redactions:
+        return None
+    return compile_needles(snapshot.redactions)
+
+
+def _redacted_headers(headers: http.Headers, needles: Needles) -> http.Headers | None:
+    """Header (or trailer) values with every redaction string replaced, names and order kept;
+    None when nothing changed."""
+    pairs = list(headers.items(multi=True))
+    redacted = [(name, redact_str(value, needles)) for name, value in pairs]
+    return _headers(redacted) if redacted != pairs else None
+
+
+def _stream_body(
+    resp: http.Response, plan: ResponsePlan, needles: Needles | None
+) -> BodyFilter | bool:
+    """mitmproxy's ``stream`` for a body passed on as it arrives: the filter (decode, redact)
+    with the framing headers the filtered body needs, or True (bytes as they are)."""
+    if not plan.redact or needles is None:
+        return True
+    if plan.codings:
+        del resp.headers["content-encoding"]
+    if plan.drop_length:
+        del resp.headers["content-length"]
+    if plan.chunked:
+        resp.headers["transfer-encoding"] = "chunked"
+    return BodyFilter(needles, plan.codings)
 
 addons = [EgressInjector()]

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 from urllib.parse import quote, quote_plus, unquote
 
+from egressd.mitm.redact import MARKER, compile_needles, redact_str
 from egressd.policy.evaluate import domain_matches
 from egressd.policy.idn import IdnaError, to_alabels
 from egressd.vault.model import RESERVED_HEADERS, SCHEME_PORTS
@@ -94,7 +95,7 @@ __all__ = [
 ]
 
 #: What every redaction string becomes in a response header value (§10).
-REDACTION_MARKER: Final = "[REDACTED]"
+REDACTION_MARKER: Final = MARKER.decode()
 
 REASON_NO_VAULT: Final = "no credential vault"
 REASON_NO_MATCH: Final = "no credential binding matches"
@@ -786,42 +787,17 @@ def _header_updates(
 
 
 def redact_text(text: str, redactions: Iterable[str]) -> str:
-    """Every occurrence of every redaction string -> ``[REDACTED]``.
-
-    Occurrences are found on the original text and overlapping ones merged into one marker,
-    so a longer string wins over the shorter ones inside it (``Bearer <v>`` becomes one
-    marker), no partial value survives an overlap, and the marker itself is never rescanned.
-    """
-    spans: list[tuple[int, int]] = []
-    for needle in {r for r in redactions if r}:
-        i = text.find(needle)
-        while i >= 0:
-            spans.append((i, i + len(needle)))
-            i = text.find(needle, i + 1)
-    if not spans:
-        return text
-    spans.sort()
-    merged: list[list[int]] = []
-    for start, end in spans:
-        if merged and start < merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    parts: list[str] = []
-    pos = 0
-    for start, end in merged:
-        parts.append(text[pos:start])
-        parts.append(REDACTION_MARKER)
-        pos = end
-    parts.append(text[pos:])
-    return "".join(parts)
+    """Every occurrence of every redaction string -> ``[REDACTED]``, overlapping ones merged
+    into one marker (:mod:`egressd.mitm.redact`, the one implementation for headers, bodies and
+    WebSocket messages)."""
+    return redact_str(text, compile_needles(redactions))
 
 
 def redact_response_headers(
     headers: Sequence[tuple[str, str]], redactions: Sequence[str]
 ) -> list[tuple[str, str]]:
     """Response headers with every redaction string in a value replaced by ``[REDACTED]``
-    (names untouched, order kept). Bodies are never redacted (§10)."""
+    (names untouched, order kept). Bodies go through the same redactor (:mod:`egressd.mitm.respbody`)."""
     if not redactions:
         return list(headers)
     return [(name, redact_text(value, redactions)) for name, value in headers]

@@ -6,7 +6,8 @@ CPU per request. This master loads: core (option checks), proxyserver (with the 
 self-connect check of :mod:`egressd.mitm.selfconnect`) + next_layer + tlsconfig (the proxy
 itself), upstream TLS session resumption (:mod:`egressd.mitm.tlsresume`), disable_h2c (refuses
 h2c upgrades, which would smuggle requests past the hooks), errorcheck (start-up errors exit non-zero, so the supervisor restarts us), termlog (warnings
-on stdout) and the egressd addon. There is no flow dumper at all (headers carry credentials), and
+on stdout) and the egressd addon, with the streamed-response guards of
+:mod:`egressd.mitm.streampatch` (abort, HTTP/2 backpressure) installed first. There is no flow dumper at all (headers carry credentials), and
 no ``config.yaml`` is read from the confdir.
 
 Run as ``python -m egressd.mitm.runner --set name=value …`` (options of mitmproxy and of the
@@ -34,6 +35,7 @@ from mitmproxy.addons import core, disable_h2c, errorcheck, next_layer, tlsconfi
 
 from egressd.hygiene import disable_core_dumps
 from egressd.kernel.listeners import raise_fd_limit
+from egressd.mitm import streampatch
 from egressd.mitm.active import CACHE_EVENT
 from egressd.mitm.addon import EgressInjector, emit
 from egressd.mitm.handover import adopt, listen_on_adopted
@@ -107,6 +109,7 @@ async def _main(argv: Sequence[str]) -> int:
     # any option can make mitmproxy start a server.
     listen_on_adopted(adopt(os.environ))
     logging.getLogger().setLevel(logging.INFO)
+    streampatch.install()  # abort a refused streamed body; HTTP/2 client backpressure
     for noisy in ("asyncio", "hpack"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     opts = options.Options()

@@ -204,4 +204,5 @@ def _options(
         ignore_hosts=cfg.mitm_ignore_hosts,
         tls_resume=cfg.mitm_tls_resume,
         listen_mark=listen_mark,
+        body_redaction=cfg.mitm_body_redaction,
     )

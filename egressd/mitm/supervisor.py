@@ -66,6 +66,7 @@ class MitmOptions:
     subject_ports: tuple[int, ...] = ()
     ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (docs/behaviour.md §16)
     tls_resume: bool = True  # EGRESSD_MITM_TLS_RESUME (egressd.mitm.tlsresume)
+    body_redaction: bool = True  # EGRESSD_MITM_BODY_REDACTION (egressd.mitm.respbody)
     vault_push: Path | None = None  # the narrowing sequence map (EGRESSD_MITM_VAULT_PUSH=on)
     # SO_MARK of the listeners the supervisor binds for the child (fleet: OWNER_MARK, §20.1).
     listen_mark: int | None = None
@@ -95,6 +96,7 @@ def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
         f"egressd_active_socket={opts.active_socket}",
         f"egressd_lookup_timeout_ms={round(opts.lookup_timeout * 1000)}",
         f"egressd_tls_resume={'true' if opts.tls_resume else 'false'}",
+        f"egressd_body_redaction={'true' if opts.body_redaction else 'false'}",
         f"egressd_vault_push={opts.vault_push or ''}",
     ]
     argv = [python, "-m", "egressd.mitm.runner"]
@@ -347,7 +349,7 @@ class MitmSupervisor:
                 self.ready = True
                 self._became_ready.set()
                 log.info("mitm.ready", pid=proc.pid, worker=self.worker, **event)
-            elif name in ("mitm.refused", "mitm.error"):
+            elif name in ("mitm.refused", "mitm.response_refused", "mitm.error"):
                 log.warning(name, pid=proc.pid, **event)
             else:
                 log.info(name, pid=proc.pid, **event)

@@ -28,6 +28,8 @@ the MITM's private ``/_active`` endpoint serves.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 import secrets
@@ -133,8 +135,10 @@ class VaultSnapshot:
 
     ``tag`` is ``"<incarnation>-<revision>"`` and changes on every mutation, including
     delete -> recreate. ``bindings`` are sorted by name; ``redactions`` (longest first) are the
-    strings to replace by ``[REDACTED]`` in response headers: every raw value, ``Bearer <v>`` /
-    ``Basic <v>``, every placeholder, and substitution values URL-, form- and JSON-escaped.
+    strings to replace by ``[REDACTED]`` in what comes back to the sandbox (response headers,
+    trailers, bodies, WebSocket messages): every credential value raw, URL-, form- and
+    JSON-escaped, ``Bearer <v>`` / ``Basic <v>``, a basic credential's decoded ``user:password``
+    and (from 8 characters) its password in the same encodings, every placeholder.
     """
 
     tag: str
@@ -180,6 +184,27 @@ def _encodings(value: str) -> Iterable[str]:
     yield json.dumps(value, ensure_ascii=False)[1:-1]
 
 
+#: A basic credential's password is redacted on its own from this length on: a shorter one
+#: would take ordinary words out of every body (and is no secret worth the name).
+BASIC_PASSWORD_MIN: Final = 8
+
+
+def _basic_secrets(value: str) -> Iterable[str]:
+    """A basic credential is ``base64(user:password)`` on the wire; an upstream that echoes what
+    it decoded shows ``user:password`` or the password: redacted too (a value that is not
+    base64 of UTF-8 ``user:password`` has nothing more to give)."""
+    try:
+        decoded = base64.b64decode(value.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, ValueError):
+        return
+    _user, sep, password = decoded.partition(":")
+    if not sep or not password:
+        return
+    yield from _encodings(decoded)
+    if len(password) >= BASIC_PASSWORD_MIN:
+        yield from _encodings(password)
+
+
 def _headers(binding: Binding, credentials: Mapping[str, Credential]) -> tuple[InjectedHeader, ...]:
     auth = binding.auth
     match auth.type:
@@ -207,6 +232,8 @@ def _build_snapshot(vault: Vault) -> VaultSnapshot:
         headers = _headers(binding, credentials)
         if binding.auth.type in (AuthType.BEARER, AuthType.BASIC):
             redactions.update(h.value for h in headers)
+        if binding.auth.type is AuthType.BASIC and binding.auth.credential is not None:
+            redactions.update(_basic_secrets(credentials[binding.auth.credential].value))
         subs: list[ActiveSubstitution] = []
         for s in binding.substitutions:
             value = credentials[s.credential].value

@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as c
+import mitm_stream
 
 API, API_IP, DNS_IP = "api.example.test", "10.204.0.6", "10.204.0.2"
 DIRECT_PORT, MITM_PORT, HTTP_PORT, TABLE = 8443, 18181, 18190, "egbm-mitm"
@@ -60,7 +61,7 @@ T_P50_ADDED_MS, T_P99_ADDED_MS = 3.0, 15.0
 T_WORKERS_FACTOR = 0.5  # issue 16: added p50 with 16 in flight at most half the one-worker figure
 T_CONN_FACTOR = 2.0  # issue 16: new-connection added p50 within 2x the direct connection time
 VAULT = {"credentials": [{"name": "key", "source": {"type": "inline", "value": SECRET}}],
-         "bindings": [{"name": "api", "match": {"hosts": [API], "methods": ["GET"], "paths": ["/v1/*"]},
+         "bindings": [{"name": "api", "match": {"hosts": [API], "methods": ["GET", "POST"], "paths": ["/v1/*", "/_stream/*"]},
                        "auth": {"type": "bearer", "credential": "key"}}]}  # fmt: skip
 
 # The load generator, run inside a sandbox namespace (stdin: JSON commands, stdout: JSON results).
@@ -357,6 +358,8 @@ class Pod:
         self.mitm: list[int] = []
         self.dug: dict[int, float] = {}
         mitm_ca, up_ca = str(self.workdir / "mitm-conf" / "mitmproxy-ca-cert.pem"), str(tls / "ca.pem")
+        self.mitm_ca, self.upstream_ca = mitm_ca, up_ca  # the response-path part (mitm_stream.py)
+        self.api, self.api_ip, self.placeholder = API, API_IP, PLACEHOLDER
         self.paths = [BenchPath("direct", (1,), DIRECT_PORT, up_ca, f"Bearer {PLACEHOLDER}", PATH),
                       BenchPath("mitm+inject", (1,), 443, mitm_ca, "[REDACTED]", PATH),
                       BenchPath("mitm decrypt, no match", (1,), 443, mitm_ca, f"Bearer {PLACEHOLDER}", OTHER_PATH),
@@ -550,14 +553,24 @@ def run_phase(
     return [{"paths": x, "rss_kb": pod.rss_kb()} for pod, x in zip(pods, res, strict=True)]
 
 
+def all_configurations(args: argparse.Namespace) -> list[Config]:
+    """The measured configurations, plus R (A's environment with body redaction off) for the
+    response-path part when it runs and a topology copy is left for it."""
+    cfgs = configurations(args.compare, args.workers)
+    if args.stream and len(cfgs) < len(PREFIXES):
+        env = {**cfgs[0].env, mitm_stream.BODY_REDACTION_ENV: "off"}
+        cfgs.append(Config(f"R: {describe(env)} (response path only)", env))
+    return cfgs
+
+
 def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Report) -> dict[str, Any]:
     if args.quick:
         args.n_seq, args.n_conc, args.warmup = min(args.n_seq, 32), min(args.n_conc, 96), min(args.warmup, 6)
         args.batches = min(args.batches, 4)  # each batch costs ~60 ms of round trips and log settling
-    cfgs = configurations(args.compare, args.workers)
+    cfgs = all_configurations(args)
     pods = [Pod(cfg, PREFIXES[i], topo, workdir, args) for i, cfg in enumerate(cfgs)]
     try:
-        out = measure_all(args, pods)
+        out = measure_all(args, pods, topo)
     except (OSError, http.client.HTTPException, c.BenchError) as exc:
         tails = "\n".join(f"--- egressd log tail, {pod.cfg.label} ---\n{pod.d.log_tail()}" for pod in pods)
         raise c.BenchError(f"{exc}\n{tails}") from None
@@ -568,7 +581,7 @@ def inner(args: argparse.Namespace, topo: c.Topology, workdir: Path, rep: c.Repo
     return out
 
 
-def measure_all(args: argparse.Namespace, pods: Sequence[Pod]) -> dict[str, Any]:
+def measure_all(args: argparse.Namespace, pods: Sequence[Pod], topo: c.Topology) -> dict[str, Any]:
     for pod in pods:
         pod.start_upstream()
     for pod in pods:
@@ -579,13 +592,16 @@ def measure_all(args: argparse.Namespace, pods: Sequence[Pod]) -> dict[str, Any]
     c.log(
         "warm-up ok on every configuration: direct reaches :8443, the MITM paths :443, the key injected on mitm+inject only"
     )
+    stream_pods = [pods[0], *pods[len(configurations(args.compare, args.workers)) :]]
+    pods = pods[: len(configurations(args.compare, args.workers))]  # the latency phases' configurations
     rss0 = [pod.rss_kb() for pod in pods]
     logs = [LogTail(pod.d.log_path) for pod in pods]
     res: dict[str, list[dict[str, Any]]] = {}
-    for ph in phases(args):
+    for ph in [] if args.stream_only else phases(args):
         res[ph.label] = run_phase(args, pods, logs, ph)
         c.log(f"{ph.label}: done")
-    for pod in pods:
+    stream = mitm_stream.run(args, stream_pods, topo) if args.stream else None
+    for pod in [*pods, *stream_pods[1:]]:
         if pod.mitm_children() != pod.mitm:
             raise c.BenchError(
                 f"{pod.cfg.label}: a MITM child was restarted during the run: figures not comparable"
@@ -598,6 +614,7 @@ def measure_all(args: argparse.Namespace, pods: Sequence[Pod]) -> dict[str, Any]
         "phases": res,
         "rss_before_kb": rss0, "hwm_kb": [pod.rss_kb("VmHWM") for pod in pods],
         "refused": [w.count("mitm.refused") for w in whole], "mitm_errors": [w.count("mitm.error") for w in whole],
+        "stream": stream,
     }  # fmt: skip
 
 
@@ -624,15 +641,18 @@ def report(rep: c.Report, args: argparse.Namespace, out: dict[str, Any]) -> None
                 f" (the spec's {WORKERS_ENV} gives {cf['expected_workers']}); each sandbox's worker (mitmWorker"
                 " of /v1/subjects): " + ", ".join(f"sb{k} {w}" for k, w in cf["workers_of"].items()))  # fmt: skip
     rep.add("")
-    latency_table(rep, out)
-    conn_table(rep, out)
-    cpu_table(rep, out)
-    rss_lines(rep, out)
-    lookup_lines(rep, out)
-    side_by_side(rep, out)
-    latency_targets(rep, out)
-    workers_targets(rep, out)
-    conn_targets(rep, out)
+    if out.get("phases"):
+        latency_table(rep, out)
+        conn_table(rep, out)
+        cpu_table(rep, out)
+        rss_lines(rep, out)
+        lookup_lines(rep, out)
+        side_by_side(rep, out)
+        latency_targets(rep, out)
+        workers_targets(rep, out)
+        conn_targets(rep, out)
+    if out.get("stream") is not None:
+        mitm_stream.report(rep, out["stream"])
 
 
 def latency_table(rep: c.Report, out: dict[str, Any]) -> None:
@@ -784,7 +804,7 @@ def build(args: argparse.Namespace) -> Callable[[c.Topology], None]:
     """One topology copy per configuration."""
 
     def _build(topo: c.Topology) -> None:
-        for x in PREFIXES[: len(configurations(args.compare, args.workers))]:
+        for x in PREFIXES[: len(all_configurations(args))]:
             c.pod_topology(topo, args.subjects + 1, [DNS_IP, API_IP], prefix=x)
 
     return _build
@@ -815,9 +835,12 @@ def main() -> int:
     )
     p.add_argument("--daemon-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra egressd environment of every configuration (experiments)")  # fmt: skip
+    mitm_stream.add_arguments(p)
     args = p.parse_args()
+    if args.stream_only and not args.stream:
+        p.error("--stream-only and --no-stream exclude each other")
     try:
-        n = len(configurations(args.compare, args.workers))
+        n = len(all_configurations(args))
     except ValueError as exc:
         p.error(str(exc))
     if args.workers is not None and not 1 <= args.workers <= 16:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from egressd.mitm.seqmap import MAX_SILENCE_S
-from tests.kernel.topology import GATEWAY, GATEWAY6, UPSTREAM_IPS, Daemon, Topology, envelope
+from tests.kernel.topology import GATEWAY, GATEWAY6, UPSTREAM_IPS, Daemon, Topology, decode_echo, envelope
 
 SECRET = "sk-live-MITM-4f9a2c"  # the real key: only ever in the vault and upstream
 PLACEHOLDER = "PLACEHOLDER-KEY-7"  # what the sandbox holds
@@ -146,10 +146,7 @@ class Reply:
         self.code = code
         self.text = body
         self.headers = headers.lower()
-        try:
-            self.echo: dict[str, Any] = json.loads(body) if body.startswith("{") else {}
-        except ValueError:
-            self.echo = {}
+        self.echo: dict[str, Any] = decode_echo(body)  # what the upstream received
 
     def upstream_header(self, name: str) -> str | None:
         for k, v in self.echo.get("headers", {}).items():

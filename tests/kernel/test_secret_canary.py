@@ -23,8 +23,9 @@ Input paths (one random canary each, ``canary-<path>-<hex>``):
 Searched: every HTTP response (status line, headers, body) egressd gave during the test
 (including /metrics, /healthz, actions/status, /v1/subjects, /v1/explain, every GET of the
 vault and its sub-resources, /policy), every egressctl stdout/stderr (``vault get`` included),
-the response *headers* the sandbox received through the MITM (the body is the upstream's echo,
-which egressd passes untouched by design, docs/behaviour.md §10), the daemon logs (the MITM child's
+the responses the sandbox received through the MITM (headers and body: the MITM redacts both,
+docs/behaviour.md §10; the upstream's deliberate base64 copy in the echo's ``seen`` is left out),
+the daemon logs (the MITM child's
 lines are re-logged there), and every file under the topology work dir (MITM confdirs,
 credential-proxy socket dirs, key dir, always-rules dirs, sidecar policy file, logs), the
 daemons' and MITM children's cwd (files changed during the test) and every regular file they
@@ -53,7 +54,7 @@ import pytest
 
 from egressd.vault.sealed import build_wrapper, seal
 from tests.kernel.sidecar import TOKEN, Sidecar
-from tests.kernel.topology import REPO, UPSTREAM_IPS, Daemon, Topology, cleanup_stale, envelope
+from tests.kernel.topology import REPO, UPSTREAM_IPS, Daemon, Topology, cleanup_stale, decode_echo, envelope
 
 CTL = str(REPO / ".venv" / "bin" / "egressctl")
 API = "api.example.test"
@@ -208,9 +209,13 @@ class Env:
         r = subprocess.run([*args, f"https://{API}{path}"], capture_output=True, timeout=20, check=False)
         raw, _, code = r.stdout.rpartition(b"\n")
         head, _, body = raw.partition(b"\r\n\r\n")
-        # Only the headers are egressd's (the MITM redacts them); the body is the upstream's echo.
+        # What the sandbox received: headers and body, both redacted by the MITM; the body is the
+        # upstream's echo, searched without its ``seen`` field (the test upstream's deliberate
+        # base64 copy of what it received, the oracle read below).
         self.rec.add(f"sandbox response headers {ns} {path}", head)
-        echo = json.loads(body) if body.startswith(b"{") else {}
+        plain = json.loads(body) if body.startswith(b"{") else {}
+        self.rec.add(f"sandbox response body {ns} {path}", json.dumps({k: v for k, v in plain.items() if k != "seen"}))
+        echo = decode_echo(body)
         return (int(code) if code.strip().isdigit() else 0), echo, head
 
     def snapshot_files(self, when: str) -> None:

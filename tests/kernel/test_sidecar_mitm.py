@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from tests.kernel.sidecar import Sidecar
-from tests.kernel.topology import UP_NET, Topology, cleanup_stale
+from tests.kernel.test_mitm_stream import assert_as_produced, sent_times, timed_lines
+from tests.kernel.topology import UP_NET, Topology, cleanup_stale, decode_echo
 
 SECRET = "sk-sidecar-MITM-5e1d"
 API, API_IP = "api.example.test", f"{UP_NET}.6"
@@ -94,7 +95,7 @@ def https(
         timeout=timeout + 10,
     )
     body, _, code = r.stdout.rpartition("\n")
-    echo = json.loads(body) if body.startswith("{") else {}
+    echo = decode_echo(body)  # what the upstream received (the MITM redacts the plain fields)
     return (int(code) if code.strip().isdigit() else 0), echo
 
 
@@ -203,3 +204,59 @@ def test_the_mitm_child_runs_without_capabilities(sidecar: Sidecar) -> None:
     assert int(fields["CapEff"].strip(), 16) == 0 and int(fields["CapPrm"].strip(), 16) == 0
     assert fields["NoNewPrivs"].strip() == "1"
     assert fields["Gid"].split()[0] == "18081"
+
+
+# ---- the response path in the sidecar profile (docs/behaviour.md §10; the fleet's are in
+# tests/kernel/test_mitm_stream.py) ---------------------------------------------------------------
+
+H2_HOST = "h2.example.test"  # the upstream offers HTTP/2 to SNIs h2.* (same address as API)
+STREAM_POLICY = {
+    "defaultAction": "deny",
+    "egress": [{"action": "allow", "target": API}, {"action": "allow", "target": H2_HOST}],
+}
+STREAM_VAULT = {
+    "credentials": VAULT["credentials"],
+    "bindings": [
+        {"name": "api", "match": {"hosts": [API, H2_HOST]}, "auth": {"type": "bearer", "credential": "key"}}
+    ],
+}
+
+
+def _stream_ready(sc: Sidecar) -> None:
+    sc.set_policy(STREAM_POLICY)
+    code, text = sc.api("PUT", "/credential-vault", STREAM_VAULT)
+    assert code == 201, text
+    assert sc.dig(API)[0] == "NOERROR" and sc.dig(H2_HOST)[0] == "NOERROR"
+
+
+def _curl(sc: Sidecar, host: str, http2: bool) -> list[str]:
+    return ["curl", "-s", "-N", "--http2" if http2 else "--http1.1", "--cacert", str(client_trust(sc)),
+            "--resolve", f"{host}:443:{API_IP}", "-m", "15"]  # fmt: skip
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["http1", "http2"])
+def test_sidecar_streams_events_as_produced_and_redacts_them(sidecar: Sidecar, http2: bool) -> None:
+    """An SSE answer reaches the app while the upstream still sends it, with the injected key
+    echoed inside the events redacted."""
+    _stream_ready(sidecar)
+    ident = f"sc-{os.getpid()}-{int(http2)}"
+    host = H2_HOST if http2 else API
+    url = f"https://{host}/_stream/sse?n=5&gap=400&id={ident}&echo=authorization"
+    lines = timed_lines(sidecar.topo, [*_curl(sidecar, host, http2), url])
+    events = [(t, line) for t, line in lines if line.startswith("data:")]
+    assert_as_produced([t for t, _ in events], sent_times(sidecar.topo, ident))
+    assert all('"echo": "[REDACTED]"' in line for _, line in events), events
+    assert SECRET not in sidecar.log_text()
+
+
+@pytest.mark.parametrize(("http2", "ce"), [(False, "identity"), (False, "gzip"), (True, "zstd")])
+def test_sidecar_redacts_a_credential_split_across_chunks(sidecar: Sidecar, http2: bool, ce: str) -> None:
+    _stream_ready(sidecar)
+    host = H2_HOST if http2 else API
+    r = sidecar.topo.ns(
+        sidecar.ns, *_curl(sidecar, host, http2), f"https://{host}/_stream/echo?fmt=raw&split=mid&gap=150&ce={ce}",
+        check=False, timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("<<<[REDACTED]>>>"), r.stdout[:100]
+    assert SECRET not in r.stdout

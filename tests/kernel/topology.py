@@ -17,6 +17,7 @@ stale namespaces of a killed run (owner pid gone) are removed on the next start.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -52,6 +53,8 @@ ZONE: list[dict[str, object]] = [
     {"name": "deep.test", "type": "A", "value": f"{UP_NET}.4", "ttl": 30},
     {"name": "example.test", "type": "A", "value": f"{UP_NET}.5", "ttl": 30},
     {"name": "api.example.test", "type": "A", "value": f"{UP_NET}.6", "ttl": 30},
+    # The upstream offers HTTP/2 to SNIs starting with "h2." (scripts/upstream_streams.py).
+    {"name": "h2.example.test", "type": "A", "value": f"{UP_NET}.6", "ttl": 30},
     {"name": "x.y.example.test", "type": "A", "value": f"{UP_NET}.7", "ttl": 30},
     {"name": "blocked-ip.test", "type": "A", "value": f"{UP_NET}.8", "ttl": 30},
     {"name": "short.test", "type": "A", "value": f"{UP_NET}.9", "ttl": 0},
@@ -587,6 +590,22 @@ def envelope(
     if hook is not None:
         env["hook"] = {"name": hook}
     return env
+
+
+def decode_echo(text: str | bytes) -> dict[str, Any]:
+    """The upstream's JSON echo (scripts/fleet_upstream.py) with ``headers`` and ``body`` as the
+    upstream received them: taken from its base64 ``seen`` field, since the MITM redacts the
+    credential strings from the plain fields on the way back (docs/behaviour.md §10)."""
+    try:
+        echo = json.loads(text) if text[:1] in ("{", b"{") else {}
+    except ValueError:
+        return {}
+    if not isinstance(echo, dict):
+        return {}
+    seen = echo.get("seen")
+    if isinstance(seen, str):
+        echo.update(json.loads(base64.b64decode(seen)))
+    return echo
 
 
 def quote(s: str) -> str:

@@ -263,6 +263,50 @@ def test_report_does_not_judge_workers_without_a_multi_worker_side() -> None:
     assert "[MET   ] issue 16 connection, B" in text
 
 
+# ---- bench_mitm's response-path part (issue 23, scripts/bench/mitm_stream.py) -----------------
+
+import mitm_stream as ms  # noqa: E402
+
+
+def _stream_out(decrypted_ttfb: float, decrypted_mib_s: float, growth: float, off: bool = True) -> dict[str, Any]:
+    ttfb = {"direct": [1.0] * 5, "relayed": [1.5] * 5, "decrypted": [decrypted_ttfb] * 5}
+    tput = {"direct": [200.0, 220.0, 210.0], "relayed": [190.0] * 3, "decrypted": [decrypted_mib_s] * 3}
+    if off:
+        ttfb["decrypted, redaction off"] = [decrypted_ttfb] * 5
+        tput["decrypted, redaction off"] = [decrypted_mib_s + 5] * 3
+    return {
+        "sizes": {"bulk": 1024, "upload": 256, "throughput": 256, "rounds": 3, "sse": 5},
+        "ttfb": {k: {"ttfb": v, "delay": [0.5] * 5} for k, v in ttfb.items()},
+        "throughput": tput,
+        "memory": [{"what": "1024 MiB response, chunked", "growth_mib": growth, "before_mib": 90.0, "mib_s": 80.0}],
+    }
+
+
+def test_stream_targets_are_judged_side_by_side() -> None:
+    rep = common.Report("egressd mitm benchmark", "cmd")
+    bm.report(rep, _args(), {"configs": [], "phases": {}, "stream": _stream_out(3.0, 120.0, 1.5)})
+    text = rep.text()
+    assert "[MET   ] issue 23 SSE time to first byte: decrypted within 2 ms of relayed" in text  # +1.5 ms
+    assert "[MET   ] issue 23 throughput: decrypted at least half of direct: 120 vs 210 MiB/s" in text
+    assert "[MET   ] issue 23 memory: 1024 MiB response, chunked: MITM +1.5 MiB" in text
+    assert "latency, ms" not in text  # --stream-only: no latency tables
+    rep = common.Report("egressd mitm benchmark", "cmd")
+    bm.report(rep, _args(), {"configs": [], "phases": {}, "stream": _stream_out(4.0, 90.0, 80.0, off=False)})
+    text = rep.text()
+    assert "[MISSED] issue 23 SSE time to first byte" in text and "[MISSED] issue 23 throughput: decrypted at" in text
+    assert "[MISSED] issue 23 memory" in text and "[n/a   ] issue 23 throughput: decrypted, redaction off" in text
+
+
+def test_stream_helpers() -> None:
+    assert ms.interleaved(["a", "b", "c"], 3) == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert ms.ttfb_met(3.4, 1.5) and not ms.ttfb_met(3.6, 1.5) and not ms.ttfb_met(math.inf, 1.5)
+    assert ms.throughput_met(100.0, 200.0) and not ms.throughput_met(99.0, 200.0) and not ms.throughput_met(1.0, 0.0)
+    quick = argparse.Namespace(quick=True, bulk_mib=1024, upload_mib=256, throughput_mib=256, throughput_rounds=3, sse_rounds=40)
+    assert ms.sizes(quick) == {"bulk": 48, "upload": 16, "throughput": 24, "rounds": 2, "sse": 8}
+    quick.quick = False
+    assert ms.sizes(quick)["bulk"] == 1024
+
+
 def test_in_netns_without_a_namespace_is_a_no_op() -> None:
     with common.in_netns(None):
         pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import itertools
 import json
@@ -560,6 +561,29 @@ def test_snapshot_headers_and_substitutions(store: VaultStore) -> None:
     # nothing readable leaks through repr/str
     assert_no_secret(snap, snap.bindings, store, store.vault)
     assert "dXNlcjpwYXNz" not in repr(snap) and PLACEHOLDER not in repr(snap)
+
+
+@pytest.mark.parametrize(
+    ("pair", "extra", "absent"),
+    [
+        ("user:pass", {"user:pass", "user%3Apass"}, {"pass", "user"}),  # short password: the pair only
+        ("bot:s3cr3t/pa55word", {"bot:s3cr3t/pa55word", "s3cr3t/pa55word", "s3cr3t%2Fpa55word"}, {"bot"}),
+        ("no-colon", set(), {"no-colon"}),
+    ],
+)
+def test_snapshot_redacts_what_a_basic_credential_decodes_to(
+    store: VaultStore, pair: str, extra: set[str], absent: set[str]
+) -> None:
+    """An upstream may echo what it decoded from ``Basic <base64(user:password)>``."""
+    value = base64.b64encode(pair.encode()).decode()
+    body = {
+        "credentials": [cred("b", value)],
+        "bindings": [binding("basic", ["api.example.com"], {"type": "basic", "credential": "b"})],
+    }
+    assert store.post(body, POLICY)[0] == 201
+    redactions = set(snapshot_of(store).redactions)
+    assert {value, f"Basic {value}"} | extra <= redactions
+    assert not absent & redactions
 
 
 def test_snapshot_json_escaped_redaction(store: VaultStore) -> None:
