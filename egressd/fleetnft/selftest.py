@@ -147,6 +147,13 @@ def _probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} c1 ip daddr @iv4 meta mark set 0x2\n"
             f"add rule inet {t} fwd_ meta mark & 0x2 != 0x2 drop",
         ),
+        (
+            # Forged sources (docs/behaviour.md §17, §20.2): reverse path and source type, in
+            # rules no real packet matches (no such interface, no such mark).
+            "source-address lookups (fib saddr)",
+            f'add rule inet {t} pre iifname "egressd-probe" fib saddr . iif oif missing drop\n'
+            f"add rule inet {t} pre meta mark 0x45470001 fib saddr type != local drop",
+        ),
         *_match_probes(t),
     ]
 
@@ -181,10 +188,6 @@ def _match_probes(t: str) -> list[tuple[str, str]]:
             # input hook sends sandbox sources to a regular chain.
             "local-address lookups (fib) and input jumps",
             f"add rule inet {t} nat fib daddr type local tcp dport {{ 80, 443 }} return\n"
-            # Forged sources (docs/behaviour.md §17, §20.2): reverse path and source type, in
-            # rules no real packet matches (no such interface, no such mark).
-            f"add rule inet {t} pre iifname \"egressd-probe\" fib saddr . iif oif missing drop\n"
-            f"add rule inet {t} pre meta mark 0x45470001 fib saddr type != local drop\n"
             f"add set inet {t} sb {{ type ipv4_addr; elements = {{ 10.0.0.5 }} }}\n"
             f"add chain inet {t} c3\n"
             f"add rule inet {t} in_ ip saddr @sb jump c3",  # c1, c2 are deleted by later probes
