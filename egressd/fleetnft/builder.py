@@ -439,6 +439,7 @@ def _header_objects(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> 
 def _marking_chain(s: _Script, cfg: TableConfig) -> None:
     # Prerouting: clear our bit first, so only this table's rules can grant it.
     s.obj("add", "chain", "marking { type filter hook prerouting priority 0; policy accept; }")
+    _sandbox_source_guard(s, cfg)
     s.rule("marking", f"meta mark set meta mark & {~ALLOW_MARK & 0xFFFFFFFF:#010x}")
     for fam in ("v4", "v6"):
         exempt = _exempt_literal(cfg, fam)
@@ -453,6 +454,25 @@ def _marking_chain(s: _Script, cfg: TableConfig) -> None:
             )
     s.rule("marking", f"ip saddr vmap @{marking_map('v4')}")
     s.rule("marking", f"ip6 saddr vmap @{marking_map('v6')}")
+
+
+def _sandbox_source_guard(s: _Script, cfg: TableConfig) -> None:
+    """A packet from a sandbox-facing interface carries a source address routed back through
+    that interface (strict reverse path), else it is dropped before anything reads its source.
+
+    Identity is the source address (dispatch, DNS, the MITM), and IPv6 lets an unprivileged
+    process send with any address (``IPV6_FREEBIND`` needs no capability). Without this, a
+    sandbox claiming an upstream's address injects into a sibling's established flows (the
+    forward hook accepts established first), and one claiming a sibling's address sends with
+    the sibling's policy and has egressd answer the sibling. One veth per sandbox (routed):
+    only its own addresses pass. A bridge (``EGRESSD_SANDBOX_IFACES``): only addresses routed
+    to the bridge; telling two ports of one bridge apart is the runtime's (docs/security.md).
+    Refusals are counted as unattributed: the source names nobody it can be trusted to.
+    """
+    drop = f'fib saddr . iif oif missing counter name "{UNATTRIBUTED_COUNTER}" drop'
+    s.rule("marking", f"iifname @{SANDBOX_IFACES_SET} {drop}")
+    for name in cfg.sandbox_ifaces:
+        s.rule("marking", f'iifname "{name}" {drop}')
 
 
 def _filter_chains(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> None:
@@ -1109,6 +1129,11 @@ def _uid_out_chain(s: _Script, cfg: TableConfig) -> None:
     s.rule("output", f"meta skuid {_uid_range(cfg)} jump {UID_OUT_CHAIN}")
     o = UID_OUT_CHAIN
     _uid_exemptions(s, cfg, o)
+    # A sandbox uid sends with the pod's own addresses only. IPv6 lets any process claim another
+    # (IPV6_FREEBIND needs no capability): as a network sandbox's address it would get egressd's
+    # own DNS answers sent there (a lateral channel) and open conntrack entries that sandbox's
+    # later packets ride as "established", past its policy (docs/security.md, Hardening III).
+    s.rule(o, f"fib saddr type != local {UID_REFUSE}")
     # A sandbox uid answering from one of egressd's listener ports squats it (a worker that is
     # restarting, a port egressd has not bound yet): it would receive another subject's
     # redirected DNS or intercepted flows. Its replies never leave, so nothing connects.

@@ -147,6 +147,13 @@ def _probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} c1 ip daddr @iv4 meta mark set 0x2\n"
             f"add rule inet {t} fwd_ meta mark & 0x2 != 0x2 drop",
         ),
+        (
+            # Forged sources (docs/behaviour.md §17, §20.2): reverse path and source type, in
+            # rules no real packet matches (no such interface, no such mark).
+            "source-address lookups (fib saddr)",
+            f'add rule inet {t} pre iifname "egressd-probe" fib saddr . iif oif missing drop\n'
+            f"add rule inet {t} pre meta mark 0x45470001 fib saddr type != local drop",
+        ),
         *_match_probes(t),
     ]
 

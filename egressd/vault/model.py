@@ -406,16 +406,20 @@ def _string(value: object, where: str) -> str:
 
 
 def _name(value: object, where: str) -> str:
-    """A trimmed, non-blank name (credential, binding, reference) of printable characters only
-    (docs/behaviour.md §20.3): names are shown to operators (egressctl, logs), and a control or
-    format character in one could rewrite their terminal."""
+    """A non-blank name (credential, binding, reference) of printable characters only, without
+    spaces at its ends (docs/behaviour.md §20.3, which wins over §6's trimming): names are shown
+    to operators (egressctl, logs), and a control or format character in one could rewrite
+    their terminal; a name is kept exactly as sent, never silently changed (``" tok "`` is
+    refused, not stored as ``tok``)."""
     if value is None:
         raise VaultError("is required", where)
-    text = _string(value, where).strip()
-    if not text:
+    text = _string(value, where)
+    if not text.strip():
         raise VaultError("must not be blank", where)
     if not text.isprintable():
         raise VaultError("must be printable characters only (no control or format characters)", where)
+    if text != text.strip():
+        raise VaultError("must not start or end with a space", where)
     return text
 
 

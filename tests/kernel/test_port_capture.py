@@ -319,6 +319,7 @@ def test_zz_nothing_reaches_a_squatter_while_egressd_is_down(ptopo: Topology, pd
         [
             ["udp", "0.0.0.0", DNS_PORT],
             ["udp", "127.0.0.1", dns],
+            ["udp", "::1", dns],  # the attacker review: the IPv6 half of a per-subject port
             ["tcp", "127.0.0.1", pd.port],
             ["tcp", "0.0.0.0", mitm],
         ],
@@ -326,9 +327,10 @@ def test_zz_nothing_reaches_a_squatter_while_egressd_is_down(ptopo: Topology, pd
     )
     try:
         squatter.take()
-        assert len(squatter.bound) == 4, f"egressd's ports are free while it is down: {squatter.refused}"
+        assert len(squatter.bound) == 5, f"egressd's ports are free while it is down: {squatter.refused}"
         assert ptopo.dig(1, "a.test")[0] == "TIMEOUT"
         assert dig(ptopo, A, "a.test")[0] == "TIMEOUT"
+        assert dig(ptopo, A, "a.test", server=UPSTREAM_IPS6[7])[0] == "TIMEOUT"  # via ::1
         assert https_as_a(ptopo) != 0
         assert push_credential(ptopo, pd.port) != 0
         got = squatter.received()

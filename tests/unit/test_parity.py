@@ -336,6 +336,7 @@ def test_fleet_header_marks_only_port_53_of_exempt_nameservers_for_registered_sa
         ln.split(" marking ", 1)[1] for ln in text.splitlines() if ln.startswith("add rule inet T marking")
     ]
     assert marking == [
+        'iifname @sandbox_ifaces fib saddr . iif oif missing counter name "unattributed_dropped" drop',
         "meta mark set meta mark & 0xfffffffd",
         "ip saddr @sandboxes_v4 ip daddr { 10.204.0.9 } meta l4proto { tcp, udp } th dport 53 "
         "meta mark set meta mark | 0x2",

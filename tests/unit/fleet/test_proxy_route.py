@@ -1566,3 +1566,41 @@ async def test_a_vault_item_name_with_control_characters_is_400(active: Env) -> 
     assert reply.status == 400, reply.text
     assert "bindings[0].name" in reply.text and "printable" in reply.text and "\x9b" not in reply.text
     assert (await env.call("GET", "/credential-vault")).status == 404
+
+
+@pytest.mark.parametrize("method", ["PUT", "POST"])
+@pytest.mark.parametrize(
+    ("where", "field"),
+    [("cred", "credentials[0].name"), ("binding", "bindings[0].name")],
+)
+async def test_a_vault_item_name_with_spaces_at_its_ends_is_400(
+    active: Env, method: str, where: str, field: str
+) -> None:
+    """docs/behaviour.md §20.3 wins over §6's trimming: " tok " is refused, never stored as "tok"."""
+    env = active
+    doc = vault_doc(cred=" tok ") if where == "cred" else vault_doc(binding="b1 ")
+    reply = await env.call(method, "/credential-vault", body=doc)
+    assert reply.status == 400, reply.text
+    assert field in reply.text and "space" in reply.text
+    assert (await env.call("GET", "/credential-vault")).status == 404
+
+
+async def test_a_patch_naming_an_item_with_spaces_at_its_ends_is_400(active: Env) -> None:
+    env = active
+    assert (await env.call("PUT", "/credential-vault", body=vault_doc())).status == 201
+    for patch in (
+        {"credentials": {"add": [{"name": "extra ", "source": {"value": "extra-value"}}]}},
+        {"credentials": {"delete": [" tok"]}},
+        {"bindings": {"replace": [{**vault_doc()["bindings"][0], "auth": {"type": "bearer", "credential": "tok "}}]}},
+    ):
+        reply = await env.call("PATCH", "/credential-vault", body=patch)
+        assert reply.status == 400 and "space" in reply.text, (patch, reply.text)
+    state = (await env.call("GET", "/credential-vault")).json()
+    assert state["revision"] == 1 and [c["name"] for c in state["credentials"]] == ["tok"]
+
+
+async def test_a_cached_push_naming_an_item_with_spaces_is_never_applied(env: Env) -> None:
+    """A push cached for a uid not registered yet goes through the same validation on replay."""
+    assert (await env.call("PUT", "/credential-vault", body=vault_doc(cred="tok "))).status == 202
+    await env.ok(set_binding())
+    assert (await env.call("GET", "/credential-vault")).status == 404

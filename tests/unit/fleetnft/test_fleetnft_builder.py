@@ -271,6 +271,7 @@ def test_header_input_lets_sandbox_sources_reach_only_the_dns_redirect() -> None
 def test_header_marking_clears_the_allow_bit_first() -> None:
     marking = rules_of(header_script(CFG, delete_existing=False), "marking")
     assert marking == [
+        'iifname @sandbox_ifaces fib saddr . iif oif missing counter name "unattributed_dropped" drop',
         "meta mark set meta mark & 0xfffffffd",
         "ip saddr vmap @marking_v4",
         "ip6 saddr vmap @marking_v6",
@@ -1015,3 +1016,18 @@ def test_removal_deletes_the_audit_sets_only_when_they_exist() -> None:
         deleted = {op.name for op in ops if isinstance(op, DeleteSet)}
         assert deleted == {f"subj_s_u_1_{k}" for k in subject_sets(audit=audit)}
         assert ("subj_s_u_1_audit_v4" in deleted) is audit
+
+
+def test_header_marking_drops_forged_sources_from_every_sandbox_interface_first() -> None:
+    """docs/behaviour.md §20.2: a packet from a sandbox-facing interface (an attachment's hostVeth, an
+    EGRESSD_SANDBOX_IFACES name or prefix) whose source is not routed back through it is dropped
+    before anything reads its source (tests/kernel/test_spoofing.py sends them)."""
+    cfg = TableConfig(table=T, sandbox_ifaces=("br0", "veth*"))
+    marking = rules_of(header_script(cfg, delete_existing=False), "marking")
+    drop = 'fib saddr . iif oif missing counter name "unattributed_dropped" drop'
+    assert marking[:3] == [
+        f"iifname @sandbox_ifaces {drop}",
+        f'iifname "br0" {drop}',
+        f'iifname "veth*" {drop}',
+    ]
+    assert marking[3] == "meta mark set meta mark & 0xfffffffd"

@@ -667,3 +667,18 @@ async def test_a_vault_item_name_with_control_characters_is_400(aiohttp_client: 
     assert status == 400 and "credentials[0].name" in body and "printable" in body
     assert "\x1b" not in body and SECRET not in body
     assert (await call(env, "GET", "/credential-vault"))[0] == 404
+
+
+async def test_a_vault_item_name_with_spaces_at_its_ends_is_400(aiohttp_client: Any, tmp_path: Path) -> None:
+    """docs/behaviour.md §20.3 wins over §6's trimming: " k" is refused, never stored as "k"."""
+    env = await make_env(aiohttp_client, tmp_path, policy=parse_policy(json.dumps(ALLOW_API)))
+    spaced = json.loads(json.dumps(VAULT))
+    spaced["credentials"][0]["name"] = spaced["bindings"][0]["auth"]["credential"] = " k"
+    for method in ("PUT", "POST"):
+        status, body = await call(env, method, "/credential-vault", spaced)
+        assert status == 400 and "credentials[0].name" in body and "space" in body, body
+    assert (await call(env, "GET", "/credential-vault"))[0] == 404
+    assert (await call(env, "PUT", "/credential-vault", VAULT))[0] == 201
+    patch = {"bindings": {"delete": [f"{spaced['bindings'][0]['name']} "]}}
+    status, body = await call(env, "PATCH", "/credential-vault", patch)
+    assert status == 400 and "bindings.delete[0]" in body, body

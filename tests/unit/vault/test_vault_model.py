@@ -92,10 +92,10 @@ def make_binding(name: str, hosts: list[str], **match: Any) -> Binding:
 def test_parse_create_normalises() -> None:
     content = parse_create(
         {
-            "credentials": [{"name": "  tok ", "source": {"value": SECRET}}],
+            "credentials": [{"name": "tok", "source": {"value": SECRET}}],
             "bindings": [
                 {
-                    "name": " gh ",
+                    "name": "gh",
                     "match": {
                         "hosts": ["API.Example.COM.", "api.example.com", "*.Svc.Example.com"],
                         "schemes": ["HTTPS", " http ", "https"],
@@ -103,7 +103,7 @@ def test_parse_create_normalises() -> None:
                         "paths": [" /v1/* ", "/v1/*", "/x"],
                         "ports": [443, 80],
                     },
-                    "auth": {"type": "bearer", "credential": " tok "},
+                    "auth": {"type": "bearer", "credential": "tok"},
                 }
             ],
         }
@@ -315,8 +315,8 @@ def test_value_error_message_matches_brief() -> None:
 
 
 def test_duplicate_names() -> None:
-    bad(body(credentials=[cred("a"), cred(" a ")], bindings=[]), "credentials[1].name")
-    bad(body(bindings=[binding("x"), binding("x ", hosts=["b.example.com"])]), "bindings[1].name")
+    bad(body(credentials=[cred("a"), cred("a")], bindings=[]), "credentials[1].name")
+    bad(body(bindings=[binding("x"), binding("x", hosts=["b.example.com"])]), "bindings[1].name")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -660,7 +660,7 @@ def test_parse_mutation() -> None:
     m = parse_mutation(
         {
             "expectedRevision": 3,
-            "credentials": {"add": [cred("new")], "replace": [cred("tok", "v2")], "delete": [" old "]},
+            "credentials": {"add": [cred("new")], "replace": [cred("tok", "v2")], "delete": ["old"]},
             "bindings": {"delete": ["b1"], "add": [binding("b2")], "replace": None},
         }
     )
@@ -679,7 +679,7 @@ def test_parse_mutation() -> None:
     ("obj", "field"),
     [
         ({"credentials": {"add": [cred("a")], "delete": ["a"]}}, "credentials.add[0]"),
-        ({"credentials": {"replace": [cred("a")], "delete": [" a"]}}, "credentials.replace[0]"),
+        ({"credentials": {"replace": [cred("a")], "delete": ["a"]}}, "credentials.replace[0]"),
         ({"credentials": {"add": [cred("a")], "replace": [cred("a")]}}, "credentials.add[0]"),
         ({"credentials": {"add": [cred("a"), cred("a")]}}, "credentials.add[1]"),
         ({"credentials": {"delete": ["a", "a"]}}, "credentials.delete[1]"),
@@ -1278,7 +1278,12 @@ def test_coverage_is_not_rules_times_hosts() -> None:
         "tok\x1b]0;owned\x07\x1b[2J",  # OSC window title, then clear screen
         "tok\x9b2J",  # C1 CSI
         "tok\x7f",  # DEL
-        "to\nk",  # a line break inside (the ends are trimmed)
+        "to\nk",  # a line break inside
+        "tok\n",  # ... or at an end (never trimmed away: refused)
+        "\ttok",
+        "tok\x85",  # NEL, a C1 control Python counts as whitespace
+        "tok\xa0",  # no-break space: not a printable character (only U+0020 is)
+        "\u3000tok",  # ideographic space
         "abc\u202edcba",  # bidi override
         "zero\u200bwidth",  # zero-width space
         "tok\x00",
@@ -1293,7 +1298,33 @@ def test_item_names_must_be_printable(name: str) -> None:
     bad({"credentials": {"delete": [name]}}, "credentials.delete[0]", parse=parse_mutation)
 
 
-def test_printable_names_stay_accepted_and_trimmed() -> None:
-    vault = parse_create(body(credentials=[cred("  GitHub token · prod  ")], bindings=[]))
+def test_printable_names_are_kept_exactly_as_sent() -> None:
+    vault = parse_create(body(credentials=[cred("GitHub token · prod")], bindings=[]))
     assert vault.credentials[0].name == "GitHub token · prod"
     assert parse_create(body(credentials=[cred("名前")], bindings=[])).credentials[0].name == "名前"
+
+
+@pytest.mark.parametrize("name", [" tok", "tok ", "  tok  ", " ", "tok\u00a0 "])
+def test_names_with_spaces_at_the_ends_are_400_never_trimmed(name: str) -> None:
+    """docs/behaviour.md §20.3 wins over §6's trimming: a name with spaces at its ends is refused
+    (400 naming the field), wherever a name is read: credential and binding names, every
+    reference to a credential, a mutation's delete list."""
+    where = "credentials[0].name"
+    bad(body(credentials=[cred(name)], bindings=[]), where)
+    bad(body(credentials=[cred()], bindings=[binding(name)]), "bindings[0].name")
+    bad(
+        body(credentials=[cred()], bindings=[binding(auth={"type": "bearer", "credential": name})]),
+        "bindings[0].auth.credential",
+    )
+    headers = {"type": "customHeaders", "headers": [{"name": "X-Key", "credential": name}]}
+    bad(body(credentials=[cred()], bindings=[binding(auth=headers)]), "bindings[0].auth.headers[0].credential")
+    for kind in ("credentials", "bindings"):
+        bad({kind: {"delete": [name]}}, f"{kind}.delete[0]", parse=parse_mutation)
+        item = cred(name) if kind == "credentials" else binding(name)
+        bad({kind: {"add": [item]}}, f"{kind}.add[0].name", parse=parse_mutation)
+
+
+def test_the_space_refusal_names_the_rule() -> None:
+    err = bad(body(credentials=[cred(" tok")], bindings=[]), "credentials[0].name")
+    assert err.reason == "must not start or end with a space"
+    assert bad(body(credentials=[cred("   ")], bindings=[]), "credentials[0].name").reason == "must not be blank"
