@@ -273,3 +273,37 @@ def test_cmdline_reads_a_process_and_tolerates_a_gone_one() -> None:
 
     assert "python" in bm.cmdline(os.getpid()).lower()
     assert bm.cmdline(2**22 + 1) == ""  # above the kernel's pid_max: never a process
+
+
+# ---- bench_fleet: (e)'s instrumented daemon and the CI guards ------------------------------------
+
+import fleet_instrument  # noqa: E402
+
+
+def test_every_fleet_split_target_exists() -> None:
+    keys = {k for k, _ in fleet_instrument.STEPS + fleet_instrument.BACKGROUND}
+    for owner, attr, key in fleet_instrument.targets():
+        assert callable(getattr(owner, attr, None)), (
+            f"{owner!r}.{attr} is gone: update fleet_instrument.targets"
+        )
+        assert key in keys
+
+
+def test_fleet_splits_are_exclusive_and_background_is_per_window() -> None:
+    rec = {"t": 1.0, "op": "SetBinding", "handler": 0.010, "~handler": 0.006, "kernel": 0.004,
+           "~kernel": 0.003, "kernel_thread": 0.003, "input": 0.002}  # fmt: skip
+    data = {
+        "records": [rec, {**rec, "t": 9.0}],
+        "background": [("conntrack", 1.5, 0.004), ("ct_read", 1.5, 0.003)],
+    }
+    got = fleet_instrument.analyse(data, (0.0, 2.0), "SetBinding")
+    assert got["n"] == 1
+    assert got["handler"] == pytest.approx(4.0) and got["kernel"] == pytest.approx(1.0)
+    assert got["ct_read"] == pytest.approx(3.0) and got["conntrack"] == pytest.approx(1.0)
+
+
+def test_slowdown_spec() -> None:
+    assert fleet_instrument.parse_slowdown("update=2, create=1.5") == {"update": 2.0, "create": 1.5}
+    for bad in ("update", "upd=2", "update=0.5", "update=2,update=3"):
+        with pytest.raises(ValueError):
+            fleet_instrument.parse_slowdown(bad)
