@@ -18,6 +18,7 @@ The records are written when the daemon exits (SIGTERM).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import gc
 import inspect
@@ -246,9 +247,9 @@ def analyse(data: dict[str, Any], window: tuple[float, float], op: str) -> dict[
 
 
 def parse_slowdown(spec: str) -> dict[str, float]:
-    """``update=2,create=2``: the factor by which the daemon's handling of in-place policy
-    updates (``update``) or of a new subject's SET_BINDING at the largest size (``create``) is
-    made slower. Raises ValueError."""
+    """``update=2,create=2``: the factor by which the bench makes in-place policy updates
+    (``update``) or a new subject's SET_BINDING at the largest size (``create``) slower, end to
+    end as the client sees them. Raises ValueError."""
     out: dict[str, float] = {}
     for part in (p.strip() for p in spec.split(",") if p.strip()):
         kind, _, factor = part.partition("=")
@@ -267,23 +268,34 @@ def busy(seconds: float) -> None:
         pass
 
 
-def slow_main(spec: str, create_from: int) -> int:
-    """egressd's main() whose SET_BINDING takes ``factor`` times as long: in-place ones
-    (``update``), and new subjects' once ``create_from`` subjects are registered (``create``)."""
+def set_extra(control: Path, kind: str, seconds: float) -> None:
+    """Tell a daemon started by :func:`slow_main` to spend ``seconds`` more on each ``kind``."""
+    doc = json.loads(control.read_text()) if control.exists() else {}
+    doc[kind] = seconds
+    control.write_text(json.dumps(doc))
+
+
+def slow_main(control: str, create_from: int) -> int:
+    """egressd's main() whose SET_BINDING spends the extra seconds the bench writes to
+    ``control`` (:func:`set_extra`): an in-place one (``update``), a new subject's once
+    ``create_from`` subjects are registered (``create``). The bench sets them to (F - 1) times
+    the mean latency it measured just before, so the action then takes F times as long."""
     from egressd import main as emain
     from egressd.actionhandler.control import ControlPlane
 
-    factors = parse_slowdown(spec)
     orig = ControlPlane.set_binding
+    path = Path(control)
 
     async def set_binding(self: ControlPlane, action: Any) -> Any:
         in_place = self.registry.get(action.uid) is not None
         kind = "update" if in_place else ("create" if len(self.registry) >= create_from else "")
-        t = time.perf_counter()
         out = await orig(self, action)
-        busy((factors.get(kind, 1.0) - 1.0) * (time.perf_counter() - t))
+        with contextlib.suppress(OSError, ValueError):
+            busy(float(json.loads(path.read_text()).get(kind, 0.0)))
         return out
 
     ControlPlane.set_binding = set_binding  # type: ignore[method-assign]
-    c.log(f"egressd with an injected slowdown: {factors} (a new subject from {create_from} subjects on)")
+    c.log(
+        f"egressd with an injected slowdown read from {control} (a new subject from {create_from} subjects on)"
+    )
     return emain.main([])
