@@ -88,8 +88,8 @@ def subject_objects(cfg: nb.TableConfig, s: nb.SubjectNft) -> str:
 
 
 class FleetRun:
-    def __init__(self, h: c.Http, pid: int = 0) -> None:
-        self.h, self.registered, self.seq, self.pid = h, 0, 0, pid
+    def __init__(self, h: c.Http, pid: int = 0, port: int = PORT) -> None:
+        self.h, self.registered, self.seq, self.pid, self.port = h, 0, 0, pid, port
         self.gen: dict[int, int] = {}
 
     def grow(self, upto: int) -> dict[str, Any]:
@@ -155,7 +155,7 @@ class FleetRun:
                 else:
                     per = [[self.update_body(mine[(r * kc + j) % len(mine)]) for j in range(max(1, kc // CONC))]
                            for mine in owned]  # fmt: skip
-                    rate = out["conc"].concurrent(self.pid, per)
+                    rate = out["conc"].concurrent(self.pid, per, self.port)
                 out[mode].nft_add(c.nft_ms(c.delta(m0, c.scrape(self.h)), "static_apply"))
                 ratios[mode].append(rate / base)
         return {"size": n, "noop_per_s": out["noop"].per_s, "noop_cpu_ms": out["noop"].cpu_ms,
@@ -190,9 +190,9 @@ class Side:
         lat = [h.action(b, "action") for b in bodies]
         return self._add(lat, time.perf_counter() - t0, c.cpu_s(pid) - cpu0)
 
-    def concurrent(self, pid: int, per: list[list[bytes]]) -> float:
+    def concurrent(self, pid: int, per: list[list[bytes]], port: int = PORT) -> float:
         cpu0 = c.cpu_s(pid)
-        results, wall = in_flight(per)
+        results, wall = in_flight(per, port)
         return self._add([x for r in results for x in r], wall, c.cpu_s(pid) - cpu0)
 
     def nft_add(self, d: tuple[float, int]) -> None:
@@ -218,7 +218,7 @@ def inject(run: FleetRun, control: Path, kind: str, factor: float, n: int = 30) 
     c.log(f"injected: {kind} +{(factor - 1) * statistics.mean(lat) * 1000:.2f} ms (x{factor})")
 
 
-def in_flight(per: list[list[bytes]]) -> tuple[list[list[float]], float]:
+def in_flight(per: list[list[bytes]], port: int = PORT) -> tuple[list[list[float]], float]:
     """Each list of actions on its own connection and thread, all started at a barrier; the
     latencies per thread and the wall time until the last one finished."""
     results: list[list[float]] = [[] for _ in per]
@@ -226,7 +226,7 @@ def in_flight(per: list[list[bytes]]) -> tuple[list[list[float]], float]:
     barrier = threading.Barrier(len(per) + 1)
 
     def worker(t: int) -> None:
-        h = c.Http(PORT)
+        h = c.Http(port)
         try:
             h.request("GET", "/healthz")  # connection open before the clock starts
             barrier.wait()
@@ -715,6 +715,13 @@ def report(rep: c.Report, sizes: list[int], prm: dict[str, Any], res: dict[str, 
         rep.add(f"  egressd CPU (utime + stime, all threads) per no-op action: {upd['noop_cpu_ms']:.3f} ms; {len(upd['seq']['ratios'])} rounds"
                 " of no-op, sequential, no-op, 8-in-flight blocks; per round, update rate / no-op rate: "
                 + "; ".join(f"{m} median {upd[m]['ratio_median']:.3f}x (min {min(upd[m]['ratios']):.3f}, max {max(upd[m]['ratios']):.3f})" for m in ("seq", "conc")))  # fmt: skip
+    if prm["profile"] is not None and Path(prm["profile"]).exists():
+        total, per = fi.profile_summary(Path(prm["profile"]).read_text())
+        rep.add("")
+        rep.add(
+            f"profile of the daemon during (c) (py-spy --gil, {total} samples, {prm['profile']}): share of the GIL-holding samples"
+        )
+        rep.table(["step", "share"], [[step, f"{100 * n / max(1, total):.1f} %"] for step, n in per.items()])
     if "splits" in res:
         report_splits(rep, prm, res["splits"])
     rep.add("")

@@ -299,3 +299,48 @@ def slow_main(control: str, create_from: int) -> int:
         f"egressd with an injected slowdown read from {control} (a new subject from {create_from} subjects on)"
     )
     return emain.main([])
+
+
+# ---- --profile: py-spy's folded stacks of the daemon during (c), by step ---------------------
+
+#: (step, substrings of a frame): a stack counts for the step of its deepest frame that matches
+#: (a scrape of /metrics: the first step, whatever it calls).
+PROFILE_STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("GET /metrics (the bench's scrapes between blocks, untimed)", ("metrics_handler",)),
+    ("conntrack reads and cuts (a worker thread)", ("read_flows (", "_scan_flows", "flows_from", "FlowCuts.")),
+    ("kernel transaction (encoding, send, acks)", ("NfTablesSocket.run", "_Netlink.run", "run_batch_sync")),
+    ("binding input parse", ("read_set_binding", "parse_binding_input")),
+    ("envelope parse", ("parse_action",)),
+    ("claims and planning",
+     ("check_claims", "plan_set_binding", "Claims.conflict", "Credentials.uncovers", "narrows (egressd/actionhandler")),
+    ("batch build, set contents, narrowing checks",
+     ("_policy_batch", "policy_swap", "contents_swap", "dyn_replace", "policy_contents", "static_contents",
+      "refuses_more", "_takes_away", "DnsLearning.narrowed", "names_narrow")),
+    ("MITM memory bump", ("narrowed (egressd/mitm/seqmap", "SeqWriter.bump")),
+    ("logging (structlog)", ("structlog",)),
+    ("metrics (counting)", ("egressd/metrics.py", "prometheus_client")),
+    ("HTTP (aiohttp)", ("aiohttp",)),
+)  # fmt: skip
+OTHER = "the rest (event loop, locks, glue, thread hand-offs)"
+
+
+def _step_of(stack: str) -> str:
+    if "metrics_handler" in stack:  # all of a scrape, whatever it calls
+        return PROFILE_STEPS[0][0]
+    for frame in reversed(stack.split(";")):
+        for step, keys in PROFILE_STEPS:
+            if any(k in frame for k in keys):
+                return step
+    return OTHER
+
+
+def profile_summary(folded: str) -> tuple[int, dict[str, int]]:
+    """(samples, samples per step) of py-spy's raw (folded) output."""
+    total, per = 0, dict.fromkeys([*(s for s, _ in PROFILE_STEPS), OTHER], 0)
+    for line in folded.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        total += int(count)
+        per[_step_of(stack)] += int(count)
+    return total, per

@@ -307,3 +307,18 @@ def test_slowdown_spec() -> None:
     for bad in ("update", "upd=2", "update=0.5", "update=2,update=3"):
         with pytest.raises(ValueError):
             fleet_instrument.parse_slowdown(bad)
+
+
+def test_profile_summary_counts_a_stack_for_its_deepest_step() -> None:
+    folded = "\n".join([
+        "main (egressd/main.py:1);after_writes (egressd/mitm/seqmap.py:9);parse_action (egressd/actionhandler/envelope.py:3) 5",
+        "main (egressd/main.py:1);_apply_policy (x);NfTablesSocket.run (egressd/kernel/netlink.py:7) 3",
+        "main (egressd/main.py:1);metrics_handler (egressd/fleet/server.py:2);render (egressd/metrics.py:4) 2",
+        "main (egressd/main.py:1);select (selectors.py:1) 1",
+    ])  # fmt: skip
+    total, per = fleet_instrument.profile_summary(folded)
+    assert total == 11
+    assert per["envelope parse"] == 5
+    assert per["kernel transaction (encoding, send, acks)"] == 3
+    assert per["GET /metrics (the bench's scrapes between blocks, untimed)"] == 2
+    assert per[fleet_instrument.OTHER] == 1
