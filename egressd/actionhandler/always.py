@@ -8,12 +8,15 @@ the reload can keep the old rules.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
+
 from egressd.actionhandler.flows import FlowCuts
 from egressd.actionhandler.learning import DnsLearning
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.revocation import Revocations, resync_plan
 from egressd.actionhandler.shared import Shared
-from egressd.fleetnft.builder import dyn_replace, policy_swap
+from egressd.fleetnft.builder import Contents, contents_swap, dyn_replace, static_contents
 from egressd.kernel.applier import NftError, NftUncertain
 from egressd.kernel.ops import NetlinkBatch
 from egressd.mitm import seqmap
@@ -44,6 +47,7 @@ class AlwaysRulesApply:
         when the kernel refuses: then nothing changed and the old rules stay."""
         applied: Applied = []
         books: dict[str, LeaseBook] = {}
+        written: dict[str, Contents] = {}
         shared = self._shared
         async with shared.kernel_lock:
             table = shared.table.table
@@ -57,9 +61,11 @@ class AlwaysRulesApply:
                     rules = narrower(self._policies.always, always) if closing else always
                     effective = effective_policy(view.applied, rules)
                     # An audit policy was applied with its audit objects (steps.py), so
-                    # ``view.audit`` holds for it; policy_swap refuses the impossible rest.
-                    batch = batch + policy_swap(table, entry.nft_id, effective, audit_objects=view.audit)
+                    # ``view.audit`` holds for it; contents_swap refuses the impossible rest.
+                    contents = static_contents(effective)
+                    batch = batch + contents_swap(table, entry.nft_id, contents, audit_objects=view.audit)
                     applied.append((entry.uid, view.keys, effective))
+                    written[entry.uid] = contents
                     narrowed = self._learning.narrowed(entry.uid, effective)
                     # A newly always-denied name loses its leases in the same transaction (the
                     # dyn sets are flushed even when the book knows of none: 14.1).
@@ -72,16 +78,25 @@ class AlwaysRulesApply:
                     await shared.tx.run_batch(batch, op="static_apply")
                 except Exception as exc:
                     if not isinstance(exc, NftError) or isinstance(exc, NftUncertain):
+                        self._record(dict.fromkeys(written))  # either contents: not known
                         self._resync_after_unknown(applied, str(exc))
                     raise
+            self._record(written)
             self._policies.always = always
             self._learning.leases.update(books)
             seqmap.narrowed()  # every subject's effective policy changed
         if self._flows.enabled:
             # A newly always-denied destination must not stay reachable over flows opened
-            # before the reload: cut exactly the flows the new rules no longer allow.
+            # before the reload: cut exactly the flows the new rules no longer allow (the
+            # cuts of every subject share one read of the conntrack table).
             for uid, keys, effective in applied:
-                self._flows.background(self._flows.cut_disallowed(uid, keys, effective))
+                self._flows.schedule(uid, keys, effective)
+
+    def _record(self, written: Mapping[str, Contents | None]) -> None:
+        """What the static sets of each subject hold now (None: not known), for its next swap."""
+        registry = self._shared.registry
+        for uid, contents in written.items():
+            registry.set_kernel(uid, replace(registry.kernel(uid), contents=contents))
 
     def _resync_after_unknown(self, applied: Applied, error: str) -> None:
         """The swap went unanswered: the kernel may enforce the new rules (a new always-allow

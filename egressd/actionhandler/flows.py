@@ -4,6 +4,12 @@ The kernel refuses new flows the moment a transaction narrows access, but the he
 accepts established ones: without a cut they would run on. Cutting is best effort (the
 refusal of new flows already holds) and slow (a subprocess), so it runs outside the kernel
 lock, and in the background where the answer need not wait for it.
+
+An in-place narrowing's cut (:meth:`FlowCuts.schedule`) reads the conntrack table, which
+costs in proportion to the flows of the whole pod, not of the subject. Cuts that wait for
+the same pass share one read, and passes start at least :data:`CUT_INTERVAL_S` apart: a
+storm of narrowings costs a bounded share of the CPU, not one table read each, and an
+isolated narrowing is cut at once as before.
 """
 
 from __future__ import annotations
@@ -24,6 +30,11 @@ from egressd.subject.model import IPAddress
 
 log = structlog.get_logger("egressd.fleet")
 
+#: Least time between the starts of two passes of scheduled cuts (each reads the whole table).
+CUT_INTERVAL_S = 0.05
+
+Keys = frozenset[tuple[IPAddress, IPAddress]]
+
 
 class FlowCuts:
     def __init__(
@@ -33,6 +44,10 @@ class FlowCuts:
         self._flush_source = conntrack_flush
         self._leases = leases
         self._background: set[asyncio.Task[None]] = set()
+        # Scheduled cuts not yet taken by a pass: uid -> (its sources, the policy to judge by).
+        self._due: dict[str, tuple[Keys, NetworkPolicy]] = {}
+        self._passes: asyncio.Task[None] | None = None
+        self._last_pass = -CUT_INTERVAL_S
 
     @property
     def enabled(self) -> bool:
@@ -53,15 +68,49 @@ class FlowCuts:
             except Exception as exc:  # the kernel already refuses new flows; log and go on
                 log.warning("conntrack.flush_failed", source_ip=str(ip), error=str(exc)[:200])
 
-    async def cut_disallowed(
-        self, uid: str, keys: frozenset[tuple[IPAddress, IPAddress]], effective: NetworkPolicy
-    ) -> None:
+    def schedule(self, uid: str, keys: Keys, effective: NetworkPolicy) -> None:
+        """Cut, soon and in the background, the flows of ``uid``'s sources that ``effective``
+        (its new effective policy) no longer allows. A later call for the same subject before
+        the pass takes it replaces the policy (the newest one judges) and adds its sources."""
+        if self._flush_source is None:
+            return
+        waiting = self._due.get(uid)
+        self._due[uid] = (keys | waiting[0] if waiting is not None else keys, effective)
+        if self._passes is None or self._passes.done():
+            self._passes = asyncio.get_running_loop().create_task(self._run_passes())
+            self._background.add(self._passes)
+            self._passes.add_done_callback(self._background.discard)
+
+    async def _run_passes(self) -> None:
+        while self._due:
+            wait = self._last_pass + CUT_INTERVAL_S - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            due, self._due = self._due, {}
+            self._last_pass = time.monotonic()
+            try:
+                await self._cut(due)
+            except Exception as exc:  # best effort: the kernel already refuses new flows
+                log.warning("conntrack.cut_failed", error=str(exc)[:200])
+
+    async def cut_disallowed(self, uid: str, keys: Keys, effective: NetworkPolicy) -> None:
         """Cut exactly the flows of ``uid``'s sources that ``effective`` no longer allows;
         allowed ones keep running (an in-place change, an always-rules reload)."""
-        sources = sorted({k[0] for k in keys}, key=str)
+        await self._cut({uid: (keys, effective)})
+
+    async def _cut(self, due: dict[str, tuple[Keys, NetworkPolicy]]) -> None:
+        """One read of the conntrack table for every subject of ``due``, then their cuts."""
+        sources = sorted({ip for keys, _ in due.values() for ip, _ in keys}, key=str)
         flows = await read_conntrack_flows(sources)
         if flows is None:
             return
+        for uid, (keys, effective) in due.items():
+            await self._cut_subject(uid, keys, effective, flows)
+
+    async def _cut_subject(
+        self, uid: str, keys: Keys, effective: NetworkPolicy, flows: dict[IPAddress, set[IPAddress]]
+    ) -> None:
+        sources = sorted({k[0] for k in keys}, key=str)
         now = time.monotonic()
         book = self._leases.get(uid)
         leases = book.live(now) if book is not None else {}

@@ -22,16 +22,20 @@ from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.shared import Shared
 from egressd.fleetnft.builder import (
     SANDBOX_IFACES_SET,
+    Contents,
     SubjectNft,
     audit_objects,
+    contents_swap,
     dispatch_deletes,
     dyn_replace,
     flush_subject_sets,
     gateway_release,
     header_script,
     policy_swap,
+    refuses_more,
     removal_batch,
     sandbox_nets_refresh,
+    static_contents,
     subject_create,
     subject_keys,
     subject_resync,
@@ -41,7 +45,8 @@ from egressd.fleetnft.ifaces import usable_host_veth
 from egressd.kernel.applier import NftError, NftUncertain, Transactions
 from egressd.kernel.ops import AddIface, DeleteIface, NetlinkBatch, Op
 from egressd.mitm import seqmap
-from egressd.policy import NetworkPolicy
+from egressd.policy import NetworkPolicy, names_narrow
+from egressd.subject.leases import Narrowed
 from egressd.subject.model import IPAddress
 from egressd.subject.registry import (
     AddKeys,
@@ -319,7 +324,8 @@ class StepRunner:
         batch, commit = self.nets.refilled(
             batch + subject_keys(cfg, subj), entry.uid, step.binding.private_cidr, step.binding.host_veth
         )
-        await txn.send(batch, "deny_first", replace(view, rules=True, applied=None, keys=view.keys | {key}))
+        after = replace(view, rules=True, applied=None, keys=view.keys | {key}, contents=None)
+        await txn.send(batch, "deny_first", after)
         commit()
         self._learning.forget(entry.uid)
         return ips(view.keys | {key})
@@ -332,18 +338,21 @@ class StepRunner:
         nid, table = entry.nft_id, self._cfg.table
         effective = self._policies.effective(step.policy)
         event = {"egress.default": effective.default_action.value, "rules": len(effective.egress)}
-        batch, audit = self._policy_batch(nid, effective, view)
+        contents = static_contents(effective)
+        batch, audit = self._policy_batch(nid, effective, contents, view)
         narrowed = self._learning.narrowed(entry.uid, effective)
-        if view.applied is not None:
+        in_place = view.applied is not None
+        if in_place and narrowed is not None and not narrowed.intact:
             # In place: leases no still-allowed name taught leave in the same transaction
-            # (14.1); the flush runs even when the book knows of none, so an element a
-            # failed-looking learn left in the kernel does not outlive the change.
-            batch = batch + dyn_replace(table, nid, narrowed.kept if narrowed is not None else ())
+            # (14.1). The kernel's dyn sets never hold more than the book (learn records
+            # every outcome but a refusal), so when every lease of the book stays they stay.
+            batch = batch + dyn_replace(table, nid, narrowed.kept)
         # A host-uid subject's audit mode lets its established flows pass (fleetnft/builder.py).
         batch = batch + hostuid.audit_membership(self._cfg, view.uid_keys, effective.audit)
         batch, commit = self.nets.refilled(batch, entry.uid, *_recognised_by(entry, self.nets))
+        after = replace(view, applied=step.policy, audit=audit, contents=contents)
         try:
-            await txn.send(batch, "static_apply", replace(view, applied=step.policy, audit=audit))
+            await txn.send(batch, "static_apply", after)
         except NftError as exc:
             log.warning(
                 "egress.update_failed",
@@ -357,25 +366,44 @@ class StepRunner:
             self._learning.leases[entry.uid] = narrowed.book
             seqmap.narrowed()  # names that verified destinations may be gone
         log.info("egress.updated", **{"opensandbox.event": "egress.updated", **event}, subject=entry.subject)
-        if view.applied is not None and self._flows.enabled and view.keys:
-            # An in-place change: flows to destinations it no longer allows are cut,
-            # allowed ones keep running. (A host-uid subject has nothing established past
-            # its rules.)
-            self._flows.background(self._flows.cut_disallowed(entry.uid, view.keys, effective))
+        if in_place and self._flows.enabled and view.keys and self._takes_away(view, effective, contents, narrowed):
+            # Flows to destinations the change no longer allows are cut, allowed ones keep
+            # running; a change that takes nothing away reads no conntrack table. (A
+            # host-uid subject has nothing established past its rules.)
+            self._flows.schedule(entry.uid, view.keys, effective)
         return []
 
+    def _takes_away(
+        self, view: KernelView, effective: NetworkPolicy, contents: Contents, narrowed: Narrowed | None
+    ) -> bool:
+        """May an in-place change from ``view`` to ``effective`` leave an established flow
+        running that the new policy refuses (docs/behaviour.md §14.1)? It may when it revokes
+        a lease, refuses an address the static sets accepted, or refuses a name the old policy
+        admitted (a flow to one of its addresses may outlive the lease it started under, e.g.
+        UDP, never renewed). Anything not known for certain counts as yes."""
+        if narrowed is not None and narrowed.revoked:
+            return True
+        if view.applied is None or view.contents is None or refuses_more(view.contents, contents):
+            return True
+        return names_narrow(self._policies.effective(view.applied), effective)
+
+
     def _policy_batch(
-        self, nid: str, effective: NetworkPolicy, view: KernelView
+        self, nid: str, effective: NetworkPolicy, contents: Contents, view: KernelView
     ) -> tuple[NetlinkBatch, bool]:
         """The static sets' swap to ``effective`` (with the audit objects first when it is the
         subject's first audit policy), and whether the subject has audit objects after it.
         Deny-first content (``applied`` None; every writer of static sets skips such a
-        subject, see always.py) is empty, so its first policy is only filled in."""
+        subject, see always.py) is empty, so its first policy is only filled in; after that
+        only the sets whose content changes are rewritten, when the view knows what they hold."""
         table = self._cfg.table
         make = effective.audit and not view.audit
         batch = audit_objects(self._cfg, nid) if make else NetlinkBatch(table)
         audit = view.audit or make
-        fill = policy_swap(table, nid, effective, audit_objects=audit, known_empty=view.applied is None)
+        held = view.contents if view.applied is not None else None
+        fill = contents_swap(
+            table, nid, contents, audit_objects=audit, known_empty=view.applied is None, held=held
+        )
         return batch + fill, audit
 
     async def _add_keys(

@@ -104,6 +104,7 @@ from egressd.policy import (
     ip_sets,
     normalise_networks,
 )
+from egressd.policy.ipsets import PrefixIndex
 from egressd.subject.hostuid import DEFAULT_UID_PORTS, UidPorts
 from egressd.subject.model import IPAddress
 
@@ -912,27 +913,99 @@ def policy_contents(effective: NetworkPolicy) -> dict[str, tuple[IPNetwork, ...]
     }
 
 
+#: What a subject's static sets hold: (set kind, its prefixes) in :data:`STATIC_SETS` order.
+Contents = tuple[tuple[str, tuple[IPNetwork, ...]], ...]
+
+
+def static_contents(effective: NetworkPolicy) -> Contents:
+    """:func:`policy_contents` in the form a kernel view records (docs/architecture.md, KernelView)."""
+    return tuple(policy_contents(effective).items())
+
+
 def policy_swap(
-    table: str, nft_id: str, effective: NetworkPolicy, *, audit_objects: bool, known_empty: bool = False
+    table: str,
+    nft_id: str,
+    effective: NetworkPolicy,
+    *,
+    audit_objects: bool,
+    known_empty: bool = False,
+    held: Contents | None = None,
 ) -> NetlinkBatch:
     """§8.3 as one atomic batch: each static set flushed and refilled; dyn sets untouched.
 
     ``audit_objects``: the subject has the audit sets (an audit policy needs them: raises
     ValueError without). ``known_empty``: every static set is empty (deny-first content, the
     registry's ``applied`` None), so the flushes are left out: each is one more set-name
-    lookup, a walk of the table's list of sets in the kernel."""
+    lookup, a walk of the table's list of sets in the kernel. ``held``: what the static sets
+    hold now, known for certain (the kernel view's ``contents``); a set whose content does not
+    change is then left alone, neither flushed nor refilled."""
     if effective.audit and not audit_objects:
         raise ValueError("an audit policy needs the subject's audit objects")
+    return contents_swap(
+        table,
+        nft_id,
+        static_contents(effective),
+        audit_objects=audit_objects,
+        known_empty=known_empty,
+        held=held,
+    )
+
+
+def contents_swap(
+    table: str,
+    nft_id: str,
+    contents: Contents,
+    *,
+    audit_objects: bool,
+    known_empty: bool = False,
+    held: Contents | None = None,
+) -> NetlinkBatch:
+    """:func:`policy_swap` of :func:`static_contents` already computed."""
     n = Names(nft_id)
+    before = dict(held) if held is not None else {}
     ops: list[Op] = []
-    for kind, nets in policy_contents(effective).items():
+    for kind, nets in contents:
         if kind in AUDIT_SETS and not audit_objects:
+            if nets:
+                raise ValueError("an audit policy needs the subject's audit objects")
             continue  # empty for a policy that does not audit, and absent
+        if before.get(kind) == nets:
+            continue  # held and unchanged
         if not known_empty:
             ops.append(FlushSet(n.set(kind)))
         if nets:
             ops.append(AddIntervals(n.set(kind), kind[-2:], nets))
     return NetlinkBatch(table, tuple(ops))
+
+
+def refuses_more(held: Contents, new: Contents) -> bool:
+    """Would the kernel refuse, with ``new`` in the static sets, a destination it accepts with
+    ``held`` (DNS leases aside)? A destination is accepted when no deny prefix holds it and an
+    allow, wdeny or audit prefix does (or a lease: the lease book answers for those). So
+    ``new`` refuses nothing more when its deny sets lie within the held ones and its marking
+    sets cover the held ones. Conservative: True whenever that cannot be shown prefix by
+    prefix (e.g. a held /24 covered only by two new /25s)."""
+    old, now = dict(held), dict(new)
+    marks = ("allow", "wdeny", "audit")
+    for fam in ("v4", "v6"):
+        if not _within(now.get(f"deny_{fam}", ()), old.get(f"deny_{fam}", ())):
+            return True
+        marked = [net for kind in marks for net in now.get(f"{kind}_{fam}", ())]
+        if not _within([net for kind in marks for net in old.get(f"{kind}_{fam}", ())], marked):
+            return True
+    return False
+
+
+def _within(nets: Sequence[IPNetwork], cover: Sequence[IPNetwork]) -> bool:
+    """Every prefix of ``nets`` inside one prefix of ``cover``."""
+    if not nets:
+        return True
+    index = PrefixIndex(cover)
+    for net in nets:
+        hit = index.hit(net.network_address)
+        if hit is None or int(net.broadcast_address) > int(hit.broadcast_address):
+            return False
+    return True
 
 
 def gateway_release(gateway: IPAddress) -> DeleteElement:

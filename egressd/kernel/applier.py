@@ -22,6 +22,14 @@ from egressd.metrics import EgressMetrics
 
 T = TypeVar("T")
 
+#: A batch at most this heavy (messages + elements, :meth:`NetlinkBatch.weight`) is applied on
+#: the event loop's thread: an in-place swap of a few sets, a dispatch update, a DNS lease
+#: add. Its kernel time (0.3-0.6 ms at 100 subjects here) is below what the two hand-offs
+#: to the kernel thread and back cost on a busy 2-core machine (scripts/bench/README.md,
+#: issue 28); heavier batches (a subject's creation, a policy of thousands of prefixes, an
+#: always-rules reload) go to the kernel thread, so the loop keeps serving meanwhile.
+INLINE_MAX_WEIGHT = 32
+
 
 class NftError(RuntimeError):
     """A transaction the kernel refused; nothing of it was applied."""
@@ -169,6 +177,10 @@ class KernelTransactions:
         await self._call(op, self.run_script_sync, script)
 
     async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
+        if batch.weight() <= INLINE_MAX_WEIGHT:
+            # The caller holds the control plane's kernel lock, as for a lease add.
+            await self.run_batch_inline(batch, op=op)
+            return
         await self._call(op, self.run_batch_sync, batch)
 
     async def run_batch_inline(self, batch: NetlinkBatch, *, op: str) -> None:

@@ -337,6 +337,18 @@ class NetlinkBatch:
     def __bool__(self) -> bool:
         return bool(self.ops)
 
+    def weight(self) -> int:
+        """Messages plus elements: what the batch costs to encode and the kernel to apply."""
+        n = len(self.ops)
+        for op in self.ops:
+            if isinstance(op, AddIntervals):
+                n += len(op.nets)
+            elif isinstance(op, AddTimed):
+                n += len(op.leases)
+            elif isinstance(op, AddElements):
+                n += len(op.keys)
+        return n
+
     def __add__(self, other: NetlinkBatch) -> NetlinkBatch:
         assert other.table == self.table
         return NetlinkBatch(self.table, self.ops + other.ops)

@@ -18,7 +18,7 @@ from egressd.policy.audit import (
     rule_label,
 )
 from egressd.policy.edit import check_rule_cap, delete_targets, merge_patch, rule_cap_problem
-from egressd.policy.evaluate import Decision, domain_matches, evaluate_domain, normalise_name
+from egressd.policy.evaluate import Decision, domain_matches, evaluate_domain, names_narrow, normalise_name
 from egressd.policy.ipsets import IpSets, format_element, ip_sets, normalise_networks
 from egressd.policy.model import (
     DENY_ALL,
@@ -65,6 +65,7 @@ __all__ = [
     "judge_domain",
     "load_always_rules",
     "merge_patch",
+    "names_narrow",
     "new_decision_id",
     "normalise_name",
     "normalise_networks",

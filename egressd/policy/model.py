@@ -217,7 +217,17 @@ def _validate_domain(name: str, original: str, field: str) -> None:
             )
 
 
-def parse_target(text: str, field: str = "target") -> tuple[str, TargetKind, IPNetwork | None]:
+Target = tuple[str, TargetKind, IPNetwork | None]
+# A policy's targets repeat, across its updates and across subjects (the same names and
+# addresses); converting addresses and IDNA names is most of a policy's parse. Only targets
+# that parsed are remembered (a refusal names its field), only short ones, and the memo is
+# emptied when full: bounded whatever the inputs.
+_TARGETS: dict[str, Target] = {}
+_TARGETS_MAX: Final = 4096
+_TARGET_MEMO_LEN: Final = 300
+
+
+def parse_target(text: str, field: str = "target") -> Target:
     """Classify and normalise one rule target: ``(normalised text, kind, network)``.
 
     IP literal -> IP (a /32 or /128); ``addr/len`` -> CIDR (host bits masked); otherwise a
@@ -225,6 +235,18 @@ def parse_target(text: str, field: str = "target") -> tuple[str, TargetKind, IPN
     ``xn--vil-9la.com`` queries carry; invalid -> 400), then lower-cased with one trailing dot
     removed. Raises PolicyError naming ``field``.
     """
+    known = _TARGETS.get(text)
+    if known is not None:
+        return known
+    out = _parse_target(text, field)
+    if len(text) <= _TARGET_MEMO_LEN:
+        if len(_TARGETS) >= _TARGETS_MAX:
+            _TARGETS.clear()
+        _TARGETS[text] = out
+    return out
+
+
+def _parse_target(text: str, field: str) -> Target:
     trimmed = text.strip()
     if not trimmed:
         raise PolicyError("must not be empty", field)

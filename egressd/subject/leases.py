@@ -49,6 +49,9 @@ class Narrowed:
     book: LeaseBook
     kept: tuple[tuple[IPAddress, int], ...]
     revoked: tuple[IPAddress, ...]
+    # Every lease of the old book stays (none revoked, none ended): the kernel's dyn sets,
+    # never wider than the book, need no rewrite.
+    intact: bool = False
 
 
 class LeaseBook:
@@ -176,7 +179,7 @@ class LeaseBook:
             book._leases[ip] = Lease(lease.expiry, names)
             book._next_end = min(book._next_end, lease.expiry + COUNT_GRACE_S, *names.values())
             kept.append((ip, max(1, math.ceil(lease.expiry - now))))
-        return Narrowed(book, tuple(kept), tuple(revoked))
+        return Narrowed(book, tuple(kept), tuple(revoked), intact=len(kept) == len(self._leases))
 
 
 def admissible(

@@ -21,6 +21,9 @@ from egressd.mitm import seqmap
 from egressd.policy import NetworkPolicy
 from egressd.subject.model import Fence, IPAddress, Subject, nft_id, subject_for_uid
 
+#: (set kind, its prefixes) for each static set of a subject (fleetnft.builder.static_contents).
+StaticContents = tuple[tuple[str, tuple[IPv4Network | IPv6Network, ...]], ...]
+
 
 class State(enum.StrEnum):
     ABSENT = "absent"
@@ -80,6 +83,11 @@ class KernelView:
     # The audit sets and rules exist (made by the subject's first audit policy, kept until
     # its removal); when ``unsure``, either state may have them.
     audit: bool = False
+    # What the static sets hold, (set kind, prefixes) per set, as written by the last answered
+    # transaction that wrote them (an in-place swap then rewrites only the sets that change).
+    # None: not known for certain, and the next swap rewrites every set. Only meaningful
+    # while ``applied`` is not None.
+    contents: StaticContents | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +294,14 @@ class RegistryConflict(Exception):
 _EMPTY_KERNEL = KernelView()
 
 
+def _held(view: KernelView) -> set[tuple[str, object]]:
+    """The index keys of what a kernel view holds (Registry._holders)."""
+    out: set[tuple[str, object]] = {("ip", ip) for ip, _ in view.keys}
+    out |= {("gw", gw) for _, gw in view.keys}
+    out |= {("host_uid", host_uid) for host_uid, _ in view.uid_keys}
+    return out
+
+
 class Registry:
     """Committed entries, indexed by uid, by source IP (hot path) and by nft id.
 
@@ -301,6 +317,9 @@ class Registry:
         self._by_nft_id: dict[str, str] = {}
         self._by_host_uid: dict[int, str] = {}
         self._by_slot: dict[int, str] = {}
+        # Which uids' kernel views hold a source ip / gateway / host uid: the claim checks of
+        # every SET_BINDING and the gateway release of a removal ask this, at any fleet size.
+        self._holders: dict[tuple[str, object], set[str]] = {}
 
     def get(self, uid: str) -> Entry | None:
         return self._by_uid.get(uid)
@@ -389,24 +408,33 @@ class Registry:
         return self._kernel.get(uid, _EMPTY_KERNEL)
 
     def set_kernel(self, uid: str, view: KernelView) -> None:
+        old = self._kernel.get(uid, _EMPTY_KERNEL)
+        if (old.keys, old.uid_keys) != (view.keys, view.uid_keys):
+            before, after = _held(old), _held(view)
+            for key in before - after:
+                holders = self._holders[key]
+                holders.discard(uid)
+                if not holders:
+                    del self._holders[key]
+            for key in after - before:
+                self._holders.setdefault(key, set()).add(uid)
         if view == _EMPTY_KERNEL:
             self._kernel.pop(uid, None)
         else:
             self._kernel[uid] = view
 
+    def _held_by_other(self, key: tuple[str, object], excluding: str) -> bool:
+        holders = self._holders.get(key)
+        return holders is not None and bool(holders - {excluding})
+
     def gateway_in_use(self, gateway: IPAddress, *, excluding: str) -> bool:
-        return any(
-            u != excluding and any(k[1] == gateway for k in view.keys) for u, view in self._kernel.items()
-        )
+        return self._held_by_other(("gw", gateway), excluding)
 
     def host_uid_in_use(self, host_uid: int, *, excluding: str) -> bool:
-        return any(
-            u != excluding and any(k[0] == host_uid for k in view.uid_keys)
-            for u, view in self._kernel.items()
-        )
+        return self._held_by_other(("host_uid", host_uid), excluding)
 
     def ip_in_use(self, ip: IPAddress, *, excluding: str) -> bool:
-        return any(u != excluding and any(k[0] == ip for k in view.keys) for u, view in self._kernel.items())
+        return self._held_by_other(("ip", ip), excluding)
 
     def counts(self) -> dict[State, int]:
         out = {State.DENYING: 0, State.ACTIVE: 0}

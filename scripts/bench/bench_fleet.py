@@ -19,17 +19,22 @@ import argparse
 import contextlib
 import http.client
 import ipaddress
+import json
 import os
 import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as c
+import fleet_instrument as fi
 
 from egressd.fleetnft import builder as nb
 from egressd.kernel.ops import NetlinkBatch
@@ -41,6 +46,9 @@ BG_BASE, MEASURED_BASE, FRESH_BASE = (
     int(ipaddress.IPv4Address(a)) for a in ("10.100.0.16", "10.101.0.16", "10.102.0.16")
 )
 CONC = 8
+# The --quick CI guards (README, "CI guards"), chosen from repeated --quick runs under load.
+GUARD_UPDATES = {"seq": 0.30, "conc": 0.30}  # updates/s vs no-op actions/s, at least
+GUARD_SET_RATIO = 1.6  # SET_BINDING p50 at the largest quick size vs the smallest, at most
 T_SET_P99_MS, T_SET_AT, T_REMOVE_RATIO, T_UPDATES, T_UPDATES_AT, T_SPEEDUP = 5.0, 1000, 2.0, 1000.0, 100, 10.0
 METHODS, TXNS = ("netlink", "libnft", "exec"), ("policy_swap", "create")
 ORDERS = ((0, 1, 2), (1, 2, 0), (2, 0, 1), (0, 2, 1), (2, 1, 0), (1, 0, 2))  # drift favours no method
@@ -80,8 +88,8 @@ def subject_objects(cfg: nb.TableConfig, s: nb.SubjectNft) -> str:
 
 
 class FleetRun:
-    def __init__(self, h: c.Http) -> None:
-        self.h, self.registered, self.seq = h, 0, 0
+    def __init__(self, h: c.Http, pid: int = 0, port: int = PORT) -> None:
+        self.h, self.registered, self.seq, self.pid, self.port = h, 0, 0, pid, port
         self.gen: dict[int, int] = {}
 
     def grow(self, upto: int) -> dict[str, Any]:
@@ -101,7 +109,9 @@ class FleetRun:
         }
 
     def lifecycle(self, size: int, samples: int, warmup: int) -> dict[str, Any]:
-        t: dict[str, list[float]] = {"set": [], "activate": [], "remove": []}
+        """(a)/(b); each sample is followed by a no-op action, so the no-op baseline of this
+        size is measured under the same load as its samples."""
+        t: dict[str, list[float]] = {"set": [], "activate": [], "remove": [], "noop": []}
         before: dict[str, float] = {}
         for j in range(warmup + samples):
             if j == warmup:
@@ -113,69 +123,132 @@ class FleetRun:
             )
             b = self.h.action(c.envelope("LIFECYCLE_HOOK", uid, hook=True), "data-plane-ready")
             r = self.h.action(c.envelope("REMOVE_BINDING", uid), "REMOVE_BINDING")
+            z = self.h.action(c.envelope("REMOVE_BINDING", f"absent-{size}-{j}"), "no-op")
             if j >= warmup:
-                for k, v in zip(t, (a, b, r), strict=True):
+                for k, v in zip(t, (a, b, r, z), strict=True):
                     t[k].append(v)
         d = c.delta(before, c.scrape(self.h))
-        noop = [
-            self.h.action(c.envelope("REMOVE_BINDING", f"absent-{size}-{k}"), "no-op") for k in range(samples)
-        ]
         out: dict[str, Any] = {k: ms(v) for k, v in t.items()}
-        out["noop"] = ms(noop)
         out["nft"] = {op: c.nft_ms(d, op) for op in ("deny_first", "static_apply", "remove")}
         return out
 
-    def _update(self, i: int) -> bytes:
+    def update_body(self, i: int) -> bytes:
         self.gen[i] += 1
         return set_body(f"bg-{i}", ip_of(BG_BASE, i), policy_text(i, self.gen[i]), self.gen[i])
 
-    def updates(self, n_seq: int, n_conc: int) -> dict[str, Any]:
-        n = self.registered
-        noop = [c.envelope("REMOVE_BINDING", f"absent-u{k}") for k in range(n_seq)]
-        t0 = time.perf_counter()
-        for body in noop:
-            self.h.action(body, "no-op")
-        noop_rate = n_seq / (time.perf_counter() - t0)
-        bodies = [self._update(k % n) for k in range(n_seq)]
-        m0 = c.scrape(self.h)
-        t0 = time.perf_counter()
-        lat = [self.h.action(b, "policy update") for b in bodies]
-        seq_wall = time.perf_counter() - t0
-        m1 = c.scrape(self.h)
-        per = [[self._update(mine[k % len(mine)]) for k in range(max(1, n_conc // CONC))]
-               for t in range(CONC) for mine in [[i for i in range(n) if i % CONC == t] or [t % n]]]  # fmt: skip
-        results: list[list[float]] = [[] for _ in range(CONC)]
-        errors: list[str] = []
-        barrier = threading.Barrier(CONC + 1)
+    def updates(self, n_seq: int, n_conc: int, rounds: int) -> dict[str, Any]:
+        """(c) in ``rounds`` rounds of four blocks: no-op actions, sequential updates, no-op
+        actions, updates with 8 in flight. Each update block is set against the no-op block
+        just before it (the round's ratio), so a change of the machine's load hits both sides
+        alike; the CI guard takes the median of the rounds' ratios."""
+        n, out = self.registered, {k: Side() for k in ("noop", "seq", "conc")}
+        owned = [[i for i in range(n) if i % CONC == t] or [t % n] for t in range(CONC)]
+        ratios: dict[str, list[float]] = {"seq": [], "conc": []}
+        for r, (k, kc) in enumerate(zip(split(n_seq, rounds), split(n_conc, rounds), strict=True)):
+            for mode in ("seq", "conc"):
+                noop = [c.envelope("REMOVE_BINDING", f"absent-u{r}{mode}-{j}") for j in range(k)]
+                base = out["noop"].sequential(self.pid, self.h, noop)
+                m0 = c.scrape(self.h)
+                if mode == "seq":
+                    bodies = [self.update_body((out["seq"].n + j) % n) for j in range(k)]
+                    rate = out["seq"].sequential(self.pid, self.h, bodies)
+                else:
+                    per = [[self.update_body(mine[(r * kc + j) % len(mine)]) for j in range(max(1, kc // CONC))]
+                           for mine in owned]  # fmt: skip
+                    rate = out["conc"].concurrent(self.pid, per, self.port)
+                out[mode].nft_add(c.nft_ms(c.delta(m0, c.scrape(self.h)), "static_apply"))
+                ratios[mode].append(rate / base)
+        return {"size": n, "noop_per_s": out["noop"].per_s, "noop_cpu_ms": out["noop"].cpu_ms,
+                **{m: {**out[m].summary(), "ratio_median": statistics.median(ratios[m]), "ratios": ratios[m]}
+                   for m in ("seq", "conc")}}  # fmt: skip
 
-        def worker(t: int) -> None:
-            h = c.Http(PORT)
-            try:
-                h.request("GET", "/healthz")  # connection open before the clock starts
-                barrier.wait()
-                results[t] = [h.action(b, f"update (thread {t})") for b in per[t]]
-            except BaseException as exc:
-                errors.append(str(exc)[:300])
-                barrier.abort()
-            finally:
-                h.close()
 
-        threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(CONC)]
-        for th in threads:
-            th.start()
-        with contextlib.suppress(threading.BrokenBarrierError):
-            barrier.wait(timeout=60)
-        t1 = time.perf_counter()
-        for th in threads:
-            th.join(timeout=600)
-        conc_wall = time.perf_counter() - t1
-        if errors or any(th.is_alive() for th in threads):
-            raise c.BenchError(f"concurrent updates failed: {errors[:3] or 'a worker did not finish'}")
-        m2 = c.scrape(self.h)
-        conc = [x for r in results for x in r]
-        return {"size": n, "noop_per_s": noop_rate,
-                "seq": {"n": len(lat), "per_s": len(lat) / seq_wall, "lat": ms(lat), "nft": c.nft_ms(c.delta(m0, m1), "static_apply")},
-                "conc": {"n": len(conc), "per_s": len(conc) / conc_wall, "lat": ms(conc), "nft": c.nft_ms(c.delta(m1, m2), "static_apply")}}  # fmt: skip
+def split(total: int, parts: int) -> list[int]:
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+class Side:
+    """One kind of block of (c): its actions' latencies, wall and CPU time, nft time."""
+
+    def __init__(self) -> None:
+        self.n, self.wall, self.cpu = 0, 0.0, 0.0
+        self.lat: list[float] = []
+        self.nft = (0.0, 0)
+
+    def _add(self, lat: list[float], wall: float, cpu: float) -> float:
+        self.n, self.wall, self.cpu, self.lat = (
+            self.n + len(lat),
+            self.wall + wall,
+            self.cpu + cpu,
+            self.lat + lat,
+        )
+        return len(lat) / wall
+
+    def sequential(self, pid: int, h: c.Http, bodies: list[bytes]) -> float:
+        """One block on one connection; its rate (actions/s)."""
+        cpu0, t0 = c.cpu_s(pid), time.perf_counter()
+        lat = [h.action(b, "action") for b in bodies]
+        return self._add(lat, time.perf_counter() - t0, c.cpu_s(pid) - cpu0)
+
+    def concurrent(self, pid: int, per: list[list[bytes]], port: int = PORT) -> float:
+        cpu0 = c.cpu_s(pid)
+        results, wall = in_flight(per, port)
+        return self._add([x for r in results for x in r], wall, c.cpu_s(pid) - cpu0)
+
+    def nft_add(self, d: tuple[float, int]) -> None:
+        self.nft = (self.nft[0] + d[0], self.nft[1] + d[1])
+
+    @property
+    def per_s(self) -> float:
+        return self.n / self.wall
+
+    @property
+    def cpu_ms(self) -> float:
+        return 1000 * self.cpu / self.n
+
+    def summary(self) -> dict[str, Any]:
+        return {"n": self.n, "per_s": self.per_s, "lat": ms(self.lat), "nft": self.nft, "cpu_ms": self.cpu_ms}
+
+
+def inject(run: FleetRun, control: Path, kind: str, factor: float, n: int = 30) -> None:
+    """``--inject-slowdown``: measure ``n`` in-place updates, then make the daemon spend
+    (factor - 1) times their mean latency more on each: updates then take ``factor`` times as long."""
+    lat = [run.h.action(run.update_body(j % run.registered), "policy update") for j in range(n)]
+    fi.set_extra(control, kind, (factor - 1) * statistics.mean(lat))
+    c.log(f"injected: {kind} +{(factor - 1) * statistics.mean(lat) * 1000:.2f} ms (x{factor})")
+
+
+def in_flight(per: list[list[bytes]], port: int = PORT) -> tuple[list[list[float]], float]:
+    """Each list of actions on its own connection and thread, all started at a barrier; the
+    latencies per thread and the wall time until the last one finished."""
+    results: list[list[float]] = [[] for _ in per]
+    errors: list[str] = []
+    barrier = threading.Barrier(len(per) + 1)
+
+    def worker(t: int) -> None:
+        h = c.Http(port)
+        try:
+            h.request("GET", "/healthz")  # connection open before the clock starts
+            barrier.wait()
+            results[t] = [h.action(b, f"update (thread {t})") for b in per[t]]
+        except BaseException as exc:
+            errors.append(str(exc)[:300])
+            barrier.abort()
+        finally:
+            h.close()
+
+    threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(len(per))]
+    for th in threads:
+        th.start()
+    with contextlib.suppress(threading.BrokenBarrierError):
+        barrier.wait(timeout=60)
+    t1 = time.perf_counter()
+    for th in threads:
+        th.join(timeout=600)
+    wall = time.perf_counter() - t1
+    if errors or any(th.is_alive() for th in threads):
+        raise c.BenchError(f"concurrent updates failed: {errors[:3] or 'a worker did not finish'}")
+    return results, wall
 
 
 def daemon_phases(workdir: Path, sizes: list[int], prm: dict[str, Any]) -> dict[str, Any]:
@@ -186,11 +259,14 @@ def daemon_phases(workdir: Path, sizes: list[int], prm: dict[str, Any]) -> dict[
     )
     d = c.Egressd(workdir, PORT, DAEMON_TABLE, env)
     out: dict[str, Any] = {"life": {}, "grow": [], "updates": None}
+    control = workdir / "inject-main.json"
     try:
-        out["start_s"] = d.start()
+        out["start_s"] = d.start(
+            [*SELF, "_egressd_slow", str(control), str(max(sizes))] if prm["slowdown"] else None
+        )
         h = c.Http(PORT)
         try:
-            run = FleetRun(h)
+            run = FleetRun(h, d.pid)
             for size in sizes:
                 out["grow"].append(run.grow(size))
                 c.log(
@@ -201,7 +277,10 @@ def daemon_phases(workdir: Path, sizes: list[int], prm: dict[str, Any]) -> dict[
                     f"  SET_BINDING p50 {r['set']['p50']:.2f} p99 {r['set']['p99']:.2f} ms; REMOVE p50 {r['remove']['p50']:.2f} ms"
                 )
                 if size == prm["updates_at"]:
-                    out["updates"] = u = run.updates(prm["upd_seq"], prm["upd_conc"])
+                    if "update" in prm["slowdown"]:
+                        inject(run, control, "update", prm["slowdown"]["update"])
+                    with profiled(d.pid, prm["profile"]):
+                        out["updates"] = u = run.updates(prm["upd_seq"], prm["upd_conc"], prm["rounds"])
                     c.log(
                         f"  updates: sequential {u['seq']['per_s']:.0f}/s, {CONC} in flight {u['conc']['per_s']:.0f}/s"
                     )
@@ -212,6 +291,123 @@ def daemon_phases(workdir: Path, sizes: list[int], prm: dict[str, Any]) -> dict[
         raise c.BenchError(f"{exc}\n--- egressd log tail ---\n{d.log_tail()}") from None
     finally:
         d.stop()
+    return out
+
+
+SELF = [sys.executable, str(Path(__file__).resolve())]
+
+
+@contextlib.contextmanager
+def profiled(pid: int, out: Path | None) -> Iterator[None]:
+    """``--profile``: py-spy samples the daemon (GIL-holding stacks, folded) while (c) runs."""
+    if out is None:
+        yield
+        return
+    spy = shutil.which("py-spy") or str(c.ROOT / ".venv" / "bin" / "py-spy")
+    p = c.Proc([spy, "record", "--pid", str(pid), "--gil", "--format", "raw", "--rate", "250",
+                "--output", str(out)], stdin=False, log_path=out.with_name(out.name + ".log"))  # fmt: skip
+    time.sleep(1.0)  # attached before the first update
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            p.p.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.p.wait(30)
+        p.stop(5)
+        c.log(f"profile: {out}")
+
+
+# ---- the SET_BINDING guard: two daemons side by side --------------------------------------------
+
+
+def set_guard_phase(workdir: Path, sizes: list[int], samples: int, slow: dict[str, float]) -> dict[str, Any]:
+    """``--quick``'s SET_BINDING guard: a daemon with the smallest and one with the largest
+    size, each in its own table, their samples alternating (one sample = SET_BINDING of a new
+    subject, data-plane-ready, REMOVE_BINDING), so both sizes meet the same load."""
+    small, big = min(sizes), max(sizes)
+    daemons, conns, runs = [], [], []
+    try:
+        for k, size in enumerate((small, big)):
+            env = {"EGRESSD_DNS_ADDR": f"127.0.0.1:{25300 + k}", "EGRESSD_UID_DNS_PORT_BASE": str(26000 + 100 * k),
+                   "EGRESSD_UID_MAX_SUBJECTS": "16"}  # fmt: skip
+            d = c.Egressd(workdir, PORT + 1 + k, f"{DAEMON_TABLE}_g{k}", env)
+            daemons.append(d)
+            control = workdir / f"inject-g{k}.json"
+            d.start([*SELF, "_egressd_slow", str(control), str(big)] if slow else None)
+            conns.append(c.Http(PORT + 1 + k))
+            runs.append(FleetRun(conns[-1], d.pid))
+            runs[-1].grow(size)
+        for run, size in zip(runs, (small, big), strict=True):
+            run.lifecycle(size, 0, 3)  # warm-up
+        if "create" in slow:
+            lat = [runs[1].lifecycle(big, 1, 0)["set"]["p50"] for _ in range(10)]
+            fi.set_extra(
+                workdir / "inject-g1.json", "create", (slow["create"] - 1) * statistics.mean(lat) / 1000
+            )
+        t: dict[int, list[float]] = {small: [], big: []}
+        pairs = list(zip(runs, (small, big), strict=True))
+        for j in range(samples):
+            for run, size in pairs if j % 2 == 0 else pairs[::-1]:
+                t[size].append(run.lifecycle(size, 1, 0)["set"]["p50"])
+    except (OSError, http.client.HTTPException, c.BenchError) as exc:
+        raise c.BenchError(f"SET_BINDING guard: {exc}") from None
+    finally:
+        for h in conns:
+            h.close()
+        for d in daemons:
+            d.stop()
+    return {"small": small, "big": big, "p50": {s: statistics.median(v) for s, v in t.items()}}
+
+
+# ---- (e): where an in-place update spends its time, in an instrumented daemon --------------------
+
+
+def splits_phase(workdir: Path, prm: dict[str, Any]) -> dict[str, Any]:
+    """egressd's own main() with perf_counter wrappers (fleet_instrument.py), ``updates_at``
+    active subjects: no-op actions, sequential updates, updates with 8 in flight."""
+    records = workdir / "splits.json"
+    d = c.Egressd(workdir, PORT, DAEMON_TABLE, {})
+    windows: dict[str, tuple[float, float]] = {}
+    lat: dict[str, list[float]] = {}
+    try:
+        d.start([*SELF, "_egressd", str(records)])
+        h = c.Http(PORT)
+        try:
+            run = FleetRun(h)
+            run.grow(prm["updates_at"])
+            n, k = run.registered, prm["split_n"]
+            for j in range(k):  # warm-up
+                h.action(run.update_body(j % n), "policy update")
+            for phase in ("noop", "seq"):
+                bodies = ([c.envelope("REMOVE_BINDING", f"absent-s{j}") for j in range(k)] if phase == "noop"
+                          else [run.update_body(j % n) for j in range(k)])  # fmt: skip
+                t0 = time.perf_counter()  # CLOCK_MONOTONIC is one clock for every process
+                lat[phase] = [h.action(b, phase) for b in bodies]
+                windows[phase] = (t0, time.perf_counter())
+            per = [[run.update_body(i) for i in range(t, n, CONC)][: max(1, k // CONC)] for t in range(CONC)]
+            t0 = time.perf_counter()
+            results, _wall = in_flight(per)
+            windows["conc"] = (t0, time.perf_counter())
+            lat["conc"] = [x for r in results for x in r]
+            time.sleep(0.3)  # background cuts of the last updates finish
+            d.check_alive()
+        finally:
+            h.close()
+    except (OSError, http.client.HTTPException, c.BenchError) as exc:
+        raise c.BenchError(f"splits: {exc}\n--- egressd log tail ---\n{d.log_tail()}") from None
+    finally:
+        d.stop()  # SIGTERM: the instrumented main writes its records on the way out
+    if not records.exists():
+        raise c.BenchError("splits: the instrumented egressd wrote no records")
+    data = json.loads(records.read_text())
+    out: dict[str, Any] = {}
+    for phase, op in (("noop", "RemoveBinding"), ("seq", "SetBinding"), ("conc", "SetBinding")):
+        out[phase] = fi.analyse(data, windows[phase], op)
+        out[phase]["client"] = ms(lat[phase])
+        if out[phase]["n"] < len(lat[phase]) // 2:
+            raise c.BenchError(f"splits: {out[phase]['n']} of {len(lat[phase])} {phase} actions recorded"
+                               " (do the wrappers in fleet_instrument.targets still fit egressd?)")  # fmt: skip
     return out
 
 
@@ -398,23 +594,84 @@ def exec_floors(reps: int) -> dict[str, float]:
 
 
 def inner(args: argparse.Namespace, _topo: c.Topology, workdir: Path, rep: c.Report) -> dict[str, Any]:
+    prm: dict[str, Any]
     if args.quick:
-        sizes = [10, 50]
-        prm = {"samples": 10, "warmup": 2, "upd_seq": 100, "upd_conc": 160, "reps": 10}
+        sizes = [10, 100]
+        prm = {
+            "samples": 20,
+            "warmup": 3,
+            "upd_seq": 480,
+            "upd_conc": 512,
+            "reps": 10,
+            "split_n": 100,
+            "rounds": 16,
+            "guard_samples": 50,
+        }
     else:
         sizes = sorted({int(x) for x in args.sizes.split(",") if x.strip()})
-        prm = {"samples": 30, "warmup": 3, "upd_seq": 500, "upd_conc": 800, "reps": 30}
+        prm = {
+            "samples": 30,
+            "warmup": 3,
+            "upd_seq": 500,
+            "upd_conc": 800,
+            "reps": 30,
+            "split_n": 300,
+            "rounds": 10,
+        }
     if args.samples:
         prm["samples"] = prm["reps"] = args.samples
     if min(sizes) < 1:
         raise c.BenchError("sizes must be >= 1")
     under = [s for s in sizes if s <= T_UPDATES_AT]
-    prm.update(updates_at=max(under) if under else min(sizes), no_conntrack=args.no_conntrack)
+    prm.update(updates_at=max(under) if under else min(sizes), no_conntrack=args.no_conntrack,
+               profile=args.profile, quick=args.quick)  # fmt: skip
+    try:
+        prm["slowdown"] = fi.parse_slowdown(args.inject_slowdown or "")
+    except ValueError as exc:
+        raise c.BenchError(str(exc)) from None
     c.log(f"sizes {sizes}, {prm}")
     res = {"floors": exec_floors(prm["reps"]), "direct": direct_phase(sizes, prm["reps"])}
     res["daemon"] = daemon_phases(workdir, sizes, prm)
+    if not args.no_splits:
+        res["splits"] = splits_phase(workdir, prm)
+    if args.quick:
+        res["set_guard"] = set_guard_phase(workdir, sizes, prm["guard_samples"], prm["slowdown"])
     report(rep, sizes, prm, res)
+    if args.quick:
+        guards(rep, res)
     return res
+
+
+def guards(rep: c.Report, res: dict[str, Any]) -> None:
+    """The CI guards of ``--quick`` (README, "CI guards"): ratios of this run only."""
+    upd = res["daemon"]["updates"]
+    for lbl, key in (("sequential", "seq"), (f"{CONC} in flight", "conc")):
+        r = upd[key]["ratio_median"]
+        rep.guard(f"policy updates/s at {upd['size']} subjects, {lbl}, vs no-op actions/s (median of {len(upd[key]['ratios'])} rounds)",
+                  r >= GUARD_UPDATES[key], f"{r:.3f}x (all rounds: {upd[key]['per_s']:.0f} vs {upd['noop_per_s']:.0f}/s)",
+                  f">= {GUARD_UPDATES[key]}x")  # fmt: skip
+    g = res["set_guard"]
+    small, big, p50 = g["small"], g["big"], g["p50"]
+    r = p50[big] / p50[small]
+    rep.guard(f"SET_BINDING p50 at {big} subjects vs at {small} (two daemons side by side, samples alternating)",
+              r <= GUARD_SET_RATIO, f"{r:.3f}x ({p50[big]:.2f} vs {p50[small]:.2f} ms)", f"<= {GUARD_SET_RATIO}x")  # fmt: skip
+
+
+def report_splits(rep: c.Report, prm: dict[str, Any], sp: dict[str, Any]) -> None:
+    rep.add("")
+    rep.add(f"(e) where an action spends its time: egressd's main() with perf_counter wrappers (fleet_instrument.py),"
+            f" {prm['updates_at']} active subjects; ms per action, mean; each step exclusive of the steps inside it")  # fmt: skip
+    cols = (("noop", "no-op"), ("seq", "update, sequential"), ("conc", f"update, {CONC} in flight"))
+    rows: list[list[object]] = [["client latency (mean)", *(sp[k]["client"]["mean"] for k, _ in cols)],
+                                ["  HTTP: aiohttp, loopback, client", *(sp[k]["client"]["mean"] - sp[k]["handler_incl"] - sp[k]["outside"] for k, _ in cols)],
+                                ["  egressd's action handler", *(sp[k]["handler_incl"] for k, _ in cols)]]  # fmt: skip
+    rows += [[f"    {label}", *(sp[k].get(key, 0.0) for k, _ in cols)] for key, label in fi.STEPS]
+    rows += [["  after the handler: MITM memory bump", *(sp[k]["outside"] for k, _ in cols)]]
+    rows += [[f"{label}", *(sp[k].get(key, 0.0) for k, _ in cols)] for key, label in fi.BACKGROUND]
+    rows += [["  (background work started in the phase's window, per action of the phase)", "", "", ""]]
+    rep.table(["step", *(lbl for _, lbl in cols)], rows)
+    rep.add(f"  actions recorded: {', '.join(f'{lbl} {sp[k]['n']}' for k, lbl in cols)}; with {CONC} in flight a step's time"
+            " includes the other actions' work interleaved with it (awaits), and the locks' waits are in 'rest of the handler'")  # fmt: skip
 
 
 def report(rep: c.Report, sizes: list[int], prm: dict[str, Any], res: dict[str, Any]) -> None:
@@ -451,9 +708,22 @@ def report(rep: c.Report, sizes: list[int], prm: dict[str, Any], res: dict[str, 
         rep.add(
             f"(c) policy updates at {upd['size']} active subjects; baseline: {upd['noop_per_s']:.0f} no-op actions/s sequential"
         )
-        rep.table(["mode", "requests", "per s", "vs no-op", "p50 ms", "p99 ms", "nft static_apply ms"],
-                  [[lbl, u["n"], u["per_s"], c.ratio(u["per_s"], upd["noop_per_s"]), u["lat"]["p50"], u["lat"]["p99"], u["nft"][0] / max(1, u["nft"][1])]
+        rep.table(["mode", "requests", "per s", "vs no-op", "p50 ms", "p99 ms", "nft static_apply ms", "egressd CPU ms", "CPU vs no-op"],
+                  [[lbl, u["n"], u["per_s"], c.ratio(u["per_s"], upd["noop_per_s"]), u["lat"]["p50"], u["lat"]["p99"], u["nft"][0] / max(1, u["nft"][1]),
+                    u["cpu_ms"], c.ratio(u["cpu_ms"], upd["noop_cpu_ms"])]
                    for lbl, u in (("sequential", upd["seq"]), (f"{CONC} in flight", upd["conc"]))])  # fmt: skip
+        rep.add(f"  egressd CPU (utime + stime, all threads) per no-op action: {upd['noop_cpu_ms']:.3f} ms; {len(upd['seq']['ratios'])} rounds"
+                " of no-op, sequential, no-op, 8-in-flight blocks; per round, update rate / no-op rate: "
+                + "; ".join(f"{m} median {upd[m]['ratio_median']:.3f}x (min {min(upd[m]['ratios']):.3f}, max {max(upd[m]['ratios']):.3f})" for m in ("seq", "conc")))  # fmt: skip
+    if prm["profile"] is not None and Path(prm["profile"]).exists():
+        total, per = fi.profile_summary(Path(prm["profile"]).read_text())
+        rep.add("")
+        rep.add(
+            f"profile of the daemon during (c) (py-spy --gil, {total} samples, {prm['profile']}): share of the GIL-holding samples"
+        )
+        rep.table(["step", "share"], [[step, f"{100 * n / max(1, total):.1f} %"] for step, n in per.items()])
+    if "splits" in res:
+        report_splits(rep, prm, res["splits"])
     rep.add("")
     rep.add("(d) the same transaction three ways, no daemon, ms; baseline: `nft -f -` (exec)")
     rep.table(["subjects / txn", "netlink p50", "p99", "libnft p50", "p99", "exec p50", "p99", "exec/netlink", "exec/libnft"],
@@ -489,12 +759,23 @@ def report(rep: c.Report, sizes: list[int], prm: dict[str, Any], res: dict[str, 
 
 
 def main() -> int:
-    p = c.parser(__doc__, "sizes 10,50, 10 samples, fewer updates")
+    if len(sys.argv) > 2 and sys.argv[1] == "_egressd":
+        return fi.instrumented_main(sys.argv[2])
+    if len(sys.argv) > 3 and sys.argv[1] == "_egressd_slow":
+        return fi.slow_main(sys.argv[2], int(sys.argv[3]))
+    p = c.parser(__doc__, "sizes 10,100, 20 samples, fewer updates; the CI guards")
     p.add_argument("--sizes", default="10,100,1000", help="background subject counts (default 10,100,1000)")
     p.add_argument("--samples", type=int, default=0, help="samples per size and repetitions per method")
     p.add_argument(
         "--no-conntrack", action="store_true", help="diagnostic: egressd without conntrack on its PATH"
     )
+    p.add_argument("--no-splits", action="store_true", help="skip (e), the instrumented daemon")
+    p.add_argument(
+        "--profile", type=Path, help="py-spy (GIL-holding stacks, folded) of the daemon during (c)"
+    )
+    p.add_argument("--inject-slowdown", metavar="update=F,create=F",
+                   help="diagnostic: the daemon's in-place updates / new subjects at the largest size F times slower"
+                        " (checks that the --quick guards trip)")  # fmt: skip
     return c.main("fleet", "egbf", ["ns"], "ns", p.parse_args(), inner, tools=("ip", "nft"))
 
 

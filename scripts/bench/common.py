@@ -11,7 +11,8 @@ and prints a report in which every figure stands next to its baseline from the s
 ratio, under the exact command that reproduces it.
 
 Exit codes: 0 the run completed (whatever the MET/MISSED verdicts), 1 it could not complete,
-2 missing privileges or tools, 130 interrupted.
+2 missing privileges or tools, 3 it completed but a CI guard tripped (``Report.guard``),
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -512,6 +513,8 @@ class Report:
     def __init__(self, title: str, command: str) -> None:
         self.command, self.lines = command, [title]
         self.targets: list[str] = []
+        self.guards: list[str] = []
+        self.tripped = False
         self.started, self.load0 = time.monotonic(), os.getloadavg()
         head = run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]).stdout.strip() or "?"
         dirty = run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "egressd"]).stdout.splitlines()
@@ -547,9 +550,16 @@ class Report:
         """A target this run cannot judge (its comparison is missing): neither MET nor MISSED."""
         self.targets.append(f"  [{'n/a':<6}] {name}: {why}   (target {target})")
 
+    def guard(self, name: str, ok: bool, measured: str, limit: str) -> None:
+        """A CI guard: unlike a target, a tripped guard makes the run exit with 3 (after the report)."""
+        self.guards.append(f"  [{'ok' if ok else 'TRIPPED':<7}] {name}: {measured}   (guard {limit})")
+        self.tripped = self.tripped or not ok
+
     def text(self) -> str:
         load1 = os.getloadavg()
         tail = ["", "targets (a MISSED target does not fail the run):", *self.targets] if self.targets else []
+        if self.guards:
+            tail += ["", "CI guards (a TRIPPED guard fails the run: exit 3):", *self.guards]
         return "\n".join([
             *self.lines[:2],
             "load average (1/5/15 min) at start " + "/".join(f"{x:.2f}" for x in self.load0)
@@ -674,4 +684,7 @@ def _inner_main(args: argparse.Namespace, topo: Topology, inner: Inner, role: st
         args.out.write_text(text)
     if args.json_out and raw is not None:
         args.json_out.write_text(json.dumps(json_safe(raw), indent=1) + "\n")
+    if report.tripped:
+        print(f"{_NAME[0]}: a CI guard tripped (see the report)", file=sys.stderr, flush=True)
+        return 3
     return 0

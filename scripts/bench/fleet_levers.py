@@ -16,6 +16,13 @@ keys), ``fill`` (its first policy), ``update`` (an in-place change) and ``remove
   learned by a ``GETSET`` dump after creation, outside the timed transactions) instead of by
   name (nft_handles.py; probe only, the lever was rejected). Only with ``--variants``; a run
   that measures it makes every variant dump and remove the same way.
+* ``shared`` (issue 28's design note, docs/fleet-shared-sets.md): no set per subject; six
+  table-wide sets keyed by ``source address . destination`` that the subject's rules look up
+  (nft_shared.py; probe only). Its policy and leases are elements under its address: an update
+  deletes the elements that leave and adds those that come, a removal deletes them all.
+* ``sharded``: ``shared`` over 64 groups of six shared sets (a subject's sets are its group's).
+
+``after`` and ``shared`` update in place as egressd does since issue 28: only what changes.
 
 One table per variant (every background subject shaped like the variant), the variants'
 rounds interleaved per size. Loopback-free: no packet is sent.
@@ -37,14 +44,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+import nft_shared as sh  # noqa: E402
 from nft_handles import HandleSocket  # noqa: E402
 
 from egressd.fleetnft import builder as nb  # noqa: E402
 from egressd.kernel.netlink import NfTablesSocket  # noqa: E402
-from egressd.kernel.ops import NetlinkBatch  # noqa: E402
+from egressd.kernel.ops import AddChain, AddCounter, DeleteChain, DeleteCounter, NetlinkBatch, Op  # noqa: E402
 from egressd.policy import NetworkPolicy, parse_policy  # noqa: E402
 
-VARIANTS = ("before", "six", "noflush", "after", "handles")
+VARIANTS = ("before", "six", "noflush", "after", "handles", "shared", "sharded")
 PHASES = ("create", "fill", "update", "remove")
 GATEWAY = ipaddress.ip_address("10.100.0.1")
 
@@ -86,12 +94,91 @@ class Variant:
             + nb.subject_keys(self.cfg, s)
         )
 
-    def swap(self, nid: str, p: NetworkPolicy, *, first: bool) -> NetlinkBatch:
+    def swap(
+        self, s: nb.SubjectNft, p: NetworkPolicy, *, first: bool, held: NetworkPolicy | None = None
+    ) -> NetlinkBatch:
         empty = first and self.noflush
-        return nb.policy_swap(self.cfg.table, nid, p, audit_objects=not self.six, known_empty=empty)
+        was = nb.static_contents(held) if held is not None and self.six and self.noflush else None
+        return nb.policy_swap(
+            self.cfg.table, s.nft_id, p, audit_objects=not self.six, known_empty=empty, held=was
+        )
 
     def remove(self, s: nb.SubjectNft) -> NetlinkBatch:
         return nb.removal_batch(self.cfg, s.nft_id, s.ip, release_gateway=None, audit=not self.six)
+
+
+class SharedVariant:
+    """``shared``: the subject's chains, rules, counters and keys, its sets shared (nft_shared.py);
+    ``sharded``: the same over ``shards`` groups of six shared sets, a subject's in one group."""
+
+    def __init__(self, table: str, shards: int = 1) -> None:
+        self.cfg = nb.TableConfig(table=table)
+        self.shards = shards
+        self.held: dict[str, dict[str, tuple[sh.Net, ...]]] = {}
+        self.dump = False
+
+    def create(self, s: nb.SubjectNft) -> sh.Raw:
+        n = nb.Names(s.nft_id)
+        fam = nb.family(s.ip)
+        ops: list[Op] = [AddChain(n.chain), AddChain(n.mark_chain)]
+        ops += [AddCounter(n.counter(kind)) for kind in nb.AUDIT_COUNTERS] + [AddCounter(n.dropped_counter)]
+        g = self.shard(s)
+        rules = [sh.rule(self.cfg.table, n.chain, [*sh.concat_lookup(fam, sh.set_name("deny", fam, g)),
+                                                  _goto_denied()])]  # fmt: skip
+        rules += [sh.rule(self.cfg.table, n.mark_chain, [*sh.concat_lookup(fam, sh.set_name(kind, fam, g)), *_set_mark()])
+                  for kind in ("allow", "dyn")]  # fmt: skip
+        batch = NetlinkBatch(self.cfg.table, tuple(ops)) + nb.subject_keys(self.cfg, s)
+        return sh.Raw(self.cfg.table, batch, after=rules)
+
+    def swap(
+        self, s: nb.SubjectNft, p: NetworkPolicy, *, first: bool, held: NetworkPolicy | None = None
+    ) -> sh.Raw:
+        del first, held  # the elements it holds are known: it adds and deletes exactly those
+        fam = nb.family(s.ip)
+        new = {kind: nb.policy_contents(p)[f"{kind}_{fam}"] for kind in ("allow", "deny")}
+        old = self.held.get(s.nft_id, {"allow": (), "deny": ()})
+        msgs: list[sh.Msg] = []
+        for kind in ("allow", "deny"):
+            gone = tuple(x for x in old[kind] if x not in new[kind])
+            came = tuple(x for x in new[kind] if x not in old[kind])
+            msgs += (
+                sh.ranges(self.cfg.table, s.ip, kind, gone, delete=True, shard=self.shard(s)) if gone else []
+            )
+            msgs += sh.ranges(self.cfg.table, s.ip, kind, came, shard=self.shard(s)) if came else []
+        self.held[s.nft_id] = new
+        return sh.Raw(self.cfg.table, msgs=msgs)
+
+    def shard(self, s: nb.SubjectNft) -> int:
+        return sh.shard_of(s.nft_id, self.shards)
+
+    def remove(self, s: nb.SubjectNft) -> sh.Raw:
+        old = self.held.pop(s.nft_id, {"allow": (), "deny": ()})
+        msgs = [
+            m
+            for kind in ("allow", "deny")
+            if old[kind]
+            for m in sh.ranges(self.cfg.table, s.ip, kind, old[kind], delete=True, shard=self.shard(s))
+        ]
+        n = nb.Names(s.nft_id)
+        ops = nb.dispatch_deletes(self.cfg, s.ip, release_gateway=None)
+        ops += [DeleteChain(n.chain), DeleteChain(n.mark_chain)]
+        ops += [DeleteCounter(n.counter(kind)) for kind in nb.AUDIT_COUNTERS] + [
+            DeleteCounter(n.dropped_counter)
+        ]
+        return sh.Raw(self.cfg.table, NetlinkBatch(self.cfg.table, tuple(ops)), msgs=msgs)
+
+
+def _goto_denied() -> bytes:
+    from egressd.kernel.netlink import rule_expressions
+    from egressd.kernel.ops import RuleAction, VerdictRule
+
+    return rule_expressions(VerdictRule(RuleAction.DROP, drop_chain=nb.DENIED_CHAIN))
+
+
+def _set_mark() -> list[bytes]:
+    from egressd.kernel import netlink
+
+    return netlink._set_mark()
 
 
 def subject(i: int, base: str) -> nb.SubjectNft:
@@ -99,41 +186,72 @@ def subject(i: int, base: str) -> nb.SubjectNft:
     return nb.SubjectNft(f"s_{base.split('.')[1]}_{i}", ip, GATEWAY)
 
 
-def build(sock: NfTablesSocket, v: Variant, size: int) -> None:
+AnyVariant = Variant | SharedVariant
+
+
+class Sockets:
+    """egressd's netlink socket, the probes' (set handles, shared sets)."""
+
+    def __init__(self) -> None:
+        self.nl, self.handles, self.raw = NfTablesSocket(timeout=120), HandleSocket(), sh.RawSocket()
+
+    def run(self, batch: NetlinkBatch | sh.Raw) -> None:
+        if isinstance(batch, sh.Raw):
+            self.raw.run(batch)
+        else:
+            self.nl.run(batch)
+
+    def close(self) -> None:
+        self.nl.close()
+        self.handles.close()
+        self.raw.close()
+
+
+def build(socks: Sockets, v: AnyVariant, size: int) -> None:
     header = nb.header_script(v.cfg, delete_existing=False)
+    if isinstance(v, SharedVariant):
+        header += sh.sets_script(v.cfg.table, dyn_size=max(65536, size * 64), shards=v.shards)
     subprocess.run(["nft", "-f", "-"], input=header, text=True, check=True)
     for lo in range(0, size, 50):
+        subjects = [subject(i, "10.64.0.0") for i in range(lo, min(size, lo + 50))]
+        if isinstance(v, SharedVariant):
+            raw = sh.Raw(v.cfg.table, NetlinkBatch(v.cfg.table))
+            for i, s in zip(range(lo, lo + 50), subjects, strict=False):
+                made, filled = v.create(s), v.swap(s, policy(i), first=True)
+                assert raw.ops is not None and made.ops is not None
+                raw.ops, raw.after = raw.ops + made.ops, raw.after + made.after + filled.msgs
+            socks.run(raw)
+            continue
         batch = NetlinkBatch(v.cfg.table)
-        for i in range(lo, min(size, lo + 50)):
-            s = subject(i, "10.64.0.0")
-            batch = batch + v.create(s) + v.swap(s.nft_id, policy(i), first=True)
-        sock.run(batch)
+        for i, s in zip(range(lo, lo + 50), subjects, strict=False):
+            batch = batch + v.create(s) + v.swap(s, policy(i), first=True)
+        socks.run(batch)
 
 
-def timed(sock: NfTablesSocket, batch: NetlinkBatch) -> float:
+def timed(socks: Sockets, batch: NetlinkBatch | sh.Raw) -> float:
     t0 = time.perf_counter()
-    sock.run(batch)
+    socks.run(batch)
     return (time.perf_counter() - t0) * 1000
 
 
-def fill_update_remove(sock: NfTablesSocket, v: Variant, s: nb.SubjectNft, k: int) -> dict[str, float]:
-    out = {"fill": timed(sock, v.swap(s.nft_id, policy(k), first=True))}
-    out["update"] = timed(sock, v.swap(s.nft_id, policy(k + 1), first=False))
-    out["remove"] = timed(sock, v.remove(s))
+def fill_update_remove(socks: Sockets, v: AnyVariant, s: nb.SubjectNft, k: int) -> dict[str, float]:
+    out = {"fill": timed(socks, v.swap(s, policy(k), first=True))}
+    out["update"] = timed(socks, v.swap(s, policy(k + 1), first=False, held=policy(k)))
+    out["remove"] = timed(socks, v.remove(s))
     time.sleep(0.005)  # the kernel's deferred release of the removed objects
     return out
 
 
-def one_round(sock: NfTablesSocket, hsock: HandleSocket, v: Variant, k: int) -> dict[str, float]:
+def one_round(socks: Sockets, v: AnyVariant, k: int) -> dict[str, float]:
     s = subject(k, "10.128.0.0")
-    out = {"create": timed(sock, v.create(s))}
-    if not v.dump:
-        out.update(fill_update_remove(sock, v, s, k))
+    out = {"create": timed(socks, v.create(s))}
+    if not v.dump or isinstance(v, SharedVariant):
+        out.update(fill_update_remove(socks, v, s, k))
         return out
     # Learned right after creation (where the daemon would take them from NEWSET's echo). With
     # ``handles`` in the run every variant dumps, so that only the DELSET encoding differs: the
     # dump's reply of 6N sets evicts the caches the next transactions would find warm.
-    handles = hsock.set_handles(v.cfg.table)
+    handles = socks.handles.set_handles(v.cfg.table)
     if v.removed & handles.keys():
         raise RuntimeError(
             f"{v.cfg.table}: sets survived their removal: {sorted(v.removed & handles.keys())}"
@@ -141,36 +259,50 @@ def one_round(sock: NfTablesSocket, hsock: HandleSocket, v: Variant, k: int) -> 
     v.removed = {nb.Names(s.nft_id).set(kind) for kind in nb.subject_sets(audit=not v.six)}
     if not v.removed <= handles.keys():
         raise RuntimeError(f"{v.cfg.table}: the dump misses sets of {s.nft_id}")
-    out["fill"] = timed(sock, v.swap(s.nft_id, policy(k), first=True))
-    out["update"] = timed(sock, v.swap(s.nft_id, policy(k + 1), first=False))
+    out["fill"] = timed(socks, v.swap(s, policy(k), first=True))
+    out["update"] = timed(socks, v.swap(s, policy(k + 1), first=False, held=policy(k)))
     # Every variant's removal goes through the same re-encoding socket (an empty map changes
     # nothing), so the Python side is the same and the difference is the kernel's.
     t0 = time.perf_counter()
-    hsock.run(v.remove(s), handles if v.by_handle else {})
+    socks.handles.run(v.remove(s), handles if v.by_handle else {})
     out["remove"] = (time.perf_counter() - t0) * 1000
     time.sleep(0.005)  # the kernel's deferred release of the removed objects
     return out
 
 
+SHARDS = 64  # ``sharded``: groups of six shared sets
+
+
+def make_variant(name: str) -> AnyVariant:
+    table = f"egbench_levers_{name}"
+    if name in ("shared", "sharded"):
+        return SharedVariant(table, SHARDS if name == "sharded" else 1)
+    return Variant(name, table)
+
+
 def measure(size: int, rounds: int, names: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    sock = NfTablesSocket(timeout=30)
-    hsock = HandleSocket()
-    variants = {name: Variant(name, f"egbench_levers_{name}") for name in names}
+    socks = Sockets()
+    variants = {name: make_variant(name) for name in names}
     for v in variants.values():
         v.dump = "handles" in names
     try:
-        for v in variants.values():
-            build(sock, v, size)
+        for name, v in variants.items():
+            t0 = time.monotonic()
+            build(socks, v, size)
+            print(
+                f"  {size} subjects built for {name} in {time.monotonic() - t0:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
         samples: dict[str, dict[str, list[float]]] = {n: {p: [] for p in PHASES} for n in names}
         for k in range(rounds):
             r = k % len(names)
             for n in names[r:] + names[:r]:  # rotate the order: no variant always first
-                for p, ms in one_round(sock, hsock, variants[n], k).items():
+                for p, ms in one_round(socks, variants[n], k).items():
                     samples[n][p].append(ms)
         return {n: {p: statistics.median(x) for p, x in by.items()} for n, by in samples.items()}
     finally:
-        sock.close()
-        hsock.close()
+        socks.close()
         for v in variants.values():
             subprocess.run(["nft", "delete", "table", "inet", v.cfg.table], capture_output=True, check=False)
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every benchmark in scripts/bench/ with --quick (CI-sized, < 60 s each on a 2-core VM). The run
-# FAILS when a benchmark cannot complete (a crash, a failed sanity check, any non-zero exit) or
-# leaves a namespace behind; a MISSED target does not fail it. Each benchmark builds its own
+# FAILS when a benchmark cannot complete (a crash, a failed sanity check, any non-zero exit),
+# when a CI guard trips (exit 3: bench_fleet's update rate or SET_BINDING scaling, README "CI
+# guards") or when one leaves a namespace behind; a MISSED target does not fail it. Each benchmark builds its own
 # throwaway namespaces and removes them, also on failure; nothing touches the root namespace.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -7,6 +7,8 @@ import signal
 import time
 from typing import Any
 
+import pytest
+
 from tests.kernel.topology import GATEWAY, UPSTREAM_IPS, Daemon, Topology, envelope
 
 UP_A, UP_B, UP_C, UP_D = UPSTREAM_IPS[0], UPSTREAM_IPS[1], UPSTREAM_IPS[2], UPSTREAM_IPS[3]
@@ -387,6 +389,34 @@ def test_in_place_narrowing_cuts_only_disallowed_flows(topo: Topology, daemon: D
     dropped_out, _ = dropped.communicate(timeout=15)
     assert kept_out.split()[-1] == "ok", "an allowed established flow was cut: " + kept_out
     assert dropped_out.split()[-1] == "dead", "a flow to a removed destination survived: " + dropped_out
+
+
+# Issue 28: an in-place change reads conntrack (and cuts) only when it takes something away.
+# Each narrowing below leaves the sets' shape alone in a way a shortcut could mistake for
+# "nothing refused": a deny inside a still-allowed prefix, a prefix shrinking to a part of
+# itself, allow-all turned into a list; the widening must cut nothing.
+NARROW_PART = [
+    (allow_ips("10.204.0.0/29"), allow_ips("10.204.0.0/29", deny=(UP_B,)), "dead"),
+    (allow_ips("10.204.0.0/29"), allow_ips(UP_A), "dead"),
+    ({"defaultAction": "allow", "egress": []}, allow_ips(UP_A), "dead"),
+    (allow_ips(UP_A, UP_B), allow_ips("10.204.0.0/29"), "ok"),
+]
+
+
+@pytest.mark.parametrize(("before", "after", "b_ends"), NARROW_PART)
+def test_in_place_change_cuts_a_flow_exactly_when_it_refuses_its_destination(
+    topo: Topology, daemon: Daemon, before: object, after: object, b_ends: str
+) -> None:
+    bind(daemon, 1, before)
+    activate(daemon, "sb1")
+    kept, other = _keepalive(topo, 1, UP_A), _keepalive(topo, 1, UP_B)
+    time.sleep(1.0)
+    bind(daemon, 1, after)  # in place
+    kept_out, _ = kept.communicate(timeout=15)
+    other_out, _ = other.communicate(timeout=15)
+    assert kept_out.split()[-1] == "ok", "an allowed established flow was cut: " + kept_out
+    assert other_out.split()[-1] == b_ends, f"the flow to {UP_B} should end {b_ends}: " + other_out
+    assert topo.reaches(1, UP_B) is (b_ends == "ok")
 
 
 def _keepalive(topo: Topology, sb: int, ip: str) -> Any:

@@ -745,7 +745,7 @@ async def test_active_rekey_drops_old_keys_before_adding_new(
 ) -> None:
     await activate(control)
     before = kernel.mark()
-    ok(await control.handle(set_binding(policy=POLICY_A, ip="10.0.0.6", gen=2)))
+    ok(await control.handle(set_binding(policy=POLICY_B, ip="10.0.0.6", gen=2)))
     calls = kernel.since(before)
     assert [(c.kind, c.op) for c in calls] == [
         ("batch", "dispatch_update"),
@@ -755,9 +755,14 @@ async def test_active_rekey_drops_old_keys_before_adding_new(
     assert "10.0.0.5" in calls[0].text
     assert "10.0.0.6" in calls[1].text
     assert entry(control).state is State.ACTIVE
+    assert kernel.elements("subj_s_u_1_allow_v4") == {"9.9.9.9": ""}
     assert dispatched(kernel, "10.0.0.5") is None
     assert dispatched(kernel, "10.0.0.6") == "jump subj_s_u_1"
     assert kernel.elements("dns_gw_v4") == {GW: ""}
+    # The same policy on another re-key: nothing of the sets changes, so no swap is sent.
+    before = kernel.mark()
+    ok(await control.handle(set_binding(policy=POLICY_B, ip="10.0.0.7", gen=3)))
+    assert [(c.kind, c.op) for c in kernel.since(before)] == [("batch", "dispatch_update")] * 2
 
 
 async def test_shared_gateway_released_only_with_the_last_subject(
@@ -1153,12 +1158,14 @@ async def test_policy_swap_keeps_only_leases_a_still_allowed_name_taught(
     control: ControlPlane, kernel: TextKernel
 ) -> None:
     # docs/behaviour.md §14.1 wins over §8.3's "dyn sets untouched": a lease survives a swap only if a
-    # name that taught it is still allowed; an element nobody taught goes with the swap.
+    # name that taught it is still allowed; the dyn sets are rewritten from the book in the
+    # swap's transaction, so what the book does not keep leaves the kernel too.
+    both = '{"defaultAction":"deny","egress":[{"action":"allow","target":"api.x.io"},{"action":"allow","target":"cdn.x.io"}]}'
     keep = '{"defaultAction":"deny","egress":[{"action":"allow","target":"api.x.io"}]}'
-    await activate(control, policy=keep)
+    await activate(control, policy=both)
     fence = entry(control, "u-1").fence
     assert await control.learn("u-1", fence, [(ipaddress.ip_address("93.184.216.34"), 300)], "api.x.io")
-    kernel.table.sets["subj_s_u_1_dyn_v4"]["10.9.9.9"] = ""  # in the kernel, taught by no name
+    assert await control.learn("u-1", fence, [(ipaddress.ip_address("93.184.216.35"), 300)], "cdn.x.io")
     ok(await control.handle(set_binding(policy=keep, gen=2)))
     assert set(kernel.elements("subj_s_u_1_dyn_v4")) == {"93.184.216.34"}
 
@@ -1260,5 +1267,5 @@ async def test_the_first_policy_fills_the_empty_sets_without_flushing(
     (first,) = kernel.since(before)
     assert "flush" not in first.text and "subj_s_u_1_allow_v4" in first.text
     before = kernel.mark()
-    ok(await control.handle(set_binding(policy=POLICY_A, gen=2)))  # in place: flush and refill
+    ok(await control.handle(set_binding(policy=POLICY_B, gen=2)))  # in place: flush and refill
     assert "flush set inet T subj_s_u_1_allow_v4" in kernel.since(before)[0].text

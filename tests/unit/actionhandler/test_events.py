@@ -29,6 +29,13 @@ def _action(op: str, **extra: Any) -> Any:
 
 
 POLICY = json.dumps({"defaultAction": "deny", "egress": [{"action": "allow", "target": PLANTED}]})
+# Changes a static set: the same policy again would send no swap (nothing to refuse).
+CHANGED = json.dumps(
+    {
+        "defaultAction": "deny",
+        "egress": [{"action": "allow", "target": PLANTED}, {"action": "allow", "target": "203.0.113.7"}],
+    }
+)
 NET = {"network": {"ip": "10.0.0.5", "gateway": "10.0.0.1", "hostVeth": "v"}}
 
 
@@ -44,7 +51,7 @@ async def test_egress_updated_and_update_failed_events() -> None:
         assert (await control.handle(_action("LIFECYCLE_HOOK", hook=hook))).status == 200
         tx.fail(op="static_apply", kinds=("batch",), times=None)
         assert (
-            await control.handle(_action("SET_BINDING", attachment=NET, binding={"input": POLICY}))
+            await control.handle(_action("SET_BINDING", attachment=NET, binding={"input": CHANGED}))
         ).status == 500
     updated = [e for e in logs if e.get("opensandbox.event") == "egress.updated"]
     failed = [e for e in logs if e.get("opensandbox.event") == "egress.update_failed"]

@@ -954,7 +954,7 @@ def test_matrix_size() -> None:
     """Recorded in docs/reliability.md; a plan that grows a transaction grows the matrix."""
     assert len(SCENARIOS) == 23
     cells = {(c.values[0], c.values[2], c.values[3]) for c in CELLS}  # plan x step x fault
-    assert len(cells) == 126
+    assert len(cells) == 118
     assert len(CELLS) == len(cells) * 2 * len(RETRIES)  # x MITM off/on x retry order
 
 
@@ -1007,7 +1007,7 @@ async def test_a_timeout_out_of_the_kernel_shell_is_a_failed_step() -> None:
     """Before: an asyncio.TimeoutError went past the plan's failure handling: no failure
     entry committed, no revocation, and a re-key left its new address dispatched while the
     registry knew only the old one."""
-    run = await _faulted("rekey_ip", 3, "timeout")
+    run = await _faulted("rekey_ip_widen", 3, "timeout")
     assert U1 in run.control.revoking()
     assert run.control.registry.kernel(U1).unsure
 

@@ -19,7 +19,7 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.dnsproxy.forwarder import Forwarded
 from egressd.dnsproxy.server import DnsProxy
 from egressd.fleet.server import FleetHTTP
-from egressd.fleetnft.builder import TableConfig, dyn_add, dyn_replace, policy_swap
+from egressd.fleetnft.builder import TableConfig, dyn_add, dyn_replace, policy_swap, static_contents
 from egressd.kernel.applier import NftError
 from egressd.kernel.ops import AddSet, AddTimed, FlushSet, NetlinkBatch
 from egressd.metrics import EgressMetrics
@@ -53,6 +53,12 @@ ALLOW_BOTH = (
 )
 ALLOW_CDN = '{"defaultAction":"deny","egress":[{"action":"allow","target":"cdn.x.io"}]}'
 DENY_ALL = '{"defaultAction":"deny"}'
+# A swap rewrites only the sets that change: a policy with an IP rule makes a change to any
+# other policy a kernel transaction, which the tests below hold or refuse.
+ALLOW_API_AND_IP = (
+    '{"defaultAction":"deny","egress":[{"action":"allow","target":"api.x.io"},'
+    '{"action":"allow","target":"198.51.100.7"}]}'
+)
 
 
 def ip(text: str) -> IPAddress:
@@ -82,7 +88,9 @@ async def test_narrowing_to_deny_all_revokes_every_lease_in_the_swap_transaction
     ok(await control.handle(set_binding(policy=DENY_ALL, gen=2)))
     (batch,) = tx.ops("static_apply")  # one transaction: static sets and dyn sets together
     effective = effective_policy(parse_policy(DENY_ALL), OLD)
-    assert batch == policy_swap(TABLE, "s_u_1", effective, audit_objects=False) + dyn_replace(TABLE, "s_u_1", [])
+    held = static_contents(effective_policy(parse_policy(ALLOW_API), OLD))
+    swap = policy_swap(TABLE, "s_u_1", effective, audit_objects=False, held=held)  # the sets that change
+    assert batch == swap + dyn_replace(TABLE, "s_u_1", [])
     assert dyn_ops(batch) == [FlushSet("subj_s_u_1_dyn_v4"), FlushSet("subj_s_u_1_dyn_v6")]
     assert mirror(control) == {}
     assert not control.destination_verified(SRC, "api.x.io", API), "the MITM must not inject any more"
@@ -186,7 +194,7 @@ async def test_audit_then_enforce_never_keeps_a_lease_of_a_denied_name() -> None
 async def test_an_answer_in_flight_during_a_narrowing_is_not_added() -> None:
     tx = FakeTx(table_name=TABLE)
     control = await make(tx)
-    await activate(control, policy=ALLOW_API)
+    await activate(control, policy=ALLOW_API_AND_IP)  # its IP rule: the narrowing is a transaction
     tx.hold(lambda op, batch: op == "static_apply")
     change = asyncio.create_task(control.handle(set_binding(policy=DENY_ALL, gen=2)))
     await asyncio.wait_for(tx.entered.wait(), 2)  # the swap is in the kernel now
@@ -462,6 +470,7 @@ async def test_a_refused_swap_keeps_the_old_policy_until_the_retry_applies_the_n
     control = await make(tx)
     control.revocations.backoff = (0.01, 0.02)
     await activate(control, policy=ALLOW_BOTH)
+    await control.learn("u-1", FENCE, [(API, 300)], "api.x.io")  # the narrowing revokes it
     refusals.left = 1
     result = await control.handle(set_binding(policy=ALLOW_CDN, gen=2))
     assert result.status == 500
@@ -551,9 +560,13 @@ async def test_egressds_own_retry_applies_the_inputs_vault_action_too() -> None:
     status, _ = store.put(_VAULT, control.credentials.coverage_policy("u-1"))
     assert status in (200, 201)
     refusals.left = 1
-    both = {
+    both = {  # its IP rule: the change is a kernel transaction, which the kernel refuses once
         "defaultAction": "deny",
-        "egress": [{"action": "allow", "target": "api.x.io"}, {"action": "allow", "target": "other.io"}],
+        "egress": [
+            {"action": "allow", "target": "api.x.io"},
+            {"action": "allow", "target": "other.io"},
+            {"action": "allow", "target": "198.51.100.7"},
+        ],
     }
     wrapper = json.dumps({"osbEgressInput": 1, "policy": both})  # no "vault": remove it
     assert (await control.handle(set_binding(policy=wrapper, gen=2))).status == 500

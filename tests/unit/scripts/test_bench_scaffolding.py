@@ -317,3 +317,52 @@ def test_cmdline_reads_a_process_and_tolerates_a_gone_one() -> None:
 
     assert "python" in bm.cmdline(os.getpid()).lower()
     assert bm.cmdline(2**22 + 1) == ""  # above the kernel's pid_max: never a process
+
+
+# ---- bench_fleet: (e)'s instrumented daemon and the CI guards ------------------------------------
+
+import fleet_instrument  # noqa: E402
+
+
+def test_every_fleet_split_target_exists() -> None:
+    keys = {k for k, _ in fleet_instrument.STEPS + fleet_instrument.BACKGROUND}
+    for owner, attr, key in fleet_instrument.targets():
+        assert callable(getattr(owner, attr, None)), (
+            f"{owner!r}.{attr} is gone: update fleet_instrument.targets"
+        )
+        assert key in keys
+
+
+def test_fleet_splits_are_exclusive_and_background_is_per_window() -> None:
+    rec = {"t": 1.0, "op": "SetBinding", "handler": 0.010, "~handler": 0.006, "kernel": 0.004,
+           "~kernel": 0.003, "kernel_thread": 0.003, "input": 0.002}  # fmt: skip
+    data = {
+        "records": [rec, {**rec, "t": 9.0}],
+        "background": [("conntrack", 1.5, 0.004), ("ct_read", 1.5, 0.003)],
+    }
+    got = fleet_instrument.analyse(data, (0.0, 2.0), "SetBinding")
+    assert got["n"] == 1
+    assert got["handler"] == pytest.approx(4.0) and got["kernel"] == pytest.approx(1.0)
+    assert got["ct_read"] == pytest.approx(3.0) and got["conntrack"] == pytest.approx(1.0)
+
+
+def test_slowdown_spec() -> None:
+    assert fleet_instrument.parse_slowdown("update=2, create=1.5") == {"update": 2.0, "create": 1.5}
+    for bad in ("update", "upd=2", "update=0.5", "update=2,update=3"):
+        with pytest.raises(ValueError):
+            fleet_instrument.parse_slowdown(bad)
+
+
+def test_profile_summary_counts_a_stack_for_its_deepest_step() -> None:
+    folded = "\n".join([
+        "main (egressd/main.py:1);after_writes (egressd/mitm/seqmap.py:9);parse_action (egressd/actionhandler/envelope.py:3) 5",
+        "main (egressd/main.py:1);_apply_policy (x);NfTablesSocket.run (egressd/kernel/netlink.py:7) 3",
+        "main (egressd/main.py:1);metrics_handler (egressd/fleet/server.py:2);render (egressd/metrics.py:4) 2",
+        "main (egressd/main.py:1);select (selectors.py:1) 1",
+    ])  # fmt: skip
+    total, per = fleet_instrument.profile_summary(folded)
+    assert total == 11
+    assert per["envelope parse"] == 5
+    assert per["kernel transaction (encoding, send, acks)"] == 3
+    assert per["GET /metrics (the bench's scrapes between blocks, untimed)"] == 2
+    assert per[fleet_instrument.OTHER] == 1

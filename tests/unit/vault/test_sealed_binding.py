@@ -183,7 +183,10 @@ async def test_activation_failure_keeps_the_pending_vault_for_the_retry(env: Env
 async def test_in_place_apply_failure_keeps_the_old_vault(env: Env) -> None:
     tag = await activate_sealed(env)
     env.tx.fail(op="static_apply", kinds=("script", "batch"))
-    other = dict(POLICY, egress=[*POLICY["egress"], {"action": "allow", "target": "x.example.com"}])
+    # The IP rule: the change is a kernel swap, which the kernel refuses (a swap rewrites only
+    # the sets that change; a name alone changes none of them).
+    more = [{"action": "allow", "target": "x.example.com"}, {"action": "allow", "target": "203.0.113.9"}]
+    other = dict(POLICY, egress=[*POLICY["egress"], *more])
     reply = await env.act(set_binding(input=wrapper(vault_doc("new-value"), policy=other), gen=2))
     assert reply.status == 500
     assert policy_of(env) == POLICY
