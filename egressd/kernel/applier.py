@@ -22,13 +22,32 @@ from egressd.metrics import EgressMetrics
 
 T = TypeVar("T")
 
-#: A batch at most this heavy (messages + elements, :meth:`NetlinkBatch.weight`) is applied on
-#: the event loop's thread: an in-place swap of a few sets, a dispatch update, a DNS lease
-#: add. Its kernel time (0.3-0.6 ms at 100 subjects here) is below what the two hand-offs
-#: to the kernel thread and back cost on a busy 2-core machine (scripts/bench/README.md,
-#: issue 28); heavier batches (a subject's creation, a policy of thousands of prefixes, an
-#: always-rules reload) go to the kernel thread, so the loop keeps serving meanwhile.
+#: A light batch (at most this many messages + elements, :meth:`NetlinkBatch.weight`: an
+#: in-place swap of a few sets, a dispatch update, a lease add) may be applied on the event
+#: loop's thread: at 100 subjects its kernel time (0.3-0.6 ms here) is below what the two
+#: hand-offs to the kernel thread and back cost on a busy 2-core machine (scripts/bench/README.md,
+#: issue 28). It is, while the batches' recent kernel time says it will take at most
+#: INLINE_BUDGET_S: in a big table every set a batch names costs a walk over all the table's
+#: sets (0.5-1 ms each at 1000 subjects), and the loop must keep answering DNS meanwhile.
 INLINE_MAX_WEIGHT = 32
+INLINE_BUDGET_S = 0.001
+
+
+class InlineBudget:
+    """The recent CPU time (encoding and the kernel's work, the applying thread's own: not the
+    time other processes took the core) per unit of batch weight, a moving average over the
+    batches applied on either thread; a light batch goes inline while its expected time fits."""
+
+    def __init__(self) -> None:
+        self.per_unit = 0.0
+
+    def allows(self, weight: int) -> bool:
+        return weight <= INLINE_MAX_WEIGHT and self.per_unit * weight <= INLINE_BUDGET_S
+
+    def observe(self, weight: int, seconds: float) -> None:
+        if weight > 0:
+            sample = seconds / weight
+            self.per_unit = sample if self.per_unit == 0.0 else 0.8 * self.per_unit + 0.2 * sample
 
 
 class NftError(RuntimeError):
@@ -101,6 +120,7 @@ class KernelTransactions:
         self._nft: Any = None
         self._netlink: _Netlink | None = None
         self._inline: _Netlink | None = None  # owned by the event loop thread
+        self.budget = InlineBudget()
 
     # Runs on the worker thread.
     def _ctx(self) -> Any:
@@ -144,7 +164,9 @@ class KernelTransactions:
     def run_batch_sync(self, batch: NetlinkBatch) -> None:
         """One netlink batch as one transaction, on the calling thread: only on the kernel
         thread (inside :meth:`run_sync`), whose netlink socket it uses."""
+        start = time.thread_time()
         self._thread_netlink().run(batch)
+        self.budget.observe(batch.weight(), time.thread_time() - start)
 
     def _reset(self, header_with_delete: str, header: str) -> None:
         try:
@@ -177,7 +199,7 @@ class KernelTransactions:
         await self._call(op, self.run_script_sync, script)
 
     async def run_batch(self, batch: NetlinkBatch, *, op: str) -> None:
-        if batch.weight() <= INLINE_MAX_WEIGHT:
+        if self.budget.allows(batch.weight()):
             # The caller holds the control plane's kernel lock, as for a lease add.
             await self.run_batch_inline(batch, op=op)
             return
@@ -190,7 +212,9 @@ class KernelTransactions:
         if self._inline is None:
             self._inline = _Netlink()
         with self._measured(op):
+            start = time.thread_time()
             self._inline.run(batch)
+            self.budget.observe(batch.weight(), time.thread_time() - start)
 
     async def reset_table(self, header_with_delete: str, header: str) -> None:
         await self._call("reset", self._reset, header_with_delete, header)

@@ -212,10 +212,10 @@ class Side:
 
 def inject(run: FleetRun, control: Path, kind: str, factor: float, n: int = 30) -> None:
     """``--inject-slowdown``: measure ``n`` in-place updates, then make the daemon spend
-    (factor - 1) times their mean latency more on each: updates then take ``factor`` times as long."""
+    (factor - 1) times their median latency more on each: updates then take ``factor`` times as long."""
     lat = [run.h.action(run.update_body(j % run.registered), "policy update") for j in range(n)]
-    fi.set_extra(control, kind, (factor - 1) * statistics.mean(lat))
-    c.log(f"injected: {kind} +{(factor - 1) * statistics.mean(lat) * 1000:.2f} ms (x{factor})")
+    fi.set_extra(control, kind, (factor - 1) * statistics.median(lat))
+    c.log(f"injected: {kind} +{(factor - 1) * statistics.median(lat) * 1000:.2f} ms (x{factor})")
 
 
 def in_flight(per: list[list[bytes]], port: int = PORT) -> tuple[list[list[float]], float]:
@@ -343,7 +343,7 @@ def set_guard_phase(workdir: Path, sizes: list[int], samples: int, slow: dict[st
         if "create" in slow:
             lat = [runs[1].lifecycle(big, 1, 0)["set"]["p50"] for _ in range(10)]
             fi.set_extra(
-                workdir / "inject-g1.json", "create", (slow["create"] - 1) * statistics.mean(lat) / 1000
+                workdir / "inject-g1.json", "create", (slow["create"] - 1) * statistics.median(lat) / 1000
             )
         t: dict[int, list[float]] = {small: [], big: []}
         pairs = list(zip(runs, (small, big), strict=True))
@@ -601,7 +601,7 @@ def inner(args: argparse.Namespace, _topo: c.Topology, workdir: Path, rep: c.Rep
             "samples": 20,
             "warmup": 3,
             "upd_seq": 480,
-            "upd_conc": 512,
+            "upd_conc": 1024,
             "reps": 10,
             "split_n": 100,
             "rounds": 16,

@@ -279,7 +279,7 @@ def slow_main(control: str, create_from: int) -> int:
     """egressd's main() whose SET_BINDING spends the extra seconds the bench writes to
     ``control`` (:func:`set_extra`): an in-place one (``update``), a new subject's once
     ``create_from`` subjects are registered (``create``). The bench sets them to (F - 1) times
-    the mean latency it measured just before, so the action then takes F times as long."""
+    the median latency it measured just before, so the action then takes F times as long."""
     from egressd import main as emain
     from egressd.actionhandler.control import ControlPlane
 

@@ -336,7 +336,7 @@ def main() -> int:
             print("needs root and unshare(1)", file=sys.stderr)
             return 2
         argv = [unshare, "--net", "--", sys.executable, __file__, "--inside", *sys.argv[1:]]
-        return subprocess.run(argv, check=False, timeout=1800).returncode
+        return subprocess.run(argv, check=False, timeout=3600).returncode
     sizes = [int(x) for x in args.sizes.split(",")]
     names = tuple(args.variants.split(","))
     if not names or any(n not in VARIANTS for n in names):

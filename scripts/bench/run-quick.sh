@@ -12,11 +12,14 @@ scripts/install.sh >/dev/null || { echo "bench: install failed" >&2; exit 1; }
 PASS=0; FAIL=0
 LOGS=$(mktemp -d /tmp/egbench-quick.XXXXXX)
 trap 'rm -rf "$LOGS"' EXIT
-for b in fleet dns mitm mitm_placement vault fleet_levers; do
+for b in fleet dns mitm mitm_placement vault fleet_levers fleet_ab; do
   script="scripts/bench/bench_$b.py"; [ -f "$script" ] || script="scripts/bench/$b.py"
+  # fleet_ab against HEAD: the committed tree and the working tree side by side (identical in
+  # CI, so its two columns check that the harness measures alike).
+  extra=(); [ "$b" = fleet_ab ] && extra=(--baseline HEAD)
   t0=$(date +%s)
   # SIGTERM on overrun: the benchmark cleans up on it (SIGKILL 30 s later only if it hangs).
-  timeout --kill-after=30 240 .venv/bin/python "$script" --quick >"$LOGS/$b.out" 2>"$LOGS/$b.err"
+  timeout --kill-after=30 240 .venv/bin/python "$script" --quick "${extra[@]}" >"$LOGS/$b.out" 2>"$LOGS/$b.err"
   rc=$?
   dt=$(( $(date +%s) - t0 ))
   base=$(grep -oE 'namespaces egb[a-z]+[0-9]+-' "$LOGS/$b.err" | head -1 | sed 's/^namespaces //')
