@@ -23,7 +23,7 @@ from egressd.subject.hostuid import (
     UidPorts,
     UidRange,
 )
-from egressd.vault.model import VaultLimits, compile_ignore_hosts
+from egressd.vault.types import VaultLimits, compile_ignore_hosts
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address

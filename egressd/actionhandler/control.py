@@ -49,8 +49,8 @@ from egressd.subject.registry import (
     plan_remove,
     plan_set_binding,
 )
-from egressd.vault.model import DEFAULT_LIMITS, VaultLimits
 from egressd.vault.sealed import KeyStore
+from egressd.vault.types import DEFAULT_LIMITS, VaultLimits
 
 log = structlog.get_logger("egressd.fleet")
 

@@ -26,8 +26,8 @@ from egressd.policy import (
 )
 from egressd.subject.model import IPAddress
 from egressd.subject.registry import Binding, SetBindingRequest
-from egressd.vault.model import DEFAULT_LIMITS, VaultContent, VaultError, VaultLimits, parse_create
 from egressd.vault.offload import off_loop
+from egressd.vault.parse import parse_create
 from egressd.vault.sealed import (
     WRAPPER_MARKER,
     KeyStore,
@@ -39,6 +39,7 @@ from egressd.vault.sealed import (
     parse_wrapper,
 )
 from egressd.vault.store import VaultStore
+from egressd.vault.types import DEFAULT_LIMITS, VaultContent, VaultError, VaultLimits
 
 
 class InputError(ValueError):

@@ -20,10 +20,10 @@ from egressd.policy import NetworkPolicy
 from egressd.subject.hostuid import DEFAULT_UID_PORTS, UidPorts
 from egressd.subject.model import IPAddress, subject_for_uid
 from egressd.subject.registry import Entry, HostBinding, Plan, PlanOutcome, Registry, State
-from egressd.vault.model import VaultError, VaultLimits
 from egressd.vault.offload import off_loop
 from egressd.vault.pending import PendingPushes
 from egressd.vault.store import VaultSnapshot, VaultStore
+from egressd.vault.types import VaultError, VaultLimits
 
 log = structlog.get_logger("egressd.fleet")
 

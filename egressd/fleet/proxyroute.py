@@ -22,8 +22,8 @@ from egressd.policy import (
 )
 from egressd.subject.model import subject_for_uid
 from egressd.subject.registry import Entry, State
-from egressd.vault.model import VaultError
 from egressd.vault.pending import PendingFull
+from egressd.vault.types import VaultError
 from egressd.web.route import Resource, RouteError, RouteRequest, classify
 from egressd.web.transport import REFUSAL_STATUS, REFUSAL_TEXT, VAULT_WRITE_METHODS
 from egressd.web.vaultapi import NO_MATCH, Reply, edited_policy, vault_write

@@ -32,8 +32,8 @@ from typing import Final, Literal
 
 from egressd.mitm.inject import normalise_authority
 from egressd.policy.evaluate import domain_matches
-from egressd.vault.model import SCHEME_PORTS
 from egressd.vault.store import VaultSnapshot
+from egressd.vault.types import SCHEME_PORTS
 
 __all__ = [
     "CONNECTION_EVENT",

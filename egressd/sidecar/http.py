@@ -25,9 +25,10 @@ from egressd.metrics import EgressMetrics
 from egressd.mitm import seqmap
 from egressd.policy import PolicyError, policy_mode, rule_cap_problem
 from egressd.sidecar.engine import SIDECAR_UID, SidecarEngine
-from egressd.vault.model import DEFAULT_LIMITS, VaultError, VaultLimits, parse_create, parse_mutation
 from egressd.vault.offload import off_loop
+from egressd.vault.parse import parse_create, parse_mutation
 from egressd.vault.store import VaultStore
+from egressd.vault.types import DEFAULT_LIMITS, VaultError, VaultLimits
 from egressd.web.body import BodyTooLarge, incomplete, read_limited, text
 from egressd.web.route import UID_HEADER, Resource, RouteError, classify
 from egressd.web.serving import BodyIncomplete, InFlight

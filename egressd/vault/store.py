@@ -11,7 +11,7 @@ Conventions
   contains a credential value. (The store never produces 412: the sidecar's readiness gate is
   the HTTP layer's job.)
 * The helpers for other callers (:meth:`VaultStore.check_content`,
-  :meth:`VaultStore.check_policy`) raise :class:`~egressd.vault.model.VaultError`.
+  :meth:`VaultStore.check_policy`) raise :class:`~egressd.vault.types.VaultError`.
 * ``coverage_policy`` arguments are the policy bindings are checked against (the fleet: the
   subject's effective policy if active, else pending + always-rules); ``None`` means "no
   policy" and any binding is refused with 400.
@@ -40,7 +40,9 @@ from typing import Any, Final
 from urllib.parse import quote, quote_plus
 
 from egressd.policy.model import NetworkPolicy
-from egressd.vault.model import (
+from egressd.vault.coverage import check_coverage
+from egressd.vault.parse import parse_create, parse_mutation, peek_expected_revision
+from egressd.vault.types import (
     DEFAULT_LIMITS,
     REDACTED,
     AuthType,
@@ -53,13 +55,9 @@ from egressd.vault.model import (
     VaultContent,
     VaultError,
     VaultLimits,
-    check_coverage,
     echo,
-    parse_create,
-    parse_mutation,
-    peek_expected_revision,
-    validate_candidate,
 )
+from egressd.vault.validate import validate_candidate
 
 __all__ = [
     "ActiveBinding",

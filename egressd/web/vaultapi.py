@@ -11,9 +11,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from egressd.policy import NetworkPolicy, PolicyError, delete_targets, merge_patch, parse_policy
-from egressd.vault.model import DEFAULT_LIMITS, VaultLimits
 from egressd.vault.offload import off_loop
 from egressd.vault.store import Response, VaultStore
+from egressd.vault.types import DEFAULT_LIMITS, VaultLimits
 from egressd.web.route import Resource
 
 

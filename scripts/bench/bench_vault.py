@@ -41,9 +41,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from egressd.policy import parse_policy_obj  # noqa: E402
-from egressd.vault import model  # noqa: E402
-from egressd.vault.model import DEFAULT_LIMITS, VaultLimits  # noqa: E402
+from egressd.vault import ambiguity, validate  # noqa: E402
+from egressd.vault.parse import parse_create  # noqa: E402
 from egressd.vault.store import VaultStore  # noqa: E402
+from egressd.vault.types import DEFAULT_LIMITS, VaultLimits  # noqa: E402
 
 MIB = 1 << 20
 UNLIMITED = VaultLimits(credentials=10**9, bindings=10**9, hosts_per_binding=10**9, paths_per_binding=10**9)
@@ -129,7 +130,7 @@ def validate_once(raw: bytes, limits: VaultLimits, policy: Any) -> float:
 def use_oracle() -> None:
     from tests.unit.vault.test_vault_model import old_check_ambiguity
 
-    model.check_ambiguity = old_check_ambiguity  # type: ignore[assignment]
+    validate.check_ambiguity = old_check_ambiguity  # type: ignore[assignment]
 
 
 def time_new(shape: str, repeats: int) -> tuple[float, float, int]:
@@ -139,11 +140,11 @@ def time_new(shape: str, repeats: int) -> tuple[float, float, int]:
     raw = json.dumps(doc).encode()
     policy = _policy(doc)
     whole = statistics.median(validate_once(raw, limits, policy) for _ in range(repeats))
-    bindings = model.parse_create(json.loads(raw), limits).bindings
+    bindings = parse_create(json.loads(raw), limits).bindings
     alone: list[float] = []
     for _ in range(repeats):
         started = time.perf_counter()
-        model.check_ambiguity(bindings)
+        ambiguity.check_ambiguity(bindings)
         alone.append(time.perf_counter() - started)
     return whole, statistics.median(alone), len(raw)
 

@@ -363,7 +363,7 @@ def test_the_token_is_not_in_the_config_repr() -> None:
 
 @pytest.mark.parametrize("base", [{}, FLEET])
 def test_vault_caps_default_env_and_flag(base: dict[str, str]) -> None:
-    from egressd.vault.model import VaultLimits
+    from egressd.vault.types import VaultLimits
 
     cfg = parse_config(base)
     assert (cfg.vault_max_credentials, cfg.vault_max_bindings) == (256, 256)

@@ -35,7 +35,8 @@ from egressd.policy import DENY_ALL, parse_policy
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.http import SidecarHTTP
 from egressd.sidecarnft.ruleset import SidecarTable, ruleset
-from egressd.vault.model import VaultError, VaultLimits, parse_create, parse_mutation
+from egressd.vault.parse import parse_create, parse_mutation
+from egressd.vault.types import VaultError, VaultLimits
 from egressd.web.transport import REFUSAL_TEXT, VaultTransport
 from tests.unit.fakekernel import FakeTx
 from tests.unit.sidecar.test_sidecar_http import AUTH, SECRET, VAULT, ready_prereqs

@@ -28,7 +28,7 @@ from egressd.policy.ipsets import PrefixIndex
 from egressd.subject.leases import LeaseBook, admissible, destination_verified, narrowed_for
 from egressd.subject.model import Fence, IPAddress
 from egressd.subject.registry import Binding, SetBindingRequest
-from egressd.vault.model import DEFAULT_LIMITS
+from egressd.vault.types import DEFAULT_LIMITS
 from tests.unit.actionhandler.test_control_dns import TABLE, activate
 from tests.unit.dnsproxy.test_dns_proxy import CLIENT, FENCE, POLICY, FakeForwarder, parse, q, wire
 from tests.unit.fakekernel import FakeTx

@@ -1397,8 +1397,9 @@ async def test_pending_push_repr_never_shows_the_body(env: Env) -> None:
 
 
 async def test_vault_errors_carry_no_secret(env: Env) -> None:
-    from egressd.vault.model import VaultError, parse_create, parse_mutation
+    from egressd.vault.parse import parse_create, parse_mutation
     from egressd.vault.store import VaultStore
+    from egressd.vault.types import VaultError
 
     bad_docs: list[object] = [
         vault_doc(f"{SECRET}\r\nX: y"),

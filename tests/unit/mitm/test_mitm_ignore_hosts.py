@@ -14,9 +14,9 @@ from egressd.actionhandler.inputs import InputError, VaultAction, parse_binding_
 from egressd.config import ConfigError, parse_config
 from egressd.mitm.supervisor import MitmOptions, mitmdump_argv
 from egressd.policy import parse_policy_obj
-from egressd.vault.model import VaultLimits, compile_ignore_hosts
 from egressd.vault.sealed import KeyStore, build_wrapper, seal
 from egressd.vault.store import VaultStore
+from egressd.vault.types import VaultLimits, compile_ignore_hosts
 
 POLICY = parse_policy_obj(
     {"defaultAction": "deny", "egress": [{"action": "allow", "target": "*.example.com"}]}

@@ -138,8 +138,8 @@ async def test_a_vault_installed_after_its_validation_bumps_again(
     an unrelated narrowing. The install bumps too."""
     from egressd.actionhandler import vaults
     from egressd.actionhandler.inputs import BindingInput, VaultAction
-    from egressd.vault.model import parse_create
     from egressd.vault.offload import off_loop as real_off_loop
+    from egressd.vault.parse import parse_create
 
     control = await _control()
     await activate(control, policy=ALLOW_API)

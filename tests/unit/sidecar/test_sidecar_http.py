@@ -641,7 +641,7 @@ async def test_invalid_policy_write_does_not_echo_the_input(env: Env) -> None:
 async def test_vault_caps_hold_on_the_sidecar(aiohttp_client: Any, tmp_path: Path) -> None:
     """14.7 on the sidecar's /credential-vault: over a cap is 400 naming the limit, whatever
     the prerequisites; a PATCH cannot grow the vault past it."""
-    from egressd.vault.model import VaultLimits
+    from egressd.vault.types import VaultLimits
 
     env = await make_env(aiohttp_client, tmp_path, policy=parse_policy(json.dumps(ALLOW_API)))
     env.http.vault_limits = VaultLimits(credentials=1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from egressd.vault.model import VaultLimits
+from egressd.vault.types import VaultLimits
 from tests.unit.fleet.test_proxy_route import SECRET, Env, hook, make_env, set_binding, vault_doc
 from tests.unit.vault.test_sealed_binding import keys_dir, wrapper
 

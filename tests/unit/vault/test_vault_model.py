@@ -10,7 +10,19 @@ import pytest
 
 from egressd.policy import AlwaysRules, NetworkPolicy, effective_policy, parse_policy_obj, parse_target
 from egressd.policy.model import Rule, Verdict
-from egressd.vault.model import (
+from egressd.vault.ambiguity import check_ambiguity
+from egressd.vault.coverage import check_coverage, check_ignore_hosts, host_covered
+from egressd.vault.parse import (
+    canonical_header_name,
+    check_references,
+    parse_binding,
+    parse_create,
+    parse_host,
+    parse_match,
+    parse_mutation,
+    peek_expected_revision,
+)
+from egressd.vault.types import (
     DEFAULT_METHODS,
     RESERVED_HEADERS,
     Auth,
@@ -21,21 +33,9 @@ from egressd.vault.model import (
     Match,
     Substitution,
     VaultError,
-    canonical_header_name,
-    check_ambiguity,
-    check_coverage,
-    check_ignore_hosts,
-    check_references,
     echo,
-    host_covered,
-    parse_binding,
-    parse_create,
-    parse_host,
-    parse_match,
-    parse_mutation,
-    peek_expected_revision,
-    validate_candidate,
 )
+from egressd.vault.validate import validate_candidate
 
 SECRET = "s3cr3t-VALUE-never-echo"
 
@@ -957,7 +957,8 @@ def test_expected_revision_null_is_refused_not_ignored() -> None:
     # Found by schemathesis against the reference OpenAPI: the type is integer, not nullable.
     import pytest as _pytest
 
-    from egressd.vault.model import VaultError, parse_mutation
+    from egressd.vault.parse import parse_mutation
+    from egressd.vault.types import VaultError
 
     with _pytest.raises(VaultError, match="expectedRevision"):
         parse_mutation({"expectedRevision": None})
@@ -1226,7 +1227,8 @@ def test_size_limits_per_binding() -> None:
 
 
 def test_size_limits_are_configurable_and_apply_to_mutations() -> None:
-    from egressd.vault.model import VaultLimits, check_size
+    from egressd.vault.types import VaultLimits
+    from egressd.vault.validate import check_size
 
     small = VaultLimits(credentials=2, bindings=1)
     text = _limit_error(body([cred("a"), cred("b"), cred("c")]), limits=small)
@@ -1244,7 +1246,7 @@ def test_indexed_coverage_matches_the_rule_walk() -> None:
     oracle: same answer for every host on random policies."""
     import random
 
-    from egressd.vault.model import _DomainIndex
+    from egressd.vault.coverage import _DomainIndex
 
     rng = random.Random("14.7-coverage")
     targets = ["x.com", "a.x.com", "b.a.x.com", "*.x.com", "*.a.x.com", "*.b.a.x.com", "y.com", "*.y.com"]

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from egressd.policy import NetworkPolicy, parse_policy_obj
-from egressd.vault.model import VaultError, parse_create
+from egressd.vault.parse import parse_create
 from egressd.vault.store import Vault, VaultSnapshot, VaultStore
+from egressd.vault.types import VaultError
 
 SECRET = "s3cr3t VALUE/never&echo"
 SECRET2 = "second-secret-ZZZ"
@@ -709,7 +710,7 @@ def test_planted_secret_never_in_any_output(store: VaultStore) -> None:
 
 
 def test_patch_cannot_grow_a_vault_past_the_caps() -> None:
-    from egressd.vault.model import VaultLimits
+    from egressd.vault.types import VaultLimits
 
     store = VaultStore(limits=VaultLimits(credentials=3, bindings=2))
     status, _ = store.post(create_body(), POLICY)
@@ -729,7 +730,7 @@ def test_patch_cannot_grow_a_vault_past_the_caps() -> None:
 
 
 def test_put_over_the_caps_is_refused_whole() -> None:
-    from egressd.vault.model import VaultLimits
+    from egressd.vault.types import VaultLimits
 
     store = VaultStore(limits=VaultLimits(credentials=1))
     status, out = store.put(create_body(), POLICY)
