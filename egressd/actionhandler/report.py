@@ -25,7 +25,7 @@ from egressd.fleetnft.builder import (
 )
 from egressd.fleetnft.workers import uid_worker
 from egressd.kernel.applier import NftError
-from egressd.kernel.netlink import element_covering
+from egressd.kernel.netlink_dump import element_covering
 from egressd.policy import NetworkPolicy
 from egressd.policy.explain import explain as explain_target
 from egressd.subject.leases import LeaseBook

@@ -16,7 +16,7 @@ from pathlib import Path
 from egressd.fleetnft.builder import Names, dyn_add
 from egressd.kernel.applier import NftError
 from egressd.kernel.listeners import OWNER_MARK
-from egressd.kernel.netlink import SetElement
+from egressd.kernel.netlink_dump import SetElement
 from egressd.kernel.ops import (
     AddCounter,
     AddCounterRef,

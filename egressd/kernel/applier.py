@@ -16,7 +16,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
-from egressd.kernel.netlink import NetlinkError, NfTablesSocket, SetElement
+from egressd.kernel.netlink import NfTablesSocket
+from egressd.kernel.netlink_dump import SetElement
+from egressd.kernel.netlink_proto import NetlinkError
 from egressd.kernel.ops import NetlinkBatch
 from egressd.metrics import EgressMetrics
 

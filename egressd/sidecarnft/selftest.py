@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 
 from egressd.kernel.applier import NftError
-from egressd.kernel.netlink import SetElement
+from egressd.kernel.netlink_dump import SetElement
 from egressd.kernel.renewal import PROBE_FIRST_S, PROBE_SECOND_S, LeaseRenewal, extended
 from egressd.sidecarnft.ruleset import SidecarTable, dyn_add, dyn_set
 

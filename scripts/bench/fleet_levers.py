@@ -169,16 +169,16 @@ class SharedVariant:
 
 
 def _goto_denied() -> bytes:
-    from egressd.kernel.netlink import rule_expressions
+    from egressd.kernel.netlink_rules import rule_expressions
     from egressd.kernel.ops import RuleAction, VerdictRule
 
     return rule_expressions(VerdictRule(RuleAction.DROP, drop_chain=nb.DENIED_CHAIN))
 
 
 def _set_mark() -> list[bytes]:
-    from egressd.kernel import netlink
+    from egressd.kernel import netlink_rules
 
-    return netlink._set_mark()
+    return netlink_rules._set_mark()
 
 
 def subject(i: int, base: str) -> nb.SubjectNft:

@@ -14,8 +14,9 @@ import socket
 import struct
 from collections.abc import Iterator, Mapping
 
-from egressd.kernel.netlink import (
-    NETLINK_CAP_ACK,
+from egressd.kernel.netlink import NETLINK_CAP_ACK, SOL_NETLINK
+from egressd.kernel.netlink_batch import encode_batch
+from egressd.kernel.netlink_proto import (
     NETLINK_NETFILTER,
     NFNL_SUBSYS_NFTABLES,
     NFPROTO_INET,
@@ -27,9 +28,7 @@ from egressd.kernel.netlink import (
     NLM_F_REQUEST,
     NLMSG_DONE,
     NLMSG_ERROR,
-    SOL_NETLINK,
     NetlinkError,
-    encode_batch,
 )
 from egressd.kernel.ops import NetlinkBatch
 

@@ -24,8 +24,9 @@ import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from egressd.kernel.netlink import (
-    NETLINK_CAP_ACK,
+from egressd.kernel.netlink import NETLINK_CAP_ACK, SOL_NETLINK
+from egressd.kernel.netlink_batch import encode_op
+from egressd.kernel.netlink_proto import (
     NETLINK_NETFILTER,
     NFNL_MSG_BATCH_BEGIN,
     NFNL_MSG_BATCH_END,
@@ -65,9 +66,7 @@ from egressd.kernel.netlink import (
     NLM_F_CREATE,
     NLM_F_REQUEST,
     NLMSG_ERROR,
-    SOL_NETLINK,
     NetlinkError,
-    encode_op,
 )
 from egressd.kernel.ops import NetlinkBatch
 

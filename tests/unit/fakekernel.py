@@ -44,7 +44,8 @@ from functools import cached_property
 from typing import Any, Literal, Protocol, Self, cast, overload
 
 from egressd.kernel.applier import NftError, NftUncertain
-from egressd.kernel.netlink import SetElement, interval_keys
+from egressd.kernel.netlink_dump import SetElement
+from egressd.kernel.netlink_elements import interval_keys
 from egressd.kernel.ops import (
     AddChain,
     AddCounter,

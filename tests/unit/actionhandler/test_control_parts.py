@@ -21,7 +21,7 @@ from egressd.actionhandler.inputs import BadRequest, BindingInput, read_set_bind
 from egressd.actionhandler.shared import Claims
 from egressd.dnsproxy.server import Asker, DnsProxy
 from egressd.fleetnft.builder import TableConfig, rules_per_subject, subject_rules, subject_set
-from egressd.kernel.netlink import SetElement
+from egressd.kernel.netlink_dump import SetElement
 from egressd.kernel.ops import AddRule, MatchRule, NetlinkBatch
 from egressd.policy import EMPTY_ALWAYS, ip_sets, parse_policy
 from egressd.policy.ipsets import PrefixIndex

@@ -46,7 +46,8 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
 from egressd.fleetnft.builder import TableConfig, header_script
 from egressd.kernel.applier import NftError, NftUncertain
-from egressd.kernel.netlink import SetElement, interval_keys
+from egressd.kernel.netlink_dump import SetElement
+from egressd.kernel.netlink_elements import interval_keys
 from egressd.kernel.ops import (
     AddChain,
     AddCounter,
@@ -1035,7 +1036,7 @@ def test_the_shell_reports_an_unanswered_batch_as_uncertain() -> None:
     import errno
 
     from egressd.kernel.applier import _Netlink
-    from egressd.kernel.netlink import NetlinkError
+    from egressd.kernel.netlink_proto import NetlinkError
 
     class Sock:
         def __init__(self, exc: BaseException) -> None:

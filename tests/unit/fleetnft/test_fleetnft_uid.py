@@ -19,7 +19,7 @@ from egressd.fleetnft.builder import (
     uid_subject_create,
     uid_subject_keys,
 )
-from egressd.kernel import netlink
+from egressd.kernel import netlink_batch, netlink_proto
 from egressd.kernel.ops import AddUid, AddUidCounterRef, AddUidJump, AddUidPort, DeleteUid, NetlinkBatch
 from egressd.subject.hostuid import UidPorts, UidRange
 
@@ -242,9 +242,9 @@ def _oracle(msg_type: int, set_name: str, elem: list[tuple[str, Any]], flags: in
 
 
 def _ours(op: Any) -> bytes:
-    [(msg_type, extra, body)] = netlink.encode_op(T, op)
-    raw = netlink._nlmsg(
-        (10 << 8) | msg_type, netlink.NLM_F_REQUEST | netlink.NLM_F_ACK | extra, 7, 1, 0, body
+    [(msg_type, extra, body)] = netlink_batch.encode_op(T, op)
+    raw = netlink_proto._nlmsg(
+        (10 << 8) | msg_type, netlink_proto.NLM_F_REQUEST | netlink_proto.NLM_F_ACK | extra, 7, 1, 0, body
     )
     out = bytearray(raw)
 
@@ -253,8 +253,8 @@ def _ours(op: Any) -> bytes:
             length, kind = struct.unpack_from("=HH", out, off)
             if length < 4:
                 return
-            if kind & netlink.NLA_F_NESTED:
-                struct.pack_into("=HH", out, off, length, kind & ~netlink.NLA_F_NESTED)
+            if kind & netlink_proto.NLA_F_NESTED:
+                struct.pack_into("=HH", out, off, length, kind & ~netlink_proto.NLA_F_NESTED)
                 walk(off + 4, off + length)
             off += (length + 3) & ~3
 

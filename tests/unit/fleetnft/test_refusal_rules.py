@@ -32,7 +32,7 @@ from egressd.fleetnft.builder import (
     subject_objects,
     subject_rules,
 )
-from egressd.kernel import netlink
+from egressd.kernel import netlink_batch, netlink_proto, netlink_rules
 from egressd.kernel.ops import (
     AddCounter,
     AddCounterRef,
@@ -187,8 +187,8 @@ def _strip_nested(buf: bytes, start: int) -> bytes:
             length, kind = struct.unpack_from("=HH", out, off)
             if length < 4:
                 return
-            if kind & netlink.NLA_F_NESTED:
-                struct.pack_into("=HH", out, off, length, kind & ~netlink.NLA_F_NESTED)
+            if kind & netlink_proto.NLA_F_NESTED:
+                struct.pack_into("=HH", out, off, length, kind & ~netlink_proto.NLA_F_NESTED)
                 walk(off + 4, off + length)
             off += (length + 3) & ~3
 
@@ -197,9 +197,9 @@ def _strip_nested(buf: bytes, start: int) -> bytes:
 
 
 def _ours(op: Any) -> bytes:
-    [(msg_type, extra, body)] = netlink.encode_op(T, op)
-    raw = netlink._nlmsg(
-        (10 << 8) | msg_type, netlink.NLM_F_REQUEST | netlink.NLM_F_ACK | extra, 7, 1, 0, body
+    [(msg_type, extra, body)] = netlink_batch.encode_op(T, op)
+    raw = netlink_proto._nlmsg(
+        (10 << 8) | msg_type, netlink_proto.NLM_F_REQUEST | netlink_proto.NLM_F_ACK | extra, 7, 1, 0, body
     )
     return _strip_nested(raw, 20)
 
@@ -244,8 +244,8 @@ def test_goto_verdict_matches_pyroute2() -> None:
     expected = _oracle(nft_rule_msg, NFT_MSG_NEWRULE, attrs, 0x1 | 0x4 | 0x400 | 0x800)
     assert _ours(AddRule("subj_s_u_1_in", VerdictRule(RuleAction.DROP, drop_chain="denied"))) == expected
     # A match rule ends in the same verdict expression.
-    raw = netlink.rule_expressions(MatchRule("v4", "s", RuleAction.DROP, drop_chain="denied"))
-    assert raw.endswith(netlink.rule_expressions(VerdictRule(RuleAction.DROP, drop_chain="denied")))
+    raw = netlink_rules.rule_expressions(MatchRule("v4", "s", RuleAction.DROP, drop_chain="denied"))
+    assert raw.endswith(netlink_rules.rule_expressions(VerdictRule(RuleAction.DROP, drop_chain="denied")))
 
 
 # ---------------------------------------------------------------- sidecar

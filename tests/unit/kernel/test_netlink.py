@@ -21,7 +21,7 @@ from pyroute2.netlink.nfnetlink.nftsocket import (
 )
 
 from egressd.fleetnft.builder import TableConfig, policy_swap, removal_batch, subject_rules
-from egressd.kernel import netlink
+from egressd.kernel import netlink, netlink_batch, netlink_dump, netlink_elements, netlink_proto
 from egressd.kernel.ops import (
     AddIntervals,
     AddRule,
@@ -39,7 +39,7 @@ from egressd.kernel.ops import (
 from egressd.policy import parse_policy
 
 T = "opensandbox-fleet"
-NESTED = netlink.NLA_F_NESTED
+NESTED = netlink_proto.NLA_F_NESTED
 
 # ---- pyroute2 oracle -------------------------------------------------------------------------
 
@@ -131,9 +131,9 @@ def _strip_nested(buf: bytes, start: int) -> bytes:
 
 
 def _ours(op: Any, seq: int = 7) -> bytes:
-    [(msg_type, extra, body)] = netlink.encode_op(T, op)  # small ops: exactly one message
-    raw = netlink._nlmsg(
-        (10 << 8) | msg_type, netlink.NLM_F_REQUEST | netlink.NLM_F_ACK | extra, seq, 1, 0, body
+    [(msg_type, extra, body)] = netlink_batch.encode_op(T, op)  # small ops: exactly one message
+    raw = netlink_proto._nlmsg(
+        (10 << 8) | msg_type, netlink_proto.NLM_F_REQUEST | netlink_proto.NLM_F_ACK | extra, seq, 1, 0, body
     )
     return _strip_nested(raw, 20)
 
@@ -165,7 +165,7 @@ def test_rule_bytes_match_pyroute2(rule: MatchRule | VerdictRule) -> None:
 def test_interval_elements_match_pyroute2() -> None:
     nets = (IPv4Network("10.0.0.0/24"), IPv4Network("8.8.8.8/32"), IPv4Network("255.255.255.0/24"))
     elems = []
-    for key, is_end in netlink.interval_keys(nets, "v4"):
+    for key, is_end in netlink_elements.interval_keys(nets, "v4"):
         attrs: list[tuple[str, Any]] = [("NFTA_SET_ELEM_KEY", _oracle_key(key, "v4"))]
         if is_end:
             attrs.append(("NFTA_SET_ELEM_FLAGS", [1]))  # pyroute2's flag quirk: the ops key, not the name
@@ -222,7 +222,7 @@ def test_deletes_and_flush_match_pyroute2() -> None:
 
 def test_interval_keys_zero_marker_and_pairs() -> None:
     nets = [IPv4Network("10.0.0.0/24"), IPv4Network("8.8.8.8/32")]
-    assert netlink.interval_keys(nets, "v4") == [
+    assert netlink_elements.interval_keys(nets, "v4") == [
         (0, True),
         (int(IPv4Address("8.8.8.8")), False),
         (int(IPv4Address("8.8.8.9")), True),
@@ -232,16 +232,16 @@ def test_interval_keys_zero_marker_and_pairs() -> None:
 
 
 def test_interval_keys_edges() -> None:
-    assert netlink.interval_keys([IPv4Network("0.0.0.0/8")], "v4") == [(0, False), (1 << 24, True)]
-    assert netlink.interval_keys([IPv4Network("0.0.0.0/0")], "v4") == [(0, False)]
-    top = netlink.interval_keys([IPv4Network("255.255.255.0/24")], "v4")
+    assert netlink_elements.interval_keys([IPv4Network("0.0.0.0/8")], "v4") == [(0, False), (1 << 24, True)]
+    assert netlink_elements.interval_keys([IPv4Network("0.0.0.0/0")], "v4") == [(0, False)]
+    top = netlink_elements.interval_keys([IPv4Network("255.255.255.0/24")], "v4")
     assert top == [(0, True), (int(IPv4Address("255.255.255.0")), False)]
-    assert netlink.interval_keys([IPv6Network("::/0")], "v6") == [(0, False)]
-    assert netlink.interval_keys([], "v4") == []
+    assert netlink_elements.interval_keys([IPv6Network("::/0")], "v6") == [(0, False)]
+    assert netlink_elements.interval_keys([], "v4") == []
 
 
 def test_v6_keys_are_16_bytes_big_endian() -> None:
-    raw = netlink._key(IPv6Address("2001:db8::1"), "v6")
+    raw = netlink_elements._key(IPv6Address("2001:db8::1"), "v6")
     assert raw.endswith(IPv6Address("2001:db8::1").packed)
 
 
@@ -253,7 +253,7 @@ def test_batch_framing_and_seq_map() -> None:
     batch = subject_rules(cfg, "s_u_1") + policy_swap(
         T, "s_u_1", parse_policy('{"defaultAction":"allow"}'), audit_objects=False
     )
-    data, by_seq = netlink.encode_batch(batch, 100)
+    data, by_seq = netlink_batch.encode_batch(batch, 100)
     msgs = []
     off = 0
     while off < len(data):
@@ -261,10 +261,10 @@ def test_batch_framing_and_seq_map() -> None:
         msgs.append((mtype, flags, seq))
         off += length
     assert off == len(data)
-    assert msgs[0] == (netlink.NFNL_MSG_BATCH_BEGIN, netlink.NLM_F_REQUEST, 100)
-    assert msgs[-1][0] == netlink.NFNL_MSG_BATCH_END
+    assert msgs[0] == (netlink_proto.NFNL_MSG_BATCH_BEGIN, netlink_proto.NLM_F_REQUEST, 100)
+    assert msgs[-1][0] == netlink_proto.NFNL_MSG_BATCH_END
     assert sorted(by_seq) == list(range(101, 101 + len(batch.ops)))
-    assert all(f & netlink.NLM_F_ACK for _, f, _ in msgs[1:-1])
+    assert all(f & netlink_proto.NLM_F_ACK for _, f, _ in msgs[1:-1])
     assert by_seq[101] == batch.ops[0]
 
 
@@ -272,7 +272,7 @@ def test_removal_batch_encodes_every_op() -> None:
     batch = removal_batch(
         TableConfig(table=T, mitm=True), "s_u_1", IPv4Address("10.0.0.5"), release_gateway=None, audit=True
     )
-    data, by_seq = netlink.encode_batch(batch, 1)
+    data, by_seq = netlink_batch.encode_batch(batch, 1)
     assert len(by_seq) == len(batch.ops) > 0
     assert isinstance(NetlinkBatch(T, batch.ops), NetlinkBatch)
     assert len(data) % 4 == 0
@@ -304,86 +304,94 @@ def test_subject_create_is_one_batch_sets_chains_rules_keys() -> None:
         f"add element inet {T} marking_v4 {{ 10.0.0.5 : jump mark_s_u_1 }}",
         f"add element inet {T} dns_gw_v4 {{ 10.0.0.1 }}",
     ]
-    _data, by_seq = netlink.encode_batch(subject_create(TableConfig(table=T), subj), 1)
+    _data, by_seq = netlink_batch.encode_batch(subject_create(TableConfig(table=T), subj), 1)
     assert len(by_seq) == len(text)
 
 
 # ---- set element dumps (explain reads what the kernel holds) --------------------------------------
 
 
-def _elements_for(nets: list[Any], fam: str) -> list[netlink.SetElement]:
+def _elements_for(nets: list[Any], fam: str) -> list[netlink_dump.SetElement]:
     width = 4 if fam == "v4" else 16
-    return [netlink.SetElement(k.to_bytes(width, "big"), end) for k, end in netlink.interval_keys(nets, fam)]
+    return [
+        netlink_dump.SetElement(k.to_bytes(width, "big"), end)
+        for k, end in netlink_elements.interval_keys(nets, fam)
+    ]
 
 
 def test_element_covering_interval_sets() -> None:
     elements = _elements_for([IPv4Network("10.0.0.0/24"), IPv4Network("8.8.8.8/32")], "v4")
-    hit = netlink.element_covering(IPv4Address("10.0.0.77"), elements, interval=True)
+    hit = netlink_dump.element_covering(IPv4Address("10.0.0.77"), elements, interval=True)
     assert hit is not None and hit[0].key == IPv4Address("10.0.0.0").packed
     assert hit[1] == IPv4Address("10.0.1.0").packed
-    host = netlink.element_covering(IPv4Address("8.8.8.8"), elements, interval=True)
+    host = netlink_dump.element_covering(IPv4Address("8.8.8.8"), elements, interval=True)
     assert host is not None and host[0].key == IPv4Address("8.8.8.8").packed
     for miss in ("8.8.8.9", "10.0.1.0", "9.9.9.9", "0.0.0.0"):
-        assert netlink.element_covering(IPv4Address(miss), elements, interval=True) is None
+        assert netlink_dump.element_covering(IPv4Address(miss), elements, interval=True) is None
     everything = _elements_for([IPv4Network("0.0.0.0/0")], "v4")
-    assert netlink.element_covering(IPv4Address("203.0.113.9"), everything, interval=True) == (
+    assert netlink_dump.element_covering(IPv4Address("203.0.113.9"), everything, interval=True) == (
         everything[0],
         None,
     )
     top = _elements_for([IPv4Network("255.255.255.0/24")], "v4")
-    assert netlink.element_covering(IPv4Address("255.255.255.255"), top, interval=True) is not None
+    assert netlink_dump.element_covering(IPv4Address("255.255.255.255"), top, interval=True) is not None
     v6 = _elements_for([IPv6Network("2001:db8::/32")], "v6")
-    assert netlink.element_covering(IPv6Address("2001:db8::1"), v6, interval=True) is not None
-    assert netlink.element_covering(IPv4Address("32.1.13.184"), v6, interval=True) is None, (
+    assert netlink_dump.element_covering(IPv6Address("2001:db8::1"), v6, interval=True) is not None
+    assert netlink_dump.element_covering(IPv4Address("32.1.13.184"), v6, interval=True) is None, (
         "family kept apart"
     )
 
 
 def test_element_covering_plain_sets() -> None:
-    lease = netlink.SetElement(IPv4Address("93.184.216.34").packed, timeout_ms=90_000, expires_ms=61_500)
-    assert netlink.element_covering(IPv4Address("93.184.216.34"), [lease], interval=False) == (lease, None)
-    assert netlink.element_covering(IPv4Address("93.184.216.35"), [lease], interval=False) is None
+    lease = netlink_dump.SetElement(IPv4Address("93.184.216.34").packed, timeout_ms=90_000, expires_ms=61_500)
+    assert netlink_dump.element_covering(IPv4Address("93.184.216.34"), [lease], interval=False) == (
+        lease,
+        None,
+    )
+    assert netlink_dump.element_covering(IPv4Address("93.184.216.35"), [lease], interval=False) is None
 
 
 def test_parse_setelem_dump() -> None:
     def elem(
         key: bytes, *, end: bool = False, timeout: int | None = None, expires: int | None = None
     ) -> bytes:
-        attrs = netlink._nest(netlink.NFTA_SET_ELEM_KEY, netlink._attr(netlink.NFTA_DATA_VALUE, key))
+        attrs = netlink_proto._nest(
+            netlink_proto.NFTA_SET_ELEM_KEY, netlink_proto._attr(netlink_proto.NFTA_DATA_VALUE, key)
+        )
         if end:
-            attrs += netlink._attr(
-                netlink.NFTA_SET_ELEM_FLAGS, struct.pack(">I", netlink.NFT_SET_ELEM_INTERVAL_END)
+            attrs += netlink_proto._attr(
+                netlink_proto.NFTA_SET_ELEM_FLAGS, struct.pack(">I", netlink_proto.NFT_SET_ELEM_INTERVAL_END)
             )
         if timeout is not None:
-            attrs += netlink._attr(netlink.NFTA_SET_ELEM_TIMEOUT, struct.pack(">Q", timeout))
+            attrs += netlink_proto._attr(netlink_proto.NFTA_SET_ELEM_TIMEOUT, struct.pack(">Q", timeout))
         if expires is not None:
-            attrs += netlink._attr(netlink.NFTA_SET_ELEM_EXPIRATION, struct.pack(">Q", expires))
-        return netlink._nest(netlink.NFTA_LIST_ELEM, attrs)
+            attrs += netlink_proto._attr(netlink_proto.NFTA_SET_ELEM_EXPIRATION, struct.pack(">Q", expires))
+        return netlink_proto._nest(netlink_proto.NFTA_LIST_ELEM, attrs)
 
     body = (
-        struct.pack("=BBH", netlink.NFPROTO_INET, 0, 0)
-        + netlink._str(netlink.NFTA_SET_ELEM_LIST_TABLE, "T")
-        + netlink._str(netlink.NFTA_SET_ELEM_LIST_SET, "s")
-        + netlink._nest(
-            netlink.NFTA_SET_ELEM_LIST_ELEMENTS,
+        struct.pack("=BBH", netlink_proto.NFPROTO_INET, 0, 0)
+        + netlink_proto._str(netlink_proto.NFTA_SET_ELEM_LIST_TABLE, "T")
+        + netlink_proto._str(netlink_proto.NFTA_SET_ELEM_LIST_SET, "s")
+        + netlink_proto._nest(
+            netlink_proto.NFTA_SET_ELEM_LIST_ELEMENTS,
             elem(b"\x0a\x00\x00\x00"),
             elem(b"\x0a\x00\x01\x00", end=True),
             elem(b"\x5d\xb8\xd8\x22", timeout=90_000, expires=12_345),
         )
     )
-    msg_type = (netlink.NFNL_SUBSYS_NFTABLES << 8) | netlink.NFT_MSG_NEWSETELEM
+    msg_type = (netlink_proto.NFNL_SUBSYS_NFTABLES << 8) | netlink_proto.NFT_MSG_NEWSETELEM
     first = struct.pack("=IHHII", 16 + len(body), msg_type, 0, 1, 0) + body
-    done = struct.pack("=IHHII", 20, netlink.NLMSG_DONE, 0, 1, 0) + b"\0\0\0\0"
-    elements, finished = netlink.parse_setelem_dump(first + done)
+    done = struct.pack("=IHHII", 20, netlink_proto.NLMSG_DONE, 0, 1, 0) + b"\0\0\0\0"
+    elements, finished = netlink_dump.parse_setelem_dump(first + done)
     assert finished
     assert [(e.key, e.interval_end, e.timeout_ms, e.expires_ms) for e in elements] == [
         (b"\x0a\x00\x00\x00", False, None, None),
         (b"\x0a\x00\x01\x00", True, None, None),
         (b"\x5d\xb8\xd8\x22", False, 90_000, 12_345),
     ]
-    error = struct.pack("=IHHII", 36, netlink.NLMSG_ERROR, 0, 1, 0) + struct.pack("=i", -2) + bytes(16)
-    with pytest.raises(netlink.NetlinkError):
-        netlink.parse_setelem_dump(error)
+    error = struct.pack("=IHHII", 36, netlink_proto.NLMSG_ERROR, 0, 1, 0) + struct.pack("=i", -2) + bytes(16)
+    with pytest.raises(netlink_proto.NetlinkError):
+        netlink_dump.parse_setelem_dump(error)
 
 
 def test_a_refused_element_op_is_reported_without_its_addresses() -> None:

@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 
 from egressd.fleetnft.builder import policy_swap
-from egressd.kernel import netlink
+from egressd.kernel import netlink, netlink_batch, netlink_elements, netlink_proto
 from egressd.kernel.ops import AddElements, AddIntervals, AddTimed, FlushSet, NetlinkBatch, Op
 from egressd.policy import parse_policy
 from tests.bigpolicy import big_policy
 
 T = "opensandbox-fleet"
-NESTED = netlink.NLA_F_NESTED
-NEWSETELEM = (netlink.NFNL_SUBSYS_NFTABLES << 8) | netlink.NFT_MSG_NEWSETELEM
+NESTED = netlink_proto.NLA_F_NESTED
+NEWSETELEM = (netlink_proto.NFNL_SUBSYS_NFTABLES << 8) | netlink_proto.NFT_MSG_NEWSETELEM
 
 
 def _messages(data: bytes) -> list[tuple[int, int, int, bytes]]:
@@ -54,19 +54,19 @@ def _attr_lengths(buf: bytes) -> list[int]:
 
 def _elements(body: bytes) -> list[tuple[int, bool]]:
     """(key, is interval end) of each element of one NEWSETELEM message, in order."""
-    attrs = netlink._attrs(body)
+    attrs = netlink_proto._attrs(body)
     out = []
-    for raw in netlink._list(attrs[netlink.NFTA_SET_ELEM_LIST_ELEMENTS]):
-        elem = netlink._attrs(raw)
-        key = netlink._attrs(elem[netlink.NFTA_SET_ELEM_KEY])[netlink.NFTA_DATA_VALUE]
-        flags = elem.get(netlink.NFTA_SET_ELEM_FLAGS)
-        end = bool(flags and struct.unpack(">I", flags)[0] & netlink.NFT_SET_ELEM_INTERVAL_END)
+    for raw in netlink_proto._list(attrs[netlink_proto.NFTA_SET_ELEM_LIST_ELEMENTS]):
+        elem = netlink_proto._attrs(raw)
+        key = netlink_proto._attrs(elem[netlink_proto.NFTA_SET_ELEM_KEY])[netlink_proto.NFTA_DATA_VALUE]
+        flags = elem.get(netlink_proto.NFTA_SET_ELEM_FLAGS)
+        end = bool(flags and struct.unpack(">I", flags)[0] & netlink_proto.NFT_SET_ELEM_INTERVAL_END)
         out.append((int.from_bytes(key, "big"), end))
     return out
 
 
 def _set_name(body: bytes) -> str:
-    return netlink._attrs(body)[netlink.NFTA_SET_ELEM_LIST_SET].rstrip(b"\0").decode()
+    return netlink_proto._attrs(body)[netlink_proto.NFTA_SET_ELEM_LIST_SET].rstrip(b"\0").decode()
 
 
 def _cap_policy_batch() -> NetlinkBatch:
@@ -81,33 +81,38 @@ def test_a_policy_at_the_cap_is_one_batch_of_split_messages_under_the_limits() -
     batch = _cap_policy_batch()
     intervals = [op for op in batch.ops if isinstance(op, AddIntervals)]
     assert sum(len(op.nets) for op in intervals) == 4096  # every rule is its own element
-    data, by_seq = netlink.encode_batch(batch, 100)
+    data, by_seq = netlink_batch.encode_batch(batch, 100)
     msgs = _messages(data)
 
     # Exactly one BEGIN first and one END last: the kernel commits all of it or nothing.
     kinds = [m[0] for m in msgs]
-    assert kinds[0] == netlink.NFNL_MSG_BATCH_BEGIN and kinds[-1] == netlink.NFNL_MSG_BATCH_END
-    assert netlink.NFNL_MSG_BATCH_BEGIN not in kinds[1:] and netlink.NFNL_MSG_BATCH_END not in kinds[:-1]
+    assert kinds[0] == netlink_proto.NFNL_MSG_BATCH_BEGIN and kinds[-1] == netlink_proto.NFNL_MSG_BATCH_END
+    assert (
+        netlink_proto.NFNL_MSG_BATCH_BEGIN not in kinds[1:]
+        and netlink_proto.NFNL_MSG_BATCH_END not in kinds[:-1]
+    )
     # Consecutive seqs; every message between them is owned by an op and asks for an ACK.
     assert [m[2] for m in msgs] == list(range(100, 100 + len(msgs)))
     assert sorted(by_seq) == [m[2] for m in msgs[1:-1]]
-    assert all(m[1] & netlink.NLM_F_ACK for m in msgs[1:-1])
+    assert all(m[1] & netlink_proto.NLM_F_ACK for m in msgs[1:-1])
     assert len(msgs) - 2 > len(batch.ops)  # the element lists were split
 
     for _mtype, _flags, _seq, body in msgs:
-        assert max(_attr_lengths(body), default=0) <= netlink.NLA_MAX_LEN
-        assert 20 + len(body) <= netlink.ELEMENT_BYTES_PER_MESSAGE + 512
+        assert max(_attr_lengths(body), default=0) <= netlink_proto.NLA_MAX_LEN
+        assert 20 + len(body) <= netlink_elements.ELEMENT_BYTES_PER_MESSAGE + 512
 
     for op in intervals:
         own = [m for m in msgs[1:-1] if by_seq[m[2]] is op]
         assert all(m[0] == NEWSETELEM and _set_name(m[3]) == op.name for m in own)
         chunks = [_elements(m[3]) for m in own]
         # Reassembled in order, the messages carry exactly the one-message element list.
-        assert [e for c in chunks for e in c] == netlink.interval_keys(op.nets, op.fam)
+        assert [e for c in chunks for e in c] == netlink_elements.interval_keys(op.nets, op.fam)
         # A range's start and end never straddle two messages.
         assert all(not c[0][1] for c in chunks[1:])
-        elem_bytes = sum(len(netlink._attrs(m[3])[netlink.NFTA_SET_ELEM_LIST_ELEMENTS]) for m in own)
-        least = math.ceil(elem_bytes / netlink.ELEMENT_BYTES_PER_MESSAGE)
+        elem_bytes = sum(
+            len(netlink_proto._attrs(m[3])[netlink_proto.NFTA_SET_ELEM_LIST_ELEMENTS]) for m in own
+        )
+        least = math.ceil(elem_bytes / netlink_elements.ELEMENT_BYTES_PER_MESSAGE)
         assert least <= len(own) <= least + 1
     # The flushes stay single messages, in front of their refill.
     flushes = [op for op in batch.ops if isinstance(op, FlushSet)]
@@ -118,34 +123,36 @@ def test_every_element_flavour_splits() -> None:
     leases = tuple((IPv6Address("2001:db8::") + i, 300) for i in range(4096))
     keys = tuple(IPv4Address("10.0.0.0") + i for i in range(20_000))
     ops: list[Op] = [AddTimed("subj_s_u_1_dyn_v6", "v6", leases), AddElements("sandboxes_v4", keys)]
-    data, by_seq = netlink.encode_batch(NetlinkBatch(T, tuple(ops)), 1)
+    data, by_seq = netlink_batch.encode_batch(NetlinkBatch(T, tuple(ops)), 1)
     msgs = _messages(data)[1:-1]
     for op, count in ((ops[0], len(leases)), (ops[1], len(keys))):
         own = [m for m in msgs if by_seq[m[2]] is op]
         assert len(own) > 1
         assert sum(len(_elements(m[3])) for m in own) == count
-        assert all(max(_attr_lengths(m[3])) <= netlink.NLA_MAX_LEN for m in own)
+        assert all(max(_attr_lengths(m[3])) <= netlink_proto.NLA_MAX_LEN for m in own)
     got = [k for m in msgs if by_seq[m[2]] is ops[1] for k, _ in _elements(m[3])]
     assert got == [int(k) for k in keys]  # order kept across messages
 
 
 def test_pack_groups_never_splits_a_group_and_keeps_order() -> None:
     g = [[b"a" * 12, b"b" * 12], [b"c" * 12], [b"d" * 28]]  # nests of 16, 16, 16 and 32 bytes
-    assert netlink.pack_groups(g, budget=32) == [[b"a" * 12, b"b" * 12], [b"c" * 12], [b"d" * 28]]
-    assert netlink.pack_groups(g, budget=48) == [[b"a" * 12, b"b" * 12, b"c" * 12], [b"d" * 28]]
-    assert netlink.pack_groups(g, budget=16) == [[b"a" * 12, b"b" * 12], [b"c" * 12], [b"d" * 28]]
-    assert netlink.pack_groups([], budget=16) == []
+    assert netlink_elements.pack_groups(g, budget=32) == [[b"a" * 12, b"b" * 12], [b"c" * 12], [b"d" * 28]]
+    assert netlink_elements.pack_groups(g, budget=48) == [[b"a" * 12, b"b" * 12, b"c" * 12], [b"d" * 28]]
+    assert netlink_elements.pack_groups(g, budget=16) == [[b"a" * 12, b"b" * 12], [b"c" * 12], [b"d" * 28]]
+    assert netlink_elements.pack_groups([], budget=16) == []
 
 
 def test_an_empty_element_list_is_still_one_message() -> None:
-    [(mtype, _flags, body)] = netlink.encode_op(T, AddIntervals("s", "v4", ()))
-    assert mtype == netlink.NFT_MSG_NEWSETELEM and _elements(body) == []
+    [(mtype, _flags, body)] = netlink_batch.encode_op(T, AddIntervals("s", "v4", ()))
+    assert mtype == netlink_proto.NFT_MSG_NEWSETELEM and _elements(body) == []
 
 
 def test_an_oversized_attribute_is_refused_by_name_not_struct_error() -> None:
-    assert len(netlink._attr(1, b"x" * (netlink.NLA_MAX_LEN - 4))) == netlink.NLA_MAX_LEN + 1
+    assert (
+        len(netlink_proto._attr(1, b"x" * (netlink_proto.NLA_MAX_LEN - 4))) == netlink_proto.NLA_MAX_LEN + 1
+    )
     with pytest.raises(ValueError, match="limit 65535"):
-        netlink._attr(1, b"x" * (netlink.NLA_MAX_LEN - 3))
+        netlink_proto._attr(1, b"x" * (netlink_proto.NLA_MAX_LEN - 3))
 
 
 def test_buffer_sizes_cover_the_batch() -> None:
@@ -191,7 +198,7 @@ class FakeKernel:
         for i, (_t, _f, seq, _b) in enumerate(_messages(data)[1:-1]):
             code = -self.errors.get(i, 0)
             self.answers.append(
-                struct.pack("=IHHII", 36, netlink.NLMSG_ERROR, 0, seq, 0)
+                struct.pack("=IHHII", 36, netlink_proto.NLMSG_ERROR, 0, seq, 0)
                 + struct.pack("=i", code)
                 + bytes(16)
             )
@@ -237,14 +244,14 @@ def test_a_batch_at_the_cap_reads_every_answer_and_sizes_both_buffers(fake: Any)
 
 def test_a_refused_later_chunk_names_its_op_and_drains_the_rest(fake: Any) -> None:
     batch = _cap_policy_batch()
-    _data, by_seq = netlink.encode_batch(batch, 1)
+    _data, by_seq = netlink_batch.encode_batch(batch, 1)
     seqs = sorted(by_seq)
     # The second message of the biggest element op.
     op = max((o for o in batch.ops if isinstance(o, AddIntervals)), key=lambda o: len(o.nets))
     index = [s for s in seqs if by_seq[s] is op][1] - seqs[0]
     k = fake(errors={index: errno.EEXIST})
     sock = netlink.NfTablesSocket()
-    with pytest.raises(netlink.NetlinkError) as info:
+    with pytest.raises(netlink_proto.NetlinkError) as info:
         sock.run(batch)
     assert info.value.code == errno.EEXIST
     assert info.value.op == f"add element inet {T} {op.name} {{ <{len(op.nets)} prefixes> }}"
@@ -264,6 +271,6 @@ def test_lost_answers_are_reported_as_lost(fake: Any) -> None:
     k = fake()
     sock = netlink.NfTablesSocket()
     k.sendall = lambda data: k.answers.append(OSError(errno.ENOBUFS, "No buffer space available"))
-    with pytest.raises(netlink.NetlinkError) as info:
+    with pytest.raises(netlink_proto.NetlinkError) as info:
         sock.run(NetlinkBatch(T, (FlushSet("x"),)))
     assert info.value.code == errno.ENOBUFS and "lost" in str(info.value)

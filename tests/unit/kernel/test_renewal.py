@@ -14,7 +14,7 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.fleetnft import selftest as fleet_selftest
 from egressd.fleetnft.builder import TableConfig, dyn_add
 from egressd.kernel.applier import NftError
-from egressd.kernel.netlink import SetElement
+from egressd.kernel.netlink_dump import SetElement
 from egressd.kernel.ops import AddSet, AddTimed, DeleteElement, NetlinkBatch
 from egressd.kernel.renewal import PROBE_FIRST_S, LeaseRenewal, extended
 from egressd.policy import parse_policy

@@ -347,23 +347,31 @@ async def test_metrics_negotiates_openmetrics(aiohttp_client: Any) -> None:
 
 
 def test_counter_dump_request_and_reply_parsing() -> None:
-    from egressd.kernel import netlink as nl
+    from egressd.kernel import netlink_batch, netlink_dump, netlink_proto
 
-    req = nl.encode_counter_dump("T", 7)
+    req = netlink_batch.encode_counter_dump("T", 7)
     length, msg_type, flags, seq, _pid = struct.unpack_from("=IHHII", req)
     assert (length, msg_type, flags, seq) == (len(req), (10 << 8) | 19, 0x1 | 0x300, 7)
     assert b"T\0" in req
 
     def obj(name: str, packets: int) -> bytes:
-        data = nl._nest(
-            nl.NFTA_OBJ_DATA, nl._u64(nl.NFTA_COUNTER_BYTES, 60), nl._u64(nl.NFTA_COUNTER_PACKETS, packets)
+        data = netlink_proto._nest(
+            netlink_proto.NFTA_OBJ_DATA,
+            netlink_proto._u64(netlink_proto.NFTA_COUNTER_BYTES, 60),
+            netlink_proto._u64(netlink_proto.NFTA_COUNTER_PACKETS, packets),
         )
-        body = nl._str(nl.NFTA_OBJ_TABLE, "T") + nl._str(nl.NFTA_OBJ_NAME, name) + data
-        return nl._nlmsg((10 << 8) | nl.NFT_MSG_NEWOBJ, 0x2, 7, nl.NFPROTO_INET, 0, body)
+        body = (
+            netlink_proto._str(netlink_proto.NFTA_OBJ_TABLE, "T")
+            + netlink_proto._str(netlink_proto.NFTA_OBJ_NAME, name)
+            + data
+        )
+        return netlink_proto._nlmsg(
+            (10 << 8) | netlink_proto.NFT_MSG_NEWOBJ, 0x2, 7, netlink_proto.NFPROTO_INET, 0, body
+        )
 
-    done = struct.pack("=IHHII", 20, nl.NLMSG_DONE, 0x2, 7, 0) + b"\0" * 4
-    assert nl.parse_counter_dump(obj("a", 3) + obj("b", 0)) == ({"a": 3, "b": 0}, False)
-    assert nl.parse_counter_dump(obj("c", 1) + done) == ({"c": 1}, True)
-    error = struct.pack("=IHHII", 36, nl.NLMSG_ERROR, 0, 7, 0) + struct.pack("=i", -2) + b"\0" * 16
-    with pytest.raises(nl.NetlinkError):
-        nl.parse_counter_dump(error)
+    done = struct.pack("=IHHII", 20, netlink_proto.NLMSG_DONE, 0x2, 7, 0) + b"\0" * 4
+    assert netlink_dump.parse_counter_dump(obj("a", 3) + obj("b", 0)) == ({"a": 3, "b": 0}, False)
+    assert netlink_dump.parse_counter_dump(obj("c", 1) + done) == ({"c": 1}, True)
+    error = struct.pack("=IHHII", 36, netlink_proto.NLMSG_ERROR, 0, 7, 0) + struct.pack("=i", -2) + b"\0" * 16
+    with pytest.raises(netlink_proto.NetlinkError):
+        netlink_dump.parse_counter_dump(error)

@@ -17,7 +17,8 @@ sys.path.insert(0, str(BENCH))
 import nft_handles as nh  # noqa: E402
 
 from egressd.fleetnft import builder as nb  # noqa: E402
-from egressd.kernel.netlink import NFTA_SET_NAME, NFTA_SET_TABLE, NLMSG_DONE, encode_batch  # noqa: E402
+from egressd.kernel.netlink_batch import encode_batch  # noqa: E402
+from egressd.kernel.netlink_proto import NFTA_SET_NAME, NFTA_SET_TABLE, NLMSG_DONE  # noqa: E402
 
 CFG = nb.TableConfig(table="t")
 IP = ipaddress.ip_address("10.64.0.9")
