@@ -49,7 +49,7 @@ from egressd.subject.registry import (
     plan_remove,
     plan_set_binding,
 )
-from egressd.vault.sealed import KeyStore
+from egressd.vault.keys import KeyStore
 from egressd.vault.types import DEFAULT_LIMITS, VaultLimits
 
 log = structlog.get_logger("egressd.fleet")

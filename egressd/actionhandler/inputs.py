@@ -26,11 +26,11 @@ from egressd.policy import (
 )
 from egressd.subject.model import IPAddress
 from egressd.subject.registry import Binding, SetBindingRequest
+from egressd.vault.keys import KeyStore
 from egressd.vault.offload import off_loop
 from egressd.vault.parse import parse_create
 from egressd.vault.sealed import (
     WRAPPER_MARKER,
-    KeyStore,
     SealError,
     decode_vault_plaintext,
     is_wrapper,

@@ -14,7 +14,8 @@ from typing import Any
 from urllib.parse import quote
 
 from egressd.cli.client import CliError
-from egressd.vault.sealed import SealError, build_wrapper, decode_key, seal, valid_kid
+from egressd.vault.keys import decode_key, valid_kid
+from egressd.vault.sealed import SealError, build_wrapper, seal
 
 __all__ = [
     "GENERATION_HEADER",

@@ -38,7 +38,7 @@ from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
 from egressd.policy import AlwaysRules, AlwaysRulesError, load_always_rules
 from egressd.policy.reload import AlwaysRulesReloader
 from egressd.subject.refresh import LeaseRefresher
-from egressd.vault.sealed import KeyDirError, KeyStore
+from egressd.vault.keys import KeyDirError, KeyStore
 from egressd.web.serving import ListenError, start_http, wait_for_stop
 from egressd.web.transport import VaultTransport
 

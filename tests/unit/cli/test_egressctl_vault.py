@@ -20,7 +20,8 @@ from aiohttp import web
 
 from egressd.actionhandler.inputs import VaultAction, parse_binding_input
 from egressd.cli.egressctl import main
-from egressd.vault.sealed import KeyRing, open_sealed, parse_sealed, parse_wrapper
+from egressd.vault.keys import KeyRing
+from egressd.vault.sealed import open_sealed, parse_sealed, parse_wrapper
 
 KEY = bytes(range(32))
 SECRET = "sk-PLANTED-SECRET-0123456789"

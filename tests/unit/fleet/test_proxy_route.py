@@ -32,8 +32,8 @@ from egressd.fleetnft.builder import TableConfig
 from egressd.metrics import EgressMetrics
 from egressd.policy import EMPTY_ALWAYS, AlwaysRules, Verdict
 from egressd.policy.always import parse_always_text
+from egressd.vault.keys import KeyStore
 from egressd.vault.pending import MAX_PER_UID
-from egressd.vault.sealed import KeyStore
 from tests.unit.fakekernel import FakeTx
 
 SECRET = "sk-PLANTED-0xdeadbeef"

@@ -15,7 +15,7 @@ from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.builder import TableConfig
 from egressd.metrics import EgressMetrics
-from egressd.vault.sealed import KeyStore
+from egressd.vault.keys import KeyStore
 from tests.unit.fakekernel import FakeTx
 
 KID = "k1"

@@ -14,7 +14,8 @@ from egressd.actionhandler.inputs import InputError, VaultAction, parse_binding_
 from egressd.config import ConfigError, parse_config
 from egressd.mitm.supervisor import MitmOptions, mitmdump_argv
 from egressd.policy import parse_policy_obj
-from egressd.vault.sealed import KeyStore, build_wrapper, seal
+from egressd.vault.keys import KeyStore
+from egressd.vault.sealed import build_wrapper, seal
 from egressd.vault.store import VaultStore
 from egressd.vault.types import VaultLimits, compile_ignore_hosts
 

@@ -10,17 +10,13 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from egressd.vault.keys import KeyDirError, KeyRing, KeyStore, decode_key, load_keys
 from egressd.vault.sealed import (
-    KeyDirError,
-    KeyRing,
-    KeyStore,
     Sealed,
     SealError,
     build_wrapper,
-    decode_key,
     decode_vault_plaintext,
     is_wrapper,
-    load_keys,
     open_sealed,
     parse_sealed,
     parse_wrapper,

@@ -22,7 +22,8 @@ from structlog.testing import capture_logs
 from egressd.actionhandler.inputs import InputError, VaultAction, parse_binding_input
 from egressd.policy import AlwaysRules, Verdict
 from egressd.policy.always import parse_always_text
-from egressd.vault.sealed import KeyStore, build_wrapper, seal
+from egressd.vault.keys import KeyStore
+from egressd.vault.sealed import build_wrapper, seal
 from tests.unit.fleet.test_proxy_route import (
     POLICY,
     POLICY_TEXT,

@@ -19,15 +19,8 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from egressd.vault.sealed import (
-    ACTIVE_KEYS,
-    KeyDirError,
-    KeyStore,
-    SealError,
-    open_sealed,
-    parse_sealed,
-    seal,
-)
+from egressd.vault.keys import ACTIVE_KEYS, KeyDirError, KeyStore
+from egressd.vault.sealed import SealError, open_sealed, parse_sealed, seal
 
 UID = "u-1"
 PLAINTEXT = json.dumps({"credentials": [], "bindings": []}).encode()
@@ -266,7 +259,7 @@ def scandirs(monkeypatch: pytest.MonkeyPatch, keys_dir: Path) -> list[str]:
             calls.append(threading.current_thread().name)
         return real(path)
 
-    monkeypatch.setattr("egressd.vault.sealed.os.scandir", counting)
+    monkeypatch.setattr("egressd.vault.keys.os.scandir", counting)
     return calls
 
 
