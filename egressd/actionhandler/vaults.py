@@ -22,7 +22,8 @@ from egressd.subject.model import IPAddress, subject_for_uid
 from egressd.subject.registry import Entry, HostBinding, Plan, PlanOutcome, Registry, State
 from egressd.vault.offload import off_loop
 from egressd.vault.pending import PendingPushes
-from egressd.vault.store import VaultSnapshot, VaultStore
+from egressd.vault.snapshot import VaultSnapshot
+from egressd.vault.store import VaultStore
 from egressd.vault.types import VaultError, VaultLimits
 
 log = structlog.get_logger("egressd.fleet")

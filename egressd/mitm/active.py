@@ -39,7 +39,7 @@ from aiohttp import web
 
 from egressd.mitm.wire import bare_etag
 from egressd.subject.model import IPAddress, unmap_ip
-from egressd.vault.store import VaultSnapshot
+from egressd.vault.snapshot import VaultSnapshot
 
 ACTIVE_PATH = "/credential-vault/_active"
 

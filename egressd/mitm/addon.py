@@ -60,7 +60,7 @@ from egressd.mitm.redact import Needles, compile_needles, redact_bytes, redact_s
 from egressd.mitm.respbody import BodyFilter, ResponsePlan, narrow_accept_encoding, plan_response
 from egressd.mitm.seqmap import SeqReader
 from egressd.subject.model import unmap_ip
-from egressd.vault.store import VaultSnapshot
+from egressd.vault.snapshot import VaultSnapshot
 
 _META = "egressd"
 #: A response the MITM would not pass on (a body it cannot scan, a decompression bomb): its

@@ -56,7 +56,7 @@ from urllib.parse import quote, quote_plus, unquote
 from egressd.mitm.redact import MARKER, compile_needles, redact_str
 from egressd.policy.evaluate import domain_matches
 from egressd.policy.idn import IdnaError, to_alabels
-from egressd.vault.store import ActiveBinding, ActiveSubstitution, VaultSnapshot
+from egressd.vault.snapshot import ActiveBinding, ActiveSubstitution, VaultSnapshot
 from egressd.vault.types import RESERVED_HEADERS, SCHEME_PORTS
 
 __all__ = [

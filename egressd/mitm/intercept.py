@@ -32,7 +32,7 @@ from typing import Final, Literal
 
 from egressd.mitm.inject import normalise_authority
 from egressd.policy.evaluate import domain_matches
-from egressd.vault.store import VaultSnapshot
+from egressd.vault.snapshot import VaultSnapshot
 from egressd.vault.types import SCHEME_PORTS
 
 __all__ = [

@@ -36,7 +36,7 @@ from egressd.mitm.memo import Memo, parse_ttl
 from egressd.mitm.seqmap import SeqReader
 from egressd.mitm.wire import WireError, bare_etag, snapshot_from_active
 from egressd.subject.model import unmap_ip
-from egressd.vault.store import VaultSnapshot
+from egressd.vault.snapshot import VaultSnapshot
 
 LOOKUP_TIMEOUT_S: Final = 0.25
 CACHE_MAX_ENTRIES: Final = 4096  # a fleet host runs far fewer sandboxes; evicting only costs a 200

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from egressd.mitm.seqmap import Stamp
-from egressd.vault.store import VaultSnapshot
+from egressd.vault.snapshot import VaultSnapshot
 
 MAX_CLIENTS: Final = 4096
 MAX_PAIRS: Final = 16384

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from egressd.vault.store import ActiveBinding, ActiveSubstitution, InjectedHeader, VaultSnapshot
+from egressd.vault.snapshot import ActiveBinding, ActiveSubstitution, InjectedHeader, VaultSnapshot
 from egressd.vault.types import Match
 
 _SURFACES = frozenset({"path", "query", "header", "body"})

@@ -35,7 +35,7 @@ from egressd.sidecar.visibility import SidecarDrops, sidecar_events
 from egressd.sidecarnft.ruleset import MITM_GID, Mode, SidecarTable
 from egressd.sidecarnft.selftest import SelfTestError, check_net_admin, check_setgid_for_mitm, run_selftest
 from egressd.subject.model import IPAddress
-from egressd.vault.store import VaultSnapshot
+from egressd.vault.snapshot import VaultSnapshot
 from egressd.web.serving import ListenError, start_http, wait_for_stop
 from egressd.web.transport import VaultTransport
 

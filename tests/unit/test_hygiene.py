@@ -33,7 +33,8 @@ from egressd.mitm.lookup import (
 from egressd.mitm.pool import MitmPool
 from egressd.mitm.supervisor import FORGET_QUEUE_MAX, MitmSupervisor
 from egressd.subject.model import IPAddress
-from egressd.vault.store import VaultSnapshot, VaultStore
+from egressd.vault.snapshot import VaultSnapshot
+from egressd.vault.store import VaultStore
 from tests.unit.fleet.test_proxy_route import hook, make_env, remove, set_binding, vault_doc
 from tests.unit.mitm.test_mitm_lookup import POLICY, VAULT, snapshot
 

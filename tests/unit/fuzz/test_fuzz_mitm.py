@@ -26,7 +26,8 @@ from mitmproxy.test import tutils
 
 from egressd.mitm.inject import InjectionDecision, Request, decide, header_reserved, normalise_authority
 from egressd.policy import domain_matches, parse_policy
-from egressd.vault.store import VaultSnapshot, VaultStore
+from egressd.vault.snapshot import VaultSnapshot
+from egressd.vault.store import VaultStore
 from tests.unit.fuzz.strategies import domains, mutate_bytes
 from tests.unit.fuzz.support import canary, fuzz, hit
 

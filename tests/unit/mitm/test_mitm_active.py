@@ -8,7 +8,8 @@ from typing import Any
 from egressd.mitm.active import ACTIVE_PATH, active_app, active_lookup
 from egressd.policy import parse_policy
 from egressd.subject.model import IPAddress
-from egressd.vault.store import VaultSnapshot, VaultStore
+from egressd.vault.snapshot import VaultSnapshot
+from egressd.vault.store import VaultStore
 
 SECRET = "sk-PLANTED-active-0x1"
 POLICY = parse_policy('{"defaultAction":"deny","egress":[{"action":"allow","target":"api.example.com"}]}')

@@ -16,7 +16,8 @@ from mitmproxy.test import tflow
 from egressd.mitm.addon import EgressInjector, _destination_unchanged, _forward_on_one_authority
 from egressd.mitm.lookup import View
 from egressd.policy import parse_policy_obj
-from egressd.vault.store import VaultSnapshot, VaultStore
+from egressd.vault.snapshot import VaultSnapshot
+from egressd.vault.store import VaultStore
 
 SECRET = "sk-addon-unit-77"
 API = "api.example.com"

@@ -40,7 +40,8 @@ from egressd.mitm.inject import (
     substitute_body,
 )
 from egressd.policy import parse_policy_obj
-from egressd.vault.store import InjectedHeader, VaultSnapshot, VaultStore
+from egressd.vault.snapshot import InjectedHeader, VaultSnapshot
+from egressd.vault.store import VaultStore
 
 SECRET = 's3cr3t/V@lue &"q\\ü'
 SECRET2 = "second-SECRET-zz"

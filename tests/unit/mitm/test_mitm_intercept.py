@@ -39,7 +39,8 @@ from egressd.mitm.intercept import (
 from egressd.mitm.lookup import LookupFailed, View
 from egressd.mitm.supervisor import MitmSupervisor
 from egressd.policy import parse_policy_obj
-from egressd.vault.store import VaultSnapshot, VaultStore
+from egressd.vault.snapshot import VaultSnapshot
+from egressd.vault.store import VaultStore
 
 SECRET = "sk-intercept-unit-31"
 API = "api.example.com"

@@ -17,7 +17,8 @@ from egressd.mitm.lookup import ActiveClient, LookupFailed, interpret
 from egressd.mitm.wire import WireError, snapshot_from_active
 from egressd.policy import parse_policy
 from egressd.subject.model import IPAddress
-from egressd.vault.store import VaultSnapshot, VaultStore
+from egressd.vault.snapshot import VaultSnapshot
+from egressd.vault.store import VaultStore
 
 SECRET = "sk-PLANTED-lookup-77"
 POLICY = parse_policy('{"defaultAction":"deny","egress":[{"action":"allow","target":"api.example.com"}]}')

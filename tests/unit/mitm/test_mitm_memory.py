@@ -32,7 +32,8 @@ from egressd.policy import parse_policy
 from egressd.subject.leases import LeaseBook, destination_verified, destination_verified_until
 from egressd.subject.model import Fence, IPAddress
 from egressd.subject.registry import Entry, Registry, State
-from egressd.vault.store import VaultSnapshot, VaultStore
+from egressd.vault.snapshot import VaultSnapshot
+from egressd.vault.store import VaultStore
 from egressd.web.serving import InFlight
 
 SECRET = "sk-PLANTED-memory-41"

@@ -18,7 +18,8 @@ from egressd.mitm.lookup import ActiveClient, forget_message, parse_forget, port
 from egressd.mitm.supervisor import MitmOptions, mitmdump_argv
 from egressd.policy import parse_policy
 from egressd.subject.model import IPAddress
-from egressd.vault.store import VaultSnapshot, VaultStore
+from egressd.vault.snapshot import VaultSnapshot
+from egressd.vault.store import VaultStore
 
 POLICY = parse_policy('{"defaultAction":"deny","egress":[{"action":"allow","target":"api.example.com"}]}')
 VAULT = {

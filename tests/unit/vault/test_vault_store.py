@@ -13,7 +13,8 @@ import pytest
 
 from egressd.policy import NetworkPolicy, parse_policy_obj
 from egressd.vault.parse import parse_create
-from egressd.vault.store import Vault, VaultSnapshot, VaultStore
+from egressd.vault.snapshot import VaultSnapshot
+from egressd.vault.store import Vault, VaultStore
 from egressd.vault.types import VaultError
 
 SECRET = "s3cr3t VALUE/never&echo"
