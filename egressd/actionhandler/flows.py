@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 
+from egressd.engine.flows import cut_refused
 from egressd.kernel.conntrack import flush_flow
 from egressd.kernel.conntrack import read_flows as read_conntrack_flows
 from egressd.policy import NetworkPolicy, Verdict, audit_deny_sets, ip_sets
@@ -117,13 +118,17 @@ class FlowCuts:
         gateways = {gw for _, gw in keys}
         sets = ip_sets(effective)
         split = audit_deny_sets(effective) if effective.audit else None
-        for src in sources:
-            for dst in sorted(flows.get(src, ()), key=str):
-                if dst in gateways or ip_decision(effective, leases, dst, now, sets)[0] is not Verdict.DENY:
-                    continue
-                if split is not None and not hard_denied(effective, dst, split):
-                    continue  # audit mode: a would-deny flow passes, so it is not cut either
-                try:
-                    await flush_flow(src, dst)
-                except Exception as exc:
-                    log.warning("conntrack.cut_failed", source_ip=str(src), error=str(exc)[:200])
+
+        def allowed(flow: tuple[IPAddress, IPAddress]) -> bool:
+            dst = flow[1]
+            if dst in gateways or ip_decision(effective, leases, dst, now, sets)[0] is not Verdict.DENY:
+                return True
+            # audit mode: a would-deny flow passes, so it is not cut either
+            return split is not None and not hard_denied(effective, dst, split)
+
+        await cut_refused(
+            ((src, dst) for src in sources for dst in sorted(flows.get(src, ()), key=str)),
+            allowed,
+            lambda flow: flush_flow(*flow),
+            lambda flow: {"source_ip": str(flow[0])},
+        )

@@ -40,6 +40,13 @@ def key_values(rows: Sequence[tuple[str, str]]) -> list[str]:
     return [f"{key.ljust(width)}  {value}".rstrip() for key, value in rows]
 
 
+def _cell(value: Any) -> str:
+    """One table or ``key  value`` cell: ``-`` for nothing, else one visible line of at most 80 characters."""
+    if value is None or value == "":
+        return "-"
+    return one_line(str(value), limit=80)
+
+
 def _scalar(value: Any) -> str:
     if value is None:
         return "-"

@@ -1,7 +1,7 @@
 """Builders for ``egressctl vault ...``: the proxy-route requests (docs/protocol.md §4) and the
 sealed binding input (§11).
 
-Pure functions, no I/O (the command handlers in :mod:`egressd.cli.egressctl` read files and
+Pure functions, no I/O (the command handlers in :mod:`egressd.cli.commands.vault` read files and
 talk to the daemon). As with the action envelopes, local validation is limited to what the CLI
 must know to build a request; request bodies are sent verbatim and judged by the daemon.
 No error raised here quotes a request body, a vault plaintext or key material.

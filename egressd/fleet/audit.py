@@ -13,15 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
 
-import structlog
-
+from egressd.engine.counters import read_or_keep
 from egressd.fleetnft.builder import audit_counter_subject
 from egressd.metrics import EgressMetrics
 from egressd.policy.audit import safe_token
 from egressd.subject.model import subject_for_uid
 from egressd.subject.registry import Entry
-
-log = structlog.get_logger("egressd.audit")
 
 IP_RULE = {"deny": "egress-deny", "default": "default"}  # counter kind -> metric rule label
 
@@ -68,10 +65,8 @@ class AuditEvidence:
         if not subjects:
             self._samples = {}
             return
-        try:
-            counters = await self._read()
-        except Exception as exc:
-            log.warning("audit.counters_unreadable", error=str(exc)[:200])
+        counters = await read_or_keep(self._read, "audit.counters_unreadable")
+        if counters is None:
             return
         self._samples = counter_samples(counters, subjects)
 

@@ -16,15 +16,12 @@ import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-import structlog
-
+from egressd.engine.counters import read_or_keep
 from egressd.events.denials import RecentDenials
 from egressd.fleetnft.builder import UNATTRIBUTED_COUNTER, dropped_counter_subject
 from egressd.metrics import EgressMetrics
 from egressd.policy.audit import safe_token
 from egressd.subject.registry import Entry
-
-log = structlog.get_logger("egressd.drops")
 
 UNATTRIBUTED = "-"
 
@@ -86,11 +83,7 @@ class DropCounters:
         metrics.subject_dropped.collect_from(lambda: dict(self._samples))
 
     async def _counters(self) -> Counters | None:
-        try:
-            return await self._read()
-        except Exception as exc:
-            log.warning("drops.counters_unreadable", error=str(exc)[:200])
-            return None
+        return await read_or_keep(self._read, "drops.counters_unreadable")
 
     async def refresh(self) -> None:
         """Before a scrape. A failed read keeps the last samples (counters only ever grow)."""

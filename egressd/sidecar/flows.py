@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
+from egressd.engine.flows import cut_refused
 from egressd.kernel.conntrack import conntrack_delete, original_tuple, read_table
 from egressd.subject.model import IPAddress, unmap_ip
 
@@ -62,15 +63,12 @@ async def cut_disallowed(allowed: Callable[[IPAddress], bool]) -> int:
     except Exception as exc:  # without the local set we could cut the API's own clients
         log.warning("conntrack.cut_skipped", error=str(exc)[:200])
         return 0
-    cut = 0
-    for dst in sorted(outbound_destinations(text, local), key=str):
-        if allowed(dst):
-            continue
-        try:
-            await conntrack_delete(["-d", str(dst)], dst.version)
-            cut += 1
-        except Exception as exc:
-            log.warning("conntrack.cut_failed", destination=str(dst), error=str(exc)[:200])
+    cut = await cut_refused(
+        sorted(outbound_destinations(text, local), key=str),
+        allowed,
+        lambda dst: conntrack_delete(["-d", str(dst)], dst.version),
+        lambda dst: {"destination": str(dst)},
+    )
     if cut:
         log.info("conntrack.cut", destinations=cut)
     return cut

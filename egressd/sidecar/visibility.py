@@ -17,6 +17,7 @@ import structlog
 
 from egressd.config import Config
 from egressd.dnsproxy.forwarder import UPSTREAM_MARK, Forwarder
+from egressd.engine.counters import read_or_keep
 from egressd.events.dns import DnsEvents
 from egressd.events.resolve import ForwarderResolver
 from egressd.events.webhook import DenyWebhook, display_url
@@ -54,10 +55,9 @@ class SidecarDrops:
 
     async def refresh(self) -> None:
         """Before a scrape; a failed read keeps the last sample."""
-        try:
-            self._samples = {(SUBJECT,): float(await self.read())}
-        except Exception as exc:
-            log.warning("drops.counters_unreadable", error=str(exc)[:200])
+        dropped = await read_or_keep(self.read, "drops.counters_unreadable")
+        if dropped is not None:
+            self._samples = {(SUBJECT,): float(dropped)}
 
 
 def sidecar_events(cfg: Config, metrics: EgressMetrics, forwarder: Forwarder) -> DnsEvents:

@@ -207,7 +207,7 @@ async def test_a_dead_worker_is_restarted_alone_after_the_ca_check(tmp_path: Pat
 
 
 def test_egressctl_status_lines_per_worker() -> None:
-    from egressd.cli.egressctl import _worker_lines
+    from egressd.cli.commands.status import _worker_lines
 
     doc = [
         {"worker": 0, "port": 18081, "pid": 41, "ready": True, "starts": 1},
