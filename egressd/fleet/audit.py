@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import structlog
 
-from egressd.fleetnft.builder import audit_counter_subject
+from egressd.fleetnft.audit import audit_counter_subject
 from egressd.metrics import EgressMetrics
 from egressd.policy.audit import safe_token
 from egressd.subject.model import subject_for_uid

@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from egressd.events.denials import RecentDenials
-from egressd.fleetnft.builder import UNATTRIBUTED_COUNTER, dropped_counter_subject
+from egressd.fleetnft.table import UNATTRIBUTED_COUNTER, dropped_counter_subject
 from egressd.metrics import EgressMetrics
 from egressd.policy.audit import safe_token
 from egressd.subject.registry import Entry

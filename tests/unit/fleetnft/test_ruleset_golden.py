@@ -19,42 +19,41 @@ from dataclasses import replace
 from ipaddress import ip_address, ip_network
 from pathlib import Path
 
-from egressd.fleetnft.builder import (
-    SubjectNft,
-    TableConfig,
-    UidSubjectNft,
-    audit_counter_subject,
-    audit_objects,
+from egressd.fleetnft.audit import audit_counter_subject
+from egressd.fleetnft.contents import (
     contents_swap,
-    dispatch_deletes,
-    dispatch_entries,
-    dropped_counter_subject,
     dyn_add,
     dyn_replace,
-    flush_subject_sets,
-    gateway_release,
-    header_script,
-    mitm_ports,
     policy_contents,
     policy_swap,
     refuses_more,
-    removal_batch,
-    rules_per_subject,
     sandbox_nets_refresh,
     static_contents,
+)
+from egressd.fleetnft.header import header_script, worker_ports
+from egressd.fleetnft.hostuid import (
+    UidSubjectNft,
+    uid_audit_ops,
+    uid_key_deletes,
+    uid_subject_create,
+    uid_subject_keys,
+)
+from egressd.fleetnft.subject import (
+    audit_objects,
+    dispatch_deletes,
+    dispatch_entries,
+    flush_subject_sets,
+    gateway_release,
+    removal_batch,
+    rules_per_subject,
     subject_create,
     subject_keys,
     subject_objects,
     subject_objects_script,
     subject_resync,
     subject_rules,
-    subject_set,
-    uid_audit_ops,
-    uid_key_deletes,
-    uid_subject_create,
-    uid_subject_keys,
-    worker_ports,
 )
+from egressd.fleetnft.table import SubjectNft, TableConfig, dropped_counter_subject, mitm_ports, subject_set
 from egressd.kernel.ops import NetlinkBatch
 from egressd.policy import DENY_ALL, NetworkPolicy, parse_policy
 from egressd.subject.hostuid import UidPorts, UidRange
