@@ -17,10 +17,11 @@ from egressd.actionhandler.revocation import Revocations
 from egressd.actionhandler.shared import Shared
 from egressd.fleetnft.hostuid import UID_DISPATCH
 from egressd.fleetnft.subject import rules_per_subject
-from egressd.fleetnft.table import TableConfig, dispatch_map, family, subject_set
+from egressd.fleetnft.table import TableConfig, dispatch_map, subject_set
 from egressd.fleetnft.workers import uid_worker
 from egressd.kernel.applier import NftError
 from egressd.kernel.netlink import element_covering
+from egressd.nftsyntax import family
 from egressd.policy import NetworkPolicy
 from egressd.policy.explain import explain as explain_target
 from egressd.subject.leases import LeaseBook

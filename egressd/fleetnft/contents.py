@@ -8,7 +8,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable, Sequence
 
-from egressd.fleetnft.table import AUDIT_SETS, STATIC_SETS, IPNetwork, Names, family, sandbox_nets_set
+from egressd.fleetnft.table import AUDIT_SETS, STATIC_SETS, Names, sandbox_nets_set
 from egressd.kernel.ops import (
     AddIntervals,
     AddTimed,
@@ -17,6 +17,7 @@ from egressd.kernel.ops import (
     NetlinkBatch,
     Op,
 )
+from egressd.nftsyntax import IPNetwork, family
 from egressd.policy import (
     IpSets,
     NetworkPolicy,

@@ -39,7 +39,6 @@ from egressd.fleetnft.hostuid import _uid_header
 from egressd.fleetnft.table import (
     DENIED_CHAIN,
     DENY_VERDICT_CHAIN,
-    ND_TYPES,
     REFUSE,
     UNATTRIBUTED_COUNTER,
     TableConfig,
@@ -49,24 +48,21 @@ from egressd.fleetnft.table import (
     _port_map_decl,
     _ports,
     _Script,
-    _set_decl,
-    _split_doh,
     _vmap_decl,
     dispatch_map,
     doh_set,
     drop_counter_map,
     gateway_set,
-    l3_of,
     marking_map,
     mitm_in_map,
     mitm_port_map,
-    mitm_ports,
     mitm_src_set,
     sandbox_nets_set,
     sandbox_set,
 )
 from egressd.kernel.listeners import OWNER_MARK
 from egressd.kernel.ops import ALLOW_MARK
+from egressd.nftsyntax import ND_TYPES, exempt_literal, intercepted_ports, l3_of, set_decl, split_by_family
 
 #: Regular chain the input hook sends sandbox-sourced packets to (docs/behaviour.md §14.2).
 SANDBOX_IN_CHAIN = "sandbox_in"
@@ -81,13 +77,6 @@ def worker_ports(cfg: TableConfig) -> str:
     return _ports(cfg.mitm_port, cfg.mitm_port + cfg.mitm_workers - 1)
 
 
-def _exempt_literal(cfg: TableConfig, fam: str) -> str | None:
-    """The exempt nameservers of one family as an anonymous nft set, or None."""
-    version = 4 if fam == "v4" else 6
-    ips = [str(ip) for ip in cfg.nameserver_exempt if ip.version == version]
-    return "{ " + ", ".join(ips) + " }" if ips else None
-
-
 def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     """The §8.1 header: an empty, deny-by-default table (``Reset = header only``).
 
@@ -98,7 +87,7 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     if delete_existing:
         s.add(f"delete table inet {cfg.table}")
     s.add(f"add table inet {cfg.table}")
-    doh = _split_doh(cfg.doh_blocklist)
+    doh = split_by_family(cfg.doh_blocklist)
     _header_objects(s, cfg, doh)
     _marking_chain(s, cfg)
     _filter_chains(s, cfg, doh)
@@ -113,7 +102,7 @@ def _header_objects(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> 
         s.obj("add", "map", _vmap_decl(marking_map(fam), fam))
         s.obj("add", "map", _vmap_decl(dispatch_map(fam), fam))
         s.obj("add", "set", _plain_set_decl(sandbox_set(fam), fam))
-        s.obj("add", "set", _set_decl(sandbox_nets_set(fam), fam, "interval"))
+        s.obj("add", "set", set_decl(sandbox_nets_set(fam), fam, "interval"))
         s.obj("add", "set", _plain_set_decl(gateway_set(fam), fam))
         if cfg.mitm:
             s.obj("add", "map", _vmap_decl(mitm_in_map(fam), fam))
@@ -122,7 +111,7 @@ def _header_objects(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> 
         s.obj("add", "map", _counter_map_decl(drop_counter_map(fam), fam))
     if cfg.block_doh_443 and cfg.doh_blocklist:
         for fam in ("v4", "v6"):
-            s.obj("add", "set", _set_decl(doh_set(fam), fam, "interval", doh[fam]))
+            s.obj("add", "set", set_decl(doh_set(fam), fam, "interval", doh[fam]))
     s.obj("add", "set", f"{SANDBOX_IFACES_SET} {{ type ifname; }}")
     _denial_chains(s, cfg)
 
@@ -133,7 +122,7 @@ def _marking_chain(s: _Script, cfg: TableConfig) -> None:
     _sandbox_source_guard(s, cfg)
     s.rule("marking", f"meta mark set meta mark & {~ALLOW_MARK & 0xFFFFFFFF:#010x}")
     for fam in ("v4", "v6"):
-        exempt = _exempt_literal(cfg, fam)
+        exempt = exempt_literal(cfg.nameserver_exempt, fam)
         if exempt is not None:
             # Direct DNS of a registered sandbox to an exempt nameserver passes the
             # unmarked-drop tail; the forward hook's lateral drops and the subject's deny
@@ -232,7 +221,7 @@ def _nat_chain(s: _Script, cfg: TableConfig) -> None:
     # itself (any local address, loopback included) or to a sibling sandbox on the
     # sandbox's behalf. Left alone, such packets meet sandbox_in's drop or the forward
     # drop of sandbox destinations.
-    ports = mitm_ports(cfg)
+    ports = intercepted_ports(cfg.mitm_extra_ports)
     s.rule("nat", f"fib daddr type local tcp dport {ports} return")
     for fam in ("v4", "v6"):
         s.rule("nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} tcp dport {ports} return")

@@ -43,10 +43,7 @@ from egressd.fleetnft.table import (
     TableConfig,
     _own_listener_ports,
     _Script,
-    _split_doh,
     doh_set,
-    l3_of,
-    mitm_ports,
     sandbox_nets_set,
     sandbox_set,
 )
@@ -60,6 +57,7 @@ from egressd.kernel.ops import (
     NetlinkBatch,
     Op,
 )
+from egressd.nftsyntax import intercepted_ports, l3_of, split_by_family
 
 UID_MARKING = "uid_marking"
 UID_DISPATCH = "uid_dispatch"
@@ -151,7 +149,7 @@ def _uid_out_chain(s: _Script, cfg: TableConfig) -> None:
     if cfg.block_doh_443:
         if not cfg.doh_blocklist:
             s.rule(o, f"tcp dport 443 {UID_REFUSE}")
-        for fam, entries in _split_doh(cfg.doh_blocklist).items():
+        for fam, entries in split_by_family(cfg.doh_blocklist).items():
             if entries:
                 s.rule(o, f"{l3_of(fam)} daddr @{doh_set(fam)} tcp dport 443 {UID_REFUSE}")
     for fam in ("v4", "v6"):
@@ -191,7 +189,7 @@ def _uid_local_mitm(s: _Script, cfg: TableConfig) -> None:
     if cfg.block_doh_443:
         if not cfg.doh_blocklist:
             s.rule(c, f"{mitm} ct original proto-dst 443 {UID_REFUSE}")
-        for fam, entries in _split_doh(cfg.doh_blocklist).items():
+        for fam, entries in split_by_family(cfg.doh_blocklist).items():
             if entries:
                 s.rule(
                     c,
@@ -230,7 +228,7 @@ def _uid_nat_chain(s: _Script, cfg: TableConfig) -> None:
     for fam in ("v4", "v6"):
         s.rule(n, f"{l3_of(fam)} daddr @{sandbox_set(fam)} return")
         s.rule(n, f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} return")
-    s.rule(n, f"tcp dport {mitm_ports(cfg)} redirect to :meta skuid map @{UID_MITM}")
+    s.rule(n, f"tcp dport {intercepted_ports(cfg.mitm_extra_ports)} redirect to :meta skuid map @{UID_MITM}")
 
 
 def uid_subject_keys(cfg: TableConfig, subj: UidSubjectNft) -> NetlinkBatch:

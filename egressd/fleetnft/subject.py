@@ -21,18 +21,15 @@ from egressd.fleetnft.table import (
     CORE_SETS,
     DENIED_CHAIN,
     DYN_SETS,
-    DYN_TIMEOUT_S,
     Names,
     SubjectNft,
     TableConfig,
     _plain_set_decl,
     _port_map_decl,
     _Script,
-    _set_decl,
     _vmap_decl,
     dispatch_map,
     drop_counter_map,
-    family,
     gateway_set,
     marking_map,
     mitm_in_map,
@@ -61,6 +58,7 @@ from egressd.kernel.ops import (
     RuleAction,
     VerdictRule,
 )
+from egressd.nftsyntax import DYN_TIMEOUT_S, family, set_decl, timeout_set_decl
 from egressd.subject.model import IPAddress
 
 
@@ -229,18 +227,9 @@ def subject_objects_script(cfg: TableConfig, subj: SubjectNft) -> str:
     s = _Script(cfg.table)
     n = Names(subj.nft_id)
     for kind in CORE_SETS:
-        s.obj("add", "set", _set_decl(n.set(kind), kind[-2:], "interval"))
+        s.obj("add", "set", set_decl(n.set(kind), kind[-2:], "interval"))
     for fam in ("v4", "v6"):
-        s.obj(
-            "add",
-            "set",
-            _set_decl(
-                n.set(f"dyn_{fam}"),
-                fam,
-                "timeout",
-                extra=f" timeout {DYN_TIMEOUT_S}s;" + (f" size {cfg.max_leases};" if cfg.max_leases else ""),
-            ),
-        )
+        s.obj("add", "set", timeout_set_decl(n.set(f"dyn_{fam}"), fam, cfg.max_leases))
     s.obj("add", "chain", n.chain)
     s.obj("add", "chain", n.mark_chain)
     if cfg.mitm:

@@ -21,11 +21,10 @@ re-declared inline); rules, content swaps and deletions go through raw netlink b
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from egressd.policy import format_element, normalise_networks
+from egressd.nftsyntax import IPNetwork, addr_type
 from egressd.subject.hostuid import DEFAULT_UID_PORTS, UidPorts
 from egressd.subject.model import IPAddress
 
@@ -41,8 +40,6 @@ DYN_SETS = ("dyn_v4", "dyn_v6")
 SETS = (*STATIC_SETS, *DYN_SETS)
 AUDIT_COUNTERS = ("deny", "default")  # which audit rule counted: a user deny prefix, or no allow
 AUDIT_LOG_PREFIX = "egressd would-deny "
-DYN_TIMEOUT_S = 360
-ND_TYPES = "nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert"
 #: Every refusal goes here (docs/behaviour.md §15): counted per source, then DENY_VERDICT_CHAIN.
 DENIED_CHAIN = "denied"
 #: How a refusal looks: drop, or (EGRESSD_DENY_REJECT) TCP reset / ICMP admin-prohibited.
@@ -52,8 +49,6 @@ DENY_VERDICT_CHAIN = "deny_verdict"
 UNATTRIBUTED_COUNTER = "unattributed_dropped"
 DROPPED_SUFFIX = "_dropped"
 REFUSE = f"goto {DENIED_CHAIN}"
-
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +86,6 @@ class TableConfig:
     sandbox_ifaces: tuple[str, ...] = ()
 
 
-def mitm_ports(cfg: TableConfig) -> str:
-    """The intercepted TCP destination ports as an nft set literal."""
-    return "{ " + ", ".join(str(p) for p in (80, 443, *cfg.mitm_extra_ports)) + " }"
-
-
 @dataclass(frozen=True, slots=True)
 class SubjectNft:
     """What the ruleset needs to know about one subject."""
@@ -104,14 +94,6 @@ class SubjectNft:
     ip: IPAddress
     gateway: IPAddress
     worker: int = 0  # the MITM worker its intercepted connections go to (fleetnft.workers)
-
-
-def family(ip: IPAddress | IPNetwork) -> str:
-    return "v4" if ip.version == 4 else "v6"
-
-
-def _addr_type(fam: str) -> str:
-    return "ipv4_addr" if fam == "v4" else "ipv6_addr"
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,22 +165,15 @@ class _Script:
         return "\n".join(self.lines) + "\n"
 
 
-def _set_decl(name: str, fam: str, flags: str, elements: Sequence[str] = (), extra: str = "") -> str:
-    body = f"type {_addr_type(fam)}; flags {flags};{extra}"
-    if elements:
-        body += f" elements = {{ {', '.join(elements)} }}"
-    return f"{name} {{ {body} }}"
-
-
 def _plain_set_decl(name: str, fam: str, elements: Sequence[str] = ()) -> str:
-    body = f"type {_addr_type(fam)};"
+    body = f"type {addr_type(fam)};"
     if elements:
         body += f" elements = {{ {', '.join(elements)} }}"
     return f"{name} {{ {body} }}"
 
 
 def _vmap_decl(name: str, fam: str, elements: Sequence[str] = ()) -> str:
-    body = f"type {_addr_type(fam)} : verdict;"
+    body = f"type {addr_type(fam)} : verdict;"
     if elements:
         body += f" elements = {{ {', '.join(elements)} }}"
     return f"{name} {{ {body} }}"
@@ -227,7 +202,7 @@ def mitm_port_map(fam: str) -> str:
 
 
 def _port_map_decl(name: str, fam: str, elements: Sequence[str] = ()) -> str:
-    body = f"type {_addr_type(fam)} : inet_service;"
+    body = f"type {addr_type(fam)} : inet_service;"
     if elements:
         body += f" elements = {{ {', '.join(elements)} }}"
     return f"{name} {{ {body} }}"
@@ -251,7 +226,7 @@ def drop_counter_map(fam: str) -> str:
 
 
 def _counter_map_decl(name: str, fam: str) -> str:
-    return f"{name} {{ type {_addr_type(fam)} : counter; }}"
+    return f"{name} {{ type {addr_type(fam)} : counter; }}"
 
 
 def gateway_set(fam: str) -> str:
@@ -260,20 +235,6 @@ def gateway_set(fam: str) -> str:
 
 def doh_set(fam: str) -> str:
     return f"doh_block_{fam}"
-
-
-def _split_doh(nets: Iterable[IPNetwork]) -> dict[str, list[str]]:
-    """Normalised per family: overlapping entries would make nft refuse the header."""
-    v4 = [n for n in nets if isinstance(n, ipaddress.IPv4Network)]
-    v6 = [n for n in nets if isinstance(n, ipaddress.IPv6Network)]
-    return {
-        "v4": [format_element(n) for n in normalise_networks(v4)],
-        "v6": [format_element(n) for n in normalise_networks(v6)],
-    }
-
-
-def l3_of(fam: str) -> str:
-    return "ip" if fam == "v4" else "ip6"
 
 
 def _ports(lo: int, hi: int) -> str:

@@ -57,9 +57,10 @@ from egressd.fleetnft.subject import (  # noqa: E402
     subject_rules,
     subject_sets,
 )
-from egressd.fleetnft.table import AUDIT_COUNTERS, DENIED_CHAIN, Names, SubjectNft, TableConfig, family  # noqa: E402
+from egressd.fleetnft.table import AUDIT_COUNTERS, DENIED_CHAIN, Names, SubjectNft, TableConfig  # noqa: E402
 from egressd.kernel.netlink import NfTablesSocket  # noqa: E402
 from egressd.kernel.ops import AddChain, AddCounter, DeleteChain, DeleteCounter, NetlinkBatch, Op  # noqa: E402
+from egressd.nftsyntax import family  # noqa: E402
 from egressd.policy import NetworkPolicy, parse_policy  # noqa: E402
 
 VARIANTS = ("before", "six", "noflush", "after", "handles", "shared", "sharded")

@@ -53,8 +53,9 @@ from egressd.fleetnft.subject import (
     subject_resync,
     subject_rules,
 )
-from egressd.fleetnft.table import SubjectNft, TableConfig, dropped_counter_subject, mitm_ports, subject_set
+from egressd.fleetnft.table import SubjectNft, TableConfig, dropped_counter_subject, subject_set
 from egressd.kernel.ops import NetlinkBatch
+from egressd.nftsyntax import intercepted_ports
 from egressd.policy import DENY_ALL, NetworkPolicy, parse_policy
 from egressd.subject.hostuid import UidPorts, UidRange
 
@@ -166,7 +167,7 @@ def _table_cases() -> Iterator[tuple[str, str]]:
         yield f"{name}/header", header_script(cfg, delete_existing=False)
         yield f"{name}/header_delete", header_script(cfg, delete_existing=True)
         yield f"{name}/worker_ports", worker_ports(cfg)
-        yield f"{name}/mitm_ports", mitm_ports(cfg)
+        yield f"{name}/mitm_ports", intercepted_ports(cfg.mitm_extra_ports)
         yield from _subject_cases(name, cfg)
         yield from _uid_cases(name, cfg)
 
