@@ -12,7 +12,6 @@ diff of the full texts is reviewed.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -58,6 +57,7 @@ from egressd.kernel.ops import NetlinkBatch
 from egressd.nftsyntax import intercepted_ports
 from egressd.policy import DENY_ALL, NetworkPolicy, parse_policy
 from egressd.subject.hostuid import UidPorts, UidRange
+from tests.unit.golden import changed_cases, digests, main
 
 GOLDEN = Path(__file__).with_name("golden_ruleset.sha256")
 
@@ -226,29 +226,19 @@ def corpus() -> dict[str, str]:
     return out
 
 
-def digests(cases: dict[str, str]) -> str:
-    return "".join(f"{hashlib.sha256(text.encode()).hexdigest()}  {key}\n" for key, text in cases.items())
-
-
-def full_text(cases: dict[str, str]) -> str:
-    return "".join(f"=== {key}\n{text.rstrip(chr(10))}\n" for key, text in cases.items())
-
-
 def test_the_generated_ruleset_matches_the_golden_digests() -> None:
-    expected = dict(_parse(GOLDEN.read_text()))
-    got = dict(_parse(digests(corpus())))
-    changed = sorted(k for k in expected.keys() | got.keys() if expected.get(k) != got.get(k))
+    changed = changed_cases(GOLDEN, corpus())
     assert not changed, f"{len(changed)} generated cases differ from {GOLDEN.name}: {changed[:20]}"
 
 
-def _parse(text: str) -> Iterator[tuple[str, str]]:
-    for line in text.splitlines():
-        digest, key = line.split("  ", 1)
-        yield key, digest
+def test_the_digests_see_a_one_byte_change_and_a_missing_case(tmp_path: Path) -> None:
+    cases = {"a": "add table inet T\n", "b": "add chain inet T c\n"}
+    golden = tmp_path / "digests"
+    golden.write_text(digests(cases))
+    assert changed_cases(golden, cases) == []
+    assert changed_cases(golden, {**cases, "b": "add chain inet T  c\n"}) == ["b"]
+    assert changed_cases(golden, {"a": cases["a"]}) == ["b"]
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--full"]:
-        Path(sys.argv[2]).write_text(full_text(corpus()))
-    else:
-        GOLDEN.write_text(digests(corpus()))
+    main(GOLDEN, corpus, sys.argv[1:])
