@@ -487,7 +487,7 @@ def _refuses(rule_json: str) -> bool:
 
 
 SUBJECT_SET_KINDS = [f"{k}_{fam}" for k in (*STATIC_KINDS, "dyn") for fam in ("v4", "v6")]
-# Made by a subject's first audit policy and kept until its removal (fleetnft/builder.py):
+# Made by a subject's first audit policy and kept until its removal (fleetnft/audit.py):
 # optional objects, required while the active policy audits.
 AUDIT_SET_KINDS = {f"{k}_{fam}" for k in ("wdeny", "audit") for fam in ("v4", "v6")}
 

@@ -16,7 +16,7 @@ from egressd.actionhandler.learning import DnsLearning
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.revocation import Revocations, resync_plan
 from egressd.actionhandler.shared import Shared
-from egressd.fleetnft.builder import Contents, contents_swap, dyn_replace, static_contents
+from egressd.fleetnft.contents import Contents, contents_swap, dyn_replace, static_contents
 from egressd.kernel.applier import NftError, NftUncertain
 from egressd.kernel.ops import NetlinkBatch
 from egressd.mitm import seqmap

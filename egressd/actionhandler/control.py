@@ -28,7 +28,7 @@ from egressd.actionhandler.revocation import After, Revocations, narrows
 from egressd.actionhandler.shared import Claims, Shared
 from egressd.actionhandler.steps import STEP_PREFIX, Refused, SandboxNets, StepFailed, StepRunner
 from egressd.actionhandler.vaults import Credentials
-from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import NftError, NftUncertain, Transactions
 from egressd.metrics import EgressMetrics
 from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy

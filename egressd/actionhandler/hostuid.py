@@ -3,7 +3,7 @@
 A host-uid sandbox is keyed by its processes' host uid (``attachment.process.uid``) and gets a
 *slot*, which names its own DNS port (and, with the MITM, its MITM port). Its kernel objects,
 rules and set contents are a network subject's; only its keys differ: uid map elements instead
-of address ones (fleetnft/builder.py, "host-uid subjects"). The step runner (steps.py) calls
+of address ones (fleetnft/hostuid.py). The step runner (steps.py) calls
 the batch builders here for a subject whose binding or kernel view has uid keys.
 
 Nothing of a host-uid subject is established past its rules (its packets are all judged on
@@ -18,16 +18,15 @@ from typing import Protocol
 from egressd.actionhandler.api import Result
 from egressd.actionhandler.envelope import SetBinding
 from egressd.actionhandler.shared import Claims
-from egressd.fleetnft.builder import (
-    TableConfig,
+from egressd.fleetnft.hostuid import (
     UidSubjectNft,
-    flush_subject_sets,
-    subject_rules,
     uid_audit_ops,
     uid_key_deletes,
     uid_subject_create,
     uid_subject_keys,
 )
+from egressd.fleetnft.subject import flush_subject_sets, subject_rules
+from egressd.fleetnft.table import TableConfig
 from egressd.kernel.ops import NetlinkBatch, Op
 from egressd.subject.hostuid import free_slot, host_uid_problem
 from egressd.subject.registry import Entry, HostBinding, KernelView, Registry, SetBindingRequest

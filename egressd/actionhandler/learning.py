@@ -16,7 +16,7 @@ from collections.abc import Callable
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.shared import Shared
 from egressd.dnsproxy.server import Asker
-from egressd.fleetnft.builder import dyn_add, policy_contents
+from egressd.fleetnft.contents import dyn_add, policy_contents
 from egressd.kernel.applier import NftError, NftUncertain
 from egressd.mitm import seqmap
 from egressd.policy import NetworkPolicy, normalise_name

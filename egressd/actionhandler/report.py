@@ -15,17 +15,13 @@ from typing import Any
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.revocation import Revocations
 from egressd.actionhandler.shared import Shared
-from egressd.fleetnft.builder import (
-    UID_DISPATCH,
-    TableConfig,
-    dispatch_map,
-    family,
-    rules_per_subject,
-    subject_set,
-)
+from egressd.fleetnft.hostuid import UID_DISPATCH
+from egressd.fleetnft.subject import rules_per_subject
+from egressd.fleetnft.table import TableConfig, dispatch_map, subject_set
 from egressd.fleetnft.workers import uid_worker
 from egressd.kernel.applier import NftError
 from egressd.kernel.netlink_dump import element_covering
+from egressd.nftsyntax import family
 from egressd.policy import NetworkPolicy
 from egressd.policy.explain import explain as explain_target
 from egressd.subject.leases import LeaseBook

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.table import TableConfig
 from egressd.fleetnft.workers import WorkerAssignment
 from egressd.kernel.applier import Transactions
 from egressd.metrics import EgressMetrics

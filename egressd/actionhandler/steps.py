@@ -20,28 +20,29 @@ from egressd.actionhandler.flows import FlowCuts
 from egressd.actionhandler.learning import DnsLearning
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.shared import Shared
-from egressd.fleetnft.builder import (
-    SANDBOX_IFACES_SET,
+from egressd.fleetnft.contents import (
     Contents,
-    SubjectNft,
-    audit_objects,
     contents_swap,
-    dispatch_deletes,
     dyn_replace,
-    flush_subject_sets,
-    gateway_release,
-    header_script,
     policy_swap,
     refuses_more,
-    removal_batch,
     sandbox_nets_refresh,
     static_contents,
+)
+from egressd.fleetnft.header import SANDBOX_IFACES_SET, header_script
+from egressd.fleetnft.ifaces import usable_host_veth
+from egressd.fleetnft.subject import (
+    audit_objects,
+    dispatch_deletes,
+    flush_subject_sets,
+    gateway_release,
+    removal_batch,
     subject_create,
     subject_keys,
     subject_resync,
     subject_rules,
 )
-from egressd.fleetnft.ifaces import usable_host_veth
+from egressd.fleetnft.table import SubjectNft
 from egressd.kernel.applier import NftError, NftUncertain, Transactions
 from egressd.kernel.ops import AddIface, DeleteIface, NetlinkBatch, Op
 from egressd.mitm import seqmap
@@ -347,7 +348,7 @@ class StepRunner:
             # (14.1). The kernel's dyn sets never hold more than the book (learn records
             # every outcome but a refusal), so when every lease of the book stays they stay.
             batch = batch + dyn_replace(table, nid, narrowed.kept)
-        # A host-uid subject's audit mode lets its established flows pass (fleetnft/builder.py).
+        # A host-uid subject's audit mode lets its established flows pass (fleetnft/hostuid.py).
         batch = batch + hostuid.audit_membership(self._cfg, view.uid_keys, effective.audit)
         batch, commit = self.nets.refilled(batch, entry.uid, *_recognised_by(entry, self.nets))
         after = replace(view, applied=step.policy, audit=audit, contents=contents)

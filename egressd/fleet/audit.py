@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable
 
 from egressd.engine.counters import read_or_keep
-from egressd.fleetnft.builder import audit_counter_subject
+from egressd.fleetnft.audit import audit_counter_subject
 from egressd.metrics import EgressMetrics
 from egressd.policy.audit import safe_token
 from egressd.subject.model import subject_for_uid

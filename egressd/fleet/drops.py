@@ -18,7 +18,7 @@ from typing import Any
 
 from egressd.engine.counters import read_or_keep
 from egressd.events.denials import RecentDenials
-from egressd.fleetnft.builder import UNATTRIBUTED_COUNTER, dropped_counter_subject
+from egressd.fleetnft.table import UNATTRIBUTED_COUNTER, dropped_counter_subject
 from egressd.metrics import EgressMetrics
 from egressd.policy.audit import safe_token
 from egressd.subject.registry import Entry

@@ -25,8 +25,8 @@ from egressd.dnsproxy.upstreams import upstreams_or_system
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import FleetHTTP
 from egressd.fleet.visibility import FleetVisibility, fleet_visibility
-from egressd.fleetnft.builder import TableConfig
 from egressd.fleetnft.selftest import BridgeReport, SelfTestError, bridge_report, run_selftest
+from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import KernelTransactions, NftError
 from egressd.kernel.conntrack import flush_source
 from egressd.kernel.listeners import OWNER_MARK

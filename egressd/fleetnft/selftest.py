@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from egressd.fleetnft.builder import Names, dyn_add
+from egressd.fleetnft.contents import dyn_add
+from egressd.fleetnft.table import Names
 from egressd.kernel.applier import NftError
 from egressd.kernel.listeners import OWNER_MARK
 from egressd.kernel.netlink_dump import SetElement

@@ -14,7 +14,7 @@ Two properties, one per protocol family of attack:
   (setting a socket mark needs ``CAP_NET_ADMIN``, which no sandbox holds), and the accepted
   connections inherit it. The fleet table's input chain refuses every packet addressed to one of
   egressd's ports that would land on a full socket without that mark
-  (:func:`egressd.fleetnft.builder.header_script`, chain ``owned_in``): a squatter that bound a
+  (:func:`egressd.fleetnft.header.header_script`, chain ``owned_in``): a squatter that bound a
   port egressd is not using at that instant (a worker restarting, egressd itself down) receives
   no byte, SYN-cookie handshakes and not-yet-accepted children included.
 """

@@ -32,22 +32,31 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from egressd.policy import NetworkPolicy, Verdict, format_element, ip_sets, normalise_networks
+from egressd.nftsyntax import (
+    DYN_TIMEOUT_S,
+    ND_TYPES,
+    IPNetwork,
+    exempt_literal,
+    family,
+    intercepted_ports,
+    l3_of,
+    set_decl,
+    split_by_family,
+    timeout_set_decl,
+)
+from egressd.policy import NetworkPolicy, Verdict, ip_sets
 from egressd.subject.model import IPAddress
 
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 Mode = Literal["dns", "dns+nft"]
 
-DYN_TIMEOUT_S: Final = 360
 #: Mark the DNS forwarder puts on its upstream sockets (SO_MARK); exempt from redirect and filter.
 UPSTREAM_MARK: Final = 0x1
 REDIRECT_CHAIN: Final = "dns_redirect"
 FILTER_CHAIN: Final = "egress"
-ND_TYPES: Final = "nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert"
 #: Group id the MITM child runs with: its own upstream connections are not intercepted again
 #: (mitmproxy cannot mark its sockets). An app running with this gid only skips injection; the
 #: filter chain still applies the policy to its packets.
@@ -85,55 +94,14 @@ class SidecarTable:
     renew_by_replace: bool = False
 
 
-def _mitm_ports(cfg: SidecarTable) -> str:
-    return "{ " + ", ".join(str(p) for p in (80, 443, *cfg.mitm_extra_ports)) + " }"
-
-
-def _exempt(cfg: SidecarTable, fam: str) -> str | None:
-    """Exempt nameservers of one family as an anonymous nft set, or None."""
-    version = 4 if fam == "v4" else 6
-    ips = [str(ip) for ip in cfg.nameserver_exempt if ip.version == version]
-    return "{ " + ", ".join(ips) + " }" if ips else None
-
-
-def _fam(net: IPNetwork | IPAddress) -> str:
-    return "v4" if net.version == 4 else "v6"
-
-
-def _l3(fam: str) -> str:
-    return "ip" if fam == "v4" else "ip6"
-
-
-def _addr_type(fam: str) -> str:
-    return "ipv4_addr" if fam == "v4" else "ipv6_addr"
-
-
-def _split(nets: Iterable[IPNetwork]) -> dict[str, list[str]]:
-    """Per family, normalised (overlapping interval elements make nft refuse the set)."""
-    v4 = [n for n in nets if isinstance(n, ipaddress.IPv4Network)]
-    v6 = [n for n in nets if isinstance(n, ipaddress.IPv6Network)]
-    return {
-        "v4": [format_element(n) for n in normalise_networks(v4)],
-        "v6": [format_element(n) for n in normalise_networks(v6)],
-    }
-
-
 def _interval_set(table: str, name: str, fam: str, elements: Sequence[str]) -> str:
-    body = f"type {_addr_type(fam)}; flags interval;"
-    if elements:
-        body += f" elements = {{ {', '.join(elements)} }}"
-    return f"add set inet {table} {name} {{ {body} }}"
+    return f"add set inet {table} {set_decl(name, fam, 'interval', elements)}"
 
 
 def _timeout_set(table: str, name: str, fam: str, elements: Sequence[str], size: int) -> str:
     # Must stay byte-for-byte the declaration dyn_add re-uses: a re-declaration with other
     # properties is refused by the kernel.
-    body = f"type {_addr_type(fam)}; flags timeout; timeout {DYN_TIMEOUT_S}s;"
-    if size:
-        body += f" size {size};"
-    if elements:
-        body += f" elements = {{ {', '.join(elements)} }}"
-    return f"add set inet {table} {name} {{ {body} }}"
+    return f"add set inet {table} {timeout_set_decl(name, fam, size, elements)}"
 
 
 def dyn_set(fam: str) -> str:
@@ -159,7 +127,7 @@ def ruleset(
     ``dropped``: the refusal count of the table being replaced, carried over.
     """
     t = cfg.table
-    doh = _split(cfg.doh_blocklist)
+    doh = split_by_family(cfg.doh_blocklist)
     lines = [f"add table inet {t}", f"delete table inet {t}", f"add table inet {t}"]
     lines += _set_declarations(cfg, policy, leases, doh)
     if cfg.mode == "dns+nft" or cfg.mitm_port is not None:  # something refuses packets
@@ -185,12 +153,12 @@ def _set_declarations(
     t = cfg.table
     sets = ip_sets(policy)
     resolvers = [ipaddress.ip_network(ip) for ip in cfg.resolvers]
-    allow = _split([*sets.allow_v4, *sets.allow_v6, *resolvers])
-    deny = _split([*sets.deny_v4, *sets.deny_v6])
+    allow = split_by_family([*sets.allow_v4, *sets.allow_v6, *resolvers])
+    deny = split_by_family([*sets.deny_v4, *sets.deny_v6])
     dyn: dict[str, list[str]] = {"v4": [], "v6": []}
     for ip, seconds in leases:
         if seconds > 0:
-            dyn[_fam(ip)].append(lease_element(ip, seconds))
+            dyn[family(ip)].append(lease_element(ip, seconds))
     lines = []
     for fam in ("v4", "v6"):
         lines.append(_interval_set(t, f"allow_{fam}", fam, allow[fam]))
@@ -228,11 +196,11 @@ def _redirect_chain(cfg: SidecarTable) -> list[str]:
         _rule(t, c, f"meta mark {UPSTREAM_MARK:#x} return"),
     ]
     for fam in ("v4", "v6"):
-        exempt = _exempt(cfg, fam)
+        exempt = exempt_literal(cfg.nameserver_exempt, fam)
         if exempt is not None:
             # The reference's per-destination RETURN: DNS to these goes out as sent.
             lines.append(
-                _rule(t, c, f"{_l3(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 return")
+                _rule(t, c, f"{l3_of(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 return")
             )
     lines += [
         _rule(t, c, f"udp dport 53 redirect to :{cfg.dns_port}"),
@@ -245,7 +213,7 @@ def _redirect_chain(cfg: SidecarTable) -> list[str]:
             _rule(t, c, f"meta skgid {MITM_GID} return"),
             _rule(t, c, "ip daddr 127.0.0.0/8 return"),
             _rule(t, c, "ip6 daddr ::1 return"),
-            _rule(t, c, f"tcp dport {_mitm_ports(cfg)} redirect to :{cfg.mitm_port}"),
+            _rule(t, c, f"tcp dport {intercepted_ports(cfg.mitm_extra_ports)} redirect to :{cfg.mitm_port}"),
         ]
     return lines
 
@@ -294,7 +262,7 @@ def _filter_chain(cfg: SidecarTable, policy: NetworkPolicy, doh: dict[str, list[
         else:
             for fam in ("v4", "v6"):
                 if doh[fam]:
-                    rule(f"{_l3(fam)} daddr @doh_block_{fam} tcp dport 443 {REFUSE}")
+                    rule(f"{l3_of(fam)} daddr @doh_block_{fam} tcp dport 443 {REFUSE}")
     lines += [_rule(t, f, body) for body in _address_verdicts(cfg)]
     if not default_allow:
         rule(REFUSE)
@@ -303,14 +271,14 @@ def _filter_chain(cfg: SidecarTable, policy: NetworkPolicy, doh: dict[str, list[
 
 def _address_verdicts(cfg: SidecarTable) -> list[str]:
     """Deny beats everything; then exempt nameservers (port 53), leases, the allow sets."""
-    out = [f"{_l3(fam)} daddr @deny_{fam} {REFUSE}" for fam in ("v4", "v6")]
+    out = [f"{l3_of(fam)} daddr @deny_{fam} {REFUSE}" for fam in ("v4", "v6")]
     for fam in ("v4", "v6"):
-        exempt = _exempt(cfg, fam)
+        exempt = exempt_literal(cfg.nameserver_exempt, fam)
         if exempt is not None:
             # Port 53 only: the reference puts exempt nameservers in the allow list whole.
-            out.append(f"{_l3(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 accept")
-    out += [f"{_l3(fam)} daddr @{dyn_set(fam)} accept" for fam in ("v4", "v6")]
-    out += [f"{_l3(fam)} daddr @allow_{fam} accept" for fam in ("v4", "v6")]
+            out.append(f"{l3_of(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 accept")
+    out += [f"{l3_of(fam)} daddr @{dyn_set(fam)} accept" for fam in ("v4", "v6")]
+    out += [f"{l3_of(fam)} daddr @allow_{fam} accept" for fam in ("v4", "v6")]
     return out
 
 
@@ -326,7 +294,7 @@ def dyn_add(cfg: SidecarTable, leases: Sequence[tuple[IPAddress, float]]) -> str
     """
     by_fam: dict[str, list[tuple[IPAddress, str]]] = {"v4": [], "v6": []}
     for ip, seconds in leases:
-        by_fam[_fam(ip)].append((ip, lease_element(ip, seconds)))
+        by_fam[family(ip)].append((ip, lease_element(ip, seconds)))
     lines: list[str] = []
     for fam, items in by_fam.items():
         if not items:

@@ -21,7 +21,7 @@ from egressd.mitm import seqmap
 from egressd.policy import NetworkPolicy
 from egressd.subject.model import Fence, IPAddress, Subject, nft_id, subject_for_uid
 
-#: (set kind, its prefixes) for each static set of a subject (fleetnft.builder.static_contents).
+#: (set kind, its prefixes) for each static set of a subject (fleetnft.contents.static_contents).
 StaticContents = tuple[tuple[str, tuple[IPv4Network | IPv6Network, ...]], ...]
 
 

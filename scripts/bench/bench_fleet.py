@@ -36,7 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as c
 import fleet_instrument as fi
 
-from egressd.fleetnft import builder as nb
+from egressd.fleetnft.contents import policy_swap
+from egressd.fleetnft.header import header_script
+from egressd.fleetnft.subject import removal_batch, subject_create, subject_objects_script, subject_rules
+from egressd.fleetnft.table import Names, SubjectNft, TableConfig, drop_counter_map
 from egressd.kernel.ops import NetlinkBatch
 
 PORT = 18480
@@ -75,15 +78,15 @@ def ms(xs: list[float]) -> dict[str, float]:
 # ---- (a) (b) (c): through the daemon ------------------------------------------------------------
 
 
-def subject_objects(cfg: nb.TableConfig, s: nb.SubjectNft) -> str:
+def subject_objects(cfg: TableConfig, s: SubjectNft) -> str:
     """The libnftables path's objects plus what the netlink path adds to a subject: its drop
     counter and the counter-map key (docs/behaviour.md §15), so removals find them."""
-    n = nb.Names(s.nft_id)
+    n = Names(s.nft_id)
     fam = "v4" if s.ip.version == 4 else "v6"
     return (
-        nb.subject_objects_script(cfg, s)
+        subject_objects_script(cfg, s)
         + f"add counter inet {cfg.table} {n.dropped_counter}\n"
-        + f'add element inet {cfg.table} {nb.drop_counter_map(fam)} {{ {s.ip} : "{n.dropped_counter}" }}\n'
+        + f'add element inet {cfg.table} {drop_counter_map(fam)} {{ {s.ip} : "{n.dropped_counter}" }}\n'
     )
 
 
@@ -457,7 +460,7 @@ class DirectRun:
 
         from egressd.kernel.applier import _Netlink
 
-        self.cfg, self.gw = nb.TableConfig(table=DIRECT_TABLE), ipaddress.ip_address(GATEWAY)
+        self.cfg, self.gw = TableConfig(table=DIRECT_TABLE), ipaddress.ip_address(GATEWAY)
         self.ctx = nftables.Nftables()
         self.ctx.set_echo_output(False)  # as in the daemon: echo forces a full cache fill
         self.ctx.set_handle_output(False)
@@ -499,12 +502,12 @@ class DirectRun:
 
     # -- subjects
 
-    def subj(self, uid: str, ip: str) -> nb.SubjectNft:
+    def subj(self, uid: str, ip: str) -> SubjectNft:
         from egressd.subject.model import nft_id, subject_for_uid
 
-        return nb.SubjectNft(nft_id(subject_for_uid(uid)), ipaddress.ip_address(ip), self.gw)
+        return SubjectNft(nft_id(subject_for_uid(uid)), ipaddress.ip_address(ip), self.gw)
 
-    def bg(self, i: int) -> nb.SubjectNft:
+    def bg(self, i: int) -> SubjectNft:
         return self.subj(f"bg-{i}", ip_of(BG_BASE, i))
 
     @staticmethod
@@ -518,7 +521,7 @@ class DirectRun:
     def build(self, size: int) -> float:
         """The header and ``size`` subjects, 50 per build transaction; seconds taken."""
         t0 = time.perf_counter()
-        self.libnft(nb.header_script(self.cfg, delete_existing=False))
+        self.libnft(header_script(self.cfg, delete_existing=False))
         for lo in range(0, size, 50):
             ids = range(lo, min(size, lo + 50))
             self.libnft("".join(subject_objects(self.cfg, self.bg(i)) for i in ids))
@@ -526,15 +529,15 @@ class DirectRun:
             for i in ids:
                 batch = (
                     batch
-                    + nb.subject_rules(self.cfg, self.bg(i).nft_id)
-                    + nb.policy_swap(DIRECT_TABLE, self.bg(i).nft_id, self.pol(i, 0), audit_objects=False)
+                    + subject_rules(self.cfg, self.bg(i).nft_id)
+                    + policy_swap(DIRECT_TABLE, self.bg(i).nft_id, self.pol(i, 0), audit_objects=False)
                 )
             self.netlink(batch)
         return time.perf_counter() - t0
 
     def swap(self, method: str, i: int) -> float:
         self.variant += 1
-        b = nb.policy_swap(DIRECT_TABLE, self.bg(i).nft_id, self.pol(i, self.variant), audit_objects=False)
+        b = policy_swap(DIRECT_TABLE, self.bg(i).nft_id, self.pol(i, self.variant), audit_objects=False)
         return self.apply(method, b, b.describe())
 
     def check_swaps(self, size: int) -> None:
@@ -555,20 +558,20 @@ class DirectRun:
             if f"198.51.{self.variant % 250}.0/24" not in got:
                 raise c.BenchError(f"{m} policy swap not applied: {got[:300]!r}")
 
-    def create(self, method: str) -> tuple[nb.SubjectNft, float]:
+    def create(self, method: str) -> tuple[SubjectNft, float]:
         s = self.subj(f"new-{self.fresh}", ip_of(FRESH_BASE, self.fresh))
         self.fresh += 1
         return s, self.apply(
             method,
-            nb.subject_create(self.cfg, s),
-            subject_objects(self.cfg, s) + nb.subject_rules(self.cfg, s.nft_id).describe(),
+            subject_create(self.cfg, s),
+            subject_objects(self.cfg, s) + subject_rules(self.cfg, s.nft_id).describe(),
         )
 
-    def drop(self, created: list[nb.SubjectNft]) -> None:
+    def drop(self, created: list[SubjectNft]) -> None:
         """Untimed: the table keeps its size."""
         batch = NetlinkBatch(DIRECT_TABLE)
         for s in created:
-            batch = batch + nb.removal_batch(self.cfg, s.nft_id, s.ip, release_gateway=None, audit=False)
+            batch = batch + removal_batch(self.cfg, s.nft_id, s.ip, release_gateway=None, audit=False)
         self.netlink(batch)
         time.sleep(0.01)  # the kernel's deferred clean-up of the deleted objects
 

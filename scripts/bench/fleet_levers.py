@@ -47,9 +47,20 @@ sys.path.insert(0, str(ROOT))
 import nft_shared as sh  # noqa: E402
 from nft_handles import HandleSocket  # noqa: E402
 
-from egressd.fleetnft import builder as nb  # noqa: E402
+from egressd.fleetnft.contents import policy_contents, policy_swap, static_contents  # noqa: E402
+from egressd.fleetnft.header import header_script  # noqa: E402
+from egressd.fleetnft.subject import (  # noqa: E402
+    dispatch_deletes,
+    removal_batch,
+    subject_keys,
+    subject_objects,
+    subject_rules,
+    subject_sets,
+)
+from egressd.fleetnft.table import AUDIT_COUNTERS, DENIED_CHAIN, Names, SubjectNft, TableConfig  # noqa: E402
 from egressd.kernel.netlink import NfTablesSocket  # noqa: E402
 from egressd.kernel.ops import AddChain, AddCounter, DeleteChain, DeleteCounter, NetlinkBatch, Op  # noqa: E402
+from egressd.nftsyntax import family  # noqa: E402
 from egressd.policy import NetworkPolicy, parse_policy  # noqa: E402
 
 VARIANTS = ("before", "six", "noflush", "after", "handles", "shared", "sharded")
@@ -84,27 +95,27 @@ class Variant:
         self.by_handle = name == "handles"
         self.removed: set[str] = set()  # the last removed subject's sets: gone by the next dump
         self.dump = False  # learn the set handles after creation (set when "handles" is measured)
-        self.cfg = nb.TableConfig(table=table)
+        self.cfg = TableConfig(table=table)
 
-    def create(self, s: nb.SubjectNft) -> NetlinkBatch:
+    def create(self, s: SubjectNft) -> NetlinkBatch:
         audit = not self.six
         return (
-            nb.subject_objects(self.cfg, s.nft_id, audit=audit)
-            + nb.subject_rules(self.cfg, s.nft_id, audit=audit)
-            + nb.subject_keys(self.cfg, s)
+            subject_objects(self.cfg, s.nft_id, audit=audit)
+            + subject_rules(self.cfg, s.nft_id, audit=audit)
+            + subject_keys(self.cfg, s)
         )
 
     def swap(
-        self, s: nb.SubjectNft, p: NetworkPolicy, *, first: bool, held: NetworkPolicy | None = None
+        self, s: SubjectNft, p: NetworkPolicy, *, first: bool, held: NetworkPolicy | None = None
     ) -> NetlinkBatch:
         empty = first and self.noflush
-        was = nb.static_contents(held) if held is not None and self.six and self.noflush else None
-        return nb.policy_swap(
+        was = static_contents(held) if held is not None and self.six and self.noflush else None
+        return policy_swap(
             self.cfg.table, s.nft_id, p, audit_objects=not self.six, known_empty=empty, held=was
         )
 
-    def remove(self, s: nb.SubjectNft) -> NetlinkBatch:
-        return nb.removal_batch(self.cfg, s.nft_id, s.ip, release_gateway=None, audit=not self.six)
+    def remove(self, s: SubjectNft) -> NetlinkBatch:
+        return removal_batch(self.cfg, s.nft_id, s.ip, release_gateway=None, audit=not self.six)
 
 
 class SharedVariant:
@@ -112,30 +123,30 @@ class SharedVariant:
     ``sharded``: the same over ``shards`` groups of six shared sets, a subject's in one group."""
 
     def __init__(self, table: str, shards: int = 1) -> None:
-        self.cfg = nb.TableConfig(table=table)
+        self.cfg = TableConfig(table=table)
         self.shards = shards
         self.held: dict[str, dict[str, tuple[sh.Net, ...]]] = {}
         self.dump = False
 
-    def create(self, s: nb.SubjectNft) -> sh.Raw:
-        n = nb.Names(s.nft_id)
-        fam = nb.family(s.ip)
+    def create(self, s: SubjectNft) -> sh.Raw:
+        n = Names(s.nft_id)
+        fam = family(s.ip)
         ops: list[Op] = [AddChain(n.chain), AddChain(n.mark_chain)]
-        ops += [AddCounter(n.counter(kind)) for kind in nb.AUDIT_COUNTERS] + [AddCounter(n.dropped_counter)]
+        ops += [AddCounter(n.counter(kind)) for kind in AUDIT_COUNTERS] + [AddCounter(n.dropped_counter)]
         g = self.shard(s)
         rules = [sh.rule(self.cfg.table, n.chain, [*sh.concat_lookup(fam, sh.set_name("deny", fam, g)),
                                                   _goto_denied()])]  # fmt: skip
         rules += [sh.rule(self.cfg.table, n.mark_chain, [*sh.concat_lookup(fam, sh.set_name(kind, fam, g)), *_set_mark()])
                   for kind in ("allow", "dyn")]  # fmt: skip
-        batch = NetlinkBatch(self.cfg.table, tuple(ops)) + nb.subject_keys(self.cfg, s)
+        batch = NetlinkBatch(self.cfg.table, tuple(ops)) + subject_keys(self.cfg, s)
         return sh.Raw(self.cfg.table, batch, after=rules)
 
     def swap(
-        self, s: nb.SubjectNft, p: NetworkPolicy, *, first: bool, held: NetworkPolicy | None = None
+        self, s: SubjectNft, p: NetworkPolicy, *, first: bool, held: NetworkPolicy | None = None
     ) -> sh.Raw:
         del first, held  # the elements it holds are known: it adds and deletes exactly those
-        fam = nb.family(s.ip)
-        new = {kind: nb.policy_contents(p)[f"{kind}_{fam}"] for kind in ("allow", "deny")}
+        fam = family(s.ip)
+        new = {kind: policy_contents(p)[f"{kind}_{fam}"] for kind in ("allow", "deny")}
         old = self.held.get(s.nft_id, {"allow": (), "deny": ()})
         msgs: list[sh.Msg] = []
         for kind in ("allow", "deny"):
@@ -148,10 +159,10 @@ class SharedVariant:
         self.held[s.nft_id] = new
         return sh.Raw(self.cfg.table, msgs=msgs)
 
-    def shard(self, s: nb.SubjectNft) -> int:
+    def shard(self, s: SubjectNft) -> int:
         return sh.shard_of(s.nft_id, self.shards)
 
-    def remove(self, s: nb.SubjectNft) -> sh.Raw:
+    def remove(self, s: SubjectNft) -> sh.Raw:
         old = self.held.pop(s.nft_id, {"allow": (), "deny": ()})
         msgs = [
             m
@@ -159,10 +170,10 @@ class SharedVariant:
             if old[kind]
             for m in sh.ranges(self.cfg.table, s.ip, kind, old[kind], delete=True, shard=self.shard(s))
         ]
-        n = nb.Names(s.nft_id)
-        ops = nb.dispatch_deletes(self.cfg, s.ip, release_gateway=None)
+        n = Names(s.nft_id)
+        ops = dispatch_deletes(self.cfg, s.ip, release_gateway=None)
         ops += [DeleteChain(n.chain), DeleteChain(n.mark_chain)]
-        ops += [DeleteCounter(n.counter(kind)) for kind in nb.AUDIT_COUNTERS] + [
+        ops += [DeleteCounter(n.counter(kind)) for kind in AUDIT_COUNTERS] + [
             DeleteCounter(n.dropped_counter)
         ]
         return sh.Raw(self.cfg.table, NetlinkBatch(self.cfg.table, tuple(ops)), msgs=msgs)
@@ -172,7 +183,7 @@ def _goto_denied() -> bytes:
     from egressd.kernel.netlink_rules import rule_expressions
     from egressd.kernel.ops import RuleAction, VerdictRule
 
-    return rule_expressions(VerdictRule(RuleAction.DROP, drop_chain=nb.DENIED_CHAIN))
+    return rule_expressions(VerdictRule(RuleAction.DROP, drop_chain=DENIED_CHAIN))
 
 
 def _set_mark() -> list[bytes]:
@@ -181,9 +192,9 @@ def _set_mark() -> list[bytes]:
     return netlink_rules._set_mark()
 
 
-def subject(i: int, base: str) -> nb.SubjectNft:
+def subject(i: int, base: str) -> SubjectNft:
     ip = ipaddress.ip_address(base) + i
-    return nb.SubjectNft(f"s_{base.split('.')[1]}_{i}", ip, GATEWAY)
+    return SubjectNft(f"s_{base.split('.')[1]}_{i}", ip, GATEWAY)
 
 
 AnyVariant = Variant | SharedVariant
@@ -208,7 +219,7 @@ class Sockets:
 
 
 def build(socks: Sockets, v: AnyVariant, size: int) -> None:
-    header = nb.header_script(v.cfg, delete_existing=False)
+    header = header_script(v.cfg, delete_existing=False)
     if isinstance(v, SharedVariant):
         header += sh.sets_script(v.cfg.table, dyn_size=max(65536, size * 64), shards=v.shards)
     subprocess.run(["nft", "-f", "-"], input=header, text=True, check=True)
@@ -234,7 +245,7 @@ def timed(socks: Sockets, batch: NetlinkBatch | sh.Raw) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def fill_update_remove(socks: Sockets, v: AnyVariant, s: nb.SubjectNft, k: int) -> dict[str, float]:
+def fill_update_remove(socks: Sockets, v: AnyVariant, s: SubjectNft, k: int) -> dict[str, float]:
     out = {"fill": timed(socks, v.swap(s, policy(k), first=True))}
     out["update"] = timed(socks, v.swap(s, policy(k + 1), first=False, held=policy(k)))
     out["remove"] = timed(socks, v.remove(s))
@@ -256,7 +267,7 @@ def one_round(socks: Sockets, v: AnyVariant, k: int) -> dict[str, float]:
         raise RuntimeError(
             f"{v.cfg.table}: sets survived their removal: {sorted(v.removed & handles.keys())}"
         )
-    v.removed = {nb.Names(s.nft_id).set(kind) for kind in nb.subject_sets(audit=not v.six)}
+    v.removed = {Names(s.nft_id).set(kind) for kind in subject_sets(audit=not v.six)}
     if not v.removed <= handles.keys():
         raise RuntimeError(f"{v.cfg.table}: the dump misses sets of {s.nft_id}")
     out["fill"] = timed(socks, v.swap(s, policy(k), first=True))

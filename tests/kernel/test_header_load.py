@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from egressd.fleetnft.builder import TableConfig, header_script
+from egressd.fleetnft.header import header_script
+from egressd.fleetnft.table import TableConfig
 from egressd.subject.hostuid import UidPorts, UidRange
 
 BLOCKLIST = (ipaddress.ip_network("1.1.1.1/32"), ipaddress.ip_network("2606:4700::/32"))

@@ -229,7 +229,7 @@ def test_selftest_reports_how_this_kernel_renews_leases(parity: Daemon) -> None:
 
 _RENEW_SCRIPT = """
 import ipaddress, json, sys, time
-from egressd.fleetnft.builder import dyn_add
+from egressd.fleetnft.contents import dyn_add
 from egressd.fleetnft.selftest import probe_lease_renewal
 from egressd.kernel.netlink import NfTablesSocket
 from egressd.kernel.ops import AddSet, NetlinkBatch

@@ -1,4 +1,4 @@
-"""The re-sync batch after an unanswered transaction (builder.subject_resync) on the real kernel.
+"""The re-sync batch after an unanswered transaction (fleetnft.subject.subject_resync) on the real kernel.
 
 The fault matrix (unit/test_fault_matrix.py) proves the control plane's logic against a model
 kernel; this proves the model's one new assumption: that the re-sync batch, followed by the
@@ -22,10 +22,13 @@ import pytest
 _SCRIPT = textwrap.dedent(
     """
     import ipaddress, subprocess, sys
-    from egressd.fleetnft.builder import (
-        SubjectNft, TableConfig, audit_objects, dispatch_deletes, flush_subject_sets, gateway_release,
-        header_script, policy_swap, removal_batch, subject_create, subject_keys, subject_resync,
+    from egressd.fleetnft.contents import policy_swap
+    from egressd.fleetnft.header import header_script
+    from egressd.fleetnft.subject import (
+        audit_objects, dispatch_deletes, flush_subject_sets, gateway_release, removal_batch, subject_create,
+        subject_keys, subject_resync,
     )
+    from egressd.fleetnft.table import SubjectNft, TableConfig
     from egressd.kernel.netlink import NfTablesSocket
     from egressd.kernel.ops import NetlinkBatch
     from egressd.policy import parse_policy

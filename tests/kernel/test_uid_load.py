@@ -19,11 +19,13 @@ import pytest
 _SCRIPT = textwrap.dedent(
     """
     import ipaddress, subprocess, sys
-    from egressd.fleetnft.builder import (
-        SubjectNft, TableConfig, UidSubjectNft, audit_objects, flush_subject_sets, header_script, policy_swap,
-        removal_batch, subject_create, uid_audit_ops, uid_key_deletes, uid_subject_create,
-        uid_subject_keys,
+    from egressd.fleetnft.contents import policy_swap
+    from egressd.fleetnft.header import header_script
+    from egressd.fleetnft.hostuid import (
+        UidSubjectNft, uid_audit_ops, uid_key_deletes, uid_subject_create, uid_subject_keys,
     )
+    from egressd.fleetnft.subject import audit_objects, flush_subject_sets, removal_batch, subject_create
+    from egressd.fleetnft.table import SubjectNft, TableConfig
     from egressd.kernel.netlink import NfTablesSocket
     from egressd.kernel.ops import NetlinkBatch
     from egressd.policy import parse_policy

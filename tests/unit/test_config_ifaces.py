@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from egressd.config import ConfigError, ignored_settings, parse_config
-from egressd.fleetnft.builder import TableConfig, header_script
+from egressd.fleetnft.header import header_script
+from egressd.fleetnft.table import TableConfig
 
 FLEET = {"OPENSANDBOX_EGRESS_PROFILE": "fleet"}
 

@@ -26,7 +26,8 @@ from egressd.config import (
 )
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import FleetHTTP
-from egressd.fleetnft.builder import TableConfig, header_script
+from egressd.fleetnft.header import header_script
+from egressd.fleetnft.table import TableConfig
 from egressd.logsetup import configure, constant_fields
 from egressd.main import main
 from egressd.metriclabels import add_to_sample, with_constant_labels

@@ -25,7 +25,8 @@ import egressd.actionhandler.control as control_mod
 from egressd.actionhandler.api import Result
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
-from egressd.fleetnft.builder import TableConfig, subject_sets
+from egressd.fleetnft.subject import subject_sets
+from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import NftError
 from egressd.kernel.ops import (
     AddIntervals,

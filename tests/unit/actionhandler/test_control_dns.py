@@ -20,7 +20,8 @@ from egressd.actionhandler.api import Result
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
 from egressd.dnsproxy.server import Asker
-from egressd.fleetnft.builder import TableConfig, dyn_add, dyn_replace, policy_swap
+from egressd.fleetnft.contents import dyn_add, dyn_replace, policy_swap
+from egressd.fleetnft.table import TableConfig
 from egressd.kernel import conntrack
 from egressd.kernel.applier import NftError
 from egressd.kernel.ops import AddIntervals, AddTimed, NetlinkBatch

@@ -20,7 +20,8 @@ from egressd.actionhandler.envelope import API_VERSION, SetBinding, parse_action
 from egressd.actionhandler.inputs import BadRequest, BindingInput, read_set_binding
 from egressd.actionhandler.shared import Claims
 from egressd.dnsproxy.server import Asker, DnsProxy
-from egressd.fleetnft.builder import TableConfig, rules_per_subject, subject_rules, subject_set
+from egressd.fleetnft.subject import rules_per_subject, subject_rules
+from egressd.fleetnft.table import TableConfig, subject_set
 from egressd.kernel.netlink_dump import SetElement
 from egressd.kernel.ops import AddRule, MatchRule, NetlinkBatch
 from egressd.policy import EMPTY_ALWAYS, ip_sets, parse_policy

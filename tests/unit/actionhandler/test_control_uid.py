@@ -17,7 +17,7 @@ import pytest
 from egressd.actionhandler.api import Result
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, SetBinding, parse_action
-from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.table import TableConfig
 from egressd.subject.hostuid import UidPorts, UidRange
 from egressd.subject.registry import HostBinding, State
 from tests.unit.actionhandler.test_control import POLICY_A, hook, remove, set_binding

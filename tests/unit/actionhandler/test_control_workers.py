@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from egressd.actionhandler.api import Result
 from egressd.actionhandler.control import ControlPlane
-from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.table import TableConfig
 from egressd.subject.hostuid import UidPorts, UidRange
 from tests.unit.actionhandler.test_control import POLICY_B, hook, remove, set_binding
 from tests.unit.actionhandler.test_control_uid import uid_binding

@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import parse_action
 from egressd.fleet.server import FleetHTTP
-from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from tests.unit.fakekernel import FakeTx
 

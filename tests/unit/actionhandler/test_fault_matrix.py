@@ -44,7 +44,8 @@ import pytest
 
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
-from egressd.fleetnft.builder import TableConfig, header_script
+from egressd.fleetnft.header import header_script
+from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import NftError, NftUncertain
 from egressd.kernel.netlink_dump import SetElement
 from egressd.kernel.netlink_elements import interval_keys
@@ -435,7 +436,7 @@ def _vmap_target(t: Table, name: str, ip: IPAddress) -> str | None:
 
 
 def kernel_allows(t: Table, cfg: TableConfig, src: IPAddress, dst: IPAddress) -> bool:
-    """Would a NEW tcp/443 flow src -> dst pass the modelled table? (builder.header_script,
+    """Would a NEW tcp/443 flow src -> dst pass the modelled table? (header.header_script,
     subject_rules: read them side by side; only the rules that decide such a flow.)"""
     fam = _fam(src)
     if _fam(dst) != fam:

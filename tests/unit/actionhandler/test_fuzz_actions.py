@@ -11,7 +11,7 @@ from aiohttp.test_utils import TestClient
 
 from egressd.actionhandler.control import ControlPlane
 from egressd.fleet.server import FleetHTTP
-from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from tests.unit.fakekernel import FakeTx
 

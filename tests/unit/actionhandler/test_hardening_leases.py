@@ -19,7 +19,8 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.dnsproxy.forwarder import Forwarded
 from egressd.dnsproxy.server import DnsProxy
 from egressd.fleet.server import FleetHTTP
-from egressd.fleetnft.builder import TableConfig, dyn_add, dyn_replace, policy_swap, static_contents
+from egressd.fleetnft.contents import dyn_add, dyn_replace, policy_swap, static_contents
+from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import NftError
 from egressd.kernel.ops import AddSet, AddTimed, FlushSet, NetlinkBatch
 from egressd.metrics import EgressMetrics

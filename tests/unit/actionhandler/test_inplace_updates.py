@@ -17,7 +17,8 @@ import pytest
 
 import egressd.actionhandler.flows as flows_mod
 from egressd.actionhandler.control import ControlPlane
-from egressd.fleetnft.builder import TableConfig, policy_contents, refuses_more, static_contents
+from egressd.fleetnft.contents import policy_contents, refuses_more, static_contents
+from egressd.fleetnft.table import TableConfig
 from egressd.kernel import conntrack
 from egressd.kernel.ops import FlushSet
 from egressd.policy import (

@@ -10,7 +10,7 @@ import pytest
 
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, RemoveBinding, SetBinding, parse_action
-from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.table import TableConfig
 from tests.unit.fakekernel import TextKernel, text_kernel
 
 POLICY = '{"defaultAction":"deny","egress":[{"action":"allow","target":"8.8.8.8"}]}'

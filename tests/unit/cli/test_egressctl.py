@@ -18,7 +18,7 @@ from aiohttp import web
 from egressd.actionhandler.control import ControlPlane
 from egressd.cli.egressctl import main
 from egressd.fleet.server import FleetHTTP
-from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from tests.unit.fakekernel import FakeTx
 

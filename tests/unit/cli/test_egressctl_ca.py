@@ -23,7 +23,7 @@ from egressd.cli.ca import certificate_der, fingerprint, normalise_fingerprint
 from egressd.cli.client import CliError
 from egressd.cli.egressctl import main
 from egressd.fleet.server import FleetHTTP
-from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from tests.unit.fakekernel import FakeTx
 

@@ -21,7 +21,7 @@ from egressd.cli.watch import CLEAR, History, Snapshot, frame, run_watch
 from egressd.config import parse_config
 from egressd.fleet.server import FleetHTTP
 from egressd.fleet.visibility import fleet_visibility
-from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from tests.unit.fakekernel import FakeTx
 

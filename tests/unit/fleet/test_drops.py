@@ -17,7 +17,7 @@ from egressd.events.denials import RecentDenials
 from egressd.fleet.drops import CounterDump, DropCounters, dropped_by_nft_id, dropped_samples
 from egressd.fleet.server import FleetHTTP
 from egressd.fleet.visibility import fleet_visibility
-from egressd.fleetnft.builder import TableConfig, dropped_counter_subject
+from egressd.fleetnft.table import TableConfig, dropped_counter_subject
 from egressd.metrics import EgressMetrics
 from tests.unit.fakekernel import FakeTx
 

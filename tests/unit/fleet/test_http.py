@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, MAX_BODY_BYTES
 from egressd.fleet.server import ACTIONS_PATH, STATUS_PATH, FleetHTTP
-from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from tests.unit.fakekernel import FakeTx
 

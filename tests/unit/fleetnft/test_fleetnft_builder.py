@@ -1,6 +1,6 @@
 """§8 fleet nft blueprint: the builder's scripts compared as text, its netlink batches as data.
 
-The builder deliberately deviates from the reference blueprint (module docstring): dispatch
+The builder deliberately deviates from the reference blueprint (fleetnft/header.py): dispatch
 goes through verdict maps, the DNS redirect through per-family gateway sets, a subject's
 rules are fixed for its lifetime (added once, via netlink) and its state lives only in its set
 contents; libnftables only gets cache-free declarations, everything else is a netlink batch.
@@ -15,24 +15,21 @@ from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 import pytest
 
 from egressd.config import parse_doh_blocklist
-from egressd.fleetnft.builder import (
-    SubjectNft,
-    TableConfig,
-    audit_counter_subject,
+from egressd.fleetnft.audit import audit_counter_subject
+from egressd.fleetnft.contents import dyn_add, policy_contents, policy_swap
+from egressd.fleetnft.header import header_script
+from egressd.fleetnft.subject import (
     audit_objects,
     dispatch_deletes,
     dispatch_entries,
-    dyn_add,
     flush_subject_sets,
     gateway_release,
-    header_script,
-    policy_contents,
-    policy_swap,
     removal_batch,
     subject_objects_script,
     subject_rules,
     subject_sets,
 )
+from egressd.fleetnft.table import SubjectNft, TableConfig
 from egressd.kernel.ops import (
     AddIntervals,
     AddRule,

@@ -9,16 +9,16 @@ from typing import Any
 import pytest
 from pyroute2.netlink.nfnetlink.nftsocket import NFT_MSG_DELSETELEM, NFT_MSG_NEWSETELEM, nft_set_elem_list_msg
 
-from egressd.fleetnft.builder import (
-    TableConfig,
+from egressd.fleetnft.header import header_script
+from egressd.fleetnft.hostuid import (
     UidSubjectNft,
-    header_script,
-    subject_create,
     uid_audit_ops,
     uid_key_deletes,
     uid_subject_create,
     uid_subject_keys,
 )
+from egressd.fleetnft.subject import subject_create
+from egressd.fleetnft.table import TableConfig
 from egressd.kernel import netlink_batch, netlink_proto
 from egressd.kernel.ops import AddUid, AddUidCounterRef, AddUidJump, AddUidPort, DeleteUid, NetlinkBatch
 from egressd.subject.hostuid import UidPorts, UidRange
@@ -217,7 +217,7 @@ def test_create_has_the_network_subjects_objects_and_rules() -> None:
 def _net_subject() -> Any:
     import ipaddress
 
-    from egressd.fleetnft.builder import SubjectNft
+    from egressd.fleetnft.table import SubjectNft
 
     return SubjectNft("s_u_1", ipaddress.ip_address("10.0.0.5"), ipaddress.ip_address("10.0.0.1"))
 

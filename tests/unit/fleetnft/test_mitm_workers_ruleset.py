@@ -7,15 +7,9 @@ from ipaddress import ip_address
 
 import pytest
 
-from egressd.fleetnft.builder import (
-    SubjectNft,
-    TableConfig,
-    dispatch_deletes,
-    dispatch_entries,
-    header_script,
-    subject_create,
-    subject_keys,
-)
+from egressd.fleetnft.header import header_script
+from egressd.fleetnft.subject import dispatch_deletes, dispatch_entries, subject_create, subject_keys
+from egressd.fleetnft.table import SubjectNft, TableConfig
 from egressd.fleetnft.workers import WorkerAssignment, least_loaded, uid_worker
 from egressd.kernel.ops import AddElements, AddPort, DeleteElement
 

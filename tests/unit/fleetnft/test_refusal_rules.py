@@ -19,19 +19,16 @@ from pyroute2.netlink.nfnetlink.nftsocket import (
     nft_set_elem_list_msg,
 )
 
-from egressd.fleetnft.builder import (
-    DENIED_CHAIN,
-    DENY_VERDICT_CHAIN,
-    SubjectNft,
-    TableConfig,
+from egressd.fleetnft.header import header_script
+from egressd.fleetnft.subject import (
     dispatch_deletes,
-    header_script,
     removal_batch,
     subject_create,
     subject_keys,
     subject_objects,
     subject_rules,
 )
+from egressd.fleetnft.table import DENIED_CHAIN, DENY_VERDICT_CHAIN, SubjectNft, TableConfig
 from egressd.kernel import netlink_batch, netlink_proto, netlink_rules
 from egressd.kernel.ops import (
     AddCounter,

@@ -13,7 +13,7 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import FleetHTTP
-from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from egressd.vault.keys import KeyStore
 from tests.unit.fakekernel import FakeTx

@@ -20,7 +20,9 @@ from pyroute2.netlink.nfnetlink.nftsocket import (
     nft_set_msg,
 )
 
-from egressd.fleetnft.builder import TableConfig, policy_swap, removal_batch, subject_rules
+from egressd.fleetnft.contents import policy_swap
+from egressd.fleetnft.subject import removal_batch, subject_rules
+from egressd.fleetnft.table import TableConfig
 from egressd.kernel import netlink, netlink_batch, netlink_dump, netlink_elements, netlink_proto
 from egressd.kernel.ops import (
     AddIntervals,
@@ -279,7 +281,8 @@ def test_removal_batch_encodes_every_op() -> None:
 
 
 def test_subject_create_is_one_batch_sets_chains_rules_keys() -> None:
-    from egressd.fleetnft.builder import SubjectNft, subject_create
+    from egressd.fleetnft.subject import subject_create
+    from egressd.fleetnft.table import SubjectNft
 
     subj = SubjectNft("s_u_1", IPv4Address("10.0.0.5"), IPv4Address("10.0.0.1"))
     text = subject_create(TableConfig(table=T), subj).describe().splitlines()

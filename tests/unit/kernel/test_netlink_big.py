@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from egressd.fleetnft.builder import policy_swap
+from egressd.fleetnft.contents import policy_swap
 from egressd.kernel import netlink, netlink_batch, netlink_elements, netlink_proto
 from egressd.kernel.ops import AddElements, AddIntervals, AddTimed, FlushSet, NetlinkBatch, Op
 from egressd.policy import parse_policy

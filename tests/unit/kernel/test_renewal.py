@@ -12,7 +12,8 @@ import pytest
 
 from egressd.actionhandler.control import ControlPlane
 from egressd.fleetnft import selftest as fleet_selftest
-from egressd.fleetnft.builder import TableConfig, dyn_add
+from egressd.fleetnft.contents import dyn_add
+from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import NftError
 from egressd.kernel.netlink_dump import SetElement
 from egressd.kernel.ops import AddSet, AddTimed, DeleteElement, NetlinkBatch

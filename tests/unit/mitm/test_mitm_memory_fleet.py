@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from egressd.actionhandler.control import ControlPlane
-from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from egressd.mitm import seqmap
 from egressd.mitm.seqmap import SeqReader, SeqWriter

@@ -16,17 +16,18 @@ sys.path.insert(0, str(BENCH))
 
 import nft_handles as nh  # noqa: E402
 
-from egressd.fleetnft import builder as nb  # noqa: E402
+from egressd.fleetnft.subject import removal_batch, subject_sets  # noqa: E402
+from egressd.fleetnft.table import Names, TableConfig  # noqa: E402
 from egressd.kernel.netlink_batch import encode_batch  # noqa: E402
 from egressd.kernel.netlink_proto import NFTA_SET_NAME, NFTA_SET_TABLE, NLMSG_DONE  # noqa: E402
 
-CFG = nb.TableConfig(table="t")
+CFG = TableConfig(table="t")
 IP = ipaddress.ip_address("10.64.0.9")
 
 
 def removal() -> tuple[bytes, list[str]]:
-    batch = nb.removal_batch(CFG, "s1", IP, release_gateway=None, audit=False)
-    names = [nb.Names("s1").set(kind) for kind in nb.subject_sets(audit=False)]
+    batch = removal_batch(CFG, "s1", IP, release_gateway=None, audit=False)
+    names = [Names("s1").set(kind) for kind in subject_sets(audit=False)]
     return encode_batch(batch, 100)[0], names
 
 

@@ -25,7 +25,7 @@ from aiohttp import web
 from egressd.actionhandler.control import ControlPlane
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import ACTIONS_PATH, FleetHTTP
-from egressd.fleetnft.builder import TableConfig
+from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from egressd.policy import DENY_ALL
 from egressd.sidecar.engine import SidecarEngine

@@ -1,0 +1,195 @@
+"""What the fleet ruleset's sets hold (docs/behaviour.md §5, §7, §8.3, §9, §14.1): a policy's
+static set contents and their atomic swaps, the DNS leases of the dyn sets, and the table-wide
+``sandbox_nets`` sets. Pure: returns netlink batches; the rules that read the sets never change.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Sequence
+
+from egressd.fleetnft.table import AUDIT_SETS, STATIC_SETS, Names, sandbox_nets_set
+from egressd.kernel.ops import (
+    AddIntervals,
+    AddTimed,
+    DeleteElement,
+    FlushSet,
+    NetlinkBatch,
+    Op,
+)
+from egressd.nftsyntax import IPNetwork, family
+from egressd.policy import (
+    IpSets,
+    NetworkPolicy,
+    Verdict,
+    audit_deny_sets,
+    ip_sets,
+)
+from egressd.policy.ipsets import PrefixIndex
+from egressd.subject.model import IPAddress
+
+
+def sandbox_nets_refresh(nets: Iterable[IPNetwork]) -> list[Op]:
+    """Empty and refill ``sandbox_nets_v4/v6`` with the union of ``nets`` (merged: an interval
+    set refuses overlapping elements), for the caller's transaction."""
+    ops: list[Op] = []
+    for fam, version in (("v4", 4), ("v6", 6)):
+        mine = [n for n in nets if n.version == version]
+        merged = tuple(ipaddress.collapse_addresses(mine))  # type: ignore[type-var]
+        ops.append(FlushSet(sandbox_nets_set(fam)))
+        if merged:
+            ops.append(AddIntervals(sandbox_nets_set(fam), fam, merged))
+    return ops
+
+
+_ALL_V4 = ipaddress.IPv4Network("0.0.0.0/0")
+_ALL_V6 = ipaddress.IPv6Network("::/0")
+
+
+def policy_contents(effective: NetworkPolicy) -> dict[str, tuple[IPNetwork, ...]]:
+    """Contents of the static sets for an effective policy (§5 IP layer), audit mode included."""
+    sets: IpSets = ip_sets(effective)
+    allow_v4: tuple[IPNetwork, ...] = sets.allow_v4
+    allow_v6: tuple[IPNetwork, ...] = sets.allow_v6
+    if effective.default_action is Verdict.ALLOW:
+        # Everything is allowed unless denied: the whole address space, one prefix per family.
+        allow_v4, allow_v6 = (_ALL_V4,), (_ALL_V6,)
+    out: dict[str, tuple[IPNetwork, ...]] = {"allow_v4": allow_v4, "allow_v6": allow_v6}
+    if not effective.audit:
+        return out | {"deny_v4": sets.deny_v4, "deny_v6": sets.deny_v6} | dict.fromkeys(STATIC_SETS[4:], ())
+    split = audit_deny_sets(effective)
+    return out | {
+        "deny_v4": split.hard_v4,
+        "deny_v6": split.hard_v6,
+        "wdeny_v4": split.soft_v4,
+        "wdeny_v6": split.soft_v6,
+        "audit_v4": (_ALL_V4,),
+        "audit_v6": (_ALL_V6,),
+    }
+
+
+#: What a subject's static sets hold: (set kind, its prefixes) in :data:`STATIC_SETS` order.
+Contents = tuple[tuple[str, tuple[IPNetwork, ...]], ...]
+
+
+def static_contents(effective: NetworkPolicy) -> Contents:
+    """:func:`policy_contents` in the form a kernel view records (docs/architecture.md, KernelView)."""
+    return tuple(policy_contents(effective).items())
+
+
+def policy_swap(
+    table: str,
+    nft_id: str,
+    effective: NetworkPolicy,
+    *,
+    audit_objects: bool,
+    known_empty: bool = False,
+    held: Contents | None = None,
+) -> NetlinkBatch:
+    """§8.3 as one atomic batch: each static set flushed and refilled; dyn sets untouched.
+
+    ``audit_objects``: the subject has the audit sets (an audit policy needs them: raises
+    ValueError without). ``known_empty``: every static set is empty (deny-first content, the
+    registry's ``applied`` None), so the flushes are left out: each is one more set-name
+    lookup, a walk of the table's list of sets in the kernel. ``held``: what the static sets
+    hold now, known for certain (the kernel view's ``contents``); a set whose content does not
+    change is then left alone, neither flushed nor refilled."""
+    if effective.audit and not audit_objects:
+        raise ValueError("an audit policy needs the subject's audit objects")
+    return contents_swap(
+        table,
+        nft_id,
+        static_contents(effective),
+        audit_objects=audit_objects,
+        known_empty=known_empty,
+        held=held,
+    )
+
+
+def contents_swap(
+    table: str,
+    nft_id: str,
+    contents: Contents,
+    *,
+    audit_objects: bool,
+    known_empty: bool = False,
+    held: Contents | None = None,
+) -> NetlinkBatch:
+    """:func:`policy_swap` of :func:`static_contents` already computed."""
+    n = Names(nft_id)
+    before = dict(held) if held is not None else {}
+    ops: list[Op] = []
+    for kind, nets in contents:
+        if kind in AUDIT_SETS and not audit_objects:
+            if nets:
+                raise ValueError("an audit policy needs the subject's audit objects")
+            continue  # empty for a policy that does not audit, and absent
+        if before.get(kind) == nets:
+            continue  # held and unchanged
+        if not known_empty:
+            ops.append(FlushSet(n.set(kind)))
+        if nets:
+            ops.append(AddIntervals(n.set(kind), kind[-2:], nets))
+    return NetlinkBatch(table, tuple(ops))
+
+
+def refuses_more(held: Contents, new: Contents) -> bool:
+    """Would the kernel refuse, with ``new`` in the static sets, a destination it accepts with
+    ``held`` (DNS leases aside)? A destination is accepted when no deny prefix holds it and an
+    allow, wdeny or audit prefix does (or a lease: the lease book answers for those). So
+    ``new`` refuses nothing more when its deny sets lie within the held ones and its marking
+    sets cover the held ones. Conservative: True whenever that cannot be shown prefix by
+    prefix (e.g. a held /24 covered only by two new /25s)."""
+    old, now = dict(held), dict(new)
+    marks = ("allow", "wdeny", "audit")
+    for fam in ("v4", "v6"):
+        if not _within(now.get(f"deny_{fam}", ()), old.get(f"deny_{fam}", ())):
+            return True
+        marked = [net for kind in marks for net in now.get(f"{kind}_{fam}", ())]
+        if not _within([net for kind in marks for net in old.get(f"{kind}_{fam}", ())], marked):
+            return True
+    return False
+
+
+def _within(nets: Sequence[IPNetwork], cover: Sequence[IPNetwork]) -> bool:
+    """Every prefix of ``nets`` inside one prefix of ``cover``."""
+    if not nets:
+        return True
+    index = PrefixIndex(cover)
+    for net in nets:
+        hit = index.hit(net.network_address)
+        if hit is None or int(net.broadcast_address) > int(hit.broadcast_address):
+            return False
+    return True
+
+
+def dyn_replace(table: str, nft_id: str, kept: Sequence[tuple[IPAddress, int]]) -> NetlinkBatch:
+    """A narrowing change's dyn-set part (docs/behaviour.md §14.1): both dyn sets emptied and refilled
+    with the leases that survive, in the caller's transaction. A flush, not per-element
+    deletes: an element the kernel already expired would make a delete fail (ENOENT) and
+    abort the whole swap."""
+    n = Names(nft_id)
+    flush = NetlinkBatch(table, tuple(FlushSet(n.set(f"dyn_{fam}")) for fam in ("v4", "v6")))
+    return flush + dyn_add(table, nft_id, kept)
+
+
+def dyn_add(
+    table: str, nft_id: str, leases: Sequence[tuple[IPAddress, int]], *, replace: bool = False
+) -> NetlinkBatch:
+    """DNS learning (§7) and renewal (§9): addresses with per-element timeouts.
+
+    ``replace`` False: one add, which also sets a new expiry on an existing element where the
+    kernel supports that. True (the self-test found it does not, egressd.kernel.renewal):
+    add (so each element exists), delete, add again, in the caller's one transaction."""
+    n = Names(nft_id)
+    ops: list[Op] = []
+    for fam in ("v4", "v6"):
+        mine = tuple((ip, sec) for ip, sec in leases if family(ip) == fam)
+        if not mine:
+            continue
+        name = n.set(f"dyn_{fam}")
+        ops.append(AddTimed(name, fam, mine))
+        if replace:
+            ops += [DeleteElement(name, ip) for ip, _ in mine]
+            ops.append(AddTimed(name, fam, mine))
+    return NetlinkBatch(table, tuple(ops))

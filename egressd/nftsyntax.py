@@ -1,0 +1,78 @@
+"""nft script text shared by the fleet (:mod:`egressd.fleetnft`) and the sidecar
+(:mod:`egressd.sidecarnft`) rulesets. Pure: strings in, strings out.
+
+Both tables declare the same kinds of address sets (interval sets of prefixes, timeout sets of
+DNS leases), split prefixes by family the same way, write the exempt nameservers and the
+intercepted ports as the same anonymous sets, and let the same IPv6 neighbour discovery through;
+one definition keeps the two tables' text the same where it is meant to be.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Sequence
+from typing import Final
+
+from egressd.policy import format_element, normalise_networks
+from egressd.subject.model import IPAddress
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+#: How long a DNS-learned address stays in a dyn set at most (the sets' timeout), in seconds.
+DYN_TIMEOUT_S: Final = 360
+#: The ICMPv6 neighbour discovery a sandbox needs with its gateway (IPv4's ARP never enters an
+#: inet chain).
+ND_TYPES: Final = "nd-router-solicit, nd-neighbor-solicit, nd-neighbor-advert"
+
+
+def family(ip: IPAddress | IPNetwork) -> str:
+    return "v4" if ip.version == 4 else "v6"
+
+
+def l3_of(fam: str) -> str:
+    return "ip" if fam == "v4" else "ip6"
+
+
+def addr_type(fam: str) -> str:
+    return "ipv4_addr" if fam == "v4" else "ipv6_addr"
+
+
+def split_by_family(nets: Iterable[IPNetwork]) -> dict[str, list[str]]:
+    """Set elements per family, normalised: overlapping interval elements make nft refuse the
+    set (and the whole script with it)."""
+    v4 = [n for n in nets if isinstance(n, ipaddress.IPv4Network)]
+    v6 = [n for n in nets if isinstance(n, ipaddress.IPv6Network)]
+    return {
+        "v4": [format_element(n) for n in normalise_networks(v4)],
+        "v6": [format_element(n) for n in normalise_networks(v6)],
+    }
+
+
+def exempt_literal(nameservers: Iterable[IPAddress], fam: str) -> str | None:
+    """The exempt nameservers (OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT) of one family as an
+    anonymous nft set, or None."""
+    version = 4 if fam == "v4" else 6
+    ips = [str(ip) for ip in nameservers if ip.version == version]
+    return "{ " + ", ".join(ips) + " }" if ips else None
+
+
+def intercepted_ports(extra_ports: Iterable[int]) -> str:
+    """The TCP destination ports the MITM intercepts (80, 443 and
+    OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS) as an nft set literal."""
+    return "{ " + ", ".join(str(p) for p in (80, 443, *extra_ports)) + " }"
+
+
+def set_decl(name: str, fam: str, flags: str, elements: Sequence[str] = (), extra: str = "") -> str:
+    """``<name> { type <addr>; flags <flags>;<extra> [elements = { ... }] }``."""
+    body = f"type {addr_type(fam)}; flags {flags};{extra}"
+    if elements:
+        body += f" elements = {{ {', '.join(elements)} }}"
+    return f"{name} {{ {body} }}"
+
+
+def timeout_set_decl(name: str, fam: str, size: int, elements: Sequence[str] = ()) -> str:
+    """A dyn set: timeout :data:`DYN_TIMEOUT_S`, at most ``size`` elements (0 = unbounded).
+    Every declaration of one set must be this text: a re-declaration with other properties is
+    refused by the kernel."""
+    extra = f" timeout {DYN_TIMEOUT_S}s;" + (f" size {size};" if size else "")
+    return set_decl(name, fam, "timeout", elements, extra)
