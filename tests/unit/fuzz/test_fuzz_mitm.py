@@ -24,7 +24,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from mitmproxy.test import tutils
 
-from egressd.mitm.inject import InjectionDecision, Request, decide, header_reserved, normalise_authority
+from egressd.mitmchild.inject import InjectionDecision, Request, decide, header_reserved, normalise_authority
 from egressd.policy import domain_matches, parse_policy
 from egressd.vault.store import VaultSnapshot, VaultStore
 from tests.unit.fuzz.strategies import domains, mutate_bytes

@@ -13,8 +13,8 @@ from mitmproxy.flow import Error
 from mitmproxy.net.http.http1 import assemble_request_head
 from mitmproxy.test import tflow
 
-from egressd.mitm.addon import EgressInjector, _destination_unchanged, _forward_on_one_authority
-from egressd.mitm.lookup import View
+from egressd.mitmchild.addon import EgressInjector, _destination_unchanged, _forward_on_one_authority
+from egressd.mitmchild.lookup import View
 from egressd.policy import parse_policy_obj
 from egressd.vault.store import VaultSnapshot, VaultStore
 

@@ -13,9 +13,9 @@ from mitmproxy.flow import Error
 from mitmproxy.websocket import WebSocketMessage
 from wsproto.frame_protocol import Opcode
 
-from egressd.mitm import addon as addon_module
-from egressd.mitm.addon import EgressInjector
-from egressd.mitm.respbody import BodyFilter
+from egressd.mitmchild import addon as addon_module
+from egressd.mitmchild.addon import EgressInjector
+from egressd.mitmchild.respbody import BodyFilter
 from tests.unit.mitm.test_mitm_addon import SECRET, flow, run
 
 

@@ -1,4 +1,4 @@
-"""§10 transparent-MITM credential injection decisions (egressd.mitm.inject), on snapshots
+"""§10 transparent-MITM credential injection decisions (egressd.mitmchild.inject), on snapshots
 built through the real vault store (§6)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from urllib.parse import quote, quote_plus
 
 import pytest
 
-from egressd.mitm.inject import (
+from egressd.mitmchild.inject import (
     AMBIGUOUS_AUTHORITY,
     LOOKUP_FAILED,
     REASON_AMBIGUOUS,

@@ -19,8 +19,9 @@ from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.test import tflow
 
 from egressd.metrics import EgressMetrics
-from egressd.mitm.addon import EgressInjector
-from egressd.mitm.intercept import (
+from egressd.mitm.supervisor import MitmSupervisor
+from egressd.mitmchild.addon import EgressInjector
+from egressd.mitmchild.intercept import (
     REASON_BOUND,
     REASON_IGNORED,
     REASON_LOOKUP_FAILED,
@@ -36,8 +37,7 @@ from egressd.mitm.intercept import (
     tls_by_vault,
     tls_early,
 )
-from egressd.mitm.lookup import LookupFailed, View
-from egressd.mitm.supervisor import MitmSupervisor
+from egressd.mitmchild.lookup import LookupFailed, View
 from egressd.policy import parse_policy_obj
 from egressd.vault.store import VaultSnapshot, VaultStore
 

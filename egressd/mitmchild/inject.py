@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 from urllib.parse import quote, quote_plus, unquote
 
-from egressd.mitm.redact import MARKER, compile_needles, redact_str
+from egressd.mitmchild.redact import MARKER, compile_needles, redact_str
 from egressd.policy.evaluate import domain_matches
 from egressd.policy.idn import IdnaError, to_alabels
 from egressd.vault.model import RESERVED_HEADERS, SCHEME_PORTS
@@ -788,7 +788,7 @@ def _header_updates(
 
 def redact_text(text: str, redactions: Iterable[str]) -> str:
     """Every occurrence of every redaction string -> ``[REDACTED]``, overlapping ones merged
-    into one marker (:mod:`egressd.mitm.redact`, the one implementation for headers, bodies and
+    into one marker (:mod:`egressd.mitmchild.redact`, the one implementation for headers, bodies and
     WebSocket messages)."""
     return redact_str(text, compile_needles(redactions))
 
@@ -797,7 +797,7 @@ def redact_response_headers(
     headers: Sequence[tuple[str, str]], redactions: Sequence[str]
 ) -> list[tuple[str, str]]:
     """Response headers with every redaction string in a value replaced by ``[REDACTED]``
-    (names untouched, order kept). Bodies go through the same redactor (:mod:`egressd.mitm.respbody`)."""
+    (names untouched, order kept). Bodies go through the same redactor (:mod:`egressd.mitmchild.respbody`)."""
     if not redactions:
         return list(headers)
     return [(name, redact_text(value, redactions)) for name, value in headers]

@@ -1,8 +1,8 @@
 """The egressd addon, loaded by the supervised ``mitmdump`` (``-s``): credential injection (§10)
 and selective interception (§16).
 
-Thin shell around :mod:`egressd.mitm.inject` (the decision), :mod:`egressd.mitm.intercept`
-(which connections are opened at all) and :mod:`egressd.mitm.lookup` (the vault of the flow's
+Thin shell around :mod:`egressd.mitmchild.inject` (the decision), :mod:`egressd.mitmchild.intercept`
+(which connections are opened at all) and :mod:`egressd.mitmchild.lookup` (the vault of the flow's
 client IP, and whether the connection's original destination was learned for the request
 host). Everything it decides is logged as one JSON line on stdout
 (names, binding, revision, host, method, header names; never values), which the daemon's
@@ -34,8 +34,9 @@ from mitmproxy.proxy import layer, layers
 from mitmproxy.proxy.layers import modes
 from mitmproxy.utils import human
 
-from egressd.mitm.active import READY_EVENT
-from egressd.mitm.inject import (
+from egressd.mitm.protocol import CONNECTION_EVENT, READY_EVENT
+from egressd.mitm.seqmap import SeqReader
+from egressd.mitmchild.inject import (
     LOOKUP_FAILED,
     InjectionDecision,
     Request,
@@ -45,8 +46,7 @@ from egressd.mitm.inject import (
     one_authority,
     substitute_body,
 )
-from egressd.mitm.intercept import (
-    CONNECTION_EVENT,
+from egressd.mitmchild.intercept import (
     REASON_LOOKUP_FAILED,
     Decision,
     Verdict,
@@ -55,10 +55,9 @@ from egressd.mitm.intercept import (
     tls_by_vault,
     tls_early,
 )
-from egressd.mitm.lookup import ActiveClient, LookupFailed, View
-from egressd.mitm.redact import Needles, compile_needles, redact_bytes, redact_str
-from egressd.mitm.respbody import BodyFilter, ResponsePlan, narrow_accept_encoding, plan_response
-from egressd.mitm.seqmap import SeqReader
+from egressd.mitmchild.lookup import ActiveClient, LookupFailed, View
+from egressd.mitmchild.redact import Needles, compile_needles, redact_bytes, redact_str
+from egressd.mitmchild.respbody import BodyFilter, ResponsePlan, narrow_accept_encoding, plan_response
 from egressd.subject.model import unmap_ip
 from egressd.vault.store import VaultSnapshot
 
@@ -525,7 +524,7 @@ class EgressInjector:
         (mitmproxy's message may quote raw bytes; only the text before the first ':' is kept)."""
         body = flow.response.stream if flow.response is not None else None
         if isinstance(body, BodyFilter) and body.failed is not None:
-            # egressd.mitm.streampatch aborted the streamed body: say why, as a refusal.
+            # egressd.mitmchild.streampatch aborted the streamed body: say why, as a refusal.
             emit(RESPONSE_REFUSED_EVENT, status=502, reason=body.failed, client=_peer_ip(flow), host=flow.request.pretty_host)
             return
         msg = flow.error.msg if flow.error is not None else ""

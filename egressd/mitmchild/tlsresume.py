@@ -1,11 +1,11 @@
 """The MITM child's upstream TLS session resumption (``egressd_tls_resume``; docs/behaviour.md §10).
 
 A mitmproxy addon, loaded after ``tlsconfig`` (which builds the upstream ``SSL.Connection``):
-``client_connected`` records the client's epoch (:class:`~egressd.mitm.resume.SessionKey`),
-``tls_start_server`` offers a session of :class:`~egressd.mitm.resume.SessionCache` for the
+``client_connected`` records the client's epoch (:class:`~egressd.mitmchild.resume.SessionKey`),
+``tls_start_server`` offers a session of :class:`~egressd.mitmchild.resume.SessionCache` for the
 connection's key, ``tls_established_server`` remembers the verified connection, and the first
 complete response on it stores a copy of its session: in TLS 1.3 the server's tickets arrive after
-the handshake, before the response. The keying rules are in :mod:`egressd.mitm.resume`.
+the handshake, before the response. The keying rules are in :mod:`egressd.mitmchild.resume`.
 
 Fail closed: any error here leaves the connection to mitmproxy's own full, verified handshake;
 a failed upstream handshake drops the key's sessions. Off: nothing is offered or stored.
@@ -21,10 +21,10 @@ from mitmproxy.addonmanager import Loader
 from mitmproxy.proxy import server_hooks
 from OpenSSL import SSL
 
-from egressd.mitm.addon import _address, _ip_of, _listen_port, emit
-from egressd.mitm.lookup import port_key
-from egressd.mitm.resume import SessionCache, SessionKey
+from egressd.mitm.protocol import port_key
 from egressd.mitm.seqmap import SLOTS, SeqReader, slot_of
+from egressd.mitmchild.addon import _address, _ip_of, _listen_port, emit
+from egressd.mitmchild.resume import SessionCache, SessionKey
 
 OPTION: Final = "egressd_tls_resume"
 _TRACKED_MAX: Final = 65536  # established upstream connections waiting for their session

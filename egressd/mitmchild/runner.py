@@ -3,14 +3,14 @@
 ``mitmdump`` loads 36 addons (playback, export, map-local, the flow dumper, …) and every flow
 event is dispatched through all of them; measured, that dispatch was a quarter of the child's
 CPU per request. This master loads: core (option checks), proxyserver (with the indexed
-self-connect check of :mod:`egressd.mitm.selfconnect`) + next_layer + tlsconfig (the proxy
-itself), upstream TLS session resumption (:mod:`egressd.mitm.tlsresume`), disable_h2c (refuses
+self-connect check of :mod:`egressd.mitmchild.selfconnect`) + next_layer + tlsconfig (the proxy
+itself), upstream TLS session resumption (:mod:`egressd.mitmchild.tlsresume`), disable_h2c (refuses
 h2c upgrades, which would smuggle requests past the hooks), errorcheck (start-up errors exit non-zero, so the supervisor restarts us), termlog (warnings
 on stdout) and the egressd addon, with the streamed-response guards of
-:mod:`egressd.mitm.streampatch` (abort, HTTP/2 backpressure) installed first. There is no flow dumper at all (headers carry credentials), and
+:mod:`egressd.mitmchild.streampatch` (abort, HTTP/2 backpressure) installed first. There is no flow dumper at all (headers carry credentials), and
 no ``config.yaml`` is read from the confdir.
 
-Run as ``python -m egressd.mitm.runner --set name=value …`` (options of mitmproxy and of the
+Run as ``python -m egressd.mitmchild.runner --set name=value …`` (options of mitmproxy and of the
 egressd addon, as built by :func:`egressd.mitm.supervisor.mitmdump_argv`).
 
 Besides mitmproxy, two small tasks (docs/behaviour.md §14.9): stdin carries egressd's *forget* lines
@@ -35,13 +35,12 @@ from mitmproxy.addons import core, disable_h2c, errorcheck, next_layer, tlsconfi
 
 from egressd.hygiene import disable_core_dumps
 from egressd.kernel.listeners import raise_fd_limit
-from egressd.mitm import streampatch
-from egressd.mitm.active import CACHE_EVENT
-from egressd.mitm.addon import EgressInjector, emit
-from egressd.mitm.handover import adopt, listen_on_adopted
-from egressd.mitm.lookup import parse_forget
-from egressd.mitm.selfconnect import IndexedProxyserver
-from egressd.mitm.tlsresume import TlsResumption
+from egressd.mitm.protocol import CACHE_EVENT, parse_forget
+from egressd.mitmchild import streampatch
+from egressd.mitmchild.addon import EgressInjector, emit
+from egressd.mitmchild.handover import adopt, listen_on_adopted
+from egressd.mitmchild.selfconnect import IndexedProxyserver
+from egressd.mitmchild.tlsresume import TlsResumption
 
 CACHE_REPORT_INTERVAL_S: Final = 0.5
 _STDIN_LINE_LIMIT: Final = 1 << 20
