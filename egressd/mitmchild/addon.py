@@ -36,16 +36,9 @@ from mitmproxy.utils import human
 
 from egressd.mitm.protocol import CONNECTION_EVENT, READY_EVENT
 from egressd.mitm.seqmap import SeqReader
-from egressd.mitmchild.inject import (
-    LOOKUP_FAILED,
-    InjectionDecision,
-    Request,
-    decide,
-    find_binding,
-    normalise_authority,
-    one_authority,
-    substitute_body,
-)
+from egressd.mitmchild.authority import normalise_authority, one_authority
+from egressd.mitmchild.inject import decide, find_binding
+from egressd.mitmchild.injectdata import LOOKUP_FAILED, InjectionDecision, Request
 from egressd.mitmchild.intercept import (
     REASON_LOOKUP_FAILED,
     Decision,
@@ -58,6 +51,7 @@ from egressd.mitmchild.intercept import (
 from egressd.mitmchild.lookup import ActiveClient, LookupFailed, View
 from egressd.mitmchild.redact import Needles, compile_needles, redact_bytes, redact_str
 from egressd.mitmchild.respbody import BodyFilter, ResponsePlan, narrow_accept_encoding, plan_response
+from egressd.mitmchild.substitute import substitute_body
 from egressd.subject.model import unmap_ip
 from egressd.vault.store import VaultSnapshot
 

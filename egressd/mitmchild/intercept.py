@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from egressd.mitmchild.inject import normalise_authority
+from egressd.mitmchild.authority import normalise_authority
 from egressd.policy.evaluate import domain_matches
 from egressd.vault.model import SCHEME_PORTS
 from egressd.vault.store import VaultSnapshot

@@ -24,7 +24,9 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from mitmproxy.test import tutils
 
-from egressd.mitmchild.inject import InjectionDecision, Request, decide, header_reserved, normalise_authority
+from egressd.mitmchild.authority import normalise_authority
+from egressd.mitmchild.inject import decide
+from egressd.mitmchild.injectdata import InjectionDecision, Request, header_reserved
 from egressd.policy import domain_matches, parse_policy
 from egressd.vault.store import VaultSnapshot, VaultStore
 from tests.unit.fuzz.strategies import domains, mutate_bytes
