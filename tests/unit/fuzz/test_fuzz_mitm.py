@@ -233,7 +233,7 @@ def requests(draw: st.DrawFn) -> tuple[Request, bool]:
         )
     )
     streamed = draw(st.integers(0, 5)) == 0
-    req = Request(  # as EgressInjector._requestheaders builds it (body given in the second phase)
+    req = Request(  # as Injection._requestheaders builds it (body given in the second phase)
         scheme=mreq.scheme,
         host=mreq.host_header or "",
         port=port,

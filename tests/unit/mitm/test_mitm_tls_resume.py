@@ -590,11 +590,11 @@ def test_the_indexed_proxyserver_refuses_self_connects_and_follows_listener_chan
 def test_the_child_reads_the_map_egressd_vault_push_names(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from egressd.mitmchild.addon import EgressInjector
+    from egressd.mitmchild.vaults import VaultLookup
 
     monkeypatch.setattr(tlsresume, "emit", lambda *a, **kw: None)
     writer = seqmap.SeqWriter(tmp_path / "active.seq")
-    resumption, injector = TlsResumption(), EgressInjector()
+    resumption, injector = TlsResumption(), VaultLookup()
     try:
         with taddons.context(resumption, injector) as tctx:  # type: ignore[no-untyped-call]
             assert resumption.seq is None
