@@ -15,7 +15,7 @@ import structlog
 
 from egressd.actionhandler.inputs import BindingInput, VaultAction
 from egressd.actionhandler.policies import EffectivePolicies
-from egressd.mitm.lookup import port_key
+from egressd.mitm.protocol import port_key
 from egressd.policy import NetworkPolicy
 from egressd.subject.hostuid import DEFAULT_UID_PORTS, UidPorts
 from egressd.subject.model import IPAddress, subject_for_uid

@@ -37,22 +37,16 @@ from typing import Any
 
 from aiohttp import web
 
-from egressd.mitm.wire import bare_etag
+from egressd.mitm.protocol import ACTIVE_PATH, DESTINATION_HEADER, DESTINATION_TTL_HEADER, bare_etag
 from egressd.subject.model import IPAddress, unmap_ip
 from egressd.vault.snapshot import VaultSnapshot
-
-ACTIVE_PATH = "/credential-vault/_active"
 
 Lookup = Callable[[IPAddress], VaultSnapshot | None]
 # A bool, or the deadline (monotonic) until which the pair stays verified (0.0: not verified).
 Verify = Callable[[IPAddress, str, IPAddress], bool | float]
 PortLookup = Callable[[int], VaultSnapshot | None]
 PortVerify = Callable[[int, str, IPAddress], bool | float]
-DESTINATION_HEADER = "X-Egressd-Destination"
-DESTINATION_TTL_HEADER = "X-Egressd-Destination-Ttl"
 MAX_DESTINATION_TTL_S = 300.0
-READY_EVENT = "mitm.ready"  # the addon's JSON line once its listener is bound
-CACHE_EVENT = "mitm.cache"  # the child's snapshot cache size, whenever it changed (docs/behaviour.md §14.9)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ remembered in between; but the memory also holds refusals (a 404: no vault for t
 a widening that a worker may have pulled a refusal across (an await between the narrowing bump
 and installing the new state) bumps again once the new state is in place.
 
-The MITM's upstream TLS session resumption (:mod:`egressd.mitm.tlsresume`) reads the client's
+The MITM's upstream TLS session resumption (:mod:`egressd.mitmchild.tlsresume`) reads the client's
 slot too, as the epoch a client connection starts under (:meth:`SeqReader.value`): a session
 learned under an older value never resumes on a newer connection.
 """

@@ -14,7 +14,7 @@ is False, ``/healthz`` answers 503 and intercepted connections are refused by th
 
 The child's stdin is egressd's one-way channel to it: :meth:`MitmSupervisor.forget` queues
 client addresses whose cached vault snapshot the child must drop (docs/behaviour.md §14.9), written
-as forget lines (:func:`egressd.mitm.lookup.forget_message`). The queue is bounded: past
+as forget lines (:func:`egressd.mitm.protocol.forget_message`). The queue is bounded: past
 :data:`FORGET_QUEUE_MAX` addresses it collapses into one "forget every client" line. The
 child reports its cache size in ``mitm.cache`` events (``egressd_mitm_snapshot_cache_entries``).
 """
@@ -39,10 +39,15 @@ import structlog
 from egressd.kernel.listeners import wildcard_listeners
 from egressd.metrics import EgressMetrics
 from egressd.mitm import seqmap
-from egressd.mitm.active import CACHE_EVENT, READY_EVENT
 from egressd.mitm.handover import Listen, handover_env
-from egressd.mitm.intercept import CONNECTION_EVENT
-from egressd.mitm.lookup import CACHE_MAX_ENTRIES, FORGET_BATCH, forget_message
+from egressd.mitm.protocol import (
+    CACHE_EVENT,
+    CACHE_MAX_ENTRIES,
+    CONNECTION_EVENT,
+    FORGET_BATCH,
+    READY_EVENT,
+    forget_message,
+)
 
 log = structlog.get_logger("egressd.mitm")
 
@@ -65,15 +70,15 @@ class MitmOptions:
     # subject's port then never waits for the child, and the kernel lets only its owner in.
     subject_ports: tuple[int, ...] = ()
     ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (docs/behaviour.md §16)
-    tls_resume: bool = True  # EGRESSD_MITM_TLS_RESUME (egressd.mitm.tlsresume)
-    body_redaction: bool = True  # EGRESSD_MITM_BODY_REDACTION (egressd.mitm.respbody)
+    tls_resume: bool = True  # EGRESSD_MITM_TLS_RESUME (egressd.mitmchild.tlsresume)
+    body_redaction: bool = True  # EGRESSD_MITM_BODY_REDACTION (egressd.mitmchild.respbody)
     vault_push: Path | None = None  # the narrowing sequence map (EGRESSD_MITM_VAULT_PUSH=on)
     # SO_MARK of the listeners the supervisor binds for the child (fleet: OWNER_MARK, §20.1).
     listen_mark: int | None = None
 
 
 def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
-    """The child's command line (pure; tested): the lean master of :mod:`egressd.mitm.runner`."""
+    """The child's command line (pure; tested): the lean master of :mod:`egressd.mitmchild.runner`."""
     settings = [
         "mode=transparent",
         *(f"mode=transparent@{port}" for port in opts.subject_ports),
@@ -99,7 +104,7 @@ def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
         f"egressd_body_redaction={'true' if opts.body_redaction else 'false'}",
         f"egressd_vault_push={opts.vault_push or ''}",
     ]
-    argv = [python, "-m", "egressd.mitm.runner"]
+    argv = [python, "-m", "egressd.mitmchild.runner"]
     for setting in settings:
         argv += ["--set", setting]
     return argv
@@ -188,7 +193,7 @@ class MitmSupervisor:
 
     def forget(self, ips: Iterable[object] | None) -> None:
         """Tell the running child to drop these clients' vault snapshots (None: all of them).
-        A client is an address, or a per-subject port's :func:`~egressd.mitm.lookup.port_key`.
+        A client is an address, or a per-subject port's :func:`~egressd.mitm.protocol.port_key`.
 
         Called synchronously at the mutation (subject removed or rebound, vault deleted or
         changed); delivery is asynchronous, in order, and never blocks the caller. Without a

@@ -12,7 +12,7 @@ throwaway namespace ``egbp<pid>-ns`` (no nft, no routes):
 
 * ``echo``    an aiohttp HTTPS server (self-signed P-256 certificate);
 * ``daemon``  a stand-in for egressd: an asyncio UDP service answering dnslib A records (the DNS
-  proxy's kind of work), plus **A in-proc** the lean Master of egressd/mitm/runner.py in a
+  proxy's kind of work), plus **A in-proc** the lean Master of egressd/mitmchild/runner.py in a
   thread, **B child** the same Master in a child process, or **C none** (baseline; its load
   phase sends the same HTTPS load straight to the echo server);
 * ``udp``     the measuring client: queries at a fixed rate, RTT of each;
@@ -110,7 +110,7 @@ class BenchAddon:
 
 
 def _master(port: int, confdir: str) -> Any:
-    """egressd/mitm/runner.py's lean master with the supervisor's options (needs a running loop)."""
+    """egressd/mitmchild/runner.py's lean master with the supervisor's options (needs a running loop)."""
     import logging
 
     from mitmproxy import master, options

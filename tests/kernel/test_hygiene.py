@@ -70,7 +70,7 @@ def assert_reader_discriminates(reader: tuple[str, ...], target_prefix: tuple[st
 
 def child_pid(topo: Topology, ns: str, parent: int) -> int:
     out = topo.ns(ns, "ps", "-o", "pid=,args=", "--ppid", str(parent), check=False).stdout
-    pids = [int(line.split()[0]) for line in out.splitlines() if "egressd.mitm.runner" in line]
+    pids = [int(line.split()[0]) for line in out.splitlines() if "egressd.mitmchild.runner" in line]
     assert len(pids) == 1, out
     return pids[0]
 

@@ -513,7 +513,7 @@ def test_the_mitm_child_has_no_capabilities(topo: Topology, mitm: Daemon) -> Non
 def _mitm_pid(topo: Topology, d: Daemon) -> int:
     assert d.proc is not None
     out = topo.ns(topo.pod, "ps", "-o", "pid=,args=", "--ppid", str(d.proc.pid), check=False).stdout
-    pids = [int(line.split()[0]) for line in out.splitlines() if "egressd.mitm.runner" in line]
+    pids = [int(line.split()[0]) for line in out.splitlines() if "egressd.mitmchild.runner" in line]
     assert len(pids) == 1, out
     return pids[0]
 

@@ -433,6 +433,6 @@ def test_zzz_a_replaced_ca_is_exported_when_the_child_restarts(topo: Topology, s
 def _mitm_pid(topo: Topology, d: Daemon) -> int:
     assert d.proc is not None
     out = topo.ns(topo.pod, "ps", "-o", "pid=,args=", "--ppid", str(d.proc.pid), check=False).stdout
-    pids = [int(line.split()[0]) for line in out.splitlines() if "egressd.mitm.runner" in line]
+    pids = [int(line.split()[0]) for line in out.splitlines() if "egressd.mitmchild.runner" in line]
     assert len(pids) == 1, out
     return pids[0]

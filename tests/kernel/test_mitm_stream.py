@@ -178,7 +178,7 @@ def assert_as_produced(recv: list[float], sent: list[float]) -> None:
 def mitm_pid(d: Daemon) -> int:
     assert d.proc is not None
     kids = Path(f"/proc/{d.proc.pid}/task/{d.proc.pid}/children").read_text().split()
-    pids = [int(k) for k in kids if b"egressd.mitm.runner" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    pids = [int(k) for k in kids if b"egressd.mitmchild.runner" in Path(f"/proc/{k}/cmdline").read_bytes()]
     assert len(pids) == 1, pids
     return pids[0]
 

@@ -21,17 +21,12 @@ import pytest
 from aiohttp import web
 
 from egressd import hygiene
-from egressd.mitm import runner
 from egressd.mitm.active import active_app
-from egressd.mitm.lookup import (
-    CACHE_MAX_ENTRIES,
-    FORGET_BATCH,
-    ActiveClient,
-    forget_message,
-    parse_forget,
-)
 from egressd.mitm.pool import MitmPool
+from egressd.mitm.protocol import CACHE_MAX_ENTRIES, FORGET_BATCH, forget_message, parse_forget
 from egressd.mitm.supervisor import FORGET_QUEUE_MAX, MitmSupervisor
+from egressd.mitmchild import runner
+from egressd.mitmchild.lookup import ActiveClient
 from egressd.subject.model import IPAddress
 from egressd.vault.snapshot import VaultSnapshot
 from egressd.vault.store import VaultStore

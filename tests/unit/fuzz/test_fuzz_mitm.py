@@ -24,7 +24,9 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from mitmproxy.test import tutils
 
-from egressd.mitm.inject import InjectionDecision, Request, decide, header_reserved, normalise_authority
+from egressd.mitmchild.authority import normalise_authority
+from egressd.mitmchild.inject import decide
+from egressd.mitmchild.injectdata import InjectionDecision, Request, header_reserved
 from egressd.policy import domain_matches, parse_policy
 from egressd.vault.snapshot import VaultSnapshot
 from egressd.vault.store import VaultStore
@@ -232,7 +234,7 @@ def requests(draw: st.DrawFn) -> tuple[Request, bool]:
         )
     )
     streamed = draw(st.integers(0, 5)) == 0
-    req = Request(  # as EgressInjector._requestheaders builds it (body given in the second phase)
+    req = Request(  # as Injection._requestheaders builds it (body given in the second phase)
         scheme=mreq.scheme,
         host=mreq.host_header or "",
         port=port,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from egressd.mitm.inject import Request
+from egressd.mitmchild.injectdata import Request
 
 PLACEHOLDER = "__PH_TOKEN__"
 

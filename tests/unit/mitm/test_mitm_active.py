@@ -5,7 +5,8 @@ from __future__ import annotations
 from ipaddress import ip_address
 from typing import Any
 
-from egressd.mitm.active import ACTIVE_PATH, active_app, active_lookup
+from egressd.mitm.active import active_app, active_lookup
+from egressd.mitm.protocol import ACTIVE_PATH
 from egressd.policy import parse_policy
 from egressd.subject.model import IPAddress
 from egressd.vault.snapshot import VaultSnapshot

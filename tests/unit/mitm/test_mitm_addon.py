@@ -13,8 +13,10 @@ from mitmproxy.flow import Error
 from mitmproxy.net.http.http1 import assemble_request_head
 from mitmproxy.test import tflow
 
-from egressd.mitm.addon import EgressInjector, _destination_unchanged, _forward_on_one_authority
-from egressd.mitm.lookup import View
+from egressd.mitmchild.injection import Injection, _destination_unchanged, _forward_on_one_authority
+from egressd.mitmchild.lookup import View
+from egressd.mitmchild.responses import Responses
+from egressd.mitmchild.vaults import VaultLookup
 from egressd.policy import parse_policy_obj
 from egressd.vault.snapshot import VaultSnapshot
 from egressd.vault.store import VaultStore
@@ -81,10 +83,11 @@ def flow(
     return f
 
 
-def run(f: http.HTTPFlow) -> tuple[EgressInjector, StubClient]:
-    addon = EgressInjector()
+def run(f: http.HTTPFlow) -> tuple[Injection, StubClient]:
+    vaults = VaultLookup()
     stub = StubClient()
-    addon.client = stub  # type: ignore[assignment]
+    vaults.client = stub  # type: ignore[assignment]
+    addon = Injection(vaults)
     asyncio.run(addon.requestheaders(f))
     return addon, stub
 
@@ -179,7 +182,7 @@ def test_response_trailers_are_redacted_like_headers() -> None:
     run(f)
     f.response = http.Response.make(200, b"ok", {"X-Echo": f"Bearer {SECRET}"})
     f.response.trailers = http.Headers([(b"x-trailer", f"t={SECRET}".encode()), (b"x-ok", b"1")])
-    addon = EgressInjector()
+    addon = Responses()
     addon.responseheaders(f)
     addon.response(f)  # trailers go out after this hook
     assert f.response.headers["x-echo"] == "[REDACTED]"

@@ -13,15 +13,16 @@ from mitmproxy.flow import Error
 from mitmproxy.websocket import WebSocketMessage
 from wsproto.frame_protocol import Opcode
 
-from egressd.mitm import addon as addon_module
-from egressd.mitm.addon import EgressInjector
-from egressd.mitm.respbody import BodyFilter
+from egressd.mitmchild import responses as addon_module
+from egressd.mitmchild.respbody import BodyFilter
+from egressd.mitmchild.responses import Responses
 from tests.unit.mitm.test_mitm_addon import SECRET, flow, run
 
 
-def decrypted(**headers: str) -> tuple[EgressInjector, http.HTTPFlow]:
+def decrypted(**headers: str) -> tuple[Responses, http.HTTPFlow]:
     f = flow()
-    addon, _ = run(f)  # the vault's snapshot is on the flow now, as after requestheaders
+    run(f)  # the vault's snapshot is on the flow now, as after requestheaders
+    addon = Responses()
     f.response = http.Response.make(200, b"", headers)
     f.response.headers.pop("content-length", None)
     for name, value in headers.items():
@@ -109,7 +110,7 @@ def test_the_reason_phrase_and_headers_are_redacted() -> None:
 def test_without_a_vault_unknown_lengths_still_stream_untouched() -> None:
     f = flow()
     f.response = http.Response.make(200, b"", {"Transfer-Encoding": "chunked", "X-Echo": SECRET})
-    addon = EgressInjector()
+    addon = Responses()
     addon.responseheaders(f)
     assert f.response.stream is True
     assert f.response.headers["x-echo"] == SECRET  # no vault on this flow: nothing to redact
@@ -123,7 +124,7 @@ def test_body_redaction_off_streams_without_the_filter() -> None:
     assert f.response.headers["content-encoding"] == "gzip"
 
 
-def _ws_flow() -> tuple[EgressInjector, http.HTTPFlow]:
+def _ws_flow() -> tuple[Responses, http.HTTPFlow]:
     addon, f = decrypted(**{"Content-Length": "0"})
     f.websocket = websocket.WebSocketData()
     return addon, f
@@ -151,5 +152,5 @@ def test_accept_encoding_is_narrowed_for_a_flow_that_will_be_scanned() -> None:
 
 def test_buffer_limit_follows_stream_large_bodies() -> None:
     assert addon_module.DEFAULT_BUFFER_LIMIT == 1 << 20
-    a: Any = EgressInjector()
+    a: Any = Responses()
     assert a.buffer_limit == 1 << 20 and a.body_redaction is True

@@ -1,4 +1,4 @@
-"""Incremental content decoding for the body scan (egressd/mitm/bodycodec.py): every coding
+"""Incremental content decoding for the body scan (egressd/mitmchild/bodycodec.py): every coding
 decodes the same whatever the chunking, stacked codings and several members/frames work,
 corrupt and truncated bodies are errors, and a chunk that expands beyond the limit is refused
 before its output is held (decompression bombs)."""
@@ -14,7 +14,7 @@ from backports import zstd
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from egressd.mitm.bodycodec import PIECE, DecodedTooLarge, DecodeError, Decoder, parse_codings
+from egressd.mitmchild.bodycodec import PIECE, DecodedTooLarge, DecodeError, Decoder, parse_codings
 
 TEXT = b"".join(b"line %d: the quick brown fox sk-live-secret\n" % i for i in range(3000))
 

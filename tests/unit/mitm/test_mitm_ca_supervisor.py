@@ -65,7 +65,7 @@ def test_argv_never_dumps_flows_and_connects_lazily(tmp_path: Path) -> None:
     opts = MitmOptions(18081, tmp_path / "conf", tmp_path / "a.sock", Path("/etc/ssl/certs"))
     argv = mitmdump_argv(opts)
     joined = " ".join(argv)
-    assert argv[1:3] == ["-m", "egressd.mitm.runner"]
+    assert argv[1:3] == ["-m", "egressd.mitmchild.runner"]
     for needle in (
         "--set mode=transparent",
         "--set listen_port=18081",

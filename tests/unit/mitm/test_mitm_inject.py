@@ -1,4 +1,4 @@
-"""§10 transparent-MITM credential injection decisions (egressd.mitm.inject), on snapshots
+"""§10 transparent-MITM credential injection decisions (egressd.mitmchild.inject), on snapshots
 built through the real vault store (§6)."""
 
 from __future__ import annotations
@@ -10,7 +10,16 @@ from urllib.parse import quote, quote_plus
 
 import pytest
 
-from egressd.mitm.inject import (
+from egressd.mitmchild.authority import OneAuthority, normalise_authority, one_authority
+from egressd.mitmchild.inject import (
+    TARGET_OVERRIDE_HEADERS,
+    decide,
+    find_binding,
+    path_problem,
+    redact_response_headers,
+    redact_text,
+)
+from egressd.mitmchild.injectdata import (
     AMBIGUOUS_AUTHORITY,
     LOOKUP_FAILED,
     REASON_AMBIGUOUS,
@@ -24,21 +33,11 @@ from egressd.mitm.inject import (
     REASON_SNI,
     REASON_SUBSTITUTED_PATH,
     REASON_TARGET_OVERRIDE,
-    TARGET_OVERRIDE_HEADERS,
     InjectionDecision,
-    OneAuthority,
     Request,
     RewriteError,
-    decide,
-    find_binding,
-    normalise_authority,
-    one_authority,
-    path_problem,
-    redact_response_headers,
-    redact_text,
-    substitute,
-    substitute_body,
 )
+from egressd.mitmchild.substitute import substitute, substitute_body
 from egressd.policy import parse_policy_obj
 from egressd.vault.snapshot import InjectedHeader, VaultSnapshot
 from egressd.vault.store import VaultStore

@@ -19,8 +19,8 @@ from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.test import tflow
 
 from egressd.metrics import EgressMetrics
-from egressd.mitm.addon import EgressInjector
-from egressd.mitm.intercept import (
+from egressd.mitm.supervisor import MitmSupervisor
+from egressd.mitmchild.intercept import (
     REASON_BOUND,
     REASON_IGNORED,
     REASON_LOOKUP_FAILED,
@@ -36,8 +36,9 @@ from egressd.mitm.intercept import (
     tls_by_vault,
     tls_early,
 )
-from egressd.mitm.lookup import LookupFailed, View
-from egressd.mitm.supervisor import MitmSupervisor
+from egressd.mitmchild.interception import Interception
+from egressd.mitmchild.lookup import LookupFailed, View
+from egressd.mitmchild.vaults import VaultLookup
 from egressd.policy import parse_policy_obj
 from egressd.vault.snapshot import VaultSnapshot
 from egressd.vault.store import VaultStore
@@ -153,9 +154,10 @@ class StubClient:
         return View(self.snap, False)
 
 
-def injector(client: StubClient, ignore: tuple[str, ...] = ()) -> EgressInjector:
-    addon = EgressInjector()
-    addon.client = client  # type: ignore[assignment]
+def injector(client: StubClient, ignore: tuple[str, ...] = ()) -> Interception:
+    vaults = VaultLookup()
+    vaults.client = client  # type: ignore[assignment]
+    addon = Interception(vaults)
     addon.ignore = tuple(re.compile(p, re.IGNORECASE) for p in ignore)
     return addon
 
@@ -214,7 +216,7 @@ def test_clienthello_opens_when_the_lookup_fails(capsys: pytest.CaptureFixture[s
 
 def test_clienthello_opens_on_an_unexpected_error(capsys: pytest.CaptureFixture[str]) -> None:
     addon = injector(StubClient())
-    addon.client = None  # the lookup cannot even start
+    addon.vaults.client = None  # the lookup cannot even start
     data = clienthello(API)
     asyncio.run(addon.tls_clienthello(data))
     assert data.ignore_connection is False

@@ -22,12 +22,13 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from egressd.config import Config, ConfigError, parse_config
 from egressd.mitm import seqmap
-from egressd.mitm.active import DESTINATION_TTL_HEADER, MAX_DESTINATION_TTL_S, active_app, active_lookup
-from egressd.mitm.lookup import ActiveClient, LookupFailed
-from egressd.mitm.memo import MAX_TTL_S, Memo, parse_ttl
+from egressd.mitm.active import MAX_DESTINATION_TTL_S, active_app, active_lookup
+from egressd.mitm.protocol import DESTINATION_TTL_HEADER
 from egressd.mitm.seqmap import MAP_BYTES, SeqReader, SeqWriter, seq_path, slot_of
 from egressd.mitm.service import start_mitm
 from egressd.mitm.supervisor import MitmOptions, MitmSupervisor, mitmdump_argv
+from egressd.mitmchild.lookup import ActiveClient, LookupFailed
+from egressd.mitmchild.memo import MAX_TTL_S, Memo, parse_ttl
 from egressd.policy import parse_policy
 from egressd.subject.leases import LeaseBook, destination_verified, destination_verified_until
 from egressd.subject.model import Fence, IPAddress

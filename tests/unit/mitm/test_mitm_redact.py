@@ -1,4 +1,4 @@
-"""The one redactor (egressd/mitm/redact.py, docs/behaviour.md §10): whole or streamed in any
+"""The one redactor (egressd/mitmchild/redact.py, docs/behaviour.md §10): whole or streamed in any
 split, the same output as a plain reference (every occurrence found on the original, overlaps
 merged into one marker), never holding back more than the longest string minus one byte, and
 holding back nothing when the data ends in bytes no redaction string starts with."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from egressd.mitm.redact import MARKER, StreamRedactor, compile_needles, redact_bytes, redact_str
+from egressd.mitmchild.redact import MARKER, StreamRedactor, compile_needles, redact_bytes, redact_str
 
 
 def reference(data: bytes, needles: list[bytes]) -> bytes:

@@ -1,4 +1,4 @@
-"""What happens to a response body (egressd/mitm/respbody.py, docs/behaviour.md §10), decided from
+"""What happens to a response body (egressd/mitmchild/respbody.py, docs/behaviour.md §10), decided from
 its headers: streamed when its length is unknown, when it is an event stream or larger than
 the buffer; buffered otherwise; scanned whenever the flow has redaction strings, decoded first
 when it is compressed (and forwarded decoded); refused when its coding cannot be decoded."""
@@ -9,8 +9,8 @@ import gzip
 
 import pytest
 
-from egressd.mitm.redact import compile_needles
-from egressd.mitm.respbody import (
+from egressd.mitmchild.redact import compile_needles
+from egressd.mitmchild.respbody import (
     NO_BODY,
     REASON_UNSUPPORTED_CODING,
     BodyFilter,

@@ -1,5 +1,5 @@
-"""Upstream TLS session resumption in the MITM child (egressd.mitm.resume, egressd.mitm.tlsresume)
-and the indexed self-connect check (egressd.mitm.selfconnect)."""
+"""Upstream TLS session resumption in the MITM child (egressd.mitmchild.resume, egressd.mitmchild.tlsresume)
+and the indexed self-connect check (egressd.mitmchild.selfconnect)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ from mitmproxy.test import taddons
 from OpenSSL import SSL
 
 from egressd.config import ConfigError, parse_config
-from egressd.mitm import runner, seqmap, tlsresume
-from egressd.mitm.lookup import forget_message
-from egressd.mitm.resume import SessionCache, SessionKey
-from egressd.mitm.selfconnect import LOCAL_NAMES, SELF_CONNECT_ERROR, IndexedProxyserver, ListenIndex
+from egressd.mitm import seqmap
+from egressd.mitm.protocol import forget_message
 from egressd.mitm.supervisor import MitmOptions, mitmdump_argv
-from egressd.mitm.tlsresume import TlsResumption, snapshot_session
+from egressd.mitmchild import runner, tlsresume
+from egressd.mitmchild.resume import SessionCache, SessionKey
+from egressd.mitmchild.selfconnect import LOCAL_NAMES, SELF_CONNECT_ERROR, IndexedProxyserver, ListenIndex
+from egressd.mitmchild.tlsresume import TlsResumption, snapshot_session
 
 K = SessionKey(
     client="10.203.0.11",
@@ -589,11 +590,11 @@ def test_the_indexed_proxyserver_refuses_self_connects_and_follows_listener_chan
 def test_the_child_reads_the_map_egressd_vault_push_names(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from egressd.mitm.addon import EgressInjector
+    from egressd.mitmchild.vaults import VaultLookup
 
     monkeypatch.setattr(tlsresume, "emit", lambda *a, **kw: None)
     writer = seqmap.SeqWriter(tmp_path / "active.seq")
-    resumption, injector = TlsResumption(), EgressInjector()
+    resumption, injector = TlsResumption(), VaultLookup()
     try:
         with taddons.context(resumption, injector) as tctx:  # type: ignore[no-untyped-call]
             assert resumption.seq is None

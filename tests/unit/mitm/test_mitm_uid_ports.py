@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from egressd.mitm import addon
 from egressd.mitm.active import PortVaults, active_app, active_lookup
-from egressd.mitm.lookup import ActiveClient, forget_message, parse_forget, port_key
+from egressd.mitm.protocol import forget_message, parse_forget, port_key
 from egressd.mitm.supervisor import MitmOptions, mitmdump_argv
+from egressd.mitmchild import shared
+from egressd.mitmchild.lookup import ActiveClient
 from egressd.policy import parse_policy
 from egressd.subject.model import IPAddress
 from egressd.vault.snapshot import VaultSnapshot
@@ -132,10 +133,10 @@ def test_listen_port_names_the_subject_only_off_the_shared_listener() -> None:
         # Transparent mode puts the original destination in sockname: never a port source.
         return SimpleNamespace(proxy_mode=mode, sockname=("10.204.0.6", 443))
 
-    assert addon._listen_port(flow("transparent@16257"), 18081) == 16257
-    assert addon._listen_port(flow("transparent"), 18081) is None, "the shared listener"
-    assert addon._listen_port(flow("transparent@18081"), 18081) is None
-    assert addon._listen_port(flow(None), 18081) is None
+    assert shared.listen_port(flow("transparent@16257"), 18081) == 16257
+    assert shared.listen_port(flow("transparent"), 18081) is None, "the shared listener"
+    assert shared.listen_port(flow("transparent@18081"), 18081) is None
+    assert shared.listen_port(flow(None), 18081) is None
     assert json.loads(forget_message(None)) == {"op": "forget"}
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from egressd.mitm.inject import normalise_authority
+from egressd.mitmchild.authority import normalise_authority
 from egressd.policy import PolicyError, Verdict, delete_targets, judge_domain, merge_patch, parse_policy_obj
 from egressd.policy.idn import IdnaError, to_alabels
 from tests.unit.mitm.test_mitm_inject import bind, go, injected, req, snap

@@ -3,15 +3,16 @@
 ``mitmdump`` loads 36 addons (playback, export, map-local, the flow dumper, …) and every flow
 event is dispatched through all of them; measured, that dispatch was a quarter of the child's
 CPU per request. This master loads: core (option checks), proxyserver (with the indexed
-self-connect check of :mod:`egressd.mitm.selfconnect`) + next_layer + tlsconfig (the proxy
-itself), upstream TLS session resumption (:mod:`egressd.mitm.tlsresume`), disable_h2c (refuses
+self-connect check of :mod:`egressd.mitmchild.selfconnect`) + next_layer + tlsconfig (the proxy
+itself), upstream TLS session resumption (:mod:`egressd.mitmchild.tlsresume`), disable_h2c (refuses
 h2c upgrades, which would smuggle requests past the hooks), errorcheck (start-up errors exit non-zero, so the supervisor restarts us), termlog (warnings
-on stdout) and the egressd addon, with the streamed-response guards of
-:mod:`egressd.mitm.streampatch` (abort, HTTP/2 backpressure) installed first. There is no flow dumper at all (headers carry credentials), and
+on stdout) and egressd's addons, one per concern as mitmproxy's own (:func:`egress_addons`:
+the client's vault, interception §16, injection §10, responses, readiness), with the streamed-response guards of
+:mod:`egressd.mitmchild.streampatch` (abort, HTTP/2 backpressure) installed first. There is no flow dumper at all (headers carry credentials), and
 no ``config.yaml`` is read from the confdir.
 
-Run as ``python -m egressd.mitm.runner --set name=value …`` (options of mitmproxy and of the
-egressd addon, as built by :func:`egressd.mitm.supervisor.mitmdump_argv`).
+Run as ``python -m egressd.mitmchild.runner --set name=value …`` (options of mitmproxy and of the
+egressd addons, as built by :func:`egressd.mitm.supervisor.mitmdump_argv`).
 
 Besides mitmproxy, two small tasks (docs/behaviour.md §14.9): stdin carries egressd's *forget* lines
 (clients whose vault snapshot the cache must drop now: subject removed or rebound, vault
@@ -23,25 +24,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
-from mitmproxy import exceptions, master, options
+from mitmproxy import ctx, exceptions, master, options
 from mitmproxy.addons import core, disable_h2c, errorcheck, next_layer, tlsconfig
 
 from egressd.hygiene import disable_core_dumps
 from egressd.kernel.listeners import raise_fd_limit
-from egressd.mitm import streampatch
-from egressd.mitm.active import CACHE_EVENT
-from egressd.mitm.addon import EgressInjector, emit
-from egressd.mitm.handover import adopt, listen_on_adopted
-from egressd.mitm.lookup import parse_forget
-from egressd.mitm.selfconnect import IndexedProxyserver
-from egressd.mitm.tlsresume import TlsResumption
+from egressd.mitm.protocol import CACHE_EVENT, READY_EVENT, parse_forget
+from egressd.mitmchild import streampatch
+from egressd.mitmchild.handover import adopt, listen_on_adopted
+from egressd.mitmchild.injection import Injection
+from egressd.mitmchild.interception import Interception
+from egressd.mitmchild.responses import Responses
+from egressd.mitmchild.selfconnect import IndexedProxyserver
+from egressd.mitmchild.shared import emit
+from egressd.mitmchild.tlsresume import TlsResumption
+from egressd.mitmchild.vaults import VaultLookup
 
 CACHE_REPORT_INTERVAL_S: Final = 0.5
 _STDIN_LINE_LIMIT: Final = 1 << 20
@@ -58,15 +63,33 @@ def _settings(argv: Sequence[str]) -> list[str]:
     return out
 
 
+class Ready:
+    """Start-up done: the start-up objects frozen, and the supervisor told the listeners are bound."""
+
+    def running(self) -> None:
+        # Start-up objects live forever: keep them out of full collections, which otherwise
+        # pause every flow for 60-130 ms every couple of seconds under load (measured).
+        gc.collect()
+        gc.freeze()
+        server = ctx.master.addons.get("proxyserver")
+        if server is not None and server.listen_addrs():
+            emit(READY_EVENT, listen=[list(a)[:2] for a in server.listen_addrs()])
+
+
+def egress_addons(vaults: VaultLookup) -> list[Any]:
+    """egressd's addons, in hook order: each hook is handled by one of them."""
+    return [vaults, Interception(vaults), Injection(vaults), Responses(), Ready()]
+
+
 class _CacheReport:
     """Emits ``mitm.cache`` when the size (or the eviction count) differs from the last report."""
 
-    def __init__(self, injector: EgressInjector) -> None:
-        self.injector = injector
+    def __init__(self, vaults: VaultLookup) -> None:
+        self.vaults = vaults
         self.last: tuple[int, int] | None = None
 
     def __call__(self) -> None:
-        client = self.injector.client
+        client = self.vaults.client
         now = (len(client.cache), client.evictions) if client is not None else (0, 0)
         if now != self.last:
             self.last = now
@@ -79,7 +102,7 @@ class _CacheReport:
 
 
 async def _follow_forgets(
-    injector: EgressInjector, report: _CacheReport, resumption: TlsResumption | None = None
+    vaults: VaultLookup, report: _CacheReport, resumption: TlsResumption | None = None
 ) -> None:
     """Apply egressd's forget lines from stdin until it closes (run stand-alone: no stdin)."""
     loop = asyncio.get_running_loop()
@@ -98,7 +121,7 @@ async def _follow_forgets(
         forget = parse_forget(line)
         if resumption is not None:  # a forgotten client's upstream TLS sessions go too
             resumption.forget(forget)
-        client = injector.client
+        client = vaults.client
         if client is not None:
             client.forget(forget)
         report()  # at once: egressd (and its tests) see the drop without waiting a period
@@ -114,7 +137,7 @@ async def _main(argv: Sequence[str]) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     opts = options.Options()
     m = master.Master(opts, with_termlog=True)
-    injector = EgressInjector()
+    vaults = VaultLookup()
     resumption = TlsResumption()
     m.addons.add(
         core.Core(),
@@ -123,7 +146,7 @@ async def _main(argv: Sequence[str]) -> int:
         next_layer.NextLayer(),
         tlsconfig.TlsConfig(),
         resumption,  # after tlsconfig: it offers a session on the SSL.Connection tlsconfig built
-        injector,
+        *egress_addons(vaults),
         errorcheck.ErrorCheck(),
     )
     try:
@@ -135,10 +158,10 @@ async def _main(argv: Sequence[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, m.shutdown)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    report = _CacheReport(injector)
+    report = _CacheReport(vaults)
     tasks = [
         asyncio.create_task(report.run()),
-        asyncio.create_task(_follow_forgets(injector, report, resumption)),
+        asyncio.create_task(_follow_forgets(vaults, report, resumption)),
     ]
     try:
         await m.run()

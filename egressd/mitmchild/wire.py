@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from egressd.mitm.protocol import bare_etag
 from egressd.vault.snapshot import ActiveBinding, ActiveSubstitution, InjectedHeader, VaultSnapshot
 from egressd.vault.types import Match
 
@@ -80,14 +81,6 @@ def _binding(value: object, i: int) -> ActiveBinding:
     return ActiveBinding(
         _str(b.get("name"), f"{where}.name"), _match(b.get("match"), where), headers, tuple(subs)
     )
-
-
-def bare_etag(value: str) -> str:
-    """An entity tag without ``W/`` and quotes (``W/"a-1"`` -> ``a-1``)."""
-    tag = value.strip()
-    if tag.startswith("W/"):
-        tag = tag[2:]
-    return tag[1:-1] if len(tag) >= 2 and tag[0] == tag[-1] == '"' else tag
 
 
 def snapshot_from_active(body: object, etag: str) -> VaultSnapshot:

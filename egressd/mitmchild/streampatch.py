@@ -2,7 +2,7 @@
 
 1. **Aborting a streamed response.** mitmproxy cannot kill a flow in transit (its issue #4711):
    once a response streams, ``flow.kill()`` is only noticed after the body ended. A body that
-   cannot be passed on (a decompression bomb, a corrupt coding: :class:`egressd.mitm.respbody.BodyFilter`
+   cannot be passed on (a decompression bomb, a corrupt coding: :class:`egressd.mitmchild.respbody.BodyFilter`
    sets ``failed``) must end now, not after the upstream finished sending whatever it wants:
    after each chunk, a failed filter resets the stream on both sides, as mitmproxy does itself
    for a body over ``body_size_limit``. Empty data events in the middle of a stream (an empty

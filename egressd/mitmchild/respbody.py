@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final
 
-from egressd.mitm.bodycodec import DEFAULT_LIMIT, SUPPORTED, DecodeError, Decoder, parse_codings
-from egressd.mitm.redact import Needles, StreamRedactor
+from egressd.mitmchild.bodycodec import DEFAULT_LIMIT, SUPPORTED, DecodeError, Decoder, parse_codings
+from egressd.mitmchild.redact import Needles, StreamRedactor
 
 REASON_UNSUPPORTED_CODING: Final = "response content-encoding cannot be scanned for credentials"
 

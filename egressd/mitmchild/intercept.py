@@ -30,13 +30,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from egressd.mitm.inject import normalise_authority
+from egressd.mitmchild.authority import normalise_authority
 from egressd.policy.evaluate import domain_matches
 from egressd.vault.snapshot import VaultSnapshot
 from egressd.vault.types import SCHEME_PORTS
 
 __all__ = [
-    "CONNECTION_EVENT",
     "REASON_BOUND",
     "REASON_HTTP_BOUND",
     "REASON_IGNORED",
@@ -55,8 +54,6 @@ __all__ = [
     "tls_early",
 ]
 
-#: The addon's JSON line for every connection decision (the supervisor counts and logs it).
-CONNECTION_EVENT: Final = "mitm.connection"
 
 REASON_BOUND: Final = "SNI is a host of an https binding"
 REASON_HTTP_BOUND: Final = "the subject has an http binding"

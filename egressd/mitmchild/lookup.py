@@ -10,17 +10,16 @@ Failure (timeout 0.25 s, refused, 5xx, bad JSON/schema/ETag, 304 without a cache
 carrying the tag we already hold) drops the client's cache and raises: the caller then blocks
 the request before anything reaches the upstream. 404 drops the cache: no vault, no injection.
 
-The cache is bounded (docs/behaviour.md §14.9): at most :data:`CACHE_MAX_ENTRIES` clients, least
+The cache is bounded (docs/behaviour.md §14.9): at most :data:`~egressd.mitm.protocol.CACHE_MAX_ENTRIES` clients, least
 recently used evicted first. Eviction only costs the evicted client one full (200) lookup.
 egressd also tells the child to *forget* clients whose snapshot it must no longer hold
 (subject removed or rebound, vault deleted or changed): one JSON line per batch on the
-child's stdin, :func:`forget_message` / :func:`parse_forget`. Without that, a removed
+child's stdin, :func:`~egressd.mitm.protocol.forget_message` / :func:`~egressd.mitm.protocol.parse_forget`. Without that, a removed
 sandbox's credentials would stay in the child until its address sent another request.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import time
 from collections import OrderedDict
@@ -31,60 +30,20 @@ from urllib.parse import urlencode
 
 import aiohttp
 
-from egressd.mitm.active import ACTIVE_PATH, DESTINATION_HEADER, DESTINATION_TTL_HEADER
-from egressd.mitm.memo import Memo, parse_ttl
+from egressd.mitm.protocol import (
+    ACTIVE_PATH,
+    CACHE_MAX_ENTRIES,
+    DESTINATION_HEADER,
+    DESTINATION_TTL_HEADER,
+    bare_etag,
+    port_key,
+)
 from egressd.mitm.seqmap import SeqReader
-from egressd.mitm.wire import WireError, bare_etag, snapshot_from_active
-from egressd.subject.model import unmap_ip
+from egressd.mitmchild.memo import Memo, parse_ttl
+from egressd.mitmchild.wire import WireError, snapshot_from_active
 from egressd.vault.snapshot import VaultSnapshot
 
 LOOKUP_TIMEOUT_S: Final = 0.25
-CACHE_MAX_ENTRIES: Final = 4096  # a fleet host runs far fewer sandboxes; evicting only costs a 200
-FORGET_BATCH: Final = 256  # addresses per forget line (a line stays well under the reader's limit)
-
-
-def port_key(port: int) -> str:
-    """The cache key of the clients of a per-subject MITM port (host-uid subjects, docs/behaviour.md
-    §17): the port names the subject there, the peer address (the host's own) names nobody."""
-    return f"port:{port}"
-
-
-def _canonical_key(text: str) -> str:
-    """A forget line's entry as a cache key; raises ValueError when it is neither an address
-    nor a :func:`port_key`."""
-    if text.startswith("port:"):
-        digits = text[5:]
-        if not digits.isascii() or not digits.isdigit() or not 1 <= int(digits) <= 65535:
-            raise ValueError(text)
-        return port_key(int(digits))
-    return str(unmap_ip(ipaddress.ip_address(text)))
-
-
-def forget_message(ips: Iterable[str] | None) -> bytes:
-    """One line for the child's stdin: forget these clients (None: every client). An entry is
-    a client address or a :func:`port_key`."""
-    doc: dict[str, object] = {"op": "forget"}
-    if ips is not None:
-        doc["ips"] = list(ips)
-    return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
-
-
-def parse_forget(line: bytes) -> list[str] | None:
-    """The canonical addresses a forget line names; None means every client.
-
-    Anything that is not a well-formed forget line also means every client: dropping the whole
-    cache only costs revalidating lookups, keeping a snapshot egressd wanted gone does not.
-    """
-    try:
-        doc = json.loads(line)
-        if not isinstance(doc, dict) or doc.get("op") != "forget" or "ips" not in doc:
-            return None
-        raw = doc["ips"]
-        if not isinstance(raw, list) or not all(isinstance(ip, str) for ip in raw):
-            return None
-        return [_canonical_key(ip) for ip in raw]
-    except ValueError:  # bad JSON, a bad address or a bad port
-        return None
 
 
 class LookupFailed(Exception):

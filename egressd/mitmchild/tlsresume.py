@@ -1,11 +1,11 @@
 """The MITM child's upstream TLS session resumption (``egressd_tls_resume``; docs/behaviour.md §10).
 
 A mitmproxy addon, loaded after ``tlsconfig`` (which builds the upstream ``SSL.Connection``):
-``client_connected`` records the client's epoch (:class:`~egressd.mitm.resume.SessionKey`),
-``tls_start_server`` offers a session of :class:`~egressd.mitm.resume.SessionCache` for the
+``client_connected`` records the client's epoch (:class:`~egressd.mitmchild.resume.SessionKey`),
+``tls_start_server`` offers a session of :class:`~egressd.mitmchild.resume.SessionCache` for the
 connection's key, ``tls_established_server`` remembers the verified connection, and the first
 complete response on it stores a copy of its session: in TLS 1.3 the server's tickets arrive after
-the handshake, before the response. The keying rules are in :mod:`egressd.mitm.resume`.
+the handshake, before the response. The keying rules are in :mod:`egressd.mitmchild.resume`.
 
 Fail closed: any error here leaves the connection to mitmproxy's own full, verified handshake;
 a failed upstream handshake drops the key's sessions. Off: nothing is offered or stored.
@@ -21,15 +21,15 @@ from mitmproxy.addonmanager import Loader
 from mitmproxy.proxy import server_hooks
 from OpenSSL import SSL
 
-from egressd.mitm.addon import _address, _ip_of, _listen_port, emit
-from egressd.mitm.lookup import port_key
-from egressd.mitm.resume import SessionCache, SessionKey
+from egressd.mitm.protocol import port_key
 from egressd.mitm.seqmap import SLOTS, SeqReader, slot_of
+from egressd.mitmchild.resume import SessionCache, SessionKey
+from egressd.mitmchild.shared import address_of, emit, ip_of, listen_port
 
 OPTION: Final = "egressd_tls_resume"
 _TRACKED_MAX: Final = 65536  # established upstream connections waiting for their session
 _EXPIRE_EVERY_S: Final = 30.0
-_MAP_OPTION: Final = "egressd_vault_push"  # the injector's option: egressd's sequence map
+_MAP_OPTION: Final = "egressd_vault_push"  # the vault lookup's option: egressd's sequence map
 
 
 def _open_map(path: str) -> SeqReader | None:
@@ -44,8 +44,8 @@ def _open_map(path: str) -> SeqReader | None:
 
 def client_key(client: connection.Client, shared_port: int | None) -> str | None:
     """The sandbox behind a client connection, as egressd names it in its bumps and forgets."""
-    listen = _listen_port(client, shared_port)
-    return port_key(listen) if listen is not None else _ip_of(client.peername)
+    listen = listen_port(client, shared_port)
+    return port_key(listen) if listen is not None else ip_of(client.peername)
 
 
 class TlsResumption:
@@ -134,7 +134,7 @@ class TlsResumption:
             return None
         client = client_key(data.context.client, self.shared_port)
         epoch = self._epochs.get(data.context.client.id)
-        address = _address(server.address)
+        address = address_of(server.address)
         if client is None or epoch is None or address is None or not server.sni or data.is_dtls:
             return None
         verify = not ctx.options.ssl_insecure

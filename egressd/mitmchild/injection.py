@@ -1,0 +1,228 @@
+"""Credential injection (docs/behaviour.md §10): the addon that decides every intercepted request
+before anything reaches the upstream, a thin shell around :mod:`egressd.mitmchild.inject` (the
+decision) and the client's vault (:mod:`egressd.mitmchild.vaults`: the vault of the flow's
+client, and whether the connection's original destination was learned for the request host).
+
+Fail closed: a failed lookup refuses the request before anything reaches the upstream (503
+when the body is complete, killed when it is streamed or chunked); an unexpected error in a
+hook kills the flow instead of letting mitmproxy carry on with an undecided request.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from typing import Any
+
+from mitmproxy import ctx, http
+
+from egressd.mitmchild.authority import normalise_authority, one_authority
+from egressd.mitmchild.inject import decide, find_binding
+from egressd.mitmchild.injectdata import LOOKUP_FAILED, InjectionDecision, Request
+from egressd.mitmchild.lookup import LookupFailed
+from egressd.mitmchild.respbody import narrow_accept_encoding
+from egressd.mitmchild.shared import BINDING_META, META, emit, peer_ip, wire_headers
+from egressd.mitmchild.substitute import substitute_body
+from egressd.mitmchild.vaults import VaultLookup
+from egressd.subject.model import unmap_ip
+from egressd.vault.snapshot import VaultSnapshot
+
+
+def _original_destination(flow: http.HTTPFlow) -> tuple[str, int] | None:
+    addr = flow.server_conn.address
+    if not addr:
+        return None
+    try:
+        return str(unmap_ip(ipaddress.ip_address(addr[0]))), int(addr[1])
+    except ValueError:
+        return None
+
+
+def _body_pending(req: http.Request) -> bool:
+    """True when the body is not fully known at ``requestheaders`` time and may be streamed."""
+    if "transfer-encoding" in req.headers:
+        return True
+    length = req.headers.get("content-length")
+    return length is not None and length.strip() not in ("", "0")
+
+
+def _forward_on_one_authority(req: http.Request) -> None:
+    """Put the one authority :func:`one_authority` accepted on the wire once: HTTP/1 in
+    origin-form with ``Host`` (inserted from the absolute form when it was missing), HTTP/2
+    with ``:authority`` and no ``Host`` beside it (RFC 9113 §8.3.1; mitmproxy adds ``Host``
+    from ``:authority`` when it speaks HTTP/1 upstream). Only raw fields are set: mitmproxy's
+    ``host``/``port`` setters would rewrite ``Host`` from the destination address."""
+    if req.is_http2 or req.is_http3:
+        if req.data.authority and "host" in req.headers:
+            del req.headers["host"]
+    elif req.data.authority:
+        if "host" not in req.headers:
+            # The raw bytes, round-tripped: ``req.authority`` would be IDNA-decoded to Unicode.
+            req.headers.insert(0, "Host", req.data.authority.decode("utf-8", "surrogateescape"))
+        req.data.authority = b""
+
+
+def _destination_unchanged(flow: http.HTTPFlow) -> bool:
+    """Transparent mode: the request goes to ``(request.host, request.port)``, which mitmproxy
+    set from the connection's original destination (``server_conn.address``), the address
+    the lookup's destination check is about. Nothing may have moved it."""
+    addr = flow.server_conn.address
+    if not addr:
+        return False
+    return (flow.request.host, flow.request.port) == (addr[0], addr[1])
+
+
+def _decision_request(req: http.Request, authority: str, port: int, sni: str | None) -> Request:
+    """What :func:`decide` sees of the request at ``requestheaders`` time (no body yet)."""
+    return Request(
+        scheme=req.scheme,
+        host=authority,
+        port=port,
+        method=req.method,
+        path=req.path,
+        headers=tuple(req.headers.items(multi=True)),
+        body=None,
+        content_type=req.headers.get("content-type"),
+        content_encoding=req.headers.get("content-encoding"),
+        sni=sni,
+        transfer_encoding=req.headers.get("transfer-encoding"),
+    )
+
+
+class Injection:
+    """Every intercepted request decided in ``requestheaders`` (headers, path, query), its body
+    substituted in ``request``; refused before anything reaches the upstream."""
+
+    def __init__(self, vaults: VaultLookup) -> None:
+        self.vaults = vaults
+        self.body_redaction = True  # egressd_body_redaction (EGRESSD_MITM_BODY_REDACTION)
+
+    def configure(self, updated: set[str]) -> None:
+        if "egressd_body_redaction" in updated:
+            self.body_redaction = ctx.options.egressd_body_redaction
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        try:
+            await self._requestheaders(flow)
+        except Exception as exc:  # fail closed: never forward an undecided request
+            emit("mitm.error", hook="requestheaders", error=type(exc).__name__)
+            flow.kill()
+
+    async def _requestheaders(self, flow: http.HTTPFlow) -> None:
+        req = flow.request
+        client_ip = peer_ip(flow)
+        dest = _original_destination(flow)
+        dst = dest[0] if dest else None
+        sni = flow.client_conn.sni if req.scheme == "https" else None
+        port = dest[1] if dest else req.port
+        authority = self._one_authority(flow, client_ip, dst, sni, port)
+        if authority is None:
+            return
+        norm = normalise_authority(authority) if authority else None
+        host = norm[0] if norm else None
+        started = time.perf_counter()
+        assert self.vaults.client is not None
+        try:
+            view = await self.vaults.lookup(flow.client_conn, client_ip, host, dst)
+        except LookupFailed as exc:
+            self._refuse(flow, LOOKUP_FAILED, client=client_ip, why=str(exc))
+            return
+        if view.snapshot is None:
+            return  # no vault: plain pass-through
+        flow.metadata[META] = view.snapshot
+        if self.body_redaction and view.snapshot.redactions:
+            # Its response will be scanned: ask only for codings the scan can undo.
+            narrowed = narrow_accept_encoding(req.headers.get_all("accept-encoding"))
+            if narrowed is not None:
+                req.headers["accept-encoding"] = narrowed
+        request = _decision_request(req, authority, port, sni)
+        decision = decide(view.snapshot, request, destination_ok=view.destination_ok)
+        fields = {
+            "client": client_ip,
+            "host": host,
+            "dst": dst,
+            "method": req.method,
+            "revision": view.snapshot.revision,
+            "binding": decision.binding,
+            "lookup_ms": round((time.perf_counter() - started) * 1000, 3),
+        }
+        if decision.kind == "refuse":
+            self._refuse(flow, decision, **fields)
+            return
+        if decision.kind == "pass":
+            emit("mitm.pass", reason=decision.reason, **fields)
+            return
+        if decision.new_path is not None:
+            req.path = decision.new_path
+        req.headers = wire_headers(decision.rewrite_headers(request.headers))
+        flow.metadata[BINDING_META] = decision.binding
+        emit(
+            "mitm.injected",
+            headers=list(decision.injected_names),
+            substituted=list(decision.substituted),
+            **fields,
+        )
+
+    def _one_authority(
+        self, flow: http.HTTPFlow, client_ip: str | None, dst: str | None, sni: str | None, port: int
+    ) -> str | None:
+        """The request's one authority ("" when it names none), now the only one on the wire;
+        None when the flow was refused or killed instead."""
+        req = flow.request
+        # One authority (docs/behaviour.md §14.8), for every flow, vault or not, before the lookup:
+        # mitmproxy forwards the HTTP/1 absolute-form authority and both ``:authority`` and
+        # ``Host`` as they came, while the decision would run on one of them.
+        one = one_authority(req.authority, req.headers.get_all("host"), sni, port, req.path)
+        if one.refusal is not None:
+            self._refuse(flow, one.refusal, client=client_ip, dst=dst, method=req.method)
+            return None
+        _forward_on_one_authority(req)
+        if not _destination_unchanged(flow):
+            emit("mitm.error", hook="requestheaders", error="destination changed")
+            flow.kill()
+            return None
+        return one.value or ""
+
+    def _refuse(self, flow: http.HTTPFlow, outcome: InjectionDecision, **fields: Any) -> None:
+        # A chunked body may start streaming upstream while it is read: kill, never wait.
+        streamed = bool(flow.request.stream) or (
+            _body_pending(flow.request) and "content-length" not in flow.request.headers
+        )
+        emit("mitm.refused", status=outcome.status, reason=outcome.reason, killed=streamed, **fields)
+        if streamed:
+            flow.kill()
+        elif _body_pending(flow.request):
+            # The body is still coming: answer once it is read (``request`` hook), before any
+            # upstream connection exists.
+            flow.metadata[META + ".refuse"] = outcome
+        else:
+            flow.response = http.Response.make(outcome.status, outcome.reason, {"Content-Type": "text/plain"})
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        try:
+            refusal = flow.metadata.get(META + ".refuse")
+            if isinstance(refusal, InjectionDecision):
+                flow.response = http.Response.make(
+                    refusal.status, refusal.reason, {"Content-Type": "text/plain"}
+                )
+                return
+            snapshot = flow.metadata.get(META)
+            name = flow.metadata.get(BINDING_META)
+            if not isinstance(snapshot, VaultSnapshot) or not isinstance(name, str) or flow.request.stream:
+                return
+            binding = find_binding(snapshot, name)
+            if binding is None or not any("body" in s.in_ for s in binding.substitutions):
+                return
+            new_body = substitute_body(
+                binding,
+                flow.request.raw_content,
+                flow.request.headers.get("content-type"),
+                flow.request.headers.get("content-encoding"),
+                flow.request.headers.get("transfer-encoding"),
+            )
+            if new_body is not None:
+                flow.request.content = new_body
+        except Exception as exc:
+            emit("mitm.error", hook="request", error=type(exc).__name__)
+            flow.kill()
+
