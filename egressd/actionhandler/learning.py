@@ -16,9 +16,9 @@ from collections.abc import Callable
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.shared import Shared
 from egressd.dnsproxy.server import Asker
+from egressd.feed import LeasesNarrowed
 from egressd.fleetnft.builder import dyn_add, policy_contents
 from egressd.kernel.applier import NftError, NftUncertain
-from egressd.mitm import seqmap
 from egressd.policy import NetworkPolicy, normalise_name
 from egressd.subject.leases import (
     DEFAULT_MAX_LEASES,
@@ -188,4 +188,4 @@ class DnsLearning:
 
     def forget(self, uid: str) -> None:
         self.leases.pop(uid, None)
-        seqmap.narrowed()
+        self._shared.feed.publish(LeasesNarrowed())

@@ -22,6 +22,7 @@ from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy, PortAsker
 from egressd.dnsproxy.upstreams import upstreams_or_system
+from egressd.feed import Feed
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import FleetHTTP
 from egressd.fleet.visibility import FleetVisibility, fleet_visibility
@@ -158,6 +159,9 @@ def _control_plane(
         max_leases=cfg.max_leases,
         max_rules=cfg.max_rules,
         vault_limits=cfg.vault_limits,
+        # The daemon's one change feed: every owner of state publishes its narrowings here,
+        # the MITM's memory subscribes (_start_mitm).
+        feed=Feed(),
     )
     proxy = ProxyRouteAPI(control, max_rules=cfg.max_rules)
     # Audit evidence and refusal counts (docs/behaviour.md §15) share one counter dump per scrape.
@@ -270,11 +274,11 @@ async def _start_mitm(
             metrics=metrics,
             by_port=by_port,
             listen_mark=OWNER_MARK,
+            feed=control.feed,
         )
     except MitmStartupError as exc:
         raise StartupError(str(exc)) from None
     running.supervise(mitm)
-    control.credentials.forget_snapshots = mitm.supervisor.forget
     return mitm
 
 

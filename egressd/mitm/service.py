@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -14,13 +15,13 @@ import structlog
 from aiohttp import web
 
 from egressd.config import Config
+from egressd.feed import Feed
 from egressd.metrics import EgressMetrics
-from egressd.mitm import seqmap
 from egressd.mitm.active import Lookup, PortVaults, Verify, active_app
 from egressd.mitm.ca import CaError, CaInfo, ensure_ca
 from egressd.mitm.export import ExportError, check_separate, export_ca
 from egressd.mitm.pool import MitmPool
-from egressd.mitm.seqmap import SeqWriter, seq_path
+from egressd.mitm.seqmap import MitmMemory, SeqWriter, seq_path
 from egressd.mitm.supervisor import MitmOptions
 
 log = structlog.get_logger("egressd.mitm")
@@ -83,14 +84,16 @@ class RunningMitm:
     active: web.AppRunner
     socket: Path
     seq: SeqWriter | None = None  # EGRESSD_MITM_VAULT_PUSH=on
+    unsubscribe: Callable[[], None] | None = None  # from the daemon's change feed
 
     @property
     def ca(self) -> CaInfo:
         return self.keeper.ca
 
     async def close(self) -> None:
+        if self.unsubscribe is not None:
+            self.unsubscribe()
         if self.seq is not None:
-            seqmap.uninstall(self.seq)
             self.seq.close()
         await self.supervisor.stop()
         await self.active.cleanup()
@@ -124,13 +127,15 @@ async def start_mitm(
     metrics: EgressMetrics | None = None,
     by_port: PortVaults | None = None,
     listen_mark: int | None = None,
+    feed: Feed | None = None,
 ) -> RunningMitm:
     """CA, the private ``_active`` socket, then the supervised MITM workers (docs/behaviour.md §10).
 
     ``lookup``/``verify`` (and ``by_port``, for the per-subject ports of host-uid subjects)
     answer the child's vault lookups (:mod:`egressd.mitm.active`); ``gid`` is the child's
     group id (the sidecar exempts the MITM's own traffic by it); ``listen_mark`` the workers'
-    listeners' SO_MARK (the fleet's owner mark, docs/behaviour.md §20.1)."""
+    listeners' SO_MARK (the fleet's owner mark, docs/behaviour.md §20.1); ``feed`` the daemon's
+    change feed (:mod:`egressd.feed`), to which the MITM memory subscribes."""
     keeper = _ca_keeper(cfg)
     ca = keeper.ca
     trust: Path | None = None
@@ -173,7 +178,10 @@ async def start_mitm(
     log.info("mitm.ca", fingerprint=ca.fingerprint, pinned=ca.pinned, confdir=str(ca.confdir))
     # keeper.refresh runs before every worker's restart: the CA can change only at a start.
     supervisor = MitmPool.build(opts, cfg.mitm_workers, gid=gid, metrics=metrics, before_restart=keeper.refresh)
-    return RunningMitm(keeper, supervisor, active, sock, seq)
+    running = RunningMitm(keeper, supervisor, active, sock, seq)
+    if feed is not None:
+        running.unsubscribe = feed.subscribe(MitmMemory(seq, supervisor.forget))
+    return running
 
 
 def _sequence_map(cfg: Config, sock: Path) -> SeqWriter | None:
@@ -186,7 +194,6 @@ def _sequence_map(cfg: Config, sock: Path) -> SeqWriter | None:
     except OSError as exc:
         log.warning("mitm.vault_push_unavailable", error=exc.strerror or type(exc).__name__)
         return None
-    seqmap.install(seq)
     seq.start_heartbeat()
     return seq
 

@@ -38,7 +38,6 @@ import structlog
 
 from egressd.kernel.listeners import wildcard_listeners
 from egressd.metrics import EgressMetrics
-from egressd.mitm import seqmap
 from egressd.mitm.active import CACHE_EVENT, READY_EVENT
 from egressd.mitm.handover import Listen, handover_env
 from egressd.mitm.intercept import CONNECTION_EVENT
@@ -191,11 +190,12 @@ class MitmSupervisor:
         A client is an address, or a per-subject port's :func:`~egressd.mitm.lookup.port_key`.
 
         Called synchronously at the mutation (subject removed or rebound, vault deleted or
-        changed); delivery is asynchronous, in order, and never blocks the caller. Without a
-        running child there is nothing to forget: the next one starts with an empty cache.
+        changed), after the sequence map's bump (:class:`egressd.mitm.seqmap.MitmMemory`, the
+        change feed's subscriber); delivery is asynchronous, in order, and never blocks the
+        caller. Without a running child there is nothing to forget: the next one starts with an
+        empty cache.
         """
         ips = None if ips is None else list(ips)
-        seqmap.narrowed(ips)  # before anything else: the worker's memory is void from now
         if self._proc is None:
             return
         if ips is None:

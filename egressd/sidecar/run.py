@@ -20,6 +20,7 @@ from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import Upstream, upstreams_or_system
+from egressd.feed import Feed
 from egressd.kernel.applier import KernelTransactions, NftError
 from egressd.kernel.renewal import LeaseRenewal
 from egressd.lifecycle import Running, StartupError
@@ -88,6 +89,9 @@ async def run_sidecar(
         persist_path=cfg.policy_file,
         cut_flows=cut_disallowed,
         carry_dropped=drops.carried,
+        # The daemon's one change feed: the engine and the HTTP API's writes publish their
+        # narrowings here, the MITM's memory subscribes (_start_mitm).
+        feed=Feed(),
     )
     # Only a requested stop deletes the table (§13). A start-up failure or a crash leaves it
     # enforcing: the sandbox stays closed until a sidecar serves again.
@@ -211,7 +215,9 @@ async def _start_mitm(
     if not cfg.mitm_transparent:
         return None
     try:
-        mitm = await start_mitm(cfg, vault_lookup, engine.destination_verified_until, gid=MITM_GID, metrics=metrics)
+        mitm = await start_mitm(
+            cfg, vault_lookup, engine.destination_verified_until, gid=MITM_GID, metrics=metrics, feed=engine.feed
+        )
     except MitmStartupError as exc:
         raise SidecarStartupError(str(exc)) from None
     running.supervise(mitm)
@@ -246,8 +252,6 @@ def _http(
         prerequisites=prerequisites,
         extra_health=mitm_health,
         mitm_ca=(lambda: (mitm.ca.pem, mitm.ca.fingerprint)) if mitm is not None else None,
-        # One sandbox per namespace: every cached client holds this one vault.
-        vault_changed=(lambda: mitm.supervisor.forget(None)) if mitm is not None else None,
         vault_limits=cfg.vault_limits,
         vault_transport=VaultTransport(cfg.vault_require_tls, cfg.vault_trusted_proxies),
         before_scrape=drops.refresh,  # the kernel's refusal counter (docs/behaviour.md §15)

@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 
 from egressd import hygiene
+from egressd.feed import VaultChanged
 from egressd.mitm import runner
 from egressd.mitm.active import active_app
 from egressd.mitm.lookup import (
@@ -319,7 +320,9 @@ async def test_forgets_reach_the_child_and_its_cache_reports_become_the_gauge(tm
 async def test_egressd_names_the_address_on_vault_delete_rebind_and_removal(aiohttp_client: Any) -> None:
     env = await make_env(aiohttp_client)
     forgotten: list[list[str]] = []
-    env.control.credentials.forget_snapshots = lambda ips: forgotten.append([str(ip) for ip in ips])
+    env.control.feed.subscribe(
+        lambda e: forgotten.append([str(ip) for ip in e.clients or ()]) if isinstance(e, VaultChanged) else None
+    )
 
     def taken() -> list[list[str]]:
         out = list(forgotten)
