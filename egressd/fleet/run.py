@@ -274,10 +274,10 @@ async def _start_mitm(
             metrics=metrics,
             by_port=by_port,
             listen_mark=OWNER_MARK,
-            feed=control.feed,
         )
     except MitmStartupError as exc:
         raise StartupError(str(exc)) from None
+    mitm.subscribe(control.feed)  # before anything else is awaited: no narrowing goes unseen
     running.supervise(mitm)
     return mitm
 

@@ -90,6 +90,12 @@ class RunningMitm:
     def ca(self) -> CaInfo:
         return self.keeper.ca
 
+    def subscribe(self, feed: Feed) -> None:
+        """The MITM memory subscribes to the daemon's change feed (:mod:`egressd.feed`): from
+        now on every narrowing bumps the map, and a vault change tells the workers to forget.
+        Called right after :func:`start_mitm`, before the caller awaits anything."""
+        self.unsubscribe = feed.subscribe(MitmMemory(self.seq, self.supervisor.forget))
+
     async def close(self) -> None:
         if self.unsubscribe is not None:
             self.unsubscribe()
@@ -127,15 +133,13 @@ async def start_mitm(
     metrics: EgressMetrics | None = None,
     by_port: PortVaults | None = None,
     listen_mark: int | None = None,
-    feed: Feed | None = None,
 ) -> RunningMitm:
     """CA, the private ``_active`` socket, then the supervised MITM workers (docs/behaviour.md §10).
 
     ``lookup``/``verify`` (and ``by_port``, for the per-subject ports of host-uid subjects)
     answer the child's vault lookups (:mod:`egressd.mitm.active`); ``gid`` is the child's
     group id (the sidecar exempts the MITM's own traffic by it); ``listen_mark`` the workers'
-    listeners' SO_MARK (the fleet's owner mark, docs/behaviour.md §20.1); ``feed`` the daemon's
-    change feed (:mod:`egressd.feed`), to which the MITM memory subscribes."""
+    listeners' SO_MARK (the fleet's owner mark, docs/behaviour.md §20.1)."""
     keeper = _ca_keeper(cfg)
     ca = keeper.ca
     trust: Path | None = None
@@ -178,10 +182,7 @@ async def start_mitm(
     log.info("mitm.ca", fingerprint=ca.fingerprint, pinned=ca.pinned, confdir=str(ca.confdir))
     # keeper.refresh runs before every worker's restart: the CA can change only at a start.
     supervisor = MitmPool.build(opts, cfg.mitm_workers, gid=gid, metrics=metrics, before_restart=keeper.refresh)
-    running = RunningMitm(keeper, supervisor, active, sock, seq)
-    if feed is not None:
-        running.unsubscribe = feed.subscribe(MitmMemory(seq, supervisor.forget))
-    return running
+    return RunningMitm(keeper, supervisor, active, sock, seq)
 
 
 def _sequence_map(cfg: Config, sock: Path) -> SeqWriter | None:

@@ -89,9 +89,7 @@ async def run_sidecar(
         persist_path=cfg.policy_file,
         cut_flows=cut_disallowed,
         carry_dropped=drops.carried,
-        # The daemon's one change feed: the engine and the HTTP API's writes publish their
-        # narrowings here, the MITM's memory subscribes (_start_mitm).
-        feed=Feed(),
+        feed=Feed(),  # the daemon's one change feed: the MITM's memory subscribes (_start_mitm)
     )
     # Only a requested stop deletes the table (§13). A start-up failure or a crash leaves it
     # enforcing: the sandbox stays closed until a sidecar serves again.
@@ -215,11 +213,10 @@ async def _start_mitm(
     if not cfg.mitm_transparent:
         return None
     try:
-        mitm = await start_mitm(
-            cfg, vault_lookup, engine.destination_verified_until, gid=MITM_GID, metrics=metrics, feed=engine.feed
-        )
+        mitm = await start_mitm(cfg, vault_lookup, engine.destination_verified_until, gid=MITM_GID, metrics=metrics)
     except MitmStartupError as exc:
         raise SidecarStartupError(str(exc)) from None
+    mitm.subscribe(engine.feed)  # before anything else is awaited: no narrowing goes unseen
     running.supervise(mitm)
     return mitm
 

@@ -444,7 +444,8 @@ def test_the_knob_defaults_on_and_turns_off(tmp_path: Path) -> None:
 
 async def test_start_mitm_makes_the_map_beside_the_socket_and_removes_it(tmp_path: Path) -> None:
     feed = Feed()
-    mitm = await start_mitm(_cfg(tmp_path), lambda ip: None, lambda c, h, d: False, feed=feed)
+    mitm = await start_mitm(_cfg(tmp_path), lambda ip: None, lambda c, h, d: False)
+    mitm.subscribe(feed)
     try:
         assert mitm.seq is not None and mitm.seq.path == seq_path(mitm.socket)
         assert stat.S_IMODE(os.stat(mitm.seq.path).st_mode) == 0o600
