@@ -16,13 +16,13 @@ from egressd.actionhandler.learning import DnsLearning
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.revocation import Revocations, resync_plan
 from egressd.actionhandler.shared import Shared
+from egressd.addr import IPAddress
 from egressd.feed import AlwaysRulesChanged
 from egressd.fleetnft.builder import Contents, contents_swap, dyn_replace, static_contents
 from egressd.kernel.applier import NftError, NftUncertain
 from egressd.kernel.ops import NetlinkBatch
 from egressd.policy import AlwaysRules, NetworkPolicy, effective_policy
 from egressd.subject.leases import LeaseBook
-from egressd.subject.model import IPAddress
 
 Applied = list[tuple[str, frozenset[tuple[IPAddress, IPAddress]], NetworkPolicy]]
 

@@ -28,13 +28,14 @@ from egressd.actionhandler.revocation import After, Revocations, narrows
 from egressd.actionhandler.shared import Claims, Shared
 from egressd.actionhandler.steps import STEP_PREFIX, Refused, SandboxNets, StepFailed, StepRunner
 from egressd.actionhandler.vaults import Credentials
+from egressd.addr import IPAddress
 from egressd.feed import Feed
 from egressd.fleetnft.builder import TableConfig
 from egressd.kernel.applier import NftError, NftUncertain, Transactions
 from egressd.metrics import EgressMetrics
 from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy
 from egressd.subject.leases import DEFAULT_MAX_LEASES
-from egressd.subject.model import IPAddress, subject_for_uid
+from egressd.subject.model import subject_for_uid
 from egressd.subject.registry import (
     Entry,
     InstallDenyFirst,

@@ -15,6 +15,7 @@ from typing import Any
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.revocation import Revocations
 from egressd.actionhandler.shared import Shared
+from egressd.addr import IPAddress, unmap_ip
 from egressd.fleetnft.builder import (
     UID_DISPATCH,
     TableConfig,
@@ -29,7 +30,6 @@ from egressd.kernel.netlink import element_covering
 from egressd.policy import NetworkPolicy
 from egressd.policy.explain import explain as explain_target
 from egressd.subject.leases import LeaseBook
-from egressd.subject.model import IPAddress, unmap_ip
 from egressd.subject.registry import AnyBinding, Entry, HostBinding, State
 from egressd.vault.store import VaultStore
 

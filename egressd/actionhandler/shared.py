@@ -14,12 +14,13 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from egressd.addr import IPAddress
 from egressd.feed import Feed
 from egressd.fleetnft.builder import TableConfig
 from egressd.fleetnft.workers import WorkerAssignment
 from egressd.kernel.applier import Transactions
 from egressd.metrics import EgressMetrics
-from egressd.subject.model import IPAddress, nft_id, subject_for_uid
+from egressd.subject.model import nft_id, subject_for_uid
 from egressd.subject.registry import AnyBinding, HostBinding, Registry
 
 

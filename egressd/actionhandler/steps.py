@@ -20,6 +20,7 @@ from egressd.actionhandler.flows import FlowCuts
 from egressd.actionhandler.learning import DnsLearning
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.shared import Shared
+from egressd.addr import IPAddress
 from egressd.feed import PolicyApplied
 from egressd.fleetnft.builder import (
     SANDBOX_IFACES_SET,
@@ -47,7 +48,6 @@ from egressd.kernel.applier import NftError, NftUncertain, Transactions
 from egressd.kernel.ops import AddIface, DeleteIface, NetlinkBatch, Op
 from egressd.policy import NetworkPolicy, names_narrow
 from egressd.subject.leases import Narrowed
-from egressd.subject.model import IPAddress
 from egressd.subject.registry import (
     AddKeys,
     ApplyPolicy,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import structlog
 from dnslib import QTYPE, RCODE, DNSRecord
 
+from egressd.addr import IPAddress, unmap_ip
 from egressd.dnsproxy.budget import QueryBudget
 from egressd.dnsproxy.decide import (
     Action,
@@ -31,7 +32,7 @@ from egressd.kernel.listeners import NO_IPV6, bound_socket
 from egressd.metrics import EgressMetrics
 from egressd.policy import NetworkPolicy, evidence, new_decision_id
 from egressd.policy.audit import safe_token
-from egressd.subject.model import Fence, IPAddress, subject_for_uid, unmap_ip
+from egressd.subject.model import Fence, subject_for_uid
 
 log = structlog.get_logger("egressd.dns")
 

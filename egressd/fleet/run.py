@@ -31,6 +31,7 @@ from egressd.fleetnft.selftest import BridgeReport, SelfTestError, bridge_report
 from egressd.kernel.applier import KernelTransactions, NftError
 from egressd.kernel.conntrack import flush_source
 from egressd.kernel.listeners import OWNER_MARK
+from egressd.kernel.refresh import LeaseRefresher
 from egressd.kernel.renewal import LeaseRenewal
 from egressd.lifecycle import Running, StartupError
 from egressd.metrics import EgressMetrics
@@ -38,7 +39,6 @@ from egressd.mitm.active import PortVaults
 from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
 from egressd.policy import AlwaysRules, AlwaysRulesError, load_always_rules
 from egressd.policy.reload import AlwaysRulesReloader
-from egressd.subject.refresh import LeaseRefresher
 from egressd.vault.sealed import KeyDirError, KeyStore
 from egressd.web.serving import ListenError, start_http, wait_for_stop
 from egressd.web.transport import VaultTransport

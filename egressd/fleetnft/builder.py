@@ -64,6 +64,7 @@ import ipaddress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from egressd.addr import IPAddress
 from egressd.kernel.listeners import OWNER_MARK
 from egressd.kernel.ops import (
     ALLOW_MARK,
@@ -106,7 +107,6 @@ from egressd.policy import (
 )
 from egressd.policy.ipsets import PrefixIndex
 from egressd.subject.hostuid import DEFAULT_UID_PORTS, UidPorts
-from egressd.subject.model import IPAddress
 
 CORE_SETS = ("allow_v4", "allow_v6", "deny_v4", "deny_v6")
 # wdeny: the user's deny prefixes while auditing; audit: 0.0.0.0/0, ::/0 while auditing.

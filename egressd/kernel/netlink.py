@@ -21,6 +21,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from egressd.addr import IPAddress
 from egressd.kernel.ops import (
     ALLOW_MARK,
     AddChain,
@@ -57,7 +58,6 @@ from egressd.kernel.ops import (
     RuleAction,
     UidOp,
 )
-from egressd.subject.model import IPAddress
 
 NETLINK_NETFILTER = 12
 NLM_F_REQUEST = 0x1

@@ -37,8 +37,8 @@ from typing import Any
 
 from aiohttp import web
 
+from egressd.addr import IPAddress, unmap_ip
 from egressd.mitm.wire import bare_etag
-from egressd.subject.model import IPAddress, unmap_ip
 from egressd.vault.store import VaultSnapshot
 
 ACTIVE_PATH = "/credential-vault/_active"

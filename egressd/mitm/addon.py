@@ -34,6 +34,7 @@ from mitmproxy.proxy import layer, layers
 from mitmproxy.proxy.layers import modes
 from mitmproxy.utils import human
 
+from egressd.addr import unmap_ip
 from egressd.mitm.active import READY_EVENT
 from egressd.mitm.inject import (
     LOOKUP_FAILED,
@@ -59,7 +60,6 @@ from egressd.mitm.lookup import ActiveClient, LookupFailed, View
 from egressd.mitm.redact import Needles, compile_needles, redact_bytes, redact_str
 from egressd.mitm.respbody import BodyFilter, ResponsePlan, narrow_accept_encoding, plan_response
 from egressd.mitm.seqmap import SeqReader
-from egressd.subject.model import unmap_ip
 from egressd.vault.store import VaultSnapshot
 
 _META = "egressd"

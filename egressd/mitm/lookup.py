@@ -31,11 +31,11 @@ from urllib.parse import urlencode
 
 import aiohttp
 
+from egressd.addr import unmap_ip
 from egressd.mitm.active import ACTIVE_PATH, DESTINATION_HEADER, DESTINATION_TTL_HEADER
 from egressd.mitm.memo import Memo, parse_ttl
 from egressd.mitm.seqmap import SeqReader
 from egressd.mitm.wire import WireError, bare_etag, snapshot_from_active
-from egressd.subject.model import unmap_ip
 from egressd.vault.store import VaultSnapshot
 
 LOOKUP_TIMEOUT_S: Final = 0.25

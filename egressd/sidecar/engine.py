@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from egressd.addr import IPAddress
 from egressd.dnsproxy.server import Asker
 from egressd.feed import Feed, PolicyApplied
 from egressd.kernel.applier import NftError
@@ -42,7 +43,7 @@ from egressd.subject.leases import (
     destination_verified_until,
     narrowed_for,
 )
-from egressd.subject.model import Fence, IPAddress
+from egressd.subject.model import Fence
 
 log = structlog.get_logger("egressd.sidecar")
 

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
+from egressd.addr import IPAddress, unmap_ip
 from egressd.kernel.conntrack import conntrack_delete, original_tuple, read_table
-from egressd.subject.model import IPAddress, unmap_ip
 
 log = structlog.get_logger("egressd.sidecar.flows")
 

@@ -15,6 +15,7 @@ from functools import partial
 
 import structlog
 
+from egressd.addr import IPAddress
 from egressd.config import Config, ignored_settings
 from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
@@ -35,7 +36,6 @@ from egressd.sidecar.persist import Initial, InitialPolicyError, choose_initial,
 from egressd.sidecar.visibility import SidecarDrops, sidecar_events
 from egressd.sidecarnft.ruleset import MITM_GID, Mode, SidecarTable
 from egressd.sidecarnft.selftest import SelfTestError, check_net_admin, check_setgid_for_mitm, run_selftest
-from egressd.subject.model import IPAddress
 from egressd.vault.store import VaultSnapshot
 from egressd.web.serving import ListenError, start_http, wait_for_stop
 from egressd.web.transport import VaultTransport

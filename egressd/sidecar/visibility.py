@@ -17,8 +17,8 @@ import structlog
 
 from egressd.config import Config
 from egressd.dnsproxy.forwarder import UPSTREAM_MARK, Forwarder
+from egressd.dnsproxy.resolve import ForwarderResolver
 from egressd.events.dns import DnsEvents
-from egressd.events.resolve import ForwarderResolver
 from egressd.events.webhook import DenyWebhook, display_url
 from egressd.metrics import EgressMetrics
 from egressd.policy.audit import safe_token

@@ -36,8 +36,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from egressd.addr import IPAddress
 from egressd.policy import NetworkPolicy, Verdict, format_element, ip_sets, normalise_networks
-from egressd.subject.model import IPAddress
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 Mode = Literal["dns", "dns+nft"]

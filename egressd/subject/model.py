@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from dataclasses import dataclass
 from typing import NewType
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+from egressd.addr import IPAddress
 
 Subject = NewType("Subject", str)
 
@@ -35,13 +34,6 @@ def uid_problem(uid: str) -> str | None:
     if any(c in uid for c in ("/", "\\", "\x00")):
         return "contains '/', '\\' or NUL"
     return None
-
-
-def unmap_ip(ip: IPAddress) -> IPAddress:
-    """IPv4-mapped IPv6 addresses dispatch as their IPv4 address."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
 
 
 @dataclass(frozen=True, slots=True)

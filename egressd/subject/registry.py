@@ -17,9 +17,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from ipaddress import IPv4Network, IPv6Network
 
+from egressd.addr import IPAddress
 from egressd.feed import Feed, SubjectChanged
 from egressd.policy import NetworkPolicy
-from egressd.subject.model import Fence, IPAddress, Subject, nft_id, subject_for_uid
+from egressd.subject.model import Fence, Subject, nft_id, subject_for_uid
 
 #: (set kind, its prefixes) for each static set of a subject (fleetnft.builder.static_contents).
 StaticContents = tuple[tuple[str, tuple[IPv4Network | IPv6Network, ...]], ...]

@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 import egressd.feed as feed_module
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.inputs import BindingInput, VaultAction
+from egressd.addr import IPAddress
 from egressd.feed import (
     AlwaysRulesChanged,
     ApiWrite,
@@ -42,7 +43,7 @@ from egressd.policy import EMPTY_ALWAYS, AlwaysRules, Verdict, parse_always_text
 from egressd.sidecar.engine import SIDECAR_UID, SidecarEngine
 from egressd.sidecar.http import SidecarHTTP
 from egressd.sidecarnft.ruleset import SidecarTable
-from egressd.subject.model import Fence, IPAddress
+from egressd.subject.model import Fence
 from egressd.vault.model import parse_create
 from egressd.web.serving import InFlight
 from tests.unit.actionhandler.test_control_dns import hook, ok, remove, set_binding

@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 
 from egressd import hygiene
+from egressd.addr import IPAddress
 from egressd.feed import VaultChanged
 from egressd.mitm import runner
 from egressd.mitm.active import active_app
@@ -33,7 +34,6 @@ from egressd.mitm.lookup import (
 )
 from egressd.mitm.pool import MitmPool
 from egressd.mitm.supervisor import FORGET_QUEUE_MAX, MitmSupervisor
-from egressd.subject.model import IPAddress
 from egressd.vault.store import VaultSnapshot, VaultStore
 from tests.unit.fleet.test_proxy_route import hook, make_env, remove, set_binding, vault_doc
 from tests.unit.mitm.test_mitm_lookup import POLICY, VAULT, snapshot

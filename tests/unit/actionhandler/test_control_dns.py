@@ -19,6 +19,7 @@ import pytest
 from egressd.actionhandler.api import Result
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
+from egressd.addr import IPAddress
 from egressd.dnsproxy.server import Asker
 from egressd.fleetnft.builder import TableConfig, dyn_add, dyn_replace, policy_swap
 from egressd.kernel import conntrack
@@ -33,7 +34,7 @@ from egressd.policy import (
     parse_always_text,
     parse_policy,
 )
-from egressd.subject.model import Fence, IPAddress
+from egressd.subject.model import Fence
 from egressd.subject.registry import State
 from tests.unit.fakekernel import FakeTx
 

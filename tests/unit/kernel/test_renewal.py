@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from egressd.actionhandler.control import ControlPlane
+from egressd.addr import IPAddress
 from egressd.fleetnft import selftest as fleet_selftest
 from egressd.fleetnft.builder import TableConfig, dyn_add
 from egressd.kernel.applier import NftError
@@ -22,7 +23,6 @@ from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecarnft import ruleset as sidecar_ruleset
 from egressd.sidecarnft import selftest as sidecar_selftest
 from egressd.sidecarnft.ruleset import SidecarTable
-from egressd.subject.model import IPAddress
 from tests.unit.actionhandler.test_control_dns import FENCE, TABLE, activate
 from tests.unit.fakekernel import FakeTx
 

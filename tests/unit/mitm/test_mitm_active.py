@@ -5,9 +5,9 @@ from __future__ import annotations
 from ipaddress import ip_address
 from typing import Any
 
+from egressd.addr import IPAddress
 from egressd.mitm.active import ACTIVE_PATH, active_app, active_lookup
 from egressd.policy import parse_policy
-from egressd.subject.model import IPAddress
 from egressd.vault.store import VaultSnapshot, VaultStore
 
 SECRET = "sk-PLANTED-active-0x1"

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from egressd.addr import IPAddress
 from egressd.mitm.active import DESTINATION_HEADER, active_app, active_lookup
 from egressd.mitm.lookup import ActiveClient, LookupFailed, interpret
 from egressd.mitm.wire import WireError, snapshot_from_active
 from egressd.policy import parse_policy
-from egressd.subject.model import IPAddress
 from egressd.vault.store import VaultSnapshot, VaultStore
 
 SECRET = "sk-PLANTED-lookup-77"

@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from egressd.addr import IPAddress
 from egressd.config import Config, ConfigError, parse_config
 from egressd.feed import Feed, Narrowing, VaultChanged
 from egressd.mitm import seqmap
@@ -31,7 +32,7 @@ from egressd.mitm.service import start_mitm
 from egressd.mitm.supervisor import MitmOptions, MitmSupervisor, mitmdump_argv
 from egressd.policy import parse_policy
 from egressd.subject.leases import LeaseBook, destination_verified, destination_verified_until
-from egressd.subject.model import Fence, IPAddress
+from egressd.subject.model import Fence
 from egressd.subject.registry import Entry, Registry, State
 from egressd.vault.store import VaultSnapshot, VaultStore
 from egressd.web.serving import InFlight

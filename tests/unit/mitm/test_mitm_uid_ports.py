@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from egressd.addr import IPAddress
 from egressd.mitm import addon
 from egressd.mitm.active import PortVaults, active_app, active_lookup
 from egressd.mitm.lookup import ActiveClient, forget_message, parse_forget, port_key
 from egressd.mitm.supervisor import MitmOptions, mitmdump_argv
 from egressd.policy import parse_policy
-from egressd.subject.model import IPAddress
 from egressd.vault.store import VaultSnapshot, VaultStore
 
 POLICY = parse_policy('{"defaultAction":"deny","egress":[{"action":"allow","target":"api.example.com"}]}')
