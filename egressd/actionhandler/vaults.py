@@ -16,8 +16,7 @@ import structlog
 from egressd.actionhandler.inputs import BindingInput, VaultAction
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.addr import IPAddress
-from egressd.feed import Feed, VaultChanged
-from egressd.mitm.lookup import port_key
+from egressd.feed import Feed, VaultChanged, port_key
 from egressd.policy import NetworkPolicy
 from egressd.subject.hostuid import DEFAULT_UID_PORTS, UidPorts
 from egressd.subject.model import subject_for_uid

@@ -30,6 +30,7 @@ __all__ = [
     "SubjectChanged",
     "Subscriber",
     "VaultChanged",
+    "port_key",
 ]
 
 
@@ -38,7 +39,7 @@ class Narrowing:
     """Something may have narrowed what ``_active`` answers these clients (None: any client).
 
     A client is an address (:class:`ipaddress.IPv4Address`/``IPv6Address`) or a host-uid
-    subject's MITM port key (``port:<n>``); subscribers compare them as strings."""
+    subject's MITM port key (:func:`port_key`); subscribers compare them as strings."""
 
     clients: tuple[object, ...] | None = None
 
@@ -77,6 +78,12 @@ class ApiWrite(Narrowing):
 
 
 Subscriber = Callable[[Narrowing], None]
+
+
+def port_key(port: int) -> str:
+    """The cache key of the clients of a per-subject MITM port (host-uid subjects, docs/behaviour.md
+    §17): the port names the subject there, the peer address (the host's own) names nobody."""
+    return f"port:{port}"
 
 
 class Feed:

@@ -32,6 +32,7 @@ from urllib.parse import urlencode
 import aiohttp
 
 from egressd.addr import unmap_ip
+from egressd.feed import port_key
 from egressd.mitm.active import ACTIVE_PATH, DESTINATION_HEADER, DESTINATION_TTL_HEADER
 from egressd.mitm.memo import Memo, parse_ttl
 from egressd.mitm.seqmap import SeqReader
@@ -41,12 +42,6 @@ from egressd.vault.store import VaultSnapshot
 LOOKUP_TIMEOUT_S: Final = 0.25
 CACHE_MAX_ENTRIES: Final = 4096  # a fleet host runs far fewer sandboxes; evicting only costs a 200
 FORGET_BATCH: Final = 256  # addresses per forget line (a line stays well under the reader's limit)
-
-
-def port_key(port: int) -> str:
-    """The cache key of the clients of a per-subject MITM port (host-uid subjects, docs/behaviour.md
-    §17): the port names the subject there, the peer address (the host's own) names nobody."""
-    return f"port:{port}"
 
 
 def _canonical_key(text: str) -> str:

@@ -187,7 +187,7 @@ class MitmSupervisor:
 
     def forget(self, ips: Iterable[object] | None) -> None:
         """Tell the running child to drop these clients' vault snapshots (None: all of them).
-        A client is an address, or a per-subject port's :func:`~egressd.mitm.lookup.port_key`.
+        A client is an address, or a per-subject port's :func:`~egressd.feed.port_key`.
 
         Called synchronously at the mutation (subject removed or rebound, vault deleted or
         changed), after the sequence map's bump (:class:`egressd.mitm.seqmap.MitmMemory`, the

@@ -21,8 +21,8 @@ from mitmproxy.addonmanager import Loader
 from mitmproxy.proxy import server_hooks
 from OpenSSL import SSL
 
+from egressd.feed import port_key
 from egressd.mitm.addon import _address, _ip_of, _listen_port, emit
-from egressd.mitm.lookup import port_key
 from egressd.mitm.resume import SessionCache, SessionKey
 from egressd.mitm.seqmap import SLOTS, SeqReader, slot_of
 

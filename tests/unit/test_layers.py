@@ -81,8 +81,6 @@ UPWARD_ALLOWED: Mapping[tuple[str, str], str] = {
     ("egressd.actionhandler", "egressd.kernel"): "the engine runs its kernel transactions (item 1)",
     # The DNS proxy's callbacks are typed by the proxy (Asker), the engine implements them.
     ("egressd.actionhandler", "egressd.dnsproxy"): "the engine answers the DNS proxy's Asker (item 1)",
-    # A host-uid subject's MITM client key (port_key), a wire format of the MITM's lookup.
-    ("egressd.actionhandler", "egressd.mitm"): "mitm.lookup.port_key names a host-uid client",
 }
 
 Graph = Mapping[str, Mapping[str, list[str]]]

@@ -13,9 +13,10 @@ import pytest
 from aiohttp import web
 
 from egressd.addr import IPAddress
+from egressd.feed import port_key
 from egressd.mitm import addon
 from egressd.mitm.active import PortVaults, active_app, active_lookup
-from egressd.mitm.lookup import ActiveClient, forget_message, parse_forget, port_key
+from egressd.mitm.lookup import ActiveClient, forget_message, parse_forget
 from egressd.mitm.supervisor import MitmOptions, mitmdump_argv
 from egressd.policy import parse_policy
 from egressd.vault.store import VaultSnapshot, VaultStore
