@@ -16,7 +16,6 @@ from collections.abc import Callable
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.shared import Shared
 from egressd.addr import IPAddress, unmap_ip
-from egressd.dnsproxy.server import Asker
 from egressd.feed import LeasesNarrowed
 from egressd.fleetnft.builder import dyn_add, policy_contents
 from egressd.kernel.applier import NftError, NftUncertain
@@ -30,7 +29,7 @@ from egressd.subject.leases import (
     destination_verified_until,
     narrowed_for,
 )
-from egressd.subject.model import Fence
+from egressd.subject.model import Asker, Fence
 from egressd.subject.registry import Entry, HostBinding, State
 
 

@@ -20,7 +20,6 @@ from typing import Any, Protocol
 import structlog
 
 from egressd.addr import IPAddress
-from egressd.dnsproxy.server import Asker
 from egressd.feed import Feed, PolicyApplied
 from egressd.kernel.applier import NftError
 from egressd.policy import (
@@ -43,7 +42,7 @@ from egressd.subject.leases import (
     destination_verified_until,
     narrowed_for,
 )
-from egressd.subject.model import Fence
+from egressd.subject.model import Asker, Fence
 
 log = structlog.get_logger("egressd.sidecar")
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import NewType
 
 from egressd.addr import IPAddress
+from egressd.policy import NetworkPolicy
 
 Subject = NewType("Subject", str)
 
@@ -46,6 +47,16 @@ class Fence:
 
     runtime_instance_id: str
     attachment_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Asker:
+    """Who asked: the subject behind a source IP, and its effective policy (None while denying).
+    What the DNS proxy asks of a subject engine (:mod:`egressd.dnsproxy.server`)."""
+
+    uid: str
+    fence: Fence
+    policy: NetworkPolicy | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,8 +79,6 @@ UPWARD_ALLOWED: Mapping[tuple[str, str], str] = {
     # the fleet's engine builds its netlink batches (fleetnft) and sends them (kernel) itself.
     ("egressd.actionhandler", "egressd.fleetnft"): "the engine builds the fleet's ruleset (item 1)",
     ("egressd.actionhandler", "egressd.kernel"): "the engine runs its kernel transactions (item 1)",
-    # The DNS proxy's callbacks are typed by the proxy (Asker), the engine implements them.
-    ("egressd.actionhandler", "egressd.dnsproxy"): "the engine answers the DNS proxy's Asker (item 1)",
 }
 
 Graph = Mapping[str, Mapping[str, list[str]]]

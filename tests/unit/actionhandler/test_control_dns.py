@@ -20,7 +20,6 @@ from egressd.actionhandler.api import Result
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
 from egressd.addr import IPAddress
-from egressd.dnsproxy.server import Asker
 from egressd.fleetnft.builder import TableConfig, dyn_add, dyn_replace, policy_swap
 from egressd.kernel import conntrack
 from egressd.kernel.applier import NftError
@@ -34,7 +33,7 @@ from egressd.policy import (
     parse_always_text,
     parse_policy,
 )
-from egressd.subject.model import Fence
+from egressd.subject.model import Asker, Fence
 from egressd.subject.registry import State
 from tests.unit.fakekernel import FakeTx
 

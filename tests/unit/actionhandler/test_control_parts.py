@@ -20,14 +20,14 @@ from egressd.actionhandler.envelope import API_VERSION, SetBinding, parse_action
 from egressd.actionhandler.inputs import BadRequest, BindingInput, read_set_binding
 from egressd.actionhandler.shared import Claims
 from egressd.addr import IPAddress
-from egressd.dnsproxy.server import Asker, DnsProxy
+from egressd.dnsproxy.server import DnsProxy
 from egressd.fleetnft.builder import TableConfig, rules_per_subject, subject_rules, subject_set
 from egressd.kernel.netlink import SetElement
 from egressd.kernel.ops import AddRule, MatchRule, NetlinkBatch
 from egressd.policy import EMPTY_ALWAYS, ip_sets, parse_policy
 from egressd.policy.ipsets import PrefixIndex
 from egressd.subject.leases import LeaseBook, admissible, destination_verified, narrowed_for
-from egressd.subject.model import Fence
+from egressd.subject.model import Asker, Fence
 from egressd.subject.registry import Binding, SetBindingRequest
 from egressd.vault.model import DEFAULT_LIMITS
 from tests.unit.actionhandler.test_control_dns import TABLE, activate

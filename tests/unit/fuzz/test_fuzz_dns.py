@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 
 from egressd.addr import IPAddress
 from egressd.dnsproxy.forwarder import Forwarded
-from egressd.dnsproxy.server import Asker, DnsProxy
+from egressd.dnsproxy.server import DnsProxy
 from egressd.policy import Verdict, judge_domain, parse_policy
-from egressd.subject.model import Fence
+from egressd.subject.model import Asker, Fence
 from tests.unit.fuzz.strategies import domains, mutate_bytes
 from tests.unit.fuzz.support import fuzz, hit, run
 
