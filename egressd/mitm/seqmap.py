@@ -7,8 +7,10 @@ MITM worker (read-only). It holds :data:`SLOTS` little-endian 64-bit counters: s
 *every client*, the others are the clients whose :func:`slot_of` they are. Whenever something
 may narrow what ``_active`` answers (a vault deleted or changed, a subject removed, rebound or
 closing, a policy or always-rules change, a lease book narrowed, any mutation through the HTTP
-API: the events of the change feed, :mod:`egressd.feed`, to which :class:`MitmMemory` subscribes), egressd writes a fresh value of one process-wide counter into the slot(s) concerned, in
-the same synchronous step that changed the state and before the mutation's caller is answered.
+API: the events of the change feed, :mod:`egressd.feed`, to which :class:`MitmMemory`
+subscribes), egressd writes a fresh value of one process-wide counter into the slot(s)
+concerned, in the same synchronous step that changed the state and before the mutation's
+caller is answered.
 
 A worker stamps what it learns from a pull with the two slots it read *before* the pull
 (:meth:`SeqReader.stamp`) and answers from memory only while both are unchanged. A narrowing
