@@ -4,10 +4,12 @@ MITM's ``_active`` lookup answers publishes its event before it returns (docs/be
 
 Three parts: the feed itself; a table that enumerates the narrowing operations of both
 engines (each must publish its typed event before it returns, and every event type of the feed
-has at least one operation); and a model-based test that drives the fleet's control plane
-through random sequences of actions, DNS answers, vault changes and always-rules reloads and
-checks, after each one, that every client whose answer narrowed was covered by an event
-published before the operation returned."""
+has at least one operation); and model-based tests that drive the fleet's control plane
+(random sequences of actions, DNS answers, vault changes and always-rules reloads) and the
+sidecar engine (policy changes, reloads, DNS answers) and check, after each operation, that
+every client whose answer narrowed was covered by an event published before it returned.
+Each was checked against a mutant that drops one owner's event (the vault's, the sidecar
+engine's): it fails."""
 
 from __future__ import annotations
 
@@ -340,3 +342,60 @@ FleetNarrowings.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_fleet_narrowings_publish_before_they_return = FleetNarrowings.TestCase
+
+
+# --------------------------------------------------------------------------- model-based (sidecar)
+
+
+class SidecarNarrowings(RuleBasedStateMachine):
+    """The sidecar engine (one implicit subject) the same way: policy changes, always-rules
+    reloads and DNS answers in any order; a shortened destination deadline needs an event."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.feed = Feed()
+        self.recorder = Recorder(self.feed)
+        self.engine = SidecarEngine(
+            SidecarTable(table=TABLE), FakeTx(yield_each_call=False), parse_policy(ALLOW_BOTH), feed=self.feed
+        )
+
+    def teardown(self) -> None:
+        self.loop.close()
+
+    def deadlines(self) -> tuple[float, ...]:
+        return tuple(self.engine.destination_verified_until(SRC, host, dst) for host, dst in PAIRS)
+
+    def run(self, op: Awaitable[Any]) -> None:
+        before = self.deadlines()
+        self.recorder.take()
+        self.loop.run_until_complete(op)
+        events = self.recorder.take()
+        if any(u1 < u0 for u0, u1 in zip(before, self.deadlines(), strict=True)):
+            assert covers(events, SRC), f"narrowed ({before} -> {self.deadlines()}): {events}"
+
+    @initialize()
+    def install(self) -> None:
+        self.run(self.engine.install())
+
+    @rule(policy=st.sampled_from(POLICIES))
+    def set_policy(self, policy: str) -> None:
+        self.run(self.engine.set_policy(parse_policy(policy)))
+
+    @rule(always=st.sampled_from((EMPTY_ALWAYS, DENY_API)))
+    def always_rules(self, always: AlwaysRules) -> None:
+        self.run(self.engine.set_always_rules(always))
+
+    @rule(pair=st.sampled_from(PAIRS), ttl=st.sampled_from((60, 300)))
+    def dns_answer(self, pair: tuple[str, IPAddress], ttl: int) -> None:
+        host, dst = pair
+        self.run(self.engine.learn(SIDECAR_UID, self.engine.fence, [(dst, ttl)], host))
+
+
+SidecarNarrowings.TestCase.settings = settings(
+    max_examples=50,
+    stateful_step_count=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_sidecar_narrowings_publish_before_they_return = SidecarNarrowings.TestCase
