@@ -13,8 +13,8 @@ import ipaddress
 from collections.abc import Iterable, Sequence
 from typing import Final
 
+from egressd.addr import IPAddress
 from egressd.policy import format_element, normalise_networks
-from egressd.subject.model import IPAddress
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 

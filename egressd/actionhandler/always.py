@@ -16,13 +16,13 @@ from egressd.actionhandler.learning import DnsLearning
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.revocation import Revocations, resync_plan
 from egressd.actionhandler.shared import Shared
+from egressd.addr import IPAddress
+from egressd.feed import AlwaysRulesChanged
 from egressd.fleetnft.contents import Contents, contents_swap, dyn_replace, static_contents
 from egressd.kernel.applier import NftError, NftUncertain
 from egressd.kernel.ops import NetlinkBatch
-from egressd.mitm import seqmap
 from egressd.policy import AlwaysRules, NetworkPolicy, effective_policy
 from egressd.subject.leases import LeaseBook
-from egressd.subject.model import IPAddress
 
 Applied = list[tuple[str, frozenset[tuple[IPAddress, IPAddress]], NetworkPolicy]]
 
@@ -84,7 +84,7 @@ class AlwaysRulesApply:
             self._record(written)
             self._policies.always = always
             self._learning.leases.update(books)
-            seqmap.narrowed()  # every subject's effective policy changed
+            self._shared.feed.publish(AlwaysRulesChanged())  # every subject's effective policy changed
         if self._flows.enabled:
             # A newly always-denied destination must not stay reachable over flows opened
             # before the reload: cut exactly the flows the new rules no longer allow (the

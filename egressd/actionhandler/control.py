@@ -28,12 +28,14 @@ from egressd.actionhandler.revocation import After, Revocations, narrows
 from egressd.actionhandler.shared import Claims, Shared
 from egressd.actionhandler.steps import STEP_PREFIX, Refused, SandboxNets, StepFailed, StepRunner
 from egressd.actionhandler.vaults import Credentials
+from egressd.addr import IPAddress
+from egressd.feed import Feed
 from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import NftError, NftUncertain, Transactions
 from egressd.metrics import EgressMetrics
 from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy
 from egressd.subject.leases import DEFAULT_MAX_LEASES
-from egressd.subject.model import IPAddress, subject_for_uid
+from egressd.subject.model import subject_for_uid
 from egressd.subject.registry import (
     Entry,
     InstallDenyFirst,
@@ -69,8 +71,11 @@ class ControlPlane:
         max_leases: int = DEFAULT_MAX_LEASES,
         max_rules: int = 0,
         vault_limits: VaultLimits = DEFAULT_LIMITS,
+        feed: Feed | None = None,
     ) -> None:
-        self.shared = shared = Shared(table, tx, metrics)
+        # The daemon's one change feed (egressd.feed), passed in at start-up; a test's own by default.
+        self.feed = feed if feed is not None else Feed()
+        self.shared = shared = Shared(table, tx, metrics, self.feed)
         self.table, self.tx, self.registry, self.locks = table, tx, shared.registry, shared.locks
         self.keys = keys
         self.max_rules = max_rules  # OPENSANDBOX_EGRESS_MAX_RULES on SET_BINDING input (0 = none)
@@ -86,7 +91,13 @@ class ControlPlane:
         )
         closing = revocations.closing
         self.credentials = Credentials(
-            shared.registry, policies, closing, limits=vault_limits, pending_ttl=pending_ttl, uids=table.uids
+            shared.registry,
+            policies,
+            closing,
+            limits=vault_limits,
+            pending_ttl=pending_ttl,
+            uids=table.uids,
+            feed=self.feed,
         )
         self.learning = learning = DnsLearning(shared, policies, closing, max_leases=max_leases)
         self.vaults, self.leases = self.credentials.stores, learning.leases

@@ -20,8 +20,9 @@ import json
 from dataclasses import dataclass, field
 from typing import NoReturn, cast
 
+from egressd.addr import IPAddress, unmap_ip
 from egressd.subject.hostuid import DEFAULT_UID_RANGE, UidRange, host_uid_problem
-from egressd.subject.model import Fence, IPAddress, uid_problem, unmap_ip
+from egressd.subject.model import Fence, uid_problem
 
 __all__ = [
     "API_VERSION",

@@ -21,13 +21,13 @@ from typing import Any
 
 import structlog
 
+from egressd.addr import IPAddress
 from egressd.engine.flows import cut_refused
 from egressd.kernel.conntrack import flush_flow
 from egressd.kernel.conntrack import read_flows as read_conntrack_flows
 from egressd.policy import NetworkPolicy, Verdict, audit_deny_sets, ip_sets
 from egressd.policy.decide import hard_denied, ip_decision
 from egressd.subject.leases import LeaseBook
-from egressd.subject.model import IPAddress
 
 log = structlog.get_logger("egressd.fleet")
 

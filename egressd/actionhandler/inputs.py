@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 
 from egressd.actionhandler.envelope import SetBinding
+from egressd.addr import IPAddress
 from egressd.policy import (
     EMPTY_ALWAYS,
     AlwaysRules,
@@ -24,7 +25,6 @@ from egressd.policy import (
     parse_policy_obj,
     rule_cap_problem,
 )
-from egressd.subject.model import IPAddress
 from egressd.subject.registry import Binding, SetBindingRequest
 from egressd.vault.keys import KeyStore
 from egressd.vault.offload import off_loop

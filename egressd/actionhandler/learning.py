@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.shared import Shared
-from egressd.dnsproxy.server import Asker
+from egressd.addr import IPAddress, unmap_ip
+from egressd.feed import LeasesNarrowed
 from egressd.fleetnft.contents import dyn_add, policy_contents
 from egressd.kernel.applier import NftError, NftUncertain
-from egressd.mitm import seqmap
 from egressd.policy import NetworkPolicy, normalise_name
 from egressd.subject.leases import (
     DEFAULT_MAX_LEASES,
@@ -29,7 +29,7 @@ from egressd.subject.leases import (
     destination_verified_until,
     narrowed_for,
 )
-from egressd.subject.model import Fence, IPAddress, unmap_ip
+from egressd.subject.model import Asker, Fence
 from egressd.subject.registry import Entry, HostBinding, State
 
 
@@ -188,4 +188,4 @@ class DnsLearning:
 
     def forget(self, uid: str) -> None:
         self.leases.pop(uid, None)
-        seqmap.narrowed()
+        self._shared.feed.publish(LeasesNarrowed())

@@ -15,6 +15,7 @@ from typing import Any
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.revocation import Revocations
 from egressd.actionhandler.shared import Shared
+from egressd.addr import IPAddress, unmap_ip
 from egressd.fleetnft.hostuid import UID_DISPATCH
 from egressd.fleetnft.subject import rules_per_subject
 from egressd.fleetnft.table import TableConfig, dispatch_map, subject_set
@@ -25,7 +26,6 @@ from egressd.nftsyntax import family
 from egressd.policy import NetworkPolicy
 from egressd.policy.explain import explain as explain_target
 from egressd.subject.leases import LeaseBook
-from egressd.subject.model import IPAddress, unmap_ip
 from egressd.subject.registry import AnyBinding, Entry, HostBinding, State
 from egressd.vault.store import VaultStore
 

@@ -14,11 +14,13 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from egressd.addr import IPAddress
+from egressd.feed import Feed
 from egressd.fleetnft.table import TableConfig
 from egressd.fleetnft.workers import WorkerAssignment
 from egressd.kernel.applier import Transactions
 from egressd.metrics import EgressMetrics
-from egressd.subject.model import IPAddress, nft_id, subject_for_uid
+from egressd.subject.model import nft_id, subject_for_uid
 from egressd.subject.registry import AnyBinding, HostBinding, Registry
 
 
@@ -94,12 +96,14 @@ class Claims:
 
 @dataclass(slots=True)
 class Shared:
-    """The kernel, the registry and the locks, one of each for the whole control plane."""
+    """The kernel, the registry, the locks and the change feed, one of each for the whole control plane."""
 
     table: TableConfig
     tx: Transactions
     metrics: EgressMetrics | None = None
-    registry: Registry = field(default_factory=Registry)
+    # Every narrowing of the control plane is published here (egressd.feed), the registry's too.
+    feed: Feed = field(default_factory=Feed)
+    registry: Registry = field(init=False)
     locks: SubjectLocks = field(default_factory=SubjectLocks)
     # Held around every kernel transaction and the bookkeeping read or changed with it.
     kernel_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -108,4 +112,5 @@ class Shared:
     workers: WorkerAssignment = field(init=False)
 
     def __post_init__(self) -> None:
+        self.registry = Registry(self.feed)
         self.workers = WorkerAssignment(self.table.mitm_workers)

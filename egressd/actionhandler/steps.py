@@ -20,6 +20,8 @@ from egressd.actionhandler.flows import FlowCuts
 from egressd.actionhandler.learning import DnsLearning
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.shared import Shared
+from egressd.addr import IPAddress
+from egressd.feed import PolicyApplied
 from egressd.fleetnft.contents import (
     Contents,
     contents_swap,
@@ -45,10 +47,8 @@ from egressd.fleetnft.subject import (
 from egressd.fleetnft.table import SubjectNft
 from egressd.kernel.applier import NftError, NftUncertain, Transactions
 from egressd.kernel.ops import AddIface, DeleteIface, NetlinkBatch, Op
-from egressd.mitm import seqmap
 from egressd.policy import NetworkPolicy, names_narrow
 from egressd.subject.leases import Narrowed
-from egressd.subject.model import IPAddress
 from egressd.subject.registry import (
     AddKeys,
     ApplyPolicy,
@@ -365,7 +365,7 @@ class StepRunner:
         commit()
         if narrowed is not None:
             self._learning.leases[entry.uid] = narrowed.book
-            seqmap.narrowed()  # names that verified destinations may be gone
+            self._shared.feed.publish(PolicyApplied())  # names that verified destinations may be gone
         log.info("egress.updated", **{"opensandbox.event": "egress.updated", **event}, subject=entry.subject)
         if in_place and self._flows.enabled and view.keys and self._takes_away(view, effective, contents, narrowed):
             # Flows to destinations the change no longer allows are cut, allowed ones keep

@@ -15,10 +15,11 @@ import structlog
 
 from egressd.actionhandler.inputs import BindingInput, VaultAction
 from egressd.actionhandler.policies import EffectivePolicies
-from egressd.mitm.protocol import port_key
+from egressd.addr import IPAddress
+from egressd.feed import Feed, VaultChanged, port_key
 from egressd.policy import NetworkPolicy
 from egressd.subject.hostuid import DEFAULT_UID_PORTS, UidPorts
-from egressd.subject.model import IPAddress, subject_for_uid
+from egressd.subject.model import subject_for_uid
 from egressd.subject.registry import Entry, HostBinding, Plan, PlanOutcome, Registry, State
 from egressd.vault.offload import off_loop
 from egressd.vault.pending import PendingPushes
@@ -39,6 +40,7 @@ class Credentials:
         limits: VaultLimits,
         pending_ttl: float,
         uids: UidPorts = DEFAULT_UID_PORTS,
+        feed: Feed | None = None,
     ) -> None:
         self._registry = registry
         self._policies = policies
@@ -48,18 +50,16 @@ class Credentials:
         # Binding inputs whose vault activates with their pending policy (data-plane-ready).
         self.pending_inputs: dict[str, BindingInput] = {}
         self.pending_pushes = PendingPushes(pending_ttl)
-        # Set by the MITM (docs/behaviour.md §14.9): addresses whose vault snapshot the MITM child may
-        # hold and must drop now (vault deleted or changed, subject removed, rebound, closing).
-        # (A host-uid subject's snapshot is cached under its MITM port's key, not an address.)
-        self.forget_snapshots: Callable[[list[IPAddress | str]], None] | None = None
+        # Where vault changes are announced (docs/behaviour.md §14.9): addresses whose vault snapshot the
+        # MITM child may hold and must drop now (vault deleted or changed, subject removed, rebound,
+        # closing). (A host-uid subject's snapshot is cached under its MITM port's key, not an address.)
+        self.feed = feed if feed is not None else Feed()
         self._uids = uids  # host-uid subjects' MITM ports (docs/behaviour.md §17)
 
     def view_changed(self, uid: str, *also: Entry | None) -> None:
         """What ``vault_for_ip`` answers for ``uid``'s address (``vault_for_mitm_port`` for
         its port) may have changed: the MITM child drops its cached snapshot of it (and of
         ``also``'s, e.g. the old binding)."""
-        if self.forget_snapshots is None:
-            return
         clients: set[IPAddress | str] = set()
         for e in (self._registry.get(uid), *also):
             if e is None or e.binding is None:
@@ -69,7 +69,7 @@ class Credentials:
             else:
                 clients.add(e.binding.ip)
         if clients:
-            self.forget_snapshots(sorted(clients, key=str))
+            self.feed.publish(VaultChanged(tuple(sorted(clients, key=str))))
 
     def drop(self, uid: str, *, pushes: bool) -> None:
         self.view_changed(uid)

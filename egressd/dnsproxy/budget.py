@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from egressd.subject.model import IPAddress
+from egressd.addr import IPAddress
 
 DEFAULT_QPS: Final = 200
 BURST_FACTOR: Final = 2  # burst = twice the rate: a page load's first round of lookups passes

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from dnslib import EDNS0, OPCODE, QTYPE, RCODE, DNSRecord
 
+from egressd.addr import IPAddress
 from egressd.policy import NetworkPolicy, Verdict, judge_domain
-from egressd.subject.model import IPAddress
 
 LEASE_MIN_S = 60
 LEASE_MAX_S = 360

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import structlog
 from dnslib import QTYPE, RCODE, DNSRecord
 
+from egressd.addr import IPAddress, unmap_ip
 from egressd.dnsproxy.budget import QueryBudget
 from egressd.dnsproxy.decide import (
     Action,
@@ -29,9 +30,9 @@ from egressd.dnsproxy.forwarder import Forwarder
 from egressd.events.dns import DnsEvents
 from egressd.kernel.listeners import NO_IPV6, bound_socket
 from egressd.metrics import EgressMetrics
-from egressd.policy import NetworkPolicy, evidence, new_decision_id
+from egressd.policy import evidence, new_decision_id
 from egressd.policy.audit import safe_token
-from egressd.subject.model import Fence, IPAddress, subject_for_uid, unmap_ip
+from egressd.subject.model import Asker, Fence, subject_for_uid
 
 log = structlog.get_logger("egressd.dns")
 
@@ -41,15 +42,6 @@ _TCP_IDLE_S = 10.0
 MAX_IN_FLIGHT_PER_CLIENT = 64  # queries one source may have outstanding; more are dropped
 MAX_TCP_PER_CLIENT = 16
 DENY_LOGS_PER_CLIENT_PER_S = 20  # beyond this, denials are counted but not logged one by one
-
-
-@dataclass(frozen=True, slots=True)
-class Asker:
-    """Who asked: the subject behind a source IP, and its effective policy (None while denying)."""
-
-    uid: str
-    fence: Fence
-    policy: NetworkPolicy | None
 
 
 @dataclass(frozen=True, slots=True)

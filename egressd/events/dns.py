@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from egressd.addr import IPAddress
 from egressd.events.denials import RecentDenials
 from egressd.events.outbound import OutboundLog
 from egressd.events.webhook import DenyWebhook
 from egressd.policy.audit import safe_token
-from egressd.subject.model import IPAddress, subject_for_uid
+from egressd.subject.model import subject_for_uid
 
 DENIAL_REASONS = frozenset({"policy", "denying"})
 

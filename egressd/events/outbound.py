@@ -14,8 +14,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 import structlog
 
+from egressd.addr import IPAddress
 from egressd.events.webhook import normalise_hostname
-from egressd.subject.model import IPAddress
 
 log = structlog.get_logger("egressd.dns")
 

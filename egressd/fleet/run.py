@@ -22,6 +22,7 @@ from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy, PortAsker
 from egressd.dnsproxy.upstreams import upstreams_or_system
+from egressd.feed import Feed
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import FleetHTTP
 from egressd.fleet.visibility import FleetVisibility, fleet_visibility
@@ -30,6 +31,7 @@ from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import KernelTransactions, NftError
 from egressd.kernel.conntrack import flush_source
 from egressd.kernel.listeners import OWNER_MARK
+from egressd.kernel.refresh import LeaseRefresher
 from egressd.kernel.renewal import LeaseRenewal
 from egressd.lifecycle import Running, StartupError
 from egressd.metrics import EgressMetrics
@@ -37,7 +39,6 @@ from egressd.mitm.active import PortVaults
 from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
 from egressd.policy import AlwaysRules, AlwaysRulesError, load_always_rules
 from egressd.policy.reload import AlwaysRulesReloader
-from egressd.subject.refresh import LeaseRefresher
 from egressd.vault.keys import KeyDirError, KeyStore
 from egressd.web.serving import ListenError, start_http, wait_for_stop
 from egressd.web.transport import VaultTransport
@@ -158,6 +159,9 @@ def _control_plane(
         max_leases=cfg.max_leases,
         max_rules=cfg.max_rules,
         vault_limits=cfg.vault_limits,
+        # The daemon's one change feed: every owner of state publishes its narrowings here,
+        # the MITM's memory subscribes (_start_mitm).
+        feed=Feed(),
     )
     proxy = ProxyRouteAPI(control, max_rules=cfg.max_rules)
     # Audit evidence and refusal counts (docs/behaviour.md §15) share one counter dump per scrape.
@@ -273,8 +277,8 @@ async def _start_mitm(
         )
     except MitmStartupError as exc:
         raise StartupError(str(exc)) from None
+    mitm.subscribe(control.feed)  # before anything else is awaited: no narrowing goes unseen
     running.supervise(mitm)
-    control.credentials.forget_snapshots = mitm.supervisor.forget
     return mitm
 
 

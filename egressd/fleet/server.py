@@ -24,12 +24,12 @@ from egressd.actionhandler.envelope import (
 )
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.metrics import OPENMETRICS_CONTENT_TYPE, EgressMetrics
-from egressd.mitm import seqmap
 from egressd.subject.model import subject_for_uid
 from egressd.web.body import BodyTooLarge, incomplete, read_limited, text
 from egressd.web.serving import BodyIncomplete, InFlight
 from egressd.web.transport import FORWARDED_PROTO, VaultTransport
 from egressd.web.vaultapi import Reply
+from egressd.web.writes import after_writes
 
 log = structlog.get_logger("egressd.http")
 
@@ -77,7 +77,7 @@ class FleetHTTP:
         self._extra_health = extra_health
         self._status_extra = status_extra
         # Actions and proxy-route writes whose body was read run to their end (docs/behaviour.md §14.10).
-        self.inflight = InFlight()
+        self.inflight = InFlight(feed=control.feed)
 
     def health_problem(self) -> str | None:
         if not self.control.enforcement_ready:
@@ -93,7 +93,7 @@ class FleetHTTP:
 
     def app(self) -> web.Application:
         # client_max_size is a second line of defence; read_limited refuses first.
-        app = web.Application(client_max_size=MAX_BODY_BYTES + 1, middlewares=[seqmap.after_writes])
+        app = web.Application(client_max_size=MAX_BODY_BYTES + 1, middlewares=[after_writes(self.control.feed)])
         self.inflight.attach(app)
         app.router.add_route("*", "/healthz", self.healthz)
         app.router.add_route("*", STATUS_PATH, self.status)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable, Sequence
 
+from egressd.addr import IPAddress
 from egressd.fleetnft.table import AUDIT_SETS, STATIC_SETS, Names, sandbox_nets_set
 from egressd.kernel.ops import (
     AddIntervals,
@@ -26,7 +27,6 @@ from egressd.policy import (
     ip_sets,
 )
 from egressd.policy.ipsets import PrefixIndex
-from egressd.subject.model import IPAddress
 
 
 def sandbox_nets_refresh(nets: Iterable[IPNetwork]) -> list[Op]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from egressd.addr import IPAddress
 from egressd.fleetnft.audit import audit_mark_rules
 from egressd.fleetnft.table import (
     AUDIT_COUNTERS,
@@ -59,7 +60,6 @@ from egressd.kernel.ops import (
     VerdictRule,
 )
 from egressd.nftsyntax import DYN_TIMEOUT_S, family, set_decl, timeout_set_decl
-from egressd.subject.model import IPAddress
 
 
 def subject_worker_port(cfg: TableConfig, subj: SubjectNft) -> int:

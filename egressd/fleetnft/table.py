@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from egressd.addr import IPAddress
 from egressd.nftsyntax import IPNetwork, addr_type
 from egressd.subject.hostuid import DEFAULT_UID_PORTS, UidPorts
-from egressd.subject.model import IPAddress
 
 CORE_SETS = ("allow_v4", "allow_v6", "deny_v4", "deny_v6")
 # wdeny: the user's deny prefixes while auditing; audit: 0.0.0.0/0, ::/0 while auditing.

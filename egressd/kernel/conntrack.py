@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Collection, Iterable
 from pathlib import Path
 
-from egressd.subject.model import IPAddress, unmap_ip
+from egressd.addr import IPAddress, unmap_ip
 
 _TIMEOUT_S = 3.0
 

@@ -7,6 +7,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from egressd.addr import IPAddress
 from egressd.kernel.netlink_proto import (
     NFNL_SUBSYS_NFTABLES,
     NFT_MSG_NEWOBJ,
@@ -27,7 +28,6 @@ from egressd.kernel.netlink_proto import (
     _attrs,
     _list,
 )
-from egressd.subject.model import IPAddress
 
 
 @dataclass(frozen=True, slots=True)

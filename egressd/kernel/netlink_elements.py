@@ -7,6 +7,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Sequence
 
+from egressd.addr import IPAddress
 from egressd.kernel.netlink_proto import (
     NFT_JUMP,
     NFT_MSG_DELSETELEM,
@@ -51,7 +52,6 @@ from egressd.kernel.ops import (
     IPNetwork,
     UidOp,
 )
-from egressd.subject.model import IPAddress
 
 # Element bytes per NEWSETELEM/DELSETELEM message: well below NLA_MAX_LEN (the elements nest
 # plus table and set names must fit), and small enough that an error names a small piece.

@@ -10,7 +10,7 @@ import enum
 import ipaddress
 from dataclasses import dataclass
 
-from egressd.subject.model import IPAddress
+from egressd.addr import IPAddress
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 

@@ -14,7 +14,7 @@ import struct
 from collections.abc import Collection, Iterable
 from pathlib import Path
 
-from egressd.subject.model import IPAddress, unmap_ip
+from egressd.addr import IPAddress, unmap_ip
 
 PROC_TCP = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
 

@@ -37,8 +37,8 @@ from typing import Any
 
 from aiohttp import web
 
+from egressd.addr import IPAddress, unmap_ip
 from egressd.mitm.protocol import ACTIVE_PATH, DESTINATION_HEADER, DESTINATION_TTL_HEADER, bare_etag
-from egressd.subject.model import IPAddress, unmap_ip
 from egressd.vault.snapshot import VaultSnapshot
 
 Lookup = Callable[[IPAddress], VaultSnapshot | None]

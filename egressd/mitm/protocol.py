@@ -25,7 +25,8 @@ import json
 from collections.abc import Iterable
 from typing import Final
 
-from egressd.subject.model import unmap_ip
+from egressd.addr import unmap_ip
+from egressd.feed import port_key
 
 #: The child's environment variable naming the inherited listening descriptors (comma list).
 LISTEN_FDS_ENV: Final = "EGRESSD_MITM_LISTEN_FDS"
@@ -49,12 +50,6 @@ def bare_etag(value: str) -> str:
     if tag.startswith("W/"):
         tag = tag[2:]
     return tag[1:-1] if len(tag) >= 2 and tag[0] == tag[-1] == '"' else tag
-
-
-def port_key(port: int) -> str:
-    """The cache key of the clients of a per-subject MITM port (host-uid subjects, docs/behaviour.md
-    §17): the port names the subject there, the peer address (the host's own) names nobody."""
-    return f"port:{port}"
 
 
 def _canonical_key(text: str) -> str:

@@ -7,8 +7,10 @@ MITM worker (read-only). It holds :data:`SLOTS` little-endian 64-bit counters: s
 *every client*, the others are the clients whose :func:`slot_of` they are. Whenever something
 may narrow what ``_active`` answers (a vault deleted or changed, a subject removed, rebound or
 closing, a policy or always-rules change, a lease book narrowed, any mutation through the HTTP
-API), egressd writes a fresh value of one process-wide counter into the slot(s) concerned, in
-the same synchronous step that changed the state and before the mutation's caller is answered.
+API: the events of the change feed, :mod:`egressd.feed`, to which :class:`MitmMemory`
+subscribes), egressd writes a fresh value of one process-wide counter into the slot(s)
+concerned, in the same synchronous step that changed the state and before the mutation's
+caller is answered.
 
 A worker stamps what it learns from a pull with the two slots it read *before* the pull
 (:meth:`SeqReader.stamp`) and answers from memory only while both are unchanged. A narrowing
@@ -42,11 +44,11 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Final
 
-from aiohttp import web
+from egressd.feed import Narrowing, VaultChanged
 
 SLOTS: Final = 4096
 SLOT_BYTES: Final = 8
@@ -177,56 +179,20 @@ class SeqReader:
             self._map = None
 
 
-# Every writer of this process (a test may run several daemons in one process): a narrowing
-# bumps all of them, which is never less safe than bumping the right one.
-_WRITERS: set[SeqWriter] = set()
+class MitmMemory:
+    """The MITM memory's subscription to the daemon's change feed (:mod:`egressd.feed`), the only
+    way in: every narrowing bumps the slot(s) concerned, first (the worker's memory is void from
+    then on); a vault change then also tells the workers to drop those clients' vault snapshots
+    (``forget``: :meth:`egressd.mitm.pool.MitmPool.forget`), delivered asynchronously, in order,
+    never blocking the publisher (docs/behaviour.md §14.9)."""
 
+    def __init__(self, seq: SeqWriter | None, forget: Callable[[list[object] | None], None] | None = None) -> None:
+        self.seq = seq
+        self.forget = forget
 
-def install(writer: SeqWriter) -> None:
-    _WRITERS.add(writer)
-
-
-def uninstall(writer: SeqWriter) -> None:
-    _WRITERS.discard(writer)
-
-
-def narrowed(keys: Iterable[object] | None = None) -> None:
-    """Call right after a change that may narrow what ``_active`` answers (None: for any
-    client), before its caller is answered. Cheap, synchronous, a no-op without a MITM."""
-    if not _WRITERS:
-        return
-    listed = None if keys is None else list(keys)
-    for writer in list(_WRITERS):
-        writer.bump(listed)
-
-
-_READS: Final = frozenset({"GET", "HEAD", "OPTIONS"})
-_UNTOUCHED: Final = "egressd.seqmap.untouched"
-
-
-def refused_untouched(request: web.Request) -> None:
-    """Mark a request refused before any handler could change state (a wrong token, a body
-    that was never read in full): :func:`after_writes` does not void the memory for it, so a
-    tenant's flood of refused writes does not turn every memory answer into a pull. Call it
-    only on a return path that changed nothing."""
-    request[_UNTOUCHED] = True
-
-
-def _untouched(request: web.Request) -> bool:
-    # A path or method no route has (404/405 from the router) never reached a handler.
-    return request.get(_UNTOUCHED) is True or request.match_info.http_exception is not None
-
-
-@web.middleware
-async def after_writes(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """Every write through the HTTP API may have narrowed something (a vault, a policy, a
-    binding): the MITM's memory of every client is void before its caller hears back. Also
-    when the handler failed half-way; coarse, and never less safe than the exact slots. Not
-    for a request refused before any handler ran (:func:`refused_untouched`, routing errors)."""
-    try:
-        return await handler(request)
-    finally:
-        if request.method not in _READS and not _untouched(request):
-            narrowed()
+    def __call__(self, event: Narrowing) -> None:
+        clients = None if event.clients is None else list(event.clients)
+        if self.seq is not None:
+            self.seq.bump(clients)
+        if self.forget is not None and isinstance(event, VaultChanged):
+            self.forget(clients)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -14,13 +15,13 @@ import structlog
 from aiohttp import web
 
 from egressd.config import Config
+from egressd.feed import Feed
 from egressd.metrics import EgressMetrics
-from egressd.mitm import seqmap
 from egressd.mitm.active import Lookup, PortVaults, Verify, active_app
 from egressd.mitm.ca import CaError, CaInfo, ensure_ca
 from egressd.mitm.export import ExportError, check_separate, export_ca
 from egressd.mitm.pool import MitmPool
-from egressd.mitm.seqmap import SeqWriter, seq_path
+from egressd.mitm.seqmap import MitmMemory, SeqWriter, seq_path
 from egressd.mitm.supervisor import MitmOptions
 
 log = structlog.get_logger("egressd.mitm")
@@ -83,14 +84,22 @@ class RunningMitm:
     active: web.AppRunner
     socket: Path
     seq: SeqWriter | None = None  # EGRESSD_MITM_VAULT_PUSH=on
+    unsubscribe: Callable[[], None] | None = None  # from the daemon's change feed
 
     @property
     def ca(self) -> CaInfo:
         return self.keeper.ca
 
+    def subscribe(self, feed: Feed) -> None:
+        """The MITM memory subscribes to the daemon's change feed (:mod:`egressd.feed`): from
+        now on every narrowing bumps the map, and a vault change tells the workers to forget.
+        Called right after :func:`start_mitm`, before the caller awaits anything."""
+        self.unsubscribe = feed.subscribe(MitmMemory(self.seq, self.supervisor.forget))
+
     async def close(self) -> None:
+        if self.unsubscribe is not None:
+            self.unsubscribe()
         if self.seq is not None:
-            seqmap.uninstall(self.seq)
             self.seq.close()
         await self.supervisor.stop()
         await self.active.cleanup()
@@ -186,7 +195,6 @@ def _sequence_map(cfg: Config, sock: Path) -> SeqWriter | None:
     except OSError as exc:
         log.warning("mitm.vault_push_unavailable", error=exc.strerror or type(exc).__name__)
         return None
-    seqmap.install(seq)
     seq.start_heartbeat()
     return seq
 

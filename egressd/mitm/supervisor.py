@@ -38,7 +38,6 @@ import structlog
 
 from egressd.kernel.listeners import wildcard_listeners
 from egressd.metrics import EgressMetrics
-from egressd.mitm import seqmap
 from egressd.mitm.handover import Listen, handover_env
 from egressd.mitm.protocol import (
     CACHE_EVENT,
@@ -193,14 +192,15 @@ class MitmSupervisor:
 
     def forget(self, ips: Iterable[object] | None) -> None:
         """Tell the running child to drop these clients' vault snapshots (None: all of them).
-        A client is an address, or a per-subject port's :func:`~egressd.mitm.protocol.port_key`.
+        A client is an address, or a per-subject port's :func:`~egressd.feed.port_key`.
 
         Called synchronously at the mutation (subject removed or rebound, vault deleted or
-        changed); delivery is asynchronous, in order, and never blocks the caller. Without a
-        running child there is nothing to forget: the next one starts with an empty cache.
+        changed), after the sequence map's bump (:class:`egressd.mitm.seqmap.MitmMemory`, the
+        change feed's subscriber); delivery is asynchronous, in order, and never blocks the
+        caller. Without a running child there is nothing to forget: the next one starts with an
+        empty cache.
         """
         ips = None if ips is None else list(ips)
-        seqmap.narrowed(ips)  # before anything else: the worker's memory is void from now
         if self._proc is None:
             return
         if ips is None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from mitmproxy import ctx, http
 
+from egressd.addr import unmap_ip
 from egressd.mitmchild.authority import normalise_authority, one_authority
 from egressd.mitmchild.inject import decide, find_binding
 from egressd.mitmchild.injectdata import LOOKUP_FAILED, InjectionDecision, Request
@@ -24,7 +25,6 @@ from egressd.mitmchild.respbody import narrow_accept_encoding
 from egressd.mitmchild.shared import BINDING_META, META, emit, peer_ip, wire_headers
 from egressd.mitmchild.substitute import substitute_body
 from egressd.mitmchild.vaults import VaultLookup
-from egressd.subject.model import unmap_ip
 from egressd.vault.snapshot import VaultSnapshot
 
 

@@ -30,13 +30,13 @@ from urllib.parse import urlencode
 
 import aiohttp
 
+from egressd.feed import port_key
 from egressd.mitm.protocol import (
     ACTIVE_PATH,
     CACHE_MAX_ENTRIES,
     DESTINATION_HEADER,
     DESTINATION_TTL_HEADER,
     bare_etag,
-    port_key,
 )
 from egressd.mitm.seqmap import SeqReader
 from egressd.mitmchild.memo import Memo, parse_ttl

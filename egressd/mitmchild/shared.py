@@ -13,7 +13,7 @@ from typing import Any
 
 from mitmproxy import http
 
-from egressd.subject.model import unmap_ip
+from egressd.addr import unmap_ip
 
 META = "egressd"  # the flow's vault snapshot (set by the injection addon, read by the response addon)
 BINDING_META = META + ".binding"  # the name of the binding injected into the flow

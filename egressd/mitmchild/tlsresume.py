@@ -21,7 +21,7 @@ from mitmproxy.addonmanager import Loader
 from mitmproxy.proxy import server_hooks
 from OpenSSL import SSL
 
-from egressd.mitm.protocol import port_key
+from egressd.feed import port_key
 from egressd.mitm.seqmap import SLOTS, SeqReader, slot_of
 from egressd.mitmchild.resume import SessionCache, SessionKey
 from egressd.mitmchild.shared import address_of, emit, ip_of, listen_port

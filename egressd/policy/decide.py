@@ -5,10 +5,10 @@ Used by enforcement (flow cuts after a narrowing, both profiles) and by ``egress
 
 from __future__ import annotations
 
+from egressd.addr import IPAddress
 from egressd.policy import NetworkPolicy, Verdict
 from egressd.policy.audit import AuditDenySets, audit_deny_sets
 from egressd.policy.ipsets import IpSets, ip_sets
-from egressd.subject.model import IPAddress
 
 
 def hard_denied(effective: NetworkPolicy, ip: IPAddress, split: AuditDenySets | None = None) -> bool:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
+from egressd.addr import IPAddress, unmap_ip
 from egressd.policy import NetworkPolicy, TargetKind, Verdict, evaluate_domain, judge_domain, parse_target
 from egressd.policy.decide import hard_denied, ip_decision
-from egressd.subject.model import IPAddress, unmap_ip
 
 
 def _rule_json(action: Verdict, target: str) -> dict[str, str]:

@@ -19,9 +19,9 @@ from typing import Any, Protocol
 
 import structlog
 
-from egressd.dnsproxy.server import Asker
+from egressd.addr import IPAddress
+from egressd.feed import Feed, PolicyApplied
 from egressd.kernel.applier import NftError
-from egressd.mitm import seqmap
 from egressd.policy import (
     EMPTY_ALWAYS,
     AlwaysRules,
@@ -42,7 +42,7 @@ from egressd.subject.leases import (
     destination_verified_until,
     narrowed_for,
 )
-from egressd.subject.model import Fence, IPAddress
+from egressd.subject.model import Asker, Fence
 
 log = structlog.get_logger("egressd.sidecar")
 
@@ -76,7 +76,10 @@ class SidecarEngine:
         clock: Callable[[], float] = time.monotonic,
         cut_flows: Callable[[Callable[[IPAddress], bool]], Coroutine[Any, Any, int]] | None = None,
         carry_dropped: Callable[[], Awaitable[int]] | None = None,
+        feed: Feed | None = None,
     ) -> None:
+        # The daemon's one change feed (egressd.feed), passed in at start-up; a test's own by default.
+        self.feed = feed if feed is not None else Feed()
         self.table = table
         self.kernel = kernel
         self.user = policy
@@ -249,7 +252,7 @@ class SidecarEngine:
             self.generation += 1
             self.rules_installed = _rule_count(script)
             self.leases = narrowed.book
-            seqmap.narrowed()  # the policy and its lease book changed together
+            self.feed.publish(PolicyApplied())  # the policy and its lease book changed together
             if self._cut_flows is not None and self.table.mode == "dns+nft":
                 task = asyncio.get_running_loop().create_task(self._cut_flows(self.allows_ip))
                 self._background.add(task)

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
+from egressd.addr import IPAddress, unmap_ip
 from egressd.engine.flows import cut_refused
 from egressd.kernel.conntrack import conntrack_delete, original_tuple, read_table
-from egressd.subject.model import IPAddress, unmap_ip
 
 log = structlog.get_logger("egressd.sidecar.flows")
 

@@ -21,8 +21,8 @@ import structlog
 from aiohttp import web
 
 from egressd.actionhandler.envelope import MAX_BODY_BYTES
+from egressd.feed import VaultChanged
 from egressd.metrics import EgressMetrics
-from egressd.mitm import seqmap
 from egressd.policy import PolicyError, policy_mode, rule_cap_problem
 from egressd.sidecar.engine import SIDECAR_UID, SidecarEngine
 from egressd.vault.offload import off_loop
@@ -40,6 +40,7 @@ from egressd.web.transport import (
     VaultTransport,
 )
 from egressd.web.vaultapi import NO_MATCH, Reply, edited_policy, vault_write
+from egressd.web.writes import after_writes, refused_untouched
 
 MITM_CA_FINGERPRINT_HEADER = "X-Egressd-Mitm-Ca-Fingerprint"
 #: Audit (shadow) mode exists in the fleet profile only: the sidecar ruleset has no would-deny
@@ -118,7 +119,6 @@ class SidecarHTTP:
         prerequisites: VaultPrerequisites,
         extra_health: Callable[[], str | None] | None = None,
         mitm_ca: Callable[[], tuple[str, str]] | None = None,
-        vault_changed: Callable[[], None] | None = None,
         vault_limits: VaultLimits = DEFAULT_LIMITS,
         vault_transport: VaultTransport | None = None,
         before_scrape: Callable[[], Awaitable[None]] | None = None,
@@ -128,8 +128,6 @@ class SidecarHTTP:
         self.vault_limits = vault_limits
         self.vault_transport = vault_transport or VaultTransport()
         self._mitm_ca = mitm_ca
-        # After every vault write: the MITM child drops its cached snapshot (docs/behaviour.md §14.9).
-        self._vault_changed = vault_changed
         self.metrics = metrics
         self._token = token
         self.max_rules = max_rules
@@ -140,7 +138,7 @@ class SidecarHTTP:
         # then awaits the kernel; no vault write may slip in between.
         self._lock = asyncio.Lock()
         # A write whose body was read runs to its end whatever the client does (docs/behaviour.md §14.10).
-        self.inflight = InFlight()
+        self.inflight = InFlight(feed=engine.feed)
 
     @property
     def enforcement_mode(self) -> str:
@@ -149,7 +147,7 @@ class SidecarHTTP:
     # ---- app ---------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES + 1, middlewares=[seqmap.after_writes])
+        app = web.Application(client_max_size=MAX_BODY_BYTES + 1, middlewares=[after_writes(self.engine.feed)])
         self.inflight.attach(app)
         app.router.add_route("*", "/healthz", self.healthz)
         app.router.add_route("*", "/metrics", self.metrics_handler)
@@ -163,18 +161,18 @@ class SidecarHTTP:
     ) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def wrapped(request: web.Request) -> web.Response:
             if not token_matches(self._token, request.headers.get(AUTH_HEADER)):
-                seqmap.refused_untouched(request)
+                refused_untouched(request)
                 # Same answer for a missing and a wrong token.
                 return text(401, "unauthorized")
             try:
                 body = await read_limited(request)
             except BodyTooLarge:
-                seqmap.refused_untouched(request)
+                refused_untouched(request)
                 return text(
                     413, f"request body exceeds {MAX_BODY_BYTES} bytes", headers={"Connection": "close"}
                 )
             except BodyIncomplete:
-                seqmap.refused_untouched(request)
+                refused_untouched(request)
                 return incomplete()
             return await self.inflight.run(run(request, body))
 
@@ -298,8 +296,9 @@ class SidecarHTTP:
             )
             self.vault = store
         if method != "GET":
-            if self._vault_changed is not None:
-                self._vault_changed()
+            # After every vault write: the MITM child drops its cached snapshot (docs/behaviour.md
+            # §14.9). One sandbox per namespace: every cached client holds this one vault.
+            self.engine.feed.publish(VaultChanged())
             log.info(
                 "vault.write", method=method, code=reply.status, revision=store.revision if store else None
             )

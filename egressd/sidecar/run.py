@@ -15,11 +15,13 @@ from functools import partial
 
 import structlog
 
+from egressd.addr import IPAddress
 from egressd.config import Config, ignored_settings
 from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import Upstream, upstreams_or_system
+from egressd.feed import Feed
 from egressd.kernel.applier import KernelTransactions, NftError
 from egressd.kernel.renewal import LeaseRenewal
 from egressd.lifecycle import Running, StartupError
@@ -34,7 +36,6 @@ from egressd.sidecar.persist import Initial, InitialPolicyError, choose_initial,
 from egressd.sidecar.visibility import SidecarDrops, sidecar_events
 from egressd.sidecarnft.ruleset import MITM_GID, Mode, SidecarTable
 from egressd.sidecarnft.selftest import SelfTestError, check_net_admin, check_setgid_for_mitm, run_selftest
-from egressd.subject.model import IPAddress
 from egressd.vault.snapshot import VaultSnapshot
 from egressd.web.serving import ListenError, start_http, wait_for_stop
 from egressd.web.transport import VaultTransport
@@ -88,6 +89,7 @@ async def run_sidecar(
         persist_path=cfg.policy_file,
         cut_flows=cut_disallowed,
         carry_dropped=drops.carried,
+        feed=Feed(),  # the daemon's one change feed: the MITM's memory subscribes (_start_mitm)
     )
     # Only a requested stop deletes the table (§13). A start-up failure or a crash leaves it
     # enforcing: the sandbox stays closed until a sidecar serves again.
@@ -214,6 +216,7 @@ async def _start_mitm(
         mitm = await start_mitm(cfg, vault_lookup, engine.destination_verified_until, gid=MITM_GID, metrics=metrics)
     except MitmStartupError as exc:
         raise SidecarStartupError(str(exc)) from None
+    mitm.subscribe(engine.feed)  # before anything else is awaited: no narrowing goes unseen
     running.supervise(mitm)
     return mitm
 
@@ -246,8 +249,6 @@ def _http(
         prerequisites=prerequisites,
         extra_health=mitm_health,
         mitm_ca=(lambda: (mitm.ca.pem, mitm.ca.fingerprint)) if mitm is not None else None,
-        # One sandbox per namespace: every cached client holds this one vault.
-        vault_changed=(lambda: mitm.supervisor.forget(None)) if mitm is not None else None,
         vault_limits=cfg.vault_limits,
         vault_transport=VaultTransport(cfg.vault_require_tls, cfg.vault_trusted_proxies),
         before_scrape=drops.refresh,  # the kernel's refusal counter (docs/behaviour.md §15)

@@ -17,9 +17,9 @@ import structlog
 
 from egressd.config import Config
 from egressd.dnsproxy.forwarder import UPSTREAM_MARK, Forwarder
+from egressd.dnsproxy.resolve import ForwarderResolver
 from egressd.engine.counters import read_or_keep
 from egressd.events.dns import DnsEvents
-from egressd.events.resolve import ForwarderResolver
 from egressd.events.webhook import DenyWebhook, display_url
 from egressd.metrics import EgressMetrics
 from egressd.policy.audit import safe_token

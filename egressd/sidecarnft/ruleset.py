@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from egressd.addr import IPAddress
 from egressd.nftsyntax import (
     DYN_TIMEOUT_S,
     ND_TYPES,
@@ -49,7 +50,6 @@ from egressd.nftsyntax import (
     timeout_set_decl,
 )
 from egressd.policy import NetworkPolicy, Verdict, ip_sets
-from egressd.subject.model import IPAddress
 
 Mode = Literal["dns", "dns+nft"]
 

@@ -21,9 +21,9 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from egressd.addr import IPAddress
 from egressd.policy import IpSets, NetworkPolicy, Verdict, judge_domain
 from egressd.policy.ipsets import Prefix, covered_by
-from egressd.subject.model import IPAddress
 
 DEFAULT_MAX_LEASES = 4096
 # One address answered for many names (a CDN, or a sandbox cycling names on purpose) keeps

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from dataclasses import dataclass
 from typing import NewType
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+from egressd.addr import IPAddress
+from egressd.policy import NetworkPolicy
 
 Subject = NewType("Subject", str)
 
@@ -37,13 +37,6 @@ def uid_problem(uid: str) -> str | None:
     return None
 
 
-def unmap_ip(ip: IPAddress) -> IPAddress:
-    """IPv4-mapped IPv6 addresses dispatch as their IPv4 address."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
-
-
 @dataclass(frozen=True, slots=True)
 class Fence:
     """Identity of one attachment of a sandbox; any change means a rebind.
@@ -54,6 +47,16 @@ class Fence:
 
     runtime_instance_id: str
     attachment_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Asker:
+    """Who asked: the subject behind a source IP, and its effective policy (None while denying).
+    What the DNS proxy asks of a subject engine (:mod:`egressd.dnsproxy.server`)."""
+
+    uid: str
+    fence: Fence
+    policy: NetworkPolicy | None
 
 
 @dataclass(frozen=True, slots=True)

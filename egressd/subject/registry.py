@@ -17,9 +17,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from ipaddress import IPv4Network, IPv6Network
 
-from egressd.mitm import seqmap
+from egressd.addr import IPAddress
+from egressd.feed import Feed, SubjectChanged
 from egressd.policy import NetworkPolicy
-from egressd.subject.model import Fence, IPAddress, Subject, nft_id, subject_for_uid
+from egressd.subject.model import Fence, Subject, nft_id, subject_for_uid
 
 #: (set kind, its prefixes) for each static set of a subject (fleetnft.contents.static_contents).
 StaticContents = tuple[tuple[str, tuple[IPv4Network | IPv6Network, ...]], ...]
@@ -310,7 +311,9 @@ class Registry:
     half-way, and the next deletion must know exactly what exists.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, feed: Feed | None = None) -> None:
+        # Where a committed or dropped entry is announced (egressd.feed); a test's own by default.
+        self.feed = feed if feed is not None else Feed()
         self._by_uid: dict[str, Entry] = {}
         self._kernel: dict[str, KernelView] = {}
         self._by_ip: dict[IPAddress, str] = {}
@@ -393,7 +396,7 @@ class Registry:
         elif entry.binding is not None:
             self._by_ip[entry.binding.ip] = entry.uid
         # A policy, state or binding change: what the MITM may remember of it is void.
-        seqmap.narrowed()
+        self.feed.publish(SubjectChanged())
 
     def drop(self, uid: str) -> None:
         old = self._by_uid.pop(uid, None)
@@ -402,7 +405,7 @@ class Registry:
         self._unindex(old)
         if self._by_nft_id.get(old.nft_id) == uid:
             del self._by_nft_id[old.nft_id]
-        seqmap.narrowed()
+        self.feed.publish(SubjectChanged())
 
     def kernel(self, uid: str) -> KernelView:
         return self._kernel.get(uid, _EMPTY_KERNEL)

@@ -14,8 +14,8 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
+from egressd.feed import ApiWrite, Feed
 from egressd.kernel.listeners import NO_IPV6, bound_socket
-from egressd.mitm import seqmap
 
 log = structlog.get_logger("egressd.http")
 
@@ -124,7 +124,8 @@ class InFlight:
     between. :meth:`attach` makes the application's shutdown wait for them (bounded).
     """
 
-    def __init__(self, drain_timeout: float = DRAIN_TIMEOUT) -> None:
+    def __init__(self, drain_timeout: float = DRAIN_TIMEOUT, *, feed: Feed | None = None) -> None:
+        self.feed = feed if feed is not None else Feed()  # where a late end is announced
         self._tasks: set[asyncio.Task[Any]] = set()
         self._orphans: set[asyncio.Task[Any]] = set()  # their handler was cancelled
         self.drain_timeout = drain_timeout
@@ -149,7 +150,7 @@ class InFlight:
             # It ended after its handler (and the write middleware's bump) was gone: what it
             # changed must void the MITM's memory too (docs/behaviour.md §10, "answered from memory").
             self._orphans.discard(task)
-            seqmap.narrowed()
+            self.feed.publish(ApiWrite())
         # The mutations catch their own errors; one that escapes is a bug, and with its
         # handler gone (shield marks the exception retrieved) nobody else would see it.
         if not task.cancelled() and (exc := task.exception()) is not None:

@@ -332,9 +332,9 @@ def wrap_targets() -> tuple[list[tuple[Any, str, str]], list[tuple[Any, str, str
     from egressd.actionhandler.learning import DnsLearning
     from egressd.dnsproxy import forwarder as dfwd
     from egressd.dnsproxy import server as dsrv
+    from egressd.kernel import refresh as frefresh
     from egressd.kernel.applier import KernelTransactions
     from egressd.policy.reload import AlwaysRulesReloader
-    from egressd.subject import refresh as frefresh
 
     return ([(dsrv.DnsProxy, "answer", "answer"), (DnsLearning, "asker", "decide"), (dsrv, "decide", "decide"),
              (dfwd, "_socket", "fwd_sock"), (dfwd.Forwarder, "forward", "fwd"), (DnsLearning, "learn", "learn"),

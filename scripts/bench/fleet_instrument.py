@@ -67,10 +67,10 @@ def targets() -> list[tuple[Any, str, str]]:
     from egressd.actionhandler.learning import DnsLearning
     from egressd.actionhandler.shared import Claims
     from egressd.actionhandler.vaults import Credentials
+    from egressd.feed import Feed
     from egressd.fleet import server
     from egressd.fleet.proxyroute import ProxyRouteAPI
     from egressd.kernel import applier, netlink
-    from egressd.mitm import seqmap
     from egressd.subject.registry import Registry
 
     # A scheduled pass calls _cut (one read for many subjects); before issue 28 each update
@@ -83,7 +83,7 @@ def targets() -> list[tuple[Any, str, str]]:
             (steps.SandboxNets, "refilled", "build"), (hostuid, "audit_membership", "build"),
             (applier.KernelTransactions, "run_batch", "kernel"), (applier._Netlink, "run", "kernel_thread"),
             (netlink, "encode_batch", "encode"), (control.ControlPlane, "_commit", "commit"), (Credentials, "bound", "commit"),
-            (ProxyRouteAPI, "registered", "commit"), (seqmap, "narrowed", "mitm"), (metrics.Counter, "inc", "metrics"),
+            (ProxyRouteAPI, "registered", "commit"), (Feed, "publish", "mitm"), (metrics.Counter, "inc", "metrics"),
             (metrics.Histogram, "observe", "metrics"), (metrics.Gauge, "set", "metrics"),
             (BoundLoggerBase, "_proxy_to_logger", "log"), (flows.FlowCuts, cut, "conntrack"),
             (flows, "read_conntrack_flows", "ct_read"), (flows, "flush_flow", "ct_cut")]  # fmt: skip
@@ -209,15 +209,24 @@ class Recorder:
 def instrumented_main(out_path: str) -> int:
     """egressd's main() with :class:`Recorder` installed; the records go to ``out_path`` at exit."""
     from egressd import main as emain
-    from egressd.mitm import seqmap
+    from egressd.feed import Feed
+    from egressd.mitm.seqmap import MitmMemory, SeqWriter
 
     recorder = Recorder()
     recorder.install()
-    writer = seqmap.SeqWriter(Path(out_path + ".seq"))  # what the MITM's memory costs a change
-    seqmap.install(writer)
+    writer = SeqWriter(Path(out_path + ".seq"))  # what the MITM's memory costs a change
+    memory = MitmMemory(writer)
+    plain_init = Feed.__init__
+
+    def subscribed_init(feed: Feed) -> None:  # the daemon's feed, made in run.py, has the memory
+        plain_init(feed)
+        feed.subscribe(memory)
+
+    Feed.__init__ = subscribed_init  # type: ignore[method-assign, assignment]
     try:
         return emain.main([])
     finally:
+        Feed.__init__ = plain_init  # type: ignore[method-assign]
         writer.close()
         records = [r for r in recorder.records if "op" in r]
         Path(out_path).write_text(json.dumps({"records": records, "background": recorder.background}))
@@ -316,7 +325,7 @@ PROFILE_STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("batch build, set contents, narrowing checks",
      ("_policy_batch", "policy_swap", "contents_swap", "dyn_replace", "policy_contents", "static_contents",
       "refuses_more", "_takes_away", "DnsLearning.narrowed", "names_narrow")),
-    ("MITM memory bump", ("narrowed (egressd/mitm/seqmap", "SeqWriter.bump")),
+    ("MITM memory bump", ("Feed.publish", "MitmMemory.", "SeqWriter.bump")),
     ("logging (structlog)", ("structlog",)),
     ("metrics (counting)", ("egressd/metrics.py", "prometheus_client")),
     ("HTTP (aiohttp)", ("aiohttp",)),

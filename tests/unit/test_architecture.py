@@ -10,6 +10,8 @@
   branching the same way).
 * Outside ``egressd.actionhandler`` nothing reaches into the ``ControlPlane``: no attribute
   with a leading underscore is read from it (its collaborators are public attributes).
+* Nothing outside the MITM's own packages imports the MITM memory (``seqmap``): the owners of
+  state publish their narrowings to the change feed (``egressd.feed``), the memory subscribes.
 """
 
 from __future__ import annotations
@@ -199,6 +201,37 @@ def test_the_control_plane_check_sees_what_it_must(tmp_path: Path, source: str, 
     path = tmp_path / "probe.py"
     path.write_text(source)
     assert bool(control_plane_private_uses([path])) is expected
+
+
+def memory_imports(paths: list[Path]) -> list[str]:
+    """Imports of the MITM memory (a module named ``seqmap``) from outside the MITM packages."""
+    found = []
+    for path in paths:
+        if path.is_relative_to(ROOT) and package_of(module_name(path)).startswith("egressd.mitm"):
+            continue
+        for line, module, name in imports(path):
+            if "seqmap" in (module.rsplit(".", 1)[-1], name):
+                found.append(f"{path}:{line}: {module}.{name}")
+    return found
+
+
+def test_nothing_but_the_mitm_calls_into_its_memory() -> None:
+    assert memory_imports(source_files()) == []
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from egressd.mitm import seqmap\n", True),
+        ("from egressd.mitm.seqmap import SeqWriter\n", True),
+        ("import egressd.mitm.seqmap\n", True),
+        ("from egressd.feed import Feed\n", False),
+    ],
+)
+def test_the_memory_import_check_sees_what_it_must(tmp_path: Path, source: str, expected: bool) -> None:
+    path = tmp_path / "probe.py"
+    path.write_text(source)
+    assert bool(memory_imports([path])) is expected
 
 
 def test_no_private_name_is_imported_across_packages() -> None:

@@ -21,13 +21,14 @@ import pytest
 from aiohttp import web
 
 from egressd import hygiene
+from egressd.addr import IPAddress
+from egressd.feed import VaultChanged
 from egressd.mitm.active import active_app
 from egressd.mitm.pool import MitmPool
 from egressd.mitm.protocol import CACHE_MAX_ENTRIES, FORGET_BATCH, forget_message, parse_forget
 from egressd.mitm.supervisor import FORGET_QUEUE_MAX, MitmSupervisor
 from egressd.mitmchild import runner
 from egressd.mitmchild.lookup import ActiveClient
-from egressd.subject.model import IPAddress
 from egressd.vault.snapshot import VaultSnapshot
 from egressd.vault.store import VaultStore
 from tests.unit.fleet.test_proxy_route import hook, make_env, remove, set_binding, vault_doc
@@ -315,7 +316,9 @@ async def test_forgets_reach_the_child_and_its_cache_reports_become_the_gauge(tm
 async def test_egressd_names_the_address_on_vault_delete_rebind_and_removal(aiohttp_client: Any) -> None:
     env = await make_env(aiohttp_client)
     forgotten: list[list[str]] = []
-    env.control.credentials.forget_snapshots = lambda ips: forgotten.append([str(ip) for ip in ips])
+    env.control.feed.subscribe(
+        lambda e: forgotten.append([str(ip) for ip in e.clients or ()]) if isinstance(e, VaultChanged) else None
+    )
 
     def taken() -> list[list[str]]:
         out = list(forgotten)

@@ -19,7 +19,7 @@ import pytest
 from egressd.actionhandler.api import Result
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
-from egressd.dnsproxy.server import Asker
+from egressd.addr import IPAddress
 from egressd.fleetnft.contents import dyn_add, dyn_replace, policy_swap
 from egressd.fleetnft.table import TableConfig
 from egressd.kernel import conntrack
@@ -34,7 +34,7 @@ from egressd.policy import (
     parse_always_text,
     parse_policy,
 )
-from egressd.subject.model import Fence, IPAddress
+from egressd.subject.model import Asker, Fence
 from egressd.subject.registry import State
 from tests.unit.fakekernel import FakeTx
 

@@ -19,7 +19,8 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, SetBinding, parse_action
 from egressd.actionhandler.inputs import BadRequest, BindingInput, read_set_binding
 from egressd.actionhandler.shared import Claims
-from egressd.dnsproxy.server import Asker, DnsProxy
+from egressd.addr import IPAddress
+from egressd.dnsproxy.server import DnsProxy
 from egressd.fleetnft.subject import rules_per_subject, subject_rules
 from egressd.fleetnft.table import TableConfig, subject_set
 from egressd.kernel.netlink_dump import SetElement
@@ -27,7 +28,7 @@ from egressd.kernel.ops import AddRule, MatchRule, NetlinkBatch
 from egressd.policy import EMPTY_ALWAYS, ip_sets, parse_policy
 from egressd.policy.ipsets import PrefixIndex
 from egressd.subject.leases import LeaseBook, admissible, destination_verified, narrowed_for
-from egressd.subject.model import Fence, IPAddress
+from egressd.subject.model import Asker, Fence
 from egressd.subject.registry import Binding, SetBindingRequest
 from egressd.vault.types import DEFAULT_LIMITS
 from tests.unit.actionhandler.test_control_dns import TABLE, activate

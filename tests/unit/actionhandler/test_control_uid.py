@@ -17,6 +17,7 @@ import pytest
 from egressd.actionhandler.api import Result
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, SetBinding, parse_action
+from egressd.feed import VaultChanged
 from egressd.fleetnft.table import TableConfig
 from egressd.subject.hostuid import UidPorts, UidRange
 from egressd.subject.registry import HostBinding, State
@@ -263,7 +264,7 @@ async def test_network_and_uid_subjects_coexist_and_rekey_across_kinds() -> None
 async def test_vault_by_mitm_port_and_forget_by_port_key() -> None:
     control, _, _ = await make(mitm=True)
     forgotten: list[list[Any]] = []
-    control.credentials.forget_snapshots = forgotten.append
+    control.feed.subscribe(lambda e: forgotten.append(list(e.clients or ())) if isinstance(e, VaultChanged) else None)
     ok(
         await control.handle(
             uid_binding(

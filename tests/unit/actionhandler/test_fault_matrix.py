@@ -44,6 +44,7 @@ import pytest
 
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
+from egressd.addr import IPAddress
 from egressd.fleetnft.header import header_script
 from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import NftError, NftUncertain
@@ -77,7 +78,7 @@ from egressd.kernel.ops import (
 )
 from egressd.policy import AlwaysRules, Verdict, format_element, parse_policy
 from egressd.policy.always import parse_always_text
-from egressd.subject.model import Fence, IPAddress
+from egressd.subject.model import Fence
 from tests.unit.fakekernel import FakeKernel
 
 TABLE = "T"

@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestClient
 from dnslib import QTYPE, RR, A, DNSRecord
 
 from egressd.actionhandler.control import ControlPlane
+from egressd.addr import IPAddress
 from egressd.dnsproxy.forwarder import Forwarded
 from egressd.dnsproxy.server import DnsProxy
 from egressd.fleet.server import FleetHTTP
@@ -27,7 +28,6 @@ from egressd.metrics import EgressMetrics
 from egressd.policy import AlwaysRules, Verdict, effective_policy, parse_always_text, parse_policy
 from egressd.policy.ipsets import covered_by
 from egressd.subject.leases import COUNT_GRACE_S, MAX_NAMES_PER_LEASE, LeaseBook
-from egressd.subject.model import IPAddress
 from egressd.subject.registry import State
 from egressd.vault.store import VaultStore
 from tests.unit.actionhandler.test_control_dns import (

@@ -17,6 +17,7 @@ import pytest
 
 import egressd.actionhandler.flows as flows_mod
 from egressd.actionhandler.control import ControlPlane
+from egressd.addr import IPAddress
 from egressd.fleetnft.contents import policy_contents, refuses_more, static_contents
 from egressd.fleetnft.table import TableConfig
 from egressd.kernel import conntrack
@@ -31,7 +32,6 @@ from egressd.policy import (
     parse_always_text,
     parse_policy,
 )
-from egressd.subject.model import IPAddress
 from tests.unit.actionhandler.test_control_dns import FENCE, hook, mirror, ok, set_binding
 from tests.unit.fakekernel import TextKernel, text_kernel
 

@@ -16,8 +16,8 @@ from egressd.config import ConfigError, parse_config
 from egressd.dnsproxy.budget import QueryBudget, query_budget
 from egressd.dnsproxy.decide import Action, check_message, decide, refusal
 from egressd.dnsproxy.ede import INFO_BLOCKED, INFO_NOT_SUPPORTED, read_ede
-from egressd.dnsproxy.server import Asker
 from egressd.metrics import EgressMetrics
+from egressd.subject.model import Asker
 from tests.unit.dnsproxy.test_dns_proxy import (
     CLIENT,
     FENCE,

@@ -20,13 +20,14 @@ from dnslib import AAAA, CNAME, EDNS0, QTYPE, RCODE, RR, TXT, A, DNSHeader, DNSR
 
 import egressd.dnsproxy.forwarder as forwarder_mod
 import egressd.dnsproxy.server as server_mod
+from egressd.addr import IPAddress
 from egressd.dnsproxy.forwarder import UPSTREAM_MARK, Forwarded, Forwarder
-from egressd.dnsproxy.server import Asker, DnsProxy
+from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import Upstream
 from egressd.kernel.applier import NftError
 from egressd.metrics import EgressMetrics
 from egressd.policy import parse_policy
-from egressd.subject.model import Fence, IPAddress
+from egressd.subject.model import Asker, Fence
 
 FENCE = Fence("r1", "a1")
 CLIENT = "10.0.0.5"

@@ -11,10 +11,11 @@ import struct
 
 from dnslib import QTYPE, RCODE, RR, A, DNSRecord
 
+from egressd.addr import IPAddress
 from egressd.dnsproxy.forwarder import Forwarded
-from egressd.dnsproxy.server import MAX_IN_FLIGHT_PER_CLIENT, Asker, DnsProxy, PortAsker
+from egressd.dnsproxy.server import MAX_IN_FLIGHT_PER_CLIENT, DnsProxy, PortAsker
 from egressd.policy import parse_policy
-from egressd.subject.model import Fence, IPAddress
+from egressd.subject.model import Asker, Fence
 
 HOST = "10.77.0.1"  # the host's own address: where every redirected query comes from
 FENCE = Fence("r1", "a1")

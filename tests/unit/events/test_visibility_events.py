@@ -9,14 +9,15 @@ import pytest
 from dnslib import QTYPE, RR, A, DNSRecord
 from structlog.testing import capture_logs
 
+from egressd.addr import IPAddress
 from egressd.dnsproxy.forwarder import Forwarded
-from egressd.dnsproxy.server import Asker, DnsProxy
+from egressd.dnsproxy.server import DnsProxy
 from egressd.events.denials import RecentDenials
 from egressd.events.dns import DnsEvents
 from egressd.events.outbound import LineBudget, OutboundLog
 from egressd.events.webhook import DenyWebhook
 from egressd.policy import parse_policy
-from egressd.subject.model import Fence, IPAddress
+from egressd.subject.model import Asker, Fence
 
 FENCE = Fence("r1", "a1")
 POLICY = parse_policy(

@@ -14,6 +14,7 @@ from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 
 import pytest
 
+from egressd.addr import IPAddress
 from egressd.config import parse_doh_blocklist
 from egressd.fleetnft.audit import audit_counter_subject
 from egressd.fleetnft.contents import dyn_add, policy_contents, policy_swap
@@ -50,7 +51,6 @@ from egressd.kernel.ops import (
     RuleAction as Outcome,
 )
 from egressd.policy import AlwaysRules, Verdict, effective_policy, parse_always_text, parse_policy
-from egressd.subject.model import IPAddress
 
 T = "T"
 CFG = TableConfig(table=T, dns_port=15353)

@@ -23,10 +23,11 @@ from dnslib import AAAA, CNAME, EDNS0, QTYPE, RCODE, RR, A, DNSHeader, DNSQuesti
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 
+from egressd.addr import IPAddress
 from egressd.dnsproxy.forwarder import Forwarded
-from egressd.dnsproxy.server import Asker, DnsProxy
+from egressd.dnsproxy.server import DnsProxy
 from egressd.policy import Verdict, judge_domain, parse_policy
-from egressd.subject.model import Fence, IPAddress
+from egressd.subject.model import Asker, Fence
 from tests.unit.fuzz.strategies import domains, mutate_bytes
 from tests.unit.fuzz.support import fuzz, hit, run
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from egressd.actionhandler.control import ControlPlane
+from egressd.addr import IPAddress
 from egressd.fleetnft import selftest as fleet_selftest
 from egressd.fleetnft.contents import dyn_add
 from egressd.fleetnft.table import TableConfig
@@ -23,7 +24,6 @@ from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecarnft import ruleset as sidecar_ruleset
 from egressd.sidecarnft import selftest as sidecar_selftest
 from egressd.sidecarnft.ruleset import SidecarTable
-from egressd.subject.model import IPAddress
 from tests.unit.actionhandler.test_control_dns import FENCE, TABLE, activate
 from tests.unit.fakekernel import FakeTx
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from ipaddress import ip_address
 from typing import Any
 
+from egressd.addr import IPAddress
 from egressd.mitm.active import active_app, active_lookup
 from egressd.mitm.protocol import ACTIVE_PATH
 from egressd.policy import parse_policy
-from egressd.subject.model import IPAddress
 from egressd.vault.snapshot import VaultSnapshot
 from egressd.vault.store import VaultStore
 

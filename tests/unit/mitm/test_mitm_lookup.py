@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from egressd.addr import IPAddress
 from egressd.mitm.active import active_app, active_lookup
 from egressd.mitm.protocol import DESTINATION_HEADER
 from egressd.mitmchild.lookup import ActiveClient, LookupFailed, interpret
 from egressd.mitmchild.wire import WireError, snapshot_from_active
 from egressd.policy import parse_policy
-from egressd.subject.model import IPAddress
 from egressd.vault.snapshot import VaultSnapshot
 from egressd.vault.store import VaultStore
 

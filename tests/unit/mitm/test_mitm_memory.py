@@ -20,22 +20,25 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from egressd.addr import IPAddress
 from egressd.config import Config, ConfigError, parse_config
+from egressd.feed import Feed, Narrowing, VaultChanged
 from egressd.mitm import seqmap
 from egressd.mitm.active import MAX_DESTINATION_TTL_S, active_app, active_lookup
 from egressd.mitm.protocol import DESTINATION_TTL_HEADER
-from egressd.mitm.seqmap import MAP_BYTES, SeqReader, SeqWriter, seq_path, slot_of
+from egressd.mitm.seqmap import MAP_BYTES, MitmMemory, SeqReader, SeqWriter, seq_path, slot_of
 from egressd.mitm.service import start_mitm
 from egressd.mitm.supervisor import MitmOptions, MitmSupervisor, mitmdump_argv
 from egressd.mitmchild.lookup import ActiveClient, LookupFailed
 from egressd.mitmchild.memo import MAX_TTL_S, Memo, parse_ttl
 from egressd.policy import parse_policy
 from egressd.subject.leases import LeaseBook, destination_verified, destination_verified_until
-from egressd.subject.model import Fence, IPAddress
+from egressd.subject.model import Fence
 from egressd.subject.registry import Entry, Registry, State
 from egressd.vault.snapshot import VaultSnapshot
 from egressd.vault.store import VaultStore
 from egressd.web.serving import InFlight
+from egressd.web.writes import after_writes
 
 SECRET = "sk-PLANTED-memory-41"
 POLICY = parse_policy('{"defaultAction":"deny","egress":[{"action":"allow","target":"api.example.com"}]}')
@@ -56,15 +59,24 @@ def snap() -> VaultSnapshot:
     return s
 
 
+# The daemon's change feed (egressd.feed) as the tests' owners of state publish to it.
+FEED = Feed()
+
+
+def narrowed(keys: Any = None) -> None:
+    """What an owner of state does at a narrowing (None: any client)."""
+    FEED.publish(Narrowing(None if keys is None else tuple(keys)))
+
+
 @pytest.fixture
 def writer(tmp_path: Path) -> Iterator[SeqWriter]:
     w = SeqWriter(seq_path(tmp_path / "active.sock"))
-    seqmap.install(w)
+    unsubscribe = FEED.subscribe(MitmMemory(w))
     w.beat()
     try:
         yield w
     finally:
-        seqmap.uninstall(w)
+        unsubscribe()
         w.close()
 
 
@@ -87,10 +99,10 @@ def test_a_bump_changes_exactly_the_stamps_it_concerns(writer: SeqWriter) -> Non
     reader = SeqReader(str(writer.path), max_silence=60)
     other = next(f"10.9.0.{i}" for i in range(256) if slot_of(f"10.9.0.{i}") != slot_of(CLIENT))
     a0, b0 = reader.stamp(CLIENT), reader.stamp(other)
-    seqmap.narrowed([ip_address(CLIENT)])  # egressd's keys are addresses; the worker's strings
+    narrowed([ip_address(CLIENT)])  # egressd's keys are addresses; the worker's strings
     a1, b1 = reader.stamp(CLIENT), reader.stamp(other)
     assert a1 != a0 and b1 == b0
-    seqmap.narrowed()
+    narrowed()
     assert reader.stamp(CLIENT) != a1 and reader.stamp(other) != b1
     reader.close()
     assert reader.stamp(CLIENT) is None, "a closed map reads as 'pull'"
@@ -131,9 +143,9 @@ def test_a_map_of_the_wrong_size_is_refused(tmp_path: Path) -> None:
         SeqReader(str(tmp_path / "missing.seq"))
 
 
-def test_narrowed_without_a_writer_is_a_no_op() -> None:
-    seqmap.narrowed()
-    seqmap.narrowed(["10.0.0.1"])
+def test_a_narrowing_without_a_subscriber_is_a_no_op() -> None:
+    Feed().publish(Narrowing())
+    Feed().publish(VaultChanged(("10.0.0.1",)))
 
 
 # --------------------------------------------------------------------------- the memory (pure)
@@ -242,11 +254,20 @@ def test_the_child_gets_the_map_in_one_option(tmp_path: Path) -> None:
     assert f"egressd_vault_push={tmp_path / 'a.sock.seq'}" in argv
 
 
-def test_a_forget_bumps_even_without_a_child(writer: SeqWriter) -> None:
+def test_a_vault_change_bumps_even_without_a_child(writer: SeqWriter) -> None:
     reader = SeqReader(str(writer.path), max_silence=60)
     before = reader.stamp(CLIENT)
-    MitmSupervisor(["true"]).forget(iter([ip_address(CLIENT)]))  # a one-shot iterable, too
-    assert reader.stamp(CLIENT) != before
+    forgotten: list[Any] = []
+    memory = MitmMemory(None, forgotten.append)  # a second subscriber: the workers' forget
+    with_child = FEED.subscribe(memory)
+    try:
+        FEED.publish(VaultChanged((ip_address(CLIENT),)))
+        assert reader.stamp(CLIENT) != before and forgotten == [[ip_address(CLIENT)]]
+        MitmMemory(writer, MitmSupervisor(["true"]).forget)(VaultChanged((ip_address(CLIENT),)))
+        FEED.publish(Narrowing())
+        assert forgotten == [[ip_address(CLIENT)]], "only a vault change tells the child to forget"
+    finally:
+        with_child()
 
 
 async def test_every_api_write_bumps_before_its_answer_and_reads_do_not(writer: SeqWriter) -> None:
@@ -258,7 +279,7 @@ async def test_every_api_write_bumps_before_its_answer_and_reads_do_not(writer: 
     async def boom(request: web.Request) -> web.Response:
         raise RuntimeError("half-way")
 
-    app = web.Application(middlewares=[seqmap.after_writes])
+    app = web.Application(middlewares=[after_writes(FEED)])
     app.router.add_route("*", "/x", ok)
     app.router.add_route("*", "/boom", boom)
     async with TestClient(TestServer(app)) as http:
@@ -317,20 +338,20 @@ async def test_answers_from_memory_until_a_narrowing_then_pulls(tmp_path: Path, 
         # The credential goes, egressd bumps in the same step (here: by hand, as the hooks
         # do): the very next lookup pulls and sees it gone, nothing stale is answered.
         assert store.delete()[0] == 204
-        seqmap.narrowed([ip_address(CLIENT)])
+        narrowed([ip_address(CLIENT)])
         gone = await client.lookup(CLIENT, HOST, DST)
         assert gone.snapshot is None and len(hits) == 4
         assert (await client.lookup(CLIENT, HOST, DST)).snapshot is None and len(hits) == 4
 
         # A new vault is a widening, and it is announced too (activation forgets the client).
         assert store.put(VAULT, POLICY)[0] == 201
-        seqmap.narrowed([ip_address(CLIENT)])
+        narrowed([ip_address(CLIENT)])
         back = await client.lookup(CLIENT, HOST, DST)
         assert back.snapshot is not None and back.snapshot.tag != first.snapshot.tag and len(hits) == 5
 
         # A policy narrowing bumps every slot: the destination verdict is asked again.
         lease["until"] = 0.0
-        seqmap.narrowed()
+        narrowed()
         assert not (await client.lookup(CLIENT, HOST, DST)).destination_ok and len(hits) == 6
     finally:
         await client.close()
@@ -367,7 +388,7 @@ async def test_egressd_gone_and_a_narrowing_fails_closed(tmp_path: Path, writer:
         assert (await client.lookup(CLIENT, HOST, DST)).snapshot is not None
         await runner.cleanup()
         started = time.monotonic()
-        seqmap.narrowed([CLIENT])
+        narrowed([CLIENT])
         assert time.monotonic() - started < 0.05, "the mutation never waits for a worker"
         with pytest.raises(LookupFailed):
             await client.lookup(CLIENT, HOST, DST)
@@ -425,14 +446,16 @@ def test_the_knob_defaults_on_and_turns_off(tmp_path: Path) -> None:
 
 
 async def test_start_mitm_makes_the_map_beside_the_socket_and_removes_it(tmp_path: Path) -> None:
+    feed = Feed()
     mitm = await start_mitm(_cfg(tmp_path), lambda ip: None, lambda c, h, d: False)
+    mitm.subscribe(feed)
     try:
         assert mitm.seq is not None and mitm.seq.path == seq_path(mitm.socket)
         assert stat.S_IMODE(os.stat(mitm.seq.path).st_mode) == 0o600
         assert f"egressd_vault_push={mitm.seq.path}" in mitm.supervisor.argv
         reader = SeqReader(str(mitm.seq.path), max_silence=60)
         before = reader.stamp(CLIENT)
-        Registry().put(Entry("u1", Fence("r", "a"), State.DENYING, None))
+        Registry(feed).put(Entry("u1", Fence("r", "a"), State.DENYING, None))
         assert reader.stamp(CLIENT) != before, "a registry change narrows (policy, state, binding)"
     finally:
         await mitm.close()
@@ -450,7 +473,7 @@ async def test_a_write_whose_client_left_bumps_when_it_ends(writer: SeqWriter) -
     """The middleware's bump runs when the handler is cancelled, before the shielded mutation
     has finished: the mutation's own end bumps again."""
     reader = SeqReader(str(writer.path), max_silence=60)
-    inflight = InFlight()
+    inflight = InFlight(feed=FEED)
     release = asyncio.Event()
 
     async def mutation() -> int:

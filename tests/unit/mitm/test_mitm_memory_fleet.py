@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from egressd.actionhandler.control import ControlPlane
+from egressd.feed import Feed
 from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
-from egressd.mitm import seqmap
-from egressd.mitm.seqmap import SeqReader, SeqWriter
+from egressd.mitm.seqmap import MitmMemory, SeqReader, SeqWriter
 from egressd.policy import AlwaysRules, Verdict, parse_always_text, parse_policy
 from egressd.sidecar.engine import SIDECAR_UID, SidecarEngine
 from egressd.sidecar.http import SidecarHTTP
@@ -31,22 +31,26 @@ ALLOW_API = '{"defaultAction":"deny","egress":[{"action":"allow","target":"api.x
 ALLOW_OTHER = '{"defaultAction":"deny","egress":[{"action":"allow","target":"cdn.x.io"}]}'
 
 
+# The daemon's change feed (egressd.feed): the owners below publish to it, the memory subscribes.
+FEED = Feed()
+
+
 @pytest.fixture
 def reader(tmp_path: Path) -> Iterator[SeqReader]:
     writer = SeqWriter(tmp_path / "a.sock.seq")
     writer.beat()
-    seqmap.install(writer)
+    unsubscribe = FEED.subscribe(MitmMemory(writer))
     r = SeqReader(str(writer.path), max_silence=60)
     try:
         yield r
     finally:
         r.close()
-        seqmap.uninstall(writer)
+        unsubscribe()
         writer.close()
 
 
 async def _control() -> ControlPlane:
-    control = ControlPlane(TableConfig(table=TABLE, dns_port=15353), FakeTx(table_name=TABLE), always=OLD)
+    control = ControlPlane(TableConfig(table=TABLE, dns_port=15353), FakeTx(table_name=TABLE), always=OLD, feed=FEED)
     await control.reset_table()
     return control
 
@@ -111,7 +115,7 @@ async def test_a_dns_answer_does_not_bump(reader: SeqReader) -> None:
 async def test_sidecar_policy_changes_bump_with_and_without_http(
     reader: SeqReader, aiohttp_client: Any, tmp_path: Path
 ) -> None:
-    engine = SidecarEngine(SidecarTable(table="T"), FakeTx(yield_each_call=False), parse_policy(ALLOW_API))
+    engine = SidecarEngine(SidecarTable(table="T"), FakeTx(yield_each_call=False), parse_policy(ALLOW_API), feed=FEED)
     await engine.install()
     await engine.learn(SIDECAR_UID, engine.fence, [(API, 300)], "api.x.io")
     assert engine.destination_verified_until(ipaddress.ip_address(SRC), "api.x.io", API) > time.monotonic()
@@ -143,7 +147,6 @@ async def test_a_vault_installed_after_its_validation_bumps_again(
 
     control = await _control()
     await activate(control, policy=ALLOW_API)
-    control.credentials.forget_snapshots = seqmap.narrowed  # as the MITM supervisor does
     during: list[tuple[Any, Any]] = []
 
     async def pull_meanwhile(fn: Any, *args: Any) -> Any:
@@ -177,7 +180,6 @@ async def test_a_refused_binding_that_takes_the_vault_bumps(reader: SeqReader) -
 
     control = await _control()
     await activate(control, policy=ALLOW_API)
-    control.credentials.forget_snapshots = seqmap.narrowed
     before = reader.stamp(SRC)
     control.credentials.refused("u-1", BindingInput(parse_policy(ALLOW_API), VaultAction.REMOVE))
     assert reader.stamp(SRC) != before
@@ -191,7 +193,7 @@ async def test_sidecar_writes_refused_before_any_handler_do_not_void_the_memory(
     skip the bump: an authorised write still bumps whatever it answers."""
     from egressd.sidecar.http import AUTH_HEADER
 
-    engine = SidecarEngine(SidecarTable(table="T"), FakeTx(yield_each_call=False), parse_policy(ALLOW_API))
+    engine = SidecarEngine(SidecarTable(table="T"), FakeTx(yield_each_call=False), parse_policy(ALLOW_API), feed=FEED)
     await engine.install()
     http = SidecarHTTP(engine, EgressMetrics(), token="s3cret", max_rules=4096, prerequisites=ready_prereqs())
     client = await aiohttp_client(http.app())
@@ -215,11 +217,8 @@ async def test_a_removal_or_rebind_moves_the_clients_own_slot_before_it_returns(
     """The MITM's TLS resumption epoch is the client's own slot (not slot 0, which every API
     write moves): the old address's slot must move before the action returns, so a sandbox
     that gets the address next never resumes the old subject's session."""
-    from egressd.mitm.supervisor import MitmSupervisor
-
     control = await _control()
     await activate(control, policy=ALLOW_API)
-    control.credentials.forget_snapshots = MitmSupervisor(["true"]).forget  # as fleet/run.py wires it
     before = reader.value(SRC)
     if change == "remove":
         ok(await control.handle(remove("u-1")))

@@ -12,13 +12,14 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from egressd.addr import IPAddress
+from egressd.feed import port_key
 from egressd.mitm.active import PortVaults, active_app, active_lookup
-from egressd.mitm.protocol import forget_message, parse_forget, port_key
+from egressd.mitm.protocol import forget_message, parse_forget
 from egressd.mitm.supervisor import MitmOptions, mitmdump_argv
 from egressd.mitmchild import shared
 from egressd.mitmchild.lookup import ActiveClient
 from egressd.policy import parse_policy
-from egressd.subject.model import IPAddress
 from egressd.vault.snapshot import VaultSnapshot
 from egressd.vault.store import VaultStore
 

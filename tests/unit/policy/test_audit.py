@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 from egressd.actionhandler.inputs import InputError, parse_binding_input
 from egressd.dnsproxy.decide import Action, decide
 from egressd.dnsproxy.ede import INFO_BLOCKED, INFO_OTHER, attach_ede, ede_option, read_ede
-from egressd.dnsproxy.server import Asker, DnsProxy
+from egressd.dnsproxy.server import DnsProxy
 from egressd.fleet.audit import AuditEvidence, counter_samples
 from egressd.metrics import EgressMetrics
 from egressd.policy import (
@@ -38,7 +38,7 @@ from egressd.policy import (
     rule_label,
 )
 from egressd.policy.audit import safe_token
-from egressd.subject.model import Fence
+from egressd.subject.model import Asker, Fence
 from tests.unit.dnsproxy.test_dns_proxy import CLIENT, FakeForwarder, FakePolicies, dns_proxy, parse, q, wire
 
 AUDIT_TEXT = (

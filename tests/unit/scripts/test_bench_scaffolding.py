@@ -355,7 +355,7 @@ def test_slowdown_spec() -> None:
 
 def test_profile_summary_counts_a_stack_for_its_deepest_step() -> None:
     folded = "\n".join([
-        "main (egressd/main.py:1);after_writes (egressd/mitm/seqmap.py:9);parse_action (egressd/actionhandler/envelope.py:3) 5",
+        "main (egressd/main.py:1);after_write (egressd/web/writes.py:9);parse_action (egressd/actionhandler/envelope.py:3) 5",
         "main (egressd/main.py:1);_apply_policy (x);NfTablesSocket.run (egressd/kernel/netlink.py:7) 3",
         "main (egressd/main.py:1);metrics_handler (egressd/fleet/server.py:2);render (egressd/metrics.py:4) 2",
         "main (egressd/main.py:1);select (selectors.py:1) 1",

@@ -24,11 +24,12 @@ from typing import Any
 
 from dnslib import QTYPE, RR, A, DNSRecord
 
+from egressd.addr import IPAddress
 from egressd.dnsproxy.forwarder import Forwarder
-from egressd.dnsproxy.server import Asker, DnsProxy
+from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import Upstream
 from egressd.policy import parse_policy
-from egressd.subject.model import Fence, IPAddress
+from egressd.subject.model import Asker, Fence
 from tests.unit.fleet.test_proxy_route import hook, make_env, set_binding
 
 FENCE = Fence("r1", "a1")

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from egressd.subject.leases import Lease, LeaseBook
-from egressd.subject.model import IPAddress
-from egressd.subject.refresh import (
+from egressd.addr import IPAddress
+from egressd.kernel.refresh import (
     ACTIVE_TCP_STATES,
     RENEW_S,
     LeaseRefresher,
@@ -18,6 +17,7 @@ from egressd.subject.refresh import (
     parse_conntrack,
     plan_refresh,
 )
+from egressd.subject.leases import Lease, LeaseBook
 
 
 def ip(text: str) -> IPAddress:

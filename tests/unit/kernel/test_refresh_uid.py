@@ -9,9 +9,9 @@ import struct
 import time
 from pathlib import Path
 
+from egressd.addr import IPAddress
+from egressd.kernel.refresh import LeaseRefresher
 from egressd.subject.leases import LeaseBook
-from egressd.subject.model import IPAddress
-from egressd.subject.refresh import LeaseRefresher
 
 
 def v4(ip: str, port: int) -> str:

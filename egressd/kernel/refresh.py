@@ -16,10 +16,11 @@ from pathlib import Path
 
 import structlog
 
+from egressd.addr import IPAddress
 from egressd.kernel.conntrack import original_tuple
 from egressd.kernel.sockets import PROC_TCP, read_uid_flows
 from egressd.subject.leases import LeaseBook
-from egressd.subject.model import IPAddress, subject_for_uid
+from egressd.subject.model import subject_for_uid
 
 log = structlog.get_logger("egressd.refresh")
 
