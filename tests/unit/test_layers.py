@@ -48,7 +48,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             }
         ),
     ),
-    ("engines", frozenset({"egressd.actionhandler"})),
+    ("engines", frozenset({"egressd.actionhandler", "egressd.engine"})),
     (
         "adapters",
         frozenset(
@@ -56,6 +56,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "egressd.kernel",
                 "egressd.fleetnft",
                 "egressd.sidecarnft",
+                "egressd.nftsyntax",
                 "egressd.dnsproxy",
                 "egressd.events",
                 "egressd.mitm",
@@ -79,6 +80,7 @@ UPWARD_ALLOWED: Mapping[tuple[str, str], str] = {
     # the fleet's engine builds its netlink batches (fleetnft) and sends them (kernel) itself.
     ("egressd.actionhandler", "egressd.fleetnft"): "the engine builds the fleet's ruleset (item 1)",
     ("egressd.actionhandler", "egressd.kernel"): "the engine runs its kernel transactions (item 1)",
+    ("egressd.actionhandler", "egressd.nftsyntax"): "explain reads the fleet's sets by family (item 1)",
 }
 
 Graph = Mapping[str, Mapping[str, list[str]]]
