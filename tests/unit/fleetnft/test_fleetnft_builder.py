@@ -14,7 +14,6 @@ from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 
 import pytest
 
-from egressd.config import parse_doh_blocklist
 from egressd.fleetnft.builder import (
     SubjectNft,
     TableConfig,
@@ -33,6 +32,7 @@ from egressd.fleetnft.builder import (
     subject_rules,
     subject_sets,
 )
+from egressd.kernel.config import parse_doh_blocklist
 from egressd.kernel.ops import (
     AddIntervals,
     AddRule,
