@@ -1,4 +1,4 @@
-"""The options both profiles read (issue 24 item 4): the profile itself, the HTTP listener,
+"""The options both profiles read: the profile itself, the HTTP listener,
 logs and metric labels, the policy's rule cap, the always-rules and the deny webhook
 (docs/behaviour.md §15)."""
 

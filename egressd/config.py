@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
+from types import ModuleType
 
 from egressd import commonconfig
 from egressd.dnsproxy import config as dns_config
@@ -33,17 +34,26 @@ __all__ = ["OPTIONS", "Config", "ConfigError", "build_arg_parser", "parse_config
 #: The configuration of the profile that runs.
 Config = FleetConfig | SidecarConfig
 
-#: Every declaration, by subsystem (the order of ``egressd --help`` and of the reference).
-SUBSYSTEMS: tuple[tuple[str, tuple[Option, ...]], ...] = (
-    ("Both profiles", commonconfig.OPTIONS),
-    ("DNS proxy", dns_config.OPTIONS),
-    ("MITM", mitm_config.OPTIONS),
-    ("Vaults", vault_config.OPTIONS),
-    ("Kernel (nft)", kernel_config.OPTIONS),
-    ("Fleet profile", fleet_config.OPTIONS),
-    ("Sidecar profile", sidecar_config.OPTIONS),
+#: Every subsystem that declares options, with its title in the reference (the order of
+#: ``egressd --help`` and of docs/reference/configuration.md). Each module holds ``OPTIONS``;
+#: its docstring introduces them in the reference.
+SUBSYSTEMS: tuple[tuple[str, ModuleType], ...] = (
+    ("Both profiles", commonconfig),
+    ("DNS proxy", dns_config),
+    ("MITM", mitm_config),
+    ("Vaults", vault_config),
+    ("Kernel (nft)", kernel_config),
+    ("Fleet profile", fleet_config),
+    ("Sidecar profile", sidecar_config),
 )
-OPTIONS: tuple[Option, ...] = tuple(opt for _, group in SUBSYSTEMS for opt in group)
+
+
+def subsystem_options(module: ModuleType) -> tuple[Option, ...]:
+    found: tuple[Option, ...] = module.OPTIONS
+    return found
+
+
+OPTIONS: tuple[Option, ...] = tuple(opt for _, module in SUBSYSTEMS for opt in subsystem_options(module))
 
 
 def build_arg_parser() -> argparse.ArgumentParser:

@@ -41,6 +41,8 @@ class Option:
     #: it), but not a public option: left out of ``egressd --help`` and listed apart in
     #: docs/reference/configuration.md.
     public: bool = True
+    #: A value to show in deploy/systemd/egressd.env.example when the default says little.
+    example: str | None = None
 
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -1,4 +1,4 @@
-"""The DNS proxy's options (issue 24 item 4): its listener, its upstreams, the per-subject
+"""The DNS proxy's options: its listener, its upstreams, the per-subject
 query budget (docs/behaviour.md §14.3) and the lease bounds."""
 
 from __future__ import annotations
@@ -9,7 +9,12 @@ from egressd.dnsproxy.upstreams import Upstream, UpstreamError, parse_upstreams
 from egressd.options import ConfigError, Option, Raw, parse_hostport, parse_int
 
 OPTIONS: tuple[Option, ...] = (
-    Option("OPENSANDBOX_EGRESS_DNS_UPSTREAM", "--dns-upstream", "comma-separated ip[:port] resolvers"),
+    Option(
+        "OPENSANDBOX_EGRESS_DNS_UPSTREAM",
+        "--dns-upstream",
+        "comma-separated ip[:port] resolvers (unset: the nameservers of /etc/resolv.conf)",
+        example="192.0.2.53,[2001:db8::53]:53",
+    ),
     Option(
         "OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT",
         "--dns-upstream-timeout",

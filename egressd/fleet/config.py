@@ -1,4 +1,4 @@
-"""The fleet profile's configuration (issue 24 item 4): the options only the fleet reads
+"""The fleet profile's configuration: the options only the fleet reads
 (its API's loopback guard, pending pushes, host-uid subjects docs/behaviour.md §17, extra
 sandbox-facing interfaces §20.2), composed with the subsystems' frozen configs."""
 
@@ -66,6 +66,7 @@ OPTIONS: tuple[Option, ...] = (
         "besides the attachments' hostVeths (bridges; docs/behaviour.md §20.2)",
         "",
         profile="fleet",
+        example="br-sandbox,veth*",
     ),
 )
 

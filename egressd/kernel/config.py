@@ -1,4 +1,4 @@
-"""The kernel side's options (issue 24 item 4): the nft table egressd owns, what it drops or
+"""The kernel side's options: the nft table egressd owns, what it drops or
 rejects, the DNS-learned sets' size (docs/behaviour.md §14.4) and the connection refresh."""
 
 from __future__ import annotations
@@ -15,8 +15,15 @@ OPTIONS: tuple[Option, ...] = (
         "--block-doh-443",
         "drop TCP 443 to the DoH blocklist",
         boolean=True,
+        example="1",
     ),
-    Option("OPENSANDBOX_EGRESS_DOH_BLOCKLIST", "--doh-blocklist", "comma-separated IPs/CIDRs", ""),
+    Option(
+        "OPENSANDBOX_EGRESS_DOH_BLOCKLIST",
+        "--doh-blocklist",
+        "comma-separated IPs/CIDRs",
+        "",
+        example="1.1.1.1,1.0.0.1,8.8.8.8,8.8.4.4",
+    ),
     Option(
         "EGRESSD_MAX_LEASES_PER_SUBJECT",
         "--max-leases-per-subject",

@@ -1,4 +1,4 @@
-"""The MITM's options (issue 24 item 4): its listeners and workers, its CA and private
+"""The MITM's options: its listeners and workers, its CA and private
 directory, upstream trust, and what the child does with a decrypted flow (docs/behaviour.md
 §10, §16)."""
 
@@ -55,6 +55,7 @@ OPTIONS: tuple[Option, ...] = (
         "--mitmproxy-ignore-hosts",
         "comma-separated host regexes the MITM never decrypts (docs/behaviour.md §16)",
         "",
+        example=r"^pinned\.example\.com$",
     ),
     Option(
         "EGRESSD_MITM_TLS_RESUME",
@@ -75,6 +76,7 @@ OPTIONS: tuple[Option, ...] = (
         "EGRESSD_MITM_CA_EXPORT_DIR",
         "--mitm-ca-export-dir",
         "directory to write the public MITM CA certificate into (egressd-ca.pem, egressd-ca.crt)",
+        example="/run/egressd/ca",
     ),
     # Benchmark switch: the round trip per lookup that answering from memory saves.
     Option(

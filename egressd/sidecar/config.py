@@ -1,4 +1,4 @@
-"""The sidecar profile's configuration (issue 24 item 4): the options only the sidecar reads
+"""The sidecar profile's configuration: the options only the sidecar reads
 (its API token, its initial policy, its mode, keeping its table on SIGTERM), composed with the
 subsystems' frozen configs."""
 

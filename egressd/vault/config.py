@@ -1,4 +1,4 @@
-"""The vaults' options (issue 24 item 4): size caps (docs/behaviour.md §14.7), the write
+"""The vaults' options: size caps (docs/behaviour.md §14.7), the write
 transport and binding scope (reference sidecar parity, issue 15 item 3), and the fleet's
 sealed-vault keys."""
 
@@ -24,7 +24,11 @@ OPTIONS: tuple[Option, ...] = (
         "256",
     ),
     Option(
-        "EGRESSD_VAULT_KEYS_DIR", "--vault-keys-dir", "fleet: sealed-vault key directory", profile="fleet"
+        "EGRESSD_VAULT_KEYS_DIR",
+        "--vault-keys-dir",
+        "fleet: sealed-vault key directory",
+        profile="fleet",
+        example="/etc/egressd/vault-keys",
     ),
     Option(
         "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS",

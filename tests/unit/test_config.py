@@ -14,6 +14,7 @@ from egressd.fleet.config import FleetConfig
 from egressd.kernel.config import KernelConfig, parse_doh_blocklist
 from egressd.main import main
 from egressd.mitm.config import MitmConfig
+from egressd.options import Option
 from egressd.sidecar.config import SidecarConfig
 from egressd.vault.config import VaultConfig
 
@@ -365,3 +366,61 @@ def test_vault_caps_default_env_and_flag(base: dict[str, str]) -> None:
 def test_vault_caps_refuse_nonsense(value: str) -> None:
     for name in ("EGRESSD_VAULT_MAX_CREDENTIALS", "EGRESSD_VAULT_MAX_BINDINGS"):
         assert name in refused({name: value})
+
+
+# --------------------------------------------------------------------------- profiles (issue 24 item 4)
+
+ONE_PROFILE = [o for o in OPTIONS if o.profile != "both"]
+OTHER = {"fleet": "sidecar", "sidecar": "fleet"}
+
+
+def test_each_profile_has_options_of_its_own() -> None:
+    assert {o.profile for o in ONE_PROFILE} == {"fleet", "sidecar"}
+    assert {o.env for o in ONE_PROFILE if o.profile == "sidecar"} == {
+        "OPENSANDBOX_EGRESS_TOKEN",
+        "OPENSANDBOX_EGRESS_RULES",
+        "OPENSANDBOX_EGRESS_POLICY_FILE",
+        "OPENSANDBOX_EGRESS_MODE",
+        "EGRESSD_SIDECAR_KEEP_TABLE",
+    }
+
+
+@pytest.mark.parametrize("opt", ONE_PROFILE, ids=lambda o: o.env)
+def test_an_option_of_the_other_profile_refuses_the_start(opt: Option) -> None:
+    other = {"OPENSANDBOX_EGRESS_PROFILE": OTHER[opt.profile]}
+    value = "1" if opt.boolean else (opt.default or "x")
+    for text in (refused({**other, opt.env: value}), refused(other, [opt.flag, value])):
+        assert text.startswith(f"{opt.env}: a {opt.profile} option")
+    # Empty is unset: an environment file that lists the variable without a value still starts.
+    parse_config({**other, opt.env: ""})
+
+
+@pytest.mark.parametrize("opt", ONE_PROFILE, ids=lambda o: o.env)
+def test_an_option_is_read_by_its_own_profile(opt: Option) -> None:
+    if opt.default is not None:
+        parse_config({"OPENSANDBOX_EGRESS_PROFILE": opt.profile, opt.env: opt.default})
+
+
+def test_options_of_both_profiles_are_never_refused() -> None:
+    both = {o.env: o.default for o in OPTIONS if o.profile == "both" and o.default}
+    del both["OPENSANDBOX_EGRESS_PROFILE"]
+    for profile in ("fleet", "sidecar"):
+        assert parse_config({**both, "OPENSANDBOX_EGRESS_PROFILE": profile}).profile == profile
+
+
+def test_test_and_benchmark_switches_are_not_offered_but_still_read(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    hidden = {o.env for o in OPTIONS if not o.public}
+    assert hidden == {
+        "EGRESSD_DNS_LEASE_MIN",
+        "EGRESSD_DNS_LEASE_MAX",
+        "EGRESSD_MITM_BODY_REDACTION",
+        "EGRESSD_MITM_VAULT_PUSH",
+    }
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--dns-lease-min" not in out and "EGRESSD_MITM_VAULT_PUSH" not in out
+    assert "--mitm-tls-resume" in out
+    cfg = parse_config({"EGRESSD_DNS_LEASE_MIN": "3"}, ["--dns-lease-max", "3", "--mitm-body-redaction", "off"])
+    assert (cfg.dns.lease_min, cfg.dns.lease_max, cfg.mitm.body_redaction) == (3, 3, False)
