@@ -30,12 +30,20 @@ OPTIONS: tuple[Option, ...] = (
         "live DNS-learned addresses per subject (the dyn sets' size)",
         "4096",
     ),
-    Option("EGRESSD_REFRESH_INTERVAL", "--refresh-interval", "connection refresh period in seconds", "30"),
+    # The fleet's connection refresh and bridge check (the sidecar has neither).
+    Option(
+        "EGRESSD_REFRESH_INTERVAL",
+        "--refresh-interval",
+        "fleet: connection refresh period in seconds",
+        "30",
+        profile="fleet",
+    ),
     Option(
         "EGRESSD_ALLOW_BRIDGE_BYPASS",
         "--allow-bridge-bypass",
-        "start even though bridged sandbox-to-sandbox traffic would bypass the forward hook",
+        "fleet: start even though bridged sandbox-to-sandbox traffic would bypass the forward hook",
         boolean=True,
+        profile="fleet",
     ),
     Option(
         "EGRESSD_DENY_REJECT",
