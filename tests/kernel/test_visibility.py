@@ -314,6 +314,7 @@ def vtopo() -> Iterator[Topology]:
     cleanup_stale()
     t = Topology(prefix=f"egv{os.getpid()}", sandboxes=1).up_()
     try:
+        wait_for_mld_quiet(t, t.sb(1))
         yield t
     finally:
         t.down()
@@ -326,6 +327,35 @@ def sidecar(vtopo: Topology) -> Iterator[Sidecar]:
         yield sc
     finally:
         sc.cleanup()
+
+
+def mld_reports_sent(topo: Topology, ns: str) -> int:
+    for line in topo.ns(ns, "cat", "/proc/net/snmp6").stdout.splitlines():
+        name, _, value = line.partition(" ")
+        if name == "Icmp6OutMLDv2Reports":
+            return int(value.strip())
+    return 0
+
+
+def wait_for_mld_quiet(topo: Topology, ns: str, quiet_s: float = 2.5, limit_s: float = 20.0) -> None:
+    """Wait until the sandbox's kernel has stopped announcing its multicast groups.
+
+    A new interface sends unsolicited MLDv2 reports for a few seconds after it comes up (hop
+    limit 1, not neighbour discovery): the sidecar's table drops them as it drops anything else
+    the policy does not allow, and counts them. The tests below count the sandbox's own
+    refusals, so they start once the kernel's announcements are over (CI once saw one land
+    between the sidecar's start and the first read of the counter).
+    """
+    deadline = time.monotonic() + limit_s
+    last, since = mld_reports_sent(topo, ns), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = mld_reports_sent(topo, ns)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+    raise AssertionError(f"{ns}: MLD reports still being sent after {limit_s} s")
 
 
 def sidecar_dropped(sc: Sidecar) -> int:
