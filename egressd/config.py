@@ -61,11 +61,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
         prog="egressd",
         description="Egress control plane for AI-agent sandboxes. Every flag also reads its environment variable.",
     )
-    for opt in OPTIONS:
-        default = f" (default {opt.default!r})" if opt.default not in (None, "") else ""
-        # A test or benchmark switch is still accepted, but not offered.
-        text = f"{opt.help}; env {opt.env}{default}" if opt.public else argparse.SUPPRESS
-        parser.add_argument(opt.flag, dest=opt.env, metavar="VALUE", help=text)
+    for title, module in SUBSYSTEMS:
+        group = parser.add_argument_group(title)
+        for opt in subsystem_options(module):
+            default = f" (default {opt.default!r})" if opt.default not in (None, "") else ""
+            # A test or benchmark switch is still accepted, but not offered.
+            text = f"{opt.help}; env {opt.env}{default}" if opt.public else argparse.SUPPRESS
+            group.add_argument(opt.flag, dest=opt.env, metavar="VALUE", help=text)
     return parser
 
 
@@ -150,14 +152,15 @@ def parse_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> Config:
 
 
 def parse_fleet_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> FleetConfig:
-    """:func:`parse_config` with the fleet profile (``OPENSANDBOX_EGRESS_PROFILE`` set to it)."""
+    """:func:`parse_config` with the fleet profile (``OPENSANDBOX_EGRESS_PROFILE`` set to it),
+    typed as such: for tests and tools that need the fleet's own fields."""
     cfg = parse_config({**env, "OPENSANDBOX_EGRESS_PROFILE": "fleet"}, argv)
     assert isinstance(cfg, FleetConfig)
     return cfg
 
 
 def parse_sidecar_config(env: Mapping[str, str], argv: Sequence[str] = ()) -> SidecarConfig:
-    """:func:`parse_config` with the sidecar profile."""
+    """:func:`parse_config` with the sidecar profile, typed as such (tests and tools)."""
     cfg = parse_config({**env, "OPENSANDBOX_EGRESS_PROFILE": "sidecar"}, argv)
     assert isinstance(cfg, SidecarConfig)
     return cfg
