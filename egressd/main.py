@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from egressd.config import ConfigError, parse_config
+from egressd.fleet.config import FleetConfig
 from egressd.fleet.run import StartupError, run_fleet, table_config
 from egressd.hygiene import disable_core_dumps
 from egressd.lifecycle import run_profile
@@ -33,12 +34,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"egressd: {exc}", file=sys.stderr)
         return 2
-    configure(cfg.log_format, cfg.log_level, cfg.log_fields)
-    if cfg.profile == "sidecar":
-        from egressd.sidecar.run import run_sidecar
+    configure(cfg.common.log_format, cfg.common.log_level, cfg.common.log_fields)
+    if isinstance(cfg, FleetConfig):
+        return run_profile(run_fleet(cfg))
+    from egressd.sidecar.run import run_sidecar
 
-        return run_profile(run_sidecar(cfg))
-    return run_profile(run_fleet(cfg))
+    return run_profile(run_sidecar(cfg))
 
 
 if __name__ == "__main__":

@@ -17,12 +17,13 @@ import time
 import structlog
 
 from egressd.actionhandler.control import ControlPlane
-from egressd.config import Config, ignored_settings
+from egressd.commonconfig import ignored_settings
 from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy, PortAsker
 from egressd.dnsproxy.upstreams import upstreams_or_system
 from egressd.feed import Feed
+from egressd.fleet.config import FleetConfig
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import FleetHTTP
 from egressd.fleet.visibility import FleetVisibility, fleet_visibility
@@ -48,36 +49,36 @@ log = structlog.get_logger("egressd")
 __all__ = ["StartupError", "run_fleet", "table_config"]
 
 
-def table_config(cfg: Config, renewal: LeaseRenewal = LeaseRenewal.READD) -> TableConfig:
+def table_config(cfg: FleetConfig, renewal: LeaseRenewal = LeaseRenewal.READD) -> TableConfig:
     return TableConfig(
-        table=cfg.nft_table,
-        dns_port=cfg.dns_port,
-        mitm=cfg.mitm_transparent,
-        mitm_port=cfg.mitm_port,
-        mitm_workers=cfg.mitm_workers,
-        block_doh_443=cfg.block_doh_443,
-        doh_blocklist=cfg.doh_blocklist,
-        max_leases=cfg.max_leases,
-        mitm_extra_ports=cfg.mitm_extra_ports if cfg.mitm_transparent else (),
-        nameserver_exempt=cfg.nameserver_exempt,
+        table=cfg.kernel.nft_table,
+        dns_port=cfg.dns.port,
+        mitm=cfg.mitm.transparent,
+        mitm_port=cfg.mitm.port,
+        mitm_workers=cfg.mitm.workers,
+        block_doh_443=cfg.kernel.block_doh_443,
+        doh_blocklist=cfg.kernel.doh_blocklist,
+        max_leases=cfg.kernel.max_leases,
+        mitm_extra_ports=cfg.mitm.extra_ports if cfg.mitm.transparent else (),
+        nameserver_exempt=cfg.kernel.nameserver_exempt,
         renew_by_replace=renewal is LeaseRenewal.REPLACE,
         uids=cfg.uid_ports,
         own_uid=os.getuid(),
-        http_port=cfg.http_port,
-        deny_reject=cfg.deny_reject,
+        http_port=cfg.common.http_port,
+        deny_reject=cfg.kernel.deny_reject,
         sandbox_ifaces=cfg.sandbox_ifaces,
     )
 
 
-async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
+async def run_fleet(cfg: FleetConfig, stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` (or SIGTERM/SIGINT)."""
     try:
-        always = load_always_rules(cfg.always_rules_dir)
+        always = load_always_rules(cfg.common.always_rules_dir)
     except AlwaysRulesError as exc:
         raise StartupError(f"always-rules: {exc}") from None
 
     metrics = EgressMetrics()
-    metrics.constant_labels = cfg.metric_labels
+    metrics.constant_labels = cfg.common.metric_labels
     tx = KernelTransactions(metrics)
     running = Running(tx)
     try:
@@ -106,7 +107,7 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
             proxy=proxy,
             mitm_ca=lambda: (mitm.ca.pem, mitm.ca.fingerprint) if mitm else None,
             before_scrape=visibility.before_scrape,
-            vault_transport=VaultTransport(cfg.vault_require_tls, cfg.vault_trusted_proxies),
+            vault_transport=VaultTransport(cfg.vault.require_tls, cfg.vault.trusted_proxies),
             annotate_subjects=visibility.drops.annotate,
         )
         await _serve(cfg, http, running, stop)
@@ -114,14 +115,14 @@ async def run_fleet(cfg: Config, stop: asyncio.Event | None = None) -> None:
         await running.close()
 
 
-def _check_kernel(cfg: Config, tx: KernelTransactions) -> tuple[BridgeReport, LeaseRenewal]:
+def _check_kernel(cfg: FleetConfig, tx: KernelTransactions) -> tuple[BridgeReport, LeaseRenewal]:
     """Every nft feature the ruleset uses, tried in a scratch table; then the bridges."""
     try:
         renewal = tx.run_sync(
             lambda: run_selftest(
                 tx.run_script_sync,
                 tx.run_batch_sync,
-                table_prefix=cfg.nft_table,
+                table_prefix=cfg.kernel.nft_table,
                 elements=tx.set_elements_sync,
             )
         )
@@ -129,9 +130,9 @@ def _check_kernel(cfg: Config, tx: KernelTransactions) -> tuple[BridgeReport, Le
         raise StartupError(str(exc)) from None
     bridges = bridge_report()
     log.info("kernel.selftest_passed", bridge=bridges.describe(), lease_renewal=renewal.value)
-    for note in ignored_settings(cfg):
+    for note in ignored_settings(cfg.mitm, cfg.vault):
         log.warning("config.ignored", reason=note)
-    if bridges.bypass_risk and not cfg.allow_bridge_bypass:
+    if bridges.bypass_risk and not cfg.kernel.allow_bridge_bypass:
         raise StartupError(
             f"{bridges.failing_sysctls()} is not 1 on a bridge with non-isolated ports: bridged "
             "sandbox-to-sandbox traffic would bypass enforcement (set it to 1, isolate the ports, or "
@@ -141,11 +142,11 @@ def _check_kernel(cfg: Config, tx: KernelTransactions) -> tuple[BridgeReport, Le
 
 
 def _control_plane(
-    cfg: Config, tx: KernelTransactions, always: AlwaysRules, metrics: EgressMetrics, renewal: LeaseRenewal
+    cfg: FleetConfig, tx: KernelTransactions, always: AlwaysRules, metrics: EgressMetrics, renewal: LeaseRenewal
 ) -> tuple[ControlPlane, ProxyRouteAPI, FleetVisibility]:
     """The control plane and the listeners of its registry; the gauges read from it on scrape."""
     try:
-        keys = KeyStore(cfg.vault_keys_dir)
+        keys = KeyStore(cfg.vault.keys_dir)
     except KeyDirError as exc:
         raise StartupError(f"vault keys: {exc}") from None
     control = ControlPlane(
@@ -156,17 +157,17 @@ def _control_plane(
         conntrack_flush=flush_source,
         keys=keys,
         pending_ttl=cfg.pending_push_ttl,
-        max_leases=cfg.max_leases,
-        max_rules=cfg.max_rules,
-        vault_limits=cfg.vault_limits,
+        max_leases=cfg.kernel.max_leases,
+        max_rules=cfg.common.max_rules,
+        vault_limits=cfg.vault.limits(cfg.mitm.ignore_hosts),
         # The daemon's one change feed: every owner of state publishes its narrowings here,
         # the MITM's memory subscribes (_start_mitm).
         feed=Feed(),
     )
-    proxy = ProxyRouteAPI(control, max_rules=cfg.max_rules)
+    proxy = ProxyRouteAPI(control, max_rules=cfg.common.max_rules)
     # Audit evidence and refusal counts (docs/behaviour.md §15) share one counter dump per scrape.
     visibility = fleet_visibility(
-        cfg, metrics, lambda: tx.list_counters(cfg.nft_table), lambda: list(control.registry)
+        cfg.common, metrics, lambda: tx.list_counters(cfg.kernel.nft_table), lambda: list(control.registry)
     )
     control.listeners += [visibility.audit, visibility.drops]
     metrics.pending_pushes.collect_from(lambda: {(): float(control.credentials.pending_pushes.count())})
@@ -175,44 +176,44 @@ def _control_plane(
     return control, proxy, visibility
 
 
-async def _reset_table(cfg: Config, control: ControlPlane, always: AlwaysRules) -> None:
+async def _reset_table(cfg: FleetConfig, control: ControlPlane, always: AlwaysRules) -> None:
     try:
         await control.reset_table()
     except NftError as exc:
-        raise StartupError(f"cannot reset nft table {cfg.nft_table}: {exc}") from None
+        raise StartupError(f"cannot reset nft table {cfg.kernel.nft_table}: {exc}") from None
     log.info(
         "egress.loaded",
         **{"opensandbox.event": "egress.loaded"},
         profile="fleet",
-        table=cfg.nft_table,
+        table=cfg.kernel.nft_table,
         always_deny=len(always.deny),
         always_allow=len(always.allow),
     )
 
 
 async def _start_dns(
-    cfg: Config, control: ControlPlane, metrics: EgressMetrics, running: Running, visibility: FleetVisibility
+    cfg: FleetConfig, control: ControlPlane, metrics: EgressMetrics, running: Running, visibility: FleetVisibility
 ) -> None:
-    upstreams = upstreams_or_system(cfg.dns_upstreams)
-    forwarder = running.forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
+    upstreams = upstreams_or_system(cfg.dns.upstreams)
+    forwarder = running.forwarder = Forwarder(upstreams, cfg.dns.upstream_timeout)
     dns = running.dns = DnsProxy(
         control.learning.asker,
         forwarder,
         metrics,
         # DNS-to-kernel: an answer's addresses join the asker's dyn sets before the reply.
         on_resolved=control.learning.learn,
-        lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max),
-        budget=query_budget(cfg.dns_qps_per_subject),
+        lease_bounds=(cfg.dns.lease_min, cfg.dns.lease_max),
+        budget=query_budget(cfg.dns.qps_per_subject),
         events=visibility.events,
         listener_mark=OWNER_MARK,
     )
     try:
-        await dns.start(cfg.dns_host, cfg.dns_port)
+        await dns.start(cfg.dns.host, cfg.dns.port)
     except OSError as exc:
         raise StartupError(
-            f"cannot listen for DNS on {cfg.dns_host}:{cfg.dns_port}: {exc.strerror}"
+            f"cannot listen for DNS on {cfg.dns.host}:{cfg.dns.port}: {exc.strerror}"
         ) from None
-    log.info("dns.listening", addr=f"{cfg.dns_host}:{cfg.dns_port}", upstreams=[str(u) for u in upstreams])
+    log.info("dns.listening", addr=f"{cfg.dns.host}:{cfg.dns.port}", upstreams=[str(u) for u in upstreams])
     port = cfg.uid_ports.unknown_dns_port
     try:
         # In-range uids that are no subject are redirected here: NXDOMAIN, like an unknown source.
@@ -239,15 +240,15 @@ class UidDnsPorts:
         await self._dns.stop_port(self._control.table.uids.dns_port(slot))
 
 
-def _start_background(cfg: Config, control: ControlPlane, always: AlwaysRules, running: Running) -> None:
+def _start_background(cfg: FleetConfig, control: ControlPlane, always: AlwaysRules, running: Running) -> None:
     reloader = AlwaysRulesReloader(
-        cfg.always_rules_dir, always, control.always_rules.apply, interval=cfg.always_reload_interval
+        cfg.common.always_rules_dir, always, control.always_rules.apply, interval=cfg.common.always_reload_interval
     )
     refresher = LeaseRefresher(
         control.learning.uid_for,
         control.learning.leases,
         control.learning.renew_leases,
-        interval=cfg.refresh_interval,
+        interval=cfg.kernel.refresh_interval,
         host_uids=control.learning.host_uid_subjects,
     )
     running.spawn(reloader.run())
@@ -256,9 +257,9 @@ def _start_background(cfg: Config, control: ControlPlane, always: AlwaysRules, r
 
 
 async def _start_mitm(
-    cfg: Config, control: ControlPlane, metrics: EgressMetrics, running: Running
+    cfg: FleetConfig, control: ControlPlane, metrics: EgressMetrics, running: Running
 ) -> RunningMitm | None:
-    if not cfg.mitm_transparent:
+    if not cfg.mitm.transparent:
         return None
     try:
         lo, hi = cfg.uid_ports.mitm_ports
@@ -268,7 +269,7 @@ async def _start_mitm(
             tuple(range(lo, hi + 1)),
         )
         mitm = await start_mitm(
-            cfg,
+            cfg.mitm,
             control.credentials.vault_for_ip,
             control.learning.destination_verified_until,
             metrics=metrics,
@@ -282,19 +283,19 @@ async def _start_mitm(
     return mitm
 
 
-async def _serve(cfg: Config, http: FleetHTTP, running: Running, stop: asyncio.Event | None) -> None:
+async def _serve(cfg: FleetConfig, http: FleetHTTP, running: Running, stop: asyncio.Event | None) -> None:
     try:
-        running.http = await start_http(http.app(), cfg.http_host, cfg.http_port, mark=OWNER_MARK)
+        running.http = await start_http(http.app(), cfg.common.http_host, cfg.common.http_port, mark=OWNER_MARK)
     except ListenError as exc:
         raise StartupError(str(exc)) from None
-    log.info("http.listening", addr=f"{cfg.http_host}:{cfg.http_port}", instance_id=http.instance_id)
+    log.info("http.listening", addr=f"{cfg.common.http_host}:{cfg.common.http_port}", instance_id=http.instance_id)
     # Start-up objects never die: keep them out of the cyclic GC's full collections,
     # and collect less often (tail latency of actions and DNS answers).
     gc.collect()
     gc.freeze()
     gc.set_threshold(10_000, 50, 100)
     await wait_for_stop(stop)
-    log.info("shutdown", reason="signal", table_kept=cfg.nft_table)
+    log.info("shutdown", reason="signal", table_kept=cfg.kernel.nft_table)
 
 
 async def _sweep_pending(control: ControlPlane, interval: float = 10.0) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from egressd.config import Config
+from egressd.commonconfig import CommonConfig
 from egressd.events.denials import RecentDenials
 from egressd.events.dns import DnsEvents
 from egressd.events.webhook import DenyWebhook, display_url
@@ -47,7 +47,7 @@ class FleetVisibility:
 
 
 def fleet_visibility(
-    cfg: Config,
+    cfg: CommonConfig,
     metrics: EgressMetrics,
     read_counters: Callable[[], Awaitable[dict[str, int]]],
     entries: Callable[[], Iterable[Entry]],

@@ -14,11 +14,11 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from egressd.config import Config
 from egressd.feed import Feed
 from egressd.metrics import EgressMetrics
 from egressd.mitm.active import Lookup, PortVaults, Verify, active_app
 from egressd.mitm.ca import CaError, CaInfo, ensure_ca
+from egressd.mitm.config import MitmConfig
 from egressd.mitm.export import ExportError, check_separate, export_ca
 from egressd.mitm.pool import MitmPool
 from egressd.mitm.seqmap import MitmMemory, SeqWriter, seq_path
@@ -107,17 +107,17 @@ class RunningMitm:
             self.socket.unlink()
 
 
-def _ca_keeper(cfg: Config) -> CaKeeper:
+def _ca_keeper(cfg: MitmConfig) -> CaKeeper:
     """The CA pinned or generated in the confdir, exported when ``EGRESSD_MITM_CA_EXPORT_DIR``
     is set (MitmStartupError, one line, when either is unusable)."""
     try:
-        ca = ensure_ca(cfg.mitm_confdir)
+        ca = ensure_ca(cfg.confdir)
     except CaError as exc:
         raise MitmStartupError(f"mitm CA: {exc}") from None
-    keeper = CaKeeper(cfg.mitm_confdir, cfg.mitm_ca_export_dir, ca)
+    keeper = CaKeeper(cfg.confdir, cfg.ca_export_dir, ca)
     try:
         if keeper.export_dir is not None:
-            check_separate(keeper.export_dir, cfg.mitm_confdir)
+            check_separate(keeper.export_dir, cfg.confdir)
         keeper.export()
     except ExportError as exc:
         raise MitmStartupError(f"EGRESSD_MITM_CA_EXPORT_DIR: {exc}") from None
@@ -125,7 +125,7 @@ def _ca_keeper(cfg: Config) -> CaKeeper:
 
 
 async def start_mitm(
-    cfg: Config,
+    cfg: MitmConfig,
     lookup: Lookup,
     verify: Verify,
     *,
@@ -143,8 +143,8 @@ async def start_mitm(
     keeper = _ca_keeper(cfg)
     ca = keeper.ca
     trust: Path | None = None
-    if not cfg.mitm_ssl_insecure:
-        trust = cfg.mitm_upstream_trust_dir
+    if not cfg.ssl_insecure:
+        trust = cfg.upstream_trust_dir
         if not trust.is_dir():
             raise MitmStartupError(
                 f"OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR: {trust} is not a directory"
@@ -181,14 +181,14 @@ async def start_mitm(
         opts = replace(opts, vault_push=seq.path)
     log.info("mitm.ca", fingerprint=ca.fingerprint, pinned=ca.pinned, confdir=str(ca.confdir))
     # keeper.refresh runs before every worker's restart: the CA can change only at a start.
-    supervisor = MitmPool.build(opts, cfg.mitm_workers, gid=gid, metrics=metrics, before_restart=keeper.refresh)
+    supervisor = MitmPool.build(opts, cfg.workers, gid=gid, metrics=metrics, before_restart=keeper.refresh)
     return RunningMitm(keeper, supervisor, active, sock, seq)
 
 
-def _sequence_map(cfg: Config, sock: Path) -> SeqWriter | None:
+def _sequence_map(cfg: MitmConfig, sock: Path) -> SeqWriter | None:
     """The narrowing sequence map beside the socket (docs/behaviour.md §10, "answered from memory"); None
     when off or when it cannot be made: the child then pulls on every lookup, as before."""
-    if not cfg.mitm_vault_push:
+    if not cfg.vault_push:
         return None
     try:
         seq = SeqWriter(seq_path(sock))
@@ -200,17 +200,17 @@ def _sequence_map(cfg: Config, sock: Path) -> SeqWriter | None:
 
 
 def _options(
-    cfg: Config, sock: Path, trust: Path | None, subject_ports: tuple[int, ...], listen_mark: int | None
+    cfg: MitmConfig, sock: Path, trust: Path | None, subject_ports: tuple[int, ...], listen_mark: int | None
 ) -> MitmOptions:
     return MitmOptions(
-        port=cfg.mitm_port,
-        confdir=cfg.mitm_confdir,
+        port=cfg.port,
+        confdir=cfg.confdir,
         active_socket=sock,
         upstream_trust_dir=trust,
-        ssl_insecure=cfg.mitm_ssl_insecure,
+        ssl_insecure=cfg.ssl_insecure,
         subject_ports=subject_ports,
-        ignore_hosts=cfg.mitm_ignore_hosts,
-        tls_resume=cfg.mitm_tls_resume,
+        ignore_hosts=cfg.ignore_hosts,
+        tls_resume=cfg.tls_resume,
         listen_mark=listen_mark,
-        body_redaction=cfg.mitm_body_redaction,
+        body_redaction=cfg.body_redaction,
     )

@@ -16,7 +16,7 @@ from functools import partial
 import structlog
 
 from egressd.addr import IPAddress
-from egressd.config import Config, ignored_settings
+from egressd.commonconfig import ignored_settings
 from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
@@ -29,6 +29,7 @@ from egressd.metrics import EgressMetrics
 from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
 from egressd.policy import AlwaysRules, AlwaysRulesError, load_always_rules, rule_cap_problem
 from egressd.policy.reload import AlwaysRulesReloader
+from egressd.sidecar.config import SidecarConfig
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.flows import cut_disallowed
 from egressd.sidecar.http import SidecarHTTP, VaultPrerequisites
@@ -48,39 +49,39 @@ class SidecarStartupError(StartupError):
 
 
 def table_for(
-    cfg: Config, upstreams: tuple[Upstream, ...], renewal: LeaseRenewal = LeaseRenewal.READD
+    cfg: SidecarConfig, upstreams: tuple[Upstream, ...], renewal: LeaseRenewal = LeaseRenewal.READD
 ) -> SidecarTable:
     mode: Mode = "dns" if cfg.mode == "dns" else "dns+nft"
     return SidecarTable(
-        mitm_extra_ports=cfg.mitm_extra_ports if cfg.mitm_transparent else (),
-        nameserver_exempt=cfg.nameserver_exempt,
+        mitm_extra_ports=cfg.mitm.extra_ports if cfg.mitm.transparent else (),
+        nameserver_exempt=cfg.kernel.nameserver_exempt,
         renew_by_replace=renewal is LeaseRenewal.REPLACE,
-        mitm_port=cfg.mitm_port if cfg.mitm_transparent else None,
-        table=cfg.nft_table,
-        dns_port=cfg.dns_port,
+        mitm_port=cfg.mitm.port if cfg.mitm.transparent else None,
+        table=cfg.kernel.nft_table,
+        dns_port=cfg.dns.port,
         mode=mode,
-        block_doh_443=cfg.block_doh_443,
-        doh_blocklist=cfg.doh_blocklist,
+        block_doh_443=cfg.kernel.block_doh_443,
+        doh_blocklist=cfg.kernel.doh_blocklist,
         resolvers=tuple(sorted({ipaddress.ip_address(u.host) for u in upstreams}, key=str)),
-        max_leases=cfg.max_leases,
-        deny_reject=cfg.deny_reject,
+        max_leases=cfg.kernel.max_leases,
+        deny_reject=cfg.kernel.deny_reject,
     )
 
 
 async def run_sidecar(
-    cfg: Config,
+    cfg: SidecarConfig,
     stop: asyncio.Event | None = None,
     *,
     mitm_ready: Callable[[], bool] = lambda: False,
 ) -> None:
     """Run until ``stop`` (or SIGTERM/SIGINT); ``mitm_ready`` gates vault writes (§6 412)."""
     always, initial = _initial_policy(cfg)
-    upstreams = upstreams_or_system(cfg.dns_upstreams)
+    upstreams = upstreams_or_system(cfg.dns.upstreams)
     table = table_for(cfg, upstreams)
     metrics = EgressMetrics()
-    metrics.constant_labels = cfg.metric_labels
+    metrics.constant_labels = cfg.common.metric_labels
     tx = KernelTransactions(metrics)
-    drops = SidecarDrops(metrics, lambda: tx.list_counters(cfg.nft_table))
+    drops = SidecarDrops(metrics, lambda: tx.list_counters(cfg.kernel.nft_table))
     engine = SidecarEngine(
         table,
         tx,
@@ -100,16 +101,16 @@ async def run_sidecar(
         renewal = _check_kernel(cfg, tx)
         engine.table = table_for(cfg, upstreams, renewal)
         log.info("kernel.selftest_passed", lease_renewal=renewal.value)
-        for note in ignored_settings(cfg):
+        for note in ignored_settings(cfg.mitm, cfg.vault):
             log.warning("config.ignored", reason=note)
         try:
             await engine.install()
         except NftError as exc:
-            raise SidecarStartupError(f"cannot install nft table {cfg.nft_table}: {exc}") from None
+            raise SidecarStartupError(f"cannot install nft table {cfg.kernel.nft_table}: {exc}") from None
         log.info("policy.initial", source=initial.source, mode=cfg.mode)
         await _start_dns(cfg, engine, metrics, upstreams, running)
         reloader = AlwaysRulesReloader(
-            cfg.always_rules_dir, always, engine.set_always_rules, interval=cfg.always_reload_interval
+            cfg.common.always_rules_dir, always, engine.set_always_rules, interval=cfg.common.always_reload_interval
         )
         running.spawn(reloader.run())
         http: SidecarHTTP | None = None
@@ -128,10 +129,10 @@ async def run_sidecar(
         await running.close(partial(_delete_table, cfg, engine) if graceful else None)
 
 
-def _initial_policy(cfg: Config) -> tuple[AlwaysRules, Initial]:
+def _initial_policy(cfg: SidecarConfig) -> tuple[AlwaysRules, Initial]:
     """The always-rules and the policy to start with; pure checks, before any kernel work."""
     try:
-        always = load_always_rules(cfg.always_rules_dir)
+        always = load_always_rules(cfg.common.always_rules_dir)
     except AlwaysRulesError as exc:
         raise SidecarStartupError(f"always-rules: {exc}") from None
     file_text, file_problem = read_text(cfg.policy_file)
@@ -141,20 +142,20 @@ def _initial_policy(cfg: Config) -> tuple[AlwaysRules, Initial]:
         raise SidecarStartupError(str(exc)) from None
     if initial.warning:
         log.warning("policy.initial_fallback", reason=initial.warning, path=str(cfg.policy_file))
-    problem = rule_cap_problem(initial.policy, cfg.max_rules)
+    problem = rule_cap_problem(initial.policy, cfg.common.max_rules)
     if problem is not None:
         raise SidecarStartupError(f"initial policy ({initial.source}): {problem}")
     return always, initial
 
 
-def _check_kernel(cfg: Config, tx: KernelTransactions) -> LeaseRenewal:
+def _check_kernel(cfg: SidecarConfig, tx: KernelTransactions) -> LeaseRenewal:
     try:
         check_net_admin()
-        if cfg.mitm_transparent:
+        if cfg.mitm.transparent:
             check_setgid_for_mitm()
         return tx.run_sync(
             lambda: run_selftest(
-                tx.run_script_sync, table_prefix=cfg.nft_table, dns_port=cfg.dns_port, elements=tx.set_elements_sync
+                tx.run_script_sync, table_prefix=cfg.kernel.nft_table, dns_port=cfg.dns.port, elements=tx.set_elements_sync
             )
         )
     except SelfTestError as exc:
@@ -162,14 +163,14 @@ def _check_kernel(cfg: Config, tx: KernelTransactions) -> LeaseRenewal:
 
 
 async def _start_dns(
-    cfg: Config,
+    cfg: SidecarConfig,
     engine: SidecarEngine,
     metrics: EgressMetrics,
     upstreams: tuple[Upstream, ...],
     running: Running,
 ) -> None:
-    forwarder = running.forwarder = Forwarder(upstreams, cfg.dns_upstream_timeout)
-    events = sidecar_events(cfg, metrics, forwarder)
+    forwarder = running.forwarder = Forwarder(upstreams, cfg.dns.upstream_timeout)
+    events = sidecar_events(cfg.common, metrics, forwarder)
     if events.webhook is not None:
         # The deny webhook's worker; events queued after its close are dropped (docs/behaviour.md §15).
         events.webhook.start()
@@ -179,8 +180,8 @@ async def _start_dns(
         forwarder,
         metrics,
         on_resolved=engine.learn,  # DNS-to-kernel: answers join the dyn sets before the reply
-        lease_bounds=(cfg.dns_lease_min, cfg.dns_lease_max),
-        budget=query_budget(cfg.dns_qps_per_subject),
+        lease_bounds=(cfg.dns.lease_min, cfg.dns.lease_max),
+        budget=query_budget(cfg.dns.qps_per_subject),
         events=events,
     )
     # The output-hook redirect always lands on loopback, and a UDP socket bound to the
@@ -188,15 +189,15 @@ async def _start_dns(
     # redirect's conntrack entry does not recognise (the app drops the answer). So the
     # sidecar listens on loopback only, whatever host EGRESSD_DNS_ADDR names.
     try:
-        await dns.start("127.0.0.1", cfg.dns_port)
+        await dns.start("127.0.0.1", cfg.dns.port)
     except OSError as exc:
         raise SidecarStartupError(
-            f"cannot listen for DNS on 127.0.0.1:{cfg.dns_port}: {exc.strerror}"
+            f"cannot listen for DNS on 127.0.0.1:{cfg.dns.port}: {exc.strerror}"
         ) from None
-    dns_addrs = [f"127.0.0.1:{cfg.dns_port}"]
+    dns_addrs = [f"127.0.0.1:{cfg.dns.port}"]
     try:
-        await dns.start("::1", cfg.dns_port)
-        dns_addrs.append(f"[::1]:{cfg.dns_port}")
+        await dns.start("::1", cfg.dns.port)
+        dns_addrs.append(f"[::1]:{cfg.dns.port}")
     except OSError as exc:
         # No IPv6 loopback in this namespace: v6 DNS cannot be redirected here either.
         log.warning("dns.no_ipv6_loopback", error=exc.strerror)
@@ -204,16 +205,16 @@ async def _start_dns(
 
 
 async def _start_mitm(
-    cfg: Config,
+    cfg: SidecarConfig,
     engine: SidecarEngine,
     metrics: EgressMetrics,
     vault_lookup: Callable[[IPAddress], VaultSnapshot | None],
     running: Running,
 ) -> RunningMitm | None:
-    if not cfg.mitm_transparent:
+    if not cfg.mitm.transparent:
         return None
     try:
-        mitm = await start_mitm(cfg, vault_lookup, engine.destination_verified_until, gid=MITM_GID, metrics=metrics)
+        mitm = await start_mitm(cfg.mitm, vault_lookup, engine.destination_verified_until, gid=MITM_GID, metrics=metrics)
     except MitmStartupError as exc:
         raise SidecarStartupError(str(exc)) from None
     mitm.subscribe(engine.feed)  # before anything else is awaited: no narrowing goes unseen
@@ -222,7 +223,7 @@ async def _start_mitm(
 
 
 def _http(
-    cfg: Config,
+    cfg: SidecarConfig,
     engine: SidecarEngine,
     metrics: EgressMetrics,
     mitm: RunningMitm | None,
@@ -231,52 +232,52 @@ def _http(
 ) -> SidecarHTTP:
     prerequisites = VaultPrerequisites(
         token_set=cfg.token is not None,
-        mitm_transparent=cfg.mitm_transparent,
-        ssl_insecure=cfg.mitm_ssl_insecure,
+        mitm_transparent=cfg.mitm.transparent,
+        ssl_insecure=cfg.mitm.ssl_insecure,
         mode=cfg.mode,
         mitm_ready=mitm_ready,
     )
 
     def mitm_health() -> str | None:
         # Like the fleet: with transparent MITM on, healthy means the MITM is ready too.
-        return "mitmproxy not ready" if cfg.mitm_transparent and not mitm_ready() else None
+        return "mitmproxy not ready" if cfg.mitm.transparent and not mitm_ready() else None
 
     return SidecarHTTP(
         engine,
         metrics,
         token=cfg.token,
-        max_rules=cfg.max_rules,
+        max_rules=cfg.common.max_rules,
         prerequisites=prerequisites,
         extra_health=mitm_health,
         mitm_ca=(lambda: (mitm.ca.pem, mitm.ca.fingerprint)) if mitm is not None else None,
-        vault_limits=cfg.vault_limits,
-        vault_transport=VaultTransport(cfg.vault_require_tls, cfg.vault_trusted_proxies),
+        vault_limits=cfg.vault.limits(cfg.mitm.ignore_hosts),
+        vault_transport=VaultTransport(cfg.vault.require_tls, cfg.vault.trusted_proxies),
         before_scrape=drops.refresh,  # the kernel's refusal counter (docs/behaviour.md §15)
     )
 
 
-async def _serve(cfg: Config, http: SidecarHTTP, running: Running, stop: asyncio.Event | None) -> bool:
+async def _serve(cfg: SidecarConfig, http: SidecarHTTP, running: Running, stop: asyncio.Event | None) -> bool:
     """Serve until the stop; whether the stop deletes the table."""
     try:
-        running.http = await start_http(http.app(), cfg.http_host, cfg.http_port)
+        running.http = await start_http(http.app(), cfg.common.http_host, cfg.common.http_port)
     except ListenError as exc:
         raise SidecarStartupError(str(exc)) from None
-    log.info("http.listening", addr=f"{cfg.http_host}:{cfg.http_port}", profile="sidecar")
+    log.info("http.listening", addr=f"{cfg.common.http_host}:{cfg.common.http_port}", profile="sidecar")
     await wait_for_stop(stop)
     # §13: a stop deletes the table. EGRESSD_SIDECAR_KEEP_TABLE keeps it, so a
     # supervisor's SIGTERM-then-start restart never leaves the sandbox open.
-    graceful = not cfg.sidecar_keep_table
+    graceful = not cfg.keep_table
     log.info(
         "shutdown",
         reason="signal",
-        table=cfg.nft_table,
+        table=cfg.kernel.nft_table,
         table_deleted=graceful,
     )
     return graceful
 
 
-async def _delete_table(cfg: Config, engine: SidecarEngine) -> None:
+async def _delete_table(cfg: SidecarConfig, engine: SidecarEngine) -> None:
     try:
         await engine.shutdown()
     except NftError as exc:
-        log.error("shutdown.table_delete_failed", table=cfg.nft_table, error=str(exc)[:200])
+        log.error("shutdown.table_delete_failed", table=cfg.kernel.nft_table, error=str(exc)[:200])

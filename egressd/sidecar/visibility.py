@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from egressd.config import Config
+from egressd.commonconfig import CommonConfig
 from egressd.dnsproxy.forwarder import UPSTREAM_MARK, Forwarder
 from egressd.dnsproxy.resolve import ForwarderResolver
 from egressd.engine.counters import read_or_keep
@@ -60,7 +60,7 @@ class SidecarDrops:
             self._samples = {(SUBJECT,): float(dropped)}
 
 
-def sidecar_events(cfg: Config, metrics: EgressMetrics, forwarder: Forwarder) -> DnsEvents:
+def sidecar_events(cfg: CommonConfig, metrics: EgressMetrics, forwarder: Forwarder) -> DnsEvents:
     webhook = None
     if cfg.deny_webhook:
         webhook = DenyWebhook(

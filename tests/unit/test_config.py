@@ -7,11 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from egressd.config import OPTIONS, Config, ConfigError, parse_config, parse_doh_blocklist
+from egressd.commonconfig import CommonConfig
+from egressd.config import OPTIONS, ConfigError, parse_config, parse_fleet_config, parse_sidecar_config
+from egressd.dnsproxy.config import DnsConfig
+from egressd.fleet.config import FleetConfig
+from egressd.kernel.config import KernelConfig, parse_doh_blocklist
 from egressd.main import main
+from egressd.mitm.config import MitmConfig
+from egressd.options import Option
+from egressd.sidecar.config import SidecarConfig
+from egressd.vault.config import VaultConfig
 
 FLEET = {"OPENSANDBOX_EGRESS_PROFILE": "fleet"}
 BOOLEAN_ENVS = [o.env for o in OPTIONS if o.boolean]
+#: The profile an option is read by (both: the default one).
+PROFILE_OF = {o.env: {"OPENSANDBOX_EGRESS_PROFILE": o.profile} if o.profile != "both" else {} for o in OPTIONS}
 
 
 def refused(env: dict[str, str], argv: list[str] | None = None) -> str:
@@ -29,54 +39,33 @@ def refused(env: dict[str, str], argv: list[str] | None = None) -> str:
 
 def test_sidecar_defaults() -> None:
     cfg = parse_config({})
-    assert cfg == Config(
-        profile="sidecar",
-        http_host="0.0.0.0",
-        http_port=18080,
-        allow_non_loopback=False,
-        pending_push_ttl=30,
-        block_doh_443=False,
-        doh_blocklist=(),
-        mitm_transparent=False,
-        mitm_port=18081,
-        mitm_upstream_trust_dir=Path("/etc/ssl/certs"),
-        mitm_ssl_insecure=False,
-        mitm_confdir=Path("/var/lib/egressd/mitm"),
-        credential_proxy_socket=Path("/run/opensandbox/credential-proxy/active.sock"),
-        dns_upstream=None,
-        dns_upstream_timeout=5.0,
-        dns_host="0.0.0.0",
-        dns_port=15353,
-        token=None,
-        rules=None,
-        policy_file=None,
-        mode="dns+nft",
-        max_rules=4096,
-        nft_table="opensandbox",
-        always_rules_dir=Path("/var/egress/rules"),
-        vault_keys_dir=None,
-        log_format="json",
-        allow_bridge_bypass=False,
+    assert cfg == SidecarConfig(
+        common=CommonConfig(),
+        dns=DnsConfig(),
+        mitm=MitmConfig(),
+        vault=VaultConfig(),
+        kernel=KernelConfig(),
     )
+    assert cfg.common.http_host == "0.0.0.0" and cfg.kernel.nft_table == "opensandbox"
+    assert cfg.mitm.confdir == Path("/var/lib/egressd/mitm") and cfg.mode == "dns+nft"
 
 
 def test_fleet_defaults() -> None:
-    cfg = parse_config(FLEET)
+    cfg = parse_fleet_config({})
     assert cfg.profile == "fleet"
-    assert (cfg.http_host, cfg.http_port) == ("127.0.0.1", 18080)
-    assert cfg.nft_table == "opensandbox-fleet"
-    assert (cfg.dns_host, cfg.dns_port) == ("0.0.0.0", 15353)
-    assert cfg.mitm_port == 18081
+    assert (cfg.common.http_host, cfg.common.http_port) == ("127.0.0.1", 18080)
+    assert cfg.kernel.nft_table == "opensandbox-fleet"
+    assert (cfg.dns.host, cfg.dns.port) == ("0.0.0.0", 15353)
+    assert cfg.mitm.port == 18081
     assert cfg.pending_push_ttl == 30
-    assert cfg.dns_upstream_timeout == 5.0
-    assert cfg.mode == "dns+nft"
-    assert cfg.log_format == "json"
+    assert cfg.dns.upstream_timeout == 5.0
+    assert cfg.common.log_format == "json"
 
 
 def test_fleet_profile_from_flag_gets_fleet_defaults() -> None:
     cfg = parse_config({}, ["--profile", "fleet"])
-    assert cfg.http_host == "127.0.0.1"
-    assert cfg.nft_table == "opensandbox-fleet"
+    assert cfg.common.http_host == "127.0.0.1"
+    assert cfg.kernel.nft_table == "opensandbox-fleet"
 
 
 def test_profile_is_case_insensitive() -> None:
@@ -108,17 +97,17 @@ def test_flags_win_over_env() -> None:
             "0",
         ],
     )
-    assert cfg.profile == "fleet"
-    assert cfg.nft_table == "from-flag"
-    assert (cfg.dns_host, cfg.dns_port) == ("127.0.0.2", 5354)
+    assert isinstance(cfg, FleetConfig)
+    assert cfg.kernel.nft_table == "from-flag"
+    assert (cfg.dns.host, cfg.dns.port) == ("127.0.0.2", 5354)
     assert cfg.pending_push_ttl == 20
-    assert cfg.mitm_transparent is False
+    assert cfg.mitm.transparent is False
 
 
 def test_env_used_when_no_flag() -> None:
     cfg = parse_config({**FLEET, "EGRESSD_NFT_TABLE": "t1", "OPENSANDBOX_EGRESS_MITMPROXY_PORT": "19000"})
-    assert cfg.nft_table == "t1"
-    assert cfg.mitm_port == 19000
+    assert cfg.kernel.nft_table == "t1"
+    assert cfg.mitm.port == 19000
 
 
 def test_every_option_has_a_flag() -> None:
@@ -180,16 +169,14 @@ def test_fleet_non_loopback_refused(addr: str) -> None:
 
 @pytest.mark.parametrize("allow", ["1", "true"])
 def test_fleet_non_loopback_allowed_with_override(allow: str) -> None:
-    cfg = parse_config(
-        {**FLEET, "OPENSANDBOX_EGRESS_HTTP_ADDR": "0.0.0.0:9000", "EGRESSD_ALLOW_NON_LOOPBACK": allow}
-    )
-    assert (cfg.http_host, cfg.http_port) == ("0.0.0.0", 9000)
+    cfg = parse_fleet_config({"OPENSANDBOX_EGRESS_HTTP_ADDR": "0.0.0.0:9000", "EGRESSD_ALLOW_NON_LOOPBACK": allow})
+    assert (cfg.common.http_host, cfg.common.http_port) == ("0.0.0.0", 9000)
     assert cfg.allow_non_loopback
 
 
 def test_fleet_non_loopback_override_by_flag() -> None:
     cfg = parse_config(FLEET, ["--http-addr", "0.0.0.0:9000", "--allow-non-loopback", "1"])
-    assert cfg.http_host == "0.0.0.0"
+    assert cfg.common.http_host == "0.0.0.0"
 
 
 def test_fleet_override_set_to_zero_still_refuses() -> None:
@@ -202,7 +189,7 @@ def test_fleet_loopback_addresses(addr: str) -> None:
 
 
 def test_sidecar_may_listen_everywhere() -> None:
-    assert parse_config({"OPENSANDBOX_EGRESS_HTTP_ADDR": "0.0.0.0:18080"}).http_host == "0.0.0.0"
+    assert parse_config({"OPENSANDBOX_EGRESS_HTTP_ADDR": "0.0.0.0:18080"}).common.http_host == "0.0.0.0"
 
 
 @pytest.mark.parametrize(
@@ -222,8 +209,8 @@ def test_doh_blocklist_parsing() -> None:
             "OPENSANDBOX_EGRESS_DOH_BLOCKLIST": " 1.1.1.1, 9.9.9.9/24,,2606:4700::/32 , 2001:db8::1",
         }
     )
-    assert cfg.block_doh_443
-    assert cfg.doh_blocklist == (
+    assert cfg.kernel.block_doh_443
+    assert cfg.kernel.doh_blocklist == (
         ipaddress.ip_network("1.1.1.1/32"),
         ipaddress.ip_network("9.9.9.0/24"),
         ipaddress.ip_network("2606:4700::/32"),
@@ -252,7 +239,7 @@ def test_empty_doh_blocklist() -> None:
     ("value", "expected"), [("abc", 30), ("0", 30), ("-5", 30), ("", 30), ("1.5", 30), ("45", 45), (" 7 ", 7)]
 )
 def test_pending_push_ttl(value: str, expected: int) -> None:
-    assert parse_config({"OPENSANDBOX_EGRESS_PENDING_PUSH_TTL": value}).pending_push_ttl == expected
+    assert parse_fleet_config({"OPENSANDBOX_EGRESS_PENDING_PUSH_TTL": value}).pending_push_ttl == expected
 
 
 @pytest.mark.parametrize(
@@ -273,7 +260,7 @@ def test_pending_push_ttl(value: str, expected: int) -> None:
 )
 def test_dns_upstream_timeout(value: str, expected: float) -> None:
     cfg = parse_config({"OPENSANDBOX_EGRESS_DNS_UPSTREAM_TIMEOUT": value})
-    assert cfg.dns_upstream_timeout == expected
+    assert cfg.dns.upstream_timeout == expected
 
 
 @pytest.mark.parametrize("port", ["0", "65536", "abc", " "])
@@ -292,7 +279,7 @@ def test_mitm_port_colliding_with_dns_port() -> None:
 @pytest.mark.parametrize("name", BOOLEAN_ENVS)
 @pytest.mark.parametrize("value", ["maybe", "2", "yes please", "y"])
 def test_bad_booleans(name: str, value: str) -> None:
-    assert name in refused({name: value})
+    assert name in refused({name: value, **PROFILE_OF[name]})
 
 
 @pytest.mark.parametrize(
@@ -313,8 +300,8 @@ def test_boolean_spellings(value: str, expected: bool) -> None:
     cfg = parse_config(
         {"OPENSANDBOX_EGRESS_BLOCK_DOH_443": value, "OPENSANDBOX_EGRESS_MITMPROXY_SSL_INSECURE": value}
     )
-    assert cfg.block_doh_443 is expected
-    assert cfg.mitm_ssl_insecure is expected
+    assert cfg.kernel.block_doh_443 is expected
+    assert cfg.mitm.ssl_insecure is expected
 
 
 # --------------------------------------------------------------------------- table name, mode, log format
@@ -327,14 +314,14 @@ def test_invalid_table_name(table: str) -> None:
 
 @pytest.mark.parametrize("table", ["t", "egress-test_1", "A" + "b" * 63])
 def test_valid_table_names(table: str) -> None:
-    assert parse_config({**FLEET, "EGRESSD_NFT_TABLE": table}).nft_table == table
+    assert parse_config({**FLEET, "EGRESSD_NFT_TABLE": table}).kernel.nft_table == table
 
 
 def test_bad_mode_and_log_format() -> None:
     assert "OPENSANDBOX_EGRESS_MODE" in refused({"OPENSANDBOX_EGRESS_MODE": "iptables"})
     assert "EGRESSD_LOG_FORMAT" in refused({"EGRESSD_LOG_FORMAT": "xml"})
-    assert parse_config({"OPENSANDBOX_EGRESS_MODE": "DNS"}).mode == "dns"
-    assert parse_config({"EGRESSD_LOG_FORMAT": "console"}).log_format == "console"
+    assert parse_sidecar_config({"OPENSANDBOX_EGRESS_MODE": "DNS"}).mode == "dns"
+    assert parse_config({"EGRESSD_LOG_FORMAT": "console"}).common.log_format == "console"
 
 
 def test_paths_and_optional_strings() -> None:
@@ -344,17 +331,17 @@ def test_paths_and_optional_strings() -> None:
             "EGRESSD_VAULT_KEYS_DIR": "/keys",
             "EGRESSD_ALWAYS_RULES_DIR": "/rules",
             "OPENSANDBOX_EGRESS_DNS_UPSTREAM": "1.1.1.1,8.8.8.8:53",
-            "OPENSANDBOX_EGRESS_TOKEN": "",
+            "OPENSANDBOX_EGRESS_TOKEN": "",  # empty: not set, so no sidecar option in the fleet
         }
     )
-    assert cfg.vault_keys_dir == Path("/keys")
-    assert cfg.always_rules_dir == Path("/rules")
-    assert cfg.dns_upstream == "1.1.1.1,8.8.8.8:53"
-    assert cfg.token is None
+    assert cfg.vault.keys_dir == Path("/keys")
+    assert cfg.common.always_rules_dir == Path("/rules")
+    assert cfg.dns.upstreams is not None and len(cfg.dns.upstreams) == 2
+    assert parse_sidecar_config({"OPENSANDBOX_EGRESS_TOKEN": ""}).token is None
 
 
 def test_the_token_is_not_in_the_config_repr() -> None:
-    cfg = parse_config({"OPENSANDBOX_EGRESS_TOKEN": "PLANTED-tok-42"})
+    cfg = parse_sidecar_config({"OPENSANDBOX_EGRESS_TOKEN": "PLANTED-tok-42"})
     assert cfg.token == "PLANTED-tok-42" and "PLANTED-tok-42" not in repr(cfg)
 
 
@@ -366,16 +353,78 @@ def test_vault_caps_default_env_and_flag(base: dict[str, str]) -> None:
     from egressd.vault.types import VaultLimits
 
     cfg = parse_config(base)
-    assert (cfg.vault_max_credentials, cfg.vault_max_bindings) == (256, 256)
-    assert cfg.vault_limits == VaultLimits()
+    assert (cfg.vault.max_credentials, cfg.vault.max_bindings) == (256, 256)
+    assert cfg.vault.limits(cfg.mitm.ignore_hosts) == VaultLimits()
     env = {**base, "EGRESSD_VAULT_MAX_CREDENTIALS": "10", "EGRESSD_VAULT_MAX_BINDINGS": "20"}
     cfg = parse_config(env)
-    assert cfg.vault_limits == VaultLimits(credentials=10, bindings=20)
+    assert cfg.vault.limits(cfg.mitm.ignore_hosts) == VaultLimits(credentials=10, bindings=20)
     cfg = parse_config(env, ["--vault-max-credentials", "3", "--vault-max-bindings", "4"])
-    assert (cfg.vault_max_credentials, cfg.vault_max_bindings) == (3, 4)
+    assert (cfg.vault.max_credentials, cfg.vault.max_bindings) == (3, 4)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "x", "100001"])
 def test_vault_caps_refuse_nonsense(value: str) -> None:
     for name in ("EGRESSD_VAULT_MAX_CREDENTIALS", "EGRESSD_VAULT_MAX_BINDINGS"):
         assert name in refused({name: value})
+
+
+# --------------------------------------------------------------------------- profiles (issue 24 item 4)
+
+ONE_PROFILE = [o for o in OPTIONS if o.profile != "both"]
+OTHER = {"fleet": "sidecar", "sidecar": "fleet"}
+
+
+def test_each_profile_has_options_of_its_own() -> None:
+    assert {o.profile for o in ONE_PROFILE} == {"fleet", "sidecar"}
+    assert {o.env for o in ONE_PROFILE if o.profile == "sidecar"} == {
+        "OPENSANDBOX_EGRESS_TOKEN",
+        "OPENSANDBOX_EGRESS_RULES",
+        "OPENSANDBOX_EGRESS_POLICY_FILE",
+        "OPENSANDBOX_EGRESS_MODE",
+        "EGRESSD_SIDECAR_KEEP_TABLE",
+    }
+
+
+@pytest.mark.parametrize("opt", ONE_PROFILE, ids=lambda o: o.env)
+def test_an_option_of_the_other_profile_refuses_the_start(opt: Option) -> None:
+    other = {"OPENSANDBOX_EGRESS_PROFILE": OTHER[opt.profile]}
+    value = "1" if opt.boolean else (opt.default or "x")
+    for text in (refused({**other, opt.env: value}), refused(other, [opt.flag, value])):
+        assert text.startswith(f"{opt.env}: a {opt.profile} option")
+    # Empty is unset: an environment file that lists the variable without a value is not
+    # refused for the profile (an empty number is still refused as before, as not a number).
+    try:
+        parse_config({**other, opt.env: ""})
+    except ConfigError as exc:
+        assert "option, but OPENSANDBOX_EGRESS_PROFILE" not in str(exc)
+
+
+@pytest.mark.parametrize("opt", ONE_PROFILE, ids=lambda o: o.env)
+def test_an_option_is_read_by_its_own_profile(opt: Option) -> None:
+    if opt.default is not None:
+        parse_config({"OPENSANDBOX_EGRESS_PROFILE": opt.profile, opt.env: opt.default})
+
+
+def test_options_of_both_profiles_are_never_refused() -> None:
+    both = {o.env: o.default for o in OPTIONS if o.profile == "both" and o.default}
+    del both["OPENSANDBOX_EGRESS_PROFILE"]
+    for profile in ("fleet", "sidecar"):
+        assert parse_config({**both, "OPENSANDBOX_EGRESS_PROFILE": profile}).profile == profile
+
+
+def test_test_and_benchmark_switches_are_not_offered_but_still_read(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    hidden = {o.env for o in OPTIONS if not o.public}
+    assert hidden == {
+        "EGRESSD_DNS_LEASE_MIN",
+        "EGRESSD_DNS_LEASE_MAX",
+        "EGRESSD_MITM_BODY_REDACTION",
+        "EGRESSD_MITM_VAULT_PUSH",
+    }
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--dns-lease-min" not in out and "EGRESSD_MITM_VAULT_PUSH" not in out
+    assert "--mitm-tls-resume" in out
+    cfg = parse_config({"EGRESSD_DNS_LEASE_MIN": "3"}, ["--dns-lease-max", "3", "--mitm-body-redaction", "off"])
+    assert (cfg.dns.lease_min, cfg.dns.lease_max, cfg.mitm.body_redaction) == (3, 3, False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from egressd.config import ConfigError, ignored_settings, parse_config
+from egressd.config import ConfigError, parse_config, parse_fleet_config
 from egressd.fleetnft.header import header_script
 from egressd.fleetnft.table import TableConfig
 
@@ -13,13 +13,13 @@ FLEET = {"OPENSANDBOX_EGRESS_PROFILE": "fleet"}
 
 
 def test_names_and_prefixes_become_header_rules() -> None:
-    cfg = parse_config({**FLEET, "EGRESSD_SANDBOX_IFACES": " br0, vh*,br0 ,"})
+    cfg = parse_fleet_config({"EGRESSD_SANDBOX_IFACES": " br0, vh*,br0 ,"})
     assert cfg.sandbox_ifaces == ("br0", "vh*")
     script = header_script(TableConfig(table="T", sandbox_ifaces=cfg.sandbox_ifaces), delete_existing=False)
     assert 'add rule inet T input iifname "br0" jump sandbox_in' in script
     assert 'add rule inet T input iifname "vh*" jump sandbox_in' in script
     assert "add rule inet T input iifname @sandbox_ifaces jump sandbox_in" in script
-    assert parse_config(FLEET).sandbox_ifaces == ()
+    assert parse_fleet_config({}).sandbox_ifaces == ()
 
 
 @pytest.mark.parametrize(
@@ -42,11 +42,15 @@ def test_an_entry_that_could_police_loopback_or_nothing_refuses_the_start(value:
     assert "\n" not in str(info.value)
 
 
-def test_the_sidecar_says_it_ignores_them() -> None:
-    cfg = parse_config({"EGRESSD_SANDBOX_IFACES": "br0"})
-    assert any(note.startswith("EGRESSD_SANDBOX_IFACES") for note in ignored_settings(cfg))
+def test_the_sidecar_refuses_them() -> None:
+    """A fleet option: the sidecar shares its sandbox's namespace, no interface there faces
+    another sandbox (it used to log that it ignored them; issue 24 item 4 refuses)."""
+    with pytest.raises(ConfigError) as info:
+        parse_config({"EGRESSD_SANDBOX_IFACES": "br0"})
+    assert str(info.value).startswith("EGRESSD_SANDBOX_IFACES: a fleet option")
+    assert "\n" not in str(info.value)
 
 
 def test_the_flag_wins_and_is_in_the_help() -> None:
-    cfg = parse_config({**FLEET, "EGRESSD_SANDBOX_IFACES": "br0"}, ["--sandbox-ifaces", "vh*"])
+    cfg = parse_fleet_config({"EGRESSD_SANDBOX_IFACES": "br0"}, ["--sandbox-ifaces", "vh*"])
     assert cfg.sandbox_ifaces == ("vh*",)

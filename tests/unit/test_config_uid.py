@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from egressd.config import ConfigError, parse_config
+from egressd.config import ConfigError, parse_config, parse_fleet_config
 from egressd.subject.hostuid import UidPorts, UidRange, free_slot
 
 FLEET = {"OPENSANDBOX_EGRESS_PROFILE": "fleet"}
@@ -18,7 +18,7 @@ def refused(env: dict[str, str]) -> str:
 
 
 def test_defaults() -> None:
-    ports = parse_config(FLEET).uid_ports
+    ports = parse_fleet_config(FLEET).uid_ports
     assert ports.uid_range == UidRange(100000, 165535)
     assert ports.base == 16000
     assert ports.dns_port(0) == 16000 and ports.dns_port(255) == 16255
@@ -29,10 +29,10 @@ def test_defaults() -> None:
 
 def test_env_and_flags() -> None:
     env = FLEET | {"EGRESSD_UID_RANGE": " 200-300 ", "EGRESSD_UID_DNS_PORT_BASE": "20000"}
-    ports = parse_config(env, ["--uid-max-subjects", "4"]).uid_ports
+    ports = parse_fleet_config(env, ["--uid-max-subjects", "4"]).uid_ports
     assert ports == UidPorts(UidRange(200, 300), 20000, 4)
     assert (ports.unknown_dns_port, ports.mitm_ports) == (20004, (20005, 20008))
-    assert parse_config(FLEET | {"EGRESSD_UID_RANGE": "7-7"}).uid_ports.uid_range == UidRange(7, 7)
+    assert parse_fleet_config(FLEET | {"EGRESSD_UID_RANGE": "7-7"}).uid_ports.uid_range == UidRange(7, 7)
 
 
 @pytest.mark.parametrize(
@@ -68,7 +68,7 @@ def test_port_block_must_not_cover_other_listeners(env: dict[str, str]) -> None:
 
 def test_sidecar_ignores_the_port_block() -> None:
     cfg = parse_config({"OPENSANDBOX_EGRESS_MITMPROXY_PORT": "16300"})
-    assert cfg.mitm_port == 16300
+    assert cfg.mitm.port == 16300
 
 
 def test_slots_and_ports_map_both_ways() -> None:

@@ -18,12 +18,8 @@ from aiohttp import web
 from structlog.testing import capture_logs
 
 from egressd.actionhandler.control import ControlPlane
-from egressd.config import (
-    RESERVED_LABELS,
-    ConfigError,
-    ignored_settings,
-    parse_config,
-)
+from egressd.commonconfig import RESERVED_LABELS, ignored_settings
+from egressd.config import ConfigError, parse_config
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.header import header_script
@@ -60,7 +56,7 @@ def refused(env: dict[str, str], argv: list[str] | None = None) -> str:
 def test_fast_sandbox_is_the_fleet_profile(value: str) -> None:
     cfg = parse_config({"OPENSANDBOX_EGRESS_PROFILE": value})
     assert cfg == parse_config(FLEET)
-    assert cfg.profile == "fleet" and cfg.http_host == "127.0.0.1" and cfg.nft_table == "opensandbox-fleet"
+    assert cfg.profile == "fleet" and cfg.common.http_host == "127.0.0.1" and cfg.kernel.nft_table == "opensandbox-fleet"
 
 
 def test_fast_sandbox_from_the_flag() -> None:
@@ -89,7 +85,7 @@ def test_unknown_profile_names_the_accepted_ones() -> None:
 )
 def test_log_level(value: str | None, level: int) -> None:
     env = {} if value is None else {"OPENSANDBOX_EGRESS_LOG_LEVEL": value}
-    assert parse_config(env).log_level == level
+    assert parse_config(env).common.log_level == level
 
 
 @pytest.mark.parametrize("value", ["verbose", "trace", "5", "info,debug"])
@@ -99,7 +95,7 @@ def test_bad_log_level_is_one_line(value: str) -> None:
 
 def test_log_level_flag_wins() -> None:
     cfg = parse_config({"OPENSANDBOX_EGRESS_LOG_LEVEL": "debug"}, ["--log-level", "error"])
-    assert cfg.log_level == logging.ERROR
+    assert cfg.common.log_level == logging.ERROR
 
 
 def test_log_level_filters_and_fields_reach_every_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -127,10 +123,10 @@ def test_constant_fields_processor() -> None:
 
 
 def test_sandbox_id_is_trimmed_and_empty_is_unset() -> None:
-    assert parse_config({"OPENSANDBOX_EGRESS_SANDBOX_ID": "  sb-42 "}).sandbox_id == "sb-42"
-    assert parse_config({"OPENSANDBOX_EGRESS_SANDBOX_ID": "  "}).sandbox_id is None
-    assert parse_config({}).sandbox_id is None
-    assert parse_config(FLEET, ["--sandbox-id", "pool-1"]).sandbox_id == "pool-1"
+    assert parse_config({"OPENSANDBOX_EGRESS_SANDBOX_ID": "  sb-42 "}).common.sandbox_id == "sb-42"
+    assert parse_config({"OPENSANDBOX_EGRESS_SANDBOX_ID": "  "}).common.sandbox_id is None
+    assert parse_config({}).common.sandbox_id is None
+    assert parse_config(FLEET, ["--sandbox-id", "pool-1"]).common.sandbox_id == "pool-1"
 
 
 @pytest.mark.parametrize("value", ["a\x00b", "a\nb", "x" * 257])
@@ -145,15 +141,15 @@ def test_extra_attrs_parse_like_the_reference() -> None:
             "OPENSANDBOX_EGRESS_SANDBOX_ID": "sb-1",
         }
     )
-    assert cfg.metrics_extra_attrs == (("team", "blue"), ("k8s.pod", "p-1"), ("region-id", "eu"))
-    assert cfg.metric_labels == (
+    assert cfg.common.metrics_extra_attrs == (("team", "blue"), ("k8s.pod", "p-1"), ("region-id", "eu"))
+    assert cfg.common.metric_labels == (
         ("sandbox_id", "sb-1"),
         ("team", "blue"),
         ("k8s_pod", "p-1"),
         ("region_id", "eu"),
     )
-    assert cfg.log_fields == {"sandbox_id": "sb-1", "team": "blue", "k8s.pod": "p-1", "region-id": "eu"}
-    assert parse_config({}).metric_labels == () and parse_config({}).log_fields == {}
+    assert cfg.common.log_fields == {"sandbox_id": "sb-1", "team": "blue", "k8s.pod": "p-1", "region-id": "eu"}
+    assert parse_config({}).common.metric_labels == () and parse_config({}).common.log_fields == {}
 
 
 @pytest.mark.parametrize(
@@ -243,10 +239,10 @@ def test_add_to_sample_shapes() -> None:
 
 def test_extra_ports_parse() -> None:
     cfg = parse_config({"OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS": " 8080, 8443 "})
-    assert cfg.mitm_extra_ports == (8080, 8443)
-    assert parse_config({}).mitm_extra_ports == ()
+    assert cfg.mitm.extra_ports == (8080, 8443)
+    assert parse_config({}).mitm.extra_ports == ()
     many = ",".join(str(p) for p in range(9000, 9013))  # 13 extras + 80 + 443 = 15
-    assert len(parse_config({"OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS": many}).mitm_extra_ports) == 13
+    assert len(parse_config({"OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS": many}).mitm.extra_ports) == 13
 
 
 @pytest.mark.parametrize(
@@ -273,11 +269,11 @@ def test_bad_extra_ports_are_one_line(value: str, needle: str) -> None:
 
 def test_extra_ports_without_the_mitm_are_reported_not_silently_dropped() -> None:
     cfg = parse_config({"OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS": "8080"})
-    assert any("EXTRA_PORTS" in n for n in ignored_settings(cfg))
+    assert any("EXTRA_PORTS" in n for n in ignored_settings(cfg.mitm, cfg.vault))
     on = parse_config(
         {"OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS": "8080", "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT": "1"}
     )
-    assert ignored_settings(on) == []
+    assert ignored_settings(on.mitm, on.vault) == []
 
 
 def test_fleet_header_intercepts_the_extra_ports_with_the_same_exemptions() -> None:
@@ -307,8 +303,8 @@ def test_sidecar_ruleset_intercepts_the_extra_ports() -> None:
 
 def test_nameserver_exempt_parse() -> None:
     cfg = parse_config({"OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT": " 10.96.0.10, fd00::53 ,10.96.0.10,"})
-    assert cfg.nameserver_exempt == (ipaddress.ip_address("10.96.0.10"), ipaddress.ip_address("fd00::53"))
-    assert parse_config({}).nameserver_exempt == ()
+    assert cfg.kernel.nameserver_exempt == (ipaddress.ip_address("10.96.0.10"), ipaddress.ip_address("fd00::53"))
+    assert parse_config({}).kernel.nameserver_exempt == ()
 
 
 @pytest.mark.parametrize(
@@ -393,7 +389,7 @@ def test_sidecar_exempt_nameservers_skip_the_redirect_and_get_port_53_only() -> 
     ],
 )
 def test_confdir_alias(env: dict[str, str], argv: list[str], expected: str) -> None:
-    assert parse_config(env, argv).mitm_confdir == Path(expected)
+    assert parse_config(env, argv).mitm.confdir == Path(expected)
 
 
 @pytest.mark.parametrize(
@@ -419,15 +415,15 @@ def test_trusted_proxy_cidrs_parse() -> None:
             "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS": "10.9.0.0/16, 192.0.2.7,fd00::/8",
         }
     )
-    assert cfg.vault_require_tls
-    assert cfg.vault_trusted_proxies == (
+    assert cfg.vault.require_tls
+    assert cfg.vault.trusted_proxies == (
         ipaddress.ip_network("10.9.0.0/16"),
         ipaddress.ip_network("192.0.2.7/32"),
         ipaddress.ip_network("fd00::/8"),
     )
-    assert ignored_settings(cfg) == []
+    assert ignored_settings(cfg.mitm, cfg.vault) == []
     alone = parse_config({"OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_TRUSTED_PROXY_CIDRS": "10.9.0.0/16"})
-    assert any("REQUIRE_TLS" in n for n in ignored_settings(alone))
+    assert any("REQUIRE_TLS" in n for n in ignored_settings(alone.mitm, alone.vault))
 
 
 @pytest.mark.parametrize("value", ["10.9.0.0/33", "proxy.local", "10.9.0.1,nope"])
@@ -623,9 +619,9 @@ def test_scoped_match_accepts_explicit_scope_and_applies_to_patch() -> None:
 
 def test_scoped_match_flag_reaches_the_vault_limits() -> None:
     name = "OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_SCOPED_MATCH"
-    assert parse_config({name: "true"}).vault_limits.require_scoped_match
-    assert not parse_config({}).vault_limits.require_scoped_match
-    assert parse_config({name: "1"}, ["--vault-max-bindings", "3"]).vault_limits == VaultLimits(
+    assert parse_config({name: "true"}).vault.limits(parse_config({name: "true"}).mitm.ignore_hosts).require_scoped_match
+    assert not parse_config({}).vault.limits(parse_config({}).mitm.ignore_hosts).require_scoped_match
+    assert parse_config({name: "1"}, ["--vault-max-bindings", "3"]).vault.limits(parse_config({name: "1"}, ["--vault-max-bindings", "3"]).mitm.ignore_hosts) == VaultLimits(
         bindings=3, require_scoped_match=True
     )
 
@@ -693,6 +689,6 @@ def test_help_lists_every_parity_flag(capsys: pytest.CaptureFixture[str]) -> Non
 def test_ignored_settings_are_logged_not_silent() -> None:
     cfg = parse_config({"OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS": "8080"})
     with capture_logs() as logs:
-        for note in ignored_settings(cfg):
+        for note in ignored_settings(cfg.mitm, cfg.vault):
             structlog.get_logger("t").warning("config.ignored", reason=note)
     assert logs and "EXTRA_PORTS" in logs[0]["reason"]

@@ -49,7 +49,7 @@ class Daemon:
         metrics = EgressMetrics()
         control = ControlPlane(TableConfig(), FakeTx())
         await control.reset_table()
-        self.vis = fleet_visibility(cfg, metrics, self.read, lambda: list(control.registry))
+        self.vis = fleet_visibility(cfg.common, metrics, self.read, lambda: list(control.registry))
         control.listeners += [self.vis.audit, self.vis.drops]
         http = FleetHTTP(
             control, metrics, before_scrape=self.vis.before_scrape, annotate_subjects=self.vis.drops.annotate

@@ -277,11 +277,11 @@ async def test_no_budget_means_unlimited() -> None:
 
 def test_qps_per_subject_config_default_env_flag_and_limits() -> None:
     base = {"OPENSANDBOX_EGRESS_PROFILE": "fleet"}
-    assert parse_config(base).dns_qps_per_subject == 200
-    assert parse_config({**base, "EGRESSD_DNS_QPS_PER_SUBJECT": "50"}).dns_qps_per_subject == 50
-    assert parse_config(base, ["--dns-qps-per-subject", "7"]).dns_qps_per_subject == 7
-    assert parse_config({**base, "EGRESSD_DNS_QPS_PER_SUBJECT": "0"}).dns_qps_per_subject == 0
-    assert parse_config({"OPENSANDBOX_EGRESS_PROFILE": "sidecar"}).dns_qps_per_subject == 200
+    assert parse_config(base).dns.qps_per_subject == 200
+    assert parse_config({**base, "EGRESSD_DNS_QPS_PER_SUBJECT": "50"}).dns.qps_per_subject == 50
+    assert parse_config(base, ["--dns-qps-per-subject", "7"]).dns.qps_per_subject == 7
+    assert parse_config({**base, "EGRESSD_DNS_QPS_PER_SUBJECT": "0"}).dns.qps_per_subject == 0
+    assert parse_config({"OPENSANDBOX_EGRESS_PROFILE": "sidecar"}).dns.qps_per_subject == 200
     for bad in ("-1", "fast", "1.5"):
         with pytest.raises(ConfigError, match="EGRESSD_DNS_QPS_PER_SUBJECT"):
             parse_config({**base, "EGRESSD_DNS_QPS_PER_SUBJECT": bad})

@@ -112,12 +112,12 @@ def test_config_refuses_a_bad_url_in_one_line_and_never_shows_the_url() -> None:
     assert str(err.value).startswith("OPENSANDBOX_EGRESS_DENY_WEBHOOK: ")
     assert "secret" not in str(err.value)
     cfg = parse_config({**env, "OPENSANDBOX_EGRESS_DENY_WEBHOOK": "https://u:secret@h/x"})
-    assert cfg.deny_webhook == "https://u:secret@h/x"
+    assert cfg.common.deny_webhook == "https://u:secret@h/x"
     assert "secret" not in repr(cfg)
-    assert cfg.deny_reject is False and cfg.sandbox_id is None  # unset (main: None; the webhook still sends "")
+    assert cfg.kernel.deny_reject is False and cfg.common.sandbox_id is None  # unset (main: None; the webhook still sends "")
     cfg = parse_config({**env, "OPENSANDBOX_EGRESS_DENY_WEBHOOK": "", "EGRESSD_DENY_REJECT": "1"})
-    assert cfg.deny_webhook is None and cfg.deny_reject is True
-    assert parse_config({**env, "OPENSANDBOX_EGRESS_SANDBOX_ID": " sb-7 "}).sandbox_id == "sb-7"
+    assert cfg.common.deny_webhook is None and cfg.kernel.deny_reject is True
+    assert parse_config({**env, "OPENSANDBOX_EGRESS_SANDBOX_ID": " sb-7 "}).common.sandbox_id == "sb-7"
     with pytest.raises(ConfigError):
         parse_config({**env, "EGRESSD_DENY_REJECT": "maybe"})
 

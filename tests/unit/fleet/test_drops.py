@@ -86,7 +86,7 @@ async def _app(
     metrics = EgressMetrics()
     control = ControlPlane(TableConfig(), FakeTx())
     await control.reset_table()
-    vis = fleet_visibility(cfg, metrics, kernel.read, lambda: list(control.registry))
+    vis = fleet_visibility(cfg.common, metrics, kernel.read, lambda: list(control.registry))
     if denials is not None:
         vis.drops.denials = vis.events.denials = denials
     control.listeners += [vis.audit, vis.drops]

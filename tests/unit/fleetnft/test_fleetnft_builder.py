@@ -15,7 +15,6 @@ from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 import pytest
 
 from egressd.addr import IPAddress
-from egressd.config import parse_doh_blocklist
 from egressd.fleetnft.audit import audit_counter_subject
 from egressd.fleetnft.contents import dyn_add, policy_contents, policy_swap
 from egressd.fleetnft.header import header_script
@@ -31,6 +30,7 @@ from egressd.fleetnft.subject import (
     subject_sets,
 )
 from egressd.fleetnft.table import SubjectNft, TableConfig
+from egressd.kernel.config import parse_doh_blocklist
 from egressd.kernel.ops import (
     AddIntervals,
     AddRule,

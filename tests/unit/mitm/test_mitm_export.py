@@ -170,9 +170,9 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def test_config_export_dir(tmp_path: Path) -> None:
-    assert parse_config(_env(tmp_path)).mitm_ca_export_dir is None
+    assert parse_config(_env(tmp_path)).mitm.ca_export_dir is None
     cfg = parse_config(_env(tmp_path), ["--mitm-ca-export-dir", str(tmp_path / "pub")])
-    assert cfg.mitm_ca_export_dir == tmp_path / "pub"
+    assert cfg.mitm.ca_export_dir == tmp_path / "pub"
     with pytest.raises(ConfigError, match="OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT"):
         parse_config({"OPENSANDBOX_EGRESS_PROFILE": "fleet", "EGRESSD_MITM_CA_EXPORT_DIR": str(tmp_path)})
     for bad in (tmp_path / "conf", tmp_path / "conf" / "pub", tmp_path):
@@ -182,7 +182,7 @@ def test_config_export_dir(tmp_path: Path) -> None:
 
 async def test_start_mitm_exports_and_refuses_a_bad_directory(tmp_path: Path) -> None:
     cfg = parse_config(_env(tmp_path, EGRESSD_MITM_CA_EXPORT_DIR=str(tmp_path / "pub")))
-    mitm = await start_mitm(cfg, lambda ip: None, lambda c, h, d: False)
+    mitm = await start_mitm(cfg.mitm, lambda ip: None, lambda c, h, d: False)
     try:
         assert (tmp_path / "pub" / PEM_NAME).read_text() == mitm.ca.pem
         assert (tmp_path / "pub" / CRT_NAME).read_text() == mitm.ca.pem
@@ -191,12 +191,12 @@ async def test_start_mitm_exports_and_refuses_a_bad_directory(tmp_path: Path) ->
     (tmp_path / "file").write_text("x")
     cfg = parse_config(_env(tmp_path, EGRESSD_MITM_CA_EXPORT_DIR=str(tmp_path / "file")))
     with pytest.raises(MitmStartupError, match=r"^EGRESSD_MITM_CA_EXPORT_DIR: .*not a directory$"):
-        await start_mitm(cfg, lambda ip: None, lambda c, h, d: False)
+        await start_mitm(cfg.mitm, lambda ip: None, lambda c, h, d: False)
     # A symlink that leads into the confdir passes the (lexical) configuration check only.
     (tmp_path / "sneaky").symlink_to(tmp_path / "conf")
     cfg = parse_config(_env(tmp_path, EGRESSD_MITM_CA_EXPORT_DIR=str(tmp_path / "sneaky")))
     with pytest.raises(MitmStartupError, match="overlaps"):
-        await start_mitm(cfg, lambda ip: None, lambda c, h, d: False)
+        await start_mitm(cfg.mitm, lambda ip: None, lambda c, h, d: False)
 
 
 def test_the_keeper_follows_a_replaced_ca(tmp_path: Path) -> None:

@@ -34,15 +34,15 @@ def vault(*hosts: str) -> dict[str, object]:
 
 
 def test_parsed_from_a_comma_separated_list() -> None:
-    assert parse_config({}).mitm_ignore_hosts == ()
+    assert parse_config({}).mitm.ignore_hosts == ()
     cfg = parse_config(
         {"OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS": r" ^a\.example\.com$ ,, .*\.internal:443$ "}
     )
-    assert cfg.mitm_ignore_hosts == (r"^a\.example\.com$", r".*\.internal:443$")
+    assert cfg.mitm.ignore_hosts == (r"^a\.example\.com$", r".*\.internal:443$")
     flag = parse_config({}, ["--mitmproxy-ignore-hosts", r"^b\.example\.com$"])
-    assert flag.mitm_ignore_hosts == (r"^b\.example\.com$",)
-    patterns = cfg.vault_limits.ignore_hosts
-    assert [p.pattern for p in patterns] == list(cfg.mitm_ignore_hosts)
+    assert flag.mitm.ignore_hosts == (r"^b\.example\.com$",)
+    patterns = cfg.vault.limits(cfg.mitm.ignore_hosts).ignore_hosts
+    assert [p.pattern for p in patterns] == list(cfg.mitm.ignore_hosts)
     assert all(p.flags & re.IGNORECASE for p in patterns)
 
 
@@ -96,9 +96,9 @@ def test_a_sealed_vault_in_the_binding_input_is_held_to_the_list(tmp_path: Path)
 
     keys = KeyStore(keys_dir)
     with pytest.raises(InputError, match="ignore_hosts"):
-        parse_binding_input(text("a.example.com"), uid="u-1", keys=keys, limits=cfg.vault_limits)
+        parse_binding_input(text("a.example.com"), uid="u-1", keys=keys, limits=cfg.vault.limits(cfg.mitm.ignore_hosts))
     assert (
-        parse_binding_input(text("b.example.com"), uid="u-1", keys=keys, limits=cfg.vault_limits).vault
+        parse_binding_input(text("b.example.com"), uid="u-1", keys=keys, limits=cfg.vault.limits(cfg.mitm.ignore_hosts)).vault
         is VaultAction.SET
     )
 

@@ -439,15 +439,15 @@ def _cfg(tmp_path: Path, **extra: str) -> Config:
 
 
 def test_the_knob_defaults_on_and_turns_off(tmp_path: Path) -> None:
-    assert _cfg(tmp_path).mitm_vault_push is True
-    assert _cfg(tmp_path, EGRESSD_MITM_VAULT_PUSH="off").mitm_vault_push is False
+    assert _cfg(tmp_path).mitm.vault_push is True
+    assert _cfg(tmp_path, EGRESSD_MITM_VAULT_PUSH="off").mitm.vault_push is False
     with pytest.raises(ConfigError, match="EGRESSD_MITM_VAULT_PUSH"):
         _cfg(tmp_path, EGRESSD_MITM_VAULT_PUSH="sometimes")
 
 
 async def test_start_mitm_makes_the_map_beside_the_socket_and_removes_it(tmp_path: Path) -> None:
     feed = Feed()
-    mitm = await start_mitm(_cfg(tmp_path), lambda ip: None, lambda c, h, d: False)
+    mitm = await start_mitm(_cfg(tmp_path).mitm, lambda ip: None, lambda c, h, d: False)
     mitm.subscribe(feed)
     try:
         assert mitm.seq is not None and mitm.seq.path == seq_path(mitm.socket)
@@ -461,7 +461,7 @@ async def test_start_mitm_makes_the_map_beside_the_socket_and_removes_it(tmp_pat
         await mitm.close()
     assert mitm.seq is not None and not mitm.seq.path.exists()
     off = await start_mitm(
-        _cfg(tmp_path, EGRESSD_MITM_VAULT_PUSH="off"), lambda ip: None, lambda c, h, d: False
+        _cfg(tmp_path, EGRESSD_MITM_VAULT_PUSH="off").mitm, lambda ip: None, lambda c, h, d: False
     )
     try:
         assert off.seq is None and "egressd_vault_push=" in off.supervisor.argv

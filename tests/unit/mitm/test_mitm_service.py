@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 import egressd.mitm.service as service
-from egressd.config import Config, parse_config
+from egressd.config import parse_config
+from egressd.mitm.config import MitmConfig
 from egressd.mitm.service import MitmStartupError, start_mitm
 
 
-def _cfg(tmp_path: Path, sock: Path) -> Config:
+def _cfg(tmp_path: Path, sock: Path) -> MitmConfig:
     return parse_config(
         {
             "OPENSANDBOX_EGRESS_PROFILE": "fleet",
@@ -21,7 +22,7 @@ def _cfg(tmp_path: Path, sock: Path) -> Config:
             "OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR": str(tmp_path),
             "OPENSANDBOX_CREDENTIAL_PROXY_SOCKET": str(sock),
         }
-    )
+    ).mitm
 
 
 async def _listener(path: Path) -> asyncio.AbstractServer:

@@ -535,9 +535,9 @@ def test_the_index_answers_as_mitmproxys_walk() -> None:
 
 
 def test_the_knob_defaults_on_and_reaches_the_child(tmp_path: Path) -> None:
-    assert parse_config({}).mitm_tls_resume is True
-    assert parse_config({"EGRESSD_MITM_TLS_RESUME": "off"}).mitm_tls_resume is False
-    assert parse_config({}, ["--mitm-tls-resume", "off"]).mitm_tls_resume is False
+    assert parse_config({}).mitm.tls_resume is True
+    assert parse_config({"EGRESSD_MITM_TLS_RESUME": "off"}).mitm.tls_resume is False
+    assert parse_config({}, ["--mitm-tls-resume", "off"]).mitm.tls_resume is False
     with pytest.raises(ConfigError, match="EGRESSD_MITM_TLS_RESUME"):
         parse_config({"EGRESSD_MITM_TLS_RESUME": "maybe"})
     on = mitmdump_argv(MitmOptions(1, tmp_path, tmp_path / "s", None))

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import egressd.config as config
-from egressd.config import ConfigError, default_mitm_workers, parse_config, parse_mitm_workers
+import egressd.mitm.config as mitm_config
+from egressd.config import ConfigError, parse_config
 from egressd.metrics import EgressMetrics
+from egressd.mitm.config import default_mitm_workers, parse_mitm_workers
 from egressd.mitm.pool import MitmPool, not_ready_message, worker_options
 from egressd.mitm.supervisor import MitmOptions, MitmSupervisor, mitmdump_argv
 
@@ -32,33 +33,34 @@ def refused(env: dict[str, str]) -> str:
 
 def test_default_is_the_usable_cpus_clamped(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [default_mitm_workers(n) for n in (0, 1, 2, 16, 17, 64)] == [1, 1, 2, 16, 16, 16]
-    monkeypatch.setattr(config, "_usable_cpus", lambda: 3)
-    assert parse_config(FLEET).mitm_workers == 3
-    assert parse_config(FLEET | {"EGRESSD_MITM_WORKERS": " "}).mitm_workers == 3
-    monkeypatch.setattr(config, "_usable_cpus", lambda: 40)
-    assert parse_config(FLEET).mitm_workers == 16
+    monkeypatch.setattr(mitm_config, "_usable_cpus", lambda: 3)
+    assert parse_config(FLEET).mitm.workers == 3
+    assert parse_config(FLEET | {"EGRESSD_MITM_WORKERS": " "}).mitm.workers == 3
+    monkeypatch.setattr(mitm_config, "_usable_cpus", lambda: 40)
+    assert parse_config(FLEET).mitm.workers == 16
 
 
 @pytest.mark.parametrize("value", ["1", "2", "16", " 7 "])
 def test_valid_values(value: str) -> None:
     cfg = parse_config(FLEET | {"EGRESSD_MITM_WORKERS": value})
-    assert cfg.mitm_workers == int(value)
-    assert cfg.mitm_worker_ports == tuple(18081 + i for i in range(int(value)))
-    assert parse_config(FLEET, ["--mitm-workers", value]).mitm_workers == int(value)
+    assert cfg.mitm.workers == int(value)
+    assert cfg.mitm.worker_ports == tuple(18081 + i for i in range(int(value)))
+    assert parse_config(FLEET, ["--mitm-workers", value]).mitm.workers == int(value)
 
 
 @pytest.mark.parametrize("value", ["0", "17", "x", "-1", "2.5", "1e1"])
 def test_invalid_values_refuse_start_up(value: str) -> None:
     assert refused(FLEET | {"EGRESSD_MITM_WORKERS": value}).startswith("EGRESSD_MITM_WORKERS: ")
-    # The sidecar runs one worker, but a typo still refuses start-up there too.
+    # The sidecar runs one worker: the variable, a fleet option, refuses start-up there.
     assert refused({"EGRESSD_MITM_WORKERS": value}).startswith("EGRESSD_MITM_WORKERS: ")
     with pytest.raises(ConfigError):
         parse_mitm_workers(value, 2)
 
 
 def test_the_sidecar_always_runs_one_worker() -> None:
-    cfg = parse_config({"EGRESSD_MITM_WORKERS": "8"})
-    assert cfg.profile == "sidecar" and cfg.mitm_workers == 1 and cfg.mitm_worker_ports == (18081,)
+    cfg = parse_config({})
+    assert cfg.profile == "sidecar" and cfg.mitm.workers == 1 and cfg.mitm.worker_ports == (18081,)
+    assert refused({"EGRESSD_MITM_WORKERS": "8"}).startswith("EGRESSD_MITM_WORKERS: a fleet option")
 
 
 def test_the_range_must_end_inside_the_port_space() -> None:

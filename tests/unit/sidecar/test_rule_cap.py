@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from egressd.config import ConfigError, parse_config
+from egressd.config import ConfigError, parse_config, parse_sidecar_config
 from egressd.policy import parse_policy, rule_cap_problem
 from egressd.sidecar.run import SidecarStartupError, run_sidecar
 
@@ -21,9 +21,9 @@ def _policy(n: int) -> str:
 
 
 def test_default_env_and_flag() -> None:
-    assert parse_config({}).max_rules == 4096
-    assert parse_config({"OPENSANDBOX_EGRESS_MAX_RULES": "0"}).max_rules == 0
-    assert parse_config({"OPENSANDBOX_EGRESS_MAX_RULES": "7"}, ["--max-rules", "9"]).max_rules == 9
+    assert parse_config({}).common.max_rules == 4096
+    assert parse_config({"OPENSANDBOX_EGRESS_MAX_RULES": "0"}).common.max_rules == 0
+    assert parse_config({"OPENSANDBOX_EGRESS_MAX_RULES": "7"}, ["--max-rules", "9"]).common.max_rules == 9
     for bad in ("-1", "many"):
         with pytest.raises(ConfigError, match="OPENSANDBOX_EGRESS_MAX_RULES"):
             parse_config({"OPENSANDBOX_EGRESS_MAX_RULES": bad})
@@ -46,7 +46,7 @@ def test_sidecar_refuses_an_initial_policy_over_the_cap_before_any_kernel_work(t
         ("policy file", {"OPENSANDBOX_EGRESS_POLICY_FILE": str(tmp_path / "p.json")}),
     ):
         (tmp_path / "p.json").write_text(_policy(3))
-        cfg = parse_config(
+        cfg = parse_sidecar_config(
             {**env, "OPENSANDBOX_EGRESS_MAX_RULES": "2", "EGRESSD_ALWAYS_RULES_DIR": str(tmp_path / "none")}
         )
         with pytest.raises(SidecarStartupError) as info:
