@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             {
                 "egressd",
                 "egressd.addr",
+                "egressd.options",
                 "egressd.feed",
                 "egressd.policy",
                 "egressd.subject",
@@ -62,7 +63,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "egressd.mitm",
                 "egressd.mitmchild",  # the MITM child's side, when mitm/ is split in two
                 "egressd.web",
-                "egressd.config",
+                "egressd.commonconfig",
                 "egressd.hygiene",
                 "egressd.lifecycle",
                 "egressd.logsetup",
@@ -71,7 +72,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         ),
     ),
     ("profiles", frozenset({"egressd.fleet", "egressd.sidecar"})),
-    ("entry point", frozenset({"egressd.main", "egressd.__main__"})),
+    # The configuration loader composes every subsystem's options, the profiles' included.
+    ("entry point", frozenset({"egressd.main", "egressd.__main__", "egressd.config"})),
 )
 
 #: (importer, imported) package pairs that still go up a layer, with the reason. Only shrinks.
