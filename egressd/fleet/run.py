@@ -13,6 +13,7 @@ import asyncio
 import gc
 import os
 import time
+from functools import partial
 
 import structlog
 
@@ -22,12 +23,13 @@ from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy, PortAsker
 from egressd.dnsproxy.upstreams import upstreams_or_system
+from egressd.engine.selftest import SelfTestError, run_selftest
 from egressd.feed import Feed
 from egressd.fleet.config import FleetConfig
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import FleetHTTP
 from egressd.fleet.visibility import FleetVisibility, fleet_visibility
-from egressd.fleetnft.selftest import BridgeReport, SelfTestError, bridge_report, run_selftest
+from egressd.fleetnft.selftest import BridgeReport, bridge_report, selftest_probes
 from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import KernelTransactions, NftError
 from egressd.kernel.conntrack import flush_source
@@ -121,9 +123,11 @@ def _check_kernel(cfg: FleetConfig, tx: KernelTransactions) -> tuple[BridgeRepor
         renewal = tx.run_sync(
             lambda: run_selftest(
                 tx.run_script_sync,
-                tx.run_batch_sync,
-                table_prefix=cfg.kernel.nft_table,
-                elements=tx.set_elements_sync,
+                NftError,
+                cfg.kernel.nft_table,
+                partial(
+                    selftest_probes, cmd=tx.run_script_sync, batch=tx.run_batch_sync, elements=tx.set_elements_sync
+                ),
             )
         )
     except SelfTestError as exc:

@@ -1,20 +1,24 @@
-"""Start-up proof that this network namespace supports every kernel feature the ruleset uses.
+"""What the fleet's ruleset needs from the kernel: its start-up probes, and the bridge report.
 
-Each probe runs in a scratch table that is deleted afterwards; the first failure refuses
-start-up with a one-line reason instead of running silently open or silently dead.
+:mod:`egressd.engine.selftest` runs the probes (:func:`selftest_probes`) in a scratch table that
+is deleted afterwards; the first failure refuses start-up with a one-line reason instead of
+running silently open or silently dead. The probes go through the paths the daemon uses:
+libnftables scripts, then netlink batches, then the lease-renewal probe.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
+from egressd.engine.selftest import Probe, Probes
 from egressd.fleetnft.contents import dyn_add
 from egressd.fleetnft.table import Names
+from egressd.kernel import renewal
 from egressd.kernel.applier import NftError
 from egressd.kernel.listeners import OWNER_MARK
 from egressd.kernel.netlink_dump import SetElement
@@ -37,11 +41,7 @@ from egressd.kernel.ops import (
     RuleAction,
     VerdictRule,
 )
-from egressd.kernel.renewal import PROBE_FIRST_S, PROBE_SECOND_S, LeaseRenewal, extended
-
-
-class SelfTestError(RuntimeError):
-    pass
+from egressd.kernel.renewal import PROBE_IP, LeaseRenewal
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +222,6 @@ def _match_probes(t: str) -> list[tuple[str, str]]:
 
 
 PROBE_SUBJECT = "renewal_probe"
-PROBE_IP = ipaddress.IPv4Address("192.0.2.9")
 
 
 def probe_lease_renewal(
@@ -231,26 +230,14 @@ def probe_lease_renewal(
     table: str,
 ) -> LeaseRenewal:
     """Whether this kernel extends a lease the way :func:`dyn_add` renews one (§9), in a scratch
-    dyn set of ``table``: add with a short timeout, add again with a long one, read the expiry
-    back (one netlink dump). If it did not move, the same with ``replace=True`` must move it."""
+    dyn set of ``table`` (:func:`egressd.kernel.renewal.probe`)."""
     name = Names(PROBE_SUBJECT).set("dyn_v4")
-
-    def expiry() -> int | None:
-        hit = next((e for e in elements(table, name) if e.key == PROBE_IP.packed), None)
-        return hit.expires_ms if hit is not None else None
-
     batch(NetlinkBatch(table, (AddSet(name, "v4", "timeout", 360),)))
-    batch(dyn_add(table, PROBE_SUBJECT, [(PROBE_IP, PROBE_FIRST_S)]))
-    batch(dyn_add(table, PROBE_SUBJECT, [(PROBE_IP, PROBE_SECOND_S)]))
-    if extended(expiry()):
-        return LeaseRenewal.READD
-    batch(dyn_add(table, PROBE_SUBJECT, [(PROBE_IP, PROBE_SECOND_S)], replace=True))
-    if extended(expiry()):
-        return LeaseRenewal.REPLACE
-    raise SelfTestError(
-        "kernel feature missing: timed set element renewal (neither a re-add nor delete+add "
-        "extended a DNS lease)"
-    )
+
+    def add(seconds: int, replace: bool) -> None:
+        batch(dyn_add(table, PROBE_SUBJECT, [(PROBE_IP, seconds)], replace=replace))
+
+    return renewal.probe(add, partial(elements, table, name))
 
 
 def _netlink_probes(t: str) -> list[tuple[str, NetlinkBatch]]:
@@ -332,45 +319,25 @@ def _netlink_content_probes(t: str) -> list[tuple[str, NetlinkBatch]]:
                 ),
             ),
         ),
+        # Last: the netlink probes above use c1 and iv6.
+        ("netlink delete batches", NetlinkBatch(t, (DeleteChain("c1"), DeleteSet("iv6")))),
     ]
 
 
-def run_selftest(
+def selftest_probes(
+    t: str,
     cmd: Callable[[str], None],
     batch: Callable[[NetlinkBatch], None],
-    *,
-    table_prefix: str,
     elements: Callable[[str, str], list[SetElement]],
-) -> LeaseRenewal:
-    """Probe the kernel through the same paths the daemon uses; raise SelfTestError. Returns
-    how DNS leases are to be renewed on it (``elements`` reads one set back)."""
-    t = f"{table_prefix}-selftest-{os.getpid()}"
-    try:
-        cmd(f"add table inet {t}\ndelete table inet {t}")
-    except NftError as exc:
-        raise SelfTestError(f"nftables unusable in this namespace (need CAP_NET_ADMIN): {exc}") from None
-    netlink_probes = _netlink_probes(t)
-    try:
-        for feature, script in _probes(t):
-            try:
-                cmd(script)
-            except NftError as exc:
-                raise SelfTestError(f"kernel feature missing: {feature}: {exc}") from None
-        for feature, nl in netlink_probes:
-            try:
-                batch(nl)
-            except Exception as exc:
-                raise SelfTestError(f"kernel feature missing: {feature}: {exc}") from None
-        try:
-            batch(NetlinkBatch(t, (DeleteChain("c1"), DeleteSet("iv6"))))
-        except Exception as exc:
-            raise SelfTestError(f"kernel feature missing: netlink delete batches: {exc}") from None
-        try:
-            return probe_lease_renewal(batch, elements, t)
-        except SelfTestError:
-            raise
-        except Exception as exc:
-            raise SelfTestError(f"kernel feature missing: timed set element renewal: {exc}") from None
-    finally:
-        with contextlib.suppress(NftError):
-            cmd(f"delete table inet {t}")
+) -> Probes[LeaseRenewal]:
+    """The probes in scratch table ``t``: scripts (``cmd``, a failure is an :class:`NftError`),
+    then netlink batches (``batch``: any failure), then how DNS leases are to be renewed on this
+    kernel (``elements`` reads one set back)."""
+    return Probes(
+        features=[
+            *(Probe(feature, partial(cmd, script), NftError) for feature, script in _probes(t)),
+            *(Probe(feature, partial(batch, nl), Exception) for feature, nl in _netlink_probes(t)),
+        ],
+        verdict=Probe("timed set element renewal", partial(probe_lease_renewal, batch, elements, t), Exception),
+        cleanup=f"delete table inet {t}",
+    )

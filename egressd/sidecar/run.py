@@ -21,6 +21,7 @@ from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import Upstream, upstreams_or_system
+from egressd.engine.selftest import SelfTestError, run_selftest
 from egressd.feed import Feed
 from egressd.kernel.applier import KernelTransactions, NftError
 from egressd.kernel.renewal import LeaseRenewal
@@ -36,7 +37,7 @@ from egressd.sidecar.http import SidecarHTTP, VaultPrerequisites
 from egressd.sidecar.persist import Initial, InitialPolicyError, choose_initial, read_text
 from egressd.sidecar.visibility import SidecarDrops, sidecar_events
 from egressd.sidecarnft.ruleset import MITM_GID, Mode, SidecarTable
-from egressd.sidecarnft.selftest import SelfTestError, check_net_admin, check_setgid_for_mitm, run_selftest
+from egressd.sidecarnft.selftest import check_net_admin, check_setgid_for_mitm, selftest_probes
 from egressd.vault.snapshot import VaultSnapshot
 from egressd.web.serving import ListenError, start_http, wait_for_stop
 from egressd.web.transport import VaultTransport
@@ -155,7 +156,10 @@ def _check_kernel(cfg: SidecarConfig, tx: KernelTransactions) -> LeaseRenewal:
             check_setgid_for_mitm()
         return tx.run_sync(
             lambda: run_selftest(
-                tx.run_script_sync, table_prefix=cfg.kernel.nft_table, dns_port=cfg.dns.port, elements=tx.set_elements_sync
+                tx.run_script_sync,
+                NftError,
+                cfg.kernel.nft_table,
+                partial(selftest_probes, cmd=tx.run_script_sync, elements=tx.set_elements_sync, dns_port=cfg.dns.port),
             )
         )
     except SelfTestError as exc:

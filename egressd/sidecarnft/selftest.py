@@ -1,25 +1,22 @@
-"""Start-up proof that this network namespace supports every kernel feature §8.6 uses.
+"""What the sidecar's table (§8.6) needs from the kernel: its start-up probes, and the
+capability checks before them.
 
-Each probe runs in a scratch table that is deleted afterwards. The first failure refuses
-start-up with a one-line reason: a sidecar that cannot enforce must not run silently open.
+:mod:`egressd.engine.selftest` runs the probes (:func:`selftest_probes`) in a scratch table that
+is deleted afterwards. The first failure refuses start-up with a one-line reason: a sidecar that
+cannot enforce must not run silently open.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
-import os
 from collections.abc import Callable
+from functools import partial
 
+from egressd.engine.selftest import Probe, Probes, SelfTestError
+from egressd.kernel import renewal
 from egressd.kernel.applier import NftError
 from egressd.kernel.netlink_dump import SetElement
-from egressd.kernel.renewal import PROBE_FIRST_S, PROBE_SECOND_S, LeaseRenewal, extended
+from egressd.kernel.renewal import PROBE_IP, LeaseRenewal
 from egressd.sidecarnft.ruleset import SidecarTable, dyn_add, dyn_set
-
-
-class SelfTestError(RuntimeError):
-    pass
-
 
 CAP_NET_ADMIN = 12
 CAP_SETGID = 6
@@ -124,59 +121,35 @@ def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
     ]
 
 
-PROBE_IP = ipaddress.IPv4Address("192.0.2.9")
-
-
 def probe_lease_renewal(
     cmd: Callable[[str], None], elements: Callable[[str, str], list[SetElement]], table: str
 ) -> LeaseRenewal:
-    """Whether this kernel extends a lease the way the engine renews one (``dyn_add``): add with
-    a short timeout, add again with a long one, read the expiry back (a netlink dump). If it
-    did not move, the delete+add form must move it."""
-    plain = SidecarTable(table=table, max_leases=0)
+    """Whether this kernel extends a lease the way the engine renews one (``dyn_add``), in the
+    dyn set of ``table`` (:func:`egressd.kernel.renewal.probe`)."""
 
-    def expiry() -> int | None:
-        hit = next((e for e in elements(table, dyn_set("v4")) if e.key == PROBE_IP.packed), None)
-        return hit.expires_ms if hit is not None else None
+    def add(seconds: int, replace: bool) -> None:
+        cmd(dyn_add(SidecarTable(table=table, max_leases=0, renew_by_replace=replace), [(PROBE_IP, seconds)]))
 
-    cmd(dyn_add(plain, [(PROBE_IP, PROBE_FIRST_S)]))
-    cmd(dyn_add(plain, [(PROBE_IP, PROBE_SECOND_S)]))
-    if extended(expiry()):
-        return LeaseRenewal.READD
-    cmd(dyn_add(SidecarTable(table=table, max_leases=0, renew_by_replace=True), [(PROBE_IP, PROBE_SECOND_S)]))
-    if extended(expiry()):
-        return LeaseRenewal.REPLACE
-    raise SelfTestError(
-        "kernel feature missing: timed set element renewal (neither a re-add nor delete+add "
-        "extended a DNS lease)"
-    )
+    return renewal.probe(add, partial(elements, table, dyn_set("v4")))
 
 
-def run_selftest(
+def selftest_probes(
+    t: str,
     cmd: Callable[[str], None],
-    *,
-    table_prefix: str,
-    dns_port: int,
     elements: Callable[[str, str], list[SetElement]],
-) -> LeaseRenewal:
-    """Probe the kernel through the path the daemon uses (libnftables); raise SelfTestError.
-    Returns how DNS leases are to be renewed on it (``elements`` reads one set back)."""
-    t = f"{table_prefix}-selftest-{os.getpid()}"
-    try:
-        cmd(f"add table inet {t}\ndelete table inet {t}")
-    except NftError as exc:
-        raise SelfTestError(f"nftables unusable in this namespace (need CAP_NET_ADMIN): {exc}") from None
-    try:
-        cmd(f"add table inet {t}")
-        for feature, script in _probes(t, dns_port):
-            try:
-                cmd(script)
-            except NftError as exc:
-                raise SelfTestError(f"kernel feature missing: {feature}: {exc}") from None
-        try:
-            return probe_lease_renewal(cmd, elements, t)
-        except NftError as exc:
-            raise SelfTestError(f"kernel feature missing: timed set element renewal: {exc}") from None
-    finally:
-        with contextlib.suppress(NftError):
-            cmd(f"add table inet {t}\ndelete table inet {t}")
+    *,
+    dns_port: int,
+) -> Probes[LeaseRenewal]:
+    """The probes in scratch table ``t``, all libnftables scripts (``cmd``, a failure is an
+    :class:`NftError`), then how DNS leases are to be renewed on this kernel (``elements`` reads
+    one set back)."""
+    return Probes(
+        features=[
+            # The table itself: the runner's first try just made one, so a failure here is no
+            # missing feature and goes up as it is.
+            Probe("scratch table", partial(cmd, f"add table inet {t}"), ()),
+            *(Probe(feature, partial(cmd, script), NftError) for feature, script in _probes(t, dns_port)),
+        ],
+        verdict=Probe("timed set element renewal", partial(probe_lease_renewal, cmd, elements, t), NftError),
+        cleanup=f"add table inet {t}\ndelete table inet {t}",
+    )

@@ -7,13 +7,16 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import dataclass, field
+from functools import partial
 
 import pytest
 
 from egressd.actionhandler.control import ControlPlane
 from egressd.addr import IPAddress
+from egressd.engine.selftest import SelfTestError, run_selftest
 from egressd.fleetnft import selftest as fleet_selftest
 from egressd.fleetnft.contents import dyn_add
+from egressd.fleetnft.selftest import selftest_probes as fleet_probes
 from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import NftError
 from egressd.kernel.netlink_dump import SetElement
@@ -24,6 +27,7 @@ from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecarnft import ruleset as sidecar_ruleset
 from egressd.sidecarnft import selftest as sidecar_selftest
 from egressd.sidecarnft.ruleset import SidecarTable
+from egressd.sidecarnft.selftest import selftest_probes as sidecar_probes
 from tests.unit.actionhandler.test_control_dns import FENCE, TABLE, activate
 from tests.unit.fakekernel import FakeTx
 
@@ -168,9 +172,9 @@ def test_sidecar_probe_finds_the_kernels_renewal(readd: bool, mode: LeaseRenewal
 
 def test_probes_refuse_a_kernel_that_cannot_renew() -> None:
     k = TimedKernel(readd_extends=False, broken=True)
-    with pytest.raises(fleet_selftest.SelfTestError, match="timed set element renewal"):
+    with pytest.raises(SelfTestError, match="timed set element renewal"):
         fleet_selftest.probe_lease_renewal(k.batch, k.elements, "scratch")
-    with pytest.raises(sidecar_selftest.SelfTestError, match="timed set element renewal"):
+    with pytest.raises(SelfTestError, match="timed set element renewal"):
         sidecar_selftest.probe_lease_renewal(k.script, k.elements, "scratch")
 
 
@@ -178,7 +182,12 @@ def test_probes_refuse_a_kernel_that_cannot_renew() -> None:
 def test_fleet_run_selftest_returns_the_mode_and_drops_its_table(readd: bool) -> None:
     k = TimedKernel(readd_extends=readd)
     scripts: list[str] = []
-    mode = fleet_selftest.run_selftest(scripts.append, k.batch, table_prefix="t", elements=k.elements)
+    mode = run_selftest(
+        scripts.append,
+        NftError,
+        "t",
+        partial(fleet_probes, cmd=scripts.append, batch=k.batch, elements=k.elements),
+    )
     assert mode is (LeaseRenewal.READD if readd else LeaseRenewal.REPLACE)
     assert scripts[-1].startswith("delete table inet t-selftest-")
 
@@ -192,7 +201,9 @@ def test_sidecar_run_selftest_returns_the_mode_and_drops_its_table(readd: bool) 
         scripts.append(text)
         k.script(text)
 
-    mode = sidecar_selftest.run_selftest(cmd, table_prefix="t", dns_port=15353, elements=k.elements)
+    mode = run_selftest(
+        cmd, NftError, "t", partial(sidecar_probes, cmd=cmd, elements=k.elements, dns_port=15353)
+    )
     assert mode is (LeaseRenewal.READD if readd else LeaseRenewal.REPLACE)
     assert scripts[-1].endswith("delete table inet t-selftest-" + scripts[-1].rsplit("-", 1)[1])
 
@@ -203,10 +214,17 @@ def test_a_failing_read_back_refuses_start_up() -> None:
     def no_dump(table: str, name: str) -> list[SetElement]:
         raise NftError("set element dump refused: Operation not permitted")
 
-    with pytest.raises(fleet_selftest.SelfTestError, match="timed set element renewal"):
-        fleet_selftest.run_selftest(lambda s: None, k.batch, table_prefix="t", elements=no_dump)
-    with pytest.raises(sidecar_selftest.SelfTestError, match="timed set element renewal"):
-        sidecar_selftest.run_selftest(lambda s: None, table_prefix="t", dns_port=15353, elements=no_dump)
+    def nothing(script: str) -> None:
+        pass
+
+    with pytest.raises(SelfTestError, match="timed set element renewal"):
+        run_selftest(
+            nothing, NftError, "t", partial(fleet_probes, cmd=nothing, batch=k.batch, elements=no_dump)
+        )
+    with pytest.raises(SelfTestError, match="timed set element renewal"):
+        run_selftest(
+            nothing, NftError, "t", partial(sidecar_probes, cmd=nothing, elements=no_dump, dns_port=15353)
+        )
 
 
 # --------------------------------------------------------------------------- the daemon uses it
