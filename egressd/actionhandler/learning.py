@@ -3,8 +3,10 @@
 :meth:`DnsLearning.asker` and :meth:`DnsLearning.learn` are the two callables the composition
 root hands the DNS proxy. The decisions (which addresses of an answer may enter the dyn sets,
 which leases survive a narrowing, whether the MITM may trust an address for a host) are the
-lease book's (subject/leases.py), shared with the sidecar; this module applies them to the
-fleet's kernel under the subject's lock and the kernel lock.
+lease book's (subject/leases.py) and the procedure around them is the engine's
+(engine/learning.py), both shared with the sidecar; this module supplies the fleet's guards
+(the subject's lock, its state and fence, closing subjects), its kernel step (the subject's dyn
+sets, under the kernel lock) and its books, one per subject.
 """
 
 from __future__ import annotations
@@ -16,19 +18,12 @@ from collections.abc import Callable
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.shared import Shared
 from egressd.addr import IPAddress, unmap_ip
+from egressd.engine import learning
 from egressd.feed import LeasesNarrowed
 from egressd.fleetnft.contents import dyn_add, policy_contents
 from egressd.kernel.applier import NftError, NftUncertain
-from egressd.policy import NetworkPolicy, normalise_name
-from egressd.subject.leases import (
-    DEFAULT_MAX_LEASES,
-    LeaseBook,
-    Narrowed,
-    admissible,
-    destination_verified,
-    destination_verified_until,
-    narrowed_for,
-)
+from egressd.policy import IpSets, NetworkPolicy
+from egressd.subject.leases import DEFAULT_MAX_LEASES, LeaseBook, Narrowed, narrowed_for
 from egressd.subject.model import Asker, Fence
 from egressd.subject.registry import Entry, HostBinding, State
 
@@ -113,28 +108,19 @@ class DnsLearning:
                 effective = self._policies.effective_for(entry)  # always-rules change under this lock
                 if effective is None:
                     return []
-                now = time.monotonic()
-                book = self.leases.setdefault(uid, LeaseBook(self.max_leases))
-                if name is not None:
-                    name = normalise_name(name.strip())
-                admitted = admissible(book, effective, leases, name, now)
-                if not admitted:
-                    return []
-                batch = dyn_add(
-                    shared.table.table, entry.nft_id, admitted, replace=shared.table.renew_by_replace
-                )
-                try:
+
+                nid = entry.nft_id
+
+                async def add(admitted: list[tuple[IPAddress, int]]) -> None:
+                    batch = dyn_add(shared.table.table, nid, admitted, replace=shared.table.renew_by_replace)
                     await shared.tx.run_batch_inline(batch, op="dynamic_add")
-                except BaseException as exc:
-                    if not isinstance(exc, NftError) or isinstance(exc, NftUncertain):
-                        # Unanswered, timed out or cancelled by the DNS proxy's bound (the
-                        # kernel thread may still commit it): the kernel may hold the leases.
-                        # The book must never be narrower than the kernel, or a later
-                        # narrowing would not revoke them (it rewrites the dyn sets from it).
-                        book.record(admitted, name, now)
-                    raise
-                book.record(admitted, name, now)
-            return [ip for ip, _ in admitted]
+
+                book = self.leases.setdefault(uid, LeaseBook(self.max_leases))
+                # Unanswered, timed out or cancelled by the DNS proxy's bound (the kernel thread
+                # may still commit it): the kernel may hold the leases, so the book records them.
+                return await learning.learn(
+                    book, effective, leases, name, time.monotonic(), add, kernel_may_hold=_may_hold
+                )
 
     def narrowed(self, uid: str, effective: NetworkPolicy) -> Narrowed | None:
         """The subject's leases under a new effective policy (None: it has none)."""
@@ -146,7 +132,7 @@ class DnsLearning:
 
     def destination_verified(self, source_ip: IPAddress, host: str, dst: IPAddress) -> bool:
         """May the MITM send ``host``'s credentials to ``dst`` for this sandbox? The lease
-        book's rule (:func:`egressd.subject.leases.destination_verified`), for the active
+        book's rule (:func:`egressd.engine.learning.verified`), for the active
         subject behind ``source_ip`` only."""
         return self._verified(self._shared.registry.resolve(source_ip), host, dst)
 
@@ -169,23 +155,27 @@ class DnsLearning:
         )
 
     def _verified(self, entry: Entry | None, host: str, dst: IPAddress) -> bool:
-        if entry is None or entry.state is not State.ACTIVE or self._closing(entry.uid):
-            return False
-        effective = self._policies.effective_for(entry)
-        sets = self._policies.ip_sets_of(entry.uid, effective) if effective is not None else None
-        book = self.leases.get(entry.uid)
-        now = time.monotonic()
-        return destination_verified(book, sets, normalise_name(host.strip()), unmap_ip(dst), now)
+        held = self._verifying(entry)
+        return held is not None and learning.verified(*held, host.strip(), unmap_ip(dst), time.monotonic())
 
     def _verified_until(self, entry: Entry | None, host: str, dst: IPAddress) -> float:
+        held = self._verifying(entry)
+        return learning.verified_until(*held, host.strip(), unmap_ip(dst), time.monotonic()) if held else 0.0
+
+    def _verifying(self, entry: Entry | None) -> tuple[LeaseBook | None, IpSets | None] | None:
+        """The book and IP sets an active subject's destinations are verified against (None:
+        nothing is verified for it: absent, not active or being closed)."""
         if entry is None or entry.state is not State.ACTIVE or self._closing(entry.uid):
-            return 0.0
+            return None
         effective = self._policies.effective_for(entry)
         sets = self._policies.ip_sets_of(entry.uid, effective) if effective is not None else None
-        book = self.leases.get(entry.uid)
-        now = time.monotonic()
-        return destination_verified_until(book, sets, normalise_name(host.strip()), unmap_ip(dst), now)
+        return self.leases.get(entry.uid), sets
 
     def forget(self, uid: str) -> None:
         self.leases.pop(uid, None)
         self._shared.feed.publish(LeasesNarrowed())
+
+
+def _may_hold(exc: BaseException) -> bool:
+    """Whether the kernel may hold leases a raising ``dynamic_add`` sent (all but a refusal)."""
+    return not isinstance(exc, NftError) or isinstance(exc, NftUncertain)

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import structlog
 
 from egressd.addr import IPAddress
+from egressd.engine import learning
 from egressd.feed import Feed, PolicyApplied
 from egressd.kernel.applier import NftError
 from egressd.policy import (
@@ -29,19 +30,11 @@ from egressd.policy import (
     Verdict,
     effective_policy,
     ip_sets,
-    normalise_name,
 )
 from egressd.policy.decide import ip_decision
 from egressd.sidecar.persist import serialise, write_atomic
 from egressd.sidecarnft.ruleset import SidecarTable, delete_table, dyn_add, ruleset
-from egressd.subject.leases import (
-    LeaseBook,
-    Narrowed,
-    admissible,
-    destination_verified,
-    destination_verified_until,
-    narrowed_for,
-)
+from egressd.subject.leases import LeaseBook, Narrowed, narrowed_for
 from egressd.subject.model import Asker, Fence
 
 log = structlog.get_logger("egressd.sidecar")
@@ -126,13 +119,13 @@ class SidecarEngine:
 
     def destination_verified(self, client_ip: IPAddress, host: str, dst: IPAddress) -> bool:
         """May the MITM send ``host``'s credentials to ``dst``? The rule both profiles share
-        (:func:`egressd.subject.leases.destination_verified`), for the one subject."""
-        return destination_verified(self.leases, self._sets, normalise_name(host), dst, self._clock())
+        (:func:`egressd.engine.learning.verified`), for the one subject."""
+        return learning.verified(self.leases, self._sets, host, dst, self._clock())
 
     def destination_verified_until(self, client_ip: IPAddress, host: str, dst: IPAddress) -> float:
         """The same with its deadline (monotonic; 0.0: not verified), for the MITM's memory
         (docs/behaviour.md §10, "answered from memory")."""
-        return destination_verified_until(self.leases, self._sets, normalise_name(host), dst, self._clock())
+        return learning.verified_until(self.leases, self._sets, host, dst, self._clock())
 
     async def learn(
         self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
@@ -150,17 +143,12 @@ class SidecarEngine:
         async with self._kernel_lock:
             if not self.enforcement_ready:
                 return []
-            now = self._clock()
-            if name is not None:
-                name = normalise_name(name)
             # Decided again under the policy in force now: an answer that raced a change adds
             # nothing the change denies.
-            admitted = admissible(self.leases, self.effective, leases, name, now)
-            if not admitted:
-                return []
-            await self.kernel.run_script(dyn_add(self.table, admitted), op="dynamic_add")
-            self.leases.record(admitted, name, now)
-            return [ip for ip, _ in admitted]
+            return await learning.learn(self.leases, self.effective, leases, name, self._clock(), self._add)
+
+    async def _add(self, admitted: list[tuple[IPAddress, int]]) -> None:
+        await self.kernel.run_script(dyn_add(self.table, admitted), op="dynamic_add")
 
     # ---- kernel ------------------------------------------------------------------------------
 

@@ -1,0 +1,90 @@
+"""One learning and destination-verification path for both profiles (issue 24 item 1).
+
+The decisions are the lease book's (:mod:`egressd.subject.leases`: which addresses of an answer
+are admissible, which leases survive a narrowing, whether an address is verified for a host).
+This module is the procedure around them that the fleet (``egressd.actionhandler.learning``)
+and the sidecar (``egressd.sidecar.engine``) each ran on their own: normalise the question,
+decide against the policy in force now, hand what is admitted to the backend's kernel step,
+record what the kernel took, and answer the MITM's destination check (docs/behaviour.md §10,
+§14.1, §14.4). Each profile keeps its own guards (the fleet's subject lock, states and closing
+subjects; the sidecar's readiness), its kernel step and where its books live. Which leases a
+policy change keeps is :func:`egressd.subject.leases.narrowed_for` over the deny sets the
+backend's kernel will hold (the fleet's hard denies in audit mode, the sidecar's ``ip_sets``);
+the narrowing events (``PolicyApplied``, ``AlwaysRulesChanged``, ``LeasesNarrowed``) stay with
+the operation that commits the narrowed book, published before it returns (tests/unit/test_feed.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+
+from egressd.addr import IPAddress
+from egressd.policy import IpSets, NetworkPolicy, normalise_name
+from egressd.subject.leases import (
+    LeaseBook,
+    admissible,
+    destination_verified,
+    destination_verified_until,
+)
+
+#: The backend's kernel step for admitted leases (address, seconds): the fleet's netlink batch on
+#: the subject's dyn sets, the sidecar's script on its table's.
+AddLeases = Callable[[list[tuple[IPAddress, int]]], Awaitable[None]]
+
+
+def question(name: str | None) -> str | None:
+    """The name an answer was for, as the lease book keeps it (None: the connection refresh).
+    A DNS name never has surrounding blanks (the proxy's names escape them), so stripping only
+    guards other callers."""
+    return normalise_name(name.strip()) if name is not None else None
+
+
+def _took_nothing(exc: BaseException) -> bool:
+    return False
+
+
+async def learn(
+    book: LeaseBook,
+    effective: NetworkPolicy,
+    leases: Sequence[tuple[IPAddress, int]],
+    name: str | None,
+    now: float,
+    add: AddLeases,
+    *,
+    kernel_may_hold: Callable[[BaseException], bool] = _took_nothing,
+) -> list[IPAddress]:
+    """Learn one answer (``name``: its question; None: a refresh of live addresses) into
+    ``book`` under ``effective``, the policy in force now; return the addresses the kernel now
+    holds (the reply carries only these, docs/behaviour.md §14.4).
+
+    Nothing admissible: nothing reaches the kernel. When ``add`` raises, the leases are recorded
+    only if ``kernel_may_hold`` says the kernel may have taken them anyway (an unanswered or
+    cancelled step): the book must never be narrower than the kernel, or a later narrowing,
+    which rewrites the dyn sets from it, would not revoke them.
+    """
+    name = question(name)
+    admitted = admissible(book, effective, leases, name, now)
+    if not admitted:
+        return []
+    try:
+        await add(admitted)
+    except BaseException as exc:
+        if kernel_may_hold(exc):
+            book.record(admitted, name, now)
+        raise
+    book.record(admitted, name, now)
+    return [ip for ip, _ in admitted]
+
+
+def verified(book: LeaseBook | None, sets: IpSets | None, host: str, dst: IPAddress, now: float) -> bool:
+    """May the MITM send ``host``'s credentials to ``dst``? (:func:`egressd.subject.leases.destination_verified`
+    for the raw host the MITM asks about.)"""
+    return destination_verified(book, sets, normalise_name(host), dst, now)
+
+
+def verified_until(
+    book: LeaseBook | None, sets: IpSets | None, host: str, dst: IPAddress, now: float
+) -> float:
+    """:func:`verified` with its deadline (monotonic; 0.0: not verified), for the MITM's memory
+    (docs/behaviour.md §10, "answered from memory")."""
+    return destination_verified_until(book, sets, normalise_name(host), dst, now)
