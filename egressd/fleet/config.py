@@ -34,9 +34,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "OPENSANDBOX_EGRESS_PENDING_PUSH_TTL",
         "--pending-push-ttl",
-        "seconds pushes for unknown UIDs are kept",
+        "seconds pushes for unknown UIDs are kept (the sidecar has no proxy route: no effect there)",
         "30",
-        profile="fleet",
     ),
     Option(
         "EGRESSD_UID_RANGE",

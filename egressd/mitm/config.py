@@ -29,8 +29,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "EGRESSD_MITM_WORKERS",
         "--mitm-workers",
-        "fleet: MITM worker processes, 1..16 (default: usable CPUs); worker i listens on the MITM port + i",
-        profile="fleet",
+        "MITM worker processes, 1..16 (default: usable CPUs); worker i listens on the MITM port + i; "
+        "the sidecar (one subject) always runs one, and checks the value all the same",
     ),
     Option(
         "OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR",

@@ -56,16 +56,6 @@ def listen_port(client: object, shared: int | None) -> int | None:
     return port
 
 
-def _original_destination(flow: http.HTTPFlow) -> tuple[str, int] | None:
-    addr = flow.server_conn.address
-    if not addr:
-        return None
-    try:
-        return str(unmap_ip(ipaddress.ip_address(addr[0]))), int(addr[1])
-    except ValueError:
-        return None
-
-
 def wire_headers(pairs: list[tuple[str, str]]) -> http.Headers:
     out = http.Headers()
     for name, value in pairs:

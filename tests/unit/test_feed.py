@@ -226,6 +226,28 @@ async def test_a_narrowing_operation_publishes_its_event_before_it_returns(name:
     assert any(type(e) is expected for e in after_setup), f"{name}: no {expected.__name__} in {after_setup}"
 
 
+# The operations whose event must name the subject's own client (or every client): a
+# VaultChanged that names another address leaves the MITM child answering with the old vault.
+MUST_NAME_THE_CLIENT = (
+    "fleet: vault set",
+    "fleet: vault removed",
+    "fleet: rebind to another address",
+    "sidecar: vault write",
+)
+
+
+@pytest.mark.parametrize("name", MUST_NAME_THE_CLIENT)
+async def test_the_event_names_the_client_whose_answer_narrowed(name: str, aiohttp_client: Any) -> None:
+    operation, expected = NARROWING_OPERATIONS[name]
+    feed = Feed()
+    recorder = Recorder(feed)
+    await operation(feed, aiohttp_client)
+    events = recorder.take()
+    marks = [i for i, e in enumerate(events) if type(e) is Narrowing]
+    after_setup = [e for e in (events[marks[-1] + 1 :] if marks else events) if type(e) is expected]
+    assert covers(after_setup, SRC), f"{name}: no {expected.__name__} naming {SRC} in {after_setup}"
+
+
 def test_every_event_type_has_a_narrowing_operation() -> None:
     """A new kind of narrowing gets an operation in the table above (and so a test)."""
     kinds = {
