@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import structlog
 
@@ -38,6 +38,9 @@ from egressd.subject.leases import LeaseBook, Narrowed, narrowed_for
 from egressd.subject.model import Asker, Fence
 
 log = structlog.get_logger("egressd.sidecar")
+
+#: Seconds between a narrowing's flow cut and its second look at the conntrack table.
+CUT_RECHECK_S: Final = 1.0
 
 SIDECAR_UID = "sidecar"
 
@@ -242,11 +245,34 @@ class SidecarEngine:
             self.leases = narrowed.book
             self.feed.publish(PolicyApplied())  # the policy and its lease book changed together
             if self._cut_flows is not None and self.table.mode == "dns+nft":
-                task = asyncio.get_running_loop().create_task(self._cut_flows(self.allows_ip))
+                task = asyncio.get_running_loop().create_task(self._cut_and_recheck(self._cut_flows))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
         log.info("egress.updated", **{"opensandbox.event": "egress.updated", **event})
         return ChangeResult(200)
+
+    async def _cut_and_recheck(
+        self, cut_flows: Callable[[Callable[[IPAddress], bool]], Awaitable[int]]
+    ) -> int:
+        """Cut the flows the new policy refuses, then look again once (docs/behaviour.md §14.1).
+
+        The cut is best effort: a failed conntrack read, address listing or delete leaves a
+        refused flow running on its established state. The second look, a moment later and by
+        the policy in force then, cuts what the first missed and says so, so that a miss is
+        neither permanent nor silent."""
+        cut = 0
+        for attempt in (1, 2):
+            if attempt == 2:
+                await asyncio.sleep(CUT_RECHECK_S)
+            try:
+                found = await cut_flows(self.allows_ip)
+            except Exception as exc:
+                log.warning("conntrack.cut_failed", attempt=attempt, error=str(exc)[:200])
+                continue
+            if attempt == 2 and found:
+                log.warning("conntrack.cut_late", destinations=found)
+            cut += found
+        return cut
 
 
 def _rule_count(script: str) -> int:

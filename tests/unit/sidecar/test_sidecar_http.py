@@ -17,6 +17,7 @@ from structlog.testing import capture_logs
 from egressd.actionhandler.envelope import MAX_BODY_BYTES
 from egressd.metrics import EgressMetrics
 from egressd.policy import DENY_ALL, AlwaysRules, NetworkPolicy, Verdict, judge_domain, parse_policy
+from egressd.sidecar import engine as engine_module
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.http import AUTH_HEADER, SidecarHTTP, VaultPrerequisites, token_matches
 from egressd.sidecarnft.ruleset import SidecarTable
@@ -682,3 +683,27 @@ async def test_a_vault_item_name_with_spaces_at_its_ends_is_400(aiohttp_client: 
     patch = {"bindings": {"delete": [f"{spaced['bindings'][0]['name']} "]}}
     status, body = await call(env, "PATCH", "/credential-vault", patch)
     assert status == 400 and "bindings.delete[0]" in body, body
+
+
+async def test_a_cut_that_misses_is_retried_once_by_the_policy_in_force(
+    aiohttp_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A first pass that fails (a conntrack read or delete error) leaves a refused flow on its
+    # established state: the second look cuts it and says so; the failure is logged, not raised.
+    monkeypatch.setattr(engine_module, "CUT_RECHECK_S", 0.01)
+    env = await make_env(aiohttp_client, tmp_path)
+    passes: list[bool] = []
+
+    async def cut(allowed: Callable[[Any], bool]) -> int:
+        passes.append(allowed(ip_address("10.204.0.3")))
+        if len(passes) == 1:
+            raise RuntimeError("conntrack read failed")
+        return 1
+
+    env.engine._cut_flows = cut
+    with capture_logs() as logs:
+        await call(env, "POST", "/policy", {"egress": []})
+        results = await asyncio.gather(*env.engine._background)
+    assert passes == [False, False] and results == [1]
+    events = [(e["event"], e.get("attempt"), e.get("destinations")) for e in logs if e["event"].startswith("conntrack")]
+    assert events == [("conntrack.cut_failed", 1, None), ("conntrack.cut_late", None, 1)]
