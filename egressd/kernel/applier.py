@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
+from egressd.engine.errors import RulesetRefused, RulesetUncertain
 from egressd.kernel.netlink import NfTablesSocket
 from egressd.kernel.netlink_dump import SetElement
 from egressd.kernel.netlink_proto import NetlinkError
@@ -52,11 +53,11 @@ class InlineBudget:
             self.per_unit = sample if self.per_unit == 0.0 else 0.8 * self.per_unit + 0.2 * sample
 
 
-class NftError(RuntimeError):
+class NftError(RulesetRefused):
     """A transaction the kernel refused; nothing of it was applied."""
 
 
-class NftUncertain(NftError):
+class NftUncertain(NftError, RulesetUncertain):
     """A transaction whose outcome is unknown: the batch was sent but its answer never came
     (the ack read timed out or the socket failed). The kernel may have applied all of it or
     none of it (never part: a batch is atomic), so the caller must plan for both."""
