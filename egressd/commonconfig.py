@@ -1,6 +1,6 @@
 """The options both profiles read: the profile itself, the HTTP listener,
 logs and metric labels, the policy's rule cap, the always-rules and the deny webhook
-(docs/behaviour.md §15)."""
+(docs/reference/behaviour.md §15)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ OPTIONS: tuple[Option, ...] = (
         "60",
     ),
     Option("EGRESSD_LOG_FORMAT", "--log-format", "json or console", "json"),
-    # docs/behaviour.md §15 (visibility).
+    # docs/reference/behaviour.md §15 (visibility).
     Option(
         "OPENSANDBOX_EGRESS_DENY_WEBHOOK",
         "--deny-webhook",
@@ -94,7 +94,7 @@ RESERVED_LABELS: frozenset[str] = frozenset(
         "result",
         "decision_id",
         "sandbox_id",
-        "protocol",  # egressd_mitm_connections_total (docs/behaviour.md §16)
+        "protocol",  # egressd_mitm_connections_total (docs/reference/behaviour.md §16)
         "decision",
         "worker",  # the egressd_mitm_* series (EGRESSD_MITM_WORKERS)
     }
@@ -110,7 +110,7 @@ class CommonConfig:
     always_rules_dir: Path = Path("/var/egress/rules")
     always_reload_interval: float = 60.0
     log_format: str = "json"
-    # docs/behaviour.md §15. The webhook URL may carry a token: kept out of repr (and of every log).
+    # docs/reference/behaviour.md §15. The webhook URL may carry a token: kept out of repr (and of every log).
     deny_webhook: str | None = field(default=None, repr=False)
     # Reference sidecar parity (issue 15 item 3).
     log_level: int = logging.INFO  # OPENSANDBOX_EGRESS_LOG_LEVEL
@@ -174,7 +174,7 @@ def load(raw: Raw, http: tuple[str, int], log_format: str) -> CommonConfig:
 
 
 def _deny_webhook(raw: Raw) -> str | None:
-    """docs/behaviour.md §15: the deny webhook (its URL may carry a token: never echoed)."""
+    """docs/reference/behaviour.md §15: the deny webhook (its URL may carry a token: never echoed)."""
     try:
         return parse_webhook_url(raw["OPENSANDBOX_EGRESS_DENY_WEBHOOK"])
     except WebhookURLError as exc:

@@ -1,4 +1,4 @@
-"""Process hygiene (docs/behaviour.md §14.9): no core dumps, no same-uid peeking at memory.
+"""Process hygiene (docs/reference/behaviour.md §14.9): no core dumps, no same-uid peeking at memory.
 
 egressd holds every sandbox's credential vault in memory and the MITM child holds vault
 snapshots plus the CA key. A core dump (crash, ``SIGQUIT``, ``gcore``) would write all of it

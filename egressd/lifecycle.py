@@ -63,7 +63,7 @@ class Running:
         kernel connection closes, also when an earlier step failed."""
         try:
             # The HTTP side first: no new action, and the ones in flight finish (bounded,
-            # docs/behaviour.md §14.10) while everything they may touch (MITM, kernel) is still up.
+            # docs/reference/behaviour.md §14.10) while everything they may touch (MITM, kernel) is still up.
             if self.http is not None:
                 await self.http.cleanup()
             for task in self.background:

@@ -26,7 +26,7 @@ def constant_fields(fields: Mapping[str, str]) -> structlog.typing.Processor:
 
 
 def visible_fields(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """Console lines (docs/behaviour.md §20.3): every text field with its control characters made
+    """Console lines (docs/reference/behaviour.md §20.3): every text field with its control characters made
     visible. DNS names, SNI, paths and names come from sandboxes, tenants and upstreams, and the
     console renderer prints text as it is (JSON lines are escaped by the encoder). A traceback
     keeps its line breaks, each of its lines escaped."""

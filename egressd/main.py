@@ -1,5 +1,5 @@
 """``egressd`` entry point: process hygiene, configuration, logging, then the chosen profile
-(egressd.fleet.run, egressd.sidecar.run: start-up order per docs/protocol.md §3 "Startup")."""
+(egressd.fleet.run, egressd.sidecar.run: start-up order per docs/reference/actions-protocol.md §3 "Startup")."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ __all__ = ["StartupError", "main", "run_fleet", "table_config"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     # First, before the configuration (token) is parsed and long before any vault or key is
-    # read: no core dump and no same-uid /proc/<pid>/mem reader (docs/behaviour.md §14.9). Both
+    # read: no core dump and no same-uid /proc/<pid>/mem reader (docs/reference/behaviour.md §14.9). Both
     # profiles run in this process.
     disable_core_dumps()
     args = list(sys.argv[1:] if argv is None else argv)

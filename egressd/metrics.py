@@ -246,7 +246,7 @@ class Histogram(_Instrument):
 
 
 class EgressMetrics:
-    """The instruments egressd exposes (docs/behaviour.md §12 plus egressd's own)."""
+    """The instruments egressd exposes (docs/reference/behaviour.md §12 plus egressd's own)."""
 
     def __init__(self, subjects_by_state: Samples | None = None) -> None:
         self.registry = CollectorRegistry()
@@ -284,7 +284,7 @@ class EgressMetrics:
             r, "egressd_subject_transitions_total", "Subject state transitions.", ["from", "to"]
         )
         self.pending_pushes = Gauge(r, "egressd_pending_pushes", "Credential pushes cached for unknown UIDs.")
-        # docs/behaviour.md §14.6: subjects whose narrowing the kernel refused and egressd is retrying.
+        # docs/reference/behaviour.md §14.6: subjects whose narrowing the kernel refused and egressd is retrying.
         self.revocations_pending = Gauge(
             r,
             "egressd_revocations_pending",
@@ -309,7 +309,7 @@ class EgressMetrics:
         self.dns_failed = Counter(
             r, "egress_dns_query_failed_total", "DNS queries answered SERVFAIL, by reason.", ["reason"]
         )
-        # docs/behaviour.md §14.3: queries REFUSED because the asker was over EGRESSD_DNS_QPS_PER_SUBJECT.
+        # docs/reference/behaviour.md §14.3: queries REFUSED because the asker was over EGRESSD_DNS_QPS_PER_SUBJECT.
         # subject = s-<uid>, or "-" for every unknown source together (bounded cardinality).
         # Exemplar: the last decision_id (the same as in the log line and the EDE text).
         self.dns_rate_limited = Counter(
@@ -321,7 +321,7 @@ class EgressMetrics:
 
     def _mitm(self) -> None:
         r = self.registry
-        # The transparent MITM child (docs/behaviour.md §10), counted from the addon's decision events.
+        # The transparent MITM child (docs/reference/behaviour.md §10), counted from the addon's decision events.
         # Every series carries the worker index (EGRESSD_MITM_WORKERS; the sidecar: always "0").
         self.mitm_ready = Gauge(
             r, "egressd_mitm_ready", "1 when the MITM worker child is listening.", ["worker"]
@@ -338,14 +338,14 @@ class EgressMetrics:
             "Intercepted requests by outcome (injected, pass, refused, error).",
             ["worker", "outcome"],
         )
-        # docs/behaviour.md §16: redirected connections decrypted/parsed or relayed untouched.
+        # docs/reference/behaviour.md §16: redirected connections decrypted/parsed or relayed untouched.
         self.mitm_connections = Counter(
             r,
             "egressd_mitm_connections_total",
             "Connections the MITM child opened (decrypt, parse) or relayed (passthrough).",
             ["worker", "protocol", "decision"],
         )
-        # docs/behaviour.md §14.9: how many clients' vault snapshots the child holds (bounded; a removed,
+        # docs/reference/behaviour.md §14.9: how many clients' vault snapshots the child holds (bounded; a removed,
         # rebound or vault-less subject's entry is dropped), as last reported by the child.
         self.mitm_cache_entries = Gauge(
             r,
@@ -357,7 +357,7 @@ class EgressMetrics:
 
     def _visibility(self) -> None:
         r = self.registry
-        # docs/behaviour.md §15: packets egressd's rules refused, read from the kernel's per-subject
+        # docs/reference/behaviour.md §15: packets egressd's rules refused, read from the kernel's per-subject
         # counters at scrape time (one dump); subject "-" = sources that are no subject.
         self.subject_dropped = Counter(
             r,

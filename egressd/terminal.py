@@ -1,5 +1,5 @@
 """Text that reaches an operator's terminal, with every control character made visible
-(docs/behaviour.md §20.3). Pure.
+(docs/reference/behaviour.md §20.3). Pure.
 
 Names a tenant, a sandbox or an upstream chooses (vault items, subject ids, DNS names, SNI,
 paths) end up in ``egressctl`` output and in console-format log lines. Printed raw, an escape

@@ -6,7 +6,7 @@
   ``Authorization`` back as ``X-Echo-Authorization`` (tests of response-header redaction).
   The echo also carries ``seen``: base64 of ``{"headers", "body"}`` as they arrived, so a test
   can read what the upstream received through a MITM that redacts its credential strings from
-  response bodies (docs/behaviour.md §10; an upstream that encodes a credential can always hand
+  response bodies (docs/reference/behaviour.md §10; an upstream that encodes a credential can always hand
   it back, which is what this does on purpose).
 * Under ``/_stream/`` the streaming endpoints of ``upstream_streams.py`` (server-sent events,
   bulk bodies, split echoes, an upload sink, a WebSocket).
@@ -244,7 +244,7 @@ def _dns_reply(zone: Zone, log_path: Path | None, data: bytes, client: str, prot
             "ts": time.time(),
             "dns": str(request.q.qname).lower().rstrip("."),
             "qtype": QTYPE[request.q.qtype],
-            # so tests can prove no UPDATE/NOTIFY (docs/behaviour.md §14.3) ever reached the upstream
+            # so tests can prove no UPDATE/NOTIFY (docs/reference/behaviour.md §14.3) ever reached the upstream
             "opcode": OPCODE.get(request.header.opcode, str(request.header.opcode)),
             "client": client.removeprefix("::ffff:"),
             "proto": proto,

@@ -87,7 +87,7 @@ ip netns exec "$UP" "$ROOT/.venv/bin/python" scripts/fleet_upstream.py --http-po
 PIDS+=($!)
 for _ in $(seq 1 100); do grep -q ready "$WORK/upstream.out" 2>/dev/null && break; sleep 0.1; done
 mkdir -p "$WORK/rules"
-# The deny webhook's receiver (docs/behaviour.md §15), in the pod namespace: one JSON body per line.
+# The deny webhook's receiver (docs/reference/behaviour.md §15), in the pod namespace: one JSON body per line.
 cat > "$WORK/webhook.py" <<'EOF'
 import http.server, sys
 class H(http.server.BaseHTTPRequestHandler):
@@ -177,7 +177,7 @@ first_event_early() {  # N HOST IP: an SSE answer's first event arrives while th
     "https://$2/_stream/sse?n=5&gap=500" | head -c 2000 || true)
   grep -q '^data: {"i": 0' <<<"$got"
 }
-https_upstream_ca() {  # the same, trusting only the upstream's own CA (docs/behaviour.md §16: passed through)
+https_upstream_ca() {  # the same, trusting only the upstream's own CA (docs/reference/behaviour.md §16: passed through)
   inns "$(SB "$1")" curl -s -m 5 --cacert "$WORK/tls/ca.pem" --resolve "$2:443:$3" "https://$2$4"
 }
 

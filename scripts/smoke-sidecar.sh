@@ -82,7 +82,7 @@ ip netns exec "$UP" "$ROOT/.venv/bin/python" scripts/fleet_upstream.py --http-po
 PIDS+=($!)
 for _ in $(seq 1 100); do grep -q ready "$WORK/upstream.out" 2>/dev/null && break; sleep 0.1; done
 mkdir -p "$WORK/rules"
-# The deny webhook's receiver (docs/behaviour.md §15), on an upstream address the sandbox's policy never
+# The deny webhook's receiver (docs/reference/behaviour.md §15), on an upstream address the sandbox's policy never
 # allows: the sidecar's own (marked) connection must reach it anyway.
 cat > "$WORK/webhook.py" <<'PY'
 import http.server, sys
@@ -210,7 +210,7 @@ check "and leaves no table behind" not table_exists
 # ---- transparent MITM (credential injection) --------------------------------------------------
 # The sidecar's MITM intercepts the namespace's own TCP 80/443 (nat output redirect); its child
 # runs with group id 18081, which the redirect exempts (meta skgid), so its upstream leg is not
-# intercepted again. Only the bound host is decrypted (docs/behaviour.md §16): for it the app trusts the
+# intercepted again. Only the bound host is decrypted (docs/reference/behaviour.md §16): for it the app trusts the
 # MITM CA ($MITM_CA); every other host is passed through with the upstream's own certificate.
 EXTRA_ENV=(OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT=1 OPENSANDBOX_EGRESS_MITMPROXY_PORT=18081
   OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR="$WORK/tls/trust" EGRESSD_MITM_CONFDIR="$WORK/mitm"

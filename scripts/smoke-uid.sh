@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# egressd end to end for host-uid sandboxes (docs/behaviour.md §17) on a throwaway namespace pair:
+# egressd end to end for host-uid sandboxes (docs/reference/behaviour.md §17) on a throwaway namespace pair:
 #
 #   host (egressd, and the sandboxes: processes of uids 100001, 100002, ...) --veth-- upstream (10.204.0.2-9)
 #

@@ -3,7 +3,7 @@
 
 Run as root from the repository root (not in CI: the default run takes 10 minutes)::
 
-    .venv/bin/python scripts/soak.py                 # 10 minutes, results to docs/soak-<date>.*
+    .venv/bin/python scripts/soak.py                 # 10 minutes, results to scripts/bench/results/soak-<date>.*
     .venv/bin/python scripts/soak.py --quick         # 1 minute, results under /tmp (smoke)
     .venv/bin/python scripts/soak.py --minutes 30 --out-prefix /tmp/soak30
 
@@ -560,7 +560,7 @@ def run(args: argparse.Namespace) -> int:
     duration = float(args.minutes) * 60
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     prefix = Path(
-        args.out_prefix or (f"/tmp/egressd-soak-quick-{date}" if args.quick else f"docs/soak-{date}")
+        args.out_prefix or (f"/tmp/egressd-soak-quick-{date}" if args.quick else f"scripts/bench/results/soak-{date}")
     )
     # Thread-pool workers, malloc arenas and the conntrack table (UDP entries live 30 s) settle in
     # the first half minute or so; a leak is what keeps growing after that.
@@ -746,7 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="seconds excluded from the fit (default min(60, duration/2))",
     )
     ap.add_argument(
-        "--out-prefix", default=None, help="CSV/PNG/TXT path prefix (default docs/soak-<date>; --quick: /tmp)"
+        "--out-prefix", default=None, help="CSV/PNG/TXT path prefix (default scripts/bench/results/soak-<date>; --quick: /tmp)"
     )
     ap.add_argument("--load", type=Path, help=argparse.SUPPRESS)  # internal: the load process
     args = ap.parse_args(argv)

@@ -21,7 +21,7 @@ root namespace, everything removed again, also on failure or SIGINT/SIGTERM):
   header rules as the first start, every set and map empty), that ``instanceId`` changed, then
   replays as a Fastlet would: per live sandbox the latest accepted SET_BINDING, then the
   hooks that were reached for that fence; and, as the proxy route must (vaults live in memory
-  only and die with the process, docs/behaviour.md §6), the sandbox's vault, either pushed before the
+  only and die with the process, docs/reference/behaviour.md §6), the sandbox's vault, either pushed before the
   SET_BINDING (cached, replayed by it) or PUT after the hooks;
 * after every action and every replay compares the kernel (``nft -j list table``) with an
   independent MODEL of what the daemon must hold (the spec's transitions, hand-computed set
@@ -63,7 +63,7 @@ DPR = "sandbox.data-plane-ready"
 GATEWAY2 = "10.203.0.254"  # the extra (namespace-less) addresses' gateway: exercises gateway release
 TABLE = "storm"
 
-# ---- policies: inputs and what they must become, computed by hand from docs/behaviour.md §5/§8 -------
+# ---- policies: inputs and what they must become, computed by hand from docs/reference/behaviour.md §5/§8 -------
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ POLICIES: dict[str, PolicySpec] = {
         ),
     )
 }
-BAD_INPUT = _pol({"defaultAction": "maybe"})  # 400 (docs/behaviour.md §5, PROPOSED)
+BAD_INPUT = _pol({"defaultAction": "maybe"})  # 400 (docs/reference/behaviour.md §5, PROPOSED)
 STATIC_KINDS = ("allow", "deny", "wdeny", "audit")
 ALLOW_KINDS = ("allow", "audit", "dyn")  # what an extra element of would open (audit marks too)
 
@@ -453,19 +453,19 @@ HEADER_SETS = {
     f"{kind}_{fam}"
     for fam in ("v4", "v6")
     for kind in ("marking", "dispatch", "sandboxes", "sandbox_nets", "dns_gw", "drop_counter")
-} | {"sandbox_ifaces"}  # docs/behaviour.md §20.2: the attachments' hostVeths
-# The header's host-uid half (docs/behaviour.md §17): its maps stay empty, the storm binds no uid subject.
+} | {"sandbox_ifaces"}  # docs/reference/behaviour.md §20.2: the attachments' hostVeths
+# The header's host-uid half (docs/reference/behaviour.md §17): its maps stay empty, the storm binds no uid subject.
 UID_HEADER_SETS = {"uid_marking", "uid_dispatch", "uid_dns", "uid_dns_own", "uid_audit", "uid_drop_counter"}
 MITM_HEADER_SETS = {f"{kind}_{fam}" for fam in ("v4", "v6") for kind in ("mitm_in", "mitm_src")} | {
     "uid_mitm",
     "uid_mitm_in",
 }
-# docs/behaviour.md §15: every refusal goes through "denied" (counted) to "deny_verdict".
+# docs/reference/behaviour.md §15: every refusal goes through "denied" (counted) to "deny_verdict".
 HEADER_CHAINS = {
     "marking",
     "dispatch",
     "input",
-    "owned_in",  # docs/behaviour.md §20.1
+    "owned_in",  # docs/reference/behaviour.md §20.1
     "sandbox_in",
     "nat",
     "denied",

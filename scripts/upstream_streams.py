@@ -1,5 +1,5 @@
 """Streaming endpoints of the test upstream (scripts/fleet_upstream.py), for the MITM's response
-path (docs/behaviour.md §10): server-sent events with logged send times, bulk bodies of any size
+path (docs/reference/behaviour.md §10): server-sent events with logged send times, bulk bodies of any size
 with and without a length, an echo of a request header split across chunks (optionally
 compressed), a hashing upload sink and a WebSocket echo. HTTP/1.1 through aiohttp; HTTP/2
 through the ``h2`` library for connections whose SNI starts with ``h2.`` (ALPN ``h2``), with

@@ -1,4 +1,4 @@
-"""Policies at the rule cap (docs/behaviour.md §14.5) for unit and kernel tests.
+"""Policies at the rule cap (docs/reference/behaviour.md §14.5) for unit and kernel tests.
 
 Every filler rule is its own kernel set element: hosts and prefixes are pairwise disjoint
 (normalisation keeps them all), v4/v6 hosts and CIDRs are interleaved, every seventh rule is

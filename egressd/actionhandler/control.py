@@ -1,4 +1,4 @@
-"""Operation handling (docs/protocol.md §3): actions in, the registry's plans executed, commits out.
+"""Operation handling (docs/reference/actions-protocol.md §3): actions in, the registry's plans executed, commits out.
 
 :class:`ControlPlane` runs the three operations. It parses the input before anything changes,
 asks the registry for a plan (subject/registry.py, pure), runs the plan's kernel steps in

@@ -73,7 +73,7 @@ class Attachment:
 
 @dataclass(frozen=True, slots=True)
 class ProcessAttachment:
-    """``attachment.process`` of a SET_BINDING (docs/behaviour.md §17): the sandbox is every process of
+    """``attachment.process`` of a SET_BINDING (docs/reference/behaviour.md §17): the sandbox is every process of
     host uid ``uid`` in egressd's own network namespace; that uid is the dispatch key."""
 
     uid: int
@@ -304,7 +304,7 @@ def _attachment(doc: _JSONObject, *, required: bool) -> Attachment | None:
 def _process(
     doc: _JSONObject, *, required: bool, uid_range: UidRange, own_uid: int | None
 ) -> ProcessAttachment | None:
-    """``attachment.process`` (docs/behaviour.md §17); None when the block is absent.
+    """``attachment.process`` (docs/reference/behaviour.md §17); None when the block is absent.
 
     Only ``uid`` is read: an integer (JSON number without fraction or exponent, never a
     string or a boolean) inside ``uid_range`` and not egressd's own uid. Like a network

@@ -1,4 +1,4 @@
-"""Host-uid subjects in the action handling (docs/behaviour.md §17): their binding and their kernel keys.
+"""Host-uid subjects in the action handling (docs/reference/behaviour.md §17): their binding and their kernel keys.
 
 A host-uid sandbox is keyed by its processes' host uid (``attachment.process.uid``) and gets a
 *slot*, which names its own DNS port (and, with the MITM, its MITM port). Its kernel objects,

@@ -52,7 +52,7 @@ class DnsLearning:
         return self._asker_of(self._shared.registry.resolve(source_ip))
 
     def asker_for_slot(self, slot: int) -> Asker | None:
-        """The asker behind a host-uid subject's DNS port (docs/behaviour.md §17): the port names it."""
+        """The asker behind a host-uid subject's DNS port (docs/reference/behaviour.md §17): the port names it."""
         return self._asker_of(self._shared.registry.resolve_slot(slot))
 
     def host_uid_subjects(self) -> dict[int, str]:
@@ -82,10 +82,10 @@ class DnsLearning:
         self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
     ) -> list[IPAddress]:
         """Put DNS-learned addresses into the subject's dyn sets before the answer is sent;
-        return those the kernel now holds (the reply carries only these, docs/behaviour.md §14.4).
+        return those the kernel now holds (the reply carries only these, docs/reference/behaviour.md §14.4).
 
         Under the subject's lock and decided again there, against the policy in force now
-        (docs/behaviour.md §14.1): an answer that arrives after a revert, rebind, removal or a change
+        (docs/reference/behaviour.md §14.1): an answer that arrives after a revert, rebind, removal or a change
         that denies its name must never reopen it. ``name`` None is the connection refresh:
         it renews only addresses that a still-allowed name taught.
 
@@ -137,7 +137,7 @@ class DnsLearning:
         return self._verified(self._shared.registry.resolve(source_ip), host, dst)
 
     def destination_verified_port(self, port: int, host: str, dst: IPAddress) -> bool:
-        """The same for a host-uid subject, named by its MITM port (docs/behaviour.md §17)."""
+        """The same for a host-uid subject, named by its MITM port (docs/reference/behaviour.md §17)."""
         slot = self._shared.table.uids.slot_of_mitm_port(port)
         return slot is not None and self._verified(self._shared.registry.resolve_slot(slot), host, dst)
 

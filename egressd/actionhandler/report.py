@@ -46,7 +46,7 @@ class Report:
         self._vaults = vaults
 
     def _entry_of(self, source: IPAddress | int) -> Entry | None:
-        """The subject behind a source address, or behind a host uid (an ``int``, docs/behaviour.md §17)."""
+        """The subject behind a source address, or behind a host uid (an ``int``, docs/reference/behaviour.md §17)."""
         if isinstance(source, int):
             return self._shared.registry.resolve_host_uid(source)
         return self._shared.registry.resolve(unmap_ip(source))
@@ -157,7 +157,7 @@ class Report:
 
 def _binding_fields(binding: AnyBinding | None, table: TableConfig) -> dict[str, Any]:
     """The dispatch key of ``egressctl subjects``: an address and gateway, or a host uid and
-    its ports (docs/behaviour.md §17)."""
+    its ports (docs/reference/behaviour.md §17)."""
     if isinstance(binding, HostBinding):
         return {
             "sourceIp": None,

@@ -1,4 +1,4 @@
-"""Narrowings the kernel refused (docs/behaviour.md §14.6), retried by egressd itself until they hold.
+"""Narrowings the kernel refused (docs/reference/behaviour.md §14.6), retried by egressd itself until they hold.
 
 A plan that takes something away from what the kernel holds (a revert, rebind, removal or an
 in-place swap) and fails leaves the kernel more open than the action meant. Such a subject

@@ -3,7 +3,7 @@
 Every mutation of a subject runs under that subject's lock, and every kernel transaction under
 one global kernel lock, so the cross-subject bookkeeping (who still uses a gateway or an IP)
 is read and changed atomically with the transaction that depends on it. Kernel first,
-registry second (docs/architecture.md, "Concurrency").
+registry second (docs/concepts/architecture.md, "Concurrency").
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Claims:
     def __init__(self) -> None:
         self.ips: dict[IPAddress, str] = {}
         self.nft_ids: dict[str, str] = {}
-        self.host_uids: dict[int, str] = {}  # host-uid subjects (docs/behaviour.md §17)
+        self.host_uids: dict[int, str] = {}  # host-uid subjects (docs/reference/behaviour.md §17)
         self.slots: dict[int, str] = {}
 
     def conflict(self, uid: str, binding: AnyBinding | None) -> str | None:

@@ -378,7 +378,7 @@ class StepRunner:
         self, view: KernelView, effective: NetworkPolicy, contents: Contents, narrowed: Narrowed | None
     ) -> bool:
         """May an in-place change from ``view`` to ``effective`` leave an established flow
-        running that the new policy refuses (docs/behaviour.md §14.1)? It may when it revokes
+        running that the new policy refuses (docs/reference/behaviour.md §14.1)? It may when it revokes
         a lease, refuses an address the static sets accepted, or refuses a name the old policy
         admitted (a flow to one of its addresses may outlive the lease it started under, e.g.
         UDP, never renewed). Anything not known for certain counts as yes."""

@@ -1,4 +1,4 @@
-"""Each subject's credential vault as the actions and the MITM see it (§6, docs/behaviour.md §14.7, 14.9).
+"""Each subject's credential vault as the actions and the MITM see it (§6, docs/reference/behaviour.md §14.7, 14.9).
 
 A SET_BINDING input's vault activates with its policy: at once for an active subject, at
 data-plane-ready for a denying one. Proxy-route pushes for a sandbox not registered yet wait
@@ -50,11 +50,11 @@ class Credentials:
         # Binding inputs whose vault activates with their pending policy (data-plane-ready).
         self.pending_inputs: dict[str, BindingInput] = {}
         self.pending_pushes = PendingPushes(pending_ttl)
-        # Where vault changes are announced (docs/behaviour.md §14.9): addresses whose vault snapshot the
+        # Where vault changes are announced (docs/reference/behaviour.md §14.9): addresses whose vault snapshot the
         # MITM child may hold and must drop now (vault deleted or changed, subject removed, rebound,
         # closing). (A host-uid subject's snapshot is cached under its MITM port's key, not an address.)
         self.feed = feed if feed is not None else Feed()
-        self._uids = uids  # host-uid subjects' MITM ports (docs/behaviour.md §17)
+        self._uids = uids  # host-uid subjects' MITM ports (docs/reference/behaviour.md §17)
 
     def view_changed(self, uid: str, *also: Entry | None) -> None:
         """What ``vault_for_ip`` answers for ``uid``'s address (``vault_for_mitm_port`` for
@@ -153,7 +153,7 @@ class Credentials:
 
     def coverage_policy(self, uid: str) -> NetworkPolicy | None:
         """What vault bindings must be covered by: the effective policy if active, else the
-        pending one plus always-rules (docs/behaviour.md §6, PROPOSED); None refuses every binding."""
+        pending one plus always-rules (docs/reference/behaviour.md §6, PROPOSED); None refuses every binding."""
         entry = self._registry.get(uid)
         if entry is None:
             return None
@@ -168,7 +168,7 @@ class Credentials:
         return self._snapshot(self._registry.resolve(source_ip))
 
     def vault_for_mitm_port(self, port: int) -> VaultSnapshot | None:
-        """MITM lookup of a host-uid subject (docs/behaviour.md §17): its listener port names it."""
+        """MITM lookup of a host-uid subject (docs/reference/behaviour.md §17): its listener port names it."""
         slot = self._uids.slot_of_mitm_port(port)
         return None if slot is None else self._snapshot(self._registry.resolve_slot(slot))
 

@@ -61,7 +61,7 @@ class CliError(Exception):
 
 def one_line(text: str, limit: int = _MAX_REASON) -> str:
     """Collapse whitespace (newlines included), make control characters visible
-    (docs/behaviour.md §20.3: daemon answers quote names a tenant chose) and bound the length."""
+    (docs/reference/behaviour.md §20.3: daemon answers quote names a tenant chose) and bound the length."""
     flat = visible(" ".join(text.split()))
     if len(flat) > limit:
         return flat[: limit - 3] + "..."

@@ -40,7 +40,7 @@ class Context:
         # Lazy: commands that never talk to the daemon are not failed by a bad --addr.
         return DaemonClient(self.addr, self.timeout)
 
-    # Every line goes through egressd.terminal.visible (docs/behaviour.md §20.3): names a tenant,
+    # Every line goes through egressd.terminal.visible (docs/reference/behaviour.md §20.3): names a tenant,
     # a sandbox or an upstream chose never reach the terminal with their control characters.
     def out(self, line: str = "") -> None:
         print(visible(line), file=sys.stdout)

@@ -1,4 +1,4 @@
-"""egressctl: operator / dispatcher CLI over the egressd HTTP surface (docs/protocol.md).
+"""egressctl: operator / dispatcher CLI over the egressd HTTP surface (docs/reference/http-api.md).
 
 Commands (global options ``--addr``, ``--json``, ``--timeout`` go before or after the command)::
 
@@ -64,7 +64,7 @@ from egressd.terminal import visible
 
 __all__ = ["COMMANDS", "EXIT_CODES", "build_parser", "main", "register"]
 
-#: The documented exit codes (README, docs/operations.md, ``egressctl --help``).
+#: The documented exit codes (README and ``egressctl --help``, which the reference page is generated from).
 EXIT_CODES: dict[int, str] = {
     EXIT_OK: "success",
     EXIT_FAILURE: "the daemon answered but not with success (non-2xx, not ready, MITM disabled)",

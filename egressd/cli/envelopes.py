@@ -1,4 +1,4 @@
-"""Builders for the Fastlet action envelopes egressctl sends (docs/protocol.md §1).
+"""Builders for the Fastlet action envelopes egressctl sends (docs/reference/actions-protocol.md §1).
 
 Pure functions: no I/O. Local validation is limited to what egressctl itself has to
 compute (addresses, to derive the default gateway); everything else is left to the
@@ -99,7 +99,7 @@ def binding_envelope(
 ) -> dict[str, Any]:
     """SET_BINDING. ``binding_input`` None is the literal JSON null (binding removed).
 
-    ``host_uid`` makes it a host-uid sandbox (``attachment.process.uid``, docs/behaviour.md §17). The
+    ``host_uid`` makes it a host-uid sandbox (``attachment.process.uid``, docs/reference/behaviour.md §17). The
     attachment block is omitted when neither it nor ``ip`` is given (only meaningful with a
     null input).
     """

@@ -1,4 +1,4 @@
-"""Builders for ``egressctl vault ...``: the proxy-route requests (docs/protocol.md §4) and the
+"""Builders for ``egressctl vault ...``: the proxy-route requests (docs/reference/actions-protocol.md §4) and the
 sealed binding input (§11).
 
 Pure functions, no I/O (the command handlers in :mod:`egressd.cli.commands.vault` read files and

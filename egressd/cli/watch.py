@@ -128,7 +128,7 @@ def run_watch(
     while count is None or index < count:
         index += 1
         lines = frame(fetch(), history, addr=addr, now=clock(), interval=interval, index=index, count=count)
-        text = "\n".join(visible(line) for line in lines)  # docs/behaviour.md §20.3
+        text = "\n".join(visible(line) for line in lines)  # docs/reference/behaviour.md §20.3
         if tty:
             out(CLEAR + text)
         else:

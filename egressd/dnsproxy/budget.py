@@ -1,4 +1,4 @@
-"""Per-subject DNS query budget (docs/behaviour.md §14.3): token buckets, pure apart from an injectable clock.
+"""Per-subject DNS query budget (docs/reference/behaviour.md §14.3): token buckets, pure apart from an injectable clock.
 
 Every parsed query costs one token, whatever its fate (forwarded, denied, refused as
 malformed): a subject that floods the proxy with names it may not resolve still costs the

@@ -1,5 +1,5 @@
 """The DNS proxy's options: its listener, its upstreams, the per-subject
-query budget (docs/behaviour.md §14.3) and the lease bounds."""
+query budget (docs/reference/behaviour.md §14.3) and the lease bounds."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class DnsConfig:
     port: int = 15353
     upstreams: tuple[Upstream, ...] | None = None  # None: from /etc/resolv.conf at start-up
     upstream_timeout: float = 5.0
-    qps_per_subject: int = 200  # docs/behaviour.md §14.3; 0 = no budget
+    qps_per_subject: int = 200  # docs/reference/behaviour.md §14.3; 0 = no budget
     lease_min: int = 60
     lease_max: int = 360
 

@@ -1,4 +1,4 @@
-"""Per-query decisions of the DNS proxy (docs/behaviour.md §7), pure: parsed query + policy in, verdict out."""
+"""Per-query decisions of the DNS proxy (docs/reference/behaviour.md §7), pure: parsed query + policy in, verdict out."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def lease_seconds(ttl: int, lo: int = LEASE_MIN_S, hi: int = LEASE_MAX_S) -> int
 
 
 def check_message(query: DNSRecord) -> Decision | None:
-    """docs/behaviour.md §14.3: None for the only shape the policy can judge, a plain QUERY with exactly
+    """docs/reference/behaviour.md §14.3: None for the only shape the policy can judge, a plain QUERY with exactly
     one question, empty answer and authority sections and at most one OPT record; else the
     FORMERR or REFUSED to answer with (never forwarded, whatever the name).
 

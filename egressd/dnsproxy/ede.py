@@ -8,7 +8,7 @@ INFO-CODEs: a real policy denial is **15 "Blocked"** (RFC 8914 §4.16: blocked b
 policy). An audit would-deny is **0 "Other"**: the answer is real and usable, and 15 on a
 NOERROR answer would tell clients (browsers and stub resolvers surface EDE 15 to users) that
 the name was blocked when it was not. RFC 8914 §3 allows EDE on any response, NOERROR included.
-A query over the per-subject budget (docs/behaviour.md §14.3) is REFUSED with **15** too (operator
+A query over the per-subject budget (docs/reference/behaviour.md §14.3) is REFUSED with **15** too (operator
 policy; RFC 8914 has no rate-limit code). A message the proxy will not carry (another opcode,
 a signed message) is REFUSED with **21 "Not Supported"** (RFC 8914 §4.22).
 """

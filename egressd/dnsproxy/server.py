@@ -46,7 +46,7 @@ DENY_LOGS_PER_CLIENT_PER_S = 20  # beyond this, denials are counted but not logg
 
 @dataclass(frozen=True, slots=True)
 class PortAsker:
-    """A listener whose port names the asker (host-uid subjects, docs/behaviour.md §17): every uid
+    """A listener whose port names the asker (host-uid subjects, docs/reference/behaviour.md §17): every uid
     sandbox asks from the host's own address, and the kernel redirected each one's queries to
     a port of its own. ``asker`` answers for whoever holds the port now (None: nobody, which
     is answered like an unknown source)."""
@@ -59,7 +59,7 @@ class PortAsker:
 AskerLookup = Callable[[IPAddress], Asker | None]
 #: The DNS-to-kernel callback, called with (uid, fence, [(address, lease seconds)], question
 #: name) before an answer is sent: puts the addresses into the asker's dyn sets and returns
-#: those the kernel now holds (the reply carries only these, docs/behaviour.md §14.4).
+#: those the kernel now holds (the reply carries only these, docs/reference/behaviour.md §14.4).
 OnResolved = Callable[[str, Fence, list[tuple[IPAddress, int]], str | None], Awaitable[Collection[IPAddress]]]
 
 
@@ -80,7 +80,7 @@ class DnsProxy:
         # nothing of registries or kernels (the reference's proxy.SetOnResolved).
         self.asker = asker
         self.on_resolved = on_resolved
-        # docs/behaviour.md §15: deny webhook, recent denials, egress.outbound (never awaited).
+        # docs/reference/behaviour.md §15: deny webhook, recent denials, egress.outbound (never awaited).
         self.events = events
         self.forwarder = forwarder
         self.metrics = metrics
@@ -144,7 +144,7 @@ class DnsProxy:
         query, ip = parsed
         asker = self.asker(ip) if by_port is None else by_port.asker()
         had_edns = any(rr.rtype == QTYPE.OPT for rr in query.ar)
-        # docs/behaviour.md §14.3: the budget is charged before anything else is looked at, so every
+        # docs/reference/behaviour.md §14.3: the budget is charged before anything else is looked at, so every
         # parsed message costs a token, a refused or denied one too.
         if self.budget is not None and not self.budget.admit(asker.uid if asker else None, ip):
             return self._over_budget(query, ip, asker, had_edns, tcp, start)
@@ -435,7 +435,7 @@ def _client_key(client: str, by_port: PortAsker | None) -> str:
 
 
 def _bound_pair(host: str, port: int, mark: int | None) -> tuple[socket.socket, socket.socket]:
-    """The UDP socket and the listening TCP socket of one address (docs/behaviour.md §20.1: the UDP
+    """The UDP socket and the listening TCP socket of one address (docs/reference/behaviour.md §20.1: the UDP
     one never shares its port, both carry the owner mark when one is given)."""
     udp = bound_socket(host, port, socket.SOCK_DGRAM, mark=mark)
     try:

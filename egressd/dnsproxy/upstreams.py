@@ -1,4 +1,4 @@
-"""Upstream resolver configuration (docs/behaviour.md §7): parsing is pure, /etc/resolv.conf is read by the shell."""
+"""Upstream resolver configuration (docs/reference/behaviour.md §7): parsing is pure, /etc/resolv.conf is read by the shell."""
 
 from __future__ import annotations
 

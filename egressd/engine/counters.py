@@ -1,4 +1,4 @@
-"""The kernel counter read both profiles' visibility parts make (docs/behaviour.md §15).
+"""The kernel counter read both profiles' visibility parts make (docs/reference/behaviour.md §15).
 
 Refusal counts (the fleet's per-subject ``subj_<id>_dropped``, the sidecar's one ``dropped``)
 and the fleet's audit evidence are samples of kernel counters, read before each scrape. A read

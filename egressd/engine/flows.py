@@ -1,4 +1,4 @@
-"""The flow cut both profiles run after a narrowing (docs/behaviour.md §8.3): best effort.
+"""The flow cut both profiles run after a narrowing (docs/reference/behaviour.md §8.3): best effort.
 
 The kernel refuses new flows the moment a change narrows access, but established ones are
 accepted first, so each profile reads the conntrack table, judges every tracked flow by its

@@ -5,7 +5,7 @@ are admissible, which leases survive a narrowing, whether an address is verified
 This module is the procedure around them that the fleet (``egressd.actionhandler.learning``)
 and the sidecar (``egressd.sidecar.engine``) each ran on their own: normalise the question,
 decide against the policy in force now, hand what is admitted to the backend's kernel step,
-record what the kernel took, and answer the MITM's destination check (docs/behaviour.md §10,
+record what the kernel took, and answer the MITM's destination check (docs/reference/behaviour.md §10,
 §14.1, §14.4). Each profile keeps its own guards (the fleet's subject lock, states and closing
 subjects; the sidecar's readiness), its kernel step and where its books live. Which leases a
 policy change keeps is :func:`egressd.subject.leases.narrowed_for` over the deny sets the
@@ -55,7 +55,7 @@ async def learn(
 ) -> list[IPAddress]:
     """Learn one answer (``name``: its question; None: a refresh of live addresses) into
     ``book`` under ``effective``, the policy in force now; return the addresses the kernel now
-    holds (the reply carries only these, docs/behaviour.md §14.4).
+    holds (the reply carries only these, docs/reference/behaviour.md §14.4).
 
     Nothing admissible: nothing reaches the kernel. When ``add`` raises, the leases are recorded
     only if ``kernel_may_hold`` says the kernel may have taken them anyway (an unanswered or
@@ -86,5 +86,5 @@ def verified_until(
     book: LeaseBook | None, sets: IpSets | None, host: str, dst: IPAddress, now: float
 ) -> float:
     """:func:`verified` with its deadline (monotonic; 0.0: not verified), for the MITM's memory
-    (docs/behaviour.md §10, "answered from memory")."""
+    (docs/reference/behaviour.md §10, "answered from memory")."""
     return destination_verified_until(book, sets, normalise_name(host), dst, now)

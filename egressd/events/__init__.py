@@ -1,4 +1,4 @@
-"""What operators see of a subject's refusals and answers (docs/behaviour.md §15).
+"""What operators see of a subject's refusals and answers (docs/reference/behaviour.md §15).
 
 ``dns``: the DNS proxy's one hook into all of it. ``webhook``: the reference's denied-name
 callback (``OPENSANDBOX_EGRESS_DENY_WEBHOOK``). ``outbound``: the ``egress.outbound`` event

@@ -1,4 +1,4 @@
-"""The last few DNS denials of each subject, for ``egressctl subjects`` / ``watch`` (docs/behaviour.md §15).
+"""The last few DNS denials of each subject, for ``egressctl subjects`` / ``watch`` (docs/reference/behaviour.md §15).
 
 Bounded twice: a handful of entries per subject, and a cap on how many subjects are tracked
 (entries go with their subject on removal or rebind; the cap only matters if that bookkeeping

@@ -1,4 +1,4 @@
-"""The DNS proxy's one hook into the visibility events (docs/behaviour.md §15).
+"""The DNS proxy's one hook into the visibility events (docs/reference/behaviour.md §15).
 
 :meth:`DnsEvents.denied` runs for every refusal the proxy answers and
 :meth:`DnsEvents.answered` for every allowed answer; both return at once (no I/O, no await):

@@ -1,4 +1,4 @@
-"""The reference's ``egress.outbound`` event for allowed DNS answers (docs/behaviour.md §12, §15).
+"""The reference's ``egress.outbound`` event for allowed DNS answers (docs/reference/behaviour.md §12, §15).
 
 ``opensandbox.event=egress.outbound`` with ``target.host`` (the asked name, lower case, no
 trailing dot), ``target.ips`` (the A/AAAA addresses the answer carried to the sandbox) and,

@@ -1,4 +1,4 @@
-"""``OPENSANDBOX_EGRESS_DENY_WEBHOOK``: a POST for every DNS name the policy denies (docs/behaviour.md §15).
+"""``OPENSANDBOX_EGRESS_DENY_WEBHOOK``: a POST for every DNS name the policy denies (docs/reference/behaviour.md §15).
 
 Semantics of the reference component (``components/egress/pkg/events``): the body is
 ``{"hostname","timestamp","source":"opensandbox-egress","sandboxId"}`` (hostname lower-cased

@@ -1,6 +1,6 @@
 """The change feed: every owner of state that may narrow what egressd answers a client
 publishes a typed :class:`Narrowing` here, synchronously, in the step that changed the state and
-before its caller is answered (docs/behaviour.md §10, "answered from memory").
+before its caller is answered (docs/reference/behaviour.md §10, "answered from memory").
 
 One :class:`Feed` is made at start-up by the profile's composition root (``fleet/run.py``,
 ``sidecar/run.py``) and passed to the owners: the subject registry, the lease books, the
@@ -68,7 +68,7 @@ class AlwaysRulesChanged(Narrowing):
 class VaultChanged(Narrowing):
     """What the vault lookup answers these clients changed (vault deleted, changed or
     activated; subject removed, rebound or closing): the MITM child drops their snapshots too
-    (docs/behaviour.md §14.9)."""
+    (docs/reference/behaviour.md §14.9)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +81,7 @@ Subscriber = Callable[[Narrowing], None]
 
 
 def port_key(port: int) -> str:
-    """The cache key of the clients of a per-subject MITM port (host-uid subjects, docs/behaviour.md
+    """The cache key of the clients of a per-subject MITM port (host-uid subjects, docs/reference/behaviour.md
     §17): the port names the subject there, the peer address (the host's own) names nobody."""
     return f"port:{port}"
 

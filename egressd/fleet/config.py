@@ -1,5 +1,5 @@
 """The fleet profile's configuration: the options only the fleet reads
-(its API's loopback guard, pending pushes, host-uid subjects docs/behaviour.md §17, extra
+(its API's loopback guard, pending pushes, host-uid subjects docs/reference/behaviour.md §17, extra
 sandbox-facing interfaces §20.2), composed with the subsystems' frozen configs."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "EGRESSD_UID_RANGE",
         "--uid-range",
-        "fleet: host uids that belong to sandboxes, first-last (docs/behaviour.md §17)",
+        "fleet: host uids that belong to sandboxes, first-last (docs/reference/behaviour.md §17)",
         str(DEFAULT_UID_RANGE),
         profile="fleet",
     ),
@@ -62,7 +62,7 @@ OPTIONS: tuple[Option, ...] = (
         "EGRESSD_SANDBOX_IFACES",
         "--sandbox-ifaces",
         "fleet: comma-separated interface names, or name* prefixes, whose packets are a sandbox's "
-        "besides the attachments' hostVeths (bridges; docs/behaviour.md §20.2)",
+        "besides the attachments' hostVeths (bridges; docs/reference/behaviour.md §20.2)",
         "",
         profile="fleet",
         example="br-sandbox,veth*",
@@ -79,8 +79,8 @@ class FleetConfig:
     kernel: KernelConfig
     allow_non_loopback: bool = False
     pending_push_ttl: int = 30
-    uid_ports: UidPorts = DEFAULT_UID_PORTS  # EGRESSD_UID_* (docs/behaviour.md §17)
-    # EGRESSD_SANDBOX_IFACES (docs/behaviour.md §20.2): names and "prefix*" of sandbox-facing interfaces.
+    uid_ports: UidPorts = DEFAULT_UID_PORTS  # EGRESSD_UID_* (docs/reference/behaviour.md §17)
+    # EGRESSD_SANDBOX_IFACES (docs/reference/behaviour.md §20.2): names and "prefix*" of sandbox-facing interfaces.
     sandbox_ifaces: tuple[str, ...] = ()
 
     @property
@@ -132,7 +132,7 @@ def pending_push_ttl(raw: Raw) -> int:
     except ValueError:
         ttl = 30
     if ttl <= 0:
-        ttl = 30  # docs/protocol.md §4: default/<=0/invalid -> 30
+        ttl = 30  # docs/reference/actions-protocol.md §4: default/<=0/invalid -> 30
     return ttl
 
 

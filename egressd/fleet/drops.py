@@ -1,4 +1,4 @@
-"""Per-subject refusal counts of the fleet profile (docs/behaviour.md §15), read from the kernel.
+"""Per-subject refusal counts of the fleet profile (docs/reference/behaviour.md §15), read from the kernel.
 
 Every refusal of the table goes through the ``denied`` chain, which counts it in the source's
 named counter ``subj_<id>_dropped`` (or ``unattributed_dropped`` for a source that is no

@@ -1,4 +1,4 @@
-"""The proxy-route surface (docs/protocol.md §4): per-subject credential vault and /policy pushes.
+"""The proxy-route surface (docs/reference/actions-protocol.md §4): per-subject credential vault and /policy pushes.
 
 :meth:`ProxyRouteAPI.handle` is transport-free (method, path, headers, body in; :class:`Reply`
 out) so the same code serves HTTP and the replay of cached pushes. Bodies and vault values
@@ -165,7 +165,7 @@ class ProxyRouteAPI(SubjectListener):
             )
         problem = rule_cap_problem(new, self.max_rules)
         if problem is not None:
-            # 400 like every other fleet input refusal (docs/behaviour.md §14.5); the sidecar says 413.
+            # 400 like every other fleet input refusal (docs/reference/behaviour.md §14.5); the sidecar says 413.
             return Reply(400, text=problem)
         store = self.credentials.stores.get(entry.uid)
         if store is not None:

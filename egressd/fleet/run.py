@@ -1,5 +1,5 @@
 """Start-up, serving and shutdown of the fleet profile: the composition root that wires the shared
-packages together (docs/protocol.md §3 "Startup").
+packages together (docs/reference/actions-protocol.md §3 "Startup").
 
 Order: always-rules -> kernel self-test and bridge check -> control plane -> table reset to
 deny-all -> DNS proxy -> background tasks -> MITM -> HTTP. Any failure before serving is a
@@ -87,7 +87,7 @@ async def run_fleet(cfg: FleetConfig, stop: asyncio.Event | None = None) -> None
         bridges, renewal = _check_kernel(cfg, tx)
         control, proxy, visibility = _control_plane(cfg, tx, always, metrics, renewal)
         running.stoppers.append(control.close)
-        # The deny webhook's worker; events queued after its close are dropped (docs/behaviour.md §15).
+        # The deny webhook's worker; events queued after its close are dropped (docs/reference/behaviour.md §15).
         visibility.start()
         running.stoppers.append(visibility.close)
         await _reset_table(cfg, control, always)
@@ -169,7 +169,7 @@ def _control_plane(
         feed=Feed(),
     )
     proxy = ProxyRouteAPI(control, max_rules=cfg.common.max_rules)
-    # Audit evidence and refusal counts (docs/behaviour.md §15) share one counter dump per scrape.
+    # Audit evidence and refusal counts (docs/reference/behaviour.md §15) share one counter dump per scrape.
     visibility = fleet_visibility(
         cfg.common, metrics, lambda: tx.list_counters(cfg.kernel.nft_table), lambda: list(control.registry)
     )
@@ -230,7 +230,7 @@ async def _start_dns(
 
 
 class UidDnsPorts:
-    """The DNS proxy's per-subject listeners of host-uid subjects (docs/behaviour.md §17), by slot."""
+    """The DNS proxy's per-subject listeners of host-uid subjects (docs/reference/behaviour.md §17), by slot."""
 
     def __init__(self, dns: DnsProxy, control: ControlPlane) -> None:
         self._dns = dns
@@ -303,7 +303,7 @@ async def _serve(cfg: FleetConfig, http: FleetHTTP, running: Running, stop: asyn
 
 
 async def _sweep_pending(control: ControlPlane, interval: float = 10.0) -> None:
-    """Expired pending pushes are dropped (docs/protocol.md §4: swept every 10 s)."""
+    """Expired pending pushes are dropped (docs/reference/actions-protocol.md §4: swept every 10 s)."""
     while True:
         await asyncio.sleep(interval)
         control.credentials.pending_pushes.sweep(time.monotonic())

@@ -1,4 +1,4 @@
-"""aiohttp surface of the fleet profile (docs/protocol.md "HTTP surface, fleet profile")."""
+"""aiohttp surface of the fleet profile (docs/reference/http-api.md "Fleet profile")."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class FleetHTTP:
     ) -> None:
         self.proxy = proxy
         self.vault_transport = vault_transport or VaultTransport()
-        # Adds kernel drop counts and recent denials to /v1/subjects (docs/behaviour.md §15).
+        # Adds kernel drop counts and recent denials to /v1/subjects (docs/reference/behaviour.md §15).
         self._annotate_subjects = annotate_subjects
         # () -> (public certificate PEM, SHA-256 hex of its DER), or None while the MITM is off.
         self._mitm_ca = mitm_ca
@@ -76,7 +76,7 @@ class FleetHTTP:
         self.instance_id = instance_id or new_instance_id()
         self._extra_health = extra_health
         self._status_extra = status_extra
-        # Actions and proxy-route writes whose body was read run to their end (docs/behaviour.md §14.10).
+        # Actions and proxy-route writes whose body was read run to their end (docs/reference/behaviour.md §14.10).
         self.inflight = InFlight(feed=control.feed)
 
     def health_problem(self) -> str | None:
@@ -84,7 +84,7 @@ class FleetHTTP:
             return "enforcement not installed"
         revoking = self.control.revoking()
         if revoking:
-            # The kernel still holds more than these subjects may have (docs/behaviour.md §14.6).
+            # The kernel still holds more than these subjects may have (docs/reference/behaviour.md §14.6).
             names = ", ".join(sorted(subject_for_uid(uid) for uid in revoking))
             return f"revocation pending: {names}"
         if self._extra_health is not None:
@@ -201,7 +201,7 @@ class FleetHTTP:
 
     async def explain(self, request: web.Request) -> web.Response:
         """Operator view for ``egressctl explain``: ?ip=<sandbox source ip>&target=<name or ip>,
-        or ?hostUid=<host uid>&target=... for a host-uid sandbox (docs/behaviour.md §17)."""
+        or ?hostUid=<host uid>&target=... for a host-uid sandbox (docs/reference/behaviour.md §17)."""
         if request.method != "GET":
             return text(405, "method not allowed", headers={"Allow": "GET"})
         ip: ipaddress.IPv4Address | ipaddress.IPv6Address | int

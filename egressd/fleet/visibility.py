@@ -1,4 +1,4 @@
-"""The fleet's visibility parts (docs/behaviour.md §15), built and wired in one place for ``run_fleet``.
+"""The fleet's visibility parts (docs/reference/behaviour.md §15), built and wired in one place for ``run_fleet``.
 
 Kernel counters (audit evidence and refusal counts, one dump per scrape), the recent-denials
 ring, the DNS proxy's events hook and, with ``OPENSANDBOX_EGRESS_DENY_WEBHOOK``, the webhook

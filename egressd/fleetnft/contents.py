@@ -1,4 +1,4 @@
-"""What the fleet ruleset's sets hold (docs/behaviour.md §5, §7, §8.3, §9, §14.1): a policy's
+"""What the fleet ruleset's sets hold (docs/reference/behaviour.md §5, §7, §8.3, §9, §14.1): a policy's
 static set contents and their atomic swaps, the DNS leases of the dyn sets, and the table-wide
 ``sandbox_nets`` sets. Pure: returns netlink batches; the rules that read the sets never change.
 """
@@ -73,7 +73,7 @@ Contents = tuple[tuple[str, tuple[IPNetwork, ...]], ...]
 
 
 def static_contents(effective: NetworkPolicy) -> Contents:
-    """:func:`policy_contents` in the form a kernel view records (docs/architecture.md, KernelView)."""
+    """:func:`policy_contents` in the form a kernel view records (docs/concepts/architecture.md, KernelView)."""
     return tuple(policy_contents(effective).items())
 
 
@@ -164,7 +164,7 @@ def _within(nets: Sequence[IPNetwork], cover: Sequence[IPNetwork]) -> bool:
 
 
 def dyn_replace(table: str, nft_id: str, kept: Sequence[tuple[IPAddress, int]]) -> NetlinkBatch:
-    """A narrowing change's dyn-set part (docs/behaviour.md §14.1): both dyn sets emptied and refilled
+    """A narrowing change's dyn-set part (docs/reference/behaviour.md §14.1): both dyn sets emptied and refilled
     with the leases that survive, in the caller's transaction. A flush, not per-element
     deletes: an element the kernel already expired would make a delete fail (ENOENT) and
     abort the whole swap."""

@@ -1,4 +1,4 @@
-"""The table-wide part of the fleet ruleset (docs/behaviour.md §8.1): an empty, deny-by-default
+"""The table-wide part of the fleet ruleset (docs/reference/behaviour.md §8.1): an empty, deny-by-default
 table with the maps, sets and base chains every network subject is dispatched through (the
 host-uid half comes from :mod:`egressd.fleetnft.hostuid`). Pure: returns a libnftables script.
 
@@ -16,14 +16,14 @@ Shape, and why it differs from the reference blueprint where it does:
   deleted in the same transaction as the ``mitm_src`` and ``mitm_in`` elements, and an
   intercepted source whose lookup misses is dropped right after the redirect rule: there is
   no state in which an intercepted source reaches 80/443 upstream past a worker.
-* No lateral movement on any hook (docs/behaviour.md §14.2): the forward hook drops sandbox
+* No lateral movement on any hook (docs/reference/behaviour.md §14.2): the forward hook drops sandbox
   destinations; the nat hook never intercepts a packet addressed to the pod itself or to a
   sandbox (the MITM would connect there on the sandbox's behalf); and the input hook, with or
   without the MITM, sends registered sandbox sources to ``sandbox_in``, which accepts only
   what egressd redirected (DNS, the MITM) and drops every other pod listener. A routed
   topology (one /32 veth per sandbox, the gateway on each) makes sibling traffic cross the
   nat and input hooks exactly like upstream traffic, so the bridge is no safeguard here.
-* Every refusal is counted (docs/behaviour.md §15): each drop of the header and of a subject's chains
+* Every refusal is counted (docs/reference/behaviour.md §15): each drop of the header and of a subject's chains
   is a ``goto denied``. ``denied`` counts the packet in its source's named counter
   ``subj_<id>_dropped`` (looked up in the counter maps ``drop_counter_v4/v6``, keyed like the
   dispatch maps) or, for a source that is no subject, in ``unattributed_dropped``, then hands
@@ -64,7 +64,7 @@ from egressd.kernel.listeners import OWNER_MARK
 from egressd.kernel.ops import ALLOW_MARK
 from egressd.nftsyntax import ND_TYPES, exempt_literal, intercepted_ports, l3_of, set_decl, split_by_family
 
-#: Regular chain the input hook sends sandbox-sourced packets to (docs/behaviour.md §14.2).
+#: Regular chain the input hook sends sandbox-sourced packets to (docs/reference/behaviour.md §14.2).
 SANDBOX_IN_CHAIN = "sandbox_in"
 #: The attachments' hostVeths (``type ifname``): packets arriving there are a sandbox's (§20.2).
 SANDBOX_IFACES_SET = "sandbox_ifaces"
@@ -235,7 +235,7 @@ def _nat_chain(s: _Script, cfg: TableConfig) -> None:
 
 
 def _denial_chains(s: _Script, cfg: TableConfig) -> None:
-    """``denied`` and ``deny_verdict`` (docs/behaviour.md §15), declared before any rule jumps there.
+    """``denied`` and ``deny_verdict`` (docs/reference/behaviour.md §15), declared before any rule jumps there.
 
     An objref map lookup that misses (a source that is no subject, or the other family)
     only ends its own rule, so each counted rule carries the verdict and the last one
@@ -262,7 +262,7 @@ def _denial_chains(s: _Script, cfg: TableConfig) -> None:
 
 
 def _owned_ports_input(s: _Script, cfg: TableConfig) -> None:
-    """docs/behaviour.md §20.1 on the receiving side: what is addressed to one of egressd's
+    """docs/reference/behaviour.md §20.1 on the receiving side: what is addressed to one of egressd's
     listener ports reaches only a socket of egressd's (:data:`OWNER_MARK`).
 
     Before the established-flows accept, so no packet of any state skips it: a squatter that
@@ -285,7 +285,7 @@ def _owned_ports_input(s: _Script, cfg: TableConfig) -> None:
 
 
 def _sandbox_ifaces_input(s: _Script, cfg: TableConfig) -> None:
-    """docs/behaviour.md §20.2: a packet that arrives on a sandbox-facing interface is a sandbox's,
+    """docs/reference/behaviour.md §20.2: a packet that arrives on a sandbox-facing interface is a sandbox's,
     whatever its source address (a link-local one, another family than the registered one, one
     it gave itself, a sandbox not registered yet or any more): it meets ``sandbox_in``."""
     s.rule("input", f"iifname @{SANDBOX_IFACES_SET} jump {SANDBOX_IN_CHAIN}")

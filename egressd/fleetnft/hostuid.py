@@ -1,6 +1,6 @@
 """Host-uid subjects in the fleet ruleset. Pure.
 
-docs/behaviour.md §17: sandboxes that share egressd's network namespace and differ only by host uid.
+docs/reference/behaviour.md §17: sandboxes that share egressd's network namespace and differ only by host uid.
 Their packets are locally generated, so they meet the ``output`` hook, never prerouting or
 forward; the identity is the socket's owner (``meta skuid``). They use the same per-subject
 chains and sets as the forward path, reached through uid-keyed verdict maps:
@@ -66,7 +66,7 @@ UID_DNS_OWN = "uid_dns_own"  # filter: uid . its DNS port
 UID_MITM = "uid_mitm"  # nat: uid -> its MITM port
 UID_MITM_IN = "uid_mitm_in"  # filter: uid . its MITM port -> subj_<id>_in
 UID_AUDIT = "uid_audit"  # uids whose active policy audits
-UID_DROP_COUNTER = "uid_drop_counter"  # uid -> subj_<id>_dropped (docs/behaviour.md §15)
+UID_DROP_COUNTER = "uid_drop_counter"  # uid -> subj_<id>_dropped (docs/reference/behaviour.md §15)
 UID_DENIED_CHAIN = "uid_denied"
 UID_REFUSE = f"goto {UID_DENIED_CHAIN}"
 UID_OUT_CHAIN = "uid_out"
@@ -116,7 +116,7 @@ def _uid_objects(s: _Script, cfg: TableConfig) -> None:
         s.obj("add", "map", f"{UID_MITM_IN} {{ type uid . inet_service : verdict; }}")
     for chain in (UID_OUT_CHAIN, UID_LOCAL_CHAIN, UID_NAT_CHAIN):
         s.obj("add", "chain", chain)
-    # Refusals of in-range uids (docs/behaviour.md §15): their packets carry the host's address, so
+    # Refusals of in-range uids (docs/reference/behaviour.md §15): their packets carry the host's address, so
     # they are counted by the socket's owner; an unknown uid's go on to ``denied`` (there:
     # unattributed), which also decides how a refusal looks (EGRESSD_DENY_REJECT).
     s.obj("add", "map", f"{UID_DROP_COUNTER} {{ type uid : counter; }}")

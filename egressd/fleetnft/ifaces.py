@@ -1,4 +1,4 @@
-"""Sandbox-facing interface names (docs/behaviour.md §20.2): which names egressd may put into the
+"""Sandbox-facing interface names (docs/reference/behaviour.md §20.2): which names egressd may put into the
 table as "packets arriving here are a sandbox's". Pure.
 
 Two sources: the attachments' ``hostVeth`` (exact names, in the set ``sandbox_ifaces``) and

@@ -149,7 +149,7 @@ def _probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} fwd_ meta mark & 0x2 != 0x2 drop",
         ),
         (
-            # Forged sources (docs/behaviour.md §17, §20.2): reverse path and source type, in
+            # Forged sources (docs/reference/behaviour.md §17, §20.2): reverse path and source type, in
             # rules no real packet matches (no such interface, no such mark).
             "source-address lookups (fib saddr)",
             f'add rule inet {t} pre iifname "egressd-probe" fib saddr . iif oif missing drop\n'
@@ -185,7 +185,7 @@ def _match_probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} nat ip daddr 10.0.0.1 tcp dport 8443 dnat ip to 10.0.0.1:18081",
         ),
         (
-            # docs/behaviour.md §14.2: nothing addressed to the pod itself is intercepted, and the
+            # docs/reference/behaviour.md §14.2: nothing addressed to the pod itself is intercepted, and the
             # input hook sends sandbox sources to a regular chain.
             "local-address lookups (fib) and input jumps",
             f"add rule inet {t} nat fib daddr type local tcp dport {{ 80, 443 }} return\n"
@@ -194,7 +194,7 @@ def _match_probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} in_ ip saddr @sb jump c3",  # c1, c2 are deleted by later probes
         ),
         (
-            # docs/behaviour.md §20.1: what is sent to egressd's ports reaches egressd's sockets only.
+            # docs/reference/behaviour.md §20.1: what is sent to egressd's ports reaches egressd's sockets only.
             "socket ownership matches (socket mark, ct direction)",
             f"add chain inet {t} own\n"
             f"add rule inet {t} own ct direction reply return\n"
@@ -203,14 +203,14 @@ def _match_probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} in_ tcp dport {{ 15353, 18080-18081 }} jump own",
         ),
         (
-            # docs/behaviour.md §20.2: sandbox-facing interfaces, by name, set and prefix.
+            # docs/reference/behaviour.md §20.2: sandbox-facing interfaces, by name, set and prefix.
             "interface-name sets and prefixes",
             f"add set inet {t} ifs {{ type ifname; }}\n"
             f"add rule inet {t} in_ iifname @ifs jump c3\n"
             f'add rule inet {t} in_ iifname "vh*" jump c3',
         ),
         (
-            # docs/behaviour.md §15: refusals are counted per source through a counter map.
+            # docs/reference/behaviour.md §15: refusals are counted per source through a counter map.
             "refusal counting (counter maps, goto)",
             f"add counter inet {t} k0\n"
             f"add map inet {t} cm {{ type ipv4_addr : counter; }}\n"

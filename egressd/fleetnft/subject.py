@@ -1,4 +1,4 @@
-"""A network subject's part of the fleet ruleset (docs/behaviour.md §8.2, §8.5): its sets,
+"""A network subject's part of the fleet ruleset (docs/reference/behaviour.md §8.2, §8.5): its sets,
 chains, counters and fixed rules, and the dispatch keys that point its source address at them.
 Pure: returns netlink batches (and cache-free libnftables declarations).
 

@@ -1,4 +1,4 @@
-"""Pure generation of the fleet nftables ruleset (docs/behaviour.md §8): the table's knobs, its
+"""Pure generation of the fleet nftables ruleset (docs/reference/behaviour.md §8): the table's knobs, its
 object names and the nft text helpers shared by the modules that build it.
 
 Everything in the ruleset modules returns text (libnftables scripts, one script = one atomic
@@ -40,7 +40,7 @@ DYN_SETS = ("dyn_v4", "dyn_v6")
 SETS = (*STATIC_SETS, *DYN_SETS)
 AUDIT_COUNTERS = ("deny", "default")  # which audit rule counted: a user deny prefix, or no allow
 AUDIT_LOG_PREFIX = "egressd would-deny "
-#: Every refusal goes here (docs/behaviour.md §15): counted per source, then DENY_VERDICT_CHAIN.
+#: Every refusal goes here (docs/reference/behaviour.md §15): counted per source, then DENY_VERDICT_CHAIN.
 DENIED_CHAIN = "denied"
 #: How a refusal looks: drop, or (EGRESSD_DENY_REJECT) TCP reset / ICMP admin-prohibited.
 DENY_VERDICT_CHAIN = "deny_verdict"
@@ -61,15 +61,15 @@ class TableConfig:
     mitm_port: int = 18081
     block_doh_443: bool = False
     doh_blocklist: tuple[IPNetwork, ...] = ()
-    # Size of each dyn set: the per-subject lease cap (docs/behaviour.md §14.4); 0 = unbounded.
+    # Size of each dyn set: the per-subject lease cap (docs/reference/behaviour.md §14.4); 0 = unbounded.
     max_leases: int = 4096
-    # Host-uid subjects (docs/behaviour.md §17): the uid range the output hook polices and their port
+    # Host-uid subjects (docs/reference/behaviour.md §17): the uid range the output hook polices and their port
     # block; egressd's own uid (exempt if inside the range) and HTTP port (never reachable
     # from a sandbox uid, like every other listener of egressd's).
     uids: UidPorts = DEFAULT_UID_PORTS
     own_uid: int | None = None
     http_port: int = 18080
-    # EGRESSD_DENY_REJECT (docs/behaviour.md §15): refuse with a TCP reset / ICMP admin-prohibited.
+    # EGRESSD_DENY_REJECT (docs/reference/behaviour.md §15): refuse with a TCP reset / ICMP admin-prohibited.
     deny_reject: bool = False
     # OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS: intercepted like 80 and 443 (MITM on).
     mitm_extra_ports: tuple[int, ...] = ()
@@ -80,7 +80,7 @@ class TableConfig:
     renew_by_replace: bool = False
     # EGRESSD_MITM_WORKERS: worker i listens on mitm_port + i.
     mitm_workers: int = 1
-    # EGRESSD_SANDBOX_IFACES (docs/behaviour.md §20.2): interface names, or ``prefix*``, whose
+    # EGRESSD_SANDBOX_IFACES (docs/reference/behaviour.md §20.2): interface names, or ``prefix*``, whose
     # packets come from sandboxes (bridges, veth name prefixes), beside the attachments'
     # hostVeths (set ``sandbox_ifaces``).
     sandbox_ifaces: tuple[str, ...] = ()
@@ -98,7 +98,7 @@ class SubjectNft:
 
 @dataclass(frozen=True, slots=True)
 class Names:
-    """nft object names of one subject (docs/protocol.md, "Kernel objects")."""
+    """nft object names of one subject (docs/concepts/ruleset.md, "Kernel objects")."""
 
     nft_id: str
 
@@ -122,7 +122,7 @@ class Names:
 
     @property
     def dropped_counter(self) -> str:
-        """Every packet of the subject that egressd's rules refuse (docs/behaviour.md §15)."""
+        """Every packet of the subject that egressd's rules refuse (docs/reference/behaviour.md §15)."""
         return f"subj_{self.nft_id}{DROPPED_SUFFIX}"
 
     @property
@@ -215,7 +215,7 @@ def sandbox_set(fam: str) -> str:
 
 def sandbox_nets_set(fam: str) -> str:
     """Union of every registered attachment's ``privateCidr``: an address there is a sandbox
-    (docs/behaviour.md §14.2) even when no subject registered it (a second address a sandbox gave
+    (docs/reference/behaviour.md §14.2) even when no subject registered it (a second address a sandbox gave
     itself, a sandbox whose binding has not arrived yet)."""
     return f"sandbox_nets_{fam}"
 

@@ -1,5 +1,5 @@
 """The kernel side's options: the nft table egressd owns, what it drops or
-rejects, the DNS-learned sets' size (docs/behaviour.md §14.4) and the connection refresh."""
+rejects, the DNS-learned sets' size (docs/reference/behaviour.md §14.4) and the connection refresh."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class KernelConfig:
     nft_table: str = "opensandbox"
     block_doh_443: bool = False
     doh_blocklist: tuple[IPNetwork, ...] = ()
-    max_leases: int = 4096  # EGRESSD_MAX_LEASES_PER_SUBJECT (docs/behaviour.md §14.4)
+    max_leases: int = 4096  # EGRESSD_MAX_LEASES_PER_SUBJECT (docs/reference/behaviour.md §14.4)
     refresh_interval: float = 30.0
     allow_bridge_bypass: bool = False
     deny_reject: bool = False  # EGRESSD_DENY_REJECT

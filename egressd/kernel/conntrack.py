@@ -68,7 +68,7 @@ async def read_flows(
     unreadable). Every in-place policy change calls this; reading the whole table into one
     string instead (hundreds of KiB at a few thousand flows, at 100 changes/s) spread large
     short-lived blocks over the default executor's malloc arenas, whose RSS then crept by
-    ~1 MiB/min in the soak (docs/reliability.md, "Soak") while the Python heap stayed flat."""
+    ~1 MiB/min in the soak (docs/security.md, "Soak") while the Python heap stayed flat."""
     try:
         return await asyncio.to_thread(_scan_flows, table, frozenset(sources))
     except OSError:

@@ -1,5 +1,5 @@
 """egressd's own listening sockets, made so that no sandbox uid can take their traffic
-(docs/behaviour.md §20.1).
+(docs/reference/behaviour.md §20.1).
 
 Two properties, one per protocol family of attack:
 

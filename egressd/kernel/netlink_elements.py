@@ -150,7 +150,7 @@ def _uid_key(uid: int, port: int | None = None) -> bytes:
 
 
 def encode_uid_op(table: str, op: UidOp) -> list[tuple[int, int, bytes]]:
-    """The one message of an element operation on a uid-keyed set or map (docs/behaviour.md §17)."""
+    """The one message of an element operation on a uid-keyed set or map (docs/reference/behaviour.md §17)."""
     if isinstance(op, DeleteUid):
         key = _uid_key(op.uid, op.port)
         return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, _elements([key])))]
@@ -183,7 +183,7 @@ def iface_key(iface: str) -> bytes:
 
 
 def encode_iface_op(table: str, op: IfaceOp) -> list[tuple[int, int, bytes]]:
-    """The one message of an element operation on a ``type ifname`` set (docs/behaviour.md §20.2)."""
+    """The one message of an element operation on a ``type ifname`` set (docs/reference/behaviour.md §20.2)."""
     elem = _data_value(NFTA_SET_ELEM_KEY, iface_key(op.iface))
     if isinstance(op, DeleteIface):
         return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, _elements([elem])))]

@@ -74,7 +74,7 @@ def _expr(name: str, *attrs: bytes) -> bytes:
 
 def _verdict(outcome: RuleAction, drop_chain: str = "") -> bytes:
     if outcome is RuleAction.DROP and drop_chain:
-        # goto the chain that counts and refuses (docs/behaviour.md §15), as nft encodes "goto <chain>".
+        # goto the chain that counts and refuses (docs/reference/behaviour.md §15), as nft encodes "goto <chain>".
         verdict = _nest(
             NFTA_DATA_VERDICT,
             _attr(NFTA_VERDICT_CODE, struct.pack(">i", NFT_GOTO)),

@@ -38,7 +38,7 @@ class MatchRule:
     """``[ct original] ip|ip6 daddr @set <outcome>`` — the only per-subject rule shape.
 
     ``drop_chain``: a DROP hands the packet to that chain instead (``goto``), which counts it
-    and drops or rejects it (docs/behaviour.md §15); the packet is still refused, never accepted.
+    and drops or rejects it (docs/reference/behaviour.md §15); the packet is still refused, never accepted.
     """
 
     fam: str  # "v4" | "v6"
@@ -129,7 +129,7 @@ class DeleteCounter:
 @dataclass(frozen=True, slots=True)
 class AddCounterRef:
     """``map[key] = "counter"`` in a counter map (``type ipv4_addr : counter``): the drop
-    counter a source address's refused packets are counted in (docs/behaviour.md §15)."""
+    counter a source address's refused packets are counted in (docs/reference/behaviour.md §15)."""
 
     map: str
     key: IPAddress
@@ -232,7 +232,7 @@ class AddUidPort:
 @dataclass(frozen=True, slots=True)
 class AddUidCounterRef:
     """``map[uid] = "counter"`` in a ``type uid : counter`` map: the drop counter a host-uid
-    subject's refused packets are counted in (docs/behaviour.md §15 x 17)."""
+    subject's refused packets are counted in (docs/reference/behaviour.md §15 x 17)."""
 
     map: str
     uid: int

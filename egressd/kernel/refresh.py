@@ -1,7 +1,7 @@
-"""Connection refresh (docs/behaviour.md §9): DNS leases of still-established TCP flows are renewed.
+"""Connection refresh (docs/reference/behaviour.md §9): DNS leases of still-established TCP flows are renewed.
 
 The planner is pure; :class:`LeaseRefresher` reads ``/proc/net/nf_conntrack`` and applies.
-Host-uid subjects (docs/behaviour.md §17) share the host's source address, so their flows are found in
+Host-uid subjects (docs/reference/behaviour.md §17) share the host's source address, so their flows are found in
 the socket tables instead (``/proc/net/tcp{,6}``, by uid): their packets are all judged on
 output, and a lease that expires under a live connection would stop it.
 """

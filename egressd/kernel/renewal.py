@@ -1,6 +1,6 @@
 """How this kernel renews a DNS lease (a timed set element): the start-up probe's verdict.
 
-The connection refresh (docs/behaviour.md §9) and a repeated DNS answer extend a lease by adding the
+The connection refresh (docs/reference/behaviour.md §9) and a repeated DNS answer extend a lease by adding the
 element again with a new timeout. Only newer kernels update the timeout and expiry of an
 element that exists; older ones (the reference found it on Linux 5.10 with nftables 1.0.2)
 keep the old expiry and answer success, so a lease of a live connection would run out

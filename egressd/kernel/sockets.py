@@ -1,7 +1,7 @@
 """Live TCP connections of host uids, read from ``/proc/net/tcp{,6}`` (host-uid subjects).
 
 Conntrack does not know which uid opened a flow, the socket table does: for a host-uid
-subject (docs/behaviour.md §17) the connection refresh (§9) renews the DNS leases of the remote
+subject (docs/reference/behaviour.md §17) the connection refresh (§9) renews the DNS leases of the remote
 addresses its uid's sockets are connected to. The parser is pure; :func:`read_uid_flows`
 reads the two files off the event loop.
 """

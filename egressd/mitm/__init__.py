@@ -1,4 +1,4 @@
-"""The MITM, daemon side (docs/behaviour.md §10): what egressd runs in its own process for it.
+"""The MITM, daemon side (docs/reference/behaviour.md §10): what egressd runs in its own process for it.
 
 Start-up (:mod:`~egressd.mitm.service`: the CA, its export, the private ``_active`` socket and
 app (:mod:`~egressd.mitm.active`), the narrowing sequence map (:mod:`~egressd.mitm.seqmap`)),

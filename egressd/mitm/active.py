@@ -1,4 +1,4 @@
-"""The MITM's vault lookup (docs/behaviour.md §10): ``GET /credential-vault/_active?clientIp=<ip>``.
+"""The MITM's vault lookup (docs/reference/behaviour.md §10): ``GET /credential-vault/_active?clientIp=<ip>``.
 
 Served only on a private unix socket (credential values are in the body). The decision is
 transport-free (:func:`active_lookup`); :func:`active_app` is the thin aiohttp shell.
@@ -14,13 +14,13 @@ or 304) also carries ``X-Egressd-Destination: verified|unverified`` — whether 
 DNS proxy learned ``dst`` for ``host`` (or an explicit IP allow rule covers it). The MITM
 injects only towards verified destinations, in the same round trip as the vault revalidation.
 
-egressd extension (docs/behaviour.md §10, "answered from memory"): when ``verify`` answers with the
+egressd extension (docs/reference/behaviour.md §10, "answered from memory"): when ``verify`` answers with the
 monotonic deadline of the lease that verified the pair (a float; ``math.inf`` for an explicit
 IP rule) rather than a bool, a verified reply also carries ``X-Egressd-Destination-Ttl:
 <seconds left>`` (capped at :data:`MAX_DESTINATION_TTL_S`): how long the MITM may remember the
 verdict, absent a narrowing (:mod:`egressd.mitm.seqmap`).
 
-egressd extension (host-uid subjects, docs/behaviour.md §17): with ``port=<listener port>`` the client is
+egressd extension (host-uid subjects, docs/reference/behaviour.md §17): with ``port=<listener port>`` the client is
 the subject that port belongs to, not the peer address (every host-uid sandbox connects from
 the host's own address, and the kernel redirected each one to a MITM port of its own). A port
 that is no subject's answers 404; a malformed one 400.
@@ -60,7 +60,7 @@ class ActiveReply:
 
 @dataclass(frozen=True, slots=True)
 class PortVaults:
-    """Vault lookups of the MITM listeners whose port names the subject (docs/behaviour.md §17), and
+    """Vault lookups of the MITM listeners whose port names the subject (docs/reference/behaviour.md §17), and
     those ports (the child listens on all of them from its start)."""
 
     lookup: PortLookup

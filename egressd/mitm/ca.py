@@ -1,4 +1,4 @@
-"""The MITM's certificate authority (docs/protocol.md ``EGRESSD_MITM_CONFDIR``).
+"""The MITM's certificate authority (docs/reference/configuration.md ``EGRESSD_MITM_CONFDIR``).
 
 If ``<confdir>/mitmproxy-ca.pem`` (private key + certificate, mitmproxy's layout) exists it is
 pinned: checked (parses, the key matches, it is a CA) and used as is. Otherwise one is

@@ -1,5 +1,5 @@
 """The MITM's options: its listeners and workers, its CA and private
-directory, upstream trust, and what the child does with a decrypted flow (docs/behaviour.md
+directory, upstream trust, and what the child does with a decrypted flow (docs/reference/behaviour.md
 §10, §16)."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS",
         "--mitmproxy-ignore-hosts",
-        "comma-separated host regexes the MITM never decrypts (docs/behaviour.md §16)",
+        "comma-separated host regexes the MITM never decrypts (docs/reference/behaviour.md §16)",
         "",
         example=r"^pinned\.example\.com$",
     ),
@@ -118,11 +118,11 @@ class MitmConfig:
     ssl_insecure: bool = False
     confdir: Path = Path(DEFAULT_MITM_CONFDIR)
     credential_proxy_socket: Path = Path("/run/opensandbox/credential-proxy/active.sock")
-    ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (docs/behaviour.md §16)
+    ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (docs/reference/behaviour.md §16)
     ca_export_dir: Path | None = None  # EGRESSD_MITM_CA_EXPORT_DIR
-    tls_resume: bool = True  # EGRESSD_MITM_TLS_RESUME (docs/behaviour.md §10)
-    body_redaction: bool = True  # EGRESSD_MITM_BODY_REDACTION (docs/behaviour.md §10)
-    vault_push: bool = True  # EGRESSD_MITM_VAULT_PUSH (docs/behaviour.md §10, "answered from memory")
+    tls_resume: bool = True  # EGRESSD_MITM_TLS_RESUME (docs/reference/behaviour.md §10)
+    body_redaction: bool = True  # EGRESSD_MITM_BODY_REDACTION (docs/reference/behaviour.md §10)
+    vault_push: bool = True  # EGRESSD_MITM_VAULT_PUSH (docs/reference/behaviour.md §10, "answered from memory")
     extra_ports: tuple[int, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS
 
     @property

@@ -1,4 +1,4 @@
-"""The supervisor's half of the listener handover (docs/behaviour.md §20.1): the sockets it binds
+"""The supervisor's half of the listener handover (docs/reference/behaviour.md §20.1): the sockets it binds
 and marks for the MITM child, passed as inherited descriptors named in
 :data:`egressd.mitm.protocol.LISTEN_FDS_ENV`. The child's half, which listens on them, is
 :mod:`egressd.mitmchild.handover`.

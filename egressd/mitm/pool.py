@@ -70,7 +70,7 @@ class MitmPool:
         before_restart: Callable[[], None] | None = None,
     ) -> MitmPool:
         each = worker_options(opts, workers)
-        # egressd binds every worker's listeners (docs/behaviour.md §20.1): room for them.
+        # egressd binds every worker's listeners (docs/reference/behaviour.md §20.1): room for them.
         raise_fd_limit()
         sups = [
             MitmSupervisor(

@@ -4,14 +4,14 @@ The child (:mod:`egressd.mitmchild`, its own process: ``python -m egressd.mitmch
 and the daemon's supervisor side (:mod:`egressd.mitm`) share only these formats, and the
 narrowing sequence map (:mod:`egressd.mitm.seqmap`, a file both map):
 
-* the listening sockets the supervisor binds and hands over (docs/behaviour.md §20.1):
+* the listening sockets the supervisor binds and hands over (docs/reference/behaviour.md §20.1):
   :data:`LISTEN_FDS_ENV` in the child's environment;
 * the child's JSON event lines on stdout that the supervisor reads: :data:`READY_EVENT`,
   :data:`CACHE_EVENT`, :data:`CONNECTION_EVENT`;
-* egressd's *forget* lines on the child's stdin (docs/behaviour.md §14.9): :func:`forget_message`
+* egressd's *forget* lines on the child's stdin (docs/reference/behaviour.md §14.9): :func:`forget_message`
   / :func:`parse_forget`, in batches of :data:`FORGET_BATCH`; an entry is a client address or a
   :func:`port_key`;
-* the ``_active`` lookup over the private unix socket (docs/behaviour.md §10): :data:`ACTIVE_PATH`,
+* the ``_active`` lookup over the private unix socket (docs/reference/behaviour.md §10): :data:`ACTIVE_PATH`,
   the egressd extension headers, entity tags (:func:`bare_etag`). The body's strict reading
   is the child's (:mod:`egressd.mitmchild.wire`).
 
@@ -32,7 +32,7 @@ from egressd.feed import port_key
 LISTEN_FDS_ENV: Final = "EGRESSD_MITM_LISTEN_FDS"
 
 READY_EVENT = "mitm.ready"  # the addon's JSON line once its listener is bound
-CACHE_EVENT = "mitm.cache"  # the child's snapshot cache size, whenever it changed (docs/behaviour.md §14.9)
+CACHE_EVENT = "mitm.cache"  # the child's snapshot cache size, whenever it changed (docs/reference/behaviour.md §14.9)
 #: The addon's JSON line for every connection decision (the supervisor counts and logs it).
 CONNECTION_EVENT: Final = "mitm.connection"
 

@@ -1,5 +1,5 @@
 """The narrowing sequence map: how a MITM worker knows, without a round trip, that what it
-remembers of a client is still what egressd would answer (docs/behaviour.md §10, "answered from memory").
+remembers of a client is still what egressd would answer (docs/reference/behaviour.md §10, "answered from memory").
 
 egressd owns a small file next to its private ``_active`` socket (same 0700 directory, mode
 0600, no secret in it: only counters), mapped into memory by egressd (read-write) and by every
@@ -184,7 +184,7 @@ class MitmMemory:
     way in: every narrowing bumps the slot(s) concerned, first (the worker's memory is void from
     then on); a vault change then also tells the workers to drop those clients' vault snapshots
     (``forget``: :meth:`egressd.mitm.pool.MitmPool.forget`), delivered asynchronously, in order,
-    never blocking the publisher (docs/behaviour.md §14.9)."""
+    never blocking the publisher (docs/reference/behaviour.md §14.9)."""
 
     def __init__(self, seq: SeqWriter | None, forget: Callable[[list[object] | None], None] | None = None) -> None:
         self.seq = seq

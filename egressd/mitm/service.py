@@ -134,12 +134,12 @@ async def start_mitm(
     by_port: PortVaults | None = None,
     listen_mark: int | None = None,
 ) -> RunningMitm:
-    """CA, the private ``_active`` socket, then the supervised MITM workers (docs/behaviour.md §10).
+    """CA, the private ``_active`` socket, then the supervised MITM workers (docs/reference/behaviour.md §10).
 
     ``lookup``/``verify`` (and ``by_port``, for the per-subject ports of host-uid subjects)
     answer the child's vault lookups (:mod:`egressd.mitm.active`); ``gid`` is the child's
     group id (the sidecar exempts the MITM's own traffic by it); ``listen_mark`` the workers'
-    listeners' SO_MARK (the fleet's owner mark, docs/behaviour.md §20.1)."""
+    listeners' SO_MARK (the fleet's owner mark, docs/reference/behaviour.md §20.1)."""
     keeper = _ca_keeper(cfg)
     ca = keeper.ca
     trust: Path | None = None
@@ -186,7 +186,7 @@ async def start_mitm(
 
 
 def _sequence_map(cfg: MitmConfig, sock: Path) -> SeqWriter | None:
-    """The narrowing sequence map beside the socket (docs/behaviour.md §10, "answered from memory"); None
+    """The narrowing sequence map beside the socket (docs/reference/behaviour.md §10, "answered from memory"); None
     when off or when it cannot be made: the child then pulls on every lookup, as before."""
     if not cfg.vault_push:
         return None

@@ -13,7 +13,7 @@ is False, ``/healthz`` answers 503 and intercepted connections are refused by th
 (nothing listens on the port): fail closed. It is restarted with a capped backoff.
 
 The child's stdin is egressd's one-way channel to it: :meth:`MitmSupervisor.forget` queues
-client addresses whose cached vault snapshot the child must drop (docs/behaviour.md §14.9), written
+client addresses whose cached vault snapshot the child must drop (docs/reference/behaviour.md §14.9), written
 as forget lines (:func:`egressd.mitm.protocol.forget_message`). The queue is bounded: past
 :data:`FORGET_QUEUE_MAX` addresses it collapses into one "forget every client" line. The
 child reports its cache size in ``mitm.cache`` events (``egressd_mitm_snapshot_cache_entries``).
@@ -65,10 +65,10 @@ class MitmOptions:
     ssl_insecure: bool = False
     stream_large_bodies: str = "1m"
     lookup_timeout: float = 0.25
-    # Per-subject listeners (host-uid subjects, docs/behaviour.md §17), all bound from the start: a
+    # Per-subject listeners (host-uid subjects, docs/reference/behaviour.md §17), all bound from the start: a
     # subject's port then never waits for the child, and the kernel lets only its owner in.
     subject_ports: tuple[int, ...] = ()
-    ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (docs/behaviour.md §16)
+    ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (docs/reference/behaviour.md §16)
     tls_resume: bool = True  # EGRESSD_MITM_TLS_RESUME (egressd.mitmchild.tlsresume)
     body_redaction: bool = True  # EGRESSD_MITM_BODY_REDACTION (egressd.mitmchild.respbody)
     vault_push: Path | None = None  # the narrowing sequence map (EGRESSD_MITM_VAULT_PUSH=on)
@@ -290,7 +290,7 @@ class MitmSupervisor:
             socks = await asyncio.to_thread(wildcard_listeners, self.listen.ports, mark=self.listen.mark) if self.listen else []
         except OSError as exc:
             # Somebody holds one of the worker's ports (a sandbox uid squatting it while the
-            # child restarted): it receives nothing (docs/behaviour.md §20.1); the child waits.
+            # child restarted): it receives nothing (docs/reference/behaviour.md §20.1); the child waits.
             log.error("mitm.listen_failed", error=exc.strerror or str(exc)[:200], worker=self.worker)
             return None
         self.starts += 1

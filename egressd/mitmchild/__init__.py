@@ -1,4 +1,4 @@
-"""The MITM child (docs/behaviour.md §10, §16): the process ``python -m egressd.mitmchild.runner``
+"""The MITM child (docs/reference/behaviour.md §10, §16): the process ``python -m egressd.mitmchild.runner``
 that the daemon's supervisor (:mod:`egressd.mitm.supervisor`) starts, a lean mitmproxy master.
 
 :mod:`egressd.mitmchild.inject` holds the pure decisions (binding match, refusals, header

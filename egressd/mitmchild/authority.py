@@ -1,4 +1,4 @@
-"""One authority per request (docs/behaviour.md §14.8): host names as bindings compare them.
+"""One authority per request (docs/reference/behaviour.md §14.8): host names as bindings compare them.
 
 Before anything else the addon reduces the request to :func:`one_authority`: the HTTP/1
 absolute-form authority, the HTTP/2 ``:authority``, the ``Host`` header and the SNI must all
@@ -25,7 +25,7 @@ def dns_name(text: str) -> str | None:
     """A-labels, lower-cased, one trailing dot dropped; None unless it looks like a DNS name.
 
     A Unicode Host (or SNI) is compared as its A-labels, like the binding hosts and the names
-    the DNS proxy learned (docs/behaviour.md §14.3); one that is not a valid IDN matches nothing.
+    the DNS proxy learned (docs/reference/behaviour.md §14.3); one that is not a valid IDN matches nothing.
     """
     try:
         name = to_alabels(text.strip()).lower()
@@ -96,7 +96,7 @@ class OneAuthority:
 def one_authority(
     target: str, host_headers: Sequence[str], sni: str | None, port: int, path: str = "/"
 ) -> OneAuthority:
-    """The request's one authority (docs/behaviour.md §14.8), or the 400 :data:`AMBIGUOUS_AUTHORITY`.
+    """The request's one authority (docs/reference/behaviour.md §14.8), or the 400 :data:`AMBIGUOUS_AUTHORITY`.
 
     ``target`` is the HTTP/1 absolute-form authority or the HTTP/2 ``:authority`` ("" when
     absent: origin-form); ``host_headers`` every ``Host`` header value in wire order; ``sni``

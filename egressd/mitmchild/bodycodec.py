@@ -1,6 +1,6 @@
 """Incremental, bounded decoding of HTTP content codings (gzip, deflate, br, zstd), so that a
 compressed response body can be scanned for redaction strings as it streams
-(docs/behaviour.md §10). Pure: no I/O.
+(docs/reference/behaviour.md §10). Pure: no I/O.
 
 Bounded: every stage hands its output on in pieces of at most :data:`PIECE` bytes, and one
 :meth:`Decoder.feed` may produce at most ``limit`` bytes in all; more is

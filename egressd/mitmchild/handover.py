@@ -1,4 +1,4 @@
-"""Listening sockets bound by egressd and handed to the MITM child (docs/behaviour.md §20.1).
+"""Listening sockets bound by egressd and handed to the MITM child (docs/reference/behaviour.md §20.1).
 
 The child runs without capabilities, so it cannot give its listeners the owner mark
 (``SO_MARK`` needs ``CAP_NET_ADMIN``) by which the fleet's input chain tells egressd's sockets

@@ -1,4 +1,4 @@
-"""Credential injection decisions for the transparent MITM (docs/behaviour.md §10, §6).
+"""Credential injection decisions for the transparent MITM (docs/reference/behaviour.md §10, §6).
 
 Pure functions on plain data: no I/O, no logging, no mitmproxy. The addon turns a flow into a
 :class:`Request`, calls :func:`decide` with the client's :class:`VaultSnapshot` (the ``_active``
@@ -22,7 +22,7 @@ are done there, before the upstream connection exists), keep ``outcome.binding``
 ``request`` call :func:`~egressd.mitmchild.substitute.substitute_body` with :func:`find_binding` of the same snapshot (not a
 re-fetched one) unless the body was streamed.
 
-One authority (docs/behaviour.md §14.8): before anything else the addon reduces the request to
+One authority (docs/reference/behaviour.md §14.8): before anything else the addon reduces the request to
 :func:`~egressd.mitmchild.authority.one_authority`: the HTTP/1 absolute-form authority, the HTTP/2 ``:authority``, the
 ``Host`` header and the SNI must all name the same host (and any explicit port the
 connection's), else 400 before the lookup, before the upstream. The addon then forwards that
@@ -96,7 +96,7 @@ CONNECTION_TOKENS: Final = frozenset({"close", "keep-alive", "upgrade", "te"})
 
 #: Headers that servers and front ends honour as the request's real host, path or method.
 #: A binding names hosts, paths and methods; a credential injected into a request that
-#: carries one of these would be used for a target the binding does not name (docs/behaviour.md §14.8).
+#: carries one of these would be used for a target the binding does not name (docs/reference/behaviour.md §14.8).
 TARGET_OVERRIDE_HEADERS: Final = frozenset(
     {
         "forwarded",

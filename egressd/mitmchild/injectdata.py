@@ -1,4 +1,4 @@
-"""Plain data in and out of the credential injection decision (docs/behaviour.md §10, §6):
+"""Plain data in and out of the credential injection decision (docs/reference/behaviour.md §10, §6):
 the :class:`Request` the addon builds from a flow, the :class:`InjectionDecision` it applies
 (see :mod:`egressd.mitmchild.inject` for how), and the fixed reason texts.
 
@@ -134,7 +134,7 @@ LOOKUP_FAILED: Final = InjectionDecision("refuse", status=503, reason=REASON_LOO
 """The outcome for every intercepted flow of a client whose ``_active`` lookup failed (§10)."""
 
 AMBIGUOUS_AUTHORITY: Final = InjectionDecision("refuse", status=400, reason=REASON_AUTHORITY)
-"""The 400 of :func:`~egressd.mitmchild.authority.one_authority` (docs/behaviour.md §14.8)."""
+"""The 400 of :func:`~egressd.mitmchild.authority.one_authority` (docs/reference/behaviour.md §14.8)."""
 
 
 def header_reserved(name: str) -> bool:

@@ -1,4 +1,4 @@
-"""Credential injection (docs/behaviour.md §10): the addon that decides every intercepted request
+"""Credential injection (docs/reference/behaviour.md §10): the addon that decides every intercepted request
 before anything reaches the upstream, a thin shell around :mod:`egressd.mitmchild.inject` (the
 decision) and the client's vault (:mod:`egressd.mitmchild.vaults`: the vault of the flow's
 client, and whether the connection's original destination was learned for the request host).
@@ -169,7 +169,7 @@ class Injection:
         """The request's one authority ("" when it names none), now the only one on the wire;
         None when the flow was refused or killed instead."""
         req = flow.request
-        # One authority (docs/behaviour.md §14.8), for every flow, vault or not, before the lookup:
+        # One authority (docs/reference/behaviour.md §14.8), for every flow, vault or not, before the lookup:
         # mitmproxy forwards the HTTP/1 absolute-form authority and both ``:authority`` and
         # ``Host`` as they came, while the decision would run on one of them.
         one = one_authority(req.authority, req.headers.get_all("host"), sni, port, req.path)

@@ -1,4 +1,4 @@
-"""Selective interception (docs/behaviour.md §16): which redirected connections the MITM opens up.
+"""Selective interception (docs/reference/behaviour.md §16): which redirected connections the MITM opens up.
 
 Pure functions on plain data, called by the addon before any byte of a connection is
 decrypted or parsed:

@@ -1,4 +1,4 @@
-"""Selective interception (docs/behaviour.md §16): the addon that opens a redirected connection
+"""Selective interception (docs/reference/behaviour.md §16): the addon that opens a redirected connection
 (decrypts TLS, parses plain HTTP) or relays it unopened, a thin shell around the pure
 :mod:`egressd.mitmchild.intercept`.
 

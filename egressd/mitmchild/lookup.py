@@ -1,4 +1,4 @@
-"""The MITM side of the ``_active`` vault lookup (docs/behaviour.md §10): cache, revalidation, failure.
+"""The MITM side of the ``_active`` vault lookup (docs/reference/behaviour.md §10): cache, revalidation, failure.
 
 One lookup per intercepted request: ``GET /credential-vault/_active?clientIp=…&host=…&dst=…``
 with ``If-None-Match`` when a snapshot of that client is cached, over the daemon's private
@@ -10,7 +10,7 @@ Failure (timeout 0.25 s, refused, 5xx, bad JSON/schema/ETag, 304 without a cache
 carrying the tag we already hold) drops the client's cache and raises: the caller then blocks
 the request before anything reaches the upstream. 404 drops the cache: no vault, no injection.
 
-The cache is bounded (docs/behaviour.md §14.9): at most :data:`~egressd.mitm.protocol.CACHE_MAX_ENTRIES` clients, least
+The cache is bounded (docs/reference/behaviour.md §14.9): at most :data:`~egressd.mitm.protocol.CACHE_MAX_ENTRIES` clients, least
 recently used evicted first. Eviction only costs the evicted client one full (200) lookup.
 egressd also tells the child to *forget* clients whose snapshot it must no longer hold
 (subject removed or rebound, vault deleted or changed): one JSON line per batch on the
@@ -90,7 +90,7 @@ class ActiveClient:
         max_entries: int = CACHE_MAX_ENTRIES,
         seq: SeqReader | None = None,
     ) -> None:
-        """``seq``: egressd's narrowing sequence map (docs/behaviour.md §10): with it, answers
+        """``seq``: egressd's narrowing sequence map (docs/reference/behaviour.md §10): with it, answers
         still stamped with its current values come from :attr:`memo`, without a round trip."""
         self.socket_path = socket_path
         self.seq = seq
@@ -132,7 +132,7 @@ class ActiveClient:
     async def lookup(
         self, client_ip: str | None, host: str | None, dst: str | None, listen_port: int | None = None
     ) -> View:
-        """``listen_port``: the flow came in on a per-subject port (docs/behaviour.md §17), whose
+        """``listen_port``: the flow came in on a per-subject port (docs/reference/behaviour.md §17), whose
         subject is the client; its snapshot is cached under :func:`port_key`."""
         if not client_ip:
             raise LookupFailed("no peer address")

@@ -1,6 +1,6 @@
 """What a MITM worker remembers of ``_active`` answers, and when it may answer from it (pure).
 
-docs/behaviour.md §10, "answered from memory". Keyed like the snapshot cache (an address, or a
+docs/reference/behaviour.md §10, "answered from memory". Keyed like the snapshot cache (an address, or a
 ``port:<n>`` key of a host-uid subject). An entry is usable only under the exact
 :data:`~egressd.mitm.seqmap.Stamp` it was learned under (read before the pull that taught it):
 any narrowing since has changed the stamp, and the caller pulls. A destination verdict is kept

@@ -1,4 +1,4 @@
-"""Redaction of credential strings from what an upstream sends back (docs/behaviour.md §10).
+"""Redaction of credential strings from what an upstream sends back (docs/reference/behaviour.md §10).
 
 Pure and I/O-free. One implementation for every place a redaction string may come back to a
 sandbox: response header values and trailers, response bodies (buffered or streamed, after

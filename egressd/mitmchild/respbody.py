@@ -1,4 +1,4 @@
-"""What the MITM does with a response body of a decrypted connection (docs/behaviour.md §10).
+"""What the MITM does with a response body of a decrypted connection (docs/reference/behaviour.md §10).
 Pure: decided from the response headers alone, before the first body byte.
 
 Streamed or buffered (:func:`plan_response`):

@@ -1,4 +1,4 @@
-"""What comes back (docs/behaviour.md §10): the addon that redacts a decrypted response's
+"""What comes back (docs/reference/behaviour.md §10): the addon that redacts a decrypted response's
 headers, trailers and body (streamed through :class:`~egressd.mitmchild.respbody.BodyFilter`
 or buffered, decided from its headers before the first body byte) and WebSocket messages
 either way, refuses a body it cannot scan, and logs how a flow ended.
@@ -121,7 +121,7 @@ class Responses:
             flow.kill()
 
     def _responseheaders(self, flow: http.HTTPFlow) -> None:
-        """Header values redacted; the body streamed or buffered, and scanned (docs/behaviour.md
+        """Header values redacted; the body streamed or buffered, and scanned (docs/reference/behaviour.md
         §10), decided here from the headers before its first byte (:func:`plan_response`)."""
         resp = flow.response
         if resp is None:

@@ -1,4 +1,4 @@
-"""Upstream TLS sessions kept for resumption (``EGRESSD_MITM_TLS_RESUME``, docs/behaviour.md §10).
+"""Upstream TLS sessions kept for resumption (``EGRESSD_MITM_TLS_RESUME``, docs/reference/behaviour.md §10).
 
 A resumed handshake skips the upstream's certificate chain and its verification, so a session
 may only be offered where the full handshake it came from would have been accepted again, and
@@ -7,7 +7,7 @@ never where it links tenants:
 * the key holds the **client** (the sandbox: its address on the shared listener, its port key
   on a per-subject port), so a ticket never crosses sandboxes (the upstream would see two
   tenants' connections as one client), and a forgotten client (removed or rebound subject:
-  the forget lines of docs/behaviour.md §14.9) loses its sessions;
+  the forget lines of docs/reference/behaviour.md §14.9) loses its sessions;
 * the client's **epoch** when its connection started (its slot in egressd's narrowing sequence
   map, which egressd bumps synchronously at a removal or rebind; without the map, a local
   count of forget lines): a session learned under an older epoch never resumes on a newer

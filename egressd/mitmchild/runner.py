@@ -14,7 +14,7 @@ no ``config.yaml`` is read from the confdir.
 Run as ``python -m egressd.mitmchild.runner --set name=value …`` (options of mitmproxy and of the
 egressd addons, as built by :func:`egressd.mitm.supervisor.mitmdump_argv`).
 
-Besides mitmproxy, two small tasks (docs/behaviour.md §14.9): stdin carries egressd's *forget* lines
+Besides mitmproxy, two small tasks (docs/reference/behaviour.md §14.9): stdin carries egressd's *forget* lines
 (clients whose vault snapshot the cache must drop now: subject removed or rebound, vault
 deleted), and a ``mitm.cache`` event reports the cache size whenever it changed, so egressd
 can export it (``egressd_mitm_snapshot_cache_entries``).
@@ -128,7 +128,7 @@ async def _follow_forgets(
 
 
 async def _main(argv: Sequence[str]) -> int:
-    # Listen on the sockets egressd bound and marked for us (docs/behaviour.md §20.1), before
+    # Listen on the sockets egressd bound and marked for us (docs/reference/behaviour.md §20.1), before
     # any option can make mitmproxy start a server.
     listen_on_adopted(adopt(os.environ))
     logging.getLogger().setLevel(logging.INFO)
@@ -175,7 +175,7 @@ async def _main(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     # exec reset the dumpable flag the daemon had: set it again before the CA key (loaded when
-    # the options are set) or any vault snapshot is in this process (docs/behaviour.md §14.9).
+    # the options are set) or any vault snapshot is in this process (docs/reference/behaviour.md §14.9).
     disable_core_dumps()
     raise_fd_limit()
     return asyncio.run(_main(sys.argv[1:] if argv is None else argv))

@@ -2,9 +2,9 @@
 
 mitmproxy refuses a server connection to one of its own listeners (in transparent mode a
 connection that reached the MITM port without NAT would otherwise connect to itself in a loop,
-docs/behaviour.md §10). Its ``Proxyserver.server_connect`` walks every listener and calls
+docs/reference/behaviour.md §10). Its ``Proxyserver.server_connect`` walks every listener and calls
 ``getsockname`` on each of their sockets for every upstream connection: with the per-subject
-listeners of host-uid subjects (docs/behaviour.md §17; 256 by default, besides the shared one)
+listeners of host-uid subjects (docs/reference/behaviour.md §17; 256 by default, besides the shared one)
 that walk was ~1.5 ms of every new connection (measured, scripts/bench/README.md "MITM"). The
 same check, with the same answers, from a dictionary built once per listener change.
 

@@ -44,7 +44,7 @@ def peer_ip(flow: http.HTTPFlow) -> str | None:
 
 
 def listen_port(client: object, shared: int | None) -> int | None:
-    """The per-subject port the client connection came in on (host-uid subjects, docs/behaviour.md
+    """The per-subject port the client connection came in on (host-uid subjects, docs/reference/behaviour.md
     §17), or None on the shared listener (port ``shared``): there the peer address names the
     subject, here the port does. Read from the listener's mode (``transparent@<port>``): in
     transparent mode mitmproxy overwrites the client's ``sockname`` with the original

@@ -1,4 +1,4 @@
-"""Placeholder substitution (docs/behaviour.md §10): the values of a binding's ``substitutions``
+"""Placeholder substitution (docs/reference/behaviour.md §10): the values of a binding's ``substitutions``
 put in the request's path, query, headers or body, each encoded for where it lands. Pure.
 """
 

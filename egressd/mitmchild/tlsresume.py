@@ -1,4 +1,4 @@
-"""The MITM child's upstream TLS session resumption (``egressd_tls_resume``; docs/behaviour.md §10).
+"""The MITM child's upstream TLS session resumption (``egressd_tls_resume``; docs/reference/behaviour.md §10).
 
 A mitmproxy addon, loaded after ``tlsconfig`` (which builds the upstream ``SSL.Connection``):
 ``client_connected`` records the client's epoch (:class:`~egressd.mitmchild.resume.SessionKey`),
@@ -90,7 +90,7 @@ class TlsResumption:
             self._tracked.clear()
 
     def forget(self, clients: list[str] | None) -> None:
-        """egressd's forget line (docs/behaviour.md §14.9): the subject behind these clients is gone or
+        """egressd's forget line (docs/reference/behaviour.md §14.9): the subject behind these clients is gone or
         rebound, so the next sandbox with the same address or port must not get its sessions.
         Connections that start from now on have a newer epoch (without the map, the only one
         that moves; with it, egressd moved the slot already)."""

@@ -1,4 +1,4 @@
-"""The vault of a connection's client, for the other addons (docs/behaviour.md §10, §17): the
+"""The vault of a connection's client, for the other addons (docs/reference/behaviour.md §10, §17): the
 ``_active`` client (:class:`~egressd.mitmchild.lookup.ActiveClient`, with its cache and the
 narrowing sequence map) built from the egressd options, and the rule that names the client:
 its listener port on a host-uid subject's port, else its peer address.
@@ -53,7 +53,7 @@ class VaultLookup:
 
     async def lookup(self, conn: object, client_ip: str | None, host: str | None, dst: str | None) -> View:
         """The vault of the connection's client: by its listener port on a host-uid subject's
-        port (docs/behaviour.md §17), else by its peer address."""
+        port (docs/reference/behaviour.md §17), else by its peer address."""
         assert self.client is not None
         listen = listen_port(conn, self.shared_port)
         if listen is None:

@@ -1,4 +1,4 @@
-"""Strict reading of the ``_active`` body (docs/behaviour.md §10) on the MITM side.
+"""Strict reading of the ``_active`` body (docs/reference/behaviour.md §10) on the MITM side.
 
 The addon must treat any body it cannot fully trust as a lookup failure (and block the
 client), never as "no credentials": so every field is checked and anything unexpected raises

@@ -1,4 +1,4 @@
-"""Internationalised names as A-labels (docs/behaviour.md §14.3), pure.
+"""Internationalised names as A-labels (docs/reference/behaviour.md §14.3), pure.
 
 Queries reach the DNS proxy as A-labels (``xn--vil-9la.com``: that is what resolvers and the
 DNS itself carry), so a policy or vault host written in Unicode (``évil.com``) must be turned

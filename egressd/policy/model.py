@@ -52,7 +52,7 @@ class PolicyError(ValueError):
         ``got '...'``, ``invalid CIDR '...'``), naming only the field: for every reply to a
         policy write. A policy is where a token pasted by mistake ends up (as a target, as an
         action), and an error reply travels further than the request (proxy and SDK logs,
-        exceptions), so the input is never echoed back (docs/behaviour.md §6, §12)."""
+        exceptions), so the input is never echoed back (docs/reference/behaviour.md §6, §12)."""
         reason = _QUOTE_TAIL.sub("", self.reason)
         return f"{self.field}: {reason}" if self.field else reason
 
@@ -76,7 +76,7 @@ class TargetKind(enum.StrEnum):
 class Rule:
     """One egress rule.
 
-    ``target`` is the normalised text: domains are A-labels (Unicode converted, docs/behaviour.md
+    ``target`` is the normalised text: domains are A-labels (Unicode converted, docs/reference/behaviour.md
     §14.3), lower-cased with one trailing dot removed; this is also what GET /policy returns;
     IP and CIDR targets keep the user's trimmed text (so PATCH/DELETE by target still match).
     ``network`` is the /32 or /128 for an IP, the masked network for a CIDR, None for a domain.

@@ -1,1 +1,1 @@
-"""The sidecar profile (docs/behaviour.md §13): one implicit subject, the whole sandbox namespace."""
+"""The sidecar profile (docs/reference/behaviour.md §13): one implicit subject, the whole sandbox namespace."""

@@ -100,7 +100,7 @@ class SidecarEngine:
         self._cut_flows = cut_flows
         self._background: set[asyncio.Task[int]] = set()
         self.rules_installed = 0  # for egress_nftables_rules_count
-        # The refusal count of the table a rebuild replaces (docs/behaviour.md §15), read under the
+        # The refusal count of the table a rebuild replaces (docs/reference/behaviour.md §15), read under the
         # kernel lock just before the rebuild; None: start from 0 (unit tests).
         self._carry_dropped = carry_dropped
 
@@ -127,7 +127,7 @@ class SidecarEngine:
 
     def destination_verified_until(self, client_ip: IPAddress, host: str, dst: IPAddress) -> float:
         """The same with its deadline (monotonic; 0.0: not verified), for the MITM's memory
-        (docs/behaviour.md §10, "answered from memory")."""
+        (docs/reference/behaviour.md §10, "answered from memory")."""
         return learning.verified_until(self.leases, self._sets, host, dst, self._clock())
 
     async def learn(
@@ -157,7 +157,7 @@ class SidecarEngine:
 
     def _narrowed(self, effective: NetworkPolicy) -> Narrowed:
         """The leases that survive ``effective``: a name that taught them is still allowed
-        and no deny rule covers the address (docs/behaviour.md §14.1, same rule as the fleet)."""
+        and no deny rule covers the address (docs/reference/behaviour.md §14.1, same rule as the fleet)."""
         sets = ip_sets(effective)
         return narrowed_for(self.leases, effective, sets.deny_v4, sets.deny_v6, self._clock())
 
@@ -186,7 +186,7 @@ class SidecarEngine:
         )
 
     async def shutdown(self) -> None:
-        """Remove the table (docs/behaviour.md §13: shutdown deletes the sidecar table)."""
+        """Remove the table (docs/reference/behaviour.md §13: shutdown deletes the sidecar table)."""
         async with self._kernel_lock:
             self.enforcement_ready = False
             await self.kernel.run_script(delete_table(self.table), op="reset")
@@ -254,7 +254,7 @@ class SidecarEngine:
     async def _cut_and_recheck(
         self, cut_flows: Callable[[Callable[[IPAddress], bool]], Awaitable[int]]
     ) -> int:
-        """Cut the flows the new policy refuses, then look again once (docs/behaviour.md §14.1).
+        """Cut the flows the new policy refuses, then look again once (docs/reference/behaviour.md §14.1).
 
         The cut is best effort: a failed conntrack read, address listing or delete leaves a
         refused flow running on its established state. The second look, a moment later and by

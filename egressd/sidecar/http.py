@@ -1,4 +1,4 @@
-"""The sidecar HTTP surface (docs/behaviour.md §5, §6, §13; reference/egress-api.yaml).
+"""The sidecar HTTP surface (docs/reference/behaviour.md §5, §6, §13; reference/egress-api.yaml).
 
 ``/policy`` (GET, POST/PUT replace, PATCH merge, DELETE by target), ``/credential-vault``
 and its sub-resources, ``/healthz`` and ``/metrics``. With a token configured, ``/policy``
@@ -124,7 +124,7 @@ class SidecarHTTP:
         before_scrape: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.engine = engine
-        self._before_scrape = before_scrape  # e.g. the kernel's refusal counter (docs/behaviour.md §15)
+        self._before_scrape = before_scrape  # e.g. the kernel's refusal counter (docs/reference/behaviour.md §15)
         self.vault_limits = vault_limits
         self.vault_transport = vault_transport or VaultTransport()
         self._mitm_ca = mitm_ca
@@ -137,7 +137,7 @@ class SidecarHTTP:
         # Policy and vault writes are serialised: a policy change checks vault coverage and
         # then awaits the kernel; no vault write may slip in between.
         self._lock = asyncio.Lock()
-        # A write whose body was read runs to its end whatever the client does (docs/behaviour.md §14.10).
+        # A write whose body was read runs to its end whatever the client does (docs/reference/behaviour.md §14.10).
         self.inflight = InFlight(feed=engine.feed)
 
     @property
@@ -296,7 +296,7 @@ class SidecarHTTP:
             )
             self.vault = store
         if method != "GET":
-            # After every vault write: the MITM child drops its cached snapshot (docs/behaviour.md
+            # After every vault write: the MITM child drops its cached snapshot (docs/reference/behaviour.md
             # §14.9). One sandbox per namespace: every cached client holds this one vault.
             self.engine.feed.publish(VaultChanged())
             log.info(

@@ -1,4 +1,4 @@
-"""The sidecar's initial policy and its persisted copy (docs/behaviour.md §13).
+"""The sidecar's initial policy and its persisted copy (docs/reference/behaviour.md §13).
 
 :func:`choose_initial` is pure (texts in, policy and warnings out); :func:`write_atomic` and
 :func:`read_text` are the only I/O. The persisted file holds the user policy only (no

@@ -176,7 +176,7 @@ async def _start_dns(
     forwarder = running.forwarder = Forwarder(upstreams, cfg.dns.upstream_timeout)
     events = sidecar_events(cfg.common, metrics, forwarder)
     if events.webhook is not None:
-        # The deny webhook's worker; events queued after its close are dropped (docs/behaviour.md §15).
+        # The deny webhook's worker; events queued after its close are dropped (docs/reference/behaviour.md §15).
         events.webhook.start()
         running.stoppers.append(events.webhook.close)
     dns = running.dns = DnsProxy(
@@ -256,7 +256,7 @@ def _http(
         mitm_ca=(lambda: (mitm.ca.pem, mitm.ca.fingerprint)) if mitm is not None else None,
         vault_limits=cfg.vault.limits(cfg.mitm.ignore_hosts),
         vault_transport=VaultTransport(cfg.vault.require_tls, cfg.vault.trusted_proxies),
-        before_scrape=drops.refresh,  # the kernel's refusal counter (docs/behaviour.md §15)
+        before_scrape=drops.refresh,  # the kernel's refusal counter (docs/reference/behaviour.md §15)
     )
 
 

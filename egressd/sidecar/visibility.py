@@ -1,4 +1,4 @@
-"""The sidecar's visibility parts (docs/behaviour.md §15): its one refusal counter and the DNS events.
+"""The sidecar's visibility parts (docs/reference/behaviour.md §15): its one refusal counter and the DNS events.
 
 The table's named counter ``dropped`` counts every refusal; it is exported as
 ``egressd_subject_dropped_packets_total{subject="s-sidecar"}`` (the label every sidecar

@@ -1,4 +1,4 @@
-"""Pure generation of the sidecar ruleset (docs/behaviour.md §8.6).
+"""Pure generation of the sidecar ruleset (docs/reference/behaviour.md §8.6).
 
 The sidecar runs inside the sandbox's own network namespace and enforces one policy for
 everything in it, so its table hooks ``output`` (the app's packets are locally generated)
@@ -18,7 +18,7 @@ Shape::
     chain    egress        filter hook output, policy accept iff defaultAction allow
              (mode dns+nft only): established, mark 0x1, lo, redirected DNS, IPv6 ND, 853, DoH,
              deny, dyn, allow, goto denied
-    chain    denied        every refusal (docs/behaviour.md §15): counter "dropped", then drop, or with
+    chain    denied        every refusal (docs/reference/behaviour.md §15): counter "dropped", then drop, or with
              EGRESSD_DENY_REJECT a TCP reset / ICMP admin-prohibited
 
 The counter lives in the table, so a rebuild would zero it: the engine reads it first and the
@@ -81,9 +81,9 @@ class SidecarTable:
     resolvers: tuple[IPAddress, ...] = ()
     #: Transparent MITM port (None = no interception of the namespace's own 80/443).
     mitm_port: int | None = None
-    #: Size of each dyn set: the lease cap (docs/behaviour.md §14.4); 0 = unbounded.
+    #: Size of each dyn set: the lease cap (docs/reference/behaviour.md §14.4); 0 = unbounded.
     max_leases: int = 4096
-    #: EGRESSD_DENY_REJECT (docs/behaviour.md §15): refuse with a TCP reset / ICMP admin-prohibited.
+    #: EGRESSD_DENY_REJECT (docs/reference/behaviour.md §15): refuse with a TCP reset / ICMP admin-prohibited.
     deny_reject: bool = False
     #: OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS: intercepted like 80 and 443 (MITM on).
     mitm_extra_ports: tuple[int, ...] = ()

@@ -109,7 +109,7 @@ def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
             f"add rule inet {t} mi tcp dport 18081 drop",
         ),
         (
-            # docs/behaviour.md §15: every refusal is counted in a named counter (given a start value:
+            # docs/reference/behaviour.md §15: every refusal is counted in a named counter (given a start value:
             # the count carried over a rebuild) by a chain the others goto.
             "refusal counting (named counter with a value, goto)",
             f"add counter inet {t} dropped {{ packets 3 bytes 0 }}\n"

@@ -1,4 +1,4 @@
-"""Host-uid sandboxes (docs/behaviour.md §17): the uid range, the per-subject port block, slot choice.
+"""Host-uid sandboxes (docs/reference/behaviour.md §17): the uid range, the per-subject port block, slot choice.
 
 A host-uid sandbox shares egressd's network namespace and differs from the host's own
 processes only by its uid, so that uid is its dispatch key (``meta skuid``). Every subject of

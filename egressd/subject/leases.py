@@ -2,7 +2,7 @@
 
 Pure bookkeeping (no I/O, time passed in). Both profiles use it for the same four questions:
 which addresses of an answer may enter the kernel's dyn sets (the per-subject cap,
-docs/behaviour.md §14.4), which leases survive a narrowing policy change (14.1), which live
+docs/reference/behaviour.md §14.4), which leases survive a narrowing policy change (14.1), which live
 addresses the connection refresh may renew (§9, 14.1), and whether the MITM may send a
 host's credential to an address (§10: only to an address the DNS proxy answered for that
 host). Those questions are answered here once, for both (:func:`admissible`,
@@ -192,7 +192,7 @@ def admissible(
     """What of one answer may enter the subject's dyn sets now, with the seconds the kernel
     elements must get; nothing is recorded (:meth:`LeaseBook.record` once the kernel took it).
 
-    Decided against the policy in force now (docs/behaviour.md §14.1): an answer (``name``, normalised,
+    Decided against the policy in force now (docs/reference/behaviour.md §14.1): an answer (``name``, normalised,
     the question it was for) only while that name is admitted; a connection refresh (``name``
     None) only for addresses a still-admitted name taught. Then the lease cap (14.4).
     """
@@ -215,7 +215,7 @@ def narrowed_for(
 ) -> Narrowed:
     """The book under a new effective policy whose deny sets the kernel will hold are
     ``deny_v4``/``deny_v6``: a lease stays only if a name that taught it is still admitted
-    and no deny prefix covers it (docs/behaviour.md §14.1)."""
+    and no deny prefix covers it (docs/reference/behaviour.md §14.1)."""
     return book.narrowed(names_admitted(effective), covered_by(deny_v4, deny_v6), now)
 
 
@@ -238,7 +238,7 @@ def destination_verified_until(
     book: LeaseBook | None, sets: IpSets | None, name: str, dst: IPAddress, now: float
 ) -> float:
     """:func:`destination_verified` with its deadline (monotonic; ``math.inf`` for an explicit IP
-    rule, 0.0 when not verified): until then only a narrowing can end it (docs/behaviour.md §10, "answered
+    rule, 0.0 when not verified): until then only a narrowing can end it (docs/reference/behaviour.md §10, "answered
     from memory")."""
     until = book.verified_until(dst, name, now) if book is not None else 0.0
     if until > now:

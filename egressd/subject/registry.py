@@ -1,4 +1,4 @@
-"""The fenced subject registry (docs/protocol.md §2) as a pure state machine plus an index.
+"""The fenced subject registry (docs/reference/actions-protocol.md §2) as a pure state machine plus an index.
 
 :func:`plan_set_binding`, :func:`plan_data_plane_ready`, :func:`plan_hook_fence` and
 :func:`plan_remove` decide, without I/O,
@@ -7,7 +7,7 @@ to commit when all of them succeed, and the entry to keep when one fails. The co
 runs the steps ("kernel first, registry second") under the subject's lock.
 
 :class:`Registry` holds the committed entries and the hot-path indexes: source IP -> subject
-for network sandboxes, host uid and port slot -> subject for host-uid sandboxes (docs/behaviour.md §17).
+for network sandboxes, host uid and port slot -> subject for host-uid sandboxes (docs/reference/behaviour.md §17).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Binding:
 
 @dataclass(frozen=True, slots=True)
 class HostBinding:
-    """Identity of a host-uid sandbox (docs/behaviour.md §17): its processes' host uid, the dispatch key
+    """Identity of a host-uid sandbox (docs/reference/behaviour.md §17): its processes' host uid, the dispatch key
     (``meta skuid``), and the slot that names its own DNS and MITM ports. The slot is the
     control plane's choice, kept for the subject's life (a rebind keeps it)."""
 

@@ -1,1 +1,1 @@
-"""Credential vault (docs/behaviour.md §6) and the sealed vault of the binding input (§11)."""
+"""Credential vault (docs/reference/behaviour.md §6) and the sealed vault of the binding input (§11)."""

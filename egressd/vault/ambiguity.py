@@ -1,4 +1,4 @@
-"""The vault's ambiguity analyser (docs/behaviour.md §6 Ambiguity, 14.7): two bindings that could
+"""The vault's ambiguity analyser (docs/reference/behaviour.md §6 Ambiguity, 14.7): two bindings that could
 both claim one request at the same precedence are refused, in O(N log N) mask operations."""
 
 from __future__ import annotations

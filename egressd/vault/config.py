@@ -1,4 +1,4 @@
-"""The vaults' options: size caps (docs/behaviour.md §14.7), the write
+"""The vaults' options: size caps (docs/reference/behaviour.md §14.7), the write
 transport and binding scope (reference sidecar parity, issue 15 item 3), and the fleet's
 sealed-vault keys."""
 
@@ -14,13 +14,13 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "EGRESSD_VAULT_MAX_CREDENTIALS",
         "--vault-max-credentials",
-        "credentials one vault may hold (docs/behaviour.md §14.7)",
+        "credentials one vault may hold (docs/reference/behaviour.md §14.7)",
         "256",
     ),
     Option(
         "EGRESSD_VAULT_MAX_BINDINGS",
         "--vault-max-bindings",
-        "bindings one vault may hold (docs/behaviour.md §14.7)",
+        "bindings one vault may hold (docs/reference/behaviour.md §14.7)",
         "256",
     ),
     Option(
@@ -53,8 +53,8 @@ OPTIONS: tuple[Option, ...] = (
 
 @dataclass(frozen=True, slots=True)
 class VaultConfig:
-    max_credentials: int = 256  # EGRESSD_VAULT_MAX_CREDENTIALS (docs/behaviour.md §14.7)
-    max_bindings: int = 256  # EGRESSD_VAULT_MAX_BINDINGS (docs/behaviour.md §14.7)
+    max_credentials: int = 256  # EGRESSD_VAULT_MAX_CREDENTIALS (docs/reference/behaviour.md §14.7)
+    max_bindings: int = 256  # EGRESSD_VAULT_MAX_BINDINGS (docs/reference/behaviour.md §14.7)
     keys_dir: Path | None = None  # EGRESSD_VAULT_KEYS_DIR (fleet)
     require_tls: bool = False  # OPENSANDBOX_EGRESS_CREDENTIAL_VAULT_REQUIRE_TLS
     require_scoped_match: bool = False  # ..._CREDENTIAL_VAULT_REQUIRE_SCOPED_MATCH

@@ -1,4 +1,4 @@
-"""Whether a vault's binding hosts can be injected at all (docs/behaviour.md §6 Coverage): each
+"""Whether a vault's binding hosts can be injected at all (docs/reference/behaviour.md §6 Coverage): each
 host is covered by an explicit allow rule of the egress policy, and none is a MITM
 ``ignore_hosts`` pass-through."""
 

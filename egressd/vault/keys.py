@@ -1,4 +1,4 @@
-"""The keys that open sealed vaults (docs/behaviour.md §11): ``EGRESSD_VAULT_KEYS_DIR``.
+"""The keys that open sealed vaults (docs/reference/behaviour.md §11): ``EGRESSD_VAULT_KEYS_DIR``.
 
 Keys come from ``EGRESSD_VAULT_KEYS_DIR`` (:func:`load_keys`, or :class:`KeyStore`, which
 follows the directory while egressd runs, at most one scan per second, and lets only the newest

@@ -1,4 +1,4 @@
-"""Vault validation off the event loop (docs/behaviour.md §14.7).
+"""Vault validation off the event loop (docs/reference/behaviour.md §14.7).
 
 Parsing and validating a vault body (JSON decode, §6 checks, ambiguity, coverage, a sealed
 vault's AEAD open) is pure CPU work of up to a 1 MiB body. On the event loop it would stall

@@ -1,4 +1,4 @@
-"""Parsing the credential vault documents (docs/behaviour.md §6, OSEP-0012): decoded JSON in,
+"""Parsing the credential vault documents (docs/reference/behaviour.md §6, OSEP-0012): decoded JSON in,
 the frozen values of :mod:`egressd.vault.types` out, or a :class:`VaultError` naming the field.
 
 Wire shapes (see ``egress-api.yaml``)::
@@ -104,7 +104,7 @@ def _string(value: object, where: str) -> str:
 
 def _name(value: object, where: str) -> str:
     """A non-blank name (credential, binding, reference) of printable characters only, without
-    spaces at its ends (docs/behaviour.md §20.3, which wins over §6's trimming): names are shown
+    spaces at its ends (docs/reference/behaviour.md §20.3, which wins over §6's trimming): names are shown
     to operators (egressctl, logs), and a control or format character in one could rewrite
     their terminal; a name is kept exactly as sent, never silently changed (``" tok "`` is
     refused, not stored as ``tok``)."""
@@ -171,7 +171,7 @@ _MATCH_KEYS: Final = frozenset({"hosts", "schemes", "methods", "paths", "ports"}
 def parse_host(text: str, where: str) -> str:
     """A binding host: A-labels, lower-cased, one trailing dot dropped; an FQDN or ``*.`` + FQDN.
 
-    A Unicode host becomes its A-labels (IDNA 2008 / UTS-46, docs/behaviour.md §14.3), the form the
+    A Unicode host becomes its A-labels (IDNA 2008 / UTS-46, docs/reference/behaviour.md §14.3), the form the
     policy's domain targets, DNS queries and TLS SNI all use, so coverage, ambiguity and the
     MITM's match compare like with like; an invalid one is a 400.
     """

@@ -1,4 +1,4 @@
-"""Pending credential pushes for sandbox UIDs that are not registered yet (docs/protocol.md §4).
+"""Pending credential pushes for sandbox UIDs that are not registered yet (docs/reference/actions-protocol.md §4).
 
 Pure: the clock is passed in. Bodies are kept only in memory, for at most the TTL, and are
 never logged; a per-UID cap bounds what one unknown UID can make the daemon hold.

@@ -1,4 +1,4 @@
-"""The sealed vault carried in the binding input (docs/behaviour.md §11).
+"""The sealed vault carried in the binding input (docs/reference/behaviour.md §11).
 
 A binding input whose JSON object has the key ``osbEgressInput`` is a *wrapper*::
 

@@ -1,4 +1,4 @@
-"""The MITM's view of one vault revision (docs/behaviour.md §6, §10): bindings with their
+"""The MITM's view of one vault revision (docs/reference/behaviour.md §6, §10): bindings with their
 credential values resolved into the headers and substitutions to inject, and the redaction set.
 :meth:`egressd.vault.store.VaultStore.snapshot` builds it; the MITM's private ``/_active``
 endpoint serves it. **Holds credential values**: never for the HTTP API or logs."""

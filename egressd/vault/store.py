@@ -1,4 +1,4 @@
-"""The per-subject credential vault (docs/behaviour.md §6): an immutable :class:`Vault` and the
+"""The per-subject credential vault (docs/reference/behaviour.md §6): an immutable :class:`Vault` and the
 :class:`VaultStore` that holds at most one of them and implements the operation table.
 
 Conventions
@@ -190,7 +190,7 @@ class VaultStore:
 
     ``ignore_hosts`` are the MITM's ``ignore_hosts`` patterns (a binding host matching one is
     refused); ``new_incarnation`` makes incarnation ids (tests may inject a deterministic one);
-    ``limits`` are the size caps every write is held to (docs/behaviour.md §14.7).
+    ``limits`` are the size caps every write is held to (docs/reference/behaviour.md §14.7).
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""The credential vault's documents as values (docs/behaviour.md §6, OSEP-0012): the frozen
+"""The credential vault's documents as values (docs/reference/behaviour.md §6, OSEP-0012): the frozen
 dataclasses every other vault module passes around, the caps, and :class:`VaultError`.
 
 Parsing is in :mod:`egressd.vault.parse`, the whole-vault checks in :mod:`egressd.vault.ambiguity`,
@@ -90,7 +90,7 @@ VaultStatus = Literal[400, 404, 409, 412]
 
 @dataclass(frozen=True, slots=True)
 class VaultLimits:
-    """How big one vault may be (docs/behaviour.md §14.7). Every count is checked on the raw JSON array
+    """How big one vault may be (docs/reference/behaviour.md §14.7). Every count is checked on the raw JSON array
     before its items are parsed, so an oversized body costs no more than reading its length.
     ``env`` names what the operator can change (the per-binding caps are fixed).
 

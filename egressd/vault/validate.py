@@ -1,4 +1,4 @@
-"""The whole-candidate checks of a vault write (docs/behaviour.md §6, 14.7), in order: size,
+"""The whole-candidate checks of a vault write (docs/reference/behaviour.md §6, 14.7), in order: size,
 references, ambiguity, coverage, ignore_hosts."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Classifying proxy-route requests (docs/protocol.md §4): which sandbox, which resource, which generation.
+"""Classifying proxy-route requests (docs/reference/actions-protocol.md §4): which sandbox, which resource, which generation.
 
 Pure: method, path and headers in; a :class:`RouteRequest` or a :class:`RouteError` with the
 HTTP status out.

@@ -1,5 +1,5 @@
 """What both profiles' shells do the same way: bind the HTTP API, wait for SIGTERM/SIGINT, and
-carry every mutating request to its end whatever its client does (docs/behaviour.md §14.10)."""
+carry every mutating request to its end whatever its client does (docs/reference/behaviour.md §14.10)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def make_runner(app: web.Application) -> web.AppRunner:
 async def start_http(app: web.Application, host: str, port: int, *, mark: int | None = None) -> web.AppRunner:
     """The running site's runner (the caller cleans it up); :class:`ListenError` if the address
     cannot be bound (nothing is left running then). ``mark``: the listener's SO_MARK (the fleet
-    marks its sockets as egressd's own, docs/behaviour.md §20.1)."""
+    marks its sockets as egressd's own, docs/reference/behaviour.md §20.1)."""
     runner = make_runner(app)
     await runner.setup()
     socks: list[socket.socket] = []
@@ -148,7 +148,7 @@ class InFlight:
         self._tasks.discard(task)
         if task in self._orphans:
             # It ended after its handler (and the write middleware's bump) was gone: what it
-            # changed must void the MITM's memory too (docs/behaviour.md §10, "answered from memory").
+            # changed must void the MITM's memory too (docs/reference/behaviour.md §10, "answered from memory").
             self._orphans.discard(task)
             self.feed.publish(ApiWrite())
         # The mutations catch their own errors; one that escapes is a bug, and with its

@@ -1,4 +1,4 @@
-"""The credential-vault and /policy request handling both profiles share (docs/behaviour.md §5, §6).
+"""The credential-vault and /policy request handling both profiles share (docs/reference/behaviour.md §5, §6).
 
 Transport-free: method, resource, body in; a :class:`Reply` and the store to hold out.
 """

@@ -1,6 +1,6 @@
 """Every write through the HTTP API may have narrowed something: the API's writes are an owner
 of state that publishes to the change feed (:mod:`egressd.feed`), both profiles' servers
-install :func:`after_writes` (docs/behaviour.md §10, "answered from memory")."""
+install :func:`after_writes` (docs/reference/behaviour.md §10, "answered from memory")."""
 
 from __future__ import annotations
 

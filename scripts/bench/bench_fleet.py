@@ -80,7 +80,7 @@ def ms(xs: list[float]) -> dict[str, float]:
 
 def subject_objects(cfg: TableConfig, s: SubjectNft) -> str:
     """The libnftables path's objects plus what the netlink path adds to a subject: its drop
-    counter and the counter-map key (docs/behaviour.md §15), so removals find them."""
+    counter and the counter-map key (docs/reference/behaviour.md §15), so removals find them."""
     n = Names(s.nft_id)
     fam = "v4" if s.ip.version == 4 else "v6"
     return (

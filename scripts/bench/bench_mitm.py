@@ -19,7 +19,7 @@ default the run compares ``EGRESSD_MITM_WORKERS=1`` with the default (unset: the
 * ``direct`` (baseline)    sb1 -> api.example.test:8443, not intercepted;
 * ``mitm+inject``          sb1 -> :443 through the MITM; sb1's vault binding matches every request;
 * ``mitm decrypt, no match`` sb1 -> :443, a path outside the binding: decrypted (the SNI is a
-                           binding host, docs/behaviour.md §16), nothing injected;
+                           binding host, docs/reference/behaviour.md §16), nothing injected;
 * ``mitm passthrough``     sb2 (bound, no vault) -> :443 through the MITM: not decrypted, the
                            connection is relayed as TCP (§16); the client trusts only the
                            upstream's CA, so a decrypted connection would fail.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Vault validation cost (docs/behaviour.md §14.7): the old quadratic ambiguity check vs the new one.
+"""Vault validation cost (docs/reference/behaviour.md §14.7): the old quadratic ambiguity check vs the new one.
 
 Run from the repository root (no root needed, nothing leaves the process but one child
 process per oracle timing)::

@@ -1,4 +1,4 @@
-"""The MITM's response path, measured by ``bench_mitm.py`` (issue 23, docs/behaviour.md §10).
+"""The MITM's response path, measured by ``bench_mitm.py`` (issue 23, docs/reference/behaviour.md §10).
 
 Side by side in one run, on configuration A's topology copy and daemon (and one more egressd,
 "R", the same environment with ``EGRESSD_MITM_BODY_REDACTION=off``):
@@ -6,7 +6,7 @@ Side by side in one run, on configuration A's topology copy and daemon (and one 
 * **time to first byte of a server-sent-events answer**: request written on an open keep-alive
   connection -> first event byte read, client-side; the upstream sends the event at once. Paths
   ``direct`` (sb1 -> :8443, not intercepted), ``relayed`` (sb2, no vault: the MITM relays the TCP
-  stream, docs/behaviour.md §16), ``decrypted`` (sb1 -> :443, its vault's binding matches: injected,
+  stream, docs/reference/behaviour.md §16), ``decrypted`` (sb1 -> :443, its vault's binding matches: injected,
   the body through the redactor), ``decrypted, redaction off`` (the same on R). Also each event's
   delivery delay: the client's receive time minus the upstream's send time in the event.
 * **bulk throughput** of a download with a Content-Length, MiB/s, the same four paths.

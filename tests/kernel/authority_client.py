@@ -1,4 +1,4 @@
-"""One request whose names disagree, for the one-authority tests (docs/behaviour.md §14.8).
+"""One request whose names disagree, for the one-authority tests (docs/reference/behaviour.md §14.8).
 
 Run inside a sandbox namespace (``ip netns exec <sb> <venv python> authority_client.py ...``)
 with the venv's interpreter: HTTP/2 frames are crafted with the ``h2`` library mitmproxy

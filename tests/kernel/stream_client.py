@@ -1,4 +1,4 @@
-"""Clients for the MITM's response-path tests (docs/behaviour.md §10), run inside a sandbox
+"""Clients for the MITM's response-path tests (docs/reference/behaviour.md §10), run inside a sandbox
 namespace with the venv's interpreter (``ip netns exec <sb> <venv python> stream_client.py ...``).
 They only talk to the address they are given (``--ip``; the name is pinned to it, as curl's
 ``--resolve`` does). Every line on stdout is one JSON object.

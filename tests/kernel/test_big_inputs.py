@@ -1,4 +1,4 @@
-"""docs/behaviour.md §14.5 against the real kernel: a fleet policy AT the rule cap (4096 mixed v4/v6
+"""docs/reference/behaviour.md §14.5 against the real kernel: a fleet policy AT the rule cap (4096 mixed v4/v6
 hosts and CIDRs) is activated, updated in place and reverted, each in exactly one kernel
 transaction, with real connections from sandbox namespaces to the first and last allowed
 prefixes.

@@ -1,4 +1,4 @@
-"""docs/behaviour.md §14.10 against the real daemon and kernel: a dispatcher that goes away mid-action.
+"""docs/reference/behaviour.md §14.10 against the real daemon and kernel: a dispatcher that goes away mid-action.
 
 The client is a raw socket (tests/kernel/rawclient.py) run in the pod namespace, talking to
 the daemon on 127.0.0.1; it half-closes, closes or resets at chosen points of a request.

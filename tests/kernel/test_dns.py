@@ -296,7 +296,7 @@ def test_doh_blocklist_drops_443_to_listed_addresses_only(topo: Topology) -> Non
         topo.ns(topo.pod, "nft", "delete", "table", "inet", d.table, check=False)
 
 
-# ---- docs/behaviour.md §14.3: DNS messages, the per-subject budget, IDNA ------------------------------
+# ---- docs/reference/behaviour.md §14.3: DNS messages, the per-subject budget, IDNA ------------------------------
 
 # Run inside a sandbox: every message of MESSAGES (dnslib-built) to the gateway over UDP and
 # TCP, printing one JSON object {label: [rcode, [EDE info-codes]]}. Bounded: one reply or a

@@ -150,7 +150,7 @@ def test_status_human_and_json(ctld: Daemon) -> None:
         assert st["ready"] is True and isinstance(st["instanceId"], str)
         assert st.get("mitmCaFingerprint") is None
         assert isinstance(doc["subjects"]["total"], int) and isinstance(doc["subjects"]["byState"], dict)
-        assert isinstance(doc["subjects"]["droppedPackets"], int)  # docs/behaviour.md §15
+        assert isinstance(doc["subjects"]["droppedPackets"], int)  # docs/reference/behaviour.md §15
         assert isinstance(doc["subjects"]["unattributedDroppedPackets"], int)
 
 
@@ -183,7 +183,7 @@ def test_send_drives_the_kernel_and_subjects_shows_it(ctld: Daemon) -> None:
         r = ctl(ctld, "subjects").ok()
         header, *rows = r.out.splitlines()
         cols = ["SUBJECT", "STATE", "SOURCE-IP", "GATEWAY", "POLICY", "PENDING", "VAULT-REV", "LEASES"]
-        assert header.split() == [*cols, "DROPPED", "RECENT-DENIALS"]  # docs/behaviour.md §15
+        assert header.split() == [*cols, "DROPPED", "RECENT-DENIALS"]  # docs/reference/behaviour.md §15
         (line,) = [ln for ln in rows if ln.startswith(f"s-{uid} ")]
         assert line.split()[:8] == [f"s-{uid}", "active", ip, GATEWAY, "default=deny,rules=3", "no", "-", "0"]
         dropped, denials = line.split()[8:]

@@ -271,7 +271,7 @@ def _normalised_table(d: Daemon) -> list[str]:
         for kind, obj in item.items():
             if kind == "metainfo" or not isinstance(obj, dict):
                 continue
-            # Counter values are traffic, not state (docs/behaviour.md §15 counts every refusal).
+            # Counter values are traffic, not state (docs/reference/behaviour.md §15 counts every refusal).
             o = {
                 k: v
                 for k, v in obj.items()
@@ -304,7 +304,7 @@ def test_other_subjects_changes_never_touch_a_subjects_leases(topo: Topology, da
     assert daemon.post(envelope("REMOVE_BINDING", "sb2"))[0] == 200
     assert daemon.post(envelope("REMOVE_BINDING", "sb3", rid="r2"))[0] == 200
     # An in-place policy update of sb1 itself keeps the leases of names it still allows
-    # (docs/behaviour.md §14.1: those of names it no longer allows go with the update).
+    # (docs/reference/behaviour.md §14.1: those of names it no longer allows go with the update).
     bind(daemon, 1, _with_deep(allow_ips(UP_D)))
     assert UP_C in daemon.nft("list", "set", "inet", daemon.table, "subj_s_sb1_dyn_v4")
     assert topo.reaches(1, UP_C)

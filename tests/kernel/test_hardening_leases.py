@@ -1,4 +1,4 @@
-"""DNS-learned leases against the real kernel (docs/behaviour.md §14.1, 14.4, 14.6; §7, §9).
+"""DNS-learned leases against the real kernel (docs/reference/behaviour.md §14.1, 14.4, 14.6; §7, §9).
 
 Each test tries to break one property with real packets from sandbox namespaces: narrowing
 a policy (SET_BINDING in place, the fleet ``/policy`` route, an always-rules reload) must take
@@ -444,7 +444,7 @@ def test_refused_revert_is_reported_denies_dns_and_converges(topo: Topology, dae
 def test_a_few_thousand_records_over_tcp_are_learned_up_to_the_cap_in_one_transaction(
     topo: Topology,
 ) -> None:
-    """docs/behaviour.md §14.4 x 14.5: big.test answers 3000 A records (over TCP only: far past any
+    """docs/reference/behaviour.md §14.4 x 14.5: big.test answers 3000 A records (over TCP only: far past any
     UDP size); with a cap of 2500 the kernel takes 2500 in one transaction and the reply
     carries exactly those."""
     with own_daemon(topo, "lease-big", {"EGRESSD_MAX_LEASES_PER_SUBJECT": "2500"}) as d:

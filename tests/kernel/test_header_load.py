@@ -26,7 +26,7 @@ CASES = {
     # Failed to parse before ("ct original proto-dst 443" without a protocol context).
     "mitm-doh-all": TableConfig(table="T", mitm=True, block_doh_443=True),
     "mitm-doh-list": TableConfig(table="T", mitm=True, block_doh_443=True, doh_blocklist=BLOCKLIST),
-    # Host-uid subjects (docs/behaviour.md §17): egressd's own uid inside the range, a one-uid range
+    # Host-uid subjects (docs/reference/behaviour.md §17): egressd's own uid inside the range, a one-uid range
     # and a one-subject port block (single ports instead of ranges).
     "uid-own-inside": TableConfig(table="T", mitm=True, own_uid=100500),
     "uid-single": TableConfig(table="T", mitm=True, uids=UidPorts(UidRange(7, 7), 30000, 1)),

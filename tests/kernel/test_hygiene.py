@@ -1,4 +1,4 @@
-"""Process hygiene (docs/behaviour.md §14.9) against the real daemon and its real MITM child, both profiles.
+"""Process hygiene (docs/reference/behaviour.md §14.9) against the real daemon and its real MITM child, both profiles.
 
 Core dumps: ``/proc/<pid>/limits`` shows the core limit 0/0. The dumpable flag has no /proc
 field, so it is observed by what it is for: a process with the same uid and gid and at least

@@ -1,4 +1,4 @@
-"""docs/behaviour.md §14.2, no lateral movement on any hook, tried with real packets.
+"""docs/reference/behaviour.md §14.2, no lateral movement on any hook, tried with real packets.
 
 Runs in two shapes, each its own throwaway topology: the bridged one (all sandboxes on br0)
 and a routed one (one veth per sandbox, /32 routes, the gateway address on every pod-side
@@ -79,7 +79,7 @@ def net(request: pytest.FixtureRequest) -> Iterator[Topology]:
 
 
 def sandbox_ifaces(topo: Topology) -> str:
-    """EGRESSD_SANDBOX_IFACES of each shape (docs/behaviour.md §20.2): the bridge by a prefix; in
+    """EGRESSD_SANDBOX_IFACES of each shape (docs/reference/behaviour.md §20.2): the bridge by a prefix; in
     the routed shape sandbox 3's veth by name (it is never registered here, so no hostVeth
     names it), sandboxes 1 and 2 by their attachments' hostVeth."""
     return "vh3" if topo.routed else "br*"
@@ -236,7 +236,7 @@ def connects_v6_link_local(topo: Topology, sb: int, host: str, port: int) -> boo
 
 
 def test_an_unregistered_address_of_a_sandbox_reaches_no_pod_listener(net: Topology, lat: Daemon) -> None:
-    """docs/behaviour.md §20.2 (was a strict xfail): sandbox 1 is registered with its IPv4 address
+    """docs/reference/behaviour.md §20.2 (was a strict xfail): sandbox 1 is registered with its IPv4 address
     only. From its IPv6 address, its automatic link-local one and an IPv4 address it gave
     itself (no privateCidr names it), it reaches no pod listener bound to the wildcard."""
     pod = Listener(net, net.pod, (8000,), "pod-unregistered")
@@ -262,7 +262,7 @@ def test_an_unregistered_address_of_a_sandbox_reaches_no_pod_listener(net: Topol
 
 
 def test_a_sandbox_that_is_not_registered_reaches_no_pod_listener(net: Topology, lat: Daemon) -> None:
-    """docs/behaviour.md §20.2: sandbox 3 has no subject (not yet, or any more). Its interface is
+    """docs/reference/behaviour.md §20.2: sandbox 3 has no subject (not yet, or any more). Its interface is
     sandbox-facing by EGRESSD_SANDBOX_IFACES (a bridge prefix, or its veth's name), so neither
     the gateway's IPv4 nor its IPv6 address answers it, on any port but what egressd redirected."""
     pod = Listener(net, net.pod, (8000, 80), "pod-unknown")
@@ -281,7 +281,7 @@ EXTRA_SRC = "10.203.0.99"  # an address sandbox 1 gives itself: in the CIDR, nev
 
 
 def bind_cidr(d: Daemon, i: int, uid: str) -> None:
-    """Like :func:`bind`, with ``attachment.network.privateCidr`` (docs/behaviour.md §14.2)."""
+    """Like :func:`bind`, with ``attachment.network.privateCidr`` (docs/reference/behaviour.md §14.2)."""
     env = envelope("SET_BINDING", uid, ip=Topology.sb_ip(i), gateway=GATEWAY, policy=ALLOW_ALL)
     env["attachment"]["network"]["privateCidr"] = PRIVATE_CIDR  # type: ignore[index]
     code, body = d.post(env)
@@ -370,4 +370,4 @@ def test_zz_the_table_keeps_the_lateral_guards(lat: Daemon) -> None:
     names = lat.object_names()
     assert {"input", "sandbox_in", "dispatch", "sandboxes_v4", "sandboxes_v6"} <= names
     listing = lat.nft("list", "chain", "inet", lat.table, "sandbox_in")
-    assert listing.count("goto denied") >= 1  # every refusal is counted (docs/behaviour.md §15)
+    assert listing.count("goto denied") >= 1  # every refusal is counted (docs/reference/behaviour.md §15)

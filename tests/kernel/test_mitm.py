@@ -1,4 +1,4 @@
-"""The shared transparent MITM (docs/behaviour.md §10) end to end: real kernel DNAT, real mitmdump,
+"""The shared transparent MITM (docs/reference/behaviour.md §10) end to end: real kernel DNAT, real mitmdump,
 real HTTPS upstream echoing what arrived, clients in sandbox namespaces trusting the MITM CA.
 
 One daemon with the MITM for the whole module (mitmdump takes ~1.5 s to start); every test
@@ -65,7 +65,7 @@ VAULT: dict[str, Any] = {
 }
 
 
-# docs/behaviour.md §16: only an SNI naming an https binding host is decrypted. The tests below that
+# docs/reference/behaviour.md §16: only an SNI naming an https binding host is decrypted. The tests below that
 # send an SNI of b.test to check what the MITM does with the decrypted request (14.8) give m1
 # a binding for b.test that no request of theirs matches.
 VAULT_SNI_B: dict[str, Any] = {
@@ -107,7 +107,7 @@ def ca_file(topo: Topology) -> str:
 
 
 def client_trust(topo: Topology) -> str:
-    """What the sandbox clients trust: the MITM CA (decrypted connections, docs/behaviour.md §16) and
+    """What the sandbox clients trust: the MITM CA (decrypted connections, docs/reference/behaviour.md §16) and
     the upstream's test CA (connections the MITM passes through untouched)."""
     bundle = topo.workdir / "client-trust.pem"
     bundle.write_text(Path(ca_file(topo)).read_text() + (topo.tls_dir / "ca.pem").read_text())
@@ -337,7 +337,7 @@ for line in sys.stdin:
 def test_vault_changes_reach_the_next_request_on_a_kept_alive_connection(
     topo: Topology, mitm: Daemon
 ) -> None:
-    """docs/behaviour.md §10, "answered from memory": the worker answers from memory between changes, and a
+    """docs/reference/behaviour.md §10, "answered from memory": the worker answers from memory between changes, and a
     delete or a change is honoured by the very next request on the same connection."""
     bind(mitm, 1, "m1")
     proc = subprocess.Popen(
@@ -399,7 +399,7 @@ def test_lookup_failure_blocks_before_the_upstream(topo: Topology, mitm: Daemon)
         assert mitm.proc is not None
         os.kill(mitm.proc.pid, signal.SIGSTOP)  # the vault lookup times out (0.25 s)
         # The worker's memory outlives a silent egressd by at most its heartbeat's bound
-        # (docs/behaviour.md §10, "answered from memory"); then it pulls, and the pull times out.
+        # (docs/reference/behaviour.md §10, "answered from memory"); then it pulls, and the pull times out.
         time.sleep(2 * MAX_SILENCE_S)
         try:
             r = api(topo, 1)
@@ -419,7 +419,7 @@ def test_lookup_failure_blocks_before_the_upstream(topo: Topology, mitm: Daemon)
 def test_direct_connection_to_the_mitm_port_is_dropped(topo: Topology, mitm: Daemon) -> None:
     bind(mitm, 1, "m1")
     try:
-        # docs/protocol.md names: the per-subject input chain and the input hook chain exist.
+        # docs/concepts/ruleset.md names: the per-subject input chain and the input hook chain exist.
         assert {"subj_s_m1_in", "input", "subj_s_m1", "mark_s_m1"} <= mitm.object_names()
         assert topo.curl(1, f"http://{GATEWAY}:{MITM_PORT}/", timeout=1.0) == 0
         # Denying subjects reach nothing through the MITM either.

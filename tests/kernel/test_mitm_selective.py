@@ -1,4 +1,4 @@
-"""Selective interception (docs/behaviour.md §16) and the CA export (``EGRESSD_MITM_CA_EXPORT_DIR``)
+"""Selective interception (docs/reference/behaviour.md §16) and the CA export (``EGRESSD_MITM_CA_EXPORT_DIR``)
 end to end: real kernel redirect, real MITM child, real HTTPS upstream with its own test CA.
 
 The point of §16 is what a client that does *not* trust the MITM CA sees: for every host

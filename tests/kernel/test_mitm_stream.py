@@ -1,4 +1,4 @@
-"""The MITM's response path (docs/behaviour.md §10) end to end, fleet profile: real kernel
+"""The MITM's response path (docs/reference/behaviour.md §10) end to end, fleet profile: real kernel
 redirect, the real MITM child, the test upstream's streaming endpoints
 (scripts/upstream_streams.py: HTTP/1.1, and HTTP/2 for SNI ``h2.*``), real clients in a sandbox
 namespace (curl, an httpx + httpx-sse reader shaped like the LLM SDKs, aiohttp WebSockets, a

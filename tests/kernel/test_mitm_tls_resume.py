@@ -1,4 +1,4 @@
-"""Upstream TLS session resumption in the MITM child (``EGRESSD_MITM_TLS_RESUME``, docs/behaviour.md
+"""Upstream TLS session resumption in the MITM child (``EGRESSD_MITM_TLS_RESUME``, docs/reference/behaviour.md
 §10) end to end: real kernel redirect, real MITM child, the real HTTPS upstream
 (scripts/fleet_upstream.py), which reports per request whether its TLS connection resumed a
 session (``tlsResumed``, Python's ``SSLObject.session_reused`` on the server side).

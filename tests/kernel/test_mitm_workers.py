@@ -173,7 +173,7 @@ def test_removal_frees_the_worker_port_element(topo: Topology, workers: Daemon) 
 
 
 def test_the_host_uid_port_block_is_partitioned_between_the_workers(workers: Daemon) -> None:
-    """Every per-subject MITM port (docs/behaviour.md §17) has exactly one worker listening."""
+    """Every per-subject MITM port (docs/reference/behaviour.md §17) has exactly one worker listening."""
     lo, hi = 16000 + 256 + 1, 16000 + 2 * 256  # the default block's MITM ports
     owners: dict[int, list[int]] = {}
     for w in (_worker(workers, 0), _worker(workers, 1)):

@@ -1,4 +1,4 @@
-"""docs/behaviour.md §20.1: no sandbox uid receives what is meant for egressd, with real processes,
+"""docs/reference/behaviour.md §20.1: no sandbox uid receives what is meant for egressd, with real processes,
 real packets and SYN cookies forced on.
 
 One "host" namespace (the pod) runs egressd with host-uid subjects and the MITM, and one
@@ -172,7 +172,7 @@ def ptopo() -> Iterator[Topology]:
     cleanup_stale()
     t = Topology(prefix=f"egp{os.getpid()}", sandboxes=1).up_()
     os.chmod(t.workdir, 0o755)
-    # Every handshake in the pod is completed from a SYN cookie (docs/behaviour.md §20.1).
+    # Every handshake in the pod is completed from a SYN cookie (docs/reference/behaviour.md §20.1).
     t.ns(t.pod, "sysctl", "-qw", "net.ipv4.tcp_syncookies=2")
     try:
         yield t

@@ -1,4 +1,4 @@
-"""Sealed-vault key files added and removed while the real fleet daemon runs (docs/behaviour.md §11).
+"""Sealed-vault key files added and removed while the real fleet daemon runs (docs/reference/behaviour.md §11).
 
 One daemon with its own ``EGRESSD_VAULT_KEYS_DIR``, table and port; SET_BINDING envelopes with
 wrappers sealed by ``egressd.vault.sealed`` (what ``egressctl vault seal`` does). The daemon
@@ -39,7 +39,7 @@ def key_of(kid: str) -> bytes:
 
 
 def put_key(keys: Path, kid: str, t: int) -> None:
-    """Install ``<kid>.key`` the way docs/operations.md says: write aside, then rename."""
+    """Install ``<kid>.key`` the way docs/reference/vault-format.md says: write aside, then rename."""
     tmp = keys / f".{kid}.tmp"
     tmp.write_bytes(key_of(kid))
     os.chmod(tmp, 0o400)

@@ -24,7 +24,7 @@ Searched: every HTTP response (status line, headers, body) egressd gave during t
 (including /metrics, /healthz, actions/status, /v1/subjects, /v1/explain, every GET of the
 vault and its sub-resources, /policy), every egressctl stdout/stderr (``vault get`` included),
 the responses the sandbox received through the MITM (headers and body: the MITM redacts both,
-docs/behaviour.md §10; the upstream's deliberate base64 copy in the echo's ``seen`` is left out),
+docs/reference/behaviour.md §10; the upstream's deliberate base64 copy in the echo's ``seen`` is left out),
 the daemon logs (the MITM child's
 lines are re-logged there), and every file under the topology work dir (MITM confdirs,
 credential-proxy socket dirs, key dir, always-rules dirs, sidecar policy file, logs), the

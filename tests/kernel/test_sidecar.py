@@ -1,4 +1,4 @@
-"""Sidecar profile against the real kernel (docs/behaviour.md §8.6, §13): egressd and the app share
+"""Sidecar profile against the real kernel (docs/reference/behaviour.md §8.6, §13): egressd and the app share
 one sandbox namespace; real DNS queries and TCP connections go through its output hook."""
 
 from __future__ import annotations
@@ -369,7 +369,7 @@ def _dyn_v4(topo: Topology, sidecar: Sidecar) -> tuple[set[str], int | None]:
 
 
 def test_narrowing_revokes_learned_addresses_in_the_kernel(sidecar: Sidecar, stopo: Topology) -> None:
-    """docs/behaviour.md §14.1: a lease stays only if a still-allowed name taught it and no deny covers it."""
+    """docs/reference/behaviour.md §14.1: a lease stays only if a still-allowed name taught it and no deny covers it."""
     sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(allow("b.test", "example.test"))
     sidecar.start()
     assert sidecar.dig("b.test") == ("NOERROR", [UP_B])
@@ -390,7 +390,7 @@ def test_narrowing_revokes_learned_addresses_in_the_kernel(sidecar: Sidecar, sto
 
 
 def test_lease_cap_bounds_the_dyn_sets(sidecar: Sidecar, stopo: Topology) -> None:
-    """docs/behaviour.md §14.4 in the sidecar: dyn sets of size <cap>; an answer that does not fit fails."""
+    """docs/reference/behaviour.md §14.4 in the sidecar: dyn sets of size <cap>; an answer that does not fit fails."""
     sidecar.env["EGRESSD_MAX_LEASES_PER_SUBJECT"] = "2"
     sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(allow("b.test", "example.test", "api.example.test"))
     sidecar.start()
@@ -407,7 +407,7 @@ def test_lease_cap_bounds_the_dyn_sets(sidecar: Sidecar, stopo: Topology) -> Non
     assert _dyn_v4(stopo, sidecar) == ({UP_B, UP_EX}, 2)
 
 
-# ---- docs/behaviour.md §14.5: a policy at the rule cap ------------------------------------------------
+# ---- docs/reference/behaviour.md §14.5: a policy at the rule cap ------------------------------------------------
 
 CAP = 4096  # the default OPENSANDBOX_EGRESS_MAX_RULES
 # The resolver (UP_A) is always allowed (§8.6), so the probed first/last rules avoid it.

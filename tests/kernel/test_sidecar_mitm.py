@@ -30,7 +30,7 @@ POLICY = {
     "defaultAction": "deny",
     "egress": [{"action": "allow", "target": API}, {"action": "allow", "target": "b.test"}],
 }
-# docs/behaviour.md §16: an SNI of b.test is decrypted only with a binding naming b.test (unused here).
+# docs/reference/behaviour.md §16: an SNI of b.test is decrypted only with a binding naming b.test (unused here).
 VAULT_SNI_B = {
     "credentials": VAULT["credentials"],
     "bindings": [
@@ -206,7 +206,7 @@ def test_the_mitm_child_runs_without_capabilities(sidecar: Sidecar) -> None:
     assert fields["Gid"].split()[0] == "18081"
 
 
-# ---- the response path in the sidecar profile (docs/behaviour.md §10; the fleet's are in
+# ---- the response path in the sidecar profile (docs/reference/behaviour.md §10; the fleet's are in
 # tests/kernel/test_mitm_stream.py) ---------------------------------------------------------------
 
 H2_HOST = "h2.example.test"  # the upstream offers HTTP/2 to SNIs h2.* (same address as API)

@@ -1,4 +1,4 @@
-"""Every host-uid subject shape (docs/behaviour.md §17) loads into the real kernel through egressd's own
+"""Every host-uid subject shape (docs/reference/behaviour.md §17) loads into the real kernel through egressd's own
 netlink encoder, and its removal leaves nothing of it.
 
 The unit tests pin the batches' nft rendering and bytes; only the kernel says whether it

@@ -1,4 +1,4 @@
-"""Host-uid sandboxes (docs/behaviour.md §17) end to end: real egressd, real kernel, real processes.
+"""Host-uid sandboxes (docs/reference/behaviour.md §17) end to end: real egressd, real kernel, real processes.
 
 egressd runs in a throwaway "host" namespace of this module's own topology (the output hook
 it installs polices the uid range of the namespace it runs in: never the root namespace).
@@ -158,7 +158,7 @@ def uidd(utopo: Topology) -> Iterator[Daemon]:
         ca = utopo.workdir / "ca.pem"
         shutil.copy(utopo.workdir / "mitm-conf" / "mitmproxy-ca-cert.pem", ca)
         os.chmod(ca, 0o644)
-        # A subject without a vault is passed through (docs/behaviour.md §16): the upstream's own CA.
+        # A subject without a vault is passed through (docs/reference/behaviour.md §16): the upstream's own CA.
         upstream_ca = utopo.workdir / "upstream-ca.pem"
         shutil.copy(utopo.tls_dir / "ca.pem", upstream_ca)
         os.chmod(upstream_ca, 0o644)

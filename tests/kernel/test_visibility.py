@@ -1,4 +1,4 @@
-"""docs/behaviour.md §15 against the real kernel, both profiles: refusals counted per subject, the deny
+"""docs/reference/behaviour.md §15 against the real kernel, both profiles: refusals counted per subject, the deny
 webhook posting to a real receiver, EGRESSD_DENY_REJECT making a denied connect fail at once.
 
 Fleet tests use the session topology (egressd in the pod namespace); the sidecar tests build

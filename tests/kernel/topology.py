@@ -60,15 +60,15 @@ ZONE: list[dict[str, object]] = [
     {"name": "short.test", "type": "A", "value": f"{UP_NET}.9", "ttl": 0},
     {"name": "v6.test", "type": "AAAA", "value": "fd00:204::2", "ttl": 30},
     {"name": "secret-exfil.test", "type": "A", "value": f"{UP_NET}.3", "ttl": 30},
-    # évil.test as its A-label (docs/behaviour.md §14.3): resolvable, so only a policy can block it.
+    # évil.test as its A-label (docs/reference/behaviour.md §14.3): resolvable, so only a policy can block it.
     {"name": "xn--vil-9la.test", "type": "A", "value": f"{UP_NET}.3", "ttl": 30},
-    # 3000 addresses for one name, the first an upstream (docs/behaviour.md §14.4 x 14.5: an answer of
+    # 3000 addresses for one name, the first an upstream (docs/reference/behaviour.md §14.4 x 14.5: an answer of
     # a few thousand records over TCP is learned up to the cap in one transaction).
     *(
         {"name": "big.test", "type": "A", "value": v, "ttl": 30}
         for v in [f"{UP_NET}.2"] + [f"10.210.{i // 250}.{i % 250 + 1}" for i in range(2999)]
     ),
-    # One name, several addresses (lease-cap trimming, docs/behaviour.md §14.4).
+    # One name, several addresses (lease-cap trimming, docs/reference/behaviour.md §14.4).
     {"name": "multi.test", "type": "A", "value": f"{UP_NET}.5", "ttl": 30},
     {"name": "multi.test", "type": "A", "value": f"{UP_NET}.6", "ttl": 30},
     {"name": "multi.test", "type": "A", "value": f"{UP_NET}.7", "ttl": 30},
@@ -595,7 +595,7 @@ def envelope(
 def decode_echo(text: str | bytes) -> dict[str, Any]:
     """The upstream's JSON echo (scripts/fleet_upstream.py) with ``headers`` and ``body`` as the
     upstream received them: taken from its base64 ``seen`` field, since the MITM redacts the
-    credential strings from the plain fields on the way back (docs/behaviour.md §10)."""
+    credential strings from the plain fields on the way back (docs/reference/behaviour.md §10)."""
     try:
         echo = json.loads(text) if text[:1] in ("{", b"{") else {}
     except ValueError:

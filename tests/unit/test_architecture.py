@@ -1,4 +1,4 @@
-"""The package rules of docs/architecture.md, enforced on the source tree.
+"""The package rules of docs/concepts/architecture.md, enforced on the source tree.
 
 * No name with a leading underscore is imported from another package: a private name is the
   business of the package that defines it.

@@ -1,4 +1,4 @@
-"""Configuration (docs/protocol.md "Environment"): env and --flags in, Config out; flags win."""
+"""Configuration (docs/reference/configuration.md): env and --flags in, Config out; flags win."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""EGRESSD_SANDBOX_IFACES (docs/behaviour.md §20.2): names and prefixes; anything that could
+"""EGRESSD_SANDBOX_IFACES (docs/reference/behaviour.md §20.2): names and prefixes; anything that could
 police loopback or nothing refuses the start with one line."""
 
 from __future__ import annotations

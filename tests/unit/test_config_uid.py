@@ -1,4 +1,4 @@
-"""EGRESSD_UID_RANGE, EGRESSD_UID_DNS_PORT_BASE and EGRESSD_UID_MAX_SUBJECTS (docs/behaviour.md §17)."""
+"""EGRESSD_UID_RANGE, EGRESSD_UID_DNS_PORT_BASE and EGRESSD_UID_MAX_SUBJECTS (docs/reference/behaviour.md §17)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The change feed (egressd.feed, issue 24 item 2): every operation that may narrow what the
-MITM's ``_active`` lookup answers publishes its event before it returns (docs/behaviour.md §10,
+MITM's ``_active`` lookup answers publishes its event before it returns (docs/reference/behaviour.md §10,
 "answered from memory").
 
 Three parts: the feed itself; a table that enumerates the narrowing operations of both

@@ -1,4 +1,4 @@
-"""Process hygiene (docs/behaviour.md §14.9), the parts that need no kernel: the dumpable flag and core
+"""Process hygiene (docs/reference/behaviour.md §14.9), the parts that need no kernel: the dumpable flag and core
 limit helper, the MITM child's bounded snapshot cache and its forget channel, and egressd
 announcing exactly the addresses whose snapshot must go.
 

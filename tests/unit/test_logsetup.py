@@ -1,4 +1,4 @@
-"""Console-format log lines (docs/behaviour.md §20.3): what sandboxes, tenants and upstreams name
+"""Console-format log lines (docs/reference/behaviour.md §20.3): what sandboxes, tenants and upstreams name
 never reaches the operator's terminal with its control characters."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""egressd.terminal (docs/behaviour.md §20.3): control characters made visible, nothing else changed."""
+"""egressd.terminal (docs/reference/behaviour.md §20.3): control characters made visible, nothing else changed."""
 
 from __future__ import annotations
 

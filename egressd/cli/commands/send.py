@@ -1,4 +1,4 @@
-"""``egressctl send ...``: act as a Fastlet dispatcher, POST one action envelope (docs/protocol.md §1).
+"""``egressctl send ...``: act as a Fastlet dispatcher, POST one action envelope (docs/reference/actions-protocol.md §1).
 
 The envelopes are built by :mod:`egressd.cli.envelopes`; this module reads the arguments and
 files, posts, and prints the answer.
@@ -76,7 +76,7 @@ def _configure_set_binding(parser: argparse.ArgumentParser) -> None:
         "--host-uid",
         type=_non_negative_int,
         metavar="N",
-        help="attachment.process.uid: a host-uid sandbox (docs/behaviour.md §17), instead of --ip",
+        help="attachment.process.uid: a host-uid sandbox (docs/reference/behaviour.md §17), instead of --ip",
     )
     parser.add_argument(
         "--spec-generation",

@@ -39,7 +39,7 @@ def _fetch_subjects(ctx: Context) -> list[dict[str, Any]]:
 
 
 def _reports_drops(extra: dict[str, Any]) -> bool:
-    """A daemon that counts refusals (docs/behaviour.md §15) says so with this key, even with no subject."""
+    """A daemon that counts refusals (docs/reference/behaviour.md §15) says so with this key, even with no subject."""
     return "unattributedDroppedPackets" in extra
 
 

@@ -159,7 +159,7 @@ VAULT = Command(
     "vault",
     "act as the proxy route on the per-sandbox credential vault; seal a vault into a binding input",
     description=(
-        "Credential vault of a fleet sandbox (docs/behaviour.md §4/§6) and the sealed vault of the binding input (§11).\n"
+        "Credential vault of a fleet sandbox (docs/reference/behaviour.md §4/§6) and the sealed vault of the binding input (§11).\n"
         "put/post/patch/get/delete send one request to /v1/sandboxfleets/<uid>/egress/credential-vault[...].\n"
         'seal prints the binding.input string {"osbEgressInput":1,"policy":...,"vault":...} for\n'
         "'send set-binding --input-file'."

@@ -1158,7 +1158,7 @@ async def test_default_allow_fills_the_allow_sets(control: ControlPlane, kernel:
 async def test_policy_swap_keeps_only_leases_a_still_allowed_name_taught(
     control: ControlPlane, kernel: TextKernel
 ) -> None:
-    # docs/behaviour.md §14.1 wins over §8.3's "dyn sets untouched": a lease survives a swap only if a
+    # docs/reference/behaviour.md §14.1 wins over §8.3's "dyn sets untouched": a lease survives a swap only if a
     # name that taught it is still allowed; the dyn sets are rewritten from the book in the
     # swap's transaction, so what the book does not keep leaves the kernel too.
     both = '{"defaultAction":"deny","egress":[{"action":"allow","target":"api.x.io"},{"action":"allow","target":"cdn.x.io"}]}'

@@ -204,7 +204,7 @@ async def test_failed_in_place_update_keeps_the_old_policy_for_dns(control: Cont
     tx.fail(op="static_apply", kinds=("batch",), times=None)
     result = await control.handle(set_binding(policy=ONLY_EXAMPLE, gen=2))
     assert result.status == 500
-    assert "u-1" in control.revoking()  # retried by egressd itself (docs/behaviour.md §14.6)
+    assert "u-1" in control.revoking()  # retried by egressd itself (docs/reference/behaviour.md §14.6)
     asker = control.asker(ip("10.0.0.5"))
     assert asker is not None and asker.policy is not None
     assert evaluate_domain(asker.policy, "other.org").verdict is Verdict.ALLOW
@@ -392,7 +392,7 @@ async def test_set_always_rules_is_one_batch_over_all_active_subjects(
     op, batch = tx.batches[0]
     assert op == "static_apply"
     # Each subject's static swap, then its dyn sets emptied and refilled with what survives
-    # (none learned here), all in the one batch (docs/behaviour.md §14.1).
+    # (none learned here), all in the one batch (docs/reference/behaviour.md §14.1).
     assert batch == (
         policy_swap(TABLE, "s_u_1", effective_policy(parse_policy(ALLOW_ALL), NEW), audit_objects=False)
         + dyn_replace(TABLE, "s_u_1", [])

@@ -1,4 +1,4 @@
-"""Host-uid subjects (docs/behaviour.md §17) in the control plane, against the shared fake kernel.
+"""Host-uid subjects (docs/reference/behaviour.md §17) in the control plane, against the shared fake kernel.
 
 A SET_BINDING with ``attachment.process.uid`` keys its subject by host uid: the same objects,
 rules and set contents as a network subject, reached through the uid maps, with a slot that

@@ -1,4 +1,4 @@
-"""Action envelope parsing: docs/protocol.md §1 and the vectors of §1.1."""
+"""Action envelope parsing: docs/reference/actions-protocol.md §1 and the vectors of §1.1."""
 
 from __future__ import annotations
 

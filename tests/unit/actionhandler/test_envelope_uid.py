@@ -1,4 +1,4 @@
-"""Host-uid attachments in the action envelope (docs/behaviour.md §17): ``attachment.process.uid``."""
+"""Host-uid attachments in the action envelope (docs/reference/behaviour.md §17): ``attachment.process.uid``."""
 
 from __future__ import annotations
 

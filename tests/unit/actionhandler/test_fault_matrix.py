@@ -1,4 +1,4 @@
-"""Fault-injection matrix (issue 13 item 2; docs/behaviour.md §2, §3, §8, §9, 14.1, 14.6).
+"""Fault-injection matrix (issue 13 item 2; docs/reference/behaviour.md §2, §3, §8, §9, 14.1, 14.6).
 
 Every plan the control plane executes is run against a MODEL KERNEL (the shared
 :class:`~tests.unit.fakekernel.FakeKernel` with the typed :class:`Table` model below, which
@@ -954,7 +954,7 @@ async def test_fault_matrix_cell(name: str, mitm: bool, index: int, fault: str, 
 
 
 def test_matrix_size() -> None:
-    """Recorded in docs/reliability.md; a plan that grows a transaction grows the matrix."""
+    """Recorded in docs/security.md; a plan that grows a transaction grows the matrix."""
     assert len(SCENARIOS) == 23
     cells = {(c.values[0], c.values[2], c.values[3]) for c in CELLS}  # plan x step x fault
     assert len(cells) == 118
@@ -963,7 +963,7 @@ def test_matrix_size() -> None:
 
 # --------------------------------------------------------------------------- named regressions
 # Each is also a matrix cell; spelled out because each failed before the fix (see
-# docs/reliability.md, "Fault-injection matrix").
+# docs/security.md, "Fault-injection matrix").
 
 
 async def _faulted(scenario: str, index: int, fault: str) -> Run:

@@ -1,4 +1,4 @@
-"""docs/behaviour.md §14.1 (narrowing revokes what DNS opened), 14.4 (bounded lease state) and 14.6
+"""docs/reference/behaviour.md §14.1 (narrowing revokes what DNS opened), 14.4 (bounded lease state) and 14.6
 (a refused revocation is never reported as closed), against the fleet control plane with a
 fake kernel. The same properties are tried with real packets in tests/kernel."""
 

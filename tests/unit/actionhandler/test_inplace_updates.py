@@ -1,5 +1,5 @@
 """In-place policy updates do only the work the change needs (issue 28), and never less than
-docs/behaviour.md §14.1 asks: a swap rewrites only the static sets whose content changes, the
+docs/reference/behaviour.md §14.1 asks: a swap rewrites only the static sets whose content changes, the
 dyn sets only when a lease leaves, and the conntrack table is read (and flows cut) only when
 the change may take something away. Each shortcut has a test here that fails if it skips a
 real narrowing; tests/kernel/test_fleet_enforcement.py tries the same with real flows."""

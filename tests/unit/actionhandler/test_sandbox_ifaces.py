@@ -1,4 +1,4 @@
-"""docs/behaviour.md §20.2: the attachments' hostVeths in the kernel's set ``sandbox_ifaces``, in
+"""docs/reference/behaviour.md §20.2: the attachments' hostVeths in the kernel's set ``sandbox_ifaces``, in
 the subject's own transactions, against the text fake kernel."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""docs/behaviour.md §20.3: nothing a tenant, a sandbox or an upstream names reaches the operator's
+"""docs/reference/behaviour.md §20.3: nothing a tenant, a sandbox or an upstream names reaches the operator's
 terminal raw. A stub daemon answers with names full of escape sequences (the vault item a
 tenant pushed, a subject id, denied DNS names, an error text quoting them); every line egressctl
 prints, on stdout and stderr, human and JSON, must be free of control characters.

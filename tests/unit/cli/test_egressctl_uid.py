@@ -1,4 +1,4 @@
-"""egressctl and host-uid sandboxes (docs/behaviour.md §17): send set-binding --host-uid, subjects,
+"""egressctl and host-uid sandboxes (docs/reference/behaviour.md §17): send set-binding --host-uid, subjects,
 explain uid:N, against the real fleet HTTP app served in-process."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""egressctl's view of refusals (docs/behaviour.md §15): the DROPPED / RECENT-DENIALS columns of
+"""egressctl's view of refusals (docs/reference/behaviour.md §15): the DROPPED / RECENT-DENIALS columns of
 ``subjects``, the ``dropped`` line of ``status`` and ``watch``, against the real fleet HTTP app
 (served in-process from a background loop) with a fake kernel whose drop counters grow."""
 

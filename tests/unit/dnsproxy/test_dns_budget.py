@@ -1,4 +1,4 @@
-"""docs/behaviour.md §14.3 per-subject DNS query budget: the token buckets, with an injected clock (no sleeps)."""
+"""docs/reference/behaviour.md §14.3 per-subject DNS query budget: the token buckets, with an injected clock (no sleeps)."""
 
 from __future__ import annotations
 

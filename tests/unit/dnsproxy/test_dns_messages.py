@@ -1,4 +1,4 @@
-"""docs/behaviour.md §14.3 DNS messages: only a plain QUERY is evaluated; the per-subject query budget.
+"""docs/reference/behaviour.md §14.3 DNS messages: only a plain QUERY is evaluated; the per-subject query budget.
 
 Every message is built with dnslib (or byte by byte where dnslib refuses to build it) and put
 through ``decide`` and a real ``DnsProxy.answer`` with a fake forwarder that records every

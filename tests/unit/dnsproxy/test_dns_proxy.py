@@ -354,7 +354,7 @@ async def test_answer_waits_for_a_slow_learn() -> None:
 
 
 async def test_failing_learn_answers_servfail_without_the_addresses() -> None:
-    # docs/behaviour.md §14.4: the reply carries only addresses that are in the kernel set.
+    # docs/reference/behaviour.md §14.4: the reply carries only addresses that are in the kernel set.
     policies = FakePolicies(active())
     policies.learn_error = NftError("nft refused")
     metrics = EgressMetrics()

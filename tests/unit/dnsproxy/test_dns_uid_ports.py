@@ -1,4 +1,4 @@
-"""The DNS proxy's per-subject ports (docs/behaviour.md §17): the asker is known by the port the kernel
+"""The DNS proxy's per-subject ports (docs/reference/behaviour.md §17): the asker is known by the port the kernel
 redirected the query to, never by the source address (every host-uid sandbox asks from the
 host's own address)."""
 

@@ -1,4 +1,4 @@
-"""OPENSANDBOX_EGRESS_DENY_WEBHOOK (docs/behaviour.md §15): the pure payload / retry rules, and the
+"""OPENSANDBOX_EGRESS_DENY_WEBHOOK (docs/reference/behaviour.md §15): the pure payload / retry rules, and the
 sender against a real aiohttp receiver on 127.0.0.1 (retry waits are recorded, not slept)."""
 
 from __future__ import annotations

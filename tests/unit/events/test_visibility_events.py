@@ -1,4 +1,4 @@
-"""docs/behaviour.md §15 at the DNS layer: which answers reach the deny webhook and the recent-denials
+"""docs/reference/behaviour.md §15 at the DNS layer: which answers reach the deny webhook and the recent-denials
 ring, and the rate-limited ``egress.outbound`` event, through the real DnsProxy."""
 
 from __future__ import annotations

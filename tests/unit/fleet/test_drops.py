@@ -1,4 +1,4 @@
-"""Per-subject refusal counts (docs/behaviour.md §15): parsing the kernel's counters, one dump per
+"""Per-subject refusal counts (docs/reference/behaviour.md §15): parsing the kernel's counters, one dump per
 scrape shared with the audit evidence, and the fields /v1/subjects gives egressctl."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fleet HTTP surface (docs/protocol.md, docs/behaviour.md §1, §3, §12) over a ControlPlane on a fake kernel."""
+"""Fleet HTTP surface (docs/reference/http-api.md, docs/reference/behaviour.md §1, §3, §12) over a ControlPlane on a fake kernel."""
 
 from __future__ import annotations
 
@@ -416,7 +416,7 @@ async def test_subjects_view(env: Env) -> None:
     assert body["subjects"][0]["pending"] is True
 
 
-# --------------------------------------------------------------------------- docs/behaviour.md §14.3 IDNA
+# --------------------------------------------------------------------------- docs/reference/behaviour.md §14.3 IDNA
 
 
 @pytest.mark.parametrize("target", ["☃.example.com", "ab--é.com", "é" * 64 + ".com", "a\u200db.com"])

@@ -1,4 +1,4 @@
-"""Proxy-route credential channel (docs/behaviour.md §4, §6; docs/protocol.md proxy-route rows) over the real app.
+"""Proxy-route credential channel (docs/reference/behaviour.md §4, §6; docs/reference/http-api.md proxy-route rows) over the real app.
 
 A real ControlPlane on a recording fake kernel, a ProxyRouteAPI with a controllable clock and
 FleetHTTP served by pytest-aiohttp. Registration is driven with real action envelopes. Every
@@ -686,7 +686,7 @@ async def test_denying_coverage_uses_pending_policy_and_always_rules(
     reply = await env.call("PUT", "/credential-vault", body=vault_doc(host="api.example.com"))
     assert reply.status == 200
     assert reply.json()["revision"] == 2
-    # A SET_BINDING whose policy no longer covers the kept vault is refused (docs/behaviour.md §14.1).
+    # A SET_BINDING whose policy no longer covers the kept vault is refused (docs/reference/behaviour.md §14.1).
     uncovering: dict[str, Any] = {
         "defaultAction": "deny",
         "egress": [{"action": "allow", "target": "blocked.example.net"}],
@@ -1262,7 +1262,7 @@ async def test_rule_cap_zero_is_unlimited_and_always_rules_do_not_count(aiohttp_
 async def test_policy_rule_cap_is_400_naming_the_limit(
     aiohttp_client: Any, logs: list[dict[str, Any]]
 ) -> None:
-    # Fleet: 400 like every other input refusal (docs/behaviour.md §14.5; the sidecar answers 413).
+    # Fleet: 400 like every other input refusal (docs/reference/behaviour.md §14.5; the sidecar answers 413).
     env = await make_env(aiohttp_client, max_rules=2)
     await env.register(input='{"defaultAction":"deny","egress":[{"action":"allow","target":"a.com"}]}')
     three = {"defaultAction": "deny", "egress": [{"action": "allow", "target": f"{c}.com"} for c in "xyz"]}
@@ -1559,7 +1559,7 @@ async def test_invalid_policy_write_does_not_echo_the_input(active: Env, method:
 
 
 async def test_a_vault_item_name_with_control_characters_is_400(active: Env) -> None:
-    """docs/behaviour.md §20.3: an operator is shown these names; an escape sequence is refused."""
+    """docs/reference/behaviour.md §20.3: an operator is shown these names; an escape sequence is refused."""
     env = active
     doc = vault_doc(SECRET)
     doc["bindings"][0]["name"] = "b\x9b2J\u202e"
@@ -1577,7 +1577,7 @@ async def test_a_vault_item_name_with_control_characters_is_400(active: Env) -> 
 async def test_a_vault_item_name_with_spaces_at_its_ends_is_400(
     active: Env, method: str, where: str, field: str
 ) -> None:
-    """docs/behaviour.md §20.3 wins over §6's trimming: " tok " is refused, never stored as "tok"."""
+    """docs/reference/behaviour.md §20.3 wins over §6's trimming: " tok " is refused, never stored as "tok"."""
     env = active
     doc = vault_doc(cred=" tok ") if where == "cred" else vault_doc(binding="b1 ")
     reply = await env.call(method, "/credential-vault", body=doc)

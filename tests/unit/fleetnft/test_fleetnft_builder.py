@@ -72,7 +72,7 @@ SET_KINDS = (
 )
 SETS6 = [f"subj_s_u_1_{k}" for k in SET_KINDS]
 
-# docs/behaviour.md §8.3's example (example.com is a domain: DNS only, no set element).
+# docs/reference/behaviour.md §8.3's example (example.com is a domain: DNS only, no set element).
 EXAMPLE = parse_policy(
     '{"defaultAction":"deny","egress":['
     '{"action":"allow","target":"example.com"},'
@@ -1016,7 +1016,7 @@ def test_removal_deletes_the_audit_sets_only_when_they_exist() -> None:
 
 
 def test_header_marking_drops_forged_sources_from_every_sandbox_interface_first() -> None:
-    """docs/behaviour.md §20.2: a packet from a sandbox-facing interface (an attachment's hostVeth, an
+    """docs/reference/behaviour.md §20.2: a packet from a sandbox-facing interface (an attachment's hostVeth, an
     EGRESSD_SANDBOX_IFACES name or prefix) whose source is not routed back through it is dropped
     before anything reads its source (tests/kernel/test_spoofing.py sends them)."""
     cfg = TableConfig(table=T, sandbox_ifaces=("br0", "veth*"))

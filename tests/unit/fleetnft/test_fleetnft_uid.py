@@ -1,4 +1,4 @@
-"""The host-uid half of the fleet ruleset (docs/behaviour.md §17): header, per-subject keys, encoding."""
+"""The host-uid half of the fleet ruleset (docs/reference/behaviour.md §17): header, per-subject keys, encoding."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""docs/behaviour.md §15 in the rulesets: every refusal egressd's rules make goes through one counting
+"""docs/reference/behaviour.md §15 in the rulesets: every refusal egressd's rules make goes through one counting
 chain, EGRESSD_DENY_REJECT changes only how the refusal looks, and the per-subject counter
 lives and dies with the subject. Netlink encodings of the new shapes are checked against
 pyroute2, like the rest of the encoder."""
@@ -82,7 +82,7 @@ def test_every_header_refusal_goes_through_the_counting_chain(cfg: TableConfig, 
             # where it is met, in the nat hook, whose chains cannot reach the reject rules.
             continue
         if chain == "marking" and body.endswith('fib saddr . iif oif missing counter name "unattributed_dropped" drop'):
-            # A forged source (docs/behaviour.md §20.2) is never answered: a reset or an ICMP
+            # A forged source (docs/reference/behaviour.md §20.2) is never answered: a reset or an ICMP
             # error would go to the address it claims. Counted as unattributed: that address
             # names nobody it can be trusted to.
             continue
@@ -257,7 +257,7 @@ def test_sidecar_refusals_are_counted_and_the_count_is_carried(reject: bool, mit
         if chain == "denied":
             continue
         if chain == "marking" and body.endswith('fib saddr . iif oif missing counter name "unattributed_dropped" drop'):
-            # A forged source (docs/behaviour.md §20.2) is never answered: a reset or an ICMP
+            # A forged source (docs/reference/behaviour.md §20.2) is never answered: a reset or an ICMP
             # error would go to the address it claims. Counted as unattributed: that address
             # names nobody it can be trusted to.
             continue

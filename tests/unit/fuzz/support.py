@@ -2,7 +2,7 @@
 
 Budgets: ``EGRESSD_FUZZ_PROFILE`` selects ``ci`` (default: small, derandomised, so the whole
 fuzz set stays well under a minute on a shared runner and never flakes) or ``campaign`` (large,
-random: the long run recorded in docs/reliability.md). Each target names its own example
+random: the long run recorded in docs/security.md). Each target names its own example
 counts; :func:`fuzz` turns them into a ``hypothesis.settings`` decorator without loading a
 global profile (the compat tests' schemathesis also uses hypothesis and must keep its own).
 

@@ -1,4 +1,4 @@
-"""Fuzzing DNS messages into the proxy (docs/behaviour.md §7, 14.3, 14.4): ``DnsProxy.answer``.
+"""Fuzzing DNS messages into the proxy (docs/reference/behaviour.md §7, 14.3, 14.4): ``DnsProxy.answer``.
 
 Queries are built with dnslib (names inside and outside the policy, every qtype, EDNS, extra
 sections, several questions, other opcodes), then optionally mutated byte-wise, or replaced by

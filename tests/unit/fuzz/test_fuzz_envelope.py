@@ -1,4 +1,4 @@
-"""Fuzzing the action envelope (docs/behaviour.md §1, §3, §11) at two depths.
+"""Fuzzing the action envelope (docs/reference/behaviour.md §1, §3, §11) at two depths.
 
 * ``envelope``: :func:`parse_action` alone, on structurally mutated envelopes and on byte-wise
   mutated wire bodies. Oracle: it returns an action or raises :class:`EnvelopeError` with a

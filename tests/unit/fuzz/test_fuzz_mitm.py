@@ -1,4 +1,4 @@
-"""Fuzzing HTTP requests into the MITM's decision (docs/behaviour.md §10, §6): ``inject.decide``.
+"""Fuzzing HTTP requests into the MITM's decision (docs/reference/behaviour.md §10, §6): ``inject.decide``.
 
 Requests are real mitmproxy ``http.Request`` objects (``mitmproxy.test.tutils.treq``) with
 fuzzed scheme, Host (case, trailing dot, port, IDN, IP literals, junk), method, path (percent

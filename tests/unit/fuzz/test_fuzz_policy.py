@@ -1,4 +1,4 @@
-"""Fuzzing policies and binding inputs (docs/behaviour.md §5, §11, 14.3) and the /policy edits.
+"""Fuzzing policies and binding inputs (docs/reference/behaviour.md §5, §11, 14.3) and the /policy edits.
 
 * ``policy``: :func:`parse_policy` and :func:`parse_binding_input` on generated, structurally
   mutated and byte-mutated documents. Oracles: only PolicyError / InputError escape, reasons

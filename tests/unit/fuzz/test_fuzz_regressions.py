@@ -1,4 +1,4 @@
-"""Every fuzz finding as a plain unit test (docs/reliability.md, "Fuzzing")."""
+"""Every fuzz finding as a plain unit test (docs/security.md, "Fuzzing")."""
 
 from __future__ import annotations
 

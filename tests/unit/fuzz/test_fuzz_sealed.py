@@ -1,4 +1,4 @@
-"""Fuzzing the sealed-vault wrapper (docs/behaviour.md §11) through :func:`parse_binding_input`.
+"""Fuzzing the sealed-vault wrapper (docs/reference/behaviour.md §11) through :func:`parse_binding_input`.
 
 Genuine wrappers are sealed for a sandbox with the harness key, their plaintext a §6 body whose
 credential values carry a planted canary; then the wrapper, the sealed object, the base64 text,

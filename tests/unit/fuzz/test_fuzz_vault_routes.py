@@ -1,6 +1,6 @@
 """Fuzzing vault bodies and /policy edits through both HTTP surfaces that take them.
 
-* ``proxy_route``: :meth:`ProxyRouteAPI.handle` (fleet, docs/behaviour.md §4, §6) for every method on
+* ``proxy_route``: :meth:`ProxyRouteAPI.handle` (fleet, docs/reference/behaviour.md §4, §6) for every method on
   every route suffix, both addressing forms, generation headers, and bodies that are §6
   create/mutation documents, /policy documents, PATCH/DELETE arrays, mutated or junk, against
   the seeded fleet (active, denying, vault-holding and absent subjects).

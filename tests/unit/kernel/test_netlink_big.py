@@ -1,4 +1,4 @@
-"""Big inputs in one netlink batch (docs/behaviour.md §14.5): element lists split below the u16
+"""Big inputs in one netlink batch (docs/reference/behaviour.md §14.5): element lists split below the u16
 attribute limit into several messages between ONE BEGIN and ONE END, socket buffers sized
 to the batch, and every answer of a many-message batch read and attributed."""
 

@@ -249,7 +249,7 @@ async def test_tick_forgets_expired_inactive_leases(tmp_path: Path) -> None:
     renew = Renewals()
     await make_books(path, {"u-1": mirror}, renew).tick()
     # An ended lease is forgotten and never renewed, even with a flow still open: the kernel
-    # dropped it already, and renewing would reopen it (docs/behaviour.md §14.1, 14.4).
+    # dropped it already, and renewing would reopen it (docs/reference/behaviour.md §14.1, 14.4).
     assert set(mirror) == {C_}
     assert renew.calls == []
 

@@ -1,4 +1,4 @@
-"""The connection refresh of host-uid subjects (docs/behaviour.md §17 x §9): their flows are found by
+"""The connection refresh of host-uid subjects (docs/reference/behaviour.md §17 x §9): their flows are found by
 the uid that owns the socket (/proc/net/tcp), not by source address in conntrack."""
 
 from __future__ import annotations

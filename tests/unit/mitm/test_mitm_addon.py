@@ -1,4 +1,4 @@
-"""The addon's wiring of one authority (docs/behaviour.md §14.8) on real mitmproxy flow objects: what it
+"""The addon's wiring of one authority (docs/reference/behaviour.md §14.8) on real mitmproxy flow objects: what it
 refuses, and that what mitmproxy would forward (request line, Host / ``:authority``,
 destination) is the one authority it decided on. The ``_active`` lookup is a stub."""
 

@@ -1,4 +1,4 @@
-"""The addon's response side on real mitmproxy flow objects (docs/behaviour.md §10): which bodies
+"""The addon's response side on real mitmproxy flow objects (docs/reference/behaviour.md §10): which bodies
 it streams, what it does to their framing headers, buffered bodies and WebSocket messages
 redacted, refusals of bodies it cannot scan, and the Accept-Encoding it leaves the request."""
 

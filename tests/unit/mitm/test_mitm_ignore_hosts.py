@@ -1,4 +1,4 @@
-"""``OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS`` (docs/behaviour.md §16, §6): parsed into patterns,
+"""``OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS`` (docs/reference/behaviour.md §16, §6): parsed into patterns,
 handed to mitmproxy's own ``ignore_hosts`` option, and held against every vault write."""
 
 from __future__ import annotations

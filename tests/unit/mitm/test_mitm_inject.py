@@ -627,7 +627,7 @@ def test_values_never_in_repr_or_reason() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# One authority (docs/behaviour.md §14.8)
+# One authority (docs/reference/behaviour.md §14.8)
 
 REFUSED = OneAuthority(None, AMBIGUOUS_AUTHORITY)
 

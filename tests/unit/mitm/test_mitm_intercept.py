@@ -1,4 +1,4 @@
-"""Selective interception (docs/behaviour.md §16): the pure connection verdicts, and the addon hooks
+"""Selective interception (docs/reference/behaviour.md §16): the pure connection verdicts, and the addon hooks
 that apply them to real mitmproxy layer objects (the ``_active`` lookup is a stub)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""docs/behaviour.md §10, "answered from memory": the narrowing sequence map, the worker's memory (pure),
+"""docs/reference/behaviour.md §10, "answered from memory": the narrowing sequence map, the worker's memory (pure),
 the ``_active`` TTL header, and the client answering from memory over a real unix socket
 until egressd signals a narrowing."""
 

@@ -1,4 +1,4 @@
-"""docs/behaviour.md §10, "answered from memory", against the fleet control plane (fake kernel): every
+"""docs/reference/behaviour.md §10, "answered from memory", against the fleet control plane (fake kernel): every
 narrowing bumps the sequence map before the call that made it returns, and the destination
 deadline egressd hands out ends with the lease."""
 

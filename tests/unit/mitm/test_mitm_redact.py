@@ -1,4 +1,4 @@
-"""The one redactor (egressd/mitmchild/redact.py, docs/behaviour.md §10): whole or streamed in any
+"""The one redactor (egressd/mitmchild/redact.py, docs/reference/behaviour.md §10): whole or streamed in any
 split, the same output as a plain reference (every occurrence found on the original, overlaps
 merged into one marker), never holding back more than the longest string minus one byte, and
 holding back nothing when the data ends in bytes no redaction string starts with."""

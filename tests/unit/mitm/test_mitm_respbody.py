@@ -1,4 +1,4 @@
-"""What happens to a response body (egressd/mitmchild/respbody.py, docs/behaviour.md §10), decided from
+"""What happens to a response body (egressd/mitmchild/respbody.py, docs/reference/behaviour.md §10), decided from
 its headers: streamed when its length is unknown, when it is an event stream or larger than
 the buffer; buffered otherwise; scanned whenever the flow has redaction strings, decoded first
 when it is compressed (and forwarded decoded); refused when its coding cannot be decoded."""

@@ -1,4 +1,4 @@
-"""The MITM's per-subject ports (host-uid subjects, docs/behaviour.md §17): the listener port names the
+"""The MITM's per-subject ports (host-uid subjects, docs/reference/behaviour.md §17): the listener port names the
 subject, never the peer address (the host's own, shared by every uid sandbox)."""
 
 from __future__ import annotations

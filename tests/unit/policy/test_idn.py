@@ -1,4 +1,4 @@
-"""docs/behaviour.md §14.3: Unicode policy domains and vault hosts are A-labels from parse on.
+"""docs/reference/behaviour.md §14.3: Unicode policy domains and vault hosts are A-labels from parse on.
 
 Queries arrive as A-labels, so a deny written as ``évil.com`` must stop ``xn--vil-9la.com``;
 an invalid IDN is a 400; GET /policy shows the A-label form. The fleet action handler and

@@ -1,4 +1,4 @@
-"""OPENSANDBOX_EGRESS_MAX_RULES (docs/behaviour.md §14.5, docs/protocol.md): parsing, counting and the
+"""OPENSANDBOX_EGRESS_MAX_RULES (docs/reference/behaviour.md §14.5, docs/reference/http-api.md): parsing, counting and the
 sidecar's initial policy. The HTTP and SET_BINDING refusals are in test_proxy_route.py
 (fleet, 400) and test_sidecar_http.py (sidecar, 413)."""
 

@@ -1,4 +1,4 @@
-"""Sidecar HTTP surface (docs/behaviour.md §5, §6, §13) over a SidecarEngine on a fake kernel."""
+"""Sidecar HTTP surface (docs/reference/behaviour.md §5, §6, §13) over a SidecarEngine on a fake kernel."""
 
 from __future__ import annotations
 
@@ -598,7 +598,7 @@ def test_audit_initial_policy_is_refused() -> None:
     assert fallback.source == "default" and fallback.warning and "sidecar" in fallback.warning
 
 
-# ---- docs/behaviour.md §14.3: Unicode targets are A-labels -------------------------------------------------
+# ---- docs/reference/behaviour.md §14.3: Unicode targets are A-labels -------------------------------------------------
 
 
 async def test_unicode_targets_become_a_labels_and_invalid_ones_are_400(env: Env) -> None:
@@ -660,7 +660,7 @@ async def test_vault_caps_hold_on_the_sidecar(aiohttp_client: Any, tmp_path: Pat
 
 
 async def test_a_vault_item_name_with_control_characters_is_400(aiohttp_client: Any, tmp_path: Path) -> None:
-    """docs/behaviour.md §20.3: an operator is shown these names; an escape sequence is refused."""
+    """docs/reference/behaviour.md §20.3: an operator is shown these names; an escape sequence is refused."""
     env = await make_env(aiohttp_client, tmp_path, policy=parse_policy(json.dumps(ALLOW_API)))
     evil = json.loads(json.dumps(VAULT))
     evil["credentials"][0]["name"] = evil["bindings"][0]["auth"]["credential"] = "k\x1b]0;owned\x07\x1b[2J"
@@ -671,7 +671,7 @@ async def test_a_vault_item_name_with_control_characters_is_400(aiohttp_client: 
 
 
 async def test_a_vault_item_name_with_spaces_at_its_ends_is_400(aiohttp_client: Any, tmp_path: Path) -> None:
-    """docs/behaviour.md §20.3 wins over §6's trimming: " k" is refused, never stored as "k"."""
+    """docs/reference/behaviour.md §20.3 wins over §6's trimming: " k" is refused, never stored as "k"."""
     env = await make_env(aiohttp_client, tmp_path, policy=parse_policy(json.dumps(ALLOW_API)))
     spaced = json.loads(json.dumps(VAULT))
     spaced["credentials"][0]["name"] = spaced["bindings"][0]["auth"]["credential"] = " k"

@@ -74,7 +74,7 @@ async def test_sdk_policy_get_patch_delete(aiohttp_server: Any, tmp_path: Path) 
     await egress.delete_rules(["API.example.com", "not-there.org"])
     policy = await egress.get_policy()
     assert [(r.action, r.target) for r in policy.egress] == [("allow", "pypi.org")]  # type: ignore[union-attr]
-    # Replace is not part of the SDK: docs/protocol.md's POST /policy through the SDK's own client.
+    # Replace is not part of the SDK: docs/reference/http-api.md's POST /policy through the SDK's own client.
     resp = await egress._httpx_client.post("/policy", json={"defaultAction": "allow", "egress": []})
     assert resp.status_code == 200 and resp.json()["mode"] == "allow_all"
     assert (await egress.get_policy()).default_action == "allow"

@@ -1,4 +1,4 @@
-"""The registry's host-uid index (docs/behaviour.md §17): by host uid, by slot, claims and slots in use."""
+"""The registry's host-uid index (docs/reference/behaviour.md §17): by host uid, by slot, claims and slots in use."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sealed vault of the binding input (docs/behaviour.md §11): wrapper, sealed object, AEAD, key directory."""
+"""Sealed vault of the binding input (docs/reference/behaviour.md §11): wrapper, sealed object, AEAD, key directory."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sealed vault in the binding input (docs/behaviour.md §11, §3, §6) through the real fleet app.
+"""Sealed vault in the binding input (docs/reference/behaviour.md §11, §3, §6) through the real fleet app.
 
 Real AES-256-GCM keys in a temporary EGRESSD_VAULT_KEYS_DIR, wrappers built with
 ``egressd.vault.sealed.seal``, envelopes POSTed to /_fastlet/v1/actions. The harness (fake
@@ -365,7 +365,7 @@ def _case_inputs() -> dict[str, Callable[[str], str]]:
         "plaintext-not-create-shape": lambda uid: wrapper({"credentials": [], "value": SECRET}, uid),
         "plaintext-empty-value": lambda uid: wrapper(vault_doc(""), uid),
         "plaintext-uncovered-host": lambda uid: wrapper(vault_doc(host="other.example.com"), uid),
-        # docs/behaviour.md §20.3: names are kept exactly as sent; spaces at the ends are refused.
+        # docs/reference/behaviour.md §20.3: names are kept exactly as sent; spaces at the ends are refused.
         "plaintext-name-with-spaces": lambda uid: wrapper(vault_doc(cred=" tok "), uid),
         "plaintext-name-not-printable": lambda uid: wrapper(vault_doc(binding="b1\x1b[2J"), uid),
         "plaintext-covered-only-by-default-allow": lambda uid: wrapper(

@@ -1,4 +1,4 @@
-"""The sealed-vault key rules of docs/behaviour.md §11 while egressd runs (KeyStore, real files).
+"""The sealed-vault key rules of docs/reference/behaviour.md §11 while egressd runs (KeyStore, real files).
 
 A temporary key directory and an injected clock: removed keys stop decrypting within the
 rescan bound, added keys decrypt, only the newest key plus the last N=3 decrypt ("newest" =

@@ -1,4 +1,4 @@
-"""docs/behaviour.md §14.7 caps on every path a vault body enters the fleet: proxy-route writes,
+"""docs/reference/behaviour.md §14.7 caps on every path a vault body enters the fleet: proxy-route writes,
 pending replays and the sealed vault of a binding input (the model and store are covered in
 test_vault_model.py / test_vault_store.py, the sidecar in test_sidecar_http.py)."""
 

@@ -1,4 +1,4 @@
-"""docs/behaviour.md §14.7: while a big vault body is validated, other subjects' DNS answers keep their
+"""docs/reference/behaviour.md §14.7: while a big vault body is validated, other subjects' DNS answers keep their
 latency.
 
 The real DnsProxy listens on 127.0.0.1 (UDP) and forwards through the real Forwarder to a

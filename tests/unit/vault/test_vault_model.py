@@ -183,7 +183,7 @@ def test_host_valid(raw: str, expected: str) -> None:
         "api.example.com..",
         "api.example.com:443",
         "exa mple.com",
-        # docs/behaviour.md §14.3: Unicode hosts are converted (see test_unicode_host_becomes_a_labels);
+        # docs/reference/behaviour.md §14.3: Unicode hosts are converted (see test_unicode_host_becomes_a_labels);
         # only names that are not valid IDNA 2008 are refused.
         "☃.example.com",
         "a\u200db.example.com",
@@ -1271,7 +1271,7 @@ def test_coverage_is_not_rules_times_hosts() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# docs/behaviour.md §20.3: names an operator sees are printable
+# docs/reference/behaviour.md §20.3: names an operator sees are printable
 
 
 @pytest.mark.parametrize(
@@ -1308,7 +1308,7 @@ def test_printable_names_are_kept_exactly_as_sent() -> None:
 
 @pytest.mark.parametrize("name", [" tok", "tok ", "  tok  ", " ", "tok\u00a0 "])
 def test_names_with_spaces_at_the_ends_are_400_never_trimmed(name: str) -> None:
-    """docs/behaviour.md §20.3 wins over §6's trimming: a name with spaces at its ends is refused
+    """docs/reference/behaviour.md §20.3 wins over §6's trimming: a name with spaces at its ends is refused
     (400 naming the field), wherever a name is read: credential and binding names, every
     reference to a credential, a mutation's delete list."""
     where = "credentials[0].name"

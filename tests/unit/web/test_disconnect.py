@@ -1,4 +1,4 @@
-"""docs/behaviour.md §14.10, a client that goes away: every action is carried to its end.
+"""docs/reference/behaviour.md §14.10, a client that goes away: every action is carried to its end.
 
 Two harnesses. Over real loopback sockets against the daemon's own listener
 (:func:`egressd.web.serving.start_http`): half-close, close and reset at each point of a request.
