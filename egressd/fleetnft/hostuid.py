@@ -134,7 +134,7 @@ def _uid_out_chain(s: _Script, cfg: TableConfig) -> None:
     # A sandbox uid sends with the pod's own addresses only. IPv6 lets any process claim another
     # (IPV6_FREEBIND needs no capability): as a network sandbox's address it would get egressd's
     # own DNS answers sent there (a lateral channel) and open conntrack entries that sandbox's
-    # later packets ride as "established", past its policy (docs/security.md, Hardening III).
+    # later packets ride as "established", past its policy (docs/reference/behaviour.md §17).
     s.rule(o, f"fib saddr type != local {UID_REFUSE}")
     # A sandbox uid answering from one of egressd's listener ports squats it (a worker that is
     # restarting, a port egressd has not bound yet): it would receive another subject's

@@ -15,7 +15,7 @@ decrypted or parsed:
 
 A failed vault lookup is not decided here: the addon then decrypts (or parses), and the
 request path refuses every request of that client until a lookup answers again (§10). The
-reasoning is in docs/security.md, "Selective interception".
+reasoning is in docs/reference/behaviour.md §16.
 
 ``ignore_hosts`` (``OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS``) are mitmproxy's
 ``ignore_hosts`` regular expressions; mitmproxy itself tries them on ``address:port``, the

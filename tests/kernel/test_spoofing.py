@@ -1,5 +1,5 @@
-"""Source addresses a sandbox gave itself, with real processes and packets (docs/security.md,
-"Hardening III", the attacker review).
+"""Source addresses a sandbox gave itself, with real processes and packets (docs/reference/behaviour.md §20.2,
+docs/security.md, Known limitations).
 
 IPv6 lets any process send with an address that is not its host's: ``IPV6_FREEBIND`` needs no
 capability (IPv4's ``IP_FREEBIND`` binds, but the route lookup refuses a source that is not
