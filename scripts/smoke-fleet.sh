@@ -296,8 +296,8 @@ check "egressctl watch --count 1 draws the subjects with their drops" bash -c "i
 
 echo "$PASS passed, $FAIL failed"
 
-# EGRESSD_SMOKE_PAUSE=1: keep the topology and the daemon up for a hand-driven session (README
-# "Quick start"); everything is torn down after Enter (or Ctrl-C).
+# EGRESSD_SMOKE_PAUSE=1: keep the topology and the daemon up for a hand-driven session (README,
+# "A five-minute tour"); everything is torn down after Enter (or Ctrl-C).
 if [ -n "${EGRESSD_SMOKE_PAUSE:-}" ]; then
   cat <<EOF
 paused: egressd (pid $EGRESSD_PID) runs in netns $POD on 127.0.0.1:$PORT, table $TABLE

@@ -1,7 +1,7 @@
 """The shared transparent mitmproxy as a supervised child process (``mitmdump`` + our addon).
 
-Why a child and not a ``master.Master`` in a daemon thread (measured and tried, see README
-"MITM"): mitmproxy calls ``sys.exit`` on start-up errors, keeps listeners open after
+Why a child and not a ``master.Master`` in a daemon thread (measured and tried, see docs/concepts/mitm.md,
+"Where it sits"): mitmproxy calls ``sys.exit`` on start-up errors, keeps listeners open after
 ``shutdown()``, installs loop-wide task factories and exception handlers, and its TLS and
 HTTP work would compete with the DNS proxy and the action handler for the daemon's GIL. A
 child can be killed and restarted without touching enforcement state, its crash cannot take

@@ -1,7 +1,7 @@
 """Compatibility with clients none of us wrote, against a real egressd sidecar subprocess in a
 sandbox namespace: the OpenSandbox Python SDK from PyPI (its EgressAdapter) and a schemathesis
 run of the reference OpenAPI document (tests/compat/egress-api.yaml, deviations documented
-in tests/compat/schemathesis.toml and the README).
+in tests/compat/schemathesis.toml and docs/deviations.md).
 
 Both clients run in the pod namespace and reach the sidecar at the sandbox's address, the
 way a client reaches a sandbox endpoint. The transparent MITM is on (every vault prerequisite
