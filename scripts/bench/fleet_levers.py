@@ -16,7 +16,7 @@ keys), ``fill`` (its first policy), ``update`` (an in-place change) and ``remove
   learned by a ``GETSET`` dump after creation, outside the timed transactions) instead of by
   name (nft_handles.py; probe only, the lever was rejected). Only with ``--variants``; a run
   that measures it makes every variant dump and remove the same way.
-* ``shared`` (issue 28's design note, docs/concepts/fleet-shared-sets.md): no set per subject; six
+* ``shared`` (issue 28's design note, docs/concepts/ruleset.md, "Design note: shared sets"): no set per subject; six
   table-wide sets keyed by ``source address . destination`` that the subject's rules look up
   (nft_shared.py; probe only). Its policy and leases are elements under its address: an update
   deletes the elements that leave and adds those that come, a removal deletes them all.

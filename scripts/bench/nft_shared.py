@@ -1,4 +1,4 @@
-"""Probe-only netlink pieces for issue 28's design note (docs/concepts/fleet-shared-sets.md): a fleet
+"""Probe-only netlink pieces for issue 28's design note (docs/concepts/ruleset.md, "Design note: shared sets"): a fleet
 whose subjects share six table-wide sets keyed by ``source address . destination`` instead of
 owning six sets each (fleet_levers.py, variant ``shared``).
 
