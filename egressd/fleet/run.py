@@ -29,6 +29,7 @@ from egressd.fleet.config import FleetConfig
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import FleetHTTP
 from egressd.fleet.visibility import FleetVisibility, fleet_visibility
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.selftest import BridgeReport, bridge_report, selftest_probes
 from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import KernelTransactions, NftError
@@ -154,8 +155,7 @@ def _control_plane(
     except KeyDirError as exc:
         raise StartupError(f"vault keys: {exc}") from None
     control = ControlPlane(
-        table_config(cfg, renewal),
-        tx,
+        FleetPlanKernel(table_config(cfg, renewal), tx),
         always=always,
         metrics=metrics,
         conntrack_flush=flush_source,
