@@ -14,7 +14,7 @@ from typing import Any
 
 from egressd.addr import IPAddress
 from egressd.engine.backend import Flow
-from egressd.engine.selftest import Probes
+from egressd.engine.selftest import Probes, no_probes
 from egressd.fleetnft.contents import dyn_add, policy_contents
 from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import Transactions
@@ -34,7 +34,8 @@ class FleetBackend:
     ) -> None:
         self.table = table
         self.tx = tx
-        self._probes = probes
+        # The start-up self-test's probes (none: a backend built for tests, never self-tested).
+        self.probes: Callable[[str], Probes[Any]] = probes if probes is not None else no_probes
 
     def kernel_denies(self, effective: NetworkPolicy) -> tuple[Sequence[Prefix], Sequence[Prefix]]:
         contents = policy_contents(effective)
@@ -71,7 +72,3 @@ class FleetBackend:
     def flow_fields(self, flow: Flow) -> dict[str, str]:
         return {"source_ip": str(flow[0])}
 
-    def probes(self, scratch_table: str) -> Probes[Any]:
-        if self._probes is None:
-            raise RuntimeError("this backend was built without self-test probes")
-        return self._probes(scratch_table)

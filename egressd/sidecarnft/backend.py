@@ -19,7 +19,7 @@ import structlog
 
 from egressd.addr import IPAddress, unmap_ip
 from egressd.engine.backend import Flow
-from egressd.engine.selftest import Probes
+from egressd.engine.selftest import Probes, no_probes
 from egressd.kernel.conntrack import conntrack_delete, original_tuple, read_table
 from egressd.policy import NetworkPolicy, ip_sets
 from egressd.policy.ipsets import Prefix
@@ -90,7 +90,8 @@ class SidecarBackend:
     ) -> None:
         self.table = table
         self.kernel = kernel
-        self._probes = probes
+        # The start-up self-test's probes (none: a backend built for tests, never self-tested).
+        self.probes: Callable[[str], Probes[Any]] = probes if probes is not None else no_probes
         self._outbound = outbound
 
     # ---- RulesetBackend ----------------------------------------------------------------------
@@ -118,10 +119,6 @@ class SidecarBackend:
     def flow_fields(self, flow: Flow) -> dict[str, str]:
         return {"destination": str(flow[1])}
 
-    def probes(self, scratch_table: str) -> Probes[Any]:
-        if self._probes is None:
-            raise RuntimeError("this backend was built without self-test probes")
-        return self._probes(scratch_table)
 
     # ---- the whole table ---------------------------------------------------------------------
 
