@@ -1,10 +1,9 @@
 """Always-rules reload applied to the fleet: every subject with a policy, in ONE transaction.
 
 The reloader (policy/reload.py) reads the files; this applies the result through the kernel
-side's contents swap (fleetnft/always.py). Works from kernel
-truth under the kernel lock: every subject whose sets hold a policy is re-applied with the
-new rules, and any transaction after this one already uses them, so no activation racing
-the reload can keep the old rules.
+side's contents swap (fleetnft/always.py). Works from kernel truth under the kernel lock: every
+subject whose sets hold a policy is re-applied with the new rules, and any transaction after
+this one already uses them, so no activation racing the reload can keep the old rules.
 """
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ class AlwaysRulesApply:
                     closing = self._revocations.closing(entry.uid)
                     rules = narrower(self._policies.always, always) if closing else always
                     effective = effective_policy(view.applied, rules)
-                    # An audit policy was applied with its audit objects (steps.py), so
+                    # An audit policy was applied with its audit objects (fleetnft/steps.py), so
                     # ``view.audit`` holds for it; contents_swap refuses the impossible rest.
                     contents = self._kernel.steps.static_contents(effective)
                     narrowed = self._learning.narrowed(entry.uid, effective)

@@ -151,6 +151,7 @@ class FleetSteps:
         self.workers = WorkerAssignment(cfg.mitm_workers)
 
     def _txn(self, txn: StepTxn) -> _Transaction:
+        """The step's transaction: the re-sync first when the last one went unanswered."""
         prelude = NetlinkBatch(self._cfg.table)
         if txn.resync is not None:
             r = txn.resync
