@@ -187,7 +187,7 @@ class StepRunner:
             )
             raise
         if narrowed is not None:
-            self._learning.leases[entry.uid] = narrowed.book
+            self._learning.subjects.commit(entry.uid, narrowed)
             self._shared.feed.publish(PolicyApplied())  # names that verified destinations may be gone
         log.info("egress.updated", **{"opensandbox.event": "egress.updated", **event}, subject=entry.subject)
         if in_place and self._flows.enabled and view.keys and self._takes_away(view, effective, contents, narrowed):
