@@ -35,7 +35,10 @@ options, before or after the command name. A walk-through that uses these comman
 
 
 def _render_usage(parser: argparse.ArgumentParser) -> str:
-    return " ".join(parser.format_usage().removeprefix("usage: ").split())
+    """argparse's usage, wrapped by argparse at $COLUMNS (fixed in render()), without "usage: "."""
+    lines = parser.format_usage().rstrip().splitlines()
+    lines[0] = lines[0].removeprefix("usage: ")
+    return "\n".join(line[len("usage: ") :] if i else line for i, line in enumerate(lines))
 
 
 def _option_names(action: argparse.Action) -> str:
@@ -52,8 +55,18 @@ def _option_names(action: argparse.Action) -> str:
     return str(action.metavar or action.dest)
 
 
+def _prose(text: str | None) -> str:
+    """Help text as Markdown prose: one line, and no ``<word>`` that a renderer takes for HTML."""
+    return " ".join((text or "").split()).replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _sentence(text: str) -> str:
+    text = _prose(text)
+    return text[:1].upper() + text[1:]
+
+
 def _cell(text: str | None) -> str:
-    return " ".join((text or "").split()).replace("|", "\\|")
+    return _prose(text).replace("|", "\\|")
 
 
 def _default(action: argparse.Action) -> str:
@@ -73,7 +86,7 @@ def _arguments(parser: argparse.ArgumentParser, *, skip_global: bool) -> list[st
             continue
         required = "yes" if (action.required or not action.option_strings) else ""
         rows.append(
-            f"| `{_cell(_option_names(action))}` | {required} | {_default(action)} | {_cell(action.help)} |"
+            f"| `{_option_names(action).replace('|', '\\|')}` | {required} | {_default(action)} | {_cell(action.help)} |"
         )
     if not rows:
         return ["No arguments besides the global options.", ""]
@@ -102,7 +115,7 @@ def _walk(parser: argparse.ArgumentParser, path: list[str], out: list[str]) -> N
         out += [f"{level} egressctl {' '.join(full)}", ""]
         description = child.description or help_
         if description:
-            out += [" ".join(description.split()), ""]
+            out += [_sentence(description), ""]
         out += ["```text", _render_usage(child), "```", ""]
         if not children:
             out += _arguments(child, skip_global=True)
@@ -116,7 +129,7 @@ def render() -> str:
     # $COLUMNS: fix both so that the output does not depend on the shell it runs in.
     saved = {k: os.environ.get(k) for k in ("EGRESSCTL_ADDR", "COLUMNS")}
     os.environ.pop("EGRESSCTL_ADDR", None)
-    os.environ["COLUMNS"] = "200"
+    os.environ["COLUMNS"] = "100"
     try:
         from egressd.cli.egressctl import EXIT_CODES, build_parser
 
