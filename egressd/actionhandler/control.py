@@ -29,7 +29,9 @@ from egressd.actionhandler.shared import Claims, Shared
 from egressd.actionhandler.steps import STEP_PREFIX, Refused, SandboxNets, StepFailed, StepRunner
 from egressd.actionhandler.vaults import Credentials
 from egressd.addr import IPAddress
+from egressd.engine.subjects import SubjectEngine
 from egressd.feed import Feed
+from egressd.fleetnft.backend import FleetBackend
 from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import NftError, NftUncertain, Transactions
 from egressd.metrics import EgressMetrics
@@ -99,9 +101,11 @@ class ControlPlane:
             uids=table.uids,
             feed=self.feed,
         )
-        self.learning = learning = DnsLearning(shared, policies, closing, max_leases=max_leases)
+        # The subject engine over the fleet's ruleset backend: leases, narrowing, cuts, checks.
+        self.subjects = subjects = SubjectEngine(FleetBackend(table, tx), self.feed, max_leases=max_leases)
+        self.learning = learning = DnsLearning(shared, policies, closing, subjects)
         self.vaults, self.leases = self.credentials.stores, learning.leases
-        self.flows = FlowCuts(conntrack_flush, self.leases)
+        self.flows = FlowCuts(conntrack_flush, subjects)
         self.nets = SandboxNets()
         self.uid_ports = PortBook(table, shared.registry, self.claims)  # host-uid DNS listeners
         self.steps = StepRunner(shared, policies, learning, self.flows, self.nets, self.uid_ports)

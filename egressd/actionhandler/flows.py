@@ -22,12 +22,8 @@ from typing import Any
 import structlog
 
 from egressd.addr import IPAddress
-from egressd.engine.flows import cut_refused
-from egressd.kernel.conntrack import flush_flow
-from egressd.kernel.conntrack import read_flows as read_conntrack_flows
-from egressd.policy import NetworkPolicy, Verdict, audit_deny_sets, ip_sets
-from egressd.policy.decide import hard_denied, ip_decision
-from egressd.subject.leases import LeaseBook
+from egressd.engine.subjects import CutOrder, SubjectEngine
+from egressd.policy import NetworkPolicy
 
 log = structlog.get_logger("egressd.fleet")
 
@@ -38,12 +34,11 @@ Keys = frozenset[tuple[IPAddress, IPAddress]]
 
 
 class FlowCuts:
-    def __init__(
-        self, conntrack_flush: Callable[[IPAddress], Any] | None, leases: dict[str, LeaseBook]
-    ) -> None:
+    def __init__(self, conntrack_flush: Callable[[IPAddress], Any] | None, subjects: SubjectEngine) -> None:
         # Cuts every flow of one source (None: never cut, e.g. unit tests without a kernel).
         self._flush_source = conntrack_flush
-        self._leases = leases
+        # Judges each subject's flows by its books and cuts them through its backend.
+        self._subjects = subjects
         self._background: set[asyncio.Task[None]] = set()
         # Scheduled cuts not yet taken by a pass: uid -> (its sources, the policy to judge by).
         self._due: dict[str, tuple[Keys, NetworkPolicy]] = {}
@@ -100,35 +95,14 @@ class FlowCuts:
         await self._cut({uid: (keys, effective)})
 
     async def _cut(self, due: dict[str, tuple[Keys, NetworkPolicy]]) -> None:
-        """One read of the conntrack table for every subject of ``due``, then their cuts."""
-        sources = sorted({ip for keys, _ in due.values() for ip, _ in keys}, key=str)
-        flows = await read_conntrack_flows(sources)
-        if flows is None:
-            return
-        for uid, (keys, effective) in due.items():
-            await self._cut_subject(uid, keys, effective, flows)
-
-    async def _cut_subject(
-        self, uid: str, keys: Keys, effective: NetworkPolicy, flows: dict[IPAddress, set[IPAddress]]
-    ) -> None:
-        sources = sorted({k[0] for k in keys}, key=str)
-        now = time.monotonic()
-        book = self._leases.get(uid)
-        leases = book.live(now) if book is not None else {}
-        gateways = {gw for _, gw in keys}
-        sets = ip_sets(effective)
-        split = audit_deny_sets(effective) if effective.audit else None
-
-        def allowed(flow: tuple[IPAddress, IPAddress]) -> bool:
-            dst = flow[1]
-            if dst in gateways or ip_decision(effective, leases, dst, now, sets)[0] is not Verdict.DENY:
-                return True
-            # audit mode: a would-deny flow passes, so it is not cut either
-            return split is not None and not hard_denied(effective, dst, split)
-
-        await cut_refused(
-            ((src, dst) for src in sources for dst in sorted(flows.get(src, ()), key=str)),
-            allowed,
-            lambda flow: flush_flow(*flow),
-            lambda flow: {"source_ip": str(flow[0])},
+        """One read of the conntrack table for every subject of ``due``, then their cuts: a
+        subject's flows are judged by its new effective policy and its live leases; its
+        gateways are always reachable."""
+        await self._subjects.cut(
+            {
+                uid: CutOrder(
+                    sources={src for src, _ in keys}, effective=effective, reachable={gw for _, gw in keys}
+                )
+                for uid, (keys, effective) in due.items()
+            }
         )

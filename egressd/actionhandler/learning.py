@@ -3,27 +3,23 @@
 :meth:`DnsLearning.asker` and :meth:`DnsLearning.learn` are the two callables the composition
 root hands the DNS proxy. The decisions (which addresses of an answer may enter the dyn sets,
 which leases survive a narrowing, whether the MITM may trust an address for a host) are the
-lease book's (subject/leases.py) and the procedure around them is the engine's
-(engine/learning.py), both shared with the sidecar; this module supplies the fleet's guards
-(the subject's lock, its state and fence, closing subjects), its kernel step (the subject's dyn
-sets, under the kernel lock) and its books, one per subject.
+lease book's (subject/leases.py) and the procedure around them is the subject engine's
+(:class:`egressd.engine.subjects.SubjectEngine`, over the fleet's ruleset backend), both shared
+with the sidecar; this module supplies the fleet's guards (the subject's lock, its state and
+fence, closing subjects, the kernel lock) around the engine's calls.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.shared import Shared
 from egressd.addr import IPAddress, unmap_ip
-from egressd.engine import learning
-from egressd.feed import LeasesNarrowed
-from egressd.fleetnft.contents import dyn_add, policy_contents
-from egressd.kernel.applier import NftError, NftUncertain
+from egressd.engine.subjects import SubjectEngine
 from egressd.policy import IpSets, NetworkPolicy
-from egressd.subject.leases import DEFAULT_MAX_LEASES, LeaseBook, Narrowed, narrowed_for
+from egressd.subject.leases import LeaseBook, Narrowed
 from egressd.subject.model import Asker, Fence
 from egressd.subject.registry import Entry, HostBinding, State
 
@@ -34,18 +30,17 @@ class DnsLearning:
         shared: Shared,
         policies: EffectivePolicies,
         closing: Callable[[str], bool],
-        *,
-        max_leases: int = DEFAULT_MAX_LEASES,
+        subjects: SubjectEngine,
     ) -> None:
         self._shared = shared
         self._policies = policies
         # A subject whose revert, rebind or removal the kernel refused (14.6) is answered
         # as denying, learns nothing and verifies nothing.
         self._closing = closing
-        self.max_leases = max_leases
-        # Each subject's DNS leases, with the names that taught them: the refresh mirror, the
-        # lease cap, narrowing on policy changes, flow cuts and the MITM's check.
-        self.leases: dict[str, LeaseBook] = {}
+        self.subjects = subjects
+        # Each subject's DNS leases (the engine's books): the refresh mirror, the lease cap,
+        # narrowing on policy changes, flow cuts and the MITM's check.
+        self.leases: dict[str, LeaseBook] = subjects.books
 
     def asker(self, source_ip: IPAddress) -> Asker | None:
         """Hot path for every DNS query: a map lookup and a cached effective policy."""
@@ -108,27 +103,13 @@ class DnsLearning:
                 effective = self._policies.effective_for(entry)  # always-rules change under this lock
                 if effective is None:
                     return []
-
-                nid = entry.nft_id
-
-                async def add(admitted: list[tuple[IPAddress, int]]) -> None:
-                    batch = dyn_add(shared.table.table, nid, admitted, replace=shared.table.renew_by_replace)
-                    await shared.tx.run_batch_inline(batch, op="dynamic_add")
-
-                book = self.leases.setdefault(uid, LeaseBook(self.max_leases))
-                # Unanswered, timed out or cancelled by the DNS proxy's bound (the kernel thread
-                # may still commit it): the kernel may hold the leases, so the book records them.
-                return await learning.learn(
-                    book, effective, leases, name, time.monotonic(), add, kernel_may_hold=_may_hold
-                )
+                # An unanswered, timed-out or cancelled step (the DNS proxy's bound) may still be
+                # committed by the kernel thread: the engine records such leases too.
+                return await self.subjects.learn(uid, effective, leases, name)
 
     def narrowed(self, uid: str, effective: NetworkPolicy) -> Narrowed | None:
         """The subject's leases under a new effective policy (None: it has none)."""
-        book = self.leases.get(uid)
-        if book is None or not len(book):
-            return None
-        contents = policy_contents(effective)  # the deny sets the kernel will hold
-        return narrowed_for(book, effective, contents["deny_v4"], contents["deny_v6"], time.monotonic())
+        return self.subjects.narrowed(uid, effective)
 
     def destination_verified(self, source_ip: IPAddress, host: str, dst: IPAddress) -> bool:
         """May the MITM send ``host``'s credentials to ``dst`` for this sandbox? The lease
@@ -156,26 +137,20 @@ class DnsLearning:
 
     def _verified(self, entry: Entry | None, host: str, dst: IPAddress) -> bool:
         held = self._verifying(entry)
-        return held is not None and learning.verified(*held, host.strip(), unmap_ip(dst), time.monotonic())
+        return held is not None and self.subjects.verified(*held, host.strip(), unmap_ip(dst))
 
     def _verified_until(self, entry: Entry | None, host: str, dst: IPAddress) -> float:
         held = self._verifying(entry)
-        return learning.verified_until(*held, host.strip(), unmap_ip(dst), time.monotonic()) if held else 0.0
+        return self.subjects.verified_until(*held, host.strip(), unmap_ip(dst)) if held else 0.0
 
-    def _verifying(self, entry: Entry | None) -> tuple[LeaseBook | None, IpSets | None] | None:
-        """The book and IP sets an active subject's destinations are verified against (None:
+    def _verifying(self, entry: Entry | None) -> tuple[str, IpSets | None] | None:
+        """The uid and IP sets an active subject's destinations are verified against (None:
         nothing is verified for it: absent, not active or being closed)."""
         if entry is None or entry.state is not State.ACTIVE or self._closing(entry.uid):
             return None
         effective = self._policies.effective_for(entry)
         sets = self._policies.ip_sets_of(entry.uid, effective) if effective is not None else None
-        return self.leases.get(entry.uid), sets
+        return entry.uid, sets
 
     def forget(self, uid: str) -> None:
-        self.leases.pop(uid, None)
-        self._shared.feed.publish(LeasesNarrowed())
-
-
-def _may_hold(exc: BaseException) -> bool:
-    """Whether the kernel may hold leases a raising ``dynamic_add`` sent (all but a refusal)."""
-    return not isinstance(exc, NftError) or isinstance(exc, NftUncertain)
+        self.subjects.forget(uid)

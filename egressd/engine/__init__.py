@@ -1,8 +1,10 @@
-"""Subject-engine behaviour both profiles share (the fleet's ``egressd.actionhandler`` and the
-sidecar's ``egressd.sidecar``): one implementation each profile calls with its own inputs.
+"""The subject engine both profiles run, over a ruleset backend protocol (issue 24 item 1).
 
-Issue 24 item 1 grows this into the one subject engine; today it holds the flow-cut loop
-(:mod:`egressd.engine.flows`), the counter read both profiles' visibility parts make
-before a scrape (:mod:`egressd.engine.counters`), and the path that learns a DNS answer into a
-lease book and verifies the MITM's destinations (:mod:`egressd.engine.learning`).
+:mod:`egressd.engine.subjects` holds every subject's DNS leases and decides learning,
+narrowing, flow cuts and destination checks; :mod:`egressd.engine.backend` is the protocol a
+profile's kernel side implements (the fleet's :mod:`egressd.fleetnft.backend`, the sidecar's
+:mod:`egressd.sidecarnft.backend`) and :mod:`egressd.engine.errors` its two failures;
+:mod:`egressd.engine.selftest` runs a backend's start-up probes; :mod:`egressd.engine.flows`,
+:mod:`egressd.engine.learning` and :mod:`egressd.engine.counters` are the procedures the engine
+and the profiles' visibility parts share.
 """

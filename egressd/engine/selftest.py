@@ -42,6 +42,11 @@ class Probes[R]:
     cleanup: str
 
 
+def no_probes(scratch_table: str) -> Probes[object]:
+    """The probes of a backend built without any (unit tests): a self-test over it fails."""
+    raise SelfTestError("this ruleset backend was built without self-test probes")
+
+
 def scratch_table(table_prefix: str) -> str:
     """The self-test's table: one per process, so two daemons starting at once never share it."""
     return f"{table_prefix}-selftest-{os.getpid()}"

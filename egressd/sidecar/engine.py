@@ -12,29 +12,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import structlog
 
 from egressd.addr import IPAddress
-from egressd.engine import learning
+from egressd.engine.errors import RulesetRefused
+from egressd.engine.selftest import Probes
+from egressd.engine.subjects import CutOrder, SubjectEngine
 from egressd.feed import Feed, PolicyApplied
-from egressd.kernel.applier import NftError
 from egressd.policy import (
     EMPTY_ALWAYS,
     AlwaysRules,
     NetworkPolicy,
-    Verdict,
     effective_policy,
     ip_sets,
 )
-from egressd.policy.decide import ip_decision
 from egressd.sidecar.persist import serialise, write_atomic
-from egressd.sidecarnft.ruleset import SidecarTable, delete_table, dyn_add, ruleset
-from egressd.subject.leases import LeaseBook, Narrowed, narrowed_for
+from egressd.sidecarnft.backend import Kernel, SidecarBackend
+from egressd.sidecarnft.ruleset import SidecarTable
+from egressd.subject.leases import LeaseBook
 from egressd.subject.model import Asker, Fence
 
 log = structlog.get_logger("egressd.sidecar")
@@ -43,12 +43,6 @@ log = structlog.get_logger("egressd.sidecar")
 CUT_RECHECK_S: Final = 1.0
 
 SIDECAR_UID = "sidecar"
-
-
-class Kernel(Protocol):
-    """What the engine needs from the kernel shell (KernelTransactions, or a fake in tests)."""
-
-    async def run_script(self, script: str, *, op: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +54,10 @@ class ChangeResult:
 
 
 class SidecarEngine:
+    """The subject engine (:class:`~egressd.engine.subjects.SubjectEngine`) with one implicit
+    subject, ``SIDECAR_UID``, over the whole-table backend; its guards are readiness and the
+    policy generation (the DNS fence), its narrowing is a persisted whole-table rebuild."""
+
     def __init__(
         self,
         table: SidecarTable,
@@ -70,39 +68,57 @@ class SidecarEngine:
         persist_path: Path | None = None,
         writer: Callable[[Path, str], None] = write_atomic,
         clock: Callable[[], float] = time.monotonic,
-        cut_flows: Callable[[Callable[[IPAddress], bool]], Coroutine[Any, Any, int]] | None = None,
+        cut_flows: bool = False,
         carry_dropped: Callable[[], Awaitable[int]] | None = None,
         feed: Feed | None = None,
+        probes: Callable[[str], Probes[Any]] | None = None,
     ) -> None:
         # The daemon's one change feed (egressd.feed), passed in at start-up; a test's own by default.
         self.feed = feed if feed is not None else Feed()
-        self.table = table
-        self.kernel = kernel
+        self.backend = SidecarBackend(table, kernel, probes=probes)
+        # DNS leases with the names whose answers carried them, under SIDECAR_UID. A rebuild
+        # re-adds those a name of which the new policy still allows (remaining lifetime), so a
+        # policy change neither forgets what the app resolved a moment ago nor keeps open what
+        # it now denies.
+        self.subjects = SubjectEngine(self.backend, self.feed, max_leases=table.max_leases, clock=clock)
         self.user = policy
         self.always = always
         self.effective = effective_policy(policy, always)
         self._sets = ip_sets(self.effective)  # its IP layer, for per-request/per-flow checks
         self.persist_path = persist_path
         self._writer = writer
-        self._clock = clock
         # Serialises rebuilds, lease adds and the commits that go with them.
         self._kernel_lock = asyncio.Lock()
-        # DNS leases with the names whose answers carried them (subject/leases.py, shared with
-        # the fleet). A rebuild re-adds those a name of which the new policy still allows
-        # (remaining lifetime), so a policy change neither forgets what the app resolved a
-        # moment ago nor keeps open what it now denies.
-        self.leases = LeaseBook(table.max_leases)
         # Bumped on every policy change; carried in the DNS fence.
         self.generation = 0
         self.enforcement_ready = False
         # After a change, established flows to destinations it no longer allows are cut in
-        # the background (None: never, e.g. in unit tests without a kernel).
-        self._cut_flows = cut_flows
+        # the background (False: never, e.g. in unit tests without a kernel).
+        self.cut_flows = cut_flows
         self._background: set[asyncio.Task[int]] = set()
         self.rules_installed = 0  # for egress_nftables_rules_count
         # The refusal count of the table a rebuild replaces (docs/behaviour.md §15), read under the
         # kernel lock just before the rebuild; None: start from 0 (unit tests).
         self._carry_dropped = carry_dropped
+
+    @property
+    def table(self) -> SidecarTable:
+        return self.backend.table
+
+    @table.setter
+    def table(self, table: SidecarTable) -> None:
+        """Start-up sets the table once the self-test knows how this kernel renews leases."""
+        self.backend.table = table
+        self.subjects.max_leases = table.max_leases
+
+    @property
+    def kernel(self) -> Kernel:
+        return self.backend.kernel
+
+    @property
+    def leases(self) -> LeaseBook:
+        """The one subject's lease book (empty before anything was learned)."""
+        return self.subjects.books.get(SIDECAR_UID) or LeaseBook(self.table.max_leases)
 
     async def _dropped(self) -> int:
         return await self._carry_dropped() if self._carry_dropped is not None else 0
@@ -121,14 +137,13 @@ class SidecarEngine:
         return Asker(SIDECAR_UID, self.fence, self.effective)
 
     def destination_verified(self, client_ip: IPAddress, host: str, dst: IPAddress) -> bool:
-        """May the MITM send ``host``'s credentials to ``dst``? The rule both profiles share
-        (:func:`egressd.engine.learning.verified`), for the one subject."""
-        return learning.verified(self.leases, self._sets, host, dst, self._clock())
+        """May the MITM send ``host``'s credentials to ``dst``? The engine's rule, for the one subject."""
+        return self.subjects.verified(SIDECAR_UID, self._sets, host, dst)
 
     def destination_verified_until(self, client_ip: IPAddress, host: str, dst: IPAddress) -> float:
         """The same with its deadline (monotonic; 0.0: not verified), for the MITM's memory
         (docs/behaviour.md §10, "answered from memory")."""
-        return learning.verified_until(self.leases, self._sets, host, dst, self._clock())
+        return self.subjects.verified_until(SIDECAR_UID, self._sets, host, dst)
 
     async def learn(
         self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
@@ -138,44 +153,30 @@ class SidecarEngine:
         the fleet's: the book records whatever the kernel took, even if the caller left."""
         if self.table.mode == "dns":
             return [ip for ip, _ in leases]  # no filter chain: nothing consults the dyn sets
-        return await asyncio.shield(self._learn(fence, leases, name))
+        return await asyncio.shield(self._learn(leases, name))
 
-    async def _learn(
-        self, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None
-    ) -> list[IPAddress]:
+    async def _learn(self, leases: list[tuple[IPAddress, int]], name: str | None) -> list[IPAddress]:
         async with self._kernel_lock:
             if not self.enforcement_ready:
                 return []
             # Decided again under the policy in force now: an answer that raced a change adds
             # nothing the change denies.
-            return await learning.learn(self.leases, self.effective, leases, name, self._clock(), self._add)
-
-    async def _add(self, admitted: list[tuple[IPAddress, int]]) -> None:
-        await self.kernel.run_script(dyn_add(self.table, admitted), op="dynamic_add")
+            return await self.subjects.learn(SIDECAR_UID, self.effective, leases, name)
 
     # ---- kernel ------------------------------------------------------------------------------
 
-    def _narrowed(self, effective: NetworkPolicy) -> Narrowed:
-        """The leases that survive ``effective``: a name that taught them is still allowed
-        and no deny rule covers the address (docs/behaviour.md §14.1, same rule as the fleet)."""
-        sets = ip_sets(effective)
-        return narrowed_for(self.leases, effective, sets.deny_v4, sets.deny_v6, self._clock())
+    def _cut_order(self) -> CutOrder:
+        # Resolver addresses join the allow sets, but a deny rule still beats them.
+        return CutOrder(sources=(), effective=self.effective, unless_denied=self.table.resolvers)
 
     def allows_ip(self, ip: IPAddress) -> bool:
         """Whether the installed ruleset accepts a new connection to ``ip`` (mode dns+nft)."""
-        now = self._clock()
-        verdict, where, _ = ip_decision(self.effective, self.leases.live(now), ip, now, self._sets)
-        if verdict is Verdict.ALLOW:
-            return True
-        # Resolver addresses join the allow sets, but a deny rule still beats them.
-        return where != "deny" and ip in self.table.resolvers
+        return self.subjects.judge(SIDECAR_UID, self._cut_order(), self._sets)(ip)
 
     async def install(self) -> None:
         """Start-up: build the table for the current policy (NftError is fatal to the caller)."""
         async with self._kernel_lock:
-            script = ruleset(self.table, self.effective, dropped=await self._dropped())
-            await self.kernel.run_script(script, op="static_apply")
-            self.rules_installed = _rule_count(script)
+            self.rules_installed = await self.backend.rebuild(self.effective, dropped=await self._dropped())
             self.enforcement_ready = True
         log.info(
             "egress.loaded",
@@ -189,7 +190,7 @@ class SidecarEngine:
         """Remove the table (docs/behaviour.md §13: shutdown deletes the sidecar table)."""
         async with self._kernel_lock:
             self.enforcement_ready = False
-            await self.kernel.run_script(delete_table(self.table), op="reset")
+            await self.backend.remove()
 
     # ---- changes -----------------------------------------------------------------------------
 
@@ -221,11 +222,12 @@ class SidecarEngine:
                         error=f"persist: {exc.strerror or exc}",
                     )
                     return ChangeResult(500, f"cannot persist policy: {exc.strerror or type(exc).__name__}")
-            narrowed = self._narrowed(effective)
+            narrowed = self.subjects.narrowed(SIDECAR_UID, effective)
             try:
-                script = ruleset(self.table, effective, narrowed.kept, await self._dropped())
-                await self.kernel.run_script(script, op="static_apply")
-            except NftError as exc:
+                rules = await self.backend.rebuild(
+                    effective, narrowed.kept if narrowed is not None else (), await self._dropped()
+                )
+            except RulesetRefused as exc:
                 if persist:
                     # Put the file back in line with what the kernel still enforces.
                     with contextlib.suppress(OSError):
@@ -241,19 +243,17 @@ class SidecarEngine:
             self.effective = effective
             self._sets = ip_sets(effective)
             self.generation += 1
-            self.rules_installed = _rule_count(script)
-            self.leases = narrowed.book
+            self.rules_installed = rules
+            self.subjects.commit(SIDECAR_UID, narrowed)
             self.feed.publish(PolicyApplied())  # the policy and its lease book changed together
-            if self._cut_flows is not None and self.table.mode == "dns+nft":
-                task = asyncio.get_running_loop().create_task(self._cut_and_recheck(self._cut_flows))
+            if self.cut_flows and self.table.mode == "dns+nft":
+                task = asyncio.get_running_loop().create_task(self._cut_and_recheck())
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
         log.info("egress.updated", **{"opensandbox.event": "egress.updated", **event})
         return ChangeResult(200)
 
-    async def _cut_and_recheck(
-        self, cut_flows: Callable[[Callable[[IPAddress], bool]], Awaitable[int]]
-    ) -> int:
+    async def _cut_and_recheck(self) -> int:
         """Cut the flows the new policy refuses, then look again once (docs/behaviour.md §14.1).
 
         The cut is best effort: a failed conntrack read, address listing or delete leaves a
@@ -265,15 +265,13 @@ class SidecarEngine:
             if attempt == 2:
                 await asyncio.sleep(CUT_RECHECK_S)
             try:
-                found = await cut_flows(self.allows_ip)
+                found = await self.subjects.cut({SIDECAR_UID: self._cut_order()})
             except Exception as exc:
                 log.warning("conntrack.cut_failed", attempt=attempt, error=str(exc)[:200])
                 continue
+            if found:
+                log.info("conntrack.cut", destinations=found)
             if attempt == 2 and found:
                 log.warning("conntrack.cut_late", destinations=found)
             cut += found
         return cut
-
-
-def _rule_count(script: str) -> int:
-    return sum(1 for line in script.splitlines() if line.startswith("add rule "))

@@ -21,7 +21,7 @@ from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import Upstream, upstreams_or_system
-from egressd.engine.selftest import SelfTestError, run_selftest
+from egressd.engine.selftest import Probes, SelfTestError, run_selftest
 from egressd.feed import Feed
 from egressd.kernel.applier import KernelTransactions, NftError
 from egressd.kernel.renewal import LeaseRenewal
@@ -32,7 +32,6 @@ from egressd.policy import AlwaysRules, AlwaysRulesError, load_always_rules, rul
 from egressd.policy.reload import AlwaysRulesReloader
 from egressd.sidecar.config import SidecarConfig
 from egressd.sidecar.engine import SidecarEngine
-from egressd.sidecar.flows import cut_disallowed
 from egressd.sidecar.http import SidecarHTTP, VaultPrerequisites
 from egressd.sidecar.persist import Initial, InitialPolicyError, choose_initial, read_text
 from egressd.sidecar.visibility import SidecarDrops, sidecar_events
@@ -89,7 +88,8 @@ async def run_sidecar(
         initial.policy,
         always=always,
         persist_path=cfg.policy_file,
-        cut_flows=cut_disallowed,
+        cut_flows=True,
+        probes=partial(selftest_probes, cmd=tx.run_script_sync, elements=tx.set_elements_sync, dns_port=cfg.dns.port),
         carry_dropped=drops.carried,
         feed=Feed(),  # the daemon's one change feed: the MITM's memory subscribes (_start_mitm)
     )
@@ -99,7 +99,7 @@ async def run_sidecar(
     metrics.nft_rules.collect_from(lambda: {(): float(engine.rules_installed)})
     running = Running(tx)
     try:
-        renewal = _check_kernel(cfg, tx)
+        renewal = _check_kernel(cfg, tx, engine.backend.probes)
         engine.table = table_for(cfg, upstreams, renewal)
         log.info("kernel.selftest_passed", lease_renewal=renewal.value)
         for note in ignored_settings(cfg.mitm, cfg.vault):
@@ -149,7 +149,9 @@ def _initial_policy(cfg: SidecarConfig) -> tuple[AlwaysRules, Initial]:
     return always, initial
 
 
-def _check_kernel(cfg: SidecarConfig, tx: KernelTransactions) -> LeaseRenewal:
+def _check_kernel(
+    cfg: SidecarConfig, tx: KernelTransactions, probes: Callable[[str], Probes[LeaseRenewal]]
+) -> LeaseRenewal:
     try:
         check_net_admin()
         if cfg.mitm.transparent:
@@ -159,7 +161,7 @@ def _check_kernel(cfg: SidecarConfig, tx: KernelTransactions) -> LeaseRenewal:
                 tx.run_script_sync,
                 NftError,
                 cfg.kernel.nft_table,
-                partial(selftest_probes, cmd=tx.run_script_sync, elements=tx.set_elements_sync, dns_port=cfg.dns.port),
+                probes,
             )
         )
     except SelfTestError as exc:

@@ -70,6 +70,7 @@ def targets() -> list[tuple[Any, str, str]]:
     from egressd.feed import Feed
     from egressd.fleet import server
     from egressd.fleet.proxyroute import ProxyRouteAPI
+    from egressd.fleetnft import backend
     from egressd.kernel import applier, netlink
     from egressd.subject.registry import Registry
 
@@ -86,7 +87,7 @@ def targets() -> list[tuple[Any, str, str]]:
             (ProxyRouteAPI, "registered", "commit"), (Feed, "publish", "mitm"), (metrics.Counter, "inc", "metrics"),
             (metrics.Histogram, "observe", "metrics"), (metrics.Gauge, "set", "metrics"),
             (BoundLoggerBase, "_proxy_to_logger", "log"), (flows.FlowCuts, cut, "conntrack"),
-            (flows, "read_conntrack_flows", "ct_read"), (flows, "flush_flow", "ct_cut")]  # fmt: skip
+            (backend, "read_flows", "ct_read"), (backend, "flush_flow", "ct_cut")]  # fmt: skip
 
 
 class Recorder:

@@ -529,7 +529,7 @@ def fake_conntrack(
     monkeypatch: pytest.MonkeyPatch, src: str, dsts: tuple[str, ...]
 ) -> list[tuple[IPAddress, IPAddress]]:
     """Established flows src -> each dst in the conntrack table; returns the list of flows cut."""
-    import egressd.actionhandler.flows as flows_mod
+    import egressd.fleetnft.backend as backend_mod
 
     lines = [
         f"ipv4 2 tcp 6 100 ESTABLISHED src={src} dst={d} sport=1 dport=443 src={d} dst={src}" for d in dsts
@@ -543,8 +543,8 @@ def fake_conntrack(
     async def flush(s: IPAddress, d: IPAddress) -> None:
         cut.append((s, d))
 
-    monkeypatch.setattr(flows_mod, "read_conntrack_flows", flows)
-    monkeypatch.setattr(flows_mod, "flush_flow", flush)
+    monkeypatch.setattr(backend_mod, "read_flows", flows)
+    monkeypatch.setattr(backend_mod, "flush_flow", flush)
     return cut
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import egressd.actionhandler.flows as flows_mod
+import egressd.fleetnft.backend as backend_mod
 from egressd.actionhandler.control import ControlPlane
 from egressd.addr import IPAddress
 from egressd.fleetnft.contents import policy_contents, refuses_more, static_contents
@@ -163,8 +164,8 @@ def conntrack_with(monkeypatch: pytest.MonkeyPatch, dsts: tuple[str, ...]) -> tu
     async def flush(_src: IPAddress, dst: IPAddress) -> None:
         cut.append(str(dst))
 
-    monkeypatch.setattr(flows_mod, "read_conntrack_flows", read)
-    monkeypatch.setattr(flows_mod, "flush_flow", flush)
+    monkeypatch.setattr(backend_mod, "read_flows", read)
+    monkeypatch.setattr(backend_mod, "flush_flow", flush)
     monkeypatch.setattr(flows_mod, "CUT_INTERVAL_S", 0.0)
     return reads, cut
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from ipaddress import ip_address
 from pathlib import Path
@@ -363,7 +362,7 @@ async def test_leases_expire_out_of_rebuilds(aiohttp_client: Any, tmp_path: Path
         aiohttp_client, tmp_path, policy=parse_policy('{"egress":[{"action":"allow","target":"a.test"}]}')
     )
     now = [1000.0]
-    env.engine._clock = lambda: now[0]
+    env.engine.subjects.clock = lambda: now[0]
     ip = ip_address("10.204.0.2")
     asker = env.engine.asker(ip)
     await env.engine.learn(asker.uid, asker.fence, [(ip, 60)], "a.test")
@@ -489,7 +488,7 @@ async def test_vault_active_and_unknown_paths_404(env: Env) -> None:
 
 
 def test_outbound_destinations_skip_own_addresses() -> None:
-    from egressd.sidecar.flows import outbound_destinations
+    from egressd.sidecarnft.backend import outbound_destinations
 
     text = "\n".join(
         [
@@ -522,20 +521,22 @@ async def test_allows_ip_mirrors_the_ruleset(aiohttp_client: Any, tmp_path: Path
     assert e.allows_ip(ip_address("10.9.9.9"))  # learned
 
 
-async def test_a_change_schedules_the_flow_cut(aiohttp_client: Any, tmp_path: Path) -> None:
+async def test_a_change_schedules_the_flow_cut(
+    aiohttp_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The subject engine judges the namespace's flows by the policy just committed and cuts,
+    # through the whole-table backend, exactly the ones it refuses.
+    monkeypatch.setattr(engine_module, "CUT_RECHECK_S", 0.01)
     env = await make_env(aiohttp_client, tmp_path)
-    asked: list[bool] = []
-
-    async def cut(allowed: Callable[[Any], bool]) -> int:
-        asked.append(allowed(ip_address("10.204.0.3")))
-        return 0
-
-    env.engine._cut_flows = cut
+    cut = fake_flows(monkeypatch, env.engine, ["10.204.0.3", "10.204.0.9"])
+    env.engine.cut_flows = True
     await call(env, "POST", "/policy", {"egress": [{"action": "allow", "target": "10.204.0.3"}]})
-    await asyncio.sleep(0)
+    await asyncio.gather(*env.engine._background)
+    assert cut == [(None, ip_address("10.204.0.9"))] * 2  # the fake's flows outlive a cut: both looks
+    cut.clear()
     await call(env, "POST", "/policy", {"egress": []})
-    await asyncio.sleep(0)
-    assert asked == [True, False]
+    await asyncio.gather(*env.engine._background)
+    assert cut == [(None, ip_address("10.204.0.3")), (None, ip_address("10.204.0.9"))] * 2  # both looks
 
 
 async def test_healthz_reports_enforcement_and_mitm(aiohttp_client: Any, tmp_path: Path) -> None:
@@ -564,7 +565,7 @@ async def test_a_shorter_answer_never_shortens_a_lease(aiohttp_client: Any, tmp_
         aiohttp_client, tmp_path, policy=parse_policy('{"egress":[{"action":"allow","target":"a.test"}]}')
     )
     now = [500.0]
-    env.engine._clock = lambda: now[0]
+    env.engine.subjects.clock = lambda: now[0]
     ip = ip_address("10.204.0.2")
     asker = env.engine.asker(ip)
     await env.engine.learn(asker.uid, asker.fence, [(ip, 300)], "a.test")
@@ -692,18 +693,37 @@ async def test_a_cut_that_misses_is_retried_once_by_the_policy_in_force(
     # established state: the second look cuts it and says so; the failure is logged, not raised.
     monkeypatch.setattr(engine_module, "CUT_RECHECK_S", 0.01)
     env = await make_env(aiohttp_client, tmp_path)
-    passes: list[bool] = []
-
-    async def cut(allowed: Callable[[Any], bool]) -> int:
-        passes.append(allowed(ip_address("10.204.0.3")))
-        if len(passes) == 1:
-            raise RuntimeError("conntrack read failed")
-        return 1
-
-    env.engine._cut_flows = cut
+    cut = fake_flows(monkeypatch, env.engine, ["10.204.0.3"], fail_first=True)
+    env.engine.cut_flows = True
     with capture_logs() as logs:
         await call(env, "POST", "/policy", {"egress": []})
         results = await asyncio.gather(*env.engine._background)
-    assert passes == [False, False] and results == [1]
+    assert cut == [(None, ip_address("10.204.0.3"))] and results == [1]
     events = [(e["event"], e.get("attempt"), e.get("destinations")) for e in logs if e["event"].startswith("conntrack")]
-    assert events == [("conntrack.cut_failed", 1, None), ("conntrack.cut_late", None, 1)]
+    assert events == [
+        ("conntrack.cut_failed", 1, None),
+        ("conntrack.cut", None, 1),
+        ("conntrack.cut_late", None, 1),
+    ]
+
+
+def fake_flows(
+    monkeypatch: pytest.MonkeyPatch, engine: SidecarEngine, destinations: list[str], *, fail_first: bool = False
+) -> list[tuple[Any, Any]]:
+    """The namespace's outbound flows go to ``destinations``; returns the flows cut (a first
+    read that fails when ``fail_first``)."""
+    reads: list[int] = []
+    cut: list[tuple[Any, Any]] = []
+
+    async def outbound() -> list[Any]:
+        reads.append(1)
+        if fail_first and len(reads) == 1:
+            raise RuntimeError("conntrack read failed")
+        return [ip_address(d) for d in destinations]
+
+    async def cut_flow(flow: tuple[Any, Any]) -> None:
+        cut.append(flow)
+
+    monkeypatch.setattr(engine.backend, "_outbound", outbound)
+    monkeypatch.setattr(engine.backend, "cut_flow", cut_flow)
+    return cut

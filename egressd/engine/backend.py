@@ -1,0 +1,55 @@
+"""The ruleset backend protocol: what the subject engine needs from a profile's kernel side.
+
+The engine (:class:`egressd.engine.subjects.SubjectEngine`) owns every decision about a
+subject's DNS leases, narrowings, flow cuts and verified destinations; a backend owns how its
+ruleset holds them. Two implementations: the fleet's per-subject netlink objects
+(:class:`egressd.fleetnft.backend.FleetBackend`) and the sidecar's whole-table ruleset with the
+reference names (:class:`egressd.sidecarnft.backend.SidecarBackend`, one implicit subject).
+Each also gives the start-up self-test its probes (:mod:`egressd.engine.selftest` runs them).
+A backend's transactions fail with :mod:`egressd.engine.errors`' two errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, Protocol
+
+from egressd.addr import IPAddress
+from egressd.engine.selftest import Probes
+from egressd.policy import NetworkPolicy
+from egressd.policy.ipsets import Prefix
+
+#: A tracked flow: (source, original destination). The source is None where the backend's flows
+#: are the whole namespace's (the sidecar): the destination alone decides them.
+Flow = tuple[IPAddress | None, IPAddress]
+
+
+class RulesetBackend(Protocol):
+    def kernel_denies(self, effective: NetworkPolicy) -> tuple[Sequence[Prefix], Sequence[Prefix]]:
+        """The IPv4 and IPv6 deny prefixes this backend's kernel holds for ``effective``: a
+        lease they cover never survives a narrowing (docs/behaviour.md §14.1)."""
+        ...
+
+    async def add_leases(self, uid: str, admitted: list[tuple[IPAddress, int]]) -> None:
+        """Put learned leases (address, seconds) into ``uid``'s dynamic allow sets, before the
+        DNS answer leaves. Raises RulesetRefused (nothing applied) or RulesetUncertain."""
+        ...
+
+    async def tracked_flows(
+        self, sources: Mapping[str, Collection[IPAddress]]
+    ) -> Mapping[str, Sequence[Flow]] | None:
+        """The tracked flows of each subject's ``sources`` (uid -> source addresses), in the
+        order to judge them; None when the flow table could not be read (nothing is cut)."""
+        ...
+
+    async def cut_flow(self, flow: Flow) -> None:
+        """End one tracked flow (raises when the kernel refused)."""
+        ...
+
+    def flow_fields(self, flow: Flow) -> dict[str, str]:
+        """What a failed cut of ``flow`` logs (never more than addresses)."""
+        ...
+
+    def probes(self, scratch_table: str) -> Probes[Any]:
+        """The kernel features this backend's ruleset needs, for the start-up self-test."""
+        ...

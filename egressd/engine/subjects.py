@@ -1,0 +1,163 @@
+"""The subject engine both profiles run: learn, narrow, cut flows, verify destinations.
+
+One instance holds every subject's DNS leases (a :class:`~egressd.subject.leases.LeaseBook` per
+uid, with the names that taught them) over one :class:`~egressd.engine.backend.RulesetBackend`.
+The fleet runs it with many subjects (``egressd.actionhandler``: registry states, fences,
+revocations and the subject's lock are its guards); the sidecar is this engine with one implicit
+subject (``egressd.sidecar.engine``: readiness and the policy generation are its guards). The
+callers hold their locks; the engine decides against the policy they pass, which is the policy
+in force at that moment.
+
+Narrowing events stay with the operation that commits a narrowed book (``PolicyApplied``,
+``AlwaysRulesChanged``), published before it returns; :meth:`forget` publishes its own
+``LeasesNarrowed`` (tests/unit/test_feed.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from egressd.addr import IPAddress
+from egressd.engine import learning
+from egressd.engine.backend import Flow, RulesetBackend
+from egressd.engine.errors import RulesetRefused, RulesetUncertain
+from egressd.engine.flows import cut_refused
+from egressd.feed import Feed, LeasesNarrowed
+from egressd.policy import IpSets, NetworkPolicy, Verdict, audit_deny_sets, ip_sets
+from egressd.policy.decide import hard_denied, ip_decision
+from egressd.subject.leases import DEFAULT_MAX_LEASES, LeaseBook, Narrowed, narrowed_for
+
+
+@dataclass(frozen=True, slots=True)
+class CutOrder:
+    """One subject's share of a flow cut: its sources, the effective policy that judges its
+    flows, and the destinations it reaches whatever that policy says (``reachable``: the
+    fleet's gateways) or unless a deny rule covers them (``unless_denied``: the sidecar's
+    upstream resolvers)."""
+
+    sources: Collection[IPAddress]
+    effective: NetworkPolicy
+    reachable: Collection[IPAddress] = ()
+    unless_denied: Collection[IPAddress] = ()
+
+
+def kernel_may_hold(exc: BaseException) -> bool:
+    """Whether the kernel may hold leases a raising ``add_leases`` sent: all but a refusal (an
+    unanswered step, a timeout, a cancellation may still have been committed)."""
+    return not isinstance(exc, RulesetRefused) or isinstance(exc, RulesetUncertain)
+
+
+class SubjectEngine:
+    def __init__(
+        self,
+        backend: RulesetBackend,
+        feed: Feed,
+        *,
+        max_leases: int = DEFAULT_MAX_LEASES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.backend = backend
+        self.feed = feed
+        self.max_leases = max_leases
+        self.clock = clock
+        # Each subject's DNS leases with the names that taught them: the refresh mirror, the
+        # lease cap, narrowing, flow cuts and the MITM's destination check.
+        self.books: dict[str, LeaseBook] = {}
+
+    # ---- learn -------------------------------------------------------------------------------
+
+    async def learn(
+        self,
+        uid: str,
+        effective: NetworkPolicy,
+        leases: Sequence[tuple[IPAddress, int]],
+        name: str | None,
+    ) -> list[IPAddress]:
+        """Learn one answer for ``uid`` (``name``: its question; None: a refresh of live
+        addresses) under ``effective``; return the addresses the kernel now holds."""
+        book = self.books.setdefault(uid, LeaseBook(self.max_leases))
+        return await learning.learn(
+            book,
+            effective,
+            leases,
+            name,
+            self.clock(),
+            functools.partial(self.backend.add_leases, uid),
+            kernel_may_hold=kernel_may_hold,
+        )
+
+    # ---- narrow ------------------------------------------------------------------------------
+
+    def narrowed(self, uid: str, effective: NetworkPolicy) -> Narrowed | None:
+        """``uid``'s leases under a new effective policy, by the deny sets its kernel will hold
+        (None: it has none)."""
+        book = self.books.get(uid)
+        if book is None or not len(book):
+            return None
+        deny_v4, deny_v6 = self.backend.kernel_denies(effective)
+        return narrowed_for(book, effective, deny_v4, deny_v6, self.clock())
+
+    def commit(self, uid: str, narrowed: Narrowed | None) -> None:
+        """The kernel took a narrowing: ``uid``'s book is its narrowed book from now on."""
+        if narrowed is not None:
+            self.books[uid] = narrowed.book
+
+    def forget(self, uid: str) -> None:
+        """``uid`` is gone (or reset): its leases with it, and the MITM's memory of them."""
+        self.books.pop(uid, None)
+        self.feed.publish(LeasesNarrowed())
+
+    # ---- verify ------------------------------------------------------------------------------
+
+    def verified(self, uid: str, sets: IpSets | None, host: str, dst: IPAddress) -> bool:
+        """May the MITM send ``host``'s credentials to ``dst`` for ``uid``? (docs/behaviour.md §10)"""
+        return learning.verified(self.books.get(uid), sets, host, dst, self.clock())
+
+    def verified_until(self, uid: str, sets: IpSets | None, host: str, dst: IPAddress) -> float:
+        """:meth:`verified` with its deadline (monotonic; 0.0: not verified)."""
+        return learning.verified_until(self.books.get(uid), sets, host, dst, self.clock())
+
+    # ---- flows -------------------------------------------------------------------------------
+
+    def judge(self, uid: str, order: CutOrder, sets: IpSets | None = None) -> Callable[[IPAddress], bool]:
+        """Whether the ruleset built from ``order.effective`` and ``uid``'s live leases accepts
+        a new connection to a destination. In audit mode a would-deny passes (only a hard deny
+        refuses), so it is not cut either."""
+        effective = order.effective
+        now = self.clock()
+        book = self.books.get(uid)
+        leases = book.live(now) if book is not None else {}
+        sets = sets if sets is not None else ip_sets(effective)
+        split = audit_deny_sets(effective) if effective.audit else None
+
+        def allows(dst: IPAddress) -> bool:
+            if dst in order.reachable:
+                return True
+            verdict, where, _ = ip_decision(effective, leases, dst, now, sets)
+            if verdict is Verdict.ALLOW or (where != "deny" and dst in order.unless_denied):
+                return True
+            return split is not None and not hard_denied(effective, dst, split)
+
+        return allows
+
+    async def cut(self, due: Mapping[str, CutOrder]) -> int:
+        """Cut every tracked flow of ``due``'s subjects that their order's policy refuses, with
+        one read of the flow table; returns how many were cut (best effort: a failed cut is
+        logged and the rest go on; the kernel already refuses new flows)."""
+        flows = await self.backend.tracked_flows({uid: order.sources for uid, order in due.items()})
+        if flows is None:
+            return 0
+        cut = 0
+        for uid, order in due.items():
+            allows = self.judge(uid, order)
+
+            def allowed(flow: Flow, allows: Callable[[IPAddress], bool] = allows) -> bool:
+                return allows(flow[1])
+
+            cut += await cut_refused(
+                flows.get(uid, ()), allowed, self.backend.cut_flow, self.backend.flow_fields
+            )
+        return cut

@@ -1,0 +1,74 @@
+"""The fleet's ruleset backend: per-subject netlink objects in the shared table.
+
+Implements :class:`egressd.engine.backend.RulesetBackend` for the fleet profile. Learned leases
+go into the subject's ``dyn`` sets in one netlink batch (sent inline: the DNS answer waits for
+it); the deny prefixes a narrowing respects are those of the subject's static sets (in audit
+mode the hard denies only); tracked flows are per (source, destination) of the subject's own
+source addresses, and a cut deletes exactly that pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+from egressd.addr import IPAddress
+from egressd.engine.backend import Flow
+from egressd.engine.selftest import Probes, no_probes
+from egressd.fleetnft.contents import dyn_add, policy_contents
+from egressd.fleetnft.table import TableConfig
+from egressd.kernel.applier import Transactions
+from egressd.kernel.conntrack import flush_flow, read_flows
+from egressd.policy import NetworkPolicy
+from egressd.policy.ipsets import Prefix
+from egressd.subject.model import nft_id, subject_for_uid
+
+
+class FleetBackend:
+    def __init__(
+        self,
+        table: TableConfig,
+        tx: Transactions,
+        *,
+        probes: Callable[[str], Probes[Any]] | None = None,
+    ) -> None:
+        self.table = table
+        self.tx = tx
+        # The start-up self-test's probes (none: a backend built for tests, never self-tested).
+        self.probes: Callable[[str], Probes[Any]] = probes if probes is not None else no_probes
+
+    def kernel_denies(self, effective: NetworkPolicy) -> tuple[Sequence[Prefix], Sequence[Prefix]]:
+        contents = policy_contents(effective)
+        return contents["deny_v4"], contents["deny_v6"]
+
+    async def add_leases(self, uid: str, admitted: list[tuple[IPAddress, int]]) -> None:
+        batch = dyn_add(
+            self.table.table, nft_id(subject_for_uid(uid)), admitted, replace=self.table.renew_by_replace
+        )
+        await self.tx.run_batch_inline(batch, op="dynamic_add")
+
+    async def tracked_flows(
+        self, sources: Mapping[str, Collection[IPAddress]]
+    ) -> Mapping[str, Sequence[Flow]] | None:
+        every = sorted({ip for ips in sources.values() for ip in ips}, key=str)
+        flows = await read_flows(every)
+        if flows is None:
+            return None
+        return {
+            uid: [
+                (src, dst)
+                for src in sorted(set(ips), key=str)
+                for dst in sorted(flows.get(src, ()), key=str)
+            ]
+            for uid, ips in sources.items()
+        }
+
+    async def cut_flow(self, flow: Flow) -> None:
+        src, dst = flow
+        if src is None:  # the fleet's flows always have their subject's source
+            raise ValueError("a fleet flow without a source")
+        await flush_flow(src, dst)
+
+    def flow_fields(self, flow: Flow) -> dict[str, str]:
+        return {"source_ip": str(flow[0])}
+

@@ -1,0 +1,136 @@
+"""The sidecar's ruleset backend: the whole table ``inet opensandbox``, one implicit subject.
+
+Implements :class:`egressd.engine.backend.RulesetBackend` for the sidecar profile. Learned
+leases go into the table's ``dyn_allow`` sets by a libnftables script; a narrowing rebuilds the
+whole table in one transaction (:func:`egressd.sidecarnft.ruleset.ruleset`); tracked flows are
+the namespace's outbound ones, judged by their original destination alone (``ct state
+established`` is accepted first, so a narrowing must cut them). Flows to the namespace's own
+addresses (the API's clients, loopback) are never offered for a cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+import structlog
+
+from egressd.addr import IPAddress, unmap_ip
+from egressd.engine.backend import Flow
+from egressd.engine.selftest import Probes, no_probes
+from egressd.kernel.conntrack import conntrack_delete, original_tuple, read_table
+from egressd.policy import NetworkPolicy, ip_sets
+from egressd.policy.ipsets import Prefix
+from egressd.sidecarnft.ruleset import SidecarTable, delete_table, dyn_add, ruleset
+
+log = structlog.get_logger("egressd.sidecar.flows")
+
+
+class Kernel(Protocol):
+    """What the backend needs from the kernel shell (KernelTransactions, or a fake in tests)."""
+
+    async def run_script(self, script: str, *, op: str) -> None: ...
+
+
+def outbound_destinations(conntrack_text: str, local: Iterable[IPAddress]) -> set[IPAddress]:
+    """Original destinations of tracked flows, minus the namespace's own addresses (pure)."""
+    own = set(local)
+    out: set[IPAddress] = set()
+    for line in conntrack_text.splitlines():
+        t = original_tuple(line)
+        if t is None:
+            continue
+        dst = t[1]
+        if dst in own or dst.is_loopback:
+            continue
+        out.add(dst)
+    return out
+
+
+def local_addresses() -> set[IPAddress]:
+    """Every address configured in this network namespace (netlink)."""
+    from pyroute2 import IPRoute
+
+    addrs: set[IPAddress] = set()
+    with IPRoute() as ipr:
+        for msg in ipr.get_addr():
+            raw = msg.get_attr("IFA_ADDRESS")
+            if raw:
+                try:
+                    addrs.add(unmap_ip(ipaddress.ip_address(str(raw).split("%", 1)[0])))
+                except ValueError:
+                    continue
+    return addrs
+
+
+async def read_outbound() -> list[IPAddress] | None:
+    """The namespace's outbound flow destinations, sorted (None: the conntrack table or the
+    local addresses could not be read; without the latter we could cut the API's own clients)."""
+    text = await read_table()
+    if text is None:
+        return None
+    try:
+        local = await asyncio.to_thread(local_addresses)
+    except Exception as exc:
+        log.warning("conntrack.cut_skipped", error=str(exc)[:200])
+        return None
+    return sorted(outbound_destinations(text, local), key=str)
+
+
+class SidecarBackend:
+    def __init__(
+        self,
+        table: SidecarTable,
+        kernel: Kernel,
+        *,
+        probes: Callable[[str], Probes[Any]] | None = None,
+        outbound: Callable[[], Any] = read_outbound,
+    ) -> None:
+        self.table = table
+        self.kernel = kernel
+        # The start-up self-test's probes (none: a backend built for tests, never self-tested).
+        self.probes: Callable[[str], Probes[Any]] = probes if probes is not None else no_probes
+        self._outbound = outbound
+
+    # ---- RulesetBackend ----------------------------------------------------------------------
+
+    def kernel_denies(self, effective: NetworkPolicy) -> tuple[Sequence[Prefix], Sequence[Prefix]]:
+        sets = ip_sets(effective)
+        return sets.deny_v4, sets.deny_v6
+
+    async def add_leases(self, uid: str, admitted: list[tuple[IPAddress, int]]) -> None:
+        await self.kernel.run_script(dyn_add(self.table, admitted), op="dynamic_add")
+
+    async def tracked_flows(
+        self, sources: Mapping[str, Collection[IPAddress]]
+    ) -> Mapping[str, Sequence[Flow]] | None:
+        destinations = await self._outbound()
+        if destinations is None:
+            return None
+        flows: list[Flow] = [(None, dst) for dst in destinations]
+        return {uid: flows for uid in sources}
+
+    async def cut_flow(self, flow: Flow) -> None:
+        dst = flow[1]
+        await conntrack_delete(["-d", str(dst)], dst.version)
+
+    def flow_fields(self, flow: Flow) -> dict[str, str]:
+        return {"destination": str(flow[1])}
+
+
+    # ---- the whole table ---------------------------------------------------------------------
+
+    async def rebuild(
+        self, effective: NetworkPolicy, kept: Sequence[tuple[IPAddress, float]] = (), dropped: int = 0
+    ) -> int:
+        """Replace the whole table with one for ``effective`` holding the ``kept`` leases and a
+        refusal counter starting at ``dropped``, in one transaction; returns its rule count."""
+        script = ruleset(self.table, effective, kept, dropped)
+        await self.kernel.run_script(script, op="static_apply")
+        return sum(1 for line in script.splitlines() if line.startswith("add rule "))
+
+    async def remove(self) -> None:
+        """Delete the table (the sidecar's shutdown)."""
+        await self.kernel.run_script(delete_table(self.table), op="reset")

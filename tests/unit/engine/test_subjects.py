@@ -1,0 +1,181 @@
+"""The one subject engine both profiles run (egressd.engine.subjects), over either backend.
+
+The engine's decisions are tried against a recording backend; the two real backends (the
+fleet's per-subject netlink objects and the sidecar's whole table) are checked to be what
+the engine is built over in each profile, and to agree with the engine's protocol.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from egressd.actionhandler.control import ControlPlane
+from egressd.addr import IPAddress
+from egressd.engine.backend import Flow, RulesetBackend
+from egressd.engine.errors import RulesetRefused, RulesetUncertain
+from egressd.engine.selftest import Probes
+from egressd.engine.subjects import CutOrder, SubjectEngine
+from egressd.feed import Feed, LeasesNarrowed
+from egressd.fleetnft.backend import FleetBackend
+from egressd.fleetnft.table import TableConfig
+from egressd.policy import NetworkPolicy, ip_sets, parse_policy
+from egressd.policy.ipsets import Prefix
+from egressd.sidecar.engine import SIDECAR_UID, SidecarEngine
+from egressd.sidecarnft.backend import SidecarBackend
+from egressd.sidecarnft.ruleset import SidecarTable
+from tests.unit.fakekernel import FakeTx
+
+
+def ip(text: str) -> IPAddress:
+    return ipaddress.ip_address(text)
+
+
+API, OTHER, GW, RESOLVER = ip("93.184.216.34"), ip("93.184.216.99"), ip("10.0.0.1"), ip("10.9.9.53")
+ALLOW_API = parse_policy('{"defaultAction":"deny","egress":[{"action":"allow","target":"api.x.io"}]}')
+DENY_API_IP = parse_policy(
+    '{"defaultAction":"deny","egress":[{"action":"allow","target":"api.x.io"},'
+    '{"action":"deny","target":"93.184.216.0/24"}]}'
+)
+NOW = 1000.0
+
+
+class Recording:
+    """A backend that records what the engine asks of it."""
+
+    def __init__(self, flows: Mapping[IPAddress, list[IPAddress]] | None = None) -> None:
+        self.added: list[tuple[str, list[tuple[IPAddress, int]]]] = []
+        self.fail: BaseException | None = None
+        self.flows = flows or {}
+        self.reads = 0
+        self.cut: list[Flow] = []
+
+    def kernel_denies(self, effective: NetworkPolicy) -> tuple[Sequence[Prefix], Sequence[Prefix]]:
+        sets = ip_sets(effective)
+        return sets.deny_v4, sets.deny_v6
+
+    async def add_leases(self, uid: str, admitted: list[tuple[IPAddress, int]]) -> None:
+        self.added.append((uid, admitted))
+        if self.fail is not None:
+            raise self.fail
+
+    async def tracked_flows(self, sources: Mapping[str, Collection[IPAddress]]) -> Mapping[str, Sequence[Flow]]:
+        self.reads += 1
+        return {uid: [(s, d) for s in sorted(ips, key=str) for d in self.flows.get(s, [])] for uid, ips in sources.items()}
+
+    async def cut_flow(self, flow: Flow) -> None:
+        self.cut.append(flow)
+
+    def flow_fields(self, flow: Flow) -> dict[str, str]:
+        return {"source_ip": str(flow[0])}
+
+    def probes(self, scratch_table: str) -> Probes[Any]:
+        raise NotImplementedError
+
+
+def engine(backend: RulesetBackend, feed: Feed | None = None) -> SubjectEngine:
+    return SubjectEngine(backend, feed or Feed(), clock=lambda: NOW)
+
+
+async def test_learning_goes_through_the_backend_and_into_the_subjects_own_book() -> None:
+    backend = Recording()
+    e = engine(backend)
+    assert await e.learn("a", ALLOW_API, [(API, 60)], "API.x.io.") == [API]
+    assert await e.learn("b", ALLOW_API, [(OTHER, 60)], "evil.io") == []  # not allowed: no kernel step
+    assert backend.added == [("a", [(API, 60)])]
+    assert set(e.books) == {"a", "b"} and list(e.books["a"]) == [API] and not len(e.books["b"])
+
+
+@pytest.mark.parametrize(
+    ("failure", "recorded"),
+    [(RulesetRefused("no"), False), (RulesetUncertain("unanswered"), True), (TimeoutError(), True)],
+)
+async def test_a_failed_kernel_step_is_recorded_only_when_the_kernel_may_hold_it(
+    failure: BaseException, recorded: bool
+) -> None:
+    backend = Recording()
+    backend.fail = failure
+    e = engine(backend)
+    with pytest.raises(type(failure)):
+        await e.learn("a", ALLOW_API, [(API, 60)], "api.x.io")
+    assert (API in e.books["a"]) is recorded  # the book is never narrower than the kernel
+
+
+async def test_a_narrowing_keeps_only_what_the_new_policy_and_the_backends_deny_sets_allow() -> None:
+    e = engine(Recording())
+    await e.learn("a", ALLOW_API, [(API, 60)], "api.x.io")
+    kept = e.narrowed("a", ALLOW_API)
+    assert kept is not None and [i for i, _ in kept.kept] == [API]
+    denied = e.narrowed("a", DENY_API_IP)
+    assert denied is not None and denied.kept == () and denied.revoked == (API,)
+    e.commit("a", denied)
+    assert not len(e.books["a"]) and e.narrowed("nobody", ALLOW_API) is None
+
+
+async def test_forgetting_a_subject_publishes_its_narrowing() -> None:
+    feed = Feed()
+    seen: list[object] = []
+    feed.subscribe(seen.append)
+    e = engine(Recording(), feed)
+    await e.learn("a", ALLOW_API, [(API, 60)], "api.x.io")
+    e.forget("a")
+    assert "a" not in e.books and seen == [LeasesNarrowed()]
+
+
+async def test_verification_needs_the_name_that_taught_the_address() -> None:
+    e = engine(Recording())
+    await e.learn("a", ALLOW_API, [(API, 60)], "api.x.io")
+    sets = ip_sets(ALLOW_API)
+    assert e.verified("a", sets, "API.x.io", API) and e.verified_until("a", sets, "api.x.io", API) == NOW + 60
+    assert not e.verified("a", sets, "other.io", API) and not e.verified("b", sets, "api.x.io", API)
+
+
+async def test_the_judge_of_a_cut_honours_leases_gateways_resolvers_and_audit() -> None:
+    e = engine(Recording())
+    await e.learn("a", ALLOW_API, [(API, 60)], "api.x.io")
+    judge = e.judge("a", CutOrder(sources=(), effective=ALLOW_API, reachable={GW}, unless_denied={RESOLVER}))
+    assert judge(API) and judge(GW) and judge(RESOLVER) and not judge(OTHER)
+    denied = e.judge("a", CutOrder(sources=(), effective=DENY_API_IP, unless_denied={API}))
+    assert not denied(API)  # a deny rule beats the lease and the resolver exception
+    audit = parse_policy('{"defaultAction":"deny","mode":"audit","egress":[]}')
+    assert e.judge("a", CutOrder(sources=(), effective=audit))(OTHER)  # would-deny passes
+
+
+async def test_one_read_of_the_flow_table_cuts_several_subjects_by_their_own_policies() -> None:
+    src_a, src_b = ip("10.0.0.5"), ip("10.0.0.6")
+    backend = Recording({src_a: [API, OTHER], src_b: [API, OTHER]})
+    e = engine(backend)
+    await e.learn("a", ALLOW_API, [(API, 60)], "api.x.io")
+    cut = await e.cut(
+        {
+            "a": CutOrder(sources={src_a}, effective=ALLOW_API),
+            "b": CutOrder(sources={src_b}, effective=ALLOW_API),  # b learned nothing
+        }
+    )
+    assert backend.reads == 1 and cut == 3
+    assert backend.cut == [(src_a, OTHER), (src_b, API), (src_b, OTHER)]
+
+
+def test_both_profiles_run_the_same_engine_over_their_own_backend() -> None:
+    control = ControlPlane(TableConfig(table="T"), FakeTx())
+    sidecar = SidecarEngine(SidecarTable(table="T"), FakeTx(), ALLOW_API)
+    assert type(control.subjects) is type(sidecar.subjects) is SubjectEngine
+    assert isinstance(control.subjects.backend, FleetBackend)
+    assert isinstance(sidecar.subjects.backend, SidecarBackend)
+    # The fleet's lease books are the engine's; the sidecar's one subject is SIDECAR_UID.
+    assert control.leases is control.subjects.books
+    backends: list[RulesetBackend] = [control.subjects.backend, sidecar.backend]  # the protocol, checked by mypy
+    assert len(backends) == 2 and SIDECAR_UID == "sidecar"
+
+
+async def test_the_sidecar_learns_into_its_one_subjects_book() -> None:
+    kernel = FakeTx(yield_each_call=False)
+    sidecar = SidecarEngine(SidecarTable(table="T"), kernel, ALLOW_API)
+    await sidecar.install()
+    asker = sidecar.asker(ip("10.0.0.9"))
+    assert await sidecar.learn(asker.uid, asker.fence, [(API, 60)], "api.x.io") == [API]
+    assert list(sidecar.subjects.books) == [SIDECAR_UID] and API in sidecar.leases
+    assert "dyn_allow_v4" in kernel.scripts[-1][1]
