@@ -1,9 +1,9 @@
 """Always-rules reload applied to the fleet: every subject with a policy, in ONE transaction.
 
-The reloader (policy/reload.py) reads the files; this applies the result. Works from kernel
-truth under the kernel lock: every subject whose sets hold a policy is re-applied with the
-new rules, and any transaction after this one already uses them, so no activation racing
-the reload can keep the old rules.
+The reloader (policy/reload.py) reads the files; this applies the result through the kernel
+side's contents swap (fleetnft/always.py). Works from kernel truth under the kernel lock: every
+subject whose sets hold a policy is re-applied with the new rules, and any transaction after
+this one already uses them, so no activation racing the reload can keep the old rules.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.revocation import Revocations, resync_plan
 from egressd.actionhandler.shared import Shared
 from egressd.addr import IPAddress
+from egressd.engine.errors import RulesetRefused, RulesetUncertain
+from egressd.engine.plansteps import PlanKernel
 from egressd.feed import AlwaysRulesChanged
-from egressd.fleetnft.contents import Contents, contents_swap, dyn_replace, static_contents
-from egressd.kernel.applier import NftError, NftUncertain
-from egressd.kernel.ops import NetlinkBatch
 from egressd.policy import AlwaysRules, NetworkPolicy, effective_policy
 from egressd.subject.leases import LeaseBook
+from egressd.subject.registry import StaticContents
 
 Applied = list[tuple[str, frozenset[tuple[IPAddress, IPAddress]], NetworkPolicy]]
 
@@ -31,27 +31,28 @@ class AlwaysRulesApply:
     def __init__(
         self,
         shared: Shared,
+        kernel: PlanKernel,
         policies: EffectivePolicies,
         revocations: Revocations,
         learning: DnsLearning,
         flows: FlowCuts,
     ) -> None:
         self._shared = shared
+        self._kernel = kernel
         self._policies = policies
         self._revocations = revocations
         self._learning = learning
         self._flows = flows
 
     async def apply(self, always: AlwaysRules) -> None:
-        """Swap the always-rules and re-apply every subject with a policy. Raises NftError
+        """Swap the always-rules and re-apply every subject with a policy. Raises RulesetRefused
         when the kernel refuses: then nothing changed and the old rules stay."""
         applied: Applied = []
         books: dict[str, LeaseBook] = {}
-        written: dict[str, Contents] = {}
+        written: dict[str, StaticContents] = {}
         shared = self._shared
         async with shared.kernel_lock:
-            table = shared.table.table
-            batch = NetlinkBatch(table)
+            batch = self._kernel.contents_swap()
             for entry in shared.registry:
                 view = shared.registry.kernel(entry.uid)
                 if view.rules and view.applied is not None:
@@ -60,24 +61,23 @@ class AlwaysRulesApply:
                     closing = self._revocations.closing(entry.uid)
                     rules = narrower(self._policies.always, always) if closing else always
                     effective = effective_policy(view.applied, rules)
-                    # An audit policy was applied with its audit objects (steps.py), so
+                    # An audit policy was applied with its audit objects (fleetnft/steps.py), so
                     # ``view.audit`` holds for it; contents_swap refuses the impossible rest.
-                    contents = static_contents(effective)
-                    batch = batch + contents_swap(table, entry.nft_id, contents, audit_objects=view.audit)
-                    applied.append((entry.uid, view.keys, effective))
-                    written[entry.uid] = contents
+                    contents = self._kernel.steps.static_contents(effective)
                     narrowed = self._learning.narrowed(entry.uid, effective)
                     # A newly always-denied name loses its leases in the same transaction (the
                     # dyn sets are flushed even when the book knows of none: 14.1).
                     kept = narrowed.kept if narrowed is not None else ()
-                    batch = batch + dyn_replace(table, entry.nft_id, kept)
+                    batch.add(entry.nft_id, contents, audit_objects=view.audit, kept=kept)
+                    applied.append((entry.uid, view.keys, effective))
+                    written[entry.uid] = contents
                     if narrowed is not None:
                         books[entry.uid] = narrowed.book
             if batch:
                 try:
-                    await shared.tx.run_batch(batch, op="static_apply")
+                    await batch.send()
                 except Exception as exc:
-                    if not isinstance(exc, NftError) or isinstance(exc, NftUncertain):
+                    if not isinstance(exc, RulesetRefused) or isinstance(exc, RulesetUncertain):
                         self._record(dict.fromkeys(written))  # either contents: not known
                         self._resync_after_unknown(applied, str(exc))
                     raise
@@ -92,7 +92,7 @@ class AlwaysRulesApply:
             for uid, keys, effective in applied:
                 self._flows.schedule(uid, keys, effective)
 
-    def _record(self, written: Mapping[str, Contents | None]) -> None:
+    def _record(self, written: Mapping[str, StaticContents | None]) -> None:
         """What the static sets of each subject hold now (None: not known), for its next swap."""
         registry = self._shared.registry
         for uid, contents in written.items():

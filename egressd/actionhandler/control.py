@@ -26,14 +26,13 @@ from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.report import Report
 from egressd.actionhandler.revocation import After, Revocations, narrows
 from egressd.actionhandler.shared import Claims, Shared
-from egressd.actionhandler.steps import STEP_PREFIX, Refused, SandboxNets, StepFailed, StepRunner
+from egressd.actionhandler.steps import STEP_PREFIX, StepFailed, StepRunner
 from egressd.actionhandler.vaults import Credentials
 from egressd.addr import IPAddress
+from egressd.engine.errors import RulesetRefused, RulesetUncertain
+from egressd.engine.plansteps import PlanKernel, Refused
 from egressd.engine.subjects import SubjectEngine
 from egressd.feed import Feed
-from egressd.fleetnft.backend import FleetBackend
-from egressd.fleetnft.table import TableConfig
-from egressd.kernel.applier import NftError, NftUncertain, Transactions
 from egressd.metrics import EgressMetrics
 from egressd.policy import EMPTY_ALWAYS, AlwaysRules, NetworkPolicy
 from egressd.subject.leases import DEFAULT_MAX_LEASES
@@ -62,8 +61,7 @@ log = structlog.get_logger("egressd.fleet")
 class ControlPlane:
     def __init__(
         self,
-        table: TableConfig,
-        tx: Transactions,
+        kernel: PlanKernel,
         *,
         always: AlwaysRules = EMPTY_ALWAYS,
         metrics: EgressMetrics | None = None,
@@ -77,8 +75,10 @@ class ControlPlane:
     ) -> None:
         # The daemon's one change feed (egressd.feed), passed in at start-up; a test's own by default.
         self.feed = feed if feed is not None else Feed()
-        self.shared = shared = Shared(table, tx, metrics, self.feed)
-        self.table, self.tx, self.registry, self.locks = table, tx, shared.registry, shared.locks
+        # The kernel side (egressd.engine.plansteps), built by the composition root.
+        self.kernel, self.table = kernel, kernel.table
+        self.shared = shared = Shared(kernel.table, metrics, self.feed)
+        self.registry, self.locks = shared.registry, shared.locks
         self.keys = keys
         self.max_rules = max_rules  # OPENSANDBOX_EGRESS_MAX_RULES on SET_BINDING input (0 = none)
         self.listeners: list[SubjectListener] = []
@@ -98,19 +98,18 @@ class ControlPlane:
             closing,
             limits=vault_limits,
             pending_ttl=pending_ttl,
-            uids=table.uids,
+            uids=kernel.table.uids,
             feed=self.feed,
         )
         # The subject engine over the fleet's ruleset backend: leases, narrowing, cuts, checks.
-        self.subjects = subjects = SubjectEngine(FleetBackend(table, tx), self.feed, max_leases=max_leases)
+        self.subjects = subjects = SubjectEngine(kernel.backend, self.feed, max_leases=max_leases)
         self.learning = learning = DnsLearning(shared, policies, closing, subjects)
         self.vaults, self.leases = self.credentials.stores, learning.leases
         self.flows = FlowCuts(conntrack_flush, subjects)
-        self.nets = SandboxNets()
-        self.uid_ports = PortBook(table, shared.registry, self.claims)  # host-uid DNS listeners
-        self.steps = StepRunner(shared, policies, learning, self.flows, self.nets, self.uid_ports)
-        self.always_rules = AlwaysRulesApply(shared, policies, revocations, learning, self.flows)
-        self.report = Report(shared, policies, revocations, self.leases, self.vaults)
+        self.uid_ports = PortBook(kernel.table, shared.registry, self.claims)  # host-uid DNS listeners
+        self.steps = StepRunner(shared, policies, learning, self.flows, kernel.steps, self.uid_ports)
+        self.always_rules = AlwaysRulesApply(shared, kernel, policies, revocations, learning, self.flows)
+        self.report = Report(shared, kernel, policies, revocations, self.leases, self.vaults)
         # Kept under their old names: what the tests and scripts reach most.
         self.asker, self.learn = learning.asker, learning.learn
         self.renew_leases = learning.renew_leases
@@ -277,8 +276,8 @@ class ControlPlane:
         async with self.shared.kernel_lock:
             try:
                 cut = await self.steps.run(entry, step)
-            except (NftError, Refused) as exc:
-                raise StepFailed(step, str(exc), uncertain=isinstance(exc, NftUncertain)) from None
+            except (RulesetRefused, Refused) as exc:
+                raise StepFailed(step, str(exc), uncertain=isinstance(exc, RulesetUncertain)) from None
         # Outside the kernel lock: cutting flows is slow (a subprocess) and only narrows access.
         if isinstance(step, RemoveAll):
             # The sandbox is going away and the kernel already refuses its new flows: its old

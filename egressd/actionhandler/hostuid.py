@@ -1,10 +1,9 @@
-"""Host-uid subjects in the action handling (docs/behaviour.md §17): their binding and their kernel keys.
+"""Host-uid subjects in the action handling (docs/behaviour.md §17): their binding, slots and DNS ports.
 
 A host-uid sandbox is keyed by its processes' host uid (``attachment.process.uid``) and gets a
 *slot*, which names its own DNS port (and, with the MITM, its MITM port). Its kernel objects,
 rules and set contents are a network subject's; only its keys differ: uid map elements instead
-of address ones (fleetnft/hostuid.py). The step runner (steps.py) calls
-the batch builders here for a subject whose binding or kernel view has uid keys.
+of address ones (the kernel side builds them: fleetnft/hostuid.py, fleetnft/steps.py).
 
 Nothing of a host-uid subject is established past its rules (its packets are all judged on
 output), so its steps never ask for flows to be cut.
@@ -18,20 +17,9 @@ from typing import Protocol
 from egressd.actionhandler.api import Result
 from egressd.actionhandler.envelope import SetBinding
 from egressd.actionhandler.shared import Claims
-from egressd.fleetnft.hostuid import (
-    UidSubjectNft,
-    uid_audit_ops,
-    uid_key_deletes,
-    uid_subject_create,
-    uid_subject_keys,
-)
-from egressd.fleetnft.subject import flush_subject_sets, subject_rules
-from egressd.fleetnft.table import TableConfig
-from egressd.kernel.ops import NetlinkBatch, Op
+from egressd.engine.plansteps import TableKnobs, UidKeys
 from egressd.subject.hostuid import free_slot, host_uid_problem
-from egressd.subject.registry import Entry, HostBinding, KernelView, Registry, SetBindingRequest
-
-UidKeys = frozenset[tuple[int, int]]  # (host uid, slot)
+from egressd.subject.registry import Entry, HostBinding, Registry, SetBindingRequest
 
 
 class DnsListeners(Protocol):
@@ -44,7 +32,7 @@ class DnsListeners(Protocol):
 
 
 def host_binding(
-    table: TableConfig, registry: Registry, claims: Claims, uid: str, host_uid: int
+    table: TableKnobs, registry: Registry, claims: Claims, uid: str, host_uid: int
 ) -> HostBinding | Result:
     """The binding of ``uid``'s host-uid sandbox, or the refusal.
 
@@ -68,61 +56,13 @@ def host_binding(
 
 
 def with_host_binding(
-    table: TableConfig, registry: Registry, claims: Claims, action: SetBinding, req: SetBindingRequest
+    table: TableKnobs, registry: Registry, claims: Claims, action: SetBinding, req: SetBindingRequest
 ) -> SetBindingRequest | Result:
     """``req`` keyed by the action's host uid when it names one (else unchanged)."""
     if action.process is None:
         return req
     host = host_binding(table, registry, claims, action.uid, action.process.uid)
     return host if isinstance(host, Result) else replace(req, binding=host)
-
-
-def audit_membership(cfg: TableConfig, uid_keys: UidKeys, audit: bool) -> NetlinkBatch:
-    """``uid_audit`` for each of the subject's uids: in it while its active policy audits."""
-    ops: list[Op] = []
-    for host_uid, _slot in sorted(uid_keys):
-        ops += uid_audit_ops(host_uid, audit=audit)
-    return NetlinkBatch(cfg.table, tuple(ops))
-
-
-def deny_first(
-    cfg: TableConfig, entry: Entry, host: HostBinding, view: KernelView
-) -> tuple[NetlinkBatch, KernelView]:
-    """Deny-first for a host-uid subject, and the view after it: a new subject's objects,
-    rules and keys in one batch; or every set emptied, the rules if missing, and the keys."""
-    nid = entry.nft_id
-    subj = UidSubjectNft(nid, host.host_uid, host.slot)
-    keys = view.uid_keys | {(host.host_uid, host.slot)}
-    if not view.objects:
-        return uid_subject_create(cfg, subj), KernelView(True, rules=True, uid_keys=keys)
-    batch = flush_subject_sets(cfg.table, nid, audit=view.audit)
-    if not view.rules:
-        batch = batch + subject_rules(cfg, nid, audit=view.audit)
-    batch = batch + uid_subject_keys(cfg, subj) + audit_membership(cfg, keys, audit=False)
-    return batch, KernelView(True, view.keys, True, None, uid_keys=keys, audit=view.audit)
-
-
-def add_keys(cfg: TableConfig, entry: Entry, host: HostBinding, audit: bool) -> NetlinkBatch:
-    """Point a host uid at an existing subject's chains (a re-key of an active subject)."""
-    keys: UidKeys = frozenset({(host.host_uid, host.slot)})
-    subj = UidSubjectNft(entry.nft_id, host.host_uid, host.slot)
-    return uid_subject_keys(cfg, subj) + audit_membership(cfg, keys, audit)
-
-
-def key_deletes(cfg: TableConfig, uid_keys: UidKeys) -> list[Op]:
-    ops: list[Op] = []
-    for host_uid, slot in sorted(uid_keys):
-        ops += uid_key_deletes(cfg, host_uid, slot)
-    return ops
-
-
-def resync_keys(cfg: TableConfig, nid: str, view: KernelView, audit: bool) -> NetlinkBatch:
-    """The uid keys of ``view`` re-declared (each a no-op when present), for the re-sync after
-    an unanswered transaction."""
-    out = NetlinkBatch(cfg.table)
-    for host_uid, slot in sorted(view.uid_keys):
-        out = out + uid_subject_keys(cfg, UidSubjectNft(nid, host_uid, slot))
-    return out + audit_membership(cfg, view.uid_keys, audit)
 
 
 def kept(keep: object) -> UidKeys:
@@ -141,7 +81,7 @@ def slots(entry: Entry, uid_keys: UidKeys) -> set[int]:
 class PortBook:
     """Opens and closes the per-subject DNS listeners (none without a DNS proxy: unit tests)."""
 
-    def __init__(self, table: TableConfig, registry: Registry, claims: Claims) -> None:
+    def __init__(self, table: TableKnobs, registry: Registry, claims: Claims) -> None:
         self._table = table
         self._registry = registry
         self._claims = claims

@@ -2,13 +2,12 @@
 
 Read-only: nothing here changes a subject or the kernel. The decision shown is the policy
 layer's (policy/explain.py); the kernel view is read from the kernel itself, one netlink
-dump per set, never from egressd's own bookkeeping.
+dump per set, never from egressd's own bookkeeping (the kernel side's reader:
+fleetnft/kernelview.py).
 """
 
 from __future__ import annotations
 
-import ipaddress
-import struct
 import time
 from typing import Any
 
@@ -16,13 +15,8 @@ from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.revocation import Revocations
 from egressd.actionhandler.shared import Shared
 from egressd.addr import IPAddress, unmap_ip
-from egressd.fleetnft.hostuid import UID_DISPATCH
-from egressd.fleetnft.subject import rules_per_subject
-from egressd.fleetnft.table import TableConfig, dispatch_map, subject_set
-from egressd.fleetnft.workers import uid_worker
-from egressd.kernel.applier import NftError
-from egressd.kernel.netlink_dump import element_covering
-from egressd.nftsyntax import family
+from egressd.engine.errors import RulesetRefused
+from egressd.engine.plansteps import PlanKernel, TableKnobs
 from egressd.policy import NetworkPolicy
 from egressd.policy.explain import explain as explain_target
 from egressd.subject.leases import LeaseBook
@@ -34,12 +28,14 @@ class Report:
     def __init__(
         self,
         shared: Shared,
+        kernel: PlanKernel,
         policies: EffectivePolicies,
         revocations: Revocations,
         leases: dict[str, LeaseBook],
         vaults: dict[str, VaultStore],
     ) -> None:
         self._shared = shared
+        self._kernel = kernel
         self._policies = policies
         self._revocations = revocations
         self._leases = leases
@@ -76,52 +72,26 @@ class Report:
         whether the source (an address, or a host uid) is in the dispatch map, and which of
         the subject's sets cover the address (with the remaining lifetime of a DNS lease)."""
         target = unmap_ip(target)
-        registry, table = self._shared.registry, self._shared.table.table
+        registry, reader = self._shared.registry, self._kernel.reader
         entry = self._entry_of(source_ip)
         try:
             out: dict[str, Any] = {
                 "available": True,
-                "dispatched": await self._dispatched(source_ip),
+                "dispatched": await reader.dispatched(source_ip),
                 "sets": [],
             }
             if entry is None or not registry.kernel(entry.uid).objects:
                 return out
-            for kind, interval in (("deny", True), ("allow", True), ("dyn", False)):
-                name = subject_set(entry.nft_id, kind, family(target))
-                hit = element_covering(
-                    target, await self._shared.tx.list_set_elements(table, name), interval=interval
-                )
-                if hit is None:
-                    continue
-                element, end = hit
-                item: dict[str, Any] = {
-                    "set": name,
-                    "element": _element_text(element.key, end, interval=interval),
-                }
-                if element.expires_ms is not None:
-                    item["expiresInS"] = round(element.expires_ms / 1000)
-                out["sets"].append(item)
-        except NftError as exc:
+            out["sets"] = await reader.covering(entry.nft_id, target)
+        except RulesetRefused as exc:
             return {"available": False, "error": str(exc)[:200]}
         return out
 
-    async def _dispatched(self, source: IPAddress | int) -> bool:
-        """Whether the kernel's dispatch map holds the source (its uid map for a host uid)."""
-        dump, table = self._shared.tx.list_set_elements, self._shared.table.table
-        if isinstance(source, int):
-            key = struct.pack("=I", source)  # meta skuid's host-endian u32
-            return any(e.key == key for e in await dump(table, UID_DISPATCH))
-        source = unmap_ip(source)
-        return (
-            element_covering(source, await dump(table, dispatch_map(family(source))), interval=False)
-            is not None
-        )
-
     def rules_count(self) -> dict[tuple[str, ...], float]:
         """Rules in the table: each installed subject's fixed rules."""
-        registry, cfg = self._shared.registry, self._shared.table
+        registry, reader = self._shared.registry, self._kernel.reader
         views = [registry.kernel(e.uid) for e in registry]
-        return {(): float(sum(rules_per_subject(cfg, audit=v.audit) for v in views if v.rules))}
+        return {(): float(sum(reader.rules_per_subject(audit=v.audit) for v in views if v.rules))}
 
     def state_counts(self) -> dict[tuple[str, ...], float]:
         counts = self._shared.registry.counts()
@@ -140,8 +110,8 @@ class Report:
                     "state": e.state.value,
                     # The kernel refused a narrowing and egressd is retrying it (14.6).
                     "revoking": e.uid in self._revocations.pending,
-                    **_binding_fields(e.binding, self._shared.table),
-                    **_worker_field(e.binding, self._shared, e.uid),
+                    **_binding_fields(e.binding, self._kernel.table),
+                    **_worker_field(e.binding, self._kernel, e.uid),
                     "specGeneration": e.spec_generation,
                     "pending": e.pending is not None,
                     "kernelInstalled": registry.kernel(e.uid).objects,
@@ -155,7 +125,7 @@ class Report:
         return out
 
 
-def _binding_fields(binding: AnyBinding | None, table: TableConfig) -> dict[str, Any]:
+def _binding_fields(binding: AnyBinding | None, table: TableKnobs) -> dict[str, Any]:
     """The dispatch key of ``egressctl subjects``: an address and gateway, or a host uid and
     its ports (docs/behaviour.md §17)."""
     if isinstance(binding, HostBinding):
@@ -172,27 +142,12 @@ def _binding_fields(binding: AnyBinding | None, table: TableConfig) -> dict[str,
     }
 
 
-def _worker_field(binding: AnyBinding | None, shared: Shared, uid: str) -> dict[str, Any]:
+def _worker_field(binding: AnyBinding | None, kernel: PlanKernel, uid: str) -> dict[str, Any]:
     """``mitmWorker``: the MITM worker its intercepted connections go to (EGRESSD_MITM_WORKERS),
     None without the MITM or before the subject has its MITM entries."""
-    table = shared.table
-    if not table.mitm or binding is None:
+    if not kernel.table.mitm or binding is None:
         return {"mitmWorker": None}
-    if isinstance(binding, HostBinding):
-        return {"mitmWorker": uid_worker(binding.slot, table.mitm_workers)}
-    return {"mitmWorker": shared.workers.peek(uid)}
-
-
-def _element_text(start: bytes, end: bytes | None, *, interval: bool) -> str:
-    """A set element as nft would print it: an address, or an interval [start, end) as CIDR(s)
-    (``end`` None in an interval set: up to the top of the address space)."""
-    first = ipaddress.ip_address(start)
-    if not interval:
-        return str(first)
-    top = (1 << (8 * len(start))) - 1
-    last = ipaddress.ip_address(int.from_bytes(end, "big") - 1 if end is not None else top)
-    nets = ipaddress.summarize_address_range(first, last)
-    return ", ".join(str(n.network_address) if n.num_addresses == 1 else str(n) for n in nets)
+    return {"mitmWorker": kernel.steps.mitm_worker(uid, binding)}
 
 
 def _policy_summary(policy: NetworkPolicy | None) -> dict[str, Any] | None:

@@ -1,4 +1,4 @@
-"""What the parts of the fleet's action handling share: the table, the kernel, the registry, the locks.
+"""What the parts of the fleet's action handling share: the table's knobs, the registry, the locks.
 
 Every mutation of a subject runs under that subject's lock, and every kernel transaction under
 one global kernel lock, so the cross-subject bookkeeping (who still uses a gateway or an IP)
@@ -15,10 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from egressd.addr import IPAddress
+from egressd.engine.plansteps import TableKnobs
 from egressd.feed import Feed
-from egressd.fleetnft.table import TableConfig
-from egressd.fleetnft.workers import WorkerAssignment
-from egressd.kernel.applier import Transactions
 from egressd.metrics import EgressMetrics
 from egressd.subject.model import nft_id, subject_for_uid
 from egressd.subject.registry import AnyBinding, HostBinding, Registry
@@ -96,10 +94,10 @@ class Claims:
 
 @dataclass(slots=True)
 class Shared:
-    """The kernel, the registry, the locks and the change feed, one of each for the whole control plane."""
+    """The table's knobs, the registry, the locks and the change feed, one of each for the whole
+    control plane (the kernel side itself is the control plane's ``kernel``)."""
 
-    table: TableConfig
-    tx: Transactions
+    table: TableKnobs
     metrics: EgressMetrics | None = None
     # Every narrowing of the control plane is published here (egressd.feed), the registry's too.
     feed: Feed = field(default_factory=Feed)
@@ -107,10 +105,6 @@ class Shared:
     locks: SubjectLocks = field(default_factory=SubjectLocks)
     # Held around every kernel transaction and the bookkeeping read or changed with it.
     kernel_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # Network subjects' MITM workers (EGRESSD_MITM_WORKERS): kept from a subject's first MITM
-    # entries to its removal, so its mitm_port elements never change value.
-    workers: WorkerAssignment = field(init=False)
 
     def __post_init__(self) -> None:
         self.registry = Registry(self.feed)
-        self.workers = WorkerAssignment(self.table.mitm_workers)

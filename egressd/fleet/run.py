@@ -13,6 +13,7 @@ import asyncio
 import gc
 import os
 import time
+from collections.abc import Callable
 from functools import partial
 
 import structlog
@@ -23,12 +24,14 @@ from egressd.dnsproxy.budget import query_budget
 from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy, PortAsker
 from egressd.dnsproxy.upstreams import upstreams_or_system
-from egressd.engine.selftest import SelfTestError, run_selftest
+from egressd.engine.selftest import Probes, SelfTestError, run_selftest
 from egressd.feed import Feed
 from egressd.fleet.config import FleetConfig
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import FleetHTTP
 from egressd.fleet.visibility import FleetVisibility, fleet_visibility
+from egressd.fleetnft.backend import FleetBackend
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.selftest import BridgeReport, bridge_report, selftest_probes
 from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import KernelTransactions, NftError
@@ -83,9 +86,17 @@ async def run_fleet(cfg: FleetConfig, stop: asyncio.Event | None = None) -> None
     metrics.constant_labels = cfg.common.metric_labels
     tx = KernelTransactions(metrics)
     running = Running(tx)
+    # The subject engine's ruleset backend; its table learns how this kernel renews a lease from
+    # the self-test, which runs the backend's own probes.
+    backend = FleetBackend(
+        table_config(cfg),
+        tx,
+        probes=partial(selftest_probes, cmd=tx.run_script_sync, batch=tx.run_batch_sync, elements=tx.set_elements_sync),
+    )
     try:
-        bridges, renewal = _check_kernel(cfg, tx)
-        control, proxy, visibility = _control_plane(cfg, tx, always, metrics, renewal)
+        bridges, renewal = _check_kernel(cfg, tx, backend.probes)
+        backend.table = table_config(cfg, renewal)
+        control, proxy, visibility = _control_plane(cfg, tx, always, metrics, backend)
         running.stoppers.append(control.close)
         # The deny webhook's worker; events queued after its close are dropped (docs/behaviour.md §15).
         visibility.start()
@@ -117,7 +128,9 @@ async def run_fleet(cfg: FleetConfig, stop: asyncio.Event | None = None) -> None
         await running.close()
 
 
-def _check_kernel(cfg: FleetConfig, tx: KernelTransactions) -> tuple[BridgeReport, LeaseRenewal]:
+def _check_kernel(
+    cfg: FleetConfig, tx: KernelTransactions, probes: Callable[[str], Probes[LeaseRenewal]]
+) -> tuple[BridgeReport, LeaseRenewal]:
     """Every nft feature the ruleset uses, tried in a scratch table; then the bridges."""
     try:
         renewal = tx.run_sync(
@@ -125,9 +138,7 @@ def _check_kernel(cfg: FleetConfig, tx: KernelTransactions) -> tuple[BridgeRepor
                 tx.run_script_sync,
                 NftError,
                 cfg.kernel.nft_table,
-                partial(
-                    selftest_probes, cmd=tx.run_script_sync, batch=tx.run_batch_sync, elements=tx.set_elements_sync
-                ),
+                probes,
             )
         )
     except SelfTestError as exc:
@@ -146,7 +157,7 @@ def _check_kernel(cfg: FleetConfig, tx: KernelTransactions) -> tuple[BridgeRepor
 
 
 def _control_plane(
-    cfg: FleetConfig, tx: KernelTransactions, always: AlwaysRules, metrics: EgressMetrics, renewal: LeaseRenewal
+    cfg: FleetConfig, tx: KernelTransactions, always: AlwaysRules, metrics: EgressMetrics, backend: FleetBackend
 ) -> tuple[ControlPlane, ProxyRouteAPI, FleetVisibility]:
     """The control plane and the listeners of its registry; the gauges read from it on scrape."""
     try:
@@ -154,8 +165,7 @@ def _control_plane(
     except KeyDirError as exc:
         raise StartupError(f"vault keys: {exc}") from None
     control = ControlPlane(
-        table_config(cfg, renewal),
-        tx,
+        FleetPlanKernel(backend.table, tx, backend=backend),
         always=always,
         metrics=metrics,
         conntrack_flush=flush_source,

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from egressd.fleetnft.subject import subject_objects, subject_rules
+from egressd.engine.plansteps import UidKeys
+from egressd.fleetnft.subject import flush_subject_sets, subject_objects, subject_rules
 from egressd.fleetnft.table import (
     DENY_VERDICT_CHAIN,
     REFUSE,
@@ -58,6 +59,7 @@ from egressd.kernel.ops import (
     Op,
 )
 from egressd.nftsyntax import intercepted_ports, l3_of, split_by_family
+from egressd.subject.registry import Entry, HostBinding, KernelView
 
 UID_MARKING = "uid_marking"
 UID_DISPATCH = "uid_dispatch"
@@ -284,3 +286,54 @@ def uid_subject_create(cfg: TableConfig, subj: UidSubjectNft) -> NetlinkBatch:
         + uid_subject_keys(cfg, subj)
         + NetlinkBatch(cfg.table, tuple(uid_audit_ops(subj.host_uid, audit=False)))
     )
+
+
+# ---- the kernel side of a host-uid subject's plan steps (fleetnft/steps.py)
+
+
+def audit_membership(cfg: TableConfig, uid_keys: UidKeys, audit: bool) -> NetlinkBatch:
+    """``uid_audit`` for each of the subject's uids: in it while its active policy audits."""
+    ops: list[Op] = []
+    for host_uid, _slot in sorted(uid_keys):
+        ops += uid_audit_ops(host_uid, audit=audit)
+    return NetlinkBatch(cfg.table, tuple(ops))
+
+
+def deny_first(
+    cfg: TableConfig, entry: Entry, host: HostBinding, view: KernelView
+) -> tuple[NetlinkBatch, KernelView]:
+    """Deny-first for a host-uid subject, and the view after it: a new subject's objects,
+    rules and keys in one batch; or every set emptied, the rules if missing, and the keys."""
+    nid = entry.nft_id
+    subj = UidSubjectNft(nid, host.host_uid, host.slot)
+    keys = view.uid_keys | {(host.host_uid, host.slot)}
+    if not view.objects:
+        return uid_subject_create(cfg, subj), KernelView(True, rules=True, uid_keys=keys)
+    batch = flush_subject_sets(cfg.table, nid, audit=view.audit)
+    if not view.rules:
+        batch = batch + subject_rules(cfg, nid, audit=view.audit)
+    batch = batch + uid_subject_keys(cfg, subj) + audit_membership(cfg, keys, audit=False)
+    return batch, KernelView(True, view.keys, True, None, uid_keys=keys, audit=view.audit)
+
+
+def add_keys(cfg: TableConfig, entry: Entry, host: HostBinding, audit: bool) -> NetlinkBatch:
+    """Point a host uid at an existing subject's chains (a re-key of an active subject)."""
+    keys: UidKeys = frozenset({(host.host_uid, host.slot)})
+    subj = UidSubjectNft(entry.nft_id, host.host_uid, host.slot)
+    return uid_subject_keys(cfg, subj) + audit_membership(cfg, keys, audit)
+
+
+def key_deletes(cfg: TableConfig, uid_keys: UidKeys) -> list[Op]:
+    ops: list[Op] = []
+    for host_uid, slot in sorted(uid_keys):
+        ops += uid_key_deletes(cfg, host_uid, slot)
+    return ops
+
+
+def resync_keys(cfg: TableConfig, nid: str, view: KernelView, audit: bool) -> NetlinkBatch:
+    """The uid keys of ``view`` re-declared (each a no-op when present), for the re-sync after
+    an unanswered transaction."""
+    out = NetlinkBatch(cfg.table)
+    for host_uid, slot in sorted(view.uid_keys):
+        out = out + uid_subject_keys(cfg, UidSubjectNft(nid, host_uid, slot))
+    return out + audit_membership(cfg, view.uid_keys, audit)

@@ -63,14 +63,14 @@ def targets() -> list[tuple[Any, str, str]]:
     from structlog._base import BoundLoggerBase
 
     from egressd import metrics
-    from egressd.actionhandler import control, flows, hostuid, steps
+    from egressd.actionhandler import control, flows
     from egressd.actionhandler.learning import DnsLearning
     from egressd.actionhandler.shared import Claims
     from egressd.actionhandler.vaults import Credentials
     from egressd.feed import Feed
     from egressd.fleet import server
     from egressd.fleet.proxyroute import ProxyRouteAPI
-    from egressd.fleetnft import backend
+    from egressd.fleetnft import backend, hostuid, steps
     from egressd.kernel import applier, netlink
     from egressd.subject.registry import Registry
 
@@ -80,7 +80,7 @@ def targets() -> list[tuple[Any, str, str]]:
     return [(server.FleetHTTP, "actions", "handler"), (server, "parse_action", "envelope"),
             (control, "read_set_binding", "input"), (Registry, "check_claims", "claims"), (Claims, "conflict", "claims"),
             (control, "plan_set_binding", "plan"), (control, "narrows", "plan"), (Credentials, "uncovers", "plan"),
-            (DnsLearning, "narrowed", "leases"), (steps.StepRunner, "_policy_batch", "build"), (steps, "dyn_replace", "build"),
+            (DnsLearning, "narrowed", "leases"), (steps.FleetSteps, "_policy_batch", "build"), (steps, "dyn_replace", "build"),
             (steps.SandboxNets, "refilled", "build"), (hostuid, "audit_membership", "build"),
             (applier.KernelTransactions, "run_batch", "kernel"), (applier._Netlink, "run", "kernel_thread"),
             (netlink, "encode_batch", "encode"), (control.ControlPlane, "_commit", "commit"), (Credentials, "bound", "commit"),

@@ -39,6 +39,7 @@ from egressd.feed import (
     VaultChanged,
 )
 from egressd.fleet.server import ACTIONS_PATH, FleetHTTP
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from egressd.policy import EMPTY_ALWAYS, AlwaysRules, Verdict, parse_always_text, parse_policy
@@ -119,7 +120,8 @@ SRC = ipaddress.ip_address("10.0.0.5")
 
 
 async def _fleet(feed: Feed) -> ControlPlane:
-    control = ControlPlane(TableConfig(table=TABLE, dns_port=15353), FakeTx(table_name=TABLE), feed=feed)
+    kernel = FleetPlanKernel(TableConfig(table=TABLE, dns_port=15353), FakeTx(table_name=TABLE))
+    control = ControlPlane(kernel, feed=feed)
     await control.reset_table()
     ok(await control.handle(set_binding("u-1", ALLOW_BOTH)))
     ok(await control.handle(hook("u-1")))
@@ -277,7 +279,8 @@ class FleetNarrowings(RuleBasedStateMachine):
         self.feed = Feed()
         self.recorder = Recorder(self.feed)
         self.control = ControlPlane(
-            TableConfig(table=TABLE, dns_port=15353), FakeTx(table_name=TABLE), feed=self.feed
+            FleetPlanKernel(TableConfig(table=TABLE, dns_port=15353), FakeTx(table_name=TABLE)),
+            feed=self.feed,
         )
         self.fences: dict[str, tuple[str, str, int]] = {}  # uid -> (rid, ip, generation)
         self.views: dict[IPAddress, View] = {}

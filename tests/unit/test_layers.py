@@ -78,11 +78,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
 
 #: (importer, imported) package pairs that still go up a layer, with the reason. Only shrinks.
 UPWARD_ALLOWED: Mapping[tuple[str, str], str] = {
-    # Issue 24 item 1: the one subject engine runs over a ruleset backend protocol; until then
-    # the fleet's engine builds its netlink batches (fleetnft) and sends them (kernel) itself.
-    ("egressd.actionhandler", "egressd.fleetnft"): "the engine builds the fleet's ruleset (item 1)",
-    ("egressd.actionhandler", "egressd.kernel"): "the engine runs its kernel transactions (item 1)",
-    ("egressd.actionhandler", "egressd.nftsyntax"): "explain reads the fleet's sets by family (item 1)",
+    # Empty since issue 24 item 1: the fleet's engine runs over the kernel side it is handed
+    # (egressd.engine.plansteps, implemented in egressd.fleetnft).
 }
 
 Graph = Mapping[str, Mapping[str, list[str]]]

@@ -23,6 +23,7 @@ from egressd.config import ConfigError, parse_config
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.header import header_script
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.logsetup import configure, constant_fields
 from egressd.main import main
@@ -523,7 +524,7 @@ async def test_sidecar_vault_transport_off_accepts_any_peer(aiohttp_client: Any)
 
 
 async def fleet_client(aiohttp_client: Any, transport: VaultTransport) -> Any:
-    control = ControlPlane(TableConfig(table="T"), FakeTx())
+    control = ControlPlane(FleetPlanKernel(TableConfig(table="T"), FakeTx()))
     await control.reset_table()
     proxy = ProxyRouteAPI(control)
     http = FleetHTTP(control, EgressMetrics(), proxy=proxy, vault_transport=transport)
@@ -562,7 +563,7 @@ async def test_fleet_proxy_route_vault_writes_need_loopback_or_a_trusted_tls_pro
 
 
 async def test_proxy_route_refuses_before_caching() -> None:
-    control = ControlPlane(TableConfig(table="T"), FakeTx())
+    control = ControlPlane(FleetPlanKernel(TableConfig(table="T"), FakeTx()))
     await control.reset_table()
     proxy = ProxyRouteAPI(control)
     path = "/v1/sandboxfleets/u-1/egress/credential-vault"

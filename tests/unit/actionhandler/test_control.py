@@ -25,6 +25,7 @@ import egressd.actionhandler.control as control_mod
 from egressd.actionhandler.api import Result
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.subject import subject_sets
 from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import NftError
@@ -118,7 +119,7 @@ def kernel() -> TextKernel:
 
 
 async def make_control(kernel: TextKernel, *, mitm: bool = False) -> ControlPlane:
-    control = ControlPlane(TableConfig(table=TABLE, dns_port=15353, mitm=mitm), kernel)
+    control = ControlPlane(FleetPlanKernel(TableConfig(table=TABLE, dns_port=15353, mitm=mitm), kernel))
     await control.reset_table()
     assert control.enforcement_ready
     return control
@@ -235,7 +236,7 @@ def assert_deny_first_installed(
 
 async def test_reset_table_installs_the_header_even_without_an_existing_table() -> None:
     kernel = text_kernel(TABLE)
-    control = ControlPlane(TableConfig(table=TABLE), kernel)
+    control = ControlPlane(FleetPlanKernel(TableConfig(table=TABLE), kernel))
     assert not control.enforcement_ready
     await control.reset_table()
     assert control.enforcement_ready
@@ -972,8 +973,8 @@ async def test_fake_kernel_refuses_like_the_kernel(kernel: TextKernel) -> None:
         await kernel.run_batch(NetlinkBatch(TABLE, (DeleteSet("dispatch_v4"),)), op="t")
     control = await make_control(text_kernel(TABLE))
     ok(await control.handle(set_binding()))
-    assert isinstance(control.tx, FakeKernel)
-    k = control.tx
+    assert isinstance(control.kernel, FleetPlanKernel) and isinstance(control.kernel.tx, FakeKernel)
+    k = control.kernel.tx
     with pytest.raises(NftError, match="busy"):
         await k.run_batch(NetlinkBatch(TABLE, (DeleteChain("subj_s_u_1"),)), op="t")
     with pytest.raises(NftError, match="busy"):
@@ -1183,7 +1184,9 @@ async def test_a_new_subject_and_a_new_address_cut_flows_a_previous_process_allo
     async def flush(ip: Any) -> None:
         cut.append(str(ip))
 
-    control = ControlPlane(TableConfig(table=TABLE, dns_port=15353), kernel, conntrack_flush=flush)
+    control = ControlPlane(
+        FleetPlanKernel(TableConfig(table=TABLE, dns_port=15353), kernel), conntrack_flush=flush
+    )
     await control.reset_table()
     ok(await control.handle(set_binding(policy=POLICY_A)))
     assert cut == ["10.0.0.5"], "a fresh deny-first install cuts the address's old flows"

@@ -21,6 +21,7 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
 from egressd.addr import IPAddress
 from egressd.fleetnft.contents import dyn_add, dyn_replace, policy_swap
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.kernel import conntrack
 from egressd.kernel.applier import NftError
@@ -126,7 +127,7 @@ def tx() -> FakeTx:
 
 
 async def make_control(tx: FakeTx, always: AlwaysRules = OLD) -> ControlPlane:
-    control = ControlPlane(TableConfig(table=TABLE, dns_port=15353), tx, always=always)
+    control = ControlPlane(FleetPlanKernel(TableConfig(table=TABLE, dns_port=15353), tx), always=always)
     await control.reset_table()
     return control
 
@@ -568,7 +569,9 @@ async def test_always_rules_reload_cuts_flows_to_newly_denied_destinations(
     tx: FakeTx, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     control = ControlPlane(
-        TableConfig(table=TABLE, dns_port=15353), tx, always=OLD, conntrack_flush=lambda ip: None
+        FleetPlanKernel(TableConfig(table=TABLE, dns_port=15353), tx),
+        always=OLD,
+        conntrack_flush=lambda ip: None,
     )
     await control.reset_table()
     await activate(control, policy=ALLOW_ALL)

@@ -21,6 +21,7 @@ from egressd.actionhandler.inputs import BadRequest, BindingInput, read_set_bind
 from egressd.actionhandler.shared import Claims
 from egressd.addr import IPAddress
 from egressd.dnsproxy.server import DnsProxy
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.subject import rules_per_subject, subject_rules
 from egressd.fleetnft.table import TableConfig, subject_set
 from egressd.kernel.netlink_dump import SetElement
@@ -88,7 +89,8 @@ class InlineTx(FakeTx):
 
 
 async def make(tx: FakeTx, *, mitm: bool = False) -> ControlPlane:
-    control = ControlPlane(TableConfig(table=TABLE, dns_port=15353, mitm=mitm), tx, always=EMPTY_ALWAYS)
+    table = TableConfig(table=TABLE, dns_port=15353, mitm=mitm)
+    control = ControlPlane(FleetPlanKernel(table, tx), always=EMPTY_ALWAYS)
     await control.reset_table()
     return control
 

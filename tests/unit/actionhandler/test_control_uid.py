@@ -18,6 +18,7 @@ from egressd.actionhandler.api import Result
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, SetBinding, parse_action
 from egressd.feed import VaultChanged
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.subject.hostuid import UidPorts, UidRange
 from egressd.subject.registry import HostBinding, State
@@ -78,7 +79,8 @@ async def make(
     *, mitm: bool = False, own_uid: int | None = None, ports: UidPorts = PORTS
 ) -> tuple[ControlPlane, TextKernel, Ports]:
     kernel = text_kernel(TABLE)
-    control = ControlPlane(TableConfig(table=TABLE, mitm=mitm, uids=ports, own_uid=own_uid), kernel)
+    table = TableConfig(table=TABLE, mitm=mitm, uids=ports, own_uid=own_uid)
+    control = ControlPlane(FleetPlanKernel(table, kernel))
     await control.reset_table()
     listeners = Ports()
     control.uid_ports.ports = listeners

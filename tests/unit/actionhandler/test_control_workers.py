@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from egressd.actionhandler.api import Result
 from egressd.actionhandler.control import ControlPlane
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.subject.hostuid import UidPorts, UidRange
 from tests.unit.actionhandler.test_control import POLICY_B, hook, remove, set_binding
@@ -20,7 +21,7 @@ async def make(workers: int = 2) -> tuple[ControlPlane, TextKernel]:
     cfg = TableConfig(
         table=TABLE, mitm=True, mitm_workers=workers, uids=UidPorts(UidRange(100000, 165535), 16000, 4)
     )
-    control = ControlPlane(cfg, kernel)
+    control = ControlPlane(FleetPlanKernel(cfg, kernel))
     await control.reset_table()
     return control, kernel
 

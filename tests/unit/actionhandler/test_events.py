@@ -10,6 +10,7 @@ from structlog.testing import capture_logs
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import parse_action
 from egressd.fleet.server import FleetHTTP
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from tests.unit.fakekernel import FakeTx
@@ -41,7 +42,7 @@ NET = {"network": {"ip": "10.0.0.5", "gateway": "10.0.0.1", "hostVeth": "v"}}
 
 async def test_egress_updated_and_update_failed_events() -> None:
     tx = FakeTx(yield_each_call=False)
-    control = ControlPlane(TableConfig(), tx)
+    control = ControlPlane(FleetPlanKernel(TableConfig(), tx))
     await control.reset_table()
     with capture_logs() as logs:
         assert (
@@ -61,7 +62,7 @@ async def test_egress_updated_and_update_failed_events() -> None:
 
 
 async def test_healthz_body_is_exactly_ok(aiohttp_client: Any) -> None:
-    control = ControlPlane(TableConfig(), FakeTx(yield_each_call=False))
+    control = ControlPlane(FleetPlanKernel(TableConfig(), FakeTx(yield_each_call=False)))
     client = await aiohttp_client(FleetHTTP(control, EgressMetrics()).app())
     resp = await client.get("/healthz")
     assert resp.status == 503

@@ -46,6 +46,7 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, LifecycleHook, RemoveBinding, SetBinding, parse_action
 from egressd.addr import IPAddress
 from egressd.fleetnft.header import header_script
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import NftError, NftUncertain
 from egressd.kernel.netlink_dump import SetElement
@@ -749,7 +750,7 @@ class Run:
 async def _fresh(mitm: bool) -> Run:
     kernel = FakeKernel(model=Table(), table_name=TABLE, hang_s=HANG_S)
     control = ControlPlane(
-        TableConfig(table=TABLE, dns_port=DNS_PORT, mitm=mitm, mitm_port=MITM_PORT), kernel
+        FleetPlanKernel(TableConfig(table=TABLE, dns_port=DNS_PORT, mitm=mitm, mitm_port=MITM_PORT), kernel)
     )
     # egressd's own revocation retry is driven explicitly below, never behind a check's back.
     control.revocations.backoff = (3600.0, 3600.0)
@@ -761,6 +762,7 @@ def _openness(run: Run) -> frozenset[tuple[IPAddress, IPAddress]]:
     t = run.kernel.table
     assert t is not None
     cfg = run.control.table
+    assert isinstance(cfg, TableConfig)
     return frozenset((s, d) for s in SOURCES for d in DESTINATIONS if kernel_allows(t, cfg, s, d))
 
 

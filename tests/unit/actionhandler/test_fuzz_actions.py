@@ -11,6 +11,7 @@ from aiohttp.test_utils import TestClient
 
 from egressd.actionhandler.control import ControlPlane
 from egressd.fleet.server import FleetHTTP
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from tests.unit.fakekernel import FakeTx
@@ -75,7 +76,7 @@ async def test_random_envelopes_never_crash(aiohttp_client: Any) -> None:
     rng = random.Random(20261130)
     tx = FakeTx(yield_each_call=False)
     tx.fail_randomly(rng, 0.2)  # roughly every fifth script or batch
-    control = ControlPlane(TableConfig(), tx)
+    control = ControlPlane(FleetPlanKernel(TableConfig(), tx))
     await control.reset_table()
     client: TestClient[Any, Any] = await aiohttp_client(FleetHTTP(control, EgressMetrics()).app())
     seen: set[int] = set()

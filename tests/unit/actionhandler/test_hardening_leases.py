@@ -21,6 +21,7 @@ from egressd.dnsproxy.forwarder import Forwarded
 from egressd.dnsproxy.server import DnsProxy
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.contents import dyn_add, dyn_replace, policy_swap, static_contents
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import NftError
 from egressd.kernel.ops import AddSet, AddTimed, FlushSet, NetlinkBatch
@@ -67,7 +68,7 @@ def ip(text: str) -> IPAddress:
 
 
 async def make(tx: FakeTx, **kw: Any) -> ControlPlane:
-    control = ControlPlane(TableConfig(table=TABLE, dns_port=15353), tx, always=OLD, **kw)
+    control = ControlPlane(FleetPlanKernel(TableConfig(table=TABLE, dns_port=15353), tx), always=OLD, **kw)
     await control.reset_table()
     return control
 
@@ -283,7 +284,7 @@ async def test_set_binding_that_uncovers_a_kept_vault_is_refused_unchanged() -> 
 
 async def test_dyn_sets_are_created_with_the_lease_cap_as_size() -> None:
     tx = FakeTx(table_name=TABLE)
-    control = ControlPlane(TableConfig(table=TABLE, max_leases=7), tx, max_leases=7)
+    control = ControlPlane(FleetPlanKernel(TableConfig(table=TABLE, max_leases=7), tx), max_leases=7)
     await control.reset_table()
     ok(await control.handle(set_binding()))
     (create,) = tx.ops("deny_first")

@@ -20,6 +20,7 @@ import egressd.fleetnft.backend as backend_mod
 from egressd.actionhandler.control import ControlPlane
 from egressd.addr import IPAddress
 from egressd.fleetnft.contents import policy_contents, refuses_more, static_contents
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.kernel import conntrack
 from egressd.kernel.ops import FlushSet
@@ -138,7 +139,7 @@ async def make(kernel: TextKernel, always: AlwaysRules = EMPTY_ALWAYS, *, cuts: 
     async def flush(_ip: IPAddress) -> None:
         return None
 
-    control = ControlPlane(TableConfig(table=TABLE, dns_port=15353), kernel, always=always,
+    control = ControlPlane(FleetPlanKernel(TableConfig(table=TABLE, dns_port=15353), kernel), always=always,
                            conntrack_flush=flush if cuts else None)  # fmt: skip
     await control.reset_table()
     return control

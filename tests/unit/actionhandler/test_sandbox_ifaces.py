@@ -10,6 +10,7 @@ import pytest
 
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, RemoveBinding, SetBinding, parse_action
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from tests.unit.fakekernel import TextKernel, text_kernel
 
@@ -55,7 +56,7 @@ def kernel() -> TextKernel:
 
 @pytest.fixture
 async def control(kernel: TextKernel) -> ControlPlane:
-    c = ControlPlane(TableConfig(table="T", dns_port=15353), kernel)
+    c = ControlPlane(FleetPlanKernel(TableConfig(table="T", dns_port=15353), kernel))
     await c.reset_table()
     return c
 
@@ -106,7 +107,8 @@ async def test_a_name_that_can_be_no_sandbox_interface_is_not_used(
 async def test_a_restart_resets_the_set_and_the_replay_fills_it(control: ControlPlane, kernel: TextKernel) -> None:
     await ok(control, set_binding("u-1", "10.0.0.5", "vh-u1"))
     await ok(control, set_binding("u-2", "10.0.0.6", "vh-u2"))
-    restarted = ControlPlane(TableConfig(table="T", dns_port=15353), kernel)  # kill -9, start again
+    # kill -9, start again
+    restarted = ControlPlane(FleetPlanKernel(TableConfig(table="T", dns_port=15353), kernel))
     await restarted.reset_table()
     assert ifaces(kernel) == set()
     await ok(restarted, set_binding("u-2", "10.0.0.6", "vh-u2"))  # the Fastlet's replay

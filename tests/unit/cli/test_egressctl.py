@@ -18,6 +18,7 @@ from aiohttp import web
 from egressd.actionhandler.control import ControlPlane
 from egressd.cli.egressctl import main
 from egressd.fleet.server import FleetHTTP
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from tests.unit.fakekernel import FakeTx
@@ -53,7 +54,7 @@ class Daemon:
         self.port = 0
 
     async def _start(self) -> None:
-        control = ControlPlane(TableConfig(), self.tx)
+        control = ControlPlane(FleetPlanKernel(TableConfig(), self.tx))
         if self.reset:
             await control.reset_table()
         self.runner = web.AppRunner(FleetHTTP(control, EgressMetrics()).app(), access_log=None)

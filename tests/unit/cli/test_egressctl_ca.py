@@ -23,6 +23,7 @@ from egressd.cli.ca import certificate_der, fingerprint, normalise_fingerprint
 from egressd.cli.client import CliError
 from egressd.cli.egressctl import main
 from egressd.fleet.server import FleetHTTP
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from tests.unit.fakekernel import FakeTx
@@ -109,7 +110,7 @@ def fake(status: int, body: str, headers: dict[str, str] | None = None) -> Calla
 
 def fleet(mitm_ca: Callable[[], tuple[str, str] | None] | None) -> Callable[[], web.Application]:
     def make() -> web.Application:
-        control = ControlPlane(TableConfig(), FakeTx(yield_each_call=False))
+        control = ControlPlane(FleetPlanKernel(TableConfig(), FakeTx(yield_each_call=False)))
         return FleetHTTP(control, EgressMetrics(), mitm_ca=mitm_ca).app()
 
     return make

@@ -21,6 +21,7 @@ from egressd.cli.watch import CLEAR, History, Snapshot, frame, run_watch
 from egressd.config import parse_config
 from egressd.fleet.server import FleetHTTP
 from egressd.fleet.visibility import fleet_visibility
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from tests.unit.fakekernel import FakeTx
@@ -47,7 +48,7 @@ class Daemon:
     async def _start(self) -> None:
         cfg = parse_config({"OPENSANDBOX_EGRESS_PROFILE": "fleet"})
         metrics = EgressMetrics()
-        control = ControlPlane(TableConfig(), FakeTx())
+        control = ControlPlane(FleetPlanKernel(TableConfig(), FakeTx()))
         await control.reset_table()
         self.vis = fleet_visibility(cfg.common, metrics, self.read, lambda: list(control.registry))
         control.listeners += [self.vis.audit, self.vis.drops]

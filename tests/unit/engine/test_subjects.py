@@ -21,6 +21,7 @@ from egressd.engine.selftest import Probes
 from egressd.engine.subjects import CutOrder, SubjectEngine
 from egressd.feed import Feed, LeasesNarrowed
 from egressd.fleetnft.backend import FleetBackend
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.policy import NetworkPolicy, ip_sets, parse_policy
 from egressd.policy.ipsets import Prefix
@@ -160,7 +161,7 @@ async def test_one_read_of_the_flow_table_cuts_several_subjects_by_their_own_pol
 
 
 def test_both_profiles_run_the_same_engine_over_their_own_backend() -> None:
-    control = ControlPlane(TableConfig(table="T"), FakeTx())
+    control = ControlPlane(FleetPlanKernel(TableConfig(table="T"), FakeTx()))
     sidecar = SidecarEngine(SidecarTable(table="T"), FakeTx(), ALLOW_API)
     assert type(control.subjects) is type(sidecar.subjects) is SubjectEngine
     assert isinstance(control.subjects.backend, FleetBackend)

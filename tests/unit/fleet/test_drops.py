@@ -17,6 +17,7 @@ from egressd.events.denials import RecentDenials
 from egressd.fleet.drops import CounterDump, DropCounters, dropped_by_nft_id, dropped_samples
 from egressd.fleet.server import FleetHTTP
 from egressd.fleet.visibility import fleet_visibility
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig, dropped_counter_subject
 from egressd.metrics import EgressMetrics
 from tests.unit.fakekernel import FakeTx
@@ -84,7 +85,7 @@ async def _app(
 ) -> tuple[TestClient[Any, Any], ControlPlane, Any]:
     cfg = parse_config({"OPENSANDBOX_EGRESS_PROFILE": "fleet"})
     metrics = EgressMetrics()
-    control = ControlPlane(TableConfig(), FakeTx())
+    control = ControlPlane(FleetPlanKernel(TableConfig(), FakeTx()))
     await control.reset_table()
     vis = fleet_visibility(cfg.common, metrics, kernel.read, lambda: list(control.registry))
     if denials is not None:

@@ -16,6 +16,7 @@ from structlog.testing import capture_logs
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION, MAX_BODY_BYTES
 from egressd.fleet.server import ACTIONS_PATH, STATUS_PATH, FleetHTTP
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from tests.unit.fakekernel import FakeTx
@@ -35,7 +36,7 @@ class Env:
 async def make_env(aiohttp_client: Any, *, reset: bool = True) -> Env:
     tx = FakeTx(yield_each_call=False)
     metrics = EgressMetrics()
-    control = ControlPlane(TableConfig(table="T"), tx, metrics=metrics)
+    control = ControlPlane(FleetPlanKernel(TableConfig(table="T"), tx), metrics=metrics)
     metrics.subjects._collect = control.report.state_counts
     if reset:
         await control.reset_table()

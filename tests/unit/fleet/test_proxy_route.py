@@ -28,6 +28,7 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import ACTIONS_PATH, FleetHTTP
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from egressd.policy import EMPTY_ALWAYS, AlwaysRules, Verdict
@@ -241,8 +242,7 @@ async def make_env(
     metrics = EgressMetrics()
     clock = FakeClock()
     control = ControlPlane(
-        TableConfig(),
-        tx,
+        FleetPlanKernel(TableConfig(), tx),
         always=always,
         metrics=metrics,
         keys=keys if keys is not None else KeyStore(keys_dir),

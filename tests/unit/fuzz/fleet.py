@@ -13,6 +13,7 @@ from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import API_VERSION
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import FleetHTTP
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from egressd.vault.keys import KeyStore
@@ -106,7 +107,7 @@ async def make_fleet() -> Fleet:
     # Never failing: a 5xx can then have no kernel cause, so any 5xx the fuzzers see is a finding.
     tx = FakeTx(yield_each_call=False)
     metrics = EgressMetrics()
-    control = ControlPlane(TableConfig(), tx, metrics=metrics, keys=make_keystore())
+    control = ControlPlane(FleetPlanKernel(TableConfig(), tx), metrics=metrics, keys=make_keystore())
     await control.reset_table()
     proxy = ProxyRouteAPI(control, clock=lambda: 1000.0)
     http = FleetHTTP(control, metrics, proxy=proxy)
@@ -160,7 +161,7 @@ def snapshot(fleet: Fleet) -> Any:
         pushes,
         dict(c.claims.ips),
         dict(c.claims.nft_ids),
-        dict(c.nets.held),
+        dict(c.kernel.steps.nets.held) if isinstance(c.kernel, FleetPlanKernel) else None,
         sorted(c.revocations.pending),
         {uid: dict(book._leases) for uid, book in c.leases.items()},
         list(fleet.tx.calls),

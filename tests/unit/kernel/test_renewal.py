@@ -16,6 +16,7 @@ from egressd.addr import IPAddress
 from egressd.engine.selftest import SelfTestError, run_selftest
 from egressd.fleetnft import selftest as fleet_selftest
 from egressd.fleetnft.contents import dyn_add
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.selftest import selftest_probes as fleet_probes
 from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import NftError
@@ -232,7 +233,7 @@ def test_a_failing_read_back_refuses_start_up() -> None:
 
 async def test_control_plane_renews_by_delete_and_add_when_told() -> None:
     tx = FakeTx()
-    control = ControlPlane(TableConfig(table=TABLE, renew_by_replace=True), tx)
+    control = ControlPlane(FleetPlanKernel(TableConfig(table=TABLE, renew_by_replace=True), tx))
     await control.reset_table()
     await activate(control)
     tx.clear()
@@ -246,7 +247,7 @@ async def test_control_plane_renews_by_delete_and_add_when_told() -> None:
 
 async def test_control_plane_re_adds_by_default() -> None:
     tx = FakeTx()
-    control = ControlPlane(TableConfig(table=TABLE), tx)
+    control = ControlPlane(FleetPlanKernel(TableConfig(table=TABLE), tx))
     await control.reset_table()
     await activate(control)
     tx.clear()

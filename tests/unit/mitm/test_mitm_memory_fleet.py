@@ -14,6 +14,7 @@ import pytest
 
 from egressd.actionhandler.control import ControlPlane
 from egressd.feed import Feed
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from egressd.mitm.seqmap import MitmMemory, SeqReader, SeqWriter
@@ -50,7 +51,8 @@ def reader(tmp_path: Path) -> Iterator[SeqReader]:
 
 
 async def _control() -> ControlPlane:
-    control = ControlPlane(TableConfig(table=TABLE, dns_port=15353), FakeTx(table_name=TABLE), always=OLD, feed=FEED)
+    kernel = FleetPlanKernel(TableConfig(table=TABLE, dns_port=15353), FakeTx(table_name=TABLE))
+    control = ControlPlane(kernel, always=OLD, feed=FEED)
     await control.reset_table()
     return control
 

@@ -25,6 +25,7 @@ from aiohttp import web
 from egressd.actionhandler.control import ControlPlane
 from egressd.fleet.proxyroute import ProxyRouteAPI
 from egressd.fleet.server import ACTIONS_PATH, FleetHTTP
+from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from egressd.policy import DENY_ALL
@@ -50,7 +51,7 @@ class Fleet:
 async def make_fleet() -> Fleet:
     tx = FakeTx(yield_each_call=False)
     metrics = EgressMetrics()
-    control = ControlPlane(TableConfig(table="T"), tx, metrics=metrics)
+    control = ControlPlane(FleetPlanKernel(TableConfig(table="T"), tx), metrics=metrics)
     await control.reset_table()
     http = FleetHTTP(control, metrics, proxy=ProxyRouteAPI(control))
     return Fleet(control, tx, http)

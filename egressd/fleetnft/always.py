@@ -1,0 +1,33 @@
+"""The always-rules reload's kernel side: every subject's sets re-filled in ONE transaction.
+
+The engine (egressd/actionhandler/always.py) decides which subjects are re-applied and with
+what; this builds the batch (each subject's static sets swapped, its dyn sets replaced by the
+leases it keeps) and sends it: :class:`egressd.engine.plansteps.ContentsSwap`.
+"""
+
+from __future__ import annotations
+
+from egressd.engine.plansteps import Leases
+from egressd.fleetnft.contents import Contents, contents_swap, dyn_replace
+from egressd.kernel.applier import Transactions
+from egressd.kernel.ops import NetlinkBatch
+
+
+class FleetContentsSwap:
+    def __init__(self, table: str, tx: Transactions) -> None:
+        self._tx = tx
+        self._batch = NetlinkBatch(table)
+
+    def add(self, nft_id: str, contents: Contents, *, audit_objects: bool, kept: Leases) -> None:
+        """The subject's static sets swapped to ``contents`` (contents_swap refuses an audit
+        policy without audit objects) and its dyn sets flushed to ``kept``, even when that is
+        nothing (docs/behaviour.md §14.1)."""
+        table = self._batch.table
+        self._batch = self._batch + contents_swap(table, nft_id, contents, audit_objects=audit_objects)
+        self._batch = self._batch + dyn_replace(table, nft_id, kept)
+
+    def __bool__(self) -> bool:
+        return bool(self._batch)
+
+    async def send(self) -> None:
+        await self._tx.run_batch(self._batch, op="static_apply")
