@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Re-resolves requirements.lock (runtime + dev extras + the build backend, every file pinned by
-# sha256) from pyproject.toml, for Python 3.12 on Linux x86_64, the platform scripts/install.sh
+# sha256) from pyproject.toml, and requirements-docs.lock (the docs site's mkdocs) from
+# requirements-docs.in, for Python 3.12 on Linux x86_64, the platform scripts/install.sh
 # installs on. Run it after changing a dependency in pyproject.toml (pins that still fit are
 # kept), or as `scripts/refresh-lock.sh --upgrade` to take the newest releases (or
 # `--upgrade-package NAME`); commit the lock with the change. Arguments go to pip-compile.
@@ -22,3 +23,8 @@ trap 'rm -rf "$tmp"' EXIT
 "$tmp/venv/bin/pip-compile" --quiet --generate-hashes --allow-unsafe --all-build-deps --strip-extras \
   --no-emit-index-url --no-emit-find-links --extra dev -o requirements.lock "$@" pyproject.toml
 echo "refresh-lock: requirements.lock written ($(grep -c '^[a-z]' requirements.lock) packages)"
+# The docs site's builder (mkdocs) has a lock of its own, installed into .venv-docs by
+# scripts/docs/build-site.sh, never into .venv: its pins need not agree with egressd's.
+"$tmp/venv/bin/pip-compile" --quiet --generate-hashes --allow-unsafe --strip-extras \
+  --no-emit-index-url --no-emit-find-links -o requirements-docs.lock "$@" requirements-docs.in
+echo "refresh-lock: requirements-docs.lock written ($(grep -c '^[a-z]' requirements-docs.lock) packages)"

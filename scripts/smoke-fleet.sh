@@ -23,7 +23,7 @@ P="egsmoke$$"
 POD="$P-pod"; UP="$P-up"
 WORK=$(mktemp -d /tmp/egressd-smoke.XXXXXX)
 PORT=18080
-TABLE="smoke-fleet"
+TABLE="opensandbox-fleet"  # the default: the docs pages (run below) name it
 PIDS=()
 PASS=0; FAIL=0
 
@@ -36,6 +36,7 @@ cleanup() {
       for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
       ip netns del "$ns" 2>/dev/null
     fi
+    rm -rf "/etc/netns/$ns"  # the sandboxes' resolv.conf (below)
   done
   rm -rf "$WORK"
 }
@@ -71,6 +72,9 @@ for i in 1 2 3 4; do
   inns "$POD" ip link set "vh$i" master br0; inns "$POD" ip link set "vh$i" up
   inns "$(SB $i)" ip addr add "$(SBIP $i)/24" dev eth0; inns "$(SB $i)" ip link set eth0 up
   inns "$(SB $i)" ip route add default via 10.203.0.1
+  # Like a real sandbox, each resolves through its gateway (ip netns exec bind-mounts this file
+  # over /etc/resolv.conf); the docs pages' `sb2 curl http://api.allowed.test/` rely on it.
+  mkdir -p "/etc/netns/$(SB $i)"; echo "nameserver 10.203.0.1" > "/etc/netns/$(SB $i)/resolv.conf"
 done
 
 cat > "$WORK/zone.json" <<'EOF'
@@ -294,6 +298,21 @@ check "EGRESSD_DENY_REJECT: a denied connect fails at once, not at its timeout" 
 check "EGRESSD_DENY_REJECT: the refusal is still counted" dropped_grows s-sb1 fails_fast 1 http://10.204.0.3/
 check "egressctl watch --count 1 draws the subjects with their drops" bash -c "ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT watch --count 1 | grep -q 'DROPPED'"
 
+# ---- docs pages -------------------------------------------------------------------------------
+# Every runnable block of docs/start/ and docs/howto/ (`<!-- runs: fleet -->`), against this
+# daemon; each page runs on its own, then sandboxes 2 and 3 are unbound again.
+# EGRESSD_SMOKE_NO_DOCS=1 skips them.
+if [ -z "${EGRESSD_SMOKE_NO_DOCS:-}" ]; then
+  ctl_cmd="ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT"
+  if EGDOC_ROOT=$ROOT EGDOC_POD=$POD EGDOC_PORT=$PORT EGDOC_PREFIX=$P EGDOC_LOG=$WORK/egressd.log \
+      "$ROOT/.venv/bin/python" scripts/docs/run_pages.py --profile fleet \
+      --after-page "$ctl_cmd send remove --uid sb2; $ctl_cmd send remove --uid sb3"; then
+    PASS=$((PASS + 1)); echo "PASS  every runnable block of the docs pages (fleet)"
+  else
+    FAIL=$((FAIL + 1)); echo "FAIL  every runnable block of the docs pages (fleet)"
+  fi
+fi
+
 echo "$PASS passed, $FAIL failed"
 
 # EGRESSD_SMOKE_PAUSE=1: keep the topology and the daemon up for a hand-driven session (README,
@@ -305,6 +324,11 @@ paused: egressd (pid $EGRESSD_PID) runs in netns $POD on 127.0.0.1:$PORT, table 
   sandboxes:  $P-sb1 .. $P-sb4 = 10.203.0.11 .. 10.203.0.14 (gateway 10.203.0.1; sb1 is bound)
   upstream:   $UP: DNS for *.allowed.test, other.test, exfil.test; HTTP :80, HTTPS :443
   files:      $WORK (egressd.log, mitm/mitmproxy-ca-cert.pem, upstream.jsonl)
+the docs pages' shell names (docs/index.md, "How the examples run"), to paste into another shell:
+  ctl() { ip netns exec $POD $ROOT/.venv/bin/egressctl --addr 127.0.0.1:$PORT "\$@"; }
+  pod() { ip netns exec $POD "\$@"; }
+  sb2() { ip netns exec $P-sb2 "\$@"; }; sb3() { ip netns exec $P-sb3 "\$@"; }
+  logs() { cat $WORK/egressd.log; }
 press Enter to tear everything down
 EOF
   read -r _ || true

@@ -41,6 +41,7 @@ cleanup() {
       for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
       ip netns del "$ns" 2>/dev/null
     fi
+    rm -rf "/etc/netns/$ns"  # the sandbox's resolv.conf (docs pages, below)
   done
   rm -rf "$WORK"
 }
@@ -320,6 +321,24 @@ check "the same write over loopback -> 201" expect 201 PUT /credential-vault "$V
 check "every /metrics sample carries sandbox_id and METRICS_EXTRA_ATTRS" labelled_metrics
 kill -TERM "$EGRESSD_PID" 2>/dev/null
 check "SIGTERM: egressd exits 0" wait "$EGRESSD_PID"
+
+# ---- docs pages -------------------------------------------------------------------------------
+# Every runnable block of docs/start/ and docs/howto/ (`<!-- runs: sidecar -->`), against a
+# sidecar with the MITM on and its CA exported; the app resolves through /etc/resolv.conf like a
+# real one (ip netns exec bind-mounts /etc/netns/<ns>/resolv.conf). EGRESSD_SMOKE_NO_DOCS=1 skips.
+if [ -z "${EGRESSD_SMOKE_NO_DOCS:-}" ]; then
+  mkdir -p "/etc/netns/$SBX"; echo "nameserver 10.203.0.1" > "/etc/netns/$SBX/resolv.conf"
+  EXTRA_ENV=(OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT=1 OPENSANDBOX_EGRESS_MITMPROXY_PORT=18081
+    OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR="$WORK/tls/trust" EGRESSD_MITM_CONFDIR="$WORK/mitm"
+    OPENSANDBOX_CREDENTIAL_PROXY_SOCKET="$WORK/run/active.sock" EGRESSD_MITM_CA_EXPORT_DIR="$WORK/ca-export")
+  if start_egressd && EGDOC_SANDBOX=$SBX EGDOC_TOKEN=$TOKEN EGDOC_LOG=$WORK/egressd.log \
+      EGDOC_CA=$WORK/ca-export/egressd-ca.pem "$ROOT/.venv/bin/python" scripts/docs/run_pages.py --profile sidecar; then
+    PASS=$((PASS + 1)); echo "PASS  every runnable block of the docs pages (sidecar)"
+  else
+    FAIL=$((FAIL + 1)); echo "FAIL  every runnable block of the docs pages (sidecar)"
+  fi
+  kill -TERM "$EGRESSD_PID" 2>/dev/null; wait "$EGRESSD_PID" 2>/dev/null
+fi
 
 echo "$PASS passed, $FAIL failed"
 [ "$FAIL" -eq 0 ]

@@ -3,7 +3,7 @@
 egressd deletes a set by name (``NFTA_SET_NAME``): the kernel walks the table's list of sets
 comparing names (``nft_set_lookup``, ``nla_strcmp`` = ``strlen`` + ``memcmp`` per set). With
 ``NFTA_SET_HANDLE`` it walks the same list comparing a u64 (``nft_set_lookup_byhandle``). The
-lever was measured here and rejected (scripts/bench/README.md, "Issue 16"), so egressd's own
+lever was measured here and rejected (scripts/bench/results/report-fleet-2026-12-03.md, "Issue 16"), so egressd's own
 encoder was left as it is; this module re-encodes an egressd batch's ``DELSET`` messages by
 handle and sends it on its own socket. Nothing here is used by the daemon.
 """
