@@ -25,6 +25,16 @@ Flow = tuple[IPAddress | None, IPAddress]
 
 
 class RulesetBackend(Protocol):
+    #: Whether this backend's kernel lets an audit policy's would-deny through (the fleet's audit
+    #: objects). Where it does not, a would-deny flow is refused by the kernel and cut with it.
+    passes_would_deny: bool
+
+    def may_hold(self, exc: BaseException) -> bool:
+        """Whether the kernel may hold leases whose :meth:`add_leases` raised ``exc``: the engine
+        then records them, so its book is never narrower than a kernel whose narrowings it
+        rewrites from the book."""
+        ...
+
     def kernel_denies(self, effective: NetworkPolicy) -> tuple[Sequence[Prefix], Sequence[Prefix]]:
         """The IPv4 and IPv6 deny prefixes this backend's kernel holds for ``effective``: a
         lease they cover never survives a narrowing (docs/reference/behaviour.md §14.1)."""

@@ -44,9 +44,9 @@ class CutOrder:
     unless_denied: Collection[IPAddress] = ()
 
 
-def kernel_may_hold(exc: BaseException) -> bool:
-    """Whether the kernel may hold leases a raising ``add_leases`` sent: all but a refusal (an
-    unanswered step, a timeout, a cancellation may still have been committed)."""
+def unless_refused(exc: BaseException) -> bool:
+    """A kernel step that raised anything but a refusal may still have been committed (an
+    unanswered step, a timeout, a cancellation): the fleet's :meth:`RulesetBackend.may_hold`."""
     return not isinstance(exc, RulesetRefused) or isinstance(exc, RulesetUncertain)
 
 
@@ -86,7 +86,7 @@ class SubjectEngine:
             name,
             self.clock(),
             functools.partial(self.backend.add_leases, uid),
-            kernel_may_hold=kernel_may_hold,
+            kernel_may_hold=self.backend.may_hold,
         )
 
     # ---- narrow ------------------------------------------------------------------------------
@@ -124,14 +124,14 @@ class SubjectEngine:
 
     def judge(self, uid: str, order: CutOrder, sets: IpSets | None = None) -> Callable[[IPAddress], bool]:
         """Whether the ruleset built from ``order.effective`` and ``uid``'s live leases accepts
-        a new connection to a destination. In audit mode a would-deny passes (only a hard deny
-        refuses), so it is not cut either."""
+        a new connection to a destination. In audit mode, where the backend's kernel lets a
+        would-deny through, it passes (only a hard deny refuses), so it is not cut either."""
         effective = order.effective
         now = self.clock()
         book = self.books.get(uid)
         leases = book.live(now) if book is not None else {}
         sets = sets if sets is not None else ip_sets(effective)
-        split = audit_deny_sets(effective) if effective.audit else None
+        split = audit_deny_sets(effective) if effective.audit and self.backend.passes_would_deny else None
 
         def allows(dst: IPAddress) -> bool:
             if dst in order.reachable:

@@ -15,6 +15,7 @@ from typing import Any
 from egressd.addr import IPAddress
 from egressd.engine.backend import Flow
 from egressd.engine.selftest import Probes, no_probes
+from egressd.engine.subjects import unless_refused
 from egressd.fleetnft.contents import dyn_add, policy_contents
 from egressd.fleetnft.table import TableConfig
 from egressd.kernel.applier import Transactions
@@ -25,6 +26,10 @@ from egressd.subject.model import nft_id, subject_for_uid
 
 
 class FleetBackend:
+    #: The subject's audit objects pass a would-deny (docs/reference/behaviour.md §8.3; the policy
+    #: language's audit mode: docs/reference/policy-language.md).
+    passes_would_deny = True
+
     def __init__(
         self,
         table: TableConfig,
@@ -36,6 +41,11 @@ class FleetBackend:
         self.tx = tx
         # The start-up self-test's probes (none: a backend built for tests, never self-tested).
         self.probes: Callable[[str], Probes[Any]] = probes if probes is not None else no_probes
+
+    def may_hold(self, exc: BaseException) -> bool:
+        # The per-subject dyn sets are rewritten from the book on every narrowing: a lease the
+        # kernel may hold must be in the book, or a narrowing would not revoke it.
+        return unless_refused(exc)
 
     def kernel_denies(self, effective: NetworkPolicy) -> tuple[Sequence[Prefix], Sequence[Prefix]]:
         contents = policy_contents(effective)

@@ -80,6 +80,9 @@ async def read_outbound() -> list[IPAddress] | None:
 
 
 class SidecarBackend:
+    #: The sidecar refuses audit policies; its table enforces every deny.
+    passes_would_deny = False
+
     def __init__(
         self,
         table: SidecarTable,
@@ -95,6 +98,11 @@ class SidecarBackend:
         self._outbound = outbound
 
     # ---- RulesetBackend ----------------------------------------------------------------------
+
+    def may_hold(self, exc: BaseException) -> bool:
+        # Every narrowing rebuilds the whole table from the book, which drops whatever the
+        # kernel took beyond it: a failed add is never recorded (nor verified for the MITM).
+        return False
 
     def kernel_denies(self, effective: NetworkPolicy) -> tuple[Sequence[Prefix], Sequence[Prefix]]:
         sets = ip_sets(effective)

@@ -18,7 +18,7 @@ from egressd.addr import IPAddress
 from egressd.engine.backend import Flow, RulesetBackend
 from egressd.engine.errors import RulesetRefused, RulesetUncertain
 from egressd.engine.selftest import Probes
-from egressd.engine.subjects import CutOrder, SubjectEngine
+from egressd.engine.subjects import CutOrder, SubjectEngine, unless_refused
 from egressd.feed import Feed, LeasesNarrowed
 from egressd.fleetnft.backend import FleetBackend
 from egressd.fleetnft.plankernel import FleetPlanKernel
@@ -45,7 +45,9 @@ NOW = 1000.0
 
 
 class Recording:
-    """A backend that records what the engine asks of it."""
+    """A backend that records what the engine asks of it (the fleet's rules for failures and audit)."""
+
+    passes_would_deny = True
 
     def __init__(self, flows: Mapping[IPAddress, list[IPAddress]] | None = None) -> None:
         self.added: list[tuple[str, list[tuple[IPAddress, int]]]] = []
@@ -53,6 +55,9 @@ class Recording:
         self.flows = flows or {}
         self.reads = 0
         self.cut: list[Flow] = []
+
+    def may_hold(self, exc: BaseException) -> bool:
+        return unless_refused(exc)
 
     def kernel_denies(self, effective: NetworkPolicy) -> tuple[Sequence[Prefix], Sequence[Prefix]]:
         sets = ip_sets(effective)
@@ -180,3 +185,39 @@ async def test_the_sidecar_learns_into_its_one_subjects_book() -> None:
     assert await sidecar.learn(asker.uid, asker.fence, [(API, 60)], "api.x.io") == [API]
     assert list(sidecar.subjects.books) == [SIDECAR_UID] and API in sidecar.leases
     assert "dyn_allow_v4" in kernel.scripts[-1][1]
+
+
+class FailingScripts(FakeTx):
+    """The sidecar's kernel: lease adds fail with ``error``; everything else is taken."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(yield_each_call=False)
+        self.error = error
+
+    async def run_script(self, script: str, *, op: str) -> None:
+        if op == "dynamic_add":
+            raise self.error
+        await super().run_script(script, op=op)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("executor gone"), TimeoutError(), RulesetUncertain("lost")])
+async def test_the_sidecar_never_records_a_lease_its_kernel_step_did_not_confirm(error: BaseException) -> None:
+    # Its narrowings rebuild the whole table from the book: a failed add is dropped by the next
+    # rebuild, and recording it would let the MITM trust the address and the rebuild re-add it.
+    kernel = FailingScripts(error)
+    sidecar = SidecarEngine(SidecarTable(table="T"), kernel, ALLOW_API)
+    await sidecar.install()
+    asker = sidecar.asker(ip("10.0.0.9"))
+    with pytest.raises(type(error)):
+        await sidecar.learn(asker.uid, asker.fence, [(API, 60)], "api.x.io")
+    assert not len(sidecar.leases) and not sidecar.destination_verified(ip("10.0.0.9"), "api.x.io", API)
+    assert (await sidecar.set_policy(ALLOW_API)).status == 200
+    assert str(API) not in kernel.scripts[-1][1]
+
+
+def test_the_sidecar_judge_never_passes_a_would_deny() -> None:
+    # Its table has no audit objects: the kernel refuses what an audit policy would deny, so a
+    # flow to it must be cut (the sidecar refuses audit policies at its API anyway).
+    audit = parse_policy('{"defaultAction":"deny","mode":"audit","egress":[]}')
+    sidecar = SidecarEngine(SidecarTable(table="T"), FakeTx(), audit)
+    assert not sidecar.allows_ip(ip("1.2.3.4"))
