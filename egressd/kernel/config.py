@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from egressd.options import ConfigError, IPAddress, IPNetwork, Option, Raw, parse_bool, parse_int
 
 OPTIONS: tuple[Option, ...] = (
-    Option("EGRESSD_NFT_TABLE", "--nft-table", "nft table name"),
+    Option("EGRESSD_NFT_TABLE", "--nft-table", "nft table name (unset: opensandbox-fleet, sidecar: opensandbox)"),
     Option(
         "OPENSANDBOX_EGRESS_BLOCK_DOH_443",
         "--block-doh-443",
