@@ -129,8 +129,8 @@ api() {  # api METHOD PATH [BODY] -> prints "<body>\n<code>"
 code_is() { [ "$(api "$@" | tail -n 1)" = "$CODE" ]; }
 expect() { CODE=$1; shift; code_is "$@"; }
 reaches() { [ "$(inns "$SBX" curl -s -o /dev/null -w '%{http_code}' --connect-timeout 1 -m 2 "http://$1/smoke")" = 200 ]; }
-resolves() { inns "$SBX" dig +short +time=2 +tries=1 "@${3:-10.204.0.2}" "$1" | grep -q "${2:-.}"; }
-nxdomain() { inns "$SBX" dig +time=2 +tries=1 "@${2:-10.204.0.2}" "$1" | grep -q "status: NXDOMAIN"; }
+resolves() { inns "$SBX" dig +short +time=2 +tries=2 "@${3:-10.204.0.2}" "$1" | grep -q "${2:-.}"; }
+nxdomain() { inns "$SBX" dig +time=2 +tries=2 "@${2:-10.204.0.2}" "$1" | grep -q "status: NXDOMAIN"; }
 upstream_saw() { grep -q "\"dns\": \"$1\"" "$WORK/upstream.jsonl"; }
 table_exists() { inns "$SBX" nft list table inet opensandbox; }
 dropped() { inns "$SBX" curl -s 127.0.0.1:18080/metrics | sed -n 's/^egressd_subject_dropped_packets_total{.*subject="s-sidecar"} //p'; }
