@@ -33,7 +33,7 @@ CORE_SETS = ("allow_v4", "allow_v6", "deny_v4", "deny_v6")
 # Declared (with the audit rules that read them) by :func:`audit_objects` on the subject's
 # first audit policy and kept until its removal: the kernel finds a set by name by walking the
 # table's list of sets, so every set fewer per subject makes every set-name lookup of every
-# transaction cheaper (scripts/bench/README.md, fleet: 10 -> 6 sets per subject).
+# transaction cheaper (scripts/bench/results/report-fleet-2026-12-03.md: 10 -> 6 sets per subject).
 AUDIT_SETS = ("wdeny_v4", "wdeny_v6", "audit_v4", "audit_v6")
 STATIC_SETS = (*CORE_SETS, *AUDIT_SETS)
 DYN_SETS = ("dyn_v4", "dyn_v6")

@@ -28,7 +28,7 @@ T = TypeVar("T")
 #: A light batch (at most this many messages + elements, :meth:`NetlinkBatch.weight`: an
 #: in-place swap of a few sets, a dispatch update, a lease add) may be applied on the event
 #: loop's thread: at 100 subjects its kernel time (0.3-0.6 ms here) is below what the two
-#: hand-offs to the kernel thread and back cost on a busy 2-core machine (scripts/bench/README.md,
+#: hand-offs to the kernel thread and back cost on a busy 2-core machine (scripts/bench/results/report-fleet-2026-12-03.md,
 #: issue 28). It is, while the batches' recent kernel time says it will take at most
 #: INLINE_BUDGET_S: in a big table every set a batch names costs a walk over all the table's
 #: sets (0.5-1 ms each at 1000 subjects), and the loop must keep answering DNS meanwhile.

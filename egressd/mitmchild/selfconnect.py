@@ -5,7 +5,7 @@ connection that reached the MITM port without NAT would otherwise connect to its
 docs/reference/behaviour.md §10). Its ``Proxyserver.server_connect`` walks every listener and calls
 ``getsockname`` on each of their sockets for every upstream connection: with the per-subject
 listeners of host-uid subjects (docs/reference/behaviour.md §17; 256 by default, besides the shared one)
-that walk was ~1.5 ms of every new connection (measured, scripts/bench/README.md "MITM"). The
+that walk was ~1.5 ms of every new connection (measured, scripts/bench/results/report-mitm-2026-12-03.md). The
 same check, with the same answers, from a dictionary built once per listener change.
 
 Fail closed: while the listeners change, mitmproxy's own walk answers; an index that outlived a
