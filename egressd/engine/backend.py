@@ -5,13 +5,15 @@ subject's DNS leases, narrowings, flow cuts and verified destinations; a backend
 ruleset holds them. Two implementations: the fleet's per-subject netlink objects
 (:class:`egressd.fleetnft.backend.FleetBackend`) and the sidecar's whole-table ruleset with the
 reference names (:class:`egressd.sidecarnft.backend.SidecarBackend`, one implicit subject).
-Each also gives the start-up self-test its probes (:mod:`egressd.engine.selftest` runs them).
+Each also gives the start-up self-test its probes (:mod:`egressd.engine.selftest` runs them) and
+reads its refusal counters (:mod:`egressd.engine.refusals` exports them).
 A backend's transactions fail with :mod:`egressd.engine.errors`' two errors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from egressd.addr import IPAddress
@@ -22,6 +24,16 @@ from egressd.policy.ipsets import Prefix
 #: A tracked flow: (source, original destination). The source is None where the backend's flows
 #: are the whole namespace's (the sidecar): the destination alone decides them.
 Flow = tuple[IPAddress | None, IPAddress]
+
+
+@dataclass(frozen=True, slots=True)
+class Refusals:
+    """What a backend's refusal counters say (docs/reference/behaviour.md §15): packets refused
+    per subject, by its nft id, and, where the backend can tell them apart, those of sources
+    that are no subject (None: it cannot)."""
+
+    by_subject: Mapping[str, int]
+    unattributed: int | None = None
 
 
 class RulesetBackend(Protocol):
@@ -58,6 +70,10 @@ class RulesetBackend(Protocol):
 
     def flow_fields(self, flow: Flow) -> dict[str, str]:
         """What a failed cut of ``flow`` logs (never more than addresses)."""
+        ...
+
+    def refusals(self, counters: Mapping[str, int]) -> Refusals:
+        """The refusal counts among the table's named counters (one netlink dump)."""
         ...
 
     def probes(self, scratch_table: str) -> Probes[Any]:

@@ -13,17 +13,16 @@ follows the subject's lifecycle as a :class:`~egressd.actionhandler.control.Subj
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
-from egressd.engine.counters import read_or_keep
+from egressd.engine.backend import Refusals
+from egressd.engine.refusals import RefusalSamples
 from egressd.events.denials import RecentDenials
-from egressd.fleetnft.table import UNATTRIBUTED_COUNTER, dropped_counter_subject
+from egressd.fleetnft.backend import fleet_refusals
 from egressd.metrics import EgressMetrics
 from egressd.policy.audit import safe_token
 from egressd.subject.registry import Entry
-
-UNATTRIBUTED = "-"
 
 Counters = dict[str, int]
 
@@ -44,28 +43,6 @@ class CounterDump:
         return await asyncio.shield(self._inflight)
 
 
-def dropped_by_nft_id(counters: Counters) -> tuple[dict[str, int], int]:
-    """(nft id -> refused packets, unattributed packets) from the table's counters."""
-    out: dict[str, int] = {}
-    for name, packets in counters.items():
-        nft_id = dropped_counter_subject(name)
-        if nft_id is not None:
-            out[nft_id] = packets
-    return out, counters.get(UNATTRIBUTED_COUNTER, 0)
-
-
-def dropped_samples(counters: Counters, subjects: dict[str, str]) -> dict[tuple[str, ...], float]:
-    """{(subject,): packets} for the registered subjects (``subjects``: nft id -> name) and
-    ``("-",)`` for the unattributed ones; a counter of a subject being removed is skipped,
-    so the metric never names a subject that is gone."""
-    by_id, unattributed = dropped_by_nft_id(counters)
-    out: dict[tuple[str, ...], float] = {
-        (name,): float(by_id[nft_id]) for nft_id, name in subjects.items() if nft_id in by_id
-    }
-    out[(UNATTRIBUTED,)] = float(unattributed)
-    return out
-
-
 class DropCounters:
     """``egressd_subject_dropped_packets_total`` and the per-subject fields of ``/v1/subjects``."""
 
@@ -75,38 +52,33 @@ class DropCounters:
         read: Callable[[], Awaitable[Counters]],
         entries: Callable[[], Iterable[Entry]],
         denials: RecentDenials | None = None,
+        refusals: Callable[[Mapping[str, int]], Refusals] = fleet_refusals,
     ) -> None:
-        self._read = read
         self._entries = entries
         self.denials = denials
-        self._samples: dict[tuple[str, ...], float] = {}
-        metrics.subject_dropped.collect_from(lambda: dict(self._samples))
-
-    async def _counters(self) -> Counters | None:
-        return await read_or_keep(self._read, "drops.counters_unreadable")
+        # The engine's samples over the fleet backend's counters; the registry names the subjects.
+        self._samples = RefusalSamples(
+            metrics, read, refusals, lambda: {e.nft_id: safe_token(e.subject) for e in self._entries()}
+        )
 
     async def refresh(self) -> None:
         """Before a scrape. A failed read keeps the last samples (counters only ever grow)."""
-        counters = await self._counters()
-        if counters is None:
-            return
-        subjects = {e.nft_id: safe_token(e.subject) for e in self._entries()}
-        self._samples = dropped_samples(counters, subjects)
+        await self._samples.refresh()
 
     async def annotate(self, subjects: list[dict[str, Any]]) -> dict[str, Any]:
         """Add ``droppedPackets`` (None when the kernel could not be read) and
         ``recentDenials`` (oldest first) to each subject document of ``/v1/subjects``; return
         the document's extra top-level fields."""
-        counters = await self._counters()
-        by_id, unattributed = dropped_by_nft_id(counters or {})
+        counts = await self._samples.counts()
+        by_id = counts.by_subject if counts is not None else {}
         nft_ids = {e.uid: e.nft_id for e in self._entries()}
         for doc in subjects:
             uid = str(doc.get("uid", ""))
             nft_id = nft_ids.get(uid)
-            doc["droppedPackets"] = None if counters is None or nft_id is None else by_id.get(nft_id, 0)
+            doc["droppedPackets"] = None if counts is None or nft_id is None else by_id.get(nft_id, 0)
             denials = self.denials.of(uid) if self.denials is not None else []
             doc["recentDenials"] = [d.as_json() for d in denials]
-        return {"unattributedDroppedPackets": None if counters is None else unattributed}
+        return {"unattributedDroppedPackets": None if counts is None else counts.unattributed}
 
     # ---- SubjectListener: the ring of a subject goes with it (and with its old instance) ---------
 

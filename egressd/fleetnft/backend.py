@@ -13,16 +13,27 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from egressd.addr import IPAddress
-from egressd.engine.backend import Flow
+from egressd.engine.backend import Flow, Refusals
 from egressd.engine.selftest import Probes, no_probes
 from egressd.engine.subjects import unless_refused
 from egressd.fleetnft.contents import dyn_add, policy_contents
-from egressd.fleetnft.table import TableConfig
+from egressd.fleetnft.table import UNATTRIBUTED_COUNTER, TableConfig, dropped_counter_subject
 from egressd.kernel.applier import Transactions
 from egressd.kernel.conntrack import flush_flow, read_flows
 from egressd.policy import NetworkPolicy
 from egressd.policy.ipsets import Prefix
 from egressd.subject.model import nft_id, subject_for_uid
+
+
+def fleet_refusals(counters: Mapping[str, int]) -> Refusals:
+    """Each subject's ``subj_<id>_dropped`` by nft id, and ``unattributed_dropped`` (the refusals
+    of sources that are no subject)."""
+    by_subject: dict[str, int] = {}
+    for name, packets in counters.items():
+        nft_id = dropped_counter_subject(name)
+        if nft_id is not None:
+            by_subject[nft_id] = packets
+    return Refusals(by_subject, counters.get(UNATTRIBUTED_COUNTER, 0))
 
 
 class FleetBackend:
@@ -81,4 +92,7 @@ class FleetBackend:
 
     def flow_fields(self, flow: Flow) -> dict[str, str]:
         return {"source_ip": str(flow[0])}
+
+    def refusals(self, counters: Mapping[str, int]) -> Refusals:
+        return fleet_refusals(counters)
 

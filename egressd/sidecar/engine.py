@@ -32,7 +32,7 @@ from egressd.policy import (
     ip_sets,
 )
 from egressd.sidecar.persist import serialise, write_atomic
-from egressd.sidecarnft.backend import Kernel, SidecarBackend
+from egressd.sidecarnft.backend import SIDECAR_UID, Kernel, SidecarBackend
 from egressd.sidecarnft.ruleset import SidecarTable
 from egressd.subject.leases import LeaseBook
 from egressd.subject.model import Asker, Fence
@@ -41,8 +41,6 @@ log = structlog.get_logger("egressd.sidecar")
 
 #: Seconds between a narrowing's flow cut and its second look at the conntrack table.
 CUT_RECHECK_S: Final = 1.0
-
-SIDECAR_UID = "sidecar"
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,8 @@ from egressd.actionhandler.envelope import MAX_BODY_BYTES
 from egressd.feed import VaultChanged
 from egressd.metrics import EgressMetrics
 from egressd.policy import PolicyError, policy_mode, rule_cap_problem
-from egressd.sidecar.engine import SIDECAR_UID, SidecarEngine
+from egressd.sidecar.engine import SidecarEngine
+from egressd.sidecarnft.backend import SIDECAR_UID
 from egressd.vault.offload import off_loop
 from egressd.vault.parse import parse_create, parse_mutation
 from egressd.vault.store import VaultStore

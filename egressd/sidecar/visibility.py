@@ -11,20 +11,20 @@ neither the webhook's lookup nor its connection.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import structlog
 
 from egressd.commonconfig import CommonConfig
 from egressd.dnsproxy.forwarder import UPSTREAM_MARK, Forwarder
 from egressd.dnsproxy.resolve import ForwarderResolver
-from egressd.engine.counters import read_or_keep
+from egressd.engine.backend import Refusals
+from egressd.engine.refusals import RefusalSamples
 from egressd.events.dns import DnsEvents
 from egressd.events.webhook import DenyWebhook, display_url
 from egressd.metrics import EgressMetrics
 from egressd.policy.audit import safe_token
-from egressd.sidecar.engine import SIDECAR_UID
-from egressd.sidecarnft.ruleset import DROPPED_COUNTER
+from egressd.sidecarnft.backend import SIDECAR_NFT_ID, SIDECAR_UID, sidecar_refusals
 from egressd.subject.model import subject_for_uid
 
 log = structlog.get_logger("egressd.sidecar")
@@ -33,16 +33,19 @@ SUBJECT = safe_token(subject_for_uid(SIDECAR_UID))
 
 
 class SidecarDrops:
+    """The one subject's refusal count: the engine's samples over the sidecar backend's counter."""
+
     def __init__(
-        self, metrics: EgressMetrics, read_counters: Callable[[], Awaitable[dict[str, int]]]
+        self,
+        metrics: EgressMetrics,
+        read_counters: Callable[[], Awaitable[dict[str, int]]],
+        refusals: Callable[[Mapping[str, int]], Refusals] = sidecar_refusals,
     ) -> None:
-        self._read_counters = read_counters
-        self._samples: dict[tuple[str, ...], float] = {}
-        metrics.subject_dropped.collect_from(lambda: dict(self._samples))
+        self._samples = RefusalSamples(metrics, read_counters, refusals, lambda: {SIDECAR_NFT_ID: SUBJECT})
 
     async def read(self) -> int:
         """The kernel's count now (raises when the table cannot be read)."""
-        return (await self._read_counters()).get(DROPPED_COUNTER, 0)
+        return (await self._samples.read()).by_subject.get(SIDECAR_NFT_ID, 0)
 
     async def carried(self) -> int:
         """For a rebuild: the count to declare the new table's counter with (0 when unreadable,
@@ -55,9 +58,7 @@ class SidecarDrops:
 
     async def refresh(self) -> None:
         """Before a scrape; a failed read keeps the last sample."""
-        dropped = await read_or_keep(self.read, "drops.counters_unreadable")
-        if dropped is not None:
-            self._samples = {(SUBJECT,): float(dropped)}
+        await self._samples.refresh()
 
 
 def sidecar_events(cfg: CommonConfig, metrics: EgressMetrics, forwarder: Forwarder) -> DnsEvents:

@@ -18,12 +18,13 @@ from typing import Any, Protocol
 import structlog
 
 from egressd.addr import IPAddress, unmap_ip
-from egressd.engine.backend import Flow
+from egressd.engine.backend import Flow, Refusals
 from egressd.engine.selftest import Probes, no_probes
 from egressd.kernel.conntrack import conntrack_delete, original_tuple, read_table
 from egressd.policy import NetworkPolicy, ip_sets
 from egressd.policy.ipsets import Prefix
-from egressd.sidecarnft.ruleset import SidecarTable, delete_table, dyn_add, ruleset
+from egressd.sidecarnft.ruleset import DROPPED_COUNTER, SidecarTable, delete_table, dyn_add, ruleset
+from egressd.subject.model import nft_id, subject_for_uid
 
 log = structlog.get_logger("egressd.sidecar.flows")
 
@@ -79,6 +80,16 @@ async def read_outbound() -> list[IPAddress] | None:
     return sorted(outbound_destinations(text, local), key=str)
 
 
+#: The uid of the sidecar's one implicit subject (every client of the namespace is it), and its nft id.
+SIDECAR_UID = "sidecar"
+SIDECAR_NFT_ID = nft_id(subject_for_uid(SIDECAR_UID))
+
+
+def sidecar_refusals(counters: Mapping[str, int]) -> Refusals:
+    """The table's one counter ``dropped`` is the one subject's; every source is the subject."""
+    return Refusals({SIDECAR_NFT_ID: counters.get(DROPPED_COUNTER, 0)})
+
+
 class SidecarBackend:
     #: The sidecar refuses audit policies; its table enforces every deny.
     passes_would_deny = False
@@ -126,6 +137,9 @@ class SidecarBackend:
 
     def flow_fields(self, flow: Flow) -> dict[str, str]:
         return {"destination": str(flow[1])}
+
+    def refusals(self, counters: Mapping[str, int]) -> Refusals:
+        return sidecar_refusals(counters)
 
 
     # ---- the whole table ---------------------------------------------------------------------

@@ -43,8 +43,9 @@ from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from egressd.policy import EMPTY_ALWAYS, AlwaysRules, Verdict, parse_always_text, parse_policy
-from egressd.sidecar.engine import SIDECAR_UID, SidecarEngine
+from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.http import SidecarHTTP
+from egressd.sidecarnft.backend import SIDECAR_UID
 from egressd.sidecarnft.ruleset import SidecarTable
 from egressd.subject.model import Fence
 from egressd.vault.parse import parse_create

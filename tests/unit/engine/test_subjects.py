@@ -15,7 +15,7 @@ import pytest
 
 from egressd.actionhandler.control import ControlPlane
 from egressd.addr import IPAddress
-from egressd.engine.backend import Flow, RulesetBackend
+from egressd.engine.backend import Flow, Refusals, RulesetBackend
 from egressd.engine.errors import RulesetRefused, RulesetUncertain
 from egressd.engine.selftest import Probes
 from egressd.engine.subjects import CutOrder, SubjectEngine, unless_refused
@@ -25,8 +25,8 @@ from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig
 from egressd.policy import NetworkPolicy, ip_sets, parse_policy
 from egressd.policy.ipsets import Prefix
-from egressd.sidecar.engine import SIDECAR_UID, SidecarEngine
-from egressd.sidecarnft.backend import SidecarBackend
+from egressd.sidecar.engine import SidecarEngine
+from egressd.sidecarnft.backend import SIDECAR_UID, SidecarBackend
 from egressd.sidecarnft.ruleset import SidecarTable
 from tests.unit.fakekernel import FakeTx
 
@@ -77,6 +77,9 @@ class Recording:
 
     def flow_fields(self, flow: Flow) -> dict[str, str]:
         return {"source_ip": str(flow[0])}
+
+    def refusals(self, counters: Mapping[str, int]) -> Refusals:
+        return Refusals({name: n for name, n in counters.items() if name.startswith("s_")})
 
     def probes(self, scratch_table: str) -> Probes[Any]:
         raise NotImplementedError
@@ -221,3 +224,30 @@ def test_the_sidecar_judge_never_passes_a_would_deny() -> None:
     audit = parse_policy('{"defaultAction":"deny","mode":"audit","egress":[]}')
     sidecar = SidecarEngine(SidecarTable(table="T"), FakeTx(), audit)
     assert not sidecar.allows_ip(ip("1.2.3.4"))
+
+
+async def test_both_profiles_export_refusals_through_the_engines_samples() -> None:
+    # The backend says whose each counter is; the engine's samples label them for the metric.
+    from egressd.engine.refusals import RefusalSamples, samples
+    from egressd.fleetnft.backend import fleet_refusals
+    from egressd.metrics import EgressMetrics
+    from egressd.sidecarnft.backend import SIDECAR_NFT_ID, sidecar_refusals
+
+    fleet = fleet_refusals({"subj_s_a_dropped": 4, "unattributed_dropped": 2, "other": 9})
+    assert samples(fleet, {"s_a": "s-a", "s_gone": "s-gone"}) == {("s-a",): 4.0, ("-",): 2.0}
+    sidecar = sidecar_refusals({"dropped": 7})
+    assert samples(sidecar, {SIDECAR_NFT_ID: "s-sidecar"}) == {("s-sidecar",): 7.0}  # no unattributed
+
+    counters: list[dict[str, int]] = [{"dropped": 3}]
+
+    async def read() -> dict[str, int]:
+        if not counters:
+            raise OSError("table gone")
+        return counters[0]
+
+    metrics = EgressMetrics()
+    exported = RefusalSamples(metrics, read, sidecar_refusals, lambda: {SIDECAR_NFT_ID: "s-sidecar"})
+    await exported.refresh()
+    counters.clear()
+    await exported.refresh()  # unreadable: the last samples stay
+    assert 'egressd_subject_dropped_packets_total{subject="s-sidecar"} 3' in metrics.render()

@@ -13,10 +13,13 @@ from aiohttp.test_utils import TestClient
 from egressd.actionhandler.control import ControlPlane
 from egressd.actionhandler.envelope import parse_action
 from egressd.config import parse_config
+from egressd.engine.backend import Refusals
+from egressd.engine.refusals import samples
 from egressd.events.denials import RecentDenials
-from egressd.fleet.drops import CounterDump, DropCounters, dropped_by_nft_id, dropped_samples
+from egressd.fleet.drops import CounterDump, DropCounters
 from egressd.fleet.server import FleetHTTP
 from egressd.fleet.visibility import fleet_visibility
+from egressd.fleetnft.backend import fleet_refusals
 from egressd.fleetnft.plankernel import FleetPlanKernel
 from egressd.fleetnft.table import TableConfig, dropped_counter_subject
 from egressd.metrics import EgressMetrics
@@ -65,9 +68,9 @@ def test_counter_names() -> None:
         "unattributed_dropped": 3,
         "subj_s_b_dropped": 0,
     }
-    assert dropped_by_nft_id(counters) == ({"s_a": 4, "s_b": 0}, 3)
+    assert fleet_refusals(counters) == Refusals({"s_a": 4, "s_b": 0}, 3)
     # Only registered subjects are named; the unattributed ones are subject "-".
-    assert dropped_samples(counters, {"s_a": "s-a"}) == {("s-a",): 4.0, ("-",): 3.0}
+    assert samples(fleet_refusals(counters), {"s_a": "s-a"}) == {("s-a",): 4.0, ("-",): 3.0}
 
 
 async def test_concurrent_readers_share_one_dump() -> None:

@@ -19,8 +19,9 @@ from egressd.fleetnft.table import TableConfig
 from egressd.metrics import EgressMetrics
 from egressd.mitm.seqmap import MitmMemory, SeqReader, SeqWriter
 from egressd.policy import AlwaysRules, Verdict, parse_always_text, parse_policy
-from egressd.sidecar.engine import SIDECAR_UID, SidecarEngine
+from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.http import SidecarHTTP
+from egressd.sidecarnft.backend import SIDECAR_UID
 from egressd.sidecarnft.ruleset import SidecarTable
 from tests.unit.actionhandler.test_control_dns import FENCE, OLD, TABLE, activate, ok, remove, set_binding
 from tests.unit.fakekernel import FakeTx
