@@ -4,8 +4,7 @@
 narrowing, flow cuts and destination checks; :mod:`egressd.engine.backend` is the protocol a
 profile's kernel side implements (the fleet's :mod:`egressd.fleetnft.backend`, the sidecar's
 :mod:`egressd.sidecarnft.backend`) and :mod:`egressd.engine.errors` its two failures;
-:mod:`egressd.engine.selftest` runs a backend's start-up probes; :mod:`egressd.engine.flows`,
-:mod:`egressd.engine.refusals` exports a backend's refusal counts;
-:mod:`egressd.engine.learning` and :mod:`egressd.engine.counters` are the procedures the engine
-and the profiles' visibility parts share.
+:mod:`egressd.engine.selftest` runs a backend's start-up probes; :mod:`egressd.engine.refusals`
+exports a backend's refusal counts; :mod:`egressd.engine.flows`, :mod:`egressd.engine.learning`
+and :mod:`egressd.engine.counters` are the procedures the engine and the profiles share.
 """
