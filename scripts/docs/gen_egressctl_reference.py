@@ -155,22 +155,10 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--check", action="store_true", help="exit 1 when the file is stale")
-    args = parser.parse_args(argv)
-    text = render()
-    current = REFERENCE.read_text() if REFERENCE.exists() else None
-    if current == text:
-        return 0
-    if args.check:
-        print(
-            f"stale (run {Path(__file__).relative_to(ROOT)}): {REFERENCE.relative_to(ROOT)}", file=sys.stderr
-        )
-        return 1
-    REFERENCE.parent.mkdir(parents=True, exist_ok=True)
-    REFERENCE.write_text(text)
-    print(f"wrote {REFERENCE.relative_to(ROOT)}")
-    return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from reference_file import write_or_check
+
+    return write_or_check(render, REFERENCE, __file__, __doc__.split("\n\n")[0] if __doc__ else None, argv)
 
 
 if __name__ == "__main__":
