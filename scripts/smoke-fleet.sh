@@ -313,6 +313,13 @@ if [ -z "${EGRESSD_SMOKE_NO_DOCS:-}" ]; then
   fi
 fi
 
+# The machine's own network namespace must never gain egressd's table (this smoke uses the default name).
+if nft list table inet "$TABLE" >/dev/null 2>&1; then
+  FAIL=$((FAIL + 1)); echo "FAIL  the root network namespace holds no table inet $TABLE"
+else
+  PASS=$((PASS + 1)); echo "PASS  the root network namespace holds no table inet $TABLE"
+fi
+
 echo "$PASS passed, $FAIL failed"
 
 # EGRESSD_SMOKE_PAUSE=1: keep the topology and the daemon up for a hand-driven session (README,
