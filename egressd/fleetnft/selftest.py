@@ -42,6 +42,7 @@ from egressd.kernel.ops import (
     VerdictRule,
 )
 from egressd.kernel.renewal import PROBE_IP, LeaseRenewal
+from egressd.subject.leases import Grant
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +236,7 @@ def probe_lease_renewal(
     batch(NetlinkBatch(table, (AddSet(name, "v4", "timeout", 360),)))
 
     def add(seconds: int, replace: bool) -> None:
-        batch(dyn_add(table, PROBE_SUBJECT, [(PROBE_IP, seconds)], replace=replace))
+        batch(dyn_add(table, PROBE_SUBJECT, [Grant(PROBE_IP, seconds)], replace=replace))
 
     return renewal.probe(add, partial(elements, table, name))
 

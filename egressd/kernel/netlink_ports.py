@@ -76,7 +76,7 @@ from egressd.kernel.ops import L4_PROTOCOLS, L4Guard, PortElem, PortRule
 #: The set's user data nft 1.0.6 attaches to every ``addr . inet_proto . inet_service`` set
 #: (libnftnl TLVs: key byte order "invalid" for a concatenation, then the concatenation's
 #: sub-key description). The kernel stores it for ``nft list``; it never reads it.
-CONCAT_USERDATA = bytes.fromhex("0004000000000308" "00040d0000000100")
+CONCAT_USERDATA = bytes.fromhex("000400000000030800040d0000000100")
 
 
 def addr_len(fam: str) -> int:

@@ -17,6 +17,7 @@ from egressd.kernel.applier import NftError
 from egressd.kernel.netlink_dump import SetElement
 from egressd.kernel.renewal import PROBE_IP, LeaseRenewal
 from egressd.sidecarnft.ruleset import SidecarTable, dyn_add, dyn_set
+from egressd.subject.leases import Grant
 
 CAP_NET_ADMIN = 12
 CAP_SETGID = 6
@@ -128,7 +129,7 @@ def probe_lease_renewal(
     dyn set of ``table`` (:func:`egressd.kernel.renewal.probe`)."""
 
     def add(seconds: int, replace: bool) -> None:
-        cmd(dyn_add(SidecarTable(table=table, max_leases=0, renew_by_replace=replace), [(PROBE_IP, seconds)]))
+        cmd(dyn_add(SidecarTable(table=table, max_leases=0, renew_by_replace=replace), [Grant(PROBE_IP, seconds)]))
 
     return renewal.probe(add, partial(elements, table, dyn_set("v4")))
 

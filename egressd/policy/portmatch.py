@@ -1,0 +1,75 @@
+"""Port-scoped IP/CIDR rules (docs/reference/behaviour.md §18) as the kernel holds them: disjoint
+``prefix . proto . port-range`` elements, and what they decide for one destination. Pure.
+
+The kernel's port-scoped sets are pipapo interval sets, which refuse an element that partly
+overlaps another (``EEXIST``), so overlapping rules (``10.0.0.0/8 tcp 5432-5433`` and
+``10.1.0.0/16 tcp 5000-6000``) are cut into disjoint elements that cover exactly their union.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from egressd.addr import IPAddress
+from egressd.policy.ipsets import IpSets, Prefix
+
+#: A port-scoped rule or element: (prefix, "tcp" | "udp", first port, last port), inclusive.
+ScopedEntry = tuple[Prefix, str, int, int]
+
+
+def disjoint(entries: Iterable[ScopedEntry]) -> tuple[ScopedEntry, ...]:
+    """The same coverage as disjoint elements, per protocol by a sweep over the port axis:
+    between two consecutive range boundaries the covering prefixes are constant and are merged
+    (``collapse_addresses``); neighbouring stretches with the same prefixes are joined. Sorted
+    (protocol, first port, prefix), so equal inputs give equal outputs."""
+    out: list[ScopedEntry] = []
+    by_proto: dict[tuple[str, int], list[ScopedEntry]] = {}
+    for e in entries:
+        by_proto.setdefault((e[1], e[0].version), []).append(e)
+    for (proto, _version), mine in sorted(by_proto.items()):
+        events: dict[int, list[tuple[Prefix, int]]] = {}
+        for net, _, lo, hi in mine:
+            events.setdefault(lo, []).append((net, 1))
+            events.setdefault(hi + 1, []).append((net, -1))
+        active: Counter[Prefix] = Counter()
+        stretches: list[tuple[int, int, tuple[Prefix, ...]]] = []
+        points = sorted(events)
+        for i, point in enumerate(points):
+            for net, delta in events[point]:
+                active[net] += delta
+                if active[net] == 0:
+                    del active[net]
+            if i + 1 == len(points) or not active:
+                continue
+            nets = tuple(ipaddress.collapse_addresses(sorted(active)))  # type: ignore[type-var]
+            end = points[i + 1] - 1
+            if stretches and stretches[-1][1] + 1 == point and stretches[-1][2] == nets:
+                stretches[-1] = (stretches[-1][0], end, nets)
+            else:
+                stretches.append((point, end, nets))
+        for lo, hi, nets in stretches:
+            out += [(net, proto, lo, hi) for net in nets]
+    return tuple(sorted(out, key=lambda e: (e[0].version, e[1], e[2], int(e[0].network_address))))
+
+
+def scoped_hit(entries: Sequence[ScopedEntry], ip: IPAddress, proto: str, port: int | None) -> bool:
+    """Does an entry hold ``ip`` on ``proto``/``port``? (No port: a protocol without ports,
+    which no entry holds.)"""
+    if port is None:
+        return False
+    return any(p == proto and lo <= port <= hi and ip in net for net, p, lo, hi in entries)
+
+
+def address_rules_admit(sets: IpSets, ip: IPAddress, proto: str, port: int | None) -> bool | None:
+    """What the IP/CIDR rules decide for ``ip``'s ``proto``/``port``: False when a deny rule
+    (whole or scoped) holds it (deny beats allow), True when an allow rule does, None when
+    none says (a lease or the defaultAction decides)."""
+    deny: list[ScopedEntry] = [*sets.deny_scoped_v4, *sets.deny_scoped_v6]
+    if sets.deny_hit(ip) is not None or scoped_hit(deny, ip, proto, port):
+        return False
+    allow: list[ScopedEntry] = [*sets.allow_scoped_v4, *sets.allow_scoped_v6]
+    if sets.allow_hit(ip) is not None or scoped_hit(allow, ip, proto, port):
+        return True
+    return None
