@@ -7,11 +7,6 @@ HTTP layer can return it verbatim as a 400 reason.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from egressd.policy.scope import Scope
-
 import enum
 import ipaddress
 import json
@@ -91,16 +86,6 @@ class Rule:
     target: str
     kind: TargetKind
     network: IPv4Network | IPv6Network | None
-    # STUB (i25-core)
-    name: str | None = None
-    protocol: str | None = None
-    ports: tuple[tuple[int, int], ...] | None = None
-
-    @property
-    def scope(self) -> Scope:
-        from egressd.policy.scope import Scope
-
-        return Scope.WHOLE
 
 
 @dataclass(frozen=True, slots=True)
