@@ -60,11 +60,6 @@ class IpSets:
     allow_v6: tuple[IPv6Network, ...]
     deny_v4: tuple[IPv4Network, ...]
     deny_v6: tuple[IPv6Network, ...]
-    # STUB (i25-core): scoped rules as (network, proto, lo, hi).
-    allow_scoped_v4: tuple[tuple[IPv4Network, str, int, int], ...] = ()
-    allow_scoped_v6: tuple[tuple[IPv6Network, str, int, int], ...] = ()
-    deny_scoped_v4: tuple[tuple[IPv4Network, str, int, int], ...] = ()
-    deny_scoped_v6: tuple[tuple[IPv6Network, str, int, int], ...] = ()
     # Built on the first question, not with the sets: the ruleset builder only needs the
     # tuples, while the MITM and flow cuts ask per request and per flow.
     _allow: PrefixIndex | None = field(default=None, init=False, repr=False, compare=False)
