@@ -29,7 +29,7 @@ from egressd.engine.flows import cut_refused
 from egressd.feed import Feed, LeasesNarrowed
 from egressd.policy import IpSets, NetworkPolicy, Verdict, audit_deny_sets, ip_sets
 from egressd.policy.decide import hard_denied, ip_decision
-from egressd.policy.portmatch import address_rules_admit, scoped_hit
+from egressd.policy.portmatch import address_rules_admit, scoped_holds
 from egressd.subject.leases import DEFAULT_MAX_LEASES, LeaseBook, Narrowed, narrowed_for
 
 
@@ -163,7 +163,7 @@ class SubjectEngine:
                     return True
             # Refused by the rules: audit mode passes what only a user deny refuses (a deny by
             # port is hard in the kernel, egressd.fleetnft.contents.port_contents).
-            scoped_deny = scoped_hit([*sets.deny_scoped_v4, *sets.deny_scoped_v6], dst, proto, port)
+            scoped_deny = scoped_holds(sets.deny_scoped, dst, proto, port)
             return split is not None and not scoped_deny and not hard_denied(effective, dst, split)
 
         return allows

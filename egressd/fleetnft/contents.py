@@ -30,7 +30,7 @@ from egressd.policy import (
     ip_sets,
 )
 from egressd.policy.ipsets import PrefixIndex
-from egressd.policy.portmatch import disjoint
+from egressd.policy.portmatch import disjoint, entries
 from egressd.policy.scope import Scope
 from egressd.subject.leases import Grant
 
@@ -58,10 +58,10 @@ def port_contents(sets: IpSets) -> dict[str, tuple[PortElem, ...]]:
     scoped deny stays a hard deny in audit mode (it is not moved to ``wdeny``): refused,
     never merely logged, the closed side of what audit mode cannot express per port."""
     return {
-        "allowp_v4": disjoint(sets.allow_scoped_v4),
-        "allowp_v6": disjoint(sets.allow_scoped_v6),
-        "denyp_v4": disjoint(sets.deny_scoped_v4),
-        "denyp_v6": disjoint(sets.deny_scoped_v6),
+        "allowp_v4": disjoint(entries(sets.allow_scoped, 4)),
+        "allowp_v6": disjoint(entries(sets.allow_scoped, 6)),
+        "denyp_v4": disjoint(entries(sets.deny_scoped, 4)),
+        "denyp_v6": disjoint(entries(sets.deny_scoped, 6)),
     }
 
 

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from egressd.addr import IPAddress
-from egressd.policy.ipsets import IpSets, Prefix
+from egressd.policy.ipsets import IpSets, Prefix, Scoped
 
 #: A port-scoped rule or element: (prefix, "tcp" | "udp", first port, last port), inclusive.
 ScopedEntry = tuple[Prefix, str, int, int]
@@ -54,6 +54,16 @@ def disjoint(entries: Iterable[ScopedEntry]) -> tuple[ScopedEntry, ...]:
     return tuple(sorted(out, key=lambda e: (e[0].version, e[1], e[2], int(e[0].network_address))))
 
 
+def entries(scoped: Iterable[Scoped], version: int) -> list[ScopedEntry]:
+    """Port-scoped rules of one address family as ``(prefix, proto, lo, hi)`` entries."""
+    return [
+        (net, proto, lo, hi)
+        for net, scope in scoped
+        if net.version == version
+        for proto, lo, hi in scope.elements()
+    ]
+
+
 def scoped_hit(entries: Sequence[ScopedEntry], ip: IPAddress, proto: str, port: int | None) -> bool:
     """Does an entry hold ``ip`` on ``proto``/``port``? (No port: a protocol without ports,
     which no entry holds.)"""
@@ -66,10 +76,13 @@ def address_rules_admit(sets: IpSets, ip: IPAddress, proto: str, port: int | Non
     """What the IP/CIDR rules decide for ``ip``'s ``proto``/``port``: False when a deny rule
     (whole or scoped) holds it (deny beats allow), True when an allow rule does, None when
     none says (a lease or the defaultAction decides)."""
-    deny: list[ScopedEntry] = [*sets.deny_scoped_v4, *sets.deny_scoped_v6]
-    if sets.deny_hit(ip) is not None or scoped_hit(deny, ip, proto, port):
+    if sets.deny_hit(ip) is not None or scoped_holds(sets.deny_scoped, ip, proto, port):
         return False
-    allow: list[ScopedEntry] = [*sets.allow_scoped_v4, *sets.allow_scoped_v6]
-    if sets.allow_hit(ip) is not None or scoped_hit(allow, ip, proto, port):
+    if sets.allow_hit(ip) is not None or scoped_holds(sets.allow_scoped, ip, proto, port):
         return True
     return None
+
+
+def scoped_holds(scoped: Iterable[Scoped], ip: IPAddress, proto: str, port: int | None) -> bool:
+    """Does a port-scoped rule hold ``ip`` on ``proto``/``port``?"""
+    return any(ip.version == net.version and ip in net and scope.admits(proto, port) for net, scope in scoped)

@@ -52,7 +52,7 @@ from egressd.nftsyntax import (
     timeout_set_decl,
 )
 from egressd.policy import NetworkPolicy, Verdict, ip_sets
-from egressd.policy.portmatch import disjoint
+from egressd.policy.portmatch import disjoint, entries
 from egressd.policy.scope import Scope
 from egressd.subject.leases import Grant, port_elems_cap
 
@@ -198,8 +198,8 @@ def _set_declarations(
     allow = split_by_family([*sets.allow_v4, *sets.allow_v6, *resolvers])
     deny = split_by_family([*sets.deny_v4, *sets.deny_v6])
     # Port-scoped rules and leases (docs/reference/behaviour.md §18), as disjoint elements.
-    allowp = disjoint([*sets.allow_scoped_v4, *sets.allow_scoped_v6])
-    denyp = disjoint([*sets.deny_scoped_v4, *sets.deny_scoped_v6])
+    allowp = disjoint([*entries(sets.allow_scoped, 4), *entries(sets.allow_scoped, 6)])
+    denyp = disjoint([*entries(sets.deny_scoped, 4), *entries(sets.deny_scoped, 6)])
     dyn: dict[str, list[str]] = {"v4": [], "v6": []}
     dynp: dict[str, list[str]] = {"v4": [], "v6": []}
     for g in leases:

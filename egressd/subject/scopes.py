@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from egressd.policy import NetworkPolicy, Verdict
+from egressd.policy import NetworkPolicy, Verdict, name_scope
 from egressd.policy.evaluate import domain_matches
 from egressd.policy.model import TargetKind
-from egressd.policy.scope import Scope, name_scope
+from egressd.policy.scope import Scope
 
 #: UDP 443: QUIC, refused to DNS-learned addresses unless an explicit udp rule opens it.
 QUIC = Scope(udp=((443, 443),))
