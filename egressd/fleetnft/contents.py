@@ -32,7 +32,7 @@ from egressd.policy import (
 from egressd.policy.ipsets import PrefixIndex
 from egressd.policy.portmatch import disjoint, entries
 from egressd.policy.scope import Scope
-from egressd.subject.leases import Grant
+from egressd.subject.leases import Grant, LeaseLike, as_grants
 
 
 def sandbox_nets_refresh(nets: Iterable[IPNetwork]) -> list[Op]:
@@ -207,7 +207,7 @@ def _within(nets: Sequence[IPNetwork], cover: Sequence[IPNetwork]) -> bool:
     return True
 
 
-def dyn_replace(table: str, nft_id: str, kept: Sequence[Grant]) -> NetlinkBatch:
+def dyn_replace(table: str, nft_id: str, kept: Sequence[LeaseLike]) -> NetlinkBatch:
     """A narrowing change's dyn-set part (docs/reference/behaviour.md §14.1): the dyn sets (address-only and
     port-scoped) emptied and refilled with the leases that survive, each with its scope under
     the new policy (§18), in the caller's transaction. A flush, not per-element deletes: an
@@ -216,7 +216,7 @@ def dyn_replace(table: str, nft_id: str, kept: Sequence[Grant]) -> NetlinkBatch:
     n = Names(nft_id)
     kinds = ("dyn_v4", "dyn_v6", "dynp_v4", "dynp_v6")
     flush = NetlinkBatch(table, tuple(FlushSet(n.set(kind)) for kind in kinds))
-    fresh = [Grant(g.ip, g.seconds, g.scope) for g in kept]  # the flush emptied what they held
+    fresh = [Grant(g.ip, g.seconds, g.scope) for g in as_grants(kept)]  # the flush emptied what they held
     return flush + dyn_add(table, nft_id, fresh)
 
 
@@ -226,7 +226,7 @@ def lease_elems(ip: IPAddress, scope: Scope) -> tuple[PortElem, ...]:
     return tuple((net, proto, lo, hi) for proto, lo, hi in scope.elements())
 
 
-def dyn_add(table: str, nft_id: str, leases: Sequence[Grant], *, replace: bool = False) -> NetlinkBatch:
+def dyn_add(table: str, nft_id: str, leases: Sequence[LeaseLike], *, replace: bool = False) -> NetlinkBatch:
     """DNS learning (§7) and renewal (§9): addresses with per-element timeouts, a whole lease
     in the address-only dyn set, its port elements (§18) in the port-scoped one.
 
@@ -237,8 +237,9 @@ def dyn_add(table: str, nft_id: str, leases: Sequence[Grant], *, replace: bool =
     the kernel refuses an element that partly overlaps one it holds."""
     n = Names(nft_id)
     ops: list[Op] = []
+    grants = as_grants(leases)
     for fam in ("v4", "v6"):
-        mine = [g for g in leases if family(g.ip) == fam]
+        mine = [g for g in grants if family(g.ip) == fam]
         whole = tuple((g.ip, g.seconds) for g in mine if g.scope.whole)
         if whole:
             name = n.set(f"dyn_{fam}")

@@ -54,7 +54,7 @@ from egressd.nftsyntax import (
 from egressd.policy import NetworkPolicy, Verdict, ip_sets
 from egressd.policy.portmatch import disjoint, entries
 from egressd.policy.scope import Scope
-from egressd.subject.leases import Grant, port_elems_cap
+from egressd.subject.leases import Grant, LeaseLike, as_grants, port_elems_cap
 
 Mode = Literal["dns", "dns+nft"]
 
@@ -159,7 +159,7 @@ def lease_element(ip: IPAddress, seconds: float) -> str:
 def ruleset(
     cfg: SidecarTable,
     policy: NetworkPolicy,
-    leases: Sequence[Grant] = (),
+    leases: Sequence[LeaseLike] = (),
     dropped: int = 0,
 ) -> str:
     """The whole table for ``policy`` (the effective one: user + always-rules) as one script.
@@ -189,7 +189,7 @@ def _rule(t: str, chain: str, body: str) -> str:
 def _set_declarations(
     cfg: SidecarTable,
     policy: NetworkPolicy,
-    leases: Sequence[Grant],
+    leases: Sequence[LeaseLike],
     doh: dict[str, list[str]],
 ) -> list[str]:
     t = cfg.table
@@ -202,7 +202,7 @@ def _set_declarations(
     denyp = disjoint([*entries(sets.deny_scoped, 4), *entries(sets.deny_scoped, 6)])
     dyn: dict[str, list[str]] = {"v4": [], "v6": []}
     dynp: dict[str, list[str]] = {"v4": [], "v6": []}
-    for g in leases:
+    for g in as_grants(leases):
         if g.seconds > 0:
             if g.scope.whole:
                 dyn[family(g.ip)].append(lease_element(g.ip, g.seconds))
@@ -342,7 +342,7 @@ def _address_verdicts(cfg: SidecarTable) -> list[str]:
     return out
 
 
-def dyn_add(cfg: SidecarTable, leases: Sequence[Grant]) -> str:
+def dyn_add(cfg: SidecarTable, leases: Sequence[LeaseLike]) -> str:
     """DNS learning: add (or refresh) addresses in the dyn sets, one transaction.
 
     Re-declares the sets with the elements inline: that is the cache-free path of
@@ -353,7 +353,8 @@ def dyn_add(cfg: SidecarTable, leases: Sequence[Grant]) -> str:
     is this one small table.
     """
     by_fam: dict[str, list[tuple[IPAddress, str]]] = {"v4": [], "v6": []}
-    for g in leases:
+    grants = as_grants(leases)
+    for g in grants:
         if g.scope.whole:
             by_fam[family(g.ip)].append((g.ip, lease_element(g.ip, g.seconds)))
     lines: list[str] = []
@@ -367,7 +368,7 @@ def dyn_add(cfg: SidecarTable, leases: Sequence[Grant]) -> str:
             lines.append(f"delete element inet {cfg.table} {dyn_set(fam)} {{ {keys} }}")
             lines.append(declare)
     for fam in ("v4", "v6"):
-        lines += _dynp_add(cfg, fam, [g for g in leases if family(g.ip) == fam])
+        lines += _dynp_add(cfg, fam, [g for g in grants if family(g.ip) == fam])
     return "\n".join(lines) + "\n" if lines else ""
 
 

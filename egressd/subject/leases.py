@@ -69,6 +69,16 @@ class Grant:
     held: Scope = Scope.EMPTY
 
 
+#: A lease as callers may hand it to the kernel steps: a :class:`Grant`, or a plain
+#: (address, seconds) pair, which is a whole-scope lease (every port and protocol: today's path).
+LeaseLike = Grant | tuple[IPAddress, int] | tuple[IPAddress, float]
+
+
+def as_grants(leases: Iterable[LeaseLike]) -> list[Grant]:
+    """``leases`` as grants (a plain pair: a whole-scope lease holding no port elements)."""
+    return [g if isinstance(g, Grant) else Grant(g[0], math.ceil(g[1])) for g in leases]
+
+
 @dataclass(frozen=True, slots=True)
 class Narrowed:
     """The outcome of a policy change for the dyn sets: what stays (with its remaining
@@ -189,10 +199,10 @@ class LeaseBook:
             elems -= grow
         return out
 
-    def record(self, admitted: Iterable[Grant], name: str | None, now: float) -> None:
+    def record(self, admitted: Iterable[LeaseLike], name: str | None, now: float) -> None:
         """The kernel holds ``admitted``: remember them, taught by ``name`` (None: a refresh,
         which keeps the names a lease already has for as long as the lease)."""
-        for grant in admitted:
+        for grant in as_grants(admitted):
             ip, seconds = grant.ip, grant.seconds
             expiry = now + seconds
             lease = self._leases.get(ip)
