@@ -120,6 +120,13 @@ POLICIES: dict[str, NetworkPolicy] = {
     "audit_allow": parse_policy(
         '{"defaultAction":"allow","mode":"audit","egress":[{"action":"deny","target":"fd00::/8"}]}'
     ),
+    # Port-scoped rules (docs/reference/behaviour.md §18), overlapping ones cut into disjoint elements.
+    "ports": parse_policy(
+        '{"defaultAction":"deny","egress":[{"action":"allow","target":"10.0.0.0/8","protocol":"tcp",'
+        '"ports":["5432-5433"]},{"action":"allow","target":"10.1.0.0/16","ports":["5000-6000"]},'
+        '{"action":"deny","target":"10.1.2.3","protocol":"udp","ports":[53]},'
+        '{"action":"allow","target":"2001:db8::/32","protocol":"https"}]}'
+    ),
 }
 
 TCP_443 = LeaseScope(False, Scope(tcp=((443, 443),)))
