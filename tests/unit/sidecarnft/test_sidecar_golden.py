@@ -93,7 +93,7 @@ def _cases() -> Iterator[tuple[str, str]]:
         yield f"{name}/dyn_add_v6", dyn_add(cfg, LEASES[1:2])
         yield f"{name}/dyn_add_empty", dyn_add(cfg, ())
         yield f"{name}/delete_table", delete_table(cfg)
-    yield "lease_elements", "\n".join(lease_element(ip, s) for ip, s in LEASES[:4])  # type: ignore[misc]
+    yield "lease_elements", "\n".join(lease_element(ip, s) for ip, s in LEASES[:4])
 
 
 def corpus() -> dict[str, str]:
