@@ -42,7 +42,7 @@ _SCRIPT = textwrap.dedent(
     # What nft itself makes of the text egressd's batches describe ...
     net = ipaddress.ip_network
     ops = (
-        AddSet("p4", "v4", "timeout", 360, size=32768, ports=True),
+        AddSet("p4", "v4", "timeout", 360, size=8192, ports=True),
         AddSet("p6", "v6", "interval", ports=True),
         AddRule("c", PortRule("v4", "p4", RuleAction.MARK)),
         AddRule("c", PortRule("v6", "p6", RuleAction.DROP, drop_chain="denied")),

@@ -499,7 +499,7 @@ def test_objects_script_declares_the_sets_chains_and_counters() -> None:
         )
     assert (
         f"add set inet {T} subj_s_u_1_dynp_v6 {{ type ipv6_addr . inet_proto . inet_service; "
-        "flags interval,timeout; timeout 360s; size 32768; }" in text
+        "flags interval,timeout; timeout 360s; size 8192; }" in text
     )
     declared = [ln for ln in text if ln.startswith(f"add set inet {T} subj_")]
     assert len(declared) == 12

@@ -303,7 +303,7 @@ def test_subject_create_is_one_batch_sets_chains_rules_keys() -> None:
         ),
         *(
             f"add set inet {T} subj_s_u_1_dynp_{fam} {{ type ipv{fam[1]}_addr . {concat}; "
-            "flags interval,timeout; timeout 360s; size 32768; }"
+            "flags interval,timeout; timeout 360s; size 8192; }"
             for fam in ("v4", "v6")
         ),
     ]

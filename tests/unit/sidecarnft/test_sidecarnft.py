@@ -24,13 +24,13 @@ add set inet T deny_v4 { type ipv4_addr; flags interval; }
 add set inet T dyn_allow_v4 { type ipv4_addr; flags timeout; timeout 360s; size 4096; }
 add set inet T allowp_v4 { type ipv4_addr . inet_proto . inet_service; flags interval; }
 add set inet T denyp_v4 { type ipv4_addr . inet_proto . inet_service; flags interval; }
-add set inet T dyn_allowp_v4 { type ipv4_addr . inet_proto . inet_service; flags interval,timeout; timeout 360s; size 32768; }
+add set inet T dyn_allowp_v4 { type ipv4_addr . inet_proto . inet_service; flags interval,timeout; timeout 360s; size 8192; }
 add set inet T allow_v6 { type ipv6_addr; flags interval; }
 add set inet T deny_v6 { type ipv6_addr; flags interval; }
 add set inet T dyn_allow_v6 { type ipv6_addr; flags timeout; timeout 360s; size 4096; }
 add set inet T allowp_v6 { type ipv6_addr . inet_proto . inet_service; flags interval; }
 add set inet T denyp_v6 { type ipv6_addr . inet_proto . inet_service; flags interval; }
-add set inet T dyn_allowp_v6 { type ipv6_addr . inet_proto . inet_service; flags interval,timeout; timeout 360s; size 32768; }
+add set inet T dyn_allowp_v6 { type ipv6_addr . inet_proto . inet_service; flags interval,timeout; timeout 360s; size 8192; }
 add counter inet T dropped { packets 0 bytes 0 }
 add chain inet T denied
 add rule inet T denied counter name "dropped"
