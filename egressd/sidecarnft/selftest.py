@@ -89,6 +89,18 @@ def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
             f"add rule inet {t} out counter",
         ),
         (
+            # docs/reference/behaviour.md §18: rules and leases with ports.
+            "port-scoped sets (addr . inet_proto . inet_service, interval and timeout)",
+            f"add set inet {t} pv4 {{ type ipv4_addr . inet_proto . inet_service; flags interval; "
+            f"elements = {{ 10.0.0.0/8 . tcp . 5432-5433, 192.0.2.1 . udp . 443 }} }}\n"
+            f"add set inet {t} ptv6 {{ type ipv6_addr . inet_proto . inet_service; flags interval,timeout; "
+            f"timeout 360s; size 16; elements = {{ 2001:db8::1 . tcp . 443 timeout 90s expires 90s }} }}\n"
+            f"add rule inet {t} out ip daddr . meta l4proto . th dport @pv4 accept\n"
+            f"add rule inet {t} out ip6 daddr . meta l4proto . th dport @ptv6 drop\n"
+            f"add rule inet {t} out ip daddr @tv4 meta l4proto != udp accept\n"
+            f"add rule inet {t} out ip daddr @tv4 udp dport != 443 accept",
+        ),
+        (
             "DNS redirect (nat hook output)",
             f"add chain inet {t} nat {{ type nat hook output priority -100; policy accept; }}\n"
             f"add rule inet {t} nat meta mark 0x1 return\n"
