@@ -19,11 +19,13 @@ from egressd.policy.ipsets import IpSets, Prefix, Scoped
 ScopedEntry = tuple[Prefix, str, int, int]
 
 
-def disjoint(entries: Iterable[ScopedEntry]) -> tuple[ScopedEntry, ...]:
+def disjoint(entries: Iterable[ScopedEntry], limit: int = 0) -> tuple[ScopedEntry, ...]:
     """The same coverage as disjoint elements, per protocol by a sweep over the port axis:
     between two consecutive range boundaries the covering prefixes are constant and are merged
     (``collapse_addresses``); neighbouring stretches with the same prefixes are joined. Sorted
-    (protocol, first port, prefix), so equal inputs give equal outputs."""
+    (protocol, first port, prefix), so equal inputs give equal outputs. ``limit`` (0: none):
+    stop once the output is longer (a policy over :data:`MAX_PORT_ELEMENTS` is refused anyway;
+    overlapping rules can make the output quadratic in their number)."""
     out: list[ScopedEntry] = []
     by_proto: dict[tuple[str, int], list[ScopedEntry]] = {}
     for e in entries:
@@ -35,6 +37,7 @@ def disjoint(entries: Iterable[ScopedEntry]) -> tuple[ScopedEntry, ...]:
             events.setdefault(hi + 1, []).append((net, -1))
         active: Counter[Prefix] = Counter()
         stretches: list[tuple[int, int, tuple[Prefix, ...]]] = []
+        count = len(out)  # elements so far, these stretches included
         points = sorted(events)
         for i, point in enumerate(points):
             for net, delta in events[point]:
@@ -49,8 +52,13 @@ def disjoint(entries: Iterable[ScopedEntry]) -> tuple[ScopedEntry, ...]:
                 stretches[-1] = (stretches[-1][0], end, nets)
             else:
                 stretches.append((point, end, nets))
+                count += len(nets)
+            if limit and count > limit:
+                break
         for lo, hi, nets in stretches:
             out += [(net, proto, lo, hi) for net in nets]
+        if limit and len(out) > limit:
+            break
     return tuple(sorted(out, key=lambda e: (e[0].version, e[1], e[2], int(e[0].network_address))))
 
 
@@ -86,3 +94,25 @@ def address_rules_admit(sets: IpSets, ip: IPAddress, proto: str, port: int | Non
 def scoped_holds(scoped: Iterable[Scoped], ip: IPAddress, proto: str, port: int | None) -> bool:
     """Does a port-scoped rule hold ``ip`` on ``proto``/``port``?"""
     return any(ip.version == net.version and ip in net and scope.admits(proto, port) for net, scope in scoped)
+
+
+#: Most port-scoped elements the IP/CIDR rules of one policy may need in the kernel (all four
+#: port-scoped static sets of a subject together). The kernel empties such a set in time
+#: quadratic in its size (docs/concepts/ruleset.md, "port-scoped sets": 8192 elements 1.4 s,
+#: 32768 about 12 s, beyond the transaction timeout), and every revert or update of the policy
+#: empties them; so a policy over the bound is refused like one over the rule cap.
+MAX_PORT_ELEMENTS = 8192
+
+
+def port_elements_needed(sets: IpSets) -> int:
+    """How many port-scoped elements the policy's address rules become (after cutting
+    overlaps into disjoint elements, which can multiply them)."""
+    if not sets.allow_scoped and not sets.deny_scoped:
+        return 0
+    total = 0
+    for scoped in (sets.allow_scoped, sets.deny_scoped):
+        for version in (4, 6):
+            total += len(disjoint(entries(scoped, version), limit=MAX_PORT_ELEMENTS + 1 - total))
+            if total > MAX_PORT_ELEMENTS:
+                return total
+    return total
