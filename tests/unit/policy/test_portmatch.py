@@ -160,3 +160,27 @@ def test_a_cut_selects_one_protocol_and_port() -> None:
     assert flow_selector("tcp", 7000) == ["-p", "tcp", "--dport", "7000"]
     assert flow_selector("icmp", None) == ["-p", "icmp"]
     assert flow_selector("", None) == []
+
+
+def test_a_policy_whose_address_rules_need_too_many_port_elements_is_refused_like_one_over_the_cap() -> None:
+    from egressd.policy import rule_cap_problem
+    from egressd.policy.portmatch import MAX_PORT_ELEMENTS
+
+    def hosts(n: int, ports: int) -> NetworkPolicy:
+        rules = [
+            f'{{"action":"allow","target":"10.{i // 250}.{i % 250}.1","protocol":"tcp",'
+            f'"ports":[{",".join(str(1000 + 3 * j) for j in range(ports))}]}}'
+            for i in range(n)
+        ]
+        return pol(*rules)
+
+    assert rule_cap_problem(hosts(4096, 2), 4096) is None  # 8192: at the bound
+    problem = rule_cap_problem(hosts(4096, 3), 4096)
+    assert problem is not None and f"more than {MAX_PORT_ELEMENTS}" in problem
+    # Nested ranges on distinct hosts cut into many disjoint elements: counted after cutting.
+    nested = [
+        f'{{"action":"allow","target":"10.0.{i % 250}.{i // 250}","protocol":"tcp","ports":["{i + 1}-{65535 - i}"]}}'
+        for i in range(4096)
+    ]
+    assert rule_cap_problem(pol(*nested), 4096) is not None
+    assert rule_cap_problem(pol(*nested[:60]), 4096) is None
