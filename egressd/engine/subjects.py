@@ -29,7 +29,7 @@ from egressd.engine.flows import cut_refused
 from egressd.feed import Feed, LeasesNarrowed
 from egressd.policy import IpSets, NetworkPolicy, Verdict, audit_deny_sets, ip_sets
 from egressd.policy.decide import hard_denied, ip_decision
-from egressd.policy.portmatch import address_rules_admit, scoped_holds
+from egressd.policy.portmatch import address_rules_admit
 from egressd.subject.leases import DEFAULT_MAX_LEASES, LeaseBook, Narrowed, narrowed_for
 
 
@@ -162,9 +162,8 @@ class SubjectEngine:
                 if effective.default_action is Verdict.ALLOW or dst in order.unless_denied:
                     return True
             # Refused by the rules: audit mode passes what only a user deny refuses (a deny by
-            # port is hard in the kernel, egressd.fleetnft.contents.port_contents).
-            scoped_deny = scoped_holds(sets.deny_scoped, dst, proto, port)
-            return split is not None and not scoped_deny and not hard_denied(effective, dst, split)
+            # port is a user's rule: egressd.fleetnft.contents.port_contents).
+            return split is not None and not hard_denied(effective, dst, split)
 
         return allows
 

@@ -37,6 +37,12 @@ def audit_mark_rules(n: Names) -> list[Op]:
     for fam in ("v4", "v6"):
         rule = AuditRule(fam, n.set(f"wdeny_{fam}"), n.set(f"deny_{fam}"), n.log_prefix, n.counter("deny"))
         ops.append(AddRule(n.mark_chain, rule))
+    # The user's deny rules with ports (docs/reference/behaviour.md §18), likewise.
+    for fam in ("v4", "v6"):
+        rule = AuditRule(
+            fam, n.set(f"wdenyp_{fam}"), n.set(f"deny_{fam}"), n.log_prefix, n.counter("deny"), ports=True
+        )
+        ops.append(AddRule(n.mark_chain, rule))
     for fam in ("v4", "v6"):
         rule = AuditRule(
             fam,

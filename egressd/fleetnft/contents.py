@@ -9,7 +9,14 @@ import ipaddress
 from collections.abc import Iterable, Sequence
 
 from egressd.addr import IPAddress
-from egressd.fleetnft.table import AUDIT_SETS, PORT_STATIC_SETS, STATIC_SETS, Names, sandbox_nets_set
+from egressd.fleetnft.table import (
+    AUDIT_PORT_SETS,
+    AUDIT_SETS,
+    PORT_STATIC_SETS,
+    STATIC_SETS,
+    Names,
+    sandbox_nets_set,
+)
 from egressd.kernel.ops import (
     AddIntervals,
     AddPortElems,
@@ -52,16 +59,19 @@ _ALL_V4 = ipaddress.IPv4Network("0.0.0.0/0")
 _ALL_V6 = ipaddress.IPv6Network("::/0")
 
 
-def port_contents(sets: IpSets) -> dict[str, tuple[PortElem, ...]]:
+def port_contents(sets: IpSets, *, audit: bool = False) -> dict[str, tuple[PortElem, ...]]:
     """The port-scoped static sets (docs/reference/behaviour.md §18): IP/CIDR rules with ports or a
-    protocol, as disjoint elements (the kernel's pipapo sets refuse partial overlaps). A
-    scoped deny stays a hard deny in audit mode (it is not moved to ``wdeny``): refused,
-    never merely logged, the closed side of what audit mode cannot express per port."""
+    protocol, as disjoint elements (the kernel's pipapo sets refuse partial overlaps). In
+    audit mode the deny rules with ports move to ``wdenyp`` (logged, counted and passed, like
+    ``wdeny``): only the user's rules carry ports, the operator's always-deny never does."""
+    deny4, deny6 = disjoint(entries(sets.deny_scoped, 4)), disjoint(entries(sets.deny_scoped, 6))
     return {
         "allowp_v4": disjoint(entries(sets.allow_scoped, 4)),
         "allowp_v6": disjoint(entries(sets.allow_scoped, 6)),
-        "denyp_v4": disjoint(entries(sets.deny_scoped, 4)),
-        "denyp_v6": disjoint(entries(sets.deny_scoped, 6)),
+        "denyp_v4": () if audit else deny4,
+        "denyp_v6": () if audit else deny6,
+        "wdenyp_v4": deny4 if audit else (),
+        "wdenyp_v6": deny6 if audit else (),
     }
 
 
@@ -96,8 +106,9 @@ Contents = tuple[tuple[str, tuple[IPNetwork, ...] | tuple[PortElem, ...]], ...]
 def static_contents(effective: NetworkPolicy) -> Contents:
     """:func:`policy_contents` and :func:`port_contents` in the form a kernel view records
     (docs/concepts/architecture.md, KernelView)."""
-    ports = port_contents(ip_sets(effective))
-    return (*policy_contents(effective).items(), *((k, ports[k]) for k in PORT_STATIC_SETS))
+    ports = port_contents(ip_sets(effective), audit=effective.audit)
+    kinds = (*PORT_STATIC_SETS, *AUDIT_PORT_SETS)
+    return (*policy_contents(effective).items(), *((k, ports[k]) for k in kinds))
 
 
 def _nets(value: tuple[IPNetwork, ...] | tuple[PortElem, ...]) -> tuple[IPNetwork, ...]:
@@ -151,7 +162,7 @@ def contents_swap(
     before = dict(held) if held is not None else {}
     ops: list[Op] = []
     for kind, nets in contents:
-        if kind in AUDIT_SETS and not audit_objects:
+        if kind in (*AUDIT_SETS, *AUDIT_PORT_SETS) and not audit_objects:
             if nets:
                 raise ValueError("an audit policy needs the subject's audit objects")
             continue  # empty for a policy that does not audit, and absent
@@ -159,7 +170,7 @@ def contents_swap(
             continue  # held and unchanged
         if not known_empty:
             ops.append(FlushSet(n.set(kind)))
-        if kind in PORT_STATIC_SETS:
+        if kind in PORT_STATIC_SETS or kind in AUDIT_PORT_SETS:
             if nets:
                 ops.append(AddPortElems(n.set(kind), kind[-2:], _elems(nets)))
         elif nets:

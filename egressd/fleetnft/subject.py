@@ -18,6 +18,7 @@ from egressd.addr import IPAddress
 from egressd.fleetnft.audit import audit_mark_rules
 from egressd.fleetnft.table import (
     AUDIT_COUNTERS,
+    AUDIT_PORT_SETS,
     AUDIT_SETS,
     CORE_SETS,
     DENIED_CHAIN,
@@ -76,7 +77,8 @@ def subject_worker_port(cfg: TableConfig, subj: SubjectNft) -> int:
 
 def subject_sets(*, audit: bool) -> tuple[str, ...]:
     """The kinds of set a subject has: the audit sets only once :func:`audit_objects` made them."""
-    return (*CORE_SETS, *(AUDIT_SETS if audit else ()), *DYN_SETS, *PORT_STATIC_SETS, *DYNP_SETS)
+    audit_sets = (*AUDIT_SETS, *AUDIT_PORT_SETS) if audit else ()
+    return (*CORE_SETS, *audit_sets, *DYN_SETS, *PORT_STATIC_SETS, *DYNP_SETS)
 
 
 def subject_rules(cfg: TableConfig, nft_id: str, *, audit: bool = False) -> NetlinkBatch:
@@ -126,7 +128,7 @@ def _in_rules(n: Names, *, audit: bool) -> list[Op]:
     in_rules = (
         ("deny", RuleAction.DROP),
         ("denyp", RuleAction.DROP),
-        *((("wdeny", RuleAction.DROP),) if audit else ()),
+        *((("wdeny", RuleAction.DROP), ("wdenyp", RuleAction.DROP)) if audit else ()),
         ("dyn", RuleAction.ACCEPT),
         ("dynp", RuleAction.ACCEPT),
         ("allow", RuleAction.ACCEPT),
@@ -151,6 +153,7 @@ def audit_objects(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
     when present) before any rule names them."""
     n = Names(nft_id)
     ops: list[Op] = [AddSet(n.set(kind), kind[-2:], "interval") for kind in AUDIT_SETS]
+    ops += [AddSet(n.set(kind), kind[-2:], "interval", ports=True) for kind in AUDIT_PORT_SETS]
     ops.append(FlushChain(n.mark_chain))
     ops += _mark_rules(n, audit=True, name_check=cfg.checks_names)
     if cfg.mitm:
@@ -213,7 +216,8 @@ def subject_objects(cfg: TableConfig, nft_id: str, *, audit: bool = False) -> Ne
         AddSet(n.set(f"dyn_{fam}"), fam, "timeout", DYN_TIMEOUT_S, size=cfg.max_leases)
         for fam in ("v4", "v6")
     ]
-    ops += [AddSet(n.set(kind), kind[-2:], "interval", ports=True) for kind in PORT_STATIC_SETS]
+    port_kinds = PORT_STATIC_SETS + (AUDIT_PORT_SETS if audit else ())
+    ops += [AddSet(n.set(kind), kind[-2:], "interval", ports=True) for kind in port_kinds]
     ops += [
         AddSet(n.set(kind), kind[-2:], "timeout", DYN_TIMEOUT_S, size=port_elems_cap(cfg.max_leases), ports=True)
         for kind in DYNP_SETS

@@ -42,6 +42,9 @@ DYN_SETS = ("dyn_v4", "dyn_v6")
 # names' scope is not every port and protocol (dynp, per-element timeouts). Rules without
 # ports keep the address-only sets above (the cheap path).
 PORT_STATIC_SETS = ("allowp_v4", "allowp_v6", "denyp_v4", "denyp_v6")
+# Audit mode's port-scoped would-deny set: the user's deny rules with ports while auditing
+# (made with the other audit objects).
+AUDIT_PORT_SETS = ("wdenyp_v4", "wdenyp_v6")
 DYNP_SETS = ("dynp_v4", "dynp_v6")
 PORT_SETS = (*PORT_STATIC_SETS, *DYNP_SETS)
 SETS = (*STATIC_SETS, *DYN_SETS, *PORT_SETS)

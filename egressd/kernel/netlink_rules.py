@@ -149,8 +149,13 @@ def _set_mark() -> list[bytes]:
 def _audit_expressions(rule: AuditRule) -> bytes:
     if len(rule.log_prefix.encode()) > LOG_PREFIX_MAX:
         raise ValueError(f"log prefix longer than {LOG_PREFIX_MAX} bytes")
-    parts = _daddr_lookup(rule.fam, rule.set_name)
-    # The address is still in register 1: a lookup only reads it.
+    if rule.ports:
+        # nft loads the address again after a concatenation's lookup (as the kernel lists it).
+        parts = port_key_expressions(PortRule(rule.fam, rule.set_name, RuleAction.MARK))
+        parts.append(_daddr_lookup(rule.fam, rule.set_name)[2])
+    else:
+        # The address is still in register 1: a lookup only reads it.
+        parts = _daddr_lookup(rule.fam, rule.set_name)
     parts.append(
         _expr(
             "lookup",

@@ -122,12 +122,16 @@ class AuditRule:
     log_prefix: str
     counter: str
     unmarked_only: bool = False
+    # ``set_name`` is port-scoped (``ip daddr . meta l4proto . th dport @set``): audit mode's
+    # would-deny by port (docs/reference/behaviour.md §18).
+    ports: bool = False
 
     def render(self) -> str:
         l3 = "ip" if self.fam == "v4" else "ip6"
         mark = f" meta mark & {ALLOW_MARK:#010x} != {ALLOW_MARK:#010x}" if self.unmarked_only else ""
+        key = f"{l3} daddr . meta l4proto . th dport" if self.ports else f"{l3} daddr"
         return (
-            f"{l3} daddr @{self.set_name} {l3} daddr != @{self.hard} ct state new{mark} "
+            f"{key} @{self.set_name} {l3} daddr != @{self.hard} ct state new{mark} "
             f'log prefix "{self.log_prefix}" counter name "{self.counter}" meta mark set {ALLOW_MARK:#x}'
         )
 

@@ -300,3 +300,35 @@ def test_a_narrowing_that_takes_a_port_away_cuts_only_the_flow_on_it(
     assert by_port["7001"] and "dead" not in by_port["7001"], "a flow on a still-allowed port was cut: " + out
     assert not probe(topo, 1, "tcp", EX_IP, 7000)
     assert probe(topo, 1, "tcp", EX_IP, 7001)
+
+
+def test_audit_mode_logs_counts_and_passes_a_would_deny_by_port(
+    topo: Topology, daemon: Daemon, echo: subprocess.Popen[str]
+) -> None:
+    """Audit mode (docs/reference/policy-language.md): a deny rule with ports is a would-deny
+    there, like one without; a port no rule opens is the default's would-deny."""
+    policy = {
+        "defaultAction": "deny",
+        "mode": "audit",
+        "egress": [
+            {"action": "deny", "target": EX_IP, "protocol": "tcp", "ports": [7000]},
+            {"action": "allow", "target": EX_IP, "protocol": "tcp", "ports": ["7000-7001"]},
+        ],
+    }
+    activate(daemon, policy)
+
+    def counted(kind: str) -> int:
+        out = daemon.nft("-j", "list", "counter", "inet", daemon.table, f"subj_s_sb1_audit_{kind}")
+        return int(next(i["counter"]["packets"] for i in json.loads(out)["nftables"] if "counter" in i))
+
+    deny0, default0 = counted("deny"), counted("default")
+    assert probe(topo, 1, "tcp", EX_IP, 7000)  # would-deny by the rule: passed
+    assert counted("deny") == deny0 + 1
+    assert probe(topo, 1, "tcp", EX_IP, 7001)  # allowed: neither
+    assert counted("deny") == deny0 + 1 and counted("default") == default0
+    assert probe(topo, 1, "udp", EX_IP, 7000)  # no rule opens it: the default's would-deny
+    assert counted("default") == default0 + 1
+    # Enforcing again: the same rules refuse.
+    bind(daemon, {**policy, "mode": "enforce"})
+    assert not probe(topo, 1, "tcp", EX_IP, 7000) and probe(topo, 1, "tcp", EX_IP, 7001)
+    assert not probe(topo, 1, "udp", EX_IP, 7000)

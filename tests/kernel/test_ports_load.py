@@ -25,7 +25,8 @@ _SCRIPT = textwrap.dedent(
     import ipaddress, re, subprocess, sys
     from egressd.kernel.netlink import NfTablesSocket
     from egressd.kernel.ops import (
-        AddPortElems, AddRule, AddSet, DeletePortElems, L4Guard, MatchRule, NetlinkBatch, PortRule, RuleAction,
+        AddCounter, AddPortElems, AddRule, AddSet, AuditRule, DeletePortElems, L4Guard, MatchRule, NetlinkBatch,
+        PortRule, RuleAction,
     )
 
     def sh(*a, inp=None, check=True):
@@ -48,6 +49,10 @@ _SCRIPT = textwrap.dedent(
         AddRule("c", PortRule("v6", "p6", RuleAction.DROP, drop_chain="denied")),
         AddRule("c", MatchRule("v4", "d4", RuleAction.MARK, guard=L4Guard.NOT_UDP)),
         AddRule("c", MatchRule("v4", "d4", RuleAction.MARK, guard=L4Guard.UDP_NOT_443)),
+        # Audit mode's would-deny by port: logged, counted, marked; a hard deny is left alone.
+        AddSet("h4", "v4", "interval"),
+        AddCounter("k"),
+        AddRule("c", AuditRule("v4", "p4", "h4", "egressd would-deny x ", "k", ports=True)),
         AddPortElems(
             "p4", "v4", ((net("1.2.3.4/32"), "tcp", 443, 443), (net("10.0.0.0/8"), "udp", 1000, 2000)), (90, 30)
         ),
@@ -127,6 +132,10 @@ def test_port_scoped_objects_load_as_nft_loads_them(scratch: str) -> None:
     assert "10.0.0.0/8 . udp . 1000-2000 timeout 30s" in ours
     assert "2001:db8::/32 . tcp . 5432-5433" in ours
     assert "ip daddr @d4 udp dport != 443 meta mark set 0x00000002" in ours
+    assert (
+        'ip daddr . meta l4proto . th dport @p4 ip daddr != @h4 ct state new log prefix "egressd would-deny x " '
+        'counter name "k" meta mark set 0x00000002'
+    ) in ours
     # Register by register, the kernel holds the same expressions (the ct rule is ours alone).
     ct_block = re.search(r"inet T c [\d ]+\n  \[ ct load dst_ip.*?\n\n", our_exprs, re.S)
     assert ct_block is not None and "[ ct load proto_dst => reg 10 , dir original ]" in ct_block.group(0)

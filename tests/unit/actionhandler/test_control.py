@@ -193,7 +193,10 @@ def mark_rules(nid: str = "s_u_1", *, audit: bool = False, name_check: bool = Fa
                     ("meta l4proto != udp ", "udp dport != 443 ") if kind == "dyn" and name_check else ("",)
                 )
             ),
-            *(f"{l3} {key} @subj_{nid}_{kind}p_{fam} meta mark set 0x2" for l3, fam in (("ip", "v4"), ("ip6", "v6"))),
+            *(
+                f"{l3} {key} @subj_{nid}_{kind}p_{fam} meta mark set 0x2"
+                for l3, fam in (("ip", "v4"), ("ip6", "v6"))
+            ),
         )
     ]
     return (
@@ -202,10 +205,11 @@ def mark_rules(nid: str = "s_u_1", *, audit: bool = False, name_check: bool = Fa
         else [
             *marks,
             *(
-                f"{l3} daddr @subj_{nid}_{kind}_{fam} {l3} daddr != @subj_{nid}_deny_{fam} ct state new "
+                f"{l3} {key if kind == 'wdenyp' else 'daddr'} @subj_{nid}_{kind}_{fam} {l3} daddr != "
+                f"@subj_{nid}_deny_{fam} ct state new "
                 f"{unmarked if kind == 'audit' else ''}{log} "
                 f'counter name "subj_{nid}_audit_{counter}" meta mark set 0x2'
-                for kind, counter in (("wdeny", "deny"), ("audit", "default"))
+                for kind, counter in (("wdeny", "deny"), ("wdenyp", "deny"), ("audit", "default"))
                 for l3, fam in (("ip", "v4"), ("ip6", "v6"))
             ),
         ]
@@ -224,7 +228,7 @@ def in_rules(nid: str = "s_u_1", *, audit: bool = False) -> list[str]:
             for kind, verdict in (
                 ("deny", "goto denied"),
                 ("denyp", "goto denied"),
-                *((("wdeny", "goto denied"),) if audit else ()),
+                *((("wdeny", "goto denied"), ("wdenyp", "goto denied")) if audit else ()),
                 ("dyn", "accept"),
                 ("dynp", "accept"),
                 ("allow", "accept"),
@@ -1224,7 +1228,7 @@ async def test_a_new_subject_and_a_new_address_cut_flows_a_previous_process_allo
 # --------------------------------------------------------------------------- lazy audit objects
 
 AUDITING = '{"defaultAction":"deny","mode":"audit","egress":[{"action":"deny","target":"9.9.9.0/24"}]}'
-AUDIT_KINDS = ("wdeny_v4", "wdeny_v6", "audit_v4", "audit_v6")
+AUDIT_KINDS = ("wdeny_v4", "wdeny_v6", "audit_v4", "audit_v6", "wdenyp_v4", "wdenyp_v6")
 
 
 @pytest.mark.parametrize("mitm", [False, True])

@@ -71,6 +71,8 @@ SET_KINDS = (
     "wdeny_v6",
     "audit_v4",
     "audit_v6",
+    "wdenyp_v4",
+    "wdenyp_v6",
     "dyn_v4",
     "dyn_v6",
     "allowp_v4",
@@ -113,6 +115,10 @@ MARK_CHAIN_RULES = [
     'counter name "subj_s_u_1_audit_deny" meta mark set 0x2',
     'ip6 daddr @subj_s_u_1_wdeny_v6 ip6 daddr != @subj_s_u_1_deny_v6 ct state new log prefix "egressd would-deny s_u_1 " '
     'counter name "subj_s_u_1_audit_deny" meta mark set 0x2',
+    f"ip {PORTKEY} @subj_s_u_1_wdenyp_v4 ip daddr != @subj_s_u_1_deny_v4 ct state new "
+    'log prefix "egressd would-deny s_u_1 " counter name "subj_s_u_1_audit_deny" meta mark set 0x2',
+    f"ip6 {PORTKEY} @subj_s_u_1_wdenyp_v6 ip6 daddr != @subj_s_u_1_deny_v6 ct state new "
+    'log prefix "egressd would-deny s_u_1 " counter name "subj_s_u_1_audit_deny" meta mark set 0x2',
     "ip daddr @subj_s_u_1_audit_v4 ip daddr != @subj_s_u_1_deny_v4 ct state new meta mark & 0x00000002 != 0x00000002 "
     'log prefix "egressd would-deny s_u_1 " counter name "subj_s_u_1_audit_default" meta mark set 0x2',
     "ip6 daddr @subj_s_u_1_audit_v6 ip6 daddr != @subj_s_u_1_deny_v6 ct state new meta mark & 0x00000002 != 0x00000002 "
@@ -135,6 +141,8 @@ IN_CHAIN_RULES = [
     f"ct original ip6 {CT_PORTKEY} @subj_s_u_1_denyp_v6 goto denied",
     "ct original ip daddr @subj_s_u_1_wdeny_v4 goto denied",
     "ct original ip6 daddr @subj_s_u_1_wdeny_v6 goto denied",
+    f"ct original ip {CT_PORTKEY} @subj_s_u_1_wdenyp_v4 goto denied",
+    f"ct original ip6 {CT_PORTKEY} @subj_s_u_1_wdenyp_v6 goto denied",
     "ct original ip daddr @subj_s_u_1_dyn_v4 accept",
     "ct original ip6 daddr @subj_s_u_1_dyn_v6 accept",
     f"ct original ip {CT_PORTKEY} @subj_s_u_1_dynp_v4 accept",
@@ -551,9 +559,10 @@ def test_subject_rules_are_the_fixed_rule_list() -> None:
                     "egressd would-deny s_u_1 ",
                     f"subj_s_u_1_audit_{counter}",
                     unmarked_only=kind == "audit",
+                    ports=kind == "wdenyp",
                 ),
             )
-            for kind, counter in (("wdeny", "deny"), ("audit", "default"))
+            for kind, counter in (("wdeny", "deny"), ("wdenyp", "deny"), ("audit", "default"))
             for fam in ("v4", "v6")
         ),
     )
@@ -681,6 +690,8 @@ AUDIT_FLUSHES = tuple(
         "allowp_v6",
         "denyp_v4",
         "denyp_v6",
+        "wdenyp_v4",
+        "wdenyp_v6",
     )
 )
 AUDIT_FLUSH_TEXT = "".join(f"flush set inet T {op.name}\n" for op in AUDIT_FLUSHES)
@@ -737,7 +748,10 @@ def test_policy_swap_empty_sets_get_no_elements() -> None:
     filled = [op.name for op in batch.ops if isinstance(op, AddIntervals)]
     assert filled == ["subj_s_u_1_allow_v4", "subj_s_u_1_deny_v4"]
     deny_all = policy_swap(T, "s_u_1", parse_policy("{}"), audit_objects=True)
-    assert deny_all.ops == tuple(FlushSet(f"subj_s_u_1_{k}") for k in SET_KINDS if not k.startswith("dyn"))
+    assert all(isinstance(op, FlushSet) for op in deny_all.ops)
+    assert sorted(op.name for op in deny_all.ops) == sorted(  # type: ignore[union-attr]
+        f"subj_s_u_1_{k}" for k in SET_KINDS if not k.startswith("dyn")
+    )
     assert "add element" not in deny_all.describe()
 
 
@@ -1051,7 +1065,7 @@ def test_audit_rule_log_prefix_fits_the_kernel_limit_for_the_longest_ids() -> No
     nid = "s_" + "x" * 128
     rules = [op.rule for op in subject_rules(CFG, nid, audit=True).ops if isinstance(op, AddRule)]
     audit = [r for r in rules if isinstance(r, AuditRule)]
-    assert len(audit) == 4
+    assert len(audit) == 6
     assert all(
         len(r.log_prefix.encode()) <= 127 and r.log_prefix.startswith("egressd would-deny s_x") for r in audit
     )
@@ -1069,7 +1083,8 @@ def test_audit_objects_declare_the_sets_and_rebuild_the_chains_that_read_them() 
         batch = audit_objects(cfg, "s_u_1")
         kinds = ("wdeny_v4", "wdeny_v6", "audit_v4", "audit_v6")
         assert [op for op in batch.ops if isinstance(op, AddSet)] == [
-            AddSet(f"subj_s_u_1_{k}", k[-2:], "interval") for k in kinds
+            *(AddSet(f"subj_s_u_1_{k}", k[-2:], "interval") for k in kinds),
+            *(AddSet(f"subj_s_u_1_wdenyp_{f}", f, "interval", ports=True) for f in ("v4", "v6")),
         ]
         chains = ["mark_s_u_1"] + (["subj_s_u_1_in"] if cfg.mitm else [])
         assert [op for op in batch.ops if isinstance(op, FlushChain)] == [FlushChain(c) for c in chains]

@@ -84,13 +84,13 @@ def test_the_fleet_s_static_contents_hold_scoped_rules_in_the_port_sets_only() -
         (NET("10.1.0.0/16"), "udp", 5000, 6000),
     )
     assert c["denyp_v6"] == ((NET("2001:db8::1/128"), "udp", 53, 53),)
-    # Audit mode cannot pass a would-deny by port: a scoped deny stays hard (refused).
+    # Audit mode passes a would-deny by port like one by address: wdenyp, logged and counted.
     audited = dict(
         static_contents(
             pol('{"action":"deny","target":"10.0.0.1","protocol":"tcp","ports":[22]}', audit=True)
         )
     )
-    assert audited["denyp_v4"] == ((NET("10.0.0.1/32"), "tcp", 22, 22),) and audited["wdeny_v4"] == ()
+    assert audited["wdenyp_v4"] == ((NET("10.0.0.1/32"), "tcp", 22, 22),) and audited["denyp_v4"] == ()
     assert port_contents(ip_sets(pol()))["allowp_v4"] == ()
 
 
