@@ -70,6 +70,16 @@ def set_decl(name: str, fam: str, flags: str, elements: Sequence[str] = (), extr
     return f"{name} {{ {body} }}"
 
 
+def port_set_decl(name: str, fam: str, size: int, *, timed: bool = False) -> str:
+    """A port-scoped set (docs/reference/behaviour.md §18): ``addr . inet_proto . inet_service``,
+    an interval set; ``timed``: per-element timeouts (the DNS leases), timeout
+    :data:`DYN_TIMEOUT_S`; at most ``size`` elements (0 = unbounded). One text per set, as for
+    :func:`timeout_set_decl`."""
+    flags = "interval,timeout" if timed else "interval"
+    extra = (f" timeout {DYN_TIMEOUT_S}s;" if timed else "") + (f" size {size};" if size else "")
+    return f"{name} {{ type {addr_type(fam)} . inet_proto . inet_service; flags {flags};{extra} }}"
+
+
 def timeout_set_decl(name: str, fam: str, size: int, elements: Sequence[str] = ()) -> str:
     """A dyn set: timeout :data:`DYN_TIMEOUT_S`, at most ``size`` elements (0 = unbounded).
     Every declaration of one set must be this text: a re-declaration with other properties is

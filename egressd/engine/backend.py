@@ -20,10 +20,12 @@ from egressd.addr import IPAddress
 from egressd.engine.selftest import Probes
 from egressd.policy import NetworkPolicy
 from egressd.policy.ipsets import Prefix
+from egressd.subject.leases import Grant
 
-#: A tracked flow: (source, original destination). The source is None where the backend's flows
-#: are the whole namespace's (the sidecar): the destination alone decides them.
-Flow = tuple[IPAddress | None, IPAddress]
+#: A tracked flow: (source, original destination, protocol, original destination port). The
+#: source is None where the backend's flows are the whole namespace's (the sidecar): the
+#: destination, protocol and port decide them. The port is None for a protocol without ports.
+Flow = tuple[IPAddress | None, IPAddress, str, int | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,11 @@ class RulesetBackend(Protocol):
     #: Whether this backend's kernel lets an audit policy's would-deny through (the fleet's audit
     #: objects). Where it does not, a would-deny flow is refused by the kernel and cut with it.
     passes_would_deny: bool
+    @property
+    def name_check(self) -> bool:
+        """EGRESSD_NAME_CHECK in force (docs/reference/behaviour.md §18): the kernel opens UDP 443 of
+        a DNS-learned address only for an explicit udp rule."""
+        ...
 
     def may_hold(self, exc: BaseException) -> bool:
         """Whether the kernel may hold leases whose :meth:`add_leases` raised ``exc``: the engine
@@ -52,8 +59,8 @@ class RulesetBackend(Protocol):
         lease they cover never survives a narrowing (docs/reference/behaviour.md §14.1)."""
         ...
 
-    async def add_leases(self, uid: str, admitted: list[tuple[IPAddress, int]]) -> None:
-        """Put learned leases (address, seconds) into ``uid``'s dynamic allow sets, before the
+    async def add_leases(self, uid: str, admitted: list[Grant]) -> None:
+        """Put learned leases (address, seconds, scope) into ``uid``'s dynamic allow sets, before the
         DNS answer leaves. Raises RulesetRefused (nothing applied) or RulesetUncertain."""
         ...
 

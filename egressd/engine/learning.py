@@ -21,15 +21,16 @@ from collections.abc import Awaitable, Callable, Sequence
 from egressd.addr import IPAddress
 from egressd.policy import IpSets, NetworkPolicy, normalise_name
 from egressd.subject.leases import (
+    Grant,
     LeaseBook,
     admissible,
     destination_verified,
     destination_verified_until,
 )
 
-#: The backend's kernel step for admitted leases (address, seconds): the fleet's netlink batch on
-#: the subject's dyn sets, the sidecar's script on its table's.
-AddLeases = Callable[[list[tuple[IPAddress, int]]], Awaitable[None]]
+#: The backend's kernel step for admitted leases (address, seconds, scope): the fleet's netlink
+#: batch on the subject's dyn sets, the sidecar's script on its table's.
+AddLeases = Callable[[list[Grant]], Awaitable[None]]
 
 
 def question(name: str | None) -> str | None:
@@ -52,10 +53,12 @@ async def learn(
     add: AddLeases,
     *,
     kernel_may_hold: Callable[[BaseException], bool] = _took_nothing,
+    name_check: bool = False,
 ) -> list[IPAddress]:
     """Learn one answer (``name``: its question; None: a refresh of live addresses) into
     ``book`` under ``effective``, the policy in force now; return the addresses the kernel now
-    holds (the reply carries only these, docs/reference/behaviour.md §14.4).
+    holds (the reply carries only these, docs/reference/behaviour.md §14.4), each opened only for the
+    name's ports and protocols (§18; ``name_check``: UDP 443 only by an explicit udp rule).
 
     Nothing admissible: nothing reaches the kernel. When ``add`` raises, the leases are recorded
     only if ``kernel_may_hold`` says the kernel may have taken them anyway (an unanswered or
@@ -63,7 +66,7 @@ async def learn(
     which rewrites the dyn sets from it, would not revoke them.
     """
     name = question(name)
-    admitted = admissible(book, effective, leases, name, now)
+    admitted = admissible(book, effective, leases, name, now, name_check=name_check)
     if not admitted:
         return []
     try:
@@ -73,7 +76,7 @@ async def learn(
             book.record(admitted, name, now)
         raise
     book.record(admitted, name, now)
-    return [ip for ip, _ in admitted]
+    return [g.ip for g in admitted]
 
 
 def verified(book: LeaseBook | None, sets: IpSets | None, host: str, dst: IPAddress, now: float) -> bool:

@@ -21,11 +21,12 @@ from egressd.addr import IPAddress
 from egressd.engine.backend import RulesetBackend
 from egressd.policy import NetworkPolicy
 from egressd.subject.hostuid import UidPorts
+from egressd.subject.leases import Grant
 from egressd.subject.registry import Binding, Entry, HostBinding, KernelView, StaticContents
 
 Keys = frozenset[tuple[IPAddress, IPAddress]]  # (source address, gateway) dispatch keys
 UidKeys = frozenset[tuple[int, int]]  # (host uid, slot)
-Leases = Sequence[tuple[IPAddress, int]]  # (address, seconds left) of a subject's dyn sets
+Leases = Sequence[Grant]  # (address, seconds left, scope) of a subject's dyn sets
 InUse = Callable[[IPAddress], bool]  # is this gateway still used by another subject?
 
 

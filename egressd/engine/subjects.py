@@ -19,6 +19,7 @@ import functools
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from egressd.addr import IPAddress
 from egressd.engine import learning
@@ -28,7 +29,14 @@ from egressd.engine.flows import cut_refused
 from egressd.feed import Feed, LeasesNarrowed
 from egressd.policy import IpSets, NetworkPolicy, Verdict, audit_deny_sets, ip_sets
 from egressd.policy.decide import hard_denied, ip_decision
+from egressd.policy.portmatch import address_rules_admit
 from egressd.subject.leases import DEFAULT_MAX_LEASES, LeaseBook, Narrowed, narrowed_for
+
+
+class Judge(Protocol):
+    """Does the ruleset accept a new connection to ``dst`` (on ``proto``/``port``)?"""
+
+    def __call__(self, dst: IPAddress, proto: str = "", port: int | None = None) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +95,7 @@ class SubjectEngine:
             self.clock(),
             functools.partial(self.backend.add_leases, uid),
             kernel_may_hold=self.backend.may_hold,
+            name_check=self.backend.name_check,
         )
 
     # ---- narrow ------------------------------------------------------------------------------
@@ -98,7 +107,7 @@ class SubjectEngine:
         if book is None or not len(book):
             return None
         deny_v4, deny_v6 = self.backend.kernel_denies(effective)
-        return narrowed_for(book, effective, deny_v4, deny_v6, self.clock())
+        return narrowed_for(book, effective, deny_v4, deny_v6, self.clock(), name_check=self.backend.name_check)
 
     def commit(self, uid: str, narrowed: Narrowed | None) -> None:
         """The kernel took a narrowing: ``uid``'s book is its narrowed book from now on."""
@@ -122,23 +131,38 @@ class SubjectEngine:
 
     # ---- flows -------------------------------------------------------------------------------
 
-    def judge(self, uid: str, order: CutOrder, sets: IpSets | None = None) -> Callable[[IPAddress], bool]:
+    def judge(self, uid: str, order: CutOrder, sets: IpSets | None = None) -> Judge:
         """Whether the ruleset built from ``order.effective`` and ``uid``'s live leases accepts
-        a new connection to a destination. In audit mode, where the backend's kernel lets a
-        would-deny through, it passes (only a hard deny refuses), so it is not cut either."""
+        a new connection to a destination, on a protocol and port (docs/reference/behaviour.md §18;
+        no protocol: the address alone, as the address-only sets decide it). In audit mode,
+        where the backend's kernel lets a would-deny through, it passes (only a hard deny,
+        whole or by port, refuses), so it is not cut either."""
         effective = order.effective
         now = self.clock()
         book = self.books.get(uid)
         leases = book.live(now) if book is not None else {}
         sets = sets if sets is not None else ip_sets(effective)
         split = audit_deny_sets(effective) if effective.audit and self.backend.passes_would_deny else None
+        name_check = self.backend.name_check
 
-        def allows(dst: IPAddress) -> bool:
+        def allows(dst: IPAddress, proto: str = "", port: int | None = None) -> bool:
             if dst in order.reachable:
                 return True
-            verdict, where, _ = ip_decision(effective, leases, dst, now, sets)
-            if verdict is Verdict.ALLOW or (where != "deny" and dst in order.unless_denied):
+            if not proto:
+                verdict, where, _ = ip_decision(effective, leases, dst, now, sets)
+                if verdict is Verdict.ALLOW or (where != "deny" and dst in order.unless_denied):
+                    return True
+                return split is not None and not hard_denied(effective, dst, split)
+            by_rules = address_rules_admit(sets, dst, proto, port)
+            if by_rules is True:
                 return True
+            if by_rules is None:
+                if book is not None and book.scope_of(dst, now).admits(proto, port, name_check=name_check):
+                    return True
+                if effective.default_action is Verdict.ALLOW or dst in order.unless_denied:
+                    return True
+            # Refused by the rules: audit mode passes what only a user deny refuses (a deny by
+            # port is a user's rule: egressd.fleetnft.contents.port_contents).
             return split is not None and not hard_denied(effective, dst, split)
 
         return allows
@@ -154,8 +178,8 @@ class SubjectEngine:
         for uid, order in due.items():
             allows = self.judge(uid, order)
 
-            def allowed(flow: Flow, allows: Callable[[IPAddress], bool] = allows) -> bool:
-                return allows(flow[1])
+            def allowed(flow: Flow, allows: Judge = allows) -> bool:
+                return allows(flow[1], flow[2], flow[3])
 
             cut += await cut_refused(
                 flows.get(uid, ()), allowed, self.backend.cut_flow, self.backend.flow_fields

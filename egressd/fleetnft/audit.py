@@ -2,12 +2,13 @@
 
 Audit mode is set content too, once the subject has its audit objects
 (:func:`egressd.fleetnft.subject.audit_objects`, added in the transaction of its first audit
-policy and kept until removal; a subject that never audits has 6 sets, not 10, and every
-set-name lookup in the kernel walks the table's whole list of sets). Two rule pairs at the end
-of ``mark_<id>`` (:func:`audit_mark_rules`) log (``log prefix "egressd would-deny <id> "``),
+policy and kept until removal; a subject that never audits has 6 fewer sets, and every
+set-name lookup in the kernel walks the table's whole list of sets). Three rule pairs at the
+end of ``mark_<id>`` (:func:`audit_mark_rules`) log (``log prefix "egressd would-deny <id> "``),
 count (named counters ``subj_<id>_audit_deny`` / ``subj_<id>_audit_default``) and mark new flows
-to ``wdeny`` (the user's deny prefixes, moved out of ``deny`` while auditing) and, if still
-unmarked, to ``audit`` (``0.0.0.0/0`` / ``::/0`` while auditing). Both are empty unless the
+to ``wdeny`` (the user's deny prefixes, moved out of ``deny`` while auditing), to ``wdenyp``
+(the user's deny rules with ports, moved out of ``denyp``: docs/reference/behaviour.md §18) and,
+if still unmarked, to ``audit`` (``0.0.0.0/0`` / ``::/0`` while auditing). Both are empty unless the
 active policy audits, so deny-first (all sets empty) and enforcing subjects are unchanged, and
 switching audit on or off is the same atomic swap as any policy change. ``deny`` keeps the
 operator's always-deny prefixes in audit mode: those stay hard, like the lateral, DoT and DoH
@@ -36,6 +37,12 @@ def audit_mark_rules(n: Names) -> list[Op]:
     # A user-denied prefix is logged even inside an allowed one (deny beats allow, as enforced).
     for fam in ("v4", "v6"):
         rule = AuditRule(fam, n.set(f"wdeny_{fam}"), n.set(f"deny_{fam}"), n.log_prefix, n.counter("deny"))
+        ops.append(AddRule(n.mark_chain, rule))
+    # The user's deny rules with ports (docs/reference/behaviour.md §18), likewise.
+    for fam in ("v4", "v6"):
+        rule = AuditRule(
+            fam, n.set(f"wdenyp_{fam}"), n.set(f"deny_{fam}"), n.log_prefix, n.counter("deny"), ports=True
+        )
         ops.append(AddRule(n.mark_chain, rule))
     for fam in ("v4", "v6"):
         rule = AuditRule(

@@ -19,9 +19,10 @@ from egressd.engine.subjects import unless_refused
 from egressd.fleetnft.contents import dyn_add, policy_contents
 from egressd.fleetnft.table import UNATTRIBUTED_COUNTER, TableConfig, dropped_counter_subject
 from egressd.kernel.applier import Transactions
-from egressd.kernel.conntrack import flush_flow, read_flows
+from egressd.kernel.conntrack import flush_flow, read_flow_dests
 from egressd.policy import NetworkPolicy
 from egressd.policy.ipsets import Prefix
+from egressd.subject.leases import Grant
 from egressd.subject.model import nft_id, subject_for_uid
 
 
@@ -40,6 +41,10 @@ class FleetBackend:
     #: The subject's audit objects pass a would-deny (docs/reference/behaviour.md §8.3; the policy
     #: language's audit mode: docs/reference/policy-language.md).
     passes_would_deny = True
+
+    @property
+    def name_check(self) -> bool:
+        return self.table.checks_names
 
     def __init__(
         self,
@@ -62,7 +67,7 @@ class FleetBackend:
         contents = policy_contents(effective)
         return contents["deny_v4"], contents["deny_v6"]
 
-    async def add_leases(self, uid: str, admitted: list[tuple[IPAddress, int]]) -> None:
+    async def add_leases(self, uid: str, admitted: list[Grant]) -> None:
         batch = dyn_add(
             self.table.table, nft_id(subject_for_uid(uid)), admitted, replace=self.table.renew_by_replace
         )
@@ -72,23 +77,23 @@ class FleetBackend:
         self, sources: Mapping[str, Collection[IPAddress]]
     ) -> Mapping[str, Sequence[Flow]] | None:
         every = sorted({ip for ips in sources.values() for ip in ips}, key=str)
-        flows = await read_flows(every)
+        flows = await read_flow_dests(every)
         if flows is None:
             return None
         return {
             uid: [
-                (src, dst)
+                (src, dst, proto, port)
                 for src in sorted(set(ips), key=str)
-                for dst in sorted(flows.get(src, ()), key=str)
+                for dst, proto, port in sorted(flows.get(src, ()), key=str)
             ]
             for uid, ips in sources.items()
         }
 
     async def cut_flow(self, flow: Flow) -> None:
-        src, dst = flow
+        src, dst, proto, port = flow
         if src is None:  # the fleet's flows always have their subject's source
             raise ValueError("a fleet flow without a source")
-        await flush_flow(src, dst)
+        await flush_flow(src, dst, proto, port)
 
     def flow_fields(self, flow: Flow) -> dict[str, str]:
         return {"source_ip": str(flow[0])}

@@ -9,14 +9,24 @@ import ipaddress
 from collections.abc import Iterable, Sequence
 
 from egressd.addr import IPAddress
-from egressd.fleetnft.table import AUDIT_SETS, STATIC_SETS, Names, sandbox_nets_set
+from egressd.fleetnft.table import (
+    AUDIT_PORT_SETS,
+    AUDIT_SETS,
+    PORT_STATIC_SETS,
+    STATIC_SETS,
+    Names,
+    sandbox_nets_set,
+)
 from egressd.kernel.ops import (
     AddIntervals,
+    AddPortElems,
     AddTimed,
     DeleteElement,
+    DeletePortElems,
     FlushSet,
     NetlinkBatch,
     Op,
+    PortElem,
 )
 from egressd.nftsyntax import IPNetwork, family
 from egressd.policy import (
@@ -27,6 +37,9 @@ from egressd.policy import (
     ip_sets,
 )
 from egressd.policy.ipsets import PrefixIndex
+from egressd.policy.portmatch import disjoint, entries
+from egressd.policy.scope import Scope
+from egressd.subject.leases import Grant, LeaseLike, as_grants
 
 
 def sandbox_nets_refresh(nets: Iterable[IPNetwork]) -> list[Op]:
@@ -46,8 +59,25 @@ _ALL_V4 = ipaddress.IPv4Network("0.0.0.0/0")
 _ALL_V6 = ipaddress.IPv6Network("::/0")
 
 
+def port_contents(sets: IpSets, *, audit: bool = False) -> dict[str, tuple[PortElem, ...]]:
+    """The port-scoped static sets (docs/reference/behaviour.md §18): IP/CIDR rules with ports or a
+    protocol, as disjoint elements (the kernel's pipapo sets refuse partial overlaps). In
+    audit mode the deny rules with ports move to ``wdenyp`` (logged, counted and passed, like
+    ``wdeny``): only the user's rules carry ports, the operator's always-deny never does."""
+    deny4, deny6 = disjoint(entries(sets.deny_scoped, 4)), disjoint(entries(sets.deny_scoped, 6))
+    return {
+        "allowp_v4": disjoint(entries(sets.allow_scoped, 4)),
+        "allowp_v6": disjoint(entries(sets.allow_scoped, 6)),
+        "denyp_v4": () if audit else deny4,
+        "denyp_v6": () if audit else deny6,
+        "wdenyp_v4": deny4 if audit else (),
+        "wdenyp_v6": deny6 if audit else (),
+    }
+
+
 def policy_contents(effective: NetworkPolicy) -> dict[str, tuple[IPNetwork, ...]]:
-    """Contents of the static sets for an effective policy (§5 IP layer), audit mode included."""
+    """Contents of the address-only static sets for an effective policy (§5 IP layer), audit
+    mode included (the port-scoped ones: :func:`port_contents`)."""
     sets: IpSets = ip_sets(effective)
     allow_v4: tuple[IPNetwork, ...] = sets.allow_v4
     allow_v6: tuple[IPNetwork, ...] = sets.allow_v6
@@ -68,13 +98,25 @@ def policy_contents(effective: NetworkPolicy) -> dict[str, tuple[IPNetwork, ...]
     }
 
 
-#: What a subject's static sets hold: (set kind, its prefixes) in :data:`STATIC_SETS` order.
-Contents = tuple[tuple[str, tuple[IPNetwork, ...]], ...]
+#: What a subject's static sets hold: (set kind, its prefixes) in :data:`STATIC_SETS` order,
+#: then (set kind, its port elements) in :data:`PORT_STATIC_SETS` order.
+Contents = tuple[tuple[str, tuple[IPNetwork, ...] | tuple[PortElem, ...]], ...]
 
 
 def static_contents(effective: NetworkPolicy) -> Contents:
-    """:func:`policy_contents` in the form a kernel view records (docs/concepts/architecture.md, KernelView)."""
-    return tuple(policy_contents(effective).items())
+    """:func:`policy_contents` and :func:`port_contents` in the form a kernel view records
+    (docs/concepts/architecture.md, KernelView)."""
+    ports = port_contents(ip_sets(effective), audit=effective.audit)
+    kinds = (*PORT_STATIC_SETS, *AUDIT_PORT_SETS)
+    return (*policy_contents(effective).items(), *((k, ports[k]) for k in kinds))
+
+
+def _nets(value: tuple[IPNetwork, ...] | tuple[PortElem, ...]) -> tuple[IPNetwork, ...]:
+    return tuple(v for v in value if not isinstance(v, tuple))
+
+
+def _elems(value: tuple[IPNetwork, ...] | tuple[PortElem, ...]) -> tuple[PortElem, ...]:
+    return tuple(v for v in value if isinstance(v, tuple))
 
 
 def policy_swap(
@@ -120,7 +162,7 @@ def contents_swap(
     before = dict(held) if held is not None else {}
     ops: list[Op] = []
     for kind, nets in contents:
-        if kind in AUDIT_SETS and not audit_objects:
+        if kind in (*AUDIT_SETS, *AUDIT_PORT_SETS) and not audit_objects:
             if nets:
                 raise ValueError("an audit policy needs the subject's audit objects")
             continue  # empty for a policy that does not audit, and absent
@@ -128,8 +170,11 @@ def contents_swap(
             continue  # held and unchanged
         if not known_empty:
             ops.append(FlushSet(n.set(kind)))
-        if nets:
-            ops.append(AddIntervals(n.set(kind), kind[-2:], nets))
+        if kind in PORT_STATIC_SETS or kind in AUDIT_PORT_SETS:
+            if nets:
+                ops.append(AddPortElems(n.set(kind), kind[-2:], _elems(nets)))
+        elif nets:
+            ops.append(AddIntervals(n.set(kind), kind[-2:], _nets(nets)))
     return NetlinkBatch(table, tuple(ops))
 
 
@@ -140,13 +185,23 @@ def refuses_more(held: Contents, new: Contents) -> bool:
     ``new`` refuses nothing more when its deny sets lie within the held ones and its marking
     sets cover the held ones. Conservative: True whenever that cannot be shown prefix by
     prefix (e.g. a held /24 covered only by two new /25s)."""
-    old, now = dict(held), dict(new)
+    old = {k: _nets(v) for k, v in held}
+    now = {k: _nets(v) for k, v in new}
     marks = ("allow", "wdeny", "audit")
     for fam in ("v4", "v6"):
         if not _within(now.get(f"deny_{fam}", ()), old.get(f"deny_{fam}", ())):
             return True
         marked = [net for kind in marks for net in now.get(f"{kind}_{fam}", ())]
         if not _within([net for kind in marks for net in old.get(f"{kind}_{fam}", ())], marked):
+            return True
+    # Port-scoped sets (§18): any new deny element, or any held allow element that is gone,
+    # may refuse something (conservative: element by element, no coverage reasoning).
+    old_p = {k: set(_elems(v)) for k, v in held if k in PORT_STATIC_SETS}
+    now_p = {k: set(_elems(v)) for k, v in new if k in PORT_STATIC_SETS}
+    for fam in ("v4", "v6"):
+        if not now_p.get(f"denyp_{fam}", set()) <= old_p.get(f"denyp_{fam}", set()):
+            return True
+        if not old_p.get(f"allowp_{fam}", set()) <= now_p.get(f"allowp_{fam}", set()):
             return True
     return False
 
@@ -163,33 +218,68 @@ def _within(nets: Sequence[IPNetwork], cover: Sequence[IPNetwork]) -> bool:
     return True
 
 
-def dyn_replace(table: str, nft_id: str, kept: Sequence[tuple[IPAddress, int]]) -> NetlinkBatch:
-    """A narrowing change's dyn-set part (docs/reference/behaviour.md §14.1): both dyn sets emptied and refilled
-    with the leases that survive, in the caller's transaction. A flush, not per-element
-    deletes: an element the kernel already expired would make a delete fail (ENOENT) and
-    abort the whole swap."""
+def dyn_replace(table: str, nft_id: str, kept: Sequence[LeaseLike]) -> NetlinkBatch:
+    """A narrowing change's dyn-set part (docs/reference/behaviour.md §14.1): the dyn sets (address-only and
+    port-scoped) emptied and refilled with the leases that survive, each with its scope under
+    the new policy (§18), in the caller's transaction. A flush, not per-element deletes: an
+    element the kernel already expired would make a delete fail (ENOENT) and abort the whole
+    swap."""
     n = Names(nft_id)
-    flush = NetlinkBatch(table, tuple(FlushSet(n.set(f"dyn_{fam}")) for fam in ("v4", "v6")))
-    return flush + dyn_add(table, nft_id, kept)
+    kinds = ("dyn_v4", "dyn_v6", "dynp_v4", "dynp_v6")
+    flush = NetlinkBatch(table, tuple(FlushSet(n.set(kind)) for kind in kinds))
+    fresh = [Grant(g.ip, g.seconds, g.scope) for g in as_grants(kept)]  # the flush emptied what they held
+    return flush + dyn_add(table, nft_id, fresh)
 
 
-def dyn_add(
-    table: str, nft_id: str, leases: Sequence[tuple[IPAddress, int]], *, replace: bool = False
-) -> NetlinkBatch:
-    """DNS learning (§7) and renewal (§9): addresses with per-element timeouts.
+def lease_elems(ip: IPAddress, scope: Scope) -> tuple[PortElem, ...]:
+    """A lease's port-scoped elements: its address on each range of ``scope``."""
+    net = ipaddress.ip_network(ip)
+    return tuple((net, proto, lo, hi) for proto, lo, hi in scope.elements())
+
+
+def dyn_add(table: str, nft_id: str, leases: Sequence[LeaseLike], *, replace: bool = False) -> NetlinkBatch:
+    """DNS learning (§7) and renewal (§9): addresses with per-element timeouts, a whole lease
+    in the address-only dyn set, its port elements (§18) in the port-scoped one.
 
     ``replace`` False: one add, which also sets a new expiry on an existing element where the
     kernel supports that. True (the self-test found it does not, egressd.kernel.renewal):
-    add (so each element exists), delete, add again, in the caller's one transaction."""
+    add (so each element exists), delete, add again, in the caller's one transaction. A lease
+    whose port elements change first has its held ones added (so each exists) and deleted:
+    the kernel refuses an element that partly overlaps one it holds."""
     n = Names(nft_id)
     ops: list[Op] = []
+    grants = as_grants(leases)
     for fam in ("v4", "v6"):
-        mine = tuple((ip, sec) for ip, sec in leases if family(ip) == fam)
-        if not mine:
-            continue
-        name = n.set(f"dyn_{fam}")
-        ops.append(AddTimed(name, fam, mine))
-        if replace:
-            ops += [DeleteElement(name, ip) for ip, _ in mine]
-            ops.append(AddTimed(name, fam, mine))
+        mine = [g for g in grants if family(g.ip) == fam]
+        whole = tuple((g.ip, g.seconds) for g in mine if g.scope.whole)
+        if whole:
+            name = n.set(f"dyn_{fam}")
+            ops.append(AddTimed(name, fam, whole))
+            if replace:
+                ops += [DeleteElement(name, ip) for ip, _ in whole]
+                ops.append(AddTimed(name, fam, whole))
+        ops += _port_ops(n.set(f"dynp_{fam}"), fam, mine, replace=replace)
     return NetlinkBatch(table, tuple(ops))
+
+
+def _port_ops(name: str, fam: str, grants: Sequence[Grant], *, replace: bool) -> list[Op]:
+    gone: list[PortElem] = []
+    gone_s: list[int] = []
+    add: list[PortElem] = []
+    add_s: list[int] = []
+    for g in grants:
+        if g.scope.ports.is_empty():
+            continue  # a whole lease without UDP 443: what it held expires by itself
+        new = lease_elems(g.ip, g.scope.ports)
+        old = lease_elems(g.ip, g.held)
+        if replace or g.held != g.scope.ports:
+            gone += old if g.held != g.scope.ports else new
+            gone_s += [g.seconds] * len(old if g.held != g.scope.ports else new)
+        add += new
+        add_s += [g.seconds] * len(new)
+    ops: list[Op] = []
+    if gone:
+        ops += [AddPortElems(name, fam, tuple(gone), tuple(gone_s)), DeletePortElems(name, fam, tuple(gone))]
+    if add:
+        ops.append(AddPortElems(name, fam, tuple(add), tuple(add_s)))
+    return ops

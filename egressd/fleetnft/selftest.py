@@ -27,6 +27,7 @@ from egressd.kernel.ops import (
     AddCounterRef,
     AddIface,
     AddIntervals,
+    AddPortElems,
     AddRule,
     AddSet,
     AddTimed,
@@ -34,14 +35,18 @@ from egressd.kernel.ops import (
     DeleteChain,
     DeleteElement,
     DeleteIface,
+    DeletePortElems,
     DeleteSet,
     FlushSet,
+    L4Guard,
     MatchRule,
     NetlinkBatch,
+    PortRule,
     RuleAction,
     VerdictRule,
 )
 from egressd.kernel.renewal import PROBE_IP, LeaseRenewal
+from egressd.subject.leases import Grant
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +240,7 @@ def probe_lease_renewal(
     batch(NetlinkBatch(table, (AddSet(name, "v4", "timeout", 360),)))
 
     def add(seconds: int, replace: bool) -> None:
-        batch(dyn_add(table, PROBE_SUBJECT, [(PROBE_IP, seconds)], replace=replace))
+        batch(dyn_add(table, PROBE_SUBJECT, [Grant(PROBE_IP, seconds)], replace=replace))
 
     return renewal.probe(add, partial(elements, table, name))
 
@@ -267,7 +272,36 @@ def _netlink_probes(t: str) -> list[tuple[str, NetlinkBatch]]:
                 ),
             ),
         ),
+        *_port_probes(t),
         *_netlink_content_probes(t),
+    ]
+
+
+def _port_probes(t: str) -> list[tuple[str, NetlinkBatch]]:
+    """Port-scoped sets, elements and rules (docs/reference/behaviour.md §18): without them a policy
+    with ports could not be enforced, so a kernel that refuses them fails start-up."""
+    net = ipaddress.ip_network
+    v4 = (net("192.0.2.0/24"), "tcp", 443, 443)
+    return [
+        (
+            "netlink port-scoped sets (addr . inet_proto . inet_service, interval and timeout)",
+            NetlinkBatch(
+                t,
+                (
+                    AddSet("pv4", "v4", "interval", ports=True),
+                    AddSet("ptv6", "v6", "timeout", 360, size=16, ports=True),
+                    AddRule("c1", PortRule("v4", "pv4", RuleAction.MARK)),
+                    AddRule("c1", PortRule("v6", "ptv6", RuleAction.DROP)),
+                    AddRule("c2", PortRule("v4", "pv4", RuleAction.ACCEPT, ct_original=True)),
+                    AddRule("c1", MatchRule("v4", "tv4", RuleAction.MARK, guard=L4Guard.UDP_NOT_443)),
+                    AddPortElems("pv4", "v4", (v4, (net("192.0.2.0/24"), "udp", 1000, 2000))),
+                    AddPortElems("ptv6", "v6", ((net("2001:db8::1/128"), "tcp", 80, 443),), (60,)),
+                    AddPortElems("pv4", "v4", (v4,)),
+                    DeletePortElems("pv4", "v4", (v4,)),
+                    FlushSet("ptv6"),
+                ),
+            ),
+        ),
     ]
 
 

@@ -18,10 +18,13 @@ from egressd.addr import IPAddress
 from egressd.fleetnft.audit import audit_mark_rules
 from egressd.fleetnft.table import (
     AUDIT_COUNTERS,
+    AUDIT_PORT_SETS,
     AUDIT_SETS,
     CORE_SETS,
     DENIED_CHAIN,
     DYN_SETS,
+    DYNP_SETS,
+    PORT_STATIC_SETS,
     Names,
     SubjectNft,
     TableConfig,
@@ -53,13 +56,16 @@ from egressd.kernel.ops import (
     DeleteSet,
     FlushChain,
     FlushSet,
+    L4Guard,
     MatchRule,
     NetlinkBatch,
     Op,
+    PortRule,
     RuleAction,
     VerdictRule,
 )
-from egressd.nftsyntax import DYN_TIMEOUT_S, family, set_decl, timeout_set_decl
+from egressd.nftsyntax import DYN_TIMEOUT_S, family, port_set_decl, set_decl, timeout_set_decl
+from egressd.subject.leases import port_elems_cap
 
 
 def subject_worker_port(cfg: TableConfig, subj: SubjectNft) -> int:
@@ -71,16 +77,19 @@ def subject_worker_port(cfg: TableConfig, subj: SubjectNft) -> int:
 
 def subject_sets(*, audit: bool) -> tuple[str, ...]:
     """The kinds of set a subject has: the audit sets only once :func:`audit_objects` made them."""
-    return (*CORE_SETS, *(AUDIT_SETS if audit else ()), *DYN_SETS)
+    audit_sets = (*AUDIT_SETS, *AUDIT_PORT_SETS) if audit else ()
+    return (*CORE_SETS, *audit_sets, *DYN_SETS, *PORT_STATIC_SETS, *DYNP_SETS)
 
 
 def subject_rules(cfg: TableConfig, nft_id: str, *, audit: bool = False) -> NetlinkBatch:
     """The subject's fixed rules, added once when its chains are first created (the audit
     rules with its audit objects, :func:`audit_objects`).
 
-    ``subj_<id>``: deny sets drop. ``mark_<id>``: allow and dyn sets mark 0x2, then (``audit``)
-    the audit rules, which match nothing while ``wdeny`` and ``audit`` are empty.
-    ``subj_<id>_in`` (MITM): IN(drop) of §8.2 on the conntrack original destination; the
+    ``subj_<id>``: deny sets drop (address-only, then port-scoped). ``mark_<id>``: allow and dyn
+    sets mark 0x2, each address-only then port-scoped (docs/reference/behaviour.md §18; with the name
+    check on, the address-only dyn sets mark anything but UDP 443), then (``audit``) the audit
+    rules, which match nothing while ``wdeny`` and ``audit`` are empty. ``subj_<id>_in``
+    (MITM): IN(drop) of §8.2 on the conntrack original destination (and port); the
     intercepted path is never audited, so ``wdeny`` drops there like ``deny``.
     """
     n = Names(nft_id)
@@ -89,17 +98,27 @@ def subject_rules(cfg: TableConfig, nft_id: str, *, audit: bool = False) -> Netl
         ops.append(
             AddRule(n.chain, MatchRule(fam, n.set(f"deny_{fam}"), RuleAction.DROP, drop_chain=DENIED_CHAIN))
         )
-    ops += _mark_rules(n, audit=audit)
+    for fam in ("v4", "v6"):
+        ops.append(
+            AddRule(n.chain, PortRule(fam, n.set(f"denyp_{fam}"), RuleAction.DROP, drop_chain=DENIED_CHAIN))
+        )
+    ops += _mark_rules(n, audit=audit, name_check=cfg.checks_names)
     if cfg.mitm:
         ops += _in_rules(n, audit=audit)
     return NetlinkBatch(cfg.table, tuple(ops))
 
 
-def _mark_rules(n: Names, *, audit: bool) -> list[Op]:
+def _mark_rules(n: Names, *, audit: bool, name_check: bool) -> list[Op]:
     ops: list[Op] = []
     for kind in ("allow", "dyn"):
         for fam in ("v4", "v6"):
-            ops.append(AddRule(n.mark_chain, MatchRule(fam, n.set(f"{kind}_{fam}"), RuleAction.MARK)))
+            name = n.set(f"{kind}_{fam}")
+            # QUIC has no name egressd can check: a learned address never opens UDP 443 by
+            # itself (§18); an explicit udp rule puts the lease's UDP 443 in dynp.
+            guards = (L4Guard.NOT_UDP, L4Guard.UDP_NOT_443) if kind == "dyn" and name_check else (L4Guard.NONE,)
+            ops += [AddRule(n.mark_chain, MatchRule(fam, name, RuleAction.MARK, guard=g)) for g in guards]
+        for fam in ("v4", "v6"):
+            ops.append(AddRule(n.mark_chain, PortRule(fam, n.set(f"{kind}p_{fam}"), RuleAction.MARK)))
     if not audit:
         return ops
     return ops + audit_mark_rules(n)
@@ -108,15 +127,19 @@ def _mark_rules(n: Names, *, audit: bool) -> list[Op]:
 def _in_rules(n: Names, *, audit: bool) -> list[Op]:
     in_rules = (
         ("deny", RuleAction.DROP),
-        *((("wdeny", RuleAction.DROP),) if audit else ()),
+        ("denyp", RuleAction.DROP),
+        *((("wdeny", RuleAction.DROP), ("wdenyp", RuleAction.DROP)) if audit else ()),
         ("dyn", RuleAction.ACCEPT),
+        ("dynp", RuleAction.ACCEPT),
         ("allow", RuleAction.ACCEPT),
+        ("allowp", RuleAction.ACCEPT),
     )
     ops: list[Op] = []
     for kind, outcome in in_rules:
         via = DENIED_CHAIN if outcome is RuleAction.DROP else ""
         for fam in ("v4", "v6"):
-            rule = MatchRule(fam, n.set(f"{kind}_{fam}"), outcome, ct_original=True, drop_chain=via)
+            shape = PortRule if kind.endswith("p") else MatchRule
+            rule = shape(fam, n.set(f"{kind}_{fam}"), outcome, ct_original=True, drop_chain=via)
             ops.append(AddRule(n.in_chain, rule))
     ops.append(AddRule(n.in_chain, VerdictRule(RuleAction.DROP, drop_chain=DENIED_CHAIN)))
     return ops
@@ -130,8 +153,9 @@ def audit_objects(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
     when present) before any rule names them."""
     n = Names(nft_id)
     ops: list[Op] = [AddSet(n.set(kind), kind[-2:], "interval") for kind in AUDIT_SETS]
+    ops += [AddSet(n.set(kind), kind[-2:], "interval", ports=True) for kind in AUDIT_PORT_SETS]
     ops.append(FlushChain(n.mark_chain))
-    ops += _mark_rules(n, audit=True)
+    ops += _mark_rules(n, audit=True, name_check=cfg.checks_names)
     if cfg.mitm:
         ops.append(FlushChain(n.in_chain))
         ops += _in_rules(n, audit=True)
@@ -192,6 +216,12 @@ def subject_objects(cfg: TableConfig, nft_id: str, *, audit: bool = False) -> Ne
         AddSet(n.set(f"dyn_{fam}"), fam, "timeout", DYN_TIMEOUT_S, size=cfg.max_leases)
         for fam in ("v4", "v6")
     ]
+    port_kinds = PORT_STATIC_SETS + (AUDIT_PORT_SETS if audit else ())
+    ops += [AddSet(n.set(kind), kind[-2:], "interval", ports=True) for kind in port_kinds]
+    ops += [
+        AddSet(n.set(kind), kind[-2:], "timeout", DYN_TIMEOUT_S, size=port_elems_cap(cfg.max_leases), ports=True)
+        for kind in DYNP_SETS
+    ]
     ops += [AddChain(c) for c in subject_chains(cfg, nft_id)]
     ops += [AddCounter(n.counter(kind)) for kind in AUDIT_COUNTERS]
     ops.append(AddCounter(n.dropped_counter))
@@ -230,6 +260,10 @@ def subject_objects_script(cfg: TableConfig, subj: SubjectNft) -> str:
         s.obj("add", "set", set_decl(n.set(kind), kind[-2:], "interval"))
     for fam in ("v4", "v6"):
         s.obj("add", "set", timeout_set_decl(n.set(f"dyn_{fam}"), fam, cfg.max_leases))
+    for kind in PORT_STATIC_SETS:
+        s.obj("add", "set", port_set_decl(n.set(kind), kind[-2:], 0))
+    for kind in DYNP_SETS:
+        s.obj("add", "set", port_set_decl(n.set(kind), kind[-2:], port_elems_cap(cfg.max_leases), timed=True))
     s.obj("add", "chain", n.chain)
     s.obj("add", "chain", n.mark_chain)
     if cfg.mitm:

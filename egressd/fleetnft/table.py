@@ -37,7 +37,17 @@ CORE_SETS = ("allow_v4", "allow_v6", "deny_v4", "deny_v6")
 AUDIT_SETS = ("wdeny_v4", "wdeny_v6", "audit_v4", "audit_v6")
 STATIC_SETS = (*CORE_SETS, *AUDIT_SETS)
 DYN_SETS = ("dyn_v4", "dyn_v6")
-SETS = (*STATIC_SETS, *DYN_SETS)
+# Port-scoped sets (docs/reference/behaviour.md §18), keyed ``addr . inet_proto . inet_service``:
+# IP/CIDR rules with ports or a protocol (allowp mark, denyp refuse), and DNS leases whose
+# names' scope is not every port and protocol (dynp, per-element timeouts). Rules without
+# ports keep the address-only sets above (the cheap path).
+PORT_STATIC_SETS = ("allowp_v4", "allowp_v6", "denyp_v4", "denyp_v6")
+# Audit mode's port-scoped would-deny set: the user's deny rules with ports while auditing
+# (made with the other audit objects).
+AUDIT_PORT_SETS = ("wdenyp_v4", "wdenyp_v6")
+DYNP_SETS = ("dynp_v4", "dynp_v6")
+PORT_SETS = (*PORT_STATIC_SETS, *DYNP_SETS)
+SETS = (*STATIC_SETS, *DYN_SETS, *PORT_SETS)
 AUDIT_COUNTERS = ("deny", "default")  # which audit rule counted: a user deny prefix, or no allow
 AUDIT_LOG_PREFIX = "egressd would-deny "
 #: Every refusal goes here (docs/reference/behaviour.md §15): counted per source, then DENY_VERDICT_CHAIN.
@@ -84,6 +94,15 @@ class TableConfig:
     # packets come from sandboxes (bridges, veth name prefixes), beside the attachments'
     # hostVeths (set ``sandbox_ifaces``).
     sandbox_ifaces: tuple[str, ...] = ()
+    # EGRESSD_NAME_CHECK (docs/reference/behaviour.md §18): None follows the MITM (on with it). On,
+    # the kernel never opens UDP 443 (QUIC) of a DNS-learned address unless an explicit
+    # ``protocol: udp`` rule does: the dyn sets' rules skip it.
+    name_check: bool | None = None
+
+    @property
+    def checks_names(self) -> bool:
+        """Whether the name check is on (EGRESSD_NAME_CHECK; default: with the MITM)."""
+        return self.mitm if self.name_check is None else self.name_check
 
 
 @dataclass(frozen=True, slots=True)

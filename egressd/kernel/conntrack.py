@@ -41,6 +41,58 @@ def original_tuple(line: str) -> tuple[IPAddress, IPAddress] | None:
     return None
 
 
+#: A tracked flow's original direction past its source: (destination, protocol, destination
+#: port). The protocol is conntrack's name (``tcp``, ``udp``, ``icmp``, ...); the port is None
+#: for a protocol without ports.
+Dest = tuple[IPAddress, str, int | None]
+
+
+def original_flow(line: str) -> tuple[IPAddress, Dest] | None:
+    """(source, (destination, protocol, destination port)) of a /proc/net/nf_conntrack line's
+    original direction (docs/reference/behaviour.md §18: a narrowing judges flows by port and
+    protocol too). The protocol is the third field; the port the first ``dport=``."""
+    t = original_tuple(line)
+    if t is None:
+        return None
+    fields = line.split()
+    proto = fields[2] if len(fields) > 2 else ""
+    dport: int | None = None
+    for field in fields:
+        if field.startswith("dport="):
+            try:
+                dport = int(field[6:])
+            except ValueError:
+                return None
+            break
+    return t[0], (t[1], proto, dport)
+
+
+def flow_dests_from(lines: Iterable[str], sources: Collection[IPAddress]) -> dict[IPAddress, set[Dest]]:
+    """Original (destination, protocol, port) of the tracked flows per original source, for
+    ``sources`` only."""
+    out: dict[IPAddress, set[Dest]] = {}
+    for line in lines:
+        t = original_flow(line)
+        if t is not None and t[0] in sources:
+            out.setdefault(t[0], set()).add(t[1])
+    return out
+
+
+def _scan_dests(table: Path, sources: frozenset[IPAddress]) -> dict[IPAddress, set[Dest]]:
+    with table.open() as f:
+        return flow_dests_from(f, sources)
+
+
+async def read_flow_dests(
+    sources: Collection[IPAddress], table: Path = CONNTRACK_TABLE
+) -> dict[IPAddress, set[Dest]] | None:
+    """:func:`read_flows` with each flow's protocol and destination port (None if unreadable)."""
+    try:
+        return await asyncio.to_thread(_scan_dests, table, frozenset(sources))
+    except OSError:
+        return None
+
+
 def has_flows_from(text: str, ip: IPAddress) -> bool:
     """Whether any tracked flow's original source is ``ip``."""
     return any(t is not None and t[0] == ip for t in map(original_tuple, text.splitlines()))
@@ -82,9 +134,19 @@ async def read_table(table: Path = CONNTRACK_TABLE) -> str | None:
         return None
 
 
-async def flush_flow(src: IPAddress, dst: IPAddress) -> None:
-    """Cut the tracked flows from ``src`` to ``dst`` (an in-place narrowing)."""
-    await conntrack_delete(["-s", str(src), "-d", str(dst)], src.version)
+async def flush_flow(src: IPAddress, dst: IPAddress, proto: str = "", dport: int | None = None) -> None:
+    """Cut the tracked flows from ``src`` to ``dst`` (an in-place narrowing), only those of
+    ``proto`` to ``dport`` when given (a narrowing that takes one port away keeps the others)."""
+    await conntrack_delete(["-s", str(src), "-d", str(dst), *flow_selector(proto, dport)], src.version)
+
+
+def flow_selector(proto: str, dport: int | None) -> list[str]:
+    """conntrack-tools' selector for one protocol and destination port (none when unknown)."""
+    if proto in ("tcp", "udp", "sctp", "dccp", "udplite") and dport is not None:
+        return ["-p", proto, "--dport", str(dport)]
+    if proto:
+        return ["-p", proto]
+    return []
 
 
 async def flush_source(ip: IPAddress, table: Path = CONNTRACK_TABLE) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+from egressd.kernel import netlink_ports as ports
 from egressd.kernel.netlink_elements import _element_op_messages, encode_iface_op, encode_uid_op
 from egressd.kernel.netlink_proto import (
     NFNL_MSG_BATCH_BEGIN,
@@ -24,6 +25,7 @@ from egressd.kernel.netlink_proto import (
     NFT_MSG_NEWRULE,
     NFT_MSG_NEWSET,
     NFT_OBJECT_COUNTER,
+    NFT_SET_CONCAT,
     NFT_SET_INTERVAL,
     NFT_SET_TIMEOUT,
     NFTA_CHAIN_NAME,
@@ -128,6 +130,8 @@ def _object_op_message(table: str, op: Op, set_id: int) -> tuple[int, int, bytes
 
 
 def _new_set(table: str, op: AddSet, set_id: int) -> bytes:
+    if op.ports:
+        return _new_port_set(table, op, set_id)
     v4 = op.fam == "v4"
     flags = {"interval": NFT_SET_INTERVAL, "timeout": NFT_SET_TIMEOUT}.get(op.kind, 0)
     body = (
@@ -143,6 +147,26 @@ def _new_set(table: str, op: AddSet, set_id: int) -> bytes:
     if op.size:
         body += _nest(NFTA_SET_DESC, _u32(NFTA_SET_DESC_SIZE, op.size))
     return body
+
+
+def _new_port_set(table: str, op: AddSet, set_id: int) -> bytes:
+    """An ``addr . inet_proto . inet_service`` interval set (``timeout``: with per-element
+    timeouts), in nft 1.0.6's attribute order: the description (size, field lengths) before
+    the timeout, the user data last."""
+    flags = NFT_SET_INTERVAL | NFT_SET_CONCAT | (NFT_SET_TIMEOUT if op.kind == "timeout" else 0)
+    body = (
+        _str(NFTA_SET_TABLE, table)
+        + _str(NFTA_SET_NAME, op.name)
+        + _u32(NFTA_SET_FLAGS, flags)
+        + _u32(NFTA_SET_KEY_TYPE, ports.key_type(op.fam))
+        + _u32(NFTA_SET_KEY_LEN, ports.key_len(op.fam))
+        + _u32(NFTA_SET_ID, set_id)
+    )
+    size = _u32(NFTA_SET_DESC_SIZE, op.size) if op.size else b""
+    body += _nest(NFTA_SET_DESC, size, ports.desc_concat(op.fam))
+    if op.kind == "timeout":
+        body += _u64(NFTA_SET_TIMEOUT, op.timeout_s * 1000)
+    return body + ports.set_userdata()
 
 
 def encode_batch(batch: NetlinkBatch, first_seq: int) -> tuple[bytes, dict[int, Op]]:

@@ -8,6 +8,7 @@ import struct
 from collections.abc import Iterable, Sequence
 
 from egressd.addr import IPAddress
+from egressd.kernel.netlink_ports import elem_keys, timed_elem
 from egressd.kernel.netlink_proto import (
     NFT_JUMP,
     NFT_MSG_DELSETELEM,
@@ -39,12 +40,14 @@ from egressd.kernel.ops import (
     AddIntervals,
     AddJump,
     AddPort,
+    AddPortElems,
     AddUid,
     AddUidCounterRef,
     AddUidJump,
     AddUidPort,
     DeleteElement,
     DeleteIface,
+    DeletePortElems,
     DeleteUid,
     ElementOp,
     FlushSet,
@@ -212,6 +215,15 @@ def _element_op_messages(table: str, op: ElementOp) -> list[tuple[int, int, byte
         return [(NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.map, _elements([elem])))]
     if isinstance(op, FlushSet):
         return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, None))]  # no element list = flush
+    if isinstance(op, DeletePortElems):
+        groups = [[elem_keys(e, op.fam)] for e in op.elems]
+        return _element_messages(NFT_MSG_DELSETELEM, 0, table, op.name, groups)
+    if isinstance(op, AddPortElems):
+        if op.seconds:
+            groups = [[timed_elem(e, op.fam, s)] for e, s in zip(op.elems, op.seconds, strict=True)]
+        else:
+            groups = [[elem_keys(e, op.fam)] for e in op.elems]
+        return _element_messages(NFT_MSG_NEWSETELEM, NLM_F_CREATE, table, op.name, groups)
     if isinstance(op, DeleteElement):
         fam = "v4" if op.key.version == 4 else "v6"
         return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, _elements([_key(op.key, fam)])))]

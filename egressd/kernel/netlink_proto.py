@@ -157,3 +157,22 @@ def _attrs(data: bytes) -> dict[int, bytes]:
         out[kind & NLA_TYPE_MASK] = data[off + 4 : off + length]
         off += (length + 3) & ~3
     return out
+
+# ---- port-scoped sets and rules (docs/reference/behaviour.md §18) ------------------------------
+NFT_SET_CONCAT = 0x80
+NFTA_SET_USERDATA = 13
+NFTA_SET_DESC_CONCAT = 2
+NFTA_SET_FIELD_LEN = 1
+NFTA_SET_ELEM_KEY_END = 10
+# nftables' datatype ids, and how a concatenation's type is numbered (each field shifted by
+# TYPE_BITS, in key order): ``ipv4_addr . inet_proto . inet_service``.
+NFT_DATATYPE_INET_PROTOCOL, NFT_DATATYPE_INET_SERVICE = 12, 13
+NFT_DATATYPE_TYPE_BITS = 6
+NFT_META_L4PROTO = 16
+NFT_CT_PROTO_DST = 12
+NFT_PAYLOAD_TRANSPORT_HEADER = 2
+NFTA_BYTEORDER_SREG, NFTA_BYTEORDER_DREG, NFTA_BYTEORDER_OP = 1, 2, 3
+NFTA_BYTEORDER_LEN, NFTA_BYTEORDER_SIZE = 4, 5
+NFT_BYTEORDER_HTON = 1
+NFT_REG_2 = 2
+NFT_REG32_01, NFT_REG32_02, NFT_REG32_05 = 9, 10, 13

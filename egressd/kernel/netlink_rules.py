@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 
+from egressd.kernel.netlink_ports import guard_expressions, port_key_expressions
 from egressd.kernel.netlink_proto import (
     LOG_PREFIX_MAX,
     NF_ACCEPT,
@@ -63,7 +64,7 @@ from egressd.kernel.netlink_proto import (
     _str,
     _u32,
 )
-from egressd.kernel.ops import ALLOW_MARK, AuditRule, MatchRule, Rule, RuleAction
+from egressd.kernel.ops import ALLOW_MARK, AuditRule, MatchRule, PortRule, Rule, RuleAction
 
 _VERDICT = {RuleAction.DROP: NF_DROP, RuleAction.ACCEPT: NF_ACCEPT}
 
@@ -148,8 +149,13 @@ def _set_mark() -> list[bytes]:
 def _audit_expressions(rule: AuditRule) -> bytes:
     if len(rule.log_prefix.encode()) > LOG_PREFIX_MAX:
         raise ValueError(f"log prefix longer than {LOG_PREFIX_MAX} bytes")
-    parts = _daddr_lookup(rule.fam, rule.set_name)
-    # The address is still in register 1: a lookup only reads it.
+    if rule.ports:
+        # nft loads the address again after a concatenation's lookup (as the kernel lists it).
+        parts = port_key_expressions(PortRule(rule.fam, rule.set_name, RuleAction.MARK))
+        parts.append(_daddr_lookup(rule.fam, rule.set_name)[2])
+    else:
+        # The address is still in register 1: a lookup only reads it.
+        parts = _daddr_lookup(rule.fam, rule.set_name)
     parts.append(
         _expr(
             "lookup",
@@ -179,6 +185,10 @@ def rule_expressions(rule: Rule) -> bytes:
     verdict shapes; the audit shape is checked against the kernel's own listing instead."""
     if isinstance(rule, AuditRule):
         return _audit_expressions(rule)
+    if isinstance(rule, PortRule):
+        parts = port_key_expressions(rule)
+        parts += _set_mark() if rule.outcome is RuleAction.MARK else [_verdict(rule.outcome, rule.drop_chain)]
+        return b"".join(parts)
     if not isinstance(rule, MatchRule):
         return _verdict(rule.outcome, rule.drop_chain)
     lookup = _expr("lookup", _str(NFTA_LOOKUP_SET, rule.set_name), _u32(NFTA_LOOKUP_SREG, NFT_REG_1))
@@ -190,5 +200,6 @@ def rule_expressions(rule: Rule) -> bytes:
         parts = [ct, lookup]
     else:
         parts = _daddr_lookup(rule.fam, rule.set_name)
+    parts += guard_expressions(rule.guard)
     parts += _set_mark() if rule.outcome is RuleAction.MARK else [_verdict(rule.outcome, rule.drop_chain)]
     return b"".join(parts)

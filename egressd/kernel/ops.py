@@ -33,9 +33,27 @@ def _verdict_text(outcome: RuleAction, drop_chain: str) -> str:
     return outcome.value
 
 
+#: What a port-scoped element or rule names: the protocols a scope can hold (``other`` never
+#: becomes an element: a scope that is not whole never opens other protocols).
+L4_PROTOCOLS = {"tcp": 6, "udp": 17}
+
+#: A port-scoped set element: (prefix, protocol, first port, last port), inclusive.
+PortElem = tuple[IPNetwork, str, int, int]
+
+
+class L4Guard(enum.StrEnum):
+    """An extra condition on a :class:`MatchRule` (docs/reference/behaviour.md §18: with the name
+    check on, a DNS-learned address never opens UDP 443, QUIC, whose name egressd cannot check;
+    two rules, ``not udp`` and ``udp, not port 443``, together mark everything else)."""
+
+    NONE = ""
+    NOT_UDP = "meta l4proto != udp"
+    UDP_NOT_443 = "udp dport != 443"
+
+
 @dataclass(frozen=True, slots=True)
 class MatchRule:
-    """``[ct original] ip|ip6 daddr @set <outcome>`` — the only per-subject rule shape.
+    """``[ct original] ip|ip6 daddr @set [guard] <outcome>`` — the address-only rule shape.
 
     ``drop_chain``: a DROP hands the packet to that chain instead (``goto``), which counts it
     and drops or rejects it (docs/reference/behaviour.md §15); the packet is still refused, never accepted.
@@ -46,11 +64,36 @@ class MatchRule:
     outcome: RuleAction
     ct_original: bool = False
     drop_chain: str = ""
+    guard: L4Guard = L4Guard.NONE
 
     def render(self) -> str:
         l3 = "ip" if self.fam == "v4" else "ip6"
         prefix = "ct original " if self.ct_original else ""
-        return f"{prefix}{l3} daddr @{self.set_name} {_verdict_text(self.outcome, self.drop_chain)}"
+        guard = f"{self.guard.value} " if self.guard is not L4Guard.NONE else ""
+        return f"{prefix}{l3} daddr @{self.set_name} {guard}{_verdict_text(self.outcome, self.drop_chain)}"
+
+
+@dataclass(frozen=True, slots=True)
+class PortRule:
+    """``ip|ip6 daddr . meta l4proto . th dport @set <outcome>``: the port-scoped rule shape
+    (docs/reference/behaviour.md §18), on a set keyed ``addr . inet_proto . inet_service``.
+    ``ct_original``: the intercepted path (input, after the MITM's REDIRECT) judges the
+    conntrack original destination and port instead (``ct original ip daddr . meta l4proto .
+    ct original proto-dst``, which nft 1.0.6 cannot parse but the kernel takes and lists)."""
+
+    fam: str
+    set_name: str
+    outcome: RuleAction
+    ct_original: bool = False
+    drop_chain: str = ""
+
+    def render(self) -> str:
+        l3 = "ip" if self.fam == "v4" else "ip6"
+        if self.ct_original:
+            key = f"ct original {l3} daddr . meta l4proto . ct original proto-dst"
+        else:
+            key = f"{l3} daddr . meta l4proto . th dport"
+        return f"{key} @{self.set_name} {_verdict_text(self.outcome, self.drop_chain)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,17 +122,21 @@ class AuditRule:
     log_prefix: str
     counter: str
     unmarked_only: bool = False
+    # ``set_name`` is port-scoped (``ip daddr . meta l4proto . th dport @set``): audit mode's
+    # would-deny by port (docs/reference/behaviour.md §18).
+    ports: bool = False
 
     def render(self) -> str:
         l3 = "ip" if self.fam == "v4" else "ip6"
         mark = f" meta mark & {ALLOW_MARK:#010x} != {ALLOW_MARK:#010x}" if self.unmarked_only else ""
+        key = f"{l3} daddr . meta l4proto . th dport" if self.ports else f"{l3} daddr"
         return (
-            f"{l3} daddr @{self.set_name} {l3} daddr != @{self.hard} ct state new{mark} "
+            f"{key} @{self.set_name} {l3} daddr != @{self.hard} ct state new{mark} "
             f'log prefix "{self.log_prefix}" counter name "{self.counter}" meta mark set {ALLOW_MARK:#x}'
         )
 
 
-Rule = MatchRule | VerdictRule | AuditRule
+Rule = MatchRule | PortRule | VerdictRule | AuditRule
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +154,9 @@ class AddSet:
     kind: str
     timeout_s: int = 0
     size: int = 0  # most elements the kernel accepts (0: no limit); DNS lease cap, 14.4
+    # Keyed ``addr . inet_proto . inet_service`` (always an interval set; ``kind`` timeout adds
+    # per-element timeouts): the port-scoped sets of docs/reference/behaviour.md §18.
+    ports: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +234,28 @@ class AddTimed:
     name: str
     fam: str
     leases: tuple[tuple[IPAddress, int], ...]  # (address, seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class AddPortElems:
+    """Add port-scoped elements to an ``addr . inet_proto . inet_service`` interval set;
+    ``seconds`` (one per element, or empty: no timeout) for the port-scoped DNS leases. The
+    kernel (pipapo) refuses an element that partly overlaps one it holds: callers add
+    disjoint elements, or delete the old ones first in the same transaction."""
+
+    name: str
+    fam: str
+    elems: tuple[PortElem, ...]
+    seconds: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DeletePortElems:
+    """Delete port-scoped elements (each must be there: callers add them first when unsure)."""
+
+    name: str
+    fam: str
+    elems: tuple[PortElem, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +365,8 @@ Op = (
     | AddIntervals
     | AddTimed
     | DeleteElement
+    | AddPortElems
+    | DeletePortElems
     | FlushChain
     | DeleteChain
     | DeleteSet
@@ -301,7 +375,18 @@ Op = (
 )
 
 #: The operations on a set's or a map's contents; the others create or delete kernel objects.
-ElementOp = AddJump | AddPort | AddCounterRef | AddElements | FlushSet | AddIntervals | AddTimed | DeleteElement
+ElementOp = (
+    AddJump
+    | AddPort
+    | AddCounterRef
+    | AddElements
+    | FlushSet
+    | AddIntervals
+    | AddTimed
+    | DeleteElement
+    | AddPortElems
+    | DeletePortElems
+)
 
 
 def _uid_key_text(uid: int, port: int | None) -> str:
@@ -323,6 +408,13 @@ def describe_uid_op(t: str, op: UidOp) -> str:
 def describe_iface_op(t: str, op: IfaceOp) -> str:
     verb = "add" if isinstance(op, AddIface) else "delete"
     return f'{verb} element {t} {op.name} {{ "{op.iface}" }}'
+
+
+def port_elem_text(elem: PortElem) -> str:
+    """``prefix . proto . port[-port]`` as nft lists it."""
+    net, proto, lo, hi = elem
+    ports = str(lo) if lo == hi else f"{lo}-{hi}"
+    return f"{_fmt_net(net)} . {proto} . {ports}"
 
 
 def _fmt_net(net: IPNetwork) -> str:
@@ -347,6 +439,8 @@ class NetlinkBatch:
                 n += len(op.leases)
             elif isinstance(op, AddElements):
                 n += len(op.keys)
+            elif isinstance(op, AddPortElems | DeletePortElems):
+                n += len(op.elems)
         return n
 
     def __add__(self, other: NetlinkBatch) -> NetlinkBatch:
@@ -376,6 +470,12 @@ def _describe_object(t: str, op: Op) -> str:
             "interval": " flags interval;",
             "timeout": f" flags timeout; timeout {op.timeout_s}s;",
         }
+        if op.ports:
+            typ += " . inet_proto . inet_service"
+            flags = {
+                "interval": " flags interval;",
+                "timeout": f" flags interval,timeout; timeout {op.timeout_s}s;",
+            }
         size = f" size {op.size};" if op.size else ""
         return f"add set {t} {op.name} {{ type {typ};{flags.get(op.kind, '')}{size} }}"
     if isinstance(op, AddChain):
@@ -410,4 +510,11 @@ def _describe_elements(t: str, op: ElementOp) -> str:
     if isinstance(op, AddTimed):
         elems = ", ".join(f"{ip} timeout {s}s expires {s}s" for ip, s in op.leases)
         return f"add element {t} {op.name} {{ {elems} }}"
+    if isinstance(op, AddPortElems):
+        texts = [port_elem_text(e) for e in op.elems]
+        if op.seconds:
+            texts = [f"{x} timeout {s}s expires {s}s" for x, s in zip(texts, op.seconds, strict=True)]
+        return f"add element {t} {op.name} {{ {', '.join(texts)} }}"
+    if isinstance(op, DeletePortElems):
+        return f"delete element {t} {op.name} {{ {', '.join(port_elem_text(e) for e in op.elems)} }}"
     return f"delete element {t} {op.name} {{ {op.key} }}"

@@ -6,7 +6,9 @@ import contextlib
 from dataclasses import replace
 
 from egressd.policy.idn import IdnaError, to_alabels
+from egressd.policy.ipsets import ip_sets
 from egressd.policy.model import NetworkPolicy, PolicyError, Rule, json_type, parse_rule
+from egressd.policy.portmatch import MAX_PORT_ELEMENTS, port_elements_needed
 
 
 def merge_patch(policy: NetworkPolicy, patch_body: object) -> NetworkPolicy:
@@ -82,7 +84,15 @@ def check_rule_cap(policy: NetworkPolicy, cap: int) -> bool:
 
 
 def rule_cap_problem(policy: NetworkPolicy, cap: int) -> str | None:
-    """One-line refusal naming the limit, or None when ``policy`` is within ``cap``."""
-    if check_rule_cap(policy, cap):
-        return None
-    return f"policy has {len(policy.egress)} rules, more than {RULE_CAP_SETTING}={cap}"
+    """One-line refusal naming the limit, or None when ``policy`` is within ``cap`` and its
+    address rules with ports fit the kernel's bound (docs/reference/behaviour.md §18,
+    :data:`egressd.policy.portmatch.MAX_PORT_ELEMENTS`)."""
+    if not check_rule_cap(policy, cap):
+        return f"policy has {len(policy.egress)} rules, more than {RULE_CAP_SETTING}={cap}"
+    needed = port_elements_needed(ip_sets(policy))
+    if needed > MAX_PORT_ELEMENTS:
+        return (
+            f"the address rules with ports need {needed} port ranges in the kernel, "
+            f"more than {MAX_PORT_ELEMENTS}"
+        )
+    return None

@@ -20,10 +20,18 @@ import structlog
 from egressd.addr import IPAddress, unmap_ip
 from egressd.engine.backend import Flow, Refusals
 from egressd.engine.selftest import Probes, no_probes
-from egressd.kernel.conntrack import conntrack_delete, original_tuple, read_table
+from egressd.kernel.conntrack import (
+    Dest,
+    conntrack_delete,
+    flow_selector,
+    original_flow,
+    original_tuple,
+    read_table,
+)
 from egressd.policy import NetworkPolicy, ip_sets
 from egressd.policy.ipsets import Prefix
 from egressd.sidecarnft.ruleset import DROPPED_COUNTER, SidecarTable, delete_table, dyn_add, ruleset
+from egressd.subject.leases import Grant
 from egressd.subject.model import nft_id, subject_for_uid
 
 log = structlog.get_logger("egressd.sidecar.flows")
@@ -33,6 +41,22 @@ class Kernel(Protocol):
     """What the backend needs from the kernel shell (KernelTransactions, or a fake in tests)."""
 
     async def run_script(self, script: str, *, op: str) -> None: ...
+
+
+def outbound_flows(conntrack_text: str, local: Iterable[IPAddress]) -> set[Dest]:
+    """Original (destination, protocol, port) of tracked flows, minus those to the namespace's
+    own addresses (pure): a narrowing judges them by port and protocol too (§18)."""
+    own = set(local)
+    out: set[Dest] = set()
+    for line in conntrack_text.splitlines():
+        t = original_flow(line)
+        if t is None:
+            continue
+        dst = t[1][0]
+        if dst in own or dst.is_loopback:
+            continue
+        out.add(t[1])
+    return out
 
 
 def outbound_destinations(conntrack_text: str, local: Iterable[IPAddress]) -> set[IPAddress]:
@@ -66,7 +90,7 @@ def local_addresses() -> set[IPAddress]:
     return addrs
 
 
-async def read_outbound() -> list[IPAddress] | None:
+async def read_outbound() -> list[Dest] | None:
     """The namespace's outbound flow destinations, sorted (None: the conntrack table or the
     local addresses could not be read; without the latter we could cut the API's own clients)."""
     text = await read_table()
@@ -77,7 +101,7 @@ async def read_outbound() -> list[IPAddress] | None:
     except Exception as exc:
         log.warning("conntrack.cut_skipped", error=str(exc)[:200])
         return None
-    return sorted(outbound_destinations(text, local), key=str)
+    return sorted(outbound_flows(text, local), key=str)
 
 
 #: The uid of the sidecar's one implicit subject (every client of the namespace is it), and its nft id.
@@ -93,6 +117,10 @@ def sidecar_refusals(counters: Mapping[str, int]) -> Refusals:
 class SidecarBackend:
     #: The sidecar refuses audit policies; its table enforces every deny.
     passes_would_deny = False
+
+    @property
+    def name_check(self) -> bool:
+        return self.table.checks_names
 
     def __init__(
         self,
@@ -119,7 +147,7 @@ class SidecarBackend:
         sets = ip_sets(effective)
         return sets.deny_v4, sets.deny_v6
 
-    async def add_leases(self, uid: str, admitted: list[tuple[IPAddress, int]]) -> None:
+    async def add_leases(self, uid: str, admitted: list[Grant]) -> None:
         await self.kernel.run_script(dyn_add(self.table, admitted), op="dynamic_add")
 
     async def tracked_flows(
@@ -128,12 +156,12 @@ class SidecarBackend:
         destinations = await self._outbound()
         if destinations is None:
             return None
-        flows: list[Flow] = [(None, dst) for dst in destinations]
+        flows: list[Flow] = [(None, dst, proto, port) for dst, proto, port in destinations]
         return {uid: flows for uid in sources}
 
     async def cut_flow(self, flow: Flow) -> None:
-        dst = flow[1]
-        await conntrack_delete(["-d", str(dst)], dst.version)
+        _, dst, proto, port = flow
+        await conntrack_delete(["-d", str(dst), *flow_selector(proto, port)], dst.version)
 
     def flow_fields(self, flow: Flow) -> dict[str, str]:
         return {"destination": str(flow[1])}
@@ -145,7 +173,7 @@ class SidecarBackend:
     # ---- the whole table ---------------------------------------------------------------------
 
     async def rebuild(
-        self, effective: NetworkPolicy, kept: Sequence[tuple[IPAddress, float]] = (), dropped: int = 0
+        self, effective: NetworkPolicy, kept: Sequence[Grant] = (), dropped: int = 0
     ) -> int:
         """Replace the whole table with one for ``effective`` holding the ``kept`` leases and a
         refusal counter starting at ``dropped``, in one transaction; returns its rule count."""

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from egressd.addr import IPAddress
+from egressd.kernel.ops import PortElem, port_elem_text
 from egressd.nftsyntax import (
     DYN_TIMEOUT_S,
     ND_TYPES,
@@ -45,11 +46,15 @@ from egressd.nftsyntax import (
     family,
     intercepted_ports,
     l3_of,
+    port_set_decl,
     set_decl,
     split_by_family,
     timeout_set_decl,
 )
 from egressd.policy import NetworkPolicy, Verdict, ip_sets
+from egressd.policy.portmatch import disjoint, entries
+from egressd.policy.scope import Scope
+from egressd.subject.leases import Grant, LeaseLike, as_grants, port_elems_cap
 
 Mode = Literal["dns", "dns+nft"]
 
@@ -92,6 +97,13 @@ class SidecarTable:
     nameserver_exempt: tuple[IPAddress, ...] = ()
     #: Re-adding a timed element does not extend it here (egressd.kernel.renewal).
     renew_by_replace: bool = False
+    #: EGRESSD_NAME_CHECK (docs/reference/behaviour.md §18): None follows the MITM. On, a DNS-learned
+    #: address's UDP 443 (QUIC) is opened only by an explicit ``protocol: udp`` rule.
+    name_check: bool | None = None
+
+    @property
+    def checks_names(self) -> bool:
+        return self.mitm_port is not None if self.name_check is None else self.name_check
 
 
 def _interval_set(table: str, name: str, fam: str, elements: Sequence[str]) -> str:
@@ -108,6 +120,36 @@ def dyn_set(fam: str) -> str:
     return f"dyn_allow_{fam}"
 
 
+def dynp_set(fam: str) -> str:
+    """The port-scoped DNS leases (docs/reference/behaviour.md §18): ``addr . proto . port-range``."""
+    return f"dyn_allowp_{fam}"
+
+
+def _port_set(table: str, name: str, fam: str, elements: Sequence[str], size: int, *, timed: bool) -> str:
+    decl = port_set_decl(name, fam, size, timed=timed)
+    if elements:
+        decl = decl[: -len(" }")] + f" elements = {{ {', '.join(elements)} }} }}"
+    return f"add set inet {table} {decl}"
+
+
+def _dynp(cfg: SidecarTable, fam: str, elements: Sequence[str]) -> str:
+    # One text per declaration, as for the dyn sets (a re-declaration must match).
+    return _port_set(cfg.table, dynp_set(fam), fam, elements, port_elems_cap(cfg.max_leases), timed=True)
+
+
+def port_elements(elems: Sequence[PortElem], seconds: float | None = None) -> list[str]:
+    texts = [port_elem_text(e) for e in elems]
+    if seconds is None:
+        return texts
+    s = max(1, min(DYN_TIMEOUT_S, math.ceil(seconds)))
+    return [f"{x} timeout {s}s expires {s}s" for x in texts]
+
+
+def lease_port_elems(ip: IPAddress, scope: Scope) -> tuple[PortElem, ...]:
+    net = ipaddress.ip_network(ip)
+    return tuple((net, proto, lo, hi) for proto, lo, hi in scope.elements())
+
+
 def lease_element(ip: IPAddress, seconds: float) -> str:
     """A dyn element; ``expires`` as well as ``timeout`` so a re-add refreshes an existing one."""
     s = max(1, min(DYN_TIMEOUT_S, math.ceil(seconds)))
@@ -117,7 +159,7 @@ def lease_element(ip: IPAddress, seconds: float) -> str:
 def ruleset(
     cfg: SidecarTable,
     policy: NetworkPolicy,
-    leases: Sequence[tuple[IPAddress, float]] = (),
+    leases: Sequence[LeaseLike] = (),
     dropped: int = 0,
 ) -> str:
     """The whole table for ``policy`` (the effective one: user + always-rules) as one script.
@@ -147,7 +189,7 @@ def _rule(t: str, chain: str, body: str) -> str:
 def _set_declarations(
     cfg: SidecarTable,
     policy: NetworkPolicy,
-    leases: Sequence[tuple[IPAddress, float]],
+    leases: Sequence[LeaseLike],
     doh: dict[str, list[str]],
 ) -> list[str]:
     t = cfg.table
@@ -155,15 +197,26 @@ def _set_declarations(
     resolvers = [ipaddress.ip_network(ip) for ip in cfg.resolvers]
     allow = split_by_family([*sets.allow_v4, *sets.allow_v6, *resolvers])
     deny = split_by_family([*sets.deny_v4, *sets.deny_v6])
+    # Port-scoped rules and leases (docs/reference/behaviour.md §18), as disjoint elements.
+    allowp = disjoint([*entries(sets.allow_scoped, 4), *entries(sets.allow_scoped, 6)])
+    denyp = disjoint([*entries(sets.deny_scoped, 4), *entries(sets.deny_scoped, 6)])
     dyn: dict[str, list[str]] = {"v4": [], "v6": []}
-    for ip, seconds in leases:
-        if seconds > 0:
-            dyn[family(ip)].append(lease_element(ip, seconds))
+    dynp: dict[str, list[str]] = {"v4": [], "v6": []}
+    for g in as_grants(leases):
+        if g.seconds > 0:
+            if g.scope.whole:
+                dyn[family(g.ip)].append(lease_element(g.ip, g.seconds))
+            dynp[family(g.ip)] += port_elements(lease_port_elems(g.ip, g.scope.ports), g.seconds)
     lines = []
     for fam in ("v4", "v6"):
         lines.append(_interval_set(t, f"allow_{fam}", fam, allow[fam]))
         lines.append(_interval_set(t, f"deny_{fam}", fam, deny[fam]))
         lines.append(_timeout_set(t, dyn_set(fam), fam, dyn[fam], cfg.max_leases))
+        mine_a = [e for e in allowp if family(e[0]) == fam]
+        mine_d = [e for e in denyp if family(e[0]) == fam]
+        lines.append(_port_set(t, f"allowp_{fam}", fam, port_elements(mine_a), 0, timed=False))
+        lines.append(_port_set(t, f"denyp_{fam}", fam, port_elements(mine_d), 0, timed=False))
+        lines.append(_dynp(cfg, fam, dynp[fam]))
     if cfg.block_doh_443 and cfg.doh_blocklist:
         for fam in ("v4", "v6"):
             if doh[fam]:
@@ -270,19 +323,26 @@ def _filter_chain(cfg: SidecarTable, policy: NetworkPolicy, doh: dict[str, list[
 
 
 def _address_verdicts(cfg: SidecarTable) -> list[str]:
-    """Deny beats everything; then exempt nameservers (port 53), leases, the allow sets."""
+    """Deny beats everything (address-only, then by port); then exempt nameservers (port 53),
+    leases, the allow sets, each address-only then by port (docs/reference/behaviour.md §18). With the
+    name check on, an address-only lease accepts anything but UDP 443 (QUIC)."""
+    key = "daddr . meta l4proto . th dport"
     out = [f"{l3_of(fam)} daddr @deny_{fam} {REFUSE}" for fam in ("v4", "v6")]
+    out += [f"{l3_of(fam)} {key} @denyp_{fam} {REFUSE}" for fam in ("v4", "v6")]
     for fam in ("v4", "v6"):
         exempt = exempt_literal(cfg.nameserver_exempt, fam)
         if exempt is not None:
             # Port 53 only: the reference puts exempt nameservers in the allow list whole.
             out.append(f"{l3_of(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 accept")
-    out += [f"{l3_of(fam)} daddr @{dyn_set(fam)} accept" for fam in ("v4", "v6")]
+    guards = ("meta l4proto != udp ", "udp dport != 443 ") if cfg.checks_names else ("",)
+    out += [f"{l3_of(fam)} daddr @{dyn_set(fam)} {g}accept" for fam in ("v4", "v6") for g in guards]
+    out += [f"{l3_of(fam)} {key} @{dynp_set(fam)} accept" for fam in ("v4", "v6")]
     out += [f"{l3_of(fam)} daddr @allow_{fam} accept" for fam in ("v4", "v6")]
+    out += [f"{l3_of(fam)} {key} @allowp_{fam} accept" for fam in ("v4", "v6")]
     return out
 
 
-def dyn_add(cfg: SidecarTable, leases: Sequence[tuple[IPAddress, float]]) -> str:
+def dyn_add(cfg: SidecarTable, leases: Sequence[LeaseLike]) -> str:
     """DNS learning: add (or refresh) addresses in the dyn sets, one transaction.
 
     Re-declares the sets with the elements inline: that is the cache-free path of
@@ -293,8 +353,10 @@ def dyn_add(cfg: SidecarTable, leases: Sequence[tuple[IPAddress, float]]) -> str
     is this one small table.
     """
     by_fam: dict[str, list[tuple[IPAddress, str]]] = {"v4": [], "v6": []}
-    for ip, seconds in leases:
-        by_fam[family(ip)].append((ip, lease_element(ip, seconds)))
+    grants = as_grants(leases)
+    for g in grants:
+        if g.scope.whole:
+            by_fam[family(g.ip)].append((g.ip, lease_element(g.ip, g.seconds)))
     lines: list[str] = []
     for fam, items in by_fam.items():
         if not items:
@@ -305,7 +367,33 @@ def dyn_add(cfg: SidecarTable, leases: Sequence[tuple[IPAddress, float]]) -> str
             keys = ", ".join(str(ip) for ip, _ in items)
             lines.append(f"delete element inet {cfg.table} {dyn_set(fam)} {{ {keys} }}")
             lines.append(declare)
+    for fam in ("v4", "v6"):
+        lines += _dynp_add(cfg, fam, [g for g in grants if family(g.ip) == fam])
     return "\n".join(lines) + "\n" if lines else ""
+
+
+def _dynp_add(cfg: SidecarTable, fam: str, grants: Sequence[Grant]) -> list[str]:
+    """A lease's port elements (§18): those it held first declared (so each exists) and
+    deleted when its scope changed (the kernel refuses a partly overlapping element), then
+    the new ones; ``renew_by_replace`` likewise for unchanged ones."""
+    gone: list[str] = []
+    gone_keys: list[str] = []
+    new: list[str] = []
+    for g in grants:
+        if g.scope.ports.is_empty():
+            continue
+        elems = lease_port_elems(g.ip, g.scope.ports)
+        old = lease_port_elems(g.ip, g.held) if g.held != g.scope.ports else (elems if cfg.renew_by_replace else ())
+        gone += port_elements(old, g.seconds)
+        gone_keys += port_elements(old)
+        new += port_elements(elems, g.seconds)
+    lines: list[str] = []
+    if gone:
+        lines.append(_dynp(cfg, fam, gone))
+        lines.append(f"delete element inet {cfg.table} {dynp_set(fam)} {{ {', '.join(gone_keys)} }}")
+    if new:
+        lines.append(_dynp(cfg, fam, new))
+    return lines
 
 
 def delete_table(cfg: SidecarTable) -> str:

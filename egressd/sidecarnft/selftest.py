@@ -17,6 +17,7 @@ from egressd.kernel.applier import NftError
 from egressd.kernel.netlink_dump import SetElement
 from egressd.kernel.renewal import PROBE_IP, LeaseRenewal
 from egressd.sidecarnft.ruleset import SidecarTable, dyn_add, dyn_set
+from egressd.subject.leases import Grant
 
 CAP_NET_ADMIN = 12
 CAP_SETGID = 6
@@ -62,6 +63,24 @@ def check_net_admin(status_path: str = "/proc/self/status") -> None:
         return  # unknown: the nft probes below decide
     if has_net_admin(text) is False:
         raise SelfTestError("missing CAP_NET_ADMIN: the sidecar cannot enforce egress in this namespace")
+
+
+def _port_probes(t: str) -> list[tuple[str, str]]:
+    """docs/reference/behaviour.md §18: rules and leases with ports, and the QUIC guard (after the
+    output chain and the timeout set exist)."""
+    return [
+        (
+            "port-scoped sets (addr . inet_proto . inet_service, interval and timeout)",
+            f"add set inet {t} pv4 {{ type ipv4_addr . inet_proto . inet_service; flags interval; "
+            f"elements = {{ 10.0.0.0/8 . tcp . 5432-5433, 192.0.2.1 . udp . 443 }} }}\n"
+            f"add set inet {t} ptv6 {{ type ipv6_addr . inet_proto . inet_service; flags interval,timeout; "
+            f"timeout 360s; size 16; elements = {{ 2001:db8::1 . tcp . 443 timeout 90s expires 90s }} }}\n"
+            f"add rule inet {t} out ip daddr . meta l4proto . th dport @pv4 accept\n"
+            f"add rule inet {t} out ip6 daddr . meta l4proto . th dport @ptv6 drop\n"
+            f"add rule inet {t} out ip daddr @tv4 meta l4proto != udp accept\n"
+            f"add rule inet {t} out ip daddr @tv4 udp dport != 443 accept",
+        ),
+    ]
 
 
 def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
@@ -128,7 +147,11 @@ def probe_lease_renewal(
     dyn set of ``table`` (:func:`egressd.kernel.renewal.probe`)."""
 
     def add(seconds: int, replace: bool) -> None:
-        cmd(dyn_add(SidecarTable(table=table, max_leases=0, renew_by_replace=replace), [(PROBE_IP, seconds)]))
+        cmd(
+            dyn_add(
+                SidecarTable(table=table, max_leases=0, renew_by_replace=replace), [Grant(PROBE_IP, seconds)]
+            )
+        )
 
     return renewal.probe(add, partial(elements, table, dyn_set("v4")))
 
@@ -148,7 +171,10 @@ def selftest_probes(
             # The table itself: the runner's first try just made one, so a failure here is no
             # missing feature and goes up as it is.
             Probe("scratch table", partial(cmd, f"add table inet {t}"), ()),
-            *(Probe(feature, partial(cmd, script), NftError) for feature, script in _probes(t, dns_port)),
+            *(
+                Probe(feature, partial(cmd, script), NftError)
+                for feature, script in (*_probes(t, dns_port), *_port_probes(t))
+            ),
         ],
         verdict=Probe("timed set element renewal", partial(probe_lease_renewal, cmd, elements, t), NftError),
         cleanup=f"add table inet {t}\ndelete table inet {t}",

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from egressd.addr import IPAddress
 from egressd.policy import IpSets, NetworkPolicy, Verdict, judge_domain
 from egressd.policy.ipsets import Prefix, covered_by
+from egressd.policy.scope import Scope
+from egressd.subject.scopes import EMPTY, WHOLE, LeaseScope, lease_scope
 
 DEFAULT_MAX_LEASES = 4096
 # One address answered for many names (a CDN, or a sandbox cycling names on purpose) keeps
@@ -33,31 +35,73 @@ MAX_NAMES_PER_LEASE = 16
 # An expired entry still counts against the cap this long, so the book never admits an
 # address the kernel's set (created with the same size) would refuse with ENFILE.
 COUNT_GRACE_S = 2.0
+#: Port-scoped elements per lease the port-scoped dyn sets are sized for (docs/reference/behaviour.md
+#: §14.4: a full book of leases with typical scopes, one or two port ranges each, fits). A
+#: lease whose elements do not fit beside the others is trimmed from the answer like one over
+#: the cap. Kept small on purpose: the kernel's concatenated interval sets (pipapo) empty in
+#: time quadratic in their size (measured on 6.18: 4096 elements 0.5 s, 8192 1.4 s, 16384
+#: about 8 s), and a narrowing flushes the set in the subject's transaction.
+PORT_ELEMS_PER_LEASE = 2
+
+
+def port_elems_cap(cap: int) -> int:
+    """The port-scoped dyn sets' size (and the book's element budget) for a lease cap."""
+    return cap * PORT_ELEMS_PER_LEASE
 
 
 @dataclass(slots=True)
 class Lease:
     expiry: float  # monotonic seconds
     names: dict[str, float] = field(default_factory=dict)  # name -> expiry (<= lease expiry)
+    # What it opens: the union of its names' scopes (docs/reference/behaviour.md §18).
+    scope: LeaseScope = WHOLE
+    # The port-scoped elements the kernel may hold for it (written, not yet expired or
+    # flushed): a scope change deletes exactly these before adding the new ones.
+    held: Scope = Scope.EMPTY
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """One lease as the kernel step writes it: the address for ``seconds``, with ``scope``
+    (whole: the address-only dyn set; its port elements in the port-scoped one), replacing
+    the port elements ``held`` (those the kernel may hold for it now, when they differ)."""
+
+    ip: IPAddress
+    seconds: int
+    scope: LeaseScope = WHOLE
+    held: Scope = Scope.EMPTY
+
+
+#: A lease as callers may hand it to the kernel steps: a :class:`Grant`, or a plain
+#: (address, seconds) pair, which is a whole-scope lease (every port and protocol: today's path).
+LeaseLike = Grant | tuple[IPAddress, int] | tuple[IPAddress, float]
+
+
+def as_grants(leases: Iterable[LeaseLike]) -> list[Grant]:
+    """``leases`` as grants (a plain pair: a whole-scope lease holding no port elements)."""
+    return [g if isinstance(g, Grant) else Grant(g[0], math.ceil(g[1])) for g in leases]
 
 
 @dataclass(frozen=True, slots=True)
 class Narrowed:
     """The outcome of a policy change for the dyn sets: what stays (with its remaining
-    lifetime, for re-adding after a flush) and what leaves."""
+    lifetime and its scope under the new policy, for re-adding after a flush) and what leaves."""
 
     book: LeaseBook
-    kept: tuple[tuple[IPAddress, int], ...]
+    kept: tuple[Grant, ...]
     revoked: tuple[IPAddress, ...]
-    # Every lease of the old book stays (none revoked, none ended): the kernel's dyn sets,
-    # never wider than the book, need no rewrite.
+    # Every lease of the old book stays with the same scope (none revoked, none ended, none
+    # narrowed): the kernel's dyn sets, never wider than the book, need no rewrite.
     intact: bool = False
 
 
 class LeaseBook:
     def __init__(self, cap: int = DEFAULT_MAX_LEASES) -> None:
         self.cap = cap
+        self.elem_cap = port_elems_cap(cap)
         self._leases: dict[IPAddress, Lease] = {}
+        # Port-scoped elements the kernel may hold over all leases (their ``held``).
+        self._elems = 0
         # Nothing can end before this (monotonic): expire() skips its walk until then, so a
         # full book answered at DNS rates costs O(1) per answer, not O(leases).
         self._next_end = math.inf
@@ -73,6 +117,7 @@ class LeaseBook:
         if now < self._next_end:
             return
         for ip in [ip for ip, lease in self._leases.items() if lease.expiry + COUNT_GRACE_S <= now]:
+            self._elems -= len(self._leases[ip].held.elements())
             del self._leases[ip]
         next_end = math.inf
         for lease in self._leases.values():
@@ -86,6 +131,13 @@ class LeaseBook:
     def live(self, now: float) -> dict[IPAddress, float]:
         """Unexpired addresses -> expiry (explain, the refresh mirror, flow cuts)."""
         return {ip: lease.expiry for ip, lease in self._leases.items() if lease.expiry > now}
+
+    def scope_of(self, ip: IPAddress, now: float) -> LeaseScope:
+        """What the live lease of ``ip`` opens (nothing when there is none)."""
+        lease = self._leases.get(ip)
+        if lease is None or lease.expiry <= now:
+            return EMPTY
+        return lease.scope
 
     def names_of(self, ip: IPAddress, now: float) -> frozenset[str]:
         lease = self._leases.get(ip)
@@ -109,40 +161,61 @@ class LeaseBook:
         expiry = lease.names.get(name)
         return min(expiry, lease.expiry) if expiry is not None and expiry > now else 0.0
 
-    def admit(self, leases: Iterable[tuple[IPAddress, int]], now: float) -> list[tuple[IPAddress, int]]:
-        """The addresses of an answer that fit, with the seconds the kernel element must get.
+    def admit(
+        self, leases: Iterable[tuple[IPAddress, int]], now: float, scope: LeaseScope | None = WHOLE
+    ) -> list[Grant]:
+        """The addresses of an answer that fit, with the seconds the kernel element must get
+        and the scope it opens: the lease's scope widened by ``scope`` (None: a refresh, which
+        renews a lease's scope, never more).
 
-        Known addresses are renewals and always fit; new ones only while the subject holds
-        fewer than ``cap`` leases. A renewal never shortens a lease another answer granted.
+        Known addresses are renewals and always fit, unless their scope grows past the port
+        element budget; new ones only while the subject holds fewer than ``cap`` leases and
+        their port elements fit. A renewal never shortens a lease another answer granted.
         Nothing is recorded: call :meth:`record` once the kernel took them.
         """
         self.expire(now)
         room = self.cap - len(self._leases) if self.cap > 0 else math.inf
-        out: list[tuple[IPAddress, int]] = []
+        elems = self.elem_cap - self._elems if self.cap > 0 else math.inf
+        out: list[Grant] = []
         seen: set[IPAddress] = set()
         for ip, seconds in leases:
             if ip in seen:
                 continue
             seen.add(ip)
             lease = self._leases.get(ip)
+            held = lease.held if lease is not None else Scope.EMPTY
+            old = lease.scope if lease is not None else EMPTY
+            new = old if scope is None else (scope if lease is None else old.union(scope))
+            if new.is_empty():
+                continue
+            # The elements it needs beyond what it holds now (a changed scope replaces them).
+            grow = 0 if new.ports == held or new.ports.is_empty() else len(new.elements()) - len(held.elements())
+            if grow > elems:
+                continue
             if lease is None:
                 if room <= 0:
                     continue
                 room -= 1
-                out.append((ip, max(1, seconds)))
+                out.append(Grant(ip, max(1, seconds), new, held))
             else:
-                out.append((ip, max(1, seconds, math.ceil(lease.expiry - now))))
+                out.append(Grant(ip, max(1, seconds, math.ceil(lease.expiry - now)), new, held))
+            elems -= grow
         return out
 
-    def record(self, admitted: Iterable[tuple[IPAddress, int]], name: str | None, now: float) -> None:
+    def record(self, admitted: Iterable[LeaseLike], name: str | None, now: float) -> None:
         """The kernel holds ``admitted``: remember them, taught by ``name`` (None: a refresh,
         which keeps the names a lease already has for as long as the lease)."""
-        for ip, seconds in admitted:
+        for grant in as_grants(admitted):
+            ip, seconds = grant.ip, grant.seconds
             expiry = now + seconds
             lease = self._leases.get(ip)
             if lease is None:
                 lease = self._leases[ip] = Lease(expiry)
             lease.expiry = max(lease.expiry, expiry)
+            lease.scope = grant.scope
+            if grant.scope.ports != lease.held and not grant.scope.ports.is_empty():
+                self._elems += len(grant.scope.ports.elements()) - len(lease.held.elements())
+                lease.held = grant.scope.ports
             self._next_end = min(self._next_end, lease.expiry + COUNT_GRACE_S)
             if name is None:
                 for known in lease.names:
@@ -161,25 +234,41 @@ class LeaseBook:
         return [ip for ip in ips if any(allowed(n) for n in self.names_of(ip, now))]
 
     def narrowed(
-        self, allowed: Callable[[str], bool], denied: Callable[[IPAddress], bool], now: float
+        self,
+        allowed: Callable[[str], bool],
+        denied: Callable[[IPAddress], bool],
+        now: float,
+        scope_of: Callable[[str], LeaseScope] | None = None,
     ) -> Narrowed:
         """The book after a policy change: a lease stays only if a name that taught it is
-        still allowed and its address is not denied; names no longer allowed are forgotten
-        (the MITM must not verify them). ``self`` is left as it was (kernel first)."""
+        still allowed and its address is not denied, with the union of those names' scopes
+        under the new policy (``scope_of``; None: each keeps its scope); names no longer
+        allowed are forgotten (the MITM must not verify them). ``self`` is left as it was
+        (kernel first). The kernel's dyn sets are rewritten from ``kept`` (flushed and
+        refilled), so a kept lease's port elements are exactly its new scope's."""
         book = LeaseBook(self.cap)
-        kept: list[tuple[IPAddress, int]] = []
+        kept: list[Grant] = []
         revoked: list[IPAddress] = []
+        same = True
         for ip, lease in self._leases.items():
             if lease.expiry <= now:
                 continue  # ended: the flush removes any kernel leftover, the book forgets it
             names = {n: exp for n, exp in lease.names.items() if exp > now and allowed(n)}
-            if not names or denied(ip):
+            scope = lease.scope
+            if scope_of is not None and names:
+                scope = EMPTY
+                for n in names:
+                    scope = scope.union(scope_of(n))
+            if not names or denied(ip) or scope.is_empty():
                 revoked.append(ip)
                 continue
-            book._leases[ip] = Lease(lease.expiry, names)
+            same = same and scope == lease.scope and lease.held == scope.ports
+            book._leases[ip] = Lease(lease.expiry, names, scope, scope.ports)
+            book._elems += len(scope.ports.elements())
             book._next_end = min(book._next_end, lease.expiry + COUNT_GRACE_S, *names.values())
-            kept.append((ip, max(1, math.ceil(lease.expiry - now))))
-        return Narrowed(book, tuple(kept), tuple(revoked), intact=len(kept) == len(self._leases))
+            kept.append(Grant(ip, max(1, math.ceil(lease.expiry - now)), scope))
+        intact = same and len(kept) == len(self._leases)
+        return Narrowed(book, tuple(kept), tuple(revoked), intact=intact)
 
 
 def admissible(
@@ -188,22 +277,27 @@ def admissible(
     leases: Sequence[tuple[IPAddress, int]],
     name: str | None,
     now: float,
-) -> list[tuple[IPAddress, int]]:
+    *,
+    name_check: bool = False,
+) -> list[Grant]:
     """What of one answer may enter the subject's dyn sets now, with the seconds the kernel
     elements must get; nothing is recorded (:meth:`LeaseBook.record` once the kernel took it).
 
     Decided against the policy in force now (docs/reference/behaviour.md §14.1): an answer (``name``, normalised,
     the question it was for) only while that name is admitted; a connection refresh (``name``
-    None) only for addresses a still-admitted name taught. Then the lease cap (14.4).
+    None) only for addresses a still-admitted name taught, never wider than its scope. An
+    answer's leases open the name's scope (docs/reference/behaviour.md §18; ``name_check``: the
+    name check is on, UDP 443 only by an explicit udp rule). Then the lease cap (14.4).
     """
     if name is not None:
         if not name_admitted(effective, name):
             return []
-        candidates: Sequence[tuple[IPAddress, int]] = leases
-    else:
-        renew = set(book.renewable((ip for ip, _ in leases), names_admitted(effective), now))
-        candidates = [(ip, sec) for ip, sec in leases if ip in renew]
-    return book.admit(candidates, now)
+        scope = lease_scope(effective, name, name_check=name_check)
+        if scope.is_empty():
+            return []
+        return book.admit(leases, now, scope)
+    renew = set(book.renewable((ip for ip, _ in leases), names_admitted(effective), now))
+    return book.admit([(ip, sec) for ip, sec in leases if ip in renew], now, None)
 
 
 def narrowed_for(
@@ -212,11 +306,22 @@ def narrowed_for(
     deny_v4: Sequence[Prefix],
     deny_v6: Sequence[Prefix],
     now: float,
+    *,
+    name_check: bool = False,
 ) -> Narrowed:
     """The book under a new effective policy whose deny sets the kernel will hold are
     ``deny_v4``/``deny_v6``: a lease stays only if a name that taught it is still admitted
-    and no deny prefix covers it (docs/reference/behaviour.md §14.1)."""
-    return book.narrowed(names_admitted(effective), covered_by(deny_v4, deny_v6), now)
+    and no deny prefix covers it (docs/reference/behaviour.md §14.1), opening the union of
+    those names' scopes under the new policy (§18)."""
+    memo: dict[str, LeaseScope] = {}
+
+    def scope_of(name: str) -> LeaseScope:
+        hit = memo.get(name)
+        if hit is None:
+            hit = memo[name] = lease_scope(effective, name, name_check=name_check)
+        return hit
+
+    return book.narrowed(names_admitted(effective), covered_by(deny_v4, deny_v6), now, scope_of)
 
 
 def destination_verified(

@@ -23,7 +23,12 @@ from egressd.policy import NetworkPolicy
 from egressd.subject.model import Fence, Subject, nft_id, subject_for_uid
 
 #: (set kind, its prefixes) for each static set of a subject (fleetnft.contents.static_contents).
-StaticContents = tuple[tuple[str, tuple[IPv4Network | IPv6Network, ...]], ...]
+#: The port-scoped sets (docs/reference/behaviour.md §18) hold (prefix, protocol, first port, last
+#: port) elements instead.
+StaticContents = tuple[
+    tuple[str, tuple[IPv4Network | IPv6Network, ...] | tuple[tuple[IPv4Network | IPv6Network, str, int, int], ...]],
+    ...,
+]
 
 
 class State(enum.StrEnum):

@@ -87,7 +87,7 @@ def targets() -> list[tuple[Any, str, str]]:
             (ProxyRouteAPI, "registered", "commit"), (Feed, "publish", "mitm"), (metrics.Counter, "inc", "metrics"),
             (metrics.Histogram, "observe", "metrics"), (metrics.Gauge, "set", "metrics"),
             (BoundLoggerBase, "_proxy_to_logger", "log"), (flows.FlowCuts, cut, "conntrack"),
-            (backend, "read_flows", "ct_read"), (backend, "flush_flow", "ct_cut")]  # fmt: skip
+            (backend, "read_flow_dests", "ct_read"), (backend, "flush_flow", "ct_cut")]  # fmt: skip
 
 
 class Recorder:
@@ -317,7 +317,7 @@ def slow_main(control: str, create_from: int) -> int:
 #: (a scrape of /metrics: the first step, whatever it calls).
 PROFILE_STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("GET /metrics (the bench's scrapes between blocks, untimed)", ("metrics_handler",)),
-    ("conntrack reads and cuts (a worker thread)", ("read_flows (", "_scan_flows", "flows_from", "FlowCuts.")),
+    ("conntrack reads and cuts (a worker thread)", ("read_flow_dests (", "_scan_dests", "flow_dests_from", "FlowCuts.")),
     ("kernel transaction (encoding, send, acks)", ("NfTablesSocket.run", "_Netlink.run", "run_batch_sync")),
     ("binding input parse", ("read_set_binding", "parse_binding_input")),
     ("envelope parse", ("parse_action",)),

@@ -122,5 +122,5 @@ def test_the_resync_batch_converges_from_both_states(scratch: str, case: str, mi
         assert first.count("@subj_s_u_1_deny_v4 goto denied") == (2 if mitm == "mitm" else 1)
         assert "10.0.0.5 : jump subj_s_u_1" in first
         # The audit sets and rules only where an audit policy made them, then exactly once.
-        assert first.count("log prefix") == (4 if case == "audit" else 0)
+        assert first.count("log prefix") == (6 if case == "audit" else 0)  # wdeny, wdenyp, audit x v4, v6
         assert ("subj_s_u_1_wdeny_v4" in first) is (case == "audit")

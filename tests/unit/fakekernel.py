@@ -55,6 +55,7 @@ from egressd.kernel.ops import (
     AddIntervals,
     AddJump,
     AddPort,
+    AddPortElems,
     AddRule,
     AddSet,
     AddTimed,
@@ -66,11 +67,14 @@ from egressd.kernel.ops import (
     DeleteCounter,
     DeleteElement,
     DeleteIface,
+    DeletePortElems,
     DeleteSet,
     DeleteUid,
     FlushChain,
     FlushSet,
     NetlinkBatch,
+    PortElem,
+    port_elem_text,
 )
 from egressd.policy import format_element
 
@@ -476,6 +480,13 @@ def _uid_key(uid: int, port: int | None) -> str:
     return str(uid) if port is None else f"{uid} . {port}"
 
 
+def _parse_port_elem(text: str) -> PortElem:
+    """``prefix . proto . lo[-hi]`` back into an element (the model's keys are nft's text)."""
+    net, proto, ports = text.split(" . ")
+    lo, _, hi = ports.partition("-")
+    return ipaddress.ip_network(net), proto, int(lo), int(hi or lo)
+
+
 def _err(msg: str) -> NftError:
     return NftError(f"Error: Could not process rule: {msg}")
 
@@ -574,6 +585,7 @@ class TextModel:
             if kind == "map":
                 self.maps.add(name)
             fam = "v6" if "ipv6_addr" in body else ("uid" if "type uid" in body else "ifname" if "type ifname" in body else "v4")
+            fam += "p" if "inet_proto" in body else ""
             self.set_kinds.setdefault(name, f"{fam}:{'interval' if 'flags interval' in body else kind}")
             m = _ELEMENTS.search(body)
             if m:
@@ -597,7 +609,7 @@ class TextModel:
             _BATCH_OPS[type(op)](self, op)
 
     def _add_set(self, op: AddSet) -> None:
-        kind = f"{op.fam}:{op.kind}"
+        kind = f"{op.fam}p:interval" if op.ports else f"{op.fam}:{op.kind}"
         if op.name in self.sets and self.set_kinds.get(op.name, kind) != kind:
             raise _err("File exists")
         self.sets.setdefault(op.name, {})
@@ -698,6 +710,27 @@ class TextModel:
         for text in keys:
             elements[text] = ""
 
+    def _add_port_elems(self, op: AddPortElems) -> None:
+        """A pipapo set: an element equal to one held is a re-add; one that partly overlaps
+        another (same address and protocol, overlapping ports) is refused."""
+        elements = self._need(op.name)
+        for elem in op.elems:
+            text = port_elem_text(elem)
+            if text in elements:
+                continue
+            for held in map(_parse_port_elem, elements):
+                if held[1] == elem[1] and held[0].overlaps(elem[0]) and held[2] <= elem[3] and elem[2] <= held[3]:
+                    raise _err("File exists")
+            elements[text] = ""
+
+    def _delete_port_elems(self, op: DeletePortElems) -> None:
+        elements = self._need(op.name)
+        for elem in op.elems:
+            text = port_elem_text(elem)
+            if text not in elements:
+                raise _err("No such file or directory")
+            del elements[text]
+
     def _flush_set(self, op: FlushSet) -> None:
         self._need(op.name)
         self.sets[op.name] = {}
@@ -788,6 +821,8 @@ _BATCH_OPS: dict[type, Callable[[TextModel, Any], None]] = {
     FlushChain: TextModel._flush_chain,
     AddIntervals: TextModel._add_keys,
     AddTimed: TextModel._add_keys,
+    AddPortElems: TextModel._add_port_elems,
+    DeletePortElems: TextModel._delete_port_elems,
     AddUidJump: TextModel._add_uid_jump,
     AddUidPort: TextModel._add_uid_port,
     AddUidCounterRef: TextModel._add_uid_counter_ref,

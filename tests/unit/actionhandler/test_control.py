@@ -167,19 +167,37 @@ SET_KINDS = (
 
 
 def subj_rules(nid: str = "s_u_1") -> list[str]:
-    return [f"ip daddr @subj_{nid}_deny_v4 goto denied", f"ip6 daddr @subj_{nid}_deny_v6 goto denied"]
+    key = "daddr . meta l4proto . th dport"
+    return [
+        f"ip daddr @subj_{nid}_deny_v4 goto denied",
+        f"ip6 daddr @subj_{nid}_deny_v6 goto denied",
+        f"ip {key} @subj_{nid}_denyp_v4 goto denied",
+        f"ip6 {key} @subj_{nid}_denyp_v6 goto denied",
+    ]
 
 
-def mark_rules(nid: str = "s_u_1", *, audit: bool = False) -> list[str]:
-    """``mark_<id>``'s rules; the audit rules only once an audit policy made them."""
+def mark_rules(nid: str = "s_u_1", *, audit: bool = False, name_check: bool = False) -> list[str]:
+    """``mark_<id>``'s rules; the audit rules only once an audit policy made them; with the
+    name check (on with the MITM), the address-only dyn sets never mark UDP 443."""
     log = f'log prefix "egressd would-deny {nid} "'
     unmarked = "meta mark & 0x00000002 != 0x00000002 "
+    key = "daddr . meta l4proto . th dport"
     marks = [
-        *(
-            f"{l3} daddr @subj_{nid}_{kind}_{fam} meta mark set 0x2"
-            for kind in ("allow", "dyn")
-            for l3, fam in (("ip", "v4"), ("ip6", "v6"))
-        ),
+        line
+        for kind in ("allow", "dyn")
+        for line in (
+            *(
+                f"{l3} daddr @subj_{nid}_{kind}_{fam} {guard}meta mark set 0x2"
+                for l3, fam in (("ip", "v4"), ("ip6", "v6"))
+                for guard in (
+                    ("meta l4proto != udp ", "udp dport != 443 ") if kind == "dyn" and name_check else ("",)
+                )
+            ),
+            *(
+                f"{l3} {key} @subj_{nid}_{kind}p_{fam} meta mark set 0x2"
+                for l3, fam in (("ip", "v4"), ("ip6", "v6"))
+            ),
+        )
     ]
     return (
         marks
@@ -187,10 +205,11 @@ def mark_rules(nid: str = "s_u_1", *, audit: bool = False) -> list[str]:
         else [
             *marks,
             *(
-                f"{l3} daddr @subj_{nid}_{kind}_{fam} {l3} daddr != @subj_{nid}_deny_{fam} ct state new "
+                f"{l3} {key if kind == 'wdenyp' else 'daddr'} @subj_{nid}_{kind}_{fam} {l3} daddr != "
+                f"@subj_{nid}_deny_{fam} ct state new "
                 f"{unmarked if kind == 'audit' else ''}{log} "
                 f'counter name "subj_{nid}_audit_{counter}" meta mark set 0x2'
-                for kind, counter in (("wdeny", "deny"), ("audit", "default"))
+                for kind, counter in (("wdeny", "deny"), ("wdenyp", "deny"), ("audit", "default"))
                 for l3, fam in (("ip", "v4"), ("ip6", "v6"))
             ),
         ]
@@ -198,14 +217,22 @@ def mark_rules(nid: str = "s_u_1", *, audit: bool = False) -> list[str]:
 
 
 def in_rules(nid: str = "s_u_1", *, audit: bool = False) -> list[str]:
+    def key(l3: str, kind: str) -> str:
+        if kind.endswith("p"):
+            return f"ct original {l3} daddr . meta l4proto . ct original proto-dst"
+        return f"ct original {l3} daddr"
+
     return [
         *(
-            f"ct original {l3} daddr @subj_{nid}_{kind}_{fam} {verdict}"
+            f"{key(l3, kind)} @subj_{nid}_{kind}_{fam} {verdict}"
             for kind, verdict in (
                 ("deny", "goto denied"),
-                *((("wdeny", "goto denied"),) if audit else ()),
+                ("denyp", "goto denied"),
+                *((("wdeny", "goto denied"), ("wdenyp", "goto denied")) if audit else ()),
                 ("dyn", "accept"),
+                ("dynp", "accept"),
                 ("allow", "accept"),
+                ("allowp", "accept"),
             )
             for l3, fam in (("ip", "v4"), ("ip6", "v6"))
         ),
@@ -216,7 +243,7 @@ def in_rules(nid: str = "s_u_1", *, audit: bool = False) -> list[str]:
 def assert_fixed_rules(kernel: TextKernel, nid: str = "s_u_1", *, mitm: bool = False) -> None:
     """The subject's rules, exactly once: they never change while it exists."""
     assert kernel.rules(f"subj_{nid}") == subj_rules(nid)
-    assert kernel.rules(f"mark_{nid}") == mark_rules(nid)
+    assert kernel.rules(f"mark_{nid}") == mark_rules(nid, name_check=mitm)
     assert kernel.rules(f"subj_{nid}_in") == (in_rules(nid) if mitm else [])
 
 
@@ -1201,7 +1228,7 @@ async def test_a_new_subject_and_a_new_address_cut_flows_a_previous_process_allo
 # --------------------------------------------------------------------------- lazy audit objects
 
 AUDITING = '{"defaultAction":"deny","mode":"audit","egress":[{"action":"deny","target":"9.9.9.0/24"}]}'
-AUDIT_KINDS = ("wdeny_v4", "wdeny_v6", "audit_v4", "audit_v6")
+AUDIT_KINDS = ("wdeny_v4", "wdeny_v6", "audit_v4", "audit_v6", "wdenyp_v4", "wdenyp_v6")
 
 
 @pytest.mark.parametrize("mitm", [False, True])
@@ -1228,7 +1255,7 @@ async def test_the_first_audit_policy_adds_the_audit_objects_in_its_own_transact
     assert kernel.elements("subj_s_u_1_wdeny_v4") == {"9.9.9.0/24": ""}
     # The chains were rebuilt, not appended to: every rule exactly once, wdeny before the accepts.
     assert kernel.rules("subj_s_u_1") == subj_rules()
-    assert kernel.rules("mark_s_u_1") == mark_rules(audit=True)
+    assert kernel.rules("mark_s_u_1") == mark_rules(audit=True, name_check=mitm)
     assert kernel.rules("subj_s_u_1_in") == (in_rules(audit=True) if mitm else [])
     assert entry(control).state is State.ACTIVE
     # A second audit policy is a content swap only.

@@ -536,15 +536,15 @@ def fake_conntrack(
         f"ipv4 2 tcp 6 100 ESTABLISHED src={src} dst={d} sport=1 dport=443 src={d} dst={src}" for d in dsts
     ]
 
-    async def flows(sources: Collection[IPAddress]) -> dict[IPAddress, set[IPAddress]]:
-        return conntrack.flows_from(lines, sources)
+    async def flows(sources: Collection[IPAddress]) -> dict[IPAddress, set[conntrack.Dest]]:
+        return conntrack.flow_dests_from(lines, sources)
 
     cut: list[tuple[IPAddress, IPAddress]] = []
 
-    async def flush(s: IPAddress, d: IPAddress) -> None:
+    async def flush(s: IPAddress, d: IPAddress, _proto: str = "", _port: int | None = None) -> None:
         cut.append((s, d))
 
-    monkeypatch.setattr(backend_mod, "read_flows", flows)
+    monkeypatch.setattr(backend_mod, "read_flow_dests", flows)
     monkeypatch.setattr(backend_mod, "flush_flow", flush)
     return cut
 

@@ -148,7 +148,7 @@ def test_subject_set_names_one_of_the_subjects_sets() -> None:
     assert subject_set("s_u_1", "deny", "v4") in names and subject_set("s_u_1", "allow", "v6") in names
 
 
-@pytest.mark.parametrize(("mitm", "rules", "audit_rules"), [(False, 6, 10), (True, 13, 19)])
+@pytest.mark.parametrize(("mitm", "rules", "audit_rules"), [(False, 12, 18), (True, 27, 37)])
 async def test_the_rules_gauge_counts_each_installed_subjects_fixed_rules(
     mitm: bool, rules: int, audit_rules: int
 ) -> None:
@@ -174,10 +174,12 @@ def test_admissible_decides_an_answer_by_its_name_and_a_refresh_by_the_names_tha
     )
     book = LeaseBook(cap=2)
     assert admissible(book, effective, [(API, 60)], "evil.test", NOW) == []
-    assert admissible(book, effective, [(API, 60)], "www.example.com", NOW) == [(API, 60)]
+    assert [(g.ip, g.seconds) for g in admissible(book, effective, [(API, 60)], "www.example.com", NOW)] == [
+        (API, 60)
+    ]
     book.record([(API, 60)], "www.example.com", NOW)
     # A refresh renews only what an admitted name taught; CDN was never learned.
-    assert admissible(book, effective, [(API, 360), (CDN, 360)], None, NOW) == [(API, 360)]
+    assert [g.ip for g in admissible(book, effective, [(API, 360), (CDN, 360)], None, NOW)] == [API]
     denied = parse_policy('{"defaultAction":"deny"}')
     assert admissible(book, denied, [(API, 360)], None, NOW) == []
 
@@ -191,7 +193,7 @@ def test_narrowed_for_drops_leases_a_deny_prefix_covers() -> None:
     book.record([(API, 60), (CDN, 60)], "www.example.com", NOW)
     sets = ip_sets(effective)
     narrowed = narrowed_for(book, effective, sets.deny_v4, sets.deny_v6, NOW)
-    assert narrowed.revoked == (CDN,) and [a for a, _ in narrowed.kept] == [API]
+    assert narrowed.revoked == (CDN,) and [g.ip for g in narrowed.kept] == [API]
 
 
 def test_destination_verified_needs_the_name_s_lease_or_an_explicit_ip_allow() -> None:

@@ -73,6 +73,7 @@ from egressd.kernel.ops import (
     FlushSet,
     MatchRule,
     NetlinkBatch,
+    PortRule,
     Rule,
     RuleAction,
     VerdictRule,
@@ -417,8 +418,8 @@ def _run_chain(t: Table, chain: str, dst: IPAddress, marked: bool) -> tuple[str 
     for rule in t.chains.get(chain, []):
         if isinstance(rule, VerdictRule):
             return rule.outcome.value, marked
-        if rule.fam != fam:
-            continue
+        if rule.fam != fam or isinstance(rule, PortRule):
+            continue  # the model's packets are TCP without ports: no port-scoped element holds them
         if isinstance(rule, MatchRule):
             if _in(t, rule.set_name, dst):
                 if rule.outcome is RuleAction.MARK:

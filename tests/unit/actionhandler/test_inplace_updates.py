@@ -158,14 +158,14 @@ def conntrack_with(monkeypatch: pytest.MonkeyPatch, dsts: tuple[str, ...]) -> tu
     reads: list[int] = []
     cut: list[str] = []
 
-    async def read(sources: Collection[IPAddress]) -> dict[IPAddress, set[IPAddress]]:
+    async def read(sources: Collection[IPAddress]) -> dict[IPAddress, set[conntrack.Dest]]:
         reads.append(1)
-        return conntrack.flows_from(lines, sources)
+        return conntrack.flow_dests_from(lines, sources)
 
-    async def flush(_src: IPAddress, dst: IPAddress) -> None:
+    async def flush(_src: IPAddress, dst: IPAddress, _proto: str = "", _port: int | None = None) -> None:
         cut.append(str(dst))
 
-    monkeypatch.setattr(backend_mod, "read_flows", read)
+    monkeypatch.setattr(backend_mod, "read_flow_dests", read)
     monkeypatch.setattr(backend_mod, "flush_flow", flush)
     monkeypatch.setattr(flows_mod, "CUT_INTERVAL_S", 0.0)
     return reads, cut

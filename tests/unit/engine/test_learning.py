@@ -11,7 +11,7 @@ from egressd.addr import IPAddress
 from egressd.engine import learning
 from egressd.kernel.applier import NftError
 from egressd.policy import ip_sets, parse_policy
-from egressd.subject.leases import LeaseBook
+from egressd.subject.leases import Grant, LeaseBook
 
 API, CDN = ipaddress.ip_address("93.184.216.34"), ipaddress.ip_address("93.184.216.35")
 PINNED = ipaddress.ip_address("198.51.100.7")
@@ -30,8 +30,8 @@ class Kernel:
         self.sent: list[list[tuple[IPAddress, int]]] = []
         self.fail = fail
 
-    async def add(self, admitted: list[tuple[IPAddress, int]]) -> None:
-        self.sent.append(admitted)
+    async def add(self, admitted: list[Grant]) -> None:
+        self.sent.append([(g.ip, g.seconds) for g in admitted])
         if self.fail is not None:
             raise self.fail
 

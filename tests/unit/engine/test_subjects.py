@@ -28,6 +28,7 @@ from egressd.policy.ipsets import Prefix
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecarnft.backend import SIDECAR_UID, SidecarBackend
 from egressd.sidecarnft.ruleset import SidecarTable
+from egressd.subject.leases import Grant
 from tests.unit.fakekernel import FakeTx
 
 
@@ -48,6 +49,7 @@ class Recording:
     """A backend that records what the engine asks of it (the fleet's rules for failures and audit)."""
 
     passes_would_deny = True
+    name_check = False
 
     def __init__(self, flows: Mapping[IPAddress, list[IPAddress]] | None = None) -> None:
         self.added: list[tuple[str, list[tuple[IPAddress, int]]]] = []
@@ -63,14 +65,17 @@ class Recording:
         sets = ip_sets(effective)
         return sets.deny_v4, sets.deny_v6
 
-    async def add_leases(self, uid: str, admitted: list[tuple[IPAddress, int]]) -> None:
-        self.added.append((uid, admitted))
+    async def add_leases(self, uid: str, admitted: list[Grant]) -> None:
+        self.added.append((uid, [(g.ip, g.seconds) for g in admitted]))
         if self.fail is not None:
             raise self.fail
 
     async def tracked_flows(self, sources: Mapping[str, Collection[IPAddress]]) -> Mapping[str, Sequence[Flow]]:
         self.reads += 1
-        return {uid: [(s, d) for s in sorted(ips, key=str) for d in self.flows.get(s, [])] for uid, ips in sources.items()}
+        return {
+            uid: [(s, d, "tcp", 443) for s in sorted(ips, key=str) for d in self.flows.get(s, [])]
+            for uid, ips in sources.items()
+        }
 
     async def cut_flow(self, flow: Flow) -> None:
         self.cut.append(flow)
@@ -117,7 +122,7 @@ async def test_a_narrowing_keeps_only_what_the_new_policy_and_the_backends_deny_
     e = engine(Recording())
     await e.learn("a", ALLOW_API, [(API, 60)], "api.x.io")
     kept = e.narrowed("a", ALLOW_API)
-    assert kept is not None and [i for i, _ in kept.kept] == [API]
+    assert kept is not None and [g.ip for g in kept.kept] == [API]
     denied = e.narrowed("a", DENY_API_IP)
     assert denied is not None and denied.kept == () and denied.revoked == (API,)
     e.commit("a", denied)
@@ -165,7 +170,7 @@ async def test_one_read_of_the_flow_table_cuts_several_subjects_by_their_own_pol
         }
     )
     assert backend.reads == 1 and cut == 3
-    assert backend.cut == [(src_a, OTHER), (src_b, API), (src_b, OTHER)]
+    assert backend.cut == [(src_a, OTHER, "tcp", 443), (src_b, API, "tcp", 443), (src_b, OTHER, "tcp", 443)]
 
 
 def test_both_profiles_run_the_same_engine_over_their_own_backend() -> None:

@@ -10,7 +10,8 @@ The pure netlink encoders of the applier are tested at the end.
 from __future__ import annotations
 
 from dataclasses import replace
-from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
+from ipaddress import ip_address, ip_network
+from typing import Any
 
 import pytest
 
@@ -43,14 +44,17 @@ from egressd.kernel.ops import (
     DeleteSet,
     FlushChain,
     FlushSet,
+    L4Guard,
     MatchRule,
     NetlinkBatch,
+    PortRule,
     VerdictRule,
 )
 from egressd.kernel.ops import (
     RuleAction as Outcome,
 )
 from egressd.policy import AlwaysRules, Verdict, effective_policy, parse_always_text, parse_policy
+from egressd.subject.leases import Grant
 
 T = "T"
 CFG = TableConfig(table=T, dns_port=15353)
@@ -67,8 +71,16 @@ SET_KINDS = (
     "wdeny_v6",
     "audit_v4",
     "audit_v6",
+    "wdenyp_v4",
+    "wdenyp_v6",
     "dyn_v4",
     "dyn_v6",
+    "allowp_v4",
+    "allowp_v6",
+    "denyp_v4",
+    "denyp_v6",
+    "dynp_v4",
+    "dynp_v6",
 )
 SETS6 = [f"subj_s_u_1_{k}" for k in SET_KINDS]
 
@@ -83,33 +95,62 @@ ALLOW_ALL = parse_policy('{"defaultAction":"allow"}')
 ALLOW_BUT = parse_policy('{"defaultAction":"allow","egress":[{"action":"deny","target":"1.2.3.4"}]}')
 
 # The fixed per-subject rules, in nft syntax.
+PORTKEY = "daddr . meta l4proto . th dport"
 SUBJ_CHAIN_RULES = [
     "ip daddr @subj_s_u_1_deny_v4 goto denied",
     "ip6 daddr @subj_s_u_1_deny_v6 goto denied",
+    f"ip {PORTKEY} @subj_s_u_1_denyp_v4 goto denied",
+    f"ip6 {PORTKEY} @subj_s_u_1_denyp_v6 goto denied",
 ]
 MARK_CHAIN_RULES = [
     "ip daddr @subj_s_u_1_allow_v4 meta mark set 0x2",
     "ip6 daddr @subj_s_u_1_allow_v6 meta mark set 0x2",
+    f"ip {PORTKEY} @subj_s_u_1_allowp_v4 meta mark set 0x2",
+    f"ip6 {PORTKEY} @subj_s_u_1_allowp_v6 meta mark set 0x2",
     "ip daddr @subj_s_u_1_dyn_v4 meta mark set 0x2",
     "ip6 daddr @subj_s_u_1_dyn_v6 meta mark set 0x2",
+    f"ip {PORTKEY} @subj_s_u_1_dynp_v4 meta mark set 0x2",
+    f"ip6 {PORTKEY} @subj_s_u_1_dynp_v6 meta mark set 0x2",
     'ip daddr @subj_s_u_1_wdeny_v4 ip daddr != @subj_s_u_1_deny_v4 ct state new log prefix "egressd would-deny s_u_1 " '
     'counter name "subj_s_u_1_audit_deny" meta mark set 0x2',
     'ip6 daddr @subj_s_u_1_wdeny_v6 ip6 daddr != @subj_s_u_1_deny_v6 ct state new log prefix "egressd would-deny s_u_1 " '
     'counter name "subj_s_u_1_audit_deny" meta mark set 0x2',
+    f"ip {PORTKEY} @subj_s_u_1_wdenyp_v4 ip daddr != @subj_s_u_1_deny_v4 ct state new "
+    'log prefix "egressd would-deny s_u_1 " counter name "subj_s_u_1_audit_deny" meta mark set 0x2',
+    f"ip6 {PORTKEY} @subj_s_u_1_wdenyp_v6 ip6 daddr != @subj_s_u_1_deny_v6 ct state new "
+    'log prefix "egressd would-deny s_u_1 " counter name "subj_s_u_1_audit_deny" meta mark set 0x2',
     "ip daddr @subj_s_u_1_audit_v4 ip daddr != @subj_s_u_1_deny_v4 ct state new meta mark & 0x00000002 != 0x00000002 "
     'log prefix "egressd would-deny s_u_1 " counter name "subj_s_u_1_audit_default" meta mark set 0x2',
     "ip6 daddr @subj_s_u_1_audit_v6 ip6 daddr != @subj_s_u_1_deny_v6 ct state new meta mark & 0x00000002 != 0x00000002 "
     'log prefix "egressd would-deny s_u_1 " counter name "subj_s_u_1_audit_default" meta mark set 0x2',
 ]
+# With the name check (on with the MITM), the address-only dyn sets never mark UDP 443.
+MARK_CHAIN_RULES_CHECKED = [
+    *MARK_CHAIN_RULES[:4],
+    "ip daddr @subj_s_u_1_dyn_v4 meta l4proto != udp meta mark set 0x2",
+    "ip daddr @subj_s_u_1_dyn_v4 udp dport != 443 meta mark set 0x2",
+    "ip6 daddr @subj_s_u_1_dyn_v6 meta l4proto != udp meta mark set 0x2",
+    "ip6 daddr @subj_s_u_1_dyn_v6 udp dport != 443 meta mark set 0x2",
+    *MARK_CHAIN_RULES[6:],
+]
+CT_PORTKEY = "daddr . meta l4proto . ct original proto-dst"
 IN_CHAIN_RULES = [
     "ct original ip daddr @subj_s_u_1_deny_v4 goto denied",
     "ct original ip6 daddr @subj_s_u_1_deny_v6 goto denied",
+    f"ct original ip {CT_PORTKEY} @subj_s_u_1_denyp_v4 goto denied",
+    f"ct original ip6 {CT_PORTKEY} @subj_s_u_1_denyp_v6 goto denied",
     "ct original ip daddr @subj_s_u_1_wdeny_v4 goto denied",
     "ct original ip6 daddr @subj_s_u_1_wdeny_v6 goto denied",
+    f"ct original ip {CT_PORTKEY} @subj_s_u_1_wdenyp_v4 goto denied",
+    f"ct original ip6 {CT_PORTKEY} @subj_s_u_1_wdenyp_v6 goto denied",
     "ct original ip daddr @subj_s_u_1_dyn_v4 accept",
     "ct original ip6 daddr @subj_s_u_1_dyn_v6 accept",
+    f"ct original ip {CT_PORTKEY} @subj_s_u_1_dynp_v4 accept",
+    f"ct original ip6 {CT_PORTKEY} @subj_s_u_1_dynp_v6 accept",
     "ct original ip daddr @subj_s_u_1_allow_v4 accept",
     "ct original ip6 daddr @subj_s_u_1_allow_v6 accept",
+    f"ct original ip {CT_PORTKEY} @subj_s_u_1_allowp_v4 accept",
+    f"ct original ip6 {CT_PORTKEY} @subj_s_u_1_allowp_v6 accept",
     "goto denied",
 ]
 
@@ -136,17 +177,31 @@ def batch_rules(batch: NetlinkBatch, chain: str) -> list[str]:
 # subject, given the contents of its sets: forward path (marking chain, then dispatch chain,
 # then the header's unmarked-drop tail) and, with MITM, the input path (IN chain of §8.2).
 
-Contents = dict[str, tuple[IPv4Network | IPv6Network, ...]]
+Contents = dict[str, tuple[Any, ...]]  # prefixes, or (prefix, proto, lo, hi) for the port sets
 
 
-def _matches(rule: MatchRule | AuditRule, contents: Contents, dst: IPAddress) -> bool:
+def _matches(
+    rule: MatchRule | PortRule | AuditRule,
+    contents: Contents,
+    dst: IPAddress,
+    proto: str = "tcp",
+    port: int = 443,
+) -> bool:
     if rule.fam != ("v4" if dst.version == 4 else "v6"):
         return False
     kind = rule.set_name.removeprefix("subj_s_u_1_")
+    if isinstance(rule, PortRule):
+        return any(dst in n and p == proto and lo <= port <= hi for n, p, lo, hi in contents.get(kind, ()))
+    if isinstance(rule, MatchRule) and rule.guard is L4Guard.NOT_UDP and proto == "udp":
+        return False
+    if isinstance(rule, MatchRule) and rule.guard is L4Guard.UDP_NOT_443 and (proto != "udp" or port == 443):
+        return False
     return any(dst in net for net in contents.get(kind, ()))
 
 
-def forward_path(cfg: TableConfig, contents: Contents, dst: str) -> tuple[str, list[str]]:
+def forward_path(
+    cfg: TableConfig, contents: Contents, dst: str, proto: str = "tcp", port: int = 443
+) -> tuple[str, list[str]]:
     """(verdict, audit counters that counted the flow) for the first packet of a new flow."""
     addr = ip_address(dst)
     batch = subject_rules(cfg, "s_u_1", audit=True)
@@ -162,13 +217,13 @@ def forward_path(cfg: TableConfig, contents: Contents, dst: str) -> tuple[str, l
                 counted.append(op.rule.counter)
                 marked = True
         else:
-            assert isinstance(op.rule, MatchRule) and op.rule.outcome is Outcome.MARK
-            marked = marked or _matches(op.rule, contents, addr)
+            assert isinstance(op.rule, MatchRule | PortRule) and op.rule.outcome is Outcome.MARK
+            marked = marked or _matches(op.rule, contents, addr, proto, port)
     for op in batch.ops:
         assert isinstance(op, AddRule)
         if op.chain == "subj_s_u_1":
-            assert isinstance(op.rule, MatchRule)
-            if _matches(op.rule, contents, addr):
+            assert isinstance(op.rule, MatchRule | PortRule)
+            if _matches(op.rule, contents, addr, proto, port):
                 return op.rule.outcome.value, counted
     return ("accept" if marked else "drop"), counted  # meta mark & 0x2 != 0x2 drop
 
@@ -177,7 +232,7 @@ def forward_verdict(cfg: TableConfig, contents: Contents, dst: str) -> str:
     return forward_path(cfg, contents, dst)[0]
 
 
-def mitm_in_verdict(contents: Contents, dst: str) -> str:
+def mitm_in_verdict(contents: Contents, dst: str, port: int = 443) -> str:
     addr = ip_address(dst)
     for op in subject_rules(MITM, "s_u_1", audit=True).ops:
         assert isinstance(op, AddRule)
@@ -185,8 +240,8 @@ def mitm_in_verdict(contents: Contents, dst: str) -> str:
             continue
         if isinstance(op.rule, VerdictRule):
             return op.rule.outcome.value
-        assert isinstance(op.rule, MatchRule)
-        if _matches(op.rule, contents, addr):
+        assert isinstance(op.rule, MatchRule | PortRule)
+        if _matches(op.rule, contents, addr, "tcp", port):
             return op.rule.outcome.value
     return "accept"  # the input chain's policy; never reached (the chain ends with a verdict)
 
@@ -328,7 +383,9 @@ def test_header_mitm() -> None:
             f"{l3} saddr @mitm_src_{fam} tcp dport {{ 80, 443 }} redirect to :{l3} saddr map @mitm_port_{fam}"
         )
         # A worker-port miss is dropped right after the redirect, never forwarded.
-        redirect = nat.index(f"{l3} saddr @mitm_src_{fam} tcp dport {{ 80, 443 }} redirect to :{l3} saddr map @mitm_port_{fam}")
+        redirect = nat.index(
+            f"{l3} saddr @mitm_src_{fam} tcp dport {{ 80, 443 }} redirect to :{l3} saddr map @mitm_port_{fam}"
+        )
         assert nat[redirect + 1] == f"{l3} saddr @mitm_src_{fam} tcp dport {{ 80, 443 }} drop"
     assert "ip daddr @dns_gw_v4 tcp dport { 80, 443 } return" in nat
     assert "ip saddr @mitm_src_v4 tcp dport { 80, 443 } redirect to :ip saddr map @mitm_port_v4" in nat
@@ -443,8 +500,17 @@ def test_objects_script_declares_the_sets_chains_and_counters() -> None:
     assert f"add chain inet {T} subj_s_u_1_in" not in text
     assert f"add counter inet {T} subj_s_u_1_audit_deny" in text
     assert f"add counter inet {T} subj_s_u_1_audit_default" in text
+    for kind in ("allowp", "denyp"):
+        assert (
+            f"add set inet {T} subj_s_u_1_{kind}_v4 {{ type ipv4_addr . inet_proto . inet_service; "
+            "flags interval; }" in text
+        )
+    assert (
+        f"add set inet {T} subj_s_u_1_dynp_v6 {{ type ipv6_addr . inet_proto . inet_service; "
+        "flags interval,timeout; timeout 360s; size 8192; }" in text
+    )
     declared = [ln for ln in text if ln.startswith(f"add set inet {T} subj_")]
-    assert len(declared) == 6
+    assert len(declared) == 12
 
 
 def test_objects_script_has_no_rules_no_flushes_no_deletes() -> None:
@@ -468,15 +534,21 @@ def test_objects_script_declarations_come_before_the_dispatch_entries() -> None:
 def test_subject_rules_are_the_fixed_rule_list() -> None:
     batch = subject_rules(CFG, "s_u_1", audit=True)
     # Without the audit objects: the same rules less the audit ones.
-    assert subject_rules(CFG, "s_u_1").ops == batch.ops[:6]
+    assert subject_rules(CFG, "s_u_1").ops == batch.ops[:12]
     assert batch.table == T
     assert batch.ops == (
         AddRule("subj_s_u_1", MatchRule("v4", "subj_s_u_1_deny_v4", Outcome.DROP, drop_chain="denied")),
         AddRule("subj_s_u_1", MatchRule("v6", "subj_s_u_1_deny_v6", Outcome.DROP, drop_chain="denied")),
+        AddRule("subj_s_u_1", PortRule("v4", "subj_s_u_1_denyp_v4", Outcome.DROP, drop_chain="denied")),
+        AddRule("subj_s_u_1", PortRule("v6", "subj_s_u_1_denyp_v6", Outcome.DROP, drop_chain="denied")),
         AddRule("mark_s_u_1", MatchRule("v4", "subj_s_u_1_allow_v4", Outcome.MARK)),
         AddRule("mark_s_u_1", MatchRule("v6", "subj_s_u_1_allow_v6", Outcome.MARK)),
+        AddRule("mark_s_u_1", PortRule("v4", "subj_s_u_1_allowp_v4", Outcome.MARK)),
+        AddRule("mark_s_u_1", PortRule("v6", "subj_s_u_1_allowp_v6", Outcome.MARK)),
         AddRule("mark_s_u_1", MatchRule("v4", "subj_s_u_1_dyn_v4", Outcome.MARK)),
         AddRule("mark_s_u_1", MatchRule("v6", "subj_s_u_1_dyn_v6", Outcome.MARK)),
+        AddRule("mark_s_u_1", PortRule("v4", "subj_s_u_1_dynp_v4", Outcome.MARK)),
+        AddRule("mark_s_u_1", PortRule("v6", "subj_s_u_1_dynp_v6", Outcome.MARK)),
         *(
             AddRule(
                 "mark_s_u_1",
@@ -487,9 +559,10 @@ def test_subject_rules_are_the_fixed_rule_list() -> None:
                     "egressd would-deny s_u_1 ",
                     f"subj_s_u_1_audit_{counter}",
                     unmarked_only=kind == "audit",
+                    ports=kind == "wdenyp",
                 ),
             )
-            for kind, counter in (("wdeny", "deny"), ("audit", "default"))
+            for kind, counter in (("wdeny", "deny"), ("wdenyp", "deny"), ("audit", "default"))
             for fam in ("v4", "v6")
         ),
     )
@@ -497,22 +570,27 @@ def test_subject_rules_are_the_fixed_rule_list() -> None:
     assert batch_rules(batch, "mark_s_u_1") == MARK_CHAIN_RULES
     assert batch_rules(batch, "subj_s_u_1_in") == []
     # No unconditional verdict or mark: with empty sets the chains do nothing at all.
-    assert all(isinstance(op, AddRule) and isinstance(op.rule, MatchRule | AuditRule) for op in batch.ops)
+    assert all(
+        isinstance(op, AddRule) and isinstance(op.rule, MatchRule | PortRule | AuditRule) for op in batch.ops
+    )
     assert not any(
-        op.rule.ct_original for op in batch.ops if isinstance(op, AddRule) and isinstance(op.rule, MatchRule)
+        op.rule.ct_original
+        for op in batch.ops
+        if isinstance(op, AddRule) and isinstance(op.rule, MatchRule | PortRule)
     )
 
 
 def test_subject_rules_mitm_in_chain() -> None:
     batch = subject_rules(MITM, "s_u_1", audit=True)
     assert batch_rules(batch, "subj_s_u_1") == SUBJ_CHAIN_RULES
-    assert batch_rules(batch, "mark_s_u_1") == MARK_CHAIN_RULES
+    assert batch_rules(batch, "mark_s_u_1") == MARK_CHAIN_RULES_CHECKED
     assert batch_rules(batch, "subj_s_u_1_in") == IN_CHAIN_RULES
     in_ops = [op.rule for op in batch.ops if isinstance(op, AddRule) and op.chain == "subj_s_u_1_in"]
-    assert all(r.ct_original for r in in_ops if isinstance(r, MatchRule))
+    assert all(r.ct_original for r in in_ops if isinstance(r, MatchRule | PortRule))
     assert in_ops[-1] == VerdictRule(Outcome.DROP, drop_chain="denied")
+    unchecked = subject_rules(replace(MITM, name_check=False), "s_u_1", audit=True)
     plain = subject_rules(CFG, "s_u_1", audit=True).ops
-    assert batch.ops[: len(plain)] == plain
+    assert unchecked.ops[: len(plain)] == plain
     # Without the audit objects the input path has no wdeny drop, in the same order otherwise.
     bare = batch_rules(subject_rules(MITM, "s_u_1"), "subj_s_u_1_in")
     assert bare == [r for r in IN_CHAIN_RULES if "wdeny" not in r]
@@ -579,7 +657,10 @@ def test_objects_script_mitm() -> None:
         in text
     )
     assert f"add set inet {T} mitm_src_v4 {{ type ipv4_addr; elements = {{ 10.0.0.5 }} }}" in text
-    assert f"add map inet {T} mitm_port_v4 {{ type ipv4_addr : inet_service; elements = {{ 10.0.0.5 : 18081 }} }}" in text
+    assert (
+        f"add map inet {T} mitm_port_v4 {{ type ipv4_addr : inet_service; elements = {{ 10.0.0.5 : 18081 }} }}"
+        in text
+    )
     assert dispatch_entries(MITM, SUBJ) == "\n".join(text[-7:]) + "\n"
 
 
@@ -597,7 +678,22 @@ def test_objects_script_is_deterministic() -> None:
 # --------------------------------------------------------------------------- §8.3 policy swap
 
 # An enforcing policy empties the audit sets in every swap (leaving audit is a swap too).
-AUDIT_FLUSHES = tuple(FlushSet(f"subj_s_u_1_{k}") for k in ("wdeny_v4", "wdeny_v6", "audit_v4", "audit_v6"))
+# The static sets past allow/deny: audit's, then the port-scoped ones (empty without ports).
+AUDIT_FLUSHES = tuple(
+    FlushSet(f"subj_s_u_1_{k}")
+    for k in (
+        "wdeny_v4",
+        "wdeny_v6",
+        "audit_v4",
+        "audit_v6",
+        "allowp_v4",
+        "allowp_v6",
+        "denyp_v4",
+        "denyp_v6",
+        "wdenyp_v4",
+        "wdenyp_v6",
+    )
+)
 AUDIT_FLUSH_TEXT = "".join(f"flush set inet T {op.name}\n" for op in AUDIT_FLUSHES)
 NO_AUDIT = {"wdeny_v4": (), "wdeny_v6": (), "audit_v4": (), "audit_v6": ()}
 
@@ -652,7 +748,10 @@ def test_policy_swap_empty_sets_get_no_elements() -> None:
     filled = [op.name for op in batch.ops if isinstance(op, AddIntervals)]
     assert filled == ["subj_s_u_1_allow_v4", "subj_s_u_1_deny_v4"]
     deny_all = policy_swap(T, "s_u_1", parse_policy("{}"), audit_objects=True)
-    assert deny_all.ops == tuple(FlushSet(f"subj_s_u_1_{k}") for k in SET_KINDS if not k.startswith("dyn"))
+    assert all(isinstance(op, FlushSet) for op in deny_all.ops)
+    assert sorted(op.name for op in deny_all.ops) == sorted(  # type: ignore[union-attr]
+        f"subj_s_u_1_{k}" for k in SET_KINDS if not k.startswith("dyn")
+    )
     assert "add element" not in deny_all.describe()
 
 
@@ -873,7 +972,11 @@ def test_dyn_add_sets_timeout_and_expires() -> None:
     batch = dyn_add(
         T,
         "s_u_1",
-        [(ip_address("93.184.216.34"), 90), (ip_address("2001:db8::1"), 61), (ip_address("1.1.1.1"), 360)],
+        [
+            Grant(ip_address("93.184.216.34"), 90),
+            Grant(ip_address("2001:db8::1"), 61),
+            Grant(ip_address("1.1.1.1"), 360),
+        ],
     )
     assert batch.ops == (
         AddTimed(
@@ -889,7 +992,7 @@ def test_dyn_add_sets_timeout_and_expires() -> None:
 
 
 def test_dyn_add_single_family() -> None:
-    batch = dyn_add(T, "s_u_1", [(ip_address("93.184.216.34"), 90)])
+    batch = dyn_add(T, "s_u_1", [Grant(ip_address("93.184.216.34"), 90)])
     assert "dyn_v6" not in batch.describe()
     assert "93.184.216.34 timeout 90s expires 90s" in batch.describe()
     assert not dyn_add(T, "s_u_1", [])
@@ -962,7 +1065,7 @@ def test_audit_rule_log_prefix_fits_the_kernel_limit_for_the_longest_ids() -> No
     nid = "s_" + "x" * 128
     rules = [op.rule for op in subject_rules(CFG, nid, audit=True).ops if isinstance(op, AddRule)]
     audit = [r for r in rules if isinstance(r, AuditRule)]
-    assert len(audit) == 4
+    assert len(audit) == 6
     assert all(
         len(r.log_prefix.encode()) <= 127 and r.log_prefix.startswith("egressd would-deny s_x") for r in audit
     )
@@ -980,7 +1083,8 @@ def test_audit_objects_declare_the_sets_and_rebuild_the_chains_that_read_them() 
         batch = audit_objects(cfg, "s_u_1")
         kinds = ("wdeny_v4", "wdeny_v6", "audit_v4", "audit_v6")
         assert [op for op in batch.ops if isinstance(op, AddSet)] == [
-            AddSet(f"subj_s_u_1_{k}", k[-2:], "interval") for k in kinds
+            *(AddSet(f"subj_s_u_1_{k}", k[-2:], "interval") for k in kinds),
+            *(AddSet(f"subj_s_u_1_wdenyp_{f}", f, "interval", ports=True) for f in ("v4", "v6")),
         ]
         chains = ["mark_s_u_1"] + (["subj_s_u_1_in"] if cfg.mitm else [])
         assert [op for op in batch.ops if isinstance(op, FlushChain)] == [FlushChain(c) for c in chains]

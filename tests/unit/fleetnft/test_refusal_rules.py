@@ -141,7 +141,7 @@ def test_every_subject_refusal_goes_through_the_counting_chain(mitm: bool) -> No
     ]
     assert drops and all(r.drop_chain == DENIED_CHAIN for r in drops)  # type: ignore[union-attr]
     assert all(r.render().endswith("goto denied") for r in drops)
-    assert len(drops) == (2 + 5 if mitm else 2)
+    assert len(drops) == (4 + 9 if mitm else 4)  # address-only and port-scoped denies (§18)
 
 
 def test_the_subject_counter_lives_and_dies_with_the_subject() -> None:

@@ -56,7 +56,10 @@ from egressd.fleetnft.table import SubjectNft, TableConfig, dropped_counter_subj
 from egressd.kernel.ops import NetlinkBatch
 from egressd.nftsyntax import intercepted_ports
 from egressd.policy import DENY_ALL, NetworkPolicy, parse_policy
+from egressd.policy.scope import Scope
 from egressd.subject.hostuid import UidPorts, UidRange
+from egressd.subject.leases import Grant
+from egressd.subject.scopes import LeaseScope
 from tests.unit.golden import changed_cases, digests, main
 
 GOLDEN = Path(__file__).with_name("golden_ruleset.sha256")
@@ -117,12 +120,23 @@ POLICIES: dict[str, NetworkPolicy] = {
     "audit_allow": parse_policy(
         '{"defaultAction":"allow","mode":"audit","egress":[{"action":"deny","target":"fd00::/8"}]}'
     ),
+    # Port-scoped rules (docs/reference/behaviour.md §18), overlapping ones cut into disjoint elements.
+    "ports": parse_policy(
+        '{"defaultAction":"deny","egress":[{"action":"allow","target":"10.0.0.0/8","protocol":"tcp",'
+        '"ports":["5432-5433"]},{"action":"allow","target":"10.1.0.0/16","ports":["5000-6000"]},'
+        '{"action":"deny","target":"10.1.2.3","protocol":"udp","ports":[53]},'
+        '{"action":"allow","target":"2001:db8::/32","protocol":"https"}]}'
+    ),
 }
 
+TCP_443 = LeaseScope(False, Scope(tcp=((443, 443),)))
 LEASES = (
-    (ip_address("93.184.216.34"), 300),
-    (ip_address("2606:2800::1"), 60),
-    (ip_address("1.1.1.1"), 1),
+    Grant(ip_address("93.184.216.34"), 300),
+    Grant(ip_address("2606:2800::1"), 60),
+    Grant(ip_address("1.1.1.1"), 1),
+    # Port-scoped leases (docs/reference/behaviour.md §18): a new one, and one whose scope grew.
+    Grant(ip_address("93.184.216.35"), 90, TCP_443),
+    Grant(ip_address("2606:2800::2"), 90, LeaseScope(False, Scope(tcp=((80, 80), (443, 443)))), TCP_443.ports),
 )
 
 

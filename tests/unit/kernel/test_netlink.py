@@ -286,7 +286,8 @@ def test_subject_create_is_one_batch_sets_chains_rules_keys() -> None:
 
     subj = SubjectNft("s_u_1", IPv4Address("10.0.0.5"), IPv4Address("10.0.0.1"))
     text = subject_create(TableConfig(table=T), subj).describe().splitlines()
-    assert text[:6] == [  # no audit sets: they come with the subject's first audit policy
+    concat = "inet_proto . inet_service"
+    assert text[:12] == [  # no audit sets: they come with the subject's first audit policy
         *(
             f"add set inet {T} subj_s_u_1_{kind}_{fam} {{ type ipv{fam[1]}_addr; flags interval; }}"
             for kind in ("allow", "deny")
@@ -294,8 +295,19 @@ def test_subject_create_is_one_batch_sets_chains_rules_keys() -> None:
         ),
         f"add set inet {T} subj_s_u_1_dyn_v4 {{ type ipv4_addr; flags timeout; timeout 360s; size 4096; }}",
         f"add set inet {T} subj_s_u_1_dyn_v6 {{ type ipv6_addr; flags timeout; timeout 360s; size 4096; }}",
+        # Port-scoped (docs/reference/behaviour.md §18): rules with ports, and leases of names with ports.
+        *(
+            f"add set inet {T} subj_s_u_1_{kind}_{fam} {{ type ipv{fam[1]}_addr . {concat}; flags interval; }}"
+            for kind in ("allowp", "denyp")
+            for fam in ("v4", "v6")
+        ),
+        *(
+            f"add set inet {T} subj_s_u_1_dynp_{fam} {{ type ipv{fam[1]}_addr . {concat}; "
+            "flags interval,timeout; timeout 360s; size 8192; }"
+            for fam in ("v4", "v6")
+        ),
     ]
-    assert text[6:10] == [
+    assert text[12:16] == [
         f"add chain inet {T} subj_s_u_1",
         f"add chain inet {T} mark_s_u_1",
         f"add counter inet {T} subj_s_u_1_audit_deny",

@@ -144,7 +144,8 @@ class TimedKernel:
     def script(self, text: str) -> None:
         """The two script shapes the sidecar's lease path writes; anything else is accepted."""
         for line in text.splitlines():
-            if (m := self._DECL.match(line)) and " timeout " in m.group(2):
+            # Port-scoped sets (addr . proto . port) are not the lease shape this models.
+            if (m := self._DECL.match(line)) and " timeout " in m.group(2) and "inet_proto" not in line:
                 for el in m.group(2).split(", "):
                     ip, _, seconds = el.split(" ")[:3]
                     self.add(m.group(1), ipaddress.ip_address(ip), int(seconds.rstrip("s")))

@@ -719,10 +719,10 @@ def fake_flows(
         reads.append(1)
         if fail_first and len(reads) == 1:
             raise RuntimeError("conntrack read failed")
-        return [ip_address(d) for d in destinations]
+        return [(ip_address(d), "tcp", 443) for d in destinations]
 
-    async def cut_flow(flow: tuple[Any, Any]) -> None:
-        cut.append(flow)
+    async def cut_flow(flow: tuple[Any, ...]) -> None:
+        cut.append((flow[0], flow[1]))
 
     monkeypatch.setattr(engine.backend, "_outbound", outbound)
     monkeypatch.setattr(engine.backend, "cut_flow", cut_flow)

@@ -17,7 +17,10 @@ from ipaddress import ip_address, ip_network
 from pathlib import Path
 
 from egressd.policy import DENY_ALL, NetworkPolicy, parse_policy
+from egressd.policy.scope import Scope
 from egressd.sidecarnft.ruleset import SidecarTable, delete_table, dyn_add, lease_element, ruleset
+from egressd.subject.leases import Grant
+from egressd.subject.scopes import LeaseScope
 from tests.unit.golden import changed_cases, main
 
 GOLDEN = Path(__file__).with_name("golden_sidecar.sha256")
@@ -44,6 +47,7 @@ CONFIGS: dict[str, SidecarTable] = {
         resolvers=(ip_address("10.96.0.10"), ip_address("2001:4860:4860::8888")),
     ),
     "replace_unbounded": replace(BASE, renew_by_replace=True, max_leases=0),
+    "name_check": replace(BASE, mitm_port=18081),
 }
 
 POLICIES: dict[str, NetworkPolicy] = {
@@ -54,6 +58,13 @@ POLICIES: dict[str, NetworkPolicy] = {
         '{"action":"allow","target":"10.0.0.0/24"},{"action":"allow","target":"2001:db8::/32"}]}'
     ),
     "allow_but": parse_policy('{"defaultAction":"allow","egress":[{"action":"deny","target":"1.2.3.4"}]}'),
+    # Port-scoped rules (docs/reference/behaviour.md §18), overlapping ones cut into disjoint elements.
+    "ports": parse_policy(
+        '{"defaultAction":"deny","egress":[{"action":"allow","target":"10.0.0.0/8","protocol":"tcp",'
+        '"ports":["5432-5433"]},{"action":"allow","target":"10.1.0.0/16","ports":["5000-6000"]},'
+        '{"action":"deny","target":"10.1.2.3","protocol":"udp","ports":[53]},'
+        '{"action":"allow","target":"2001:db8::/32","protocol":"https"}]}'
+    ),
 }
 
 LEASES = (
@@ -61,6 +72,14 @@ LEASES = (
     (ip_address("2606:2800::1"), 0.2),
     (ip_address("1.1.1.1"), 0.0),
     (ip_address("1.0.0.1"), 1000.0),
+    Grant(ip_address("93.184.216.35"), 90, LeaseScope(False, Scope(tcp=((443, 443),)))),
+    Grant(
+        ip_address("2606:2800::2"),
+        90,
+        LeaseScope(False, Scope(tcp=((80, 80), (443, 443)))),
+        Scope(tcp=((443, 443),)),
+    ),
+    Grant(ip_address("93.184.216.36"), 60, LeaseScope(True, Scope(udp=((443, 443),)))),
 )
 
 
@@ -74,7 +93,7 @@ def _cases() -> Iterator[tuple[str, str]]:
         yield f"{name}/dyn_add_v6", dyn_add(cfg, LEASES[1:2])
         yield f"{name}/dyn_add_empty", dyn_add(cfg, ())
         yield f"{name}/delete_table", delete_table(cfg)
-    yield "lease_elements", "\n".join(lease_element(ip, s) for ip, s in LEASES)
+    yield "lease_elements", "\n".join(lease_element(ip, s) for ip, s in LEASES[:4])
 
 
 def corpus() -> dict[str, str]:

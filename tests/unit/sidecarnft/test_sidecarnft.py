@@ -22,9 +22,15 @@ add table inet T
 add set inet T allow_v4 { type ipv4_addr; flags interval; }
 add set inet T deny_v4 { type ipv4_addr; flags interval; }
 add set inet T dyn_allow_v4 { type ipv4_addr; flags timeout; timeout 360s; size 4096; }
+add set inet T allowp_v4 { type ipv4_addr . inet_proto . inet_service; flags interval; }
+add set inet T denyp_v4 { type ipv4_addr . inet_proto . inet_service; flags interval; }
+add set inet T dyn_allowp_v4 { type ipv4_addr . inet_proto . inet_service; flags interval,timeout; timeout 360s; size 8192; }
 add set inet T allow_v6 { type ipv6_addr; flags interval; }
 add set inet T deny_v6 { type ipv6_addr; flags interval; }
 add set inet T dyn_allow_v6 { type ipv6_addr; flags timeout; timeout 360s; size 4096; }
+add set inet T allowp_v6 { type ipv6_addr . inet_proto . inet_service; flags interval; }
+add set inet T denyp_v6 { type ipv6_addr . inet_proto . inet_service; flags interval; }
+add set inet T dyn_allowp_v6 { type ipv6_addr . inet_proto . inet_service; flags interval,timeout; timeout 360s; size 8192; }
 add counter inet T dropped { packets 0 bytes 0 }
 add chain inet T denied
 add rule inet T denied counter name "dropped"
@@ -44,10 +50,16 @@ add rule inet T egress tcp dport 853 goto denied
 add rule inet T egress udp dport 853 goto denied
 add rule inet T egress ip daddr @deny_v4 goto denied
 add rule inet T egress ip6 daddr @deny_v6 goto denied
+add rule inet T egress ip daddr . meta l4proto . th dport @denyp_v4 goto denied
+add rule inet T egress ip6 daddr . meta l4proto . th dport @denyp_v6 goto denied
 add rule inet T egress ip daddr @dyn_allow_v4 accept
 add rule inet T egress ip6 daddr @dyn_allow_v6 accept
+add rule inet T egress ip daddr . meta l4proto . th dport @dyn_allowp_v4 accept
+add rule inet T egress ip6 daddr . meta l4proto . th dport @dyn_allowp_v6 accept
 add rule inet T egress ip daddr @allow_v4 accept
 add rule inet T egress ip6 daddr @allow_v6 accept
+add rule inet T egress ip daddr . meta l4proto . th dport @allowp_v4 accept
+add rule inet T egress ip6 daddr . meta l4proto . th dport @allowp_v6 accept
 add rule inet T egress goto denied
 """
 

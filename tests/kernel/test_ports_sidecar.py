@@ -1,0 +1,126 @@
+"""Ports and protocols in the kernel (docs/reference/behaviour.md §18), sidecar profile: the same
+semantics as the fleet's (tests/kernel/test_ports.py) with the sidecar's own ruleset, real TCP
+and UDP packets from the app in the sandbox namespace."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.kernel.sidecar import Sidecar
+from tests.kernel.test_ports import _ECHO, _HOLD, TCP_PORTS, UDP_PORTS, probe
+from tests.kernel.topology import UP_NET, UPSTREAM_IPS, Topology, cleanup_stale
+
+EX_IP = f"{UP_NET}.5"  # example.test
+CDN_IP = f"{UP_NET}.6"  # api.example.test and h2.example.test
+LIT_IP = f"{UP_NET}.7"
+
+
+@pytest.fixture(scope="module")
+def ptopo() -> Iterator[Topology]:
+    cleanup_stale()
+    t = Topology(prefix=f"egp{os.getpid()}", sandboxes=1).up_()
+    try:
+        t.spawn(
+            t.up,
+            "python3",
+            "-c",
+            _ECHO,
+            ",".join(map(str, TCP_PORTS)),
+            ",".join(map(str, UDP_PORTS)),
+            ",".join(UPSTREAM_IPS),
+            ready_line="ready",
+        )
+        yield t
+    finally:
+        t.down()
+
+
+@pytest.fixture
+def sidecar(ptopo: Topology) -> Iterator[Sidecar]:
+    sc = Sidecar(ptopo, sb=1)
+    try:
+        yield sc
+    finally:
+        sc.cleanup()
+
+
+def policy(h2_ports: list[object]) -> dict[str, object]:
+    return {
+        "defaultAction": "deny",
+        "egress": [
+            {"action": "allow", "target": "h2.example.test", "protocol": "tcp", "ports": h2_ports},
+            {"action": "allow", "target": LIT_IP, "protocol": "tcp", "ports": ["5432-5433"]},
+            {"action": "deny", "target": EX_IP, "protocol": "udp", "ports": [7000]},
+            {"action": "allow", "target": "example.test"},
+        ],
+    }
+
+
+def test_rules_and_leases_with_ports_open_only_there(sidecar: Sidecar, ptopo: Topology) -> None:
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(policy([7000]))
+    sidecar.start()
+    # An address rule with protocol and ports.
+    assert probe(ptopo, 1, "tcp", LIT_IP, 5432) and probe(ptopo, 1, "tcp", LIT_IP, 5433)
+    assert not probe(ptopo, 1, "udp", LIT_IP, 5432)
+    assert not probe(ptopo, 1, "tcp", LIT_IP, 22)
+    # A name with ports: its lease opens its address there only.
+    assert not probe(ptopo, 1, "tcp", CDN_IP, 7000)
+    assert sidecar.dig("h2.example.test") == ("NOERROR", [CDN_IP])
+    assert probe(ptopo, 1, "tcp", CDN_IP, 7000)
+    assert not probe(ptopo, 1, "tcp", CDN_IP, 7001)
+    assert not probe(ptopo, 1, "udp", CDN_IP, 7000)
+    assert not sidecar.reaches(CDN_IP, 80)
+    # A name without ports: every port, but a deny by port still beats its lease.
+    assert sidecar.dig("example.test") == ("NOERROR", [EX_IP])
+    assert probe(ptopo, 1, "tcp", EX_IP, 7000) and probe(ptopo, 1, "udp", EX_IP, 5432)
+    assert not probe(ptopo, 1, "udp", EX_IP, 7000)
+
+
+def test_a_narrowing_by_port_rescopes_the_lease_and_cuts_only_that_flow(
+    sidecar: Sidecar, ptopo: Topology
+) -> None:
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(policy([7000, 7001]))
+    sidecar.start()
+    assert sidecar.dig("h2.example.test") == ("NOERROR", [CDN_IP])
+    holder = ptopo.spawn(ptopo.sb(1), "python3", "-c", _HOLD, CDN_IP, "7000,7001", "8", ready_line="up")
+    time.sleep(0.6)
+    sidecar.set_policy(policy([7001]))  # the lease stays, with the name's new scope
+    out, _ = holder.communicate(timeout=30)
+    seen: dict[str, list[str]] = {"7000": [], "7001": []}
+    for line in out.splitlines():
+        port, verdict = line.split()
+        seen[port].append(verdict)
+    assert seen["7000"][-1] == "dead", "a flow on a port the policy took away survived: " + out
+    assert seen["7001"] and "dead" not in seen["7001"], "a flow on a still-allowed port was cut: " + out
+    assert not probe(ptopo, 1, "tcp", CDN_IP, 7000)
+    assert probe(ptopo, 1, "tcp", CDN_IP, 7001)
+
+
+def test_quic_to_a_learned_address_needs_an_explicit_udp_rule_under_the_name_check(
+    sidecar: Sidecar, ptopo: Topology
+) -> None:
+    sidecar.with_mitm()
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(
+        {
+            "defaultAction": "deny",
+            "egress": [
+                {"action": "allow", "target": "h2.example.test", "protocol": "udp", "ports": [443]},
+                {"action": "allow", "target": "api.example.test", "ports": [443, 7000]},
+                {"action": "allow", "target": "example.test"},
+            ],
+        }
+    )
+    sidecar.start()
+    assert sidecar.dig("example.test") == ("NOERROR", [EX_IP])
+    assert probe(ptopo, 1, "udp", EX_IP, 7000)
+    assert not probe(ptopo, 1, "udp", EX_IP, 443)  # learned only: no QUIC
+    assert sidecar.dig("api.example.test") == ("NOERROR", [CDN_IP])
+    assert probe(ptopo, 1, "tcp", CDN_IP, 7000) and probe(ptopo, 1, "udp", CDN_IP, 7000)
+    assert not probe(ptopo, 1, "udp", CDN_IP, 443)  # "ports": [443] without protocol: not explicit
+    assert sidecar.dig("h2.example.test") == ("NOERROR", [CDN_IP])
+    assert probe(ptopo, 1, "udp", CDN_IP, 443)  # an explicit protocol: udp rule opens it
