@@ -28,6 +28,7 @@ from egressd.engine.flows import cut_refused
 from egressd.feed import Feed, LeasesNarrowed
 from egressd.policy import IpSets, NetworkPolicy, Verdict, audit_deny_sets, ip_sets
 from egressd.policy.decide import hard_denied, ip_decision
+from egressd.policy.namecheck import NameVerdict, Wire, check_name
 from egressd.subject.leases import DEFAULT_MAX_LEASES, LeaseBook, Narrowed, narrowed_for
 
 
@@ -119,6 +120,23 @@ class SubjectEngine:
     def verified_until(self, uid: str, sets: IpSets | None, host: str, dst: IPAddress) -> float:
         """:meth:`verified` with its deadline (monotonic; 0.0: not verified)."""
         return learning.verified_until(self.books.get(uid), sets, host, dst, self.clock())
+
+    def check_name(
+        self,
+        uid: str,
+        effective: NetworkPolicy,
+        sets: IpSets,
+        *,
+        wire: Wire,
+        name: str | None,
+        dst: IPAddress,
+        port: int,
+    ) -> NameVerdict:
+        """May ``uid``'s connection to ``dst``:``port`` ask for ``name`` (docs/reference/behaviour.md §18)?
+        The names that taught ``dst`` are this subject's running leases'."""
+        book = self.books.get(uid)
+        taught = book.names_of(dst, self.clock()) if book is not None else frozenset()
+        return check_name(effective, sets, wire=wire, name=name, dst=dst, port=port, taught=taught)
 
     # ---- flows -------------------------------------------------------------------------------
 

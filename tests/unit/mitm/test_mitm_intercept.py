@@ -38,6 +38,7 @@ from egressd.mitmchild.intercept import (
 )
 from egressd.mitmchild.interception import Interception
 from egressd.mitmchild.lookup import LookupFailed, View
+from egressd.mitmchild.names import NameGate
 from egressd.mitmchild.vaults import VaultLookup
 from egressd.policy import parse_policy_obj
 from egressd.vault.snapshot import VaultSnapshot
@@ -157,7 +158,7 @@ class StubClient:
 def injector(client: StubClient, ignore: tuple[str, ...] = ()) -> Interception:
     vaults = VaultLookup()
     vaults.client = client  # type: ignore[assignment]
-    addon = Interception(vaults)
+    addon = Interception(vaults, NameGate(vaults))
     addon.ignore = tuple(re.compile(p, re.IGNORECASE) for p in ignore)
     return addon
 
