@@ -18,8 +18,16 @@ from egressd.policy.audit import (
     rule_label,
 )
 from egressd.policy.edit import check_rule_cap, delete_targets, merge_patch, rule_cap_problem
-from egressd.policy.evaluate import Decision, domain_matches, evaluate_domain, names_narrow, normalise_name
-from egressd.policy.ipsets import IpSets, format_element, ip_sets, normalise_networks
+from egressd.policy.evaluate import (
+    Decision,
+    domain_matches,
+    evaluate_domain,
+    name_denied_by_rule,
+    name_scope,
+    names_narrow,
+    normalise_name,
+)
+from egressd.policy.ipsets import IpSets, Scoped, format_element, ip_sets, normalise_networks
 from egressd.policy.model import (
     DENY_ALL,
     IPNetwork,
@@ -36,10 +44,12 @@ from egressd.policy.model import (
     parse_target,
     policy_mode,
 )
+from egressd.policy.scope import PROTOCOLS, PortRange, Scope, rule_scope
 
 __all__ = [
     "DENY_ALL",
     "EMPTY_ALWAYS",
+    "PROTOCOLS",
     "AlwaysRules",
     "AlwaysRulesError",
     "AuditDenySets",
@@ -50,7 +60,10 @@ __all__ = [
     "NetworkPolicy",
     "PolicyError",
     "PolicyMode",
+    "PortRange",
     "Rule",
+    "Scope",
+    "Scoped",
     "TargetKind",
     "Verdict",
     "audit_deny_sets",
@@ -65,6 +78,8 @@ __all__ = [
     "judge_domain",
     "load_always_rules",
     "merge_patch",
+    "name_denied_by_rule",
+    "name_scope",
     "names_narrow",
     "new_decision_id",
     "normalise_name",
@@ -78,4 +93,5 @@ __all__ = [
     "policy_mode",
     "rule_cap_problem",
     "rule_label",
+    "rule_scope",
 ]

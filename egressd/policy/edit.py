@@ -12,23 +12,27 @@ from egressd.policy.model import NetworkPolicy, PolicyError, Rule, json_type, pa
 def merge_patch(policy: NetworkPolicy, patch_body: object) -> NetworkPolicy:
     """Patch rules then existing rules, keyed by lower-cased target, first occurrence kept.
 
-    ``patch_body`` is the decoded JSON body and must be a non-empty array of rule objects.
-    The defaultAction and mode are unchanged.
+    An existing rule is replaced by any patch rule on its target. Rules on one target that
+    differ in protocol or ports (§18) are different keys, all kept (a patch
+    ``[allow x.io ports 443, deny x.io]`` means both). ``patch_body`` is the decoded JSON body and must be a non-empty array
+    of rule objects. The defaultAction and mode are unchanged.
     """
     if not isinstance(patch_body, list):
         raise PolicyError(f"PATCH body must be a non-empty JSON array of rules, got {json_type(patch_body)}")
     if not patch_body:
         raise PolicyError("PATCH body must be a non-empty JSON array of rules, got an empty array")
     patch = [parse_rule(item, f"[{i}]") for i, item in enumerate(patch_body)]
-    seen: set[str] = set()
-    merged: list[Rule] = []
-    for rule in (*patch, *policy.egress):
-        key = rule.target.lower()
-        if key in seen:
+    patched = {rule.target.lower() for rule in patch}
+    existing = (rule for rule in policy.egress if rule.target.lower() not in patched)
+    merged: dict[str, list[Rule]] = {}
+    order: list[Rule] = []
+    for rule in (*patch, *existing):
+        same_target = merged.setdefault(rule.target.lower(), [])
+        if any(rule.same_match(kept) for kept in same_target):
             continue
-        seen.add(key)
-        merged.append(rule)
-    return replace(policy, egress=tuple(merged))
+        same_target.append(rule)
+        order.append(rule)
+    return replace(policy, egress=tuple(order))
 
 
 def delete_targets(policy: NetworkPolicy, body: object) -> tuple[NetworkPolicy, int]:

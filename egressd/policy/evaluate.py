@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from egressd.policy.model import NetworkPolicy, Rule, TargetKind, Verdict
+from egressd.policy.scope import Scope
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,12 +44,62 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def evaluate_domain(policy: NetworkPolicy, name: str) -> Decision:
-    """The first domain rule matching ``name`` decides; IP/CIDR rules play no part here."""
+    """Whether ``name`` is answered (and learned), and the rule that says so.
+
+    Domain rules in order, first match wins, per protocol and port (§18): a rule that names
+    ports or a protocol decides only those, later rules and the defaultAction the rest. The
+    name is allowed when some port of it is (the lease opens just those, :func:`name_scope`);
+    the deciding rule is then the first allow rule that opened a port (None: the
+    defaultAction). Denied: the first deny rule matching it (None: the defaultAction).
+    Without ports and protocols this is plain first-match. IP/CIDR rules play no part here.
+    """
     name = normalise_name(name)
+    undecided = Scope.WHOLE
+    first_deny: tuple[Rule, int] | None = None
     for i, rule in enumerate(policy.egress):
-        if rule.kind is TargetKind.DOMAIN and _matches(rule.target, name):
-            return Decision(rule.action, rule, i)
+        if rule.kind is not TargetKind.DOMAIN or not _matches(rule.target, name):
+            continue
+        if rule.action is Verdict.ALLOW:
+            if not undecided.intersect(rule.scope).is_empty():
+                return Decision(Verdict.ALLOW, rule, i)
+        elif first_deny is None:
+            first_deny = (rule, i)
+        undecided = undecided.minus(rule.scope)
+        if undecided.is_empty():
+            break
+    if policy.default_action is Verdict.ALLOW and not undecided.is_empty():
+        return Decision(Verdict.ALLOW, None)
+    if first_deny is not None:
+        return Decision(Verdict.DENY, first_deny[0], first_deny[1])
     return Decision(policy.default_action, None)
+
+
+def name_scope(policy: NetworkPolicy, name: str) -> Scope:
+    """The protocols and ports on which ``name`` may be reached (§18): first match per port
+    over the domain rules matching it, the defaultAction for the ports no rule decides. Empty:
+    the name is denied. What a DNS lease of the name opens, and what the MITM's name check
+    admits for it."""
+    name = normalise_name(name)
+    undecided = Scope.WHOLE
+    opened = Scope.EMPTY
+    for rule in policy.egress:
+        if rule.kind is not TargetKind.DOMAIN or not _matches(rule.target, name):
+            continue
+        if rule.action is Verdict.ALLOW:
+            opened = opened.union(undecided.intersect(rule.scope))
+        undecided = undecided.minus(rule.scope)
+        if undecided.is_empty():
+            break
+    if policy.default_action is Verdict.ALLOW:
+        opened = opened.union(undecided)
+    return opened
+
+
+def name_denied_by_rule(policy: NetworkPolicy, name: str) -> bool:
+    """A deny rule, not just the defaultAction, refuses ``name`` on every port (§18: such a name is
+    refused by SNI and Host on any address, also under ``defaultAction: allow``)."""
+    decision = evaluate_domain(policy, name)
+    return decision.verdict is Verdict.DENY and decision.rule is not None
 
 
 #: Above this many (old rule, new rule) pairs, :func:`names_narrow` asks for identical rules.
@@ -68,8 +119,8 @@ def names_narrow(old: NetworkPolicy, new: NetworkPolicy) -> bool:
         return True
     if old.audit and not new.audit:
         return True
-    was = [(r.action, r.target) for r in old.egress if r.kind is TargetKind.DOMAIN]
-    now = [(r.action, r.target) for r in new.egress if r.kind is TargetKind.DOMAIN]
+    was = [(r.action, r.target, r.scope) for r in old.egress if r.kind is TargetKind.DOMAIN]
+    now = [(r.action, r.target, r.scope) for r in new.egress if r.kind is TargetKind.DOMAIN]
     if was == now:
         return False
     if (len(was) + 1) * (len(now) + 1) > _EDIT_SEARCH_MAX:
@@ -77,7 +128,9 @@ def names_narrow(old: NetworkPolicy, new: NetworkPolicy) -> bool:
     return not _edited_by_widening(was, now)
 
 
-def _edited_by_widening(was: list[tuple[Verdict, str]], now: list[tuple[Verdict, str]]) -> bool:
+def _edited_by_widening(
+    was: list[tuple[Verdict, str, Scope]], now: list[tuple[Verdict, str, Scope]]
+) -> bool:
     """Is ``now`` ``was`` with deny rules taken out and allow rules put in? (A search over the
     alignments: (i, j) = ``was[:i]`` turned into ``now[:j]``.)"""
     seen = {(0, 0)}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from egressd.policy.model import NetworkPolicy, TargetKind, Verdict
+from egressd.policy.scope import Scope
 
 _MAPPED_V4 = IPv6Network("::ffff:0:0/96")
 
@@ -54,12 +55,22 @@ def covered_by(v4: Sequence[Prefix], v6: Sequence[Prefix]) -> Callable[[IPv4Addr
     return lambda ip: index.hit(ip) is not None
 
 
+#: An IP/CIDR rule that names ports or a protocol (§18): its prefix and what it opens or denies.
+Scoped = tuple[Prefix, Scope]
+
+
 @dataclass(frozen=True, slots=True)
 class IpSets:
+    """The IP/CIDR rules of a policy: ``allow_*``/``deny_*`` hold the rules that cover every
+    protocol and port of their prefix (the address-only kernel sets), ``*_scoped`` the rules
+    that name ports or a protocol, in policy order (§18)."""
+
     allow_v4: tuple[IPv4Network, ...]
     allow_v6: tuple[IPv6Network, ...]
     deny_v4: tuple[IPv4Network, ...]
     deny_v6: tuple[IPv6Network, ...]
+    allow_scoped: tuple[Scoped, ...] = ()
+    deny_scoped: tuple[Scoped, ...] = ()
     # Built on the first question, not with the sets: the ruleset builder only needs the
     # tuples, while the MITM and flow cuts ask per request and per flow.
     _allow: PrefixIndex | None = field(default=None, init=False, repr=False, compare=False)
@@ -80,8 +91,28 @@ class IpSets:
         return self._allow.hit(ip)
 
     def explicitly_allows(self, ip: IPv4Address | IPv6Address) -> bool:
-        """An explicit IP/CIDR allow rule covers ``ip`` and no deny rule does."""
+        """An explicit IP/CIDR allow rule covers every port of ``ip`` and no deny rule does."""
         return self.deny_hit(ip) is None and self.allow_hit(ip) is not None
+
+    def ip_scope(self, ip: IPv4Address | IPv6Address) -> Scope:
+        """What the address rules open for ``ip`` (deny beats allow, as in the kernel): nothing
+        under a whole deny; otherwise every port of a whole allow, or the union of the scoped
+        allows holding it, minus the scoped denies holding it. ``defaultAction`` is not here."""
+        if self.deny_hit(ip) is not None:
+            return Scope.EMPTY
+        if self.allow_hit(ip) is not None:
+            opened = Scope.WHOLE
+        else:
+            opened = Scope.EMPTY
+            for net, scope in self.allow_scoped:
+                if ip.version == net.version and ip in net:
+                    opened = opened.union(scope)
+        if opened.is_empty():
+            return opened
+        for net, scope in self.deny_scoped:
+            if ip.version == net.version and ip in net:
+                opened = opened.minus(scope)
+        return opened
 
 
 def normalise_networks[N: (IPv4Network, IPv6Network)](nets: Iterable[N]) -> tuple[N, ...]:
@@ -116,11 +147,16 @@ def ip_sets(policy: NetworkPolicy) -> IpSets:
     allow_v6: list[IPv6Network] = []
     deny_v4: list[IPv4Network] = []
     deny_v6: list[IPv6Network] = []
+    allow_scoped: list[Scoped] = []
+    deny_scoped: list[Scoped] = []
     for rule in policy.egress:
         if rule.kind is TargetKind.DOMAIN or rule.network is None:
             continue
         net = _unmap(rule.network)
         allow = rule.action is Verdict.ALLOW
+        if rule.scoped:
+            (allow_scoped if allow else deny_scoped).append((net, rule.scope))
+            continue
         if isinstance(net, IPv4Network):
             (allow_v4 if allow else deny_v4).append(net)
         else:
@@ -130,6 +166,8 @@ def ip_sets(policy: NetworkPolicy) -> IpSets:
         allow_v6=normalise_networks(allow_v6),
         deny_v4=normalise_networks(deny_v4),
         deny_v6=normalise_networks(deny_v6),
+        allow_scoped=tuple(allow_scoped),
+        deny_scoped=tuple(deny_scoped),
     )
 
 

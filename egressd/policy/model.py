@@ -16,6 +16,7 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import Any, Final, Literal
 
 from egressd.policy.idn import IdnaError, to_alabels
+from egressd.policy.scope import PORT_MAX, PROTOCOLS, PortRange, Scope, rule_scope
 
 IPNetwork = IPv4Network | IPv6Network
 PolicyMode = Literal["deny_all", "allow_all", "enforcing"]
@@ -80,12 +81,38 @@ class Rule:
     §14.3), lower-cased with one trailing dot removed; this is also what GET /policy returns;
     IP and CIDR targets keep the user's trimmed text (so PATCH/DELETE by target still match).
     ``network`` is the /32 or /128 for an IP, the masked network for a CIDR, None for a domain.
+    ``name``, ``protocol`` and ``ports`` (§18) are kept as parsed; ``scope`` is what they open
+    or deny (:data:`Scope.WHOLE` when neither protocol nor ports is given).
     """
 
     action: Verdict
     target: str
     kind: TargetKind
     network: IPv4Network | IPv6Network | None
+    name: str | None = None
+    protocol: str | None = None
+    ports: tuple[PortRange, ...] | None = None
+    scope: Scope = Scope.WHOLE
+
+    @property
+    def scoped(self) -> bool:
+        """The rule names a protocol or ports: it opens (or denies) less than its whole target."""
+        return not self.scope.is_whole()
+
+    def same_match(self, other: Rule) -> bool:
+        """Both rules match the same traffic (whatever their actions and names)."""
+        return (self.target, self.protocol, self.scope) == (other.target, other.protocol, other.scope)
+
+    def to_json(self) -> dict[str, Any]:
+        """The wire form: ``action`` and ``target``, then the §18 fields the rule carries."""
+        out: dict[str, Any] = {"action": self.action.value, "target": self.target}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.protocol is not None:
+            out["protocol"] = self.protocol
+        if self.ports is not None:
+            out["ports"] = [lo if lo == hi else f"{lo}-{hi}" for lo, hi in self.ports]
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +137,7 @@ class NetworkPolicy:
         written again stays in audit)."""
         out: dict[str, Any] = {
             "defaultAction": self.default_action.value,
-            "egress": [{"action": r.action.value, "target": r.target} for r in self.egress],
+            "egress": [r.to_json() for r in self.egress],
         }
         if self.audit:
             out["mode"] = MODE_AUDIT
@@ -280,7 +307,74 @@ def parse_rule(obj: object, where: str) -> Rule:
     if not isinstance(raw_target, str):
         raise PolicyError(f"must be a string, got {json_type(raw_target)}", f"{where}.target")
     target, kind, network = parse_target(raw_target, f"{where}.target")
-    return Rule(action, target, kind, network)
+    name = _parse_name(obj.get("name"), f"{where}.name")
+    protocol = _parse_protocol(obj.get("protocol"), f"{where}.protocol")
+    ports = _parse_ports(obj.get("ports"), f"{where}.ports")
+    if protocol is None and ports is None:
+        return Rule(action, target, kind, network, name)
+    return Rule(action, target, kind, network, name, protocol, ports, rule_scope(protocol, ports))
+
+
+MAX_RULE_NAME: Final = 256
+MAX_PORT_ITEMS: Final = 64
+_RANGE = re.compile(r"([0-9]{1,5})(?:-([0-9]{1,5}))?")
+
+
+def _parse_name(value: object, field: str) -> str | None:
+    """A rule's ``name``: free text shown in explanations (null = none)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise PolicyError(f"must be a string, got {json_type(value)}", field)
+    if len(value) > MAX_RULE_NAME:
+        raise PolicyError(f"longer than {MAX_RULE_NAME} characters", field)
+    return value
+
+
+def _parse_protocol(value: object, field: str) -> str | None:
+    """``tcp``, ``udp``, ``http`` or ``https`` (trimmed, any case); null = any protocol."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise PolicyError(f"must be a string, got {json_type(value)}", field)
+    text = value.strip().lower()
+    if text not in PROTOCOLS:
+        raise PolicyError(f"must be one of {', '.join(PROTOCOLS)} (got {echo(value)})", field)
+    return text
+
+
+def _parse_ports(value: object, field: str) -> tuple[PortRange, ...] | None:
+    """A non-empty list of ports (integers 1..65535) and ranges (``"a-b"``, a <= b); null = any.
+
+    A range's string form may also be one port (``"443"``). Kept in the order given (duplicates
+    too), so GET /policy returns what was written."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise PolicyError(f"must be an array of ports, got {json_type(value)}", field)
+    if not value:
+        raise PolicyError("must not be empty (leave 'ports' out for every port)", field)
+    if len(value) > MAX_PORT_ITEMS:
+        raise PolicyError(f"more than {MAX_PORT_ITEMS} entries", field)
+    return tuple(_parse_port(item, f"{field}[{i}]") for i, item in enumerate(value))
+
+
+def _parse_port(item: object, field: str) -> PortRange:
+    if isinstance(item, bool) or not isinstance(item, int | str):
+        raise PolicyError(f"must be a port number or a \"low-high\" string, got {json_type(item)}", field)
+    if isinstance(item, int):
+        lo = hi = item
+    else:
+        m = _RANGE.fullmatch(item.strip())
+        if m is None:
+            raise PolicyError(f"must be a port number or a \"low-high\" range (got {echo(item)})", field)
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+    if not (1 <= lo <= PORT_MAX and 1 <= hi <= PORT_MAX):
+        raise PolicyError(f"ports are 1..{PORT_MAX} (got {echo(str(item))})", field)
+    if lo > hi:
+        raise PolicyError(f"range low end is above its high end (got {echo(str(item))})", field)
+    return (lo, hi)
 
 
 def parse_policy_obj(obj: object) -> NetworkPolicy:

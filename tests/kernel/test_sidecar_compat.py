@@ -56,6 +56,17 @@ async def main():
     out["replace_status"] = r.status_code
     out["replaced"] = rules(await eg.get_policy())
     out["bad_patch"] = await status_of(eg.patch_rules([NetworkRule(action="allow", target="a*b.test")]))
+    # docs/reference/behaviour.md §18: rules with ports written through the raw API; the SDK's
+    # model does not carry them, but its reads and patches work and leave them as they are.
+    scoped = {"action": "allow", "target": "api.x.test", "protocol": "https", "ports": [443, "8443-8444"], "name": "api"}
+    r = await eg._httpx_client.put("/policy", json={"defaultAction": "deny", "egress": [scoped, {"action": "allow", "target": "b.test"}]})
+    out["scoped_put"] = r.status_code
+    out["scoped_sdk_read"] = rules(await eg.get_policy())
+    await eg.patch_rules([NetworkRule(action="allow", target="c.test")])
+    out["scoped_after_patch"] = (await eg._httpx_client.get("/policy")).json()["policy"]["egress"]
+    r = await eg._httpx_client.put("/policy", json={"egress": [{"action": "allow", "target": "x.test", "ports": [0]}]})
+    out["scoped_bad"] = [r.status_code, r.text]
+    r = await eg._httpx_client.put("/policy", json={"defaultAction": "deny", "egress": [{"action": "allow", "target": "b.test"}]})
     out["create"] = await status_of(eg.create(
         credentials=[{"name": "k", "source": {"type": "inline", "value": "sdk-secret-value"}}],
         bindings=[{"name": "b", "match": {"hosts": ["b.test"]}, "auth": {"type": "bearer", "credential": "k"}}]))
@@ -110,6 +121,14 @@ def test_opensandbox_sdk_drives_the_sidecar(ctopo: Topology, sidecar: Sidecar) -
     assert out["deleted"] == [["allow", "pypi.org"]]
     assert (out["replace_status"], out["replaced"]) == (200, [["allow", "b.test"]])
     assert out["bad_patch"] == 400
+    assert out["scoped_put"] == 200
+    assert out["scoped_sdk_read"] == [["allow", "api.x.test"], ["allow", "b.test"]]
+    assert out["scoped_after_patch"] == [
+        {"action": "allow", "target": "c.test"},
+        {"action": "allow", "target": "api.x.test", "name": "api", "protocol": "https", "ports": [443, "8443-8444"]},
+        {"action": "allow", "target": "b.test"},
+    ]
+    assert out["scoped_bad"][0] == 400 and "egress[0].ports[0]" in out["scoped_bad"][1]
     # Vault: created, patched, read back, listed; a stale expectedRevision is 409, deleting a
     # still-referenced credential is 400 and changes nothing; delete removes it.
     assert out["create"] == 200, out

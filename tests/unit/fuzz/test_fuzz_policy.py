@@ -133,13 +133,16 @@ def test_policy_edits_follow_the_model(base: list[Any], default: str, patch: Any
         assert "\n" not in str(exc)
     else:
         assert isinstance(patch, list) and patch
-        keys = [r.target.lower() for r in merged.egress]
-        assert len(keys) == len(set(keys)), "PATCH result has duplicate targets"
+        keys = [(r.target.lower(), r.protocol, r.scope) for r in merged.egress]
+        assert len(keys) == len(set(keys)), "PATCH result has duplicate rules"
         expected: list[Any] = []
-        seen: set[str] = set()
-        for rule in (*(parse_policy_obj({"egress": patch}).egress if patch else ()), *current.egress):
-            if rule.target.lower() not in seen:
-                seen.add(rule.target.lower())
+        seen: set[Any] = set()
+        patched = parse_policy_obj({"egress": patch}).egress if patch else ()
+        patched_targets = {r.target.lower() for r in patched}
+        for rule in (*patched, *(r for r in current.egress if r.target.lower() not in patched_targets)):
+            key = (rule.target.lower(), rule.protocol, rule.scope)
+            if key not in seen:
+                seen.add(key)
                 expected.append(rule)
         assert list(merged.egress) == expected
         assert merged.default_action is current.default_action and merged.audit == current.audit
