@@ -31,9 +31,10 @@ from typing import Final
 
 from egressd.addr import IPAddress
 from egressd.policy.audit import is_hard, rule_label
-from egressd.policy.evaluate import evaluate_domain, normalise_name
+from egressd.policy.evaluate import domain_matches, name_scope, normalise_name
 from egressd.policy.ipsets import IpSets
-from egressd.policy.model import NetworkPolicy, Verdict
+from egressd.policy.model import NetworkPolicy, TargetKind, Verdict
+from egressd.policy.scope import Scope
 
 __all__ = [
     "NAME_CHECK_PORTS",
@@ -41,7 +42,9 @@ __all__ = [
     "NameVerdict",
     "Wire",
     "address_opens",
+    "address_scope",
     "check_name",
+    "deciding_rule",
     "denied_by_rule",
 ]
 
@@ -79,31 +82,39 @@ class NameVerdict:
     would_deny: bool = False
 
 
+def address_scope(policy: NetworkPolicy, sets: IpSets, dst: IPAddress) -> Scope:
+    """What address rules open for ``dst``: the IP/CIDR allow rules (deny beats allow), and
+    ``defaultAction: allow`` (0.0.0.0/0 and ::/0 in the allow set) unless a deny rule covers it."""
+    opened = sets.ip_scope(dst)
+    if policy.default_action is Verdict.ALLOW and sets.deny_hit(dst) is None:
+        rest = Scope.WHOLE
+        for net, scope in sets.deny_scoped:
+            if dst.version == net.version and dst in net:
+                rest = rest.minus(scope)
+        opened = opened.union(rest)
+    return opened
+
+
 def address_opens(policy: NetworkPolicy, sets: IpSets, dst: IPAddress, port: int) -> bool:
     """Does an address rule (an allow IP/CIDR rule, or ``defaultAction: allow``) open ``dst``
-    for TCP on ``port``, with no deny IP/CIDR rule covering it?"""
-    del port  # address rules are not port-scoped yet: they open every port
-    if sets.deny_hit(dst) is not None:
-        return False
-    return sets.allow_hit(dst) is not None or policy.default_action is Verdict.ALLOW
+    for TCP on ``port``?"""
+    return address_scope(policy, sets, dst).admits("tcp", port)
+
+
+def deciding_rule(policy: NetworkPolicy, name: str, port: int) -> tuple[int | None, Verdict]:
+    """First match for ``name`` (normalised) and TCP on ``port``: (index of the deciding domain
+    rule in ``policy.egress``, its action); (None, defaultAction) when no rule covers that port."""
+    for i, rule in enumerate(policy.egress):
+        if rule.kind is TargetKind.DOMAIN and rule.scope.admits("tcp", port) and domain_matches(rule.target, name):
+            return i, rule.action
+    return None, policy.default_action
 
 
 def denied_by_rule(policy: NetworkPolicy, name: str, port: int) -> int | None:
     """The index (in ``policy.egress``) of the deny rule that decides ``name`` for TCP on
     ``port``, or None when no deny rule does (an allow rule or the defaultAction decides)."""
-    del port
-    decision = evaluate_domain(policy, name)
-    if decision.verdict is Verdict.DENY and decision.index is not None:
-        return decision.index
-    return None
-
-
-def _allowed_by_policy(policy: NetworkPolicy, name: str, port: int) -> tuple[bool, bool, int | None]:
-    """(allowed for TCP on ``port``, allowed on some port, index of the deciding rule)."""
-    del port
-    decision = evaluate_domain(policy, name)
-    allowed = decision.verdict is Verdict.ALLOW
-    return allowed, allowed, decision.index
+    index, verdict = deciding_rule(policy, normalise_name(name), port)
+    return index if verdict is Verdict.DENY else None
 
 
 def check_name(
@@ -135,10 +146,10 @@ def check_name(
         return _refuse(policy, not_allowed, deny_index)
     if opened:
         return NameVerdict(True, rule="address")
-    allowed_here, allowed_somewhere, index = _allowed_by_policy(policy, name, port)
-    if not allowed_here:
-        reason = NameReason.PORT_NOT_ALLOWED if allowed_somewhere else not_allowed
-        return _refuse(policy, reason, index)
+    index, verdict = deciding_rule(policy, name, port)
+    if verdict is not Verdict.ALLOW:
+        somewhere = not name_scope(policy, name).is_empty()
+        return _refuse(policy, NameReason.PORT_NOT_ALLOWED if somewhere else not_allowed, index)
     if name not in taught:
         return _refuse(policy, NameReason.SNI_NOT_LEARNED if tls else NameReason.HOST_NOT_ALLOWED, index)
     return NameVerdict(True, rule="lease")
