@@ -275,6 +275,7 @@ def _http(
         vault_limits=cfg.vault.limits(cfg.mitm.ignore_hosts),
         vault_transport=VaultTransport(cfg.vault.require_tls, cfg.vault.trusted_proxies),
         before_scrape=drops.refresh,  # the kernel's refusal counter (docs/reference/behaviour.md §15)
+        name_check=cfg.mitm.name_check,
     )
 
 
