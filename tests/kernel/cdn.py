@@ -50,7 +50,8 @@ def policy(*rules: dict[str, object], default: str = "deny") -> dict[str, object
 
 #: Allows a.cdn.test (not b.cdn.test on the same address), c.cdn.test (another address),
 #: www.cdn.test (a CNAME to edge.cdnhost.test, which no rule names) and *.x.io.
-CDN_POLICY = policy(allow("a.cdn.test"), allow("c.cdn.test"), allow("www.cdn.test"), allow("*.x.io"))
+CDN_RULES = (allow("a.cdn.test"), allow("c.cdn.test"), allow("www.cdn.test"), allow("*.x.io"))
+CDN_POLICY = policy(*CDN_RULES)
 
 
 def cdn_topology(prefix: str, sandboxes: int) -> Topology:

@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import socket
 import ssl
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-import fleet_upstream
+# scripts/ is not a package: the shared DNS server and test CA are imported by path.
+fleet_upstream: Any = importlib.import_module("fleet_upstream")
 
 _lock = threading.Lock()
 
@@ -43,21 +46,20 @@ def contexts(tls_dir: Path, names: list[str], ips: list[str]) -> ssl.SSLContext:
         ctx = fleet_upstream.make_tls(tls_dir, [name], [])
         ctx.sni_callback = None
         by_name[name] = ctx
-    default = fleet_upstream.make_tls(tls_dir, ["upstream"], ips)
+    default: ssl.SSLContext = fleet_upstream.make_tls(tls_dir, ["upstream"], ips)
 
-    def switch(sock: ssl.SSLObject | ssl.SSLSocket, name: str | None, _ctx: ssl.SSLContext) -> None:
-        sock.sni = name  # type: ignore[union-attr]  # read back by the handler
+    def switch(sock: Any, name: str | None, _ctx: ssl.SSLContext) -> None:
+        sock.sni = name  # read back by the handler
         chosen = by_name.get((name or "").lower())
         if chosen is not None:
             sock.context = chosen
 
-    default.sni_callback = switch  # type: ignore[assignment]
+    default.sni_callback = switch
     return default
 
 
-def _read_request(f: socket.SocketIO | object) -> tuple[str, str, dict[str, str]] | None:
-    reader = f
-    line = reader.readline()  # type: ignore[attr-defined]
+def _read_request(reader: Any) -> tuple[str, str, dict[str, str]] | None:
+    line = reader.readline()
     if not line:
         return None
     parts = line.decode("latin-1").split()
@@ -65,14 +67,14 @@ def _read_request(f: socket.SocketIO | object) -> tuple[str, str, dict[str, str]
         return None
     headers: dict[str, str] = {}
     while True:
-        h = reader.readline()  # type: ignore[attr-defined]
+        h = reader.readline()
         if not h or h in (b"\r\n", b"\n"):
             break
         k, _, v = h.decode("latin-1").partition(":")
         headers[k.strip().lower()] = v.strip()
     length = int(headers.get("content-length", "0") or 0)
     if length:
-        reader.read(length)  # type: ignore[attr-defined]
+        reader.read(length)
     return parts[0], parts[1], headers
 
 
@@ -127,7 +129,7 @@ def listen(port: int, log: Path, tls: ssl.SSLContext | None) -> None:
     threading.Thread(target=loop, daemon=True).start()
 
 
-async def dns(zone: fleet_upstream.Zone, log: Path) -> None:
+async def dns(zone: Any, log: Path) -> None:
     loop = asyncio.get_running_loop()
     udp = fleet_upstream._dual_stack(socket.SOCK_DGRAM, 53)
     await loop.create_datagram_endpoint(lambda: fleet_upstream._DnsUdp(zone, log), sock=udp)

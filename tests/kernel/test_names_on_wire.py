@@ -22,6 +22,7 @@ import pytest
 from tests.kernel.cdn import (
     CDN_IP,
     CDN_POLICY,
+    CDN_RULES,
     DENY_IP,
     DPR,
     OTHER_IP,
@@ -166,7 +167,7 @@ def test_tls_without_sni_needs_an_address_rule(cdn: Topology, fleet: Daemon, sb1
     event = wait_refusal(fleet.log_text, log_mark, reason="no_sni")
     assert event["dst"] == CDN_IP and event["name"] is None
     # An allow CIDR rule opens the address itself: any name, and no name, pass.
-    bind(fleet, 1, "names1", policy(*CDN_POLICY["egress"], allow(f"{CDN_IP}/32")))  # type: ignore[arg-type]
+    bind(fleet, 1, "names1", policy(*CDN_RULES, allow(f"{CDN_IP}/32")))
     out = tls(cdn, 1, CDN_IP, None, host="a.cdn.test")
     assert out["ok"] and out["responses"][0]["body"]["sni"] is None, out
     assert tls(cdn, 1, CDN_IP, "b.cdn.test")["ok"]
