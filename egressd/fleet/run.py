@@ -124,6 +124,7 @@ async def run_fleet(cfg: FleetConfig, stop: asyncio.Event | None = None) -> None
             before_scrape=visibility.before_scrape,
             vault_transport=VaultTransport(cfg.vault.require_tls, cfg.vault.trusted_proxies),
             annotate_subjects=visibility.drops.annotate,
+            name_check=cfg.mitm.name_check,
         )
         await _serve(cfg, http, running, stop)
     finally:

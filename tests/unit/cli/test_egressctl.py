@@ -16,6 +16,8 @@ import structlog
 from aiohttp import web
 
 from egressd.actionhandler.control import ControlPlane
+from egressd.cli.client import CliError
+from egressd.cli.commands.explain import split_port
 from egressd.cli.egressctl import main
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.plankernel import FleetPlanKernel
@@ -555,3 +557,36 @@ def test_audit_mode_shows_in_subjects_and_explain(capsys: pytest.CaptureFixture[
     code, out, _ = ctl(capsys, daemon, "explain", "10.0.0.8", "other.example.org")
     fields = dict(line.split(None, 1) for line in out.splitlines())
     assert fields["verdict"].startswith("WOULD-DENY")
+
+
+@pytest.mark.parametrize(
+    ("target", "split"),
+    [
+        ("example.com:443", ("example.com", 443)),
+        ("example.com", ("example.com", None)),
+        ("10.0.0.1:80", ("10.0.0.1", 80)),
+        ("2001:db8::1", ("2001:db8::1", None)),
+        ("[2001:db8::1]:443", ("2001:db8::1", 443)),
+        ("[2001:db8::1]", ("2001:db8::1", None)),
+    ],
+)
+def test_explain_splits_a_port_off_the_target(target: str, split: tuple[str, int | None]) -> None:
+    assert split_port(target) == split
+
+
+@pytest.mark.parametrize("target", ["x.io:0", "x.io:65536", "x.io:http", "[::1", "[::1]x"])
+def test_explain_refuses_a_bad_port(target: str) -> None:
+    with pytest.raises(CliError):
+        split_port(target)
+
+
+def test_explain_with_a_port_and_the_name_check(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None:
+    bind(capsys, daemon, "u-p", "10.0.0.9")
+    ctl(capsys, daemon, "send", "hook", "data-plane-ready", "--uid", "u-p")
+    code, out, _ = ctl(capsys, daemon, "explain", "10.0.0.9", "example.com:443")
+    assert code == 0
+    fields = dict(line.split(None, 1) for line in out.splitlines())
+    assert fields["port"] == "tcp 443"
+    assert fields["name-check"].startswith("off")  # this daemon runs without the MITM
+    code, out, _ = ctl(capsys, daemon, "--json", "explain", "10.0.0.9", "example.com:443")
+    assert json.loads(out)["port"] == 443 and json.loads(out)["nameCheck"]["enabled"] is False
