@@ -153,8 +153,10 @@ except Exception as exc:
 SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin") or "python3"
 
 
-def client_argv(t: Topology, ip: str, port: int, sni: str | None, hosts: tuple[str, ...]) -> list[str]:
-    return ["-c", CLIENT, ip, str(port), sni or "-", str(upstream_ca(t)), *hosts]
+def client_argv(
+    t: Topology, ip: str, port: int, sni: str | None, hosts: tuple[str, ...], ca: Path | None = None
+) -> list[str]:
+    return ["-c", CLIENT, ip, str(port), sni or "-", str(ca or upstream_ca(t)), *hosts]
 
 
 def parse_client(stdout: str, stderr: str) -> dict[str, Any]:
@@ -164,11 +166,13 @@ def parse_client(stdout: str, stderr: str) -> dict[str, Any]:
     return doc
 
 
-def tls(t: Topology, sb: int, ip: str, sni: str | None, host: str | None = None) -> dict[str, Any]:
+def tls(
+    t: Topology, sb: int, ip: str, sni: str | None, host: str | None = None, ca: Path | None = None
+) -> dict[str, Any]:
     """One TLS connection from sandbox ``sb`` to ``ip``:443 with ``sni`` (None: no SNI) and
-    one GET for ``host`` (default: the SNI)."""
+    one GET for ``host`` (default: the SNI), trusting ``ca`` (default: the upstream's CA)."""
     hosts = (host or sni or ip,)
-    r = t.ns(t.sb(sb), sys.executable, *client_argv(t, ip, 443, sni, hosts), check=False, timeout=30)
+    r = t.ns(t.sb(sb), sys.executable, *client_argv(t, ip, 443, sni, hosts, ca), check=False, timeout=30)
     return parse_client(r.stdout, r.stderr)
 
 

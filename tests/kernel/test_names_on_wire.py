@@ -234,6 +234,37 @@ def test_status_and_egressctl_say_the_name_check_is_on(fleet: Daemon) -> None:
     assert "name-check" in r.stdout and "on" in r.stdout.split("name-check", 1)[1].splitlines()[0], r.stdout
 
 
+def test_decrypted_connections_are_name_checked_too(cdn: Topology, fleet: Daemon) -> None:
+    """A subject whose vault binds a.cdn.test gets that name decrypted (docs/reference/behaviour.md §16);
+    another name on the same address is refused before any upstream connection all the same."""
+    bind(fleet, 3, "names3", CDN_POLICY)
+    try:
+        vault = {
+            "credentials": [{"name": "key", "source": {"type": "inline", "value": "sk-names-5150"}}],
+            "bindings": [
+                {"name": "a", "match": {"hosts": ["a.cdn.test"]}, "auth": {"type": "bearer", "credential": "key"}}
+            ],
+        }
+        path = cdn.workdir / "names-vault.json"
+        path.write_text(json.dumps(vault))
+        code, text = fleet._curl(
+            "-X", "PUT", "-H", "Content-Type: application/json", "--data-binary", f"@{path}",
+            f"http://127.0.0.1:{fleet.port}/v1/sandboxfleets/names3/egress/credential-vault",
+        )  # fmt: skip
+        assert code == 201, text
+        bundle = cdn.workdir / "names-bundle.pem"
+        bundle.write_text((cdn.workdir / "names-mitm-conf" / "mitmproxy-ca-cert.pem").read_text())
+        learn(cdn, 3, "a.cdn.test", CDN_IP)
+        ok = tls(cdn, 3, CDN_IP, "a.cdn.test", ca=bundle)  # only the MITM CA: decrypted
+        assert ok["ok"] and ok["responses"][0]["body"]["sni"] == "a.cdn.test", ok
+        since, log_mark = mark(cdn), len(fleet.log_text())
+        assert not tls(cdn, 3, CDN_IP, "b.cdn.test")["ok"]
+        assert accepts(cdn, since) == []
+        assert wait_refusal(fleet.log_text, log_mark, name="b.cdn.test")["subject"] == "s-names3"
+    finally:
+        unbind(fleet, "names3")
+
+
 def as_uid(t: Topology, uid: int, *cmd: str) -> subprocess.CompletedProcess[str]:
     return t.ns(
         t.pod, "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *cmd, check=False, timeout=30
