@@ -358,11 +358,13 @@ class EgressMetrics:
     def _visibility(self) -> None:
         r = self.registry
         # docs/reference/behaviour.md §15: packets egressd's rules refused, read from the kernel's per-subject
-        # counters at scrape time (one dump); subject "-" = sources that are no subject.
+        # counters at scrape time (one dump); subject "-" = sources that are no subject. Plus the
+        # MITM's name-check refusals (§18: one per refused connection or request), kept in memory.
         self.subject_dropped = Counter(
             r,
             "egressd_subject_dropped_packets_total",
-            "Packets egressd's nft rules refused, by source subject.",
+            "Packets egressd's nft rules refused, plus connections and requests the MITM's name check "
+            "refused, by source subject.",
             ["subject"],
         )
         # OPENSANDBOX_EGRESS_DENY_WEBHOOK: events that found the queue full, and how the others ended.
