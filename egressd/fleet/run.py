@@ -116,7 +116,6 @@ async def run_fleet(cfg: FleetConfig, stop: asyncio.Event | None = None) -> None
             extra_health=mitm_health,
             status_extra=lambda: {
                 "bridgeNfCallIptables": bridges.nf_call_iptables,
-                "nameCheck": cfg.mitm.name_check,  # docs/reference/behaviour.md §18
                 **({"mitmWorkers": mitm.supervisor.status_doc()} if mitm is not None else {}),
             },
             proxy=proxy,

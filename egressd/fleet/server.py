@@ -166,6 +166,7 @@ class FleetHTTP:
             "apiVersion": API_VERSION,
             "ready": self.health_problem() is None,
             "instanceId": self.instance_id,
+            "nameCheck": self.name_check,  # docs/reference/behaviour.md §18
         }
         if self._mitm_ca is not None:
             ca = self._mitm_ca()

@@ -165,6 +165,7 @@ def test_status_human(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> Non
     assert lines["health"] == "ok"
     assert lines["subjects"] == "1 (denying 1)"
     assert lines["mitm-ca"] == "disabled"
+    assert lines["name-check"].startswith("off")  # no MITM, no name check (docs/reference/behaviour.md §18)
     # Values are aligned in one column.
     assert len({line.index(v) for line, v in zip(out.splitlines(), lines.values(), strict=True)}) == 1
 
@@ -180,6 +181,7 @@ def test_status_json(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None
     assert doc["status"]["apiVersion"] == "sandbox.fast.io/actions/v1"
     assert doc["status"]["ready"] is True
     assert doc["status"]["instanceId"].startswith("egress-")
+    assert doc["status"]["nameCheck"] is False
 
 
 def test_status_not_ready(capsys: pytest.CaptureFixture[str], unready_daemon: Daemon) -> None:
