@@ -138,6 +138,7 @@ async def test_get_policy_shape(env: Env) -> None:
         "mode": "deny_all",
         "enforcementMode": "dns+nft",
         "policy": {"defaultAction": "deny", "egress": []},
+        "nameCheck": False,  # no MITM here (docs/reference/behaviour.md §18)
     }
 
 
