@@ -16,9 +16,10 @@ Narrowing events stay with the operation that commits a narrowed book (``PolicyA
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from egressd.addr import IPAddress
 from egressd.engine import learning
@@ -26,7 +27,7 @@ from egressd.engine.backend import Flow, RulesetBackend
 from egressd.engine.errors import RulesetRefused, RulesetUncertain
 from egressd.engine.flows import cut_refused
 from egressd.feed import Feed, LeasesNarrowed
-from egressd.policy import IpSets, NetworkPolicy, Verdict, audit_deny_sets, ip_sets
+from egressd.policy import IpSets, NetworkPolicy, Verdict, audit_deny_sets, ip_sets, normalise_name
 from egressd.policy.decide import hard_denied, ip_decision
 from egressd.policy.namecheck import NameVerdict, Wire, check_name
 from egressd.subject.leases import DEFAULT_MAX_LEASES, LeaseBook, Narrowed, narrowed_for
@@ -135,8 +136,15 @@ class SubjectEngine:
         """May ``uid``'s connection to ``dst``:``port`` ask for ``name`` (docs/reference/behaviour.md §18)?
         The names that taught ``dst`` are this subject's running leases'."""
         book = self.books.get(uid)
-        taught = book.names_of(dst, self.clock()) if book is not None else frozenset()
-        return check_name(effective, sets, wire=wire, name=name, dst=dst, port=port, taught=taught)
+        now = self.clock()
+        taught = book.names_of(dst, now) if book is not None else frozenset()
+        verdict = check_name(effective, sets, wire=wire, name=name, dst=dst, port=port, taught=taught)
+        if not verdict.admit or verdict.would_deny:
+            return verdict
+        if verdict.rule == "lease" and book is not None and name is not None:
+            # Admitted while that lease of the name runs (the MITM may remember it until then).
+            return replace(verdict, until=book.verified_until(dst, normalise_name(name), now))
+        return replace(verdict, until=math.inf if verdict.rule == "address" else 0.0)
 
     # ---- flows -------------------------------------------------------------------------------
 

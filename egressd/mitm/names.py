@@ -198,6 +198,18 @@ def _unknown(query: NameQuery) -> NameVerdict:
     return NameVerdict(False, reason, "no-subject")
 
 
+#: The longest a worker may remember an admission (egressd's narrowing map voids it sooner).
+MAX_REMEMBER_S: Final = 300.0
+
+
+def remember_for(verdict: NameVerdict, now: float) -> float | None:
+    """Seconds the MITM may remember an admission, absent a narrowing (docs/reference/behaviour.md §10,
+    "answered from memory"): a clean admission only, until its lease ends (capped); None: ask again."""
+    if not verdict.admit or verdict.would_deny or verdict.until <= now:
+        return None
+    return min(verdict.until - now, MAX_REMEMBER_S)
+
+
 @dataclass(frozen=True, slots=True)
 class NameService:
     """What the private socket needs to answer the name check: the profile's :data:`Check`
@@ -215,7 +227,10 @@ def add_names_route(app: web.Application, check: Check, report: NameReport | Non
         if query is None:
             return web.Response(status=400, headers={"Cache-Control": "no-store"})
         verdict = answer(check, report, query)
-        body = {"admit": verdict.admit, "reason": verdict.reason.value if verdict.reason else None}
+        body: dict[str, Any] = {"admit": verdict.admit, "reason": verdict.reason.value if verdict.reason else None}
+        ttl = remember_for(verdict, time.monotonic())
+        if ttl is not None:
+            body["ttl"] = round(ttl, 3)
         return web.Response(
             status=200,
             body=json.dumps(body).encode(),

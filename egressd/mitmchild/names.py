@@ -22,6 +22,7 @@ import contextlib
 import json
 import socket
 import struct
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Final
@@ -31,7 +32,9 @@ from mitmproxy import connection, ctx
 from mitmproxy.addonmanager import Loader
 from mitmproxy.proxy import server_hooks
 
+from egressd.feed import port_key
 from egressd.mitm.protocol import NAMES_PATH
+from egressd.mitm.seqmap import Stamp
 from egressd.mitmchild.shared import emit, listen_port
 from egressd.mitmchild.vaults import VaultLookup
 from egressd.policy.namecheck import NAME_CHECK_PORTS
@@ -42,10 +45,16 @@ LOOKUP_FAILED: Final = "name_check_unavailable"
 MAX_REFUSED: Final = 65536
 
 
+#: Admissions remembered per worker (least recently used evicted first; eviction costs a pull).
+MAX_REMEMBERED: Final = 16384
+MAX_REMEMBER_S: Final = 300.0
+
+
 @dataclass(frozen=True, slots=True)
 class NameAnswer:
     admit: bool
     reason: str | None
+    ttl: float | None = None  # seconds an admission may be remembered, absent a narrowing
 
 
 def interpret(status: int, body: bytes) -> NameAnswer:
@@ -60,8 +69,42 @@ def interpret(status: int, body: bytes) -> NameAnswer:
         return NameAnswer(False, LOOKUP_FAILED)
     reason = doc.get("reason")
     if doc["admit"]:
+        ttl = doc.get("ttl")
+        if isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and 0 < ttl < float("inf"):
+            return NameAnswer(True, None, min(float(ttl), MAX_REMEMBER_S))
         return NameAnswer(True, None)
     return NameAnswer(False, reason if isinstance(reason, str) and reason else LOOKUP_FAILED)
+
+
+Key = tuple[str, str, str, str, int]  # (client key, wire, name, destination, port)
+
+
+class Remembered:
+    """Admissions a worker may repeat without a round trip (docs/reference/behaviour.md §10,
+    "answered from memory"): each only under the narrowing stamp it was pulled under (read
+    before the pull) and until its lease ends. Refusals are never remembered: a new DNS answer
+    can admit a name without any narrowing."""
+
+    def __init__(self, max_entries: int = MAX_REMEMBERED) -> None:
+        self.max_entries = max_entries
+        self.entries: OrderedDict[Key, tuple[float, Stamp]] = OrderedDict()
+
+    def recall(self, key: Key, stamp: Stamp | None, now: float) -> bool:
+        if stamp is None:
+            return False
+        hit = self.entries.get(key)
+        if hit is None or hit[1] != stamp or hit[0] <= now:
+            return False
+        self.entries.move_to_end(key)
+        return True
+
+    def learn(self, key: Key, answer: NameAnswer, stamp: Stamp | None, sent_at: float) -> None:
+        if stamp is None or not answer.admit or answer.ttl is None:
+            return
+        self.entries[key] = (sent_at + answer.ttl, stamp)
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.max_entries:
+            self.entries.popitem(last=False)
 
 
 def checked(enabled: bool, port: int | None) -> bool:
@@ -92,6 +135,8 @@ class NameGate:
         self.vaults = vaults
         self.enabled = False
         self.refused: OrderedDict[str, str] = OrderedDict()  # client connection id -> reason
+        self.remembered = Remembered()
+        self.recalled = 0  # checks answered from memory (tests, diagnostics)
 
     def load(self, loader: Loader) -> None:
         loader.add_option(
@@ -115,13 +160,22 @@ class NameGate:
             query["port"] = str(listen)
         if name:
             query["name"] = name
+        owner = client_ip if listen is None else port_key(listen)
+        key: Key = (owner, wire, name or "", dst, dport)
+        stamp = client.seq.stamp(owner) if client.seq is not None else None
+        sent_at = time.monotonic()
+        if self.remembered.recall(key, stamp, sent_at):
+            self.recalled += 1
+            return NameAnswer(True, None)
         try:
             async with client.session().get(f"http://egressd{NAMES_PATH}?{urlencode(query)}") as resp:
                 body = await resp.read()
-                return interpret(resp.status, body)
+                answer = interpret(resp.status, body)
         except Exception as exc:  # timeout, refused, reset: closed
             emit("mitm.error", hook="name_check", error=type(exc).__name__)
             return NameAnswer(False, LOOKUP_FAILED)
+        self.remembered.learn(key, answer, stamp, sent_at)
+        return answer
 
     def refuse_connection(self, client: connection.Client, reason: str) -> None:
         """Mark ``client`` refused (no server connection for it, ever) and reset it."""

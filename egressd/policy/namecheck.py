@@ -80,6 +80,9 @@ class NameVerdict:
     reason: NameReason | None = None
     rule: str = "default"
     would_deny: bool = False
+    #: Until when (monotonic) an admission holds absent a narrowing: the lease's, or ``inf`` for
+    #: an address rule; 0.0 unknown (the caller fills it in: this module has no clock).
+    until: float = 0.0
 
 
 def address_scope(policy: NetworkPolicy, sets: IpSets, dst: IPAddress) -> Scope:

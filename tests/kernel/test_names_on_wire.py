@@ -72,6 +72,9 @@ def fleet(cdn: Topology, hook: Webhook) -> Iterator[Daemon]:
     env = {
         **mitm_env(cdn, "names"),
         "OPENSANDBOX_EGRESS_DENY_WEBHOOK": hook.url,
+        # An ignored host is relayed by mitmproxy from the first byte (docs/reference/behaviour.md §16):
+        # its name is checked all the same (the wildcard test below).
+        "OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS": r"^w\.x\.io$",
         "EGRESSD_UID_MAX_SUBJECTS": "4",
         "EGRESSD_UID_DNS_PORT_BASE": "16100",
     }
@@ -135,6 +138,27 @@ def test_sni_of_another_name_on_the_shared_address_is_refused_before_the_upstrea
     assert tls(cdn, 1, CDN_IP, "a.cdn.test")["ok"]
 
 
+def test_a_narrowing_applies_to_the_next_connection(cdn: Topology, fleet: Daemon) -> None:
+    """Workers remember admissions (answered from memory, docs/reference/behaviour.md §10): a policy
+    change that denies a name must still refuse it on the very next connection, also while the
+    address stays open for another name that taught it."""
+    bind(fleet, 2, "names-narrow", policy(allow("a.cdn.test"), allow("b.cdn.test")))
+    try:
+        learn(cdn, 2, "a.cdn.test", CDN_IP)
+        learn(cdn, 2, "b.cdn.test", CDN_IP)
+        for _ in range(2):
+            assert tls(cdn, 2, CDN_IP, "a.cdn.test")["ok"]
+            assert http(cdn, 2, CDN_IP, "a.cdn.test")["responses"][0]["status"] == 200
+        bind(fleet, 2, "names-narrow", policy(allow("b.cdn.test")))
+        since = mark(cdn)
+        assert not tls(cdn, 2, CDN_IP, "a.cdn.test")["ok"]
+        assert http(cdn, 2, CDN_IP, "a.cdn.test")["responses"][0]["status"] == 403
+        assert accepts(cdn, since) == []
+        assert tls(cdn, 2, CDN_IP, "b.cdn.test")["ok"]  # the lease b.cdn.test taught stays
+    finally:
+        unbind(fleet, "names-narrow")
+
+
 def test_host_spoofing_on_port_80_is_answered_403_and_the_connection_stays(
     cdn: Topology, fleet: Daemon, sb1: str
 ) -> None:
@@ -189,14 +213,35 @@ def test_a_wildcard_rule_admits_only_names_that_taught_the_address(
     learn(cdn, 1, "api.x.io", XIO_IP)
     assert tls(cdn, 1, XIO_IP, "api.x.io")["ok"]
     since, log_mark = mark(cdn), len(fleet.log_text())
+    # w.x.io is in the ignore list too: relayed from the first byte, checked all the same.
     assert not tls(cdn, 1, XIO_IP, "w.x.io")["ok"]  # allowed by *.x.io, but not what taught it
+    assert http(cdn, 1, XIO_IP, "w.x.io")["responses"][0]["status"] == 403
     assert accepts(cdn, since) == []
     assert wait_refusal(fleet.log_text, log_mark, name="w.x.io")["reason"] == "sni_not_learned"
     learn(cdn, 1, "w.x.io", XIO_IP)
     assert tls(cdn, 1, XIO_IP, "w.x.io")["ok"]
+    assert http(cdn, 1, XIO_IP, "w.x.io")["responses"][0]["status"] == 200
     # An allowed name learned on another address does not open this one.
     learn(cdn, 1, "c.cdn.test", OTHER_IP)
     assert not tls(cdn, 1, CDN_IP, "c.cdn.test")["ok"]
+
+
+def test_a_name_allowed_on_443_only_is_refused_on_80(cdn: Topology, fleet: Daemon) -> None:
+    bind(fleet, 2, "names-port", policy(allow("a.cdn.test", ports=[443])))
+    try:
+        learn(cdn, 2, "a.cdn.test", CDN_IP)
+        assert tls(cdn, 2, CDN_IP, "a.cdn.test")["ok"]
+        since, log_mark = mark(cdn), len(fleet.log_text())
+        out = http(cdn, 2, CDN_IP, "a.cdn.test")
+        assert accepts(cdn, since) == []
+        if out["responses"]:  # the MITM's answer (a kernel that scopes the lease to 443 drops it first)
+            assert out["responses"][0]["status"] == 403
+            assert out["responses"][0]["body"]["reason"] == "port_not_allowed"
+            assert wait_refusal(fleet.log_text, log_mark, name="a.cdn.test")["port"] == 80
+        else:
+            assert not out["ok"], out
+    finally:
+        unbind(fleet, "names-port")
 
 
 def test_a_denied_name_is_refused_by_sni_and_host_on_any_address_under_default_allow(

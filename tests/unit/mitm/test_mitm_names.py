@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 from typing import Any
 
 import pytest
@@ -13,9 +14,17 @@ import pytest
 from egressd.engine.backend import Refusals
 from egressd.engine.refusals import with_extra
 from egressd.mitm.active import active_app
-from egressd.mitm.names import NameQuery, NameRefusals, NameReport, NameService, answer, parse_query
+from egressd.mitm.names import (
+    NameQuery,
+    NameRefusals,
+    NameReport,
+    NameService,
+    answer,
+    parse_query,
+    remember_for,
+)
 from egressd.mitm.protocol import NAMES_PATH
-from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, checked, interpret
+from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, Remembered, checked, interpret
 from egressd.policy.namecheck import NameReason, NameVerdict, Wire
 
 DST = ipaddress.ip_address("203.0.113.10")
@@ -152,3 +161,34 @@ def test_the_child_admits_only_on_a_well_formed_yes(status: int, body: bytes, ex
 def test_only_80_and_443_are_checked() -> None:
     assert checked(True, 443) and checked(True, 80)
     assert not checked(True, 8443) and not checked(False, 443) and not checked(True, None)
+
+
+# ---- answered from memory --------------------------------------------------------------------------
+
+
+def test_the_reply_says_how_long_an_admission_may_be_remembered() -> None:
+    assert remember_for(NameVerdict(True, until=110.0), 100.0) == 10.0
+    assert remember_for(NameVerdict(True, until=math.inf), 100.0) == 300.0
+    assert remember_for(NameVerdict(True, until=0.0), 100.0) is None
+    assert remember_for(NameVerdict(False, NameReason.NO_SNI, until=math.inf), 100.0) is None
+    assert remember_for(NameVerdict(True, NameReason.NO_SNI, would_deny=True, until=math.inf), 100.0) is None
+    assert interpret(200, b'{"admit": true, "reason": null, "ttl": 12.5}') == NameAnswer(True, None, 12.5)
+    assert interpret(200, b'{"admit": true, "ttl": 1e9}').ttl == 300.0
+    assert interpret(200, b'{"admit": true, "ttl": -1}').ttl is None
+    assert interpret(200, b'{"admit": true, "ttl": true}').ttl is None
+
+
+def test_an_admission_is_remembered_only_under_its_stamp_and_until_its_lease_ends() -> None:
+    memory = Remembered(max_entries=2)
+    key = ("10.203.0.11", "tls", "a.io", "203.0.113.10", 443)
+    memory.learn(key, NameAnswer(True, None, 10.0), (1, 1), 100.0)
+    assert memory.recall(key, (1, 1), 105.0)
+    assert not memory.recall(key, (1, 2), 105.0)  # a narrowing since
+    assert not memory.recall(key, (1, 1), 110.0)  # the lease ended
+    assert not memory.recall(key, None, 105.0)  # egressd silent: ask
+    memory.learn(key, NameAnswer(False, "sni_not_learned"), (1, 1), 100.0)
+    memory.learn(("x", "tls", "b.io", "d", 443), NameAnswer(True, None), (1, 1), 100.0)  # no ttl: not kept
+    assert len(memory.entries) == 1
+    for i in range(3):
+        memory.learn((str(i), "tls", "", "d", 443), NameAnswer(True, None, 5.0), (1, 1), 100.0)
+    assert len(memory.entries) == 2
