@@ -342,7 +342,8 @@ class EgressMetrics:
         self.mitm_connections = Counter(
             r,
             "egressd_mitm_connections_total",
-            "Connections the MITM child opened (decrypt, parse) or relayed (passthrough).",
+            "Connections the MITM child opened (decrypt, parse), relayed (passthrough) or refused by the "
+            "name check (refuse).",
             ["worker", "protocol", "decision"],
         )
         # docs/reference/behaviour.md §14.9: how many clients' vault snapshots the child holds (bounded; a removed,

@@ -389,7 +389,15 @@ class MitmSupervisor:
 
 
 _CONNECTION_LABELS: Final = frozenset(
-    {("tls", "decrypt"), ("tls", "passthrough"), ("http", "parse"), ("http", "passthrough")}
+    {
+        ("tls", "decrypt"),
+        ("tls", "passthrough"),
+        ("http", "parse"),
+        ("http", "passthrough"),
+        # Refused by the name check (docs/reference/behaviour.md §18) before any upstream connection.
+        ("tls", "refuse"),
+        ("http", "refuse"),
+    }
 )
 
 _OUTCOMES: Final = {
