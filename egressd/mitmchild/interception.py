@@ -154,9 +154,12 @@ class Interception:
         client_ip = ip_of(context.client.peername)
         dest = address_of(context.server.address)
         started = time.perf_counter()
-        verdict = http_early(dest[1] if dest else None)
-        if verdict is None and self.names.enabled:
-            verdict = Verdict("parse", REASON_NAME_CHECK)  # every request's Host is checked
+        verdict: Verdict | None
+        if self.names.enabled and (dest is None or checked(True, dest[1])):
+            # Every request's Host is checked (docs/reference/behaviour.md §18), plain HTTP on 443 too.
+            verdict = Verdict("parse", REASON_NAME_CHECK)
+        else:
+            verdict = http_early(dest[1] if dest else None)
         if verdict is None:
             verdict = await self._vault_verdict(context.client, client_ip, http_by_vault, "parse")
         self._connection("http", verdict, started, client=client_ip, sni=None, dest=dest)
@@ -183,7 +186,7 @@ class Interception:
             sni = hello.sni if hello is not None else None
             await self._name_refused("tls", context, client_ip, sni_name(sni), dest, started, sni=sni)
             return
-        if dest is not None and dest[1] == SCHEME_PORTS["http"] and _looks_like_http(data):
+        if _looks_like_http(data):
             context.layers.remove(chosen)
             nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)
             self._connection(

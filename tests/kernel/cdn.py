@@ -108,7 +108,7 @@ def requests(t: Topology, since: int) -> list[dict[str, Any]]:
 
 # ---- clients -------------------------------------------------------------------------------------
 
-# One TCP connection to ip:port, TLS (with SNI ``sni``, or none for "-") when port is 443, then
+# One TCP connection to ip:port, TLS (with SNI ``sni``, or none for "-"; "+plain": no TLS) when port is 443, then
 # one HTTP/1.1 GET per Host on the same connection. JSON: ok, the responses, or the error.
 CLIENT = r"""
 import json, socket, ssl, sys
@@ -135,7 +135,7 @@ def response(f):
     return {"status": status, "body": doc}
 try:
     conn = socket.create_connection((ip, port), timeout=4)
-    if port == 443:
+    if port == 443 and sni != "+plain":
         ctx = ssl.create_default_context(cafile=ca)
         if sni == "-":
             ctx.check_hostname = False
@@ -176,9 +176,10 @@ def tls(
     return parse_client(r.stdout, r.stderr)
 
 
-def http(t: Topology, sb: int, ip: str, *hosts: str) -> dict[str, Any]:
-    """One plain-HTTP connection from sandbox ``sb`` to ``ip``:80, one GET per Host on it."""
-    r = t.ns(t.sb(sb), sys.executable, *client_argv(t, ip, 80, None, hosts), check=False, timeout=30)
+def http(t: Topology, sb: int, ip: str, *hosts: str, port: int = 80) -> dict[str, Any]:
+    """One plain-HTTP connection from sandbox ``sb`` to ``ip``:``port``, one GET per Host on it."""
+    sni = "+plain" if port == 443 else None
+    r = t.ns(t.sb(sb), sys.executable, *client_argv(t, ip, port, sni, hosts), check=False, timeout=30)
     return parse_client(r.stdout, r.stderr)
 
 

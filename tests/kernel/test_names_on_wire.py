@@ -175,10 +175,13 @@ def test_host_spoofing_on_port_80_is_answered_403_and_the_connection_stays(
     event = wait_refusal(fleet.log_text, log_mark, name="b.cdn.test")
     assert (event["reason"], event["port"], event["dst"]) == ("host_not_allowed", 80, CDN_IP)
 
-    # A connection whose first request is spoofed opens nothing upstream.
+    # A connection whose first request is spoofed opens nothing upstream; plain HTTP on 443 too.
     since = mark(cdn)
     out = http(cdn, 1, CDN_IP, "b.cdn.test")
     assert out["responses"][0]["status"] == 403
+    out = http(cdn, 1, CDN_IP, "b.cdn.test", port=443)
+    assert out["responses"][0]["status"] == 403, out
+    assert out["responses"][0]["body"]["reason"] == "host_not_allowed"
     assert accepts(cdn, since) == []
 
 
