@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -37,6 +38,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     item.add_marker(pytest.mark.xfail(reason=problem, run=False, strict=True))
                     raise pytest.UsageError(f"EGRESS_REQUIRE_NETNS=1 but {problem}")
                 item.add_marker(pytest.mark.skip(reason=problem))
+
+
+def _root_tables() -> set[str] | None:
+    """The nftables tables of the machine's own network namespace (None: cannot tell)."""
+    if os.geteuid() != 0 or shutil.which("nft") is None:
+        return None
+    r = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, timeout=30, check=False)
+    return set(r.stdout.split("\n")) - {""} if r.returncode == 0 else None
+
+
+_ROOT_TABLES_BEFORE = _root_tables()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """No test may leave a table in the machine's own namespace: every table belongs in a
+    namespace the test created. The run fails when one appeared (a guard, not a cleanup)."""
+    after = _root_tables()
+    if _ROOT_TABLES_BEFORE is None or after is None:
+        return
+    new = sorted(after - _ROOT_TABLES_BEFORE)
+    if new:
+        print(f"\nFAIL: the root network namespace gained nftables tables during the run: {new}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
