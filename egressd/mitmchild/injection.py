@@ -23,7 +23,7 @@ from egressd.mitmchild.inject import decide, find_binding
 from egressd.mitmchild.injectdata import LOOKUP_FAILED, InjectionDecision, Request
 from egressd.mitmchild.lookup import LookupFailed
 from egressd.mitmchild.names import LOOKUP_FAILED as NAME_LOOKUP_FAILED
-from egressd.mitmchild.names import NameAnswer, NameGate, checked
+from egressd.mitmchild.names import NameAnswer, NameGate, as_name, checked
 from egressd.mitmchild.respbody import narrow_accept_encoding
 from egressd.mitmchild.shared import BINDING_META, META, emit, peer_ip, wire_headers
 from egressd.mitmchild.substitute import substitute_body
@@ -184,7 +184,7 @@ class Injection:
         if dest is None:
             answer = NameAnswer(False, NAME_LOOKUP_FAILED)
         else:
-            answer = await names.ask(flow.client_conn, client_ip, "http", host, dest[0], dest[1])
+            answer = await names.ask(flow.client_conn, client_ip, "http", as_name(host), dest[0], dest[1])
         if answer.admit:
             return False
         reason = answer.reason or NAME_LOOKUP_FAILED

@@ -35,7 +35,7 @@ from egressd.mitmchild.intercept import (
     tls_early,
 )
 from egressd.mitmchild.lookup import LookupFailed
-from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, NameGate, checked
+from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, NameGate, as_name, checked
 from egressd.mitmchild.shared import address_of, emit, ip_of
 from egressd.mitmchild.vaults import VaultLookup
 from egressd.vault.snapshot import VaultSnapshot
@@ -79,7 +79,7 @@ class Interception:
         dest = address_of(context.server.address)
         sni = data.client_hello.sni
         started = time.perf_counter()
-        if await self._name_refused("tls", context, client_ip, sni_name(sni), dest, started, sni=sni):
+        if await self._name_refused("tls", context, client_ip, as_name(sni_name(sni)), dest, started, sni=sni):
             return
         verdict = tls_early(sni, dest[1] if dest else None, self.ignore)
         if verdict is None:
@@ -184,7 +184,7 @@ class Interception:
             except ValueError:
                 hello = None
             sni = hello.sni if hello is not None else None
-            await self._name_refused("tls", context, client_ip, sni_name(sni), dest, started, sni=sni)
+            await self._name_refused("tls", context, client_ip, as_name(sni_name(sni)), dest, started, sni=sni)
             return
         if _looks_like_http(data):
             context.layers.remove(chosen)

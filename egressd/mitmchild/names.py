@@ -19,6 +19,7 @@ Fail closed: a check that cannot be answered (timeout, refused, a bad reply) ref
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import socket
 import struct
@@ -105,6 +106,18 @@ class Remembered:
         self.entries.move_to_end(key)
         while len(self.entries) > self.max_entries:
             self.entries.popitem(last=False)
+
+
+def as_name(host: str | None) -> str | None:
+    """The name a connection asks for, as the check takes it: None for none and for an IP
+    literal (an address names no name: only an address rule opens it)."""
+    if not host:
+        return None
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return host
+    return None
 
 
 def checked(enabled: bool, port: int | None) -> bool:

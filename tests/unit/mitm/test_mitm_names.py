@@ -24,7 +24,7 @@ from egressd.mitm.names import (
     remember_for,
 )
 from egressd.mitm.protocol import NAMES_PATH
-from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, Remembered, checked, interpret
+from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, Remembered, as_name, checked, interpret
 from egressd.policy.namecheck import NameReason, NameVerdict, Wire
 
 DST = ipaddress.ip_address("203.0.113.10")
@@ -192,3 +192,9 @@ def test_an_admission_is_remembered_only_under_its_stamp_and_until_its_lease_end
     for i in range(3):
         memory.learn((str(i), "tls", "", "d", 443), NameAnswer(True, None, 5.0), (1, 1), 100.0)
     assert len(memory.entries) == 2
+
+
+def test_an_address_names_no_name() -> None:
+    assert as_name("a.io") == "a.io"
+    assert as_name("10.204.0.3") is None and as_name("[2001:db8::1]") is None and as_name("2001:db8::1") is None
+    assert as_name("") is None and as_name(None) is None
