@@ -134,6 +134,9 @@ def test_sni_of_another_name_on_the_shared_address_is_refused_before_the_upstrea
     assert dropped(fleet, "s-names1") >= drops_before + 1
     post = hook.wait_for("b.cdn.test")
     assert post["sandboxId"] == "names1" and post["source"] == "opensandbox-egress"
+    # egressctl subjects' document: the same count, and the name among the recent denials.
+    (doc,) = [d for d in json.loads(fleet.get("/v1/subjects")[1])["subjects"] if d["uid"] == "names1"]
+    assert doc["droppedPackets"] >= 1 and "b.cdn.test" in [x["name"] for x in doc["recentDenials"]]
     # The allowed name still passes on the same address afterwards.
     assert tls(cdn, 1, CDN_IP, "a.cdn.test")["ok"]
 
