@@ -342,7 +342,8 @@ class EgressMetrics:
         self.mitm_connections = Counter(
             r,
             "egressd_mitm_connections_total",
-            "Connections the MITM child opened (decrypt, parse) or relayed (passthrough).",
+            "Connections the MITM child opened (decrypt, parse), relayed (passthrough) or refused by the "
+            "name check (refuse).",
             ["worker", "protocol", "decision"],
         )
         # docs/reference/behaviour.md §14.9: how many clients' vault snapshots the child holds (bounded; a removed,
@@ -358,11 +359,13 @@ class EgressMetrics:
     def _visibility(self) -> None:
         r = self.registry
         # docs/reference/behaviour.md §15: packets egressd's rules refused, read from the kernel's per-subject
-        # counters at scrape time (one dump); subject "-" = sources that are no subject.
+        # counters at scrape time (one dump); subject "-" = sources that are no subject. Plus the
+        # MITM's name-check refusals (§18: one per refused connection or request), kept in memory.
         self.subject_dropped = Counter(
             r,
             "egressd_subject_dropped_packets_total",
-            "Packets egressd's nft rules refused, by source subject.",
+            "Packets egressd's nft rules refused, plus connections and requests the MITM's name check "
+            "refused, by source subject.",
             ["subject"],
         )
         # OPENSANDBOX_EGRESS_DENY_WEBHOOK: events that found the queue full, and how the others ended.

@@ -140,7 +140,10 @@ bind() {  # bind N POLICY_JSON [extra egressctl args]
   ctl send set-binding --uid "sb$i" --ip "$(SBIP "$i")" --gateway 10.203.0.1 --policy "$pol" "$@"
 }
 ready() { ctl send hook data-plane-ready --uid "sb$1" "${@:2}"; }
-reaches() { [ "$(inns "$(SB "$1")" curl -s -o /dev/null -w '%{http_code}' --connect-timeout 1 -m 2 "http://$2/smoke")" = 200 ]; }
+# reaches N ADDR [HOST]: with the name check (EGRESSD_NAME_CHECK, on with the MITM) a learned
+# address answers only a Host that taught it; an address rule's answers any.
+reaches() { [ "$(inns "$(SB "$1")" curl -s -o /dev/null -w '%{http_code}' --connect-timeout 1 -m 2 ${3:+-H "Host: $3"} "http://$2/smoke")" = 200 ]; }
+http_code() { inns "$(SB "$1")" curl -s -o /dev/null -w '%{http_code}' --connect-timeout 1 -m 2 -H "Host: $3" "http://$2/smoke"; }
 resolves() { inns "$(SB "$1")" dig +short +time=2 +tries=1 @10.203.0.1 "$2" | grep -q "${3:-.}"; }
 nxdomain() { inns "$(SB "$1")" dig +time=2 +tries=1 @10.203.0.1 "$2" | grep -q "status: NXDOMAIN"; }
 upstream_saw() { grep -q "\"dns\": \"$1\"" "$WORK/upstream.jsonl"; }
@@ -208,7 +211,8 @@ check "data-plane-ready sb1 -> 200" ready 1
 check "data-plane-ready sb2 -> 200" ready 2
 check "data-plane-ready sb3 -> 200" ready 3
 check "sb1 resolves an allowed name (wildcard)" resolves 1 api.allowed.test 10.204.0.2
-check "sb1 connects to the address it learned" reaches 1 10.204.0.2
+check "sb1 connects to the address it learned" reaches 1 10.204.0.2 api.allowed.test
+check "the name check: another Host on sb1's learned address is refused 403" test "$(http_code 1 10.204.0.2 exfil.test)" = 403
 check "sb1 follows a CNAME chain" resolves 1 www.allowed.test 10.204.0.2
 check "sb1 gets NXDOMAIN for a denied name" nxdomain 1 exfil.test
 check "the upstream never saw the denied name" not upstream_saw exfil.test
@@ -273,9 +277,9 @@ check "after null sb3 reaches nothing" not reaches 3 10.204.0.3
 check "REMOVE_BINDING sb2 -> 200" ctl send remove --uid sb2
 check "after removal sb2 reaches nothing" not reaches 2 10.204.0.5
 check "after removal no nft object of sb2 is left" not bash -c "ip netns exec $POD nft list table inet $TABLE | grep -q s_sb2"
-check "siblings keep working after a removal" reaches 1 10.204.0.2
+check "siblings keep working after a removal" reaches 1 10.204.0.2 api.allowed.test
 check "rebind sb1 (new runtime instance) -> 200" bind 1 "$ALLOW_NAME" --runtime-instance-id r2
-check "a rebind never carries the old policy over" not reaches 1 10.204.0.2
+check "a rebind never carries the old policy over" not reaches 1 10.204.0.2 api.allowed.test
 check "a rebind drops the vault" not ctl vault get --uid sb1
 check "a delayed hook of the old instance -> 409" not ready 1
 check "data-plane-ready for the new instance -> 200" ready 1 --runtime-instance-id r2
@@ -289,7 +293,7 @@ EXTRA_ENV="EGRESSD_DENY_REJECT=1"
 check "egressd restarts (now with EGRESSD_DENY_REJECT=1)" start_egressd
 ID2=$(inns "$POD" curl -s "127.0.0.1:$PORT/_fastlet/v1/actions/status")
 check "a restart gets a new instanceId" test "$ID1" != "$ID2"
-check "after the restart the table is reset to deny-all" not reaches 1 10.204.0.2
+check "after the restart the table is reset to deny-all" not reaches 1 10.204.0.2 api.allowed.test
 check "replay SET_BINDING sb1 -> 200" bind 1 "$ALLOW_NAME" --runtime-instance-id r2
 check "replay data-plane-ready sb1 -> 200" ready 1 --runtime-instance-id r2
 check "replay restores enforcement" bash -c "ip netns exec $(SB 1) dig +short @10.203.0.1 api.allowed.test >/dev/null && ip netns exec $(SB 1) curl -s -o /dev/null --connect-timeout 1 -m 2 http://10.204.0.2/"

@@ -264,8 +264,8 @@ check "a passed-through connection is policed too: an address never learned is n
   "$(declare -f inns https_get); SBX=$SBX MITM_CA=$MITM_CA; https_get b.allowed.test 10.204.0.5 $WORK/tls/ca.pem | grep -q '\"tls\": true'"
 check "EGRESSD_MITM_CA_EXPORT_DIR holds the CA certificate only (egressd-ca.pem = .crt, 0644)" bash -c \
   "cmp $WORK/ca-export/egressd-ca.pem $MITM_CA && cmp $WORK/ca-export/egressd-ca.crt $MITM_CA && [ \$(stat -c %a $WORK/ca-export/egressd-ca.pem) = 644 ] && ! grep -q 'PRIVATE KEY' $WORK/ca-export/*"
-check "a forged Host towards the other name's address gets no credential" bash -c \
-  "$(declare -f inns https_get); SBX=$SBX MITM_CA=$MITM_CA; out=\$(https_get api.allowed.test 10.204.0.7); grep -q '\"tls\": true' <<<\"\$out\" && ! grep -q $SECRET <<<\"\$out\""
+check "a forged SNI towards the other name's address is refused by the name check, no credential" bash -c \
+  "$(declare -f inns https_get); SBX=$SBX MITM_CA=$MITM_CA; out=\$(https_get api.allowed.test 10.204.0.7); ! grep -q '\"tls\": true' <<<\"\$out\" && ! grep -q $SECRET <<<\"\$out\""
 check "the MITM's upstream leg is policed: HTTPS to an address never learned fails" not bash -c \
   "$(declare -f inns https_get); SBX=$SBX MITM_CA=$MITM_CA; https_get api.allowed.test 10.204.0.5 | grep -q '\"tls\": true'"
 check "a direct connection to the MITM port (127.0.0.1:18081) fails" not \

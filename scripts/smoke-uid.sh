@@ -108,7 +108,9 @@ ready() { ctl send hook data-plane-ready --uid "$1" "${@:2}"; }
 # server at all, so an answer proves the redirect (the proxy forwards to 10.204.0.2).
 resolves() { as "$1" dig +short +time=2 +tries=1 @10.204.0.9 "$2" | grep -q "${3:-.}"; }
 nxdomain() { as "$1" dig +time=2 +tries=1 @10.204.0.9 "$2" | grep -q "status: NXDOMAIN"; }
-reaches() { [ "$(as "$1" curl -s -o /dev/null -w '%{http_code}' --connect-timeout 1 -m 2 "http://$2/smoke")" = 200 ]; }
+# reaches UID ADDR [HOST]: with the name check (EGRESSD_NAME_CHECK, on with the MITM) a learned
+# address answers only a Host that taught it.
+reaches() { [ "$(as "$1" curl -s -o /dev/null -w '%{http_code}' --connect-timeout 1 -m 2 ${3:+-H "Host: $3"} "http://$2/smoke")" = 200 ]; }
 upstream_saw() { grep -q "\"dns\": \"$1\"" "$WORK/upstream.jsonl"; }
 https_get() {  # https_get UID HOST IP PATH: the upstream's JSON echo (what arrived) on stdout
   as "$1" curl -s -m 5 --cacert "$WORK/ca.pem" --resolve "$2:443:$3" "https://$2$4"
@@ -148,11 +150,11 @@ check "deny-first: the upstream never saw the early query" not upstream_saw api.
 check "data-plane-ready ua -> 200" ready ua
 check "data-plane-ready ub -> 200" ready ub
 check "uid $UA resolves its allowed name (DNS to any address goes to its own port)" resolves "$UA" api.allowed.test 10.204.0.2
-check "uid $UA connects to the address it learned" reaches "$UA" 10.204.0.2
+check "uid $UA connects to the address it learned" reaches "$UA" 10.204.0.2 api.allowed.test
 check "uid $UA gets NXDOMAIN for uid $UB's name" nxdomain "$UA" other.test
 check "uid $UA cannot reach uid $UB's address" not reaches "$UA" 10.204.0.3
 check "uid $UB resolves its own name" resolves "$UB" other.test 10.204.0.3
-check "uid $UB connects to its address" reaches "$UB" 10.204.0.3
+check "uid $UB connects to its address" reaches "$UB" 10.204.0.3 other.test
 check "uid $UB gets NXDOMAIN for uid $UA's name" nxdomain "$UB" api.allowed.test
 check "uid $UB cannot use the address uid $UA learned" not reaches "$UB" 10.204.0.2
 check "a denied name never reached the upstream" bash -c "$(declare -f as nxdomain); HOST=$HOST; nxdomain $UA exfil.test && ! grep -q '\"dns\": \"exfil.test\"' $WORK/upstream.jsonl"
@@ -179,20 +181,20 @@ check "the secret never reached the daemon's log" not grep -q smoke-uid-secret "
 
 # ---- removal, restart and replay --------------------------------------------------------------
 check "REMOVE_BINDING ua -> 200" ctl send remove --uid ua
-check "after removal uid $UA reaches nothing" not reaches "$UA" 10.204.0.2
+check "after removal uid $UA reaches nothing" not reaches "$UA" 10.204.0.2 api.allowed.test
 check "after removal uid $UA's DNS is NXDOMAIN" nxdomain "$UA" api.allowed.test
 check "after removal nothing of uid $UA is left in the table" no_uid_objects "$UA" ua
-check "uid $UB keeps working after the removal" reaches "$UB" 10.204.0.3
+check "uid $UB keeps working after the removal" reaches "$UB" 10.204.0.3 other.test
 kill -9 "$EGRESSD_PID" 2>/dev/null
 for _ in $(seq 1 100); do kill -0 "$EGRESSD_PID" 2>/dev/null || break; sleep 0.05; done
 check "with the daemon dead the kernel keeps enforcing" not reaches "$UC" 10.204.0.3
 check "egressd restarts" start_egressd
 ID2=$(inns "$HOST" curl -s "127.0.0.1:$PORT/_fastlet/v1/actions/status")
 check "a restart gets a new instanceId" test "$ID1" != "$ID2"
-check "after the restart uid $UB is an unknown uid: reaches nothing" not reaches "$UB" 10.204.0.3
+check "after the restart uid $UB is an unknown uid: reaches nothing" not reaches "$UB" 10.204.0.3 other.test
 check "replay SET_BINDING ub -> 200" bind ub "$UB" "$ALLOW_B"
 check "replay data-plane-ready ub -> 200" ready ub
-check "replay restores enforcement" bash -c "$(declare -f as resolves reaches); HOST=$HOST; resolves $UB other.test 10.204.0.3 && reaches $UB 10.204.0.3"
+check "replay restores enforcement" bash -c "$(declare -f as resolves reaches); HOST=$HOST; resolves $UB other.test 10.204.0.3 && reaches $UB 10.204.0.3 other.test"
 check "the replayed subject still cannot reach the other's address" not reaches "$UB" 10.204.0.2
 
 echo "$PASS passed, $FAIL failed"

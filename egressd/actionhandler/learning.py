@@ -19,6 +19,7 @@ from egressd.actionhandler.shared import Shared
 from egressd.addr import IPAddress, unmap_ip
 from egressd.engine.subjects import SubjectEngine
 from egressd.policy import IpSets, NetworkPolicy
+from egressd.policy.namecheck import NameVerdict, Wire
 from egressd.subject.leases import LeaseBook, Narrowed
 from egressd.subject.model import Asker, Fence
 from egressd.subject.registry import Entry, HostBinding, State
@@ -134,6 +135,29 @@ class DnsLearning:
             if slot is not None
             else 0.0
         )
+
+    def check_name(
+        self, source_ip: IPAddress, listen_port: int | None, wire: Wire, name: str | None, dst: IPAddress, port: int
+    ) -> tuple[str | None, NameVerdict | None]:
+        """May the active subject behind ``source_ip`` (or, for a host-uid subject, behind its
+        MITM port ``listen_port``) ask for ``name`` on a connection to ``dst``:``port``
+        (docs/reference/behaviour.md §18)? (uid, verdict); (None, None) when there is no active subject
+        there (refused by the caller)."""
+        if listen_port is not None:
+            slot = self._shared.table.uids.slot_of_mitm_port(listen_port)
+            entry = self._shared.registry.resolve_slot(slot) if slot is not None else None
+        else:
+            entry = self._shared.registry.resolve(source_ip)
+        held = self._verifying(entry)
+        if entry is None or held is None:
+            return None, None
+        effective = self._policies.effective_for(entry)
+        if effective is None or held[1] is None:
+            return None, None
+        verdict = self.subjects.check_name(
+            entry.uid, effective, held[1], wire=wire, name=name, dst=unmap_ip(dst), port=port
+        )
+        return entry.uid, verdict
 
     def _verified(self, entry: Entry | None, host: str, dst: IPAddress) -> bool:
         held = self._verifying(entry)

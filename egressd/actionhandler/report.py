@@ -47,8 +47,11 @@ class Report:
             return self._shared.registry.resolve_host_uid(source)
         return self._shared.registry.resolve(unmap_ip(source))
 
-    def explain(self, source_ip: IPAddress | int, target: str) -> dict[str, Any]:
-        """``source_ip`` is a sandbox address, or an ``int``: a host uid."""
+    def explain(
+        self, source_ip: IPAddress | int, target: str, port: int | None = None, name_check: bool = False
+    ) -> dict[str, Any]:
+        """``source_ip`` is a sandbox address, or an ``int``: a host uid. ``port``: a TCP port;
+        ``name_check``: whether the MITM checks names on the wire (docs/reference/behaviour.md §18)."""
         entry = self._entry_of(source_ip)
         now = time.monotonic()
         book = self._leases.get(entry.uid) if entry else None
@@ -58,6 +61,9 @@ class Report:
             leases=book.live(now) if book is not None else {},
             target=target,
             now=now,
+            port=port,
+            name_check=name_check,
+            taught=(lambda ip: book.names_of(ip, now)) if book is not None else None,
         )
         if isinstance(source_ip, int):
             out["hostUid"] = source_ip

@@ -10,6 +10,7 @@ on the kernel.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
 
 from egressd.engine.backend import Refusals
 from egressd.engine.counters import read_or_keep
@@ -35,8 +36,20 @@ def samples(refusals: Refusals, labels: Mapping[str, str]) -> dict[tuple[str, ..
     return out
 
 
+def with_extra(refusals: Refusals, extra: Mapping[str, int]) -> Refusals:
+    """``refusals`` plus counts kept outside the kernel (by nft id): the MITM's name-check
+    refusals (docs/reference/behaviour.md §18), exported in the same per-subject count."""
+    if not extra:
+        return refusals
+    merged = dict(refusals.by_subject)
+    for nft_id, count in extra.items():
+        merged[nft_id] = merged.get(nft_id, 0) + count
+    return replace(refusals, by_subject=merged)
+
+
 class RefusalSamples:
-    """``egressd_subject_dropped_packets_total``: the backend's refusal counts, per subject."""
+    """``egressd_subject_dropped_packets_total``: the backend's refusal counts, per subject,
+    plus ``extra`` (by nft id): refusals counted outside the kernel (the MITM's name check)."""
 
     def __init__(
         self,
@@ -44,12 +57,22 @@ class RefusalSamples:
         read: Callable[[], Awaitable[Counters]],
         refusals: Callable[[Counters], Refusals],
         labels: Callable[[], Mapping[str, str]],
+        extra: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         self._read = read
-        self._refusals = refusals
+        self._kernel_refusals = refusals
+        self._extra = extra
         self._labels = labels
         self._samples: dict[tuple[str, ...], float] = {}
         metrics.subject_dropped.collect_from(lambda: dict(self._samples))
+
+    def _refusals(self, counters: Counters) -> Refusals:
+        kernel = self._kernel_refusals(counters)
+        return with_extra(kernel, self._extra()) if self._extra is not None else kernel
+
+    async def read_kernel(self) -> Refusals:
+        """The kernel's counts alone (raises when the kernel cannot be read)."""
+        return self._kernel_refusals(await self._read())
 
     async def read(self) -> Refusals:
         """The counts now (raises when the kernel cannot be read)."""

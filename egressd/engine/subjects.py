@@ -16,9 +16,10 @@ Narrowing events stay with the operation that commits a narrowed book (``PolicyA
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from egressd.addr import IPAddress
@@ -27,8 +28,9 @@ from egressd.engine.backend import Flow, RulesetBackend
 from egressd.engine.errors import RulesetRefused, RulesetUncertain
 from egressd.engine.flows import cut_refused
 from egressd.feed import Feed, LeasesNarrowed
-from egressd.policy import IpSets, NetworkPolicy, Verdict, audit_deny_sets, ip_sets
+from egressd.policy import IpSets, NetworkPolicy, Verdict, audit_deny_sets, ip_sets, normalise_name
 from egressd.policy.decide import hard_denied, ip_decision
+from egressd.policy.namecheck import NameVerdict, Wire, check_name
 from egressd.policy.portmatch import address_rules_admit
 from egressd.subject.leases import DEFAULT_MAX_LEASES, LeaseBook, Narrowed, narrowed_for
 
@@ -128,6 +130,30 @@ class SubjectEngine:
     def verified_until(self, uid: str, sets: IpSets | None, host: str, dst: IPAddress) -> float:
         """:meth:`verified` with its deadline (monotonic; 0.0: not verified)."""
         return learning.verified_until(self.books.get(uid), sets, host, dst, self.clock())
+
+    def check_name(
+        self,
+        uid: str,
+        effective: NetworkPolicy,
+        sets: IpSets,
+        *,
+        wire: Wire,
+        name: str | None,
+        dst: IPAddress,
+        port: int,
+    ) -> NameVerdict:
+        """May ``uid``'s connection to ``dst``:``port`` ask for ``name`` (docs/reference/behaviour.md §18)?
+        The names that taught ``dst`` are this subject's running leases'."""
+        book = self.books.get(uid)
+        now = self.clock()
+        taught = book.names_of(dst, now) if book is not None else frozenset()
+        verdict = check_name(effective, sets, wire=wire, name=name, dst=dst, port=port, taught=taught)
+        if not verdict.admit or verdict.would_deny:
+            return verdict
+        if verdict.rule == "lease" and book is not None and name is not None:
+            # Admitted while that lease of the name runs (the MITM may remember it until then).
+            return replace(verdict, until=book.verified_until(dst, normalise_name(name), now))
+        return replace(verdict, until=math.inf if verdict.rule == "address" else 0.0)
 
     # ---- flows -------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from egressd.engine.refusals import RefusalSamples
 from egressd.events.denials import RecentDenials
 from egressd.fleetnft.backend import fleet_refusals
 from egressd.metrics import EgressMetrics
+from egressd.mitm.names import NameReport
 from egressd.policy.audit import safe_token
 from egressd.subject.registry import Entry
 
@@ -53,13 +54,27 @@ class DropCounters:
         entries: Callable[[], Iterable[Entry]],
         denials: RecentDenials | None = None,
         refusals: Callable[[Mapping[str, int]], Refusals] = fleet_refusals,
+        names: NameReport | None = None,
     ) -> None:
         self._entries = entries
         self.denials = denials
-        # The engine's samples over the fleet backend's counters; the registry names the subjects.
+        self.names = names
+        # The engine's samples over the fleet backend's counters (plus the MITM's name-check
+        # refusals, docs/reference/behaviour.md §18); the registry names the subjects.
         self._samples = RefusalSamples(
-            metrics, read, refusals, lambda: {e.nft_id: safe_token(e.subject) for e in self._entries()}
+            metrics,
+            read,
+            refusals,
+            lambda: {e.nft_id: safe_token(e.subject) for e in self._entries()},
+            extra=self._name_refusals if names is not None else None,
         )
+
+    def _name_refusals(self) -> dict[str, int]:
+        assert self.names is not None
+        counts = self.names.refusals.by_uid()
+        if not counts:
+            return {}
+        return {e.nft_id: counts[e.uid] for e in self._entries() if e.uid in counts}
 
     async def refresh(self) -> None:
         """Before a scrape. A failed read keeps the last samples (counters only ever grow)."""
@@ -89,9 +104,14 @@ class DropCounters:
         return None
 
     async def reset(self, uid: str) -> None:
-        if self.denials is not None:
-            self.denials.forget(uid)
+        self._forget(uid)
 
     async def removed(self, uid: str) -> None:
+        self._forget(uid)
+
+    def _forget(self, uid: str) -> None:
+        # The kernel's counter goes with the subject's objects; its name-check count too.
         if self.denials is not None:
             self.denials.forget(uid)
+        if self.names is not None:
+            self.names.forget(uid)

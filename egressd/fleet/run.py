@@ -42,6 +42,7 @@ from egressd.kernel.renewal import LeaseRenewal
 from egressd.lifecycle import Running, StartupError
 from egressd.metrics import EgressMetrics
 from egressd.mitm.active import PortVaults
+from egressd.mitm.names import NameService
 from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
 from egressd.policy import AlwaysRules, AlwaysRulesError, load_always_rules
 from egressd.policy.reload import AlwaysRulesReloader
@@ -104,7 +105,7 @@ async def run_fleet(cfg: FleetConfig, stop: asyncio.Event | None = None) -> None
         await _reset_table(cfg, control, always)
         await _start_dns(cfg, control, metrics, running, visibility)
         _start_background(cfg, control, always, running)
-        mitm = await _start_mitm(cfg, control, metrics, running)
+        mitm = await _start_mitm(cfg, control, metrics, running, visibility)
 
         def mitm_health() -> str | None:
             return mitm.supervisor.health() if mitm is not None else None
@@ -122,6 +123,7 @@ async def run_fleet(cfg: FleetConfig, stop: asyncio.Event | None = None) -> None
             before_scrape=visibility.before_scrape,
             vault_transport=VaultTransport(cfg.vault.require_tls, cfg.vault.trusted_proxies),
             annotate_subjects=visibility.drops.annotate,
+            name_check=cfg.mitm.name_check,
         )
         await _serve(cfg, http, running, stop)
     finally:
@@ -271,7 +273,7 @@ def _start_background(cfg: FleetConfig, control: ControlPlane, always: AlwaysRul
 
 
 async def _start_mitm(
-    cfg: FleetConfig, control: ControlPlane, metrics: EgressMetrics, running: Running
+    cfg: FleetConfig, control: ControlPlane, metrics: EgressMetrics, running: Running, visibility: FleetVisibility
 ) -> RunningMitm | None:
     if not cfg.mitm.transparent:
         return None
@@ -289,6 +291,10 @@ async def _start_mitm(
             metrics=metrics,
             by_port=by_port,
             listen_mark=OWNER_MARK,
+            names=NameService(
+                lambda q: control.learning.check_name(q.client, q.listen_port, q.wire, q.name, q.dst, q.port),
+                visibility.names,
+            ),
         )
     except MitmStartupError as exc:
         raise StartupError(str(exc)) from None

@@ -58,6 +58,7 @@ class FleetHTTP:
         instance_id: str | None = None,
         extra_health: Callable[[], str | None] | None = None,
         status_extra: Callable[[], dict[str, Any]] | None = None,
+        name_check: bool = False,
         proxy: ProxyRouteAPI | None = None,
         mitm_ca: Callable[[], tuple[str, str] | None] | None = None,
         before_scrape: Callable[[], Awaitable[None]] | None = None,
@@ -76,6 +77,7 @@ class FleetHTTP:
         self.instance_id = instance_id or new_instance_id()
         self._extra_health = extra_health
         self._status_extra = status_extra
+        self.name_check = name_check  # EGRESSD_NAME_CHECK with the MITM (docs/reference/behaviour.md §18)
         # Actions and proxy-route writes whose body was read run to their end (docs/reference/behaviour.md §14.10).
         self.inflight = InFlight(feed=control.feed)
 
@@ -164,6 +166,7 @@ class FleetHTTP:
             "apiVersion": API_VERSION,
             "ready": self.health_problem() is None,
             "instanceId": self.instance_id,
+            "nameCheck": self.name_check,  # docs/reference/behaviour.md §18
         }
         if self._mitm_ca is not None:
             ca = self._mitm_ca()
@@ -218,7 +221,13 @@ class FleetHTTP:
         target = request.query.get("target", "").strip()
         if not target:
             return text(400, "target (a name or an IP) is required")
-        doc = self.control.report.explain(ip, target)
+        port_text = request.query.get("port")
+        port: int | None = None
+        if port_text is not None:
+            port = int(port_text) if port_text.strip().isascii() and port_text.strip().isdigit() else 0
+            if not 1 <= port <= 65535:
+                return text(400, "port must be a TCP port (1..65535)")
+        doc = self.control.report.explain(ip, target, port, self.name_check)
         try:
             target_ip = ipaddress.ip_address(target.split("/", 1)[0])
         except ValueError:

@@ -20,6 +20,7 @@ from egressd.events.webhook import DenyWebhook, display_url
 from egressd.fleet.audit import AuditEvidence
 from egressd.fleet.drops import CounterDump, DropCounters
 from egressd.metrics import EgressMetrics
+from egressd.mitm.names import NameRefusals, NameReport
 from egressd.subject.registry import Entry
 
 log = structlog.get_logger("egressd.visibility")
@@ -31,6 +32,7 @@ class FleetVisibility:
     drops: DropCounters
     events: DnsEvents
     webhook: DenyWebhook | None
+    names: NameReport  # the MITM's name-check refusals (docs/reference/behaviour.md §18)
 
     async def before_scrape(self) -> None:
         # Both read through one CounterDump: started together, they share a single dump.
@@ -55,11 +57,14 @@ def fleet_visibility(
     counters = CounterDump(read_counters)
     denials = RecentDenials()
     webhook = DenyWebhook(cfg.deny_webhook, metrics) if cfg.deny_webhook else None
+    # In the fleet the sandbox is the subject: sandboxId is its uid (the reference's pool
+    # mode leaves it empty).
+    events = DnsEvents(webhook=webhook, denials=denials, sandbox_id=lambda uid: uid)
+    names = NameReport(NameRefusals(), events.refused_on_wire)
     return FleetVisibility(
         audit=AuditEvidence(metrics, counters, entries),
-        drops=DropCounters(metrics, counters, entries, denials),
-        # In the fleet the sandbox is the subject: sandboxId is its uid (the reference's pool
-        # mode leaves it empty).
-        events=DnsEvents(webhook=webhook, denials=denials, sandbox_id=lambda uid: uid),
+        drops=DropCounters(metrics, counters, entries, denials, names=names),
+        events=events,
         webhook=webhook,
+        names=names,
     )

@@ -38,6 +38,7 @@ from typing import Any
 from aiohttp import web
 
 from egressd.addr import IPAddress, unmap_ip
+from egressd.mitm.names import NameService, add_names_route
 from egressd.mitm.protocol import ACTIVE_PATH, DESTINATION_HEADER, DESTINATION_TTL_HEADER, bare_etag
 from egressd.vault.snapshot import VaultSnapshot
 
@@ -137,8 +138,14 @@ def _ttl(verdict: bool | float) -> float | None:
 
 
 def active_app(
-    lookup: Lookup, verify: Verify | None = None, by_port: PortVaults | None = None
+    lookup: Lookup,
+    verify: Verify | None = None,
+    by_port: PortVaults | None = None,
+    names: NameService | None = None,
 ) -> web.Application:
+    """The private socket's routes: ``_active`` and, with ``names``, the name check
+    (:mod:`egressd.mitm.names`, docs/reference/behaviour.md §18)."""
+
     async def handle(request: web.Request) -> web.Response:
         if request.method != "GET":
             return web.Response(status=405, headers={"Allow": "GET"})
@@ -169,4 +176,6 @@ def active_app(
 
     app = web.Application()
     app.router.add_route("*", ACTIVE_PATH, handle)
+    if names is not None:
+        add_names_route(app, names.check, names.report)
     return app

@@ -100,6 +100,14 @@ OPTIONS: tuple[Option, ...] = (
         "alias of EGRESSD_MITM_CONFDIR (both set and different: start-up error)",
     ),
     Option(
+        "EGRESSD_NAME_CHECK",
+        "--name-check",
+        "on/off, with the MITM: TLS SNI and plain-HTTP Host of every TCP 80/443 connection are admitted "
+        "only for names that may reach that address and port (docs/reference/behaviour.md §18); off: "
+        "address-level admission. Without the MITM there is no name check",
+        "on",
+    ),
+    Option(
         "OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS",
         "--mitmproxy-extra-ports",
         "comma-separated TCP ports intercepted by the MITM besides 80 and 443 (at most 13)",
@@ -124,6 +132,14 @@ class MitmConfig:
     body_redaction: bool = True  # EGRESSD_MITM_BODY_REDACTION (docs/reference/behaviour.md §10)
     vault_push: bool = True  # EGRESSD_MITM_VAULT_PUSH (docs/reference/behaviour.md §10, "answered from memory")
     extra_ports: tuple[int, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS
+    name_check_setting: bool = True  # EGRESSD_NAME_CHECK as set (docs/reference/behaviour.md §18)
+
+    @property
+    def name_check(self) -> bool:
+        """Whether names are checked on the wire (docs/reference/behaviour.md §18): the one place that
+        decides it (the MITM child, the status documents and the kernel's UDP 443 rule all read
+        this). Only with the MITM, and unless ``EGRESSD_NAME_CHECK=off``."""
+        return self.transparent and self.name_check_setting
 
     @property
     def worker_ports(self) -> tuple[int, ...]:
@@ -174,7 +190,18 @@ def load(raw: Raw, port: int, workers: int) -> MitmConfig:
         body_redaction=parse_bool("EGRESSD_MITM_BODY_REDACTION", raw["EGRESSD_MITM_BODY_REDACTION"]),
         vault_push=parse_bool("EGRESSD_MITM_VAULT_PUSH", raw["EGRESSD_MITM_VAULT_PUSH"]),
         extra_ports=parse_extra_ports(raw["OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS"] or "", port, workers),
+        name_check_setting=parse_name_check(raw["EGRESSD_NAME_CHECK"]),
     )
+
+
+def parse_name_check(value: str | None) -> bool:
+    """``EGRESSD_NAME_CHECK``: ``on`` (also unset or empty) or ``off``; anything else refuses the start."""
+    text = (value or "").strip().lower()
+    if text in ("", "on"):
+        return True
+    if text == "off":
+        return False
+    raise ConfigError(f"EGRESSD_NAME_CHECK: expected on or off, got {value!r}")
 
 
 def default_mitm_workers(cpus: int) -> int:

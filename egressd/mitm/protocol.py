@@ -37,6 +37,8 @@ CACHE_EVENT = "mitm.cache"  # the child's snapshot cache size, whenever it chang
 CONNECTION_EVENT: Final = "mitm.connection"
 
 ACTIVE_PATH = "/credential-vault/_active"
+#: The name check (docs/reference/behaviour.md §18): may this SNI / Host reach that address?
+NAMES_PATH: Final = "/_names"
 DESTINATION_HEADER = "X-Egressd-Destination"
 DESTINATION_TTL_HEADER = "X-Egressd-Destination-Ttl"
 

@@ -20,6 +20,7 @@ from egressd.mitm.active import Lookup, PortVaults, Verify, active_app
 from egressd.mitm.ca import CaError, CaInfo, ensure_ca
 from egressd.mitm.config import MitmConfig
 from egressd.mitm.export import ExportError, check_separate, export_ca
+from egressd.mitm.names import NameService
 from egressd.mitm.pool import MitmPool
 from egressd.mitm.seqmap import MitmMemory, SeqWriter, seq_path
 from egressd.mitm.supervisor import MitmOptions
@@ -133,13 +134,14 @@ async def start_mitm(
     metrics: EgressMetrics | None = None,
     by_port: PortVaults | None = None,
     listen_mark: int | None = None,
+    names: NameService | None = None,
 ) -> RunningMitm:
     """CA, the private ``_active`` socket, then the supervised MITM workers (docs/reference/behaviour.md §10).
-
     ``lookup``/``verify`` (and ``by_port``, for the per-subject ports of host-uid subjects)
     answer the child's vault lookups (:mod:`egressd.mitm.active`); ``gid`` is the child's
     group id (the sidecar exempts the MITM's own traffic by it); ``listen_mark`` the workers'
-    listeners' SO_MARK (the fleet's owner mark, docs/reference/behaviour.md §20.1)."""
+    listeners' SO_MARK (the fleet's owner mark, docs/reference/behaviour.md §20.1); ``names`` answers the
+    name check the workers run when ``cfg.name_check`` (docs/reference/behaviour.md §18)."""
     keeper = _ca_keeper(cfg)
     ca = keeper.ca
     trust: Path | None = None
@@ -167,7 +169,7 @@ async def start_mitm(
             sock.unlink()
     except OSError as exc:
         raise MitmStartupError(f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock}: {exc.strerror}") from None
-    active = web.AppRunner(active_app(lookup, verify, by_port), access_log=None, handle_signals=False)
+    active = web.AppRunner(active_app(lookup, verify, by_port, names if cfg.name_check else None), access_log=None, handle_signals=False)
     await active.setup()
     try:
         await web.UnixSite(active, str(sock)).start()
@@ -213,4 +215,5 @@ def _options(
         tls_resume=cfg.tls_resume,
         listen_mark=listen_mark,
         body_redaction=cfg.body_redaction,
+        name_check=cfg.name_check,
     )

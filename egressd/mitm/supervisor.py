@@ -74,6 +74,7 @@ class MitmOptions:
     vault_push: Path | None = None  # the narrowing sequence map (EGRESSD_MITM_VAULT_PUSH=on)
     # SO_MARK of the listeners the supervisor binds for the child (fleet: OWNER_MARK, §20.1).
     listen_mark: int | None = None
+    name_check: bool = False  # EGRESSD_NAME_CHECK (docs/reference/behaviour.md §18)
 
 
 def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
@@ -102,6 +103,7 @@ def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
         f"egressd_tls_resume={'true' if opts.tls_resume else 'false'}",
         f"egressd_body_redaction={'true' if opts.body_redaction else 'false'}",
         f"egressd_vault_push={opts.vault_push or ''}",
+        f"egressd_name_check={'true' if opts.name_check else 'false'}",
     ]
     argv = [python, "-m", "egressd.mitmchild.runner"]
     for setting in settings:
@@ -387,7 +389,15 @@ class MitmSupervisor:
 
 
 _CONNECTION_LABELS: Final = frozenset(
-    {("tls", "decrypt"), ("tls", "passthrough"), ("http", "parse"), ("http", "passthrough")}
+    {
+        ("tls", "decrypt"),
+        ("tls", "passthrough"),
+        ("http", "parse"),
+        ("http", "passthrough"),
+        # Refused by the name check (docs/reference/behaviour.md §18) before any upstream connection.
+        ("tls", "refuse"),
+        ("http", "refuse"),
+    }
 )
 
 _OUTCOMES: Final = {

@@ -11,6 +11,7 @@ hook kills the flow instead of letting mitmproxy carry on with an undecided requ
 from __future__ import annotations
 
 import ipaddress
+import json
 import time
 from typing import Any
 
@@ -21,6 +22,8 @@ from egressd.mitmchild.authority import normalise_authority, one_authority
 from egressd.mitmchild.inject import decide, find_binding
 from egressd.mitmchild.injectdata import LOOKUP_FAILED, InjectionDecision, Request
 from egressd.mitmchild.lookup import LookupFailed
+from egressd.mitmchild.names import LOOKUP_FAILED as NAME_LOOKUP_FAILED
+from egressd.mitmchild.names import NameAnswer, NameGate, as_name, checked
 from egressd.mitmchild.respbody import narrow_accept_encoding
 from egressd.mitmchild.shared import BINDING_META, META, emit, peer_ip, wire_headers
 from egressd.mitmchild.substitute import substitute_body
@@ -93,8 +96,9 @@ class Injection:
     """Every intercepted request decided in ``requestheaders`` (headers, path, query), its body
     substituted in ``request``; refused before anything reaches the upstream."""
 
-    def __init__(self, vaults: VaultLookup) -> None:
+    def __init__(self, vaults: VaultLookup, names: NameGate | None = None) -> None:
         self.vaults = vaults
+        self.names = names
         self.body_redaction = True  # egressd_body_redaction (EGRESSD_MITM_BODY_REDACTION)
 
     def configure(self, updated: set[str]) -> None:
@@ -121,6 +125,8 @@ class Injection:
         norm = normalise_authority(authority) if authority else None
         host = norm[0] if norm else None
         started = time.perf_counter()
+        if await self._name_refused(flow, client_ip, host, dest):
+            return
         assert self.vaults.client is not None
         try:
             view = await self.vaults.lookup(flow.client_conn, client_ip, host, dst)
@@ -163,6 +169,33 @@ class Injection:
             **fields,
         )
 
+    async def _name_refused(
+        self, flow: http.HTTPFlow, client_ip: str | None, host: str | None, dest: tuple[str, int] | None
+    ) -> bool:
+        """Plain HTTP on a name-checked port (docs/reference/behaviour.md §18): may this request's
+        ``Host`` reach the connection's original destination? Refused: 403 (503 when egressd
+        could not answer) with a JSON body naming the reason, before any upstream connection;
+        the client connection stays. TLS connections were checked by their SNI already."""
+        names = self.names
+        if names is None or not names.enabled or flow.request.scheme != "http" or flow.client_conn.tls:
+            return False
+        if dest is not None and not checked(True, dest[1]):
+            return False
+        if dest is None:
+            answer = NameAnswer(False, NAME_LOOKUP_FAILED)
+        else:
+            answer = await names.ask(flow.client_conn, client_ip, "http", as_name(host), dest[0], dest[1])
+        if answer.admit:
+            return False
+        reason = answer.reason or NAME_LOOKUP_FAILED
+        status = 503 if reason == NAME_LOOKUP_FAILED else 403
+        body = json.dumps({"error": "egress_denied", "host": host, "reason": reason})
+        outcome = InjectionDecision("refuse", status=status, reason=reason)
+        response = http.Response.make(status, body, {"Content-Type": "application/json"})
+        fields = {"client": client_ip, "host": host, "dst": dest[0] if dest else None, "method": flow.request.method}
+        self._answer_refusal(flow, outcome, response, fields)
+        return True
+
     def _one_authority(
         self, flow: http.HTTPFlow, client_ip: str | None, dst: str | None, sni: str | None, port: int
     ) -> str | None:
@@ -184,6 +217,12 @@ class Injection:
         return one.value or ""
 
     def _refuse(self, flow: http.HTTPFlow, outcome: InjectionDecision, **fields: Any) -> None:
+        response = http.Response.make(outcome.status, outcome.reason, {"Content-Type": "text/plain"})
+        self._answer_refusal(flow, outcome, response, fields)
+
+    def _answer_refusal(
+        self, flow: http.HTTPFlow, outcome: InjectionDecision, response: http.Response, fields: dict[str, Any]
+    ) -> None:
         # A chunked body may start streaming upstream while it is read: kill, never wait.
         streamed = bool(flow.request.stream) or (
             _body_pending(flow.request) and "content-length" not in flow.request.headers
@@ -194,17 +233,15 @@ class Injection:
         elif _body_pending(flow.request):
             # The body is still coming: answer once it is read (``request`` hook), before any
             # upstream connection exists.
-            flow.metadata[META + ".refuse"] = outcome
+            flow.metadata[META + ".refuse"] = response
         else:
-            flow.response = http.Response.make(outcome.status, outcome.reason, {"Content-Type": "text/plain"})
+            flow.response = response
 
     def request(self, flow: http.HTTPFlow) -> None:
         try:
             refusal = flow.metadata.get(META + ".refuse")
-            if isinstance(refusal, InjectionDecision):
-                flow.response = http.Response.make(
-                    refusal.status, refusal.reason, {"Content-Type": "text/plain"}
-                )
+            if isinstance(refusal, http.Response):
+                flow.response = refusal
                 return
             snapshot = flow.metadata.get(META)
             name = flow.metadata.get(BINDING_META)

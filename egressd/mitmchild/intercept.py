@@ -40,6 +40,7 @@ __all__ = [
     "REASON_HTTP_BOUND",
     "REASON_IGNORED",
     "REASON_LOOKUP_FAILED",
+    "REASON_NAME_CHECK",
     "REASON_NO_BINDING",
     "REASON_NO_HTTP_BINDING",
     "REASON_NO_SNI",
@@ -64,8 +65,9 @@ REASON_NO_BINDING: Final = "no https binding names the SNI"
 REASON_NO_HTTP_BINDING: Final = "no http binding"
 REASON_PORT: Final = "not the scheme's port: no binding can match"
 REASON_LOOKUP_FAILED: Final = "vault lookup failed: opened so that its requests are refused"
+REASON_NAME_CHECK: Final = "plain HTTP on a name-checked port: every request's Host is checked"
 
-Decision = Literal["decrypt", "parse", "passthrough"]
+Decision = Literal["decrypt", "parse", "passthrough", "refuse"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +81,8 @@ class Verdict:
 
     @property
     def opens(self) -> bool:
-        """True when the connection is decrypted or parsed; False when it is relayed."""
-        return self.decision != "passthrough"
+        """True when the connection is decrypted or parsed; False when it is relayed (or refused)."""
+        return self.decision in ("decrypt", "parse")
 
 
 def _pass(reason: str) -> Verdict:

@@ -15,30 +15,45 @@ from collections.abc import Callable
 
 from mitmproxy import ctx, tls
 from mitmproxy.addons.next_layer import stack_match
+from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import layer, layers
+from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers import modes
+from mitmproxy.proxy.layers.http import HTTPMode
+from mitmproxy.proxy.layers.tls import parse_client_hello
 
 from egressd.mitm.protocol import CONNECTION_EVENT
 from egressd.mitmchild.intercept import (
     REASON_LOOKUP_FAILED,
+    REASON_NAME_CHECK,
     Decision,
     Verdict,
     http_by_vault,
     http_early,
+    sni_name,
     tls_by_vault,
     tls_early,
 )
 from egressd.mitmchild.lookup import LookupFailed
+from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, NameGate, as_name, checked
 from egressd.mitmchild.shared import address_of, emit, ip_of
 from egressd.mitmchild.vaults import VaultLookup
 from egressd.vault.snapshot import VaultSnapshot
+from egressd.vault.types import SCHEME_PORTS
+
+
+def _looks_like_http(data: bytes) -> bool:
+    """mitmproxy's own test (next_layer): a verb, a space in the first line."""
+    first = data.split(b"\n", 1)[0]
+    return len(data) >= 3 and data[:3].isalpha() and b" " in first
 
 
 class Interception:
     """``tls_clienthello`` (TLS) and ``next_layer`` (plain HTTP): open the connection or relay it."""
 
-    def __init__(self, vaults: VaultLookup) -> None:
+    def __init__(self, vaults: VaultLookup, names: NameGate) -> None:
         self.vaults = vaults
+        self.names = names
         self.ignore: tuple[re.Pattern[str], ...] = ()
 
     def configure(self, updated: set[str]) -> None:
@@ -52,16 +67,21 @@ class Interception:
             await self._tls_clienthello(data)
         except Exception as exc:
             # Left opened, not relayed: every request on it is decided (and refused when the
-            # vault cannot be read) by the request hooks below.
+            # vault cannot be read) by the request hooks below. Undecided by the name check
+            # (docs/reference/behaviour.md §18): refused, never relayed.
             emit("mitm.error", hook="tls_clienthello", error=type(exc).__name__)
+            if self.names.enabled:
+                self.names.refuse_connection(data.context.client, LOOKUP_FAILED)
 
     async def _tls_clienthello(self, data: tls.ClientHelloData) -> None:
         context = data.context
         client_ip = ip_of(context.client.peername)
         dest = address_of(context.server.address)
         sni = data.client_hello.sni
-        verdict = tls_early(sni, dest[1] if dest else None, self.ignore)
         started = time.perf_counter()
+        if await self._name_refused("tls", context, client_ip, as_name(sni_name(sni)), dest, started, sni=sni):
+            return
+        verdict = tls_early(sni, dest[1] if dest else None, self.ignore)
         if verdict is None:
             verdict = await self._vault_verdict(
                 context.client, client_ip, lambda snap: tls_by_vault(snap, sni), "decrypt"
@@ -72,36 +92,109 @@ class Interception:
             # destination, the address the kernel's input chain judged (transparent mode).
             data.ignore_connection = True
 
+    async def _name_refused(
+        self,
+        wire: str,
+        context: Context,
+        client_ip: str | None,
+        name: str | None,
+        dest: tuple[str, int] | None,
+        started: float,
+        *,
+        sni: str | None = None,
+    ) -> bool:
+        """Ask egressd whether ``name`` may reach the connection's original destination
+        (docs/reference/behaviour.md §18); on a refusal reset the client (no upstream connection is
+        ever opened for it) and say True. Connections to ports the check does not cover: False."""
+        if not self.names.enabled or (dest is not None and not checked(True, dest[1])):
+            return False
+        if dest is None:
+            answer = NameAnswer(False, LOOKUP_FAILED)
+        else:
+            answer = await self.names.ask(context.client, client_ip, wire, name, dest[0], dest[1])
+        if answer.admit:
+            return False
+        self.names.refuse_connection(context.client, answer.reason or LOOKUP_FAILED)
+        self._connection(
+            wire,
+            Verdict("refuse", answer.reason or LOOKUP_FAILED),
+            started,
+            client=client_ip,
+            sni=(sni or name or "")[:255] or None,
+            dest=dest,
+        )
+        return True
+
     async def next_layer(self, nextlayer: layer.NextLayer) -> None:
         """Plain HTTP straight on the redirected connection (not inside TLS): relayed as TCP
         for a subject without an http binding. mitmproxy's NextLayer chose the layer already."""
         try:
             await self._next_layer(nextlayer)
         except Exception as exc:
-            # The HTTP layer stays: its requests are decided by the request hooks.
+            # The HTTP layer stays: its requests are decided by the request hooks. A relay the
+            # name check could not decide is refused.
             emit("mitm.error", hook="next_layer", error=type(exc).__name__)
+            if self.names.enabled and isinstance(nextlayer.layer, layers.TCPLayer):
+                self.names.refuse_connection(nextlayer.context.client, LOOKUP_FAILED)
 
     async def _next_layer(self, nextlayer: layer.NextLayer) -> None:
         context = nextlayer.context
         chosen = nextlayer.layer
         # The layer NextLayer built for the redirected connection itself has just joined the
         # stack behind the mode layer; HTTP inside decrypted TLS sits deeper and is not ours.
-        if (
-            not isinstance(chosen, layers.HttpLayer)
-            or not stack_match(context, [modes.TransparentProxy, layers.HttpLayer])
-            or context.layers[-1] is not chosen
+        if context.layers[-1] is not chosen:
+            return
+        if isinstance(chosen, layers.TCPLayer) and stack_match(context, [modes.TransparentProxy, layers.TCPLayer]):
+            await self._raw_relay(nextlayer, chosen)
+            return
+        if not isinstance(chosen, layers.HttpLayer) or not stack_match(
+            context, [modes.TransparentProxy, layers.HttpLayer]
         ):
             return
         client_ip = ip_of(context.client.peername)
         dest = address_of(context.server.address)
         started = time.perf_counter()
-        verdict = http_early(dest[1] if dest else None)
+        verdict: Verdict | None
+        if self.names.enabled and (dest is None or checked(True, dest[1])):
+            # Every request's Host is checked (docs/reference/behaviour.md §18), plain HTTP on 443 too.
+            verdict = Verdict("parse", REASON_NAME_CHECK)
+        else:
+            verdict = http_early(dest[1] if dest else None)
         if verdict is None:
             verdict = await self._vault_verdict(context.client, client_ip, http_by_vault, "parse")
         self._connection("http", verdict, started, client=client_ip, sni=None, dest=dest)
         if not verdict.opens:
             context.layers.remove(chosen)  # the relay replaces it (a layer joins on creation)
             nextlayer.layer = layers.TCPLayer(context, ignore=True)
+
+    async def _raw_relay(self, nextlayer: layer.NextLayer, chosen: layers.TCPLayer) -> None:
+        """A redirected connection mitmproxy relays as TCP from the start (an ignored host, or
+        not HTTP): on a name-checked port, TLS is checked by its ClientHello's SNI, plain HTTP
+        is parsed instead (every request's Host is checked), anything else without a name."""
+        context = nextlayer.context
+        dest = address_of(context.server.address)
+        if not self.names.enabled or (dest is not None and not checked(True, dest[1])):
+            return
+        started = time.perf_counter()
+        client_ip = ip_of(context.client.peername)
+        data = nextlayer.data_client()
+        if starts_like_tls_record(data):
+            try:
+                hello = parse_client_hello(data)
+            except ValueError:
+                hello = None
+            sni = hello.sni if hello is not None else None
+            await self._name_refused("tls", context, client_ip, as_name(sni_name(sni)), dest, started, sni=sni)
+            return
+        if _looks_like_http(data):
+            context.layers.remove(chosen)
+            nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)
+            self._connection(
+                "http", Verdict("parse", REASON_NAME_CHECK), started, client=client_ip, sni=None, dest=dest
+            )
+            return
+        wire = "http" if dest is not None and dest[1] == SCHEME_PORTS["http"] else "tls"
+        await self._name_refused(wire, context, client_ip, None, dest, started)
 
     async def _vault_verdict(
         self,

@@ -121,6 +121,10 @@ class ActiveClient:
             self.cache.pop(ip, None)
             self.memo.forget(ip)
 
+    def session(self) -> aiohttp.ClientSession:
+        """The session over egressd's private socket (the name check asks through it too)."""
+        return self._client()
+
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(

@@ -42,6 +42,7 @@ from egressd.mitmchild import streampatch
 from egressd.mitmchild.handover import adopt, listen_on_adopted
 from egressd.mitmchild.injection import Injection
 from egressd.mitmchild.interception import Interception
+from egressd.mitmchild.names import NameGate
 from egressd.mitmchild.responses import Responses
 from egressd.mitmchild.selfconnect import IndexedProxyserver
 from egressd.mitmchild.shared import emit
@@ -78,7 +79,8 @@ class Ready:
 
 def egress_addons(vaults: VaultLookup) -> list[Any]:
     """egressd's addons, in hook order: each hook is handled by one of them."""
-    return [vaults, Interception(vaults), Injection(vaults), Responses(), Ready()]
+    names = NameGate(vaults)
+    return [vaults, names, Interception(vaults, names), Injection(vaults, names), Responses(), Ready()]
 
 
 class _CacheReport:

@@ -21,6 +21,7 @@ import structlog
 
 from egressd.addr import IPAddress
 from egressd.engine.errors import RulesetRefused
+from egressd.engine.learning import question
 from egressd.engine.selftest import Probes
 from egressd.engine.subjects import CutOrder, SubjectEngine
 from egressd.feed import Feed, PolicyApplied
@@ -31,10 +32,11 @@ from egressd.policy import (
     effective_policy,
     ip_sets,
 )
+from egressd.policy.namecheck import NameVerdict, Wire
 from egressd.sidecar.persist import serialise, write_atomic
 from egressd.sidecarnft.backend import SIDECAR_UID, Kernel, SidecarBackend
 from egressd.sidecarnft.ruleset import SidecarTable
-from egressd.subject.leases import LeaseBook
+from egressd.subject.leases import LeaseBook, admissible
 from egressd.subject.model import Asker, Fence
 
 log = structlog.get_logger("egressd.sidecar")
@@ -143,6 +145,18 @@ class SidecarEngine:
         (docs/reference/behaviour.md §10, "answered from memory")."""
         return self.subjects.verified_until(SIDECAR_UID, self._sets, host, dst)
 
+    def check_name(
+        self, wire: Wire, name: str | None, dst: IPAddress, port: int
+    ) -> tuple[str | None, NameVerdict | None]:
+        """May the sidecar's subject ask for ``name`` on a connection to ``dst``:``port``
+        (docs/reference/behaviour.md §18)? (None, None) before enforcement is installed (refused)."""
+        if not self.enforcement_ready:
+            return None, None
+        verdict = self.subjects.check_name(
+            SIDECAR_UID, self.effective, self._sets, wire=wire, name=name, dst=dst, port=port
+        )
+        return SIDECAR_UID, verdict
+
     async def learn(
         self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
     ) -> list[IPAddress]:
@@ -150,8 +164,18 @@ class SidecarEngine:
         Returns the addresses the kernel holds (the reply carries only those). Shielded like
         the fleet's: the book records whatever the kernel took, even if the caller left."""
         if self.table.mode == "dns":
-            return [ip for ip, _ in leases]  # no filter chain: nothing consults the dyn sets
+            # No filter chain: nothing consults the dyn sets. The book still learns what fits:
+            # the MITM's name check (docs/reference/behaviour.md §18) asks who taught an address.
+            self._book_only(leases, name)
+            return [ip for ip, _ in leases]
         return await asyncio.shield(self._learn(leases, name))
+
+    def _book_only(self, leases: list[tuple[IPAddress, int]], name: str | None) -> None:
+        if name is None or not self.enforcement_ready:
+            return
+        book = self.subjects.books.setdefault(SIDECAR_UID, LeaseBook(self.table.max_leases))
+        now = self.subjects.clock()
+        book.record(admissible(book, self.effective, leases, question(name), now), question(name), now)
 
     async def _learn(self, leases: list[tuple[IPAddress, int]], name: str | None) -> list[IPAddress]:
         async with self._kernel_lock:

@@ -123,8 +123,10 @@ class SidecarHTTP:
         vault_limits: VaultLimits = DEFAULT_LIMITS,
         vault_transport: VaultTransport | None = None,
         before_scrape: Callable[[], Awaitable[None]] | None = None,
+        name_check: bool = False,
     ) -> None:
         self.engine = engine
+        self.name_check = name_check  # EGRESSD_NAME_CHECK with the MITM (docs/reference/behaviour.md §18)
         self._before_scrape = before_scrape  # e.g. the kernel's refusal counter (docs/reference/behaviour.md §15)
         self.vault_limits = vault_limits
         self.vault_transport = vault_transport or VaultTransport()
@@ -230,7 +232,7 @@ class SidecarHTTP:
         if method not in _POLICY_METHODS:
             return text(405, "method not allowed", headers={"Allow": ", ".join(_POLICY_METHODS)})
         if method == "GET":
-            return web.json_response(self._status(policy=self.engine.user.to_json()))
+            return web.json_response(self._status(policy=self.engine.user.to_json(), nameCheck=self.name_check))
         async with self._lock:
             current = self.engine.user
             try:

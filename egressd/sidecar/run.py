@@ -22,11 +22,13 @@ from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import Upstream, upstreams_or_system
 from egressd.engine.selftest import Probes, SelfTestError, run_selftest
+from egressd.events.dns import DnsEvents
 from egressd.feed import Feed
 from egressd.kernel.applier import KernelTransactions, NftError
 from egressd.kernel.renewal import LeaseRenewal
 from egressd.lifecycle import Running, StartupError
 from egressd.metrics import EgressMetrics
+from egressd.mitm.names import NameReport, NameService
 from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
 from egressd.policy import AlwaysRules, AlwaysRulesError, load_always_rules, rule_cap_problem
 from egressd.policy.reload import AlwaysRulesReloader
@@ -109,11 +111,8 @@ async def run_sidecar(
         except NftError as exc:
             raise SidecarStartupError(f"cannot install nft table {cfg.kernel.nft_table}: {exc}") from None
         log.info("policy.initial", source=initial.source, mode=cfg.mode)
-        await _start_dns(cfg, engine, metrics, upstreams, running)
-        reloader = AlwaysRulesReloader(
-            cfg.common.always_rules_dir, always, engine.set_always_rules, interval=cfg.common.always_reload_interval
-        )
-        running.spawn(reloader.run())
+        events = await _start_dns(cfg, engine, metrics, upstreams, running)
+        running.spawn(_reloader(cfg, always, engine).run())
         http: SidecarHTTP | None = None
 
         def vault_lookup(ip: IPAddress) -> VaultSnapshot | None:
@@ -121,13 +120,20 @@ async def run_sidecar(
             store = http.vault if http is not None else None
             return store.snapshot() if store is not None else None
 
-        mitm = await _start_mitm(cfg, engine, metrics, vault_lookup, running)
+        names = NameReport(drops.names, events.refused_on_wire)  # the MITM's name check (§18)
+        mitm = await _start_mitm(cfg, engine, metrics, vault_lookup, running, names)
         if mitm is not None:
             mitm_ready = lambda: mitm.supervisor.ready  # noqa: E731
         http = _http(cfg, engine, metrics, mitm, mitm_ready, drops)
         graceful = await _serve(cfg, http, running, stop)
     finally:
         await running.close(partial(_delete_table, cfg, engine) if graceful else None)
+
+
+def _reloader(cfg: SidecarConfig, always: AlwaysRules, engine: SidecarEngine) -> AlwaysRulesReloader:
+    return AlwaysRulesReloader(
+        cfg.common.always_rules_dir, always, engine.set_always_rules, interval=cfg.common.always_reload_interval
+    )
 
 
 def _initial_policy(cfg: SidecarConfig) -> tuple[AlwaysRules, Initial]:
@@ -174,7 +180,7 @@ async def _start_dns(
     metrics: EgressMetrics,
     upstreams: tuple[Upstream, ...],
     running: Running,
-) -> None:
+) -> DnsEvents:
     forwarder = running.forwarder = Forwarder(upstreams, cfg.dns.upstream_timeout)
     events = sidecar_events(cfg.common, metrics, forwarder)
     if events.webhook is not None:
@@ -208,6 +214,7 @@ async def _start_dns(
         # No IPv6 loopback in this namespace: v6 DNS cannot be redirected here either.
         log.warning("dns.no_ipv6_loopback", error=exc.strerror)
     log.info("dns.listening", addr=dns_addrs, upstreams=[str(u) for u in upstreams])
+    return events
 
 
 async def _start_mitm(
@@ -216,11 +223,20 @@ async def _start_mitm(
     metrics: EgressMetrics,
     vault_lookup: Callable[[IPAddress], VaultSnapshot | None],
     running: Running,
+    report: NameReport,
 ) -> RunningMitm | None:
     if not cfg.mitm.transparent:
         return None
+    names = NameService(lambda q: engine.check_name(q.wire, q.name, q.dst, q.port), report)
     try:
-        mitm = await start_mitm(cfg.mitm, vault_lookup, engine.destination_verified_until, gid=MITM_GID, metrics=metrics)
+        mitm = await start_mitm(
+            cfg.mitm,
+            vault_lookup,
+            engine.destination_verified_until,
+            gid=MITM_GID,
+            metrics=metrics,
+            names=names,
+        )
     except MitmStartupError as exc:
         raise SidecarStartupError(str(exc)) from None
     mitm.subscribe(engine.feed)  # before anything else is awaited: no narrowing goes unseen
@@ -259,6 +275,7 @@ def _http(
         vault_limits=cfg.vault.limits(cfg.mitm.ignore_hosts),
         vault_transport=VaultTransport(cfg.vault.require_tls, cfg.vault.trusted_proxies),
         before_scrape=drops.refresh,  # the kernel's refusal counter (docs/reference/behaviour.md §15)
+        name_check=cfg.mitm.name_check,
     )
 
 

@@ -23,6 +23,7 @@ from egressd.engine.refusals import RefusalSamples
 from egressd.events.dns import DnsEvents
 from egressd.events.webhook import DenyWebhook, display_url
 from egressd.metrics import EgressMetrics
+from egressd.mitm.names import NameRefusals
 from egressd.policy.audit import safe_token
 from egressd.sidecarnft.backend import SIDECAR_NFT_ID, SIDECAR_UID, sidecar_refusals
 from egressd.subject.model import subject_for_uid
@@ -41,17 +42,29 @@ class SidecarDrops:
         read_counters: Callable[[], Awaitable[dict[str, int]]],
         refusals: Callable[[Mapping[str, int]], Refusals] = sidecar_refusals,
     ) -> None:
-        self._samples = RefusalSamples(metrics, read_counters, refusals, lambda: {SIDECAR_NFT_ID: SUBJECT})
+        # Plus the MITM's name-check refusals (docs/reference/behaviour.md §18), in the same count.
+        self.names = NameRefusals()
+        self._samples = RefusalSamples(
+            metrics,
+            read_counters,
+            refusals,
+            lambda: {SIDECAR_NFT_ID: SUBJECT},
+            extra=lambda: {SIDECAR_NFT_ID: self.names.of(SIDECAR_UID)},
+        )
 
     async def read(self) -> int:
-        """The kernel's count now (raises when the table cannot be read)."""
+        """The count now, kernel and name check (raises when the table cannot be read)."""
         return (await self._samples.read()).by_subject.get(SIDECAR_NFT_ID, 0)
+
+    async def kernel_count(self) -> int:
+        """The kernel's count alone (what a rebuilt table's counter carries over)."""
+        return (await self._samples.read_kernel()).by_subject.get(SIDECAR_NFT_ID, 0)
 
     async def carried(self) -> int:
         """For a rebuild: the count to declare the new table's counter with (0 when unreadable,
         e.g. no table yet; a refusal count is never a reason to refuse a policy change)."""
         try:
-            return await self.read()
+            return await self.kernel_count()
         except Exception as exc:
             log.info("drops.not_carried", error=str(exc)[:200])
             return 0

@@ -137,7 +137,8 @@ def test_status_human_and_json(ctld: Daemon) -> None:
     r = ctl(ctld, "status").ok()
     assert r.err == ""
     fields = kv(r.out)
-    assert list(fields) == ["instance", "ready", "health", "mitm-ca", "subjects", "dropped"]
+    assert list(fields) == ["instance", "ready", "health", "mitm-ca", "name-check", "subjects", "dropped"]
+    assert fields["name-check"].startswith("off")  # no MITM: no name check (docs/reference/behaviour.md §18)
     assert fields["ready"] == "yes" and fields["health"] == "ok" and fields["mitm-ca"] == "disabled"
     assert fields["instance"] == ctld.status()["instanceId"]
 
@@ -271,10 +272,12 @@ def test_explain_human_and_json(ctld: Daemon) -> None:
                 "source",
                 "subject",
                 "target",
+                "port",
                 "layer",
                 "rule",
                 "kernel",
                 "why",
+                "name-check",
             ]
             assert (fields["verdict"], fields["layer"], fields["kernel"]) == (decision.upper(), layer, kernel)
         assert kv(ctl(ctld, "explain", ip, "a.test").out)["rule"] == "allow a.test"

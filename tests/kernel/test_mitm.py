@@ -85,6 +85,10 @@ VAULT_SNI_B: dict[str, Any] = {
 def mitm(topo: Topology) -> Iterator[Daemon]:
     env = {
         "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT": "1",
+        # The injection layer's own defences (forged Host/SNI towards an address of the
+        # sandbox's choice, one authority, a failed lookup) are tested beneath the name check,
+        # which would refuse those connections first (tests/kernel/test_names_on_wire.py).
+        "EGRESSD_NAME_CHECK": "off",
         "OPENSANDBOX_EGRESS_MITMPROXY_PORT": str(MITM_PORT),
         "OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR": str(topo.tls_dir / "trust"),
         "EGRESSD_MITM_CONFDIR": str(topo.workdir / "mitm-conf"),

@@ -60,6 +60,9 @@ WILDCARD_VAULT: dict[str, Any] = {
 def sel(topo: Topology) -> Iterator[Daemon]:
     env = {
         "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT": "1",
+        # §16's selection as such: with the name check (§18) every port-80 connection is
+        # parsed and no-SNI TLS needs an address rule (tests/kernel/test_names_on_wire.py).
+        "EGRESSD_NAME_CHECK": "off",
         "OPENSANDBOX_EGRESS_MITMPROXY_PORT": str(MITM_PORT),
         "OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR": str(topo.tls_dir / "trust"),
         "OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS": IGNORE,

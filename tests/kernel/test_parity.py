@@ -104,7 +104,9 @@ def test_extra_port_is_intercepted_like_80(topo: Topology, parity: Daemon) -> No
         assert (status, answers) == ("NOERROR", [UP_B])
         for port in (80, 8080):
             since = len(topo.upstream_requests())
-            assert topo.curl(1, f"http://{UP_B}:{port}/probe", timeout=3) == 200
+            # By name: with the name check (docs/reference/behaviour.md §18) a Host that names no name
+            # that taught the address is refused on port 80.
+            assert topo.curl(1, f"http://{UP_B}:{port}/probe", timeout=3, extra=("-H", "Host: b.test")) == 200
             # Through the MITM: the upstream is connected to by the pod, not the sandbox.
             assert last_request(topo, since, port)["client"] == POD_UPLINK
         nat = parity.nft("list", "chain", "inet", "egt-parity", "nat")

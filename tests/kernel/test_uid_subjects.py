@@ -142,6 +142,9 @@ def uid_env(topo: Topology) -> dict[str, str]:
         "EGRESSD_UID_MAX_SUBJECTS": str(MAX_SUBJECTS),
         "EGRESSD_UID_DNS_PORT_BASE": str(DNS_BASE),
         "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT": "1",
+        # These tests probe reachability by address (curl http://<ip>/probe: no name); the name
+        # check for host-uid subjects is tests/kernel/test_names_on_wire.py's.
+        "EGRESSD_NAME_CHECK": "off",
         "OPENSANDBOX_EGRESS_MITMPROXY_PORT": "18081",
         "OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR": str(topo.tls_dir / "trust"),
         "EGRESSD_MITM_CONFDIR": str(topo.workdir / "mitm-conf"),

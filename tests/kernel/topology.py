@@ -134,6 +134,10 @@ class Topology:
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="egressd-topo-")))
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
     created: list[str] = field(default_factory=list)
+    # Another upstream (same command line as scripts/fleet_upstream.py) and its zone, for
+    # topologies of their own (tests/kernel/test_names_on_wire.py's CDN).
+    upstream_script: Path | None = None
+    zone: list[dict[str, object]] | None = None
 
     @property
     def pod(self) -> str:
@@ -229,11 +233,11 @@ class Topology:
         log = self.upstream_log
         log.touch()
         zone = self.workdir / "zone.json"
-        zone.write_text(json.dumps({"records": ZONE}))
+        zone.write_text(json.dumps({"records": ZONE if self.zone is None else self.zone}))
         self.spawn(
             up,
             str(VENV_PY),
-            str(REPO / "scripts" / "fleet_upstream.py"),
+            str(self.upstream_script or REPO / "scripts" / "fleet_upstream.py"),
             "--http-ports",
             "80,8080,853",
             "--https-ports",

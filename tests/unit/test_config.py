@@ -428,3 +428,29 @@ def test_test_and_benchmark_switches_are_not_offered_but_still_read(
     assert "--mitm-tls-resume" in out
     cfg = parse_config({"EGRESSD_DNS_LEASE_MIN": "3"}, ["--dns-lease-max", "3", "--mitm-body-redaction", "off"])
     assert (cfg.dns.lease_min, cfg.dns.lease_max, cfg.mitm.body_redaction) == (3, 3, False)
+
+
+# --------------------------------------------------------------------------- EGRESSD_NAME_CHECK (§18)
+
+MITM = {"OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT": "1"}
+
+
+@pytest.mark.parametrize("profile", [{}, FLEET])
+def test_name_check_is_on_by_default_with_the_mitm(profile: dict[str, str]) -> None:
+    assert parse_config({**profile, **MITM}).mitm.name_check is True
+    assert parse_config({**profile, **MITM, "EGRESSD_NAME_CHECK": " ON "}).mitm.name_check is True
+
+
+@pytest.mark.parametrize("profile", [{}, FLEET])
+def test_name_check_off_and_without_the_mitm(profile: dict[str, str]) -> None:
+    assert parse_config({**profile, **MITM, "EGRESSD_NAME_CHECK": "off"}).mitm.name_check is False
+    assert parse_config({**profile}).mitm.name_check is False  # no MITM: no name check
+    assert parse_config({**profile, "EGRESSD_NAME_CHECK": "on"}).mitm.name_check is False
+    assert parse_config({**profile, **MITM}, ["--name-check", "off"]).mitm.name_check is False
+
+
+@pytest.mark.parametrize("value", ["maybe", "yes-please", "2"])
+def test_an_invalid_name_check_refuses_the_start(value: str) -> None:
+    text = refused({**MITM, "EGRESSD_NAME_CHECK": value})
+    assert text.startswith("EGRESSD_NAME_CHECK:") and "on or off" in text
+    refused({"EGRESSD_NAME_CHECK": value})  # checked without the MITM too

@@ -20,14 +20,46 @@ def _configure_explain(parser: argparse.ArgumentParser) -> None:
         help="the sandbox's source IP address, or uid:N for a host-uid sandbox",
     )
     parser.add_argument(
-        "target", metavar="NAME-OR-IP", help="a destination name (DNS layer) or address (IP layer)"
+        "target",
+        metavar="NAME-OR-IP[:PORT]",
+        help="a destination name (DNS layer) or address (IP layer), with a TCP port: name:443, "
+        "10.0.0.1:80, [2001:db8::1]:443",
     )
+
+
+def split_port(target: str) -> tuple[str, int | None]:
+    """``name:443`` / ``1.2.3.4:80`` / ``[v6]:443`` -> (target, port); a bare IPv6 address or a
+    name without a port -> (target, None). A port outside 1..65535 is a usage error."""
+    text = target.strip()
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep:
+            raise CliError(f"explain: {target!r}: missing ']'", EXIT_USAGE)
+        if not rest:
+            return host, None
+        if not rest.startswith(":"):
+            raise CliError(f"explain: {target!r}: expected [address]:port", EXIT_USAGE)
+        return host, _port(target, rest[1:])
+    host, sep, tail = text.rpartition(":")
+    if not sep or ":" in host:  # no port, or a bare IPv6 address
+        return text, None
+    return host, _port(target, tail)
+
+
+def _port(target: str, text: str) -> int:
+    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise CliError(f"explain: {target!r}: the port must be 1..65535", EXIT_USAGE)
+    return int(text)
 
 
 def cmd_explain(ctx: Context, args: argparse.Namespace) -> int:
     source: str = args.sandbox_ip
     key = "hostUid" if source.startswith("uid:") else "ip"
-    query = urllib.parse.urlencode({key: source.removeprefix("uid:"), "target": args.target})
+    target, port = split_port(args.target)
+    params: dict[str, str] = {key: source.removeprefix("uid:"), "target": target}
+    if port is not None:
+        params["port"] = str(port)
+    query = urllib.parse.urlencode(params)
     path = f"/v1/explain?{query}"
     resp = ctx.client.get(path)
     if resp.status == 400:
@@ -50,6 +82,7 @@ def cmd_explain(ctx: Context, args: argparse.Namespace) -> int:
                 ("source", _cell(_explained_source(doc, args.sandbox_ip))),
                 ("subject", f"{doc.get('subject', '-')} ({doc.get('state')})"),
                 ("target", _cell(doc.get("target", args.target))),
+                ("port", f"tcp {port}" if port is not None else "any"),
                 ("layer", _cell(doc.get("layer"))),
                 (
                     "rule",
@@ -57,10 +90,22 @@ def cmd_explain(ctx: Context, args: argparse.Namespace) -> int:
                 ),
                 ("kernel", _kernel_cell(doc)),
                 ("why", _cell(doc.get("reason"))),
+                ("name-check", _name_check_cell(doc.get("nameCheck"))),
             ]
         )
     )
     return EXIT_OK
+
+
+def _name_check_cell(check: object) -> str:
+    """What the MITM's name check admits for the target (docs/reference/behaviour.md §18)."""
+    if not isinstance(check, dict):
+        return "-"
+    text = str(check.get("outcome", "-"))
+    names = check.get("names")
+    if isinstance(names, list) and names:
+        text += f" ({', '.join(str(n) for n in names)})"
+    return text
 
 
 def _explained_source(doc: dict[str, Any], asked: str) -> object:

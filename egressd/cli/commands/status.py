@@ -56,6 +56,16 @@ def _worker_lines(workers: object) -> list[tuple[str, str]]:
     ]
 
 
+def _name_check(value: object) -> str:
+    """SNI/Host checked on the wire (docs/reference/behaviour.md §18): ``on``, ``off``, or unknown
+    (a daemon that does not say)."""
+    if value is True:
+        return "on (TLS SNI and HTTP Host admitted only for names that may reach the address)"
+    if value is False:
+        return "off (address-level admission)"
+    return "unknown"
+
+
 def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
     resp = ctx.client.get(STATUS_PATH)
     _expect_ok(resp, "GET", STATUS_PATH)
@@ -96,6 +106,7 @@ def cmd_status(ctx: Context, args: argparse.Namespace) -> int:
                     ("ready", "yes" if ready else "no"),
                     ("health", health_text if healthy else f"{health.status} {health_text}"),
                     ("mitm-ca", _cell(fp) if fp else "disabled"),
+                    ("name-check", _name_check(status.get("nameCheck"))),
                     *_worker_lines(status.get("mitmWorkers")),
                     (
                         "subjects",

@@ -16,6 +16,8 @@ import structlog
 from aiohttp import web
 
 from egressd.actionhandler.control import ControlPlane
+from egressd.cli.client import CliError
+from egressd.cli.commands.explain import split_port
 from egressd.cli.egressctl import main
 from egressd.fleet.server import FleetHTTP
 from egressd.fleetnft.plankernel import FleetPlanKernel
@@ -163,6 +165,7 @@ def test_status_human(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> Non
     assert lines["health"] == "ok"
     assert lines["subjects"] == "1 (denying 1)"
     assert lines["mitm-ca"] == "disabled"
+    assert lines["name-check"].startswith("off")  # no MITM, no name check (docs/reference/behaviour.md §18)
     # Values are aligned in one column.
     assert len({line.index(v) for line, v in zip(out.splitlines(), lines.values(), strict=True)}) == 1
 
@@ -178,6 +181,7 @@ def test_status_json(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None
     assert doc["status"]["apiVersion"] == "sandbox.fast.io/actions/v1"
     assert doc["status"]["ready"] is True
     assert doc["status"]["instanceId"].startswith("egress-")
+    assert doc["status"]["nameCheck"] is False
 
 
 def test_status_not_ready(capsys: pytest.CaptureFixture[str], unready_daemon: Daemon) -> None:
@@ -555,3 +559,36 @@ def test_audit_mode_shows_in_subjects_and_explain(capsys: pytest.CaptureFixture[
     code, out, _ = ctl(capsys, daemon, "explain", "10.0.0.8", "other.example.org")
     fields = dict(line.split(None, 1) for line in out.splitlines())
     assert fields["verdict"].startswith("WOULD-DENY")
+
+
+@pytest.mark.parametrize(
+    ("target", "split"),
+    [
+        ("example.com:443", ("example.com", 443)),
+        ("example.com", ("example.com", None)),
+        ("10.0.0.1:80", ("10.0.0.1", 80)),
+        ("2001:db8::1", ("2001:db8::1", None)),
+        ("[2001:db8::1]:443", ("2001:db8::1", 443)),
+        ("[2001:db8::1]", ("2001:db8::1", None)),
+    ],
+)
+def test_explain_splits_a_port_off_the_target(target: str, split: tuple[str, int | None]) -> None:
+    assert split_port(target) == split
+
+
+@pytest.mark.parametrize("target", ["x.io:0", "x.io:65536", "x.io:http", "[::1", "[::1]x"])
+def test_explain_refuses_a_bad_port(target: str) -> None:
+    with pytest.raises(CliError):
+        split_port(target)
+
+
+def test_explain_with_a_port_and_the_name_check(capsys: pytest.CaptureFixture[str], daemon: Daemon) -> None:
+    bind(capsys, daemon, "u-p", "10.0.0.9")
+    ctl(capsys, daemon, "send", "hook", "data-plane-ready", "--uid", "u-p")
+    code, out, _ = ctl(capsys, daemon, "explain", "10.0.0.9", "example.com:443")
+    assert code == 0
+    fields = dict(line.split(None, 1) for line in out.splitlines())
+    assert fields["port"] == "tcp 443"
+    assert fields["name-check"].startswith("off")  # this daemon runs without the MITM
+    code, out, _ = ctl(capsys, daemon, "--json", "explain", "10.0.0.9", "example.com:443")
+    assert json.loads(out)["port"] == 443 and json.loads(out)["nameCheck"]["enabled"] is False

@@ -216,7 +216,8 @@ async def test_status_shape_and_stable_instance_id(env: Env) -> None:
     first = await env.client.get(STATUS_PATH)
     assert first.status == 200
     body = await first.json()
-    assert set(body) == {"apiVersion", "ready", "instanceId"}
+    assert set(body) == {"apiVersion", "ready", "instanceId", "nameCheck"}
+    assert body["nameCheck"] is False  # no MITM here (docs/reference/behaviour.md §18)
     assert body["apiVersion"] == API_VERSION
     assert body["ready"] is True
     assert isinstance(body["instanceId"], str)

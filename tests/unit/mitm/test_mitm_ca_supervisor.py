@@ -74,8 +74,10 @@ def test_argv_never_dumps_flows_and_connects_lazily(tmp_path: Path) -> None:
         "ssl_verify_upstream_trusted_confdir=/etc/ssl/certs",
         f"egressd_active_socket={tmp_path / 'a.sock'}",
         "egressd_lookup_timeout_ms=250",
+        "egressd_name_check=false",
     ):
         assert needle in joined, needle
+    assert "egressd_name_check=true" in " ".join(mitmdump_argv(MitmOptions(1, tmp_path, tmp_path / "s", None, name_check=True)))
     assert "ssl_insecure" not in joined
     insecure = " ".join(mitmdump_argv(MitmOptions(1, tmp_path, tmp_path / "s", None, ssl_insecure=True)))
     assert "ssl_insecure=true" in insecure and "trusted_confdir" not in insecure

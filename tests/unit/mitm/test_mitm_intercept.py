@@ -38,6 +38,7 @@ from egressd.mitmchild.intercept import (
 )
 from egressd.mitmchild.interception import Interception
 from egressd.mitmchild.lookup import LookupFailed, View
+from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, NameGate
 from egressd.mitmchild.vaults import VaultLookup
 from egressd.policy import parse_policy_obj
 from egressd.vault.snapshot import VaultSnapshot
@@ -157,7 +158,7 @@ class StubClient:
 def injector(client: StubClient, ignore: tuple[str, ...] = ()) -> Interception:
     vaults = VaultLookup()
     vaults.client = client  # type: ignore[assignment]
-    addon = Interception(vaults)
+    addon = Interception(vaults, NameGate(vaults))
     addon.ignore = tuple(re.compile(p, re.IGNORECASE) for p in ignore)
     return addon
 
@@ -294,3 +295,69 @@ async def test_connection_events_are_counted_with_known_labels_only() -> None:
     assert 'egressd_mitm_connections_total{worker="0",protocol="tls",decision="decrypt"} 1' in text
     assert 'egressd_mitm_connections_total{worker="0",protocol="http",decision="parse"} 1' in text
     assert text.count("egressd_mitm_connections_total{") == 3
+
+
+# ------------------------------------------------------------------------------ the name check (§18)
+
+
+class StubGate(NameGate):
+    """The name check with egressd's answer given and the connection reset recorded."""
+
+    def __init__(self, vaults: VaultLookup, answer: NameAnswer) -> None:
+        super().__init__(vaults)
+        self.enabled = True
+        self.answer = answer
+        self.asked: list[tuple[str, str | None, str, int]] = []
+        self.reset: list[str] = []
+
+    async def ask(
+        self, conn: object, client_ip: str | None, wire: str, name: str | None, dst: str, dport: int
+    ) -> NameAnswer:
+        self.asked.append((wire, name, dst, dport))
+        return self.answer
+
+    def refuse_connection(self, client: Any, reason: str) -> None:
+        self.reset.append(reason)
+
+
+def gated(stub: StubClient, answer: NameAnswer) -> tuple[Interception, StubGate]:
+    vaults = VaultLookup()
+    vaults.client = stub  # type: ignore[assignment]
+    gate = StubGate(vaults, answer)
+    return Interception(vaults, gate), gate
+
+
+def test_a_refused_name_resets_the_connection_before_any_vault_lookup(capsys: pytest.CaptureFixture[str]) -> None:
+    stub = StubClient(snapshot(binding("api", API)))
+    addon, gate = gated(stub, NameAnswer(False, "sni_not_allowed"))
+    data = clienthello(API)
+    asyncio.run(addon.tls_clienthello(data))
+    assert gate.asked == [("tls", API, "10.204.0.6", 443)]
+    assert gate.reset == ["sni_not_allowed"] and stub.calls == []
+    assert data.ignore_connection is False  # never relayed
+    (event,) = events(capsys)
+    assert (event["decision"], event["reason"]) == ("refuse", "sni_not_allowed")
+
+
+def test_an_admitted_name_goes_on_to_selective_interception() -> None:
+    stub = StubClient(snapshot(binding("api", API)))
+    addon, gate = gated(stub, NameAnswer(True, None))
+    data = clienthello("other.example.com")
+    asyncio.run(addon.tls_clienthello(data))
+    assert gate.reset == [] and data.ignore_connection is True
+    # No SNI and an IP-literal SNI are asked without a name; other ports are not asked.
+    for sni in (None, "10.204.0.6"):
+        asyncio.run(addon.tls_clienthello(clienthello(sni)))
+    asyncio.run(addon.tls_clienthello(clienthello(API, port=8443)))
+    assert [name for _, name, _, _ in gate.asked] == ["other.example.com", None, None]
+
+
+def test_an_undecided_name_check_refuses() -> None:
+    addon, gate = gated(StubClient(), NameAnswer(True, None))
+
+    async def boom(*args: Any) -> NameAnswer:
+        raise RuntimeError("x")
+
+    gate.ask = boom  # type: ignore[method-assign,assignment]
+    asyncio.run(addon.tls_clienthello(clienthello(API)))
+    assert gate.reset == [LOOKUP_FAILED]

@@ -60,3 +60,52 @@ def test_explain_absent_denying_expired_and_default_allow() -> None:
         == "allow"
     )
     assert explain(state="active", effective=POLICY, leases={}, target="a..b", now=0)["decision"] == "invalid"
+
+
+# ---- ports and the name check (docs/reference/behaviour.md §18) ------------------------------
+
+NAMES = parse_policy(
+    json.dumps(
+        {
+            "defaultAction": "deny",
+            "egress": [
+                {"action": "deny", "target": "evil.example.com"},
+                {"action": "allow", "target": "api.x.io", "ports": [443]},
+                {"action": "allow", "target": "*.example.com"},
+                {"action": "allow", "target": "10.9.0.0/16"},
+            ],
+        }
+    )
+)
+LEASED = ip_address("93.184.216.34")
+
+
+def _explain(target: str, port: int | None, check: bool = True) -> dict[str, Any]:
+    return explain(
+        state="active",
+        effective=NAMES,
+        leases={LEASED: 100.0},
+        target=target,
+        now=0.0,
+        port=port,
+        name_check=check,
+        taught=lambda ip: {"api.example.com"} if ip == LEASED else set(),
+    )
+
+
+def test_explain_answers_for_the_port() -> None:
+    assert _explain("api.x.io", 443)["decision"] == "allow"
+    out = _explain("api.x.io", 80)
+    assert out["decision"] == "deny" and out["port"] == 80 and "tcp 443" in out["reason"]
+    assert _explain("api.x.io", None)["port"] is None
+
+
+def test_explain_says_what_the_name_check_admits() -> None:
+    assert "refused on any address" in _explain("evil.example.com", 443)["nameCheck"]["outcome"]
+    assert "learned" in _explain("www.example.com", 443)["nameCheck"]["outcome"]
+    leased = _explain(str(LEASED), 443)["nameCheck"]
+    assert leased["names"] == ["api.example.com"]
+    assert "address rule opens it" in _explain("10.9.1.1", 443)["nameCheck"]["outcome"]
+    assert "not checked on port 22" in _explain("www.example.com", 22)["nameCheck"]["outcome"]
+    off = _explain("www.example.com", 443, check=False)["nameCheck"]
+    assert off["enabled"] is False and off["outcome"].startswith("off")

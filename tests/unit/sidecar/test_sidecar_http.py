@@ -16,6 +16,7 @@ from structlog.testing import capture_logs
 from egressd.actionhandler.envelope import MAX_BODY_BYTES
 from egressd.metrics import EgressMetrics
 from egressd.policy import DENY_ALL, AlwaysRules, NetworkPolicy, Verdict, judge_domain, parse_policy
+from egressd.policy.namecheck import NameReason, Wire
 from egressd.sidecar import engine as engine_module
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.http import AUTH_HEADER, SidecarHTTP, VaultPrerequisites, token_matches
@@ -138,6 +139,7 @@ async def test_get_policy_shape(env: Env) -> None:
         "mode": "deny_all",
         "enforcementMode": "dns+nft",
         "policy": {"defaultAction": "deny", "egress": []},
+        "nameCheck": False,  # no MITM here (docs/reference/behaviour.md §18)
     }
 
 
@@ -727,3 +729,19 @@ def fake_flows(
     monkeypatch.setattr(engine.backend, "_outbound", outbound)
     monkeypatch.setattr(engine.backend, "cut_flow", cut_flow)
     return cut
+
+
+async def test_mode_dns_still_knows_which_name_taught_an_address(aiohttp_client: Any, tmp_path: Path) -> None:
+    """The name check (docs/reference/behaviour.md §18) asks who taught an address: in mode dns
+    nothing consults the dyn sets, but the lease book learns all the same (kernel untouched)."""
+    allow = parse_policy('{"defaultAction":"deny","egress":[{"action":"allow","target":"a.test"}]}')
+    env = await make_env(aiohttp_client, tmp_path, mode="dns", policy=allow)
+    ip = ip_address("10.204.0.3")
+    scripts = len(env.kernel.scripts)
+    assert await env.engine.learn("sidecar", env.engine.fence, [(ip, 30)], "a.test") == [ip]
+    assert await env.engine.learn("sidecar", env.engine.fence, [(ip, 30)], "b.test") == [ip]  # not allowed
+    assert len(env.kernel.scripts) == scripts
+    _, admitted = env.engine.check_name(Wire.TLS, "a.test", ip, 443)
+    _, spoofed = env.engine.check_name(Wire.TLS, "b.test", ip, 443)
+    assert admitted is not None and admitted.admit
+    assert spoofed is not None and not spoofed.admit and spoofed.reason is NameReason.SNI_NOT_ALLOWED

@@ -1,0 +1,200 @@
+"""The name check's two sides (docs/reference/behaviour.md §18): egressd's ``GET /_names``
+(:mod:`egressd.mitm.names`: the query, the answer, the report of a refusal) and the child's
+reading of the reply (:mod:`egressd.mitmchild.names`: anything but a well-formed 200 refuses)."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+from typing import Any
+
+import pytest
+
+from egressd.engine.backend import Refusals
+from egressd.engine.refusals import with_extra
+from egressd.mitm.active import active_app
+from egressd.mitm.names import (
+    NameQuery,
+    NameRefusals,
+    NameReport,
+    NameService,
+    answer,
+    parse_query,
+    remember_for,
+)
+from egressd.mitm.protocol import NAMES_PATH
+from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, Remembered, as_name, checked, interpret
+from egressd.policy.namecheck import NameReason, NameVerdict, Wire
+
+DST = ipaddress.ip_address("203.0.113.10")
+CLIENT = ipaddress.ip_address("10.203.0.11")
+GOOD = {"clientIp": "10.203.0.11", "wire": "tls", "name": "a.io", "dst": "203.0.113.10", "dport": "443"}
+
+
+def query(**over: object) -> NameQuery:
+    fields: dict[str, Any] = dict(client=CLIENT, listen_port=None, wire=Wire.TLS, name="b.io", dst=DST, port=443)
+    fields.update(over)
+    return NameQuery(**fields)
+
+
+# ---- the query -----------------------------------------------------------------------------------
+
+
+def test_a_query_is_parsed() -> None:
+    assert parse_query(GOOD) == NameQuery(CLIENT, None, Wire.TLS, "a.io", DST, 443)
+    assert parse_query({**GOOD, "port": "16001"}) == NameQuery(CLIENT, 16001, Wire.TLS, "a.io", DST, 443)
+    without = {k: v for k, v in GOOD.items() if k != "name"}
+    assert parse_query(without) == NameQuery(CLIENT, None, Wire.TLS, None, DST, 443)
+    assert parse_query({**GOOD, "clientIp": "::ffff:10.203.0.11"}) == parse_query(GOOD)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"clientIp": "nope"},
+        {"clientIp": ""},
+        {"dst": "x"},
+        {"dport": "0"},
+        {"dport": "65536"},
+        {"dport": "+443"},
+        {"wire": "quic"},
+        {"port": "abc"},
+        {"name": "a" * 254},
+        {"name": "é.io"},
+    ],
+)
+def test_a_malformed_query_is_refused(bad: dict[str, str]) -> None:
+    assert parse_query({**GOOD, **bad}) is None
+
+
+# ---- the answer ----------------------------------------------------------------------------------
+
+
+def test_no_active_subject_is_refused() -> None:
+    verdict = answer(lambda q: (None, None), None, query())
+    assert not verdict.admit and verdict.reason is NameReason.SNI_NOT_ALLOWED
+    assert answer(lambda q: (None, None), None, query(name=None)).reason is NameReason.NO_SNI
+    assert answer(lambda q: (None, None), None, query(wire=Wire.HTTP)).reason is NameReason.HOST_NOT_ALLOWED
+
+
+def test_a_check_that_raises_refuses() -> None:
+    def boom(q: NameQuery) -> tuple[str | None, NameVerdict | None]:
+        raise RuntimeError("x")
+
+    assert not answer(boom, None, query()).admit
+
+
+def test_a_refusal_is_counted_reported_and_logged_once() -> None:
+    denied: list[tuple[str, str, str]] = []
+    report = NameReport(NameRefusals(), lambda uid, name, rule: denied.append((uid, name, rule)))
+    refuse = NameVerdict(False, NameReason.SNI_NOT_ALLOWED, "default")
+    answer(lambda q: ("u1", refuse), report, query())
+    answer(lambda q: ("u1", refuse), report, query(name=None))
+    answer(lambda q: ("u1", NameVerdict(True)), report, query())
+    would = NameVerdict(True, NameReason.SNI_NOT_LEARNED, "egress[0]", would_deny=True)
+    answer(lambda q: ("u1", would), report, query())
+    assert report.refusals.of("u1") == 2
+    assert denied == [("u1", "b.io", "default"), ("u1", str(DST), "default")]
+    report.forget("u1")
+    assert report.refusals.of("u1") == 0
+
+
+def test_the_log_is_rate_limited_per_subject() -> None:
+    report = NameReport(NameRefusals(), clock=lambda: 100.0)
+    refuse = NameVerdict(False, NameReason.SNI_NOT_ALLOWED)
+    for _ in range(50):
+        report(query(), "u1", refuse)
+    assert report.refusals.of("u1") == 50  # every refusal counts, whatever is logged
+    assert report._window["u1"][2] == 30
+
+
+def test_refusals_outside_the_kernel_join_the_exported_count() -> None:
+    kernel = Refusals({"a": 3, "b": 1}, unattributed=7)
+    merged = with_extra(kernel, {"a": 2, "c": 5})
+    assert merged.by_subject == {"a": 5, "b": 1, "c": 5} and merged.unattributed == 7
+    assert with_extra(kernel, {}) is kernel
+
+
+async def test_the_route_answers(aiohttp_client: Any) -> None:
+    seen: list[NameQuery] = []
+
+    def check(q: NameQuery) -> tuple[str | None, NameVerdict | None]:
+        seen.append(q)
+        if q.name == "a.io":
+            return "u1", NameVerdict(True)
+        return "u1", NameVerdict(False, NameReason.SNI_NOT_LEARNED)
+
+    client = await aiohttp_client(active_app(lambda ip: None, names=NameService(check)))
+    resp = await client.get(NAMES_PATH, params=GOOD)
+    assert resp.status == 200 and json.loads(await resp.read()) == {"admit": True, "reason": None}
+    resp = await client.get(NAMES_PATH, params={**GOOD, "name": "w.io"})
+    assert json.loads(await resp.read()) == {"admit": False, "reason": "sni_not_learned"}
+    assert (await client.get(NAMES_PATH, params={**GOOD, "dport": "x"})).status == 400
+    assert (await client.post(NAMES_PATH, params=GOOD)).status == 405
+    assert [q.name for q in seen] == ["a.io", "w.io"]
+    # Without a name service (EGRESSD_NAME_CHECK=off), there is no such route.
+    client = await aiohttp_client(active_app(lambda ip: None))
+    assert (await client.get(NAMES_PATH, params=GOOD)).status == 404
+
+
+# ---- the child's reading -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "expected"),
+    [
+        (200, b'{"admit": true, "reason": null}', NameAnswer(True, None)),
+        (200, b'{"admit": false, "reason": "no_sni"}', NameAnswer(False, "no_sni")),
+        (200, b'{"admit": false}', NameAnswer(False, LOOKUP_FAILED)),
+        (200, b'{"admit": "yes"}', NameAnswer(False, LOOKUP_FAILED)),
+        (200, b"[]", NameAnswer(False, LOOKUP_FAILED)),
+        (200, b"not json", NameAnswer(False, LOOKUP_FAILED)),
+        (404, b'{"admit": true}', NameAnswer(False, LOOKUP_FAILED)),
+        (500, b"", NameAnswer(False, LOOKUP_FAILED)),
+    ],
+)
+def test_the_child_admits_only_on_a_well_formed_yes(status: int, body: bytes, expected: NameAnswer) -> None:
+    assert interpret(status, body) == expected
+
+
+def test_only_80_and_443_are_checked() -> None:
+    assert checked(True, 443) and checked(True, 80)
+    assert not checked(True, 8443) and not checked(False, 443) and not checked(True, None)
+
+
+# ---- answered from memory --------------------------------------------------------------------------
+
+
+def test_the_reply_says_how_long_an_admission_may_be_remembered() -> None:
+    assert remember_for(NameVerdict(True, until=110.0), 100.0) == 10.0
+    assert remember_for(NameVerdict(True, until=math.inf), 100.0) == 300.0
+    assert remember_for(NameVerdict(True, until=0.0), 100.0) is None
+    assert remember_for(NameVerdict(False, NameReason.NO_SNI, until=math.inf), 100.0) is None
+    assert remember_for(NameVerdict(True, NameReason.NO_SNI, would_deny=True, until=math.inf), 100.0) is None
+    assert interpret(200, b'{"admit": true, "reason": null, "ttl": 12.5}') == NameAnswer(True, None, 12.5)
+    assert interpret(200, b'{"admit": true, "ttl": 1e9}').ttl == 300.0
+    assert interpret(200, b'{"admit": true, "ttl": -1}').ttl is None
+    assert interpret(200, b'{"admit": true, "ttl": true}').ttl is None
+
+
+def test_an_admission_is_remembered_only_under_its_stamp_and_until_its_lease_ends() -> None:
+    memory = Remembered(max_entries=2)
+    key = ("10.203.0.11", "tls", "a.io", "203.0.113.10", 443)
+    memory.learn(key, NameAnswer(True, None, 10.0), (1, 1), 100.0)
+    assert memory.recall(key, (1, 1), 105.0)
+    assert not memory.recall(key, (1, 2), 105.0)  # a narrowing since
+    assert not memory.recall(key, (1, 1), 110.0)  # the lease ended
+    assert not memory.recall(key, None, 105.0)  # egressd silent: ask
+    memory.learn(key, NameAnswer(False, "sni_not_learned"), (1, 1), 100.0)
+    memory.learn(("x", "tls", "b.io", "d", 443), NameAnswer(True, None), (1, 1), 100.0)  # no ttl: not kept
+    assert len(memory.entries) == 1
+    for i in range(3):
+        memory.learn((str(i), "tls", "", "d", 443), NameAnswer(True, None, 5.0), (1, 1), 100.0)
+    assert len(memory.entries) == 2
+
+
+def test_an_address_names_no_name() -> None:
+    assert as_name("a.io") == "a.io"
+    assert as_name("10.204.0.3") is None and as_name("[2001:db8::1]") is None and as_name("2001:db8::1") is None
+    assert as_name("") is None and as_name(None) is None
