@@ -41,7 +41,10 @@ import common as c
 HTTP_PORT, DNS_PORT, TABLE = 18580, 15353, "egbench_dns"
 SANDBOX_IP, UPSTREAM_IP, MEASURED_UID = "10.203.0.11", "10.204.0.2", "dnsbench-sb"
 V_SUFFIX, R_SUFFIX, DENIED = "v.bench.test", "r.bench.test", "exfil.bench.test"
+P_SUFFIX = "p.bench.test"  # new names under a port-scoped rule (docs/reference/behaviour.md §18)
 V_BASE, R_BASE = int(ipaddress.IPv4Address("10.210.0.0")), int(ipaddress.IPv4Address("10.212.0.0"))
+P_BASE = int(ipaddress.IPv4Address("10.214.0.0"))
+T_PORTS_RATIO = 1.10  # new names under a port-scoped rule: p50 and p99 within 10 % of today's shape
 REPEAT, TTL = 16, 300  # lease 360 s: nothing expires during a run
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 T_P50_ADDED_MS, T_P99_ADDED_MS = 0.5, 3.0
@@ -49,16 +52,21 @@ FULL: dict[str, Any] = {"subjects": 1000, "rate": 1000.0, "paced_s": 10.0, "slic
                         "closed_s": 5.0, "concurrency": 32, "splits_s": 5.0, "refresh_s": 2, "zone_names": 40000}  # fmt: skip
 QUICK: dict[str, Any] = {**FULL, "subjects": 50, "paced_s": 3.0, "slice_s": 1.0, "warmup_s": 0.3, "closed_s": 2.0,
                          "splits_s": 2.0, "refresh_s": 1, "zone_names": 12000}  # fmt: skip
-PACED, CLOSED = ("direct", "proxy_new", "proxy_repeat"), ("direct", "proxy_new")
+PACED, CLOSED = ("direct", "proxy_new", "proxy_repeat", "proxy_ports"), ("direct", "proxy_new")
 LABELS = {
     "direct": "direct (baseline)",
     "proxy_new": "proxy, new names",
     "proxy_repeat": "proxy, repeated names",
+    "proxy_ports": "proxy, new names, port-scoped rule",
 }
 
 
 def v_name(k: int) -> tuple[str, str]:
     return f"v{k}.{V_SUFFIX}", str(ipaddress.IPv4Address(V_BASE + k + 1))
+
+
+def p_name(k: int) -> tuple[str, str]:
+    return f"p{k}.{P_SUFFIX}", str(ipaddress.IPv4Address(P_BASE + k + 1))
 
 
 def r_name(j: int) -> tuple[str, str]:
@@ -67,10 +75,12 @@ def r_name(j: int) -> tuple[str, str]:
 
 def zone(n: int) -> list[dict[str, object]]:
     pairs = [v_name(k) for k in range(n)] + [r_name(j) for j in range(REPEAT)] + [(DENIED, "10.213.0.1")]
+    pairs += [p_name(k) for k in range(n)]
     return [{"name": name, "type": "A", "value": addr, "ttl": TTL} for name, addr in pairs]
 
 
-# The measured subject: deny by default; the benchmark's names match the 8th and 9th domain rule.
+# The measured subject: deny by default; the benchmark's names match the 8th, 9th and 10th
+# domain rule (the 10th with ports: its leases are port-scoped, docs/reference/behaviour.md §18).
 MEASURED_POLICY = c.policy(
     "deny",
     ("deny", DENIED),
@@ -82,6 +92,7 @@ MEASURED_POLICY = c.policy(
     ("allow", "registry.npmjs.org"),
     ("allow", f"*.{R_SUFFIX}"),
     ("allow", f"*.{V_SUFFIX}"),
+    ("allow", f"*.{P_SUFFIX}", {"ports": [443, "8000-8999"]}),
     ("allow", UPSTREAM_IP),
 )  # fmt: skip  (the IP rule lets the direct baseline through)
 
@@ -128,9 +139,9 @@ class DnsClient:
     def names(self, spec: dict[str, Any], n: int) -> tuple[list[str], list[str], list[bytes]]:
         from dnslib import DNSRecord
 
+        fresh = {"new": v_name, "ports": p_name}.get(spec["kind"])
         pairs = [
-            v_name((spec["start"] + i) % self.zone_names) if spec["kind"] == "new" else r_name(i % REPEAT)
-            for i in range(n)
+            fresh((spec["start"] + i) % self.zone_names) if fresh else r_name(i % REPEAT) for i in range(n)
         ]
         wires = []
         for i, (name, _) in enumerate(pairs):
@@ -541,7 +552,7 @@ class Runner:
 
     def __init__(self, client: c.Proc, prm: dict[str, Any], pids: dict[str, int]) -> None:
         self.client, self.prm, self.pids = client, prm, {**pids, "client": client.pid}
-        self.next_new, self.next_direct = 0, prm["zone_names"] // 2
+        self.next_new, self.next_direct, self.next_ports = 0, prm["zone_names"] // 2, 0
         self.ticks: list[tuple[float, float]] = []  # when egressd's lease refresher may tick
 
     def expect_ticks(self, spawned: float, ready: float, interval: float) -> None:
@@ -550,9 +561,10 @@ class Runner:
         ]
 
     def cmd(self, h: c.Http | None, side: str, op: str, duration: float, **kw: Any) -> dict[str, Any]:
-        start = self.next_new if side.startswith("proxy") else self.next_direct
+        start = {"direct": self.next_direct, "proxy_ports": self.next_ports}.get(side, self.next_new)
+        kind = "repeat" if side.endswith("repeat") else "ports" if side == "proxy_ports" else "new"
         cmd = {"op": op, "target": "direct" if side == "direct" else "proxy", "duration": duration,
-               "names": {"kind": "repeat" if side.endswith("repeat") else "new", "start": start}, **kw}  # fmt: skip
+               "names": {"kind": kind, "start": start}, **kw}  # fmt: skip
         m0, c0, mc0, w0 = (
             c.scrape(h) if h else {},
             {k: c.cpu_s(p) for k, p in self.pids.items()},
@@ -570,6 +582,8 @@ class Runner:
         used = res.get("issued", len(res.get("lat_ms", [])))
         if side == "proxy_new":
             self.next_new += used
+        elif side == "proxy_ports":
+            self.next_ports += used
         elif side == "direct":
             self.next_direct += used
         return res
@@ -740,7 +754,7 @@ def paced_phase(run: Runner, h: c.Http, d: c.Egressd, prm: dict[str, Any]) -> di
     n_sl = max(1, round(prm["paced_s"] / prm["slice_s"]))
     per: dict[str, list[dict[str, Any]]] = {s: [] for s in PACED}
     for r in range(n_sl):  # sides interleaved in slices, rotating order: drift hits all alike
-        order = PACED[r % 3 :] + PACED[: r % 3]
+        order = PACED[r % len(PACED) :] + PACED[: r % len(PACED)]
         for side in reversed(order) if r % 2 else order:
             per[side].append(run.paced(h, side, prm["paced_s"] / n_sl))
         d.check_alive()
@@ -817,7 +831,7 @@ def report(rep: c.Report, prm: dict[str, Any], out: dict[str, Any], first: bool)
     p, cl = out["paced"], out["closed"]
     base = p["direct"]["lat"]
     rep.add(f"{prm['subjects']} active subjects (registered in {out['register_s']:.1f}s), the measured one {SANDBOX_IP}"
-            f" registered {'first' if first else 'last'}; its policy: 9 domain rules + 1 IP rule, the names match the 8th/9th")  # fmt: skip
+            f" registered {'first' if first else 'last'}; its policy: 10 domain rules + 1 IP rule, the names match the 8th/9th/10th (the 10th with ports)")  # fmt: skip
     rep.add(
         "latency = client send() -> kernel receive timestamp of the reply; baseline: the same client asking the upstream directly"
     )
@@ -864,6 +878,10 @@ def report(rep: c.Report, prm: dict[str, Any], out: dict[str, Any], first: bool)
             added = p[s]["lat"][q] - base[q]
             rep.target(f"added {q} at {prm['rate']:.0f} q/s, {LABELS[s]}", added <= lim,
                        f"{added:+.3f} ms ({p[s]['lat'][q]:.3f} vs direct {base[q]:.3f}, {c.ratio(p[s]['lat'][q], base[q])})", f"<= +{lim} ms")  # fmt: skip
+    for q in ("p50", "p99"):
+        ratio = p["proxy_ports"]["lat"][q] / p["proxy_new"]["lat"][q]
+        rep.target(f"{q} of new names under a port-scoped rule vs today's shape (same run, interleaved)", ratio <= T_PORTS_RATIO,
+                   f"{ratio:.2f}x ({p['proxy_ports']['lat'][q]:.3f} vs {p['proxy_new']['lat'][q]:.3f} ms)", f"<= {T_PORTS_RATIO}x")  # fmt: skip
     rep.add("")
     rep.add(f"  [info  ] max sustained q/s through the proxy: {cl['proxy_new']['qps']:.0f} vs direct {cl['direct']['qps']:.0f}"
             f" ({c.ratio(cl['proxy_new']['qps'], cl['direct']['qps'])}); no target")  # fmt: skip

@@ -53,6 +53,7 @@ CONC = 8
 GUARD_UPDATES = {"seq": 0.30, "conc": 0.30}  # updates/s vs no-op actions/s, at least
 GUARD_SET_RATIO = 1.6  # SET_BINDING p50 at the largest quick size vs the smallest, at most
 T_SET_P99_MS, T_SET_AT, T_REMOVE_RATIO, T_UPDATES, T_UPDATES_AT, T_SPEEDUP = 5.0, 1000, 2.0, 1000.0, 100, 10.0
+T_PORTS_RATIO = 1.10  # port-scoped policies: SET_BINDING/activation p99 within 10 % of today's shape (§18)
 METHODS, TXNS = ("netlink", "libnft", "exec"), ("policy_swap", "create")
 ORDERS = ((0, 1, 2), (1, 2, 0), (2, 0, 1), (0, 2, 1), (2, 1, 0), (1, 0, 2))  # drift favours no method
 
@@ -65,6 +66,16 @@ def policy_text(k: int, variant: int) -> str:
     """4 IP/CIDR rules (v4 + v6) and a domain rule; ``variant`` changes the content."""
     return c.policy("deny", ("allow", f"203.0.113.{k % 250 + 1}"), ("allow", f"198.51.{variant % 250}.0/24"),
                     ("deny", f"192.0.2.{variant % 250 + 1}"), ("allow", f"2001:db8:{k % 65535:x}::/48"), ("allow", "pypi.org"))  # fmt: skip
+
+
+def ports_policy_text(k: int, variant: int) -> str:
+    """:func:`policy_text`'s rules with ports and protocols (docs/reference/behaviour.md §18):
+    the same targets, so the two shapes differ only in what the kernel holds per rule."""
+    return c.policy("deny", ("allow", f"203.0.113.{k % 250 + 1}", {"ports": [443]}),
+                    ("allow", f"198.51.{variant % 250}.0/24", {"protocol": "tcp", "ports": ["5432-5433"]}),
+                    ("deny", f"192.0.2.{variant % 250 + 1}", {"protocol": "udp"}),
+                    ("allow", f"2001:db8:{k % 65535:x}::/48", {"ports": [443, "8000-8999"]}),
+                    ("allow", "pypi.org", {"protocol": "https"}))  # fmt: skip
 
 
 def set_body(uid: str, ip: str, pol: str, gen: int = 1) -> bytes:
@@ -113,27 +124,47 @@ class FleetRun:
 
     def lifecycle(self, size: int, samples: int, warmup: int) -> dict[str, Any]:
         """(a)/(b); each sample is followed by a no-op action, so the no-op baseline of this
-        size is measured under the same load as its samples."""
+        size is measured under the same load as its samples. (f): each sample also binds and
+        activates one subject with :func:`ports_policy_text`, the two shapes taking turns to go
+        first, so both meet the same load."""
         t: dict[str, list[float]] = {"set": [], "activate": [], "remove": [], "noop": []}
+        scoped: dict[str, list[float]] = {"set": [], "activate": []}
         before: dict[str, float] = {}
         for j in range(warmup + samples):
             if j == warmup:
                 before = c.scrape(self.h)
             idx, uid = self.seq, f"m{size}-{j}"
-            self.seq += 1
+            self.seq += 2
+            if j % 2:
+                sp, sa, _ = self.scoped_sample(size, j, idx + 1)
             a = self.h.action(
                 set_body(uid, ip_of(MEASURED_BASE, idx), policy_text(100000 + idx, idx)), "SET_BINDING"
             )
             b = self.h.action(c.envelope("LIFECYCLE_HOOK", uid, hook=True), "data-plane-ready")
             r = self.h.action(c.envelope("REMOVE_BINDING", uid), "REMOVE_BINDING")
+            if not j % 2:
+                sp, sa, _ = self.scoped_sample(size, j, idx + 1)
             z = self.h.action(c.envelope("REMOVE_BINDING", f"absent-{size}-{j}"), "no-op")
             if j >= warmup:
                 for k, v in zip(t, (a, b, r, z), strict=True):
                     t[k].append(v)
+                scoped["set"].append(sp)
+                scoped["activate"].append(sa)
         d = c.delta(before, c.scrape(self.h))
         out: dict[str, Any] = {k: ms(v) for k, v in t.items()}
+        out["ports"] = {k: ms(v) for k, v in scoped.items()}
         out["nft"] = {op: c.nft_ms(d, op) for op in ("deny_first", "static_apply", "remove")}
         return out
+
+    def scoped_sample(self, size: int, j: int, idx: int) -> tuple[float, float, float]:
+        """One subject with the port-scoped shape: SET_BINDING, data-plane-ready, removal."""
+        uid = f"p{size}-{j}"
+        a = self.h.action(
+            set_body(uid, ip_of(MEASURED_BASE, idx), ports_policy_text(100000 + idx, idx)), "SET_BINDING (ports)"
+        )
+        b = self.h.action(c.envelope("LIFECYCLE_HOOK", uid, hook=True), "data-plane-ready (ports)")
+        r = self.h.action(c.envelope("REMOVE_BINDING", uid), "REMOVE_BINDING (ports)")
+        return a, b, r
 
     def update_body(self, i: int) -> bytes:
         self.gen[i] += 1
@@ -706,6 +737,13 @@ def report(rep: c.Report, sizes: list[int], prm: dict[str, Any], res: dict[str, 
     rep.add("  registration (SET_BINDING + data-plane-ready each): " + "; ".join(
         f"{g['from']}->{g['to']} {g['wall_s']:.1f}s (SET p50 {g['set']['p50']:.2f} max {g['set']['max']:.1f} ms)"
         for g in res["daemon"]["grow"] if g["set"]))  # fmt: skip
+    rep.add("")
+    rep.add("(f) port-scoped policies (the same rules with ports and protocols, docs/reference/behaviour.md §18),"
+            " samples alternating with (a)/(b)'s, ms; ratio vs today's shape")  # fmt: skip
+    rep.table(["subjects / action", "p50", "p99", "today p50", "today p99", "p50 ratio", "p99 ratio"],
+              [[f"{s} {label}", life[s]["ports"][op]["p50"], life[s]["ports"][op]["p99"], life[s][op]["p50"], life[s][op]["p99"],
+                c.ratio(life[s]["ports"][op]["p50"], life[s][op]["p50"]), c.ratio(life[s]["ports"][op]["p99"], life[s][op]["p99"])]
+               for s in sizes for op, label in (("set", "SET_BINDING"), ("activate", "data-plane-ready"))])  # fmt: skip
     if upd:
         rep.add("")
         rep.add(
@@ -743,6 +781,10 @@ def report(rep: c.Report, sizes: list[int], prm: dict[str, Any], res: dict[str, 
     note = "" if at == T_SET_AT else f" (measured at {at}: target size not run)"
     rep.target(f"SET_BINDING p99 at {at} subjects{note}", life[at]["set"]["p99"] <= T_SET_P99_MS,
                f"{life[at]['set']['p99']:.2f} ms ({c.ratio(life[at]['set']['p99'], base['set']['p99'])} of {small})", f"<= {T_SET_P99_MS} ms at 1000")  # fmt: skip
+    for op, label in (("set", "SET_BINDING"), ("activate", "data-plane-ready")):
+        ratio = life[big]["ports"][op]["p99"] / life[big][op]["p99"]
+        rep.target(f"{label} p99 at {big} subjects, port-scoped vs today's shape", ratio <= T_PORTS_RATIO,
+                   f"{ratio:.2f}x ({life[big]['ports'][op]['p99']:.2f} vs {life[big][op]['p99']:.2f} ms)", f"<= {T_PORTS_RATIO}x")  # fmt: skip
     r50 = life[big]["remove"]["p50"] / base["remove"]["p50"]
     rep.target(
         f"REMOVE_BINDING p50 at {big} / at {small}",

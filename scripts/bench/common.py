@@ -495,9 +495,11 @@ def envelope(op: str, uid: str, *, ip: str | None = None, policy: str | None = N
     return json.dumps(env).encode()
 
 
-def policy(default: str = "deny", *rules: tuple[str, str]) -> str:
-    return json.dumps({"defaultAction": default, "egress": [{"action": a, "target": t} for a, t in rules]},
-                      separators=(",", ":"))  # fmt: skip
+def policy(default: str = "deny", *rules: tuple[str, str] | tuple[str, str, dict[str, Any]]) -> str:
+    """A policy document; a rule is ``(action, target)`` or ``(action, target, extra fields)``
+    (``{"ports": [443]}``, docs/reference/behaviour.md §18)."""
+    egress = [{"action": r[0], "target": r[1], **(r[2] if len(r) > 2 else {})} for r in rules]
+    return json.dumps({"defaultAction": default, "egress": egress}, separators=(",", ":"))
 
 
 # ---- report -------------------------------------------------------------------------------------

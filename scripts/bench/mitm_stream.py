@@ -31,6 +31,7 @@ import common as c
 BODY_REDACTION_ENV = "EGRESSD_MITM_BODY_REDACTION"
 T_TTFB_ADDED_MS = 2.0  # decrypted TTFB p50 within 2 ms of relayed
 T_THROUGHPUT_FACTOR = 0.5  # decrypted throughput at least half of direct
+T_RELAYED_FACTOR = 0.8  # issue 25: relayed (name-checked) throughput at least 80 % of direct
 T_GROWTH_MIB = 64.0  # MITM growth for the large transfers
 RSS_PERIOD_S = 0.02
 
@@ -367,6 +368,10 @@ def targets(rep: c.Report, out: Mapping[str, Any]) -> None:
     rep.target("issue 23 SSE time to first byte: decrypted within 2 ms of relayed", ttfb_met(d50, r50),
                f"p50 {d50:.2f} vs {r50:.2f} ms ({d50 - r50:+.2f})", f"<= +{T_TTFB_ADDED_MS:g} ms")  # fmt: skip
     direct = median(tput["direct"])
+    got = median(tput["relayed"])
+    rep.target("issue 25 throughput: relayed (SNI name-checked, docs/reference/behaviour.md §18) at least 80 % of direct",
+               math.isfinite(got) and math.isfinite(direct) and got >= T_RELAYED_FACTOR * direct,
+               f"{got:.0f} vs {direct:.0f} MiB/s ({c.ratio(got, direct)})", f">= {T_RELAYED_FACTOR:g}x direct")  # fmt: skip
     for lbl in ("decrypted", "decrypted, redaction off"):
         if lbl in tput:
             got = median(tput[lbl])
