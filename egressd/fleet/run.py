@@ -73,6 +73,7 @@ def table_config(cfg: FleetConfig, renewal: LeaseRenewal = LeaseRenewal.READD) -
         http_port=cfg.common.http_port,
         deny_reject=cfg.kernel.deny_reject,
         sandbox_ifaces=cfg.sandbox_ifaces,
+        name_check=cfg.mitm.quic_guard,
     )
 
 

@@ -94,9 +94,10 @@ class TableConfig:
     # packets come from sandboxes (bridges, veth name prefixes), beside the attachments'
     # hostVeths (set ``sandbox_ifaces``).
     sandbox_ifaces: tuple[str, ...] = ()
-    # EGRESSD_NAME_CHECK (docs/reference/behaviour.md §18): None follows the MITM (on with it). On,
-    # the kernel never opens UDP 443 (QUIC) of a DNS-learned address unless an explicit
-    # ``protocol: udp`` rule does: the dyn sets' rules skip it.
+    # The QUIC drop of docs/reference/behaviour.md §18: on, the kernel never opens UDP 443 of a
+    # DNS-learned address unless an explicit ``protocol: udp`` rule does (the dyn sets' rules skip
+    # it). The daemon sets it from EGRESSD_NAME_CHECK (``MitmConfig.quic_guard``: on unless
+    # ``off``, with or without the MITM); None (tests, tools) follows the MITM.
     name_check: bool | None = None
 
     @property

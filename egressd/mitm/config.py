@@ -142,6 +142,14 @@ class MitmConfig:
         return self.transparent and self.name_check_setting
 
     @property
+    def quic_guard(self) -> bool:
+        """Whether the kernel drops UDP 443 (QUIC) to an address open only by DNS learning
+        (docs/reference/behaviour.md §18): unless ``EGRESSD_NAME_CHECK=off``, with or without the
+        MITM. **egressd:** without the MITM there is no name check, but the §18 vector (``ports:
+        [443]`` opens TCP 443, not UDP 443) holds all the same; ``off`` lifts it."""
+        return self.name_check_setting
+
+    @property
     def worker_ports(self) -> tuple[int, ...]:
         return tuple(self.port + i for i in range(self.workers))
 

@@ -67,6 +67,7 @@ def table_for(
         resolvers=tuple(sorted({ipaddress.ip_address(u.host) for u in upstreams}, key=str)),
         max_leases=cfg.kernel.max_leases,
         deny_reject=cfg.kernel.deny_reject,
+        name_check=cfg.mitm.quic_guard,
     )
 
 

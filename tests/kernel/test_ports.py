@@ -125,6 +125,13 @@ def probe(topo: Topology, sb: int, proto: str, ip: str, port: int) -> bool:
     return out.strip() == "open"
 
 
+def reaches_as(topo: Topology, sb: int, name: str, ip: str, port: int) -> bool:
+    """HTTP(S) to ``ip``:``port`` asking for ``name`` (SNI and Host): what the name check admits."""
+    scheme = "https" if port == 443 else "http"
+    url = f"{scheme}://{name}:{port}/probe"
+    return topo.curl(sb, url, 2.0, extra=("-k", "--resolve", f"{name}:{port}:{ip}")) == 200
+
+
 def bind(d: Daemon, policy: object, i: int = 1) -> None:
     text = json.dumps(policy)
     code, body = d.post(envelope("SET_BINDING", f"sb{i}", ip=Topology.sb_ip(i), policy=text))
@@ -171,7 +178,7 @@ def test_a_name_with_ports_opens_its_address_only_there(
     deny (the name check is on: QUIC has no name to check); an explicit udp rule opens UDP 443."""
     activate(checked, deny_default({"action": "allow", "target": "api.example.test", "ports": [443]}))
     assert topo.dig(1, "api.example.test") == ("NOERROR", [API_IP])
-    assert topo.reaches(1, API_IP, 443)  # through the MITM, judged by the original port
+    assert reaches_as(topo, 1, "api.example.test", API_IP, 443)  # through the MITM, by the original port
     assert not topo.reaches(1, API_IP, 80)  # intercepted too: refused on input by port
     assert not topo.reaches(1, API_IP, 8080)
     assert not probe(topo, 1, "udp", API_IP, 443)
@@ -186,7 +193,7 @@ def test_a_name_with_ports_opens_its_address_only_there(
     )
     assert topo.dig(1, "api.example.test") == ("NOERROR", [API_IP])
     assert probe(topo, 1, "udp", API_IP, 443)
-    assert topo.reaches(1, API_IP, 443)
+    assert reaches_as(topo, 1, "api.example.test", API_IP, 443)
     assert not topo.reaches(1, API_IP, 80)
 
 
@@ -199,7 +206,7 @@ def test_a_learned_address_without_ports_opens_all_but_quic_under_the_name_check
     )
     assert topo.dig(1, "example.test") == ("NOERROR", [EX_IP])
     assert probe(topo, 1, "tcp", EX_IP, 7000) and probe(topo, 1, "udp", EX_IP, 7000)
-    assert topo.reaches(1, EX_IP, 80)
+    assert reaches_as(topo, 1, "example.test", EX_IP, 80)
     assert not probe(topo, 1, "udp", EX_IP, 443)  # DNS learning alone never opens QUIC
     assert probe(topo, 1, "udp", OTHER_IP, 443)  # an address rule does
 
@@ -332,3 +339,31 @@ def test_audit_mode_logs_counts_and_passes_a_would_deny_by_port(
     bind(daemon, {**policy, "mode": "enforce"})
     assert not probe(topo, 1, "tcp", EX_IP, 7000) and probe(topo, 1, "tcp", EX_IP, 7001)
     assert not probe(topo, 1, "udp", EX_IP, 7000)
+
+
+def test_the_vector_holds_without_the_mitm_and_off_lifts_the_quic_drop(
+    topo: Topology, daemon: Daemon, echo: subprocess.Popen[str]
+) -> None:
+    """The §18 vector without the MITM (no name check): ``ports: [443]`` opens TCP 443 only;
+    UDP 443 of a learned address stays closed (egressd: the QUIC drop holds unless
+    ``EGRESSD_NAME_CHECK=off``)."""
+    activate(daemon, deny_default({"action": "allow", "target": "api.example.test", "ports": [443]}))
+    assert topo.dig(1, "api.example.test") == ("NOERROR", [API_IP])
+    assert topo.reaches(1, API_IP, 443)
+    assert not topo.reaches(1, API_IP, 80)
+    assert not probe(topo, 1, "udp", API_IP, 443)
+
+
+def test_name_check_off_opens_quic_of_a_learned_address(topo: Topology, echo: subprocess.Popen[str]) -> None:
+    d = Daemon(topo, table="egt-ports-off", port=18382, env={"EGRESSD_NAME_CHECK": "off"})
+    d.start(wait=False)
+    try:
+        d.wait_ready(timeout=30)
+        activate(d, deny_default({"action": "allow", "target": "api.example.test", "ports": [443]}))
+        assert topo.dig(1, "api.example.test") == ("NOERROR", [API_IP])
+        assert probe(topo, 1, "udp", API_IP, 443) and topo.reaches(1, API_IP, 443)
+        assert not topo.reaches(1, API_IP, 80)
+    finally:
+        if d.proc is not None:
+            topo.stop(d.proc)
+        d.nft("delete", "table", "inet", "egt-ports-off", check=False)
