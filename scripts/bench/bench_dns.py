@@ -652,6 +652,17 @@ def sanity(run: Runner) -> None:
     dyn = f"subj_{nft_id(subject_for_uid(MEASURED_UID))}_dyn_v4"
     if addr not in (listing := c.run(["nft", "list", "set", "inet", TABLE, dyn]).stdout):
         raise c.BenchError(f"{addr} not learned into {dyn}: {listing[:300]}")
+    # A name under the port-scoped rule is learned into the port-scoped set, not the address-only one.
+    name, addr = p_name(run.next_ports)
+    run.next_ports += 1
+    got = run.client.call({"op": "query", "target": "proxy", "name": name}, 15)
+    if got != {"rcode": "NOERROR", "answers": [addr]}:
+        raise c.BenchError(f"proxy query {name}: {got}")
+    dynp = f"subj_{nft_id(subject_for_uid(MEASURED_UID))}_dynp_v4"
+    if addr not in (listing := c.run(["nft", "list", "set", "inet", TABLE, dynp]).stdout):
+        raise c.BenchError(f"{addr} not learned into {dynp}: {listing[:300]}")
+    if addr in c.run(["nft", "list", "set", "inet", TABLE, dyn]).stdout:
+        raise c.BenchError(f"{addr} of a port-scoped name is in {dyn}: it would open every port")
     for target, want in (("proxy", "NXDOMAIN"), ("direct", "NOERROR")):
         if (got := run.client.call({"op": "query", "target": target, "name": DENIED}, 15))["rcode"] != want:
             raise c.BenchError(f"{target} query for {DENIED}: {got}, want {want}")
