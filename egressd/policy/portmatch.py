@@ -31,6 +31,13 @@ def disjoint(entries: Iterable[ScopedEntry], limit: int = 0) -> tuple[ScopedEntr
     for e in entries:
         by_proto.setdefault((e[1], e[0].version), []).append(e)
     for (proto, _version), mine in sorted(by_proto.items()):
+        if _apart(mine):
+            # Neither overlapping nor adjacent on the port axis (the usual policy): the sweep
+            # would return these entries as they are, so skip it (it is per-policy parse cost).
+            out += [(net, proto, lo, hi) for net, _, lo, hi in mine]
+            if limit and len(out) > limit:
+                break
+            continue
         events: dict[int, list[tuple[Prefix, int]]] = {}
         for net, _, lo, hi in mine:
             events.setdefault(lo, []).append((net, 1))
@@ -60,6 +67,12 @@ def disjoint(entries: Iterable[ScopedEntry], limit: int = 0) -> tuple[ScopedEntr
         if limit and len(out) > limit:
             break
     return tuple(sorted(out, key=lambda e: (e[0].version, e[1], e[2], int(e[0].network_address))))
+
+
+def _apart(group: list[ScopedEntry]) -> bool:
+    """The entries' port ranges are pairwise neither overlapping nor adjacent."""
+    ranges = sorted((lo, hi) for _, _, lo, hi in group)
+    return all(ranges[i + 1][0] > ranges[i][1] + 1 for i in range(len(ranges) - 1))
 
 
 def entries(scoped: Iterable[Scoped], version: int) -> list[ScopedEntry]:

@@ -184,3 +184,19 @@ def test_a_policy_whose_address_rules_need_too_many_port_elements_is_refused_lik
     ]
     assert rule_cap_problem(pol(*nested), 4096) is not None
     assert rule_cap_problem(pol(*nested[:60]), 4096) is None
+
+
+def test_the_shortcut_for_apart_rules_returns_what_the_sweep_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    from egressd.policy import portmatch
+
+    rng = random.Random(11)
+    nets = [NET("10.0.0.0/8"), NET("10.1.0.0/16"), NET("192.0.2.7/32"), NET("2001:db8::/32")]
+    for _ in range(200):
+        entries: list[ScopedEntry] = []
+        for _ in range(rng.randrange(1, 6)):
+            lo = rng.randrange(1, 200)
+            entries.append((rng.choice(nets), rng.choice(["tcp", "udp"]), lo, lo + rng.randrange(0, 3)))
+        fast = disjoint(entries)
+        with monkeypatch.context() as m:
+            m.setattr(portmatch, "_apart", lambda group: False)
+            assert disjoint(entries) == fast, entries
