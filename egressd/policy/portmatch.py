@@ -34,39 +34,41 @@ def disjoint(entries: Iterable[ScopedEntry], limit: int = 0) -> tuple[ScopedEntr
         if _apart(mine):
             # Neither overlapping nor adjacent on the port axis (the usual policy): the sweep
             # would return these entries as they are, so skip it (it is per-policy parse cost).
-            out += [(net, proto, lo, hi) for net, _, lo, hi in mine]
-            if limit and len(out) > limit:
-                break
-            continue
-        events: dict[int, list[tuple[Prefix, int]]] = {}
-        for net, _, lo, hi in mine:
-            events.setdefault(lo, []).append((net, 1))
-            events.setdefault(hi + 1, []).append((net, -1))
-        active: Counter[Prefix] = Counter()
-        stretches: list[tuple[int, int, tuple[Prefix, ...]]] = []
-        count = len(out)  # elements so far, these stretches included
-        points = sorted(events)
-        for i, point in enumerate(points):
-            for net, delta in events[point]:
-                active[net] += delta
-                if active[net] == 0:
-                    del active[net]
-            if i + 1 == len(points) or not active:
-                continue
-            nets = tuple(ipaddress.collapse_addresses(sorted(active)))  # type: ignore[type-var]
-            end = points[i + 1] - 1
-            if stretches and stretches[-1][1] + 1 == point and stretches[-1][2] == nets:
-                stretches[-1] = (stretches[-1][0], end, nets)
-            else:
-                stretches.append((point, end, nets))
-                count += len(nets)
-            if limit and count > limit:
-                break
-        for lo, hi, nets in stretches:
-            out += [(net, proto, lo, hi) for net in nets]
+            out += mine
+        else:
+            out += _sweep(mine, proto, limit - len(out) if limit else 0)
         if limit and len(out) > limit:
             break
     return tuple(sorted(out, key=lambda e: (e[0].version, e[1], e[2], int(e[0].network_address))))
+
+
+def _sweep(mine: list[ScopedEntry], proto: str, limit: int) -> list[ScopedEntry]:
+    """:func:`disjoint` for one protocol and family; stops once past ``limit`` (0: none)."""
+    events: dict[int, list[tuple[Prefix, int]]] = {}
+    for net, _, lo, hi in mine:
+        events.setdefault(lo, []).append((net, 1))
+        events.setdefault(hi + 1, []).append((net, -1))
+    active: Counter[Prefix] = Counter()
+    stretches: list[tuple[int, int, tuple[Prefix, ...]]] = []
+    count = 0
+    points = sorted(events)
+    for i, point in enumerate(points):
+        for net, delta in events[point]:
+            active[net] += delta
+            if active[net] == 0:
+                del active[net]
+        if i + 1 == len(points) or not active:
+            continue
+        nets = tuple(ipaddress.collapse_addresses(sorted(active)))  # type: ignore[type-var]
+        end = points[i + 1] - 1
+        if stretches and stretches[-1][1] + 1 == point and stretches[-1][2] == nets:
+            stretches[-1] = (stretches[-1][0], end, nets)
+        else:
+            stretches.append((point, end, nets))
+            count += len(nets)
+        if limit and count > limit:
+            break
+    return [(net, proto, lo, hi) for lo, hi, nets in stretches for net in nets]
 
 
 def _apart(group: list[ScopedEntry]) -> bool:
