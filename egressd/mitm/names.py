@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +50,9 @@ class NameQuery:
     name: str | None
     dst: IPAddress
     port: int
+    #: The name asked for is no DNS name (over 253 characters, not ASCII): refused and reported
+    #: like any refusal (``name`` holds its first 253 characters, for the report).
+    unreadable: bool = False
 
 
 #: The profile's answer: (the subject's uid, the verdict); a None verdict: no active subject
@@ -158,6 +162,11 @@ def _port(text: str | None) -> int | None:
     return port if 1 <= port <= 65535 else None
 
 
+#: What a DNS name looks like on the wire (at most 253 characters, labels of 1-63 letters,
+#: digits, ``-`` and ``_``, one trailing dot at most); anything else asked for is refused.
+_READABLE: Final = re.compile(r"(?=.{1,254}$)(?!.{254}$(?<!\.))([A-Za-z0-9_-]{1,63}\.)*[A-Za-z0-9_-]{1,63}\.?")
+
+
 def parse_query(query: Any) -> NameQuery | None:
     """The query of a ``_names`` request (a mapping of strings), or None when malformed."""
     client, dst = _ip(query.get("clientIp")), _ip(query.get("dst"))
@@ -171,8 +180,11 @@ def parse_query(query: Any) -> NameQuery | None:
     if client is None or dst is None or dport is None or (listen_text is not None and listen is None):
         return None
     name = query.get("name") or None
-    if name is not None and (len(name) > 253 or not name.isascii()):
-        return None
+    if name is not None and not _READABLE.fullmatch(name):
+        # A CDN routes on the Host string whatever its length: never "no name", never an error
+        # the subject's count and log would not see; a refusal of its own.
+        safe = name.encode("ascii", "replace").decode()[:253]
+        return NameQuery(client, listen, wire, safe, dst, dport, unreadable=True)
     return NameQuery(client, listen, wire, name, dst, dport)
 
 
@@ -186,6 +198,8 @@ def answer(check: Check, report: NameReport | None, query: NameQuery) -> NameVer
         uid, verdict = None, None
     if verdict is None:
         verdict = _unknown(query)
+    elif query.unreadable:
+        verdict = NameVerdict(False, _unknown(query).reason, "unreadable-name")
     if report is not None:
         report(query, uid, verdict)
     return verdict

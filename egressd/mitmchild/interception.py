@@ -178,6 +178,13 @@ class Interception:
         started = time.perf_counter()
         client_ip = ip_of(context.client.peername)
         data = nextlayer.data_client()
+        if _undecided(data):
+            # Too few bytes to tell TLS or HTTP from anything else (a ClientHello or a request
+            # line split after its first bytes): decide nothing yet. mitmproxy asks again when
+            # more data arrives; no upstream connection is opened meanwhile.
+            context.layers.remove(chosen)
+            nextlayer.layer = None
+            return
         if starts_like_tls_record(data):
             try:
                 hello = parse_client_hello(data)
@@ -238,3 +245,18 @@ class Interception:
     def tls_failed_client(self, data: tls.TlsData) -> None:
         """A client that does not trust the CA, or speaks no TLS the proxy accepts."""
         emit("mitm.tls_failed", client=ip_of(data.context.client.peername), sni=data.context.client.sni)
+
+
+#: The longest first line a connection may send before egressd decides it is not HTTP.
+_MAX_UNDECIDED = 8192
+
+
+def _undecided(data: bytes) -> bool:
+    """Could more bytes still make ``data`` a TLS record or an HTTP request line? (Fewer than
+    the three bytes a TLS record start needs, or letters with no line end yet.)"""
+    if len(data) < 3:
+        return True
+    if data[:1] == b"\x16" and len(data) < 5:
+        return True
+    head = data.split(b" ", 1)[0]
+    return b"\n" not in data and len(data) < _MAX_UNDECIDED and head.isalpha() and b" " not in data

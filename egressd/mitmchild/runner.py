@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from mitmproxy import ctx, exceptions, master, options
-from mitmproxy.addons import core, disable_h2c, errorcheck, next_layer, tlsconfig
+from mitmproxy.addons import core, errorcheck, next_layer, tlsconfig
 
 from egressd.hygiene import disable_core_dumps
 from egressd.kernel.listeners import raise_fd_limit
@@ -47,6 +47,7 @@ from egressd.mitmchild.responses import Responses
 from egressd.mitmchild.selfconnect import IndexedProxyserver
 from egressd.mitmchild.shared import emit
 from egressd.mitmchild.tlsresume import TlsResumption
+from egressd.mitmchild.upgrades import OnlyWebSocketUpgrades
 from egressd.mitmchild.vaults import VaultLookup
 
 CACHE_REPORT_INTERVAL_S: Final = 0.5
@@ -143,7 +144,7 @@ async def _main(argv: Sequence[str]) -> int:
     resumption = TlsResumption()
     m.addons.add(
         core.Core(),
-        disable_h2c.DisableH2C(),
+        OnlyWebSocketUpgrades(),
         IndexedProxyserver(),
         next_layer.NextLayer(),
         tlsconfig.TlsConfig(),
