@@ -486,10 +486,12 @@ def _refuses(rule_json: str) -> bool:
     return '"drop"' in rule_json or '"goto": {"target": "denied"}' in rule_json
 
 
-SUBJECT_SET_KINDS = [f"{k}_{fam}" for k in (*STATIC_KINDS, "dyn") for fam in ("v4", "v6")]
+# The port-scoped sets (docs/reference/behaviour.md §18) stay empty: no storm policy names ports.
+PORT_KINDS = ("allowp", "denyp", "wdenyp", "dynp")
+SUBJECT_SET_KINDS = [f"{k}_{fam}" for k in (*STATIC_KINDS, "dyn", *PORT_KINDS) for fam in ("v4", "v6")]
 # Made by a subject's first audit policy and kept until its removal (fleetnft/audit.py):
 # optional objects, required while the active policy audits.
-AUDIT_SET_KINDS = {f"{k}_{fam}" for k in ("wdeny", "audit") for fam in ("v4", "v6")}
+AUDIT_SET_KINDS = {f"{k}_{fam}" for k in ("wdeny", "audit", "wdenyp") for fam in ("v4", "v6")}
 
 
 def _elem_text(e: Any) -> str:
@@ -961,8 +963,11 @@ class Storm:
         for fam in ("v4", "v6"):
             self._compare_table_wide(k, when, fam)
         self._compare_subjects(k, when)
-        if "subj" in self.templates and [int(_refuses(r)) for r in self.templates["subj"]] != [1, 1]:
-            self.tally.note("missing_denies", "a subject chain does not hold exactly its two deny-set drops")
+        if "subj" in self.templates and [int(_refuses(r)) for r in self.templates["subj"]] != [1, 1, 1, 1]:
+            self.tally.note(
+                "missing_denies",
+                "a subject chain does not hold exactly its four deny-set drops (deny, denyp)",
+            )
 
     def _compare_header(self, k: Kernel, when: str) -> None:
         note = self.tally.note
@@ -1067,7 +1072,13 @@ class Storm:
                         )
                     continue
                 contents = p.sets.get(kind, frozenset()) if p is not None else frozenset()
-                self._set_diff(when, name, k, set(contents), deny=kind.split("_")[0] in ("deny", "wdeny"))
+                self._set_diff(
+                    when,
+                    name,
+                    k,
+                    set(contents),
+                    deny=kind.split("_")[0] in ("deny", "wdeny", "denyp", "wdenyp"),
+                )
             self._compare_rules(k, when, s)
 
     def _compare_rules(self, k: Kernel, when: str, s: Sub) -> None:
@@ -1081,7 +1092,7 @@ class Storm:
             # The nft id appears in set, counter and log-prefix names; the rest is the same
             # among subjects with (or among those without) the audit objects.
             rules = [r.replace(s.nid, "ID") for r in k.rules.get(chain, [])]
-            if tkey == "mark" and sum('"log"' in r for r in rules) != (4 if audited else 0):
+            if tkey == "mark" and sum('"log"' in r for r in rules) != (6 if audited else 0):
                 self.tally.note("missing_denies", f"{when}: {chain} audit rules do not match its audit sets")
             if tkey != "subj" and audited:
                 tkey += ":audit"
