@@ -59,6 +59,17 @@ class DnsEvents:
         if self.webhook is not None:
             self.webhook.publish(name, self._sandbox_id(uid))
 
+    def refused_request(self, uid: str, host: str, port: int | None, method: str, path: str) -> None:
+        """The MITM refused a request of ``uid`` by the request rules (docs/reference/behaviour.md
+        §19): kept in the recent denials and posted with its method and path (no query)."""
+        if not host:
+            return
+        path = path.split("?", 1)[0]
+        if self.denials is not None:
+            self.denials.add(uid, host, "request", port=port, method=method, path=path)
+        if self.webhook is not None:
+            self.webhook.publish(host, self._sandbox_id(uid), method, path)
+
     def answer_due(self, uid: str) -> bool:
         """Whether :meth:`answered` would log (lets the proxy skip collecting addresses)."""
         return self.outbound.due(uid)

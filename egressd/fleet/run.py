@@ -294,6 +294,8 @@ async def _start_mitm(
             names=NameService(
                 lambda q: control.learning.check_name(q.client, q.listen_port, q.wire, q.name, q.dst, q.port),
                 visibility.names,
+                policy_of=control.learning.request_policy,
+                request_report=visibility.requests,
             ),
         )
     except MitmStartupError as exc:

@@ -217,6 +217,10 @@ class NameService:
 
     check: Check
     report: NameReport | None = None
+    # Request rules (docs/reference/behaviour.md §19, :mod:`egressd.mitm.requests`): served
+    # whether or not the name check is on.
+    policy_of: Any = None  # egressd.mitm.requests.PolicyOf
+    request_report: Any = None  # egressd.mitm.requests.RequestRefusals
 
 
 def add_names_route(app: web.Application, check: Check, report: NameReport | None) -> None:

@@ -169,7 +169,11 @@ async def start_mitm(
             sock.unlink()
     except OSError as exc:
         raise MitmStartupError(f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock}: {exc.strerror}") from None
-    active = web.AppRunner(active_app(lookup, verify, by_port, names if cfg.name_check else None), access_log=None, handle_signals=False)
+    active = web.AppRunner(
+        active_app(lookup, verify, by_port, names, name_check=cfg.name_check),
+        access_log=None,
+        handle_signals=False,
+    )
     await active.setup()
     try:
         await web.UnixSite(active, str(sock)).start()

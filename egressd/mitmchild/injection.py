@@ -24,6 +24,9 @@ from egressd.mitmchild.injectdata import LOOKUP_FAILED, InjectionDecision, Reque
 from egressd.mitmchild.lookup import LookupFailed
 from egressd.mitmchild.names import LOOKUP_FAILED as NAME_LOOKUP_FAILED
 from egressd.mitmchild.names import NameAnswer, NameGate, as_name, checked
+from egressd.mitmchild.requestgate import RequestGate
+from egressd.mitmchild.reqview import LOOKUP_FAILED as REQ_LOOKUP_FAILED
+from egressd.mitmchild.reqview import refusal_body, request_target
 from egressd.mitmchild.respbody import narrow_accept_encoding
 from egressd.mitmchild.shared import BINDING_META, META, emit, peer_ip, wire_headers
 from egressd.mitmchild.substitute import substitute_body
@@ -96,9 +99,12 @@ class Injection:
     """Every intercepted request decided in ``requestheaders`` (headers, path, query), its body
     substituted in ``request``; refused before anything reaches the upstream."""
 
-    def __init__(self, vaults: VaultLookup, names: NameGate | None = None) -> None:
+    def __init__(
+        self, vaults: VaultLookup, names: NameGate | None = None, requests: RequestGate | None = None
+    ) -> None:
         self.vaults = vaults
         self.names = names
+        self.requests = requests
         self.body_redaction = True  # egressd_body_redaction (EGRESSD_MITM_BODY_REDACTION)
 
     def configure(self, updated: set[str]) -> None:
@@ -126,6 +132,8 @@ class Injection:
         host = norm[0] if norm else None
         started = time.perf_counter()
         if await self._name_refused(flow, client_ip, host, dest):
+            return
+        if await self._request_refused(flow, client_ip, host, port):
             return
         assert self.vaults.client is not None
         try:
@@ -192,7 +200,76 @@ class Injection:
         body = json.dumps({"error": "egress_denied", "host": host, "reason": reason})
         outcome = InjectionDecision("refuse", status=status, reason=reason)
         response = http.Response.make(status, body, {"Content-Type": "application/json"})
-        fields = {"client": client_ip, "host": host, "dst": dest[0] if dest else None, "method": flow.request.method}
+        fields = {
+            "client": client_ip,
+            "host": host,
+            "dst": dest[0] if dest else None,
+            "method": flow.request.method,
+        }
+        self._answer_refusal(flow, outcome, response, fields)
+        return True
+
+    async def _request_refused(
+        self, flow: http.HTTPFlow, client_ip: str | None, host: str | None, port: int
+    ) -> bool:
+        """Request rules (docs/reference/behaviour.md §19): decide this request by the first rule
+        matching its name, port, method and path. Refused: 403 with the JSON body of §19 (503 when
+        egressd's view could not be had), before anything reaches the upstream and before any
+        credential is injected; reported to egressd after the answer. Audit: a would-deny is
+        reported and forwarded (an operator always-deny is still refused)."""
+        gate = self.requests
+        if gate is None:
+            return False
+        req = flow.request
+        name = as_name(host)
+        view = await gate.view(flow.client_conn, client_ip, name) if name is not None else None
+        if name is not None and view is not None and not view.judged:
+            return False
+        if name is None:
+            # No name (an IP literal, no Host): no domain rule can judge it.
+            return False
+        path = req.path
+        if view is None:
+            outcome = InjectionDecision("refuse", status=503, reason=REQ_LOOKUP_FAILED)
+            body = refusal_body("-", host, req.method, path, REQ_LOOKUP_FAILED, None)
+            response = http.Response.make(503, body, {"Content-Type": "application/json"})
+            fields = {"client": client_ip, "host": host, "method": req.method}
+            self._answer_refusal(flow, outcome, response, fields)
+            return True
+        judgement = view.judge(port, req.method, request_target(path))
+        if not judgement.denied:
+            return False
+        gate.report(
+            flow.client_conn,
+            client_ip,
+            {
+                "host": host,
+                "port": port,
+                "method": req.method,
+                "path": path.split("?", 1)[0],
+                "reason": judgement.reason,
+                "rule": judgement.rule,
+                "audit": judgement.forward,
+            },
+        )
+        if judgement.forward:
+            emit(
+                "mitm.request_would_refuse",
+                client=client_ip,
+                host=host,
+                method=req.method,
+                reason=judgement.reason,
+            )
+            return False
+        body = refusal_body(view.subject, host, req.method, path, judgement.reason, judgement.rule)
+        outcome = InjectionDecision("refuse", status=403, reason=judgement.reason)
+        response = http.Response.make(403, body, {"Content-Type": "application/json"})
+        fields: dict[str, Any] = {
+            "client": client_ip,
+            "host": host,
+            "method": req.method,
+            "rule": judgement.rule,
+        }
         self._answer_refusal(flow, outcome, response, fields)
         return True
 
@@ -262,4 +339,3 @@ class Injection:
         except Exception as exc:
             emit("mitm.error", hook="request", error=type(exc).__name__)
             flow.kill()
-

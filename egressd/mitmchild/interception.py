@@ -26,6 +26,7 @@ from egressd.mitm.protocol import CONNECTION_EVENT
 from egressd.mitmchild.intercept import (
     REASON_LOOKUP_FAILED,
     REASON_NAME_CHECK,
+    REASON_REQUEST_RULES,
     Decision,
     Verdict,
     http_by_vault,
@@ -36,6 +37,7 @@ from egressd.mitmchild.intercept import (
 )
 from egressd.mitmchild.lookup import LookupFailed
 from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, NameGate, as_name, checked
+from egressd.mitmchild.requestgate import RequestGate
 from egressd.mitmchild.shared import address_of, emit, ip_of
 from egressd.mitmchild.vaults import VaultLookup
 from egressd.vault.snapshot import VaultSnapshot
@@ -51,9 +53,10 @@ def _looks_like_http(data: bytes) -> bool:
 class Interception:
     """``tls_clienthello`` (TLS) and ``next_layer`` (plain HTTP): open the connection or relay it."""
 
-    def __init__(self, vaults: VaultLookup, names: NameGate) -> None:
+    def __init__(self, vaults: VaultLookup, names: NameGate, requests: RequestGate | None = None) -> None:
         self.vaults = vaults
         self.names = names
+        self.requests = requests
         self.ignore: tuple[re.Pattern[str], ...] = ()
 
     def configure(self, updated: set[str]) -> None:
@@ -79,13 +82,17 @@ class Interception:
         dest = address_of(context.server.address)
         sni = data.client_hello.sni
         started = time.perf_counter()
-        if await self._name_refused("tls", context, client_ip, as_name(sni_name(sni)), dest, started, sni=sni):
+        if await self._name_refused(
+            "tls", context, client_ip, as_name(sni_name(sni)), dest, started, sni=sni
+        ):
             return
         verdict = tls_early(sni, dest[1] if dest else None, self.ignore)
         if verdict is None:
             verdict = await self._vault_verdict(
                 context.client, client_ip, lambda snap: tls_by_vault(snap, sni), "decrypt"
             )
+        if not verdict.opens and await self._judged(context, client_ip, sni_name(sni)):
+            verdict = Verdict("decrypt", REASON_REQUEST_RULES)
         self._connection("tls", verdict, started, client=client_ip, sni=(sni or "")[:255] or None, dest=dest)
         if not verdict.opens:
             # mitmproxy relays the ClientHello and everything after it to the original
@@ -144,7 +151,9 @@ class Interception:
         # stack behind the mode layer; HTTP inside decrypted TLS sits deeper and is not ours.
         if context.layers[-1] is not chosen:
             return
-        if isinstance(chosen, layers.TCPLayer) and stack_match(context, [modes.TransparentProxy, layers.TCPLayer]):
+        if isinstance(chosen, layers.TCPLayer) and stack_match(
+            context, [modes.TransparentProxy, layers.TCPLayer]
+        ):
             await self._raw_relay(nextlayer, chosen)
             return
         if not isinstance(chosen, layers.HttpLayer) or not stack_match(
@@ -162,6 +171,8 @@ class Interception:
             verdict = http_early(dest[1] if dest else None)
         if verdict is None:
             verdict = await self._vault_verdict(context.client, client_ip, http_by_vault, "parse")
+        if not verdict.opens and await self._judged(context, client_ip, None, wire="http"):
+            verdict = Verdict("parse", REASON_REQUEST_RULES)
         self._connection("http", verdict, started, client=client_ip, sni=None, dest=dest)
         if not verdict.opens:
             context.layers.remove(chosen)  # the relay replaces it (a layer joins on creation)
@@ -184,7 +195,9 @@ class Interception:
             except ValueError:
                 hello = None
             sni = hello.sni if hello is not None else None
-            await self._name_refused("tls", context, client_ip, as_name(sni_name(sni)), dest, started, sni=sni)
+            await self._name_refused(
+                "tls", context, client_ip, as_name(sni_name(sni)), dest, started, sni=sni
+            )
             return
         if _looks_like_http(data):
             context.layers.remove(chosen)
@@ -195,6 +208,17 @@ class Interception:
             return
         wire = "http" if dest is not None and dest[1] == SCHEME_PORTS["http"] else "tls"
         await self._name_refused(wire, context, client_ip, None, dest, started)
+
+    async def _judged(
+        self, context: Context, client_ip: str | None, name: str | None, *, wire: str = "tls"
+    ) -> bool:
+        """Request rules (docs/reference/behaviour.md §19): must this connection be opened so
+        that its requests are judged? TLS: some rule with methods/paths matches its SNI (no
+        SNI: no domain rule can be about it); plain HTTP (its Host comes later): the subject
+        has such a rule. egressd unreachable: opened (its requests are then refused)."""
+        if self.requests is None or (wire == "tls" and as_name(name) is None):
+            return False
+        return await self.requests.judged(context.client, client_ip, name)
 
     async def _vault_verdict(
         self,
@@ -233,7 +257,6 @@ class Interception:
             port=dest[1] if dest else None,
             lookup_ms=round((time.perf_counter() - started) * 1000, 3),
         )
-
 
     def tls_failed_client(self, data: tls.TlsData) -> None:
         """A client that does not trust the CA, or speaks no TLS the proxy accepts."""
