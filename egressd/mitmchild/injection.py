@@ -233,8 +233,9 @@ class Injection:
             outcome = InjectionDecision("refuse", status=503, reason=REQ_LOOKUP_FAILED)
             body = refusal_body("-", host, req.method, path, REQ_LOOKUP_FAILED, None)
             response = http.Response.make(503, body, {"Content-Type": "application/json"})
-            fields = {"client": client_ip, "host": host, "method": req.method}
-            self._answer_refusal(flow, outcome, response, fields)
+            self._answer_refusal(
+                flow, outcome, response, {"client": client_ip, "host": host, "method": req.method}
+            )
             return True
         judgement = view.judge(port, req.method, request_target(path))
         if not judgement.denied:
