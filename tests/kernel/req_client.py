@@ -69,10 +69,26 @@ def _http1(args: argparse.Namespace) -> dict[str, Any]:
         return {"ok": False, "error": type(exc).__name__, "responses": out}
 
 
+def _h2_event(
+    conn: Any, event: Any, out: dict[int, dict[str, Any]], bodies: dict[int, bytes], done: set[int]
+) -> None:
+    import h2.events
+
+    if isinstance(event, h2.events.ResponseReceived):
+        got = {k.decode(): v.decode() for k, v in event.headers}
+        out[event.stream_id] = {"status": int(got.get(":status", "0"))}
+    elif isinstance(event, h2.events.DataReceived):
+        bodies[event.stream_id] = bodies.get(event.stream_id, b"") + event.data
+        conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+    elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+        done.add(event.stream_id)
+        if isinstance(event, h2.events.StreamReset):
+            out.setdefault(event.stream_id, {"status": 0})
+
+
 def _http2(args: argparse.Namespace) -> dict[str, Any]:
     import h2.config
     import h2.connection
-    import h2.events
 
     wanted = json.loads(args.h2)
     out: dict[int, dict[str, Any]] = {}
@@ -102,16 +118,7 @@ def _http2(args: argparse.Namespace) -> dict[str, Any]:
             if not data:
                 break
             for event in conn.receive_data(data):
-                if isinstance(event, h2.events.ResponseReceived):
-                    got = {k.decode(): v.decode() for k, v in event.headers}
-                    out[event.stream_id] = {"status": int(got.get(":status", "0"))}
-                elif isinstance(event, h2.events.DataReceived):
-                    bodies[event.stream_id] = bodies.get(event.stream_id, b"") + event.data
-                    conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-                elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
-                    done.add(event.stream_id)
-                    if isinstance(event, h2.events.StreamReset):
-                        out.setdefault(event.stream_id, {"status": 0})
+                _h2_event(conn, event, out, bodies, done)
             sock.sendall(conn.data_to_send())
         sock.close()
     except Exception as exc:

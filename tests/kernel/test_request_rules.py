@@ -116,7 +116,7 @@ def h2(t: Topology, sb: int, reqs: list[tuple[str, str] | tuple[str, str, str]])
     for item in reqs:
         method, target = item[0], item[1]
         headers = [[":method", method], [":scheme", "https"], [":authority", "api.x.io"], [":path", target]]
-        spec.append([headers, item[2] if len(item) > 2 else None])  # type: ignore[misc]
+        spec.append([headers, item[2] if len(item) > 2 else None])
     argv = [sys.executable, str(REQ_CLIENT), "--ip", XIO_IP, "--port", "443", "--tls", "--sni", "api.x.io"]
     argv += ["--ca", str(mitm_ca(t)), "--h2", json.dumps(spec)]
     r = t.ns(t.sb(sb), *argv, check=False, timeout=30)
