@@ -97,7 +97,14 @@ def mitm_ca(t: Topology) -> Path:
 
 
 def raw(
-    t: Topology, sb: int, data: bytes, expect: int = 1, *, port: int = 443, sni: str = "api.x.io"
+    t: Topology,
+    sb: int,
+    data: bytes,
+    expect: int = 1,
+    *,
+    port: int = 443,
+    sni: str = "api.x.io",
+    ca: Path | None = None,
 ) -> dict[str, Any]:
     """``data`` sent verbatim on one connection to api.x.io (TLS on 443, trusting the MITM CA)."""
     path = t.workdir / f"req-raw-{time.monotonic_ns()}.bin"
@@ -105,7 +112,7 @@ def raw(
     argv = [sys.executable, str(REQ_CLIENT), "--ip", XIO_IP, "--port", str(port), "--raw", str(path)]
     argv += ["--expect", str(expect)]
     if port == 443:
-        argv += ["--tls", "--sni", sni, "--ca", str(mitm_ca(t))]
+        argv += ["--tls", "--sni", sni, "--ca", str(ca or mitm_ca(t))]
     r = t.ns(t.sb(sb), *argv, check=False, timeout=30)
     out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
     return out
