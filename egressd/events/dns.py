@@ -48,14 +48,14 @@ class DnsEvents:
         if self.webhook is not None:
             self.webhook.publish(name, self._sandbox_id(uid))
 
-    def refused_on_wire(self, uid: str, name: str, rule: str) -> None:
+    def refused_on_wire(self, uid: str, name: str, rule: str, port: int | None = None) -> None:
         """The MITM refused a connection or request of ``uid`` by the name it asked for
         (docs/reference/behaviour.md §18; ``name``: the SNI or Host, or the address when it named none):
         reported like a denied DNS name."""
         if not name:
             return
         if self.denials is not None:
-            self.denials.add(uid, name, rule)
+            self.denials.add(uid, name, rule, port=port)
         if self.webhook is not None:
             self.webhook.publish(name, self._sandbox_id(uid))
 

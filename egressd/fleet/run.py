@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import structlog
 
@@ -25,6 +26,7 @@ from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy, PortAsker
 from egressd.dnsproxy.upstreams import upstreams_or_system
 from egressd.engine.selftest import Probes, SelfTestError, run_selftest
+from egressd.events.suggestion import suggestion
 from egressd.feed import Feed
 from egressd.fleet.config import FleetConfig
 from egressd.fleet.proxyroute import ProxyRouteAPI
@@ -124,6 +126,7 @@ async def run_fleet(cfg: FleetConfig, stop: asyncio.Event | None = None) -> None
             vault_transport=VaultTransport(cfg.vault.require_tls, cfg.vault.trusted_proxies),
             annotate_subjects=visibility.drops.annotate,
             name_check=cfg.mitm.name_check,
+            suggestion=lambda uid: _suggestion(control, visibility, uid),
         )
         await _serve(cfg, http, running, stop)
     finally:
@@ -303,6 +306,15 @@ async def _start_mitm(
     mitm.subscribe(control.feed)  # before anything else is awaited: no narrowing goes unseen
     running.supervise(mitm)
     return mitm
+
+
+def _suggestion(control: ControlPlane, visibility: FleetVisibility, uid: str) -> dict[str, Any] | None:
+    """``egressctl suggest`` (docs/reference/behaviour.md §19): the subject's user policy and its ring."""
+    entry = control.registry.get(uid)
+    if entry is None or entry.policy is None:
+        return None
+    denials = visibility.drops.denials
+    return suggestion(entry.policy, denials.of(uid) if denials is not None else [])
 
 
 async def _serve(cfg: FleetConfig, http: FleetHTTP, running: Running, stop: asyncio.Event | None) -> None:

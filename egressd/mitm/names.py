@@ -76,8 +76,8 @@ class NameRefusals:
         self._counts.pop(uid, None)
 
 
-#: Where a refusal goes besides the count and the log: (uid, name or address, rule label).
-Denied = Callable[[str, str, str], None]
+#: Where a refusal goes besides the count and the log: (uid, name or address, rule label, port).
+Denied = Callable[[str, str, str, int], None]
 
 
 class NameReport:
@@ -101,7 +101,7 @@ class NameReport:
         if not verdict.admit and uid is not None:
             self.refusals.add(uid)
             if self._denied is not None:
-                self._denied(uid, query.name or str(query.dst), verdict.rule)
+                self._denied(uid, query.name or str(query.dst), verdict.rule, query.port)
         suppressed = self._may_log(uid or "-")
         if suppressed is None:
             return
@@ -231,7 +231,10 @@ def add_names_route(app: web.Application, check: Check, report: NameReport | Non
         if query is None:
             return web.Response(status=400, headers={"Cache-Control": "no-store"})
         verdict = answer(check, report, query)
-        body: dict[str, Any] = {"admit": verdict.admit, "reason": verdict.reason.value if verdict.reason else None}
+        body: dict[str, Any] = {
+            "admit": verdict.admit,
+            "reason": verdict.reason.value if verdict.reason else None,
+        }
         ttl = remember_for(verdict, time.monotonic())
         if ttl is not None:
             body["ttl"] = round(ttl, 3)

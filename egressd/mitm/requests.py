@@ -34,6 +34,7 @@ from aiohttp import web
 
 from egressd.addr import IPAddress
 from egressd.mitm.names import NameRefusals, _ip, _port
+from egressd.mitm.protocol import REQUESTS_PATH
 from egressd.policy.audit import new_decision_id, safe_token
 from egressd.policy.evaluate import _matches, normalise_name
 from egressd.policy.model import NetworkPolicy, TargetKind
@@ -42,7 +43,6 @@ from egressd.subject.model import subject_for_uid
 
 log = structlog.get_logger("egressd.mitm")
 
-REQUESTS_PATH: Final = "/_requests"
 MAX_FIELD: Final = 2048
 
 #: The profile's answer: the subject behind (client address, host-uid MITM port) and its

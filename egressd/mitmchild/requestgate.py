@@ -16,7 +16,7 @@ from typing import Final
 from urllib.parse import urlencode
 
 from egressd.feed import port_key
-from egressd.mitm.requests import REQUESTS_PATH
+from egressd.mitm.protocol import REQUESTS_PATH
 from egressd.mitm.seqmap import Stamp
 from egressd.mitmchild.reqview import RuleView, parse_view
 from egressd.mitmchild.shared import emit, listen_port

@@ -244,9 +244,7 @@ class Webhook:
         self.log = t.workdir / f"webhook-{name}.log"
         self.log.write_text("")
         self.url = f"http://{host}:{port}/deny"
-        self.proc = t.spawn(
-            ns, sys.executable, "-c", RECEIVER, str(self.log), host, str(port), ready_line="ready"
-        )
+        self.proc = t.spawn(ns, sys.executable, "-c", RECEIVER, str(self.log), host, str(port), ready_line="ready")
 
     def posts(self) -> list[dict[str, Any]]:
         return [json.loads(ln) for ln in self.log.read_text().splitlines() if ln.strip()]

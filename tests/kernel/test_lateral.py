@@ -87,10 +87,7 @@ def sandbox_ifaces(topo: Topology) -> str:
 
 @pytest.fixture(scope="module", params=[False, True], ids=["plain", "mitm"])
 def lat(request: pytest.FixtureRequest, net: Topology) -> Iterator[Daemon]:
-    env: dict[str, str] = {
-        "EGRESSD_DNS_ADDR": f"0.0.0.0:{DNS_PORT}",
-        "EGRESSD_SANDBOX_IFACES": sandbox_ifaces(net),
-    }
+    env: dict[str, str] = {"EGRESSD_DNS_ADDR": f"0.0.0.0:{DNS_PORT}", "EGRESSD_SANDBOX_IFACES": sandbox_ifaces(net)}
     if request.param:
         env |= {
             "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT": "1",

@@ -104,10 +104,7 @@ def test_both_worker_ports_listen_and_each_is_policed(topo: Topology, workers: D
     assert all(w["ready"] and isinstance(w["pid"], int) for w in ws)
     table = workers.nft("list", "table", "inet", TABLE)
     assert f"tcp dport {MITM_PORT}-{MITM_PORT + 1}" in table
-    assert (
-        "redirect to ip saddr map @mitm_port_v4" in table
-        or "redirect to :ip saddr map @mitm_port_v4" in table
-    )
+    assert "redirect to ip saddr map @mitm_port_v4" in table or "redirect to :ip saddr map @mitm_port_v4" in table
 
 
 def test_each_subject_lands_on_its_own_worker(topo: Topology, workers: Daemon) -> None:

@@ -122,9 +122,7 @@ def test_sni_of_another_name_on_the_shared_address_is_refused_before_the_upstrea
     log_mark = len(fleet.log_text())
     since = mark(cdn)
     spoofed = tls(cdn, 1, CDN_IP, "b.cdn.test")
-    assert not spoofed["ok"] and spoofed["error"] in ("ConnectionResetError", "SSLEOFError", "SSLError"), (
-        spoofed
-    )
+    assert not spoofed["ok"] and spoofed["error"] in ("ConnectionResetError", "SSLEOFError", "SSLError"), spoofed
     assert accepts(cdn, since) == []  # no upstream connection was ever opened
     event = wait_refusal(fleet.log_text, log_mark, name="b.cdn.test")
     assert (event["subject"], event["dst"], event["port"], event["reason"]) == (
@@ -295,11 +293,7 @@ def test_decrypted_connections_are_name_checked_too(cdn: Topology, fleet: Daemon
         vault = {
             "credentials": [{"name": "key", "source": {"type": "inline", "value": "sk-names-5150"}}],
             "bindings": [
-                {
-                    "name": "a",
-                    "match": {"hosts": ["a.cdn.test"]},
-                    "auth": {"type": "bearer", "credential": "key"},
-                }
+                {"name": "a", "match": {"hosts": ["a.cdn.test"]}, "auth": {"type": "bearer", "credential": "key"}}
             ],
         }
         path = cdn.workdir / "names-vault.json"

@@ -213,19 +213,7 @@ def bind_sandbox(d: Daemon, uid: str, pol: object) -> None:
 
 def https_as_a(topo: Topology) -> int:
     """uid A's HTTPS request to the bound API host (intercepted: its own MITM port)."""
-    r = as_uid(
-        topo,
-        A,
-        "curl",
-        "-sk",
-        "-o",
-        "/dev/null",
-        "-m",
-        "3",
-        "--resolve",
-        f"{API}:443:{API_IP}",
-        f"https://{API}/",
-    )
+    r = as_uid(topo, A, "curl", "-sk", "-o", "/dev/null", "-m", "3", "--resolve", f"{API}:443:{API_IP}", f"https://{API}/")
     return r.returncode
 
 

@@ -214,9 +214,7 @@ class Env:
         # base64 copy of what it received, the oracle read below).
         self.rec.add(f"sandbox response headers {ns} {path}", head)
         plain = json.loads(body) if body.startswith(b"{") else {}
-        self.rec.add(
-            f"sandbox response body {ns} {path}", json.dumps({k: v for k, v in plain.items() if k != "seen"})
-        )
+        self.rec.add(f"sandbox response body {ns} {path}", json.dumps({k: v for k, v in plain.items() if k != "seen"}))
         echo = decode_echo(body)
         return (int(code) if code.strip().isdigit() else 0), echo, head
 

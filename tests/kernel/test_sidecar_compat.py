@@ -125,13 +125,7 @@ def test_opensandbox_sdk_drives_the_sidecar(ctopo: Topology, sidecar: Sidecar) -
     assert out["scoped_sdk_read"] == [["allow", "api.x.test"], ["allow", "b.test"]]
     assert out["scoped_after_patch"] == [
         {"action": "allow", "target": "c.test"},
-        {
-            "action": "allow",
-            "target": "api.x.test",
-            "name": "api",
-            "protocol": "https",
-            "ports": [443, "8443-8444"],
-        },
+        {"action": "allow", "target": "api.x.test", "name": "api", "protocol": "https", "ports": [443, "8443-8444"]},
         {"action": "allow", "target": "b.test"},
     ]
     assert out["scoped_bad"][0] == 400 and "egress[0].ports[0]" in out["scoped_bad"][1]

@@ -392,27 +392,10 @@ class Topology:
         return [str(r["dns"]) for r in self.upstream_requests() if "dns" in r]
 
     def dig(
-        self,
-        sb: int,
-        name: str,
-        qtype: str = "A",
-        *,
-        server: str = GATEWAY,
-        tcp: bool = False,
-        tries: int = 1,
+        self, sb: int, name: str, qtype: str = "A", *, server: str = GATEWAY, tcp: bool = False, tries: int = 1
     ) -> tuple[str, list[str]]:
         """(status, answers) of a real dig from sandbox ``sb`` to the gateway's port 53."""
-        args = [
-            "dig",
-            f"@{server}",
-            name,
-            qtype,
-            "+time=2",
-            f"+tries={tries}",
-            "+noall",
-            "+comments",
-            "+answer",
-        ]
+        args = ["dig", f"@{server}", name, qtype, "+time=2", f"+tries={tries}", "+noall", "+comments", "+answer"]
         if tcp:
             args.append("+tcp")
         out = self.ns(self.sb(sb), *args, check=False, timeout=15).stdout
