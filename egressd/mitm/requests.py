@@ -36,7 +36,7 @@ from egressd.addr import IPAddress
 from egressd.mitm.names import NameRefusals, _ip, _port
 from egressd.mitm.protocol import REQUESTS_PATH
 from egressd.policy.audit import new_decision_id, safe_token
-from egressd.policy.evaluate import _matches, normalise_name
+from egressd.policy.evaluate import domain_matches, normalise_name
 from egressd.policy.model import NetworkPolicy, TargetKind
 from egressd.policy.requests import judges_requests
 from egressd.subject.model import subject_for_uid
@@ -70,7 +70,7 @@ def view_of(uid: str, policy: NetworkPolicy, name: str | None) -> dict[str, Any]
         [
             [i, rule.to_json()]
             for i, rule in enumerate(policy.egress)
-            if rule.kind is TargetKind.DOMAIN and _matches(rule.target, host)
+            if rule.kind is TargetKind.DOMAIN and domain_matches(rule.target, host)
         ]
         if doc["judged"]
         else []

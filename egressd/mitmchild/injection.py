@@ -26,7 +26,7 @@ from egressd.mitmchild.names import LOOKUP_FAILED as NAME_LOOKUP_FAILED
 from egressd.mitmchild.names import NameAnswer, NameGate, as_name, checked
 from egressd.mitmchild.requestgate import RequestGate
 from egressd.mitmchild.reqview import LOOKUP_FAILED as REQ_LOOKUP_FAILED
-from egressd.mitmchild.reqview import refusal_body, request_target
+from egressd.mitmchild.reqview import refusal_body, report_doc, request_target
 from egressd.mitmchild.respbody import narrow_accept_encoding
 from egressd.mitmchild.shared import BINDING_META, META, emit, peer_ip, wire_headers
 from egressd.mitmchild.substitute import substitute_body
@@ -216,62 +216,33 @@ class Injection:
         matching its name, port, method and path. Refused: 403 with the JSON body of §19 (503 when
         egressd's view could not be had), before anything reaches the upstream and before any
         credential is injected; reported to egressd after the answer. Audit: a would-deny is
-        reported and forwarded (an operator always-deny is still refused)."""
-        gate = self.requests
-        if gate is None:
+        reported and forwarded (an operator always-deny is still refused). A request without a
+        name (an IP literal, no Host) matches no domain rule: not judged here."""
+        gate, req, name = self.requests, flow.request, as_name(host)
+        if gate is None or name is None:
             return False
-        req = flow.request
-        name = as_name(host)
-        view = await gate.view(flow.client_conn, client_ip, name) if name is not None else None
-        if name is not None and view is not None and not view.judged:
+        view = await gate.view(flow.client_conn, client_ip, name)
+        if view is not None and not view.judged:
             return False
-        if name is None:
-            # No name (an IP literal, no Host): no domain rule can judge it.
-            return False
-        path = req.path
         if view is None:
-            outcome = InjectionDecision("refuse", status=503, reason=REQ_LOOKUP_FAILED)
-            body = refusal_body("-", host, req.method, path, REQ_LOOKUP_FAILED, None)
-            response = http.Response.make(503, body, {"Content-Type": "application/json"})
-            self._answer_refusal(
-                flow, outcome, response, {"client": client_ip, "host": host, "method": req.method}
+            status, subject, reason, rule = 503, "-", REQ_LOOKUP_FAILED, None
+        else:
+            judgement = view.judge(port, req.method, request_target(req.path))
+            if not judgement.denied:
+                return False
+            gate.report(
+                flow.client_conn, client_ip, report_doc(host or "", port, req.method, req.path, judgement)
             )
-            return True
-        judgement = view.judge(port, req.method, request_target(path))
-        if not judgement.denied:
-            return False
-        gate.report(
-            flow.client_conn,
-            client_ip,
-            {
-                "host": host,
-                "port": port,
-                "method": req.method,
-                "path": path.split("?", 1)[0],
-                "reason": judgement.reason,
-                "rule": judgement.rule,
-                "audit": judgement.forward,
-            },
+            if judgement.forward:
+                emit("mitm.request_would_refuse", client=client_ip, host=host, method=req.method)
+                return False
+            status, subject, reason, rule = 403, view.subject, judgement.reason, judgement.rule
+        body = refusal_body(subject, host, req.method, req.path, reason, rule)
+        response = http.Response.make(status, body, {"Content-Type": "application/json"})
+        outcome = InjectionDecision("refuse", status=status, reason=reason)
+        self._answer_refusal(
+            flow, outcome, response, {"client": client_ip, "host": host, "method": req.method}
         )
-        if judgement.forward:
-            emit(
-                "mitm.request_would_refuse",
-                client=client_ip,
-                host=host,
-                method=req.method,
-                reason=judgement.reason,
-            )
-            return False
-        body = refusal_body(view.subject, host, req.method, path, judgement.reason, judgement.rule)
-        outcome = InjectionDecision("refuse", status=403, reason=judgement.reason)
-        response = http.Response.make(403, body, {"Content-Type": "application/json"})
-        fields: dict[str, Any] = {
-            "client": client_ip,
-            "host": host,
-            "method": req.method,
-            "rule": judgement.rule,
-        }
-        self._answer_refusal(flow, outcome, response, fields)
         return True
 
     def _one_authority(

@@ -128,3 +128,17 @@ def refusal_body(
             "rule": rule,
         }
     )
+
+
+def report_doc(host: str, port: int, method: str, path: str, judgement: Judgement) -> dict[str, object]:
+    """What the child reports to egressd (``POST /_requests``) of a refused (or, in audit, a
+    would-refuse) request: no query string, no header value."""
+    return {
+        "host": host,
+        "port": port,
+        "method": method,
+        "path": path.split("?", 1)[0].split("#", 1)[0],
+        "reason": judgement.reason,
+        "rule": judgement.rule,
+        "audit": judgement.forward,
+    }

@@ -23,6 +23,7 @@ import pytest
 from tests.kernel.cdn import (
     CDN_IP,
     DPR,
+    OTHER_IP,
     XIO_IP,
     Webhook,
     allow,
@@ -35,7 +36,7 @@ from tests.kernel.cdn import (
     requests,
     tls,
 )
-from tests.kernel.topology import Daemon, Topology, envelope
+from tests.kernel.topology import REPO, Daemon, Topology, envelope
 
 HTTP_PORT, WEBHOOK_PORT = 18540, 18541
 REQ_CLIENT = Path(__file__).with_name("req_client.py")
@@ -360,3 +361,54 @@ def test_audit_mode_forwards_and_logs_would_denies(cdn: Topology, fleet: Daemon)
             time.sleep(0.1)
     finally:
         fleet.post(envelope("REMOVE_BINDING", "req-audit"))
+
+
+def test_egressctl_suggest_admits_a_scripted_sessions_five_denials(cdn: Topology, fleet: Daemon) -> None:
+    """An agent hits five different denials (a DNS name, an SNI on a shared address, three
+    requests); ``egressctl suggest`` prints a policy that, applied through SET_BINDING as it is,
+    admits each of them, and changes nothing by itself."""
+    uid = "req-suggest"
+    bind(fleet, 2, uid, policy(*VECTOR))
+    try:
+        learn(cdn, 2, "api.x.io", XIO_IP)
+        learn(cdn, 2, "a.cdn.test", CDN_IP)
+        status, _ = cdn.dig(2, "c.cdn.test")
+        assert status == "NXDOMAIN" or status == "REFUSED", status  # 1: a DNS name
+        assert not tls(cdn, 2, CDN_IP, "b.cdn.test")["ok"]  # 2: an SNI on the shared address
+        out = raw(
+            cdn,
+            2,
+            req("DELETE", "/repos/o/r") + req("GET", "/user?page=2") + req("POST", "/repos/o/r/pulls", body=b"{}"),
+            expect=3,
+        )
+        assert statuses(out) == [403, 403, 403], out  # 3, 4, 5: requests
+        r = cdn.ns(
+            cdn.pod,
+            str(REPO / ".venv" / "bin" / "egressctl"),
+            "--addr",
+            f"127.0.0.1:{fleet.port}",
+            "suggest",
+            uid,
+            check=False,
+        )
+        assert r.returncode == 0, r.stderr
+        suggested = json.loads(r.stdout)
+        assert suggested["egress"][-len(VECTOR) :] == [json.loads(json.dumps(x)) for x in VECTOR]
+        assert "page=2" not in r.stdout
+        # Nothing changed by itself.
+        assert statuses(raw(cdn, 2, req("GET", "/user"))) == [403]
+        bind(fleet, 2, uid, suggested)
+        learn(cdn, 2, "c.cdn.test", OTHER_IP)
+        learn(cdn, 2, "b.cdn.test", CDN_IP)
+        assert tls(cdn, 2, CDN_IP, "b.cdn.test")["ok"]
+        since = mark(cdn)
+        out = raw(
+            cdn,
+            2,
+            req("DELETE", "/repos/o/r") + req("GET", "/user?page=2") + req("POST", "/repos/o/r/pulls", body=b"{}"),
+            expect=3,
+        )
+        assert statuses(out) == [200, 200, 200], (suggested, out)
+        assert len(upstream_paths(cdn, since)) == 3
+    finally:
+        fleet.post(envelope("REMOVE_BINDING", uid))
