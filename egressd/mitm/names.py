@@ -102,7 +102,7 @@ class NameReport:
             self.refusals.add(uid)
             if self._denied is not None:
                 self._denied(uid, query.name or str(query.dst), verdict.rule, query.port)
-        suppressed = self._may_log(uid or "-")
+        suppressed = self.may_log(uid or "-")
         if suppressed is None:
             return
         reason = verdict.reason.value if verdict.reason is not None else None
@@ -120,7 +120,7 @@ class NameReport:
             suppressed=suppressed or None,
         )
 
-    def _may_log(self, key: str) -> int | None:
+    def may_log(self, key: str) -> int | None:
         """None: over this second's budget (counted); else how many were suppressed before."""
         second = int(self._clock())
         window, logged, suppressed = self._window.get(key, (second, 0, 0))

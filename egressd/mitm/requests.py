@@ -33,7 +33,7 @@ import structlog
 from aiohttp import web
 
 from egressd.addr import IPAddress
-from egressd.mitm.names import NameRefusals, _ip, _port
+from egressd.mitm.names import NameRefusals, NameReport, _ip, _port
 from egressd.mitm.protocol import REQUESTS_PATH
 from egressd.policy.audit import new_decision_id, safe_token
 from egressd.policy.evaluate import domain_matches, normalise_name
@@ -120,12 +120,17 @@ class RequestRefusals:
     def __init__(self, refusals: NameRefusals, denied: RequestDenied | None = None) -> None:
         self.refusals = refusals
         self._denied = denied
+        # The name check's per-subject log budget (LOG_PER_SECOND), a window of its own.
+        self._lines = NameReport(NameRefusals())
 
     def __call__(self, uid: str, report: RequestReport) -> None:
         if not report.audit:
             self.refusals.add(uid)
             if self._denied is not None:
                 self._denied(uid, report.host, report.port, report.method, report.path)
+        suppressed = self._lines.may_log(uid)
+        if suppressed is None:
+            return
         log.info(
             "mitm.request_would_refuse" if report.audit else "mitm.request_refused",
             subject=safe_token(subject_for_uid(uid)),
@@ -137,6 +142,7 @@ class RequestRefusals:
             rule=report.rule,
             audit=report.audit,
             decision_id=new_decision_id(),
+            suppressed=suppressed or None,
         )
 
 
