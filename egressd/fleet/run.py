@@ -48,6 +48,7 @@ from egressd.mitm.names import NameService
 from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
 from egressd.policy import AlwaysRules, AlwaysRulesError, load_always_rules
 from egressd.policy.reload import AlwaysRulesReloader
+from egressd.policy.requests import intercepted_ports, set_intercepted_ports
 from egressd.vault.keys import KeyDirError, KeyStore
 from egressd.web.serving import ListenError, start_http, wait_for_stop
 from egressd.web.transport import VaultTransport
@@ -80,6 +81,8 @@ def table_config(cfg: FleetConfig, renewal: LeaseRenewal = LeaseRenewal.READD) -
 
 async def run_fleet(cfg: FleetConfig, stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` (or SIGTERM/SIGINT)."""
+    # Request rules only where the MITM judges them (docs/reference/behaviour.md §19): else 400.
+    set_intercepted_ports(intercepted_ports(cfg.mitm.transparent, cfg.mitm.extra_ports))
     try:
         always = load_always_rules(cfg.common.always_rules_dir)
     except AlwaysRulesError as exc:

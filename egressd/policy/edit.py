@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from egressd.policy.idn import IdnaError, to_alabels
 from egressd.policy.model import NetworkPolicy, PolicyError, Rule, json_type, parse_rule
+from egressd.policy.requests import unenforceable_problem
 
 
 def merge_patch(policy: NetworkPolicy, patch_body: object) -> NetworkPolicy:
@@ -82,7 +83,13 @@ def check_rule_cap(policy: NetworkPolicy, cap: int) -> bool:
 
 
 def rule_cap_problem(policy: NetworkPolicy, cap: int) -> str | None:
-    """One-line refusal naming the limit, or None when ``policy`` is within ``cap``."""
+    """One-line refusal naming the limit, or None when ``policy`` is within ``cap``. Also
+    refuses request rules this daemon cannot enforce (docs/reference/behaviour.md §19,
+    :func:`egressd.policy.requests.unenforceable_problem`): every entry point of a user policy
+    checks here."""
+    problem = unenforceable_problem(policy)
+    if problem is not None:
+        return problem
     if check_rule_cap(policy, cap):
         return None
     return f"policy has {len(policy.egress)} rules, more than {RULE_CAP_SETTING}={cap}"

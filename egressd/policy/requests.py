@@ -104,3 +104,40 @@ def _first_match(
         if _rule_matches(rule, port, method, path):
             return RequestDecision(rule.action, i, RequestReason.RULE)
     return RequestDecision(policy.default_action, None, RequestReason.DEFAULT)
+
+
+#: The TCP ports the MITM intercepts, as the running daemon configured it (None: not known, as in
+#: pure callers and tools: no check). Set once at start-up by :func:`set_intercepted_ports`.
+_intercepted: frozenset[int] | None = None
+
+
+def intercepted_ports(mitm: bool, extra: tuple[int, ...]) -> frozenset[int]:
+    """The ports whose requests the MITM can judge: none without it, else 80, 443 and the extras."""
+    return frozenset({80, 443, *extra}) if mitm else frozenset()
+
+
+def set_intercepted_ports(ports: frozenset[int] | None) -> None:
+    """The daemon's MITM: ``frozenset()`` when it is off, else the ports it is redirected
+    (80, 443 and ``OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS``)."""
+    global _intercepted
+    _intercepted = ports
+
+
+def unenforceable_problem(policy: NetworkPolicy, ports: frozenset[int] | None = None) -> str | None:
+    """A one-line 400 reason when some rule's ``methods``/``paths`` could not be enforced by
+    this daemon: without the MITM, or on a port the MITM does not see (its requests would pass
+    unjudged). None when all can be (or nothing is known about the MITM)."""
+    ports = _intercepted if ports is None else ports
+    if ports is None:
+        return None
+    for i, rule in enumerate(policy.egress):
+        if not rule.judges_requests:
+            continue
+        if not ports:
+            return f"egress[{i}]: methods and paths need the MITM (OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT=1)"
+        if any(hi - lo >= len(ports) or not all(p in ports for p in range(lo, hi + 1)) for lo, hi in rule.scope.tcp):
+            return (
+                f"egress[{i}].ports: methods and paths are judged only on ports the MITM intercepts "
+                "(80, 443 and OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS)"
+            )
+    return None

@@ -33,6 +33,7 @@ from egressd.mitm.requests import RequestRefusals
 from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
 from egressd.policy import AlwaysRules, AlwaysRulesError, load_always_rules, rule_cap_problem
 from egressd.policy.reload import AlwaysRulesReloader
+from egressd.policy.requests import intercepted_ports, set_intercepted_ports
 from egressd.sidecar.config import SidecarConfig
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.http import SidecarHTTP, VaultPrerequisites
@@ -78,6 +79,9 @@ async def run_sidecar(
     mitm_ready: Callable[[], bool] = lambda: False,
 ) -> None:
     """Run until ``stop`` (or SIGTERM/SIGINT); ``mitm_ready`` gates vault writes (§6 412)."""
+    # Request rules only where the MITM judges them (docs/reference/behaviour.md §19): else 400;
+    # mode dns redirects nothing to it.
+    set_intercepted_ports(intercepted_ports(cfg.mitm.transparent and cfg.mode != "dns", cfg.mitm.extra_ports))
     always, initial = _initial_policy(cfg)
     upstreams = upstreams_or_system(cfg.dns.upstreams)
     table = table_for(cfg, upstreams)

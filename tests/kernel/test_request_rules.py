@@ -412,3 +412,11 @@ def test_egressctl_suggest_admits_a_scripted_sessions_five_denials(cdn: Topology
         assert len(upstream_paths(cdn, since)) == 3
     finally:
         fleet.post(envelope("REMOVE_BINDING", uid))
+
+
+def test_request_rules_the_mitm_cannot_see_are_refused(fleet: Daemon) -> None:
+    """A rule with methods/paths on a port the MITM does not intercept would pass its requests
+    unjudged: 400 naming the rule, nothing changed."""
+    pol = policy(allow("api.x.io", methods=["GET"], paths=["/repos/*"], ports=[8443]))
+    code, text = fleet.post(envelope("SET_BINDING", "req-8443", ip=Topology.sb_ip(2), policy=pol))
+    assert code == 400 and "egress[0].ports" in text, text

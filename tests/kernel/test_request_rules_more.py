@@ -90,3 +90,17 @@ def test_request_rules_are_enforced_with_the_name_check_off(cdn: Topology) -> No
         d.nft("delete", "table", "inet", d.table, check=False)
         cdn.stop(hook.proc)
         print(d.log_text()[-4000:])
+
+
+def test_without_the_mitm_request_rules_are_refused(cdn: Topology) -> None:
+    d = Daemon(cdn, table="egt-req-nomitm", port=18552, env={})
+    d.start(wait=False)
+    try:
+        d.wait_ready(timeout=30)
+        code, text = d.post(envelope("SET_BINDING", "nomitm", ip=Topology.sb_ip(1), policy=policy(*VECTOR)))
+        assert code == 400 and "need the MITM" in text, text
+        assert d.post(envelope("SET_BINDING", "nomitm", ip=Topology.sb_ip(1), policy=policy())) == (200, "{}")
+    finally:
+        if d.proc is not None:
+            cdn.stop(d.proc)
+        d.nft("delete", "table", "inet", d.table, check=False)

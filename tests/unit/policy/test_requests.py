@@ -199,3 +199,24 @@ def test_readings() -> None:
     assert canonical("//a//b/./c;p/") == "/a/b/c/"
     assert readings("/a") == ("/a",)
     assert readings("/%2e%2e/x") is None and readings("/%252e") is None
+
+
+def test_request_rules_this_daemon_cannot_enforce_are_refused() -> None:
+    """§19 in the daemon: without the MITM, or on a port the MITM does not see, a rule with
+    methods/paths would let its requests pass unjudged: every policy entry point refuses it."""
+    from egressd.policy.edit import rule_cap_problem
+    from egressd.policy.requests import intercepted_ports, set_intercepted_ports, unenforceable_problem
+
+    on_8443 = policy({"action": "allow", "target": "a.io", "methods": ["GET"], "ports": [8443]})
+    plain = policy({"action": "allow", "target": "a.io"})
+    assert unenforceable_problem(on_8443, intercepted_ports(False, ())) is not None
+    assert unenforceable_problem(plain, intercepted_ports(False, ())) is None
+    assert "ports" in (unenforceable_problem(on_8443, intercepted_ports(True, ())) or "")
+    assert unenforceable_problem(on_8443, intercepted_ports(True, (8443,))) is None
+    assert unenforceable_problem(VECTOR, intercepted_ports(True, ())) is None
+    try:
+        set_intercepted_ports(intercepted_ports(False, ()))
+        assert "MITM" in (rule_cap_problem(VECTOR, 0) or "")
+    finally:
+        set_intercepted_ports(None)
+    assert rule_cap_problem(VECTOR, 0) is None
