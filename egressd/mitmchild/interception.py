@@ -27,6 +27,7 @@ from egressd.mitmchild.intercept import (
     REASON_LOOKUP_FAILED,
     REASON_NAME_CHECK,
     REASON_REQUEST_RULES,
+    REASON_REQUESTS_UNSEEN,
     Decision,
     Verdict,
     http_by_vault,
@@ -184,11 +185,13 @@ class Interception:
         is parsed instead (every request's Host is checked), anything else without a name."""
         context = nextlayer.context
         dest = address_of(context.server.address)
-        if not self.names.enabled or (dest is not None and not checked(True, dest[1])):
-            return
         started = time.perf_counter()
         client_ip = ip_of(context.client.peername)
         data = nextlayer.data_client()
+        if await self._relay_judged(nextlayer, chosen, data, client_ip, dest, started):
+            return
+        if not self.names.enabled or (dest is not None and not checked(True, dest[1])):
+            return
         if starts_like_tls_record(data):
             try:
                 hello = parse_client_hello(data)
@@ -219,6 +222,50 @@ class Interception:
         if self.requests is None or (wire == "tls" and as_name(name) is None):
             return False
         return await self.requests.judged(context.client, client_ip, name)
+
+    async def _relay_judged(
+        self,
+        nextlayer: layer.NextLayer,
+        chosen: layers.TCPLayer,
+        data: bytes,
+        client_ip: str | None,
+        dest: tuple[str, int] | None,
+        started: float,
+    ) -> bool:
+        """Request rules (docs/reference/behaviour.md §19) on a connection mitmproxy would relay
+        from its first byte (an ``ignore_hosts`` match): plain HTTP of a subject with request
+        rules is parsed instead, so its requests are judged; TLS to a judged name cannot be, and
+        is refused (reset) rather than relayed unjudged. True when it decided."""
+        if self.requests is None:
+            return False
+        context = nextlayer.context
+        if starts_like_tls_record(data):
+            try:
+                hello = parse_client_hello(data)
+            except ValueError:
+                hello = None
+            sni = hello.sni if hello is not None else None
+            name = as_name(sni_name(sni))
+            if name is None or not await self.requests.judged(context.client, client_ip, name):
+                return False
+            self.names.refuse_connection(context.client, REASON_REQUESTS_UNSEEN)
+            self._connection(
+                "tls",
+                Verdict("refuse", REASON_REQUESTS_UNSEEN),
+                started,
+                client=client_ip,
+                sni=name,
+                dest=dest,
+            )
+            return True
+        if not _looks_like_http(data) or not await self.requests.judged(context.client, client_ip, None):
+            return False
+        context.layers.remove(chosen)
+        nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)
+        self._connection(
+            "http", Verdict("parse", REASON_REQUEST_RULES), started, client=client_ip, sni=None, dest=dest
+        )
+        return True
 
     async def _vault_verdict(
         self,

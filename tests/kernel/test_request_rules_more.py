@@ -104,3 +104,30 @@ def test_without_the_mitm_request_rules_are_refused(cdn: Topology) -> None:
         if d.proc is not None:
             cdn.stop(d.proc)
         d.nft("delete", "table", "inet", d.table, check=False)
+
+
+def test_an_ignored_host_is_never_relayed_unjudged(cdn: Topology) -> None:
+    """OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS makes mitmproxy relay a host from its first
+    byte; request rules on it must still hold: plain HTTP is parsed and judged, TLS (which cannot
+    be judged without decryption) is refused before any upstream connection."""
+    env = {**mitm_env(cdn, "req"), "EGRESSD_NAME_CHECK": "off",
+           "OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS": r"^api\.x\.io"}  # fmt: skip
+    d = Daemon(cdn, table="egt-req-ign", port=18553, env=env)
+    d.start(wait=False)
+    try:
+        d.wait_ready(timeout=30)
+        assert d.post(envelope("SET_BINDING", "ign1", ip=Topology.sb_ip(1), policy=policy(*VECTOR))) == (200, "{}")
+        assert d.post(envelope("LIFECYCLE_HOOK", "ign1", hook=DPR)) == (200, "{}")
+        learn(cdn, 1, "api.x.io", XIO_IP)
+        since = mark(cdn)
+        # The rules are https (443): on 80 no rule matches, the defaultAction refuses.
+        assert statuses(raw(cdn, 1, req("GET", "/user"), port=80)) == [403]
+        assert statuses(raw(cdn, 1, req("GET", "/repos/o/r"), port=80)) == [403]
+        # TLS: judged (decrypted) or refused, never relayed unjudged.
+        out = raw(cdn, 1, req("GET", "/user") + req("DELETE", "/repos/o/r"), expect=2)
+        assert not out["ok"] or statuses(out) == [403, 403], out
+        assert upstream_paths(cdn, since) == []
+    finally:
+        if d.proc is not None:
+            cdn.stop(d.proc)
+        d.nft("delete", "table", "inet", d.table, check=False)
