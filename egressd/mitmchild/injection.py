@@ -21,11 +21,13 @@ from egressd.addr import unmap_ip
 from egressd.mitmchild.authority import normalise_authority, one_authority
 from egressd.mitmchild.inject import decide, find_binding
 from egressd.mitmchild.injectdata import LOOKUP_FAILED, InjectionDecision, Request
+from egressd.mitmchild.intercept import sni_name
 from egressd.mitmchild.lookup import LookupFailed
 from egressd.mitmchild.names import LOOKUP_FAILED as NAME_LOOKUP_FAILED
 from egressd.mitmchild.names import NameAnswer, NameGate, as_name, checked
 from egressd.mitmchild.requestgate import RequestGate
 from egressd.mitmchild.reqview import LOOKUP_FAILED as REQ_LOOKUP_FAILED
+from egressd.mitmchild.reqview import NO_HOST as REQ_NO_HOST
 from egressd.mitmchild.reqview import refusal_body, report_doc, request_target
 from egressd.mitmchild.respbody import narrow_accept_encoding
 from egressd.mitmchild.shared import BINDING_META, META, emit, peer_ip, wire_headers
@@ -66,6 +68,14 @@ def _forward_on_one_authority(req: http.Request) -> None:
             # The raw bytes, round-tripped: ``req.authority`` would be IDNA-decoded to Unicode.
             req.headers.insert(0, "Host", req.data.authority.decode("utf-8", "surrogateescape"))
         req.data.authority = b""
+
+
+def _unnamed(flow: http.HTTPFlow) -> str | None:
+    """The name a request without any authority is for: its connection's SNI (TLS; None when it
+    has none or an IP literal), "" on plain HTTP (no name at all)."""
+    if flow.client_conn.tls:
+        return as_name(sni_name(flow.client_conn.sni))
+    return ""
 
 
 def _destination_unchanged(flow: http.HTTPFlow) -> bool:
@@ -217,15 +227,21 @@ class Injection:
         egressd's view could not be had), before anything reaches the upstream and before any
         credential is injected; reported to egressd after the answer. Audit: a would-deny is
         reported and forwarded (an operator always-deny is still refused). A request without a
-        name (an IP literal, no Host) matches no domain rule: not judged here."""
-        gate, req, name = self.requests, flow.request, as_name(host)
+        name (an IP literal) matches no domain rule: not judged here; one without any authority is
+        judged by its TLS SNI, and refused on plain HTTP for a subject with request rules."""
+        gate, req = self.requests, flow.request
+        name = as_name(host) if host else _unnamed(flow)
         if gate is None or name is None:
             return False
-        view = await gate.view(flow.client_conn, client_ip, name)
+        view = await gate.view(flow.client_conn, client_ip, name or None)
         if view is not None and not view.judged:
             return False
         if view is None:
             status, subject, reason, rule = 503, "-", REQ_LOOKUP_FAILED, None
+        elif not name:
+            # Plain HTTP naming no host at all, of a subject with request rules: the upstream
+            # would pick the host; no rule can be matched, so it is refused.
+            status, subject, reason, rule = 403, view.subject, REQ_NO_HOST, None
         else:
             judgement = view.judge(port, req.method, request_target(req.path))
             if not judgement.denied:

@@ -23,6 +23,8 @@ from egressd.policy.scope import rule_scope
 MAX_DECISIONS: Final = 1024
 #: The reason when egressd's view could not be had (never an admission).
 LOOKUP_FAILED: Final = "request_rules_unavailable"
+#: A plain-HTTP request naming no host, of a subject with request rules.
+NO_HOST: Final = "no_host"
 
 
 @dataclass(frozen=True, slots=True)

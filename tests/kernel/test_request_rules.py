@@ -420,3 +420,12 @@ def test_request_rules_the_mitm_cannot_see_are_refused(fleet: Daemon) -> None:
     pol = policy(allow("api.x.io", methods=["GET"], paths=["/repos/*"], ports=[8443]))
     code, text = fleet.post(envelope("SET_BINDING", "req-8443", ip=Topology.sb_ip(2), policy=pol))
     assert code == 400 and "egress[0].ports" in text, text
+
+
+def test_a_request_without_any_authority_is_judged_by_its_sni(cdn: Topology, fleet: Daemon, sb1: str) -> None:
+    since = mark(cdn)
+    out = raw(cdn, 1, b"GET /user HTTP/1.0\r\n\r\n")
+    assert statuses(out) == [403], out
+    assert out["responses"][0]["body"]["reason"] == "default_action"
+    out = raw(cdn, 1, b"GET /repos/o/r HTTP/1.0\r\n\r\n")
+    assert out["ok"] and ("api.x.io", "/user") not in upstream_paths(cdn, since), out

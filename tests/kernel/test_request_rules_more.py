@@ -81,6 +81,8 @@ def test_request_rules_are_enforced_with_the_name_check_off(cdn: Topology) -> No
         assert statuses(out) == [200, 403], out
         out = raw(cdn, 1, req("GET", "/user"), port=80)
         assert statuses(out) == [403], out
+        out = raw(cdn, 1, b"GET /repos/o/r HTTP/1.0\r\n\r\n", port=80)  # no host at all
+        assert statuses(out) == [403] and out["responses"][0]["body"]["reason"] == "no_host", out
         assert upstream_paths(cdn, since) == [("api.x.io", "/repos/o/r")]
         post = hook.wait_for("api.x.io")
         assert post["method"] in ("DELETE", "GET") and post["sandboxId"] == "off1"
