@@ -79,9 +79,6 @@ async def run_sidecar(
     mitm_ready: Callable[[], bool] = lambda: False,
 ) -> None:
     """Run until ``stop`` (or SIGTERM/SIGINT); ``mitm_ready`` gates vault writes (§6 412)."""
-    # Request rules only where the MITM judges them (docs/reference/behaviour.md §19): else 400;
-    # mode dns redirects nothing to it.
-    set_intercepted_ports(intercepted_ports(cfg.mitm.transparent and cfg.mode != "dns", cfg.mitm.extra_ports))
     always, initial = _initial_policy(cfg)
     upstreams = upstreams_or_system(cfg.dns.upstreams)
     table = table_for(cfg, upstreams)
@@ -144,6 +141,9 @@ def _reloader(cfg: SidecarConfig, always: AlwaysRules, engine: SidecarEngine) ->
 
 def _initial_policy(cfg: SidecarConfig) -> tuple[AlwaysRules, Initial]:
     """The always-rules and the policy to start with; pure checks, before any kernel work."""
+    # Request rules only where the MITM judges them (docs/reference/behaviour.md §19): else 400;
+    # mode dns redirects nothing to it.
+    set_intercepted_ports(intercepted_ports(cfg.mitm.transparent and cfg.mode != "dns", cfg.mitm.extra_ports))
     try:
         always = load_always_rules(cfg.common.always_rules_dir)
     except AlwaysRulesError as exc:
