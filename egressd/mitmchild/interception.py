@@ -142,7 +142,9 @@ class Interception:
             # The HTTP layer stays: its requests are decided by the request hooks. A relay the
             # name check could not decide is refused.
             emit("mitm.error", hook="next_layer", error=type(exc).__name__)
-            if self.names.enabled and isinstance(nextlayer.layer, layers.TCPLayer):
+            # Request rules (§19) may judge it too: undecided, it is refused either way.
+            undecided = self.names.enabled or self.requests is not None
+            if undecided and isinstance(nextlayer.layer, layers.TCPLayer):
                 self.names.refuse_connection(nextlayer.context.client, LOOKUP_FAILED)
 
     async def _next_layer(self, nextlayer: layer.NextLayer) -> None:
