@@ -159,6 +159,20 @@ class DnsLearning:
         )
         return entry.uid, verdict
 
+    def request_policy(self, source_ip: IPAddress, listen_port: int | None) -> tuple[str, NetworkPolicy] | None:
+        """The active subject behind ``source_ip`` (or its host-uid MITM port) and its effective
+        policy, for the MITM's request rules (docs/reference/behaviour.md §19); None: no active
+        subject there (the MITM refuses its requests)."""
+        if listen_port is not None:
+            slot = self._shared.table.uids.slot_of_mitm_port(listen_port)
+            entry = self._shared.registry.resolve_slot(slot) if slot is not None else None
+        else:
+            entry = self._shared.registry.resolve(source_ip)
+        if entry is None or entry.state is not State.ACTIVE or self._closing(entry.uid):
+            return None
+        effective = self._policies.effective_for(entry)
+        return (entry.uid, effective) if effective is not None else None
+
     def _verified(self, entry: Entry | None, host: str, dst: IPAddress) -> bool:
         held = self._verifying(entry)
         return held is not None and self.subjects.verified(*held, host.strip(), unmap_ip(dst))

@@ -57,6 +57,7 @@ from egressd.cli.commands.explain import EXPLAIN
 from egressd.cli.commands.send import SEND
 from egressd.cli.commands.status import STATUS
 from egressd.cli.commands.subjects import SUBJECTS
+from egressd.cli.commands.suggest import SUGGEST
 from egressd.cli.commands.vault import VAULT
 from egressd.cli.commands.watch import WATCH
 from egressd.cli.parser import _add_commands, _add_global_options, _Parser
@@ -85,7 +86,7 @@ def build_parser(commands: Sequence[Command] | None = None) -> argparse.Argument
 
 
 #: Top-level commands, in help order. Further commands are appended via :func:`register`.
-COMMANDS: list[Command] = [STATUS, SUBJECTS, WATCH, EXPLAIN, SEND, VAULT, CA]
+COMMANDS: list[Command] = [STATUS, SUBJECTS, WATCH, EXPLAIN, SUGGEST, SEND, VAULT, CA]
 
 
 def register(command: Command) -> None:

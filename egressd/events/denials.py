@@ -16,18 +16,31 @@ from typing import Any
 
 from egressd.events.webhook import normalise_hostname, timestamp
 
-PER_SUBJECT = 8
+PER_SUBJECT = 32
 MAX_SUBJECTS = 65536
+MAX_PATH = 512
 
 
 @dataclass(frozen=True, slots=True)
 class Denial:
+    """``port``/``method``/``path`` (no query): where known, what ``egressctl suggest`` needs
+    (docs/reference/behaviour.md §19): a refused connection's port, a refused request's method and path."""
+
     name: str
     rule: str
     at: float  # wall clock (seconds since the epoch)
+    port: int | None = None
+    method: str | None = None
+    path: str | None = None
 
     def as_json(self) -> dict[str, Any]:
-        return {"name": self.name, "rule": self.rule, "at": timestamp(self.at)}
+        out: dict[str, Any] = {"name": self.name, "rule": self.rule, "at": timestamp(self.at)}
+        if self.port is not None:
+            out["port"] = self.port
+        if self.method is not None:
+            out["method"] = self.method
+            out["path"] = self.path or "/"
+        return out
 
 
 class RecentDenials:
@@ -42,13 +55,25 @@ class RecentDenials:
         self._clock = clock
         self._rings: dict[str, deque[Denial]] = {}
 
-    def add(self, uid: str, name: str, rule: str) -> None:
+    def add(
+        self,
+        uid: str,
+        name: str,
+        rule: str,
+        *,
+        port: int | None = None,
+        method: str | None = None,
+        path: str | None = None,
+    ) -> None:
         ring = self._rings.get(uid)
         if ring is None:
             if len(self._rings) >= self._max_subjects:
                 del self._rings[next(iter(self._rings))]  # the longest-tracked subject
             ring = self._rings[uid] = deque(maxlen=self._per_subject)
-        ring.append(Denial(normalise_hostname(name)[:253], rule[:64], self._clock()))
+        if path is not None:
+            path = path.split("?", 1)[0][:MAX_PATH]
+        method = method[:32] if method is not None else None
+        ring.append(Denial(normalise_hostname(name)[:253], rule[:64], self._clock(), port, method, path))
 
     def of(self, uid: str) -> list[Denial]:
         """Oldest first."""

@@ -48,16 +48,27 @@ class DnsEvents:
         if self.webhook is not None:
             self.webhook.publish(name, self._sandbox_id(uid))
 
-    def refused_on_wire(self, uid: str, name: str, rule: str) -> None:
+    def refused_on_wire(self, uid: str, name: str, rule: str, port: int | None = None) -> None:
         """The MITM refused a connection or request of ``uid`` by the name it asked for
         (docs/reference/behaviour.md §18; ``name``: the SNI or Host, or the address when it named none):
         reported like a denied DNS name."""
         if not name:
             return
         if self.denials is not None:
-            self.denials.add(uid, name, rule)
+            self.denials.add(uid, name, rule, port=port)
         if self.webhook is not None:
             self.webhook.publish(name, self._sandbox_id(uid))
+
+    def refused_request(self, uid: str, host: str, port: int | None, method: str, path: str) -> None:
+        """The MITM refused a request of ``uid`` by the request rules (docs/reference/behaviour.md
+        §19): kept in the recent denials and posted with its method and path (no query)."""
+        if not host:
+            return
+        path = path.split("?", 1)[0]
+        if self.denials is not None:
+            self.denials.add(uid, host, "request", port=port, method=method, path=path)
+        if self.webhook is not None:
+            self.webhook.publish(host, self._sandbox_id(uid), method, path)
 
     def answer_due(self, uid: str) -> bool:
         """Whether :meth:`answered` would log (lets the proxy skip collecting addresses)."""

@@ -85,9 +85,14 @@ def timestamp(now: float) -> str:
     return datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def payload(hostname: str, when: float, sandbox_id: str) -> bytes:
+def payload(
+    hostname: str, when: float, sandbox_id: str, method: str | None = None, path: str | None = None
+) -> bytes:
     """The POST body. Exactly these four keys: no credential, rule or address ever rides along."""
     doc = {"hostname": hostname, "timestamp": timestamp(when), "source": SOURCE, "sandboxId": sandbox_id}
+    if method is not None:  # a refused request (docs/reference/behaviour.md §19)
+        doc["method"] = method
+        doc["path"] = path or "/"
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -157,13 +162,15 @@ class DenyWebhook:
 
     # ---- producer side (the DNS proxy, on the event loop) --------------------------------------
 
-    def publish(self, hostname: str, sandbox_id: str) -> bool:
+    def publish(
+        self, hostname: str, sandbox_id: str, method: str | None = None, path: str | None = None
+    ) -> bool:
         """Queue one event; False (counted, at most one warning a second) when the queue is full."""
         host = normalise_hostname(hostname)
         if not host:
             return False
         try:
-            self._queue.put_nowait(payload(host, self._clock(), sandbox_id))
+            self._queue.put_nowait(payload(host, self._clock(), sandbox_id, method, path))
         except asyncio.QueueFull:
             self.dropped += 1
             if self.metrics is not None:

@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import structlog
 
@@ -25,6 +26,7 @@ from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.server import DnsProxy, PortAsker
 from egressd.dnsproxy.upstreams import upstreams_or_system
 from egressd.engine.selftest import Probes, SelfTestError, run_selftest
+from egressd.events.suggestion import suggestion
 from egressd.feed import Feed
 from egressd.fleet.config import FleetConfig
 from egressd.fleet.proxyroute import ProxyRouteAPI
@@ -46,6 +48,7 @@ from egressd.mitm.names import NameService
 from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
 from egressd.policy import AlwaysRules, AlwaysRulesError, load_always_rules
 from egressd.policy.reload import AlwaysRulesReloader
+from egressd.policy.requests import intercepted_ports, set_intercepted_ports
 from egressd.vault.keys import KeyDirError, KeyStore
 from egressd.web.serving import ListenError, start_http, wait_for_stop
 from egressd.web.transport import VaultTransport
@@ -79,6 +82,8 @@ def table_config(cfg: FleetConfig, renewal: LeaseRenewal = LeaseRenewal.READD) -
 
 async def run_fleet(cfg: FleetConfig, stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` (or SIGTERM/SIGINT)."""
+    # Request rules only where the MITM judges them (docs/reference/behaviour.md §19): else 400.
+    set_intercepted_ports(intercepted_ports(cfg.mitm.transparent, cfg.mitm.extra_ports))
     try:
         always = load_always_rules(cfg.common.always_rules_dir)
     except AlwaysRulesError as exc:
@@ -125,6 +130,7 @@ async def run_fleet(cfg: FleetConfig, stop: asyncio.Event | None = None) -> None
             vault_transport=VaultTransport(cfg.vault.require_tls, cfg.vault.trusted_proxies),
             annotate_subjects=visibility.drops.annotate,
             name_check=cfg.mitm.name_check,
+            suggestion=lambda uid: _suggestion(control, visibility, uid),
         )
         await _serve(cfg, http, running, stop)
     finally:
@@ -295,6 +301,8 @@ async def _start_mitm(
             names=NameService(
                 lambda q: control.learning.check_name(q.client, q.listen_port, q.wire, q.name, q.dst, q.port),
                 visibility.names,
+                policy_of=control.learning.request_policy,
+                request_report=visibility.requests,
             ),
         )
     except MitmStartupError as exc:
@@ -302,6 +310,15 @@ async def _start_mitm(
     mitm.subscribe(control.feed)  # before anything else is awaited: no narrowing goes unseen
     running.supervise(mitm)
     return mitm
+
+
+def _suggestion(control: ControlPlane, visibility: FleetVisibility, uid: str) -> dict[str, Any] | None:
+    """``egressctl suggest`` (docs/reference/behaviour.md §19): the subject's user policy and its ring."""
+    entry = control.registry.get(uid)
+    if entry is None or entry.policy is None:
+        return None
+    denials = visibility.drops.denials
+    return suggestion(entry.policy, denials.of(uid) if denials is not None else [])
 
 
 async def _serve(cfg: FleetConfig, http: FleetHTTP, running: Running, stop: asyncio.Event | None) -> None:

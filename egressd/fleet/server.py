@@ -64,7 +64,10 @@ class FleetHTTP:
         before_scrape: Callable[[], Awaitable[None]] | None = None,
         vault_transport: VaultTransport | None = None,
         annotate_subjects: Callable[[list[dict[str, Any]]], Awaitable[dict[str, Any]]] | None = None,
+        suggestion: Callable[[str], dict[str, Any] | None] | None = None,
     ) -> None:
+        # egressctl suggest (docs/reference/behaviour.md §19): uid -> a policy, None when unknown.
+        self._suggestion = suggestion
         self.proxy = proxy
         self.vault_transport = vault_transport or VaultTransport()
         # Adds kernel drop counts and recent denials to /v1/subjects (docs/reference/behaviour.md §15).
@@ -103,6 +106,7 @@ class FleetHTTP:
         app.router.add_route("*", "/metrics", self.metrics_handler)
         app.router.add_route("*", "/v1/subjects", self.subjects)
         app.router.add_route("*", "/v1/explain", self.explain)
+        app.router.add_route("*", "/v1/subjects/{uid}/suggestion", self.suggestion)
         app.router.add_route("*", MITM_CA_PATH, self.mitm_ca)
         if self.proxy is not None:
             for path in (
@@ -193,6 +197,15 @@ class FleetHTTP:
             charset="utf-8",
             headers={"X-Content-Type-Options": "nosniff"},
         )
+
+    async def suggestion(self, request: web.Request) -> web.Response:
+        """A policy that would have admitted the subject's recent denials (read-only)."""
+        if request.method != "GET":
+            return text(405, "method not allowed", headers={"Allow": "GET"})
+        doc = self._suggestion(request.match_info["uid"]) if self._suggestion is not None else None
+        if doc is None:
+            return text(404, "no active subject with that uid")
+        return web.json_response(doc)
 
     async def subjects(self, request: web.Request) -> web.Response:
         """Operator view for egressctl (loopback only, like the rest of the fleet API)."""

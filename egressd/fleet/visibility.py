@@ -21,6 +21,7 @@ from egressd.fleet.audit import AuditEvidence
 from egressd.fleet.drops import CounterDump, DropCounters
 from egressd.metrics import EgressMetrics
 from egressd.mitm.names import NameRefusals, NameReport
+from egressd.mitm.requests import RequestRefusals
 from egressd.subject.registry import Entry
 
 log = structlog.get_logger("egressd.visibility")
@@ -33,6 +34,7 @@ class FleetVisibility:
     events: DnsEvents
     webhook: DenyWebhook | None
     names: NameReport  # the MITM's name-check refusals (docs/reference/behaviour.md §18)
+    requests: RequestRefusals  # the MITM's request-rule refusals (docs/reference/behaviour.md §19)
 
     async def before_scrape(self) -> None:
         # Both read through one CounterDump: started together, they share a single dump.
@@ -61,10 +63,12 @@ def fleet_visibility(
     # mode leaves it empty).
     events = DnsEvents(webhook=webhook, denials=denials, sandbox_id=lambda uid: uid)
     names = NameReport(NameRefusals(), events.refused_on_wire)
+    requests = RequestRefusals(names.refusals, events.refused_request)
     return FleetVisibility(
         audit=AuditEvidence(metrics, counters, entries),
         drops=DropCounters(metrics, counters, entries, denials, names=names),
         events=events,
         webhook=webhook,
         names=names,
+        requests=requests,
     )

@@ -40,6 +40,7 @@ from aiohttp import web
 from egressd.addr import IPAddress, unmap_ip
 from egressd.mitm.names import NameService, add_names_route
 from egressd.mitm.protocol import ACTIVE_PATH, DESTINATION_HEADER, DESTINATION_TTL_HEADER, bare_etag
+from egressd.mitm.requests import add_requests_route
 from egressd.vault.snapshot import VaultSnapshot
 
 Lookup = Callable[[IPAddress], VaultSnapshot | None]
@@ -142,6 +143,8 @@ def active_app(
     verify: Verify | None = None,
     by_port: PortVaults | None = None,
     names: NameService | None = None,
+    *,
+    name_check: bool = True,
 ) -> web.Application:
     """The private socket's routes: ``_active`` and, with ``names``, the name check
     (:mod:`egressd.mitm.names`, docs/reference/behaviour.md §18)."""
@@ -176,6 +179,8 @@ def active_app(
 
     app = web.Application()
     app.router.add_route("*", ACTIVE_PATH, handle)
-    if names is not None:
+    if names is not None and name_check:
         add_names_route(app, names.check, names.report)
+    if names is not None and names.policy_of is not None:
+        add_requests_route(app, names.policy_of, names.request_report)
     return app

@@ -80,8 +80,8 @@ class NameRefusals:
         self._counts.pop(uid, None)
 
 
-#: Where a refusal goes besides the count and the log: (uid, name or address, rule label).
-Denied = Callable[[str, str, str], None]
+#: Where a refusal goes besides the count and the log: (uid, name or address, rule label, port).
+Denied = Callable[[str, str, str, int], None]
 
 
 class NameReport:
@@ -105,8 +105,8 @@ class NameReport:
         if not verdict.admit and uid is not None:
             self.refusals.add(uid)
             if self._denied is not None:
-                self._denied(uid, query.name or str(query.dst), verdict.rule)
-        suppressed = self._may_log(uid or "-")
+                self._denied(uid, query.name or str(query.dst), verdict.rule, query.port)
+        suppressed = self.may_log(uid or "-")
         if suppressed is None:
             return
         reason = verdict.reason.value if verdict.reason is not None else None
@@ -124,7 +124,7 @@ class NameReport:
             suppressed=suppressed or None,
         )
 
-    def _may_log(self, key: str) -> int | None:
+    def may_log(self, key: str) -> int | None:
         """None: over this second's budget (counted); else how many were suppressed before."""
         second = int(self._clock())
         window, logged, suppressed = self._window.get(key, (second, 0, 0))
@@ -231,6 +231,10 @@ class NameService:
 
     check: Check
     report: NameReport | None = None
+    # Request rules (docs/reference/behaviour.md §19, :mod:`egressd.mitm.requests`): served
+    # whether or not the name check is on.
+    policy_of: Any = None  # egressd.mitm.requests.PolicyOf
+    request_report: Any = None  # egressd.mitm.requests.RequestRefusals
 
 
 def add_names_route(app: web.Application, check: Check, report: NameReport | None) -> None:
@@ -241,7 +245,10 @@ def add_names_route(app: web.Application, check: Check, report: NameReport | Non
         if query is None:
             return web.Response(status=400, headers={"Cache-Control": "no-store"})
         verdict = answer(check, report, query)
-        body: dict[str, Any] = {"admit": verdict.admit, "reason": verdict.reason.value if verdict.reason else None}
+        body: dict[str, Any] = {
+            "admit": verdict.admit,
+            "reason": verdict.reason.value if verdict.reason else None,
+        }
         ttl = remember_for(verdict, time.monotonic())
         if ttl is not None:
             body["ttl"] = round(ttl, 3)

@@ -32,13 +32,18 @@ from egressd.feed import port_key
 LISTEN_FDS_ENV: Final = "EGRESSD_MITM_LISTEN_FDS"
 
 READY_EVENT = "mitm.ready"  # the addon's JSON line once its listener is bound
-CACHE_EVENT = "mitm.cache"  # the child's snapshot cache size, whenever it changed (docs/reference/behaviour.md §14.9)
+CACHE_EVENT = (
+    "mitm.cache"  # the child's snapshot cache size, whenever it changed (docs/reference/behaviour.md §14.9)
+)
 #: The addon's JSON line for every connection decision (the supervisor counts and logs it).
 CONNECTION_EVENT: Final = "mitm.connection"
 
 ACTIVE_PATH = "/credential-vault/_active"
 #: The name check (docs/reference/behaviour.md §18): may this SNI / Host reach that address?
 NAMES_PATH: Final = "/_names"
+#: Request rules (docs/reference/behaviour.md §19, :mod:`egressd.mitm.requests`): GET a subject's
+#: view for a name, POST a refusal report.
+REQUESTS_PATH: Final = "/_requests"
 DESTINATION_HEADER = "X-Egressd-Destination"
 DESTINATION_TTL_HEADER = "X-Egressd-Destination-Ttl"
 

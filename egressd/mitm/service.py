@@ -125,6 +125,14 @@ def _ca_keeper(cfg: MitmConfig) -> CaKeeper:
     return keeper
 
 
+def _private_app(
+    cfg: MitmConfig, lookup: Lookup, verify: Verify, by_port: PortVaults | None, names: NameService | None
+) -> web.Application:
+    """The private socket's routes; the name check's only when it is on, request rules' always
+    (docs/reference/behaviour.md §18, §19)."""
+    return active_app(lookup, verify, by_port, names, name_check=cfg.name_check)
+
+
 async def start_mitm(
     cfg: MitmConfig,
     lookup: Lookup,
@@ -169,7 +177,7 @@ async def start_mitm(
             sock.unlink()
     except OSError as exc:
         raise MitmStartupError(f"OPENSANDBOX_CREDENTIAL_PROXY_SOCKET: {sock}: {exc.strerror}") from None
-    active = web.AppRunner(active_app(lookup, verify, by_port, names if cfg.name_check else None), access_log=None, handle_signals=False)
+    active = web.AppRunner(_private_app(cfg, lookup, verify, by_port, names), access_log=None, handle_signals=False)
     await active.setup()
     try:
         await web.UnixSite(active, str(sock)).start()

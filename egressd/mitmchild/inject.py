@@ -48,7 +48,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
-from urllib.parse import unquote
 
 from egressd.mitmchild.authority import dns_name, normalise_authority
 from egressd.mitmchild.injectdata import (
@@ -70,6 +69,7 @@ from egressd.mitmchild.injectdata import (
 from egressd.mitmchild.redact import MARKER, compile_needles, redact_str
 from egressd.mitmchild.substitute import encoded_replacements, substitute, substitute_body
 from egressd.policy.evaluate import domain_matches
+from egressd.policy.reqpath import decode_layers, structural_problem
 from egressd.vault.snapshot import ActiveBinding, VaultSnapshot
 from egressd.vault.types import SCHEME_PORTS
 
@@ -211,34 +211,6 @@ def _hop_by_hop_problem(headers: Sequence[tuple[str, str]]) -> bool:
 # --------------------------------------------------------------------------------------------
 # Path tricks
 
-_MAX_DECODE_LAYERS: Final = 8
-
-
-def _has_dot_dot_segment(path: str) -> bool:
-    """A ``..`` segment, also with ``;params`` (``..;`` is ``..`` to some servers)."""
-    return any(segment.split(";", 1)[0] == ".." for segment in path.split("/"))
-
-
-def _decode_layers(path: str) -> list[str] | None:
-    """``[path, decoded once, decoded twice, ...]`` until percent-decoding changes nothing;
-    None if it still changes after :data:`_MAX_DECODE_LAYERS` rounds."""
-    layers = [path]
-    for _ in range(_MAX_DECODE_LAYERS):
-        decoded = unquote(layers[-1], errors="surrogateescape")
-        if decoded == layers[-1]:
-            return layers
-        layers.append(decoded)
-    return None
-
-
-def _structural_problem(layers: list[str] | None, *, allow_nested: bool) -> bool:
-    if layers is None:
-        return True
-    if any("\\" in layer or _has_dot_dot_segment(layer) for layer in layers):
-        return True
-    return not allow_nested and len(layers) > 2
-
-
 def path_problem(path: str) -> bool:
     """True when ``path`` (query already dropped) could mean another path to the server than
     the one the binding matched: a ``..`` segment (raw or percent-encoded, at any encoding
@@ -246,7 +218,7 @@ def path_problem(path: str) -> bool:
     encoding (an escape that survives one decoding: ``%252f``, ``%2541``). One layer of
     ``%2f`` passes here; :func:`decide` refuses it when decoding changes the matched
     bindings."""
-    return _structural_problem(_decode_layers(path), allow_nested=False)
+    return structural_problem(decode_layers(path), allow_nested=False)
 
 
 def _path_refused(
@@ -254,8 +226,8 @@ def _path_refused(
 ) -> bool:
     """A structural problem, or the set of matching bindings differs from ``expected`` for
     the path as sent or at any decoding depth (the "decoding changes the binding" rule)."""
-    layers = _decode_layers(path)
-    if layers is None or _structural_problem(layers, allow_nested=allow_nested):
+    layers = decode_layers(path)
+    if layers is None or structural_problem(layers, allow_nested=allow_nested):
         return True
     return any(set(_matches(bindings, target, layer)) != expected for layer in layers)
 

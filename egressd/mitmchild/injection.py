@@ -21,9 +21,14 @@ from egressd.addr import unmap_ip
 from egressd.mitmchild.authority import normalise_authority, one_authority
 from egressd.mitmchild.inject import decide, find_binding
 from egressd.mitmchild.injectdata import LOOKUP_FAILED, InjectionDecision, Request
+from egressd.mitmchild.intercept import sni_name
 from egressd.mitmchild.lookup import LookupFailed
 from egressd.mitmchild.names import LOOKUP_FAILED as NAME_LOOKUP_FAILED
 from egressd.mitmchild.names import NameAnswer, NameGate, as_name, checked
+from egressd.mitmchild.requestgate import RequestGate
+from egressd.mitmchild.reqview import LOOKUP_FAILED as REQ_LOOKUP_FAILED
+from egressd.mitmchild.reqview import NO_HOST as REQ_NO_HOST
+from egressd.mitmchild.reqview import refusal_body, report_doc, request_target
 from egressd.mitmchild.respbody import narrow_accept_encoding
 from egressd.mitmchild.shared import BINDING_META, META, emit, peer_ip, wire_headers
 from egressd.mitmchild.substitute import substitute_body
@@ -65,6 +70,14 @@ def _forward_on_one_authority(req: http.Request) -> None:
         req.data.authority = b""
 
 
+def _unnamed(flow: http.HTTPFlow) -> str | None:
+    """The name a request without any authority is for: its connection's SNI (TLS; None when it
+    has none or an IP literal), "" on plain HTTP (no name at all)."""
+    if flow.client_conn.tls:
+        return as_name(sni_name(flow.client_conn.sni))
+    return ""
+
+
 def _destination_unchanged(flow: http.HTTPFlow) -> bool:
     """Transparent mode: the request goes to ``(request.host, request.port)``, which mitmproxy
     set from the connection's original destination (``server_conn.address``), the address
@@ -96,9 +109,12 @@ class Injection:
     """Every intercepted request decided in ``requestheaders`` (headers, path, query), its body
     substituted in ``request``; refused before anything reaches the upstream."""
 
-    def __init__(self, vaults: VaultLookup, names: NameGate | None = None) -> None:
+    def __init__(
+        self, vaults: VaultLookup, names: NameGate | None = None, requests: RequestGate | None = None
+    ) -> None:
         self.vaults = vaults
         self.names = names
+        self.requests = requests
         self.body_redaction = True  # egressd_body_redaction (EGRESSD_MITM_BODY_REDACTION)
 
     def configure(self, updated: set[str]) -> None:
@@ -129,6 +145,8 @@ class Injection:
         # as written (egressd refuses it as no DNS name), never as "no name".
         asked = host if norm is not None or not authority else authority
         if await self._name_refused(flow, client_ip, asked, dest):
+            return
+        if await self._request_refused(flow, client_ip, host, port):
             return
         assert self.vaults.client is not None
         try:
@@ -195,8 +213,55 @@ class Injection:
         body = json.dumps({"error": "egress_denied", "host": host, "reason": reason})
         outcome = InjectionDecision("refuse", status=status, reason=reason)
         response = http.Response.make(status, body, {"Content-Type": "application/json"})
-        fields = {"client": client_ip, "host": host, "dst": dest[0] if dest else None, "method": flow.request.method}
+        fields = {
+            "client": client_ip,
+            "host": host,
+            "dst": dest[0] if dest else None,
+            "method": flow.request.method,
+        }
         self._answer_refusal(flow, outcome, response, fields)
+        return True
+
+    async def _request_refused(
+        self, flow: http.HTTPFlow, client_ip: str | None, host: str | None, port: int
+    ) -> bool:
+        """Request rules (docs/reference/behaviour.md §19): decide this request by the first rule
+        matching its name, port, method and path. Refused: 403 with the JSON body of §19 (503 when
+        egressd's view could not be had), before anything reaches the upstream and before any
+        credential is injected; reported to egressd after the answer. Audit: a would-deny is
+        reported and forwarded (an operator always-deny is still refused). A request without a
+        name (an IP literal) matches no domain rule: not judged here; one without any authority is
+        judged by its TLS SNI, and refused on plain HTTP for a subject with request rules."""
+        gate, req = self.requests, flow.request
+        name = as_name(host) if host else _unnamed(flow)
+        if gate is None or name is None:
+            return False
+        view = await gate.view(flow.client_conn, client_ip, name or None)
+        if view is not None and not view.judged:
+            return False
+        if view is None:
+            status, subject, reason, rule = 503, "-", REQ_LOOKUP_FAILED, None
+        elif not name:
+            # Plain HTTP naming no host at all, of a subject with request rules: the upstream
+            # would pick the host; no rule can be matched, so it is refused.
+            status, subject, reason, rule = 403, view.subject, REQ_NO_HOST, None
+        else:
+            judgement = view.judge(port, req.method, request_target(req.path))
+            if not judgement.denied:
+                return False
+            gate.report(
+                flow.client_conn, client_ip, report_doc(host or "", port, req.method, req.path, judgement)
+            )
+            if judgement.forward:
+                emit("mitm.request_would_refuse", client=client_ip, host=host, method=req.method)
+                return False
+            status, subject, reason, rule = 403, view.subject, judgement.reason, judgement.rule
+        body = refusal_body(subject, host, req.method, req.path, reason, rule)
+        response = http.Response.make(status, body, {"Content-Type": "application/json"})
+        outcome = InjectionDecision("refuse", status=status, reason=reason)
+        self._answer_refusal(
+            flow, outcome, response, {"client": client_ip, "host": host, "method": req.method}
+        )
         return True
 
     def _one_authority(
@@ -265,4 +330,3 @@ class Injection:
         except Exception as exc:
             emit("mitm.error", hook="request", error=type(exc).__name__)
             flow.kill()
-

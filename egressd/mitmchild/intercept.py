@@ -46,6 +46,8 @@ __all__ = [
     "REASON_NO_SNI",
     "REASON_NO_VAULT",
     "REASON_PORT",
+    "REASON_REQUESTS_UNSEEN",
+    "REASON_REQUEST_RULES",
     "Verdict",
     "http_by_vault",
     "http_early",
@@ -66,6 +68,10 @@ REASON_NO_HTTP_BINDING: Final = "no http binding"
 REASON_PORT: Final = "not the scheme's port: no binding can match"
 REASON_LOOKUP_FAILED: Final = "vault lookup failed: opened so that its requests are refused"
 REASON_NAME_CHECK: Final = "plain HTTP on a name-checked port: every request's Host is checked"
+
+REASON_REQUEST_RULES: Final = "a rule with methods/paths matches the name: its requests are judged"
+
+REASON_REQUESTS_UNSEEN: Final = "an ignored host that request rules judge: refused, never relayed unjudged"
 
 Decision = Literal["decrypt", "parse", "passthrough", "refuse"]
 

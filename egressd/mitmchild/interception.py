@@ -26,6 +26,8 @@ from egressd.mitm.protocol import CONNECTION_EVENT
 from egressd.mitmchild.intercept import (
     REASON_LOOKUP_FAILED,
     REASON_NAME_CHECK,
+    REASON_REQUEST_RULES,
+    REASON_REQUESTS_UNSEEN,
     Decision,
     Verdict,
     http_by_vault,
@@ -36,6 +38,7 @@ from egressd.mitmchild.intercept import (
 )
 from egressd.mitmchild.lookup import LookupFailed
 from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, NameGate, as_name, checked
+from egressd.mitmchild.requestgate import RequestGate
 from egressd.mitmchild.shared import address_of, emit, ip_of
 from egressd.mitmchild.vaults import VaultLookup
 from egressd.vault.snapshot import VaultSnapshot
@@ -51,9 +54,10 @@ def _looks_like_http(data: bytes) -> bool:
 class Interception:
     """``tls_clienthello`` (TLS) and ``next_layer`` (plain HTTP): open the connection or relay it."""
 
-    def __init__(self, vaults: VaultLookup, names: NameGate) -> None:
+    def __init__(self, vaults: VaultLookup, names: NameGate, requests: RequestGate | None = None) -> None:
         self.vaults = vaults
         self.names = names
+        self.requests = requests
         self.ignore: tuple[re.Pattern[str], ...] = ()
 
     def configure(self, updated: set[str]) -> None:
@@ -79,13 +83,17 @@ class Interception:
         dest = address_of(context.server.address)
         sni = data.client_hello.sni
         started = time.perf_counter()
-        if await self._name_refused("tls", context, client_ip, as_name(sni_name(sni)), dest, started, sni=sni):
+        if await self._name_refused(
+            "tls", context, client_ip, as_name(sni_name(sni)), dest, started, sni=sni
+        ):
             return
         verdict = tls_early(sni, dest[1] if dest else None, self.ignore)
         if verdict is None:
             verdict = await self._vault_verdict(
                 context.client, client_ip, lambda snap: tls_by_vault(snap, sni), "decrypt"
             )
+        if not verdict.opens and await self._judged(context, client_ip, sni_name(sni)):
+            verdict = Verdict("decrypt", REASON_REQUEST_RULES)
         self._connection("tls", verdict, started, client=client_ip, sni=(sni or "")[:255] or None, dest=dest)
         if not verdict.opens:
             # mitmproxy relays the ClientHello and everything after it to the original
@@ -134,7 +142,9 @@ class Interception:
             # The HTTP layer stays: its requests are decided by the request hooks. A relay the
             # name check could not decide is refused.
             emit("mitm.error", hook="next_layer", error=type(exc).__name__)
-            if self.names.enabled and isinstance(nextlayer.layer, layers.TCPLayer):
+            # Request rules (§19) may judge it too: undecided, it is refused either way.
+            undecided = self.names.enabled or self.requests is not None
+            if undecided and isinstance(nextlayer.layer, layers.TCPLayer):
                 self.names.refuse_connection(nextlayer.context.client, LOOKUP_FAILED)
 
     async def _next_layer(self, nextlayer: layer.NextLayer) -> None:
@@ -144,7 +154,9 @@ class Interception:
         # stack behind the mode layer; HTTP inside decrypted TLS sits deeper and is not ours.
         if context.layers[-1] is not chosen:
             return
-        if isinstance(chosen, layers.TCPLayer) and stack_match(context, [modes.TransparentProxy, layers.TCPLayer]):
+        if isinstance(chosen, layers.TCPLayer) and stack_match(
+            context, [modes.TransparentProxy, layers.TCPLayer]
+        ):
             await self._raw_relay(nextlayer, chosen)
             return
         if not isinstance(chosen, layers.HttpLayer) or not stack_match(
@@ -162,6 +174,8 @@ class Interception:
             verdict = http_early(dest[1] if dest else None)
         if verdict is None:
             verdict = await self._vault_verdict(context.client, client_ip, http_by_vault, "parse")
+        if not verdict.opens and await self._judged(context, client_ip, None, wire="http"):
+            verdict = Verdict("parse", REASON_REQUEST_RULES)
         self._connection("http", verdict, started, client=client_ip, sni=None, dest=dest)
         if not verdict.opens:
             context.layers.remove(chosen)  # the relay replaces it (a layer joins on creation)
@@ -173,17 +187,20 @@ class Interception:
         is parsed instead (every request's Host is checked), anything else without a name."""
         context = nextlayer.context
         dest = address_of(context.server.address)
-        if not self.names.enabled or (dest is not None and not checked(True, dest[1])):
-            return
         started = time.perf_counter()
         client_ip = ip_of(context.client.peername)
         data = nextlayer.data_client()
-        if _undecided(data):
+        checks = self.names.enabled and (dest is None or checked(True, dest[1]))
+        if checks and _undecided(data):
             # Too few bytes to tell TLS or HTTP from anything else (a ClientHello or a request
             # line split after its first bytes): decide nothing yet. mitmproxy asks again when
             # more data arrives; no upstream connection is opened meanwhile.
             context.layers.remove(chosen)
             nextlayer.layer = None
+            return
+        if await self._relay_judged(nextlayer, chosen, data, client_ip, dest, started):
+            return
+        if not checks:
             return
         if starts_like_tls_record(data):
             try:
@@ -191,7 +208,9 @@ class Interception:
             except ValueError:
                 hello = None
             sni = hello.sni if hello is not None else None
-            await self._name_refused("tls", context, client_ip, as_name(sni_name(sni)), dest, started, sni=sni)
+            await self._name_refused(
+                "tls", context, client_ip, as_name(sni_name(sni)), dest, started, sni=sni
+            )
             return
         if _looks_like_http(data):
             context.layers.remove(chosen)
@@ -202,6 +221,61 @@ class Interception:
             return
         wire = "http" if dest is not None and dest[1] == SCHEME_PORTS["http"] else "tls"
         await self._name_refused(wire, context, client_ip, None, dest, started)
+
+    async def _judged(
+        self, context: Context, client_ip: str | None, name: str | None, *, wire: str = "tls"
+    ) -> bool:
+        """Request rules (docs/reference/behaviour.md §19): must this connection be opened so
+        that its requests are judged? TLS: some rule with methods/paths matches its SNI (no
+        SNI: no domain rule can be about it); plain HTTP (its Host comes later): the subject
+        has such a rule. egressd unreachable: opened (its requests are then refused)."""
+        if self.requests is None or (wire == "tls" and as_name(name) is None):
+            return False
+        return await self.requests.judged(context.client, client_ip, name)
+
+    async def _relay_judged(
+        self,
+        nextlayer: layer.NextLayer,
+        chosen: layers.TCPLayer,
+        data: bytes,
+        client_ip: str | None,
+        dest: tuple[str, int] | None,
+        started: float,
+    ) -> bool:
+        """Request rules (docs/reference/behaviour.md §19) on a connection mitmproxy would relay
+        from its first byte (an ``ignore_hosts`` match): plain HTTP of a subject with request
+        rules is parsed instead, so its requests are judged; TLS to a judged name cannot be, and
+        is refused (reset) rather than relayed unjudged. True when it decided."""
+        if self.requests is None:
+            return False
+        context = nextlayer.context
+        if starts_like_tls_record(data):
+            try:
+                hello = parse_client_hello(data)
+            except ValueError:
+                hello = None
+            sni = hello.sni if hello is not None else None
+            name = as_name(sni_name(sni))
+            if name is None or not await self.requests.judged(context.client, client_ip, name):
+                return False
+            self.names.refuse_connection(context.client, REASON_REQUESTS_UNSEEN)
+            self._connection(
+                "tls",
+                Verdict("refuse", REASON_REQUESTS_UNSEEN),
+                started,
+                client=client_ip,
+                sni=name,
+                dest=dest,
+            )
+            return True
+        if not _looks_like_http(data) or not await self.requests.judged(context.client, client_ip, None):
+            return False
+        context.layers.remove(chosen)
+        nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)
+        self._connection(
+            "http", Verdict("parse", REASON_REQUEST_RULES), started, client=client_ip, sni=None, dest=dest
+        )
+        return True
 
     async def _vault_verdict(
         self,
@@ -240,7 +314,6 @@ class Interception:
             port=dest[1] if dest else None,
             lookup_ms=round((time.perf_counter() - started) * 1000, 3),
         )
-
 
     def tls_failed_client(self, data: tls.TlsData) -> None:
         """A client that does not trust the CA, or speaks no TLS the proxy accepts."""

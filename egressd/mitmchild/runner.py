@@ -43,6 +43,7 @@ from egressd.mitmchild.handover import adopt, listen_on_adopted
 from egressd.mitmchild.injection import Injection
 from egressd.mitmchild.interception import Interception
 from egressd.mitmchild.names import NameGate
+from egressd.mitmchild.requestgate import RequestGate
 from egressd.mitmchild.responses import Responses
 from egressd.mitmchild.selfconnect import IndexedProxyserver
 from egressd.mitmchild.shared import emit
@@ -81,7 +82,15 @@ class Ready:
 def egress_addons(vaults: VaultLookup) -> list[Any]:
     """egressd's addons, in hook order: each hook is handled by one of them."""
     names = NameGate(vaults)
-    return [vaults, names, Interception(vaults, names), Injection(vaults, names), Responses(), Ready()]
+    requests = RequestGate(vaults)
+    return [
+        vaults,
+        names,
+        Interception(vaults, names, requests),
+        Injection(vaults, names, requests),
+        Responses(),
+        Ready(),
+    ]
 
 
 class _CacheReport:

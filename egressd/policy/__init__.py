@@ -44,6 +44,7 @@ from egressd.policy.model import (
     parse_target,
     policy_mode,
 )
+from egressd.policy.requests import RequestDecision, RequestReason, decide_request, judges_requests
 from egressd.policy.scope import PROTOCOLS, PortRange, Scope, rule_scope
 
 __all__ = [
@@ -61,6 +62,8 @@ __all__ = [
     "PolicyError",
     "PolicyMode",
     "PortRange",
+    "RequestDecision",
+    "RequestReason",
     "Rule",
     "Scope",
     "Scoped",
@@ -68,6 +71,7 @@ __all__ = [
     "Verdict",
     "audit_deny_sets",
     "check_rule_cap",
+    "decide_request",
     "delete_targets",
     "domain_matches",
     "effective_policy",
@@ -76,6 +80,7 @@ __all__ = [
     "format_element",
     "ip_sets",
     "judge_domain",
+    "judges_requests",
     "load_always_rules",
     "merge_patch",
     "name_denied_by_rule",

@@ -9,6 +9,7 @@ from egressd.policy.idn import IdnaError, to_alabels
 from egressd.policy.ipsets import ip_sets
 from egressd.policy.model import NetworkPolicy, PolicyError, Rule, json_type, parse_rule
 from egressd.policy.portmatch import MAX_PORT_ELEMENTS, port_elements_needed
+from egressd.policy.requests import unenforceable_problem
 
 
 def merge_patch(policy: NetworkPolicy, patch_body: object) -> NetworkPolicy:
@@ -84,9 +85,14 @@ def check_rule_cap(policy: NetworkPolicy, cap: int) -> bool:
 
 
 def rule_cap_problem(policy: NetworkPolicy, cap: int) -> str | None:
-    """One-line refusal naming the limit, or None when ``policy`` is within ``cap`` and its
+    """One-line refusal naming the limit, or None when ``policy`` is within ``cap``, its
     address rules with ports fit the kernel's bound (docs/reference/behaviour.md §18,
-    :data:`egressd.policy.portmatch.MAX_PORT_ELEMENTS`)."""
+    :data:`egressd.policy.portmatch.MAX_PORT_ELEMENTS`) and its request rules can be enforced
+    (§19, :func:`egressd.policy.requests.unenforceable_problem`): every entry point of a user
+    policy checks here."""
+    problem = unenforceable_problem(policy)
+    if problem is not None:
+        return problem
     if not check_rule_cap(policy, cap):
         return f"policy has {len(policy.egress)} rules, more than {RULE_CAP_SETTING}={cap}"
     needed = port_elements_needed(ip_sets(policy))

@@ -43,6 +43,14 @@ def _matches(pattern: str, name: str) -> bool:
     return name.endswith(suffix) and len(name) > len(suffix) and not name[: -len(suffix)].endswith(".")
 
 
+def _decides_name(rule: Rule, name: str) -> bool:
+    """A domain rule matching ``name`` that decides names: every one but a deny with
+    ``methods``/``paths``, which denies requests, not the name (§19)."""
+    if rule.kind is not TargetKind.DOMAIN or not _matches(rule.target, name):
+        return False
+    return rule.action is Verdict.ALLOW or not rule.judges_requests
+
+
 def evaluate_domain(policy: NetworkPolicy, name: str) -> Decision:
     """Whether ``name`` is answered (and learned), and the rule that says so.
 
@@ -57,7 +65,7 @@ def evaluate_domain(policy: NetworkPolicy, name: str) -> Decision:
     undecided = Scope.WHOLE
     first_deny: tuple[Rule, int] | None = None
     for i, rule in enumerate(policy.egress):
-        if rule.kind is not TargetKind.DOMAIN or not _matches(rule.target, name):
+        if not _decides_name(rule, name):
             continue
         if rule.action is Verdict.ALLOW:
             if not undecided.intersect(rule.scope).is_empty():
@@ -83,7 +91,7 @@ def name_scope(policy: NetworkPolicy, name: str) -> Scope:
     undecided = Scope.WHOLE
     opened = Scope.EMPTY
     for rule in policy.egress:
-        if rule.kind is not TargetKind.DOMAIN or not _matches(rule.target, name):
+        if not _decides_name(rule, name):
             continue
         if rule.action is Verdict.ALLOW:
             opened = opened.union(undecided.intersect(rule.scope))
@@ -119,8 +127,8 @@ def names_narrow(old: NetworkPolicy, new: NetworkPolicy) -> bool:
         return True
     if old.audit and not new.audit:
         return True
-    was = [(r.action, r.target, r.scope) for r in old.egress if r.kind is TargetKind.DOMAIN]
-    now = [(r.action, r.target, r.scope) for r in new.egress if r.kind is TargetKind.DOMAIN]
+    was = [(r.action, r.target, r.scope, r.methods, r.paths) for r in old.egress if r.kind is TargetKind.DOMAIN]
+    now = [(r.action, r.target, r.scope, r.methods, r.paths) for r in new.egress if r.kind is TargetKind.DOMAIN]
     if was == now:
         return False
     if (len(was) + 1) * (len(now) + 1) > _EDIT_SEARCH_MAX:
@@ -128,9 +136,10 @@ def names_narrow(old: NetworkPolicy, new: NetworkPolicy) -> bool:
     return not _edited_by_widening(was, now)
 
 
-def _edited_by_widening(
-    was: list[tuple[Verdict, str, Scope]], now: list[tuple[Verdict, str, Scope]]
-) -> bool:
+_RuleKey = tuple[Verdict, str, Scope, tuple[str, ...] | None, tuple[str, ...] | None]
+
+
+def _edited_by_widening(was: list[_RuleKey], now: list[_RuleKey]) -> bool:
     """Is ``now`` ``was`` with deny rules taken out and allow rules put in? (A search over the
     alignments: (i, j) = ``was[:i]`` turned into ``now[:j]``.)"""
     seen = {(0, 0)}

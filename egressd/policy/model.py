@@ -16,6 +16,7 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import Any, Final, Literal
 
 from egressd.policy.idn import IdnaError, to_alabels
+from egressd.policy.reqpath import readings
 from egressd.policy.scope import PORT_MAX, PROTOCOLS, PortRange, Scope, rule_scope
 
 IPNetwork = IPv4Network | IPv6Network
@@ -93,6 +94,14 @@ class Rule:
     protocol: str | None = None
     ports: tuple[PortRange, ...] | None = None
     scope: Scope = Scope.WHOLE
+    methods: tuple[str, ...] | None = None
+    paths: tuple[str, ...] | None = None
+
+    @property
+    def judges_requests(self) -> bool:
+        """The rule carries ``methods`` or ``paths`` (§19): it decides HTTP requests, and a deny
+        of this kind denies requests, not the name."""
+        return self.methods is not None or self.paths is not None
 
     @property
     def scoped(self) -> bool:
@@ -101,7 +110,8 @@ class Rule:
 
     def same_match(self, other: Rule) -> bool:
         """Both rules match the same traffic (whatever their actions and names)."""
-        return (self.target, self.protocol, self.scope) == (other.target, other.protocol, other.scope)
+        mine = (self.target, self.protocol, self.scope, self.methods, self.paths)
+        return mine == (other.target, other.protocol, other.scope, other.methods, other.paths)
 
     def to_json(self) -> dict[str, Any]:
         """The wire form: ``action`` and ``target``, then the §18 fields the rule carries."""
@@ -112,6 +122,10 @@ class Rule:
             out["protocol"] = self.protocol
         if self.ports is not None:
             out["ports"] = [lo if lo == hi else f"{lo}-{hi}" for lo, hi in self.ports]
+        if self.methods is not None:
+            out["methods"] = list(self.methods)
+        if self.paths is not None:
+            out["paths"] = list(self.paths)
         return out
 
 
@@ -310,9 +324,77 @@ def parse_rule(obj: object, where: str) -> Rule:
     name = _parse_name(obj.get("name"), f"{where}.name")
     protocol = _parse_protocol(obj.get("protocol"), f"{where}.protocol")
     ports = _parse_ports(obj.get("ports"), f"{where}.ports")
-    if protocol is None and ports is None:
-        return Rule(action, target, kind, network, name)
-    return Rule(action, target, kind, network, name, protocol, ports, rule_scope(protocol, ports))
+    methods = _parse_methods(obj.get("methods"), f"{where}.methods")
+    paths = _parse_paths(obj.get("paths"), f"{where}.paths")
+    if methods is None and paths is None:
+        if protocol is None and ports is None:
+            return Rule(action, target, kind, network, name)
+        return Rule(action, target, kind, network, name, protocol, ports, rule_scope(protocol, ports))
+    field = f"{where}.methods" if methods is not None else f"{where}.paths"
+    if kind is not TargetKind.DOMAIN:
+        raise PolicyError("methods and paths need a domain target", field)
+    if protocol not in (None, "http", "https"):
+        raise PolicyError("methods and paths need protocol 'http' or 'https'", f"{where}.protocol")
+    # Absent protocol: https (§19), kept absent so GET /policy returns what was written.
+    scope = rule_scope(protocol or "https", ports)
+    return Rule(action, target, kind, network, name, protocol, ports, scope, methods, paths)
+
+
+MAX_REQUEST_ITEMS: Final = 64
+MAX_PATH_PATTERN: Final = 1024
+_METHOD = re.compile(r"[A-Za-z0-9!#$%&'*+\-.^_`|~]{1,32}")
+
+
+def _string_items(value: object, field: str, what: str) -> list[tuple[str, str]]:
+    if not isinstance(value, list):
+        raise PolicyError(f"must be an array of {what}, got {json_type(value)}", field)
+    if not value:
+        raise PolicyError(f"must not be empty (leave it out for every {what[:-1]})", field)
+    if len(value) > MAX_REQUEST_ITEMS:
+        raise PolicyError(f"more than {MAX_REQUEST_ITEMS} entries", field)
+    out: list[tuple[str, str]] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise PolicyError(f"must be a string, got {json_type(item)}", f"{field}[{i}]")
+        out.append((f"{field}[{i}]", item))
+    return out
+
+
+def _parse_methods(value: object, field: str) -> tuple[str, ...] | None:
+    """HTTP method names (tokens), upper-cased; null = every method."""
+    if value is None:
+        return None
+    out: list[str] = []
+    for where, item in _string_items(value, field, "methods"):
+        method = item.strip()
+        if not _METHOD.fullmatch(method):
+            raise PolicyError(f"must be an HTTP method name (got {echo(item)})", where)
+        if method.upper() not in out:
+            out.append(method.upper())
+    return tuple(out)
+
+
+def _parse_paths(value: object, field: str) -> tuple[str, ...] | None:
+    """Path patterns: ``/`` first, a trailing ``*`` for a prefix, no query, no whitespace or
+    control characters, and no path trick (a pattern no canonical request could match); null =
+    every path."""
+    if value is None:
+        return None
+    out: list[str] = []
+    for where, item in _string_items(value, field, "paths"):
+        if not item.startswith("/"):
+            raise PolicyError(f"must start with '/' (got {echo(item)})", where)
+        if len(item) > MAX_PATH_PATTERN:
+            raise PolicyError(f"longer than {MAX_PATH_PATTERN} characters", where)
+        if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in item) or "?" in item or "#" in item:
+            raise PolicyError(f"must be a path without spaces, controls, query or fragment (got {echo(item)})", where)
+        if "*" in item[:-1]:
+            raise PolicyError(f"'*' is only allowed at the end (got {echo(item)})", where)
+        if readings(item.rstrip("*")) is None or "%" in item:
+            raise PolicyError(f"must be a plain decoded path without '..', '\\' or '%' (got {echo(item)})", where)
+        if item not in out:
+            out.append(item)
+    return tuple(out)
 
 
 MAX_RULE_NAME: Final = 256

@@ -108,6 +108,8 @@ def deciding_rule(policy: NetworkPolicy, name: str, port: int) -> tuple[int | No
     """First match for ``name`` (normalised) and TCP on ``port``: (index of the deciding domain
     rule in ``policy.egress``, its action); (None, defaultAction) when no rule covers that port."""
     for i, rule in enumerate(policy.egress):
+        if rule.action is Verdict.DENY and rule.judges_requests:
+            continue  # it denies requests, not the name (§19): the request rules judge those
         if rule.kind is TargetKind.DOMAIN and rule.scope.admits("tcp", port) and domain_matches(rule.target, name):
             return i, rule.action
     return None, policy.default_action

@@ -157,6 +157,13 @@ class SidecarEngine:
         )
         return SIDECAR_UID, verdict
 
+    def request_policy(self) -> tuple[str, NetworkPolicy] | None:
+        """The subject and its effective policy for the MITM's request rules
+        (docs/reference/behaviour.md §19); None before enforcement is installed (refused)."""
+        if not self.enforcement_ready:
+            return None
+        return SIDECAR_UID, self.effective
+
     async def learn(
         self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
     ) -> list[IPAddress]:

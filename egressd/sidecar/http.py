@@ -24,6 +24,7 @@ from egressd.actionhandler.envelope import MAX_BODY_BYTES
 from egressd.feed import VaultChanged
 from egressd.metrics import EgressMetrics
 from egressd.policy import PolicyError, policy_mode, rule_cap_problem
+from egressd.policy.requests import unenforceable_problem
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecarnft.backend import SIDECAR_UID
 from egressd.vault.offload import off_loop
@@ -243,6 +244,9 @@ class SidecarHTTP:
                 return text(400, f"invalid policy: {AUDIT_UNSUPPORTED}")
             if reason == NO_MATCH:
                 return web.json_response(self._status(reason=reason))  # nothing removed, nothing applied
+            problem = unenforceable_problem(new)  # §19: request rules only where the MITM judges them
+            if problem is not None:
+                return text(400, f"invalid policy: {problem}")
             problem = rule_cap_problem(new, self.max_rules)
             if problem is not None:
                 return text(413, problem)

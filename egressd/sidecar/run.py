@@ -29,9 +29,11 @@ from egressd.kernel.renewal import LeaseRenewal
 from egressd.lifecycle import Running, StartupError
 from egressd.metrics import EgressMetrics
 from egressd.mitm.names import NameReport, NameService
+from egressd.mitm.requests import RequestRefusals
 from egressd.mitm.service import MitmStartupError, RunningMitm, start_mitm
 from egressd.policy import AlwaysRules, AlwaysRulesError, load_always_rules, rule_cap_problem
 from egressd.policy.reload import AlwaysRulesReloader
+from egressd.policy.requests import intercepted_ports, set_intercepted_ports
 from egressd.sidecar.config import SidecarConfig
 from egressd.sidecar.engine import SidecarEngine
 from egressd.sidecar.http import SidecarHTTP, VaultPrerequisites
@@ -122,7 +124,8 @@ async def run_sidecar(
             return store.snapshot() if store is not None else None
 
         names = NameReport(drops.names, events.refused_on_wire)  # the MITM's name check (§18)
-        mitm = await _start_mitm(cfg, engine, metrics, vault_lookup, running, names)
+        requests = RequestRefusals(drops.names, events.refused_request)  # request rules (§19)
+        mitm = await _start_mitm(cfg, engine, metrics, vault_lookup, running, names, requests)
         if mitm is not None:
             mitm_ready = lambda: mitm.supervisor.ready  # noqa: E731
         http = _http(cfg, engine, metrics, mitm, mitm_ready, drops)
@@ -139,6 +142,9 @@ def _reloader(cfg: SidecarConfig, always: AlwaysRules, engine: SidecarEngine) ->
 
 def _initial_policy(cfg: SidecarConfig) -> tuple[AlwaysRules, Initial]:
     """The always-rules and the policy to start with; pure checks, before any kernel work."""
+    # Request rules only where the MITM judges them (docs/reference/behaviour.md §19): else 400;
+    # mode dns redirects nothing to it.
+    set_intercepted_ports(intercepted_ports(cfg.mitm.transparent and cfg.mode != "dns", cfg.mitm.extra_ports))
     try:
         always = load_always_rules(cfg.common.always_rules_dir)
     except AlwaysRulesError as exc:
@@ -225,10 +231,16 @@ async def _start_mitm(
     vault_lookup: Callable[[IPAddress], VaultSnapshot | None],
     running: Running,
     report: NameReport,
+    requests: RequestRefusals,
 ) -> RunningMitm | None:
     if not cfg.mitm.transparent:
         return None
-    names = NameService(lambda q: engine.check_name(q.wire, q.name, q.dst, q.port), report)
+    names = NameService(
+        lambda q: engine.check_name(q.wire, q.name, q.dst, q.port),
+        report,
+        policy_of=lambda client, listen: engine.request_policy(),
+        request_report=requests,
+    )
     try:
         mitm = await start_mitm(
             cfg.mitm,

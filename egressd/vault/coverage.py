@@ -58,6 +58,8 @@ class _DomainIndex:
         for k, rule in enumerate(policy.egress):
             if rule.kind is not TargetKind.DOMAIN:
                 continue
+            if rule.action is Verdict.DENY and rule.judges_requests:
+                continue  # it denies requests, not the name (§19): no say in the name's coverage
             self.first.setdefault(rule.target, k)
             if rule.action is Verdict.ALLOW:
                 self.allow.add(rule.target)

@@ -5,6 +5,11 @@ Run as root from the repository root::
 
     .venv/bin/python scripts/bench/bench_mitm.py [--quick] [--workers N] [--compare 'ENV=VAL[,ENV=VAL...]' ...]
         [--subjects S] [--no-keepalive] [--n-seq N] [--n-conc N]
+    .venv/bin/python scripts/bench/bench_mitm.py --request-rules [--quick]
+
+``--request-rules`` measures only the request rules' decision cost per request in the MITM
+child (docs/reference/behaviour.md §19; :mod:`request_rules`), in-process, with 1, 100 and
+4096 rules on one host against no rules, same run.
 
 Each configuration (an egressd environment) gets its own copy of the topology, namespaces
 ``egbm<pid>-{X}pod, {X}up, {X}sb1..`` (X = a, b, ...; common.pod_topology), with its own egressd
@@ -48,6 +53,7 @@ from typing import Any, NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as c
 import mitm_stream
+import request_rules
 
 API, API_IP, DNS_IP = "api.example.test", "10.204.0.6", "10.204.0.2"
 DIRECT_PORT, MITM_PORT, HTTP_PORT, TABLE = 8443, 18181, 18190, "egbm-mitm"
@@ -836,7 +842,13 @@ def main() -> int:
     p.add_argument("--daemon-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra egressd environment of every configuration (experiments)")  # fmt: skip
     mitm_stream.add_arguments(p)
+    p.add_argument("--request-rules", action="store_true",
+                   help="only the request rules' per-request decision cost with 1, 100 and 4096 rules on"
+                        " one host, ratio to no rules (scripts/bench/request_rules.py; in-process, no topology)")  # fmt: skip
     args = p.parse_args()
+    if args.request_rules:
+        print(json.dumps(request_rules.measure(args.quick), indent=2))
+        return 0
     if args.stream_only and not args.stream:
         p.error("--stream-only and --no-stream exclude each other")
     try:

@@ -91,7 +91,7 @@ def test_a_check_that_raises_refuses() -> None:
 
 def test_a_refusal_is_counted_reported_and_logged_once() -> None:
     denied: list[tuple[str, str, str]] = []
-    report = NameReport(NameRefusals(), lambda uid, name, rule: denied.append((uid, name, rule)))
+    report = NameReport(NameRefusals(), lambda uid, name, rule, port: denied.append((uid, name, rule)))
     refuse = NameVerdict(False, NameReason.SNI_NOT_ALLOWED, "default")
     answer(lambda q: ("u1", refuse), report, query())
     answer(lambda q: ("u1", refuse), report, query(name=None))

@@ -1330,3 +1330,18 @@ def test_the_space_refusal_names_the_rule() -> None:
     err = bad(body(credentials=[cred(" tok")], bindings=[]), "credentials[0].name")
     assert err.reason == "must not start or end with a space"
     assert bad(body(credentials=[cred("   ")], bindings=[]), "credentials[0].name").reason == "must not be blank"
+
+
+def test_request_rules_and_coverage() -> None:
+    """§19: an allow rule with methods/paths is an explicit allow of its name; a deny rule with
+    methods/paths denies requests, not the name, so it leaves the name covered."""
+    b = make_binding("gh", ["api.example.com"])
+    check_coverage(
+        [b], parse_policy_obj({"defaultAction": "deny", "egress": [
+            {"action": "allow", "target": "api.example.com", "methods": ["GET"], "paths": ["/v1/*"]}]}),
+    )  # fmt: skip
+    pol = parse_policy_obj({"defaultAction": "deny", "egress": [
+        {"action": "deny", "target": "api.example.com", "methods": ["DELETE"]},
+        {"action": "allow", "target": "api.example.com"}]})  # fmt: skip
+    check_coverage([b], pol)
+    assert host_covered(pol, "api.example.com")

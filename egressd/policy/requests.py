@@ -1,0 +1,143 @@
+"""Request rules (docs/reference/behaviour.md §19): which HTTP requests a policy admits. Pure.
+
+A rule with ``methods`` or ``paths`` makes its name's requests part of the policy: each request
+to such a name is decided by the first rule, in policy order, that matches its name, port,
+method and path (a rule without ``methods``/``paths`` matches every request), the
+``defaultAction`` when none does. The path is judged in every way a server may read it
+(:func:`egressd.policy.reqpath.readings`); the request passes only when every reading does.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Final
+
+from egressd.policy.evaluate import _matches, normalise_name
+from egressd.policy.model import NetworkPolicy, Rule, TargetKind, Verdict
+from egressd.policy.reqpath import readings
+
+
+class RequestReason(enum.StrEnum):
+    RULE = "rule"  # a rule decided (allowed or denied)
+    DEFAULT = "default_action"  # no rule matched
+    PATH_TRICK = "path_not_canonical"  # a path that reads differently to different servers
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDecision:
+    """``rule``: 0-based index in the policy's ``egress`` of the deciding rule (None: the
+    defaultAction, or a path trick)."""
+
+    verdict: Verdict
+    rule: int | None
+    reason: RequestReason
+
+    @property
+    def allowed(self) -> bool:
+        return self.verdict is Verdict.ALLOW
+
+
+def judges_requests(policy: NetworkPolicy, name: str) -> bool:
+    """Some rule with ``methods``/``paths`` matches ``name``: its requests are judged (and its
+    TLS connections decrypted to judge them)."""
+    name = normalise_name(name)
+    return any(
+        rule.judges_requests and rule.kind is TargetKind.DOMAIN and _matches(rule.target, name)
+        for rule in policy.egress
+    )
+
+
+def _path_matches(path: str, pattern: str) -> bool:
+    if pattern.endswith("*"):
+        return path.startswith(pattern[:-1])
+    return path == pattern
+
+
+def _rule_matches(rule: Rule, port: int, method: str, path: str) -> bool:
+    if not rule.scope.admits("tcp", port):
+        return False
+    if rule.methods is not None and method not in rule.methods:
+        return False
+    return rule.paths is None or any(_path_matches(path, p) for p in rule.paths)
+
+
+#: A request-target that is no path (``OPTIONS *``): only rules without ``paths`` match it.
+ASTERISK: Final = "*"
+
+
+def request_path(target: str) -> str:
+    """The path of a request-target without query and fragment (``""`` -> ``/``)."""
+    path = target.split("?", 1)[0].split("#", 1)[0]
+    return path or "/"
+
+
+def decide_request(policy: NetworkPolicy, name: str, port: int, method: str, target: str) -> RequestDecision:
+    """The decision for one request to ``name`` on TCP ``port``: ``method`` as sent (judged
+    upper-cased, as the strictest server reads it), ``target`` the origin-form path with its
+    query (the MITM turns absolute-form and HTTP/2's ``:path`` into it)."""
+    name = normalise_name(name)
+    method = method.upper()
+    path = request_path(target)
+    forms = (ASTERISK,) if path == ASTERISK else readings(path)
+    if forms is None:
+        return RequestDecision(Verdict.DENY, None, RequestReason.PATH_TRICK)
+    rules = [
+        (i, rule)
+        for i, rule in enumerate(policy.egress)
+        if rule.kind is TargetKind.DOMAIN and _matches(rule.target, name)
+    ]
+    allowed: RequestDecision | None = None
+    for form in forms:
+        decision = _first_match(policy, rules, port, method, form)
+        if not decision.allowed:
+            return decision
+        allowed = allowed or decision
+    assert allowed is not None
+    return allowed
+
+
+def _first_match(
+    policy: NetworkPolicy, rules: list[tuple[int, Rule]], port: int, method: str, path: str
+) -> RequestDecision:
+    for i, rule in rules:
+        if _rule_matches(rule, port, method, path):
+            return RequestDecision(rule.action, i, RequestReason.RULE)
+    return RequestDecision(policy.default_action, None, RequestReason.DEFAULT)
+
+
+#: The TCP ports the MITM intercepts, as the running daemon configured it (None: not known, as in
+#: pure callers and tools: no check). Set once at start-up by :func:`set_intercepted_ports`.
+_intercepted: frozenset[int] | None = None
+
+
+def intercepted_ports(mitm: bool, extra: tuple[int, ...]) -> frozenset[int]:
+    """The ports whose requests the MITM can judge: none without it, else 80, 443 and the extras."""
+    return frozenset({80, 443, *extra}) if mitm else frozenset()
+
+
+def set_intercepted_ports(ports: frozenset[int] | None) -> None:
+    """The daemon's MITM: ``frozenset()`` when it is off, else the ports it is redirected
+    (80, 443 and ``OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS``)."""
+    global _intercepted
+    _intercepted = ports
+
+
+def unenforceable_problem(policy: NetworkPolicy, ports: frozenset[int] | None = None) -> str | None:
+    """A one-line 400 reason when some rule's ``methods``/``paths`` could not be enforced by
+    this daemon: without the MITM, or on a port the MITM does not see (its requests would pass
+    unjudged). None when all can be (or nothing is known about the MITM)."""
+    ports = _intercepted if ports is None else ports
+    if ports is None:
+        return None
+    for i, rule in enumerate(policy.egress):
+        if not rule.judges_requests:
+            continue
+        if not ports:
+            return f"egress[{i}]: methods and paths need the MITM (OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT=1)"
+        if any(hi - lo >= len(ports) or not all(p in ports for p in range(lo, hi + 1)) for lo, hi in rule.scope.tcp):
+            return (
+                f"egress[{i}].ports: methods and paths are judged only on ports the MITM intercepts "
+                "(80, 443 and OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS)"
+            )
+    return None
