@@ -141,9 +141,7 @@ class Injection:
         norm = normalise_authority(authority) if authority else None
         host = norm[0] if norm else None
         started = time.perf_counter()
-        # A Host the normaliser cannot read is still what the upstream gets: the check sees it
-        # as written (egressd refuses it as no DNS name), never as "no name".
-        asked = host if norm is not None or not authority else authority
+        asked = host if norm is not None or not authority else authority  # unreadable: as written, refused
         if await self._name_refused(flow, client_ip, asked, dest):
             return
         if await self._request_refused(flow, client_ip, host, port):
