@@ -298,7 +298,13 @@ def test_requests_after_an_upgrade_or_connect_on_the_same_connection(
     assert ("api.x.io", "/user") not in upstream_paths(cdn, since)
 
 
+#: The vector's GET rule for plain HTTP too: port 80 of api.x.io is open only by a rule that names it
+#: (docs/reference/behaviour.md §18: the https rules open 443 alone; the kernel drops 80).
+HTTP_RULE = allow("api.x.io", protocol="http", methods=["GET"], paths=["/repos/*"])
+
+
 def test_plain_http_is_judged_too(cdn: Topology, fleet: Daemon, sb1: str) -> None:
+    bind(fleet, 1, "req1", policy(*VECTOR, HTTP_RULE))
     since = mark(cdn)
     out = raw(cdn, 1, req("GET", "/repos/o/r") + req("GET", "/user"), expect=2, port=80)
     assert statuses(out) == [403, 403] or statuses(out)[1] == 403, out

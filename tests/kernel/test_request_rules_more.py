@@ -12,7 +12,7 @@ import pytest
 
 from tests.kernel.cdn import DPR, XIO_IP, Webhook, cdn_topology, learn, mark, mitm_env, policy
 from tests.kernel.sidecar import Sidecar
-from tests.kernel.test_request_rules import VECTOR, raw, req, statuses, upstream_paths
+from tests.kernel.test_request_rules import HTTP_RULE, VECTOR, raw, req, statuses, upstream_paths
 from tests.kernel.topology import Daemon, Topology, envelope
 
 
@@ -73,7 +73,8 @@ def test_request_rules_are_enforced_with_the_name_check_off(cdn: Topology) -> No
     d.start(wait=False)
     try:
         d.wait_ready(timeout=30)
-        assert d.post(envelope("SET_BINDING", "off1", ip=Topology.sb_ip(1), policy=policy(*VECTOR))) == (200, "{}")
+        pol = policy(*VECTOR, HTTP_RULE)  # port 80 open only by a rule that names http (§18)
+        assert d.post(envelope("SET_BINDING", "off1", ip=Topology.sb_ip(1), policy=pol)) == (200, "{}")
         assert d.post(envelope("LIFECYCLE_HOOK", "off1", hook=DPR)) == (200, "{}")
         learn(cdn, 1, "api.x.io", XIO_IP)
         since = mark(cdn)
@@ -118,13 +119,14 @@ def test_an_ignored_host_is_never_relayed_unjudged(cdn: Topology) -> None:
     d.start(wait=False)
     try:
         d.wait_ready(timeout=30)
-        assert d.post(envelope("SET_BINDING", "ign1", ip=Topology.sb_ip(1), policy=policy(*VECTOR))) == (200, "{}")
+        pol = policy(*VECTOR, HTTP_RULE)
+        assert d.post(envelope("SET_BINDING", "ign1", ip=Topology.sb_ip(1), policy=pol)) == (200, "{}")
         assert d.post(envelope("LIFECYCLE_HOOK", "ign1", hook=DPR)) == (200, "{}")
         learn(cdn, 1, "api.x.io", XIO_IP)
         since = mark(cdn)
-        # The rules are https (443): on 80 no rule matches, the defaultAction refuses.
+        # Plain HTTP on 80 (open by the http rule) is parsed and judged, not relayed.
         assert statuses(raw(cdn, 1, req("GET", "/user"), port=80)) == [403]
-        assert statuses(raw(cdn, 1, req("GET", "/repos/o/r"), port=80)) == [403]
+        assert statuses(raw(cdn, 1, req("DELETE", "/repos/o/r"), port=80)) == [403]
         # TLS: judged (decrypted) or refused, never relayed unjudged.
         out = raw(cdn, 1, req("GET", "/user") + req("DELETE", "/repos/o/r"), expect=2)
         assert not out["ok"] or statuses(out) == [403, 403], out
