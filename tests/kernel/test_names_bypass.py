@@ -72,15 +72,8 @@ def cdn() -> Iterator[Topology]:
 
 @pytest.fixture(scope="module")
 def fleet(cdn: Topology) -> Iterator[Daemon]:
-    d = Daemon(cdn, table="egt-revnames", port=HTTP_PORT, env=mitm_env(cdn, "revnames"))
-    d.start(wait=False)
-    try:
-        d.wait_ready(timeout=30)
+    with Daemon(cdn, table="egt-revnames", port=HTTP_PORT, env=mitm_env(cdn, "revnames")).running() as d:
         yield d
-    finally:
-        if d.proc is not None:
-            cdn.stop(d.proc)
-        d.nft("delete", "table", "inet", d.table, check=False)
 
 
 @pytest.fixture

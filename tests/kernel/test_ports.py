@@ -157,15 +157,8 @@ def checked(topo: Topology) -> Iterator[Daemon]:
         "EGRESSD_MITM_CONFDIR": str(topo.workdir / "ports-mitm-conf"),
         "OPENSANDBOX_CREDENTIAL_PROXY_SOCKET": str(topo.workdir / "ports-mitm-run" / "active.sock"),
     }
-    d = Daemon(topo, table="egt-ports-mitm", port=18380, env=env)
-    d.start(wait=False)
-    try:
-        d.wait_ready(timeout=30)
+    with Daemon(topo, table="egt-ports-mitm", port=18380, env=env).running() as d:
         yield d
-    finally:
-        if d.proc is not None:
-            topo.stop(d.proc)
-        d.nft("delete", "table", "inet", "egt-ports-mitm", check=False)
 
 
 # ---- §18 vectors ---------------------------------------------------------------------------------
@@ -355,15 +348,8 @@ def test_the_vector_holds_without_the_mitm_and_off_lifts_the_quic_drop(
 
 
 def test_name_check_off_opens_quic_of_a_learned_address(topo: Topology, echo: subprocess.Popen[str]) -> None:
-    d = Daemon(topo, table="egt-ports-off", port=18382, env={"EGRESSD_NAME_CHECK": "off"})
-    d.start(wait=False)
-    try:
-        d.wait_ready(timeout=30)
+    with Daemon(topo, table="egt-ports-off", port=18382, env={"EGRESSD_NAME_CHECK": "off"}).running() as d:
         activate(d, deny_default({"action": "allow", "target": "api.example.test", "ports": [443]}))
         assert topo.dig(1, "api.example.test") == ("NOERROR", [API_IP])
         assert probe(topo, 1, "udp", API_IP, 443) and topo.reaches(1, API_IP, 443)
         assert not topo.reaches(1, API_IP, 80)
-    finally:
-        if d.proc is not None:
-            topo.stop(d.proc)
-        d.nft("delete", "table", "inet", "egt-ports-off", check=False)

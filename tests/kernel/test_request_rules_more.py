@@ -96,17 +96,10 @@ def test_request_rules_are_enforced_with_the_name_check_off(cdn: Topology) -> No
 
 
 def test_without_the_mitm_request_rules_are_refused(cdn: Topology) -> None:
-    d = Daemon(cdn, table="egt-req-nomitm", port=18552, env={})
-    d.start(wait=False)
-    try:
-        d.wait_ready(timeout=30)
+    with Daemon(cdn, table="egt-req-nomitm", port=18552, env={}).running() as d:
         code, text = d.post(envelope("SET_BINDING", "nomitm", ip=Topology.sb_ip(1), policy=policy(*VECTOR)))
         assert code == 400 and "need the MITM" in text, text
         assert d.post(envelope("SET_BINDING", "nomitm", ip=Topology.sb_ip(1), policy=policy())) == (200, "{}")
-    finally:
-        if d.proc is not None:
-            cdn.stop(d.proc)
-        d.nft("delete", "table", "inet", d.table, check=False)
 
 
 def test_an_ignored_host_is_never_relayed_unjudged(cdn: Topology) -> None:
@@ -115,10 +108,7 @@ def test_an_ignored_host_is_never_relayed_unjudged(cdn: Topology) -> None:
     be judged without decryption) is refused before any upstream connection."""
     env = {**mitm_env(cdn, "req"), "EGRESSD_NAME_CHECK": "off",
            "OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS": r"^api\.x\.io"}  # fmt: skip
-    d = Daemon(cdn, table="egt-req-ign", port=18553, env=env)
-    d.start(wait=False)
-    try:
-        d.wait_ready(timeout=30)
+    with Daemon(cdn, table="egt-req-ign", port=18553, env=env).running() as d:
         pol = policy(*VECTOR, HTTP_RULE)
         assert d.post(envelope("SET_BINDING", "ign1", ip=Topology.sb_ip(1), policy=pol)) == (200, "{}")
         assert d.post(envelope("LIFECYCLE_HOOK", "ign1", hook=DPR)) == (200, "{}")
@@ -131,7 +121,3 @@ def test_an_ignored_host_is_never_relayed_unjudged(cdn: Topology) -> None:
         out = raw(cdn, 1, req("GET", "/user") + req("DELETE", "/repos/o/r"), expect=2)
         assert not out["ok"] or statuses(out) == [403, 403], out
         assert upstream_paths(cdn, since) == []
-    finally:
-        if d.proc is not None:
-            cdn.stop(d.proc)
-        d.nft("delete", "table", "inet", d.table, check=False)

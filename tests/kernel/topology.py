@@ -27,7 +27,7 @@ import subprocess
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -450,6 +450,18 @@ class Daemon:
         if wait:
             self.wait_ready()
         return self
+
+    @contextlib.contextmanager
+    def running(self, timeout: float = 30) -> Iterator[Daemon]:
+        """Started (readiness awaited), then stopped by PID and its table deleted, also on failure."""
+        self.start(wait=False)
+        try:
+            self.wait_ready(timeout=timeout)
+            yield self
+        finally:
+            if self.proc is not None:
+                self.topo.stop(self.proc)
+            self.nft("delete", "table", "inet", self.table, check=False)
 
     def wait_ready(self, timeout: float = 15) -> None:
         deadline = time.monotonic() + timeout
