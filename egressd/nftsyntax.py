@@ -70,14 +70,16 @@ def set_decl(name: str, fam: str, flags: str, elements: Sequence[str] = (), extr
     return f"{name} {{ {body} }}"
 
 
-def port_set_decl(name: str, fam: str, size: int, *, timed: bool = False) -> str:
+def port_set_decl(name: str, fam: str, size: int, *, timed: bool = False, exact: bool = False) -> str:
     """A port-scoped set (docs/reference/behaviour.md §18): ``addr . inet_proto . inet_service``,
     an interval set; ``timed``: per-element timeouts (the DNS leases), timeout
     :data:`DYN_TIMEOUT_S`; at most ``size`` elements (0 = unbounded). One text per set, as for
-    :func:`timeout_set_decl`."""
-    flags = "interval,timeout" if timed else "interval"
+    :func:`timeout_set_decl`. ``exact``: no interval flag (a hash set; elements are one
+    address and one port: the leases' single ports)."""
+    flags = ",".join(f for f in ("" if exact else "interval", "timeout" if timed else "") if f)
     extra = (f" timeout {DYN_TIMEOUT_S}s;" if timed else "") + (f" size {size};" if size else "")
-    return f"{name} {{ type {addr_type(fam)} . inet_proto . inet_service; flags {flags};{extra} }}"
+    flags = f" flags {flags};" if flags else ""
+    return f"{name} {{ type {addr_type(fam)} . inet_proto . inet_service;{flags}{extra} }}"
 
 
 def timeout_set_decl(name: str, fam: str, size: int, elements: Sequence[str] = ()) -> str:

@@ -27,6 +27,7 @@ from egressd.kernel.ops import (
     NetlinkBatch,
     Op,
     PortElem,
+    is_exact_elem,
 )
 from egressd.nftsyntax import IPNetwork, family
 from egressd.policy import (
@@ -225,7 +226,7 @@ def dyn_replace(table: str, nft_id: str, kept: Sequence[LeaseLike]) -> NetlinkBa
     element the kernel already expired would make a delete fail (ENOENT) and abort the whole
     swap."""
     n = Names(nft_id)
-    kinds = ("dyn_v4", "dyn_v6", "dynp_v4", "dynp_v6")
+    kinds = ("dyn_v4", "dyn_v6", "dynp_v4", "dynp_v6", "dynpx_v4", "dynpx_v6")
     flush = NetlinkBatch(table, tuple(FlushSet(n.set(kind)) for kind in kinds))
     fresh = [Grant(g.ip, g.seconds, g.scope) for g in as_grants(kept)]  # the flush emptied what they held
     return flush + dyn_add(table, nft_id, fresh)
@@ -258,11 +259,21 @@ def dyn_add(table: str, nft_id: str, leases: Sequence[LeaseLike], *, replace: bo
             if replace:
                 ops += [DeleteElement(name, ip) for ip, _ in whole]
                 ops.append(AddTimed(name, fam, whole))
-        ops += _port_ops(n.set(f"dynp_{fam}"), fam, mine, replace=replace)
+        ops += _port_ops(n.set(f"dynp_{fam}"), n.set(f"dynpx_{fam}"), fam, mine, replace=replace)
     return NetlinkBatch(table, tuple(ops))
 
 
-def _port_ops(name: str, fam: str, grants: Sequence[Grant], *, replace: bool) -> list[Op]:
+def _port_ops(name: str, exact_name: str, fam: str, grants: Sequence[Grant], *, replace: bool) -> list[Op]:
+    """The port elements' ops: single ports in the hash set ``exact_name``, ranges in the
+    pipapo set ``name`` (which set an element belongs in depends on the element alone)."""
+    ops: list[Op] = []
+    for exact in (True, False):
+        target = exact_name if exact else name
+        ops += _port_set_ops(target, fam, grants, replace=replace, exact=exact)
+    return ops
+
+
+def _port_set_ops(name: str, fam: str, grants: Sequence[Grant], *, replace: bool, exact: bool) -> list[Op]:
     gone: list[PortElem] = []
     gone_s: list[int] = []
     add: list[PortElem] = []
@@ -270,8 +281,8 @@ def _port_ops(name: str, fam: str, grants: Sequence[Grant], *, replace: bool) ->
     for g in grants:
         if g.scope.ports.is_empty():
             continue  # a whole lease without UDP 443: what it held expires by itself
-        new = lease_elems(g.ip, g.scope.ports)
-        old = lease_elems(g.ip, g.held)
+        new = tuple(e for e in lease_elems(g.ip, g.scope.ports) if is_exact_elem(e) == exact)
+        old = tuple(e for e in lease_elems(g.ip, g.held) if is_exact_elem(e) == exact)
         if replace or g.held != g.scope.ports:
             gone += old if g.held != g.scope.ports else new
             gone_s += [g.seconds] * len(old if g.held != g.scope.ports else new)
@@ -279,7 +290,10 @@ def _port_ops(name: str, fam: str, grants: Sequence[Grant], *, replace: bool) ->
         add_s += [g.seconds] * len(new)
     ops: list[Op] = []
     if gone:
-        ops += [AddPortElems(name, fam, tuple(gone), tuple(gone_s)), DeletePortElems(name, fam, tuple(gone))]
+        ops += [
+            AddPortElems(name, fam, tuple(gone), tuple(gone_s), exact=exact),
+            DeletePortElems(name, fam, tuple(gone), exact=exact),
+        ]
     if add:
-        ops.append(AddPortElems(name, fam, tuple(add), tuple(add_s)))
+        ops.append(AddPortElems(name, fam, tuple(add), tuple(add_s), exact=exact))
     return ops

@@ -282,9 +282,10 @@ def _port_probes(t: str) -> list[tuple[str, NetlinkBatch]]:
     with ports could not be enforced, so a kernel that refuses them fails start-up."""
     net = ipaddress.ip_network
     v4 = (net("192.0.2.0/24"), "tcp", 443, 443)
+    one = (net("192.0.2.7/32"), "tcp", 443, 443)
     return [
         (
-            "netlink port-scoped sets (addr . inet_proto . inet_service, interval and timeout)",
+            "netlink port-scoped sets (addr . inet_proto . inet_service, interval, timeout and hash)",
             NetlinkBatch(
                 t,
                 (
@@ -299,6 +300,14 @@ def _port_probes(t: str) -> list[tuple[str, NetlinkBatch]]:
                     AddPortElems("pv4", "v4", (v4,)),
                     DeletePortElems("pv4", "v4", (v4,)),
                     FlushSet("ptv6"),
+                    # The leases' single ports: a hash set (no interval flag), key-only elements.
+                    AddSet("pxv4", "v4", "timeout", 360, size=16, ports=True, exact=True),
+                    AddRule("c1", PortRule("v4", "pxv4", RuleAction.MARK, exact=True)),
+                    AddRule("c2", PortRule("v4", "pxv4", RuleAction.ACCEPT, ct_original=True, exact=True)),
+                    AddPortElems("pxv4", "v4", (one,), (60,), exact=True),
+                    DeletePortElems("pxv4", "v4", (one,), exact=True),
+                    AddPortElems("pxv4", "v4", (one,), (60,), exact=True),
+                    FlushSet("pxv4"),
                 ),
             ),
         ),

@@ -24,6 +24,7 @@ from egressd.fleetnft.table import (
     DENIED_CHAIN,
     DYN_SETS,
     DYNP_SETS,
+    DYNPX_SETS,
     PORT_STATIC_SETS,
     Names,
     SubjectNft,
@@ -61,6 +62,7 @@ from egressd.kernel.ops import (
     NetlinkBatch,
     Op,
     PortRule,
+    Rule,
     RuleAction,
     VerdictRule,
 )
@@ -78,7 +80,7 @@ def subject_worker_port(cfg: TableConfig, subj: SubjectNft) -> int:
 def subject_sets(*, audit: bool) -> tuple[str, ...]:
     """The kinds of set a subject has: the audit sets only once :func:`audit_objects` made them."""
     audit_sets = (*AUDIT_SETS, *AUDIT_PORT_SETS) if audit else ()
-    return (*CORE_SETS, *audit_sets, *DYN_SETS, *PORT_STATIC_SETS, *DYNP_SETS)
+    return (*CORE_SETS, *audit_sets, *DYN_SETS, *PORT_STATIC_SETS, *DYNP_SETS, *DYNPX_SETS)
 
 
 def subject_rules(cfg: TableConfig, nft_id: str, *, audit: bool = False) -> NetlinkBatch:
@@ -119,6 +121,9 @@ def _mark_rules(n: Names, *, audit: bool, name_check: bool) -> list[Op]:
             ops += [AddRule(n.mark_chain, MatchRule(fam, name, RuleAction.MARK, guard=g)) for g in guards]
         for fam in ("v4", "v6"):
             ops.append(AddRule(n.mark_chain, PortRule(fam, n.set(f"{kind}p_{fam}"), RuleAction.MARK)))
+        if kind == "dyn":
+            for fam in ("v4", "v6"):
+                ops.append(AddRule(n.mark_chain, PortRule(fam, n.set(f"dynpx_{fam}"), RuleAction.MARK, exact=True)))
     if not audit:
         return ops
     return ops + audit_mark_rules(n)
@@ -131,6 +136,7 @@ def _in_rules(n: Names, *, audit: bool) -> list[Op]:
         *((("wdeny", RuleAction.DROP), ("wdenyp", RuleAction.DROP)) if audit else ()),
         ("dyn", RuleAction.ACCEPT),
         ("dynp", RuleAction.ACCEPT),
+        ("dynpx", RuleAction.ACCEPT),
         ("allow", RuleAction.ACCEPT),
         ("allowp", RuleAction.ACCEPT),
     )
@@ -138,8 +144,12 @@ def _in_rules(n: Names, *, audit: bool) -> list[Op]:
     for kind, outcome in in_rules:
         via = DENIED_CHAIN if outcome is RuleAction.DROP else ""
         for fam in ("v4", "v6"):
-            shape = PortRule if kind.endswith("p") else MatchRule
-            rule = shape(fam, n.set(f"{kind}_{fam}"), outcome, ct_original=True, drop_chain=via)
+            name = n.set(f"{kind}_{fam}")
+            if kind.endswith(("p", "px")):
+                exact = kind == "dynpx"
+                rule: Rule = PortRule(fam, name, outcome, ct_original=True, drop_chain=via, exact=exact)
+            else:
+                rule = MatchRule(fam, name, outcome, ct_original=True, drop_chain=via)
             ops.append(AddRule(n.in_chain, rule))
     ops.append(AddRule(n.in_chain, VerdictRule(RuleAction.DROP, drop_chain=DENIED_CHAIN)))
     return ops
@@ -222,6 +232,18 @@ def subject_objects(cfg: TableConfig, nft_id: str, *, audit: bool = False) -> Ne
         AddSet(n.set(kind), kind[-2:], "timeout", DYN_TIMEOUT_S, size=port_elems_cap(cfg.max_leases), ports=True)
         for kind in DYNP_SETS
     ]
+    ops += [
+        AddSet(
+            n.set(kind),
+            kind[-2:],
+            "timeout",
+            DYN_TIMEOUT_S,
+            size=port_elems_cap(cfg.max_leases),
+            ports=True,
+            exact=True,
+        )
+        for kind in DYNPX_SETS
+    ]
     ops += [AddChain(c) for c in subject_chains(cfg, nft_id)]
     ops += [AddCounter(n.counter(kind)) for kind in AUDIT_COUNTERS]
     ops.append(AddCounter(n.dropped_counter))
@@ -264,6 +286,9 @@ def subject_objects_script(cfg: TableConfig, subj: SubjectNft) -> str:
         s.obj("add", "set", port_set_decl(n.set(kind), kind[-2:], 0))
     for kind in DYNP_SETS:
         s.obj("add", "set", port_set_decl(n.set(kind), kind[-2:], port_elems_cap(cfg.max_leases), timed=True))
+    for kind in DYNPX_SETS:
+        decl = port_set_decl(n.set(kind), kind[-2:], port_elems_cap(cfg.max_leases), timed=True, exact=True)
+        s.obj("add", "set", decl)
     s.obj("add", "chain", n.chain)
     s.obj("add", "chain", n.mark_chain)
     if cfg.mitm:

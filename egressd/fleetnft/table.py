@@ -46,7 +46,11 @@ PORT_STATIC_SETS = ("allowp_v4", "allowp_v6", "denyp_v4", "denyp_v6")
 # (made with the other audit objects).
 AUDIT_PORT_SETS = ("wdenyp_v4", "wdenyp_v6")
 DYNP_SETS = ("dynp_v4", "dynp_v6")
-PORT_SETS = (*PORT_STATIC_SETS, *DYNP_SETS)
+# The leases' single-port elements (address . proto . one port: 443, 80, 22): a hash set (no
+# interval flag), which costs the same to add to at any size, where the pipapo dynp set clones
+# its lookup data on every transaction (docs/concepts/ruleset.md). dynp keeps the port ranges.
+DYNPX_SETS = ("dynpx_v4", "dynpx_v6")
+PORT_SETS = (*PORT_STATIC_SETS, *DYNP_SETS, *DYNPX_SETS)
 SETS = (*STATIC_SETS, *DYN_SETS, *PORT_SETS)
 AUDIT_COUNTERS = ("deny", "default")  # which audit rule counted: a user deny prefix, or no allow
 AUDIT_LOG_PREFIX = "egressd would-deny "

@@ -153,7 +153,9 @@ def _new_port_set(table: str, op: AddSet, set_id: int) -> bytes:
     """An ``addr . inet_proto . inet_service`` interval set (``timeout``: with per-element
     timeouts), in nft 1.0.6's attribute order: the description (size, field lengths) before
     the timeout, the user data last."""
-    flags = NFT_SET_INTERVAL | NFT_SET_CONCAT | (NFT_SET_TIMEOUT if op.kind == "timeout" else 0)
+    timeout = NFT_SET_TIMEOUT if op.kind == "timeout" else 0
+    # ``exact``: a hash set; nft 1.0.6 sends no interval or concat flag and no field lengths.
+    flags = timeout if op.exact else NFT_SET_INTERVAL | NFT_SET_CONCAT | timeout
     body = (
         _str(NFTA_SET_TABLE, table)
         + _str(NFTA_SET_NAME, op.name)
@@ -163,7 +165,10 @@ def _new_port_set(table: str, op: AddSet, set_id: int) -> bytes:
         + _u32(NFTA_SET_ID, set_id)
     )
     size = _u32(NFTA_SET_DESC_SIZE, op.size) if op.size else b""
-    body += _nest(NFTA_SET_DESC, size, ports.desc_concat(op.fam))
+    if not op.exact:
+        body += _nest(NFTA_SET_DESC, size, ports.desc_concat(op.fam))
+    elif size:
+        body += _nest(NFTA_SET_DESC, size)
     if op.kind == "timeout":
         body += _u64(NFTA_SET_TIMEOUT, op.timeout_s * 1000)
     return body + ports.set_userdata()

@@ -216,13 +216,15 @@ def _element_op_messages(table: str, op: ElementOp) -> list[tuple[int, int, byte
     if isinstance(op, FlushSet):
         return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, None))]  # no element list = flush
     if isinstance(op, DeletePortElems):
-        groups = [[elem_keys(e, op.fam)] for e in op.elems]
+        groups = [[elem_keys(e, op.fam, exact=op.exact)] for e in op.elems]
         return _element_messages(NFT_MSG_DELSETELEM, 0, table, op.name, groups)
     if isinstance(op, AddPortElems):
         if op.seconds:
-            groups = [[timed_elem(e, op.fam, s)] for e, s in zip(op.elems, op.seconds, strict=True)]
+            groups = [
+                [timed_elem(e, op.fam, s, exact=op.exact)] for e, s in zip(op.elems, op.seconds, strict=True)
+            ]
         else:
-            groups = [[elem_keys(e, op.fam)] for e in op.elems]
+            groups = [[elem_keys(e, op.fam, exact=op.exact)] for e in op.elems]
         return _element_messages(NFT_MSG_NEWSETELEM, NLM_F_CREATE, table, op.name, groups)
     if isinstance(op, DeleteElement):
         fam = "v4" if op.key.version == 4 else "v6"

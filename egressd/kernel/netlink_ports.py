@@ -117,22 +117,28 @@ def _key_bytes(addr: int, fam: str, proto: str, port: int) -> bytes:
     )
 
 
-def elem_keys(elem: PortElem, fam: str) -> bytes:
-    """NFTA_SET_ELEM_KEY and NFTA_SET_ELEM_KEY_END of one element (the end is inclusive)."""
+def elem_keys(elem: PortElem, fam: str, *, exact: bool = False) -> bytes:
+    """NFTA_SET_ELEM_KEY and NFTA_SET_ELEM_KEY_END of one element (the end is inclusive);
+    ``exact`` (a hash set): the key alone, and the element must be one address and one port."""
     net, proto, lo, hi = elem
     if (net.version == 4) != (fam == "v4"):
         raise ValueError(f"{net} is not an {fam} prefix")
     if not 0 <= lo <= hi <= 0xFFFF:
         raise ValueError(f"bad port range {lo}-{hi}")
+    if exact:
+        if lo != hi or net.prefixlen != net.max_prefixlen:
+            raise ValueError(f"{net} . {proto} . {lo}-{hi} is not one address and one port")
+        return _data_value(NFTA_SET_ELEM_KEY, _key_bytes(int(net.network_address), fam, proto, lo))
     start = _key_bytes(int(net.network_address), fam, proto, lo)
     end = _key_bytes(int(net.broadcast_address), fam, proto, hi)
     return _data_value(NFTA_SET_ELEM_KEY, start) + _data_value(NFTA_SET_ELEM_KEY_END, end)
 
 
-def timed_elem(elem: PortElem, fam: str, seconds: int) -> bytes:
+def timed_elem(elem: PortElem, fam: str, seconds: int, *, exact: bool = False) -> bytes:
     """A port-scoped lease element: timeout and expiration first, as nft sends them."""
     ms = seconds * 1000
-    return _u64(NFTA_SET_ELEM_TIMEOUT, ms) + _u64(NFTA_SET_ELEM_EXPIRATION, ms) + elem_keys(elem, fam)
+    keys = elem_keys(elem, fam, exact=exact)
+    return _u64(NFTA_SET_ELEM_TIMEOUT, ms) + _u64(NFTA_SET_ELEM_EXPIRATION, ms) + keys
 
 
 # ---- rules ---------------------------------------------------------------------------------
@@ -185,7 +191,8 @@ def port_key_expressions(rule: PortRule) -> list[bytes]:
             _payload(NFT_PAYLOAD_NETWORK_HEADER, offset, addr_len(rule.fam), NFT_REG_1),
         ]
         port = _payload(NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2, port_reg)
-    # The 1-byte protocol goes through a byteorder step in a concatenation (what nft emits).
+    # The 1-byte protocol goes through a byteorder step in an interval set's concatenation
+    # (what nft emits).
     byteorder = _expr(
         "byteorder",
         _u32(NFTA_BYTEORDER_SREG, proto_reg),
@@ -195,6 +202,8 @@ def port_key_expressions(rule: PortRule) -> list[bytes]:
         _u32(NFTA_BYTEORDER_SIZE, 2),
     )
     lookup = _expr("lookup", _str(NFTA_LOOKUP_SET, rule.set_name), _u32(NFTA_LOOKUP_SREG, NFT_REG_1))
+    if rule.exact:  # a hash set's lookup: nft 1.0.6 loads the protocol as it is
+        return [*addr, _meta(NFT_META_L4PROTO, proto_reg), port, lookup]
     return [*addr, _meta(NFT_META_L4PROTO, proto_reg), byteorder, port, lookup]
 
 

@@ -86,6 +86,9 @@ class PortRule:
     outcome: RuleAction
     ct_original: bool = False
     drop_chain: str = ""
+    # The set is a hash set (AddSet ``exact``): nft loads the protocol without the byteorder
+    # step it puts before an interval (pipapo) lookup.
+    exact: bool = False
 
     def render(self) -> str:
         l3 = "ip" if self.fam == "v4" else "ip6"
@@ -157,6 +160,11 @@ class AddSet:
     # Keyed ``addr . inet_proto . inet_service`` (always an interval set; ``kind`` timeout adds
     # per-element timeouts): the port-scoped sets of docs/reference/behaviour.md §18.
     ports: bool = False
+    # With ``ports``: no interval flag, so the kernel picks a hash set, not pipapo. Elements are
+    # one address and one port (:func:`is_exact_elem`); an add or delete costs the same at
+    # any set size, where pipapo clones its lookup data on every transaction (the leases'
+    # single-port elements, docs/concepts/ruleset.md).
+    exact: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +255,7 @@ class AddPortElems:
     fam: str
     elems: tuple[PortElem, ...]
     seconds: tuple[int, ...] = ()
+    exact: bool = False  # the set is a hash set (AddSet ``exact``): each element one address, one port
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +265,7 @@ class DeletePortElems:
     name: str
     fam: str
     elems: tuple[PortElem, ...]
+    exact: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +420,12 @@ def describe_iface_op(t: str, op: IfaceOp) -> str:
     return f'{verb} element {t} {op.name} {{ "{op.iface}" }}'
 
 
+def is_exact_elem(elem: PortElem) -> bool:
+    """One address and one port: an element a hash (``exact``) port set can hold."""
+    net, _, lo, hi = elem
+    return lo == hi and net.prefixlen == net.max_prefixlen
+
+
 def port_elem_text(elem: PortElem) -> str:
     """``prefix . proto . port[-port]`` as nft lists it."""
     net, proto, lo, hi = elem
@@ -472,10 +488,11 @@ def _describe_object(t: str, op: Op) -> str:
         }
         if op.ports:
             typ += " . inet_proto . inet_service"
-            flags = {
-                "interval": " flags interval;",
-                "timeout": f" flags interval,timeout; timeout {op.timeout_s}s;",
-            }
+            if not op.exact:
+                flags = {
+                    "interval": " flags interval;",
+                    "timeout": f" flags interval,timeout; timeout {op.timeout_s}s;",
+                }
         size = f" size {op.size};" if op.size else ""
         return f"add set {t} {op.name} {{ type {typ};{flags.get(op.kind, '')}{size} }}"
     if isinstance(op, AddChain):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from egressd.addr import IPAddress
-from egressd.kernel.ops import PortElem, port_elem_text
+from egressd.kernel.ops import PortElem, is_exact_elem, port_elem_text
 from egressd.nftsyntax import (
     DYN_TIMEOUT_S,
     ND_TYPES,
@@ -125,16 +125,30 @@ def dynp_set(fam: str) -> str:
     return f"dyn_allowp_{fam}"
 
 
-def _port_set(table: str, name: str, fam: str, elements: Sequence[str], size: int, *, timed: bool) -> str:
-    decl = port_set_decl(name, fam, size, timed=timed)
+def dynpx_set(fam: str) -> str:
+    """The port-scoped DNS leases' single-port elements (``addr . proto . port``): a hash set,
+    cheap to add to at any size (docs/concepts/ruleset.md); the ranges stay in :func:`dynp_set`."""
+    return f"dyn_allowpx_{fam}"
+
+
+def _port_set(
+    table: str, name: str, fam: str, elements: Sequence[str], size: int, *, timed: bool, exact: bool = False
+) -> str:
+    decl = port_set_decl(name, fam, size, timed=timed, exact=exact)
     if elements:
         decl = decl[: -len(" }")] + f" elements = {{ {', '.join(elements)} }} }}"
     return f"add set inet {table} {decl}"
 
 
-def _dynp(cfg: SidecarTable, fam: str, elements: Sequence[str]) -> str:
+def _dynp(cfg: SidecarTable, fam: str, elements: Sequence[str], *, exact: bool = False) -> str:
     # One text per declaration, as for the dyn sets (a re-declaration must match).
-    return _port_set(cfg.table, dynp_set(fam), fam, elements, port_elems_cap(cfg.max_leases), timed=True)
+    name = dynpx_set(fam) if exact else dynp_set(fam)
+    return _port_set(cfg.table, name, fam, elements, port_elems_cap(cfg.max_leases), timed=True, exact=exact)
+
+
+def _split(elems: Sequence[PortElem], exact: bool) -> tuple[PortElem, ...]:
+    """The elements of one of a lease's two sets: single ports (hash) or ranges (pipapo)."""
+    return tuple(e for e in elems if is_exact_elem(e) == exact)
 
 
 def port_elements(elems: Sequence[PortElem], seconds: float | None = None) -> list[str]:
@@ -202,11 +216,14 @@ def _set_declarations(
     denyp = disjoint([*entries(sets.deny_scoped, 4), *entries(sets.deny_scoped, 6)])
     dyn: dict[str, list[str]] = {"v4": [], "v6": []}
     dynp: dict[str, list[str]] = {"v4": [], "v6": []}
+    dynpx: dict[str, list[str]] = {"v4": [], "v6": []}
     for g in as_grants(leases):
         if g.seconds > 0:
             if g.scope.whole:
                 dyn[family(g.ip)].append(lease_element(g.ip, g.seconds))
-            dynp[family(g.ip)] += port_elements(lease_port_elems(g.ip, g.scope.ports), g.seconds)
+            elems = lease_port_elems(g.ip, g.scope.ports)
+            dynp[family(g.ip)] += port_elements(_split(elems, False), g.seconds)
+            dynpx[family(g.ip)] += port_elements(_split(elems, True), g.seconds)
     lines = []
     for fam in ("v4", "v6"):
         lines.append(_interval_set(t, f"allow_{fam}", fam, allow[fam]))
@@ -217,6 +234,7 @@ def _set_declarations(
         lines.append(_port_set(t, f"allowp_{fam}", fam, port_elements(mine_a), 0, timed=False))
         lines.append(_port_set(t, f"denyp_{fam}", fam, port_elements(mine_d), 0, timed=False))
         lines.append(_dynp(cfg, fam, dynp[fam]))
+        lines.append(_dynp(cfg, fam, dynpx[fam], exact=True))
     if cfg.block_doh_443 and cfg.doh_blocklist:
         for fam in ("v4", "v6"):
             if doh[fam]:
@@ -337,6 +355,7 @@ def _address_verdicts(cfg: SidecarTable) -> list[str]:
     guards = ("meta l4proto != udp ", "udp dport != 443 ") if cfg.checks_names else ("",)
     out += [f"{l3_of(fam)} daddr @{dyn_set(fam)} {g}accept" for fam in ("v4", "v6") for g in guards]
     out += [f"{l3_of(fam)} {key} @{dynp_set(fam)} accept" for fam in ("v4", "v6")]
+    out += [f"{l3_of(fam)} {key} @{dynpx_set(fam)} accept" for fam in ("v4", "v6")]
     out += [f"{l3_of(fam)} daddr @allow_{fam} accept" for fam in ("v4", "v6")]
     out += [f"{l3_of(fam)} {key} @allowp_{fam} accept" for fam in ("v4", "v6")]
     return out
@@ -368,31 +387,35 @@ def dyn_add(cfg: SidecarTable, leases: Sequence[LeaseLike]) -> str:
             lines.append(f"delete element inet {cfg.table} {dyn_set(fam)} {{ {keys} }}")
             lines.append(declare)
     for fam in ("v4", "v6"):
-        lines += _dynp_add(cfg, fam, [g for g in grants if family(g.ip) == fam])
+        for exact in (True, False):
+            lines += _dynp_add(cfg, fam, [g for g in grants if family(g.ip) == fam], exact=exact)
     return "\n".join(lines) + "\n" if lines else ""
 
 
-def _dynp_add(cfg: SidecarTable, fam: str, grants: Sequence[Grant]) -> list[str]:
-    """A lease's port elements (§18): those it held first declared (so each exists) and
-    deleted when its scope changed (the kernel refuses a partly overlapping element), then
-    the new ones; ``renew_by_replace`` likewise for unchanged ones."""
+def _dynp_add(cfg: SidecarTable, fam: str, grants: Sequence[Grant], *, exact: bool) -> list[str]:
+    """A lease's port elements (§18) in one of its two sets (``exact``: the single ports'
+    hash set, else the ranges' pipapo set): those it held first declared (so each exists)
+    and deleted when its scope changed (the kernel refuses a partly overlapping element),
+    then the new ones; ``renew_by_replace`` likewise for unchanged ones."""
     gone: list[str] = []
     gone_keys: list[str] = []
     new: list[str] = []
     for g in grants:
         if g.scope.ports.is_empty():
             continue
-        elems = lease_port_elems(g.ip, g.scope.ports)
-        old = lease_port_elems(g.ip, g.held) if g.held != g.scope.ports else (elems if cfg.renew_by_replace else ())
+        elems = _split(lease_port_elems(g.ip, g.scope.ports), exact)
+        held = _split(lease_port_elems(g.ip, g.held), exact)
+        old = held if g.held != g.scope.ports else (elems if cfg.renew_by_replace else ())
         gone += port_elements(old, g.seconds)
         gone_keys += port_elements(old)
         new += port_elements(elems, g.seconds)
     lines: list[str] = []
+    name = dynpx_set(fam) if exact else dynp_set(fam)
     if gone:
-        lines.append(_dynp(cfg, fam, gone))
-        lines.append(f"delete element inet {cfg.table} {dynp_set(fam)} {{ {', '.join(gone_keys)} }}")
+        lines.append(_dynp(cfg, fam, gone, exact=exact))
+        lines.append(f"delete element inet {cfg.table} {name} {{ {', '.join(gone_keys)} }}")
     if new:
-        lines.append(_dynp(cfg, fam, new))
+        lines.append(_dynp(cfg, fam, new, exact=exact))
     return lines
 
 

@@ -658,9 +658,11 @@ def sanity(run: Runner) -> None:
     got = run.client.call({"op": "query", "target": "proxy", "name": name}, 15)
     if got != {"rcode": "NOERROR", "answers": [addr]}:
         raise c.BenchError(f"proxy query {name}: {got}")
-    dynp = f"subj_{nft_id(subject_for_uid(MEASURED_UID))}_dynp_v4"
-    if addr not in (listing := c.run(["nft", "list", "set", "inet", TABLE, dynp]).stdout):
-        raise c.BenchError(f"{addr} not learned into {dynp}: {listing[:300]}")
+    # Its single ports go to the hash set dynpx, its port ranges to the pipapo set dynp.
+    for kind in ("dynp", "dynpx"):
+        dynp = f"subj_{nft_id(subject_for_uid(MEASURED_UID))}_{kind}_v4"
+        if addr not in (listing := c.run(["nft", "list", "set", "inet", TABLE, dynp]).stdout):
+            raise c.BenchError(f"{addr} not learned into {dynp}: {listing[:300]}")
     if addr in c.run(["nft", "list", "set", "inet", TABLE, dyn]).stdout:
         raise c.BenchError(f"{addr} of a port-scoped name is in {dyn}: it would open every port")
     for target, want in (("proxy", "NXDOMAIN"), ("direct", "NOERROR")):

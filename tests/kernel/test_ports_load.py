@@ -57,6 +57,17 @@ _SCRIPT = textwrap.dedent(
             "p4", "v4", ((net("1.2.3.4/32"), "tcp", 443, 443), (net("10.0.0.0/8"), "udp", 1000, 2000)), (90, 30)
         ),
         AddPortElems("p6", "v6", ((net("2001:db8::/32"), "tcp", 5432, 5433), (net("::1/128"), "udp", 0, 65535))),
+        # The leases' single ports: hash sets (no interval flag), key-only elements.
+        AddSet("x4", "v4", "timeout", 360, size=8192, ports=True, exact=True),
+        AddSet("x6", "v6", "timeout", 360, size=8192, ports=True, exact=True),
+        AddRule("c", PortRule("v4", "x4", RuleAction.MARK, exact=True)),
+        AddRule("c", PortRule("v6", "x6", RuleAction.MARK, exact=True)),
+        AddPortElems(
+            "x4", "v4", ((net("1.2.3.5/32"), "tcp", 443, 443), (net("1.2.3.5/32"), "udp", 443, 443)), (90, 30),
+            exact=True,
+        ),
+        AddPortElems("x6", "v6", ((net("2001:db8::7/128"), "tcp", 22, 22),), (60,), exact=True),
+        DeletePortElems("x4", "v4", ((net("1.2.3.5/32"), "udp", 443, 443),), exact=True),
     )
     text = NetlinkBatch("A", ops).describe()
     sh("nft", "-f", "-", inp=text)
@@ -131,6 +142,10 @@ def test_port_scoped_objects_load_as_nft_loads_them(scratch: str) -> None:
     assert "ip daddr . meta l4proto . th dport @p4 meta mark set 0x00000002" in ours
     assert "10.0.0.0/8 . udp . 1000-2000 timeout 30s" in ours
     assert "2001:db8::/32 . tcp . 5432-5433" in ours
+    # The hash sets: no interval flag, their elements (and the delete) as nft made them.
+    assert "1.2.3.5 . tcp . 443 timeout 1m30s" in ours and "1.2.3.5 . udp" not in ours
+    assert "2001:db8::7 . tcp . 22 timeout 1m" in ours
+    assert "ip6 daddr . meta l4proto . th dport @x6 meta mark set 0x00000002" in ours
     assert "ip daddr @d4 udp dport != 443 meta mark set 0x00000002" in ours
     assert (
         'ip daddr . meta l4proto . th dport @p4 ip daddr != @h4 ct state new log prefix "egressd would-deny x " '

@@ -197,6 +197,12 @@ def mark_rules(nid: str = "s_u_1", *, audit: bool = False, name_check: bool = Fa
                 f"{l3} {key} @subj_{nid}_{kind}p_{fam} meta mark set 0x2"
                 for l3, fam in (("ip", "v4"), ("ip6", "v6"))
             ),
+            # The leases' single ports: a hash set of their own (docs/concepts/ruleset.md).
+            *(
+                f"{l3} {key} @subj_{nid}_dynpx_{fam} meta mark set 0x2"
+                for l3, fam in (("ip", "v4"), ("ip6", "v6"))
+                if kind == "dyn"
+            ),
         )
     ]
     return (
@@ -218,7 +224,7 @@ def mark_rules(nid: str = "s_u_1", *, audit: bool = False, name_check: bool = Fa
 
 def in_rules(nid: str = "s_u_1", *, audit: bool = False) -> list[str]:
     def key(l3: str, kind: str) -> str:
-        if kind.endswith("p"):
+        if kind.endswith(("p", "px")):
             return f"ct original {l3} daddr . meta l4proto . ct original proto-dst"
         return f"ct original {l3} daddr"
 
@@ -231,6 +237,7 @@ def in_rules(nid: str = "s_u_1", *, audit: bool = False) -> list[str]:
                 *((("wdeny", "goto denied"), ("wdenyp", "goto denied")) if audit else ()),
                 ("dyn", "accept"),
                 ("dynp", "accept"),
+                ("dynpx", "accept"),
                 ("allow", "accept"),
                 ("allowp", "accept"),
             )

@@ -81,6 +81,8 @@ SET_KINDS = (
     "denyp_v6",
     "dynp_v4",
     "dynp_v6",
+    "dynpx_v4",
+    "dynpx_v6",
 )
 SETS6 = [f"subj_s_u_1_{k}" for k in SET_KINDS]
 
@@ -111,6 +113,8 @@ MARK_CHAIN_RULES = [
     "ip6 daddr @subj_s_u_1_dyn_v6 meta mark set 0x2",
     f"ip {PORTKEY} @subj_s_u_1_dynp_v4 meta mark set 0x2",
     f"ip6 {PORTKEY} @subj_s_u_1_dynp_v6 meta mark set 0x2",
+    f"ip {PORTKEY} @subj_s_u_1_dynpx_v4 meta mark set 0x2",
+    f"ip6 {PORTKEY} @subj_s_u_1_dynpx_v6 meta mark set 0x2",
     'ip daddr @subj_s_u_1_wdeny_v4 ip daddr != @subj_s_u_1_deny_v4 ct state new log prefix "egressd would-deny s_u_1 " '
     'counter name "subj_s_u_1_audit_deny" meta mark set 0x2',
     'ip6 daddr @subj_s_u_1_wdeny_v6 ip6 daddr != @subj_s_u_1_deny_v6 ct state new log prefix "egressd would-deny s_u_1 " '
@@ -147,6 +151,8 @@ IN_CHAIN_RULES = [
     "ct original ip6 daddr @subj_s_u_1_dyn_v6 accept",
     f"ct original ip {CT_PORTKEY} @subj_s_u_1_dynp_v4 accept",
     f"ct original ip6 {CT_PORTKEY} @subj_s_u_1_dynp_v6 accept",
+    f"ct original ip {CT_PORTKEY} @subj_s_u_1_dynpx_v4 accept",
+    f"ct original ip6 {CT_PORTKEY} @subj_s_u_1_dynpx_v6 accept",
     "ct original ip daddr @subj_s_u_1_allow_v4 accept",
     "ct original ip6 daddr @subj_s_u_1_allow_v6 accept",
     f"ct original ip {CT_PORTKEY} @subj_s_u_1_allowp_v4 accept",
@@ -509,8 +515,12 @@ def test_objects_script_declares_the_sets_chains_and_counters() -> None:
         f"add set inet {T} subj_s_u_1_dynp_v6 {{ type ipv6_addr . inet_proto . inet_service; "
         "flags interval,timeout; timeout 360s; size 8192; }" in text
     )
+    assert (
+        f"add set inet {T} subj_s_u_1_dynpx_v6 {{ type ipv6_addr . inet_proto . inet_service; "
+        "flags timeout; timeout 360s; size 8192; }" in text
+    )
     declared = [ln for ln in text if ln.startswith(f"add set inet {T} subj_")]
-    assert len(declared) == 12
+    assert len(declared) == 14
 
 
 def test_objects_script_has_no_rules_no_flushes_no_deletes() -> None:
@@ -534,7 +544,7 @@ def test_objects_script_declarations_come_before_the_dispatch_entries() -> None:
 def test_subject_rules_are_the_fixed_rule_list() -> None:
     batch = subject_rules(CFG, "s_u_1", audit=True)
     # Without the audit objects: the same rules less the audit ones.
-    assert subject_rules(CFG, "s_u_1").ops == batch.ops[:12]
+    assert subject_rules(CFG, "s_u_1").ops == batch.ops[:14]
     assert batch.table == T
     assert batch.ops == (
         AddRule("subj_s_u_1", MatchRule("v4", "subj_s_u_1_deny_v4", Outcome.DROP, drop_chain="denied")),
@@ -549,6 +559,8 @@ def test_subject_rules_are_the_fixed_rule_list() -> None:
         AddRule("mark_s_u_1", MatchRule("v6", "subj_s_u_1_dyn_v6", Outcome.MARK)),
         AddRule("mark_s_u_1", PortRule("v4", "subj_s_u_1_dynp_v4", Outcome.MARK)),
         AddRule("mark_s_u_1", PortRule("v6", "subj_s_u_1_dynp_v6", Outcome.MARK)),
+        AddRule("mark_s_u_1", PortRule("v4", "subj_s_u_1_dynpx_v4", Outcome.MARK, exact=True)),
+        AddRule("mark_s_u_1", PortRule("v6", "subj_s_u_1_dynpx_v6", Outcome.MARK, exact=True)),
         *(
             AddRule(
                 "mark_s_u_1",

@@ -73,9 +73,9 @@ def test_two_names_on_one_address_widen_its_lease_and_replace_its_elements() -> 
     net = ipaddress.ip_network("93.184.216.34/32")
     old = ((net, "tcp", 443, 443),)
     assert batch.ops == (
-        AddPortElems("subj_s_dynp_v4", "v4", old, (90,)),
-        DeletePortElems("subj_s_dynp_v4", "v4", old),
-        AddPortElems("subj_s_dynp_v4", "v4", ((net, "tcp", 80, 80), (net, "tcp", 443, 443)), (90, 90)),
+        AddPortElems("subj_s_dynpx_v4", "v4", old, (90,), exact=True),
+        DeletePortElems("subj_s_dynpx_v4", "v4", old, exact=True),
+        AddPortElems("subj_s_dynpx_v4", "v4", ((net, "tcp", 80, 80), (net, "tcp", 443, 443)), (90, 90), exact=True),
     )
     book.record(second, "www.x.io", NOW)
     assert book.scope_of(CDN, NOW) == LeaseScope(False, both)
@@ -105,7 +105,8 @@ def test_a_narrowing_rescopes_each_lease_by_the_names_still_allowed() -> None:
     assert not shrunk.intact and shrunk.kept[0].scope.ports == Scope.of(tcp=[(80, 80), (8443, 8443)])
     # Its kernel step empties both dyn sets of both kinds and refills them from the new scopes.
     batch = dyn_replace("T", "s", out.kept)
-    assert batch.ops[:4] == tuple(FlushSet(f"subj_s_{k}") for k in ("dyn_v4", "dyn_v6", "dynp_v4", "dynp_v6"))
+    kinds = ("dyn_v4", "dyn_v6", "dynp_v4", "dynp_v6", "dynpx_v4", "dynpx_v6")
+    assert batch.ops[:6] == tuple(FlushSet(f"subj_s_{k}") for k in kinds)
     assert not any(isinstance(op, DeletePortElems | AddTimed) for op in batch.ops)
 
 
