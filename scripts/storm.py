@@ -487,7 +487,7 @@ def _refuses(rule_json: str) -> bool:
 
 
 # The port-scoped sets (docs/reference/behaviour.md §18) stay empty: no storm policy names ports.
-PORT_KINDS = ("allowp", "denyp", "wdenyp", "dynp")
+PORT_KINDS = ("allowp", "denyp", "wdenyp", "dynp", "dynpx")
 SUBJECT_SET_KINDS = [f"{k}_{fam}" for k in (*STATIC_KINDS, "dyn", *PORT_KINDS) for fam in ("v4", "v6")]
 # Made by a subject's first audit policy and kept until its removal (fleetnft/audit.py):
 # optional objects, required while the active policy audits.
