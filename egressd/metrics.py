@@ -295,14 +295,15 @@ class EgressMetrics:
         r = self.registry
         # Exemplar: the last denial's decision_id, subject and rule (OpenMetrics only).
         self.policy_denied = Counter(r, "egress_policy_denied_total", "Denied DNS queries.")
-        # Audit mode: DNS queries (layer="dns", rule = the deciding rule's label) and new flows
+        # Audit mode: DNS queries (layer="dns", rule = the deciding rule's label), HTTP requests
+        # (layer="request", §19) and new flows
         # (layer="ip", rule "egress-deny" or "default", read from the kernel's per-subject
         # counters at scrape time) that the policy would have denied but let pass.
         # Exemplar of the dns series: the last decision_id.
         self.would_deny = Counter(
             r,
             "egressd_policy_would_deny_total",
-            "Audit mode: DNS queries and new flows the policy would deny, passed.",
+            "Audit mode: DNS queries, new flows and HTTP requests the policy would deny, passed.",
             ["subject", "layer", "rule"],
         )
         self.dns_latency = Histogram(r, "egress_dns_query_duration_seconds", "DNS proxy query handling time.")

@@ -63,7 +63,11 @@ def fleet_visibility(
     # mode leaves it empty).
     events = DnsEvents(webhook=webhook, denials=denials, sandbox_id=lambda uid: uid)
     names = NameReport(NameRefusals(), events.refused_on_wire)
-    requests = RequestRefusals(names.refusals, events.refused_request)
+    requests = RequestRefusals(
+        names.refusals,
+        events.refused_request,
+        lambda subject, rule: metrics.would_deny.inc(subject, "request", rule),
+    )
     return FleetVisibility(
         audit=AuditEvidence(metrics, counters, entries),
         drops=DropCounters(metrics, counters, entries, denials, names=names),

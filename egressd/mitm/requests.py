@@ -117,9 +117,16 @@ class RequestRefusals:
     """Counts (in the subject's name-check refusal count, exported with the kernel's drops),
     logs and posts the request rules' refusals."""
 
-    def __init__(self, refusals: NameRefusals, denied: RequestDenied | None = None) -> None:
+    def __init__(
+        self,
+        refusals: NameRefusals,
+        denied: RequestDenied | None = None,
+        would_deny: Callable[[str, str], None] | None = None,
+    ) -> None:
         self.refusals = refusals
         self._denied = denied
+        # Audit mode: (subject, rule label) of a request the policy would refuse, passed.
+        self._would_deny = would_deny
         # The name check's per-subject log budget (LOG_PER_SECOND), a window of its own.
         self._lines = NameReport(NameRefusals())
 
@@ -128,6 +135,9 @@ class RequestRefusals:
             self.refusals.add(uid)
             if self._denied is not None:
                 self._denied(uid, report.host, report.port, report.method, report.path)
+        elif self._would_deny is not None:
+            rule = "default" if report.rule is None else f"egress[{report.rule}]"
+            self._would_deny(subject_for_uid(uid), rule)
         suppressed = self._lines.may_log(uid)
         if suppressed is None:
             return

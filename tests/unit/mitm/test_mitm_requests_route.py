@@ -79,3 +79,16 @@ def test_the_ring_and_the_webhook_carry_method_and_path() -> None:
             "methods": ["DELETE"], "paths": ["/repos/o/r"]} in added  # fmt: skip
     assert {r["target"] for r in added} == {"api.x.io", "b.cdn.test", "c.cdn.test"}
     parse_policy_obj(suggested)  # a valid SET_BINDING policy as it is
+
+
+def test_an_audited_request_is_counted_as_a_would_deny_not_a_refusal() -> None:
+    from egressd.mitm.requests import RequestReport
+
+    refusals = NameRefusals()
+    denied: list[tuple[Any, ...]] = []
+    would: list[tuple[str, str]] = []
+    report = RequestRefusals(refusals, lambda *a: denied.append(a), lambda s, r: would.append((s, r)))
+    report("u1", RequestReport("api.x.io", 443, "POST", "/repos", "rule", 3, True))
+    report("u1", RequestReport("api.x.io", 443, "GET", "/user", "default_action", None, True))
+    assert would == [("s-u1", "egress[3]"), ("s-u1", "default")]
+    assert refusals.of("u1") == 0 and denied == []
