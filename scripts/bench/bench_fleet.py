@@ -122,9 +122,10 @@ class FleetRun:
             "set": ms(set_t) if set_t else None,
         }
 
-    def lifecycle(self, size: int, samples: int, warmup: int) -> dict[str, Any]:
+    def lifecycle(self, size: int, samples: int, warmup: int, scoped_too: bool = True) -> dict[str, Any]:
         """(a)/(b); each sample is followed by a no-op action, so the no-op baseline of this
-        size is measured under the same load as its samples. (f): each sample also binds and
+        size is measured under the same load as its samples. (f), unless ``scoped_too`` is off
+        (a baseline older than port-scoped rules refuses them): each sample also binds and
         activates one subject with :func:`ports_policy_text`, the two shapes taking turns to go
         first, so both meet the same load."""
         t: dict[str, list[float]] = {"set": [], "activate": [], "remove": [], "noop": []}
@@ -135,24 +136,27 @@ class FleetRun:
                 before = c.scrape(self.h)
             idx, uid = self.seq, f"m{size}-{j}"
             self.seq += 2
-            if j % 2:
+            sp = sa = 0.0
+            if scoped_too and j % 2:
                 sp, sa, _ = self.scoped_sample(size, j, idx + 1)
             a = self.h.action(
                 set_body(uid, ip_of(MEASURED_BASE, idx), policy_text(100000 + idx, idx)), "SET_BINDING"
             )
             b = self.h.action(c.envelope("LIFECYCLE_HOOK", uid, hook=True), "data-plane-ready")
             r = self.h.action(c.envelope("REMOVE_BINDING", uid), "REMOVE_BINDING")
-            if not j % 2:
+            if scoped_too and not j % 2:
                 sp, sa, _ = self.scoped_sample(size, j, idx + 1)
             z = self.h.action(c.envelope("REMOVE_BINDING", f"absent-{size}-{j}"), "no-op")
             if j >= warmup:
                 for k, v in zip(t, (a, b, r, z), strict=True):
                     t[k].append(v)
-                scoped["set"].append(sp)
-                scoped["activate"].append(sa)
+                if scoped_too:
+                    scoped["set"].append(sp)
+                    scoped["activate"].append(sa)
         d = c.delta(before, c.scrape(self.h))
         out: dict[str, Any] = {k: ms(v) for k, v in t.items()}
-        out["ports"] = {k: ms(v) for k, v in scoped.items()}
+        if scoped_too:
+            out["ports"] = {k: ms(v) for k, v in scoped.items()}
         out["nft"] = {op: c.nft_ms(d, op) for op in ("deny_first", "static_apply", "remove")}
         return out
 
@@ -160,7 +164,8 @@ class FleetRun:
         """One subject with the port-scoped shape: SET_BINDING, data-plane-ready, removal."""
         uid = f"p{size}-{j}"
         a = self.h.action(
-            set_body(uid, ip_of(MEASURED_BASE, idx), ports_policy_text(100000 + idx, idx)), "SET_BINDING (ports)"
+            set_body(uid, ip_of(MEASURED_BASE, idx), ports_policy_text(100000 + idx, idx)),
+            "SET_BINDING (ports)",
         )
         b = self.h.action(c.envelope("LIFECYCLE_HOOK", uid, hook=True), "data-plane-ready (ports)")
         r = self.h.action(c.envelope("REMOVE_BINDING", uid), "REMOVE_BINDING (ports)")

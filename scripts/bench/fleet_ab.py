@@ -74,12 +74,12 @@ def start(workdir: Path, side: str, tree: Path | None) -> tuple[c.Egressd, bf.Fl
 
 def lifecycles(runs: dict[str, bf.FleetRun], size: int, samples: int, warmup: int) -> dict[str, Any]:
     for run in runs.values():
-        run.lifecycle(size, 0, warmup)
+        run.lifecycle(size, 0, warmup, scoped_too=False)
     t: dict[str, dict[str, list[float]]] = {s: {} for s in SIDES}
     for j in range(samples):
         for side in SIDES if j % 2 == 0 else SIDES[::-1]:
-            for k, v in runs[side].lifecycle(size, 1, 0).items():
-                if k != "nft":
+            for k, v in runs[side].lifecycle(size, 1, 0, scoped_too=False).items():
+                if k in ("set", "activate", "remove", "noop"):
                     t[side].setdefault(k, []).append(v["p50"])
     return {s: {k: c.summary(v) for k, v in by.items()} for s, by in t.items()}
 
