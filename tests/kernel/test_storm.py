@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from tests.kernel.topology import REPO, VENV_PY, Daemon, Topology, envelope
 
@@ -80,12 +83,25 @@ for _ in sys.stdin:
 """
 
 
-def test_flow_allowed_before_a_kill9_is_cut_by_the_replayed_revert(topo: Topology, daemon: Daemon) -> None:
+@pytest.fixture
+def echo_server(topo: Topology) -> Iterator[subprocess.Popen[str]]:
+    """SERVER in the session's upstream namespace, stopped by its PID when the test ends: left
+    running, it keeps 10.204.0.2:7001 for the rest of the session and a later module's listener
+    on 0.0.0.0:7001 cannot bind (tests/kernel/test_ports.py's echo)."""
+    proc = topo.spawn(topo.up, str(VENV_PY), "-c", SERVER, ready_line="ready")
+    try:
+        yield proc
+    finally:
+        topo.stop(proc)
+
+
+def test_flow_allowed_before_a_kill9_is_cut_by_the_replayed_revert(
+    topo: Topology, daemon: Daemon, echo_server: subprocess.Popen[str]
+) -> None:
     """Found while building the storm (its kill -9 + replay path, probed with a live flow):
     the new process's header accepts established flows,
     so a flow the dead process allowed survived the Fastlet's replay of a revert (the live
     revert cuts it). The replay's deny-first install now cuts the address's old flows."""
-    topo.spawn(topo.up, str(VENV_PY), "-c", SERVER, ready_line="ready")
     ip = topo.sb_ip(4)
     pol = {"defaultAction": "deny", "egress": [{"action": "allow", "target": "10.204.0.2"}]}
     assert daemon.post(envelope("SET_BINDING", "ct-1", ip=ip, policy=pol))[0] == 200
