@@ -33,9 +33,13 @@ UDP_PORTS = (443, 5432, 7000)
 
 _ECHO = """
 import socket, sys, threading
-def tcp(port):
+# Every socket is bound before "ready": a port another test left taken fails the fixture
+# (the process exits early) instead of a probe later on.
+def tcp_listener(port):
     s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind(("0.0.0.0", port)); s.listen(64)
+    return s
+def tcp(s):
     while True:
         c, _ = s.accept()
         threading.Thread(target=serve, args=(c,), daemon=True).start()
@@ -48,17 +52,20 @@ def serve(c):
             c.sendall(d)
     except OSError:
         return
-def udp(ip, port):
+def udp_socket(ip, port):
     # One socket per address: a reply must leave from the address it was sent to, or the
     # pod's conntrack would not see it as the reply (and drop it as a new flow).
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((ip, port))
+    return s
+def udp(s):
     while True:
         d, a = s.recvfrom(4096); s.sendto(d, a)
-for p in sys.argv[1].split(","):
-    threading.Thread(target=tcp, args=(int(p),), daemon=True).start()
-for p in sys.argv[2].split(","):
-    for ip in sys.argv[3].split(","):
-        threading.Thread(target=udp, args=(ip, int(p)), daemon=True).start()
+tcps = [tcp_listener(int(p)) for p in sys.argv[1].split(",")]
+udps = [udp_socket(ip, int(p)) for p in sys.argv[2].split(",") for ip in sys.argv[3].split(",")]
+for s in tcps:
+    threading.Thread(target=tcp, args=(s,), daemon=True).start()
+for s in udps:
+    threading.Thread(target=udp, args=(s,), daemon=True).start()
 print("ready", flush=True)
 threading.Event().wait()
 """
