@@ -46,6 +46,7 @@ __all__ = [
     "REASON_NO_SNI",
     "REASON_NO_VAULT",
     "REASON_PORT",
+    "REASON_REQUESTS_LATER",
     "REASON_REQUESTS_UNSEEN",
     "REASON_REQUEST_RULES",
     "Verdict",
@@ -70,6 +71,8 @@ REASON_LOOKUP_FAILED: Final = "vault lookup failed: opened so that its requests 
 REASON_NAME_CHECK: Final = "plain HTTP on a name-checked port: every request's Host is checked"
 
 REASON_REQUEST_RULES: Final = "a rule with methods/paths matches the name: its requests are judged"
+
+REASON_REQUESTS_LATER: Final = "a relayed connection's name is judged since a policy change: reset"
 
 REASON_REQUESTS_UNSEEN: Final = "an ignored host that request rules judge: refused, never relayed unjudged"
 

@@ -9,11 +9,12 @@ path (:mod:`egressd.mitmchild.injection`) refuses its requests.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import Callable
 
-from mitmproxy import ctx, tls
+from mitmproxy import connection, ctx, tls
 from mitmproxy.addons.next_layer import stack_match
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import layer, layers
@@ -27,6 +28,7 @@ from egressd.mitmchild.intercept import (
     REASON_LOOKUP_FAILED,
     REASON_NAME_CHECK,
     REASON_REQUEST_RULES,
+    REASON_REQUESTS_LATER,
     REASON_REQUESTS_UNSEEN,
     Decision,
     Verdict,
@@ -37,7 +39,7 @@ from egressd.mitmchild.intercept import (
     tls_early,
 )
 from egressd.mitmchild.lookup import LookupFailed
-from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, NameGate, as_name, checked
+from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, NameGate, as_name, checked, reset
 from egressd.mitmchild.requestgate import RequestGate
 from egressd.mitmchild.shared import address_of, emit, ip_of
 from egressd.mitmchild.vaults import VaultLookup
@@ -59,6 +61,11 @@ class Interception:
         self.names = names
         self.requests = requests
         self.ignore: tuple[re.Pattern[str], ...] = ()
+        # TLS relayed unopened, by client connection id: (client, client ip, SNI name, stamp).
+        # Request rules added later for that name would never see its requests: such a
+        # connection is reset once the client's narrowing stamp moves and the name is judged.
+        self.relayed: dict[str, tuple[connection.Client, str | None, str, object]] = {}
+        self._watch: asyncio.Task[None] | None = None
 
     def configure(self, updated: set[str]) -> None:
         if "ignore_hosts" in updated:
@@ -99,6 +106,46 @@ class Interception:
             # mitmproxy relays the ClientHello and everything after it to the original
             # destination, the address the kernel's input chain judged (transparent mode).
             data.ignore_connection = True
+            self._relaying(context.client, client_ip, as_name(sni_name(sni)))
+
+    def _relaying(self, client: connection.Client, client_ip: str | None, name: str | None) -> None:
+        """Watch a relayed TLS connection: a policy change that makes its name judged resets it
+        (docs/reference/behaviour.md §19: requests after a policy change on a kept-alive
+        connection are judged, or the connection is gone)."""
+        if self.requests is None or name is None:
+            return
+        self.relayed[client.id] = (client, client_ip, name, self.requests.stamp(client, client_ip))
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(self._watch_relayed())
+
+    async def _watch_relayed(self) -> None:
+        gate = self.requests
+        assert gate is not None
+        while self.relayed:
+            await asyncio.sleep(RELAY_WATCH_S)
+            for cid, (client, client_ip, name, stamp) in list(self.relayed.items()):
+                if not client.connected:  # gone (no client_disconnected hook here: one addon per event)
+                    del self.relayed[cid]
+                    continue
+                now = gate.stamp(client, client_ip)
+                if now is not None and now == stamp:
+                    continue
+                try:
+                    judged = await gate.judged(client, client_ip, name)
+                except Exception as exc:  # fail closed: an undecidable relay is cut
+                    emit("mitm.error", hook="relay_watch", error=type(exc).__name__)
+                    judged = True
+                if cid not in self.relayed:
+                    continue
+                if judged:
+                    del self.relayed[cid]
+                    reset(client)
+                    self._connection(
+                        "tls", Verdict("refuse", REASON_REQUESTS_LATER), time.perf_counter(),
+                        client=client_ip, sni=name, dest=None,
+                    )
+                else:
+                    self.relayed[cid] = (client, client_ip, name, now)
 
     async def _name_refused(
         self,
@@ -319,6 +366,9 @@ class Interception:
         """A client that does not trust the CA, or speaks no TLS the proxy accepts."""
         emit("mitm.tls_failed", client=ip_of(data.context.client.peername), sni=data.context.client.sni)
 
+
+#: How often relayed TLS connections are checked against a changed policy (seconds).
+RELAY_WATCH_S = 0.2
 
 #: The longest first line a connection may send before egressd decides it is not HTTP.
 _MAX_UNDECIDED = 8192

@@ -72,6 +72,13 @@ class RequestGate:
                 self.views.popitem(last=False)
         return view
 
+    def stamp(self, conn: object, client_ip: str | None) -> Stamp | None:
+        """The client's narrowing stamp now (None: not known)."""
+        client = self.vaults.client
+        if client is None or client.seq is None or not client_ip:
+            return None
+        return client.seq.stamp(self._query(conn, client_ip)[1])
+
     async def judged(self, conn: object, client_ip: str | None, name: str | None) -> bool:
         """Must the connection be opened for the request rules? True when egressd cannot say
         (its requests are then refused)."""

@@ -17,7 +17,7 @@ from typing import Any, Final
 
 from egressd.policy.model import NetworkPolicy, PolicyError, Rule, Verdict, parse_rule
 from egressd.policy.reqpath import readings
-from egressd.policy.requests import ASTERISK, RequestDecision, RequestReason, request_path
+from egressd.policy.requests import ASTERISK, RequestDecision, RequestReason, request_path, target_refusal
 from egressd.policy.scope import rule_scope
 
 MAX_DECISIONS: Final = 1024
@@ -88,6 +88,9 @@ class RuleIndex:
 
     def decide(self, port: int, method: str, target: str) -> RequestDecision:
         """:func:`egressd.policy.requests.decide_request` for this view's name."""
+        refused = target_refusal(method, target)
+        if refused is not None:
+            return refused
         method = method.upper()
         path = request_path(target)
         forms = (ASTERISK,) if path == ASTERISK else readings(path)

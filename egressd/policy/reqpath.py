@@ -32,13 +32,28 @@ def decode_layers(path: str) -> list[str] | None:
 
 
 def structural_problem(layers: list[str] | None, *, allow_nested: bool) -> bool:
-    """Undecodable, a backslash or a ``..`` segment at any depth, or (unless ``allow_nested``)
-    an escape that survives one decoding (``%252e``)."""
+    """Undecodable, a backslash, a NUL (``%00``: the end of the path to a C server) or a ``..``
+    segment at any depth, or (unless ``allow_nested``) an escape that survives one decoding
+    (``%252e``)."""
     if layers is None:
         return True
-    if any("\\" in layer or has_dot_dot_segment(layer) for layer in layers):
+    if any("\\" in layer or "\x00" in layer or has_dot_dot_segment(layer) for layer in layers):
         return True
     return not allow_nested and len(layers) > 2
+
+
+#: What no request-target carries on the wire (RFC 9112 §3.2, RFC 3986): whitespace, control
+#: characters, a fragment. HTTP/2 lets a ``:path`` carry spaces and tabs, HTTP/1 a raw ``#``, and
+#: mitmproxy writes the target upstream as it came: ``GET /admin x HTTP/1.1`` is ``/admin`` to a
+#: server that splits the request line on whitespace, ``/repos/#/../../user`` is ``/user`` to one
+#: that keeps ``#`` in the path and removes dot segments.
+_UNSAFE_TARGET: Final = re.compile(r"[\x00-\x20\x7f#]")
+
+
+def target_problem(target: str) -> bool:
+    """True when the request-target as sent (path and query) holds whitespace, a control
+    character or a ``#``: servers disagree about what it names, so it is refused."""
+    return _UNSAFE_TARGET.search(target) is not None
 
 
 _SLASHES: Final = re.compile(r"/{2,}")

@@ -10,18 +10,20 @@ method and path (a rule without ``methods``/``paths`` matches every request), th
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from typing import Final
 
 from egressd.policy.evaluate import _matches, normalise_name
 from egressd.policy.model import NetworkPolicy, Rule, TargetKind, Verdict
-from egressd.policy.reqpath import readings
+from egressd.policy.reqpath import readings, target_problem
 
 
 class RequestReason(enum.StrEnum):
     RULE = "rule"  # a rule decided (allowed or denied)
     DEFAULT = "default_action"  # no rule matched
     PATH_TRICK = "path_not_canonical"  # a path that reads differently to different servers
+    METHOD_TRICK = "method_not_token"  # a method that is no RFC 9110 token (``GET /user``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,26 @@ def _rule_matches(rule: Rule, port: int, method: str, path: str) -> bool:
     return rule.paths is None or any(_path_matches(path, p) for p in rule.paths)
 
 
+#: An RFC 9110 method token. HTTP/2 lets a ``:method`` carry spaces (``GET /user``), and
+#: mitmproxy writes it into the HTTP/1 request line upstream as it came: ``GET /user /repos/x``.
+_TOKEN: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def method_problem(method: str) -> bool:
+    """True when ``method`` is not a token: the upstream may read another method and path."""
+    return _TOKEN.fullmatch(method) is None
+
+
+def target_refusal(method: str, target: str) -> RequestDecision | None:
+    """The refusal of a request whose method or request-target reads differently to different
+    servers, whatever the rules say; None when both are clean."""
+    if method_problem(method):
+        return RequestDecision(Verdict.DENY, None, RequestReason.METHOD_TRICK)
+    if target_problem(target):
+        return RequestDecision(Verdict.DENY, None, RequestReason.PATH_TRICK)
+    return None
+
+
 #: A request-target that is no path (``OPTIONS *``): only rules without ``paths`` match it.
 ASTERISK: Final = "*"
 
@@ -77,6 +99,9 @@ def decide_request(policy: NetworkPolicy, name: str, port: int, method: str, tar
     upper-cased, as the strictest server reads it), ``target`` the origin-form path with its
     query (the MITM turns absolute-form and HTTP/2's ``:path`` into it)."""
     name = normalise_name(name)
+    refused = target_refusal(method, target)
+    if refused is not None:
+        return refused
     method = method.upper()
     path = request_path(target)
     forms = (ASTERISK,) if path == ASTERISK else readings(path)

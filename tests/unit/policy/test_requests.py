@@ -190,6 +190,35 @@ def test_plain_paths_pass(path: str) -> None:
     assert decide_request(ONLY_REPOS, "api.x.io", 443, "GET", path).allowed
 
 
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/repos/#/../../user",  # "/user" to a server that keeps "#" and removes dot segments
+        "/repos/x#y",
+        "/repos/x?q=#/../user",
+        "/repos/x /user",  # HTTP/2 ":path" with a space: "/repos/x" or more, depending on the server
+        "/repos/x\t/user",
+        "/repos/x\x0b/user",
+        "/repos/x\x7f",
+        "/repos/x?a b",
+        "/repos/o/r%00",  # "/repos/o/r" then NUL: the end of the path to a C server
+    ],
+)
+def test_targets_servers_read_differently_are_refused(target: str) -> None:
+    decision = decide_request(ONLY_REPOS, "api.x.io", 443, "GET", target)
+    assert not decision.allowed and decision.reason is RequestReason.PATH_TRICK and decision.rule is None
+    assert not decide_request(DENY_ADMIN, "api.x.io", 443, "GET", target).allowed
+
+
+@pytest.mark.parametrize("method", ["GET /user", "GET\t/user", "GET\x0b", "DELETE /x", "", "G\u00c9T"])
+def test_methods_that_are_no_token_are_refused(method: str) -> None:
+    # HTTP/2 ":method" "GET /user" with ":path" "/repos/x" is the HTTP/1 line "GET /user /repos/x".
+    deny_delete = policy({"action": "deny", "target": "api.x.io", "methods": ["DELETE"]}, default="allow")
+    for pol in (ONLY_REPOS, DENY_ADMIN, deny_delete):
+        decision = decide_request(pol, "api.x.io", 443, method, "/repos/x")
+        assert not decision.allowed and decision.reason is RequestReason.METHOD_TRICK, (pol, method)
+
+
 def test_encoded_slash_must_pass_both_readings() -> None:
     # "/repos%2fo" is "/repos%2fo" to one server and "/repos/o" to another: both must pass.
     assert not decide_request(ONLY_REPOS, "api.x.io", 443, "GET", "/repos%2fo").allowed
