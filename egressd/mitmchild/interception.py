@@ -119,33 +119,46 @@ class Interception:
             self._watch = asyncio.get_running_loop().create_task(self._watch_relayed())
 
     async def _watch_relayed(self) -> None:
-        gate = self.requests
-        assert gate is not None
         while self.relayed:
             await asyncio.sleep(RELAY_WATCH_S)
-            for cid, (client, client_ip, name, stamp) in list(self.relayed.items()):
-                if not client.connected:  # gone (no client_disconnected hook here: one addon per event)
-                    del self.relayed[cid]
-                    continue
-                now = gate.stamp(client, client_ip)
-                if now is not None and now == stamp:
-                    continue
-                try:
-                    judged = await gate.judged(client, client_ip, name)
-                except Exception as exc:  # fail closed: an undecidable relay is cut
-                    emit("mitm.error", hook="relay_watch", error=type(exc).__name__)
-                    judged = True
-                if cid not in self.relayed:
-                    continue
-                if judged:
-                    del self.relayed[cid]
-                    reset(client)
-                    self._connection(
-                        "tls", Verdict("refuse", REASON_REQUESTS_LATER), time.perf_counter(),
-                        client=client_ip, sni=name, dest=None,
-                    )
-                else:
-                    self.relayed[cid] = (client, client_ip, name, now)
+            await self.check_relayed()
+
+    async def check_relayed(self) -> None:
+        """One pass over the relayed connections: forget the closed ones, reset those whose
+        name a policy change made judged. Only a moved stamp asks egressd (one pull per client
+        and name, cached): while egressd is silent (no stamp), nothing is asked and nothing
+        reset; the kernel keeps policing the address, and the first stamp after it is back
+        differs from the one the connection was admitted under."""
+        gate = self.requests
+        if gate is None:
+            return
+        for cid, (client, client_ip, name, stamp) in list(self.relayed.items()):
+            if not client.connected:  # gone (no client_disconnected hook here: one addon per event)
+                del self.relayed[cid]
+                continue
+            now = gate.stamp(client, client_ip)
+            if now is None or now == stamp:
+                continue
+            try:
+                judged = await gate.judged(client, client_ip, name)
+            except Exception as exc:  # fail closed: an undecidable relay is cut
+                emit("mitm.error", hook="relay_watch", error=type(exc).__name__)
+                judged = True
+            if cid not in self.relayed:
+                continue
+            if judged:
+                del self.relayed[cid]
+                reset(client)
+                self._connection(
+                    "tls",
+                    Verdict("refuse", REASON_REQUESTS_LATER),
+                    time.perf_counter(),
+                    client=client_ip,
+                    sni=name,
+                    dest=None,
+                )
+            else:
+                self.relayed[cid] = (client, client_ip, name, now)
 
     async def _name_refused(
         self,
