@@ -49,7 +49,7 @@ class RequestGate:
             return None
         query, owner = self._query(conn, client_ip)
         key: Key = (owner, name or "")
-        stamp = client.seq.stamp(owner) if client.seq is not None else None
+        stamp = self._stamp(owner)
         hit = self.views.get(key)
         if hit is not None and stamp is not None and hit[1] == stamp:
             self.views.move_to_end(key)
@@ -74,10 +74,11 @@ class RequestGate:
 
     def stamp(self, conn: object, client_ip: str | None) -> Stamp | None:
         """The client's narrowing stamp now (None: not known)."""
+        return self._stamp(self._query(conn, client_ip)[1]) if client_ip else None
+
+    def _stamp(self, owner: str) -> Stamp | None:
         client = self.vaults.client
-        if client is None or client.seq is None or not client_ip:
-            return None
-        return client.seq.stamp(self._query(conn, client_ip)[1])
+        return client.seq.stamp(owner) if client is not None and client.seq is not None else None
 
     async def judged(self, conn: object, client_ip: str | None, name: str | None) -> bool:
         """Must the connection be opened for the request rules? True when egressd cannot say

@@ -17,7 +17,14 @@ from typing import Any, Final
 
 from egressd.policy.model import NetworkPolicy, PolicyError, Rule, Verdict, parse_rule
 from egressd.policy.reqpath import readings
-from egressd.policy.requests import ASTERISK, RequestDecision, RequestReason, request_path, target_refusal
+from egressd.policy.requests import (
+    ASTERISK,
+    RequestDecision,
+    RequestReason,
+    request_path,
+    target_refusal,
+    without_query,
+)
 from egressd.policy.scope import rule_scope
 
 MAX_DECISIONS: Final = 1024
@@ -236,7 +243,7 @@ def refusal_body(
             "subject": subject,
             "host": host,
             "method": method,
-            "path": path.split("?", 1)[0].split("#", 1)[0],
+            "path": without_query(path),
             "reason": reason,
             "rule": rule,
         }
@@ -250,7 +257,7 @@ def report_doc(host: str, port: int, method: str, path: str, judgement: Judgemen
         "host": host,
         "port": port,
         "method": method,
-        "path": path.split("?", 1)[0].split("#", 1)[0],
+        "path": without_query(path),
         "reason": judgement.reason,
         "rule": judgement.rule,
         "audit": judgement.forward,

@@ -88,10 +88,14 @@ def target_refusal(method: str, target: str) -> RequestDecision | None:
 ASTERISK: Final = "*"
 
 
+def without_query(target: str) -> str:
+    """A request-target without its query and fragment (what a refusal may show of it)."""
+    return target.split("?", 1)[0].split("#", 1)[0]
+
+
 def request_path(target: str) -> str:
     """The path of a request-target without query and fragment (``""`` -> ``/``)."""
-    path = target.split("?", 1)[0].split("#", 1)[0]
-    return path or "/"
+    return without_query(target) or "/"
 
 
 def decide_request(policy: NetworkPolicy, name: str, port: int, method: str, target: str) -> RequestDecision:
