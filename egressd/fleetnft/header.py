@@ -56,13 +56,22 @@ from egressd.fleetnft.table import (
     marking_map,
     mitm_in_map,
     mitm_port_map,
+    mitm_ports_set,
     mitm_src_set,
     sandbox_nets_set,
     sandbox_set,
 )
 from egressd.kernel.listeners import OWNER_MARK
 from egressd.kernel.ops import ALLOW_MARK
-from egressd.nftsyntax import ND_TYPES, exempt_literal, intercepted_ports, l3_of, set_decl, split_by_family
+from egressd.nftsyntax import (
+    ND_TYPES,
+    exempt_literal,
+    intercepted_ports,
+    l3_of,
+    port_set_decl,
+    set_decl,
+    split_by_family,
+)
 
 #: Regular chain the input hook sends sandbox-sourced packets to (docs/reference/behaviour.md §14.2).
 SANDBOX_IN_CHAIN = "sandbox_in"
@@ -108,6 +117,7 @@ def _header_objects(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> 
             s.obj("add", "map", _vmap_decl(mitm_in_map(fam), fam))
             s.obj("add", "set", _plain_set_decl(mitm_src_set(fam), fam))
             s.obj("add", "map", _port_map_decl(mitm_port_map(fam), fam))
+            s.obj("add", "set", port_set_decl(mitm_ports_set(fam), fam, 0))
         s.obj("add", "map", _counter_map_decl(drop_counter_map(fam), fam))
     if cfg.block_doh_443 and cfg.doh_blocklist:
         for fam in ("v4", "v6"):
@@ -205,7 +215,9 @@ def _doh_drops(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> None:
 
 
 def _nat_chain(s: _Script, cfg: TableConfig) -> None:
-    """The DNS redirect per gateway and, with the MITM, the 80/443 interception."""
+    """The DNS redirect per gateway and, with the MITM, the interception: 80, 443 and the extra
+    ports of every MITM source, and the ports its subject's http/https rules name
+    (``mitm_ports``, filled with its policy: docs/reference/behaviour.md §18)."""
     s.obj("add", "chain", "nat { type nat hook prerouting priority dstnat; policy accept; }")
     for fam in ("v4", "v6"):
         for proto in ("udp", "tcp"):
@@ -222,16 +234,20 @@ def _nat_chain(s: _Script, cfg: TableConfig) -> None:
     # sandbox's behalf. Left alone, such packets meet sandbox_in's drop or the forward
     # drop of sandbox destinations.
     ports = intercepted_ports(cfg.mitm_extra_ports)
-    s.rule("nat", f"fib daddr type local tcp dport {ports} return")
+    # The exemptions hold for every TCP port: a subject's named ports (below) are intercepted
+    # like 80 and 443, so what is not upstream must never reach them either.
+    s.rule("nat", "fib daddr type local meta l4proto tcp return")
     for fam in ("v4", "v6"):
-        s.rule("nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} tcp dport {ports} return")
-        s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_set(fam)} tcp dport {ports} return")
-        s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} tcp dport {ports} return")
+        s.rule("nat", f"{l3_of(fam)} daddr @{gateway_set(fam)} meta l4proto tcp return")
+        s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_set(fam)} meta l4proto tcp return")
+        s.rule("nat", f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} meta l4proto tcp return")
         src = f"{l3_of(fam)} saddr @{mitm_src_set(fam)} tcp dport {ports}"
-        s.rule("nat", f"{src} redirect to :{l3_of(fam)} saddr map @{mitm_port_map(fam)}")
-        # A map miss only ends the rule above: an intercepted source without a worker port
-        # must not fall through to the forward path (and upstream unintercepted).
-        s.rule("nat", f"{src} drop")
+        named = f"{l3_of(fam)} saddr . meta l4proto . tcp dport @{mitm_ports_set(fam)}"
+        for match in (src, named):
+            s.rule("nat", f"{match} redirect to :{l3_of(fam)} saddr map @{mitm_port_map(fam)}")
+            # A map miss only ends the rule above: an intercepted source without a worker
+            # port must not fall through to the forward path (and upstream unintercepted).
+            s.rule("nat", f"{match} drop")
 
 
 def _denial_chains(s: _Script, cfg: TableConfig) -> None:

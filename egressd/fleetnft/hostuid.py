@@ -16,7 +16,8 @@ chains and sets as the forward path, reached through uid-keyed verdict maps:
   listed in ``uid_audit`` and their established flows pass after the deny sets.
 * DNS to port 53 of any address is REDIRECTed (nat output) to the subject's own port, known
   to the DNS proxy; in-range uids that are no subject go to the port that answers NXDOMAIN.
-  With the MITM, 80/443 go to the subject's own MITM port. The local (loopback) leg of a
+  With the MITM, 80/443 (the extra ports, and the ports its http/https rules name:
+  ``uid_mitm_ports``) go to the subject's own MITM port. The local (loopback) leg of a
   redirected flow is accepted only when its port belongs to the socket's uid
   (``uid . port`` keys): a flow that outlived its subject cannot reach a port that a later
   subject got.
@@ -67,6 +68,7 @@ UID_DNS = "uid_dns"  # nat: uid -> its DNS port
 UID_DNS_OWN = "uid_dns_own"  # filter: uid . its DNS port
 UID_MITM = "uid_mitm"  # nat: uid -> its MITM port
 UID_MITM_IN = "uid_mitm_in"  # filter: uid . its MITM port -> subj_<id>_in
+UID_MITM_PORTS = "uid_mitm_ports"  # nat: uid . tcp . the ports its http/https rules name
 UID_AUDIT = "uid_audit"  # uids whose active policy audits
 UID_DROP_COUNTER = "uid_drop_counter"  # uid -> subj_<id>_dropped (docs/reference/behaviour.md §15)
 UID_DENIED_CHAIN = "uid_denied"
@@ -116,6 +118,8 @@ def _uid_objects(s: _Script, cfg: TableConfig) -> None:
     if cfg.mitm:
         s.obj("add", "map", f"{UID_MITM} {{ type uid : inet_service; }}")
         s.obj("add", "map", f"{UID_MITM_IN} {{ type uid . inet_service : verdict; }}")
+        # uid . tcp . port range: the ports a subject's http/https rules name (fleetnft.mitmports).
+        s.obj("add", "set", f"{UID_MITM_PORTS} {{ typeof meta skuid . meta l4proto . tcp dport; flags interval; }}")
     for chain in (UID_OUT_CHAIN, UID_LOCAL_CHAIN, UID_NAT_CHAIN):
         s.obj("add", "chain", chain)
     # Refusals of in-range uids (docs/reference/behaviour.md §15): their packets carry the host's address, so
@@ -231,6 +235,7 @@ def _uid_nat_chain(s: _Script, cfg: TableConfig) -> None:
         s.rule(n, f"{l3_of(fam)} daddr @{sandbox_set(fam)} return")
         s.rule(n, f"{l3_of(fam)} daddr @{sandbox_nets_set(fam)} return")
     s.rule(n, f"tcp dport {intercepted_ports(cfg.mitm_extra_ports)} redirect to :meta skuid map @{UID_MITM}")
+    s.rule(n, f"meta skuid . meta l4proto . tcp dport @{UID_MITM_PORTS} redirect to :meta skuid map @{UID_MITM}")
 
 
 def uid_subject_keys(cfg: TableConfig, subj: UidSubjectNft) -> NetlinkBatch:

@@ -28,4 +28,5 @@ class FleetPlanKernel:
         self.reader = FleetKernelView(table, tx)
 
     def contents_swap(self) -> FleetContentsSwap:
-        return FleetContentsSwap(self.table.table, self.tx)
+        fixed = self.steps.fixed_ports
+        return FleetContentsSwap(self.table.table, self.tx, self.steps.named, fixed)

@@ -29,6 +29,14 @@ from egressd.fleetnft.contents import (
 )
 from egressd.fleetnft.header import SANDBOX_IFACES_SET, header_script
 from egressd.fleetnft.ifaces import usable_host_veth
+from egressd.fleetnft.mitmports import (
+    NONE,
+    Interception,
+    Key,
+    NamedPorts,
+    address_key,
+    uid_key,
+)
 from egressd.fleetnft.subject import (
     audit_objects,
     dispatch_deletes,
@@ -40,11 +48,12 @@ from egressd.fleetnft.subject import (
     subject_resync,
     subject_rules,
 )
-from egressd.fleetnft.table import SubjectNft, TableConfig
+from egressd.fleetnft.table import SubjectNft, TableConfig, mitm_ports_set
 from egressd.fleetnft.workers import WorkerAssignment, uid_worker
 from egressd.kernel.applier import NftError, NftUncertain, Transactions
 from egressd.kernel.ops import AddIface, DeleteIface, NetlinkBatch, Op
 from egressd.policy import NetworkPolicy
+from egressd.policy.mitmports import FIXED_PORTS, named_ports
 from egressd.subject.registry import Binding, Entry, HostBinding, KernelView
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -149,6 +158,10 @@ class FleetSteps:
         # Network subjects' MITM workers (EGRESSD_MITM_WORKERS): kept from a subject's first MITM
         # entries to its removal, so its mitm_port elements never change value.
         self.workers = WorkerAssignment(cfg.mitm_workers)
+        # The ports each subject's http/https rules name, intercepted for it alone (§18).
+        sets = (mitm_ports_set("v4"), mitm_ports_set("v6"), hostuid.UID_MITM_PORTS) if cfg.mitm else ()
+        self.named = NamedPorts(sets)
+        self.fixed_ports = (*FIXED_PORTS, *cfg.mitm_extra_ports)
 
     def _txn(self, txn: StepTxn) -> _Transaction:
         """The step's transaction: the re-sync first when the last one went unanswered."""
@@ -164,13 +177,16 @@ class FleetSteps:
             header_script(self._cfg, delete_existing=False),
         )
         self.nets.forget_all()
+        self.named.forget_all()
 
     async def uid_deny_first(self, txn: StepTxn, entry: Entry, host: HostBinding, view: KernelView) -> None:
         send = self._txn(txn)
         batch, after = hostuid.deny_first(self._cfg, entry, host, view)
         batch, commit = self.nets.refilled(batch, entry.uid, None, None)
+        batch, named = self.named.changed(batch, entry.uid, NONE)
         await send.send(batch, "deny_first", after)
         commit()
+        named()
 
     async def uid_add_keys(
         self, txn: StepTxn, entry: Entry, host: HostBinding, view: KernelView, *, audit: bool
@@ -180,8 +196,11 @@ class FleetSteps:
             hostuid.add_keys(self._cfg, entry, host, audit), entry.uid, None, None
         )
         key = (host.host_uid, host.slot)
-        await send.send(batch, "dispatch_update", replace(view, uid_keys=view.uid_keys | {key}))
+        after = replace(view, uid_keys=view.uid_keys | {key})
+        batch, named = self._follow_keys(batch, entry.uid, after)
+        await send.send(batch, "dispatch_update", after)
         commit()
+        named()
 
     async def deny_first(self, txn: StepTxn, entry: Entry, binding: Binding, view: KernelView) -> list[IPAddress]:
         send = self._txn(txn)
@@ -212,8 +231,10 @@ class FleetSteps:
             batch + subject_keys(cfg, subj), entry.uid, binding.private_cidr, binding.host_veth
         )
         after = replace(view, rules=True, applied=None, keys=view.keys | {key}, contents=None)
+        batch, named = self.named.changed(batch, entry.uid, NONE)
         await send.send(batch, "deny_first", after)
         commit()
+        named()
         return ips(view.keys | {key})
 
     def static_contents(self, effective: NetworkPolicy) -> Contents:
@@ -240,9 +261,12 @@ class FleetSteps:
         # A host-uid subject's audit mode lets its established flows pass (fleetnft/hostuid.py).
         batch = batch + hostuid.audit_membership(self._cfg, view.uid_keys, effective.audit)
         batch, commit = self.nets.refilled(batch, entry.uid, *_recognised_by(entry, self.nets))
+        want = Interception(_named_keys(view), named_ports(effective, self.fixed_ports))
+        batch, named = self.named.changed(batch, entry.uid, want)
         after = replace(view, applied=policy, audit=audit, contents=contents)
         await send.send(batch, "static_apply", after)
         commit()
+        named()
 
     def _policy_batch(
         self, nid: str, effective: NetworkPolicy, contents: Contents, view: KernelView
@@ -269,8 +293,11 @@ class FleetSteps:
         keys, commit = self.nets.refilled(
             subject_keys(self._cfg, subj), entry.uid, binding.private_cidr, binding.host_veth
         )
-        await send.send(keys, "dispatch_update", replace(view, keys=view.keys | {(subj.ip, subj.gateway)}))
+        after = replace(view, keys=view.keys | {(subj.ip, subj.gateway)})
+        keys, named = self._follow_keys(keys, entry.uid, after)
+        await send.send(keys, "dispatch_update", after)
         commit()
+        named()
         # A new address's established flows were never judged by this subject (see deny_first).
         return [] if subj.ip in ips(view.keys) else [subj.ip]
 
@@ -288,9 +315,10 @@ class FleetSteps:
         stale, stale_uid = view.keys - kept, view.uid_keys - kept_uid
         ops = self._key_deletes(stale, keep, in_use) + hostuid.key_deletes(self._cfg, stale_uid)
         batch = NetlinkBatch(self._cfg.table, tuple(ops))
-        await send.send(
-            batch, "dispatch_update", replace(view, keys=view.keys & kept, uid_keys=view.uid_keys & kept_uid)
-        )
+        after = replace(view, keys=view.keys & kept, uid_keys=view.uid_keys & kept_uid)
+        batch, named = self._follow_keys(batch, entry.uid, after)
+        await send.send(batch, "dispatch_update", after)
+        named()
 
     async def remove_all(self, txn: StepTxn, entry: Entry, view: KernelView, in_use: InUse) -> bool:
         if not view.objects and not view.keys and not view.uid_keys:
@@ -302,10 +330,18 @@ class FleetSteps:
         if view.objects:
             ops += removal_batch(self._cfg, entry.nft_id, None, release_gateway=None, audit=view.audit).ops
         removal, commit = self.nets.refilled(NetlinkBatch(self._cfg.table, tuple(ops)), entry.uid, None, None)
+        removal, named = self.named.changed(removal, entry.uid, NONE)
         await send.send(removal, "remove", KernelView())
         commit()
+        named()
         self.workers.release(entry.uid)
         return True
+
+    def _follow_keys(
+        self, batch: NetlinkBatch, uid: str, after: KernelView
+    ) -> tuple[NetlinkBatch, Callable[[], None]]:
+        """The subject's named-port elements follow its keys (its ports stay those of its policy)."""
+        return self.named.changed(batch, uid, self.named.wanted(uid).with_keys(_named_keys(after)))
 
     def mitm_worker(self, uid: str, binding: Binding | HostBinding) -> int | None:
         if isinstance(binding, HostBinding):
@@ -347,6 +383,13 @@ class FleetSteps:
             if not in_use(gw):
                 ops.append(gateway_release(gw))
         return ops
+
+def _named_keys(view: KernelView) -> frozenset[Key]:
+    """Where a subject's named-port elements go: its source addresses and its host uids."""
+    keys = {address_key(ip) for ip in ips(view.keys)}
+    keys |= {(hostuid.UID_MITM_PORTS, uid_key(host_uid)) for host_uid, _ in view.uid_keys}
+    return frozenset(keys)
+
 
 def _recognised_by(entry: Entry, nets: SandboxNets) -> tuple[Network | None, str | None]:
     """The privateCidr and hostVeth the subject's binding names (none for a host-uid subject)."""

@@ -225,6 +225,13 @@ def mitm_port_map(fam: str) -> str:
     return f"mitm_port_{fam}"
 
 
+def mitm_ports_set(fam: str) -> str:
+    """Source address . tcp . port range: the ports beyond 80, 443 and the extra ports that the
+    source's subject's ``http``/``https`` rules name, intercepted for it alone (§18,
+    :mod:`egressd.policy.mitmports`). Interval set keyed like the port-scoped sets."""
+    return f"mitm_ports_{fam}"
+
+
 def _port_map_decl(name: str, fam: str, elements: Sequence[str] = ()) -> str:
     body = f"type {addr_type(fam)} : inet_service;"
     if elements:

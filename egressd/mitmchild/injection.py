@@ -24,7 +24,7 @@ from egressd.mitmchild.injectdata import LOOKUP_FAILED, InjectionDecision, Reque
 from egressd.mitmchild.intercept import sni_name
 from egressd.mitmchild.lookup import LookupFailed
 from egressd.mitmchild.names import LOOKUP_FAILED as NAME_LOOKUP_FAILED
-from egressd.mitmchild.names import NameAnswer, NameGate, as_name, checked
+from egressd.mitmchild.names import NameAnswer, NameGate, as_name
 from egressd.mitmchild.requestgate import RequestGate
 from egressd.mitmchild.reqview import LOOKUP_FAILED as REQ_LOOKUP_FAILED
 from egressd.mitmchild.reqview import NO_HOST as REQ_NO_HOST
@@ -191,14 +191,12 @@ class Injection:
     async def _name_refused(
         self, flow: http.HTTPFlow, client_ip: str | None, host: str | None, dest: tuple[str, int] | None
     ) -> bool:
-        """Plain HTTP on a name-checked port (docs/reference/behaviour.md §18): may this request's
+        """Plain HTTP on an intercepted port (docs/reference/behaviour.md §18): may this request's
         ``Host`` reach the connection's original destination? Refused: 403 (503 when egressd
         could not answer) with a JSON body naming the reason, before any upstream connection;
         the client connection stays. TLS connections were checked by their SNI already."""
         names = self.names
         if names is None or not names.enabled or flow.request.scheme != "http" or flow.client_conn.tls:
-            return False
-        if dest is not None and not checked(True, dest[1]):
             return False
         if dest is None:
             answer = NameAnswer(False, NAME_LOOKUP_FAILED)

@@ -39,7 +39,7 @@ from egressd.mitmchild.intercept import (
     tls_early,
 )
 from egressd.mitmchild.lookup import LookupFailed
-from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, NameGate, as_name, checked, reset
+from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, NameGate, as_name, reset
 from egressd.mitmchild.requestgate import RequestGate
 from egressd.mitmchild.shared import address_of, emit, ip_of
 from egressd.mitmchild.vaults import VaultLookup
@@ -172,9 +172,11 @@ class Interception:
         sni: str | None = None,
     ) -> bool:
         """Ask egressd whether ``name`` may reach the connection's original destination
-        (docs/reference/behaviour.md §18); on a refusal reset the client (no upstream connection is
-        ever opened for it) and say True. Connections to ports the check does not cover: False."""
-        if not self.names.enabled or (dest is not None and not checked(True, dest[1])):
+        (docs/reference/behaviour.md §18); on a refusal reset the client (no upstream connection
+        is ever opened for it) and say True. Every port the kernel sends here is checked (80,
+        443, the extra ports and the ports the subject's http/https rules name:
+        egressd.policy.mitmports)."""
+        if not self.names.enabled:
             return False
         if dest is None:
             answer = NameAnswer(False, LOOKUP_FAILED)
@@ -227,8 +229,9 @@ class Interception:
         dest = address_of(context.server.address)
         started = time.perf_counter()
         verdict: Verdict | None
-        if self.names.enabled and (dest is None or checked(True, dest[1])):
-            # Every request's Host is checked (docs/reference/behaviour.md §18), plain HTTP on 443 too.
+        if self.names.enabled:
+            # Every request's Host is checked (docs/reference/behaviour.md §18), on every
+            # intercepted port (plain HTTP on 443 too).
             verdict = Verdict("parse", REASON_NAME_CHECK)
         else:
             verdict = http_early(dest[1] if dest else None)
@@ -243,14 +246,14 @@ class Interception:
 
     async def _raw_relay(self, nextlayer: layer.NextLayer, chosen: layers.TCPLayer) -> None:
         """A redirected connection mitmproxy relays as TCP from the start (an ignored host, or
-        not HTTP): on a name-checked port, TLS is checked by its ClientHello's SNI, plain HTTP
+        not HTTP): with the name check on, TLS is checked by its ClientHello's SNI, plain HTTP
         is parsed instead (every request's Host is checked), anything else without a name."""
         context = nextlayer.context
         dest = address_of(context.server.address)
         started = time.perf_counter()
         client_ip = ip_of(context.client.peername)
         data = nextlayer.data_client()
-        checks = self.names.enabled and (dest is None or checked(True, dest[1]))
+        checks = self.names.enabled
         if checks and _undecided(data):
             # Too few bytes to tell TLS or HTTP from anything else (a ClientHello or a request
             # line split after its first bytes): decide nothing yet. mitmproxy asks again when

@@ -11,7 +11,9 @@ refusal (count, log line, webhook). This side only asks and acts:
   marks it, so that no upstream connection is ever opened for it (:meth:`server_connect`).
 * Plain HTTP (:meth:`NameGate.http`, from the injection addon's ``requestheaders``, for every
   request): a refusal is answered 403 with a JSON body; the connection may stay.
-* Anything else on a checked port (neither TLS nor HTTP): checked without a name.
+* Anything else (neither TLS nor HTTP): checked without a name. Every port the kernel sends
+  to the MITM is checked: 80, 443, the extra ports, and the ports a subject's ``http``/``https``
+  rules name (:mod:`egressd.policy.mitmports`).
 
 Fail closed: a check that cannot be answered (timeout, refused, a bad reply) refuses.
 """
@@ -38,7 +40,6 @@ from egressd.mitm.protocol import NAMES_PATH
 from egressd.mitm.seqmap import Stamp
 from egressd.mitmchild.shared import emit, listen_port
 from egressd.mitmchild.vaults import VaultLookup
-from egressd.policy.namecheck import NAME_CHECK_PORTS
 
 #: The reason the child gives when egressd's answer could not be had (never an admission).
 LOOKUP_FAILED: Final = "name_check_unavailable"
@@ -118,11 +119,6 @@ def as_name(host: str | None) -> str | None:
     except ValueError:
         return host
     return None
-
-
-def checked(enabled: bool, port: int | None) -> bool:
-    """Is a connection to ``port`` name-checked?"""
-    return enabled and port in NAME_CHECK_PORTS
 
 
 def reset(client: connection.Client) -> bool:

@@ -11,7 +11,9 @@ from egressd.policy import NetworkPolicy, TargetKind, Verdict, evaluate_domain, 
 from egressd.policy.decide import hard_denied, ip_decision
 from egressd.policy.evaluate import name_scope
 from egressd.policy.ipsets import ip_sets
-from egressd.policy.namecheck import NAME_CHECK_PORTS, address_opens, address_scope, denied_by_rule
+from egressd.policy.mitmports import FIXED_PORTS, intercepts
+from egressd.policy.namecheck import address_opens, address_scope, denied_by_rule
+from egressd.policy.requests import daemon_intercepted_ports
 
 
 def _rule_json(action: Verdict, target: str) -> dict[str, str]:
@@ -94,19 +96,23 @@ def _address_port(
 _NOT_CHECKED = "off: TLS and HTTP to this destination are admitted at the address level"
 
 
-def _checked(enabled: bool, port: int | None) -> str | None:
+def _checked(effective: NetworkPolicy, enabled: bool, port: int | None) -> str | None:
     if not enabled:
         return _NOT_CHECKED
-    if port is not None and port not in NAME_CHECK_PORTS:
-        return f"not checked on port {port} (only TCP 80 and 443 pass through the MITM)"
+    fixed = tuple(sorted(daemon_intercepted_ports() or FIXED_PORTS))
+    if port is not None and not intercepts(effective, fixed, port):
+        return (
+            f"not checked on port {port} (the MITM intercepts TCP 80, 443, the extra ports and "
+            "the ports this policy's http/https rules name)"
+        )
     return None
 
 
 def _name_check_for_name(effective: NetworkPolicy, name: str, port: int | None, enabled: bool) -> dict[str, Any]:
-    skipped = _checked(enabled, port)
+    skipped = _checked(effective, enabled, port)
     if skipped is not None:
         return {"enabled": enabled, "outcome": skipped}
-    ports = [port] if port is not None else sorted(NAME_CHECK_PORTS)
+    ports = [port] if port is not None else list(FIXED_PORTS)
     if all(denied_by_rule(effective, name, p) is not None for p in ports):
         outcome = "a TLS SNI or HTTP Host naming it is refused on any address (a deny rule matches it)"
     elif any(name_scope(effective, name).admits("tcp", p) for p in ports):
@@ -127,12 +133,12 @@ def _name_check_for_address(
     taught: Collection[str],
     decision: str,
 ) -> dict[str, Any]:
-    skipped = _checked(enabled, port)
+    skipped = _checked(effective, enabled, port)
     if skipped is not None:
         return {"enabled": enabled, "outcome": skipped}
     if decision != "allow":
         return {"enabled": True, "outcome": "nothing: the destination is not open"}
-    ports = [port] if port is not None else sorted(NAME_CHECK_PORTS)
+    ports = [port] if port is not None else list(FIXED_PORTS)
     if any(address_opens(effective, ip_sets(effective), ip, p) for p in ports):
         outcome = "any SNI or Host that no deny rule refuses, and none, are admitted (an address rule opens it)"
         return {"enabled": True, "outcome": outcome}

@@ -1,7 +1,9 @@
 """Names on the wire (docs/reference/behaviour.md §18): may the name a connection asks for
 (the TLS ClientHello SNI, the plain-HTTP ``Host``) reach that address and port? Pure.
 
-With the MITM on, every TCP connection of a subject to ports 80 and 443 passes through it,
+With the MITM on, every TCP connection of a subject to ports 80 and 443 (and to the extra
+ports and the ports its ``http``/``https`` rules name: :mod:`egressd.policy.mitmports`)
+passes through it,
 and it admits the connection (TLS) or the request (plain HTTP) only when :func:`check_name`
 says so. The inputs are plain data: the subject's effective policy (always-rules included),
 its IP sets, the names that taught this subject the destination through its DNS proxy
@@ -27,7 +29,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Final
 
 from egressd.addr import IPAddress
 from egressd.policy.audit import is_hard, rule_label
@@ -37,7 +38,6 @@ from egressd.policy.model import NetworkPolicy, TargetKind, Verdict
 from egressd.policy.scope import Scope
 
 __all__ = [
-    "NAME_CHECK_PORTS",
     "NameReason",
     "NameVerdict",
     "Wire",
@@ -47,10 +47,6 @@ __all__ = [
     "deciding_rule",
     "denied_by_rule",
 ]
-
-#: The ports whose TCP connections the MITM name-checks (§18).
-NAME_CHECK_PORTS: Final = frozenset({80, 443})
-
 
 class Wire(enum.StrEnum):
     """Where the name came from: a TLS ClientHello (SNI) or a plain-HTTP request (``Host``)."""

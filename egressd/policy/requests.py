@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from egressd.policy.evaluate import _matches, normalise_name
+from egressd.policy.mitmports import never_intercepted
 from egressd.policy.model import NetworkPolicy, Rule, TargetKind, Verdict
 from egressd.policy.reqpath import readings, target_problem
 
@@ -152,10 +153,17 @@ def set_intercepted_ports(ports: frozenset[int] | None) -> None:
     _intercepted = ports
 
 
+def daemon_intercepted_ports() -> frozenset[int] | None:
+    """The ports every subject's TCP is intercepted on, as :func:`set_intercepted_ports` set
+    them (None: not known; ``frozenset()``: the MITM is off)."""
+    return _intercepted
+
+
 def unenforceable_problem(policy: NetworkPolicy, ports: frozenset[int] | None = None) -> str | None:
     """A one-line 400 reason when some rule's ``methods``/``paths`` could not be enforced by
-    this daemon: without the MITM, or on a port the MITM does not see (its requests would pass
-    unjudged). None when all can be (or nothing is known about the MITM)."""
+    this daemon: without the MITM, or on a port the MITM never sees (53, 853: their requests
+    would pass unjudged). Every other port such a rule names is intercepted for its subject
+    (:mod:`egressd.policy.mitmports`). None when all can be (or nothing is known about the MITM)."""
     ports = _intercepted if ports is None else ports
     if ports is None:
         return None
@@ -164,9 +172,6 @@ def unenforceable_problem(policy: NetworkPolicy, ports: frozenset[int] | None = 
             continue
         if not ports:
             return f"egress[{i}]: methods and paths need the MITM (OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT=1)"
-        if any(hi - lo >= len(ports) or not all(p in ports for p in range(lo, hi + 1)) for lo, hi in rule.scope.tcp):
-            return (
-                f"egress[{i}].ports: methods and paths are judged only on ports the MITM intercepts "
-                "(80, 443 and OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS)"
-            )
+        if never_intercepted(rule.scope):
+            return f"egress[{i}].ports: methods and paths cannot be judged on the DNS ports 53 and 853"
     return None

@@ -44,7 +44,6 @@ from egressd.nftsyntax import (
     IPNetwork,
     exempt_literal,
     family,
-    intercepted_ports,
     l3_of,
     port_set_decl,
     set_decl,
@@ -52,6 +51,7 @@ from egressd.nftsyntax import (
     timeout_set_decl,
 )
 from egressd.policy import NetworkPolicy, Verdict, ip_sets
+from egressd.policy.mitmports import FIXED_PORTS, named_ports
 from egressd.policy.portmatch import disjoint, entries
 from egressd.policy.scope import Scope
 from egressd.subject.leases import Grant, LeaseLike, as_grants, port_elems_cap
@@ -188,7 +188,7 @@ def ruleset(
     lines += _set_declarations(cfg, policy, leases, doh)
     if cfg.mode == "dns+nft" or cfg.mitm_port is not None:  # something refuses packets
         lines += _denied_chain(cfg, dropped)
-    lines += _redirect_chain(cfg)
+    lines += _redirect_chain(cfg, policy)
     if cfg.mitm_port is not None:
         lines += _mitm_input_chain(cfg, cfg.mitm_port)
     if cfg.mode != "dns":
@@ -258,7 +258,7 @@ def _denied_chain(cfg: SidecarTable, dropped: int) -> list[str]:
     return lines
 
 
-def _redirect_chain(cfg: SidecarTable) -> list[str]:
+def _redirect_chain(cfg: SidecarTable, policy: NetworkPolicy) -> list[str]:
     # DNS: every udp/tcp 53 packet the namespace sends goes to the local proxy, except the
     # proxy's own upstream queries (SO_MARK 0x1 set by the forwarder).
     t, c = cfg.table, REDIRECT_CHAIN
@@ -278,13 +278,18 @@ def _redirect_chain(cfg: SidecarTable) -> list[str]:
         _rule(t, c, f"tcp dport 53 redirect to :{cfg.dns_port}"),
     ]
     if cfg.mitm_port is not None:
-        # The namespace's own HTTP(S) goes through the MITM; the MITM's upstream leg does not
-        # (it would loop), and loopback destinations are nobody's upstream.
+        # The namespace's own HTTP(S) goes through the MITM (80, 443, the extra ports and the
+        # ports the policy's http/https rules name, §18: the table is rebuilt with each
+        # policy); the MITM's upstream leg does not (it would loop), and loopback
+        # destinations are nobody's upstream.
+        fixed = (*FIXED_PORTS, *cfg.mitm_extra_ports)
+        named = [str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in named_ports(policy, fixed)]
+        ports = "{ " + ", ".join([*(str(p) for p in fixed), *named]) + " }"
         lines += [
             _rule(t, c, f"meta skgid {MITM_GID} return"),
             _rule(t, c, "ip daddr 127.0.0.0/8 return"),
             _rule(t, c, "ip6 daddr ::1 return"),
-            _rule(t, c, f"tcp dport {intercepted_ports(cfg.mitm_extra_ports)} redirect to :{cfg.mitm_port}"),
+            _rule(t, c, f"tcp dport {ports} redirect to :{cfg.mitm_port}"),
         ]
     return lines
 

@@ -497,7 +497,7 @@ def test_the_evaluator_reads_the_header_it_models() -> None:
                 f"sandbox_in tcp dport {MITM_PORT} ct status dnat ip saddr vmap @mitm_in_v4",
                 "nat ip saddr @mitm_src_v4 tcp dport { 80, 443 } redirect to :ip saddr map @mitm_port_v4",
                 "nat ip saddr @mitm_src_v4 tcp dport { 80, 443 } drop",
-                "nat ip daddr @sandbox_nets_v4 tcp dport { 80, 443 } return",
+                "nat ip daddr @sandbox_nets_v4 meta l4proto tcp return",
                 "sandbox_in goto denied",
             ):
                 assert f"add rule inet {TABLE} {rule}" in text

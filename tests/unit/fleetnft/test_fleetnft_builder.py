@@ -381,11 +381,11 @@ def test_header_mitm() -> None:
     ]
     nat = rules_of(script, "nat")
     # Nothing addressed to the pod itself or to a sandbox is intercepted (14.2).
-    assert nat.index("fib daddr type local tcp dport { 80, 443 } return") < nat.index(
+    assert nat.index("fib daddr type local meta l4proto tcp return") < nat.index(
         "ip saddr @mitm_src_v4 tcp dport { 80, 443 } redirect to :ip saddr map @mitm_port_v4"
     )
     for fam, l3 in (("v4", "ip"), ("v6", "ip6")):
-        assert nat.index(f"{l3} daddr @sandboxes_{fam} tcp dport {{ 80, 443 }} return") < nat.index(
+        assert nat.index(f"{l3} daddr @sandboxes_{fam} meta l4proto tcp return") < nat.index(
             f"{l3} saddr @mitm_src_{fam} tcp dport {{ 80, 443 }} redirect to :{l3} saddr map @mitm_port_{fam}"
         )
         # A worker-port miss is dropped right after the redirect, never forwarded.
@@ -393,12 +393,18 @@ def test_header_mitm() -> None:
             f"{l3} saddr @mitm_src_{fam} tcp dport {{ 80, 443 }} redirect to :{l3} saddr map @mitm_port_{fam}"
         )
         assert nat[redirect + 1] == f"{l3} saddr @mitm_src_{fam} tcp dport {{ 80, 443 }} drop"
-    assert "ip daddr @dns_gw_v4 tcp dport { 80, 443 } return" in nat
+        # The ports a subject's http/https rules name (§18): the same redirect, the same
+        # miss-drop, after the same exemptions.
+        named = f"{l3} saddr . meta l4proto . tcp dport @mitm_ports_{fam}"
+        at = nat.index(f"{named} redirect to :{l3} saddr map @mitm_port_{fam}")
+        assert nat[at + 1] == f"{named} drop"
+        assert nat.index(f"{l3} daddr @sandbox_nets_{fam} meta l4proto tcp return") < at
+    assert "ip daddr @dns_gw_v4 meta l4proto tcp return" in nat
     assert "ip saddr @mitm_src_v4 tcp dport { 80, 443 } redirect to :ip saddr map @mitm_port_v4" in nat
-    assert "ip6 daddr @dns_gw_v6 tcp dport { 80, 443 } return" in nat
+    assert "ip6 daddr @dns_gw_v6 meta l4proto tcp return" in nat
     assert "ip6 saddr @mitm_src_v6 tcp dport { 80, 443 } redirect to :ip6 saddr map @mitm_port_v6" in nat
     # The gateway exemption precedes the interception of the same family.
-    assert nat.index("ip daddr @dns_gw_v4 tcp dport { 80, 443 } return") < nat.index(
+    assert nat.index("ip daddr @dns_gw_v4 meta l4proto tcp return") < nat.index(
         "ip saddr @mitm_src_v4 tcp dport { 80, 443 } redirect to :ip saddr map @mitm_port_v4"
     )
     assert rules_of(script, "dispatch")[-1] == "meta mark & 0x2 != 0x2 goto denied"

@@ -116,13 +116,15 @@ def test_uid_local_accepts_only_own_redirects_and_guards_egressds_listeners() ->
 def test_mitm_intercepts_per_uid_port_and_judges_on_the_original_destination() -> None:
     lines = header(TableConfig(mitm=True, mitm_port=18081))
     nat = chain(lines, "uid_nat")
-    assert nat[-6:] == [
+    assert nat[-7:] == [
         "fib daddr type local return",
         "ip daddr @sandboxes_v4 return",
         "ip daddr @sandbox_nets_v4 return",
         "ip6 daddr @sandboxes_v6 return",
         "ip6 daddr @sandbox_nets_v6 return",
         "tcp dport { 80, 443 } redirect to :meta skuid map @uid_mitm",
+        # The ports a subject's http/https rules name (§18), per uid.
+        "meta skuid . meta l4proto . tcp dport @uid_mitm_ports redirect to :meta skuid map @uid_mitm",
     ]
     local = chain(lines, "uid_local")
     assert "tcp dport 16257-16512 ct status dnat meta skuid . tcp dport vmap @uid_mitm_in" in local

@@ -76,7 +76,7 @@ def test_every_header_refusal_goes_through_the_counting_chain(cfg: TableConfig, 
     for chain, body in rules(script):
         if chain == DENY_VERDICT_CHAIN:
             continue
-        if chain == "nat" and body.endswith(" drop") and "@mitm_src_v" in body:
+        if chain == "nat" and body.endswith(" drop") and ("@mitm_src_v" in body or "@mitm_ports_v" in body):
             # The worker-port miss of the MITM redirect (EGRESSD_MITM_WORKERS): a state no
             # transaction leaves (the port element comes and goes with mitm_src), dropped
             # where it is met, in the nat hook, whose chains cannot reach the reject rules.

@@ -345,11 +345,17 @@ def test_an_admitted_name_goes_on_to_selective_interception() -> None:
     data = clienthello("other.example.com")
     asyncio.run(addon.tls_clienthello(data))
     assert gate.reset == [] and data.ignore_connection is True
-    # No SNI and an IP-literal SNI are asked without a name; other ports are not asked.
+    # No SNI and an IP-literal SNI are asked without a name; every port the kernel sends the
+    # MITM is asked (the extra ports, the ports a subject's http/https rules name: §18).
     for sni in (None, "10.204.0.6"):
         asyncio.run(addon.tls_clienthello(clienthello(sni)))
     asyncio.run(addon.tls_clienthello(clienthello(API, port=8443)))
-    assert [name for _, name, _, _ in gate.asked] == ["other.example.com", None, None]
+    assert [(name, port) for _, name, _, port in gate.asked] == [
+        ("other.example.com", 443),
+        (None, 443),
+        (None, 443),
+        (API, 8443),
+    ]
 
 
 def test_an_undecided_name_check_refuses() -> None:

@@ -24,7 +24,7 @@ from egressd.mitm.names import (
     remember_for,
 )
 from egressd.mitm.protocol import NAMES_PATH
-from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, Remembered, as_name, checked, interpret
+from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, Remembered, as_name, interpret
 from egressd.policy.namecheck import NameReason, NameVerdict, Wire
 
 DST = ipaddress.ip_address("203.0.113.10")
@@ -160,11 +160,6 @@ async def test_the_route_answers(aiohttp_client: Any) -> None:
 )
 def test_the_child_admits_only_on_a_well_formed_yes(status: int, body: bytes, expected: NameAnswer) -> None:
     assert interpret(status, body) == expected
-
-
-def test_only_80_and_443_are_checked() -> None:
-    assert checked(True, 443) and checked(True, 80)
-    assert not checked(True, 8443) and not checked(False, 443) and not checked(True, None)
 
 
 # ---- answered from memory --------------------------------------------------------------------------

@@ -231,8 +231,9 @@ def test_readings() -> None:
 
 
 def test_request_rules_this_daemon_cannot_enforce_are_refused() -> None:
-    """§19 in the daemon: without the MITM, or on a port the MITM does not see, a rule with
-    methods/paths would let its requests pass unjudged: every policy entry point refuses it."""
+    """§19 in the daemon: without the MITM, or on a port the MITM never sees (53, 853), a rule
+    with methods/paths would let its requests pass unjudged: every policy entry point refuses
+    it. Any other port such a rule names is intercepted for its subject (§18)."""
     from egressd.policy.edit import rule_cap_problem
     from egressd.policy.requests import intercepted_ports, set_intercepted_ports, unenforceable_problem
 
@@ -240,8 +241,10 @@ def test_request_rules_this_daemon_cannot_enforce_are_refused() -> None:
     plain = policy({"action": "allow", "target": "a.io"})
     assert unenforceable_problem(on_8443, intercepted_ports(False, ())) is not None
     assert unenforceable_problem(plain, intercepted_ports(False, ())) is None
-    assert "ports" in (unenforceable_problem(on_8443, intercepted_ports(True, ())) or "")
+    assert unenforceable_problem(on_8443, intercepted_ports(True, ())) is None
     assert unenforceable_problem(on_8443, intercepted_ports(True, (8443,))) is None
+    on_dot = policy({"action": "allow", "target": "a.io", "methods": ["GET"], "ports": ["800-900"]})
+    assert "853" in (unenforceable_problem(on_dot, intercepted_ports(True, ())) or "")
     assert unenforceable_problem(VECTOR, intercepted_ports(True, ())) is None
     try:
         set_intercepted_ports(intercepted_ports(False, ()))
