@@ -68,14 +68,7 @@ class AlwaysRulesApply:
                     # A newly always-denied name loses its leases in the same transaction (the
                     # dyn sets are flushed even when the book knows of none: 14.1).
                     kept = narrowed.kept if narrowed is not None else ()
-                    batch.add(
-                        entry.nft_id,
-                        contents,
-                        audit_objects=view.audit,
-                        kept=kept,
-                        uid=entry.uid,
-                        effective=effective,
-                    )
+                    batch.add(entry.nft_id, contents, audit_objects=view.audit, kept=kept)
                     applied.append((entry.uid, view.keys, effective))
                     written[entry.uid] = contents
                     if narrowed is not None:

@@ -172,16 +172,7 @@ class PlanSteps(Protocol):
 class ContentsSwap(Protocol):
     """Many subjects' static and dyn sets re-filled in ONE transaction (an always-rules reload)."""
 
-    def add(
-        self,
-        nft_id: str,
-        contents: StaticContents,
-        *,
-        audit_objects: bool,
-        kept: Leases,
-        uid: str = "",
-        effective: NetworkPolicy | None = None,
-    ) -> None: ...
+    def add(self, nft_id: str, contents: StaticContents, *, audit_objects: bool, kept: Leases) -> None: ...
 
     def __bool__(self) -> bool: ...
 

@@ -20,7 +20,6 @@ anything).
 from __future__ import annotations
 
 import ipaddress
-import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -36,10 +35,11 @@ Key = tuple[str, IPNetwork]
 
 def uid_key(host_uid: int) -> IPNetwork:
     """A host uid as the first field of a ``uid_mitm_ports`` element. ``meta skuid`` loads a
-    host-endian u32, the same 4 bytes an IPv4 address field holds, so the port-scoped element
-    encoder (which writes an address in network order) is handed the address whose network
-    order bytes are the uid's host-endian ones."""
-    return ipaddress.IPv4Network(int.from_bytes(struct.pack("=I", host_uid), "big"))
+    host-endian u32, but nft turns a host-endian field of an interval concatenation into big
+    endian before the lookup (a ``byteorder`` expression in the rule: ranges compare as
+    big-endian numbers), so the key holds the uid big-endian: the 4 bytes of the IPv4-shaped
+    field the port-scoped element encoder writes in network order."""
+    return ipaddress.IPv4Network(host_uid)
 
 
 def address_key(ip: IPAddress) -> Key:

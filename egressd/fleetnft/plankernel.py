@@ -28,5 +28,4 @@ class FleetPlanKernel:
         self.reader = FleetKernelView(table, tx)
 
     def contents_swap(self) -> FleetContentsSwap:
-        fixed = self.steps.fixed_ports
-        return FleetContentsSwap(self.table.table, self.tx, self.steps.named, fixed)
+        return FleetContentsSwap(self.table.table, self.tx)

@@ -7,6 +7,9 @@ a subject's connections to each port that one of its rules names with protocol `
 connection asks for is checked there as well: a rule that opens ``api.x.io`` on 8443 must not
 open the other sites of api.x.io's CDN address on 8443.
 
+Always-rules are bare targets (no protocol, no ports): they never name a port, so an
+always-rules reload never changes a subject's named ports.
+
 DNS ports are never intercepted: TCP 53 of a sandbox is the DNS proxy's (or an exempt
 nameserver's) and 853 (DNS over TLS) is refused by the kernel whatever the policy says; an
 interception would carry it past that refusal. A rule with ``methods``/``paths`` on those

@@ -54,13 +54,15 @@ CDN_RULES = (allow("a.cdn.test"), allow("c.cdn.test"), allow("www.cdn.test"), al
 CDN_POLICY = policy(*CDN_RULES)
 
 
-def cdn_topology(prefix: str, sandboxes: int) -> Topology:
+def cdn_topology(prefix: str, sandboxes: int, *, http_ports: str = "80,8080,853", https_ports: str = "443") -> Topology:
     cleanup_stale()
     t = Topology(
         prefix=prefix,
         sandboxes=sandboxes,
         upstream_script=REPO / "tests" / "kernel" / "cdn_upstream.py",
         zone=ZONE,
+        http_ports=http_ports,
+        https_ports=https_ports,
     ).up_()
     os.chmod(t.workdir, 0o755)  # host-uid sandboxes read the upstream CA from here
     ca = t.workdir / "upstream-ca.pem"
@@ -108,7 +110,7 @@ def requests(t: Topology, since: int) -> list[dict[str, Any]]:
 
 # ---- clients -------------------------------------------------------------------------------------
 
-# One TCP connection to ip:port, TLS (with SNI ``sni``, or none for "-"; "+plain": no TLS) when port is 443, then
+# One TCP connection to ip:port, TLS (with SNI ``sni``, or none for "-"; "+plain": no TLS) when port is 443 or 8443, then
 # one HTTP/1.1 GET per Host on the same connection. JSON: ok, the responses, or the error.
 CLIENT = r"""
 import json, socket, ssl, sys
@@ -135,7 +137,7 @@ def response(f):
     return {"status": status, "body": doc}
 try:
     conn = socket.create_connection((ip, port), timeout=4)
-    if port == 443 and sni != "+plain":
+    if port in (443, 8443) and sni != "+plain":
         ctx = ssl.create_default_context(cafile=ca)
         if sni == "-":
             ctx.check_hostname = False
@@ -167,18 +169,24 @@ def parse_client(stdout: str, stderr: str) -> dict[str, Any]:
 
 
 def tls(
-    t: Topology, sb: int, ip: str, sni: str | None, host: str | None = None, ca: Path | None = None
+    t: Topology,
+    sb: int,
+    ip: str,
+    sni: str | None,
+    host: str | None = None,
+    ca: Path | None = None,
+    port: int = 443,
 ) -> dict[str, Any]:
-    """One TLS connection from sandbox ``sb`` to ``ip``:443 with ``sni`` (None: no SNI) and
-    one GET for ``host`` (default: the SNI), trusting ``ca`` (default: the upstream's CA)."""
+    """One TLS connection from sandbox ``sb`` to ``ip``:``port`` (443 or 8443) with ``sni`` (None:
+    no SNI) and one GET for ``host`` (default: the SNI), trusting ``ca`` (default: the upstream's CA)."""
     hosts = (host or sni or ip,)
-    r = t.ns(t.sb(sb), sys.executable, *client_argv(t, ip, 443, sni, hosts, ca), check=False, timeout=30)
+    r = t.ns(t.sb(sb), sys.executable, *client_argv(t, ip, port, sni, hosts, ca), check=False, timeout=30)
     return parse_client(r.stdout, r.stderr)
 
 
 def http(t: Topology, sb: int, ip: str, *hosts: str, port: int = 80) -> dict[str, Any]:
     """One plain-HTTP connection from sandbox ``sb`` to ``ip``:``port``, one GET per Host on it."""
-    sni = "+plain" if port == 443 else None
+    sni = "+plain" if port in (443, 8443) else None
     r = t.ns(t.sb(sb), sys.executable, *client_argv(t, ip, port, sni, hosts), check=False, timeout=30)
     return parse_client(r.stdout, r.stderr)
 

@@ -112,7 +112,7 @@ def raw(
     path.write_bytes(data)
     argv = [sys.executable, str(REQ_CLIENT), "--ip", XIO_IP, "--port", str(port), "--raw", str(path)]
     argv += ["--expect", str(expect)]
-    if port == 443:
+    if port in (443, 8443):
         argv += ["--tls", "--sni", sni, "--ca", str(ca or mitm_ca(t))]
     r = t.ns(t.sb(sb), *argv, check=False, timeout=30)
     out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
@@ -421,11 +421,12 @@ def test_egressctl_suggest_admits_a_scripted_sessions_five_denials(cdn: Topology
 
 
 def test_request_rules_the_mitm_cannot_see_are_refused(fleet: Daemon) -> None:
-    """A rule with methods/paths on a port the MITM does not intercept would pass its requests
-    unjudged: 400 naming the rule, nothing changed."""
-    pol = policy(allow("api.x.io", methods=["GET"], paths=["/repos/*"], ports=[8443]))
-    code, text = fleet.post(envelope("SET_BINDING", "req-8443", ip=Topology.sb_ip(2), policy=pol))
-    assert code == 400 and "egress[0].ports" in text, text
+    """A rule with methods/paths on a port the MITM never intercepts (53, 853: DNS and DNS over
+    TLS) would pass its requests unjudged: 400 naming the rule, nothing changed. Any other port
+    such a rule names is intercepted for its subject (§18: tests/kernel/test_names_named_ports.py)."""
+    pol = policy(allow("api.x.io", methods=["GET"], paths=["/repos/*"], ports=[853]))
+    code, text = fleet.post(envelope("SET_BINDING", "req-853", ip=Topology.sb_ip(2), policy=pol))
+    assert code == 400 and "egress[0].ports" in text and "853" in text, text
 
 
 def test_a_request_without_any_authority_is_judged_by_its_sni(cdn: Topology, fleet: Daemon, sb1: str) -> None:

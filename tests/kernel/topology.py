@@ -138,6 +138,9 @@ class Topology:
     # topologies of their own (tests/kernel/test_names_on_wire.py's CDN).
     upstream_script: Path | None = None
     zone: list[dict[str, object]] | None = None
+    # The upstream's plain-HTTP and TLS ports.
+    http_ports: str = "80,8080,853"
+    https_ports: str = "443"
 
     @property
     def pod(self) -> str:
@@ -239,9 +242,9 @@ class Topology:
             str(VENV_PY),
             str(self.upstream_script or REPO / "scripts" / "fleet_upstream.py"),
             "--http-ports",
-            "80,8080,853",
+            self.http_ports,
             "--https-ports",
-            "443",
+            self.https_ports,
             "--tls-dir",
             str(self.tls_dir),
             "--tls-ips",

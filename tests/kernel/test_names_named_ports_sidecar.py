@@ -1,0 +1,74 @@
+"""Names on the wire on every intercepted port (docs/reference/behaviour.md §18), sidecar
+profile: the ports the policy's ``http``/``https`` rules name are redirected to the MITM with
+80 and 443 (the sidecar rebuilds its table with each policy) and name-checked there; a policy
+change that drops the rule stops the interception. Real packets, the real MITM, the CDN-shaped
+topology of tests/kernel/cdn.py with TLS on 8443 and plain HTTP on 8081."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.kernel.cdn import (
+    CDN_IP,
+    accepts,
+    allow,
+    cdn_topology,
+    http,
+    learn,
+    mark,
+    policy,
+    requests,
+    tls,
+    wait_refusal,
+)
+from tests.kernel.sidecar import Sidecar
+from tests.kernel.topology import Topology
+
+
+@pytest.fixture(scope="module")
+def cdn() -> Iterator[Topology]:
+    t = cdn_topology(f"egq{os.getpid()}", sandboxes=1, http_ports="80,8081", https_ports="443,8443")
+    try:
+        yield t
+    finally:
+        t.down()
+
+
+@pytest.fixture
+def sidecar(cdn: Topology) -> Iterator[Sidecar]:
+    sc = Sidecar(cdn, sb=1).with_mitm()
+    sc.env["OPENSANDBOX_EGRESS_POLICY_FILE"] = str(cdn.workdir / "named-sidecar-policy.json")
+    sc.start()
+    try:
+        yield sc
+    finally:
+        print(sc.log_text()[-6000:])
+        sc.cleanup()
+
+
+def test_the_sidecar_name_checks_the_ports_its_rules_name(cdn: Topology, sidecar: Sidecar) -> None:
+    sidecar.set_policy(
+        policy(
+            allow("a.cdn.test", protocol="https", ports=[443, 8443]),
+            allow("a.cdn.test", protocol="http", ports=[8081]),
+        )
+    )
+    learn(cdn, 1, "a.cdn.test", CDN_IP)
+    assert tls(cdn, 1, CDN_IP, "a.cdn.test", port=8443)["ok"]
+    since, log_mark = mark(cdn), len(sidecar.log_text())
+    assert not tls(cdn, 1, CDN_IP, "b.cdn.test", port=8443)["ok"]
+    out = http(cdn, 1, CDN_IP, "b.cdn.test", "a.cdn.test", port=8081)
+    assert [r["status"] for r in out["responses"]] == [403, 200], out
+    assert len(accepts(cdn, since)) == 1  # the admitted request's connection only
+    assert [r["host"] for r in requests(cdn, since)] == ["a.cdn.test"]
+    event = wait_refusal(sidecar.log_text, log_mark, name="b.cdn.test", port=8443)
+    assert (event["subject"], event["dst"], event["reason"]) == ("s-sidecar", CDN_IP, "sni_not_allowed")
+
+    # A tcp rule on the same port: address-level again (§18 names http/https ports only), so
+    # the redirect is gone with the rebuilt table.
+    sidecar.set_policy(policy(allow("a.cdn.test", protocol="tcp", ports=[8443])))
+    learn(cdn, 1, "a.cdn.test", CDN_IP)
+    assert tls(cdn, 1, CDN_IP, "b.cdn.test", port=8443)["ok"]
