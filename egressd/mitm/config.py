@@ -102,7 +102,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "EGRESSD_NAME_CHECK",
         "--name-check",
-        "on/off, with the MITM: TLS SNI and plain-HTTP Host of every TCP 80/443 connection are admitted "
+        "on/off, with the MITM: TLS SNI and plain-HTTP Host of every intercepted TCP connection are admitted "
         "only for names that may reach that address and port (docs/reference/behaviour.md §18); off: "
         "address-level admission. Without the MITM there is no name check",
         "on",
