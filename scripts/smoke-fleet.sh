@@ -161,8 +161,8 @@ fails_fast() {  # fails_fast N URL: curl gives up in under a second despite --co
   end=$(date +%s%N); [ $(((end - start) / 1000000)) -lt 1000 ]
 }
 direct_dns() { inns "$(SB "$1")" dig +short +time=2 +tries=1 @10.204.0.2 "$2" | grep -q "$3"; }
-via_mitm() {  # via_mitm N URL PORT: the request arrived from the pod (the MITM), not the sandbox
-  [ "$(inns "$(SB "$1")" curl -s -o /dev/null -w '%{http_code}' -m 3 "$2")" = 200 ] || return 1
+via_mitm() {  # via_mitm N URL PORT [curl args]: the request arrived from the pod (the MITM), not the sandbox
+  [ "$(inns "$(SB "$1")" curl -s -o /dev/null -w '%{http_code}' -m 3 "${@:4}" "$2")" = 200 ] || return 1
   grep "\"port\": $3," "$WORK/upstream.jsonl" | tail -n 1 | grep -q '"client": "10.204.0.1"'
 }
 labelled_metrics() {  # every sample carries the constant label
@@ -230,7 +230,8 @@ check "sandbox-to-sandbox traffic is dropped" not ip netns exec "$(SB 3)" curl -
 check "DoT (853) is dropped even for allowed addresses" not ip netns exec "$(SB 3)" curl -s --connect-timeout 1 -m 2 http://10.204.0.5:853/
 check "sb2 asks the exempt nameserver directly (NAMESERVER_EXEMPT), port 53 only" bash -c "$(declare -f inns SB direct_dns reaches); P=$P; direct_dns 2 other.test 10.204.0.3 && ! reaches 2 10.204.0.2"
 check "unknown source sb4 cannot use the exempt nameserver" not direct_dns 4 other.test 10.204.0.3
-check "an extra MITM port (MITMPROXY_EXTRA_PORTS=8080) goes through the MITM" via_mitm 1 http://10.204.0.2:8080/smoke 8080
+check "an extra MITM port (MITMPROXY_EXTRA_PORTS=8080) goes through the MITM" via_mitm 1 http://api.allowed.test:8080/smoke 8080 --resolve api.allowed.test:8080:10.204.0.2
+check "the extra port is name-checked: an IP-literal Host on sb1's learned address is refused 403" test "$(inns "$(SB 1)" curl -s -o /dev/null -w '%{http_code}' -m 3 http://10.204.0.2:8080/smoke)" = 403
 check "the extra port is policed like 80: sb1 cannot reach an address it did not learn" not reaches 1 10.204.0.3:8080
 check "every /metrics sample carries METRICS_EXTRA_ATTRS" labelled_metrics
 check "the self-test logged how this kernel renews leases" grep -q '"lease_renewal"' "$WORK/egressd.log"

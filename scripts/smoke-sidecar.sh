@@ -310,7 +310,9 @@ check "POST /policy allows the bound host and one more -> 200" expect 200 POST /
 check "the extra port is in the redirect (MITMPROXY_EXTRA_PORTS=8080)" bash -c \
   "ip netns exec $SBX nft list table inet opensandbox | tr -s ' ' | grep -q 'tcp dport { 80, 443, 8080 } redirect to :18081'"
 check "the app's HTTP to port 8080 goes through the MITM" bash -c \
-  "$(declare -f inns resolves redirected_to_mitm); SBX=$SBX; resolves b.allowed.test 10.204.0.7 && ip netns exec $SBX conntrack -F && [ \"\$(ip netns exec $SBX curl -s -o /dev/null -w '%{http_code}' -m 3 http://10.204.0.7:8080/smoke)\" = 200 ] && redirected_to_mitm 8080"
+  "$(declare -f inns resolves redirected_to_mitm); SBX=$SBX; resolves b.allowed.test 10.204.0.7 && ip netns exec $SBX conntrack -F && [ \"\$(ip netns exec $SBX curl -s -o /dev/null -w '%{http_code}' -m 3 --resolve b.allowed.test:8080:10.204.0.7 http://b.allowed.test:8080/smoke)\" = 200 ] && redirected_to_mitm 8080"
+check "the extra port is name-checked: an IP-literal Host is refused 403" bash -c \
+  "[ \"\$(ip netns exec $SBX curl -s -o /dev/null -w '%{http_code}' -m 3 http://10.204.0.7:8080/smoke)\" = 403 ]"
 check "... and its upstream leg is policed: port 8080 of an address never learned fails" not reaches 10.204.0.5:8080
 check "the exempt resolver answers the app directly, also a name the policy denies (NAMESERVER_EXEMPT)" \
   resolves exfil.test 10.204.0.5 10.203.0.1
