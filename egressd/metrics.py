@@ -344,7 +344,8 @@ class EgressMetrics:
             r,
             "egressd_mitm_connections_total",
             "Connections the MITM child opened (decrypt, parse), relayed (passthrough) or refused by the "
-            "name check (refuse).",
+            "name check (refuse); `protocol` is `tls`, `http`, or `tcp` (neither, or a silent client of a "
+            "server-first protocol).",
             ["worker", "protocol", "decision"],
         )
         # docs/reference/behaviour.md §14.9: how many clients' vault snapshots the child holds (bounded; a removed,

@@ -102,7 +102,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "EGRESSD_NAME_CHECK",
         "--name-check",
-        "on/off, with the MITM: TLS SNI and plain-HTTP Host of every intercepted TCP connection are admitted "
+        "on/off, with the MITM: TLS SNI and plain-HTTP Host of every intercepted TCP connection (80, 443, "
+        "the extra ports, the ports a subject's http/https and any-protocol domain rules name) are admitted "
         "only for names that may reach that address and port (docs/reference/behaviour.md §18); off: "
         "address-level admission. Without the MITM there is no name check",
         "on",

@@ -12,7 +12,8 @@ the name, the address, the port and the reason, and the deny webhook (with the r
 ring) like a denied DNS name.
 
 Query: ``clientIp``, ``port`` (a host-uid subject's MITM listener port, docs/reference/behaviour.md §17),
-``wire`` (``tls``/``http``), ``name`` (absent: no SNI / no Host), ``dst`` and ``dport``.
+``wire`` (``tls``/``http``; ``tcp``: neither, no name), ``name`` (absent: no SNI / no Host),
+``dst`` and ``dport``.
 Reply 200 ``{"admit": bool, "reason": str|null}``; 400 for a malformed query. Anything but a
 200 with that body makes the child refuse (fail closed).
 """
@@ -164,7 +165,9 @@ def _port(text: str | None) -> int | None:
 
 #: What a DNS name looks like on the wire (at most 253 characters, labels of 1-63 letters,
 #: digits, ``-`` and ``_``, one trailing dot at most); anything else asked for is refused.
-_READABLE: Final = re.compile(r"(?=.{1,254}$)(?!.{254}$(?<!\.))([A-Za-z0-9_-]{1,63}\.)*[A-Za-z0-9_-]{1,63}\.?")
+_READABLE: Final = re.compile(
+    r"(?=.{1,254}$)(?!.{254}$(?<!\.))([A-Za-z0-9_-]{1,63}\.)*[A-Za-z0-9_-]{1,63}\.?"
+)
 
 
 def parse_query(query: Any) -> NameQuery | None:
@@ -180,6 +183,8 @@ def parse_query(query: Any) -> NameQuery | None:
     if client is None or dst is None or dport is None or (listen_text is not None and listen is None):
         return None
     name = query.get("name") or None
+    if name is not None and wire is Wire.TCP:
+        return None  # "no name on the wire" with a name: malformed
     if name is not None and not _READABLE.fullmatch(name):
         # A CDN routes on the Host string whatever its length: never "no name", never an error
         # the subject's count and log would not see; a refusal of its own.
@@ -207,7 +212,7 @@ def answer(check: Check, report: NameReport | None, query: NameQuery) -> NameVer
 
 def _unknown(query: NameQuery) -> NameVerdict:
     reason = NameReason.SNI_NOT_ALLOWED if query.wire is Wire.TLS else NameReason.HOST_NOT_ALLOWED
-    if query.name is None and query.wire is Wire.TLS:
+    if query.name is None and query.wire is not Wire.HTTP:
         reason = NameReason.NO_SNI
     return NameVerdict(False, reason, "no-subject")
 

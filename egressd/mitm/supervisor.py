@@ -397,6 +397,10 @@ _CONNECTION_LABELS: Final = frozenset(
         # Refused by the name check (docs/reference/behaviour.md §18) before any upstream connection.
         ("tls", "refuse"),
         ("http", "refuse"),
+        # Neither TLS nor HTTP (or a silent client of a server-first protocol), on a port the
+        # name check covers: relayed where no name is needed, else refused.
+        ("tcp", "passthrough"),
+        ("tcp", "refuse"),
     }
 )
 

@@ -14,7 +14,7 @@ import re
 import time
 from collections.abc import Callable
 
-from mitmproxy import connection, ctx, tls
+from mitmproxy import connection, ctx, tcp, tls
 from mitmproxy.addons.next_layer import stack_match
 from mitmproxy.net.tls import starts_like_tls_record
 from mitmproxy.proxy import layer, layers
@@ -24,6 +24,7 @@ from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
 from egressd.mitm.protocol import CONNECTION_EVENT
+from egressd.mitmchild.firstbytes import REASON_NO_NAME_HTTP, disguised_http, looks_like_http, undecided
 from egressd.mitmchild.intercept import (
     REASON_LOOKUP_FAILED,
     REASON_NAME_CHECK,
@@ -42,15 +43,9 @@ from egressd.mitmchild.lookup import LookupFailed
 from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, NameGate, as_name, reset
 from egressd.mitmchild.requestgate import RequestGate
 from egressd.mitmchild.shared import address_of, emit, ip_of
+from egressd.mitmchild.silence import SilentClients
 from egressd.mitmchild.vaults import VaultLookup
 from egressd.vault.snapshot import VaultSnapshot
-from egressd.vault.types import SCHEME_PORTS
-
-
-def _looks_like_http(data: bytes) -> bool:
-    """mitmproxy's own test (next_layer): a verb, a space in the first line."""
-    first = data.split(b"\n", 1)[0]
-    return len(data) >= 3 and data[:3].isalpha() and b" " in first
 
 
 class Interception:
@@ -66,6 +61,14 @@ class Interception:
         # connection is reset once the client's narrowing stamp moves and the name is judged.
         self.relayed: dict[str, tuple[connection.Client, str | None, str, object]] = {}
         self._watch: asyncio.Task[None] | None = None
+        self.silent = SilentClients(names, requests, self._connection)
+        names.on_disconnect.append(self.silent.client_disconnected)
+
+    def client_connected(self, client: connection.Client) -> None:
+        self.silent.client_connected(client)
+
+    async def tcp_message(self, flow: tcp.TCPFlow) -> None:
+        await self.silent.tcp_message(flow)
 
     def configure(self, updated: set[str]) -> None:
         if "ignore_hosts" in updated:
@@ -212,6 +215,17 @@ class Interception:
     async def _next_layer(self, nextlayer: layer.NextLayer) -> None:
         context = nextlayer.context
         chosen = nextlayer.layer
+        data = nextlayer.data_client()
+        if data:
+            self.silent.spoke(context.client)
+        if self.names.enabled and self.silent.is_woken(context.client, data):
+            # A client that stayed silent (a server-first protocol waits for its server):
+            # decided without a name (egressd.mitmchild.silence).
+            if chosen is not None and context.layers[-1] is chosen:
+                context.layers.remove(chosen)
+            nextlayer.layer = None
+            await self.silent.decide(nextlayer)
+            return
         # The layer NextLayer built for the redirected connection itself has just joined the
         # stack behind the mode layer; HTTP inside decrypted TLS sits deeper and is not ours.
         if context.layers[-1] is not chosen:
@@ -254,7 +268,7 @@ class Interception:
         client_ip = ip_of(context.client.peername)
         data = nextlayer.data_client()
         checks = self.names.enabled
-        if checks and _undecided(data):
+        if checks and undecided(data):
             # Too few bytes to tell TLS or HTTP from anything else (a ClientHello or a request
             # line split after its first bytes): decide nothing yet. mitmproxy asks again when
             # more data arrives; no upstream connection is opened meanwhile.
@@ -275,15 +289,27 @@ class Interception:
                 "tls", context, client_ip, as_name(sni_name(sni)), dest, started, sni=sni
             )
             return
-        if _looks_like_http(data):
+        if looks_like_http(data):
             context.layers.remove(chosen)
             nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)
             self._connection(
                 "http", Verdict("parse", REASON_NAME_CHECK), started, client=client_ip, sni=None, dest=dest
             )
             return
-        wire = "http" if dest is not None and dest[1] == SCHEME_PORTS["http"] else "tls"
-        await self._name_refused(wire, context, client_ip, None, dest, started)
+        if disguised_http(data):
+            # A request line behind empty lines: servers read it, mitmproxy would relay it.
+            self.names.refuse_connection(context.client, REASON_NO_NAME_HTTP)
+            self._connection(
+                "http", Verdict("refuse", REASON_NO_NAME_HTTP), started, client=client_ip, sni=None, dest=dest
+            )
+            return
+        # Neither TLS nor HTTP: no name to check; egressd admits it where the destination is
+        # open without one (an address rule, defaultAction allow, a tcp rule's lease).
+        if await self._name_refused("tcp", context, client_ip, None, dest, started):
+            return
+        if chosen.flow is not None:  # relayed as it is: no flow keeping every message
+            context.layers.remove(chosen)
+            nextlayer.layer = layers.TCPLayer(context, ignore=True)
 
     async def _judged(
         self, context: Context, client_ip: str | None, name: str | None, *, wire: str = "tls"
@@ -331,7 +357,7 @@ class Interception:
                 dest=dest,
             )
             return True
-        if not _looks_like_http(data) or not await self.requests.judged(context.client, client_ip, None):
+        if not looks_like_http(data) or not await self.requests.judged(context.client, client_ip, None):
             return False
         context.layers.remove(chosen)
         nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)
@@ -385,17 +411,3 @@ class Interception:
 
 #: How often relayed TLS connections are checked against a changed policy (seconds).
 RELAY_WATCH_S = 0.2
-
-#: The longest first line a connection may send before egressd decides it is not HTTP.
-_MAX_UNDECIDED = 8192
-
-
-def _undecided(data: bytes) -> bool:
-    """Could more bytes still make ``data`` a TLS record or an HTTP request line? (Fewer than
-    the three bytes a TLS record start needs, or letters with no line end yet.)"""
-    if len(data) < 3:
-        return True
-    if data[:1] == b"\x16" and len(data) < 5:
-        return True
-    head = data.split(b" ", 1)[0]
-    return b"\n" not in data and len(data) < _MAX_UNDECIDED and head.isalpha() and b" " not in data

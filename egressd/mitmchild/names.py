@@ -27,6 +27,7 @@ import socket
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 from urllib.parse import urlencode
@@ -146,6 +147,9 @@ class NameGate:
         self.refused: OrderedDict[str, str] = OrderedDict()  # client connection id -> reason
         self.remembered = Remembered()
         self.recalled = 0  # checks answered from memory (tests, diagnostics)
+        # Other addons' per-client state to drop when a client goes (one addon per mitmproxy
+        # event: this one handles client_disconnected for all of them).
+        self.on_disconnect: list[Callable[[connection.Client], None]] = []
 
     def load(self, loader: Loader) -> None:
         loader.add_option(
@@ -203,4 +207,6 @@ class NameGate:
 
     def client_disconnected(self, client: connection.Client) -> None:
         self.refused.pop(client.id, None)
+        for forget in self.on_disconnect:
+            forget(client)
 

@@ -12,7 +12,7 @@ from egressd.policy.decide import hard_denied, ip_decision
 from egressd.policy.evaluate import name_scope
 from egressd.policy.ipsets import ip_sets
 from egressd.policy.mitmports import FIXED_PORTS, intercepts
-from egressd.policy.namecheck import address_opens, address_scope, denied_by_rule
+from egressd.policy.namecheck import Wire, address_opens, address_scope, check_name, denied_by_rule
 from egressd.policy.requests import daemon_intercepted_ports
 
 
@@ -103,7 +103,7 @@ def _checked(effective: NetworkPolicy, enabled: bool, port: int | None) -> str |
     if port is not None and not intercepts(effective, fixed, port):
         return (
             f"not checked on port {port} (the MITM intercepts TCP 80, 443, the extra ports and "
-            "the ports this policy's http/https rules name)"
+            "the ports this policy's http/https rules and its domain rules with ports and no protocol name)"
         )
     return None
 
@@ -143,10 +143,20 @@ def _name_check_for_address(
         outcome = "any SNI or Host that no deny rule refuses, and none, are admitted (an address rule opens it)"
         return {"enabled": True, "outcome": outcome}
     names = sorted(taught)
+    sets = ip_sets(effective)
+    nameless = all(
+        check_name(effective, sets, wire=Wire.TCP, name=None, dst=ip, port=p, taught=frozenset(taught)).admit
+        for p in ports
+    )
+    bytes_ = (
+        "bytes that are neither TLS nor HTTP are admitted (a tcp or any-protocol rule allows a name that taught it)"
+        if nameless
+        else "no name (and bytes that are neither TLS nor HTTP): refused"
+    )
     return {
         "enabled": True,
         "outcome": "only an SNI or Host naming a name that taught this subject the address (and that the "
-        "policy allows on the port); none: refused",
+        f"policy allows on the port); {bytes_}",
         "names": names,
     }
 

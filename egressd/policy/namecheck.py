@@ -20,6 +20,13 @@ The rule, in order:
    name must be allowed by the policy for TCP on that port, and be one that taught this
    subject that address.
 
+A connection that carries no name and speaks neither TLS nor HTTP (``Wire.TCP``: SSH, a
+database, a server-first protocol) is judged by what opens its destination: an address rule or
+``defaultAction: allow`` (rule 2), or a name that taught this subject the address and whose
+deciding rule allows TCP on that port without limiting it to ``http``/``https`` (a ``tcp`` rule
+or one without ``protocol``). The name check guards the names TLS and HTTP carry; it does not
+take from a ``tcp`` rule the bytes its author allowed.
+
 A refusal carries a :class:`NameReason`. In audit mode a refusal by the user's policy is a
 would-deny (admitted, reported); an operator always-deny rule stays hard.
 """
@@ -48,11 +55,15 @@ __all__ = [
     "denied_by_rule",
 ]
 
+
 class Wire(enum.StrEnum):
-    """Where the name came from: a TLS ClientHello (SNI) or a plain-HTTP request (``Host``)."""
+    """Where the name came from: a TLS ClientHello (SNI) or a plain-HTTP request (``Host``);
+    ``tcp``: neither (a client whose first bytes are neither TLS nor HTTP, or one that stays
+    silent while a server-first protocol waits for its server): no name at all."""
 
     TLS = "tls"
     HTTP = "http"
+    TCP = "tcp"
 
 
 class NameReason(enum.StrEnum):
@@ -106,7 +117,11 @@ def deciding_rule(policy: NetworkPolicy, name: str, port: int) -> tuple[int | No
     for i, rule in enumerate(policy.egress):
         if rule.action is Verdict.DENY and rule.judges_requests:
             continue  # it denies requests, not the name (§19): the request rules judge those
-        if rule.kind is TargetKind.DOMAIN and rule.scope.admits("tcp", port) and domain_matches(rule.target, name):
+        if (
+            rule.kind is TargetKind.DOMAIN
+            and rule.scope.admits("tcp", port)
+            and domain_matches(rule.target, name)
+        ):
             return i, rule.action
     return None, policy.default_action
 
@@ -137,6 +152,10 @@ def check_name(
     tls = wire is Wire.TLS
     not_allowed = NameReason.SNI_NOT_ALLOWED if tls else NameReason.HOST_NOT_ALLOWED
     opened = address_opens(policy, sets, dst, port)
+    if wire is Wire.TCP:
+        if opened:
+            return NameVerdict(True, rule="address")
+        return _nameless(policy, port, taught)
     if not name:
         if opened:
             return NameVerdict(True, rule="address")
@@ -154,6 +173,23 @@ def check_name(
     if name not in taught:
         return _refuse(policy, NameReason.SNI_NOT_LEARNED if tls else NameReason.HOST_NOT_ALLOWED, index)
     return NameVerdict(True, rule="lease")
+
+
+#: Protocols whose rules speak for the name on the wire only: their leases admit no nameless bytes.
+_NAMED_PROTOCOLS = frozenset({"http", "https"})
+
+
+def _nameless(policy: NetworkPolicy, port: int, taught: Collection[str]) -> NameVerdict:
+    """``Wire.TCP`` on a learned-only destination: admitted when a name that taught it is
+    allowed for TCP on ``port`` by a rule that is not about HTTP(S) alone."""
+    index: int | None = None
+    for name in sorted(taught):
+        index, verdict = deciding_rule(policy, normalise_name(name), port)
+        if verdict is Verdict.ALLOW and index is not None:
+            rule = policy.egress[index]
+            if rule.protocol not in _NAMED_PROTOCOLS and not rule.judges_requests:
+                return NameVerdict(True, rule="lease")
+    return _refuse(policy, NameReason.NO_SNI, index)
 
 
 def _refuse(policy: NetworkPolicy, reason: NameReason, index: int | None) -> NameVerdict:

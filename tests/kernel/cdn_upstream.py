@@ -60,6 +60,8 @@ def contexts(tls_dir: Path, names: list[str], ips: list[str]) -> ssl.SSLContext:
 
 def _read_request(reader: Any) -> tuple[str, str, dict[str, str]] | None:
     line = reader.readline()
+    while line in (b"\r\n", b"\n"):  # empty lines before a request line are skipped (RFC 9112 §2.2)
+        line = reader.readline()
     if not line:
         return None
     parts = line.decode("latin-1").split()

@@ -24,6 +24,7 @@ from tests.kernel.cdn import (
     tls,
     wait_refusal,
 )
+from tests.kernel.rawtcp import BANNER_PORT, ECHO_PORT, raw, start_raw_server
 from tests.kernel.sidecar import Sidecar
 from tests.kernel.topology import Topology
 
@@ -32,6 +33,7 @@ from tests.kernel.topology import Topology
 def cdn() -> Iterator[Topology]:
     t = cdn_topology(f"egq{os.getpid()}", sandboxes=1, http_ports="80,8081", https_ports="443,8443")
     try:
+        start_raw_server(t)
         yield t
     finally:
         t.down()
@@ -72,3 +74,21 @@ def test_the_sidecar_name_checks_the_ports_its_rules_name(cdn: Topology, sidecar
     sidecar.set_policy(policy(allow("a.cdn.test", protocol="tcp", ports=[8443])))
     learn(cdn, 1, "a.cdn.test", CDN_IP)
     assert tls(cdn, 1, CDN_IP, "b.cdn.test", port=8443)["ok"]
+
+
+def test_the_sidecar_checks_names_on_any_protocol_ports_and_keeps_other_protocols(
+    cdn: Topology, sidecar: Sidecar
+) -> None:
+    """A rule with ports and no protocol opens HTTPS there too: its names are checked; a
+    server-first protocol still gets its greeting (decided without a name after a short
+    silence), a client-first one its bytes."""
+    sidecar.set_policy(policy(allow("a.cdn.test", ports=["2000-9000"])))
+    learn(cdn, 1, "a.cdn.test", CDN_IP)
+    since, log_mark = mark(cdn), len(sidecar.log_text())
+    assert not tls(cdn, 1, CDN_IP, "b.cdn.test", port=8443)["ok"]
+    assert accepts(cdn, since) == []
+    wait_refusal(sidecar.log_text, log_mark, name="b.cdn.test", port=8443, reason="sni_not_allowed")
+    assert tls(cdn, 1, CDN_IP, "a.cdn.test", port=8443)["ok"]
+    greeted = raw(cdn, BANNER_PORT, greeted=True, send="EHLO me\\r\\n")
+    assert greeted["got"].startswith("220 ") and "echo EHLO me" in greeted["got"], greeted
+    assert "echo SSH-2.0-x" in raw(cdn, ECHO_PORT, send="SSH-2.0-x\\r\\n")["got"]

@@ -160,8 +160,12 @@ def test_extra_port_goes_through_the_mitm_and_stays_policed(mitm_sidecar: Sideca
     sc = mitm_sidecar
     assert sc.dig("b.test") == ("NOERROR", [UP_B])
     sc.topo.ns(sc.ns, "conntrack", "-F", check=False)
-    # The extra port is name-checked (BEHAVIOUR.md §18): the allowed name passes, an IP-literal Host is refused.
-    assert sc.topo.curl(sc.sb, "http://b.test:8080/probe", timeout=3, extra=("--resolve", f"b.test:8080:{UP_B}")) == 200
+    # The extra port is name-checked (docs/reference/behaviour.md §18): the allowed name passes,
+    # an IP-literal Host is refused.
+    assert (
+        sc.topo.curl(sc.sb, "http://b.test:8080/probe", timeout=3, extra=("--resolve", f"b.test:8080:{UP_B}"))
+        == 200
+    )
     assert redirected_flows(sc, 8080), "the 8080 flow did not go through the MITM"
     assert sc.curl(f"http://{UP_B}:8080/probe", timeout=3) == 403
     # The MITM's upstream leg meets the policy like 80/443 do.

@@ -197,3 +197,11 @@ def test_an_address_names_no_name() -> None:
     assert as_name("a.io") == "a.io"
     assert as_name("10.204.0.3") is None and as_name("[2001:db8::1]") is None and as_name("2001:db8::1") is None
     assert as_name("") is None and as_name(None) is None
+
+
+def test_a_nameless_tcp_query_is_parsed_and_a_tcp_query_with_a_name_is_malformed() -> None:
+    without = {k: v for k, v in GOOD.items() if k != "name"}
+    assert parse_query({**without, "wire": "tcp"}) == NameQuery(CLIENT, None, Wire.TCP, None, DST, 443)
+    assert parse_query({**GOOD, "wire": "tcp"}) is None
+    refused = answer(lambda q: (None, None), None, query(wire=Wire.TCP, name=None))
+    assert not refused.admit and refused.reason is NameReason.NO_SNI

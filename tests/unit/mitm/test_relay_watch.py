@@ -41,7 +41,7 @@ def watch(monkeypatch: pytest.MonkeyPatch) -> tuple[Interception, Gate, list[str
     monkeypatch.setattr(mod, "reset", reset)
     monkeypatch.setattr(mod, "emit", lambda *a, **k: None)
     gate = Gate()
-    icp = Interception(SimpleNamespace(), SimpleNamespace(), gate)  # type: ignore[arg-type]
+    icp = Interception(SimpleNamespace(), SimpleNamespace(on_disconnect=[]), gate)  # type: ignore[arg-type]
     return icp, gate, resets
 
 

@@ -53,3 +53,24 @@ def test_explain_says_whether_a_port_is_name_checked() -> None:
     common: dict[str, Any] = {"state": "active", "effective": pol, "leases": {}, "now": 0.0, "name_check": True}
     assert "not checked" not in explain(target="a.io", port=8443, **common)["nameCheck"]["outcome"]
     assert "not checked on port 8444" in explain(target="a.io", port=8444, **common)["nameCheck"]["outcome"]
+
+
+def test_a_domain_rule_with_ports_and_no_protocol_names_its_tcp_ports() -> None:
+    # No protocol: any protocol, HTTPS on those ports included, so its name is checked there.
+    pol = policy(
+        {"action": "allow", "target": "a.io", "ports": [8443, "9000-9001"]},
+        {"action": "allow", "target": "b.io", "protocol": "tcp", "ports": [2222]},  # raw TCP: not
+        {"action": "allow", "target": "10.1.2.3", "ports": [7443]},  # an address opens every name
+        {"action": "deny", "target": "c.io", "ports": [6000]},
+    )
+    assert named_ports(pol) == ((6000, 6000), (8443, 8443), (9000, 9001))
+    assert intercepts(pol, FIXED_PORTS, 9001) and not intercepts(pol, FIXED_PORTS, 2222)
+    assert not intercepts(pol, FIXED_PORTS, 7443)
+    # The DNS ports are never intercepted, whoever names them.
+    assert named_ports(policy({"action": "allow", "target": "d.io", "ports": ["50-900"]})) == (
+        (50, 52),
+        (54, 79),
+        (81, 442),
+        (444, 852),
+        (854, 900),
+    )

@@ -173,3 +173,52 @@ def test_audit_mode_keeps_always_deny_hard() -> None:
 @pytest.mark.parametrize("reason", list(NameReason))
 def test_reasons_are_the_specified_words(reason: NameReason) -> None:
     assert reason.value in {"sni_not_allowed", "sni_not_learned", "no_sni", "host_not_allowed", "port_not_allowed"}
+
+
+# ---- no name on the wire (Wire.TCP: neither TLS nor HTTP, or a silent client) ------------------
+
+
+def tcp(p: NetworkPolicy, *, port: int = 2222, taught: tuple[str, ...] = (), dst: Any = CDN) -> Any:
+    return check(p, None, dst=dst, port=port, taught=taught, wire=Wire.TCP)
+
+
+def test_nameless_bytes_pass_where_a_tcp_rule_taught_the_address() -> None:
+    p = policy(allow("git.io", protocol="tcp", ports=[2222]), allow("a.io", protocol="https", ports=[2222]))
+    assert tcp(p, taught=("git.io",)).admit
+    assert tcp(p, taught=("git.io",)).rule == "lease"
+    # The https rule's lease speaks for names only: nameless bytes are refused there.
+    refused = tcp(p, taught=("a.io",))
+    assert not refused.admit and refused.reason is NameReason.NO_SNI
+    assert not tcp(p, taught=()).admit  # taught by nobody
+    assert not tcp(p, taught=("git.io",), port=2223).admit  # the tcp rule's port only
+
+
+def test_nameless_bytes_pass_where_an_any_protocol_rule_with_ports_taught_the_address() -> None:
+    p = policy(allow("db.io", ports=[5432]))
+    assert tcp(p, port=5432, taught=("db.io",)).admit
+    assert not tcp(p, port=5433, taught=("db.io",)).admit
+
+
+def test_nameless_bytes_are_refused_on_a_request_rule_lease() -> None:
+    # methods/paths without a protocol mean https: a lease of such a rule admits no bytes unjudged.
+    p = policy(allow("api.io", methods=["GET"], ports=[8443]))
+    assert not tcp(p, port=8443, taught=("api.io",)).admit
+
+
+def test_nameless_bytes_pass_where_an_address_rule_or_default_allow_opens() -> None:
+    assert tcp(policy(allow(str(CDN)))).admit
+    assert tcp(policy(allow(str(CDN), protocol="tcp", ports=[2222]))).admit
+    assert not tcp(policy(allow(str(CDN), protocol="tcp", ports=[22]))).admit
+    assert tcp(policy(default="allow")).admit
+    assert not tcp(policy(deny(str(CDN)), default="allow")).admit
+
+
+def test_a_deny_rule_first_decides_the_teaching_name() -> None:
+    p = policy(deny("git.io", protocol="tcp", ports=[2222]), allow("*.io", protocol="tcp"))
+    assert not tcp(p, taught=("git.io",)).admit
+    assert tcp(p, taught=("git.io", "other.io")).admit  # another name taught it for tcp
+
+
+def test_nameless_refusals_are_would_denies_in_audit_mode() -> None:
+    verdict = tcp(policy(allow("a.io", protocol="https", ports=[2222]), mode="audit"), taught=("a.io",))
+    assert verdict.admit and verdict.would_deny and verdict.reason is NameReason.NO_SNI

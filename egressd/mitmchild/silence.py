@@ -1,0 +1,224 @@
+"""Silent clients on name-checked ports (docs/reference/behaviour.md §18).
+
+The MITM opens no upstream connection before the name check decides, and the name check waits
+for the client's first bytes (a ClientHello, a request line). A server-first protocol (SMTP,
+FTP, MySQL, POP3) sends nothing until its server greets it: on a port a rule names it would
+wait forever. So on every intercepted port but 80 and 443 (where clients speak first), a client
+that stays silent for :data:`SILENT_CLIENT_S` is decided without a name (``wire=tcp``): egressd
+admits it where an address rule, ``defaultAction: allow`` or a ``tcp`` (or any-protocol) rule's
+lease opens the destination, and refuses (reset, counted, reported) otherwise.
+
+An admitted silent connection is relayed, but its client's first bytes are still looked at
+before they leave, unless the server spoke first (then it is a server-first protocol, not TLS or
+HTTP): TLS is name-checked by the SNI of that first read (a ClientHello that is not whole in it
+is refused), and anything that is or could become an HTTP request line is refused, since a relay
+never sees a second request's ``Host``. Waiting for silence costs a server-first protocol
+:data:`SILENT_CLIENT_S` once per connection; a client-first one pays nothing.
+
+mitmproxy asks its ``next_layer`` hook only when data arrives: waking it needs an event, so the
+watcher feeds the undecided connection an empty ``DataReceived`` (read from the connection
+handler's layers; if mitmproxy's shape differs, nothing is fed and the connection waits, as
+before).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from mitmproxy import connection, ctx, tcp
+from mitmproxy.proxy import events, layer, layers
+
+from egressd.mitmchild.firstbytes import after_silence
+from egressd.mitmchild.intercept import REASON_REQUESTS_UNSEEN, Verdict
+from egressd.mitmchild.names import LOOKUP_FAILED, NameGate
+from egressd.mitmchild.requestgate import RequestGate
+from egressd.mitmchild.shared import address_of, emit, ip_of
+
+__all__ = ["CLIENT_FIRST_PORTS", "SILENT_CLIENT_S", "SilentClients"]
+
+#: How long a client may stay silent before its connection is decided without a name.
+SILENT_CLIENT_S: Final = 0.5
+#: Ports whose clients speak first (HTTP, HTTPS): a silent client there is only waited for.
+CLIENT_FIRST_PORTS: Final = frozenset({80, 443})
+#: How often a wake-up is retried while mitmproxy is busy with the connection, and how many times.
+_RETRY_S: Final = 0.05
+_RETRIES: Final = 20
+
+#: What a connection event reports (the interception addon's ``_connection``).
+Report = Callable[..., None]
+
+
+@dataclass(slots=True)
+class _Watched:
+    """An admitted silent connection whose first client bytes are still to be looked at."""
+
+    client: connection.Client
+    client_ip: str | None
+    dest: tuple[str, int]
+
+
+class SilentClients:
+    """Wakes undecided connections after :data:`SILENT_CLIENT_S` and decides them without a
+    name; watches the first client bytes of those it admitted."""
+
+    def __init__(self, names: NameGate, requests: RequestGate | None, report: Report) -> None:
+        self.names = names
+        self.requests = requests
+        self.report = report
+        self.timers: dict[str, asyncio.TimerHandle] = {}
+        self.woken: set[str] = set()  # client ids fed the empty event, not yet decided
+        self.watched: dict[str, _Watched] = {}
+
+    # ---- mitmproxy hooks (called by the interception addon) -----------------------------------
+
+    def client_connected(self, client: connection.Client) -> None:
+        if not self.names.enabled:
+            return
+        loop = asyncio.get_running_loop()
+        self.timers[client.id] = loop.call_later(SILENT_CLIENT_S, self._wake, client, _RETRIES)
+
+    def spoke(self, client: connection.Client) -> None:
+        """The client sent its first bytes: no wake-up is needed."""
+        timer = self.timers.pop(client.id, None)
+        if timer is not None:
+            timer.cancel()
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        timer = self.timers.pop(client.id, None)
+        if timer is not None:
+            timer.cancel()
+        self.woken.discard(client.id)
+        self.watched.pop(client.id, None)
+
+    def is_woken(self, client: connection.Client, data: bytes) -> bool:
+        """Is this ``next_layer`` call the wake-up of a silent client (no data yet)?"""
+        return not data and client.id in self.woken
+
+    async def decide(self, nextlayer: layer.NextLayer) -> None:
+        """A silent client: admit it without a name (relayed, its first bytes watched) or refuse."""
+        context = nextlayer.context
+        client = context.client
+        self.woken.discard(client.id)
+        client_ip = ip_of(client.peername)
+        dest = address_of(context.server.address)
+        started = time.perf_counter()
+        if dest is None:
+            self._refuse(client, client_ip, None, LOOKUP_FAILED, started)
+            return
+        answer = await self.names.ask(client, client_ip, "tcp", None, dest[0], dest[1])
+        if not answer.admit:
+            self._refuse(client, client_ip, dest, answer.reason or LOOKUP_FAILED, started)
+            return
+        # A flow, so that tcp_message sees the first bytes (its messages are dropped as they pass).
+        nextlayer.layer = layers.TCPLayer(context)
+        self.watched[client.id] = _Watched(client, client_ip, dest)
+        self.report(
+            "tcp",
+            Verdict("passthrough", "a silent client, admitted without a name"),
+            started,
+            client=client_ip,
+            sni=None,
+            dest=dest,
+        )
+
+    async def tcp_message(self, flow: tcp.TCPFlow) -> None:
+        message = flow.messages[-1] if flow.messages else None
+        flow.messages.clear()  # a relay keeps nothing: memory stays flat on long connections
+        watched = self.watched.get(flow.client_conn.id)
+        if watched is None or message is None or not message.content:
+            return
+        del self.watched[flow.client_conn.id]
+        if not message.from_client:
+            return  # the server spoke first: a server-first protocol, relayed as it is
+        verdict = after_silence(message.content)
+        if verdict is None:
+            return
+        started = time.perf_counter()
+        kind, value = verdict
+        if kind == "tls":
+            reason = await self._tls_refusal(watched, value)
+            if reason is None:
+                return
+        else:
+            reason = value or LOOKUP_FAILED
+        message.content = b""  # nothing of it leaves
+        self._refuse(watched.client, watched.client_ip, watched.dest, reason, started)
+
+    # ---- internals ------------------------------------------------------------------------------
+
+    async def _tls_refusal(self, watched: _Watched, name: str | None) -> str | None:
+        """Why a ClientHello sent after silence is refused (None: it may pass)."""
+        answer = await self.names.ask(
+            watched.client, watched.client_ip, "tls", name, watched.dest[0], watched.dest[1]
+        )
+        if not answer.admit:
+            return answer.reason or LOOKUP_FAILED
+        # Request rules (§19) cannot judge a relay: a judged name is refused, not relayed.
+        if self.requests is not None and name is not None:
+            try:
+                judged = await self.requests.judged(watched.client, watched.client_ip, name)
+            except Exception as exc:  # fail closed
+                emit("mitm.error", hook="silent_tls", error=type(exc).__name__)
+                judged = True
+            if judged:
+                return REASON_REQUESTS_UNSEEN
+        return None
+
+    def _refuse(
+        self,
+        client: connection.Client,
+        client_ip: str | None,
+        dest: tuple[str, int] | None,
+        reason: str,
+        started: float,
+    ) -> None:
+        self.names.refuse_connection(client, reason)
+        self.report("tcp", Verdict("refuse", reason), started, client=client_ip, sni=None, dest=dest)
+
+    def _wake(self, client: connection.Client, retries: int) -> None:
+        self.timers.pop(client.id, None)
+        if not client.connected:
+            return
+        asyncio.get_running_loop().create_task(self._poke(client, retries))
+
+    async def _poke(self, client: connection.Client, retries: int) -> None:
+        """Feed a still undecided connection (on a port other than 80/443) an empty read, so
+        that mitmproxy asks ``next_layer`` again and :meth:`decide` runs."""
+        try:
+            handler, child = _undecided_handler(client)
+        except Exception as exc:  # mitmproxy's shape changed: the connection waits, as before
+            emit("mitm.error", hook="silent_client", error=type(exc).__name__)
+            return
+        if handler is None or child is None:
+            return
+        dest = address_of(child.context.server.address)
+        if dest is None or dest[1] in CLIENT_FIRST_PORTS:
+            return
+        lock = getattr(handler, "_server_event_lock", None)
+        if lock is not None and lock.locked():
+            # Busy with this connection: the event would land after whatever it decides.
+            if retries > 0:
+                loop = asyncio.get_running_loop()
+                self.timers[client.id] = loop.call_later(_RETRY_S, self._wake, client, retries - 1)
+            return
+        self.woken.add(client.id)
+        await handler.server_event(events.DataReceived(client, b""))
+
+
+def _undecided_handler(client: connection.Client) -> tuple[Any, layer.NextLayer | None]:
+    """The connection handler of ``client`` and its transparent mode's NextLayer, when that has
+    chosen no layer yet (else ``(handler, None)``)."""
+    server = ctx.master.addons.get("proxyserver")  # type: ignore[no-untyped-call]
+    handler = getattr(server, "connections", {}).get(client.id) if server is not None else None
+    if handler is None:
+        return None, None
+    top = handler.layer  # the mode layer (TransparentProxy), or the NextLayer that chose it
+    mode = top.layer if isinstance(top, layer.NextLayer) else top
+    child = getattr(mode, "child_layer", None)
+    if not isinstance(child, layer.NextLayer) or child.layer is not None:
+        return handler, None
+    return handler, child
