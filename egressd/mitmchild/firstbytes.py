@@ -3,15 +3,18 @@
 
 * :func:`undecided`: too few bytes to tell TLS or an HTTP request line from anything else.
 * :func:`looks_like_http`: mitmproxy's own test (a verb, a space in the first line).
-* :func:`disguised_http`: a request line behind empty lines. HTTP/1.1 servers skip empty lines
-  before a request line (RFC 9112 §2.2), mitmproxy's test does not: relayed as "neither TLS nor
-  HTTP", its ``Host`` would never be checked. Such a connection is refused.
-* :func:`after_silence`: the first bytes of a connection admitted without a name after its
-  client stayed silent (:mod:`egressd.mitmchild.silence`).
+* :func:`disguised_http`: a request line mitmproxy's test misses: behind empty lines (HTTP/1.1
+  servers skip them, RFC 9112 §2.2) or with a tab after the method (lenient servers split on
+  it). Relayed as "neither TLS nor HTTP", its ``Host`` would never be checked: such a
+  connection is refused.
+* :func:`after_silence`: the next client bytes of a connection admitted without a name after
+  its client stalled (:mod:`egressd.mitmchild.silence`): relayed while they cannot make a
+  request line yet, refused once they would.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Final, Literal
 
 from mitmproxy.net.tls import starts_like_tls_record
@@ -48,40 +51,59 @@ def undecided(data: bytes) -> bool:
         return True
     if data[:1] == b"\x16" and len(data) < 5:
         return True
-    return b"\n" not in rest and b" " not in rest and rest.isalpha()
+    return rest.isalpha()
 
 
-def _request_line_start(rest: bytes) -> bool:
-    """``rest`` is a request line, or the start of one (letters, then a space or nothing yet)."""
-    first = rest.split(b"\n", 1)[0]
-    head = first.split(b" ", 1)[0]
-    return head.isalpha() and (b" " in first or first == rest)
+def _request_line(rest: bytes) -> bool:
+    """A method (letters) followed by whitespace: what a lenient HTTP server reads as a request
+    line (mitmproxy's test wants a space; some servers split on tabs too)."""
+    match = _METHOD.match(rest)
+    return match is not None
+
+
+_METHOD: Final = re.compile(rb"[A-Za-z]+[ \t\x0b\x0c]")
 
 
 def disguised_http(data: bytes) -> bool:
-    """A request line (or the start of one) behind one or more empty lines."""
+    """A request line that mitmproxy's test misses: behind empty lines (or only empty lines so
+    far), or with a tab after its method."""
+    if looks_like_http(data):
+        return False
     rest = data.lstrip(_BLANK)
-    return rest != data and (not rest or _request_line_start(rest))
+    if rest != data and (not rest or rest.isalpha()):
+        return True
+    return _request_line(rest)
 
 
-Check = tuple[Literal["tls"], str | None] | tuple[Literal["refuse"], str]
+Check = (
+    tuple[Literal["tls"], str | None]
+    | tuple[Literal["refuse"], str]
+    | tuple[Literal["more"], bytes]
+    | tuple[Literal["pass"], None]
+)
 
 
-def after_silence(data: bytes) -> Check | None:
-    """What the first client bytes of a connection admitted without a name need:
-    ``("tls", name)``: a name check of its SNI (None: no usable SNI); ``("refuse", reason)``;
-    None: relay them (neither TLS nor HTTP, nor the start of either)."""
-    if starts_like_tls_record(data):
+def after_silence(head: bytes, data: bytes) -> Check:
+    """What the client's next bytes ``data`` of a connection admitted without a name need, after
+    ``head`` (its earlier bytes, relayed while they could still start a request line):
+    ``("tls", name)``: a name check of the ClientHello's SNI (None: no usable SNI);
+    ``("refuse", reason)``; ``("more", head)``: relay them and look at the next bytes too
+    (letters or empty lines only so far: no request yet, but one could follow); ``("pass",
+    None)``: relay this and everything after it (neither TLS nor HTTP)."""
+    combined = head + data
+    if not head and starts_like_tls_record(combined):
         try:
-            hello = parse_client_hello(data)
+            hello = parse_client_hello(combined)
         except ValueError:
             hello = None
         if hello is None:  # not whole in the first read, or not a ClientHello
             return ("refuse", REASON_NO_SNI)
         return ("tls", as_name(sni_name(hello.sni)))
-    if data[:1] == b"\x16" and len(data) < 5:
+    if not head and combined[:1] == b"\x16" and len(combined) < 5:
         return ("refuse", REASON_NO_SNI)
-    rest = data.lstrip(_BLANK)
-    if not rest or _request_line_start(rest):
+    rest = combined.lstrip(_BLANK)
+    if _request_line(rest):
         return ("refuse", REASON_NO_NAME_HTTP)
-    return None
+    if (not rest or rest.isalpha()) and len(combined) < MAX_UNDECIDED:
+        return ("more", combined)
+    return ("pass", None)

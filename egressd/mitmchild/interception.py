@@ -216,7 +216,7 @@ class Interception:
         context = nextlayer.context
         chosen = nextlayer.layer
         data = nextlayer.data_client()
-        if data:
+        if data and not undecided(data):
             self.silent.spoke(context.client)
         if self.names.enabled and self.silent.is_woken(context.client, data):
             # A client that stayed silent (a server-first protocol waits for its server):

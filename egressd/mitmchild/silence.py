@@ -2,18 +2,21 @@
 
 The MITM opens no upstream connection before the name check decides, and the name check waits
 for the client's first bytes (a ClientHello, a request line). A server-first protocol (SMTP,
-FTP, MySQL, POP3) sends nothing until its server greets it: on a port a rule names it would
-wait forever. So on every intercepted port but 80 and 443 (where clients speak first), a client
-that stays silent for :data:`SILENT_CLIENT_S` is decided without a name (``wire=tcp``): egressd
-admits it where an address rule, ``defaultAction: allow`` or a ``tcp`` (or any-protocol) rule's
-lease opens the destination, and refuses (reset, counted, reported) otherwise.
+FTP, MySQL, POP3) sends nothing until its server greets it, and a client may stall on bytes that
+could still start a request line (``ping`` and no line end, waiting for its answer): on a port a
+rule names either would wait forever. So on every intercepted port but 80 and 443 (where clients
+speak first), a connection still undecided :data:`SILENT_CLIENT_S` after it was accepted is
+decided without a name (``wire=tcp``): egressd admits it where an address rule,
+``defaultAction: allow`` or a ``tcp`` (or any-protocol) rule's lease opens the destination, and
+refuses it (reset, counted, reported) otherwise.
 
-An admitted silent connection is relayed, but its client's first bytes are still looked at
-before they leave, unless the server spoke first (then it is a server-first protocol, not TLS or
-HTTP): TLS is name-checked by the SNI of that first read (a ClientHello that is not whole in it
-is refused), and anything that is or could become an HTTP request line is refused, since a relay
-never sees a second request's ``Host``. Waiting for silence costs a server-first protocol
-:data:`SILENT_CLIENT_S` once per connection; a client-first one pays nothing.
+An admitted connection is relayed, but its client's bytes are still looked at before they leave
+until the server speaks first (a server-first protocol, not TLS or HTTP) or they can no longer
+start a request (:func:`egressd.mitmchild.firstbytes.after_silence`): TLS is name-checked by the
+SNI of its first read (a ClientHello that is not whole in it is refused), a request line is
+refused however it is split, since a relay never sees a request's ``Host``; letters and empty
+lines alone are relayed meanwhile. Waiting costs such a connection :data:`SILENT_CLIENT_S` once;
+a client that speaks first pays nothing.
 
 mitmproxy asks its ``next_layer`` hook only when data arrives: waking it needs an event, so the
 watcher feeds the undecided connection an empty ``DataReceived`` (read from the connection
@@ -32,7 +35,7 @@ from typing import Any, Final
 from mitmproxy import connection, ctx, tcp
 from mitmproxy.proxy import events, layer, layers
 
-from egressd.mitmchild.firstbytes import after_silence
+from egressd.mitmchild.firstbytes import after_silence, undecided
 from egressd.mitmchild.intercept import REASON_REQUESTS_UNSEEN, Verdict
 from egressd.mitmchild.names import LOOKUP_FAILED, NameGate
 from egressd.mitmchild.requestgate import RequestGate
@@ -59,6 +62,7 @@ class _Watched:
     client: connection.Client
     client_ip: str | None
     dest: tuple[str, int]
+    head: bytes = b""  # client bytes relayed so far that could still start a request line
 
 
 class SilentClients:
@@ -95,8 +99,9 @@ class SilentClients:
         self.watched.pop(client.id, None)
 
     def is_woken(self, client: connection.Client, data: bytes) -> bool:
-        """Is this ``next_layer`` call the wake-up of a silent client (no data yet)?"""
-        return not data and client.id in self.woken
+        """Is this ``next_layer`` call the wake-up of a client that stayed silent, or stalled on
+        bytes that cannot be told from the start of TLS or a request line (``ping``)?"""
+        return client.id in self.woken and undecided(data)
 
     async def decide(self, nextlayer: layer.NextLayer) -> None:
         """A silent client: admit it without a name (relayed, its first bytes watched) or refuse."""
@@ -128,23 +133,27 @@ class SilentClients:
     async def tcp_message(self, flow: tcp.TCPFlow) -> None:
         message = flow.messages[-1] if flow.messages else None
         flow.messages.clear()  # a relay keeps nothing: memory stays flat on long connections
-        watched = self.watched.get(flow.client_conn.id)
+        cid = flow.client_conn.id
+        watched = self.watched.get(cid)
         if watched is None or message is None or not message.content:
             return
-        del self.watched[flow.client_conn.id]
         if not message.from_client:
+            del self.watched[cid]
             return  # the server spoke first: a server-first protocol, relayed as it is
-        verdict = after_silence(message.content)
-        if verdict is None:
+        verdict = after_silence(watched.head, message.content)
+        if verdict[0] == "more":
+            watched.head = verdict[1]
+            return
+        del self.watched[cid]
+        if verdict[0] == "pass":
             return
         started = time.perf_counter()
-        kind, value = verdict
-        if kind == "tls":
-            reason = await self._tls_refusal(watched, value)
+        if verdict[0] == "tls":
+            reason = await self._tls_refusal(watched, verdict[1])
             if reason is None:
                 return
         else:
-            reason = value or LOOKUP_FAILED
+            reason = verdict[1]
         message.content = b""  # nothing of it leaves
         self._refuse(watched.client, watched.client_ip, watched.dest, reason, started)
 

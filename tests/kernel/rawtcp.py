@@ -1,5 +1,6 @@
 """A raw TCP upstream and client for the name-check tests (docs/reference/behaviour.md §18): a
-server-first service (a greeting on accept, then a line echo) and a client-first line echo on
+server-first service (a greeting on accept, then a line echo) and a client-first echo (of each
+read) on
 the upstream namespace's addresses, recording every accepted connection at accept, and a
 sandbox-side client that can wait for the greeting, stay silent, or speak first."""
 
@@ -28,7 +29,8 @@ def serve(conn, port):
             conn.sendall(b"220 cdn.test ESMTP ready\r\n")
         f = conn.makefile("rb")
         while True:
-            line = f.readline()
+            # The greeting service answers lines; the echo answers each read as it comes.
+            line = f.readline() if port == BANNER else conn.recv(4096)
             if not line:
                 return
             record({"event": "line", "port": port, "line": line.decode("latin-1")})

@@ -261,3 +261,57 @@ def test_a_silent_client_on_80_is_waited_for(cdn: Topology, fleet: Daemon) -> No
         assert "200 OK" in out["got"], out
     finally:
         unbind(fleet, "sl9")
+
+
+SPLIT_REQUEST = r"""
+import json, socket, sys, time
+ip, port, host = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+s = socket.create_connection((ip, port), timeout=4)
+s.sendall(b"GET")
+time.sleep(1.2)  # stalled on the method: longer than the MITM's silence
+try:
+    s.sendall(f" / HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    s.settimeout(2)
+    got = s.recv(4096)
+except OSError as exc:
+    got = type(exc).__name__.encode()
+print(json.dumps({"got": got.decode("latin-1")}))
+"""
+
+
+def test_a_request_line_stalled_after_its_method_is_still_refused(cdn: Topology, fleet: Daemon) -> None:
+    """A client that stalls on "GET" is decided without a name (no request yet); the rest of its
+    request line, naming a neighbour, is refused before it leaves."""
+    bind(fleet, "sl10", policy(allow("a.cdn.test", ports=["8000-9000"])))
+    try:
+        learn(cdn, 1, "a.cdn.test", CDN_IP)
+        since = mark(cdn)
+        r = cdn.ns(
+            cdn.sb(1),
+            sys.executable,
+            "-c",
+            SPLIT_REQUEST,
+            CDN_IP,
+            "8081",
+            "b.cdn.test",
+            check=False,
+            timeout=30,
+        )
+        assert "200 OK" not in r.stdout, r.stdout
+        assert requests(cdn, since) == []
+    finally:
+        unbind(fleet, "sl10")
+
+
+def test_a_client_first_word_without_a_line_end_is_relayed_after_a_stall(
+    cdn: Topology, fleet: Daemon
+) -> None:
+    """``ping`` (no line end, then the client waits for its answer) could be the start of a
+    request line: after the stall it is decided without a name, relayed and watched."""
+    bind(fleet, "sl11", policy(allow("a.cdn.test", ports=[ECHO_PORT])))
+    try:
+        learn(cdn, 1, "a.cdn.test", CDN_IP)
+        out = raw(cdn, ECHO_PORT, send="ping", read_s=3.0)
+        assert out["got"] == "echo ping", out
+    finally:
+        unbind(fleet, "sl11")

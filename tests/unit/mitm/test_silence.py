@@ -30,7 +30,9 @@ class Gate:
         self.asked: list[tuple[str, str | None, str, int]] = []
         self.refused: list[tuple[str, str]] = []
 
-    async def ask(self, conn: Any, ip: str | None, wire: str, name: str | None, dst: str, port: int) -> NameAnswer:
+    async def ask(
+        self, conn: Any, ip: str | None, wire: str, name: str | None, dst: str, port: int
+    ) -> NameAnswer:
         self.asked.append((wire, name, dst, port))
         return self.answers.get(wire, NameAnswer(False, "no_sni"))
 
@@ -142,7 +144,7 @@ def test_tls_after_silence_with_an_allowed_sni_passes_unless_request_rules_judge
     assert gate.refused == [(nl.context.client.id, REASON_REQUESTS_UNSEEN)]
 
 
-@pytest.mark.parametrize("data", [b"GET / HTTP/1.1\r\nHost: b.cdn.test\r\n\r\n", b"\r\nGET / HTTP/1.1\r\n", b"G"])
+@pytest.mark.parametrize("data", [b"GET / HTTP/1.1\r\nHost: b.cdn.test\r\n\r\n", b"\r\nGET / HTTP/1.1\r\n"])
 def test_http_after_silence_is_refused(data: bytes) -> None:
     gate = Gate(tcp=NameAnswer(True, None))
     clients, nl = admitted(gate)
@@ -151,6 +153,34 @@ def test_http_after_silence_is_refused(data: bytes) -> None:
     flow.messages = [message]
     asyncio.run(clients.tcp_message(flow))
     assert message.content == b"" and gate.refused == [(nl.context.client.id, "host_not_allowed")]
+
+
+def test_a_request_line_split_after_its_method_is_refused_before_the_rest_leaves() -> None:
+    """A client that stalls on "GET" is admitted without a name (no request yet: relayed), and
+    the rest of its request line is refused before it leaves."""
+    gate = Gate(tcp=NameAnswer(True, None))
+    clients, nl = admitted(gate)
+    flow = tcp.TCPFlow(nl.context.client, nl.context.server)
+    method = message_of(True, b"GET")
+    flow.messages = [method]
+    asyncio.run(clients.tcp_message(flow))
+    assert method.content == b"GET" and gate.refused == []
+    rest = message_of(True, b" / HTTP/1.1\r\nHost: b.cdn.test\r\n\r\n")
+    flow.messages = [rest]
+    asyncio.run(clients.tcp_message(flow))
+    assert rest.content == b"" and gate.refused == [(nl.context.client.id, "host_not_allowed")]
+
+
+def test_a_word_without_a_request_line_is_relayed_and_then_left_alone() -> None:
+    gate = Gate(tcp=NameAnswer(True, None))
+    clients, nl = admitted(gate)
+    flow = tcp.TCPFlow(nl.context.client, nl.context.server)
+    for part in (b"ping", b"\r\n", b"GET / HTTP/1.1\r\n"):
+        message = message_of(True, part)
+        flow.messages = [message]
+        asyncio.run(clients.tcp_message(flow))
+        assert message.content == part
+    assert gate.refused == [] and nl.context.client.id not in clients.watched
 
 
 def test_other_bytes_after_silence_pass_and_only_the_first_read_is_looked_at() -> None:
