@@ -11,10 +11,12 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tests.kernel.topology import REPO, UPSTREAM_IPS, Daemon, Topology, cleanup_stale
+from tests.kernel.topology import REPO, UPSTREAM_IPS, Daemon, Topology, cleanup_stale, envelope
 
 CDN_IP = UPSTREAM_IPS[1]  # 10.204.0.3: a.cdn.test, b.cdn.test, www.cdn.test (via CNAME)
 OTHER_IP = UPSTREAM_IPS[2]  # 10.204.0.4: c.cdn.test
@@ -54,7 +56,9 @@ CDN_RULES = (allow("a.cdn.test"), allow("c.cdn.test"), allow("www.cdn.test"), al
 CDN_POLICY = policy(*CDN_RULES)
 
 
-def cdn_topology(prefix: str, sandboxes: int, *, http_ports: str = "80,8080,853", https_ports: str = "443") -> Topology:
+def cdn_topology(
+    prefix: str, sandboxes: int, *, http_ports: str = "80,8080,853", https_ports: str = "443"
+) -> Topology:
     cleanup_stale()
     t = Topology(
         prefix=prefix,
@@ -82,6 +86,40 @@ def mitm_env(t: Topology, tag: str) -> dict[str, str]:
         "EGRESSD_MITM_CONFDIR": str(t.workdir / f"{tag}-mitm-conf"),
         "OPENSANDBOX_CREDENTIAL_PROXY_SOCKET": str(t.workdir / f"{tag}-mitm-run" / "active.sock"),
     }
+
+
+# ---- a fleet daemon with the MITM ---------------------------------------------------------------
+
+
+@contextmanager
+def mitm_fleet(t: Topology, table: str, port: int, env: dict[str, str]) -> Iterator[Daemon]:
+    """A fleet egressd (MITM on) in ``t``'s pod, stopped and its table deleted afterwards."""
+    d = Daemon(t, table=table, port=port, env=env)
+    d.start(wait=False)
+    try:
+        d.wait_ready(timeout=30)
+        yield d
+    finally:
+        if d.proc is not None:
+            t.stop(d.proc)
+        d.nft("delete", "table", "inet", d.table, check=False)
+        print(d.log_text()[-8000:])
+
+
+def bind_subject(d: Daemon, sb: int, uid: str, pol: object, *, activate: bool = True) -> None:
+    """SET_BINDING sandbox ``sb`` as ``uid`` with ``pol`` (and data-plane-ready)."""
+    assert d.post(envelope("SET_BINDING", uid, ip=Topology.sb_ip(sb), policy=pol)) == (200, "{}")
+    if activate:
+        assert d.post(envelope("LIFECYCLE_HOOK", uid, hook=DPR)) == (200, "{}")
+
+
+def set_elements(d: Daemon, name: str) -> str:
+    """The elements of one of the daemon's table's sets, as nft lists them (JSON)."""
+    out = d.nft("-j", "list", "set", "inet", d.table, name)
+    for item in json.loads(out)["nftables"]:
+        if "set" in item:
+            return json.dumps(item["set"].get("elem", []))
+    return "[]"
 
 
 # ---- what the upstream saw ---------------------------------------------------------------------
@@ -252,7 +290,9 @@ class Webhook:
         self.log = t.workdir / f"webhook-{name}.log"
         self.log.write_text("")
         self.url = f"http://{host}:{port}/deny"
-        self.proc = t.spawn(ns, sys.executable, "-c", RECEIVER, str(self.log), host, str(port), ready_line="ready")
+        self.proc = t.spawn(
+            ns, sys.executable, "-c", RECEIVER, str(self.log), host, str(port), ready_line="ready"
+        )
 
     def posts(self) -> list[dict[str, Any]]:
         return [json.loads(ln) for ln in self.log.read_text().splitlines() if ln.strip()]

@@ -28,16 +28,18 @@ import pytest
 
 from tests.kernel.cdn import (
     CDN_IP,
-    DPR,
     accepts,
     allow,
+    bind_subject,
     cdn_topology,
     deny,
     learn,
     mark,
     mitm_env,
+    mitm_fleet,
     policy,
     requests,
+    set_elements,
     tls,
     wait_refusal,
 )
@@ -59,33 +61,16 @@ def cdn() -> Iterator[Topology]:
 
 @pytest.fixture(scope="module")
 def fleet(cdn: Topology) -> Iterator[Daemon]:
-    d = Daemon(cdn, table="egt-silent", port=HTTP_PORT, env=mitm_env(cdn, "silent"))
-    d.start(wait=False)
-    try:
-        d.wait_ready(timeout=30)
+    with mitm_fleet(cdn, "egt-silent", HTTP_PORT, mitm_env(cdn, "silent")) as d:
         yield d
-    finally:
-        if d.proc is not None:
-            cdn.stop(d.proc)
-        d.nft("delete", "table", "inet", d.table, check=False)
-        print(d.log_text()[-8000:])
 
 
 def bind(d: Daemon, uid: str, pol: object) -> None:
-    assert d.post(envelope("SET_BINDING", uid, ip=Topology.sb_ip(1), policy=pol)) == (200, "{}")
-    assert d.post(envelope("LIFECYCLE_HOOK", uid, hook=DPR)) == (200, "{}")
+    bind_subject(d, 1, uid, pol)
 
 
 def unbind(d: Daemon, uid: str) -> None:
     d.post(envelope("REMOVE_BINDING", uid))
-
-
-def nft_elements(d: Daemon, name: str) -> str:
-    out = d.nft("-j", "list", "set", "inet", d.table, name)
-    for item in json.loads(out)["nftables"]:
-        if "set" in item:
-            return json.dumps(item["set"].get("elem", []))
-    return "[]"
 
 
 # ---- any-protocol rules with ports are name-checked -----------------------------------------------
@@ -94,7 +79,7 @@ def nft_elements(d: Daemon, name: str) -> str:
 def test_a_rule_with_ports_and_no_protocol_has_its_names_checked_there(cdn: Topology, fleet: Daemon) -> None:
     bind(fleet, "sl1", policy(allow("a.cdn.test", ports=[8443])))
     try:
-        assert "8443" in nft_elements(fleet, "mitm_ports_v4")
+        assert "8443" in set_elements(fleet, "mitm_ports_v4")
         learn(cdn, 1, "a.cdn.test", CDN_IP)
         assert tls(cdn, 1, CDN_IP, "a.cdn.test", port=8443)["ok"]
         since, log_mark = mark(cdn), len(fleet.log_text())
@@ -113,7 +98,7 @@ def test_a_server_first_protocol_gets_its_banner_where_a_rule_opens_it_for_any_p
 ) -> None:
     bind(fleet, "sl2", policy(allow("a.cdn.test", ports=["2000-9000"])))
     try:
-        assert "2000" in nft_elements(fleet, "mitm_ports_v4")
+        assert "2000" in set_elements(fleet, "mitm_ports_v4")
         learn(cdn, 1, "a.cdn.test", CDN_IP)
         out = raw(cdn, BANNER_PORT, greeted=True, send="EHLO me\\r\\n")
         assert out["got"].startswith("220 cdn.test ESMTP ready"), out
@@ -133,7 +118,7 @@ def test_a_server_first_protocol_gets_its_banner_where_an_address_rule_opens_it(
     )
     bind(fleet, "sl3", pol)
     try:
-        assert str(BANNER_PORT) in nft_elements(fleet, "mitm_ports_v4")
+        assert str(BANNER_PORT) in set_elements(fleet, "mitm_ports_v4")
         out = raw(cdn, BANNER_PORT, greeted=True)
         assert out["got"].startswith("220 "), out
     finally:
@@ -166,7 +151,7 @@ def test_a_tcp_rule_keeps_its_bytes_on_a_port_a_deny_https_rule_names(cdn: Topol
     )
     bind(fleet, "sl5", pol)
     try:
-        assert nft_elements(fleet, "mitm_ports_v4") != "[]"  # the deny rule's ports are name-checked
+        assert set_elements(fleet, "mitm_ports_v4") != "[]"  # the deny rule's ports are name-checked
         learn(cdn, 1, "a.cdn.test", CDN_IP)
         out = raw(cdn, ECHO_PORT, send="SSH-2.0-client\\r\\n")
         assert "echo SSH-2.0-client" in out["got"], out

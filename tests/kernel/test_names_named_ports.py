@@ -22,15 +22,18 @@ from tests.kernel.cdn import (
     SYSTEM_PYTHON,
     accepts,
     allow,
+    bind_subject,
     cdn_topology,
     client_argv,
     http,
     learn,
     mark,
     mitm_env,
+    mitm_fleet,
     parse_client,
     policy,
     requests,
+    set_elements,
     tls,
     wait_refusal,
 )
@@ -58,35 +61,12 @@ def fleet(cdn: Topology) -> Iterator[Daemon]:
         "EGRESSD_UID_MAX_SUBJECTS": "4",
         "EGRESSD_UID_DNS_PORT_BASE": "16300",
     }
-    d = Daemon(cdn, table="egt-named", port=HTTP_PORT, env=env)
-    d.start(wait=False)
-    try:
-        d.wait_ready(timeout=30)
+    with mitm_fleet(cdn, "egt-named", HTTP_PORT, env) as d:
         yield d
-    finally:
-        if d.proc is not None:
-            cdn.stop(d.proc)
-        d.nft("delete", "table", "inet", d.table, check=False)
-        print(d.log_text()[-8000:])
-
-
-def bind(d: Daemon, sb: int, uid: str, pol: object, *, activate: bool = True) -> None:
-    assert d.post(envelope("SET_BINDING", uid, ip=Topology.sb_ip(sb), policy=pol)) == (200, "{}")
-    if activate:
-        assert d.post(envelope("LIFECYCLE_HOOK", uid, hook=DPR)) == (200, "{}")
 
 
 def unbind(d: Daemon, uid: str) -> None:
     d.post(envelope("REMOVE_BINDING", uid))
-
-
-def elements(d: Daemon, name: str) -> str:
-    """The elements of one of the table's sets, as nft lists them."""
-    out = d.nft("-j", "list", "set", "inet", d.table, name)
-    for item in json.loads(out)["nftables"]:
-        if "set" in item:
-            return json.dumps(item["set"].get("elem", []))
-    return "[]"
 
 
 HTTPS_8443 = policy(allow("a.cdn.test", protocol="https", ports=[443, 8443]))
@@ -95,9 +75,9 @@ HTTPS_8443 = policy(allow("a.cdn.test", protocol="https", ports=[443, 8443]))
 def test_sni_spoofing_on_a_port_an_https_rule_names_is_refused_before_the_upstream(
     cdn: Topology, fleet: Daemon
 ) -> None:
-    bind(fleet, 1, "np1", HTTPS_8443)
+    bind_subject(fleet, 1, "np1", HTTPS_8443)
     try:
-        assert "8443" in elements(fleet, "mitm_ports_v4")
+        assert "8443" in set_elements(fleet, "mitm_ports_v4")
         learn(cdn, 1, "a.cdn.test", CDN_IP)
         ok = tls(cdn, 1, CDN_IP, "a.cdn.test", port=8443)
         assert ok["ok"] and ok["responses"][0]["body"]["sni"] == "a.cdn.test", ok
@@ -111,11 +91,11 @@ def test_sni_spoofing_on_a_port_an_https_rule_names_is_refused_before_the_upstre
         wait_refusal(fleet.log_text, log_mark, reason="no_sni", port=8443)
     finally:
         unbind(fleet, "np1")
-    assert elements(fleet, "mitm_ports_v4") == "[]"  # removal takes the subject's elements
+    assert set_elements(fleet, "mitm_ports_v4") == "[]"  # removal takes the subject's elements
 
 
 def test_host_spoofing_on_a_port_an_http_rule_names_is_answered_403(cdn: Topology, fleet: Daemon) -> None:
-    bind(fleet, 1, "np2", policy(allow("a.cdn.test", protocol="http", ports=[8081])))
+    bind_subject(fleet, 1, "np2", policy(allow("a.cdn.test", protocol="http", ports=[8081])))
     try:
         learn(cdn, 1, "a.cdn.test", CDN_IP)
         since = mark(cdn)
@@ -130,7 +110,7 @@ def test_host_spoofing_on_a_port_an_http_rule_names_is_answered_403(cdn: Topolog
 def test_the_extra_ports_are_name_checked(cdn: Topology, fleet: Daemon) -> None:
     """OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS are intercepted for every subject: the Host of
     every request there is checked like on 80."""
-    bind(fleet, 1, "np3", CDN_POLICY)  # a.cdn.test on every port
+    bind_subject(fleet, 1, "np3", CDN_POLICY)  # a.cdn.test on every port
     try:
         learn(cdn, 1, "a.cdn.test", CDN_IP)
         since = mark(cdn)
@@ -146,13 +126,13 @@ def test_named_ports_follow_each_policy_change(cdn: Topology, fleet: Daemon) -> 
     http/https ports only); the same port under an ``https`` rule is name-checked from the
     next connection on; deny-first and removal take the elements away again."""
     tcp_only = policy(allow("a.cdn.test", protocol="tcp", ports=[8443]))
-    bind(fleet, 2, "np4", tcp_only)
+    bind_subject(fleet, 2, "np4", tcp_only)
     try:
         learn(cdn, 2, "a.cdn.test", CDN_IP)
-        assert elements(fleet, "mitm_ports_v4") == "[]"
+        assert set_elements(fleet, "mitm_ports_v4") == "[]"
         assert tls(cdn, 2, CDN_IP, "b.cdn.test", port=8443)["ok"]  # address-level, as the spec says
-        bind(fleet, 2, "np4", policy(allow("a.cdn.test", protocol="https", ports=["8000-8999"])), activate=False)
-        assert "8000" in elements(fleet, "mitm_ports_v4")
+        bind_subject(fleet, 2, "np4", policy(allow("a.cdn.test", protocol="https", ports=["8000-8999"])), activate=False)
+        assert "8000" in set_elements(fleet, "mitm_ports_v4")
         learn(cdn, 2, "a.cdn.test", CDN_IP)
         since = mark(cdn)
         assert not tls(cdn, 2, CDN_IP, "b.cdn.test", port=8443)["ok"]
@@ -160,15 +140,15 @@ def test_named_ports_follow_each_policy_change(cdn: Topology, fleet: Daemon) -> 
         assert tls(cdn, 2, CDN_IP, "a.cdn.test", port=8443)["ok"]
     finally:
         unbind(fleet, "np4")
-    assert elements(fleet, "mitm_ports_v4") == "[]"
+    assert set_elements(fleet, "mitm_ports_v4") == "[]"
 
 
 def test_dns_over_tls_is_never_intercepted(cdn: Topology, fleet: Daemon) -> None:
     """A rule naming 853 with https does not carry DNS over TLS past the kernel's refusal: 853
     is never sent to the MITM (its elements skip it) and the forward hook drops it."""
-    bind(fleet, 1, "np5", policy(allow("a.cdn.test", protocol="https", ports=["800-900"])))
+    bind_subject(fleet, 1, "np5", policy(allow("a.cdn.test", protocol="https", ports=["800-900"])))
     try:
-        listed = elements(fleet, "mitm_ports_v4")
+        listed = set_elements(fleet, "mitm_ports_v4")
         assert "852" in listed and "854" in listed and "853" not in listed, listed
         learn(cdn, 1, "a.cdn.test", CDN_IP)
         since = mark(cdn)
@@ -183,7 +163,7 @@ def test_request_rules_on_a_named_port_are_enforced(cdn: Topology, fleet: Daemon
     now its port is intercepted for the subject and its requests are judged there."""
     mitm_ca = cdn.workdir / "named-mitm-conf" / "mitmproxy-ca-cert.pem"
     pol = policy(allow("a.cdn.test", protocol="https", ports=[8443], methods=["GET"], paths=["/y"]))
-    bind(fleet, 1, "np6", pol)
+    bind_subject(fleet, 1, "np6", pol)
     try:
         learn(cdn, 1, "a.cdn.test", CDN_IP)
         since = mark(cdn)
@@ -215,7 +195,7 @@ def test_host_uid_subjects_have_their_named_ports_intercepted(cdn: Topology, fle
             "dig", "@10.204.0.9", "a.cdn.test", "+short", "+time=2", "+tries=1", check=False, timeout=30,
         )
         assert CDN_IP in r.stdout, r
-        assert "8443" in elements(fleet, "uid_mitm_ports")
+        assert "8443" in set_elements(fleet, "uid_mitm_ports")
         assert as_uid(SYSTEM_PYTHON, *client_argv(cdn, CDN_IP, 8443, "a.cdn.test", ("a.cdn.test",)))["ok"]
         since, log_mark = mark(cdn), len(fleet.log_text())
         assert not as_uid(SYSTEM_PYTHON, *client_argv(cdn, CDN_IP, 8443, "b.cdn.test", ("b.cdn.test",)))["ok"]
@@ -224,4 +204,4 @@ def test_host_uid_subjects_have_their_named_ports_intercepted(cdn: Topology, fle
         assert event["subject"] == "s-np-uid" and event["reason"] == "sni_not_allowed"
     finally:
         unbind(fleet, "np-uid")
-    assert elements(fleet, "uid_mitm_ports") == "[]"
+    assert set_elements(fleet, "uid_mitm_ports") == "[]"
