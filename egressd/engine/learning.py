@@ -19,11 +19,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 
 from egressd.addr import IPAddress
+from egressd.engine.batching import merge_grants
 from egressd.policy import IpSets, NetworkPolicy, normalise_name
 from egressd.subject.leases import (
     Grant,
     LeaseBook,
-    admissible,
+    admissible_many,
     destination_verified,
     destination_verified_until,
 )
@@ -65,18 +66,53 @@ async def learn(
     cancelled step): the book must never be narrower than the kernel, or a later narrowing,
     which rewrites the dyn sets from it, would not revoke them.
     """
-    name = question(name)
-    admitted = admissible(book, effective, leases, name, now, name_check=name_check)
-    if not admitted:
-        return []
+    return (
+        await learn_many(
+            book, effective, [(leases, name)], now, add, kernel_may_hold=kernel_may_hold, name_check=name_check
+        )
+    )[0]
+
+
+#: One answer to learn: its addresses with their TTLs, and its question (None: a refresh).
+Ask = tuple[Sequence[tuple[IPAddress, int]], str | None]
+
+
+async def learn_many(
+    book: LeaseBook,
+    effective: NetworkPolicy,
+    asks: Sequence[Ask],
+    now: float,
+    add: AddLeases,
+    *,
+    kernel_may_hold: Callable[[BaseException], bool] = _took_nothing,
+    name_check: bool = False,
+) -> list[list[IPAddress]]:
+    """:func:`learn` for several answers of one subject in ONE kernel step (the group commit,
+    :mod:`egressd.engine.batching`): each decided in order as if the earlier ones were
+    recorded, their grants merged into one ``add``; each answer's addresses the kernel now
+    holds, in order. When ``add`` raises, every answer fails with it (recorded only if
+    ``kernel_may_hold``), as each would have on its own."""
+    names = [question(name) for _, name in asks]
+    per = admissible_many(
+        book, effective, [(leases, n) for (leases, _), n in zip(asks, names, strict=True)], now, name_check=name_check
+    )
+    merged = merge_grants(per)
+    if not merged:
+        return [[] for _ in asks]
     try:
-        await add(admitted)
+        await add(merged)
     except BaseException as exc:
         if kernel_may_hold(exc):
-            book.record(admitted, name, now)
+            _record(book, per, names, now)
         raise
-    book.record(admitted, name, now)
-    return [g.ip for g in admitted]
+    _record(book, per, names, now)
+    return [[g.ip for g in grants] for grants in per]
+
+
+def _record(book: LeaseBook, per: Sequence[Sequence[Grant]], names: Sequence[str | None], now: float) -> None:
+    for grants, name in zip(per, names, strict=True):
+        if grants:
+            book.record(grants, name, now)
 
 
 def verified(book: LeaseBook | None, sets: IpSets | None, host: str, dst: IPAddress, now: float) -> bool:

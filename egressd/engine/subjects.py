@@ -100,6 +100,22 @@ class SubjectEngine:
             name_check=self.backend.name_check,
         )
 
+    async def learn_many(
+        self, uid: str, effective: NetworkPolicy, asks: Sequence[learning.Ask]
+    ) -> list[list[IPAddress]]:
+        """Learn several answers for ``uid`` in one kernel transaction (the group commit,
+        :mod:`egressd.engine.groupcommit`); each answer's addresses the kernel now holds."""
+        book = self.books.setdefault(uid, LeaseBook(self.max_leases))
+        return await learning.learn_many(
+            book,
+            effective,
+            asks,
+            self.clock(),
+            functools.partial(self.backend.add_leases, uid),
+            kernel_may_hold=self.backend.may_hold,
+            name_check=self.backend.name_check,
+        )
+
     # ---- narrow ------------------------------------------------------------------------------
 
     def narrowed(self, uid: str, effective: NetworkPolicy) -> Narrowed | None:

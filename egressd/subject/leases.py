@@ -173,33 +173,60 @@ class LeaseBook:
         their port elements fit. A renewal never shortens a lease another answer granted.
         Nothing is recorded: call :meth:`record` once the kernel took them.
         """
+        return self.admit_many([(leases, scope)], now)[0]
+
+    def admit_many(
+        self, asks: Sequence[tuple[Iterable[tuple[IPAddress, int]], LeaseScope | None]], now: float
+    ) -> list[list[Grant]]:
+        """:meth:`admit` for several answers, in order, as if each earlier one had been
+        recorded (one kernel transaction carries them all, :mod:`egressd.engine.batching`):
+        the cap, the element budget and each address's scope, held elements and lifetime
+        carry over from one answer to the next. Nothing is recorded: :meth:`record` each
+        answer's grants, in the same order, once the kernel took them."""
         self.expire(now)
         room = self.cap - len(self._leases) if self.cap > 0 else math.inf
         elems = self.elem_cap - self._elems if self.cap > 0 else math.inf
-        out: list[Grant] = []
-        seen: set[IPAddress] = set()
-        for ip, seconds in leases:
-            if ip in seen:
-                continue
-            seen.add(ip)
-            lease = self._leases.get(ip)
-            held = lease.held if lease is not None else Scope.EMPTY
-            old = lease.scope if lease is not None else EMPTY
-            new = old if scope is None else (scope if lease is None else old.union(scope))
-            if new.is_empty():
-                continue
-            # The elements it needs beyond what it holds now (a changed scope replaces them).
-            grow = 0 if new.ports == held or new.ports.is_empty() else len(new.elements()) - len(held.elements())
-            if grow > elems:
-                continue
-            if lease is None:
-                if room <= 0:
+        # An address granted by an earlier answer of this call: (scope, held, expiry) as
+        # record() would leave them.
+        pending: dict[IPAddress, tuple[LeaseScope, Scope, float]] = {}
+        out: list[list[Grant]] = []
+        for leases, scope in asks:
+            grants: list[Grant] = []
+            seen: set[IPAddress] = set()
+            for ip, seconds in leases:
+                if ip in seen:
                     continue
-                room -= 1
-                out.append(Grant(ip, max(1, seconds), new, held))
-            else:
-                out.append(Grant(ip, max(1, seconds, math.ceil(lease.expiry - now)), new, held))
-            elems -= grow
+                seen.add(ip)
+                lease = self._leases.get(ip)
+                prior = pending.get(ip)
+                if prior is not None:
+                    old, held, expiry = prior
+                elif lease is not None:
+                    old, held, expiry = lease.scope, lease.held, lease.expiry
+                else:
+                    old, held, expiry = EMPTY, Scope.EMPTY, now
+                known = prior is not None or lease is not None
+                new = old if scope is None else (old.union(scope) if known else scope)
+                if new.is_empty():
+                    continue
+                # The elements it needs beyond what it holds now (a changed scope replaces them).
+                grow = (
+                    0 if new.ports == held or new.ports.is_empty() else len(new.elements()) - len(held.elements())
+                )
+                if grow > elems:
+                    continue
+                if not known:
+                    if room <= 0:
+                        continue
+                    room -= 1
+                    grant = Grant(ip, max(1, seconds), new, held)
+                else:
+                    grant = Grant(ip, max(1, seconds, math.ceil(expiry - now)), new, held)
+                grants.append(grant)
+                elems -= grow
+                kept = new.ports if new.ports != held and not new.ports.is_empty() else held
+                pending[ip] = (new, kept, max(expiry, now + grant.seconds))
+            out.append(grants)
         return out
 
     def record(self, admitted: Iterable[LeaseLike], name: str | None, now: float) -> None:
@@ -289,15 +316,35 @@ def admissible(
     answer's leases open the name's scope (docs/reference/behaviour.md §18; ``name_check``: the
     name check is on, UDP 443 only by an explicit udp rule). Then the lease cap (14.4).
     """
-    if name is not None:
-        if not name_admitted(effective, name):
-            return []
-        scope = lease_scope(effective, name, name_check=name_check)
-        if scope.is_empty():
-            return []
-        return book.admit(leases, now, scope)
-    renew = set(book.renewable((ip for ip, _ in leases), names_admitted(effective), now))
-    return book.admit([(ip, sec) for ip, sec in leases if ip in renew], now, None)
+    return admissible_many(book, effective, [(leases, name)], now, name_check=name_check)[0]
+
+
+def admissible_many(
+    book: LeaseBook,
+    effective: NetworkPolicy,
+    asks: Sequence[tuple[Sequence[tuple[IPAddress, int]], str | None]],
+    now: float,
+    *,
+    name_check: bool = False,
+) -> list[list[Grant]]:
+    """:func:`admissible` for several answers (``(leases, name)`` each) that one kernel
+    transaction will carry, in order: each decided as if the earlier ones were recorded
+    (:meth:`LeaseBook.admit_many`)."""
+    plans: list[tuple[Iterable[tuple[IPAddress, int]], LeaseScope | None]] = []
+    renewing: Callable[[str], bool] | None = None
+    for leases, name in asks:
+        if name is not None:
+            if not name_admitted(effective, name):
+                plans.append(((), WHOLE))
+                continue
+            scope = lease_scope(effective, name, name_check=name_check)
+            plans.append(((), scope) if scope.is_empty() else (leases, scope))
+            continue
+        if renewing is None:
+            renewing = names_admitted(effective)
+        renew = set(book.renewable((ip for ip, _ in leases), renewing, now))
+        plans.append(([(ip, sec) for ip, sec in leases if ip in renew], None))
+    return book.admit_many(plans, now)
 
 
 def narrowed_for(
