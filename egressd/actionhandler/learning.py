@@ -11,18 +11,29 @@ fence, closing subjects, the kernel lock) around the engine's calls.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from egressd.actionhandler.policies import EffectivePolicies
 from egressd.actionhandler.shared import Shared
 from egressd.addr import IPAddress, unmap_ip
+from egressd.engine.groupcommit import GroupCommit
 from egressd.engine.subjects import SubjectEngine
 from egressd.policy import IpSets, NetworkPolicy
 from egressd.policy.namecheck import NameVerdict, Wire
 from egressd.subject.leases import LeaseBook, Narrowed
 from egressd.subject.model import Asker, Fence
 from egressd.subject.registry import Entry, HostBinding, State
+
+
+@dataclass(frozen=True, slots=True)
+class LearnAsk:
+    """One answer waiting to be learned: the subject's fence when it was asked, the addresses
+    with their lease seconds, the question (None: the connection refresh)."""
+
+    fence: Fence
+    leases: list[tuple[IPAddress, int]]
+    name: str | None
 
 
 class DnsLearning:
@@ -42,6 +53,11 @@ class DnsLearning:
         # Each subject's DNS leases (the engine's books): the refresh mirror, the lease cap,
         # narrowing on policy changes, flow cuts and the MITM's check.
         self.leases: dict[str, LeaseBook] = subjects.books
+        # Concurrent answers of one subject go to the kernel together (docs/reference/behaviour.md
+        # §14: each reply still waits for the transaction that carries its addresses).
+        self.group: GroupCommit[str, LearnAsk, list[IPAddress]] = GroupCommit(
+            self._commit, guard=shared.locks.hold, weight=lambda ask: len(ask.leases)
+        )
 
     def asker(self, source_ip: IPAddress) -> Asker | None:
         """Hot path for every DNS query: a map lookup and a cached effective policy."""
@@ -85,28 +101,37 @@ class DnsLearning:
         that denies its name must never reopen it. ``name`` None is the connection refresh:
         it renews only addresses that a still-allowed name taught.
 
-        Shielded: a caller that stops waiting (the DNS proxy's bound) does not stop a kernel
-        step that may already be under way, so the book always records what the kernel took.
+        Group commit: answers of ``uid`` that arrive while its transaction runs wait and go
+        together in the next one; each caller is released only once the transaction that
+        carries its addresses ended (its failure fails every caller of the batch, as each would
+        have failed on its own). A caller that stops waiting (the DNS proxy's bound) does not
+        take its answer out of the batch: the book always records what the kernel took.
         """
-        return await asyncio.shield(self._learn(uid, fence, leases, name))
+        return await self.group.submit(uid, LearnAsk(fence, leases, name))
 
-    async def _learn(
-        self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None
-    ) -> list[IPAddress]:
+    async def _commit(self, uid: str, asks: list[LearnAsk]) -> list[list[IPAddress]]:
+        """One batch of ``uid``'s answers, under the subject's lock (the group's guard)."""
+        out: list[list[IPAddress]] = [[] for _ in asks]
         shared = self._shared
-        async with shared.locks.hold(uid):
-            entry = shared.registry.get(uid)
-            if entry is None or entry.fence != fence or entry.state is not State.ACTIVE:
-                return []
-            if self._closing(uid) or not shared.registry.kernel(uid).rules:
-                return []
-            async with shared.kernel_lock:
-                effective = self._policies.effective_for(entry)  # always-rules change under this lock
-                if effective is None:
-                    return []
-                # An unanswered, timed-out or cancelled step (the DNS proxy's bound) may still be
-                # committed by the kernel thread: the engine records such leases too.
-                return await self.subjects.learn(uid, effective, leases, name)
+        entry = shared.registry.get(uid)
+        if entry is None or entry.state is not State.ACTIVE:
+            return out
+        if self._closing(uid) or not shared.registry.kernel(uid).rules:
+            return out
+        # An answer asked under an older fence (a rebind since) learns nothing.
+        mine = [i for i, ask in enumerate(asks) if ask.fence == entry.fence]
+        if not mine:
+            return out
+        async with shared.kernel_lock:
+            effective = self._policies.effective_for(entry)  # always-rules change under this lock
+            if effective is None:
+                return out
+            # An unanswered, timed-out or cancelled step (the DNS proxy's bound) may still be
+            # committed by the kernel thread: the engine records such leases too.
+            learned = await self.subjects.learn_many(uid, effective, [(asks[i].leases, asks[i].name) for i in mine])
+        for i, ips in zip(mine, learned, strict=True):
+            out[i] = ips
+        return out
 
     def narrowed(self, uid: str, effective: NetworkPolicy) -> Narrowed | None:
         """The subject's leases under a new effective policy (None: it has none)."""

@@ -71,7 +71,7 @@ class FleetBackend:
         batch = dyn_add(
             self.table.table, nft_id(subject_for_uid(uid)), admitted, replace=self.table.renew_by_replace
         )
-        await self.tx.run_batch_inline(batch, op="dynamic_add")
+        await self.tx.run_batch(batch, op="dynamic_add")
 
     async def tracked_flows(
         self, sources: Mapping[str, Collection[IPAddress]]

@@ -21,6 +21,7 @@ import structlog
 
 from egressd.addr import IPAddress
 from egressd.engine.errors import RulesetRefused
+from egressd.engine.groupcommit import GroupCommit
 from egressd.engine.learning import question
 from egressd.engine.selftest import Probes
 from egressd.engine.subjects import CutOrder, SubjectEngine
@@ -89,6 +90,11 @@ class SidecarEngine:
         self._writer = writer
         # Serialises rebuilds, lease adds and the commits that go with them.
         self._kernel_lock = asyncio.Lock()
+        # Concurrent answers go to the kernel together, taken under the kernel lock: one
+        # transaction for all that waited (the fleet's group commit, for the one subject).
+        self._group: GroupCommit[str, tuple[list[tuple[IPAddress, int]], str | None], list[IPAddress]] = (
+            GroupCommit(self._commit, guard=lambda _uid: self._kernel_lock, weight=lambda ask: len(ask[0]))
+        )
         # Bumped on every policy change; carried in the DNS fence.
         self.generation = 0
         self.enforcement_ready = False
@@ -168,14 +174,16 @@ class SidecarEngine:
         self, uid: str, fence: Fence, leases: list[tuple[IPAddress, int]], name: str | None = None
     ) -> list[IPAddress]:
         """``name``: the question the answer was for (None: a refresh of live addresses).
-        Returns the addresses the kernel holds (the reply carries only those). Shielded like
-        the fleet's: the book records whatever the kernel took, even if the caller left."""
+        Returns the addresses the kernel holds (the reply carries only those). Group-committed
+        like the fleet's: answers that wait for the kernel lock go in one transaction, each
+        caller released when it ended; the book records whatever the kernel took, even if the
+        caller left."""
         if self.table.mode == "dns":
             # No filter chain: nothing consults the dyn sets. The book still learns what fits:
             # the MITM's name check (docs/reference/behaviour.md §18) asks who taught an address.
             self._book_only(leases, name)
             return [ip for ip, _ in leases]
-        return await asyncio.shield(self._learn(leases, name))
+        return await self._group.submit(SIDECAR_UID, (leases, name))
 
     def _book_only(self, leases: list[tuple[IPAddress, int]], name: str | None) -> None:
         if name is None or not self.enforcement_ready:
@@ -184,13 +192,15 @@ class SidecarEngine:
         now = self.subjects.clock()
         book.record(admissible(book, self.effective, leases, question(name), now), question(name), now)
 
-    async def _learn(self, leases: list[tuple[IPAddress, int]], name: str | None) -> list[IPAddress]:
-        async with self._kernel_lock:
-            if not self.enforcement_ready:
-                return []
-            # Decided again under the policy in force now: an answer that raced a change adds
-            # nothing the change denies.
-            return await self.subjects.learn(SIDECAR_UID, self.effective, leases, name)
+    async def _commit(
+        self, _uid: str, asks: list[tuple[list[tuple[IPAddress, int]], str | None]]
+    ) -> list[list[IPAddress]]:
+        """One batch of answers, under the kernel lock (the group's guard)."""
+        if not self.enforcement_ready:
+            return [[] for _ in asks]
+        # Decided again under the policy in force now: an answer that raced a change adds
+        # nothing the change denies.
+        return await self.subjects.learn_many(SIDECAR_UID, self.effective, asks)
 
     # ---- kernel ------------------------------------------------------------------------------
 
