@@ -582,3 +582,46 @@ async def test_always_rules_reload_cuts_flows_to_newly_denied_destinations(
             break
         await asyncio.sleep(0.01)
     assert cut == [(ip("10.0.0.5"), ip("1.2.3.4"))], "only the newly always-denied flow is cut"
+
+
+# --------------------------------------------------------------------------- group commit
+
+
+async def test_concurrent_learns_of_a_subject_go_in_one_batch_each_released_after_it(
+    control: ControlPlane, tx: FakeTx
+) -> None:
+    await activate(control)
+    tx.clear()
+    tx.hold(lambda op, batch: op == "dynamic_add")
+    first = asyncio.create_task(control.learn("u-1", FENCE, [(ip("93.184.216.1"), 90)], "a.example.com"))
+    await tx.entered.wait()
+    rest = [
+        asyncio.create_task(control.learn("u-1", FENCE, [(ip(f"93.184.216.{n}"), 90)], f"n{n}.example.com"))
+        for n in (2, 3, 4)
+    ]
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert not any(t.done() for t in [first, *rest])  # no answer before its transaction
+    tx.release()
+    assert await first == [ip("93.184.216.1")]
+    assert [await t for t in rest] == [[ip(f"93.184.216.{n}")] for n in (2, 3, 4)]
+    batches = tx.ops("dynamic_add")
+    assert len(batches) == 2
+    assert batches[1] == dyn_add(TABLE, "s_u_1", [(ip(f"93.184.216.{n}"), 90) for n in (2, 3, 4)])
+    assert set(mirror(control)) == {ip(f"93.184.216.{n}") for n in (1, 2, 3, 4)}
+
+
+async def test_a_refused_batch_fails_every_learn_in_it_and_records_nothing(
+    control: ControlPlane, tx: FakeTx
+) -> None:
+    await activate(control)
+    tx.clear()
+    tx.fail(op="dynamic_add", kinds=("batch",), times=None)
+    tasks = [
+        asyncio.create_task(control.learn("u-1", FENCE, [(ip(f"93.184.216.{n}"), 90)], f"n{n}.example.com"))
+        for n in (1, 2, 3)
+    ]
+    for task in tasks:
+        with pytest.raises(NftError):
+            await task
+    assert mirror(control) == {}
