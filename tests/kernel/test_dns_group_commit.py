@@ -21,7 +21,7 @@ NAMES = {
     "x.y.example.test": f"{UP_NET}.7",
 }
 REPEAT = 3  # each name asked this many times at once
-PORT_RANGE = {
+PORT_RANGE: dict[str, object] = {
     "defaultAction": "deny",
     "egress": [
         {"action": "allow", "target": "*.test", "protocol": "tcp", "ports": ["1-1000"]},
