@@ -7,6 +7,7 @@ the engine is built over in each profile, and to agree with the engine's protoco
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -183,6 +184,26 @@ def test_both_profiles_run_the_same_engine_over_their_own_backend() -> None:
     assert control.leases is control.subjects.books
     backends: list[RulesetBackend] = [control.subjects.backend, sidecar.backend]  # the protocol, checked by mypy
     assert len(backends) == 2 and SIDECAR_UID == "sidecar"
+
+
+async def test_the_sidecar_group_commits_concurrent_answers_in_one_script() -> None:
+    # The fleet's group commit (egressd.engine.groupcommit), for the sidecar's one subject:
+    # answers that wait for the kernel lock go in one transaction, each released after it.
+    kernel = FakeTx()
+    sidecar = SidecarEngine(SidecarTable(table="T"), kernel, ALLOW_API)
+    await sidecar.install()
+    asker = sidecar.asker(ip("10.0.0.9"))
+    kernel.hold(lambda op, batch: op == "dynamic_add")
+    first = asyncio.create_task(sidecar.learn(asker.uid, asker.fence, [(API, 60)], "api.x.io"))
+    await kernel.entered.wait()
+    rest = [asyncio.create_task(sidecar.learn(asker.uid, asker.fence, [(a, 60)], "api.x.io")) for a in (OTHER, GW)]
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert not any(t.done() for t in [first, *rest])
+    kernel.release()
+    assert [await first, *[await t for t in rest]] == [[API], [OTHER], [GW]]
+    adds = [text for op, text in kernel.scripts if op == "dynamic_add"]
+    assert len(adds) == 2 and str(OTHER) in adds[1] and str(GW) in adds[1]
 
 
 async def test_the_sidecar_learns_into_its_one_subjects_book() -> None:
