@@ -128,8 +128,10 @@ class ControlPlane:
         self.enforcement_ready = True
 
     async def close(self) -> None:
-        """Stop the revocation retries (shutdown keeps the table, still denying)."""
+        """Stop the revocation retries and the DNS group commits, whose waiters are failed
+        (shutdown keeps the table, still denying)."""
         await self.revocations.close()
+        await self.learning.group.close()
 
     # ---- actions ---------------------------------------------------------------------------
 

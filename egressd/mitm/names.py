@@ -13,7 +13,7 @@ ring) like a denied DNS name.
 
 Query: ``clientIp``, ``port`` (a host-uid subject's MITM listener port, docs/reference/behaviour.md §17),
 ``wire`` (``tls``/``http``; ``tcp``: neither, no name), ``name`` (absent: no SNI / no Host),
-``dst`` and ``dport``.
+``dst``, ``dport`` and ``report`` (``0``: a question only, a refusal is not reported).
 Reply 200 ``{"admit": bool, "reason": str|null}``; 400 for a malformed query. Anything but a
 200 with that body makes the child refuse (fail closed).
 """
@@ -249,7 +249,8 @@ def add_names_route(app: web.Application, check: Check, report: NameReport | Non
         query = parse_query(request.query)
         if query is None:
             return web.Response(status=400, headers={"Cache-Control": "no-store"})
-        verdict = answer(check, report, query)
+        # report=0: the MITM asks without deciding yet (a silent client, §18): no refusal report.
+        verdict = answer(check, None if request.query.get("report") == "0" else report, query)
         body: dict[str, Any] = {
             "admit": verdict.admit,
             "reason": verdict.reason.value if verdict.reason else None,

@@ -24,7 +24,7 @@ from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.layers.tls import parse_client_hello
 
 from egressd.mitm.protocol import CONNECTION_EVENT
-from egressd.mitmchild.firstbytes import REASON_NO_NAME_HTTP, disguised_http, looks_like_http, undecided
+from egressd.mitmchild.firstbytes import REASON_NO_SNI, looks_like_http, refusal, undecided
 from egressd.mitmchild.intercept import (
     REASON_LOOKUP_FAILED,
     REASON_NAME_CHECK,
@@ -218,7 +218,8 @@ class Interception:
         data = nextlayer.data_client()
         if data and not undecided(data):
             self.silent.spoke(context.client)
-        if self.names.enabled and self.silent.is_woken(context.client, data):
+        outermost = len(context.layers) <= 2 and isinstance(context.layers[0], modes.TransparentProxy)
+        if self.names.enabled and outermost and self.silent.is_woken(context.client, data):
             # A client that stayed silent (a server-first protocol waits for its server):
             # decided without a name (egressd.mitmchild.silence).
             if chosen is not None and context.layers[-1] is chosen:
@@ -296,12 +297,13 @@ class Interception:
                 "http", Verdict("parse", REASON_NAME_CHECK), started, client=client_ip, sni=None, dest=dest
             )
             return
-        if disguised_http(data):
-            # A request line behind empty lines: servers read it, mitmproxy would relay it.
-            self.names.refuse_connection(context.client, REASON_NO_NAME_HTTP)
-            self._connection(
-                "http", Verdict("refuse", REASON_NO_NAME_HTTP), started, client=client_ip, sni=None, dest=dest
-            )
+        refused = refusal(data)
+        if refused is not None:
+            # TLS or a request line that mitmproxy's tests miss but a server reads (an odd
+            # record version, whitespace before or inside a request line): never "no name".
+            self.names.refuse_connection(context.client, refused)
+            wire = "tls" if refused == REASON_NO_SNI else "http"
+            self._connection(wire, Verdict("refuse", refused), started, client=client_ip, sni=None, dest=dest)
             return
         # Neither TLS nor HTTP: no name to check; egressd admits it where the destination is
         # open without one (an address rule, defaultAction allow, a tcp rule's lease).

@@ -161,9 +161,18 @@ class NameGate:
             self.enabled = ctx.options.egressd_name_check
 
     async def ask(
-        self, conn: object, client_ip: str | None, wire: str, name: str | None, dst: str, dport: int
+        self,
+        conn: object,
+        client_ip: str | None,
+        wire: str,
+        name: str | None,
+        dst: str,
+        dport: int,
+        *,
+        report: bool = True,
     ) -> NameAnswer:
-        """egressd's verdict for one name; a refusal when it cannot be had."""
+        """egressd's verdict for one name; a refusal when it cannot be had. ``report`` False:
+        egressd does not count, log or post a refusal (a question, not a decision)."""
         client = self.vaults.client
         if client is None or not client_ip:
             return NameAnswer(False, LOOKUP_FAILED)
@@ -173,6 +182,8 @@ class NameGate:
             query["port"] = str(listen)
         if name:
             query["name"] = name
+        if not report:
+            query["report"] = "0"
         owner = client_ip if listen is None else port_key(listen)
         key: Key = (owner, wire, name or "", dst, dport)
         stamp = client.seq.stamp(owner) if client.seq is not None else None

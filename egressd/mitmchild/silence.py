@@ -7,14 +7,15 @@ could still start a request line (``ping`` and no line end, waiting for its answ
 rule names either would wait forever. So on every intercepted port but 80 and 443 (where clients
 speak first), a connection still undecided :data:`SILENT_CLIENT_S` after it was accepted is
 decided without a name (``wire=tcp``): egressd admits it where an address rule,
-``defaultAction: allow`` or a ``tcp`` (or any-protocol) rule's lease opens the destination, and
-refuses it (reset, counted, reported) otherwise.
+``defaultAction: allow`` or a ``tcp`` (or any-protocol) rule's lease opens the destination;
+otherwise it is waited for (asked without a report: a slow TLS client or a pool's early connect
+may still speak, and is then decided by what it sends).
 
 An admitted connection is relayed, but its client's bytes are still looked at before they leave
 until the server speaks first (a server-first protocol, not TLS or HTTP) or they can no longer
 start a request (:func:`egressd.mitmchild.firstbytes.after_silence`): TLS is name-checked by the
-SNI of its first read (a ClientHello that is not whole in it is refused), a request line is
-refused however it is split, since a relay never sees a request's ``Host``; letters and empty
+SNI of its ClientHello (held back until whole, up to 64 KiB), a request line is refused however
+it is split, since a relay never sees a request's ``Host``; letters and empty
 lines alone are relayed meanwhile. Waiting costs such a connection :data:`SILENT_CLIENT_S` once;
 a client that speaks first pays nothing.
 
@@ -62,7 +63,8 @@ class _Watched:
     client: connection.Client
     client_ip: str | None
     dest: tuple[str, int]
-    head: bytes = b""  # client bytes relayed so far that could still start a request line
+    head: bytes = b""  # client bytes so far: relayed text, or (holding) a ClientHello held back
+    holding: bool = False
 
 
 class SilentClients:
@@ -90,6 +92,7 @@ class SilentClients:
         timer = self.timers.pop(client.id, None)
         if timer is not None:
             timer.cancel()
+        self.woken.discard(client.id)
 
     def client_disconnected(self, client: connection.Client) -> None:
         timer = self.timers.pop(client.id, None)
@@ -114,9 +117,12 @@ class SilentClients:
         if dest is None:
             self._refuse(client, client_ip, None, LOOKUP_FAILED, started)
             return
-        answer = await self.names.ask(client, client_ip, "tcp", None, dest[0], dest[1])
+        # Asked without a report: a refusal here only means "no name does not do"; the client
+        # may still speak (a slow TLS client, a pool's early connect) and is then decided, and
+        # reported, by what it sends.
+        answer = await self.names.ask(client, client_ip, "tcp", None, dest[0], dest[1], report=False)
         if not answer.admit:
-            self._refuse(client, client_ip, dest, answer.reason or LOOKUP_FAILED, started)
+            nextlayer.layer = None  # keep waiting: no upstream connection, nothing relayed
             return
         # A flow, so that tcp_message sees the first bytes (its messages are dropped as they pass).
         nextlayer.layer = layers.TCPLayer(context)
@@ -137,20 +143,38 @@ class SilentClients:
         watched = self.watched.get(cid)
         if watched is None or message is None or not message.content:
             return
+        try:
+            await self._look(cid, watched, message)
+        except Exception as exc:  # fail closed: nothing of it leaves, the client is reset
+            emit("mitm.error", hook="silent_tcp_message", error=type(exc).__name__)
+            self.watched.pop(cid, None)
+            message.content = b""
+            self._refuse(watched.client, watched.client_ip, watched.dest, LOOKUP_FAILED, time.perf_counter())
+
+    async def _look(self, cid: str, watched: _Watched, message: tcp.TCPMessage) -> None:
+        """One client (or server) read of a watched connection, before it is relayed."""
         if not message.from_client:
+            if watched.holding:  # a server does not answer half a ClientHello
+                raise RuntimeError("server data while a ClientHello is held")
             del self.watched[cid]
             return  # the server spoke first: a server-first protocol, relayed as it is
-        verdict = after_silence(watched.head, message.content)
+        verdict = after_silence(watched.head, message.content, holding=watched.holding)
+        if verdict[0] == "hold":
+            watched.head, watched.holding = verdict[1], True
+            message.content = b""  # kept back until the ClientHello is whole and checked
+            return
         if verdict[0] == "more":
-            watched.head = verdict[1]
+            watched.head, watched.holding = verdict[1], False
             return
         del self.watched[cid]
         if verdict[0] == "pass":
             return
         started = time.perf_counter()
         if verdict[0] == "tls":
+            whole = watched.head + message.content if watched.holding else message.content
             reason = await self._tls_refusal(watched, verdict[1])
             if reason is None:
+                message.content = whole  # the held part leaves with the rest, in order
                 return
         else:
             reason = verdict[1]

@@ -226,7 +226,9 @@ class SidecarEngine:
         )
 
     async def shutdown(self) -> None:
-        """Remove the table (docs/reference/behaviour.md §13: shutdown deletes the sidecar table)."""
+        """Remove the table (docs/reference/behaviour.md §13: shutdown deletes the sidecar table).
+        Answers still waiting to be learned are failed first (their queries get no answer)."""
+        await self._group.close()
         async with self._kernel_lock:
             self.enforcement_ready = False
             await self.backend.remove()

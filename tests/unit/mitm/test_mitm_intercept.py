@@ -311,7 +311,15 @@ class StubGate(NameGate):
         self.reset: list[str] = []
 
     async def ask(
-        self, conn: object, client_ip: str | None, wire: str, name: str | None, dst: str, dport: int
+        self,
+        conn: object,
+        client_ip: str | None,
+        wire: str,
+        name: str | None,
+        dst: str,
+        dport: int,
+        *,
+        report: bool = True,
     ) -> NameAnswer:
         self.asked.append((wire, name, dst, dport))
         return self.answer

@@ -205,3 +205,21 @@ def test_a_nameless_tcp_query_is_parsed_and_a_tcp_query_with_a_name_is_malformed
     assert parse_query({**GOOD, "wire": "tcp"}) is None
     refused = answer(lambda q: (None, None), None, query(wire=Wire.TCP, name=None))
     assert not refused.admit and refused.reason is NameReason.NO_SNI
+
+
+async def test_a_question_asked_without_report_is_answered_and_not_reported(aiohttp_client: Any) -> None:
+    """report=0 (a silent client's "would no name do?", §18): the same verdict, no count,
+    no webhook post."""
+    denied: list[str] = []
+    report = NameReport(NameRefusals(), lambda uid, name, rule, port: denied.append(name))
+
+    def check(q: NameQuery) -> tuple[str | None, NameVerdict | None]:
+        return "u1", NameVerdict(False, NameReason.NO_SNI)
+
+    client = await aiohttp_client(active_app(lambda ip: None, names=NameService(check, report)))
+    without = {k: v for k, v in GOOD.items() if k != "name"}
+    resp = await client.get(NAMES_PATH, params={**without, "wire": "tcp", "report": "0"})
+    assert json.loads(await resp.read()) == {"admit": False, "reason": "no_sni"}
+    assert report.refusals.of("u1") == 0 and denied == []
+    await client.get(NAMES_PATH, params={**without, "wire": "tcp"})
+    assert report.refusals.of("u1") == 1 and len(denied) == 1

@@ -29,11 +29,13 @@ class Gate:
         self.answers = answers
         self.asked: list[tuple[str, str | None, str, int]] = []
         self.refused: list[tuple[str, str]] = []
+        self.reported: list[bool] = []
 
     async def ask(
-        self, conn: Any, ip: str | None, wire: str, name: str | None, dst: str, port: int
+        self, conn: Any, ip: str | None, wire: str, name: str | None, dst: str, port: int, *, report: bool = True
     ) -> NameAnswer:
         self.asked.append((wire, name, dst, port))
+        self.reported.append(report)
         return self.answers.get(wire, NameAnswer(False, "no_sni"))
 
     def refuse_connection(self, client: Any, reason: str) -> None:
@@ -83,15 +85,16 @@ def flow_of(nl: layer.NextLayer, *messages: tuple[bool, bytes]) -> tcp.TCPFlow:
     return flow
 
 
-def test_a_silent_client_is_refused_where_no_name_is_needed_nowhere() -> None:
+def test_a_silent_client_no_name_admits_is_waited_for_and_nothing_reported() -> None:
+    """A refusal without a name only means "not without one": a slow TLS client or a pool's
+    early connect may still speak, and is then decided (and reported) by what it sends."""
     gate = Gate()
     clients, reports = silent(gate)
     nl = nextlayer()
     clients.woken.add(nl.context.client.id)
     asyncio.run(clients.decide(nl))
-    assert gate.asked == [("tcp", None, "10.204.0.6", 2222)]
-    assert nl.layer is None and gate.refused == [(nl.context.client.id, "no_sni")]
-    assert reports == [("tcp", "refuse", "no_sni")]
+    assert gate.asked == [("tcp", None, "10.204.0.6", 2222)] and gate.reported == [False]
+    assert nl.layer is None and gate.refused == [] and reports == []
     assert nl.context.client.id not in clients.woken
 
 
@@ -231,3 +234,48 @@ def test_a_client_that_spoke_is_not_woken() -> None:
 
     asyncio.run(connect_and_speak())
     assert clients.timers == {}
+
+
+def test_a_clienthello_split_over_reads_is_held_until_whole_then_checked() -> None:
+    gate = Gate(tcp=NameAnswer(True, None), tls=NameAnswer(True, None))
+    clients, nl = admitted(gate)
+    hello = client_hello("a.cdn.test")
+    flow = tcp.TCPFlow(nl.context.client, nl.context.server)
+    first = message_of(True, hello[:40])
+    flow.messages = [first]
+    asyncio.run(clients.tcp_message(flow))
+    assert first.content == b"" and gate.asked[-1][0] == "tcp"  # held back, not yet asked
+    rest = message_of(True, hello[40:])
+    flow.messages = [rest]
+    asyncio.run(clients.tcp_message(flow))
+    assert gate.asked[-1] == ("tls", "a.cdn.test", "10.204.0.6", 2222)
+    assert rest.content == hello and gate.refused == []  # the whole hello leaves, in order
+
+
+def test_a_held_clienthello_of_a_refused_name_never_leaves() -> None:
+    gate = Gate(tcp=NameAnswer(True, None), tls=NameAnswer(False, "sni_not_allowed"))
+    clients, nl = admitted(gate)
+    hello = client_hello("b.cdn.test")
+    flow = tcp.TCPFlow(nl.context.client, nl.context.server)
+    parts = [message_of(True, hello[:40]), message_of(True, hello[40:])]
+    for part in parts:
+        flow.messages = [part]
+        asyncio.run(clients.tcp_message(flow))
+    assert [p.content for p in parts] == [b"", b""]
+    assert gate.refused == [(nl.context.client.id, "sni_not_allowed")]
+
+
+def test_an_error_while_looking_fails_closed() -> None:
+    class Broken(Gate):
+        async def ask(self, *args: Any, **kwargs: Any) -> NameAnswer:
+            if args[2] == "tls":
+                raise RuntimeError("boom")
+            return NameAnswer(True, None)
+
+    gate = Broken()
+    clients, nl = admitted(gate)
+    message = message_of(True, client_hello("a.cdn.test"))
+    flow = tcp.TCPFlow(nl.context.client, nl.context.server)
+    flow.messages = [message]
+    asyncio.run(clients.tcp_message(flow))
+    assert message.content == b"" and gate.refused and nl.context.client.id not in clients.watched
