@@ -80,30 +80,16 @@ class SubjectEngine:
     # ---- learn -------------------------------------------------------------------------------
 
     async def learn(
-        self,
-        uid: str,
-        effective: NetworkPolicy,
-        leases: Sequence[tuple[IPAddress, int]],
-        name: str | None,
+        self, uid: str, effective: NetworkPolicy, leases: Sequence[tuple[IPAddress, int]], name: str | None
     ) -> list[IPAddress]:
-        """Learn one answer for ``uid`` (``name``: its question; None: a refresh of live
-        addresses) under ``effective``; return the addresses the kernel now holds."""
-        book = self.books.setdefault(uid, LeaseBook(self.max_leases))
-        return await learning.learn(
-            book,
-            effective,
-            leases,
-            name,
-            self.clock(),
-            functools.partial(self.backend.add_leases, uid),
-            kernel_may_hold=self.backend.may_hold,
-            name_check=self.backend.name_check,
-        )
+        """:meth:`learn_many` of one answer."""
+        return (await self.learn_many(uid, effective, [(leases, name)]))[0]
 
     async def learn_many(
         self, uid: str, effective: NetworkPolicy, asks: Sequence[learning.Ask]
     ) -> list[list[IPAddress]]:
-        """Learn several answers for ``uid`` in one kernel transaction (the group commit,
+        """Learn answers for ``uid`` (each: its addresses and its question; None: a refresh of
+        live addresses) under ``effective`` in one kernel transaction (the group commit,
         :mod:`egressd.engine.groupcommit`); each answer's addresses the kernel now holds."""
         book = self.books.setdefault(uid, LeaseBook(self.max_leases))
         return await learning.learn_many(

@@ -187,16 +187,24 @@ class Interception:
             answer = await self.names.ask(context.client, client_ip, wire, name, dest[0], dest[1])
         if answer.admit:
             return False
-        self.names.refuse_connection(context.client, answer.reason or LOOKUP_FAILED)
-        self._connection(
-            wire,
-            Verdict("refuse", answer.reason or LOOKUP_FAILED),
-            started,
-            client=client_ip,
-            sni=(sni or name or "")[:255] or None,
-            dest=dest,
-        )
+        self._refuse(wire, context.client, answer.reason or LOOKUP_FAILED, started, client_ip, dest, sni or name)
         return True
+
+    def _refuse(
+        self,
+        wire: str,
+        client: connection.Client,
+        reason: str,
+        started: float,
+        client_ip: str | None,
+        dest: tuple[str, int] | None,
+        sni: str | None = None,
+    ) -> None:
+        """Reset ``client`` (no upstream connection is ever opened for it) and log the refusal."""
+        self.names.refuse_connection(client, reason)
+        self._connection(
+            wire, Verdict("refuse", reason), started, client=client_ip, sni=(sni or "")[:255] or None, dest=dest
+        )
 
     async def next_layer(self, nextlayer: layer.NextLayer) -> None:
         """Plain HTTP straight on the redirected connection (not inside TLS): relayed as TCP
@@ -301,9 +309,8 @@ class Interception:
         if refused is not None:
             # TLS or a request line that mitmproxy's tests miss but a server reads (an odd
             # record version, whitespace before or inside a request line): never "no name".
-            self.names.refuse_connection(context.client, refused)
             wire = "tls" if refused == REASON_NO_SNI else "http"
-            self._connection(wire, Verdict("refuse", refused), started, client=client_ip, sni=None, dest=dest)
+            self._refuse(wire, context.client, refused, started, client_ip, dest)
             return
         # Neither TLS nor HTTP: no name to check; egressd admits it where the destination is
         # open without one (an address rule, defaultAction allow, a tcp rule's lease).
@@ -349,15 +356,7 @@ class Interception:
             name = as_name(sni_name(sni))
             if name is None or not await self.requests.judged(context.client, client_ip, name):
                 return False
-            self.names.refuse_connection(context.client, REASON_REQUESTS_UNSEEN)
-            self._connection(
-                "tls",
-                Verdict("refuse", REASON_REQUESTS_UNSEEN),
-                started,
-                client=client_ip,
-                sni=name,
-                dest=dest,
-            )
+            self._refuse("tls", context.client, REASON_REQUESTS_UNSEEN, started, client_ip, dest, name)
             return True
         if not looks_like_http(data) or not await self.requests.judged(context.client, client_ip, None):
             return False

@@ -33,7 +33,6 @@ __all__ = ["FIXED_PORTS", "NEVER_INTERCEPTED", "intercepts", "named_ports", "nev
 FIXED_PORTS: Final = (80, 443)
 #: Never intercepted, whatever a rule names (DNS, DNS over TLS).
 NEVER_INTERCEPTED: Final = Scope.of(tcp=[(53, 53), (853, 853)])
-_NAMING_PROTOCOLS: Final = frozenset({"http", "https"})
 
 
 def named_ports(policy: NetworkPolicy, fixed: tuple[int, ...] = FIXED_PORTS) -> tuple[PortRange, ...]:
@@ -43,7 +42,7 @@ def named_ports(policy: NetworkPolicy, fixed: tuple[int, ...] = FIXED_PORTS) -> 
     subject on top of what it sends for everyone. Sorted, merged, disjoint."""
     named = Scope.EMPTY
     for rule in policy.egress:
-        if rule.protocol in _NAMING_PROTOCOLS or rule.judges_requests or _any_protocol_on_ports(rule):
+        if rule.about_http or _any_protocol_on_ports(rule):
             named = named.union(Scope(tcp=rule.scope.tcp))
     rest = named.minus(NEVER_INTERCEPTED).minus(Scope.of(tcp=[(p, p) for p in fixed]))
     return rest.tcp

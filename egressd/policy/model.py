@@ -104,6 +104,12 @@ class Rule:
         return self.methods is not None or self.paths is not None
 
     @property
+    def about_http(self) -> bool:
+        """The rule speaks of HTTP(S) only (``protocol`` ``http``/``https``, or request rules):
+        the name on the wire is what it opens, never bytes without one (§18)."""
+        return self.protocol in ("http", "https") or self.judges_requests
+
+    @property
     def scoped(self) -> bool:
         """The rule names a protocol or ports: it opens (or denies) less than its whole target."""
         return not self.scope.is_whole()

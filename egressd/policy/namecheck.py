@@ -175,20 +175,14 @@ def check_name(
     return NameVerdict(True, rule="lease")
 
 
-#: Protocols whose rules speak for the name on the wire only: their leases admit no nameless bytes.
-_NAMED_PROTOCOLS = frozenset({"http", "https"})
-
-
 def _nameless(policy: NetworkPolicy, port: int, taught: Collection[str]) -> NameVerdict:
     """``Wire.TCP`` on a learned-only destination: admitted when a name that taught it is
     allowed for TCP on ``port`` by a rule that is not about HTTP(S) alone."""
     index: int | None = None
     for name in sorted(taught):
         index, verdict = deciding_rule(policy, normalise_name(name), port)
-        if verdict is Verdict.ALLOW and index is not None:
-            rule = policy.egress[index]
-            if rule.protocol not in _NAMED_PROTOCOLS and not rule.judges_requests:
-                return NameVerdict(True, rule="lease")
+        if verdict is Verdict.ALLOW and index is not None and not policy.egress[index].about_http:
+            return NameVerdict(True, rule="lease")
     return _refuse(policy, NameReason.NO_SNI, index)
 
 
