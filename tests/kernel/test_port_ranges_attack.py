@@ -29,7 +29,7 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import pytest
 
@@ -587,6 +587,149 @@ def test_relearning_after_the_range_changed_opens_the_new_range_only(
     expect(topo, 1, {A_IP: ([*IN_R8, "udp/9050"], [*IN_R9, "udp/8500"])}, "tcp R8 + udp R9")
 
 
+# ---- the "shared range" itself: a subset, halves that add up to it, a rebind ------------------
+
+
+def test_a_lease_whose_ranges_are_a_part_of_the_common_ranges_gets_that_part_only(
+    topo: Topology, daemon: Daemon, recho: subprocess.Popen[str]
+) -> None:
+    """The most common ranges here are tcp AND udp 8000-8999 (rules with ``ports`` and no
+    protocol); a lease with the tcp half only, or the udp half only, or the tcp half plus a
+    single port, must not get the whole common set."""
+    both = [
+        {"action": "allow", "target": n, "ports": [R8]}
+        for n in ("deep.test", "x.y.example.test", "api.example.test")
+    ]
+    activate(daemon, deny_default(*both, tcp("a.test", R8), udp("b.test", R8), tcp("example.test", R8, 9050)))
+    for name, ip in (("deep.test", DEEP_IP), ("a.test", A_IP), ("b.test", B_IP), ("example.test", EX_IP)):
+        assert topo.dig(1, name) == ("NOERROR", [ip]), name
+    expect(
+        topo,
+        1,
+        {
+            DEEP_IP: ([*IN_R8, "udp/8000", "udp/8500"], ["tcp/7999", "tcp/9000", "udp/9050"]),
+            A_IP: (IN_R8, ["udp/8000", "udp/8500", "tcp/9000"]),
+            B_IP: (["udp/8000", "udp/8500"], ["tcp/8000", "tcp/8500", "tcp/8999", "udp/9050"]),
+            EX_IP: ([*IN_R8, "tcp/9050"], ["udp/8500", "tcp/9000", "tcp/9099", "udp/9050"]),
+        },
+        "parts of the common ranges",
+    )
+    # The common ranges become tcp 8000-8999 alone: deep.test (both protocols) keeps its udp.
+    bind(
+        daemon,
+        deny_default(
+            {"action": "allow", "target": "deep.test", "ports": [R8]},
+            *[tcp(n, R8) for n in ("x.y.example.test", "api.example.test", "h2.example.test", "a.test")],
+            udp("b.test", R8),
+            tcp("example.test", R8, 9050),
+        ),
+    )
+    expect(
+        topo,
+        1,
+        {
+            DEEP_IP: ([*IN_R8, "udp/8000", "udp/8500"], ["tcp/7999", "tcp/9000"]),
+            A_IP: (IN_R8, ["udp/8500"]),
+            B_IP: (["udp/8500"], ["tcp/8500"]),
+            EX_IP: ([*IN_R8, "tcp/9050"], ["udp/8500", "tcp/9000"]),
+        },
+        "common ranges tcp only",
+    )
+
+
+def test_two_halves_on_one_address_add_up_to_the_common_range_then_one_half_goes(
+    topo: Topology, daemon: Daemon, recho: subprocess.Popen[str]
+) -> None:
+    """api 8000-8499 + h2 8500-8999 on one address: the union is exactly the range three
+    other rules share; a narrowing that drops h2 must leave 8000-8499 only."""
+    common = [tcp(n, R8) for n in ("a.test", "b.test", "deep.test")]
+    activate(
+        daemon,
+        deny_default(*common, tcp("api.example.test", "8000-8499"), tcp("h2.example.test", "8500-8999")),
+    )
+    assert topo.dig(1, "api.example.test") == ("NOERROR", [CDN_IP])
+    expect(topo, 1, {CDN_IP: (["tcp/8000", "tcp/8499"], ["tcp/8500", "tcp/8999"])}, "api's half")
+    assert topo.dig(1, "h2.example.test") == ("NOERROR", [CDN_IP])
+    expect(topo, 1, {CDN_IP: (["tcp/8000", "tcp/8499", "tcp/8500", "tcp/8999"], OUT_R8)}, "both halves")
+    bind(daemon, deny_default(*common, tcp("api.example.test", "8000-8499")))
+    expect(topo, 1, {CDN_IP: (["tcp/8000", "tcp/8499"], ["tcp/8500", "tcp/8999", "tcp/9000"])}, "h2 dropped")
+    bind(daemon, deny_default(*common, tcp("api.example.test", "8500-8999")))
+    expect(
+        topo, 1, {CDN_IP: (["tcp/8500", "tcp/8999"], ["tcp/8000", "tcp/8499", "tcp/7999"])}, "api other half"
+    )
+
+
+def test_revert_remove_and_rebind_forget_range_leases(
+    topo: Topology, daemon: Daemon, recho: subprocess.Popen[str]
+) -> None:
+    """The lease book is emptied by a revert, a removal and a rebind (§9 "Deviation"): the
+    kernel forgets the ranges too, wherever they were held."""
+    pol = deny_default(tcp("a.test", R8), tcp("b.test", R8), tcp("deep.test", R9))
+    activate(daemon, pol)
+    for name, ip in (("a.test", A_IP), ("deep.test", DEEP_IP)):
+        assert topo.dig(1, name) == ("NOERROR", [ip])
+    expect(topo, 1, {A_IP: (IN_R8, IN_R9), DEEP_IP: (IN_R9, IN_R8)}, "learned")
+    code, body = daemon.post(envelope("SET_BINDING", "sb1", ip=topo.sb_ip(1), policy=None))  # revert
+    assert code == 200, body
+    activate(daemon, pol)
+    forgotten: dict[str, tuple[list[str], list[str]]] = {
+        A_IP: ([], ["tcp/8000", "tcp/8500"]),
+        DEEP_IP: ([], ["tcp/9050"]),
+    }
+    expect(topo, 1, forgotten, "after a revert and the same policy again")
+    for name, ip in (("a.test", A_IP), ("deep.test", DEEP_IP)):
+        assert topo.dig(1, name) == ("NOERROR", [ip])
+    code, body = daemon.post(envelope("REMOVE_BINDING", "sb1"))
+    assert code == 200, body
+    activate(daemon, pol)
+    expect(topo, 1, forgotten, "after a removal and a new binding")
+    for name, ip in (("a.test", A_IP), ("deep.test", DEEP_IP)):
+        assert topo.dig(1, name) == ("NOERROR", [ip])
+    # A rebind (a new attachment of the same sandbox).
+    code, body = daemon.post(
+        envelope("SET_BINDING", "sb1", aid="a2", ip=topo.sb_ip(1), policy=json.dumps(pol))
+    )
+    assert code == 200, body
+    daemon.post(envelope("LIFECYCLE_HOOK", "sb1", aid="a2", hook=DPR))
+    expect(topo, 1, forgotten, "after a rebind")
+    assert topo.dig(1, "a.test") == ("NOERROR", [A_IP])
+    expect(topo, 1, {A_IP: (IN_R8, IN_R9), DEEP_IP: ([], ["tcp/9050"])}, "re-learned after the rebind")
+
+
+def test_the_lease_cap_counts_port_elements_as_today(topo: Topology, recho: subprocess.Popen[str]) -> None:
+    """§18: "the port-scoped lease elements of a subject are bounded by twice the lease cap
+    (§14.4; an answer whose ports do not fit is trimmed)". With a cap of 2 (4 port elements),
+    a name with three ranges fits once; a second such name does not (SERVFAIL, nothing
+    opened), even though all three names share the same ranges; a single port still fits.
+    (Today's behaviour, asserted: a layout that holds a shared-range lease as one element
+    would change it.)"""
+    rng = ["8000-8099", "8500-8599", "9000-9099"]
+    with Daemon(
+        topo, table="egt-prange-cap", port=18396, env={"EGRESSD_MAX_LEASES_PER_SUBJECT": "2"}
+    ).running() as d:
+        activate(
+            d,
+            deny_default(
+                *[tcp(n, *rng) for n in ("b.test", "deep.test", "example.test")],
+                tcp("x.y.example.test", 8050),
+            ),
+        )
+        assert topo.dig(1, "b.test") == ("NOERROR", [B_IP])
+        status, answers = topo.dig(1, "deep.test")
+        assert status == "SERVFAIL" and not answers, (status, answers)
+        assert topo.dig(1, "x.y.example.test") == ("NOERROR", [XY_IP])
+        expect(
+            topo,
+            1,
+            {
+                B_IP: (["tcp/8000", "tcp/8050", "tcp/9050"], ["tcp/8100", "tcp/8999", "tcp/9100"]),
+                DEEP_IP: ([], ["tcp/8050", "tcp/9050"]),
+                XY_IP: (["tcp/8050"], ["tcp/8000", "tcp/9050"]),
+            },
+            "cap of 2",
+        )
+
+
 # ---- 7. expiry and the refresh -----------------------------------------------------------------
 
 
@@ -618,6 +761,35 @@ def test_a_range_lease_expires_and_the_refresh_renews_exactly_its_range(
             )
         finally:
             topo.stop(holder)
+
+
+def _union_renewed_by_the_later_name(
+    topo: Topology, dig: Callable[[str], tuple[str, list[str]]], why: str
+) -> None:
+    """api.example.test (R8, the range b.test shares) learned at t0, h2.example.test (R9) on the
+    same address at t0+2.5, leases of 4 s: today the later answer renews the whole union (one
+    kernel element 8000-9099, expiry t0+6.5), so at t0+5 both ranges are still open, at t0+8
+    both are closed. No probe before t0+5 (nothing that the refresh could see either)."""
+    t0 = time.monotonic()
+    assert dig("api.example.test") == ("NOERROR", [CDN_IP])
+    time.sleep(max(0.0, t0 + 2.5 - time.monotonic()))
+    assert dig("h2.example.test") == ("NOERROR", [CDN_IP])
+    time.sleep(max(0.0, t0 + 5.0 - time.monotonic()))
+    expect(topo, 1, {CDN_IP: (IN_R8 + IN_R9, ["tcp/7999", "tcp/9100"])}, why + ": at t0+5")
+    time.sleep(max(0.0, t0 + 8.0 - time.monotonic()))
+    expect(topo, 1, {CDN_IP: ([], ["tcp/8000", "tcp/8500", "tcp/9050"])}, why + ": at t0+8")
+
+
+UNION_POLICY = deny_default(tcp("api.example.test", R8), tcp("h2.example.test", R9), tcp("b.test", R8))
+
+
+def test_a_later_name_renews_the_whole_union_of_ranges_on_its_address(
+    topo: Topology, recho: subprocess.Popen[str]
+) -> None:
+    env = {"EGRESSD_DNS_LEASE_MIN": "4", "EGRESSD_DNS_LEASE_MAX": "4", "EGRESSD_REFRESH_INTERVAL": "3600"}
+    with Daemon(topo, table="egt-prange-union", port=18394, env=env).running() as d:
+        activate(d, UNION_POLICY)
+        _union_renewed_by_the_later_name(topo, lambda n: topo.dig(1, n), "fleet")
 
 
 # ---- 8. deny on a range --------------------------------------------------------------------------
@@ -861,3 +1033,12 @@ def test_host_uid_subjects_get_exactly_their_own_ranges(
     finally:
         uid_remove(uidd, "pra")
         uid_remove(uidd, "prb")
+
+
+def test_sidecar_a_range_lease_expires_and_a_later_name_renews_the_union(
+    sidecar: Sidecar, stopo: Topology
+) -> None:
+    sidecar.env.update({"EGRESSD_DNS_LEASE_MIN": "4", "EGRESSD_DNS_LEASE_MAX": "4"})
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(UNION_POLICY)
+    sidecar.start()
+    _union_renewed_by_the_later_name(stopo, sidecar.dig, "sidecar")
