@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import pytest
 
 from tests.kernel.sidecar import Sidecar
+from tests.kernel.test_hardening_leases import wait_until
 from tests.kernel.test_uid_subjects import SYSTEM_PYTHON, uidd, utopo  # noqa: F401 (fixtures)
 from tests.kernel.test_uid_subjects import A as UID_A
 from tests.kernel.test_uid_subjects import B as UID_B
@@ -727,6 +728,47 @@ def test_the_lease_cap_counts_port_elements_as_today(topo: Topology, recho: subp
                 XY_IP: (["tcp/8050"], ["tcp/8000", "tcp/9050"]),
             },
             "cap of 2",
+        )
+
+
+def test_an_always_rules_reload_rescopes_range_leases_like_a_policy_change(
+    topo: Topology, recho: subprocess.Popen[str]
+) -> None:
+    """The always-rules reload is its own path to the dyn sets (§14.1): a name denied there
+    loses its lease; the other leases keep exactly their ranges, also when the reload changes
+    which rules the effective policy holds (a whole allow.always name, then a removal)."""
+    rules_dir = topo.workdir / "always-prange"
+    rules_dir.mkdir(exist_ok=True)
+    for f in ("deny.always", "allow.always"):
+        (rules_dir / f).unlink(missing_ok=True)
+    env = {"EGRESSD_ALWAYS_RULES_DIR": str(rules_dir), "EGRESSD_ALWAYS_RULES_RELOAD_INTERVAL": "1"}
+    with Daemon(topo, table="egt-prange-always", port=18393, env=env).running() as d:
+        activate(d, deny_default(tcp("a.test", R8), tcp("b.test", R8), tcp("deep.test", R9)))
+        for name, ip in (("a.test", A_IP), ("b.test", B_IP), ("deep.test", DEEP_IP)):
+            assert topo.dig(1, name) == ("NOERROR", [ip])
+        (rules_dir / "deny.always").write_text("b.test\n")
+        wait_until(lambda: topo.dig(1, "b.test")[0] == "NXDOMAIN", "the deny.always reload", d=d)
+        expect(
+            topo,
+            1,
+            {A_IP: (IN_R8, IN_R9), B_IP: ([], ["tcp/8000", "tcp/8500"]), DEEP_IP: (IN_R9, IN_R8)},
+            "b.test always-denied",
+        )
+        (rules_dir / "allow.always").write_text("example.test\n")
+        wait_until(lambda: topo.dig(1, "example.test")[0] == "NOERROR", "the allow.always reload", d=d)
+        expect(
+            topo,
+            1,
+            {A_IP: (IN_R8, IN_R9), DEEP_IP: (IN_R9, IN_R8), EX_IP: (["tcp/8500", "tcp/9050", "tcp/22"], [])},
+            "example.test always-allowed (whole)",
+        )
+        (rules_dir / "deny.always").unlink()
+        wait_until(lambda: topo.dig(1, "b.test")[0] == "NOERROR", "the deny.always removal", d=d)
+        expect(
+            topo,
+            1,
+            {A_IP: (IN_R8, IN_R9), B_IP: (IN_R8, IN_R9), DEEP_IP: (IN_R9, IN_R8)},
+            "b.test allowed again and re-learned",
         )
 
 
