@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import pytest
 
 from tests.kernel.sidecar import Sidecar
-from tests.kernel.test_hardening_leases import wait_until
+from tests.kernel.test_hardening_leases import policy_route, wait_until
 from tests.kernel.test_uid_subjects import SYSTEM_PYTHON, uidd, utopo  # noqa: F401 (fixtures)
 from tests.kernel.test_uid_subjects import A as UID_A
 from tests.kernel.test_uid_subjects import B as UID_B
@@ -770,6 +770,49 @@ def test_an_always_rules_reload_rescopes_range_leases_like_a_policy_change(
             {A_IP: (IN_R8, IN_R9), B_IP: (IN_R8, IN_R9), DEEP_IP: (IN_R9, IN_R8)},
             "b.test allowed again and re-learned",
         )
+
+
+def test_the_policy_route_patch_and_delete_rescope_range_leases(
+    topo: Topology, daemon: Daemon, recho: subprocess.Popen[str]
+) -> None:
+    """The fleet ``/policy`` route (docs/reference/policy-language.md: "An existing rule is
+    replaced by every patch rule on its target; rules on one target that differ in protocol or
+    ports are different rules and all kept"): each change re-scopes the held leases."""
+    activate(daemon, deny_default(tcp("a.test", R8), tcp("b.test", R8), tcp("deep.test", R9)))
+    for name, ip in (("a.test", A_IP), ("b.test", B_IP), ("deep.test", DEEP_IP)):
+        assert topo.dig(1, name) == ("NOERROR", [ip])
+    code, body = policy_route(daemon, "PATCH", [tcp("a.test", "8000-8099")])
+    assert code == 200, body
+    expect(
+        topo,
+        1,
+        {
+            A_IP: (["tcp/8000", "tcp/8050", "tcp/8099"], ["tcp/8100", "tcp/8500", "tcp/9050"]),
+            B_IP: (IN_R8, IN_R9),
+            DEEP_IP: (IN_R9, IN_R8),
+        },
+        "PATCH narrowed a.test",
+    )
+    code, body = policy_route(daemon, "PATCH", [tcp("a.test", R8), tcp("a.test", 9050)])
+    assert code == 200, body
+    expect(
+        topo,
+        1,
+        {A_IP: ([*IN_R8, "tcp/9050"], ["tcp/9000", "tcp/9099", "tcp/7999"]), B_IP: (IN_R8, IN_R9)},
+        "PATCH two rules on a.test",
+    )
+    code, body = policy_route(daemon, "DELETE", ["b.test"])
+    assert code == 200, body
+    expect(
+        topo,
+        1,
+        {
+            A_IP: ([*IN_R8, "tcp/9050"], ["tcp/9000"]),
+            B_IP: ([], ["tcp/8000", "tcp/8500"]),
+            DEEP_IP: (IN_R9, IN_R8),
+        },
+        "DELETE b.test",
+    )
 
 
 # ---- 7. expiry and the refresh -----------------------------------------------------------------
