@@ -249,6 +249,26 @@ def recho(topo: Topology) -> Iterator[subprocess.Popen[str]]:
         topo.stop(proc)
 
 
+def test_control_every_probed_port_answers_where_the_policy_opens_it(
+    topo: Topology, daemon: Daemon, recho: subprocess.Popen[str]
+) -> None:
+    """A "closed" below means refused by egressd, not unserved: every probed port answers when
+    an address rule opens it (v4 and v6, TCP and UDP)."""
+    activate(daemon, deny_default({"action": "allow", "target": XY_IP}))
+    every = [f"tcp/{p}" for p in TCP_PORTS] + [f"udp/{p}" for p in UDP_PORTS]
+    expect(topo, 1, {XY_IP: (every, [])}, "control v4")
+    env = envelope(
+        "SET_BINDING",
+        "v6c",
+        ip=topo.sb_ip6(1),
+        gateway=GATEWAY6,
+        policy=json.dumps(deny_default({"action": "allow", "target": V6_IP})),
+    )
+    assert daemon.post(env) == (200, "{}")
+    assert daemon.post(envelope("LIFECYCLE_HOOK", "v6c", hook=DPR)) == (200, "{}")
+    expect(topo, 1, {V6_IP: (every, [])}, "control v6")
+
+
 # ---- 1. one name, a single port and a range ---------------------------------------------------
 
 
@@ -813,6 +833,90 @@ def test_the_policy_route_patch_and_delete_rescope_range_leases(
         },
         "DELETE b.test",
     )
+
+
+# TCP connects only, in parallel (the handshake is all that is judged): prints a JSON list.
+_CONNECTS = """
+import json, socket, sys, threading
+checks = json.loads(sys.argv[1]); out = {}
+def one(i, host, port):
+    try:
+        socket.create_connection((host, port), timeout=1.0).close(); out[i] = True
+    except OSError:
+        out[i] = False
+ts = [threading.Thread(target=one, args=(i, *c)) for i, c in enumerate(checks)]
+for t in ts:
+    t.start()
+for t in ts:
+    t.join()
+print(json.dumps([out[i] for i in range(len(checks))]))
+"""
+
+
+def connects(
+    topo: Topology, sb: int, want: Mapping[str, tuple[Sequence[int], Sequence[int]]], why: str
+) -> None:
+    checks = [(ip, p) for ip, (o, c) in want.items() for p in [*o, *c]]
+    wanted = [ok for _, (o, c) in want.items() for ok in [True] * len(o) + [False] * len(c)]
+    out = topo.ns(topo.sb(sb), "python3", "-c", _CONNECTS, json.dumps(checks), check=False, timeout=20).stdout
+    got = json.loads(out)
+    wrong = [
+        f"{ip}:{p} {'accepted' if g else 'refused'}"
+        for (ip, p), g, w in zip(checks, got, wanted, strict=True)
+        if g != w
+    ]
+    assert not wrong, f"{why}: " + "; ".join(wrong)
+
+
+def test_named_range_ports_under_the_mitm_are_judged_by_the_lease_on_input(
+    topo: Topology, recho: subprocess.Popen[str]
+) -> None:
+    """With the MITM on, the ports that a domain rule names with ``ports`` and no protocol
+    are intercepted (§18 "names on the wire") and refused on input by the original port: the
+    handshake with the MITM succeeds only where the subject's lease opens that address and
+    port. The range lease must be honoured on that path too."""
+    env = {
+        "OPENSANDBOX_EGRESS_MITMPROXY_TRANSPARENT": "1",
+        "OPENSANDBOX_EGRESS_MITMPROXY_PORT": "18391",
+        "OPENSANDBOX_EGRESS_MITMPROXY_UPSTREAM_TRUST_DIR": str(topo.tls_dir / "trust"),
+        "EGRESSD_MITM_CONFDIR": str(topo.workdir / "prange-mitm-conf"),
+        "OPENSANDBOX_CREDENTIAL_PROXY_SOCKET": str(topo.workdir / "prange-mitm-run" / "active.sock"),
+    }
+    named = [{"action": "allow", "target": n, "ports": [R8]} for n in ("deep.test", "x.y.example.test")]
+    with Daemon(topo, table="egt-prange-mitm", port=18392, env=env).running(timeout=40) as d:
+        activate(
+            d,
+            deny_default(
+                {"action": "allow", "target": "b.test", "ports": [R8]}, *named, tcp("example.test", R9)
+            ),
+        )
+        for name, ip in (("b.test", B_IP), ("x.y.example.test", XY_IP), ("example.test", EX_IP)):
+            assert topo.dig(1, name) == ("NOERROR", [ip])
+        connects(
+            topo,
+            1,
+            {
+                B_IP: ([8000, 8500, 8999], [7999, 9000, 9050]),
+                XY_IP: ([8500], [9050]),
+                DEEP_IP: ([], [8000, 8500]),  # allowed, intercepted, never learned
+                EX_IP: ([9000, 9050, 9099], [8000, 8500, 9100]),  # a tcp rule: not intercepted
+            },
+            "learned",
+        )
+        bind(
+            d,
+            deny_default(
+                {"action": "allow", "target": "b.test", "ports": ["8000-8099"]},
+                *named,
+                tcp("example.test", R9),
+            ),
+        )
+        connects(
+            topo,
+            1,
+            {B_IP: ([8000, 8050, 8099], [8100, 8500, 8999]), XY_IP: ([8500], []), EX_IP: ([9050], [8500])},
+            "b.test narrowed",
+        )
 
 
 # ---- 7. expiry and the refresh -----------------------------------------------------------------
