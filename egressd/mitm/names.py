@@ -14,6 +14,9 @@ ring) like a denied DNS name.
 Query: ``clientIp``, ``port`` (a host-uid subject's MITM listener port, docs/reference/behaviour.md §17),
 ``wire`` (``tls``/``http``; ``tcp``: neither, no name), ``name`` (absent: no SNI / no Host),
 ``dst``, ``dport`` and ``report`` (``0``: a question only, a refusal is not reported).
+``refused`` (``no_sni`` or ``host_not_allowed``): not a question but a report: the child already
+refused the connection from its first bytes alone (TLS it cannot read, a request line only a
+lenient server reads), and egressd counts, logs and posts it like any refusal.
 Reply 200 ``{"admit": bool, "reason": str|null}``; 400 for a malformed query. Anything but a
 200 with that body makes the child refuse (fail closed).
 """
@@ -193,6 +196,43 @@ def parse_query(query: Any) -> NameQuery | None:
     return NameQuery(client, listen, wire, name, dst, dport)
 
 
+#: What the child may report as refused from a connection's first bytes alone.
+FIRST_BYTES_REASONS: Final = frozenset({NameReason.NO_SNI, NameReason.HOST_NOT_ALLOWED})
+
+#: The rule label of such a refusal (no rule decided it: the bytes could not be read).
+FIRST_BYTES_RULE: Final = "first-bytes"
+
+
+def parse_refused(text: str | None) -> NameReason | None:
+    """The ``refused`` parameter: a reason the child may report; ValueError for any other."""
+    if text is None:
+        return None
+    try:
+        reason = NameReason(text)
+    except ValueError:
+        raise ValueError("unknown reason") from None
+    if reason not in FIRST_BYTES_REASONS:
+        raise ValueError("not a first-bytes reason")
+    return reason
+
+
+def record_refused(
+    check: Check, report: NameReport | None, query: NameQuery, reason: NameReason
+) -> NameVerdict:
+    """A refusal the child made from the first bytes: attributed to the subject behind the
+    client (the check is asked only for that; its verdict does not matter, the connection is
+    gone) and reported like any refusal (the subject's count, the log, the deny webhook)."""
+    try:
+        uid, _ = check(query)
+    except Exception as exc:  # the report is lost, the connection was refused anyway
+        log.warning("mitm.name_check_failed", error=type(exc).__name__)
+        uid = None
+    verdict = NameVerdict(False, reason, FIRST_BYTES_RULE)
+    if report is not None:
+        report(query, uid, verdict)
+    return verdict
+
+
 def answer(check: Check, report: NameReport | None, query: NameQuery) -> NameVerdict:
     """The verdict for ``query``; an unknown subject (or any error in the check) refuses."""
     verdict: NameVerdict | None
@@ -249,8 +289,15 @@ def add_names_route(app: web.Application, check: Check, report: NameReport | Non
         query = parse_query(request.query)
         if query is None:
             return web.Response(status=400, headers={"Cache-Control": "no-store"})
-        # report=0: the MITM asks without deciding yet (a silent client, §18): no refusal report.
-        verdict = answer(check, None if request.query.get("report") == "0" else report, query)
+        try:
+            refused = parse_refused(request.query.get("refused"))
+        except ValueError:
+            return web.Response(status=400, headers={"Cache-Control": "no-store"})
+        if refused is not None:
+            verdict = record_refused(check, report, query, refused)
+        else:
+            # report=0: the MITM asks without deciding yet (a silent client, §18): no refusal report.
+            verdict = answer(check, None if request.query.get("report") == "0" else report, query)
         body: dict[str, Any] = {
             "admit": verdict.admit,
             "reason": verdict.reason.value if verdict.reason else None,

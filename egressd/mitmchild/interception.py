@@ -311,6 +311,8 @@ class Interception:
             # record version, whitespace before or inside a request line): never "no name".
             wire = "tls" if refused == REASON_NO_SNI else "http"
             self._refuse(wire, context.client, refused, started, client_ip, dest)
+            if dest is not None:  # counted, logged and posted by egressd like any refusal
+                self.names.report_refusal(context.client, client_ip, wire, refused, dest[0], dest[1])
             return
         # Neither TLS nor HTTP: no name to check; egressd admits it where the destination is
         # open without one (an address rule, defaultAction allow, a tcp rule's lease).

@@ -20,6 +20,7 @@ Fail closed: a check that cannot be answered (timeout, refused, a bad reply) ref
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import json
@@ -46,6 +47,9 @@ from egressd.mitmchild.vaults import VaultLookup
 LOOKUP_FAILED: Final = "name_check_unavailable"
 #: Clients refused and not yet gone: their server connections are refused too.
 MAX_REFUSED: Final = 65536
+#: Refusal reports on their way to egressd at once; beyond it a flood of refused connections
+#: loses reports (never connections: each is refused before its report is sent).
+MAX_PENDING_REPORTS: Final = 256
 
 
 #: Admissions remembered per worker (least recently used evicted first; eviction costs a pull).
@@ -145,6 +149,7 @@ class NameGate:
         self.vaults = vaults
         self.enabled = False
         self.refused: OrderedDict[str, str] = OrderedDict()  # client connection id -> reason
+        self._reports: set[asyncio.Task[None]] = set()
         self.remembered = Remembered()
         self.recalled = 0  # checks answered from memory (tests, diagnostics)
         # Other addons' per-client state to drop when a client goes (one addon per mitmproxy
@@ -201,6 +206,35 @@ class NameGate:
         self.remembered.learn(key, answer, stamp, sent_at)
         return answer
 
+    def report_refusal(
+        self, conn: object, client_ip: str | None, wire: str, reason: str, dst: str, dport: int
+    ) -> None:
+        """Tell egressd of a connection refused from its first bytes alone (no name to ask
+        about), so that it is counted, logged and posted like any refusal (§18). In the
+        background: the connection is refused already, whatever egressd answers."""
+        client = self.vaults.client
+        if client is None or not client_ip:
+            return
+        query = {"clientIp": client_ip, "wire": wire, "dst": dst, "dport": str(dport), "refused": reason}
+        listen = listen_port(conn, self.vaults.shared_port)
+        if listen is not None:
+            query["port"] = str(listen)
+        url = f"http://egressd{NAMES_PATH}?{urlencode(query)}"
+
+        async def send() -> None:
+            try:
+                async with client.session().get(url) as resp:
+                    await resp.read()
+            except Exception as exc:  # the count is lost; the connection was refused anyway
+                emit("mitm.error", hook="refusal_report", error=type(exc).__name__)
+
+        if len(self._reports) >= MAX_PENDING_REPORTS:
+            emit("mitm.error", hook="refusal_report", error="backlog")
+            return
+        task = asyncio.get_running_loop().create_task(send())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
     def refuse_connection(self, client: connection.Client, reason: str) -> None:
         """Mark ``client`` refused (no server connection for it, ever) and reset it."""
         self.refused[client.id] = reason
@@ -220,4 +254,3 @@ class NameGate:
         self.refused.pop(client.id, None)
         for forget in self.on_disconnect:
             forget(client)
-

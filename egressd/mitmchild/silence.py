@@ -36,7 +36,7 @@ from typing import Any, Final
 from mitmproxy import connection, ctx, tcp
 from mitmproxy.proxy import events, layer, layers
 
-from egressd.mitmchild.firstbytes import after_silence, undecided
+from egressd.mitmchild.firstbytes import REASON_NO_SNI, after_silence, undecided
 from egressd.mitmchild.intercept import REASON_REQUESTS_UNSEEN, Verdict
 from egressd.mitmchild.names import LOOKUP_FAILED, NameGate
 from egressd.mitmchild.requestgate import RequestGate
@@ -180,6 +180,12 @@ class SilentClients:
             reason = verdict[1]
         message.content = b""  # nothing of it leaves
         self._refuse(watched.client, watched.client_ip, watched.dest, reason, started)
+        if verdict[0] == "refuse":
+            # Refused from its bytes alone (no name egressd was asked about): egressd counts,
+            # logs and posts it like any refusal.
+            wire = "tls" if reason == REASON_NO_SNI else "http"
+            dst, dport = watched.dest
+            self.names.report_refusal(watched.client, watched.client_ip, wire, reason, dst, dport)
 
     # ---- internals ------------------------------------------------------------------------------
 

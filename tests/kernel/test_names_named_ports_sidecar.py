@@ -7,6 +7,7 @@ topology of tests/kernel/cdn.py with TLS on 8443 and plain HTTP on 8081."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +17,7 @@ from tests.kernel.cdn import (
     accepts,
     allow,
     cdn_topology,
+    deny,
     http,
     learn,
     mark,
@@ -92,3 +94,20 @@ def test_the_sidecar_checks_names_on_any_protocol_ports_and_keeps_other_protocol
     greeted = raw(cdn, BANNER_PORT, greeted=True, send="EHLO me\\r\\n")
     assert greeted["got"].startswith("220 ") and "echo EHLO me" in greeted["got"], greeted
     assert "echo SSH-2.0-x" in raw(cdn, ECHO_PORT, send="SSH-2.0-x\\r\\n")["got"]
+
+
+def test_the_sidecar_counts_a_refusal_made_from_the_first_bytes(cdn: Topology, sidecar: Sidecar) -> None:
+    """A request line only a lenient server reads (leading space) carries no name the MITM
+    reads: refused from its bytes alone, and reported like any refusal (tests/kernel/
+    test_first_bytes_reported.py has the fleet's cases): the subject's log line and count."""
+    sidecar.set_policy(policy(deny("b.cdn.test"), default="allow"))
+    log_at, since = len(sidecar.log_text()), mark(cdn)
+    out = raw(cdn, 80, send=" GET / HTTP/1.1\\r\\nHost: b.cdn.test\\r\\n\\r\\n", read_s=1.5)
+    assert "200 OK" not in out["got"], out
+    assert requests(cdn, since) == []
+    event = wait_refusal(sidecar.log_text, log_at, subject="s-sidecar", reason="host_not_allowed", port=80)
+    assert (event["dst"], event["rule"]) == (CDN_IP, "first-bytes"), event
+    code, text = sidecar.api("GET", "/metrics")
+    assert code == 200 and re.search(
+        r'^egressd_subject_dropped_packets_total\{subject="s-sidecar"[^}]*\} [1-9]', text, re.M
+    ), text

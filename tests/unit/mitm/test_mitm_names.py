@@ -21,6 +21,8 @@ from egressd.mitm.names import (
     NameService,
     answer,
     parse_query,
+    parse_refused,
+    record_refused,
     remember_for,
 )
 from egressd.mitm.protocol import NAMES_PATH
@@ -223,3 +225,48 @@ async def test_a_question_asked_without_report_is_answered_and_not_reported(aioh
     assert report.refusals.of("u1") == 0 and denied == []
     await client.get(NAMES_PATH, params={**without, "wire": "tcp"})
     assert report.refusals.of("u1") == 1 and len(denied) == 1
+
+
+# ---- refusals the child made from the first bytes (§18, "connections that carry no name") ------
+
+
+async def test_a_first_bytes_refusal_is_reported_whatever_the_check_would_say(aiohttp_client: Any) -> None:
+    """refused=no_sni|host_not_allowed: the child reset the connection already (bytes it could
+    not read a name in); egressd attributes it to the subject and counts, logs and posts it even
+    where a nameless connection would have been admitted."""
+    denied: list[tuple[str, str, str, int]] = []
+    report = NameReport(NameRefusals(), lambda uid, name, rule, port: denied.append((uid, name, rule, port)))
+
+    def check(q: NameQuery) -> tuple[str | None, NameVerdict | None]:
+        return "u1", NameVerdict(True, None, "address")
+
+    client = await aiohttp_client(active_app(lambda ip: None, names=NameService(check, report)))
+    without = {k: v for k, v in GOOD.items() if k != "name"}
+    resp = await client.get(NAMES_PATH, params={**without, "refused": "no_sni"})
+    assert json.loads(await resp.read()) == {"admit": False, "reason": "no_sni"}
+    resp = await client.get(NAMES_PATH, params={**without, "wire": "http", "refused": "host_not_allowed"})
+    assert json.loads(await resp.read()) == {"admit": False, "reason": "host_not_allowed"}
+    assert report.refusals.of("u1") == 2
+    assert denied == [("u1", str(DST), "first-bytes", 443)] * 2
+
+
+@pytest.mark.parametrize("reason", ["sni_not_allowed", "port_not_allowed", "bogus", ""])
+async def test_a_refused_report_with_another_reason_is_malformed(aiohttp_client: Any, reason: str) -> None:
+    """Only the reasons the first bytes alone can give: a report is never a way to count a
+    name egressd was not asked about."""
+    report = NameReport(NameRefusals())
+    client = await aiohttp_client(
+        active_app(lambda ip: None, names=NameService(lambda q: ("u1", NameVerdict(True)), report))
+    )
+    resp = await client.get(NAMES_PATH, params={**GOOD, "refused": reason})
+    assert resp.status == 400 and report.refusals.of("u1") == 0
+
+
+def test_a_first_bytes_report_for_no_subject_counts_nothing() -> None:
+    report = NameReport(NameRefusals())
+    verdict = record_refused(lambda q: (None, None), report, query(name=None), NameReason.NO_SNI)
+    assert not verdict.admit and verdict.rule == "first-bytes"
+    assert report.refusals.by_uid() == {}
+    with pytest.raises(ValueError):
+        parse_refused("sni_not_learned")
+    assert parse_refused(None) is None and parse_refused("no_sni") is NameReason.NO_SNI

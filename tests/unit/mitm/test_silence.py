@@ -30,6 +30,7 @@ class Gate:
         self.asked: list[tuple[str, str | None, str, int]] = []
         self.refused: list[tuple[str, str]] = []
         self.reported: list[bool] = []
+        self.first_bytes: list[tuple[str, str, str, int]] = []
 
     async def ask(
         self, conn: Any, ip: str | None, wire: str, name: str | None, dst: str, port: int, *, report: bool = True
@@ -40,6 +41,9 @@ class Gate:
 
     def refuse_connection(self, client: Any, reason: str) -> None:
         self.refused.append((client.id, reason))
+
+    def report_refusal(self, conn: Any, ip: str | None, wire: str, reason: str, dst: str, port: int) -> None:
+        self.first_bytes.append((wire, reason, dst, port))
 
 
 class Judge:
@@ -126,6 +130,7 @@ def test_tls_after_silence_is_name_checked_before_it_leaves() -> None:
     asyncio.run(clients.tcp_message(flow))
     assert gate.asked[-1] == ("tls", "b.cdn.test", "10.204.0.6", 2222)
     assert message.content == b"" and gate.refused == [(nl.context.client.id, "sni_not_allowed")]
+    assert gate.first_bytes == []  # the name check that refused it reported it already
 
 
 def test_tls_after_silence_with_an_allowed_sni_passes_unless_request_rules_judge_it() -> None:
@@ -156,6 +161,8 @@ def test_http_after_silence_is_refused(data: bytes) -> None:
     flow.messages = [message]
     asyncio.run(clients.tcp_message(flow))
     assert message.content == b"" and gate.refused == [(nl.context.client.id, "host_not_allowed")]
+    # No name was asked about: the refusal is reported to egressd as one from the first bytes.
+    assert [(w, r) for w, r, _, _ in gate.first_bytes] == [("http", "host_not_allowed")]
 
 
 def test_a_request_line_split_after_its_method_is_refused_before_the_rest_leaves() -> None:
