@@ -194,14 +194,24 @@ class Injection:
         """Plain HTTP on an intercepted port (docs/reference/behaviour.md §18): may this request's
         ``Host`` reach the connection's original destination? Refused: 403 (503 when egressd
         could not answer) with a JSON body naming the reason, before any upstream connection;
-        the client connection stays. TLS connections were checked by their SNI already."""
+        the client connection stays.
+
+        A decrypted TLS connection was admitted by its SNI; each of its requests asks again by
+        that SNI (answered from memory while the policy stays as it was), so a narrowing that
+        takes the name away refuses the next request on a connection already open (§14.1)."""
         names = self.names
-        if names is None or not names.enabled or flow.request.scheme != "http" or flow.client_conn.tls:
+        if names is None or not names.enabled:
+            return False
+        if flow.client_conn.tls:
+            wire, asked = "tls", as_name(sni_name(flow.client_conn.sni))
+        elif flow.request.scheme == "http":
+            wire, asked = "http", as_name(host)
+        else:
             return False
         if dest is None:
             answer = NameAnswer(False, NAME_LOOKUP_FAILED)
         else:
-            answer = await names.ask(flow.client_conn, client_ip, "http", as_name(host), dest[0], dest[1])
+            answer = await names.ask(flow.client_conn, client_ip, wire, asked, dest[0], dest[1])
         if answer.admit:
             return False
         reason = answer.reason or NAME_LOOKUP_FAILED

@@ -56,10 +56,14 @@ class Interception:
         self.names = names
         self.requests = requests
         self.ignore: tuple[re.Pattern[str], ...] = ()
-        # TLS relayed unopened, by client connection id: (client, client ip, SNI name, stamp).
-        # Request rules added later for that name would never see its requests: such a
-        # connection is reset once the client's narrowing stamp moves and the name is judged.
-        self.relayed: dict[str, tuple[connection.Client, str | None, str, object]] = {}
+        # TLS relayed unopened, by client connection id: (client, client ip, SNI name, stamp,
+        # original destination). Once the client's narrowing stamp moves, such a connection is
+        # reset when the name check no longer admits its SNI there (§14.1: a narrowing cuts the
+        # flows it no longer allows) or request rules now judge its name (they would never see
+        # its requests).
+        self.relayed: dict[
+            str, tuple[connection.Client, str | None, str | None, object, tuple[str, int] | None]
+        ] = {}
         self._watch: asyncio.Task[None] | None = None
         self.silent = SilentClients(names, requests, self._connection)
         names.on_disconnect.append(self.silent.client_disconnected)
@@ -109,15 +113,18 @@ class Interception:
             # mitmproxy relays the ClientHello and everything after it to the original
             # destination, the address the kernel's input chain judged (transparent mode).
             data.ignore_connection = True
-            self._relaying(context.client, client_ip, as_name(sni_name(sni)))
+            self._relaying(context.client, client_ip, as_name(sni_name(sni)), dest)
 
-    def _relaying(self, client: connection.Client, client_ip: str | None, name: str | None) -> None:
-        """Watch a relayed TLS connection: a policy change that makes its name judged resets it
-        (docs/reference/behaviour.md §19: requests after a policy change on a kept-alive
-        connection are judged, or the connection is gone)."""
-        if self.requests is None or name is None:
+    def _relaying(
+        self, client: connection.Client, client_ip: str | None, name: str | None, dest: tuple[str, int] | None
+    ) -> None:
+        """Watch a relayed TLS connection: a policy change that takes its name away there
+        (docs/reference/behaviour.md §18, §14.1) or makes its name judged (§19: requests after
+        a policy change on a kept-alive connection are judged, or the connection is gone)
+        resets it."""
+        if self.requests is None or (name is None and not self.names.enabled):
             return
-        self.relayed[client.id] = (client, client_ip, name, self.requests.stamp(client, client_ip))
+        self.relayed[client.id] = (client, client_ip, name, self.requests.stamp(client, client_ip), dest)
         if self._watch is None or self._watch.done():
             self._watch = asyncio.get_running_loop().create_task(self._watch_relayed())
 
@@ -128,40 +135,58 @@ class Interception:
 
     async def check_relayed(self) -> None:
         """One pass over the relayed connections: forget the closed ones, reset those whose
-        name a policy change made judged. Only a moved stamp asks egressd (one pull per client
-        and name, cached): while egressd is silent (no stamp), nothing is asked and nothing
-        reset; the kernel keeps policing the address, and the first stamp after it is back
-        differs from the one the connection was admitted under."""
+        SNI the name check no longer admits there or whose name a policy change made judged.
+        Only a moved stamp asks egressd (one question per client and name, cached): while
+        egressd is silent (no stamp), nothing is asked and nothing reset; the kernel keeps
+        policing the address, and the first stamp after it is back differs from the one the
+        connection was admitted under."""
         gate = self.requests
         if gate is None:
             return
-        for cid, (client, client_ip, name, stamp) in list(self.relayed.items()):
+        for cid, (client, client_ip, name, stamp, dest) in list(self.relayed.items()):
             if not client.connected:  # gone (no client_disconnected hook here: one addon per event)
                 del self.relayed[cid]
                 continue
             now = gate.stamp(client, client_ip)
             if now is None or now == stamp:
                 continue
-            try:
-                judged = await gate.judged(client, client_ip, name)
-            except Exception as exc:  # fail closed: an undecidable relay is cut
-                emit("mitm.error", hook="relay_watch", error=type(exc).__name__)
-                judged = True
+            refused = await self._refused_now(client, client_ip, name, dest)
             if cid not in self.relayed:
                 continue
-            if judged:
+            if refused is not None:
                 del self.relayed[cid]
                 reset(client)
                 self._connection(
                     "tls",
-                    Verdict("refuse", REASON_REQUESTS_LATER),
+                    Verdict("refuse", refused),
                     time.perf_counter(),
                     client=client_ip,
                     sni=name,
-                    dest=None,
+                    dest=dest,
                 )
             else:
-                self.relayed[cid] = (client, client_ip, name, now)
+                self.relayed[cid] = (client, client_ip, name, now, dest)
+
+    async def _refused_now(
+        self, client: connection.Client, client_ip: str | None, name: str | None, dest: tuple[str, int] | None
+    ) -> str | None:
+        """Why a relayed TLS connection must go after a policy change (None: it stays): its SNI
+        no longer admitted there (the name check's reason, counted and reported by egressd like
+        any refusal), or its name judged by request rules. Undecidable: it goes (closed)."""
+        if self.names.enabled:
+            if dest is None:
+                return LOOKUP_FAILED
+            answer = await self.names.ask(client, client_ip, "tls", name, dest[0], dest[1])
+            if not answer.admit:
+                return answer.reason or LOOKUP_FAILED
+        if name is None or self.requests is None:
+            return None
+        try:
+            judged = await self.requests.judged(client, client_ip, name)
+        except Exception as exc:  # fail closed: an undecidable relay is cut
+            emit("mitm.error", hook="relay_watch", error=type(exc).__name__)
+            judged = True
+        return REASON_REQUESTS_LATER if judged else None
 
     async def _name_refused(
         self,
@@ -187,7 +212,9 @@ class Interception:
             answer = await self.names.ask(context.client, client_ip, wire, name, dest[0], dest[1])
         if answer.admit:
             return False
-        self._refuse(wire, context.client, answer.reason or LOOKUP_FAILED, started, client_ip, dest, sni or name)
+        self._refuse(
+            wire, context.client, answer.reason or LOOKUP_FAILED, started, client_ip, dest, sni or name
+        )
         return True
 
     def _refuse(
@@ -203,7 +230,12 @@ class Interception:
         """Reset ``client`` (no upstream connection is ever opened for it) and log the refusal."""
         self.names.refuse_connection(client, reason)
         self._connection(
-            wire, Verdict("refuse", reason), started, client=client_ip, sni=(sni or "")[:255] or None, dest=dest
+            wire,
+            Verdict("refuse", reason),
+            started,
+            client=client_ip,
+            sni=(sni or "")[:255] or None,
+            dest=dest,
         )
 
     async def next_layer(self, nextlayer: layer.NextLayer) -> None:

@@ -24,8 +24,10 @@ from tests.kernel.cdn import (
     policy,
     requests,
     tls,
+    upstream_ca,
     wait_refusal,
 )
+from tests.kernel.keepalive import KeepAlive, second_reached
 from tests.kernel.rawtcp import BANNER_PORT, ECHO_PORT, raw, start_raw_server
 from tests.kernel.sidecar import Sidecar
 from tests.kernel.topology import Topology
@@ -111,3 +113,23 @@ def test_the_sidecar_counts_a_refusal_made_from_the_first_bytes(cdn: Topology, s
     assert code == 200 and re.search(
         r'^egressd_subject_dropped_packets_total\{subject="s-sidecar"[^}]*\} [1-9]', text, re.M
     ), text
+
+
+def test_the_sidecar_cuts_a_relayed_connection_whose_name_went(cdn: Topology, sidecar: Sidecar) -> None:
+    """A narrowing that takes a name away cuts its open (passed-through) TLS connection while
+    the address stays open for another name (tests/kernel/test_names_narrowing_cuts.py has the
+    fleet's cases)."""
+    both = policy(allow("a.cdn.test"), allow("b.cdn.test"))
+    sidecar.set_policy(both)
+    learn(cdn, 1, "a.cdn.test", CDN_IP)
+    learn(cdn, 1, "b.cdn.test", CDN_IP)
+    client = KeepAlive(cdn, 1, "a.cdn.test", upstream_ca(cdn))
+    try:
+        assert client.line() == {"first": 200}
+        since = mark(cdn)
+        sidecar.set_policy(policy(allow("b.cdn.test")))
+        second = client.second()
+        assert second != 200, second
+        assert not second_reached(cdn, since, "a.cdn.test")
+    finally:
+        client.stop()

@@ -11,6 +11,7 @@ import pytest
 
 from egressd.mitmchild import interception as mod
 from egressd.mitmchild.interception import Interception
+from egressd.mitmchild.names import NameAnswer
 
 
 class Gate:
@@ -41,13 +42,16 @@ def watch(monkeypatch: pytest.MonkeyPatch) -> tuple[Interception, Gate, list[str
     monkeypatch.setattr(mod, "reset", reset)
     monkeypatch.setattr(mod, "emit", lambda *a, **k: None)
     gate = Gate()
-    icp = Interception(SimpleNamespace(), SimpleNamespace(on_disconnect=[]), gate)  # type: ignore[arg-type]
+    icp = Interception(SimpleNamespace(), SimpleNamespace(on_disconnect=[], enabled=False), gate)  # type: ignore[arg-type]
     return icp, gate, resets
 
 
-def relay(icp: Interception, gate: Gate, cid: str, name: str) -> Any:
+DEST = ("203.0.113.10", 443)
+
+
+def relay(icp: Interception, gate: Gate, cid: str, name: str | None) -> Any:
     client = SimpleNamespace(id=cid, connected=True)
-    icp.relayed[cid] = (client, "10.0.0.2", name, gate.stamp(client, "10.0.0.2"))  # type: ignore[assignment]
+    icp.relayed[cid] = (client, "10.0.0.2", name, gate.stamp(client, "10.0.0.2"), DEST)  # type: ignore[assignment]
     return client
 
 
@@ -86,3 +90,51 @@ async def test_closed_connections_are_forgotten(watch: Any) -> None:
     gate.stamp_now = (1, 2)
     await icp.check_relayed()
     assert not icp.relayed and gate.asked == [] and resets == []
+
+
+class Names:
+    """The name gate's surface the watch uses: admits the names in ``allowed``."""
+
+    def __init__(self, allowed: set[str | None]) -> None:
+        self.enabled = True
+        self.allowed = allowed
+        self.asked: list[tuple[str, str | None, str, int]] = []
+
+    async def ask(
+        self, conn: object, ip: str | None, wire: str, name: str | None, dst: str, port: int
+    ) -> NameAnswer:
+        self.asked.append((wire, name, dst, port))
+        return NameAnswer(True, None) if name in self.allowed else NameAnswer(False, "sni_not_allowed")
+
+
+async def test_a_narrowing_that_takes_a_relayed_name_away_resets_it(watch: Any) -> None:
+    """§18 with §14.1: a passed-through TLS connection whose SNI the new policy no longer
+    admits at that address is reset once the stamp moves (the address may stay open for
+    another name: the kernel's flow cut would keep it); one still admitted stays."""
+    icp, gate, resets = watch
+    names = Names({"a.cdn.test", "b.cdn.test"})
+    icp.names = names
+    relay(icp, gate, "c1", "a.cdn.test")
+    relay(icp, gate, "c2", "b.cdn.test")
+    await icp.check_relayed()
+    assert names.asked == [] and resets == []  # no policy change: nothing asked
+    names.allowed = {"b.cdn.test"}
+    gate.stamp_now = (1, 2)
+    await icp.check_relayed()
+    assert resets == ["c1"] and set(icp.relayed) == {"c2"}
+    assert names.asked == [("tls", "a.cdn.test", *DEST), ("tls", "b.cdn.test", *DEST)]
+
+
+async def test_a_nameless_relay_is_watched_and_one_without_a_destination_goes(watch: Any) -> None:
+    """TLS without SNI, admitted where an address rule opens the destination, is asked about
+    again without a name; a relay whose destination is not known cannot be asked: it goes."""
+    icp, gate, resets = watch
+    icp.names = Names(set())
+    icp._relaying(SimpleNamespace(id="c1", connected=True), "10.0.0.2", None, DEST)
+    icp._relaying(SimpleNamespace(id="c2", connected=True), "10.0.0.2", "a.cdn.test", None)
+    assert set(icp.relayed) == {"c1", "c2"}
+    if icp._watch is not None:
+        icp._watch.cancel()
+    gate.stamp_now = (1, 2)
+    await icp.check_relayed()
+    assert sorted(resets) == ["c1", "c2"] and not icp.relayed
