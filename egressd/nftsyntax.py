@@ -82,6 +82,14 @@ def port_set_decl(name: str, fam: str, size: int, *, timed: bool = False, exact:
     return f"{name} {{ type {addr_type(fam)} . inet_proto . inet_service;{flags}{extra} }}"
 
 
+def services_set_decl(name: str, elements: Sequence[str] = ()) -> str:
+    """The shared ranges of a subject's leases (egressd.subject.ranges): ``inet_proto .
+    inet_service`` intervals, read together with an address set (``ip daddr @a meta l4proto .
+    th dport @b``). ``elements``: ``tcp . 8000-8999`` texts."""
+    elems = f" elements = {{ {', '.join(elements)} }};" if elements else ""
+    return f"{name} {{ type inet_proto . inet_service; flags interval;{elems} }}"
+
+
 def timeout_set_decl(name: str, fam: str, size: int, elements: Sequence[str] = ()) -> str:
     """A dyn set: timeout :data:`DYN_TIMEOUT_S`, at most ``size`` elements (0 = unbounded).
     Every declaration of one set must be this text: a re-declaration with other properties is

@@ -34,7 +34,7 @@ def merge_grants(per_answer: Sequence[Sequence[Grant]]) -> list[Grant]:
     for grants in per_answer:
         for g in grants:
             m = merged.get(g.ip)
-            merged[g.ip] = g if m is None else Grant(g.ip, max(m.seconds, g.seconds), g.scope, m.held)
+            merged[g.ip] = g if m is None else Grant(g.ip, max(m.seconds, g.seconds), g.scope, m.held, g.shared)
     return list(merged.values())
 
 

@@ -13,6 +13,7 @@ from egressd.fleetnft.table import (
     AUDIT_PORT_SETS,
     AUDIT_SETS,
     PORT_STATIC_SETS,
+    SHARED_RANGE_SETS,
     STATIC_SETS,
     Names,
     sandbox_nets_set,
@@ -20,6 +21,7 @@ from egressd.fleetnft.table import (
 from egressd.kernel.ops import (
     AddIntervals,
     AddPortElems,
+    AddServices,
     AddTimed,
     DeleteElement,
     DeletePortElems,
@@ -27,7 +29,6 @@ from egressd.kernel.ops import (
     NetlinkBatch,
     Op,
     PortElem,
-    is_exact_elem,
 )
 from egressd.nftsyntax import IPNetwork, family
 from egressd.policy import (
@@ -41,6 +42,7 @@ from egressd.policy.ipsets import PrefixIndex
 from egressd.policy.portmatch import disjoint, entries
 from egressd.policy.scope import Scope
 from egressd.subject.leases import Grant, LeaseLike, as_grants
+from egressd.subject.ranges import on_hash_path, pipapo_elements, shared_ranges, single_elements
 
 
 def sandbox_nets_refresh(nets: Iterable[IPNetwork]) -> list[Op]:
@@ -99,25 +101,42 @@ def policy_contents(effective: NetworkPolicy) -> dict[str, tuple[IPNetwork, ...]
     }
 
 
+#: ``proto . lo-hi`` without an address: the shared ranges' elements (``dynrports``).
+ServiceElem = tuple[str, int, int]
+
 #: What a subject's static sets hold: (set kind, its prefixes) in :data:`STATIC_SETS` order,
-#: then (set kind, its port elements) in :data:`PORT_STATIC_SETS` order.
-Contents = tuple[tuple[str, tuple[IPNetwork, ...] | tuple[PortElem, ...]], ...]
+#: then (set kind, its port elements) in :data:`PORT_STATIC_SETS` order, then the shared
+#: ranges (:data:`SHARED_RANGE_SETS`).
+Contents = tuple[tuple[str, tuple[IPNetwork, ...] | tuple[PortElem, ...] | tuple[ServiceElem, ...]], ...]
 
 
-def static_contents(effective: NetworkPolicy) -> Contents:
-    """:func:`policy_contents` and :func:`port_contents` in the form a kernel view records
-    (docs/concepts/architecture.md, KernelView)."""
+def static_contents(effective: NetworkPolicy, *, name_check: bool = False) -> Contents:
+    """:func:`policy_contents`, :func:`port_contents` and the leases' shared ranges
+    (egressd.subject.ranges; ``name_check``: the name check is on) in the form a kernel view
+    records (docs/concepts/architecture.md, KernelView)."""
     ports = port_contents(ip_sets(effective), audit=effective.audit)
     kinds = (*PORT_STATIC_SETS, *AUDIT_PORT_SETS)
-    return (*policy_contents(effective).items(), *((k, ports[k]) for k in kinds))
+    shared = shared_ranges(effective, name_check=name_check).elements()
+    return (
+        *policy_contents(effective).items(),
+        *((k, ports[k]) for k in kinds),
+        *((k, shared) for k in SHARED_RANGE_SETS),
+    )
 
 
-def _nets(value: tuple[IPNetwork, ...] | tuple[PortElem, ...]) -> tuple[IPNetwork, ...]:
+_Value = tuple[IPNetwork, ...] | tuple[PortElem, ...] | tuple[ServiceElem, ...]
+
+
+def _nets(value: _Value) -> tuple[IPNetwork, ...]:
     return tuple(v for v in value if not isinstance(v, tuple))
 
 
-def _elems(value: tuple[IPNetwork, ...] | tuple[PortElem, ...]) -> tuple[PortElem, ...]:
-    return tuple(v for v in value if isinstance(v, tuple))
+def _elems(value: _Value) -> tuple[PortElem, ...]:
+    return tuple(v for v in value if isinstance(v, tuple) and len(v) == 4)
+
+
+def _services(value: _Value) -> tuple[ServiceElem, ...]:
+    return tuple(v for v in value if isinstance(v, tuple) and len(v) == 3)
 
 
 def policy_swap(
@@ -128,6 +147,7 @@ def policy_swap(
     audit_objects: bool,
     known_empty: bool = False,
     held: Contents | None = None,
+    name_check: bool = False,
 ) -> NetlinkBatch:
     """§8.3 as one atomic batch: each static set flushed and refilled; dyn sets untouched.
 
@@ -142,7 +162,7 @@ def policy_swap(
     return contents_swap(
         table,
         nft_id,
-        static_contents(effective),
+        static_contents(effective, name_check=name_check),
         audit_objects=audit_objects,
         known_empty=known_empty,
         held=held,
@@ -171,7 +191,10 @@ def contents_swap(
             continue  # held and unchanged
         if not known_empty:
             ops.append(FlushSet(n.set(kind)))
-        if kind in PORT_STATIC_SETS or kind in AUDIT_PORT_SETS:
+        if kind in SHARED_RANGE_SETS:
+            if nets:
+                ops.append(AddServices(n.set(kind), _services(nets)))
+        elif kind in PORT_STATIC_SETS or kind in AUDIT_PORT_SETS:
             if nets:
                 ops.append(AddPortElems(n.set(kind), kind[-2:], _elems(nets)))
         elif nets:
@@ -226,9 +249,10 @@ def dyn_replace(table: str, nft_id: str, kept: Sequence[LeaseLike]) -> NetlinkBa
     element the kernel already expired would make a delete fail (ENOENT) and abort the whole
     swap."""
     n = Names(nft_id)
-    kinds = ("dyn_v4", "dyn_v6", "dynp_v4", "dynp_v6", "dynpx_v4", "dynpx_v6")
+    kinds = ("dyn_v4", "dyn_v6", "dynp_v4", "dynp_v6", "dynpx_v4", "dynpx_v6", "dynr_v4", "dynr_v6")
     flush = NetlinkBatch(table, tuple(FlushSet(n.set(kind)) for kind in kinds))
-    fresh = [Grant(g.ip, g.seconds, g.scope) for g in as_grants(kept)]  # the flush emptied what they held
+    # The flush emptied what they held; each keeps the shared ranges it was narrowed under.
+    fresh = [Grant(g.ip, g.seconds, g.scope, shared=g.shared) for g in as_grants(kept)]
     return flush + dyn_add(table, nft_id, fresh)
 
 
@@ -238,9 +262,18 @@ def lease_elems(ip: IPAddress, scope: Scope) -> tuple[PortElem, ...]:
     return tuple((net, proto, lo, hi) for proto, lo, hi in scope.elements())
 
 
+def _at(ip: IPAddress, elems: tuple[ServiceElem, ...]) -> tuple[PortElem, ...]:
+    net = ipaddress.ip_network(ip)
+    return tuple((net, proto, lo, hi) for proto, lo, hi in elems)
+
+
 def dyn_add(table: str, nft_id: str, leases: Sequence[LeaseLike], *, replace: bool = False) -> NetlinkBatch:
     """DNS learning (§7) and renewal (§9): addresses with per-element timeouts, a whole lease
-    in the address-only dyn set, its port elements (§18) in the port-scoped one.
+    in the address-only dyn set, its port elements (§18) in the port-scoped ones: single
+    ports in the hash set ``dynpx``; ranges as the address alone in the hash set ``dynr`` when
+    they are the grant's shared ranges (egressd.subject.ranges), else in the pipapo ``dynp``.
+    Where a grant's held elements are follows from the same shared ranges: they change only
+    with the policy, whose change rewrites every lease (:func:`dyn_replace`).
 
     ``replace`` False: one add, which also sets a new expiry on an existing element where the
     kernel supports that. True (the self-test found it does not, egressd.kernel.renewal):
@@ -259,21 +292,41 @@ def dyn_add(table: str, nft_id: str, leases: Sequence[LeaseLike], *, replace: bo
             if replace:
                 ops += [DeleteElement(name, ip) for ip, _ in whole]
                 ops.append(AddTimed(name, fam, whole))
-        ops += _port_ops(n.set(f"dynp_{fam}"), n.set(f"dynpx_{fam}"), fam, mine, replace=replace)
+        ops += _port_set_ops(n.set(f"dynpx_{fam}"), fam, mine, replace=replace, exact=True)
+        ops += _port_set_ops(n.set(f"dynp_{fam}"), fam, mine, replace=replace, exact=False)
+        ops += _range_addr_ops(n.set(f"dynr_{fam}"), fam, mine, replace=replace)
     return NetlinkBatch(table, tuple(ops))
 
 
-def _port_ops(name: str, exact_name: str, fam: str, grants: Sequence[Grant], *, replace: bool) -> list[Op]:
-    """The port elements' ops: single ports in the hash set ``exact_name``, ranges in the
-    pipapo set ``name`` (which set an element belongs in depends on the element alone)."""
+def _range_addr_ops(name: str, fam: str, grants: Sequence[Grant], *, replace: bool) -> list[Op]:
+    """The hash path's ops: the address of each grant whose ranges are its shared ranges.
+    An address whose held ranges were there and whose new ones are not is added (so it
+    exists: an expired element would make the delete fail with ENOENT and abort the
+    transaction) and deleted; ``replace`` renews by add, delete, add like the dyn set."""
+    gone: list[tuple[IPAddress, int]] = []
+    add: list[tuple[IPAddress, int]] = []
+    for g in grants:
+        if g.scope.ports.is_empty():
+            continue  # as in _port_set_ops
+        new = on_hash_path(g.scope.ports, g.shared)
+        changed = g.held != g.scope.ports
+        old = on_hash_path(g.held, g.shared) if changed else new
+        if old and (changed or replace):
+            gone.append((g.ip, g.seconds))
+        if new:
+            add.append((g.ip, g.seconds))
     ops: list[Op] = []
-    for exact in (True, False):
-        target = exact_name if exact else name
-        ops += _port_set_ops(target, fam, grants, replace=replace, exact=exact)
+    if gone:
+        ops.append(AddTimed(name, fam, tuple(gone)))
+        ops += [DeleteElement(name, ip) for ip, _ in gone]
+    if add:
+        ops.append(AddTimed(name, fam, tuple(add)))
     return ops
 
 
 def _port_set_ops(name: str, fam: str, grants: Sequence[Grant], *, replace: bool, exact: bool) -> list[Op]:
+    """The port elements of one set: single ports in the hash set (``exact``), the ranges
+    not on the hash path in the pipapo set."""
     gone: list[PortElem] = []
     gone_s: list[int] = []
     add: list[PortElem] = []
@@ -281,8 +334,11 @@ def _port_set_ops(name: str, fam: str, grants: Sequence[Grant], *, replace: bool
     for g in grants:
         if g.scope.ports.is_empty():
             continue  # a whole lease without UDP 443: what it held expires by itself
-        new = tuple(e for e in lease_elems(g.ip, g.scope.ports) if is_exact_elem(e) == exact)
-        old = tuple(e for e in lease_elems(g.ip, g.held) if is_exact_elem(e) == exact)
+        if exact:
+            new, old = _at(g.ip, single_elements(g.scope.ports)), _at(g.ip, single_elements(g.held))
+        else:
+            new = _at(g.ip, pipapo_elements(g.scope.ports, g.shared))
+            old = _at(g.ip, pipapo_elements(g.held, g.shared))
         if replace or g.held != g.scope.ports:
             gone += old if g.held != g.scope.ports else new
             gone_s += [g.seconds] * len(old if g.held != g.scope.ports else new)

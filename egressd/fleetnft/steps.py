@@ -238,7 +238,7 @@ class FleetSteps:
         return ips(view.keys | {key})
 
     def static_contents(self, effective: NetworkPolicy) -> Contents:
-        return static_contents(effective)
+        return static_contents(effective, name_check=self._cfg.checks_names)
 
     def refuses_more(self, held: Contents, new: Contents) -> bool:
         return refuses_more(held, new)
@@ -361,7 +361,9 @@ class FleetSteps:
         if effective is None:
             contents = flush_subject_sets(table, nid, audit=view.audit)
         else:
-            contents = policy_swap(table, nid, effective, audit_objects=view.audit) + dyn_replace(
+            contents = policy_swap(
+                table, nid, effective, audit_objects=view.audit, name_check=self._cfg.checks_names
+            ) + dyn_replace(
                 table, nid, kept
             )
         worker = self.workers.of(uid) if view.keys else 0

@@ -25,7 +25,9 @@ from egressd.fleetnft.table import (
     DYN_SETS,
     DYNP_SETS,
     DYNPX_SETS,
+    DYNR_SETS,
     PORT_STATIC_SETS,
+    SHARED_RANGE_SETS,
     Names,
     SubjectNft,
     TableConfig,
@@ -62,11 +64,19 @@ from egressd.kernel.ops import (
     NetlinkBatch,
     Op,
     PortRule,
+    RangeRule,
     Rule,
     RuleAction,
     VerdictRule,
 )
-from egressd.nftsyntax import DYN_TIMEOUT_S, family, port_set_decl, set_decl, timeout_set_decl
+from egressd.nftsyntax import (
+    DYN_TIMEOUT_S,
+    family,
+    port_set_decl,
+    services_set_decl,
+    set_decl,
+    timeout_set_decl,
+)
 from egressd.subject.leases import port_elems_cap
 
 
@@ -80,7 +90,16 @@ def subject_worker_port(cfg: TableConfig, subj: SubjectNft) -> int:
 def subject_sets(*, audit: bool) -> tuple[str, ...]:
     """The kinds of set a subject has: the audit sets only once :func:`audit_objects` made them."""
     audit_sets = (*AUDIT_SETS, *AUDIT_PORT_SETS) if audit else ()
-    return (*CORE_SETS, *audit_sets, *DYN_SETS, *PORT_STATIC_SETS, *DYNP_SETS, *DYNPX_SETS)
+    return (
+        *CORE_SETS,
+        *audit_sets,
+        *DYN_SETS,
+        *PORT_STATIC_SETS,
+        *DYNP_SETS,
+        *DYNPX_SETS,
+        *DYNR_SETS,
+        *SHARED_RANGE_SETS,
+    )
 
 
 def subject_rules(cfg: TableConfig, nft_id: str, *, audit: bool = False) -> NetlinkBatch:
@@ -124,6 +143,9 @@ def _mark_rules(n: Names, *, audit: bool, name_check: bool) -> list[Op]:
         if kind == "dyn":
             for fam in ("v4", "v6"):
                 ops.append(AddRule(n.mark_chain, PortRule(fam, n.set(f"dynpx_{fam}"), RuleAction.MARK, exact=True)))
+            for fam in ("v4", "v6"):
+                ranges = RangeRule(fam, n.set(f"dynr_{fam}"), n.set(f"dynrports_{fam}"), RuleAction.MARK)
+                ops.append(AddRule(n.mark_chain, ranges))
     if not audit:
         return ops
     return ops + audit_mark_rules(n)
@@ -137,6 +159,7 @@ def _in_rules(n: Names, *, audit: bool) -> list[Op]:
         ("dyn", RuleAction.ACCEPT),
         ("dynp", RuleAction.ACCEPT),
         ("dynpx", RuleAction.ACCEPT),
+        ("dynr", RuleAction.ACCEPT),
         ("allow", RuleAction.ACCEPT),
         ("allowp", RuleAction.ACCEPT),
     )
@@ -145,9 +168,11 @@ def _in_rules(n: Names, *, audit: bool) -> list[Op]:
         via = DENIED_CHAIN if outcome is RuleAction.DROP else ""
         for fam in ("v4", "v6"):
             name = n.set(f"{kind}_{fam}")
-            if kind.endswith(("p", "px")):
+            if kind == "dynr":
+                rule: Rule = RangeRule(fam, name, n.set(f"dynrports_{fam}"), outcome, ct_original=True)
+            elif kind.endswith(("p", "px")):
                 exact = kind == "dynpx"
-                rule: Rule = PortRule(fam, name, outcome, ct_original=True, drop_chain=via, exact=exact)
+                rule = PortRule(fam, name, outcome, ct_original=True, drop_chain=via, exact=exact)
             else:
                 rule = MatchRule(fam, name, outcome, ct_original=True, drop_chain=via)
             ops.append(AddRule(n.in_chain, rule))
@@ -244,6 +269,8 @@ def subject_objects(cfg: TableConfig, nft_id: str, *, audit: bool = False) -> Ne
         )
         for kind in DYNPX_SETS
     ]
+    ops += [AddSet(n.set(kind), kind[-2:], "timeout", DYN_TIMEOUT_S, size=cfg.max_leases) for kind in DYNR_SETS]
+    ops += [AddSet(n.set(kind), kind[-2:], "interval", services=True) for kind in SHARED_RANGE_SETS]
     ops += [AddChain(c) for c in subject_chains(cfg, nft_id)]
     ops += [AddCounter(n.counter(kind)) for kind in AUDIT_COUNTERS]
     ops.append(AddCounter(n.dropped_counter))
@@ -289,6 +316,10 @@ def subject_objects_script(cfg: TableConfig, subj: SubjectNft) -> str:
     for kind in DYNPX_SETS:
         decl = port_set_decl(n.set(kind), kind[-2:], port_elems_cap(cfg.max_leases), timed=True, exact=True)
         s.obj("add", "set", decl)
+    for kind in DYNR_SETS:
+        s.obj("add", "set", timeout_set_decl(n.set(kind), kind[-2:], cfg.max_leases))
+    for kind in SHARED_RANGE_SETS:
+        s.obj("add", "set", services_set_decl(n.set(kind)))
     s.obj("add", "chain", n.chain)
     s.obj("add", "chain", n.mark_chain)
     if cfg.mitm:

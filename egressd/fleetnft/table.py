@@ -50,7 +50,13 @@ DYNP_SETS = ("dynp_v4", "dynp_v6")
 # interval flag), which costs the same to add to at any size, where the pipapo dynp set clones
 # its lookup data on every transaction (docs/concepts/ruleset.md). dynp keeps the port ranges.
 DYNPX_SETS = ("dynpx_v4", "dynpx_v6")
-PORT_SETS = (*PORT_STATIC_SETS, *DYNP_SETS, *DYNPX_SETS)
+# The hash path for the leases' port ranges (egressd.subject.ranges): a lease whose ranges are
+# the subject's shared ranges is its address alone in dynr (a timeout hash set like dyn), read
+# with dynrports (``inet_proto . inet_service`` intervals: the shared ranges, written with the
+# policy). Only other ranges go to the pipapo dynp, whose every change clones it.
+DYNR_SETS = ("dynr_v4", "dynr_v6")
+SHARED_RANGE_SETS = ("dynrports_v4", "dynrports_v6")
+PORT_SETS = (*PORT_STATIC_SETS, *DYNP_SETS, *DYNPX_SETS, *DYNR_SETS, *SHARED_RANGE_SETS)
 SETS = (*STATIC_SETS, *DYN_SETS, *PORT_SETS)
 AUDIT_COUNTERS = ("deny", "default")  # which audit rule counted: a user deny prefix, or no allow
 AUDIT_LOG_PREFIX = "egressd would-deny "

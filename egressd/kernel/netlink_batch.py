@@ -130,6 +130,8 @@ def _object_op_message(table: str, op: Op, set_id: int) -> tuple[int, int, bytes
 
 
 def _new_set(table: str, op: AddSet, set_id: int) -> bytes:
+    if op.services:
+        return _new_services_set(table, op, set_id)
     if op.ports:
         return _new_port_set(table, op, set_id)
     v4 = op.fam == "v4"
@@ -147,6 +149,22 @@ def _new_set(table: str, op: AddSet, set_id: int) -> bytes:
     if op.size:
         body += _nest(NFTA_SET_DESC, _u32(NFTA_SET_DESC_SIZE, op.size))
     return body
+
+
+def _new_services_set(table: str, op: AddSet, set_id: int) -> bytes:
+    """An ``inet_proto . inet_service`` interval set, as nft 1.0.6 sends it (the same user
+    data as the address-keyed concatenations)."""
+    body = (
+        _str(NFTA_SET_TABLE, table)
+        + _str(NFTA_SET_NAME, op.name)
+        + _u32(NFTA_SET_FLAGS, NFT_SET_INTERVAL | NFT_SET_CONCAT)
+        + _u32(NFTA_SET_KEY_TYPE, ports.SERVICES_KEY_TYPE)
+        + _u32(NFTA_SET_KEY_LEN, ports.SERVICES_KEY_LEN)
+        + _u32(NFTA_SET_ID, set_id)
+    )
+    size = _u32(NFTA_SET_DESC_SIZE, op.size) if op.size else b""
+    body += _nest(NFTA_SET_DESC, size, ports.services_desc_concat())
+    return body + ports.set_userdata()
 
 
 def _new_port_set(table: str, op: AddSet, set_id: int) -> bytes:

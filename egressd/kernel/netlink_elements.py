@@ -8,7 +8,7 @@ import struct
 from collections.abc import Iterable, Sequence
 
 from egressd.addr import IPAddress
-from egressd.kernel.netlink_ports import elem_keys, timed_elem
+from egressd.kernel.netlink_ports import elem_keys, service_keys, timed_elem
 from egressd.kernel.netlink_proto import (
     NFT_JUMP,
     NFT_MSG_DELSETELEM,
@@ -41,6 +41,7 @@ from egressd.kernel.ops import (
     AddJump,
     AddPort,
     AddPortElems,
+    AddServices,
     AddUid,
     AddUidCounterRef,
     AddUidJump,
@@ -215,6 +216,9 @@ def _element_op_messages(table: str, op: ElementOp) -> list[tuple[int, int, byte
         return [(NFT_MSG_NEWSETELEM, NLM_F_CREATE, _elem_list(table, op.map, _elements([elem])))]
     if isinstance(op, FlushSet):
         return [(NFT_MSG_DELSETELEM, 0, _elem_list(table, op.name, None))]  # no element list = flush
+    if isinstance(op, AddServices):
+        groups = [[service_keys(e)] for e in op.elems]
+        return _element_messages(NFT_MSG_NEWSETELEM, NLM_F_CREATE, table, op.name, groups)
     if isinstance(op, DeletePortElems):
         groups = [[elem_keys(e, op.fam, exact=op.exact)] for e in op.elems]
         return _element_messages(NFT_MSG_DELSETELEM, 0, table, op.name, groups)

@@ -71,7 +71,7 @@ from egressd.kernel.netlink_proto import (
     _u32,
     _u64,
 )
-from egressd.kernel.ops import L4_PROTOCOLS, L4Guard, PortElem, PortRule
+from egressd.kernel.ops import L4_PROTOCOLS, L4Guard, PortElem, PortRule, RangeRule
 
 #: The set's user data nft 1.0.6 attaches to every ``addr . inet_proto . inet_service`` set
 #: (libnftnl TLVs: key byte order "invalid" for a concatenation, then the concatenation's
@@ -114,6 +114,30 @@ def _key_bytes(addr: int, fam: str, proto: str, port: int) -> bytes:
         + b"\0\0\0"
         + struct.pack(">H", port)
         + b"\0\0"
+    )
+
+
+#: ``inet_proto . inet_service``: the key of a :class:`RangeRule`'s services set.
+SERVICES_KEY_TYPE = (NFT_DATATYPE_INET_PROTOCOL << NFT_DATATYPE_TYPE_BITS) | NFT_DATATYPE_INET_SERVICE
+SERVICES_KEY_LEN = 8
+
+
+def services_desc_concat() -> bytes:
+    """NFTA_SET_DESC_CONCAT of ``inet_proto . inet_service``: 1 and 2 bytes, unpadded."""
+    return _nest(NFTA_SET_DESC_CONCAT, *(_nest(NFTA_LIST_ELEM, _u32(NFTA_SET_FIELD_LEN, n)) for n in (1, 2)))
+
+
+def _service_bytes(proto: str, port: int) -> bytes:
+    return bytes([L4_PROTOCOLS[proto]]) + b"\0\0\0" + struct.pack(">H", port) + b"\0\0"
+
+
+def service_keys(elem: tuple[str, int, int]) -> bytes:
+    """NFTA_SET_ELEM_KEY and NFTA_SET_ELEM_KEY_END (inclusive) of ``proto . lo-hi``."""
+    proto, lo, hi = elem
+    if not 0 <= lo <= hi <= 0xFFFF:
+        raise ValueError(f"bad port range {lo}-{hi}")
+    return _data_value(NFTA_SET_ELEM_KEY, _service_bytes(proto, lo)) + _data_value(
+        NFTA_SET_ELEM_KEY_END, _service_bytes(proto, hi)
     )
 
 
@@ -205,6 +229,26 @@ def port_key_expressions(rule: PortRule) -> list[bytes]:
     if rule.exact:  # a hash set's lookup: nft 1.0.6 loads the protocol as it is
         return [*addr, _meta(NFT_META_L4PROTO, proto_reg), port, lookup]
     return [*addr, _meta(NFT_META_L4PROTO, proto_reg), byteorder, port, lookup]
+
+
+def range_rule_expressions(rule: RangeRule, daddr_lookup: list[bytes]) -> list[bytes]:
+    """After ``daddr_lookup`` (the address in register 1, looked up in the rule's address
+    set): load ``l4proto . dport`` into registers 1 and 9 and look it up in its services set,
+    as nft 1.0.6 emits ``ip daddr @a meta l4proto . th dport @b``."""
+    if rule.ct_original:
+        port = _ct(NFT_CT_PROTO_DST, NFT_REG32_01)
+    else:
+        port = _payload(NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2, NFT_REG32_01)
+    byteorder = _expr(
+        "byteorder",
+        _u32(NFTA_BYTEORDER_SREG, NFT_REG_1),
+        _u32(NFTA_BYTEORDER_DREG, NFT_REG_1),
+        _u32(NFTA_BYTEORDER_OP, NFT_BYTEORDER_HTON),
+        _u32(NFTA_BYTEORDER_LEN, 1),
+        _u32(NFTA_BYTEORDER_SIZE, 2),
+    )
+    lookup = _expr("lookup", _str(NFTA_LOOKUP_SET, rule.services), _u32(NFTA_LOOKUP_SREG, NFT_REG_1))
+    return [*daddr_lookup, _meta(NFT_META_L4PROTO, NFT_REG_1), byteorder, port, lookup]
 
 
 def guard_expressions(guard: L4Guard) -> list[bytes]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import struct
 
-from egressd.kernel.netlink_ports import guard_expressions, port_key_expressions
+from egressd.kernel.netlink_ports import guard_expressions, port_key_expressions, range_rule_expressions
 from egressd.kernel.netlink_proto import (
     LOG_PREFIX_MAX,
     NF_ACCEPT,
@@ -64,7 +64,7 @@ from egressd.kernel.netlink_proto import (
     _str,
     _u32,
 )
-from egressd.kernel.ops import ALLOW_MARK, AuditRule, MatchRule, PortRule, Rule, RuleAction
+from egressd.kernel.ops import ALLOW_MARK, AuditRule, MatchRule, PortRule, RangeRule, Rule, RuleAction
 
 _VERDICT = {RuleAction.DROP: NF_DROP, RuleAction.ACCEPT: NF_ACCEPT}
 
@@ -134,6 +134,16 @@ def _daddr_lookup(fam: str, set_name: str) -> list[bytes]:
     ]
 
 
+def _address_lookup(fam: str, set_name: str, *, ct_original: bool) -> list[bytes]:
+    """``[ct original] ip|ip6 daddr @set``."""
+    if not ct_original:
+        return _daddr_lookup(fam, set_name)
+    lookup = _expr("lookup", _str(NFTA_LOOKUP_SET, set_name), _u32(NFTA_LOOKUP_SREG, NFT_REG_1))
+    key = NFT_CT_DST_IP if fam == "v4" else NFT_CT_DST_IP6
+    ct = _expr("ct", _u32(NFTA_CT_DREG, NFT_REG_1), _u32(NFTA_CT_KEY, key), _attr(NFTA_CT_DIRECTION, b"\0"))
+    return [ct, lookup]
+
+
 def _set_mark() -> list[bytes]:
     # meta mark is a host-endian u32 register value.
     return [
@@ -189,17 +199,13 @@ def rule_expressions(rule: Rule) -> bytes:
         parts = port_key_expressions(rule)
         parts += _set_mark() if rule.outcome is RuleAction.MARK else [_verdict(rule.outcome, rule.drop_chain)]
         return b"".join(parts)
+    if isinstance(rule, RangeRule):
+        parts = range_rule_expressions(rule, _address_lookup(rule.fam, rule.set_name, ct_original=rule.ct_original))
+        parts += _set_mark() if rule.outcome is RuleAction.MARK else [_verdict(rule.outcome, rule.drop_chain)]
+        return b"".join(parts)
     if not isinstance(rule, MatchRule):
         return _verdict(rule.outcome, rule.drop_chain)
-    lookup = _expr("lookup", _str(NFTA_LOOKUP_SET, rule.set_name), _u32(NFTA_LOOKUP_SREG, NFT_REG_1))
-    if rule.ct_original:
-        key = NFT_CT_DST_IP if rule.fam == "v4" else NFT_CT_DST_IP6
-        ct = _expr(
-            "ct", _u32(NFTA_CT_DREG, NFT_REG_1), _u32(NFTA_CT_KEY, key), _attr(NFTA_CT_DIRECTION, b"\0")
-        )
-        parts = [ct, lookup]
-    else:
-        parts = _daddr_lookup(rule.fam, rule.set_name)
+    parts = _address_lookup(rule.fam, rule.set_name, ct_original=rule.ct_original)
     parts += guard_expressions(rule.guard)
     parts += _set_mark() if rule.outcome is RuleAction.MARK else [_verdict(rule.outcome, rule.drop_chain)]
     return b"".join(parts)

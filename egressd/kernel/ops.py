@@ -139,7 +139,31 @@ class AuditRule:
         )
 
 
-Rule = MatchRule | PortRule | VerdictRule | AuditRule
+@dataclass(frozen=True, slots=True)
+class RangeRule:
+    """``ip|ip6 daddr @addrs meta l4proto . th dport @services <outcome>``: a lease address
+    (a hash set of addresses) on the port ranges every address of that set shares (an
+    ``inet_proto . inet_service`` interval set written with the policy), the hash path for
+    leases' port ranges (docs/concepts/ruleset.md). ``ct_original``: on the conntrack
+    original destination and port, as :class:`PortRule`."""
+
+    fam: str
+    set_name: str
+    services: str
+    outcome: RuleAction
+    ct_original: bool = False
+    drop_chain: str = ""
+
+    def render(self) -> str:
+        l3 = "ip" if self.fam == "v4" else "ip6"
+        if self.ct_original:
+            key = f"ct original {l3} daddr @{self.set_name} meta l4proto . ct original proto-dst"
+        else:
+            key = f"{l3} daddr @{self.set_name} meta l4proto . th dport"
+        return f"{key} @{self.services} {_verdict_text(self.outcome, self.drop_chain)}"
+
+
+Rule = MatchRule | PortRule | VerdictRule | AuditRule | RangeRule
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +189,9 @@ class AddSet:
     # any set size, where pipapo clones its lookup data on every transaction (the leases'
     # single-port elements, docs/concepts/ruleset.md).
     exact: bool = False
+    # Keyed ``inet_proto . inet_service`` (an interval set, no address): the port ranges a
+    # :class:`RangeRule` opens (``fam`` only names the family of the addresses it goes with).
+    services: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +283,15 @@ class AddPortElems:
     elems: tuple[PortElem, ...]
     seconds: tuple[int, ...] = ()
     exact: bool = False  # the set is a hash set (AddSet ``exact``): each element one address, one port
+
+
+@dataclass(frozen=True, slots=True)
+class AddServices:
+    """Add ``proto . lo-hi`` elements to an ``inet_proto . inet_service`` interval set
+    (AddSet ``services``); disjoint, as an interval set needs."""
+
+    name: str
+    elems: tuple[tuple[str, int, int], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,6 +412,7 @@ Op = (
     | AddTimed
     | DeleteElement
     | AddPortElems
+    | AddServices
     | DeletePortElems
     | FlushChain
     | DeleteChain
@@ -395,6 +432,7 @@ ElementOp = (
     | AddTimed
     | DeleteElement
     | AddPortElems
+    | AddServices
     | DeletePortElems
 )
 
@@ -455,7 +493,7 @@ class NetlinkBatch:
                 n += len(op.leases)
             elif isinstance(op, AddElements):
                 n += len(op.keys)
-            elif isinstance(op, AddPortElems | DeletePortElems):
+            elif isinstance(op, AddPortElems | DeletePortElems | AddServices):
                 n += len(op.elems)
         return n
 
@@ -480,6 +518,8 @@ class NetlinkBatch:
 
 
 def _describe_object(t: str, op: Op) -> str:
+    if isinstance(op, AddSet) and op.services:
+        return f"add set {t} {op.name} {{ type inet_proto . inet_service; flags interval; }}"
     if isinstance(op, AddSet):
         typ = "ipv4_addr" if op.fam == "v4" else "ipv6_addr"
         flags = {
@@ -534,4 +574,7 @@ def _describe_elements(t: str, op: ElementOp) -> str:
         return f"add element {t} {op.name} {{ {', '.join(texts)} }}"
     if isinstance(op, DeletePortElems):
         return f"delete element {t} {op.name} {{ {', '.join(port_elem_text(e) for e in op.elems)} }}"
+    if isinstance(op, AddServices):
+        texts = [f"{proto} . {lo}" if lo == hi else f"{proto} . {lo}-{hi}" for proto, lo, hi in op.elems]
+        return f"add element {t} {op.name} {{ {', '.join(texts)} }}"
     return f"delete element {t} {op.name} {{ {op.key} }}"

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from egressd.addr import IPAddress
-from egressd.kernel.ops import PortElem, is_exact_elem, port_elem_text
+from egressd.kernel.ops import PortElem, port_elem_text
 from egressd.nftsyntax import (
     DYN_TIMEOUT_S,
     ND_TYPES,
@@ -46,6 +46,7 @@ from egressd.nftsyntax import (
     family,
     l3_of,
     port_set_decl,
+    services_set_decl,
     set_decl,
     split_by_family,
     timeout_set_decl,
@@ -55,6 +56,7 @@ from egressd.policy.mitmports import FIXED_PORTS, named_ports
 from egressd.policy.portmatch import disjoint, entries
 from egressd.policy.scope import Scope
 from egressd.subject.leases import Grant, LeaseLike, as_grants, port_elems_cap
+from egressd.subject.ranges import on_hash_path, pipapo_elements, shared_ranges, single_elements
 
 Mode = Literal["dns", "dns+nft"]
 
@@ -131,6 +133,18 @@ def dynpx_set(fam: str) -> str:
     return f"dyn_allowpx_{fam}"
 
 
+def dynr_set(fam: str) -> str:
+    """The hash path for leases' port ranges (egressd.subject.ranges): the address alone of a
+    lease whose ranges are the shared ones, a timeout hash set like :func:`dyn_set`."""
+    return f"dyn_allowr_{fam}"
+
+
+def dynrports_set(fam: str) -> str:
+    """The shared ranges (``proto . lo-hi``) an address in :func:`dynr_set` opens, written
+    with the policy (every policy change rebuilds the table, leases included)."""
+    return f"dyn_allowrports_{fam}"
+
+
 def _port_set(
     table: str, name: str, fam: str, elements: Sequence[str], size: int, *, timed: bool, exact: bool = False
 ) -> str:
@@ -146,9 +160,12 @@ def _dynp(cfg: SidecarTable, fam: str, elements: Sequence[str], *, exact: bool =
     return _port_set(cfg.table, name, fam, elements, port_elems_cap(cfg.max_leases), timed=True, exact=exact)
 
 
-def _split(elems: Sequence[PortElem], exact: bool) -> tuple[PortElem, ...]:
-    """The elements of one of a lease's two sets: single ports (hash) or ranges (pipapo)."""
-    return tuple(e for e in elems if is_exact_elem(e) == exact)
+def _elems_in(ip: IPAddress, ports: Scope, shared: Scope, *, exact: bool) -> tuple[PortElem, ...]:
+    """A lease's elements in one of its port sets: single ports (hash), or the ranges that
+    are not on the hash path (pipapo)."""
+    net = ipaddress.ip_network(ip)
+    picked = single_elements(ports) if exact else pipapo_elements(ports, shared)
+    return tuple((net, proto, lo, hi) for proto, lo, hi in picked)
 
 
 def port_elements(elems: Sequence[PortElem], seconds: float | None = None) -> list[str]:
@@ -157,11 +174,6 @@ def port_elements(elems: Sequence[PortElem], seconds: float | None = None) -> li
         return texts
     s = max(1, min(DYN_TIMEOUT_S, math.ceil(seconds)))
     return [f"{x} timeout {s}s expires {s}s" for x in texts]
-
-
-def lease_port_elems(ip: IPAddress, scope: Scope) -> tuple[PortElem, ...]:
-    net = ipaddress.ip_network(ip)
-    return tuple((net, proto, lo, hi) for proto, lo, hi in scope.elements())
 
 
 def lease_element(ip: IPAddress, seconds: float) -> str:
@@ -217,13 +229,20 @@ def _set_declarations(
     dyn: dict[str, list[str]] = {"v4": [], "v6": []}
     dynp: dict[str, list[str]] = {"v4": [], "v6": []}
     dynpx: dict[str, list[str]] = {"v4": [], "v6": []}
+    dynr: dict[str, list[str]] = {"v4": [], "v6": []}
+    # The whole table is written here, the shared ranges with it: every lease is placed by
+    # the ranges this table holds (the grants' own are the same policy's).
+    shared = shared_ranges(policy, name_check=cfg.checks_names)
     for g in as_grants(leases):
         if g.seconds > 0:
             if g.scope.whole:
                 dyn[family(g.ip)].append(lease_element(g.ip, g.seconds))
-            elems = lease_port_elems(g.ip, g.scope.ports)
-            dynp[family(g.ip)] += port_elements(_split(elems, False), g.seconds)
-            dynpx[family(g.ip)] += port_elements(_split(elems, True), g.seconds)
+            ports = g.scope.ports
+            dynp[family(g.ip)] += port_elements(_elems_in(g.ip, ports, shared, exact=False), g.seconds)
+            dynpx[family(g.ip)] += port_elements(_elems_in(g.ip, ports, shared, exact=True), g.seconds)
+            if on_hash_path(ports, shared):
+                dynr[family(g.ip)].append(lease_element(g.ip, g.seconds))
+    services = [f"{p} . {lo}-{hi}" for p, lo, hi in shared.elements()]
     lines = []
     for fam in ("v4", "v6"):
         lines.append(_interval_set(t, f"allow_{fam}", fam, allow[fam]))
@@ -235,6 +254,8 @@ def _set_declarations(
         lines.append(_port_set(t, f"denyp_{fam}", fam, port_elements(mine_d), 0, timed=False))
         lines.append(_dynp(cfg, fam, dynp[fam]))
         lines.append(_dynp(cfg, fam, dynpx[fam], exact=True))
+        lines.append(_timeout_set(t, dynr_set(fam), fam, dynr[fam], cfg.max_leases))
+        lines.append(f"add set inet {t} {services_set_decl(dynrports_set(fam), services)}")
     if cfg.block_doh_443 and cfg.doh_blocklist:
         for fam in ("v4", "v6"):
             if doh[fam]:
@@ -361,6 +382,10 @@ def _address_verdicts(cfg: SidecarTable) -> list[str]:
     out += [f"{l3_of(fam)} daddr @{dyn_set(fam)} {g}accept" for fam in ("v4", "v6") for g in guards]
     out += [f"{l3_of(fam)} {key} @{dynp_set(fam)} accept" for fam in ("v4", "v6")]
     out += [f"{l3_of(fam)} {key} @{dynpx_set(fam)} accept" for fam in ("v4", "v6")]
+    out += [
+        f"{l3_of(fam)} daddr @{dynr_set(fam)} meta l4proto . th dport @{dynrports_set(fam)} accept"
+        for fam in ("v4", "v6")
+    ]
     out += [f"{l3_of(fam)} daddr @allow_{fam} accept" for fam in ("v4", "v6")]
     out += [f"{l3_of(fam)} {key} @allowp_{fam} accept" for fam in ("v4", "v6")]
     return out
@@ -392,9 +417,39 @@ def dyn_add(cfg: SidecarTable, leases: Sequence[LeaseLike]) -> str:
             lines.append(f"delete element inet {cfg.table} {dyn_set(fam)} {{ {keys} }}")
             lines.append(declare)
     for fam in ("v4", "v6"):
+        mine = [g for g in grants if family(g.ip) == fam]
         for exact in (True, False):
-            lines += _dynp_add(cfg, fam, [g for g in grants if family(g.ip) == fam], exact=exact)
+            lines += _dynp_add(cfg, fam, mine, exact=exact)
+        lines += _dynr_add(cfg, fam, mine)
     return "\n".join(lines) + "\n" if lines else ""
+
+
+def _dynr_add(cfg: SidecarTable, fam: str, grants: Sequence[Grant]) -> list[str]:
+    """The hash path's addresses (egressd.subject.ranges): a lease whose ranges are its
+    grant's shared ones (the table's, written with the same policy). One whose held ranges
+    were there and whose new ones are not is declared (so it exists: a delete of an expired
+    element would fail the transaction) and deleted; ``renew_by_replace`` likewise."""
+    gone: list[tuple[IPAddress, int]] = []
+    add: list[tuple[IPAddress, int]] = []
+    for g in grants:
+        if g.scope.ports.is_empty():
+            continue  # as in _dynp_add
+        new = on_hash_path(g.scope.ports, g.shared)
+        changed = g.held != g.scope.ports
+        old = on_hash_path(g.held, g.shared) if changed else new
+        if old and (changed or cfg.renew_by_replace):
+            gone.append((g.ip, g.seconds))
+        if new:
+            add.append((g.ip, g.seconds))
+    lines: list[str] = []
+    name = dynr_set(fam)
+    if gone:
+        lines.append(_timeout_set(cfg.table, name, fam, [lease_element(ip, s) for ip, s in gone], cfg.max_leases))
+        keys = ", ".join(str(ip) for ip, _ in gone)
+        lines.append(f"delete element inet {cfg.table} {name} {{ {keys} }}")
+    if add:
+        lines.append(_timeout_set(cfg.table, name, fam, [lease_element(ip, s) for ip, s in add], cfg.max_leases))
+    return lines
 
 
 def _dynp_add(cfg: SidecarTable, fam: str, grants: Sequence[Grant], *, exact: bool) -> list[str]:
@@ -408,8 +463,8 @@ def _dynp_add(cfg: SidecarTable, fam: str, grants: Sequence[Grant], *, exact: bo
     for g in grants:
         if g.scope.ports.is_empty():
             continue
-        elems = _split(lease_port_elems(g.ip, g.scope.ports), exact)
-        held = _split(lease_port_elems(g.ip, g.held), exact)
+        elems = _elems_in(g.ip, g.scope.ports, g.shared, exact=exact)
+        held = _elems_in(g.ip, g.held, g.shared, exact=exact)
         old = held if g.held != g.scope.ports else (elems if cfg.renew_by_replace else ())
         gone += port_elements(old, g.seconds)
         gone_keys += port_elements(old)

@@ -25,6 +25,7 @@ from egressd.addr import IPAddress
 from egressd.policy import IpSets, NetworkPolicy, Verdict, judge_domain
 from egressd.policy.ipsets import Prefix, covered_by
 from egressd.policy.scope import Scope
+from egressd.subject.ranges import shared_ranges
 from egressd.subject.scopes import EMPTY, WHOLE, LeaseScope, lease_scope
 
 DEFAULT_MAX_LEASES = 4096
@@ -64,12 +65,16 @@ class Lease:
 class Grant:
     """One lease as the kernel step writes it: the address for ``seconds``, with ``scope``
     (whole: the address-only dyn set; its port elements in the port-scoped one), replacing
-    the port elements ``held`` (those the kernel may hold for it now, when they differ)."""
+    the port elements ``held`` (those the kernel may hold for it now, when they differ).
+    ``shared``: the subject's shared ranges under the policy the grant was decided with, which
+    is the policy its transaction applies under (egressd.subject.ranges): where its ranges, and
+    those it holds, live in the kernel."""
 
     ip: IPAddress
     seconds: int
     scope: LeaseScope = WHOLE
     held: Scope = Scope.EMPTY
+    shared: Scope = Scope.EMPTY
 
 
 #: A lease as callers may hand it to the kernel steps: a :class:`Grant`, or a plain
@@ -91,7 +96,8 @@ class Narrowed:
     kept: tuple[Grant, ...]
     revoked: tuple[IPAddress, ...]
     # Every lease of the old book stays with the same scope (none revoked, none ended, none
-    # narrowed): the kernel's dyn sets, never wider than the book, need no rewrite.
+    # narrowed) and the shared ranges stay: the kernel's dyn sets, never wider than the book,
+    # need no rewrite.
     intact: bool = False
 
 
@@ -105,6 +111,9 @@ class LeaseBook:
         # Nothing can end before this (monotonic): expire() skips its walk until then, so a
         # full book answered at DNS rates costs O(1) per answer, not O(leases).
         self._next_end = math.inf
+        # The shared ranges the kernel's elements for these leases were written under
+        # (egressd.subject.ranges): a change of them rewrites the dyn sets (narrowed()).
+        self.shared = Scope.EMPTY
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -162,7 +171,11 @@ class LeaseBook:
         return min(expiry, lease.expiry) if expiry is not None and expiry > now else 0.0
 
     def admit(
-        self, leases: Iterable[tuple[IPAddress, int]], now: float, scope: LeaseScope | None = WHOLE
+        self,
+        leases: Iterable[tuple[IPAddress, int]],
+        now: float,
+        scope: LeaseScope | None = WHOLE,
+        shared: Scope = Scope.EMPTY,
     ) -> list[Grant]:
         """The addresses of an answer that fit, with the seconds the kernel element must get
         and the scope it opens: the lease's scope widened by ``scope`` (None: a refresh, which
@@ -173,10 +186,13 @@ class LeaseBook:
         their port elements fit. A renewal never shortens a lease another answer granted.
         Nothing is recorded: call :meth:`record` once the kernel took them.
         """
-        return self.admit_many([(leases, scope)], now)[0]
+        return self.admit_many([(leases, scope)], now, shared)[0]
 
     def admit_many(
-        self, asks: Sequence[tuple[Iterable[tuple[IPAddress, int]], LeaseScope | None]], now: float
+        self,
+        asks: Sequence[tuple[Iterable[tuple[IPAddress, int]], LeaseScope | None]],
+        now: float,
+        shared: Scope = Scope.EMPTY,
     ) -> list[list[Grant]]:
         """:meth:`admit` for several answers, in order, as if each earlier one had been
         recorded (one kernel transaction carries them all, :mod:`egressd.engine.batching`):
@@ -219,9 +235,9 @@ class LeaseBook:
                     if room <= 0:
                         continue
                     room -= 1
-                    grant = Grant(ip, max(1, seconds), new, held)
+                    grant = Grant(ip, max(1, seconds), new, held, shared)
                 else:
-                    grant = Grant(ip, max(1, seconds, math.ceil(expiry - now)), new, held)
+                    grant = Grant(ip, max(1, seconds, math.ceil(expiry - now)), new, held, shared)
                 grants.append(grant)
                 elems -= grow
                 kept = new.ports if new.ports != held and not new.ports.is_empty() else held
@@ -232,8 +248,11 @@ class LeaseBook:
     def record(self, admitted: Iterable[LeaseLike], name: str | None, now: float) -> None:
         """The kernel holds ``admitted``: remember them, taught by ``name`` (None: a refresh,
         which keeps the names a lease already has for as long as the lease)."""
-        for grant in as_grants(admitted):
+        for item in admitted:
+            grant = as_grants((item,))[0]
             ip, seconds = grant.ip, grant.seconds
+            if isinstance(item, Grant):
+                self.shared = item.shared  # decided under the policy in force (admissible_many)
             expiry = now + seconds
             lease = self._leases.get(ip)
             if lease is None:
@@ -266,14 +285,19 @@ class LeaseBook:
         denied: Callable[[IPAddress], bool],
         now: float,
         scope_of: Callable[[str], LeaseScope] | None = None,
+        shared: Scope | None = None,
     ) -> Narrowed:
         """The book after a policy change: a lease stays only if a name that taught it is
         still allowed and its address is not denied, with the union of those names' scopes
         under the new policy (``scope_of``; None: each keeps its scope); names no longer
         allowed are forgotten (the MITM must not verify them). ``self`` is left as it was
         (kernel first). The kernel's dyn sets are rewritten from ``kept`` (flushed and
-        refilled), so a kept lease's port elements are exactly its new scope's."""
+        refilled), so a kept lease's port elements are exactly its new scope's. ``shared``: the
+        shared ranges under the new policy (None: unchanged); a change makes the book not
+        intact, so the dyn sets are rewritten with the static swap that changes them."""
+        shared = self.shared if shared is None else shared
         book = LeaseBook(self.cap)
+        book.shared = shared
         kept: list[Grant] = []
         revoked: list[IPAddress] = []
         same = True
@@ -293,8 +317,8 @@ class LeaseBook:
             book._leases[ip] = Lease(lease.expiry, names, scope, scope.ports)
             book._elems += len(scope.ports.elements())
             book._next_end = min(book._next_end, lease.expiry + COUNT_GRACE_S, *names.values())
-            kept.append(Grant(ip, max(1, math.ceil(lease.expiry - now)), scope))
-        intact = same and len(kept) == len(self._leases)
+            kept.append(Grant(ip, max(1, math.ceil(lease.expiry - now)), scope, shared=shared))
+        intact = same and len(kept) == len(self._leases) and shared == self.shared
         return Narrowed(book, tuple(kept), tuple(revoked), intact=intact)
 
 
@@ -331,6 +355,7 @@ def admissible_many(
     transaction will carry, in order: each decided as if the earlier ones were recorded
     (:meth:`LeaseBook.admit_many`)."""
     plans: list[tuple[Iterable[tuple[IPAddress, int]], LeaseScope | None]] = []
+    shared = shared_ranges(effective, name_check=name_check)
     renewing: Callable[[str], bool] | None = None
     for leases, name in asks:
         if name is not None:
@@ -344,7 +369,7 @@ def admissible_many(
             renewing = names_admitted(effective)
         renew = set(book.renewable((ip for ip, _ in leases), renewing, now))
         plans.append(([(ip, sec) for ip, sec in leases if ip in renew], None))
-    return book.admit_many(plans, now)
+    return book.admit_many(plans, now, shared)
 
 
 def narrowed_for(
@@ -368,7 +393,8 @@ def narrowed_for(
             hit = memo[name] = lease_scope(effective, name, name_check=name_check)
         return hit
 
-    return book.narrowed(names_admitted(effective), covered_by(deny_v4, deny_v6), now, scope_of)
+    shared = shared_ranges(effective, name_check=name_check)
+    return book.narrowed(names_admitted(effective), covered_by(deny_v4, deny_v6), now, scope_of, shared)
 
 
 def destination_verified(

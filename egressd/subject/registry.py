@@ -24,9 +24,15 @@ from egressd.subject.model import Fence, Subject, nft_id, subject_for_uid
 
 #: (set kind, its prefixes) for each static set of a subject (fleetnft.contents.static_contents).
 #: The port-scoped sets (docs/reference/behaviour.md §18) hold (prefix, protocol, first port, last
-#: port) elements instead.
+#: port) elements instead, and the leases' shared ranges (egressd.subject.ranges) (protocol,
+#: first port, last port) elements.
 StaticContents = tuple[
-    tuple[str, tuple[IPv4Network | IPv6Network, ...] | tuple[tuple[IPv4Network | IPv6Network, str, int, int], ...]],
+    tuple[
+        str,
+        tuple[IPv4Network | IPv6Network, ...]
+        | tuple[tuple[IPv4Network | IPv6Network, str, int, int], ...]
+        | tuple[tuple[str, int, int], ...],
+    ],
     ...,
 ]
 

@@ -66,17 +66,19 @@ def burst(topo: Topology) -> list[tuple[str, str, str, str]]:
 
 
 def _sabotage_dynp_v4(d: Daemon) -> None:
-    """A real kernel refusal: take away the subject's port-scoped dyn set (and the rules
-    naming it), so the lease add that names it is refused."""
-    chain = None
-    for line in d.nft("-a", "list", "table", "inet", d.table).splitlines():
-        m = re.match(r"\s*chain (\S+) \{", line)
-        if m:
-            chain = m[1]
-        if "@subj_s_sb1_dynp_v4" in line and "# handle" in line and chain is not None:
-            handle = line.rsplit("# handle", 1)[1].strip()
-            d.nft("delete", "rule", "inet", d.table, chain, "handle", handle)
-    d.nft("delete", "set", "inet", d.table, "subj_s_sb1_dynp_v4")
+    """A real kernel refusal: take away the subject's port-scoped dyn sets for ranges (pipapo,
+    and the hash path these leases take, docs/concepts/ruleset.md) and the rules naming them, so
+    the lease add that names them is refused."""
+    for name in ("subj_s_sb1_dynp_v4", "subj_s_sb1_dynr_v4"):
+        chain = None
+        for line in d.nft("-a", "list", "table", "inet", d.table).splitlines():
+            m = re.match(r"\s*chain (\S+) \{", line)
+            if m:
+                chain = m[1]
+            if f"@{name} " in line and "# handle" in line and chain is not None:
+                handle = line.rsplit("# handle", 1)[1].strip()
+                d.nft("delete", "rule", "inet", d.table, chain, "handle", handle)
+        d.nft("delete", "set", "inet", d.table, name)
 
 
 def test_concurrent_queries_are_all_answered_and_reachable_on_answer(topo: Topology) -> None:

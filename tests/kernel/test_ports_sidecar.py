@@ -124,3 +124,40 @@ def test_quic_to_a_learned_address_needs_an_explicit_udp_rule_under_the_name_che
     assert not probe(ptopo, 1, "udp", CDN_IP, 443)  # "ports": [443] without protocol: not explicit
     assert sidecar.dig("h2.example.test") == ("NOERROR", [CDN_IP])
     assert probe(ptopo, 1, "udp", CDN_IP, 443)  # an explicit protocol: udp rule opens it
+
+
+def _sidecar_set(ptopo: Topology, name: str) -> str:
+    return ptopo.ns(ptopo.sb(1), "nft", "-j", "list", "set", "inet", "opensandbox", name, check=False).stdout
+
+
+def test_port_ranges_take_the_hash_path_and_follow_a_change_of_the_shared_ranges(
+    sidecar: Sidecar, ptopo: Topology
+) -> None:
+    """The first ranged domain rule's ranges are shared (docs/concepts/ruleset.md): its lease is
+    the address in ``dyn_allowr``; another name's ranges stay in pipapo. A policy change of the
+    shared ranges rewrites the learned address (no new answer) both ways."""
+
+    def ranged(h2: str) -> dict[str, object]:
+        return {
+            "defaultAction": "deny",
+            "egress": [
+                {"action": "allow", "target": "h2.example.test", "protocol": "tcp", "ports": [h2]},
+                {"action": "allow", "target": "example.test", "protocol": "tcp", "ports": ["7000-7001"]},
+            ],
+        }
+
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(ranged("5000-5999"))
+    sidecar.start()
+    assert sidecar.dig("h2.example.test") == ("NOERROR", [CDN_IP])
+    assert sidecar.dig("example.test") == ("NOERROR", [EX_IP])
+    assert CDN_IP in _sidecar_set(ptopo, "dyn_allowr_v4") and EX_IP not in _sidecar_set(ptopo, "dyn_allowr_v4")
+    assert EX_IP in _sidecar_set(ptopo, "dyn_allowp_v4") and CDN_IP not in _sidecar_set(ptopo, "dyn_allowp_v4")
+    assert probe(ptopo, 1, "tcp", CDN_IP, 5432) and probe(ptopo, 1, "tcp", CDN_IP, 5433)
+    assert not probe(ptopo, 1, "tcp", CDN_IP, 7000) and not probe(ptopo, 1, "tcp", CDN_IP, 22)
+    assert not probe(ptopo, 1, "udp", CDN_IP, 5432)
+    assert probe(ptopo, 1, "tcp", EX_IP, 7000) and not probe(ptopo, 1, "tcp", EX_IP, 5432)
+    sidecar.set_policy(ranged("5000-5432"))  # narrower shared ranges, no dig since
+    assert probe(ptopo, 1, "tcp", CDN_IP, 5432) and not probe(ptopo, 1, "tcp", CDN_IP, 5433)
+    sidecar.set_policy(ranged("5000-5999"))  # wider again
+    assert probe(ptopo, 1, "tcp", CDN_IP, 5433)
+    assert probe(ptopo, 1, "tcp", EX_IP, 7000) and not probe(ptopo, 1, "tcp", EX_IP, 5433)

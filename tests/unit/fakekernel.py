@@ -57,6 +57,7 @@ from egressd.kernel.ops import (
     AddPort,
     AddPortElems,
     AddRule,
+    AddServices,
     AddSet,
     AddTimed,
     AddUid,
@@ -609,7 +610,7 @@ class TextModel:
             _BATCH_OPS[type(op)](self, op)
 
     def _add_set(self, op: AddSet) -> None:
-        kind = f"{op.fam}p:interval" if op.ports else f"{op.fam}:{op.kind}"
+        kind = "services:interval" if op.services else f"{op.fam}p:interval" if op.ports else f"{op.fam}:{op.kind}"
         if op.name in self.sets and self.set_kinds.get(op.name, kind) != kind:
             raise _err("File exists")
         self.sets.setdefault(op.name, {})
@@ -723,6 +724,11 @@ class TextModel:
                     raise _err("File exists")
             elements[text] = ""
 
+    def _add_services(self, op: AddServices) -> None:
+        elements = self._need(op.name)
+        for proto, lo, hi in op.elems:
+            elements[f"{proto} . {lo}" if lo == hi else f"{proto} . {lo}-{hi}"] = ""
+
     def _delete_port_elems(self, op: DeletePortElems) -> None:
         elements = self._need(op.name)
         for elem in op.elems:
@@ -822,6 +828,7 @@ _BATCH_OPS: dict[type, Callable[[TextModel, Any], None]] = {
     AddIntervals: TextModel._add_keys,
     AddTimed: TextModel._add_keys,
     AddPortElems: TextModel._add_port_elems,
+    AddServices: TextModel._add_services,
     DeletePortElems: TextModel._delete_port_elems,
     AddUidJump: TextModel._add_uid_jump,
     AddUidPort: TextModel._add_uid_port,

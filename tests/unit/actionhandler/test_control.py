@@ -203,6 +203,13 @@ def mark_rules(nid: str = "s_u_1", *, audit: bool = False, name_check: bool = Fa
                 for l3, fam in (("ip", "v4"), ("ip6", "v6"))
                 if kind == "dyn"
             ),
+            # The leases' shared ranges: the address in a hash set, the ranges with the policy.
+            *(
+                f"{l3} daddr @subj_{nid}_dynr_{fam} meta l4proto . th dport @subj_{nid}_dynrports_{fam} "
+                "meta mark set 0x2"
+                for l3, fam in (("ip", "v4"), ("ip6", "v6"))
+                if kind == "dyn"
+            ),
         )
     ]
     return (
@@ -224,13 +231,16 @@ def mark_rules(nid: str = "s_u_1", *, audit: bool = False, name_check: bool = Fa
 
 def in_rules(nid: str = "s_u_1", *, audit: bool = False) -> list[str]:
     def key(l3: str, kind: str) -> str:
+        if kind == "dynr":
+            fam = "v4" if l3 == "ip" else "v6"
+            return f"ct original {l3} daddr @subj_{nid}_dynr_{fam} meta l4proto . ct original proto-dst"
         if kind.endswith(("p", "px")):
             return f"ct original {l3} daddr . meta l4proto . ct original proto-dst"
         return f"ct original {l3} daddr"
 
     return [
         *(
-            f"{key(l3, kind)} @subj_{nid}_{kind}_{fam} {verdict}"
+            f"{key(l3, kind)} @subj_{nid}_{'dynrports' if kind == 'dynr' else kind}_{fam} {verdict}"
             for kind, verdict in (
                 ("deny", "goto denied"),
                 ("denyp", "goto denied"),
@@ -238,6 +248,7 @@ def in_rules(nid: str = "s_u_1", *, audit: bool = False) -> list[str]:
                 ("dyn", "accept"),
                 ("dynp", "accept"),
                 ("dynpx", "accept"),
+                ("dynr", "accept"),
                 ("allow", "accept"),
                 ("allowp", "accept"),
             )

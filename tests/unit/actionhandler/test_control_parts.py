@@ -151,7 +151,7 @@ def test_subject_set_names_one_of_the_subjects_sets() -> None:
     assert subject_set("s_u_1", "deny", "v4") in names and subject_set("s_u_1", "allow", "v6") in names
 
 
-@pytest.mark.parametrize(("mitm", "rules", "audit_rules"), [(False, 14, 20), (True, 31, 41)])
+@pytest.mark.parametrize(("mitm", "rules", "audit_rules"), [(False, 16, 22), (True, 35, 45)])
 async def test_the_rules_gauge_counts_each_installed_subjects_fixed_rules(
     mitm: bool, rules: int, audit_rules: int
 ) -> None:

@@ -74,6 +74,7 @@ from egressd.kernel.ops import (
     MatchRule,
     NetlinkBatch,
     PortRule,
+    RangeRule,
     Rule,
     RuleAction,
     VerdictRule,
@@ -215,6 +216,8 @@ def _rule_refs(rule: Rule) -> tuple[list[str], list[str]]:
         return [rule.set_name], []
     if isinstance(rule, AuditRule):
         return [rule.set_name, rule.hard], [rule.counter]
+    if isinstance(rule, RangeRule):
+        return [rule.set_name, rule.services], []
     return [], []
 
 
@@ -418,7 +421,7 @@ def _run_chain(t: Table, chain: str, dst: IPAddress, marked: bool) -> tuple[str 
     for rule in t.chains.get(chain, []):
         if isinstance(rule, VerdictRule):
             return rule.outcome.value, marked
-        if rule.fam != fam or isinstance(rule, PortRule):
+        if rule.fam != fam or isinstance(rule, PortRule | RangeRule):
             continue  # the model's packets are TCP without ports: no port-scoped element holds them
         if isinstance(rule, MatchRule):
             if _in(t, rule.set_name, dst):

@@ -48,6 +48,7 @@ from egressd.kernel.ops import (
     MatchRule,
     NetlinkBatch,
     PortRule,
+    RangeRule,
     VerdictRule,
 )
 from egressd.kernel.ops import (
@@ -83,6 +84,10 @@ SET_KINDS = (
     "dynp_v6",
     "dynpx_v4",
     "dynpx_v6",
+    "dynr_v4",
+    "dynr_v6",
+    "dynrports_v4",
+    "dynrports_v6",
 )
 SETS6 = [f"subj_s_u_1_{k}" for k in SET_KINDS]
 
@@ -115,6 +120,8 @@ MARK_CHAIN_RULES = [
     f"ip6 {PORTKEY} @subj_s_u_1_dynp_v6 meta mark set 0x2",
     f"ip {PORTKEY} @subj_s_u_1_dynpx_v4 meta mark set 0x2",
     f"ip6 {PORTKEY} @subj_s_u_1_dynpx_v6 meta mark set 0x2",
+    "ip daddr @subj_s_u_1_dynr_v4 meta l4proto . th dport @subj_s_u_1_dynrports_v4 meta mark set 0x2",
+    "ip6 daddr @subj_s_u_1_dynr_v6 meta l4proto . th dport @subj_s_u_1_dynrports_v6 meta mark set 0x2",
     'ip daddr @subj_s_u_1_wdeny_v4 ip daddr != @subj_s_u_1_deny_v4 ct state new log prefix "egressd would-deny s_u_1 " '
     'counter name "subj_s_u_1_audit_deny" meta mark set 0x2',
     'ip6 daddr @subj_s_u_1_wdeny_v6 ip6 daddr != @subj_s_u_1_deny_v6 ct state new log prefix "egressd would-deny s_u_1 " '
@@ -153,6 +160,8 @@ IN_CHAIN_RULES = [
     f"ct original ip6 {CT_PORTKEY} @subj_s_u_1_dynp_v6 accept",
     f"ct original ip {CT_PORTKEY} @subj_s_u_1_dynpx_v4 accept",
     f"ct original ip6 {CT_PORTKEY} @subj_s_u_1_dynpx_v6 accept",
+    "ct original ip daddr @subj_s_u_1_dynr_v4 meta l4proto . ct original proto-dst @subj_s_u_1_dynrports_v4 accept",
+    "ct original ip6 daddr @subj_s_u_1_dynr_v6 meta l4proto . ct original proto-dst @subj_s_u_1_dynrports_v6 accept",
     "ct original ip daddr @subj_s_u_1_allow_v4 accept",
     "ct original ip6 daddr @subj_s_u_1_allow_v6 accept",
     f"ct original ip {CT_PORTKEY} @subj_s_u_1_allowp_v4 accept",
@@ -187,7 +196,7 @@ Contents = dict[str, tuple[Any, ...]]  # prefixes, or (prefix, proto, lo, hi) fo
 
 
 def _matches(
-    rule: MatchRule | PortRule | AuditRule,
+    rule: MatchRule | PortRule | AuditRule | RangeRule,
     contents: Contents,
     dst: IPAddress,
     proto: str = "tcp",
@@ -198,6 +207,10 @@ def _matches(
     kind = rule.set_name.removeprefix("subj_s_u_1_")
     if isinstance(rule, PortRule):
         return any(dst in n and p == proto and lo <= port <= hi for n, p, lo, hi in contents.get(kind, ()))
+    if isinstance(rule, RangeRule):
+        services = contents.get(rule.services.removeprefix("subj_s_u_1_"), ())
+        held = any(dst in net for net in contents.get(kind, ()))
+        return held and any(p == proto and lo <= port <= hi for p, lo, hi in services)
     if isinstance(rule, MatchRule) and rule.guard is L4Guard.NOT_UDP and proto == "udp":
         return False
     if isinstance(rule, MatchRule) and rule.guard is L4Guard.UDP_NOT_443 and (proto != "udp" or port == 443):
@@ -223,7 +236,7 @@ def forward_path(
                 counted.append(op.rule.counter)
                 marked = True
         else:
-            assert isinstance(op.rule, MatchRule | PortRule) and op.rule.outcome is Outcome.MARK
+            assert isinstance(op.rule, MatchRule | PortRule | RangeRule) and op.rule.outcome is Outcome.MARK
             marked = marked or _matches(op.rule, contents, addr, proto, port)
     for op in batch.ops:
         assert isinstance(op, AddRule)
@@ -246,7 +259,7 @@ def mitm_in_verdict(contents: Contents, dst: str, port: int = 443) -> str:
             continue
         if isinstance(op.rule, VerdictRule):
             return op.rule.outcome.value
-        assert isinstance(op.rule, MatchRule | PortRule)
+        assert isinstance(op.rule, MatchRule | PortRule | RangeRule)
         if _matches(op.rule, contents, addr, "tcp", port):
             return op.rule.outcome.value
     return "accept"  # the input chain's policy; never reached (the chain ends with a verdict)
@@ -526,7 +539,7 @@ def test_objects_script_declares_the_sets_chains_and_counters() -> None:
         "flags timeout; timeout 360s; size 8192; }" in text
     )
     declared = [ln for ln in text if ln.startswith(f"add set inet {T} subj_")]
-    assert len(declared) == 14
+    assert len(declared) == 18
 
 
 def test_objects_script_has_no_rules_no_flushes_no_deletes() -> None:
@@ -550,7 +563,7 @@ def test_objects_script_declarations_come_before_the_dispatch_entries() -> None:
 def test_subject_rules_are_the_fixed_rule_list() -> None:
     batch = subject_rules(CFG, "s_u_1", audit=True)
     # Without the audit objects: the same rules less the audit ones.
-    assert subject_rules(CFG, "s_u_1").ops == batch.ops[:14]
+    assert subject_rules(CFG, "s_u_1").ops == batch.ops[:16]
     assert batch.table == T
     assert batch.ops == (
         AddRule("subj_s_u_1", MatchRule("v4", "subj_s_u_1_deny_v4", Outcome.DROP, drop_chain="denied")),
@@ -567,6 +580,13 @@ def test_subject_rules_are_the_fixed_rule_list() -> None:
         AddRule("mark_s_u_1", PortRule("v6", "subj_s_u_1_dynp_v6", Outcome.MARK)),
         AddRule("mark_s_u_1", PortRule("v4", "subj_s_u_1_dynpx_v4", Outcome.MARK, exact=True)),
         AddRule("mark_s_u_1", PortRule("v6", "subj_s_u_1_dynpx_v6", Outcome.MARK, exact=True)),
+        *(
+            AddRule(
+                "mark_s_u_1",
+                RangeRule(fam, f"subj_s_u_1_dynr_{fam}", f"subj_s_u_1_dynrports_{fam}", Outcome.MARK),
+            )
+            for fam in ("v4", "v6")
+        ),
         *(
             AddRule(
                 "mark_s_u_1",
@@ -589,7 +609,7 @@ def test_subject_rules_are_the_fixed_rule_list() -> None:
     assert batch_rules(batch, "subj_s_u_1_in") == []
     # No unconditional verdict or mark: with empty sets the chains do nothing at all.
     assert all(
-        isinstance(op, AddRule) and isinstance(op.rule, MatchRule | PortRule | AuditRule) for op in batch.ops
+        isinstance(op, AddRule) and isinstance(op.rule, MatchRule | PortRule | AuditRule | RangeRule) for op in batch.ops
     )
     assert not any(
         op.rule.ct_original
@@ -710,6 +730,9 @@ AUDIT_FLUSHES = tuple(
         "denyp_v6",
         "wdenyp_v4",
         "wdenyp_v6",
+        # The leases' shared ranges (egressd.subject.ranges) are written with the policy.
+        "dynrports_v4",
+        "dynrports_v6",
     )
 )
 AUDIT_FLUSH_TEXT = "".join(f"flush set inet T {op.name}\n" for op in AUDIT_FLUSHES)
@@ -748,10 +771,10 @@ def test_policy_swap_describe() -> None:
 def test_policy_swap_never_touches_dyn_sets_rules_maps_or_header() -> None:
     batch = policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True)
     touched = {op.name for op in batch.ops if isinstance(op, FlushSet | AddIntervals)}
-    assert touched == {f"subj_s_u_1_{k}" for k in SET_KINDS if not k.startswith("dyn")}
+    assert touched == {f"subj_s_u_1_{k}" for k in SET_KINDS if not k.startswith("dyn") or k.startswith("dynrports")}
     assert all(isinstance(op, FlushSet | AddIntervals) for op in batch.ops)  # no rules, no deletes
     text = batch.describe()
-    assert "dyn" not in text
+    assert not any(f"{k}_v" in text for k in ("dyn", "dynp", "dynpx", "dynr"))
     assert not any(
         name in text for name in ("dispatch_v4", "marking_v4", "dns_gw", "mitm_src", "mitm_in", "table")
     )
@@ -768,7 +791,7 @@ def test_policy_swap_empty_sets_get_no_elements() -> None:
     deny_all = policy_swap(T, "s_u_1", parse_policy("{}"), audit_objects=True)
     assert all(isinstance(op, FlushSet) for op in deny_all.ops)
     assert sorted(op.name for op in deny_all.ops) == sorted(  # type: ignore[union-attr]
-        f"subj_s_u_1_{k}" for k in SET_KINDS if not k.startswith("dyn")
+        f"subj_s_u_1_{k}" for k in SET_KINDS if not k.startswith("dyn") or k.startswith("dynrports")
     )
     assert "add element" not in deny_all.describe()
 

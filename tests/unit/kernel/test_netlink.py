@@ -287,7 +287,7 @@ def test_subject_create_is_one_batch_sets_chains_rules_keys() -> None:
     subj = SubjectNft("s_u_1", IPv4Address("10.0.0.5"), IPv4Address("10.0.0.1"))
     text = subject_create(TableConfig(table=T), subj).describe().splitlines()
     concat = "inet_proto . inet_service"
-    assert text[:14] == [  # no audit sets: they come with the subject's first audit policy
+    assert text[:18] == [  # no audit sets: they come with the subject's first audit policy
         *(
             f"add set inet {T} subj_s_u_1_{kind}_{fam} {{ type ipv{fam[1]}_addr; flags interval; }}"
             for kind in ("allow", "deny")
@@ -312,8 +312,18 @@ def test_subject_create_is_one_batch_sets_chains_rules_keys() -> None:
             "flags timeout; timeout 360s; size 8192; }"
             for fam in ("v4", "v6")
         ),
+        # The hash path for the leases' shared ranges: the address alone, sized like dyn ...
+        *(
+            f"add set inet {T} subj_s_u_1_dynr_{fam} {{ type ipv{fam[1]}_addr; flags timeout; timeout 360s; size 4096; }}"
+            for fam in ("v4", "v6")
+        ),
+        # ... and the ranges, written with the policy.
+        *(
+            f"add set inet {T} subj_s_u_1_dynrports_{fam} {{ type inet_proto . inet_service; flags interval; }}"
+            for fam in ("v4", "v6")
+        ),
     ]
-    assert text[14:18] == [
+    assert text[18:22] == [
         f"add chain inet {T} subj_s_u_1",
         f"add chain inet {T} mark_s_u_1",
         f"add counter inet {T} subj_s_u_1_audit_deny",
