@@ -68,7 +68,11 @@ class AlwaysRulesApply:
                     # A newly always-denied name loses its leases in the same transaction (the
                     # dyn sets are flushed even when the book knows of none: 14.1).
                     kept = narrowed.kept if narrowed is not None else ()
-                    batch.add(entry.nft_id, contents, audit_objects=view.audit, kept=kept)
+                    # Likewise the range objects: the always-rules carry no port ranges, so
+                    # the shared ranges are the user policy's, applied with their objects.
+                    batch.add(
+                        entry.nft_id, contents, audit_objects=view.audit, range_objects=view.ranges, kept=kept
+                    )
                     applied.append((entry.uid, view.keys, effective))
                     written[entry.uid] = contents
                     if narrowed is not None:

@@ -97,7 +97,7 @@ class Report:
         """Rules in the table: each installed subject's fixed rules."""
         registry, reader = self._shared.registry, self._kernel.reader
         views = [registry.kernel(e.uid) for e in registry]
-        return {(): float(sum(reader.rules_per_subject(audit=v.audit) for v in views if v.rules))}
+        return {(): float(sum(reader.rules_per_subject(audit=v.audit, ranges=v.ranges) for v in views if v.rules))}
 
     def state_counts(self) -> dict[tuple[str, ...], float]:
         counts = self._shared.registry.counts()

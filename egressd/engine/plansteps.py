@@ -48,6 +48,7 @@ def in_doubt(before: KernelView, after: KernelView) -> KernelView:
         unsure=True,
         uid_keys=before.uid_keys | after.uid_keys,
         audit=before.audit or after.audit,
+        ranges=before.ranges or after.ranges,
     )
 
 
@@ -172,7 +173,9 @@ class PlanSteps(Protocol):
 class ContentsSwap(Protocol):
     """Many subjects' static and dyn sets re-filled in ONE transaction (an always-rules reload)."""
 
-    def add(self, nft_id: str, contents: StaticContents, *, audit_objects: bool, kept: Leases) -> None: ...
+    def add(
+        self, nft_id: str, contents: StaticContents, *, audit_objects: bool, range_objects: bool, kept: Leases
+    ) -> None: ...
 
     def __bool__(self) -> bool: ...
 
@@ -192,7 +195,7 @@ class KernelReader(Protocol):
         """Which of the subject's sets cover ``target`` (set, element, a lease's expiresInS)."""
         ...
 
-    def rules_per_subject(self, *, audit: bool) -> int:
+    def rules_per_subject(self, *, audit: bool, ranges: bool) -> int:
         """How many fixed rules one installed subject has."""
         ...
 

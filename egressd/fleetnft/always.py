@@ -18,13 +18,16 @@ class FleetContentsSwap:
         self._tx = tx
         self._batch = NetlinkBatch(table)
 
-    def add(self, nft_id: str, contents: Contents, *, audit_objects: bool, kept: Leases) -> None:
+    def add(
+        self, nft_id: str, contents: Contents, *, audit_objects: bool, range_objects: bool, kept: Leases
+    ) -> None:
         """The subject's static sets swapped to ``contents`` (contents_swap refuses an audit
-        policy without audit objects) and its dyn sets flushed to ``kept``, even when that is
+        policy without audit objects, shared ranges without range objects) and its dyn sets
+        flushed to ``kept``, even when that is
         nothing (docs/reference/behaviour.md §14.1)."""
         table = self._batch.table
-        self._batch = self._batch + contents_swap(table, nft_id, contents, audit_objects=audit_objects)
-        self._batch = self._batch + dyn_replace(table, nft_id, kept)
+        swap = contents_swap(table, nft_id, contents, audit_objects=audit_objects, range_objects=range_objects)
+        self._batch = self._batch + swap + dyn_replace(table, nft_id, kept, ranges=range_objects)
 
     def __bool__(self) -> bool:
         return bool(self._batch)

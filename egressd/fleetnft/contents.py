@@ -12,6 +12,7 @@ from egressd.addr import IPAddress
 from egressd.fleetnft.table import (
     AUDIT_PORT_SETS,
     AUDIT_SETS,
+    DYNR_SETS,
     PORT_STATIC_SETS,
     SHARED_RANGE_SETS,
     STATIC_SETS,
@@ -145,6 +146,7 @@ def policy_swap(
     effective: NetworkPolicy,
     *,
     audit_objects: bool,
+    range_objects: bool = False,
     known_empty: bool = False,
     held: Contents | None = None,
     name_check: bool = False,
@@ -152,7 +154,9 @@ def policy_swap(
     """§8.3 as one atomic batch: each static set flushed and refilled; dyn sets untouched.
 
     ``audit_objects``: the subject has the audit sets (an audit policy needs them: raises
-    ValueError without). ``known_empty``: every static set is empty (deny-first content, the
+    ValueError without). ``range_objects``: the subject has the range sets ``dynr`` and
+    ``dynrports`` (a policy with shared ranges needs them: raises ValueError without; see
+    :func:`needs_range_objects`). ``known_empty``: every static set is empty (deny-first content, the
     registry's ``applied`` None), so the flushes are left out: each is one more set-name
     lookup, a walk of the table's list of sets in the kernel. ``held``: what the static sets
     hold now, known for certain (the kernel view's ``contents``); a set whose content does not
@@ -164,6 +168,7 @@ def policy_swap(
         nft_id,
         static_contents(effective, name_check=name_check),
         audit_objects=audit_objects,
+        range_objects=range_objects,
         known_empty=known_empty,
         held=held,
     )
@@ -175,6 +180,7 @@ def contents_swap(
     contents: Contents,
     *,
     audit_objects: bool,
+    range_objects: bool,
     known_empty: bool = False,
     held: Contents | None = None,
 ) -> NetlinkBatch:
@@ -183,10 +189,8 @@ def contents_swap(
     before = dict(held) if held is not None else {}
     ops: list[Op] = []
     for kind, nets in contents:
-        if kind in (*AUDIT_SETS, *AUDIT_PORT_SETS) and not audit_objects:
-            if nets:
-                raise ValueError("an audit policy needs the subject's audit objects")
-            continue  # empty for a policy that does not audit, and absent
+        if _absent(kind, nets, audit_objects=audit_objects, range_objects=range_objects):
+            continue
         if before.get(kind) == nets:
             continue  # held and unchanged
         if not known_empty:
@@ -200,6 +204,28 @@ def contents_swap(
         elif nets:
             ops.append(AddIntervals(n.set(kind), kind[-2:], _nets(nets)))
     return NetlinkBatch(table, tuple(ops))
+
+
+def _absent(kind: str, nets: _Value, *, audit_objects: bool, range_objects: bool) -> bool:
+    """Is ``kind`` one of the lazy sets the subject does not have? Such a set must be empty
+    under the policy (ValueError otherwise: the policy that needs it would have made it), and
+    is left alone: a flush of a set that does not exist fails the whole transaction."""
+    if kind in (*AUDIT_SETS, *AUDIT_PORT_SETS) and not audit_objects:
+        if nets:
+            raise ValueError("an audit policy needs the subject's audit objects")
+        return True
+    if kind in SHARED_RANGE_SETS and not range_objects:
+        if nets:
+            raise ValueError("a policy with shared port ranges needs the subject's range objects")
+        return True
+    return False
+
+
+def needs_range_objects(contents: Contents) -> bool:
+    """Does a subject with ``contents`` need its range objects (``dynr``, ``dynrports`` and the
+    rules that read them, :func:`egressd.fleetnft.subject.range_objects`)? Yes when its policy
+    has shared ranges (egressd.subject.ranges): only then can a lease take the hash path."""
+    return any(nets for kind, nets in contents if kind in SHARED_RANGE_SETS)
 
 
 def refuses_more(held: Contents, new: Contents) -> bool:
@@ -242,17 +268,20 @@ def _within(nets: Sequence[IPNetwork], cover: Sequence[IPNetwork]) -> bool:
     return True
 
 
-def dyn_replace(table: str, nft_id: str, kept: Sequence[LeaseLike]) -> NetlinkBatch:
+def dyn_replace(table: str, nft_id: str, kept: Sequence[LeaseLike], *, ranges: bool) -> NetlinkBatch:
     """A narrowing change's dyn-set part (docs/reference/behaviour.md §14.1): the dyn sets (address-only and
     port-scoped) emptied and refilled with the leases that survive, each with its scope under
     the new policy (§18), in the caller's transaction. A flush, not per-element deletes: an
     element the kernel already expired would make a delete fail (ENOENT) and abort the whole
-    swap."""
+    swap. ``ranges``: the subject has its range objects (``dynr`` is flushed too); without
+    them no lease may take the hash path (ValueError: its policy would have made them)."""
     n = Names(nft_id)
-    kinds = ("dyn_v4", "dyn_v6", "dynp_v4", "dynp_v6", "dynpx_v4", "dynpx_v6", "dynr_v4", "dynr_v6")
+    kinds = ("dyn_v4", "dyn_v6", "dynp_v4", "dynp_v6", "dynpx_v4", "dynpx_v6", *(DYNR_SETS if ranges else ()))
     flush = NetlinkBatch(table, tuple(FlushSet(n.set(kind)) for kind in kinds))
     # The flush emptied what they held; each keeps the shared ranges it was narrowed under.
     fresh = [Grant(g.ip, g.seconds, g.scope, shared=g.shared) for g in as_grants(kept)]
+    if not ranges and any(not g.shared.is_empty() for g in fresh):
+        raise ValueError("a lease on the hash path needs the subject's range objects")
     return flush + dyn_add(table, nft_id, fresh)
 
 

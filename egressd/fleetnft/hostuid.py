@@ -314,11 +314,13 @@ def deny_first(
     keys = view.uid_keys | {(host.host_uid, host.slot)}
     if not view.objects:
         return uid_subject_create(cfg, subj), KernelView(True, rules=True, uid_keys=keys)
-    batch = flush_subject_sets(cfg.table, nid, audit=view.audit)
+    # The audit and range objects stay (lazy, made once, kept for the subject's life): emptied.
+    batch = flush_subject_sets(cfg.table, nid, audit=view.audit, ranges=view.ranges)
     if not view.rules:
-        batch = batch + subject_rules(cfg, nid, audit=view.audit)
+        batch = batch + subject_rules(cfg, nid, audit=view.audit, ranges=view.ranges)
     batch = batch + uid_subject_keys(cfg, subj) + audit_membership(cfg, keys, audit=False)
-    return batch, KernelView(True, view.keys, True, None, uid_keys=keys, audit=view.audit)
+    after = KernelView(True, view.keys, True, None, uid_keys=keys, audit=view.audit, ranges=view.ranges)
+    return batch, after
 
 
 def add_keys(cfg: TableConfig, entry: Entry, host: HostBinding, audit: bool) -> NetlinkBatch:

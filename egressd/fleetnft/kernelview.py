@@ -55,8 +55,8 @@ class FleetKernelView:
             is not None
         )
 
-    def rules_per_subject(self, *, audit: bool) -> int:
-        return rules_per_subject(self._cfg, audit=audit)
+    def rules_per_subject(self, *, audit: bool, ranges: bool) -> int:
+        return rules_per_subject(self._cfg, audit=audit, ranges=ranges)
 
 
 def _element_text(start: bytes, end: bytes | None, *, interval: bool) -> str:

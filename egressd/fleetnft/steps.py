@@ -22,6 +22,7 @@ from egressd.fleetnft.contents import (
     Contents,
     contents_swap,
     dyn_replace,
+    needs_range_objects,
     policy_swap,
     refuses_more,
     sandbox_nets_refresh,
@@ -38,10 +39,10 @@ from egressd.fleetnft.mitmports import (
     uid_key,
 )
 from egressd.fleetnft.subject import (
-    audit_objects,
     dispatch_deletes,
     flush_subject_sets,
     gateway_release,
+    lazy_objects,
     removal_batch,
     subject_create,
     subject_keys,
@@ -224,9 +225,9 @@ class FleetSteps:
             return [subj.ip]
         # Revert, rebind or retry: empty every set before any (new) key points at the
         # chains, all in one transaction.
-        batch = flush_subject_sets(cfg.table, nid, audit=view.audit)
+        batch = flush_subject_sets(cfg.table, nid, audit=view.audit, ranges=view.ranges)
         if not view.rules:
-            batch = batch + subject_rules(cfg, nid, audit=view.audit)
+            batch = batch + subject_rules(cfg, nid, audit=view.audit, ranges=view.ranges)
         batch, commit = self.nets.refilled(
             batch + subject_keys(cfg, subj), entry.uid, binding.private_cidr, binding.host_veth
         )
@@ -255,37 +256,49 @@ class FleetSteps:
     ) -> None:
         send = self._txn(txn)
         nid, table = entry.nft_id, self._cfg.table
-        batch, audit = self._policy_batch(nid, effective, contents, view)
+        batch, audit, ranges = self._policy_batch(nid, effective, contents, view)
         if kept is not None:
-            batch = batch + dyn_replace(table, nid, kept)
+            batch = batch + dyn_replace(table, nid, kept, ranges=ranges)
         # A host-uid subject's audit mode lets its established flows pass (fleetnft/hostuid.py).
         batch = batch + hostuid.audit_membership(self._cfg, view.uid_keys, effective.audit)
         batch, commit = self.nets.refilled(batch, entry.uid, *_recognised_by(entry, self.nets))
         want = Interception(_named_keys(view), named_ports(effective, self.fixed_ports))
         batch, named = self.named.changed(batch, entry.uid, want)
-        after = replace(view, applied=policy, audit=audit, contents=contents)
+        after = replace(view, applied=policy, audit=audit, ranges=ranges, contents=contents)
         await send.send(batch, "static_apply", after)
         commit()
         named()
 
     def _policy_batch(
         self, nid: str, effective: NetworkPolicy, contents: Contents, view: KernelView
-    ) -> tuple[NetlinkBatch, bool]:
+    ) -> tuple[NetlinkBatch, bool, bool]:
         """The static sets' swap to ``effective`` (with the audit objects first when it is the
-        subject's first audit policy), and whether the subject has audit objects after it.
+        subject's first audit policy, the range objects first when it is its first policy with
+        shared ranges), and whether the subject has audit and range objects after it. Either
+        kind is made in the transaction of the policy that needs it, so a lease can only be
+        decided onto the hash path (under that policy) once ``dynr`` exists.
         Deny-first content (``applied`` None; every writer of static sets skips such a
         subject, see actionhandler/always.py) is empty, so its first policy is only filled in;
         after that only the sets whose content changes are rewritten, when the view knows what
         they hold."""
         table = self._cfg.table
-        make = effective.audit and not view.audit
-        batch = audit_objects(self._cfg, nid) if make else NetlinkBatch(table)
-        audit = view.audit or make
+        make_audit = effective.audit and not view.audit
+        make_ranges = needs_range_objects(contents) and not view.ranges
+        batch = lazy_objects(
+            self._cfg, nid, audit=view.audit, ranges=view.ranges, make_audit=make_audit, make_ranges=make_ranges
+        )
+        audit, ranges = view.audit or make_audit, view.ranges or make_ranges
         held = view.contents if view.applied is not None else None
         fill = contents_swap(
-            table, nid, contents, audit_objects=audit, known_empty=view.applied is None, held=held
+            table,
+            nid,
+            contents,
+            audit_objects=audit,
+            range_objects=ranges,
+            known_empty=view.applied is None,
+            held=held,
         )
-        return batch + fill, audit
+        return batch + fill, audit, ranges
 
     async def add_keys(self, txn: StepTxn, entry: Entry, binding: Binding, view: KernelView) -> list[IPAddress]:
         send = self._txn(txn)
@@ -328,7 +341,10 @@ class FleetSteps:
         send = self._txn(txn)
         ops = self._key_deletes(view.keys, None, in_use) + hostuid.key_deletes(self._cfg, view.uid_keys)
         if view.objects:
-            ops += removal_batch(self._cfg, entry.nft_id, None, release_gateway=None, audit=view.audit).ops
+            removal = removal_batch(
+                self._cfg, entry.nft_id, None, release_gateway=None, audit=view.audit, ranges=view.ranges
+            )
+            ops += removal.ops
         removal, commit = self.nets.refilled(NetlinkBatch(self._cfg.table, tuple(ops)), entry.uid, None, None)
         removal, named = self.named.changed(removal, entry.uid, NONE)
         await send.send(removal, "remove", KernelView())
@@ -359,18 +375,22 @@ class FleetSteps:
         if not view.objects:
             return NetlinkBatch(table)  # neither state has objects (nor keys, which jump to them)
         if effective is None:
-            contents = flush_subject_sets(table, nid, audit=view.audit)
+            contents = flush_subject_sets(table, nid, audit=view.audit, ranges=view.ranges)
         else:
-            contents = policy_swap(
-                table, nid, effective, audit_objects=view.audit, name_check=self._cfg.checks_names
-            ) + dyn_replace(
-                table, nid, kept
+            swap = policy_swap(
+                table,
+                nid,
+                effective,
+                audit_objects=view.audit,
+                range_objects=view.ranges,
+                name_check=self._cfg.checks_names,
             )
+            contents = swap + dyn_replace(table, nid, kept, ranges=view.ranges)
         worker = self.workers.of(uid) if view.keys else 0
         keys = [SubjectNft(nid, ip, gw, worker) for ip, gw in sorted(view.keys, key=str)]
         audit = effective is not None and effective.audit
         uid_keys = hostuid.resync_keys(self._cfg, nid, view, audit)
-        return subject_resync(self._cfg, nid, keys, contents, audit=view.audit) + uid_keys
+        return subject_resync(self._cfg, nid, keys, contents, audit=view.audit, ranges=view.ranges) + uid_keys
 
     def _key_deletes(self, stale: Keys, keep: Binding | None, in_use: InUse) -> list[Op]:
         """Deletions for stale dispatch keys: each map element and gateway exactly once."""

@@ -3,7 +3,8 @@ chains, counters and fixed rules, and the dispatch keys that point its source ad
 Pure: returns netlink batches (and cache-free libnftables declarations).
 
 A subject's rules are fixed for its lifetime (deny sets drop; allow and dyn sets mark ``0x2``),
-except that its first audit policy adds the audit rules once (:func:`audit_objects`); its state
+except that its first audit policy adds the audit rules once (:func:`audit_objects`) and its
+first policy with shared port ranges the range rules once (:func:`range_objects`); its state
 lives only in its set contents (:mod:`egressd.fleetnft.contents`). Deny-first is "all its sets
 empty": nothing is marked, so the unmarked-drop tail drops everything. ``defaultAction: allow``
 is ``0.0.0.0/0`` and ``::/0`` in the allow sets. So activation, policy updates and reverts are
@@ -73,7 +74,6 @@ from egressd.nftsyntax import (
     DYN_TIMEOUT_S,
     family,
     port_set_decl,
-    services_set_decl,
     set_decl,
     timeout_set_decl,
 )
@@ -87,28 +87,23 @@ def subject_worker_port(cfg: TableConfig, subj: SubjectNft) -> int:
     return cfg.mitm_port + subj.worker
 
 
-def subject_sets(*, audit: bool) -> tuple[str, ...]:
-    """The kinds of set a subject has: the audit sets only once :func:`audit_objects` made them."""
+def subject_sets(*, audit: bool, ranges: bool) -> tuple[str, ...]:
+    """The kinds of set a subject has: the audit sets only once :func:`audit_objects` made
+    them, the range sets only once :func:`range_objects` made them."""
     audit_sets = (*AUDIT_SETS, *AUDIT_PORT_SETS) if audit else ()
-    return (
-        *CORE_SETS,
-        *audit_sets,
-        *DYN_SETS,
-        *PORT_STATIC_SETS,
-        *DYNP_SETS,
-        *DYNPX_SETS,
-        *DYNR_SETS,
-        *SHARED_RANGE_SETS,
-    )
+    range_sets = (*DYNR_SETS, *SHARED_RANGE_SETS) if ranges else ()
+    return (*CORE_SETS, *audit_sets, *DYN_SETS, *PORT_STATIC_SETS, *DYNP_SETS, *DYNPX_SETS, *range_sets)
 
 
-def subject_rules(cfg: TableConfig, nft_id: str, *, audit: bool = False) -> NetlinkBatch:
+def subject_rules(cfg: TableConfig, nft_id: str, *, audit: bool = False, ranges: bool = False) -> NetlinkBatch:
     """The subject's fixed rules, added once when its chains are first created (the audit
-    rules with its audit objects, :func:`audit_objects`).
+    rules with its audit objects, :func:`audit_objects`; the range rules with its range
+    objects, :func:`range_objects`).
 
     ``subj_<id>``: deny sets drop (address-only, then port-scoped). ``mark_<id>``: allow and dyn
     sets mark 0x2, each address-only then port-scoped (docs/reference/behaviour.md §18; with the name
-    check on, the address-only dyn sets mark anything but UDP 443), then (``audit``) the audit
+    check on, the address-only dyn sets mark anything but UDP 443; ``ranges``: the hash path
+    ``dynr`` . ``dynrports`` after ``dynpx``), then (``audit``) the audit
     rules, which match nothing while ``wdeny`` and ``audit`` are empty. ``subj_<id>_in``
     (MITM): IN(drop) of §8.2 on the conntrack original destination (and port); the
     intercepted path is never audited, so ``wdeny`` drops there like ``deny``.
@@ -123,13 +118,13 @@ def subject_rules(cfg: TableConfig, nft_id: str, *, audit: bool = False) -> Netl
         ops.append(
             AddRule(n.chain, PortRule(fam, n.set(f"denyp_{fam}"), RuleAction.DROP, drop_chain=DENIED_CHAIN))
         )
-    ops += _mark_rules(n, audit=audit, name_check=cfg.checks_names)
+    ops += _mark_rules(n, audit=audit, ranges=ranges, name_check=cfg.checks_names)
     if cfg.mitm:
-        ops += _in_rules(n, audit=audit)
+        ops += _in_rules(n, audit=audit, ranges=ranges)
     return NetlinkBatch(cfg.table, tuple(ops))
 
 
-def _mark_rules(n: Names, *, audit: bool, name_check: bool) -> list[Op]:
+def _mark_rules(n: Names, *, audit: bool, ranges: bool, name_check: bool) -> list[Op]:
     ops: list[Op] = []
     for kind in ("allow", "dyn"):
         for fam in ("v4", "v6"):
@@ -143,15 +138,15 @@ def _mark_rules(n: Names, *, audit: bool, name_check: bool) -> list[Op]:
         if kind == "dyn":
             for fam in ("v4", "v6"):
                 ops.append(AddRule(n.mark_chain, PortRule(fam, n.set(f"dynpx_{fam}"), RuleAction.MARK, exact=True)))
-            for fam in ("v4", "v6"):
-                ranges = RangeRule(fam, n.set(f"dynr_{fam}"), n.set(f"dynrports_{fam}"), RuleAction.MARK)
-                ops.append(AddRule(n.mark_chain, ranges))
+            for fam in ("v4", "v6") if ranges else ():
+                hashed = RangeRule(fam, n.set(f"dynr_{fam}"), n.set(f"dynrports_{fam}"), RuleAction.MARK)
+                ops.append(AddRule(n.mark_chain, hashed))
     if not audit:
         return ops
     return ops + audit_mark_rules(n)
 
 
-def _in_rules(n: Names, *, audit: bool) -> list[Op]:
+def _in_rules(n: Names, *, audit: bool, ranges: bool) -> list[Op]:
     in_rules = (
         ("deny", RuleAction.DROP),
         ("denyp", RuleAction.DROP),
@@ -159,7 +154,7 @@ def _in_rules(n: Names, *, audit: bool) -> list[Op]:
         ("dyn", RuleAction.ACCEPT),
         ("dynp", RuleAction.ACCEPT),
         ("dynpx", RuleAction.ACCEPT),
-        ("dynr", RuleAction.ACCEPT),
+        *((("dynr", RuleAction.ACCEPT),) if ranges else ()),
         ("allow", RuleAction.ACCEPT),
         ("allowp", RuleAction.ACCEPT),
     )
@@ -180,28 +175,61 @@ def _in_rules(n: Names, *, audit: bool) -> list[Op]:
     return ops
 
 
-def audit_objects(cfg: TableConfig, nft_id: str) -> NetlinkBatch:
-    """Audit mode's objects for a subject that has none yet, for the caller's transaction: the
-    ``wdeny`` and ``audit`` sets (empty), and ``mark_<id>`` (and ``subj_<id>_in``) rebuilt with
-    the rules that read them. The chains are emptied and refilled in the same atomic batch, so
-    no packet ever meets a chain without its allow/deny rules; the sets are declared (a no-op
-    when present) before any rule names them."""
+def lazy_objects(
+    cfg: TableConfig, nft_id: str, *, audit: bool, ranges: bool, make_audit: bool, make_ranges: bool
+) -> NetlinkBatch:
+    """The objects a subject gains with its first policy that needs them, for the caller's
+    transaction (nothing when neither ``make_*``): audit mode's ``wdeny``, ``wdenyp`` and
+    ``audit`` sets (``make_audit``) and the hash path's ``dynr`` and ``dynrports`` sets
+    (``make_ranges``), all empty, and ``mark_<id>`` (and ``subj_<id>_in``) rebuilt with the
+    rules of every object it then has (``audit`` / ``ranges``: it had them already). The
+    chains are emptied and refilled in the same atomic batch, so no packet ever meets a chain
+    without its allow/deny rules; the sets are declared (a no-op when present) before any rule
+    names them. Both kinds are lazy because the kernel finds a set by name by walking the
+    table's sets: every set a subject does not need slows every transaction of the fleet."""
+    if not make_audit and not make_ranges:
+        return NetlinkBatch(cfg.table)
     n = Names(nft_id)
-    ops: list[Op] = [AddSet(n.set(kind), kind[-2:], "interval") for kind in AUDIT_SETS]
-    ops += [AddSet(n.set(kind), kind[-2:], "interval", ports=True) for kind in AUDIT_PORT_SETS]
+    ops: list[Op] = []
+    if make_audit:
+        ops += [AddSet(n.set(kind), kind[-2:], "interval") for kind in AUDIT_SETS]
+        ops += [AddSet(n.set(kind), kind[-2:], "interval", ports=True) for kind in AUDIT_PORT_SETS]
+    if make_ranges:
+        ops += _range_sets(cfg, n)
+    audit, ranges = audit or make_audit, ranges or make_ranges
     ops.append(FlushChain(n.mark_chain))
-    ops += _mark_rules(n, audit=True, name_check=cfg.checks_names)
+    ops += _mark_rules(n, audit=audit, ranges=ranges, name_check=cfg.checks_names)
     if cfg.mitm:
         ops.append(FlushChain(n.in_chain))
-        ops += _in_rules(n, audit=True)
+        ops += _in_rules(n, audit=audit, ranges=ranges)
     return NetlinkBatch(cfg.table, tuple(ops))
 
 
-def rules_per_subject(cfg: TableConfig, *, audit: bool = False) -> int:
+def audit_objects(cfg: TableConfig, nft_id: str, *, ranges: bool = False) -> NetlinkBatch:
+    """Audit mode's objects for a subject that has none yet (``ranges``: it has its range
+    objects), see :func:`lazy_objects`."""
+    return lazy_objects(cfg, nft_id, audit=False, ranges=ranges, make_audit=True, make_ranges=False)
+
+
+def range_objects(cfg: TableConfig, nft_id: str, *, audit: bool = False) -> NetlinkBatch:
+    """The hash path's objects (egressd.subject.ranges) for a subject that has none yet
+    (``audit``: it has its audit objects), see :func:`lazy_objects`."""
+    return lazy_objects(cfg, nft_id, audit=audit, ranges=False, make_audit=False, make_ranges=True)
+
+
+def _range_sets(cfg: TableConfig, n: Names) -> list[Op]:
+    ops: list[Op] = [
+        AddSet(n.set(kind), kind[-2:], "timeout", DYN_TIMEOUT_S, size=cfg.max_leases) for kind in DYNR_SETS
+    ]
+    ops += [AddSet(n.set(kind), kind[-2:], "interval", services=True) for kind in SHARED_RANGE_SETS]
+    return ops
+
+
+def rules_per_subject(cfg: TableConfig, *, audit: bool = False, ranges: bool = False) -> int:
     """How many rules one installed subject adds to the table: its fixed rules (with the audit
-    rules once it has them), counted from :func:`subject_rules` itself so the metric can never
-    drift from what is installed."""
-    return len(subject_rules(cfg, "0", audit=audit).ops)
+    and range rules once it has them), counted from :func:`subject_rules` itself so the metric
+    can never drift from what is installed."""
+    return len(subject_rules(cfg, "0", audit=audit, ranges=ranges).ops)
 
 
 def subject_keys(cfg: TableConfig, subj: SubjectNft) -> NetlinkBatch:
@@ -241,9 +269,9 @@ def subject_chains(cfg: TableConfig, nft_id: str) -> list[str]:
     return [n.chain, n.mark_chain] + ([n.in_chain] if cfg.mitm else [])
 
 
-def subject_objects(cfg: TableConfig, nft_id: str, *, audit: bool = False) -> NetlinkBatch:
+def subject_objects(cfg: TableConfig, nft_id: str, *, audit: bool = False, ranges: bool = False) -> NetlinkBatch:
     """Declare the subject's sets, chains and counters (each a no-op when it exists); the
-    audit sets only with ``audit``."""
+    audit sets only with ``audit``, the range sets only with ``ranges``."""
     n = Names(nft_id)
     kinds = CORE_SETS + (AUDIT_SETS if audit else ())
     ops: list[Op] = [AddSet(n.set(kind), kind[-2:], "interval") for kind in kinds]
@@ -269,8 +297,8 @@ def subject_objects(cfg: TableConfig, nft_id: str, *, audit: bool = False) -> Ne
         )
         for kind in DYNPX_SETS
     ]
-    ops += [AddSet(n.set(kind), kind[-2:], "timeout", DYN_TIMEOUT_S, size=cfg.max_leases) for kind in DYNR_SETS]
-    ops += [AddSet(n.set(kind), kind[-2:], "interval", services=True) for kind in SHARED_RANGE_SETS]
+    if ranges:
+        ops += _range_sets(cfg, n)
     ops += [AddChain(c) for c in subject_chains(cfg, nft_id)]
     ops += [AddCounter(n.counter(kind)) for kind in AUDIT_COUNTERS]
     ops.append(AddCounter(n.dropped_counter))
@@ -278,17 +306,23 @@ def subject_objects(cfg: TableConfig, nft_id: str, *, audit: bool = False) -> Ne
 
 
 def subject_resync(
-    cfg: TableConfig, nft_id: str, keys: Iterable[SubjectNft], contents: NetlinkBatch, *, audit: bool
+    cfg: TableConfig,
+    nft_id: str,
+    keys: Iterable[SubjectNft],
+    contents: NetlinkBatch,
+    *,
+    audit: bool,
+    ranges: bool,
 ) -> NetlinkBatch:
     """Make the kernel hold exactly one state of a subject whichever of two states it holds
     now (after a transaction whose answer never came): every object declared (no-op when
     present), its chains emptied and given their fixed rules once, ``contents`` (flushes and
     refills of all its sets), and every one of ``keys``. Each part succeeds on both states,
-    so the caller's own operations can follow in the same transaction. ``audit``: either state
-    may have the audit objects; both then end with them."""
+    so the caller's own operations can follow in the same transaction. ``audit`` / ``ranges``:
+    either state may have the audit / range objects; both then end with them."""
     ops: list[Op] = [FlushChain(c) for c in subject_chains(cfg, nft_id)]
-    out = subject_objects(cfg, nft_id, audit=audit) + NetlinkBatch(cfg.table, tuple(ops))
-    out = out + subject_rules(cfg, nft_id, audit=audit)
+    out = subject_objects(cfg, nft_id, audit=audit, ranges=ranges) + NetlinkBatch(cfg.table, tuple(ops))
+    out = out + subject_rules(cfg, nft_id, audit=audit, ranges=ranges)
     out = out + contents
     for subj in keys:
         out = out + subject_keys(cfg, subj)
@@ -316,10 +350,6 @@ def subject_objects_script(cfg: TableConfig, subj: SubjectNft) -> str:
     for kind in DYNPX_SETS:
         decl = port_set_decl(n.set(kind), kind[-2:], port_elems_cap(cfg.max_leases), timed=True, exact=True)
         s.obj("add", "set", decl)
-    for kind in DYNR_SETS:
-        s.obj("add", "set", timeout_set_decl(n.set(kind), kind[-2:], cfg.max_leases))
-    for kind in SHARED_RANGE_SETS:
-        s.obj("add", "set", services_set_decl(n.set(kind)))
     s.obj("add", "chain", n.chain)
     s.obj("add", "chain", n.mark_chain)
     if cfg.mitm:
@@ -330,12 +360,14 @@ def subject_objects_script(cfg: TableConfig, subj: SubjectNft) -> str:
     return s.text()
 
 
-def flush_subject_sets(table: str, nft_id: str, *, audit: bool) -> NetlinkBatch:
+def flush_subject_sets(table: str, nft_id: str, *, audit: bool, ranges: bool) -> NetlinkBatch:
     """Deny-first content: every set of the subject empty (leases included, so a rebind never
     keeps them); ``audit``: it has the audit sets, which must be emptied too (``audit`` holds
-    0.0.0.0/0 while auditing)."""
+    0.0.0.0/0 while auditing); ``ranges``: it has the range sets (emptied too; without them a
+    flush of one would fail the whole transaction)."""
     n = Names(nft_id)
-    return NetlinkBatch(table, tuple(FlushSet(n.set(kind)) for kind in subject_sets(audit=audit)))
+    kinds = subject_sets(audit=audit, ranges=ranges)
+    return NetlinkBatch(table, tuple(FlushSet(n.set(kind)) for kind in kinds))
 
 
 def dispatch_entries(cfg: TableConfig, subj: SubjectNft) -> str:
@@ -387,6 +419,7 @@ def removal_batch(
     *,
     release_gateway: IPAddress | None,
     audit: bool,
+    ranges: bool,
 ) -> NetlinkBatch:
     """§8.5 without the rebuild: one atomic batch dropping exactly this subject's objects.
 
@@ -398,7 +431,7 @@ def removal_batch(
     if ip is not None:
         ops += dispatch_deletes(cfg, ip, release_gateway=release_gateway)
     ops += [DeleteChain(c) for c in subject_chains(cfg, nft_id)]
-    ops += [DeleteSet(n.set(kind)) for kind in subject_sets(audit=audit)]
+    ops += [DeleteSet(n.set(kind)) for kind in subject_sets(audit=audit, ranges=ranges)]
     ops += [DeleteCounter(n.counter(kind)) for kind in AUDIT_COUNTERS]
     ops.append(DeleteCounter(n.dropped_counter))
     return NetlinkBatch(cfg.table, tuple(ops))

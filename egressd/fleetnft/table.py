@@ -53,7 +53,9 @@ DYNPX_SETS = ("dynpx_v4", "dynpx_v6")
 # The hash path for the leases' port ranges (egressd.subject.ranges): a lease whose ranges are
 # the subject's shared ranges is its address alone in dynr (a timeout hash set like dyn), read
 # with dynrports (``inet_proto . inet_service`` intervals: the shared ranges, written with the
-# policy). Only other ranges go to the pipapo dynp, whose every change clones it.
+# policy). Only other ranges go to the pipapo dynp, whose every change clones it. Declared
+# (with the rules that read them) by :func:`range_objects` with the subject's first policy that
+# has shared ranges and kept until its removal, like the audit sets and for the same reason.
 DYNR_SETS = ("dynr_v4", "dynr_v6")
 SHARED_RANGE_SETS = ("dynrports_v4", "dynrports_v6")
 PORT_SETS = (*PORT_STATIC_SETS, *DYNP_SETS, *DYNPX_SETS, *DYNR_SETS, *SHARED_RANGE_SETS)

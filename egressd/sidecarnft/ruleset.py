@@ -254,8 +254,12 @@ def _set_declarations(
         lines.append(_port_set(t, f"denyp_{fam}", fam, port_elements(mine_d), 0, timed=False))
         lines.append(_dynp(cfg, fam, dynp[fam]))
         lines.append(_dynp(cfg, fam, dynpx[fam], exact=True))
-        lines.append(_timeout_set(t, dynr_set(fam), fam, dynr[fam], cfg.max_leases))
-        lines.append(f"add set inet {t} {services_set_decl(dynrports_set(fam), services)}")
+        if services:
+            # Only with shared ranges (every policy change rebuilds the table): without them
+            # no lease takes the hash path, and every set fewer is one the kernel's by-name
+            # lookups need not walk past.
+            lines.append(_timeout_set(t, dynr_set(fam), fam, dynr[fam], cfg.max_leases))
+            lines.append(f"add set inet {t} {services_set_decl(dynrports_set(fam), services)}")
     if cfg.block_doh_443 and cfg.doh_blocklist:
         for fam in ("v4", "v6"):
             if doh[fam]:
@@ -360,16 +364,18 @@ def _filter_chain(cfg: SidecarTable, policy: NetworkPolicy, doh: dict[str, list[
             for fam in ("v4", "v6"):
                 if doh[fam]:
                     rule(f"{l3_of(fam)} daddr @doh_block_{fam} tcp dport 443 {REFUSE}")
-    lines += [_rule(t, f, body) for body in _address_verdicts(cfg)]
+    ranges = not shared_ranges(policy, name_check=cfg.checks_names).is_empty()
+    lines += [_rule(t, f, body) for body in _address_verdicts(cfg, ranges=ranges)]
     if not default_allow:
         rule(REFUSE)
     return lines
 
 
-def _address_verdicts(cfg: SidecarTable) -> list[str]:
+def _address_verdicts(cfg: SidecarTable, *, ranges: bool) -> list[str]:
     """Deny beats everything (address-only, then by port); then exempt nameservers (port 53),
     leases, the allow sets, each address-only then by port (docs/reference/behaviour.md §18). With the
-    name check on, an address-only lease accepts anything but UDP 443 (QUIC)."""
+    name check on, an address-only lease accepts anything but UDP 443 (QUIC). ``ranges``: the
+    policy has shared ranges, so the table has the hash path's sets (and this rule reads them)."""
     key = "daddr . meta l4proto . th dport"
     out = [f"{l3_of(fam)} daddr @deny_{fam} {REFUSE}" for fam in ("v4", "v6")]
     out += [f"{l3_of(fam)} {key} @denyp_{fam} {REFUSE}" for fam in ("v4", "v6")]
@@ -385,6 +391,7 @@ def _address_verdicts(cfg: SidecarTable) -> list[str]:
     out += [
         f"{l3_of(fam)} daddr @{dynr_set(fam)} meta l4proto . th dport @{dynrports_set(fam)} accept"
         for fam in ("v4", "v6")
+        if ranges
     ]
     out += [f"{l3_of(fam)} daddr @allow_{fam} accept" for fam in ("v4", "v6")]
     out += [f"{l3_of(fam)} {key} @allowp_{fam} accept" for fam in ("v4", "v6")]

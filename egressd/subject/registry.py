@@ -95,6 +95,10 @@ class KernelView:
     # The audit sets and rules exist (made by the subject's first audit policy, kept until
     # its removal); when ``unsure``, either state may have them.
     audit: bool = False
+    # The range objects (dynr, dynrports and the rules that read them) exist, made by the
+    # subject's first policy with shared port ranges (egressd.subject.ranges) and kept until
+    # its removal, like ``audit``; when ``unsure``, either state may have them.
+    ranges: bool = False
     # What the static sets hold, (set kind, prefixes) per set, as written by the last answered
     # transaction that wrote them (an in-place swap then rewrites only the sets that change).
     # None: not known for certain, and the next swap rewrites every set. Only meaningful

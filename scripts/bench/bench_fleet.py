@@ -607,7 +607,7 @@ class DirectRun:
         """Untimed: the table keeps its size."""
         batch = NetlinkBatch(DIRECT_TABLE)
         for s in created:
-            batch = batch + removal_batch(self.cfg, s.nft_id, s.ip, release_gateway=None, audit=False)
+            batch = batch + removal_batch(self.cfg, s.nft_id, s.ip, release_gateway=None, audit=False, ranges=False)
         self.netlink(batch)
         time.sleep(0.01)  # the kernel's deferred clean-up of the deleted objects
 

@@ -115,7 +115,7 @@ class Variant:
         )
 
     def remove(self, s: SubjectNft) -> NetlinkBatch:
-        return removal_batch(self.cfg, s.nft_id, s.ip, release_gateway=None, audit=not self.six)
+        return removal_batch(self.cfg, s.nft_id, s.ip, release_gateway=None, audit=not self.six, ranges=False)
 
 
 class SharedVariant:
@@ -267,7 +267,7 @@ def one_round(socks: Sockets, v: AnyVariant, k: int) -> dict[str, float]:
         raise RuntimeError(
             f"{v.cfg.table}: sets survived their removal: {sorted(v.removed & handles.keys())}"
         )
-    v.removed = {Names(s.nft_id).set(kind) for kind in subject_sets(audit=not v.six)}
+    v.removed = {Names(s.nft_id).set(kind) for kind in subject_sets(audit=not v.six, ranges=False)}
     if not v.removed <= handles.keys():
         raise RuntimeError(f"{v.cfg.table}: the dump misses sets of {s.nft_id}")
     out["fill"] = timed(socks, v.swap(s, policy(k), first=True))

@@ -25,8 +25,8 @@ _SCRIPT = textwrap.dedent(
     from egressd.fleetnft.contents import policy_swap
     from egressd.fleetnft.header import header_script
     from egressd.fleetnft.subject import (
-        audit_objects, dispatch_deletes, flush_subject_sets, gateway_release, removal_batch, subject_create,
-        subject_keys, subject_resync,
+        audit_objects, dispatch_deletes, flush_subject_sets, gateway_release, range_objects, removal_batch,
+        subject_create, subject_keys, subject_resync,
     )
     from egressd.fleetnft.table import SubjectNft, TableConfig
     from egressd.kernel.netlink import NfTablesSocket
@@ -50,20 +50,20 @@ _SCRIPT = textwrap.dedent(
                              check=True).stdout
         return out
 
-    def resync(applied, audit=False):
+    def resync(applied, audit=False, ranges=False):
         if applied is None:
-            contents = flush_subject_sets("T", "s_u_1", audit=audit)
+            contents = flush_subject_sets("T", "s_u_1", audit=audit, ranges=ranges)
         else:
-            contents = policy_swap("T", "s_u_1", applied, audit_objects=audit)
-        return subject_resync(cfg, "s_u_1", [subj], contents, audit=audit)
+            contents = policy_swap("T", "s_u_1", applied, audit_objects=audit, range_objects=ranges)
+        return subject_resync(cfg, "s_u_1", [subj], contents, audit=audit, ranges=ranges)
 
-    def swap(p, audit=False):
-        return policy_swap("T", "s_u_1", p, audit_objects=audit)
+    def swap(p, audit=False, ranges=False):
+        return policy_swap("T", "s_u_1", p, audit_objects=audit, range_objects=ranges)
 
     if case == "create":
         # A first install went unanswered: nothing, or the whole deny-first subject.
         states = [NetlinkBatch("T"), subject_create(cfg, subj)]
-        step = resync(None) + flush_subject_sets("T", "s_u_1", audit=False) + subject_keys(cfg, subj)
+        step = resync(None) + flush_subject_sets("T", "s_u_1", audit=False, ranges=False) + subject_keys(cfg, subj)
     elif case == "apply":
         # An activation went unanswered: deny-first content, or the policy's.
         states = [subject_create(cfg, subj), subject_create(cfg, subj) + swap(policy)]
@@ -77,11 +77,22 @@ _SCRIPT = textwrap.dedent(
         before = subject_create(cfg, subj) + swap(policy)
         states = [before, before + audit_objects(cfg, "s_u_1") + swap(audited, True)]
         step = resync(policy, True) + swap(audited, True)
+    elif case == "ranges":
+        # A subject's first policy with shared port ranges went unanswered: no range objects,
+        # or them and the ranges. The re-sync leaves both with the range objects (either
+        # state's, like the audit objects), and the ranged policy then applies to both.
+        ranged = parse_policy(
+            '{"defaultAction":"deny","egress":[{"action":"allow","target":"a.test","protocol":"tcp",'
+            '"ports":["8000-8999"]}]}'
+        )
+        before = subject_create(cfg, subj) + swap(policy)
+        states = [before, before + range_objects(cfg, "s_u_1") + swap(ranged, ranges=True)]
+        step = resync(policy, ranges=True) + swap(ranged, ranges=True)
     else:
         # A removal went unanswered: the active subject, or nothing.
         states = [subject_create(cfg, subj) + swap(policy), NetlinkBatch("T")]
         removal = dispatch_deletes(cfg, subj.ip, release_gateway=None) + [gateway_release(subj.gateway)]
-        removal += removal_batch(cfg, "s_u_1", None, release_gateway=None, audit=False).ops
+        removal += removal_batch(cfg, "s_u_1", None, release_gateway=None, audit=False, ranges=False).ops
         step = resync(policy) + NetlinkBatch("T", tuple(removal))
     for state in states:
         reset()
@@ -104,7 +115,7 @@ def scratch() -> Iterator[str]:
 
 
 @pytest.mark.parametrize("mitm", ["plain", "mitm"])
-@pytest.mark.parametrize("case", ["create", "apply", "audit", "remove"])
+@pytest.mark.parametrize("case", ["create", "apply", "audit", "ranges", "remove"])
 def test_the_resync_batch_converges_from_both_states(scratch: str, case: str, mitm: str) -> None:
     r = subprocess.run(
         ["ip", "netns", "exec", scratch, sys.executable, "-c", _SCRIPT, mitm, case],
@@ -124,3 +135,8 @@ def test_the_resync_batch_converges_from_both_states(scratch: str, case: str, mi
         # The audit sets and rules only where an audit policy made them, then exactly once.
         assert first.count("log prefix") == (6 if case == "audit" else 0)  # wdeny, wdenyp, audit x v4, v6
         assert ("subj_s_u_1_wdeny_v4" in first) is (case == "audit")
+        # Likewise the range sets and rules (one per family, two with the MITM's input chain).
+        assert first.count("@subj_s_u_1_dynrports_v4") == ((2 if mitm == "mitm" else 1) if case == "ranges" else 0)
+        assert ("subj_s_u_1_dynr_v4" in first) is (case == "ranges")
+        if case == "ranges":
+            assert "tcp . 8000-8999" in first

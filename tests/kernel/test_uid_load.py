@@ -56,11 +56,11 @@ _SCRIPT = textwrap.dedent(
     print(listing())
     print("=====")
     # Back to deny-first, then removal of both uid subjects (the network one stays).
-    sock.run(flush_subject_sets("T", "s_a", audit=True) + NetlinkBatch("T", tuple(uid_audit_ops(100001, audit=False))))
+    sock.run(flush_subject_sets("T", "s_a", audit=True, ranges=False) + NetlinkBatch("T", tuple(uid_audit_ops(100001, audit=False))))
     print(listing())
     print("=====")
     for s in (a, b):
-        gone = removal_batch(cfg, s.nft_id, None, release_gateway=None, audit=s is a)
+        gone = removal_batch(cfg, s.nft_id, None, release_gateway=None, audit=s is a, ranges=False)
         ops = uid_key_deletes(cfg, s.host_uid, s.slot) + list(gone.ops)
         sock.run(NetlinkBatch("T", tuple(ops)))
     print(listing())

@@ -176,9 +176,12 @@ def subj_rules(nid: str = "s_u_1") -> list[str]:
     ]
 
 
-def mark_rules(nid: str = "s_u_1", *, audit: bool = False, name_check: bool = False) -> list[str]:
-    """``mark_<id>``'s rules; the audit rules only once an audit policy made them; with the
-    name check (on with the MITM), the address-only dyn sets never mark UDP 443."""
+def mark_rules(
+    nid: str = "s_u_1", *, audit: bool = False, name_check: bool = False, ranges: bool = False
+) -> list[str]:
+    """``mark_<id>``'s rules; the audit rules only once an audit policy made them, the range
+    rules only once a policy with shared port ranges made them; with the name check (on with
+    the MITM), the address-only dyn sets never mark UDP 443."""
     log = f'log prefix "egressd would-deny {nid} "'
     unmarked = "meta mark & 0x00000002 != 0x00000002 "
     key = "daddr . meta l4proto . th dport"
@@ -208,7 +211,7 @@ def mark_rules(nid: str = "s_u_1", *, audit: bool = False, name_check: bool = Fa
                 f"{l3} daddr @subj_{nid}_dynr_{fam} meta l4proto . th dport @subj_{nid}_dynrports_{fam} "
                 "meta mark set 0x2"
                 for l3, fam in (("ip", "v4"), ("ip6", "v6"))
-                if kind == "dyn"
+                if kind == "dyn" and ranges
             ),
         )
     ]
@@ -229,7 +232,7 @@ def mark_rules(nid: str = "s_u_1", *, audit: bool = False, name_check: bool = Fa
     )
 
 
-def in_rules(nid: str = "s_u_1", *, audit: bool = False) -> list[str]:
+def in_rules(nid: str = "s_u_1", *, audit: bool = False, ranges: bool = False) -> list[str]:
     def key(l3: str, kind: str) -> str:
         if kind == "dynr":
             fam = "v4" if l3 == "ip" else "v6"
@@ -248,7 +251,7 @@ def in_rules(nid: str = "s_u_1", *, audit: bool = False) -> list[str]:
                 ("dyn", "accept"),
                 ("dynp", "accept"),
                 ("dynpx", "accept"),
-                ("dynr", "accept"),
+                *((("dynr", "accept"),) if ranges else ()),
                 ("allow", "accept"),
                 ("allowp", "accept"),
             )
@@ -1167,7 +1170,7 @@ async def test_revert_flushes_the_sets_before_any_key_points_at_them(
     calls = kernel.since(before)
     assert [(c.kind, c.op) for c in calls] == [("batch", "deny_first")]
     text = calls[0].text.splitlines()
-    kinds = subject_sets(audit=False)  # it never audited: no audit sets to flush
+    kinds = subject_sets(audit=False, ranges=False)  # it never audited: no audit sets to flush
     n = len(kinds)
     assert text[:n] == [f"flush set inet T subj_s_u_1_{k}" for k in kinds]
     assert all(ln.startswith("add element") for ln in text[n:])
@@ -1255,7 +1258,7 @@ async def test_a_subject_that_never_audits_has_no_audit_objects(mitm: bool) -> N
     control = await make_control(kernel, mitm=mitm)
     await activate(control)
     names = set(kernel.table.set_names())
-    assert {f"subj_s_u_1_{k}" for k in subject_sets(audit=False)} <= names
+    assert {f"subj_s_u_1_{k}" for k in subject_sets(audit=False, ranges=False)} <= names
     assert not {f"subj_s_u_1_{k}" for k in AUDIT_KINDS} & names
     assert_fixed_rules(kernel, mitm=mitm)
 
@@ -1318,3 +1321,108 @@ async def test_the_first_policy_fills_the_empty_sets_without_flushing(
     before = kernel.mark()
     ok(await control.handle(set_binding(policy=POLICY_B, gen=2)))  # in place: flush and refill
     assert "flush set inet T subj_s_u_1_allow_v4" in kernel.since(before)[0].text
+
+
+# --------------------------------------------------------------------------- lazy range objects
+
+RANGED = (
+    '{"defaultAction":"deny","egress":[{"action":"allow","target":"api.x.io",'
+    '"protocol":"tcp","ports":["8000-8100"]}]}'
+)
+RANGE_KINDS = ("dynr_v4", "dynr_v6", "dynrports_v4", "dynrports_v6")
+X = ipaddress.ip_address("93.184.216.34")
+
+
+@pytest.mark.parametrize("mitm", [False, True])
+async def test_a_subject_without_ranges_has_no_range_objects_and_nothing_names_them(mitm: bool) -> None:
+    """The kernel walks a table's sets by name: a set a subject does not need slows every
+    transaction. Nothing may name them either: a flush of a missing set fails the batch."""
+    kernel = text_kernel(TABLE)
+    control = await make_control(kernel, mitm=mitm)
+    await activate(control)
+    fence = entry(control).fence
+    assert await control.learn("u-1", fence, [(X, 300)], "api.x.io") is not None
+    ok(await control.handle(set_binding(policy=POLICY_B, gen=2)))  # narrowing: dyn_replace
+    ok(await control.handle(set_binding(policy=None, gen=3)))  # deny-first: flush_subject_sets
+    ok(await control.handle(set_binding(policy=POLICY_A, gen=4)))
+    names = set(kernel.table.set_names())
+    assert not {f"subj_s_u_1_{k}" for k in RANGE_KINDS} & names
+    assert all("dynr" not in c.text for c in kernel.since(0))
+    assert_fixed_rules(kernel, mitm=mitm)
+    ok(await control.handle(remove()))
+    assert not [n for n in kernel.table.set_names() if n.startswith("subj_s_u_1")]
+
+
+@pytest.mark.parametrize("mitm", [False, True])
+async def test_the_first_range_policy_adds_the_range_objects_in_its_own_transaction(mitm: bool) -> None:
+    kernel = text_kernel(TABLE)
+    control = await make_control(kernel, mitm=mitm)
+    await activate(control)
+    before = kernel.mark()
+    ok(await control.handle(set_binding(policy=RANGED, gen=2)))
+    calls = kernel.since(before)
+    assert [(c.kind, c.op) for c in calls] == [("batch", "static_apply")]  # atomic with the swap
+    text = calls[0].text
+    # Declared, then the chains emptied and rebuilt, then the shared ranges written.
+    assert text.index("add set inet T subj_s_u_1_dynr_v4") < text.index("flush chain inet T mark_s_u_1")
+    assert text.index("flush chain inet T mark_s_u_1") < text.index("subj_s_u_1_dynrports_v4 { tcp . 8000-8100 }")
+    assert kernel.elements("subj_s_u_1_dynrports_v4") == {"tcp . 8000-8100": ""}
+    assert kernel.rules("subj_s_u_1") == subj_rules()
+    assert kernel.rules("mark_s_u_1") == mark_rules(name_check=mitm, ranges=True)
+    assert kernel.rules("subj_s_u_1_in") == (in_rules(ranges=True) if mitm else [])
+    # A lease learned under it takes the hash path at once.
+    fence = entry(control).fence
+    assert await control.learn("u-1", fence, [(X, 300)], "api.x.io") is not None
+    assert set(kernel.elements("subj_s_u_1_dynr_v4")) == {str(X)}
+    # A later range policy is a content swap only: no re-creation.
+    before = kernel.mark()
+    ok(await control.handle(set_binding(policy=RANGED.replace("8100", "8200"), gen=3)))
+    (swap,) = kernel.since(before)
+    assert "add rule" not in swap.text and "add set" not in swap.text
+    assert kernel.elements("subj_s_u_1_dynrports_v4") == {"tcp . 8000-8200": ""}
+
+
+@pytest.mark.parametrize("mitm", [False, True])
+async def test_a_policy_without_ranges_empties_the_range_sets_and_keeps_the_objects(mitm: bool) -> None:
+    kernel = text_kernel(TABLE)
+    control = await make_control(kernel, mitm=mitm)
+    await activate(control, policy=RANGED)
+    fence = entry(control).fence
+    assert await control.learn("u-1", fence, [(X, 300)], "api.x.io") is not None
+    assert set(kernel.elements("subj_s_u_1_dynr_v4")) == {str(X)}
+    single = RANGED.replace('"8000-8100"', "443")
+    ok(await control.handle(set_binding(policy=single, gen=2)))
+    # The shared ranges are gone (dynrports emptied) and the lease moved off the hash path
+    # (dynr flushed by the refill): nothing opens 8000-8100 any more.
+    assert kernel.elements("subj_s_u_1_dynrports_v4") == {}
+    assert kernel.elements("subj_s_u_1_dynr_v4") == {}
+    assert kernel.elements("subj_s_u_1_dyn_v4") == {}
+    assert kernel.rules("mark_s_u_1") == mark_rules(name_check=mitm, ranges=True)  # kept for life
+    ok(await control.handle(set_binding(policy=None, gen=3)))  # deny-first flushes them too
+    for kind in RANGE_KINDS:
+        assert kernel.elements(f"subj_s_u_1_{kind}") == {}, kind
+    ok(await control.handle(set_binding(policy=RANGED, gen=4)))  # back: no re-creation needed
+    assert kernel.rules("mark_s_u_1") == mark_rules(name_check=mitm, ranges=True)
+    ok(await control.handle(remove()))
+    assert not [n for n in kernel.table.set_names() if n.startswith("subj_s_u_1")]
+
+
+@pytest.mark.parametrize("mitm", [False, True])
+@pytest.mark.parametrize("audit_first", [False, True])
+async def test_audit_and_range_objects_together(mitm: bool, audit_first: bool) -> None:
+    """Either kind first: the chains end with both kinds of rule, each exactly once and in
+    the order a subject with both made at once has them."""
+    kernel = text_kernel(TABLE)
+    control = await make_control(kernel, mitm=mitm)
+    await activate(control)
+    ranged_audit = RANGED.replace('"defaultAction":"deny",', '"defaultAction":"deny","mode":"audit",')
+    steps = (AUDITING, ranged_audit) if audit_first else (RANGED, ranged_audit)
+    for gen, policy in enumerate(steps, start=2):
+        ok(await control.handle(set_binding(policy=policy, gen=gen)))
+    assert kernel.rules("subj_s_u_1") == subj_rules()
+    assert kernel.rules("mark_s_u_1") == mark_rules(audit=True, name_check=mitm, ranges=True)
+    assert kernel.rules("subj_s_u_1_in") == (in_rules(audit=True, ranges=True) if mitm else [])
+    assert kernel.elements("subj_s_u_1_dynrports_v4") == {"tcp . 8000-8100": ""}
+    assert kernel.elements("subj_s_u_1_audit_v4") == {"0.0.0.0/0": ""}
+    ok(await control.handle(remove()))
+    assert not [n for n in kernel.table.set_names() if n.startswith("subj_s_u_1")]

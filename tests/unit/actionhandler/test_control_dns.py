@@ -396,9 +396,9 @@ async def test_set_always_rules_is_one_batch_over_all_active_subjects(
     # (none learned here), all in the one batch (docs/reference/behaviour.md §14.1).
     assert batch == (
         policy_swap(TABLE, "s_u_1", effective_policy(parse_policy(ALLOW_ALL), NEW), audit_objects=False)
-        + dyn_replace(TABLE, "s_u_1", [])
+        + dyn_replace(TABLE, "s_u_1", [], ranges=False)
         + policy_swap(TABLE, "s_u_2", effective_policy(parse_policy(ONLY_EXAMPLE), NEW), audit_objects=False)
-        + dyn_replace(TABLE, "s_u_2", [])
+        + dyn_replace(TABLE, "s_u_2", [], ranges=False)
     )
     assert not touches(batch, "s_u_3")
     assert tx.scripts == []

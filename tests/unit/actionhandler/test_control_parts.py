@@ -151,18 +151,26 @@ def test_subject_set_names_one_of_the_subjects_sets() -> None:
     assert subject_set("s_u_1", "deny", "v4") in names and subject_set("s_u_1", "allow", "v6") in names
 
 
-@pytest.mark.parametrize(("mitm", "rules", "audit_rules"), [(False, 16, 22), (True, 35, 45)])
+@pytest.mark.parametrize(
+    ("mitm", "rules", "audit_rules", "range_rules"), [(False, 14, 20, 16), (True, 31, 41, 35)]
+)
 async def test_the_rules_gauge_counts_each_installed_subjects_fixed_rules(
-    mitm: bool, rules: int, audit_rules: int
+    mitm: bool, rules: int, audit_rules: int, range_rules: int
 ) -> None:
     cfg = TableConfig(table=TABLE, dns_port=15353, mitm=mitm)
     assert rules_per_subject(cfg) == len(subject_rules(cfg, "x").ops) == rules
     assert rules_per_subject(cfg, audit=True) == len(subject_rules(cfg, "x", audit=True).ops) == audit_rules
+    # The range rules (lazy like the audit ones): two in mark_<id>, two more in subj_<id>_in.
+    assert rules_per_subject(cfg, ranges=True) == len(subject_rules(cfg, "x", ranges=True).ops) == range_rules
+    assert rules_per_subject(cfg, audit=True, ranges=True) == audit_rules + range_rules - rules
     control = await make(FakeTx(), mitm=mitm)
     assert control.report.rules_count() == {(): 0.0}
     await activate(control, "u-1", "10.0.0.5", ONLY_8)
     await activate(control, "u-2", "10.0.0.6", ONLY_8)
     assert control.report.rules_count() == {(): float(2 * rules)}
+    ranged = '{"defaultAction":"deny","egress":[{"action":"allow","target":"a.test","protocol":"tcp","ports":["8000-8099"]}]}'
+    await activate(control, "u-3", "10.0.0.7", ranged)
+    assert control.report.rules_count() == {(): float(2 * rules + range_rules)}
 
 
 # --------------------------------------------------------------------------- the lease book's answers

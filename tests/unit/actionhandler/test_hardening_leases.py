@@ -92,7 +92,7 @@ async def test_narrowing_to_deny_all_revokes_every_lease_in_the_swap_transaction
     effective = effective_policy(parse_policy(DENY_ALL), OLD)
     held = static_contents(effective_policy(parse_policy(ALLOW_API), OLD))
     swap = policy_swap(TABLE, "s_u_1", effective, audit_objects=False, held=held)  # the sets that change
-    assert batch == swap + dyn_replace(TABLE, "s_u_1", [])
+    assert batch == swap + dyn_replace(TABLE, "s_u_1", [], ranges=False)
     assert dyn_ops(batch) == [FlushSet("subj_s_u_1_dyn_v4"), FlushSet("subj_s_u_1_dyn_v6")]
     assert mirror(control) == {}
     assert not control.destination_verified(SRC, "api.x.io", API), "the MITM must not inject any more"

@@ -223,7 +223,7 @@ def forward_path(
 ) -> tuple[str, list[str]]:
     """(verdict, audit counters that counted the flow) for the first packet of a new flow."""
     addr = ip_address(dst)
-    batch = subject_rules(cfg, "s_u_1", audit=True)
+    batch = subject_rules(cfg, "s_u_1", audit=True, ranges=True)
     marked = False
     counted: list[str] = []
     for op in batch.ops:
@@ -539,7 +539,7 @@ def test_objects_script_declares_the_sets_chains_and_counters() -> None:
         "flags timeout; timeout 360s; size 8192; }" in text
     )
     declared = [ln for ln in text if ln.startswith(f"add set inet {T} subj_")]
-    assert len(declared) == 18
+    assert len(declared) == 14  # the range sets are lazy (range_objects), like the audit sets
 
 
 def test_objects_script_has_no_rules_no_flushes_no_deletes() -> None:
@@ -561,9 +561,12 @@ def test_objects_script_declarations_come_before_the_dispatch_entries() -> None:
 
 
 def test_subject_rules_are_the_fixed_rule_list() -> None:
-    batch = subject_rules(CFG, "s_u_1", audit=True)
-    # Without the audit objects: the same rules less the audit ones.
-    assert subject_rules(CFG, "s_u_1").ops == batch.ops[:16]
+    batch = subject_rules(CFG, "s_u_1", audit=True, ranges=True)
+    # Without the audit objects: the same rules less the audit ones; without the range objects
+    # (lazy too, range_objects) less the two hash-path rules as well.
+    assert subject_rules(CFG, "s_u_1", ranges=True).ops == batch.ops[:16]
+    assert subject_rules(CFG, "s_u_1").ops == batch.ops[:14]
+    assert subject_rules(CFG, "s_u_1", audit=True).ops == batch.ops[:14] + batch.ops[16:]
     assert batch.table == T
     assert batch.ops == (
         AddRule("subj_s_u_1", MatchRule("v4", "subj_s_u_1_deny_v4", Outcome.DROP, drop_chain="denied")),
@@ -619,19 +622,22 @@ def test_subject_rules_are_the_fixed_rule_list() -> None:
 
 
 def test_subject_rules_mitm_in_chain() -> None:
-    batch = subject_rules(MITM, "s_u_1", audit=True)
+    batch = subject_rules(MITM, "s_u_1", audit=True, ranges=True)
     assert batch_rules(batch, "subj_s_u_1") == SUBJ_CHAIN_RULES
     assert batch_rules(batch, "mark_s_u_1") == MARK_CHAIN_RULES_CHECKED
     assert batch_rules(batch, "subj_s_u_1_in") == IN_CHAIN_RULES
     in_ops = [op.rule for op in batch.ops if isinstance(op, AddRule) and op.chain == "subj_s_u_1_in"]
     assert all(r.ct_original for r in in_ops if isinstance(r, MatchRule | PortRule))
     assert in_ops[-1] == VerdictRule(Outcome.DROP, drop_chain="denied")
-    unchecked = subject_rules(replace(MITM, name_check=False), "s_u_1", audit=True)
-    plain = subject_rules(CFG, "s_u_1", audit=True).ops
+    unchecked = subject_rules(replace(MITM, name_check=False), "s_u_1", audit=True, ranges=True)
+    plain = subject_rules(CFG, "s_u_1", audit=True, ranges=True).ops
     assert unchecked.ops[: len(plain)] == plain
-    # Without the audit objects the input path has no wdeny drop, in the same order otherwise.
+    # Without the audit objects the input path has no wdeny drop, without the range objects
+    # no dynr accept, in the same order otherwise.
     bare = batch_rules(subject_rules(MITM, "s_u_1"), "subj_s_u_1_in")
-    assert bare == [r for r in IN_CHAIN_RULES if "wdeny" not in r]
+    assert bare == [r for r in IN_CHAIN_RULES if "wdeny" not in r and "dynr" not in r]
+    marks = batch_rules(subject_rules(MITM, "s_u_1", audit=True), "mark_s_u_1")
+    assert marks == [r for r in MARK_CHAIN_RULES_CHECKED if "dynr" not in r]
 
 
 def test_subject_rules_do_not_depend_on_anything_but_the_id() -> None:
@@ -641,7 +647,7 @@ def test_subject_rules_do_not_depend_on_anything_but_the_id() -> None:
 
 
 def test_flush_subject_sets_empties_every_set() -> None:
-    batch = flush_subject_sets(T, "s_u_1", audit=True)
+    batch = flush_subject_sets(T, "s_u_1", audit=True, ranges=True)
     assert batch == NetlinkBatch(T, tuple(FlushSet(name) for name in SETS6))
     assert batch.describe().splitlines() == [f"flush set inet {T} {name}" for name in SETS6]
 
@@ -740,7 +746,7 @@ NO_AUDIT = {"wdeny_v4": (), "wdeny_v6": (), "audit_v4": (), "audit_v6": ()}
 
 
 def test_policy_swap_for_the_spec_example() -> None:
-    batch = policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True)
+    batch = policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True, range_objects=True)
     assert batch == NetlinkBatch(
         T,
         (
@@ -758,7 +764,7 @@ def test_policy_swap_for_the_spec_example() -> None:
 
 
 def test_policy_swap_describe() -> None:
-    assert policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True).describe() == (
+    assert policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True, range_objects=True).describe() == (
         "flush set inet T subj_s_u_1_allow_v4\n"
         "add element inet T subj_s_u_1_allow_v4 { 8.8.8.8 }\n"
         "flush set inet T subj_s_u_1_allow_v6\n"
@@ -769,7 +775,7 @@ def test_policy_swap_describe() -> None:
 
 
 def test_policy_swap_never_touches_dyn_sets_rules_maps_or_header() -> None:
-    batch = policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True)
+    batch = policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True, range_objects=True)
     touched = {op.name for op in batch.ops if isinstance(op, FlushSet | AddIntervals)}
     assert touched == {f"subj_s_u_1_{k}" for k in SET_KINDS if not k.startswith("dyn") or k.startswith("dynrports")}
     assert all(isinstance(op, FlushSet | AddIntervals) for op in batch.ops)  # no rules, no deletes
@@ -785,10 +791,10 @@ def test_policy_swap_never_touches_dyn_sets_rules_maps_or_header() -> None:
 
 
 def test_policy_swap_empty_sets_get_no_elements() -> None:
-    batch = policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True)
+    batch = policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True, range_objects=True)
     filled = [op.name for op in batch.ops if isinstance(op, AddIntervals)]
     assert filled == ["subj_s_u_1_allow_v4", "subj_s_u_1_deny_v4"]
-    deny_all = policy_swap(T, "s_u_1", parse_policy("{}"), audit_objects=True)
+    deny_all = policy_swap(T, "s_u_1", parse_policy("{}"), audit_objects=True, range_objects=True)
     assert all(isinstance(op, FlushSet) for op in deny_all.ops)
     assert sorted(op.name for op in deny_all.ops) == sorted(  # type: ignore[union-attr]
         f"subj_s_u_1_{k}" for k in SET_KINDS if not k.startswith("dyn") or k.startswith("dynrports")
@@ -803,7 +809,7 @@ def test_policy_swap_v6_and_cidr_elements() -> None:
     )
     adds = {
         op.name: op
-        for op in policy_swap(T, "s_u_1", pol, audit_objects=True).ops
+        for op in policy_swap(T, "s_u_1", pol, audit_objects=True, range_objects=True).ops
         if isinstance(op, AddIntervals)
     }
     assert adds == {
@@ -811,7 +817,7 @@ def test_policy_swap_v6_and_cidr_elements() -> None:
         "subj_s_u_1_allow_v4": AddIntervals("subj_s_u_1_allow_v4", "v4", (ip_network("10.99.0.0/24"),)),
         "subj_s_u_1_deny_v6": AddIntervals("subj_s_u_1_deny_v6", "v6", (ip_network("2001:db8::dead/128"),)),
     }
-    text = policy_swap(T, "s_u_1", pol, audit_objects=True).describe().splitlines()
+    text = policy_swap(T, "s_u_1", pol, audit_objects=True, range_objects=True).describe().splitlines()
     assert f"add element inet {T} subj_s_u_1_allow_v6 {{ 2001:db8::/32 }}" in text
     assert f"add element inet {T} subj_s_u_1_allow_v4 {{ 10.99.0.0/24 }}" in text
     assert f"add element inet {T} subj_s_u_1_deny_v6 {{ 2001:db8::dead }}" in text
@@ -825,7 +831,7 @@ def test_policy_swap_default_allow_fills_the_allow_sets_with_everything() -> Non
         "deny_v6": (),
         **NO_AUDIT,
     }
-    batch = policy_swap(T, "s_u_1", ALLOW_ALL, audit_objects=True)
+    batch = policy_swap(T, "s_u_1", ALLOW_ALL, audit_objects=True, range_objects=True)
     assert batch.ops == (
         FlushSet("subj_s_u_1_allow_v4"),
         AddIntervals("subj_s_u_1_allow_v4", "v4", (ip_network("0.0.0.0/0"),)),
@@ -888,7 +894,7 @@ def test_dyn_leases_are_allowed_but_never_beat_a_deny() -> None:
 
 
 def test_removal_batch_op_order() -> None:
-    batch = removal_batch(CFG, "s_u_1", SUBJ.ip, release_gateway=None, audit=True)
+    batch = removal_batch(CFG, "s_u_1", SUBJ.ip, release_gateway=None, audit=True, ranges=True)
     assert batch.table == T
     ip = SUBJ.ip
     assert batch.ops == (
@@ -911,7 +917,7 @@ def test_removal_batch_op_order() -> None:
 
 
 def test_removal_batch_releases_the_gateway_with_mitm() -> None:
-    batch = removal_batch(MITM, "s_u_1", SUBJ.ip, release_gateway=SUBJ.gateway, audit=True)
+    batch = removal_batch(MITM, "s_u_1", SUBJ.ip, release_gateway=SUBJ.gateway, audit=True, ranges=True)
     elements = [(op.name, op.key) for op in batch.ops if isinstance(op, DeleteElement)]
     assert elements == [
         ("marking_v4", SUBJ.ip),
@@ -932,17 +938,17 @@ def test_removal_batch_releases_the_gateway_with_mitm() -> None:
 
 
 def test_removal_batch_without_ip_drops_only_objects() -> None:
-    batch = removal_batch(CFG, "s_u_1", None, release_gateway=None, audit=True)
+    batch = removal_batch(CFG, "s_u_1", None, release_gateway=None, audit=True, ranges=True)
     assert all(not isinstance(op, DeleteElement) for op in batch.ops)
     assert len(batch.ops) == 2 + len(SET_KINDS) + 3
     assert (
-        len(removal_batch(MITM, "s_u_1", None, release_gateway=None, audit=True).ops)
+        len(removal_batch(MITM, "s_u_1", None, release_gateway=None, audit=True, ranges=True).ops)
         == 3 + len(SET_KINDS) + 3
     )
 
 
 def test_removal_batch_describe() -> None:
-    text = removal_batch(CFG, "s_u_1", SUBJ.ip, release_gateway=SUBJ.gateway, audit=True).describe()
+    text = removal_batch(CFG, "s_u_1", SUBJ.ip, release_gateway=SUBJ.gateway, audit=True, ranges=True).describe()
     assert text.splitlines() == [
         "delete element inet T marking_v4 { 10.0.0.5 }",
         "delete element inet T dispatch_v4 { 10.0.0.5 }",
@@ -961,7 +967,7 @@ def test_removal_batch_describe() -> None:
 
 
 def test_removal_batch_describe_v6_with_mitm() -> None:
-    text = removal_batch(MITM, "s_u_6", SUBJ6.ip, release_gateway=SUBJ6.gateway, audit=True).describe()
+    text = removal_batch(MITM, "s_u_6", SUBJ6.ip, release_gateway=SUBJ6.gateway, audit=True, ranges=True).describe()
     assert text.splitlines()[:8] == [
         "delete element inet T marking_v6 { fd00::5 }",
         "delete element inet T dispatch_v6 { fd00::5 }",
@@ -989,7 +995,7 @@ def test_dispatch_deletes_v6_and_gateway_of_other_family() -> None:
 
 def test_netlink_batch_truthiness_and_concatenation() -> None:
     assert not NetlinkBatch(T)
-    flush = flush_subject_sets(T, "s_u_1", audit=True)
+    flush = flush_subject_sets(T, "s_u_1", audit=True, ranges=True)
     rules = subject_rules(CFG, "s_u_1")
     assert flush
     joined = flush + rules
@@ -1146,7 +1152,7 @@ def test_policy_swap_without_audit_objects_never_names_an_audit_set() -> None:
 
 
 def test_policy_swap_into_known_empty_sets_only_adds() -> None:
-    full = policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True)
+    full = policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True, range_objects=True)
     fill = policy_swap(T, "s_u_1", EXAMPLE, audit_objects=True, known_empty=True)
     assert fill.ops == tuple(op for op in full.ops if not isinstance(op, FlushSet))
     assert fill.ops and not any(isinstance(op, FlushSet) for op in fill.ops)
@@ -1154,9 +1160,9 @@ def test_policy_swap_into_known_empty_sets_only_adds() -> None:
 
 def test_removal_deletes_the_audit_sets_only_when_they_exist() -> None:
     for audit in (False, True):
-        ops = removal_batch(CFG, "s_u_1", None, release_gateway=None, audit=audit).ops
+        ops = removal_batch(CFG, "s_u_1", None, release_gateway=None, audit=audit, ranges=audit).ops
         deleted = {op.name for op in ops if isinstance(op, DeleteSet)}
-        assert deleted == {f"subj_s_u_1_{k}" for k in subject_sets(audit=audit)}
+        assert deleted == {f"subj_s_u_1_{k}" for k in subject_sets(audit=audit, ranges=audit)}
         assert ("subj_s_u_1_audit_v4" in deleted) is audit
 
 

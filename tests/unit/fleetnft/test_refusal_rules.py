@@ -155,7 +155,7 @@ def test_the_subject_counter_lives_and_dies_with_the_subject() -> None:
     assert subject_keys(cfg, SUBJ6).ops[0] == AddCounterRef("drop_counter_v6", SUBJ6.ip, "subj_s_u_6_dropped")
     # Every way a key goes (re-key, rebind, removal) takes the map element with it.
     assert DeleteElement("drop_counter_v4", SUBJ.ip) in dispatch_deletes(cfg, SUBJ.ip, release_gateway=None)
-    removal = removal_batch(cfg, "s_u_1", SUBJ.ip, release_gateway=None, audit=True).ops
+    removal = removal_batch(cfg, "s_u_1", SUBJ.ip, release_gateway=None, audit=True, ranges=False).ops
     assert removal.index(DeleteElement("drop_counter_v4", SUBJ.ip)) < removal.index(
         DeleteCounter("subj_s_u_1_dropped")
     )

@@ -12,6 +12,7 @@ diff of the full texts is reviewed.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -43,6 +44,8 @@ from egressd.fleetnft.subject import (
     dispatch_entries,
     flush_subject_sets,
     gateway_release,
+    lazy_objects,
+    range_objects,
     removal_batch,
     rules_per_subject,
     subject_create,
@@ -156,17 +159,24 @@ def _subject_cases(name: str, cfg: TableConfig) -> Iterator[tuple[str, str]]:
             ops = dispatch_deletes(cfg, subj.ip, release_gateway=gw)
             yield f"{key}/dispatch_deletes/{gw}", _batch(NetlinkBatch(cfg.table, tuple(ops)))
     contents = policy_swap(cfg.table, "s_a_1", POLICIES["audit"], audit_objects=True)
-    for audit in (False, True):
-        key = f"{name}/audit={audit}"
-        yield f"{key}/rules", _batch(subject_rules(cfg, "s_a_1", audit=audit))
-        yield f"{key}/rules_per_subject", str(rules_per_subject(cfg, audit=audit))
-        yield f"{key}/objects", _batch(subject_objects(cfg, "s_a_1", audit=audit))
-        yield f"{key}/resync", _batch(subject_resync(cfg, "s_a_1", [SUBJ4, SUBJ4], contents, audit=audit))
-        yield f"{key}/flush", _batch(flush_subject_sets(cfg.table, "s_a_1", audit=audit))
+    for audit, ranges in itertools.product((False, True), (False, True)):
+        # Without range objects under the keys the subject had before they were lazy.
+        key = f"{name}/audit={audit}" + ("/ranges=True" if ranges else "")
+        yield f"{key}/rules", _batch(subject_rules(cfg, "s_a_1", audit=audit, ranges=ranges))
+        yield f"{key}/rules_per_subject", str(rules_per_subject(cfg, audit=audit, ranges=ranges))
+        yield f"{key}/objects", _batch(subject_objects(cfg, "s_a_1", audit=audit, ranges=ranges))
+        batch = subject_resync(cfg, "s_a_1", [SUBJ4, SUBJ4], contents, audit=audit, ranges=ranges)
+        yield f"{key}/resync", _batch(batch)
+        yield f"{key}/flush", _batch(flush_subject_sets(cfg.table, "s_a_1", audit=audit, ranges=ranges))
         for ip in (None, SUBJ4.ip):
-            batch = removal_batch(cfg, "s_a_1", ip, release_gateway=SUBJ4.gateway, audit=audit)
+            batch = removal_batch(cfg, "s_a_1", ip, release_gateway=SUBJ4.gateway, audit=audit, ranges=ranges)
             yield f"{key}/removal/{ip}", _batch(batch)
     yield f"{name}/audit_objects", _batch(audit_objects(cfg, "s_a_1"))
+    yield f"{name}/audit_objects/ranges=True", _batch(audit_objects(cfg, "s_a_1", ranges=True))
+    yield f"{name}/range_objects", _batch(range_objects(cfg, "s_a_1"))
+    yield f"{name}/range_objects/audit=True", _batch(range_objects(cfg, "s_a_1", audit=True))
+    both = lazy_objects(cfg, "s_a_1", audit=False, ranges=False, make_audit=True, make_ranges=True)
+    yield f"{name}/lazy_objects/both", _batch(both)
 
 
 def _uid_cases(name: str, cfg: TableConfig) -> Iterator[tuple[str, str]]:
@@ -199,7 +209,9 @@ def _content_cases() -> Iterator[tuple[str, str]]:
                 yield f"swap/{name}/{audit_objs}/{known_empty}", _batch(batch)
             batch = policy_swap("T", "s_a_1", policy, audit_objects=audit_objs, held=held)
             yield f"swap_held/{name}/{audit_objs}", _batch(batch)
-            batch = contents_swap("T", "s_a_1", static_contents(policy), audit_objects=audit_objs)
+            batch = contents_swap(
+                "T", "s_a_1", static_contents(policy), audit_objects=audit_objs, range_objects=False
+            )
             yield f"contents_swap/{name}/{audit_objs}", _batch(batch)
         for other, new in POLICIES.items():
             yield (
@@ -212,8 +224,9 @@ def _misc_cases() -> Iterator[tuple[str, str]]:
     for replace_ in (False, True):
         yield f"dyn_add/{replace_}", _batch(dyn_add("T", "s_a_1", LEASES, replace=replace_))
     yield "dyn_add/empty", _batch(dyn_add("T", "s_a_1", ()))
-    yield "dyn_replace", _batch(dyn_replace("T", "s_a_1", LEASES))
-    yield "dyn_replace/empty", _batch(dyn_replace("T", "s_a_1", ()))
+    yield "dyn_replace", _batch(dyn_replace("T", "s_a_1", LEASES, ranges=False))
+    yield "dyn_replace/empty", _batch(dyn_replace("T", "s_a_1", (), ranges=False))
+    yield "dyn_replace/ranges=True", _batch(dyn_replace("T", "s_a_1", LEASES, ranges=True))
     nets = [ip_network("10.0.0.0/25"), ip_network("10.0.0.128/25"), ip_network("fd00::/64")]
     yield "sandbox_nets_refresh", repr(sandbox_nets_refresh(nets))
     yield "sandbox_nets_refresh/empty", repr(sandbox_nets_refresh([]))

@@ -272,7 +272,7 @@ def test_batch_framing_and_seq_map() -> None:
 
 def test_removal_batch_encodes_every_op() -> None:
     batch = removal_batch(
-        TableConfig(table=T, mitm=True), "s_u_1", IPv4Address("10.0.0.5"), release_gateway=None, audit=True
+        TableConfig(table=T, mitm=True), "s_u_1", IPv4Address("10.0.0.5"), release_gateway=None, audit=True, ranges=True
     )
     data, by_seq = netlink_batch.encode_batch(batch, 1)
     assert len(by_seq) == len(batch.ops) > 0
@@ -287,7 +287,9 @@ def test_subject_create_is_one_batch_sets_chains_rules_keys() -> None:
     subj = SubjectNft("s_u_1", IPv4Address("10.0.0.5"), IPv4Address("10.0.0.1"))
     text = subject_create(TableConfig(table=T), subj).describe().splitlines()
     concat = "inet_proto . inet_service"
-    assert text[:18] == [  # no audit sets: they come with the subject's first audit policy
+    # No audit sets and no range sets: they come with the subject's first audit policy and its
+    # first policy with shared port ranges (range_objects below).
+    assert text[:14] == [
         *(
             f"add set inet {T} subj_s_u_1_{kind}_{fam} {{ type ipv{fam[1]}_addr; flags interval; }}"
             for kind in ("allow", "deny")
@@ -312,18 +314,8 @@ def test_subject_create_is_one_batch_sets_chains_rules_keys() -> None:
             "flags timeout; timeout 360s; size 8192; }"
             for fam in ("v4", "v6")
         ),
-        # The hash path for the leases' shared ranges: the address alone, sized like dyn ...
-        *(
-            f"add set inet {T} subj_s_u_1_dynr_{fam} {{ type ipv{fam[1]}_addr; flags timeout; timeout 360s; size 4096; }}"
-            for fam in ("v4", "v6")
-        ),
-        # ... and the ranges, written with the policy.
-        *(
-            f"add set inet {T} subj_s_u_1_dynrports_{fam} {{ type inet_proto . inet_service; flags interval; }}"
-            for fam in ("v4", "v6")
-        ),
     ]
-    assert text[18:22] == [
+    assert text[14:18] == [
         f"add chain inet {T} subj_s_u_1",
         f"add chain inet {T} mark_s_u_1",
         f"add counter inet {T} subj_s_u_1_audit_deny",
@@ -336,6 +328,28 @@ def test_subject_create_is_one_batch_sets_chains_rules_keys() -> None:
         f"add element inet {T} dns_gw_v4 {{ 10.0.0.1 }}",
     ]
     _data, by_seq = netlink_batch.encode_batch(subject_create(TableConfig(table=T), subj), 1)
+    assert len(by_seq) == len(text)
+
+
+def test_range_objects_declare_the_hash_path_sets() -> None:
+    from egressd.fleetnft.subject import range_objects
+
+    batch = range_objects(TableConfig(table=T), "s_u_1")
+    text = batch.describe().splitlines()
+    assert text[:4] == [
+        # The hash path for the leases' shared ranges: the address alone, sized like dyn ...
+        *(
+            f"add set inet {T} subj_s_u_1_dynr_{fam} {{ type ipv{fam[1]}_addr; flags timeout; timeout 360s; size 4096; }}"
+            for fam in ("v4", "v6")
+        ),
+        # ... and the ranges, written with the policy.
+        *(
+            f"add set inet {T} subj_s_u_1_dynrports_{fam} {{ type inet_proto . inet_service; flags interval; }}"
+            for fam in ("v4", "v6")
+        ),
+    ]
+    assert text[4] == f"flush chain inet {T} mark_s_u_1"
+    _data, by_seq = netlink_batch.encode_batch(batch, 1)
     assert len(by_seq) == len(text)
 
 

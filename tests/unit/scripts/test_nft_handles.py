@@ -26,8 +26,8 @@ IP = ipaddress.ip_address("10.64.0.9")
 
 
 def removal() -> tuple[bytes, list[str]]:
-    batch = removal_batch(CFG, "s1", IP, release_gateway=None, audit=False)
-    names = [Names("s1").set(kind) for kind in subject_sets(audit=False)]
+    batch = removal_batch(CFG, "s1", IP, release_gateway=None, audit=False, ranges=False)
+    names = [Names("s1").set(kind) for kind in subject_sets(audit=False, ranges=False)]
     return encode_batch(batch, 100)[0], names
 
 

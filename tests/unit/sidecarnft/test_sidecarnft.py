@@ -26,8 +26,6 @@ add set inet T allowp_v4 { type ipv4_addr . inet_proto . inet_service; flags int
 add set inet T denyp_v4 { type ipv4_addr . inet_proto . inet_service; flags interval; }
 add set inet T dyn_allowp_v4 { type ipv4_addr . inet_proto . inet_service; flags interval,timeout; timeout 360s; size 8192; }
 add set inet T dyn_allowpx_v4 { type ipv4_addr . inet_proto . inet_service; flags timeout; timeout 360s; size 8192; }
-add set inet T dyn_allowr_v4 { type ipv4_addr; flags timeout; timeout 360s; size 4096; }
-add set inet T dyn_allowrports_v4 { type inet_proto . inet_service; flags interval; }
 add set inet T allow_v6 { type ipv6_addr; flags interval; }
 add set inet T deny_v6 { type ipv6_addr; flags interval; }
 add set inet T dyn_allow_v6 { type ipv6_addr; flags timeout; timeout 360s; size 4096; }
@@ -35,8 +33,6 @@ add set inet T allowp_v6 { type ipv6_addr . inet_proto . inet_service; flags int
 add set inet T denyp_v6 { type ipv6_addr . inet_proto . inet_service; flags interval; }
 add set inet T dyn_allowp_v6 { type ipv6_addr . inet_proto . inet_service; flags interval,timeout; timeout 360s; size 8192; }
 add set inet T dyn_allowpx_v6 { type ipv6_addr . inet_proto . inet_service; flags timeout; timeout 360s; size 8192; }
-add set inet T dyn_allowr_v6 { type ipv6_addr; flags timeout; timeout 360s; size 4096; }
-add set inet T dyn_allowrports_v6 { type inet_proto . inet_service; flags interval; }
 add counter inet T dropped { packets 0 bytes 0 }
 add chain inet T denied
 add rule inet T denied counter name "dropped"
@@ -64,8 +60,6 @@ add rule inet T egress ip daddr . meta l4proto . th dport @dyn_allowp_v4 accept
 add rule inet T egress ip6 daddr . meta l4proto . th dport @dyn_allowp_v6 accept
 add rule inet T egress ip daddr . meta l4proto . th dport @dyn_allowpx_v4 accept
 add rule inet T egress ip6 daddr . meta l4proto . th dport @dyn_allowpx_v6 accept
-add rule inet T egress ip daddr @dyn_allowr_v4 meta l4proto . th dport @dyn_allowrports_v4 accept
-add rule inet T egress ip6 daddr @dyn_allowr_v6 meta l4proto . th dport @dyn_allowrports_v6 accept
 add rule inet T egress ip daddr @allow_v4 accept
 add rule inet T egress ip6 daddr @allow_v6 accept
 add rule inet T egress ip daddr . meta l4proto . th dport @allowp_v4 accept

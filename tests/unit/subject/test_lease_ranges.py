@@ -5,9 +5,38 @@ the kernel steps of both profiles that hold them (fleet netlink batches, sidecar
 from __future__ import annotations
 
 import ipaddress
+from dataclasses import replace
 
-from egressd.fleetnft.contents import dyn_add, dyn_replace, static_contents
-from egressd.kernel.ops import AddPortElems, AddTimed, DeleteElement, DeletePortElems, FlushSet
+import pytest
+
+from egressd.fleetnft.contents import (
+    contents_swap,
+    dyn_add,
+    dyn_replace,
+    needs_range_objects,
+    policy_swap,
+    static_contents,
+)
+from egressd.fleetnft.subject import (
+    audit_objects,
+    flush_subject_sets,
+    lazy_objects,
+    range_objects,
+    removal_batch,
+    subject_resync,
+    subject_rules,
+)
+from egressd.fleetnft.table import TableConfig
+from egressd.kernel.ops import (
+    AddPortElems,
+    AddRule,
+    AddSet,
+    AddTimed,
+    DeleteElement,
+    DeletePortElems,
+    FlushChain,
+    FlushSet,
+)
 from egressd.policy import NetworkPolicy, ip_sets, parse_policy
 from egressd.policy.scope import Scope
 from egressd.sidecarnft.ruleset import SidecarTable, ruleset
@@ -164,7 +193,7 @@ def test_a_change_of_the_shared_ranges_is_a_rewrite_of_every_lease() -> None:
     narrower = pol('{"action":"allow","target":"*.p.test","protocol":"tcp","ports":[443,"8000-8099"]}')
     out = narrowed_for(book, narrower, (), (), NOW, name_check=True)
     assert not out.intact and out.book.shared == Scope.of(tcp=[(8000, 8099)])
-    batch = dyn_replace("T", "s", out.kept)
+    batch = dyn_replace("T", "s", out.kept, ranges=True)
     flushed = [op.name for op in batch.ops if isinstance(op, FlushSet)]
     assert {"subj_s_dynr_v4", "subj_s_dynr_v6", "subj_s_dynp_v4", "subj_s_dynpx_v4"} <= set(flushed)
     assert batch.ops[-1] == AddTimed("subj_s_dynr_v4", "v4", ((CDN, 60),))
@@ -173,7 +202,7 @@ def test_a_change_of_the_shared_ranges_is_a_rewrite_of_every_lease() -> None:
     moved = pol(Q_RANGE, P_RANGE)
     out2 = narrowed_for(book, moved, (), (), NOW, name_check=True)
     assert out2.kept[0].scope == book.scope_of(CDN, NOW) and not out2.intact
-    batch2 = dyn_replace("T", "s", out2.kept)
+    batch2 = dyn_replace("T", "s", out2.kept, ranges=True)
     assert not any(isinstance(op, AddTimed) and op.name == "subj_s_dynr_v4" for op in batch2.ops)
     assert any(isinstance(op, AddPortElems) and op.name == "subj_s_dynp_v4" for op in batch2.ops)
     sets = ip_sets(moved)
@@ -204,6 +233,80 @@ def test_the_sidecar_renders_the_same_layout() -> None:
     assert "dyn_allowr_v4 { type ipv4_addr; flags timeout; timeout 360s; size 4096; elements = { 93.184.216.34" in script
     assert "93.184.216.35 . tcp . 7000-7001" in script
     assert "93.184.216.34 . tcp . 8000-8999" not in script
-    # No ranged rule: the sets exist, empty.
-    empty = ruleset(cfg, pol('{"action":"allow","target":"a.test","ports":[443]}'))
-    assert "add set inet t dyn_allowrports_v4 { type inet_proto . inet_service; flags interval; }" in empty
+    # No ranged rule: no hash path at all, neither sets nor rules (the table is rebuilt with
+    # every policy, so a later ranged policy brings them; the learn path names none either).
+    single = pol('{"action":"allow","target":"a.test","ports":[443]}')
+    empty = ruleset(cfg, single, admissible(LeaseBook(), single, [(CDN, 60)], "a.test", NOW, name_check=True))
+    assert "dyn_allowr" not in empty
+    assert "dyn_allowr" not in sidecar_dyn_add(cfg, admissible(LeaseBook(), single, [(CDN, 60)], "a.test", NOW, name_check=True))
+    assert "dyn_allowr" not in ruleset(replace(cfg, mitm_port=8443), single)
+
+
+# ---- fleet: the range objects are lazy (egressd.fleetnft.subject.range_objects) ------------------
+
+
+def test_without_range_objects_no_step_names_a_range_set() -> None:
+    """A flush of (or an add to) a set that does not exist fails the whole transaction: a
+    subject whose policies never had shared ranges has none, and nothing names them."""
+    single = pol('{"action":"allow","target":"a.test","ports":[443]}')
+    book = LeaseBook()
+    grants = admissible(book, single, [(CDN, 60)], "a.test", NOW, name_check=True)
+    book.record(grants, "a.test", NOW)
+    assert not needs_range_objects(static_contents(single, name_check=True))
+    swap = policy_swap("T", "s", single, audit_objects=False, name_check=True)
+    out = narrowed_for(book, single, (), (), NOW, name_check=True)
+    for batch in (
+        swap,
+        dyn_add("T", "s", grants),
+        dyn_replace("T", "s", out.kept, ranges=False),
+        dyn_replace("T", "s", (), ranges=False),
+        contents_swap("T", "s", static_contents(single, name_check=True), audit_objects=False, range_objects=False),
+        flush_subject_sets("T", "s", audit=True, ranges=False),
+        removal_batch(TableConfig(table="T"), "s", None, release_gateway=None, audit=False, ranges=False),
+        subject_resync(TableConfig(table="T", mitm=True), "s", (), swap, audit=True, ranges=False),
+        subject_rules(TableConfig(table="T", mitm=True), "s", audit=True),
+        audit_objects(TableConfig(table="T", mitm=True), "s"),
+    ):
+        assert "dynr" not in batch.describe(), batch.describe()
+    # With them, the same steps empty them.
+    assert "flush set inet T subj_s_dynr_v4" in dyn_replace("T", "s", out.kept, ranges=True).describe()
+    assert "flush set inet T subj_s_dynrports_v4" in flush_subject_sets("T", "s", audit=False, ranges=True).describe()
+
+
+def test_a_ranged_policy_needs_the_range_objects() -> None:
+    p = pol(P_RANGE)
+    contents = static_contents(p, name_check=True)
+    assert needs_range_objects(contents)
+    with pytest.raises(ValueError, match="range objects"):
+        contents_swap("T", "s", contents, audit_objects=False, range_objects=False)
+    with pytest.raises(ValueError, match="range objects"):
+        policy_swap("T", "s", p, audit_objects=False, name_check=True)
+    book = LeaseBook()
+    grants = admissible(book, p, [(CDN, 60)], "a.p.test", NOW, name_check=True)
+    with pytest.raises(ValueError, match="range objects"):
+        dyn_replace("T", "s", grants, ranges=False)
+    text = contents_swap("T", "s", contents, audit_objects=False, range_objects=True).describe()
+    assert "add element inet T subj_s_dynrports_v4 { tcp . 8000-8999 }" in text
+
+
+def test_range_objects_rebuild_the_chains_with_every_rule_once_in_order() -> None:
+    for mitm in (False, True):
+        cfg = TableConfig(table="T", mitm=mitm)
+        chains = ["mark_s"] + (["subj_s_in"] if mitm else [])
+        for audit in (False, True):
+            batch = range_objects(cfg, "s", audit=audit)
+            declared = [op.name for op in batch.ops if isinstance(op, AddSet)]
+            assert declared == ["subj_s_dynr_v4", "subj_s_dynr_v6", "subj_s_dynrports_v4", "subj_s_dynrports_v6"]
+            full = subject_rules(cfg, "s", audit=audit, ranges=True)
+            for chain in chains:
+                mine = [op for op in batch.ops if getattr(op, "chain", None) == chain or op == FlushChain(chain)]
+                assert mine[0] == FlushChain(chain)
+                assert mine[1:] == [op for op in full.ops if isinstance(op, AddRule) and op.chain == chain]
+            assert not [op for op in batch.ops if getattr(op, "chain", None) == "subj_s"]
+            # The audit objects after the range objects end in the same chains as the reverse.
+            after = audit_objects(cfg, "s", ranges=True)
+            both = lazy_objects(cfg, "s", audit=False, ranges=False, make_audit=True, make_ranges=True)
+            rules = [op for op in after.ops if isinstance(op, AddRule)]
+            assert rules == [op for op in both.ops if isinstance(op, AddRule)]
+            assert rules == [op for op in subject_rules(cfg, "s", audit=True, ranges=True).ops if isinstance(op, AddRule) and op.chain in chains]
+        assert lazy_objects(cfg, "s", audit=True, ranges=True, make_audit=False, make_ranges=False).ops == ()

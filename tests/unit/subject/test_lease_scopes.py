@@ -104,7 +104,7 @@ def test_a_narrowing_rescopes_each_lease_by_the_names_still_allowed() -> None:
     shrunk = narrowed_for(book, only80, (), (), NOW, name_check=True)
     assert not shrunk.intact and shrunk.kept[0].scope.ports == Scope.of(tcp=[(80, 80), (8443, 8443)])
     # Its kernel step empties both dyn sets of both kinds and refills them from the new scopes.
-    batch = dyn_replace("T", "s", out.kept)
+    batch = dyn_replace("T", "s", out.kept, ranges=False)
     kinds = ("dyn_v4", "dyn_v6", "dynp_v4", "dynp_v6", "dynpx_v4", "dynpx_v6")
     assert batch.ops[:6] == tuple(FlushSet(f"subj_s_{k}") for k in kinds)
     assert not any(isinstance(op, DeletePortElems | AddTimed) for op in batch.ops)
