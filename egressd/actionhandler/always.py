@@ -71,7 +71,12 @@ class AlwaysRulesApply:
                     # Likewise the range objects: the always-rules carry no port ranges, so
                     # the shared ranges are the user policy's, applied with their objects.
                     batch.add(
-                        entry.nft_id, contents, audit_objects=view.audit, range_objects=view.ranges, kept=kept
+                        entry.nft_id,
+                        contents,
+                        audit_objects=view.audit,
+                        range_objects=view.ranges,
+                        kept=kept,
+                        unsure=view.unsure,
                     )
                     applied.append((entry.uid, view.keys, effective))
                     written[entry.uid] = contents

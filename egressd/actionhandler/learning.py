@@ -127,8 +127,14 @@ class DnsLearning:
             if effective is None:
                 return out
             # An unanswered, timed-out or cancelled step (the DNS proxy's bound) may still be
-            # committed by the kernel thread: the engine records such leases too.
-            learned = await self.subjects.learn_many(uid, effective, [(asks[i].leases, asks[i].name) for i in mine])
+            # committed by the kernel thread: the engine records such leases too. After an
+            # unanswered policy step the kernel may hold the new policy's shared ranges while
+            # ``effective`` is the old one: no lease takes the range hash path until a step
+            # settles it (egressd.subject.leases.admissible_many).
+            settled = not shared.registry.kernel(uid).unsure
+            learned = await self.subjects.learn_many(
+                uid, effective, [(asks[i].leases, asks[i].name) for i in mine], hash_ranges=settled
+            )
         for i, ips in zip(mine, learned, strict=True):
             out[i] = ips
         return out
@@ -162,7 +168,13 @@ class DnsLearning:
         )
 
     def check_name(
-        self, source_ip: IPAddress, listen_port: int | None, wire: Wire, name: str | None, dst: IPAddress, port: int
+        self,
+        source_ip: IPAddress,
+        listen_port: int | None,
+        wire: Wire,
+        name: str | None,
+        dst: IPAddress,
+        port: int,
     ) -> tuple[str | None, NameVerdict | None]:
         """May the active subject behind ``source_ip`` (or, for a host-uid subject, behind its
         MITM port ``listen_port``) ask for ``name`` on a connection to ``dst``:``port``
@@ -184,7 +196,9 @@ class DnsLearning:
         )
         return entry.uid, verdict
 
-    def request_policy(self, source_ip: IPAddress, listen_port: int | None) -> tuple[str, NetworkPolicy] | None:
+    def request_policy(
+        self, source_ip: IPAddress, listen_port: int | None
+    ) -> tuple[str, NetworkPolicy] | None:
         """The active subject behind ``source_ip`` (or its host-uid MITM port) and its effective
         policy, for the MITM's request rules (docs/reference/behaviour.md §19); None: no active
         subject there (the MITM refuses its requests)."""

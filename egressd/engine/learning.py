@@ -55,6 +55,7 @@ async def learn(
     *,
     kernel_may_hold: Callable[[BaseException], bool] = _took_nothing,
     name_check: bool = False,
+    hash_ranges: bool = True,
 ) -> list[IPAddress]:
     """Learn one answer (``name``: its question; None: a refresh of live addresses) into
     ``book`` under ``effective``, the policy in force now; return the addresses the kernel now
@@ -68,7 +69,14 @@ async def learn(
     """
     return (
         await learn_many(
-            book, effective, [(leases, name)], now, add, kernel_may_hold=kernel_may_hold, name_check=name_check
+            book,
+            effective,
+            [(leases, name)],
+            now,
+            add,
+            kernel_may_hold=kernel_may_hold,
+            name_check=name_check,
+            hash_ranges=hash_ranges,
         )
     )[0]
 
@@ -86,6 +94,7 @@ async def learn_many(
     *,
     kernel_may_hold: Callable[[BaseException], bool] = _took_nothing,
     name_check: bool = False,
+    hash_ranges: bool = True,
 ) -> list[list[IPAddress]]:
     """:func:`learn` for several answers of one subject in ONE kernel step (the group commit,
     :mod:`egressd.engine.batching`): each decided in order as if the earlier ones were
@@ -94,7 +103,12 @@ async def learn_many(
     ``kernel_may_hold``), as each would have on its own."""
     names = [question(name) for _, name in asks]
     per = admissible_many(
-        book, effective, [(leases, n) for (leases, _), n in zip(asks, names, strict=True)], now, name_check=name_check
+        book,
+        effective,
+        [(leases, n) for (leases, _), n in zip(asks, names, strict=True)],
+        now,
+        name_check=name_check,
+        hash_ranges=hash_ranges,
     )
     merged = merge_grants(per)
     if not merged:

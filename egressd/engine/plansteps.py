@@ -174,7 +174,14 @@ class ContentsSwap(Protocol):
     """Many subjects' static and dyn sets re-filled in ONE transaction (an always-rules reload)."""
 
     def add(
-        self, nft_id: str, contents: StaticContents, *, audit_objects: bool, range_objects: bool, kept: Leases
+        self,
+        nft_id: str,
+        contents: StaticContents,
+        *,
+        audit_objects: bool,
+        range_objects: bool,
+        kept: Leases,
+        unsure: bool = False,
     ) -> None: ...
 
     def __bool__(self) -> bool: ...

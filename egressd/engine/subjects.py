@@ -86,11 +86,13 @@ class SubjectEngine:
         return (await self.learn_many(uid, effective, [(leases, name)]))[0]
 
     async def learn_many(
-        self, uid: str, effective: NetworkPolicy, asks: Sequence[learning.Ask]
+        self, uid: str, effective: NetworkPolicy, asks: Sequence[learning.Ask], *, hash_ranges: bool = True
     ) -> list[list[IPAddress]]:
         """Learn answers for ``uid`` (each: its addresses and its question; None: a refresh of
         live addresses) under ``effective`` in one kernel transaction (the group commit,
-        :mod:`egressd.engine.groupcommit`); each answer's addresses the kernel now holds."""
+        :mod:`egressd.engine.groupcommit`); each answer's addresses the kernel now holds.
+        ``hash_ranges`` False while the kernel may hold another policy than ``effective``
+        (:func:`egressd.subject.leases.admissible_many`)."""
         book = self.books.setdefault(uid, LeaseBook(self.max_leases))
         return await learning.learn_many(
             book,
@@ -100,6 +102,7 @@ class SubjectEngine:
             functools.partial(self.backend.add_leases, uid),
             kernel_may_hold=self.backend.may_hold,
             name_check=self.backend.name_check,
+            hash_ranges=hash_ranges,
         )
 
     # ---- narrow ------------------------------------------------------------------------------
@@ -111,7 +114,9 @@ class SubjectEngine:
         if book is None or not len(book):
             return None
         deny_v4, deny_v6 = self.backend.kernel_denies(effective)
-        return narrowed_for(book, effective, deny_v4, deny_v6, self.clock(), name_check=self.backend.name_check)
+        return narrowed_for(
+            book, effective, deny_v4, deny_v6, self.clock(), name_check=self.backend.name_check
+        )
 
     def commit(self, uid: str, narrowed: Narrowed | None) -> None:
         """The kernel took a narrowing: ``uid``'s book is its narrowed book from now on."""

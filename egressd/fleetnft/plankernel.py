@@ -28,4 +28,4 @@ class FleetPlanKernel:
         self.reader = FleetKernelView(table, tx)
 
     def contents_swap(self) -> FleetContentsSwap:
-        return FleetContentsSwap(self.table.table, self.tx)
+        return FleetContentsSwap(self.table, self.tx)

@@ -85,6 +85,8 @@ class SidecarEngine:
         self.user = policy
         self.always = always
         self.effective = effective_policy(policy, always)
+        # A policy rebuild failed since the last one that succeeded (the kernel may hold either).
+        self._rebuild_failed = False
         self._sets = ip_sets(self.effective)  # its IP layer, for per-request/per-flow checks
         self.persist_path = persist_path
         self._writer = writer
@@ -200,7 +202,11 @@ class SidecarEngine:
             return [[] for _ in asks]
         # Decided again under the policy in force now: an answer that raced a change adds
         # nothing the change denies.
-        return await self.subjects.learn_many(SIDECAR_UID, self.effective, asks)
+        # A rebuild that failed may have left the kernel with the other policy's shared ranges:
+        # no lease takes the range hash path until a rebuild succeeds (admissible_many).
+        return await self.subjects.learn_many(
+            SIDECAR_UID, self.effective, asks, hash_ranges=not self._rebuild_failed
+        )
 
     # ---- kernel ------------------------------------------------------------------------------
 
@@ -264,6 +270,7 @@ class SidecarEngine:
                     )
                     return ChangeResult(500, f"cannot persist policy: {exc.strerror or type(exc).__name__}")
             narrowed = self.subjects.narrowed(SIDECAR_UID, effective)
+            self._rebuild_failed = True  # until this rebuild is known to be the kernel's
             try:
                 rules = await self.backend.rebuild(
                     effective, narrowed.kept if narrowed is not None else (), await self._dropped()
@@ -279,6 +286,7 @@ class SidecarEngine:
                     error=str(exc)[:200],
                 )
                 return ChangeResult(500, f"policy apply: {exc}")
+            self._rebuild_failed = False
             self.user = policy
             self.always = always
             self.effective = effective

@@ -227,7 +227,9 @@ class LeaseBook:
                     continue
                 # The elements it needs beyond what it holds now (a changed scope replaces them).
                 grow = (
-                    0 if new.ports == held or new.ports.is_empty() else len(new.elements()) - len(held.elements())
+                    0
+                    if new.ports == held or new.ports.is_empty()
+                    else len(new.elements()) - len(held.elements())
                 )
                 if grow > elems:
                     continue
@@ -350,12 +352,20 @@ def admissible_many(
     now: float,
     *,
     name_check: bool = False,
+    hash_ranges: bool = True,
 ) -> list[list[Grant]]:
     """:func:`admissible` for several answers (``(leases, name)`` each) that one kernel
     transaction will carry, in order: each decided as if the earlier ones were recorded
-    (:meth:`LeaseBook.admit_many`)."""
+    (:meth:`LeaseBook.admit_many`).
+
+    ``hash_ranges`` False: no lease takes the hash path (every range as its own pipapo
+    element). For a kernel in doubt after an unanswered policy step: it may hold the new
+    policy's shared ranges while ``effective`` is the old one, and an address in ``dynr``
+    opens whatever the kernel's ``dynrports`` holds; a pipapo element opens only its own
+    ports, whichever policy the kernel holds. The book then records no shared ranges, so
+    the next policy step rewrites the dyn sets."""
     plans: list[tuple[Iterable[tuple[IPAddress, int]], LeaseScope | None]] = []
-    shared = shared_ranges(effective, name_check=name_check)
+    shared = shared_ranges(effective, name_check=name_check) if hash_ranges else Scope.EMPTY
     renewing: Callable[[str], bool] | None = None
     for leases, name in asks:
         if name is not None:

@@ -1426,3 +1426,53 @@ async def test_audit_and_range_objects_together(mitm: bool, audit_first: bool) -
     assert kernel.elements("subj_s_u_1_audit_v4") == {"0.0.0.0/0": ""}
     ok(await control.handle(remove()))
     assert not [n for n in kernel.table.set_names() if n.startswith("subj_s_u_1")]
+
+
+@pytest.mark.parametrize("mitm", [False, True])
+async def test_a_learn_while_a_policy_step_is_in_doubt_never_takes_the_hash_path(mitm: bool) -> None:
+    """Attacker review of the range hash path (finding A): a policy step applied with its
+    answer lost leaves the registry on the old policy while the kernel holds the new one's
+    shared ranges. An address in dynr opens what the kernel's dynrports holds, so a lease the
+    old policy decides must not go there: it is written as its own pipapo elements (open only
+    where the old policy opened it) until a step settles the subject."""
+    kernel = text_kernel(TABLE)
+    control = await make_control(kernel, mitm=mitm)
+    await activate(control, policy=RANGED)
+    fence = entry(control).fence
+    assert await control.learn("u-1", fence, [(X, 300)], "api.x.io") is not None
+    assert set(kernel.elements("subj_s_u_1_dynr_v4")) == {str(X)}
+    # The new policy: every port of another name first, api.x.io only on 443.
+    wide = (
+        '{"defaultAction":"deny","egress":[{"action":"allow","target":"b.x.io","protocol":"tcp",'
+        '"ports":["1-65535"]},{"action":"allow","target":"api.x.io","protocol":"tcp","ports":[443]}]}'
+    )
+    kernel.fail(op="static_apply", fault="late_ack")
+    assert (await control.handle(set_binding(policy=wide, gen=2))).status >= 500
+    assert kernel.elements("subj_s_u_1_dynrports_v4") == {"tcp . 1-65535": ""}  # the kernel took it
+    assert control.registry.kernel("u-1").unsure
+    # An answer decided under the registry's (old) policy while in doubt.
+    assert await control.learn("u-1", fence, [(X, 300)], "api.x.io") is not None
+    assert kernel.elements("subj_s_u_1_dynr_v4") == {}, "the address would open 1-65535"
+    assert "93.184.216.34 . tcp . 8000-8100" in set(kernel.elements("subj_s_u_1_dynp_v4"))
+
+
+@pytest.mark.parametrize("mitm", [False, True])
+async def test_an_always_reload_while_the_first_range_policy_is_in_doubt_goes_through(mitm: bool) -> None:
+    """Attacker review of the range hash path (finding B): a subject's first range policy
+    timed out (not taken), so its view says it may have the range objects. The fleet-wide
+    reload must not name a set the kernel may lack (ENOENT would refuse it for every subject):
+    the objects are declared and the chains rebuilt with their rules in the reload itself."""
+    from egressd.policy import AlwaysRules, Verdict, parse_always_text
+
+    kernel = text_kernel(TABLE)
+    control = await make_control(kernel, mitm=mitm)
+    await activate(control)
+    kernel.fail(op="static_apply", fault="timeout")
+    assert (await control.handle(set_binding(policy=RANGED, gen=2))).status >= 500
+    view = control.registry.kernel("u-1")
+    assert view.unsure and view.ranges
+    assert "subj_s_u_1_dynrports_v4" not in set(kernel.table.set_names())
+    denied = AlwaysRules(deny=parse_always_text("evil.example\n", "deny.always", Verdict.DENY), allow=())
+    await control.set_always_rules(denied)  # raises when the kernel refuses the reload
+    assert "subj_s_u_1_dynrports_v4" in set(kernel.table.set_names())
+    assert kernel.rules("mark_s_u_1") == mark_rules(name_check=mitm, ranges=True)

@@ -627,3 +627,38 @@ async def test_a_fleet_learn_whose_caller_left_still_records_what_the_kernel_too
     await _until(lambda: bool(tx.ops("dynamic_add")))
     await asyncio.sleep(0)
     assert set(mirror(control)) == {API}
+
+
+async def test_a_sidecar_learn_after_a_rebuild_in_doubt_never_takes_the_hash_path() -> None:
+    """The sidecar's side of the range hash path's finding A: a rebuild applied with its
+    answer lost leaves the engine on the old policy and the kernel on the new one's shared
+    ranges; until a rebuild succeeds, a lease's ranges are written as their own elements
+    (``dyn_allowr`` would open whatever the kernel's shared ranges are)."""
+    from egressd.sidecar.engine import SidecarEngine
+    from egressd.sidecarnft.ruleset import SidecarTable
+
+    ranged = parse_policy(
+        '{"defaultAction":"deny","egress":[{"action":"allow","target":"api.x.io","protocol":"tcp",'
+        '"ports":["8000-8100"]}]}'
+    )
+    wide = parse_policy(
+        '{"defaultAction":"deny","egress":[{"action":"allow","target":"b.x.io","protocol":"tcp",'
+        '"ports":["1-65535"]},{"action":"allow","target":"api.x.io","protocol":"tcp","ports":[443]}]}'
+    )
+    kernel = FakeKernel()
+    engine = SidecarEngine(SidecarTable(table="T", max_leases=4), kernel, ranged)
+    await engine.install()
+    await engine.learn("sidecar", engine.fence, [(API, 300)], "api.x.io")
+    kernel.clear()
+    kernel.fail(op="static_apply", fault="late_ack")
+    assert (await engine.set_policy(wide)).status == 500
+    kernel.clear()
+    await engine.learn("sidecar", engine.fence, [(API, 300)], "api.x.io")
+    (learned,) = [text for op, text in kernel.scripts if op == "dynamic_add"]
+    assert "dyn_allowr" not in learned and "8000-8100" in learned, learned
+    # A rebuild that succeeds settles it: the hash path again.
+    assert (await engine.set_policy(ranged)).status == 200
+    kernel.clear()
+    await engine.learn("sidecar", engine.fence, [(API, 300)], "api.x.io")
+    (learned,) = [text for op, text in kernel.scripts if op == "dynamic_add"]
+    assert "dyn_allowr" in learned, learned
