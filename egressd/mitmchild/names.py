@@ -181,10 +181,7 @@ class NameGate:
         client = self.vaults.client
         if client is None or not client_ip:
             return NameAnswer(False, LOOKUP_FAILED)
-        query = {"clientIp": client_ip, "wire": wire, "dst": dst, "dport": str(dport)}
-        listen = listen_port(conn, self.vaults.shared_port)
-        if listen is not None:
-            query["port"] = str(listen)
+        query, listen = self._query(conn, client_ip, wire, dst, dport)
         if name:
             query["name"] = name
         if not report:
@@ -206,6 +203,17 @@ class NameGate:
         self.remembered.learn(key, answer, stamp, sent_at)
         return answer
 
+    def _query(
+        self, conn: object, client_ip: str, wire: str, dst: str, dport: int
+    ) -> tuple[dict[str, str], int | None]:
+        """The ``_names`` query naming the client (and a host-uid subject's MITM port, also
+        returned) and the connection's destination."""
+        query = {"clientIp": client_ip, "wire": wire, "dst": dst, "dport": str(dport)}
+        listen = listen_port(conn, self.vaults.shared_port)
+        if listen is not None:
+            query["port"] = str(listen)
+        return query, listen
+
     def report_refusal(
         self, conn: object, client_ip: str | None, wire: str, reason: str, dst: str, dport: int
     ) -> None:
@@ -215,10 +223,8 @@ class NameGate:
         client = self.vaults.client
         if client is None or not client_ip:
             return
-        query = {"clientIp": client_ip, "wire": wire, "dst": dst, "dport": str(dport), "refused": reason}
-        listen = listen_port(conn, self.vaults.shared_port)
-        if listen is not None:
-            query["port"] = str(listen)
+        query, _ = self._query(conn, client_ip, wire, dst, dport)
+        query["refused"] = reason
         url = f"http://egressd{NAMES_PATH}?{urlencode(query)}"
 
         async def send() -> None:
