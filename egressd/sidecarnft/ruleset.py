@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from egressd.addr import IPAddress
+from egressd.addr import IPAddress, host_network
 from egressd.kernel.ops import PortElem, port_elem_text
 from egressd.nftsyntax import (
     DYN_TIMEOUT_S,
@@ -163,7 +163,7 @@ def _dynp(cfg: SidecarTable, fam: str, elements: Sequence[str], *, exact: bool =
 def _elems_in(ip: IPAddress, ports: Scope, shared: Scope, *, exact: bool) -> tuple[PortElem, ...]:
     """A lease's elements in one of its port sets: single ports (hash), or the ranges that
     are not on the hash path (pipapo)."""
-    net = ipaddress.ip_network(ip)
+    net = host_network(ip)
     picked = single_elements(ports) if exact else pipapo_elements(ports, shared)
     return tuple((net, proto, lo, hi) for proto, lo, hi in picked)
 

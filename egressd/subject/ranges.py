@@ -19,6 +19,8 @@ held where :func:`on_hash_path` says under the shared ranges in force.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from egressd.policy import NetworkPolicy, Verdict
 from egressd.policy.model import TargetKind
 from egressd.policy.scope import Scope
@@ -72,3 +74,27 @@ def pipapo_elements(ports: Scope, shared: Scope) -> tuple[tuple[str, int, int], 
 def single_elements(ports: Scope) -> tuple[tuple[str, int, int], ...]:
     """The single-port elements of ``ports`` (the hash set ``dynpx``)."""
     return tuple(e for e in ports.elements() if e[1] == e[2])
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one port scope's elements live under the shared ranges: ``single`` in the hash
+    set ``dynpx`` (:func:`single_elements`), ``pipapo`` in ``dynp`` (:func:`pipapo_elements`),
+    and ``hashed``: the address in ``dynr`` (:func:`on_hash_path`)."""
+
+    single: tuple[tuple[str, int, int], ...] = ()
+    pipapo: tuple[tuple[str, int, int], ...] = ()
+    hashed: bool = False
+
+
+NOWHERE = Placement()
+
+
+def placement(ports: Scope, shared: Scope) -> Placement:
+    """The three answers for ``ports`` at once, its ranges taken apart once (the DNS reply
+    path asks them for every port-scoped lease, for what it gets and what it held)."""
+    if ports.is_empty():
+        return NOWHERE
+    ranges = range_part(ports)
+    hashed = not shared.is_empty() and ranges == shared
+    return Placement(single_elements(ports), () if hashed else ranges.elements(), hashed)
