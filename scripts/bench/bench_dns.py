@@ -681,9 +681,9 @@ def sanity(run: Runner) -> None:
     got = run.client.call({"op": "query", "target": "proxy", "name": name}, 15)
     if got != {"rcode": "NOERROR", "answers": [addr]}:
         raise c.BenchError(f"proxy query {name}: {got}")
-    # Its single ports go to the hash set dynpx; its port range is the subject's shared one (the
-    # first ranged domain rule's), so the address goes to the hash set dynr, not to pipapo dynp.
-    for kind, held in (("dynr", True), ("dynpx", True), ("dynp", False)):
+    # Its port scope is the subject's shared one (the first ranged domain rule's, single ports
+    # and ranges): the address alone goes to the hash set dynr, not to dynpx nor to pipapo dynp.
+    for kind, held in (("dynr", True), ("dynpx", False), ("dynp", False)):
         dynp = f"subj_{nft_id(subject_for_uid(MEASURED_UID))}_{kind}_v4"
         listing = c.run(["nft", "list", "set", "inet", TABLE, dynp]).stdout
         if (addr in listing) != held:
