@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
-from egressd.addr import IPAddress
+from egressd.addr import IPAddress, host_network
 from egressd.fleetnft.table import (
     AUDIT_PORT_SETS,
     AUDIT_SETS,
@@ -43,7 +44,7 @@ from egressd.policy.ipsets import PrefixIndex
 from egressd.policy.portmatch import disjoint, entries
 from egressd.policy.scope import Scope
 from egressd.subject.leases import Grant, LeaseLike, as_grants
-from egressd.subject.ranges import on_hash_path, pipapo_elements, shared_ranges, single_elements
+from egressd.subject.ranges import Placement, placement, shared_ranges
 
 
 def sandbox_nets_refresh(nets: Iterable[IPNetwork]) -> list[Op]:
@@ -287,12 +288,13 @@ def dyn_replace(table: str, nft_id: str, kept: Sequence[LeaseLike], *, ranges: b
 
 def lease_elems(ip: IPAddress, scope: Scope) -> tuple[PortElem, ...]:
     """A lease's port-scoped elements: its address on each range of ``scope``."""
-    net = ipaddress.ip_network(ip)
-    return tuple((net, proto, lo, hi) for proto, lo, hi in scope.elements())
+    return _at(ip, scope.elements())
 
 
 def _at(ip: IPAddress, elems: tuple[ServiceElem, ...]) -> tuple[PortElem, ...]:
-    net = ipaddress.ip_network(ip)
+    if not elems:
+        return ()
+    net = host_network(ip)
     return tuple((net, proto, lo, hi) for proto, lo, hi in elems)
 
 
@@ -314,6 +316,8 @@ def dyn_add(table: str, nft_id: str, leases: Sequence[LeaseLike], *, replace: bo
     grants = as_grants(leases)
     for fam in ("v4", "v6"):
         mine = [g for g in grants if family(g.ip) == fam]
+        if not mine:
+            continue
         whole = tuple((g.ip, g.seconds) for g in mine if g.scope.whole)
         if whole:
             name = n.set(f"dyn_{fam}")
@@ -321,28 +325,44 @@ def dyn_add(table: str, nft_id: str, leases: Sequence[LeaseLike], *, replace: bo
             if replace:
                 ops += [DeleteElement(name, ip) for ip, _ in whole]
                 ops.append(AddTimed(name, fam, whole))
-        ops += _port_set_ops(n.set(f"dynpx_{fam}"), fam, mine, replace=replace, exact=True)
-        ops += _port_set_ops(n.set(f"dynp_{fam}"), fam, mine, replace=replace, exact=False)
-        ops += _range_addr_ops(n.set(f"dynr_{fam}"), fam, mine, replace=replace)
+        # A whole lease without UDP 443 has no port element: what it held expires by itself.
+        placed = [_placed(g) for g in mine if not g.scope.ports.is_empty()]
+        if not placed:
+            continue
+        ops += _port_set_ops(n.set(f"dynpx_{fam}"), fam, placed, replace=replace, exact=True)
+        ops += _port_set_ops(n.set(f"dynp_{fam}"), fam, placed, replace=replace, exact=False)
+        ops += _range_addr_ops(n.set(f"dynr_{fam}"), fam, placed, replace=replace)
     return NetlinkBatch(table, tuple(ops))
 
 
-def _range_addr_ops(name: str, fam: str, grants: Sequence[Grant], *, replace: bool) -> list[Op]:
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """One port-scoped grant, where its new elements go and where its held ones are."""
+
+    grant: Grant
+    new: Placement
+    old: Placement
+    changed: bool  # its port elements change (the held ones are replaced)
+
+
+def _placed(g: Grant) -> _Placed:
+    new = placement(g.scope.ports, g.shared)
+    changed = g.held != g.scope.ports
+    return _Placed(g, new, placement(g.held, g.shared) if changed else new, changed)
+
+
+def _range_addr_ops(name: str, fam: str, placed: Sequence[_Placed], *, replace: bool) -> list[Op]:
     """The hash path's ops: the address of each grant whose ranges are its shared ranges.
     An address whose held ranges were there and whose new ones are not is added (so it
     exists: an expired element would make the delete fail with ENOENT and abort the
     transaction) and deleted; ``replace`` renews by add, delete, add like the dyn set."""
     gone: list[tuple[IPAddress, int]] = []
     add: list[tuple[IPAddress, int]] = []
-    for g in grants:
-        if g.scope.ports.is_empty():
-            continue  # as in _port_set_ops
-        new = on_hash_path(g.scope.ports, g.shared)
-        changed = g.held != g.scope.ports
-        old = on_hash_path(g.held, g.shared) if changed else new
-        if old and (changed or replace):
+    for p in placed:
+        g = p.grant
+        if p.old.hashed and (p.changed or replace):
             gone.append((g.ip, g.seconds))
-        if new:
+        if p.new.hashed:
             add.append((g.ip, g.seconds))
     ops: list[Op] = []
     if gone:
@@ -353,24 +373,23 @@ def _range_addr_ops(name: str, fam: str, grants: Sequence[Grant], *, replace: bo
     return ops
 
 
-def _port_set_ops(name: str, fam: str, grants: Sequence[Grant], *, replace: bool, exact: bool) -> list[Op]:
+def _port_set_ops(name: str, fam: str, placed: Sequence[_Placed], *, replace: bool, exact: bool) -> list[Op]:
     """The port elements of one set: single ports in the hash set (``exact``), the ranges
     not on the hash path in the pipapo set."""
     gone: list[PortElem] = []
     gone_s: list[int] = []
     add: list[PortElem] = []
     add_s: list[int] = []
-    for g in grants:
-        if g.scope.ports.is_empty():
-            continue  # a whole lease without UDP 443: what it held expires by itself
-        if exact:
-            new, old = _at(g.ip, single_elements(g.scope.ports)), _at(g.ip, single_elements(g.held))
-        else:
-            new = _at(g.ip, pipapo_elements(g.scope.ports, g.shared))
-            old = _at(g.ip, pipapo_elements(g.held, g.shared))
-        if replace or g.held != g.scope.ports:
-            gone += old if g.held != g.scope.ports else new
-            gone_s += [g.seconds] * len(old if g.held != g.scope.ports else new)
+    for p in placed:
+        g = p.grant
+        new = _at(g.ip, p.new.single if exact else p.new.pipapo)
+        if p.changed:
+            old = _at(g.ip, p.old.single if exact else p.old.pipapo)
+            gone += old
+            gone_s += [g.seconds] * len(old)
+        elif replace:
+            gone += new
+            gone_s += [g.seconds] * len(new)
         add += new
         add_s += [g.seconds] * len(new)
     ops: list[Op] = []

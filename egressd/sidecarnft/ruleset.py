@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from egressd.addr import IPAddress
+from egressd.addr import IPAddress, host_network
 from egressd.kernel.ops import PortElem, port_elem_text
 from egressd.nftsyntax import (
     DYN_TIMEOUT_S,
@@ -163,8 +163,8 @@ def _dynp(cfg: SidecarTable, fam: str, elements: Sequence[str], *, exact: bool =
 def _elems_in(ip: IPAddress, ports: Scope, shared: Scope, *, exact: bool) -> tuple[PortElem, ...]:
     """A lease's elements in one of its port sets: single ports (hash), or the ranges that
     are not on the hash path (pipapo)."""
-    net = ipaddress.ip_network(ip)
-    picked = single_elements(ports) if exact else pipapo_elements(ports, shared)
+    net = host_network(ip)
+    picked = single_elements(ports, shared) if exact else pipapo_elements(ports, shared)
     return tuple((net, proto, lo, hi) for proto, lo, hi in picked)
 
 
@@ -242,7 +242,7 @@ def _set_declarations(
             dynpx[family(g.ip)] += port_elements(_elems_in(g.ip, ports, shared, exact=True), g.seconds)
             if on_hash_path(ports, shared):
                 dynr[family(g.ip)].append(lease_element(g.ip, g.seconds))
-    services = [f"{p} . {lo}-{hi}" for p, lo, hi in shared.elements()]
+    services = [f"{p} . {lo}" if lo == hi else f"{p} . {lo}-{hi}" for p, lo, hi in shared.elements()]
     lines = []
     for fam in ("v4", "v6"):
         lines.append(_interval_set(t, f"allow_{fam}", fam, allow[fam]))

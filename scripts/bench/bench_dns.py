@@ -10,8 +10,9 @@ asks either egressd's proxy on the gateway 10.203.0.1:53 or the upstream 10.204.
 directly, through the same pod (the baseline). (1) paced 1000 q/s open loop: new names (every
 answer is learned), repeated names and direct, interleaved in slices; (2) closed loop, 32
 outstanding: max q/s; (3) where the time goes: egressd's own main() with a few methods wrapped
-by perf_counter calls (--splits; always with --quick, so CI notices when the wrappers no
-longer fit egressd). See README.md.
+by perf_counter calls, new names and then new names under the port-scoped rule, side by side
+(--splits; always with --quick, so CI notices when the wrappers no longer fit egressd). See
+README.md.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ FULL: dict[str, Any] = {"subjects": 1000, "rate": 1000.0, "paced_s": 10.0, "slic
 QUICK: dict[str, Any] = {**FULL, "subjects": 50, "paced_s": 3.0, "slice_s": 1.0, "warmup_s": 0.3, "closed_s": 2.0,
                          "splits_s": 2.0, "refresh_s": 1, "zone_names": 12000}  # fmt: skip
 PACED, CLOSED = ("direct", "proxy_new", "proxy_repeat", "proxy_ports"), ("direct", "proxy_new")
+SPLIT_SIDES = ("proxy_new", "proxy_ports")  # (3): today's shape, then the port-scoped rule
 LABELS = {
     "direct": "direct (baseline)",
     "proxy_new": "proxy, new names",
@@ -343,13 +345,22 @@ def wrap_targets() -> tuple[list[tuple[Any, str, str]], list[tuple[Any, str, str
     from egressd.actionhandler.learning import DnsLearning
     from egressd.dnsproxy import forwarder as dfwd
     from egressd.dnsproxy import server as dsrv
+    from egressd.engine import learning as elearn
+    from egressd.engine.subjects import SubjectEngine
+    from egressd.fleetnft import backend as fbackend
     from egressd.kernel import refresh as frefresh
     from egressd.kernel.applier import KernelTransactions
     from egressd.policy.reload import AlwaysRulesReloader
+    from egressd.subject.leases import LeaseBook
 
+    # The learn path's parts run in the group commit's committer task, whose context is its
+    # first waiter's: with one answer per transaction (the paced load) they are that query's.
     return ([(dsrv.DnsProxy, "answer", "answer"), (DnsLearning, "asker", "decide"), (dsrv, "decide", "decide"),
              (dfwd, "_socket", "fwd_sock"), (dfwd.Forwarder, "forward", "fwd"), (DnsLearning, "learn", "learn"),
-             (KernelTransactions, "run_batch_inline", "nl"), (KernelTransactions, "run_batch", "nl")],
+             (DnsLearning, "_commit", "commit"), (SubjectEngine, "learn_many", "learn_many"),
+             (elearn, "admissible_many", "admit"), (LeaseBook, "record", "record"), (fbackend, "dyn_add", "encode"),
+             (KernelTransactions, "run_batch", "nl"), (KernelTransactions, "run_batch_inline", "nl_inline"),
+             (KernelTransactions, "_call", "nl_thread")],
             [(frefresh.LeaseRefresher, "tick", "refresh_tick"), (frefresh, "parse_conntrack", "conntrack_parse"),
              (AlwaysRulesReloader, "check", "always_rules_check")])  # fmt: skip
 
@@ -494,7 +505,15 @@ SPLITS = (
     ("fwd_parse", "  of which: DNSRecord.parse of the upstream reply"),
     ("between", "answer addresses + leases"),
     ("learn", "learn total (DnsLearning.learn)"),
-    ("nl", "  of which: the dynamic_add netlink batch (encode + kernel)"),
+    ("gc_wait", "  of which: waiting for the group commit (learn -> its commit starts)"),
+    ("commit", "  of which: the commit (DnsLearning._commit)"),
+    ("learn_many", "    of which: SubjectEngine.learn_many"),
+    ("admit", "      of which: the decision (admissible_many)"),
+    ("encode", "      of which: building the batch (dyn_add)"),
+    ("nl", "      of which: the dynamic_add netlink batch (run_batch)"),
+    ("nl_inline", "        of which: applied on the event loop (run_batch_inline)"),
+    ("nl_thread", "        of which: applied on the kernel thread (hop there and back)"),
+    ("record", "      of which: LeaseBook.record"),
     ("post", "pack reply"),
     ("send", "answer() returns -> sendto done"),
     ("total", "total in egressd: datagram_received -> sendto"),
@@ -518,7 +537,11 @@ def analyse(data: dict[str, Any], window: tuple[float, float]) -> dict[str, Any]
               "fwd_sock": r.get("fwd_sock", 0.0), "fwd_parse": r.get("fwd_parse", 0.0)}  # fmt: skip
         ms["pre"] = r["fwd0"] - r["answer0"] - ms["decide"]
         if "learn" in r:
-            ms.update(between=r["learn0"] - f1, learn=r["learn"], nl=r.get("nl", 0.0))
+            ms.update(between=r["learn0"] - f1, learn=r["learn"])
+            ms.update({k: r.get(k, 0.0) for k in ("commit", "learn_many", "admit", "encode", "nl", "record")})
+            ms.update({k: r[k] for k in ("nl_inline", "nl_thread") if k in r})
+            if "commit0" in r:
+                ms["gc_wait"] = r["commit0"] - r["learn0"]
         per_q.append({k: v * 1000.0 for k, v in ms.items()})
         hits.append(
             {str(e["kind"]).rstrip("012") for e in bg if e["t"] < r["sent"] and e["t"] + e["dur"] > r["arr"]}
@@ -658,9 +681,9 @@ def sanity(run: Runner) -> None:
     got = run.client.call({"op": "query", "target": "proxy", "name": name}, 15)
     if got != {"rcode": "NOERROR", "answers": [addr]}:
         raise c.BenchError(f"proxy query {name}: {got}")
-    # Its single ports go to the hash set dynpx; its port range is the subject's shared one (the
-    # first ranged domain rule's), so the address goes to the hash set dynr, not to pipapo dynp.
-    for kind, held in (("dynr", True), ("dynpx", True), ("dynp", False)):
+    # Its port scope is the subject's shared one (the first ranged domain rule's, single ports
+    # and ranges): the address alone goes to the hash set dynr, not to dynpx nor to pipapo dynp.
+    for kind, held in (("dynr", True), ("dynpx", False), ("dynp", False)):
         dynp = f"subj_{nft_id(subject_for_uid(MEASURED_UID))}_{kind}_v4"
         listing = c.run(["nft", "list", "set", "inet", TABLE, dynp]).stdout
         if (addr in listing) != held:
@@ -819,26 +842,33 @@ def splits_phase(
         run2 = Runner(client, prm, {"egressd": d.pid, "upstream": upstream_pid})
         run2.next_new = prm["zone_names"] // 4  # a fresh table: every name is new to it
         sanity(run2)
-        for side in CLOSED:
+        for side in (*SPLIT_SIDES, "direct"):
             run2.paced(h, side, prm["warmup_s"])
-        t0 = time.perf_counter()  # CLOCK_MONOTONIC is shared by every process: it delimits the window
-        prox = aggregate([run2.paced(h, "proxy_new", prm["splits_s"])])
-        window = (t0, time.perf_counter())
+        lat: dict[str, Any] = {}
+        windows: dict[str, tuple[float, float]] = {}
+        for side in SPLIT_SIDES:  # one window each: the records are told apart by their time
+            t0 = time.perf_counter()  # CLOCK_MONOTONIC is shared by every process: it delimits the window
+            lat[side] = aggregate([run2.paced(h, side, prm["splits_s"])])["lat"]
+            windows[side] = (t0, time.perf_counter())
         dire = aggregate([run2.paced(h, "direct", prm["splits_s"])])
     finally:
         h.close()
     d.stop()  # SIGTERM: the instrumented main writes its records on the way out
     f = workdir / "splits.json"
-    out = {
-        "proxy": prox["lat"],
-        "direct": dire["lat"],
-        **analyse(json.loads(f.read_text()) if f.exists() else {}, window),
-    }
-    if not out["queries"]:
-        raise c.BenchError(
-            "splits: the instrumented egressd recorded no forwarded query (do the wrappers still fit?)"
-        )
-    c.log(f"splits: {out['queries']} forwarded queries recorded")
+    data = json.loads(f.read_text()) if f.exists() else {}
+    sides = {side: {"rtt": lat[side], **analyse(data, windows[side])} for side in SPLIT_SIDES}
+    # The first side's figures at the top level, as before the port-scoped side was added.
+    out = {"proxy": lat[SPLIT_SIDES[0]], "direct": dire["lat"], **sides[SPLIT_SIDES[0]], "sides": sides}
+    for side, sp in sides.items():
+        if not sp["queries"]:
+            raise c.BenchError(
+                f"splits: the instrumented egressd recorded no forwarded query of {side} (do the wrappers still fit?)"
+            )
+    c.log(
+        "splits: "
+        + ", ".join(f"{side} {sp['queries']}" for side, sp in sides.items())
+        + " forwarded queries recorded"
+    )
     return out
 
 
@@ -876,18 +906,7 @@ def report(rep: c.Report, prm: dict[str, Any], out: dict[str, Any], first: bool)
         f"  distinct new names asked through the proxy in (1)+(2): {out['names_used']} (zone {prm['zone_names']})"
     )
     if sp := out.get("splits"):
-        rep.add("")
-        rep.add(f"(3) where the time goes: egressd's main() with perf_counter wrappers, {prm['splits_s']:g}s of new names,"
-                f" {sp['queries']} forwarded queries; client RTT proxy {sp['proxy']['p50']:.3f} vs direct {sp['direct']['p50']:.3f} ms p50"
-                f" ({c.ratio(sp['proxy']['p50'], sp['direct']['p50'])}); ms")  # fmt: skip
-        rep.table(["component (per forwarded query)", "p50", "p99", "max", "mean", f"mean in slowest 1% ({sp['tail']})"],
-                  [[lbl, *(sp["parts"][k][q] for q in ("p50", "p99", "max", "mean", "tail_mean"))] for k, lbl in SPLITS if k in sp["parts"]])  # fmt: skip
-        rep.add(f"  background events in the window (EGRESSD_REFRESH_INTERVAL={prm['refresh_s']} s): "
-                + ("; ".join(f"{k} {e['n']:.0f}x, max {e['max_ms']:.1f} ms" for k, e in sorted(sp["events"].items())) or "-"))  # fmt: skip
-        rep.add(
-            "  the slowest 1% overlapped: "
-            + (", ".join(f"{k} {v}" for k, v in sorted(sp["tail_overlap"].items())) or "-")
-        )
+        report_splits(rep, prm, sp)
     for s in PACED[1:]:
         for q, lim in (("p50", T_P50_ADDED_MS), ("p99", T_P99_ADDED_MS)):
             added = p[s]["lat"][q] - base[q]
@@ -900,6 +919,28 @@ def report(rep: c.Report, prm: dict[str, Any], out: dict[str, Any], first: bool)
     rep.add("")
     rep.add(f"  [info  ] max sustained q/s through the proxy: {cl['proxy_new']['qps']:.0f} vs direct {cl['direct']['qps']:.0f}"
             f" ({c.ratio(cl['proxy_new']['qps'], cl['direct']['qps'])}); no target")  # fmt: skip
+
+
+def report_splits(rep: c.Report, prm: dict[str, Any], sp: dict[str, Any]) -> None:
+    """(3): each side's split next to the other's (same instrumented daemon, one window each)."""
+    sides: dict[str, Any] = sp.get("sides") or {SPLIT_SIDES[0]: {**sp, "rtt": sp["proxy"]}}
+    rep.add("")
+    rep.add(f"(3) where the time goes: egressd's main() with perf_counter wrappers, {prm['splits_s']:g}s per side, one after the other;"
+            f" client RTT p50 " + ", ".join(f"{s} {x['rtt']['p50']:.3f}" for s, x in sides.items())
+            + f" vs direct {sp['direct']['p50']:.3f} ms; forwarded queries recorded "
+            + ", ".join(f"{s} {x['queries']}" for s, x in sides.items()) + "; ms")  # fmt: skip
+    keys = [k for k, _ in SPLITS if any(k in x["parts"] for x in sides.values())]
+    rep.table(["component (per forwarded query)"] + [f"{s} {q}" for s in sides for q in ("p50", "p99", "mean", "mean slowest 1%")],
+              [[lbl, *(x["parts"][k][q] if k in x["parts"] else "-" for x in sides.values() for q in ("p50", "p99", "mean", "tail_mean"))]
+               for k, lbl in SPLITS if k in keys])  # fmt: skip
+    rep.add("  the commit's parts run once per transaction and count for its first answer (read their means: per query);"
+            " learn -> commit: the group commit's task starting, the subject's lock")  # fmt: skip
+    rep.add("  transactions applied on the event loop / on the kernel thread: "
+            + ", ".join(f"{s} {x['parts'].get('nl_inline', {}).get('n', 0)} / {x['parts'].get('nl_thread', {}).get('n', 0)}" for s, x in sides.items()))  # fmt: skip
+    for s, x in sides.items():
+        rep.add(f"  {s}: background events in the window (EGRESSD_REFRESH_INTERVAL={prm['refresh_s']} s): "
+                + ("; ".join(f"{k} {e['n']:.0f}x, max {e['max_ms']:.1f} ms" for k, e in sorted(x["events"].items())) or "-")
+                + f"; the slowest 1% ({x['tail']}) overlapped: " + (", ".join(f"{k} {v}" for k, v in sorted(x["tail_overlap"].items())) or "-"))  # fmt: skip
 
 
 def build(topo: c.Topology) -> None:

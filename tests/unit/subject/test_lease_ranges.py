@@ -49,6 +49,8 @@ CDN = ipaddress.ip_address("93.184.216.34")
 OTHER = ipaddress.ip_address("93.184.216.35")
 NET = ipaddress.ip_network("93.184.216.34/32")
 R8K = Scope.of(tcp=[(8000, 8999)])
+#: The shared scope of P_RANGE with the name check on: its single port and its range.
+SHARED_P = Scope.of(tcp=[(443, 443), (8000, 8999)])
 
 
 def pol(*rules: str, default: str = "deny") -> NetworkPolicy:
@@ -75,13 +77,14 @@ def test_no_domain_rule_with_ranges_shares_nothing() -> None:
     assert not on_hash_path(Scope.of(tcp=[(1, 9)]), Scope.EMPTY)
 
 
-def test_the_first_ranged_domain_allow_rule_gives_the_shared_ranges_single_ports_left_out() -> None:
+def test_the_first_ranged_domain_allow_rule_gives_the_shared_scope_its_single_ports_too() -> None:
+    # A rule of single ports only has no range: the first rule with one gives its whole scope.
     p = pol('{"action":"allow","target":"a.test","ports":[443]}', P_RANGE, Q_RANGE)
-    assert shared_ranges(p, name_check=True) == R8K
-    # Without a protocol the rule names TCP and UDP: both ranges are shared.
+    assert shared_ranges(p, name_check=True) == SHARED_P
+    # Without a protocol the rule names TCP and UDP: both protocols' ports are shared.
     both = shared_ranges(pol(P_BOTH), name_check=False)
-    assert both == Scope.of(tcp=[(8000, 8999)], udp=[(8000, 8999)])
-    assert range_part(Scope.of(tcp=[(443, 443), (8000, 8999)])) == R8K
+    assert both == Scope.of(tcp=[(443, 443), (8000, 8999)], udp=[(443, 443), (8000, 8999)])
+    assert range_part(SHARED_P) == R8K
 
 
 def test_the_name_check_cuts_udp_443_from_the_shared_ranges_like_from_a_lease() -> None:
@@ -99,16 +102,34 @@ def test_the_name_check_cuts_udp_443_from_the_shared_ranges_like_from_a_lease() 
 
 
 def test_which_set_holds_what() -> None:
+    # Exactly the shared scope: the address alone in dynr, nothing in dynpx or dynp.
     ports = Scope.of(tcp=[(443, 443), (8000, 8999)])
-    assert on_hash_path(ports, R8K)
-    assert pipapo_elements(ports, R8K) == ()
+    assert on_hash_path(ports, SHARED_P)
+    assert pipapo_elements(ports, SHARED_P) == () and single_elements(ports, SHARED_P) == ()
     assert single_elements(ports) == (("tcp", 443, 443),)
     other = Scope.of(tcp=[(7000, 7001)])
-    assert not on_hash_path(other, R8K) and pipapo_elements(other, R8K) == (("tcp", 7000, 7001),)
-    # More than the shared ranges, or only part of them: pipapo, whole.
+    assert not on_hash_path(other, SHARED_P) and pipapo_elements(other, SHARED_P) == (("tcp", 7000, 7001),)
+    # More than the shared scope, or only part of it: single ports in dynpx, ranges in pipapo.
     wider = Scope.of(tcp=[(7000, 7001), (8000, 8999)])
-    assert not on_hash_path(wider, R8K) and len(pipapo_elements(wider, R8K)) == 2
-    assert not on_hash_path(Scope.of(tcp=[(8000, 8099)]), R8K)
+    assert not on_hash_path(wider, SHARED_P) and len(pipapo_elements(wider, SHARED_P)) == 2
+    assert not on_hash_path(Scope.of(tcp=[(443, 443), (8000, 8099)]), SHARED_P)
+    # The shared ranges without its single port: an address in dynr would open 443 too.
+    assert not on_hash_path(R8K, SHARED_P) and pipapo_elements(R8K, SHARED_P) == (("tcp", 8000, 8999),)
+    # The same ranges with another single port: that port in dynpx, the range in pipapo.
+    other_single = Scope.of(tcp=[(80, 80), (8000, 8999)])
+    assert not on_hash_path(other_single, SHARED_P)
+    assert single_elements(other_single, SHARED_P) == (("tcp", 80, 80),)
+    assert pipapo_elements(other_single, SHARED_P) == (("tcp", 8000, 8999),)
+
+
+def test_a_name_with_only_the_shared_ranges_never_opens_the_shared_single_port() -> None:
+    """A second rule with the first one's range and not its single port: its leases stay off
+    the hash path (dynrports holds 443 as well), their range in pipapo, 443 nowhere."""
+    p = pol(P_RANGE, '{"action":"allow","target":"r.test","protocol":"tcp","ports":["8000-8999"]}')
+    (g,) = admissible(LeaseBook(), p, [(OTHER, 60)], "r.test", NOW, name_check=True)
+    assert g.shared == SHARED_P and g.scope.ports == R8K and not on_hash_path(g.scope.ports, g.shared)
+    other = ipaddress.ip_network("93.184.216.35/32")
+    assert dyn_add("T", "s", [g]).ops == (AddPortElems("subj_s_dynp_v4", "v4", ((other, "tcp", 8000, 8999),), (60,)),)
 
 
 def test_overlapping_rules_cut_by_first_match_give_a_lease_its_own_ranges() -> None:
@@ -135,14 +156,15 @@ def test_two_rules_with_different_ranges_one_hash_path_one_pipapo() -> None:
     in_pipapo = admissible(book, p, [(OTHER, 90)], "q.test", NOW, name_check=True)
     batch = dyn_add("T", "s", [*on_hash, *in_pipapo])
     other = ipaddress.ip_network("93.184.216.35/32")
+    # The hash path's lease is one element in one set, as an address-only lease in dyn.
     assert batch.ops == (
-        AddPortElems("subj_s_dynpx_v4", "v4", ((NET, "tcp", 443, 443),), (60,), exact=True),
         AddPortElems("subj_s_dynp_v4", "v4", ((other, "tcp", 7000, 7001),), (90,)),
         AddTimed("subj_s_dynr_v4", "v4", ((CDN, 60),)),
     )
-    # The shared ranges go with the policy, in both families' sets.
+    assert dyn_add("T", "s", on_hash).ops == (AddTimed("subj_s_dynr_v4", "v4", ((CDN, 60),)),)
+    # The shared scope goes with the policy, in both families' sets.
     contents = dict(static_contents(p, name_check=True))
-    assert contents["dynrports_v4"] == contents["dynrports_v6"] == (("tcp", 8000, 8999),)
+    assert contents["dynrports_v4"] == contents["dynrports_v6"] == (("tcp", 443, 443), ("tcp", 8000, 8999))
 
 
 def test_a_lease_leaving_the_hash_path_deletes_its_address_there_added_first() -> None:
@@ -153,9 +175,10 @@ def test_a_lease_leaving_the_hash_path_deletes_its_address_there_added_first() -
     assert dyn_add("T", "s", first).ops[-1] == AddTimed("subj_s_dynr_v4", "v4", ((CDN, 60),))
     # A refresh: the same scope, its address re-added on the hash path, nothing deleted.
     renew = admissible(book, p, [(CDN, 60)], None, NOW, name_check=True)
-    assert [type(op) for op in dyn_add("T", "s", renew).ops] == [AddPortElems, AddTimed]
+    assert [type(op) for op in dyn_add("T", "s", renew).ops] == [AddTimed]
     # A second name with other ranges widens the lease off the hash path: its address is added
-    # (so it exists) and deleted from dynr, its ranges go to pipapo.
+    # (so it exists) and deleted from dynr, its single port goes to dynpx, its ranges to pipapo
+    # (it held none there: nothing deleted in either).
     q = pol(P_RANGE, Q_RANGE)
     wider = admissible(book, q, [(CDN, 90)], "q.test", NOW, name_check=True)
     ops = dyn_add("T", "s", wider).ops
@@ -165,7 +188,8 @@ def test_a_lease_leaving_the_hash_path_deletes_its_address_there_added_first() -
     assert ops[add_at + 2 :] == ()  # not re-added
     pipapo = [op for op in ops if isinstance(op, AddPortElems) and op.name == "subj_s_dynp_v4"]
     assert pipapo and {e[2:] for op in pipapo for e in op.elems} >= {(7000, 7001), (8000, 8999)}
-    assert not any(isinstance(op, DeletePortElems) and op.name == "subj_s_dynp_v4" for op in ops)
+    assert not any(isinstance(op, DeletePortElems) for op in ops)
+    assert AddPortElems("subj_s_dynpx_v4", "v4", ((NET, "tcp", 443, 443),), (90,), exact=True) in ops
 
 
 def test_renew_by_replace_renews_a_hash_path_address_by_add_delete_add() -> None:
@@ -186,13 +210,13 @@ def test_a_change_of_the_shared_ranges_is_a_rewrite_of_every_lease() -> None:
     p = pol(P_RANGE)
     book = LeaseBook()
     book.record(admissible(book, p, [(CDN, 60)], "a.p.test", NOW, name_check=True), "a.p.test", NOW)
-    assert book.shared == R8K
+    assert book.shared == SHARED_P
     same = narrowed_for(book, p, (), (), NOW, name_check=True)
     assert same.intact
     # 8000-8999 -> 8000-8099: the lease narrows anyway; the kept grant carries the new ranges.
     narrower = pol('{"action":"allow","target":"*.p.test","protocol":"tcp","ports":[443,"8000-8099"]}')
     out = narrowed_for(book, narrower, (), (), NOW, name_check=True)
-    assert not out.intact and out.book.shared == Scope.of(tcp=[(8000, 8099)])
+    assert not out.intact and out.book.shared == Scope.of(tcp=[(443, 443), (8000, 8099)])
     batch = dyn_replace("T", "s", out.kept, ranges=True)
     flushed = [op.name for op in batch.ops if isinstance(op, FlushSet)]
     assert {"subj_s_dynr_v4", "subj_s_dynr_v6", "subj_s_dynp_v4", "subj_s_dynpx_v4"} <= set(flushed)
@@ -209,6 +233,21 @@ def test_a_change_of_the_shared_ranges_is_a_rewrite_of_every_lease() -> None:
     assert narrowed_for(out2.book, moved, sets.deny_v4, sets.deny_v6, NOW, name_check=True).intact
 
 
+def test_a_change_of_the_shared_single_ports_alone_is_a_rewrite_too() -> None:
+    """dynrports holds the shared scope's single ports as well: a policy that moves only them
+    (443 -> 8443, same range) rewrites every lease, none keeps its address in dynr under
+    ranges that now open 8443."""
+    book = LeaseBook()
+    book.record(admissible(book, pol(P_RANGE), [(CDN, 60)], "a.p.test", NOW, name_check=True), "a.p.test", NOW)
+    moved = pol('{"action":"allow","target":"*.p.test","protocol":"tcp","ports":[8443,"8000-8999"]}')
+    out = narrowed_for(book, moved, (), (), NOW, name_check=True)
+    assert not out.intact and out.book.shared == Scope.of(tcp=[(8000, 8999)]).union(Scope.of(tcp=[(8443, 8443)]))
+    (kept,) = out.kept
+    assert kept.shared == out.book.shared and on_hash_path(kept.scope.ports, kept.shared)
+    flushed = [op.name for op in dyn_replace("T", "s", out.kept, ranges=True).ops if isinstance(op, FlushSet)]
+    assert "subj_s_dynr_v4" in flushed
+
+
 # ---- sidecar --------------------------------------------------------------------------------------
 
 
@@ -222,17 +261,18 @@ def test_the_sidecar_renders_the_same_layout() -> None:
     ]
     text = ruleset(cfg, p, grants)
     assert "add set inet t dyn_allowrports_v4 { type inet_proto . inet_service; flags interval; " \
-        "elements = { tcp . 8000-8999 }; }" in text
+        "elements = { tcp . 443, tcp . 8000-8999 }; }" in text
     assert "add set inet t dyn_allowr_v4 { type ipv4_addr; flags timeout; timeout 360s; size 4096; " \
         "elements = { 93.184.216.34 timeout 60s expires 60s } }" in text
     assert "93.184.216.35 . tcp . 7000-7001" in text and "93.184.216.34 . tcp . 8000-8999" not in text
+    assert "93.184.216.34 . tcp . 443" not in text
     assert "ip daddr @dyn_allowr_v4 meta l4proto . th dport @dyn_allowrports_v4 accept" in text
     assert "ip6 daddr @dyn_allowr_v6 meta l4proto . th dport @dyn_allowrports_v6 accept" in text
     # The learn path: the address into dyn_allowr, the other lease's range into pipapo.
     script = sidecar_dyn_add(cfg, grants)
     assert "dyn_allowr_v4 { type ipv4_addr; flags timeout; timeout 360s; size 4096; elements = { 93.184.216.34" in script
     assert "93.184.216.35 . tcp . 7000-7001" in script
-    assert "93.184.216.34 . tcp . 8000-8999" not in script
+    assert "93.184.216.34 . tcp . 8000-8999" not in script and "93.184.216.34 . tcp . 443" not in script
     # No ranged rule: no hash path at all, neither sets nor rules (the table is rebuilt with
     # every policy, so a later ranged policy brings them; the learn path names none either).
     single = pol('{"action":"allow","target":"a.test","ports":[443]}')
@@ -286,7 +326,7 @@ def test_a_ranged_policy_needs_the_range_objects() -> None:
     with pytest.raises(ValueError, match="range objects"):
         dyn_replace("T", "s", grants, ranges=False)
     text = contents_swap("T", "s", contents, audit_objects=False, range_objects=True).describe()
-    assert "add element inet T subj_s_dynrports_v4 { tcp . 8000-8999 }" in text
+    assert "add element inet T subj_s_dynrports_v4 { tcp . 443, tcp . 8000-8999 }" in text
 
 
 def test_range_objects_rebuild_the_chains_with_every_rule_once_in_order() -> None:
