@@ -71,7 +71,9 @@ def check() -> str | None:
         "reader = self.transports[connection].reader" in loop_src
         and "data = await reader.read(" in loop_src
         and "except OSError:" in loop_src
-        and 0 <= open_src.find("ServerConnectedHook") < open_src.rfind("self.handle_connection(command.connection)")
+        and 0
+        <= open_src.find("ServerConnectedHook")
+        < open_src.rfind("self.handle_connection(command.connection)")
         and {"reader", "writer"} <= set(getattr(server.ConnectionIO, "__dataclass_fields__", {}))
         and callable(getattr(server.TimeoutWatchdog, "register_activity", None))
     )

@@ -26,9 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common as c  # noqa: E402
-import mitm_stream  # noqa: E402
+import common as c
+import mitm_stream
 
 TAG = "egbr"
 CL_IP, GW_CL, GW_UP, UP_IP = "10.211.0.2", "10.211.0.1", "10.212.0.1", "10.212.0.2"
