@@ -1,6 +1,6 @@
 """Passed-through TLS moved in the kernel (issue 25 item 5): the upstream's bytes of an admitted,
-relayed (not decrypted) TLS connection go to the client by splice(2) through a pipe, driven by
-the event loop, instead of through mitmproxy's Python relay.
+relayed (not decrypted) TLS connection go to the client by splice(2) through a pipe, in a thread
+per connection, instead of through mitmproxy's Python relay.
 
 What stays as it was: the name check and every other decision (nothing here runs before
 :class:`egressd.mitmchild.interception.Interception` let the connection through and mitmproxy
@@ -8,7 +8,7 @@ opened the upstream connection); the client's bytes (the ClientHello first) stil
 through mitmproxy; mitmproxy's hooks, half-close and teardown (this relay only stands in for the
 upstream connection's reader: at the upstream's end of file its ``read`` says so, on an error
 it raises ``OSError``, exactly what mitmproxy's read loop expects from a stream reader); the
-relay watch's cut (:func:`egressd.mitmchild.names.reset` stops the splice first, then resets).
+relay watch's cut (``Interception.check_relayed`` stops the splice, then resets the client).
 
 How it takes over, in order, so that no byte is lost or reordered: mitmproxy's ``server_connected``
 hook (after the upstream socket opened, before mitmproxy reads it) swaps the connection's reader
@@ -34,8 +34,8 @@ import contextlib
 import fcntl
 import inspect
 import os
-import time
-from collections.abc import Callable
+import select
+import threading
 from typing import Any, Final
 
 from mitmproxy import connection, ctx
@@ -46,8 +46,9 @@ from egressd.mitmchild.shared import emit
 
 #: Pipe between the two sockets (F_SETPIPE_SZ; the default /proc/sys/fs/pipe-max-size).
 PIPE_BYTES: Final = 1 << 20
-#: Relays at once per child; beyond it mitmproxy relays (a pipe and two descriptors each).
-MAX_RELAYS: Final = 256
+#: Relays at once per child; beyond it mitmproxy relays (a thread, two pipes and two duplicate
+#: descriptors each).
+MAX_RELAYS: Final = 128
 #: How often a moving relay tells mitmproxy's inactivity watchdog (seconds).
 ACTIVITY_S: Final = 1.0
 #: How often the take-over looks again whether mitmproxy's writes to the client are out.
@@ -108,77 +109,91 @@ class _Hold(asyncio.Protocol):
 
 
 class _Splice:
-    """``src`` -> pipe -> ``dst`` on the event loop: read while the pipe is empty, write until it
-    is; ``done`` is None at the source's end of file (pipe emptied), or the error."""
+    """``src`` -> pipe -> ``dst`` in a thread of its own (the GIL is free during each system call;
+    an event-loop version cost twice the CPU per MiB, scripts/bench/relay_ceiling.py). ``done``
+    (a future of the loop) is None at the source's end of file, once the pipe is empty, or the
+    error; ``moved`` counts bytes. The descriptors are duplicates (the sockets stay asyncio's,
+    non-blocking: the thread polls), all closed when it ends."""
 
-    def __init__(self, src: int, dst: int, moved: Callable[[], None]) -> None:
+    def __init__(self, src: int, dst: int) -> None:
         self.loop = asyncio.get_running_loop()
-        self.moved = moved
         self.fds: list[int] = []
         self.src, self.dst = self._dup(src), self._dup(dst)
-        r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.fds += [r, w]
-        self.r, self.w = r, w
+        self.r, self.w = self._pipe()
         with contextlib.suppress(OSError):
-            fcntl.fcntl(w, _F_SETPIPE_SZ, PIPE_BYTES)
-        self.pending = 0
-        self.eof = False
+            fcntl.fcntl(self.w, _F_SETPIPE_SZ, PIPE_BYTES)
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # stop(): a byte
+        self.moved = 0
+        self.stopping: BaseException | None = None
         self.done: asyncio.Future[None] = self.loop.create_future()
-        self.loop.add_reader(self.src, self._readable)
+        threading.Thread(target=self._run, name="egressd-splice", daemon=True).start()
 
     def _dup(self, fd: int) -> int:
-        new = os.dup(fd)  # shares the file description (and asyncio's O_NONBLOCK)
+        new = os.dup(fd)
         self.fds.append(new)
         return new
 
-    def _readable(self) -> None:
+    def _pipe(self) -> tuple[int, int]:
+        r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.fds += [r, w]
+        return r, w
+
+    def _run(self) -> None:
+        error: BaseException | None = None
         try:
-            n = os.splice(self.src, self.w, PIPE_BYTES, flags=_FLAGS)
-        except BlockingIOError:
-            return
+            self._pump()
         except OSError as exc:
-            self.finish(exc)
-            return
-        if n == 0:
-            self.eof = True
-        self.pending += n
-        self._flush()
-
-    def _writable(self) -> None:
-        self._flush()
-
-    def _flush(self) -> None:
-        while self.pending:
-            try:
-                self.pending -= os.splice(self.r, self.dst, self.pending, flags=_FLAGS)
-            except BlockingIOError:  # the client's socket is full: wait for it, read nothing
-                self.loop.remove_reader(self.src)
-                self.loop.add_writer(self.dst, self._writable)
-                return
-            except OSError as exc:
-                self.finish(exc)
-                return
-            self.moved()
-        if self.eof:
-            self.finish(None)
-            return
-        if self.loop.remove_writer(self.dst):
-            self.loop.add_reader(self.src, self._readable)
-
-    def finish(self, error: BaseException | None) -> None:
-        """Stop (idempotent): descriptors closed, ``done`` settled."""
-        if self.fds:
-            self.loop.remove_reader(self.src)
-            self.loop.remove_writer(self.dst)
+            error = exc
+        finally:
             for fd in self.fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            self.fds.clear()
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the child is ending
+                self.loop.call_soon_threadsafe(self._settle, error)
+
+    def _pump(self) -> None:
+        readable, writable = select.poll(), select.poll()
+        readable.register(self.src, select.POLLIN)
+        writable.register(self.dst, select.POLLOUT)
+        for p in (readable, writable):
+            p.register(self.wake_r, select.POLLIN)
+        while self._wait(readable):
+            try:
+                n = os.splice(self.src, self.w, PIPE_BYTES, flags=_FLAGS)
+            except BlockingIOError:
+                continue
+            if n == 0:
+                return  # the upstream's end of file, everything before it passed on
+            while n:
+                try:
+                    sent = os.splice(self.r, self.dst, n, flags=_FLAGS)
+                except BlockingIOError:  # the client's socket is full
+                    if not self._wait(writable):
+                        return
+                    continue
+                n -= sent
+                self.moved += sent
+
+    def _wait(self, poller: select.poll) -> bool:
+        """Until the socket is ready; False once stop() was called."""
+        return all(fd != self.wake_r for fd, _ in poller.poll())
+
+    def _settle(self, error: BaseException | None) -> None:
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+        error = self.stopping or error
         if not self.done.done():
             if error is None:
                 self.done.set_result(None)
             else:
                 self.done.set_exception(error)
+
+    def stop(self, error: BaseException) -> None:
+        """End the thread (from the loop; idempotent): ``done`` then fails with ``error``."""
+        if self.stopping is None and not self.done.done():
+            self.stopping = error
+            with contextlib.suppress(OSError):
+                os.write(self.wake_w, b"x")
 
 
 class SpliceReader:
@@ -192,7 +207,6 @@ class SpliceReader:
         self.hold: _Hold | None = None
         self.splice: _Splice | None = None
         self.ended = False
-        self.last_activity = 0.0
         relay.active[client.id] = self
 
     async def read(self, n: int = -1) -> bytes:
@@ -249,26 +263,26 @@ class SpliceReader:
         dst = self.client_writer.get_extra_info("socket")
         if src is None or dst is None:
             raise ConnectionResetError("no socket")
-        self.splice = _Splice(src.fileno(), dst.fileno(), self._moved)
+        splice = self.splice = _Splice(src.fileno(), dst.fileno())
         self.relay.kernel += 1
+        seen = 0
         try:
-            await self.splice.done
+            while not splice.done.done():
+                await asyncio.wait([splice.done], timeout=ACTIVITY_S)
+                if splice.moved != seen:  # bytes moved: not idle for mitmproxy's watchdog
+                    seen = splice.moved
+                    self.handler.timeout_watchdog.register_activity()
+            splice.done.result()
         finally:
-            self.splice.finish(None)
+            splice.stop(ConnectionResetError("relay ended"))
             self._end()
         return b""  # the upstream's end of file: mitmproxy half-closes the client
-
-    def _moved(self) -> None:
-        now = time.monotonic()
-        if now - self.last_activity >= ACTIVITY_S:
-            self.last_activity = now
-            self.handler.timeout_watchdog.register_activity()
 
     def cut(self) -> None:
         """The relay watch resets this connection (or its client went): stop moving bytes now."""
         self._end()
         if self.splice is not None:
-            self.splice.finish(ConnectionResetError("cut"))
+            self.splice.stop(ConnectionResetError("cut"))
 
 
 class SpliceRelay:

@@ -32,7 +32,7 @@ import mitm_stream
 TAG = "egbr"
 CL_IP, GW_CL, GW_UP, UP_IP = "10.211.0.2", "10.211.0.1", "10.212.0.1", "10.212.0.2"
 HOST = "api.example.test"
-PORTS = {"direct": (UP_IP, 8443), "asyncio": (GW_CL, 9001), "splice": (GW_CL, 9002)}
+PORTS = {"direct": (UP_IP, 8443), "asyncio": (GW_CL, 9001), "splice": (GW_CL, 9002), "loop-splice": (GW_CL, 9003)}
 TARGET = 0.8
 
 RELAY = r"""
@@ -129,10 +129,70 @@ class ClientSide(Side):
             up.transport.write(d)
         self.transport.resume_reading()
 
+# ---- loop-splice: the upstream's bytes by splice(2) driven by the event loop (egressd's kernel
+# relay), the client's by the asyncio protocols above
+class LoopSplice:
+    def __init__(self, src, dst, done):
+        self.loop = asyncio.get_running_loop()
+        self.src, self.dst, self.done = os.dup(src), os.dup(dst), done
+        self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        fcntl.fcntl(self.w, F_SETPIPE_SZ, PIPE)
+        self.pending, self.eof = 0, False
+        self.loop.add_reader(self.src, self.readable)
+    def readable(self):
+        try:
+            n = os.splice(self.src, self.w, PIPE, flags=os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK)
+        except BlockingIOError:
+            return
+        except OSError:
+            return self.finish()
+        self.eof = n == 0
+        self.pending += n
+        self.flush()
+    def flush(self):
+        while self.pending:
+            try:
+                self.pending -= os.splice(self.r, self.dst, self.pending, flags=os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK)
+            except BlockingIOError:
+                self.loop.remove_reader(self.src)
+                self.loop.add_writer(self.dst, self.flush)
+                return
+            except OSError:
+                return self.finish()
+        if self.eof:
+            return self.finish()
+        if self.loop.remove_writer(self.dst):
+            self.loop.add_reader(self.src, self.readable)
+    def finish(self):
+        self.loop.remove_reader(self.src); self.loop.remove_writer(self.dst)
+        for fd in (self.src, self.dst, self.r, self.w):
+            os.close(fd)
+        self.done()
+
+async def loop_splice_conn(reader, writer):
+    hello = await reader.read(65536)
+    ur, uw = await asyncio.open_connection(*UP)
+    uw.write(hello)
+    async def up():
+        while data := await reader.read(65536):
+            uw.write(data)
+            await uw.drain()
+        uw.write_eof()
+    t = asyncio.ensure_future(up())
+    ended = asyncio.get_running_loop().create_future()
+    uw.transport.pause_reading()
+    src, dst = uw.get_extra_info("socket").fileno(), writer.get_extra_info("socket").fileno()
+    LoopSplice(src, dst, lambda: ended.done() or ended.set_result(None))
+    await ended
+    writer.write_eof()
+    await t
+    writer.close(); uw.close()
+
 async def asyncio_main(port):
     loop = asyncio.get_running_loop()
     srv = await loop.create_server(ClientSide, "0.0.0.0", port, backlog=64)
-    async with srv:
+    srv2 = await asyncio.start_server(loop_splice_conn, "0.0.0.0", port + 2, backlog=64)
+    async with srv, srv2:
         await srv.serve_forever()
 
 threading.Thread(target=splice_server, args=(int(sys.argv[4]),), daemon=True).start()
@@ -223,7 +283,7 @@ def main() -> int:
     p = c.parser(__doc__, "24 MiB x 2 rounds per path")
     p.add_argument("--mib", type=int, default=256, help="download size, MiB (256; --quick 24)")
     p.add_argument("--rounds", type=int, default=5, help="downloads per path (5; --quick 2)")
-    p.add_argument("--paths", default="direct,asyncio,splice", help="comma-separated subset of " + ",".join(PORTS))
+    p.add_argument("--paths", default="direct,asyncio,splice,loop-splice", help="comma-separated subset of " + ",".join(PORTS))
     args = p.parse_args()
     args.paths = args.paths.split(",")
     return c.main("relay_ceiling", TAG, ("cl", "gw", "up"), "gw", args, inner, build)

@@ -331,8 +331,9 @@ def test_the_kernel_holds_an_open_relay_and_a_narrowing_cuts_it(
     try:
         assert proc.stdout is not None
         assert json.loads(proc.stdout.readline()) == {"ready": "ready"}
-        held = settle_pipes(pid, base + 2, 5)
-        assert held == (base + 2 if fleet.kernel_relay else base)  # type: ignore[attr-defined]
+        # the relay's data pipe and its stop pipe (with mitmproxy's relay: none)
+        held = settle_pipes(pid, base + 4, 5)
+        assert held == (base + 4 if fleet.kernel_relay else base)  # type: ignore[attr-defined]
         bind_subject(fleet, 1, subject, ONLY_B)  # a.cdn.test goes; the address stays open for b
         out = finish(proc, 30)
     finally:
