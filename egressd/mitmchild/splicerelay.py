@@ -144,6 +144,8 @@ class _Splice:
             self._pump()
         except OSError as exc:
             error = exc
+        except Exception as exc:  # never an end of file the upstream did not send
+            error = ConnectionResetError(f"kernel relay failed: {exc!r}")
         finally:
             for fd in self.fds:
                 with contextlib.suppress(OSError):

@@ -9,7 +9,15 @@ interleaved, one kept-alive connection per path:
 * ``direct``   cl -> up:8443, forwarded by the kernel in ``gw`` (the baseline);
 * ``asyncio``  cl -> gw:9001, a Python asyncio relay (protocols, flow control) in ``gw``;
 * ``splice``   cl -> gw:9002, splice(2) through a pipe (F_SETPIPE_SZ 1 MiB), one thread per
-  direction on blocking sockets, in ``gw``.
+  direction on blocking sockets, in ``gw``;
+* ``loop-splice`` cl -> gw:9003, the upstream's bytes by splice(2) driven by the asyncio event
+  loop (add_reader / add_writer on duplicated descriptors), the client's by asyncio streams.
+
+egressd's kernel relay (egressd/mitmchild/splicerelay.py) is the ``splice`` shape for the
+upstream's bytes (a thread per connection; the event-loop shape cost about twice the CPU per
+MiB here), the client's bytes staying in mitmproxy. A ratio here is what a relay that
+terminates TCP can reach on this machine at best: the relayed path adds a TCP receive and send
+in the gateway, on the same CPUs as client and upstream.
 
 Both relays read the client's first bytes (the ClientHello) before they connect upstream,
 as a relay that checks the SNI must, then forward those bytes first. For each path: MiB/s
