@@ -72,6 +72,15 @@ OPTIONS: tuple[Option, ...] = (
         "on",
         public=False,
     ),
+    # Benchmark switch: what the kernel relay of passed-through TLS saves (issue 25 item 5).
+    Option(
+        "EGRESSD_MITM_KERNEL_RELAY",
+        "--mitm-kernel-relay",
+        "on/off: the MITM moves an admitted, passed-through TLS connection's upstream bytes to the"
+        " client by splice(2) instead of through mitmproxy (off only to measure what that saves)",
+        "on",
+        public=False,
+    ),
     Option(
         "EGRESSD_MITM_CA_EXPORT_DIR",
         "--mitm-ca-export-dir",
@@ -131,6 +140,7 @@ class MitmConfig:
     ca_export_dir: Path | None = None  # EGRESSD_MITM_CA_EXPORT_DIR
     tls_resume: bool = True  # EGRESSD_MITM_TLS_RESUME (docs/reference/behaviour.md §10)
     body_redaction: bool = True  # EGRESSD_MITM_BODY_REDACTION (docs/reference/behaviour.md §10)
+    kernel_relay: bool = True  # EGRESSD_MITM_KERNEL_RELAY (docs/reference/behaviour.md §16)
     vault_push: bool = True  # EGRESSD_MITM_VAULT_PUSH (docs/reference/behaviour.md §10, "answered from memory")
     extra_ports: tuple[int, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS
     name_check_setting: bool = True  # EGRESSD_NAME_CHECK as set (docs/reference/behaviour.md §18)
@@ -197,6 +207,7 @@ def load(raw: Raw, port: int, workers: int) -> MitmConfig:
         ca_export_dir=_ca_export_dir(raw, mitm, confdir),
         tls_resume=parse_bool("EGRESSD_MITM_TLS_RESUME", raw["EGRESSD_MITM_TLS_RESUME"]),
         body_redaction=parse_bool("EGRESSD_MITM_BODY_REDACTION", raw["EGRESSD_MITM_BODY_REDACTION"]),
+        kernel_relay=parse_bool("EGRESSD_MITM_KERNEL_RELAY", raw["EGRESSD_MITM_KERNEL_RELAY"]),
         vault_push=parse_bool("EGRESSD_MITM_VAULT_PUSH", raw["EGRESSD_MITM_VAULT_PUSH"]),
         extra_ports=parse_extra_ports(raw["OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS"] or "", port, workers),
         name_check_setting=parse_name_check(raw["EGRESSD_NAME_CHECK"]),

@@ -223,5 +223,6 @@ def _options(
         tls_resume=cfg.tls_resume,
         listen_mark=listen_mark,
         body_redaction=cfg.body_redaction,
+        kernel_relay=cfg.kernel_relay,
         name_check=cfg.name_check,
     )

@@ -71,6 +71,7 @@ class MitmOptions:
     ignore_hosts: tuple[str, ...] = ()  # OPENSANDBOX_EGRESS_MITMPROXY_IGNORE_HOSTS (docs/reference/behaviour.md §16)
     tls_resume: bool = True  # EGRESSD_MITM_TLS_RESUME (egressd.mitmchild.tlsresume)
     body_redaction: bool = True  # EGRESSD_MITM_BODY_REDACTION (egressd.mitmchild.respbody)
+    kernel_relay: bool = True  # EGRESSD_MITM_KERNEL_RELAY (egressd.mitmchild.splicerelay)
     vault_push: Path | None = None  # the narrowing sequence map (EGRESSD_MITM_VAULT_PUSH=on)
     # SO_MARK of the listeners the supervisor binds for the child (fleet: OWNER_MARK, §20.1).
     listen_mark: int | None = None
@@ -102,6 +103,7 @@ def mitmdump_argv(opts: MitmOptions, python: str = sys.executable) -> list[str]:
         f"egressd_lookup_timeout_ms={round(opts.lookup_timeout * 1000)}",
         f"egressd_tls_resume={'true' if opts.tls_resume else 'false'}",
         f"egressd_body_redaction={'true' if opts.body_redaction else 'false'}",
+        f"egressd_kernel_relay={'true' if opts.kernel_relay else 'false'}",
         f"egressd_vault_push={opts.vault_push or ''}",
         f"egressd_name_check={'true' if opts.name_check else 'false'}",
     ]

@@ -44,6 +44,7 @@ from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, NameGate, as_name
 from egressd.mitmchild.requestgate import RequestGate
 from egressd.mitmchild.shared import address_of, emit, ip_of
 from egressd.mitmchild.silence import SilentClients
+from egressd.mitmchild.splicerelay import SpliceRelay
 from egressd.mitmchild.vaults import VaultLookup
 from egressd.vault.snapshot import VaultSnapshot
 
@@ -51,10 +52,20 @@ from egressd.vault.snapshot import VaultSnapshot
 class Interception:
     """``tls_clienthello`` (TLS) and ``next_layer`` (plain HTTP): open the connection or relay it."""
 
-    def __init__(self, vaults: VaultLookup, names: NameGate, requests: RequestGate | None = None) -> None:
+    def __init__(
+        self,
+        vaults: VaultLookup,
+        names: NameGate,
+        requests: RequestGate | None = None,
+        splice: SpliceRelay | None = None,
+    ) -> None:
         self.vaults = vaults
         self.names = names
         self.requests = requests
+        # Admitted TLS relayed unopened: the upstream's bytes to the client by splice(2).
+        self.splice = splice
+        if splice is not None:
+            names.on_disconnect.append(splice.forget)
         self.ignore: tuple[re.Pattern[str], ...] = ()
         # TLS relayed unopened, by client connection id: (client, client ip, SNI name, stamp,
         # original destination). Once the client's narrowing stamp moves, such a connection is
@@ -114,6 +125,8 @@ class Interception:
             # destination, the address the kernel's input chain judged (transparent mode).
             data.ignore_connection = True
             self._relaying(context.client, client_ip, as_name(sni_name(sni)), dest)
+            if self.splice is not None:
+                self.splice.want(context.client)
 
     def _relaying(
         self, client: connection.Client, client_ip: str | None, name: str | None, dest: tuple[str, int] | None
@@ -155,6 +168,8 @@ class Interception:
                 continue
             if refused is not None:
                 del self.relayed[cid]
+                if self.splice is not None:
+                    self.splice.cut(client)  # first the kernel stops moving its bytes
                 reset(client)
                 self._connection(
                     "tls",

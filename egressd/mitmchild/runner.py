@@ -47,6 +47,7 @@ from egressd.mitmchild.requestgate import RequestGate
 from egressd.mitmchild.responses import Responses
 from egressd.mitmchild.selfconnect import IndexedProxyserver
 from egressd.mitmchild.shared import emit
+from egressd.mitmchild.splicerelay import SpliceRelay
 from egressd.mitmchild.tlsresume import TlsResumption
 from egressd.mitmchild.upgrades import OnlyWebSocketUpgrades
 from egressd.mitmchild.vaults import VaultLookup
@@ -83,10 +84,12 @@ def egress_addons(vaults: VaultLookup) -> list[Any]:
     """egressd's addons, in hook order: each hook is handled by one of them."""
     names = NameGate(vaults)
     requests = RequestGate(vaults)
+    relay = SpliceRelay()
     return [
         vaults,
         names,
-        Interception(vaults, names, requests),
+        Interception(vaults, names, requests, relay),
+        relay,
         Injection(vaults, names, requests),
         Responses(),
         Ready(),

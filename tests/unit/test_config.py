@@ -420,6 +420,7 @@ def test_test_and_benchmark_switches_are_not_offered_but_still_read(
         "EGRESSD_DNS_LEASE_MIN",
         "EGRESSD_DNS_LEASE_MAX",
         "EGRESSD_MITM_BODY_REDACTION",
+        "EGRESSD_MITM_KERNEL_RELAY",
         "EGRESSD_MITM_VAULT_PUSH",
     }
     assert main(["--help"]) == 0
@@ -428,6 +429,8 @@ def test_test_and_benchmark_switches_are_not_offered_but_still_read(
     assert "--mitm-tls-resume" in out
     cfg = parse_config({"EGRESSD_DNS_LEASE_MIN": "3"}, ["--dns-lease-max", "3", "--mitm-body-redaction", "off"])
     assert (cfg.dns.lease_min, cfg.dns.lease_max, cfg.mitm.body_redaction) == (3, 3, False)
+    assert parse_config({}).mitm.kernel_relay is True
+    assert parse_config({"EGRESSD_MITM_KERNEL_RELAY": "off"}).mitm.kernel_relay is False
 
 
 # --------------------------------------------------------------------------- EGRESSD_NAME_CHECK (§18)

@@ -75,8 +75,10 @@ def test_argv_never_dumps_flows_and_connects_lazily(tmp_path: Path) -> None:
         f"egressd_active_socket={tmp_path / 'a.sock'}",
         "egressd_lookup_timeout_ms=250",
         "egressd_name_check=false",
+        "egressd_kernel_relay=true",
     ):
         assert needle in joined, needle
+    assert "egressd_kernel_relay=false" in " ".join(mitmdump_argv(MitmOptions(1, tmp_path, tmp_path / "s", None, kernel_relay=False)))
     assert "egressd_name_check=true" in " ".join(mitmdump_argv(MitmOptions(1, tmp_path, tmp_path / "s", None, name_check=True)))
     assert "ssl_insecure" not in joined
     insecure = " ".join(mitmdump_argv(MitmOptions(1, tmp_path, tmp_path / "s", None, ssl_insecure=True)))
