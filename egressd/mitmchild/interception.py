@@ -44,7 +44,7 @@ from egressd.mitmchild.names import LOOKUP_FAILED, NameAnswer, NameGate, as_name
 from egressd.mitmchild.requestgate import RequestGate
 from egressd.mitmchild.shared import address_of, emit, ip_of
 from egressd.mitmchild.silence import SilentClients
-from egressd.mitmchild.splicerelay import SpliceRelay
+from egressd.mitmchild.splicerelay import SpliceRelay, outer_hello
 from egressd.mitmchild.vaults import VaultLookup
 from egressd.vault.snapshot import VaultSnapshot
 
@@ -125,7 +125,8 @@ class Interception:
             # destination, the address the kernel's input chain judged (transparent mode).
             data.ignore_connection = True
             self._relaying(context.client, client_ip, as_name(sni_name(sni)), dest)
-            if self.splice is not None:
+            # Only the outermost hello: an inner one's client is the decrypted outer connection.
+            if self.splice is not None and outer_hello(context):
                 self.splice.want(context.client)
 
     def _relaying(

@@ -40,6 +40,8 @@ from typing import Any, Final
 
 from mitmproxy import connection, ctx
 from mitmproxy.proxy import server, server_hooks
+from mitmproxy.proxy.context import Context
+from mitmproxy.proxy.layers.tls import ClientTLSLayer
 from mitmproxy.version import VERSION as MITMPROXY_VERSION
 
 from egressd.mitmchild.shared import emit
@@ -55,6 +57,14 @@ ACTIVITY_S: Final = 1.0
 DRAIN_POLL_S: Final = 0.002
 _F_SETPIPE_SZ: Final = 1031
 _FLAGS: Final = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK if hasattr(os, "splice") else 0
+
+
+def outer_hello(context: Context) -> bool:
+    """Is this ClientHello the client's outermost TLS (so its socket carries the upstream's
+    bytes as they are)? A ClientTLSLayer is in ``context.layers`` from its construction, before
+    its ClientHello hook; a second one is TLS inside a stream mitmproxy decrypts (or TLS to an
+    HTTPS proxy), whose client socket carries the outer TLS that only mitmproxy may write."""
+    return sum(isinstance(layer, ClientTLSLayer) for layer in context.layers) == 1
 
 
 def check() -> str | None:
@@ -118,15 +128,26 @@ class _Splice:
     def __init__(self, src: int, dst: int) -> None:
         self.loop = asyncio.get_running_loop()
         self.fds: list[int] = []
-        self.src, self.dst = self._dup(src), self._dup(dst)
-        self.r, self.w = self._pipe()
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(self.w, _F_SETPIPE_SZ, PIPE_BYTES)
-        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # stop(): a byte
         self.moved = 0
         self.stopping: BaseException | None = None
         self.done: asyncio.Future[None] = self.loop.create_future()
-        threading.Thread(target=self._run, name="egressd-splice", daemon=True).start()
+        wake: list[int] = []
+        try:
+            self.src, self.dst = self._dup(src), self._dup(dst)
+            self.r, self.w = self._pipe()
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(self.w, _F_SETPIPE_SZ, PIPE_BYTES)
+            wake += os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # stop(): a byte
+            self.wake_r, self.wake_w = wake
+            threading.Thread(target=self._run, name="egressd-splice", daemon=True).start()  # last
+        except Exception as exc:
+            # Part way (EMFILE, no thread): no thread owns these yet, so they are closed here,
+            # and the take-over fails as a reset (an OSError, which mitmproxy's read loop takes as
+            # this connection's end) rather than leaking or leaving the connection half-owned.
+            for fd in self.fds + wake:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise ConnectionResetError(f"kernel relay could not start: {exc!r}") from exc
 
     def _dup(self, fd: int) -> int:
         new = os.dup(fd)
@@ -264,8 +285,13 @@ class SpliceReader:
         src = self.server_writer.get_extra_info("socket")
         dst = self.client_writer.get_extra_info("socket")
         if src is None or dst is None:
+            self._end()  # the read loop ends here: give the relay slot back now
             raise ConnectionResetError("no socket")
-        splice = self.splice = _Splice(src.fileno(), dst.fileno())
+        try:
+            splice = self.splice = _Splice(src.fileno(), dst.fileno())
+        except BaseException:
+            self._end()  # nothing runs: give the slot back now (the finally below is not reached)
+            raise
         self.relay.kernel += 1
         seen = 0
         try:
@@ -328,6 +354,10 @@ class SpliceRelay:
         if data.client.id not in self.wanted:
             return
         self.wanted.discard(data.client.id)
+        # Again at the take-over: a burst of ClientHellos is all wanted before any relay is
+        # active, and the option may have changed since. Over the limit, mitmproxy relays it.
+        if not self.enabled or self.unusable is not None or len(self.active) >= MAX_RELAYS:
+            return
         proxy = ctx.master.addons.get("proxyserver")  # type: ignore[no-untyped-call]
         handler = getattr(proxy, "connections", {}).get(data.client.id)
         transports = getattr(handler, "transports", None)

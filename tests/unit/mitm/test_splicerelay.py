@@ -6,29 +6,39 @@
   the bytes asyncio had already read go first, then the kernel's, intact, then the end of
   file; an upstream or client that vanishes ends the loop with ``OSError``; the relay watch's
   cut ends it at once; every descriptor it opened is closed again.
-* The fallback: a connection the relay cannot take stays mitmproxy's.
+* The fallback: a connection the relay cannot take stays mitmproxy's (also one wanted in a
+  burst past the limit, or after the option went off); a take-over that fails part way closes
+  what it opened and resets the connection.
+* Only the outermost ClientHello is wanted, never TLS inside a stream mitmproxy decrypts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import inspect
 import os
 import socket
 import struct
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from mitmproxy import options
 from mitmproxy.addons import proxyserver
-from mitmproxy.proxy import mode_servers, server
-from mitmproxy.test import taddons
+from mitmproxy.proxy import layer, layers, mode_servers, server
+from mitmproxy.proxy.context import Context
+from mitmproxy.test import taddons, tflow
 
 from egressd.mitmchild import splicerelay
+from egressd.mitmchild.interception import Interception
+from egressd.mitmchild.names import NameGate
 from egressd.mitmchild.splicerelay import SpliceReader, SpliceRelay, check
+from egressd.mitmchild.vaults import VaultLookup
 
 # ---- the pins ----------------------------------------------------------------------------------
 
@@ -85,6 +95,7 @@ async def test_a_connection_it_cannot_take_stays_mitmproxys() -> None:
 @dataclass(frozen=True)
 class Conn:
     id: str
+    transport_protocol: str = "tcp"
 
 
 @dataclass
@@ -294,3 +305,109 @@ async def test_a_cancelled_loop_closes_what_it_opened(rig: Rig) -> None:
     assert await _settled(before) == before
     rig.relay.forget(rig.client_conn)  # the client_disconnected hook
     assert not rig.relay.active
+
+
+# ---- what it takes, and when ---------------------------------------------------------------------
+
+
+async def test_only_the_outermost_clienthello_is_wanted() -> None:
+    """TLS inside a stream mitmproxy decrypts (its next layers: TLS again) is relayed as mitmproxy
+    decided, but its client socket carries the outer TLS: never spliced."""
+    # mitmproxy puts a layer in its context when it is built (before its ClientHello hook runs)
+    assert "self.context.layers.append(self)" in inspect.getsource(layer.Layer.__init__)
+    assert "ClientHelloData(self.context," in inspect.getsource(layers.ClientTLSLayer.receive_handshake_data)
+    relay = SpliceRelay()
+    addon = Interception(VaultLookup(), NameGate(VaultLookup()), splice=relay)
+    ctx = Context(tflow.tclient_conn(), options.Options())
+    ctx.client.peername, ctx.server.address = ("10.203.0.11", 40000), ("10.204.0.6", 8443)
+    layers.ServerTLSLayer(ctx)
+    layers.ClientTLSLayer(ctx)  # in ctx.layers from here on, as at mitmproxy's hook
+
+    async def hello() -> Any:
+        data = SimpleNamespace(
+            context=ctx, client_hello=SimpleNamespace(sni="x.example.com"), ignore_connection=False
+        )
+        await addon.tls_clienthello(data)  # type: ignore[arg-type]
+        return data
+
+    layers.ServerTLSLayer(ctx)  # the decrypted stream's next layers: TLS inside TLS
+    layers.ClientTLSLayer(ctx)
+    inner = await hello()
+    assert inner.ignore_connection  # relayed by mitmproxy (port 8443: no vault asked) ...
+    assert not relay.wanted  # ... but not by splice
+    del ctx.layers[2:]  # the outer hello alone (the control)
+    assert (await hello()).ignore_connection and relay.wanted == {ctx.client.id}
+
+
+class FakeProxyserver:
+    name = "proxyserver"
+
+    def __init__(self, connections: dict[str, Any]) -> None:
+        self.connections = connections
+
+
+async def test_a_burst_of_hellos_takes_no_more_than_the_limit(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(splicerelay, "MAX_RELAYS", 1)
+    creader, cwriter, peer = await _pair()
+    sreader, swriter, up = await _pair()
+    c2, s2 = Conn("c2"), Conn("s2")
+    other = SimpleNamespace(
+        client=c2,
+        transports={c2: IO(creader, cwriter), s2: IO(sreader, swriter)},
+        timeout_watchdog=Watchdog(),
+    )
+    relay = SpliceRelay()
+    try:
+        # both hellos before either upstream connected: both under the limit then
+        relay.want(rig.client_conn)
+        relay.want(c2)  # type: ignore[arg-type]
+        assert relay.wanted == {"c1", "c2"}
+        with taddons.context(relay, FakeProxyserver({"c1": rig.handler, "c2": other})):  # type: ignore[no-untyped-call]
+            relay.server_connected(SimpleNamespace(client=rig.client_conn, server=rig.server_conn))  # type: ignore[arg-type]
+            relay.server_connected(SimpleNamespace(client=c2, server=s2))  # type: ignore[arg-type]
+        assert relay.swapped == 1 and list(relay.active) == ["c1"] and not relay.wanted
+        assert other.transports[s2].reader is sreader  # the second stays mitmproxy's
+    finally:
+        for w in (cwriter, swriter):
+            w.close()
+        peer.close()
+        up.close()
+
+
+async def test_switched_off_after_the_hello_it_takes_nothing(rig: Rig) -> None:
+    relay = SpliceRelay()
+    relay.want(rig.client_conn)
+    relay.enabled = False  # the option went off between the hello and the upstream connection
+    with taddons.context(relay, FakeProxyserver({"c1": rig.handler})):  # type: ignore[no-untyped-call]
+        relay.server_connected(SimpleNamespace(client=rig.client_conn, server=rig.server_conn))  # type: ignore[arg-type]
+    assert relay.swapped == 0 and not relay.wanted
+    assert isinstance(rig.handler.transports[rig.server_conn].reader, asyncio.StreamReader)
+
+
+@pytest.mark.parametrize("fails", ["pipe", "thread"])
+async def test_a_take_over_that_fails_part_way_closes_what_it_opened(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, fails: str
+) -> None:
+    before = _fds()
+    if fails == "pipe":  # the relay's pipe opens, the wake-up pipe does not (EMFILE)
+        pipe2, calls = os.pipe2, []
+
+        def pipe2_then_emfile(flags: int) -> tuple[int, int]:
+            calls.append(flags)
+            if len(calls) > 1:
+                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+            return pipe2(flags)
+
+        monkeypatch.setattr(os, "pipe2", pipe2_then_emfile)
+    else:  # every descriptor open, no thread
+
+        def no_thread(self: Any) -> None:
+            raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(threading.Thread, "start", no_thread)
+    assert await asyncio.wait_for(mitmproxy_loop(rig), 10) == "error: ConnectionResetError"
+    monkeypatch.undo()
+    assert _fds() == before and rig.relay.kernel == 0  # no duplicate or pipe left open
+    assert not rig.relay.active  # its slot given back at once, not at the client's disconnect
