@@ -18,7 +18,8 @@
 * An authoritative DNS server (UDP and TCP, dual-stack) for a zone given as JSON
   (``--zone``): ``{"records": [{"name": "a.test", "type": "A|AAAA|CNAME", "value": "...",
   "ttl": 30}]}``. Names are answered case-insensitively, CNAME chains are followed inside
-  the zone, unknown names get NXDOMAIN.
+  the zone, unknown names get NXDOMAIN. A record's ``"delay_s"`` holds its name's UDP answer
+  back that long (a query in flight for tests of what happens meanwhile).
 
 One JSON line per HTTP request and per DNS query is appended to ``--log``, so tests can
 prove that a connection or a query never reached the upstream.
@@ -84,7 +85,9 @@ def make_app(log_path: Path | None, port: int, tls: bool = False) -> web.Applica
             request.method,
             request.path_qs,
             request.host,
-            str(request.transport.get_extra_info("sockname")[0]).removeprefix("::ffff:") if request.transport else "?",
+            str(request.transport.get_extra_info("sockname")[0]).removeprefix("::ffff:")
+            if request.transport
+            else "?",
             dict(request.headers),
             body,
             resumed=bool(getattr(ssl_obj, "session_reused", False)) if tls else False,
@@ -181,6 +184,11 @@ class Zone:
             name = str(rec["name"]).lower().rstrip(".")
             self.records.setdefault(name, []).append(rec)
 
+    def delay(self, request: DNSRecord) -> float:
+        """How long this name's answer is held back (its records' ``delay_s``; 0 by default)."""
+        recs = self.records.get(str(request.q.qname).lower().rstrip("."), [])
+        return max((float(str(r.get("delay_s", 0))) for r in recs), default=0.0)
+
     def answer(self, request: DNSRecord) -> DNSRecord:
         reply = request.reply()
         reply.header.ra = 0
@@ -229,7 +237,15 @@ class _DnsUdp(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         reply = _dns_reply(self.zone, self.log_path, data, addr[0], "udp")
-        if reply is not None and self.transport is not None:
+        if reply is None or self.transport is None:
+            return
+        try:
+            delay = self.zone.delay(DNSRecord.parse(data))
+        except Exception:
+            delay = 0.0
+        if delay > 0:
+            asyncio.get_running_loop().call_later(delay, self.transport.sendto, reply, addr)
+        else:
             self.transport.sendto(reply, addr)
 
 

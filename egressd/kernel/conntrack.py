@@ -41,6 +41,21 @@ def original_tuple(line: str) -> tuple[IPAddress, IPAddress] | None:
     return None
 
 
+def reply_source(line: str) -> IPAddress | None:
+    """The source of a /proc/net/nf_conntrack line's reply direction (the second ``src=``):
+    where the answers come from, which a redirect (DNAT to this host) makes a local address."""
+    seen = 0
+    for field in line.split():
+        if field.startswith("src="):
+            seen += 1
+            if seen == 2:
+                try:
+                    return unmap_ip(ipaddress.ip_address(field[4:]))
+                except ValueError:
+                    return None
+    return None
+
+
 #: A tracked flow's original direction past its source: (destination, protocol, destination
 #: port). The protocol is conntrack's name (``tcp``, ``udp``, ``icmp``, ...); the port is None
 #: for a protocol without ports.

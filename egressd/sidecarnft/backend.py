@@ -27,6 +27,7 @@ from egressd.kernel.conntrack import (
     original_flow,
     original_tuple,
     read_table,
+    reply_source,
 )
 from egressd.policy import NetworkPolicy, ip_sets
 from egressd.policy.ipsets import Prefix
@@ -43,9 +44,23 @@ class Kernel(Protocol):
     async def run_script(self, script: str, *, op: str) -> None: ...
 
 
+def answered_by_proxy(line: str, dest: Dest) -> bool:
+    """Is this tracked flow the app's DNS, redirected to the local DNS proxy (the
+    ``dns_redirect`` chain: every udp/tcp 53 the namespace sends, bar the exempt nameservers)?
+    Its original destination never sees a packet, and the proxy answers it by the policy, so a
+    narrowing has nothing to cut there; deleting its entry would only lose the answer to a
+    query in flight (its reply could no longer be mapped back) or end a DNS-over-TCP session."""
+    _, proto, port = dest
+    if port != 53 or proto not in ("udp", "tcp"):
+        return False
+    answered_from = reply_source(line)
+    return answered_from is not None and answered_from.is_loopback
+
+
 def outbound_flows(conntrack_text: str, local: Iterable[IPAddress]) -> set[Dest]:
     """Original (destination, protocol, port) of tracked flows, minus those to the namespace's
-    own addresses (pure): a narrowing judges them by port and protocol too (§18)."""
+    own addresses and the DNS the local proxy answers (pure): a narrowing judges them by port
+    and protocol too (§18)."""
     own = set(local)
     out: set[Dest] = set()
     for line in conntrack_text.splitlines():
@@ -53,7 +68,7 @@ def outbound_flows(conntrack_text: str, local: Iterable[IPAddress]) -> set[Dest]
         if t is None:
             continue
         dst = t[1][0]
-        if dst in own or dst.is_loopback:
+        if dst in own or dst.is_loopback or answered_by_proxy(line, t[1]):
             continue
         out.add(t[1])
     return out

@@ -33,6 +33,9 @@ ZONE: list[dict[str, object]] = [
     {"name": "w.x.io", "type": "A", "value": XIO_IP, "ttl": 60},
     {"name": "evil.test", "type": "A", "value": DENY_IP, "ttl": 60},
     {"name": "good.test", "type": "A", "value": DENY_IP, "ttl": 60},
+    # Answered 1.2 s late over UDP (inside the proxy's 2 s upstream timeout in the tests): a
+    # query in flight across a policy change.
+    {"name": "slow.cdn.test", "type": "A", "value": CDN_IP, "ttl": 60, "delay_s": 1.2},
 ]
 
 DPR = "sandbox.data-plane-ready"

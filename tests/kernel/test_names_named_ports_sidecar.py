@@ -133,3 +133,47 @@ def test_the_sidecar_cuts_a_relayed_connection_whose_name_went(cdn: Topology, si
         assert not second_reached(cdn, since, "a.cdn.test")
     finally:
         client.stop()
+
+
+def test_a_narrowing_leaves_the_dns_the_proxy_answers(cdn: Topology, sidecar: Sidecar) -> None:
+    """The app's DNS, to any address, is redirected to the sidecar's proxy: a narrowing's flow
+    cut (§14.1) must leave it alone. Cutting its conntrack entry lost the answer to a query in
+    flight (its reply could not be mapped back: a DNS timeout right after a policy change, as
+    CI saw); here the upstream holds the answer back 1.2 s, so the change lands mid-query."""
+    import subprocess
+    import time
+
+    from tests.kernel.topology import GATEWAY
+
+    sidecar.set_policy(policy(allow("slow.cdn.test"), allow("good.test")))
+    query = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            sidecar.ns,
+            "dig",
+            f"@{GATEWAY}",
+            "slow.cdn.test",
+            "A",
+            "+time=6",
+            "+tries=1",
+            "+noall",
+            "+comments",
+            "+answer",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(0.4)  # the query waits for the upstream (1.2 s) now
+        # Narrower (good.test goes), and nothing opens the gateway's port 53: only the redirect
+        # reaches the proxy, so a cut that judged the DNS flow by its address would delete it.
+        sidecar.set_policy(policy(allow("slow.cdn.test")))
+        out, _ = query.communicate(timeout=15)
+    finally:
+        if query.poll() is None:
+            query.kill()
+            query.wait(timeout=10)
+    assert "status: NOERROR" in out and CDN_IP in out, out

@@ -505,6 +505,31 @@ def test_outbound_destinations_skip_own_addresses() -> None:
     assert got == {ip_address("10.204.0.3"), ip_address("10.204.0.2")}
 
 
+def test_outbound_flows_leave_the_dns_the_proxy_answers() -> None:
+    """The app's DNS to any address is redirected to the local proxy (reply from loopback):
+    a narrowing must not offer it for a cut (its in-flight answer would be lost; seen as a DNS
+    timeout right after a policy change). DNS really sent out (an exempt nameserver: the reply
+    comes from the server) and other ports stay flows."""
+    from egressd.sidecarnft.backend import outbound_flows
+
+    text = "\n".join(
+        [
+            "ipv4 2 udp 17 30 src=10.203.0.11 dst=10.203.0.1 sport=3 dport=53 [UNREPLIED] "
+            "src=127.0.0.1 dst=10.203.0.11 sport=15353 dport=3 mark=0 zone=0 use=2",
+            "ipv4 2 tcp 6 300 ESTABLISHED src=10.203.0.11 dst=10.203.0.9 sport=5 dport=53 "
+            "src=127.0.0.1 dst=10.203.0.11 sport=15353 dport=5 [ASSURED] mark=0 zone=0 use=2",
+            "ipv6 10 udp 17 30 src=fd00:203::11 dst=fd00:203::1 sport=6 dport=53 "
+            "src=::1 dst=fd00:203::11 sport=15353 dport=6 mark=0 zone=0 use=2",
+            "ipv4 2 udp 17 30 src=10.203.0.11 dst=10.204.0.2 sport=7 dport=53 "
+            "src=10.204.0.2 dst=10.203.0.11 sport=53 dport=7 mark=0 zone=0 use=2",
+            "ipv4 2 tcp 6 300 ESTABLISHED src=10.203.0.11 dst=10.203.0.1 sport=8 dport=443 "
+            "src=127.0.0.1 dst=10.203.0.11 sport=18081 dport=8 [ASSURED] mark=0 zone=0 use=2",
+        ]
+    )
+    got = outbound_flows(text, [ip_address("10.203.0.11"), ip_address("fd00:203::11")])
+    assert got == {(ip_address("10.204.0.2"), "udp", 53), (ip_address("10.203.0.1"), "tcp", 443)}
+
+
 async def test_allows_ip_mirrors_the_ruleset(aiohttp_client: Any, tmp_path: Path) -> None:
     env = await make_env(
         aiohttp_client,
