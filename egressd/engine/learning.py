@@ -117,16 +117,12 @@ async def learn_many(
         await add(merged)
     except BaseException as exc:
         if kernel_may_hold(exc):
-            _record(book, per, names, now)
+            book.record_batch(merged, zip(per, names, strict=True), now)
         raise
-    _record(book, per, names, now)
+    # The book takes what the one kernel step wrote (the merged grants), not each answer's
+    # grants in turn: those would book port elements the step never wrote.
+    book.record_batch(merged, zip(per, names, strict=True), now)
     return [[g.ip for g in grants] for grants in per]
-
-
-def _record(book: LeaseBook, per: Sequence[Sequence[Grant]], names: Sequence[str | None], now: float) -> None:
-    for grants, name in zip(per, names, strict=True):
-        if grants:
-            book.record(grants, name, now)
 
 
 def verified(book: LeaseBook | None, sets: IpSets | None, host: str, dst: IPAddress, now: float) -> bool:

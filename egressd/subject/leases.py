@@ -178,8 +178,8 @@ class LeaseBook:
         shared: Scope = Scope.EMPTY,
     ) -> list[Grant]:
         """The addresses of an answer that fit, with the seconds the kernel element must get
-        and the scope it opens: the lease's scope widened by ``scope`` (None: a refresh, which
-        renews a lease's scope, never more).
+        and the scope it opens: the live lease's scope widened by ``scope`` (None: a refresh, which
+        renews a live lease's scope, never more; a lease that ended opens nothing of its own).
 
         Known addresses are renewals and always fit, unless their scope grows past the port
         element budget; new ones only while the subject holds fewer than ``cap`` leases and
@@ -194,17 +194,19 @@ class LeaseBook:
         now: float,
         shared: Scope = Scope.EMPTY,
     ) -> list[list[Grant]]:
-        """:meth:`admit` for several answers, in order, as if each earlier one had been
-        recorded (one kernel transaction carries them all, :mod:`egressd.engine.batching`):
-        the cap, the element budget and each address's scope, held elements and lifetime
-        carry over from one answer to the next. Nothing is recorded: :meth:`record` each
-        answer's grants, in the same order, once the kernel took them."""
+        """:meth:`admit` for several answers, in order, that one kernel transaction carries
+        merged (:func:`egressd.engine.batching.merge_grants`): each decided as if the earlier
+        ones were recorded for the cap and each address's scope and lifetime; the element
+        budget and ``held`` (what the kernel may hold before the step, which the merged step
+        replaces) are the merged step's. Nothing is recorded: :meth:`record_batch` the merged
+        grants once the kernel took them (or :meth:`record` a single answer's)."""
         self.expire(now)
         room = self.cap - len(self._leases) if self.cap > 0 else math.inf
         elems = self.elem_cap - self._elems if self.cap > 0 else math.inf
-        # An address granted by an earlier answer of this call: (scope, held, expiry) as
-        # record() would leave them.
-        pending: dict[IPAddress, tuple[LeaseScope, Scope, float]] = {}
+        # An address granted by an earlier answer of this call: (scope, expiry) so far. Its held
+        # elements stay the book's: the kernel never sees the answers one by one, so the port
+        # elements of a scope a later answer replaced (whole: none) are never written.
+        pending: dict[IPAddress, tuple[LeaseScope, float]] = {}
         out: list[list[Grant]] = []
         for leases, scope in asks:
             grants: list[Grant] = []
@@ -214,66 +216,100 @@ class LeaseBook:
                     continue
                 seen.add(ip)
                 lease = self._leases.get(ip)
+                held = lease.held if lease is not None else Scope.EMPTY
                 prior = pending.get(ip)
+                live = lease is not None and lease.expiry > now
                 if prior is not None:
-                    old, held, expiry = prior
-                elif lease is not None:
-                    old, held, expiry = lease.scope, lease.held, lease.expiry
+                    old, expiry = prior
+                elif lease is not None and live:
+                    old, expiry = lease.scope, lease.expiry
                 else:
-                    old, held, expiry = EMPTY, Scope.EMPTY, now
-                known = prior is not None or lease is not None
+                    # New, or ended and still in its grace: it opens only this answer's scope
+                    # for this answer's lifetime (an ended lease's names no longer allow
+                    # anything, §18). An ended one's entry still counts against the cap, and its
+                    # held elements (the kernel may still have them) are the step's to replace.
+                    old, expiry = EMPTY, now
+                known = prior is not None or live
                 new = old if scope is None else (old.union(scope) if known else scope)
                 if new.is_empty():
                     continue
-                # The elements it needs beyond what it holds now (a changed scope replaces them).
-                grow = (
-                    0
-                    if new.ports == held or new.ports.is_empty()
-                    else len(new.elements()) - len(held.elements())
-                )
+                # The elements the merged step needs beyond what the address holds now,
+                # less what this call's earlier answers already took for it.
+                grow = _growth(new.ports, held) - (_growth(old.ports, held) if prior is not None else 0)
                 if grow > elems:
                     continue
-                if not known:
+                if lease is None and prior is None:
                     if room <= 0:
                         continue
                     room -= 1
-                    grant = Grant(ip, max(1, seconds), new, held, shared)
-                else:
-                    grant = Grant(ip, max(1, seconds, math.ceil(expiry - now)), new, held, shared)
+                grant = Grant(ip, max(1, seconds, math.ceil(expiry - now)), new, held, shared)
                 grants.append(grant)
                 elems -= grow
-                kept = new.ports if new.ports != held and not new.ports.is_empty() else held
-                pending[ip] = (new, kept, max(expiry, now + grant.seconds))
+                pending[ip] = (new, max(expiry, now + grant.seconds))
             out.append(grants)
         return out
 
     def record(self, admitted: Iterable[LeaseLike], name: str | None, now: float) -> None:
-        """The kernel holds ``admitted``: remember them, taught by ``name`` (None: a refresh,
-        which keeps the names a lease already has for as long as the lease)."""
+        """The kernel holds ``admitted`` (one answer's grants, the step that wrote them):
+        remember them, taught by ``name`` (None: a refresh, which keeps the names a lease
+        already has for as long as the lease)."""
         for item in admitted:
             grant = as_grants((item,))[0]
-            ip, seconds = grant.ip, grant.seconds
             if isinstance(item, Grant):
                 self.shared = item.shared  # decided under the policy in force (admissible_many)
-            expiry = now + seconds
-            lease = self._leases.get(ip)
-            if lease is None:
-                lease = self._leases[ip] = Lease(expiry)
-            lease.expiry = max(lease.expiry, expiry)
-            lease.scope = grant.scope
-            if grant.scope.ports != lease.held and not grant.scope.ports.is_empty():
-                self._elems += len(grant.scope.ports.elements()) - len(lease.held.elements())
-                lease.held = grant.scope.ports
-            self._next_end = min(self._next_end, lease.expiry + COUNT_GRACE_S)
-            if name is None:
-                for known in lease.names:
+            self._teach(self._hold(grant, now), name, now + grant.seconds, now)
+
+    def record_batch(
+        self,
+        merged: Iterable[Grant],
+        per_answer: Iterable[tuple[Iterable[Grant], str | None]],
+        now: float,
+    ) -> None:
+        """The kernel holds ``merged``, the one step that carried several answers' grants
+        (:func:`egressd.engine.batching.merge_grants` of ``per_answer``'s): each lease's
+        lifetime, scope and held elements as that step wrote them, then the names as
+        :meth:`record` teaches each answer's. Recording the answers one by one instead would
+        book port elements of a scope a later answer of the batch replaced, which the kernel
+        never got: the book would then disagree with the kernel on what it holds, and a later
+        change of scope would fail the kernel transaction on the elements it really holds."""
+        for grant in merged:
+            self.shared = grant.shared  # decided under the policy in force (admissible_many)
+            self._hold(grant, now)
+        for admitted, name in per_answer:
+            for grant in admitted:
+                lease = self._leases.get(grant.ip)
+                if lease is not None:
+                    self._teach(lease, name, now + grant.seconds, now)
+
+    def _hold(self, grant: Grant, now: float) -> Lease:
+        """The kernel step wrote ``grant``: the lease's lifetime, scope and held elements."""
+        expiry = now + grant.seconds
+        lease = self._leases.get(grant.ip)
+        if lease is None:
+            lease = self._leases[grant.ip] = Lease(expiry)
+        elif lease.expiry <= now:
+            # Ended (in its grace): no name that taught it teaches anything any more.
+            lease.names.clear()
+        lease.expiry = max(lease.expiry, expiry)
+        lease.scope = grant.scope
+        if grant.scope.ports != lease.held and not grant.scope.ports.is_empty():
+            self._elems += len(grant.scope.ports.elements()) - len(lease.held.elements())
+            lease.held = grant.scope.ports
+        self._next_end = min(self._next_end, lease.expiry + COUNT_GRACE_S)
+        return lease
+
+    def _teach(self, lease: Lease, name: str | None, expiry: float, now: float) -> None:
+        """``name`` taught ``lease`` until ``expiry`` (None: a refresh, renewing its names)."""
+        if name is None:
+            for known, exp in lease.names.items():
+                if exp > now:  # a refresh renews a live name, never revives an ended one
                     lease.names[known] = lease.expiry
-                continue
-            lease.names[name] = max(lease.names.get(name, 0.0), expiry)
-            self._next_end = min(self._next_end, lease.names[name])
-            if len(lease.names) > MAX_NAMES_PER_LEASE:
-                oldest = min(lease.names, key=lambda n: lease.names[n])
-                del lease.names[oldest]
+            return
+        lease.names[name] = max(lease.names.get(name, 0.0), expiry)
+        self._next_end = min(self._next_end, lease.names[name])
+        if len(lease.names) > MAX_NAMES_PER_LEASE:
+            oldest = min(lease.names, key=lambda n: lease.names[n])
+            del lease.names[oldest]
 
     def renewable(
         self, ips: Iterable[IPAddress], allowed: Callable[[str], bool], now: float
@@ -322,6 +358,14 @@ class LeaseBook:
             kept.append(Grant(ip, max(1, math.ceil(lease.expiry - now)), scope, shared=shared))
         intact = same and len(kept) == len(self._leases) and shared == self.shared
         return Narrowed(book, tuple(kept), tuple(revoked), intact=intact)
+
+
+def _growth(ports: Scope, held: Scope) -> int:
+    """The port elements a step that writes ``ports`` over ``held`` adds (negative: frees): a
+    changed, non-empty scope replaces the held elements; an empty one leaves them to expire."""
+    if ports == held or ports.is_empty():
+        return 0
+    return len(ports.elements()) - len(held.elements())
 
 
 def admissible(
