@@ -245,7 +245,11 @@ class SpliceReader:
         if self.hold is not None and self.hold.eof:
             self._end()  # the upstream ended before the take-over: mitmproxy closes
             return b""
-        await self._client_drained()
+        try:
+            await self._client_drained()
+        except ConnectionResetError:
+            self._end()  # its slot given back now, like the other failed take-overs
+            raise
         if self.ended:
             raise ConnectionResetError("cut")
         if held := self._held(n):  # (nothing can arrive any more: reading stays paused)

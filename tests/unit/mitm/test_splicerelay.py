@@ -411,3 +411,11 @@ async def test_a_take_over_that_fails_part_way_closes_what_it_opened(
     monkeypatch.undo()
     assert _fds() == before and rig.relay.kernel == 0  # no duplicate or pipe left open
     assert not rig.relay.active  # its slot given back at once, not at the client's disconnect
+
+
+async def test_a_client_gone_before_the_take_over_frees_its_slot(rig: Rig) -> None:
+    """The client's side closing before the kernel phase ends the loop and gives its relay
+    slot back at once (not at mitmproxy's later disconnect hook)."""
+    rig.handler.transports[rig.client_conn].writer.close()
+    assert await asyncio.wait_for(mitmproxy_loop(rig), 10) == "error: ConnectionResetError"
+    assert not rig.relay.active
