@@ -44,9 +44,10 @@ def test_allowed_name_resolves_then_connects(topo: Topology, daemon: Daemon) -> 
 
 def test_denied_name_is_nxdomain_and_never_reaches_upstream(topo: Topology, daemon: Daemon) -> None:
     activate(daemon, 1, rules("a.test"))
+    before = len(topo.upstream_queries())  # the upstream's log is shared by the session's tests
     for qtype in ("A", "AAAA", "TXT", "MX"):
         assert topo.dig(1, "secret-exfil.test", qtype) == ("NXDOMAIN", [])
-    assert "secret-exfil.test" not in topo.upstream_queries()
+    assert "secret-exfil.test" not in topo.upstream_queries()[before:]
     assert not topo.reaches(1, B_IP)
 
 
