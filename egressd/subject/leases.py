@@ -332,7 +332,21 @@ class LeaseBook:
         (kernel first). The kernel's dyn sets are rewritten from ``kept`` (flushed and
         refilled), so a kept lease's port elements are exactly its new scope's. ``shared``: the
         shared ranges under the new policy (None: unchanged); a change makes the book not
-        intact, so the dyn sets are rewritten with the static swap that changes them."""
+        intact, so the dyn sets are rewritten with the static swap that changes them.
+
+        The port element budget holds here as in :meth:`admit_many`: a lease whose new scope's
+        port elements do not fit beside those of the leases kept before it is revoked (the
+        refill would otherwise exceed the port-scoped dyn sets' size, which the kernel refuses
+        with ENFILE, failing the whole swap and leaving the wider policy in force). A lease
+        that lost a whole-scope name gets its other names' elements back here, so a narrowing
+        can need more elements than the book held.
+
+        Kept in the book's order (the order its entries were learned), not, say, fewest
+        elements first: an older lease keeps its place as it does when learning (a newcomer
+        over the budget is refused, the leases already held are not), the outcome does not
+        depend on which names a sandbox made cheap, and a narrowing that repeats keeps the
+        same leases. Either way nothing is kept that the new policy does not allow: revoking
+        is the closed side."""
         shared = self.shared if shared is None else shared
         book = LeaseBook(self.cap)
         book.shared = shared
@@ -348,12 +362,14 @@ class LeaseBook:
                 scope = EMPTY
                 for n in names:
                     scope = scope.union(scope_of(n))
-            if not names or denied(ip) or scope.is_empty():
+            need = len(scope.ports.elements())
+            over = self.cap > 0 and book._elems + need > book.elem_cap
+            if not names or denied(ip) or scope.is_empty() or over:
                 revoked.append(ip)
                 continue
             same = same and scope == lease.scope and lease.held == scope.ports
             book._leases[ip] = Lease(lease.expiry, names, scope, scope.ports)
-            book._elems += len(scope.ports.elements())
+            book._elems += need
             book._next_end = min(book._next_end, lease.expiry + COUNT_GRACE_S, *names.values())
             kept.append(Grant(ip, max(1, math.ceil(lease.expiry - now)), scope, shared=shared))
         intact = same and len(kept) == len(self._leases) and shared == self.shared

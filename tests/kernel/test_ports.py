@@ -360,3 +360,54 @@ def test_name_check_off_opens_quic_of_a_learned_address(topo: Topology, echo: su
         assert topo.dig(1, "api.example.test") == ("NOERROR", [API_IP])
         assert probe(topo, 1, "udp", API_IP, 443) and topo.reaches(1, API_IP, 443)
         assert not topo.reaches(1, API_IP, 80)
+
+
+def test_a_narrowing_past_the_port_element_budget_revokes_what_does_not_fit(
+    topo: Topology, echo: subprocess.Popen[str]
+) -> None:
+    """Two leases learned whole (a name allowed on every port) that the same names also teach on
+    three single ports each: narrowing away the whole rule would refill six port elements into
+    port-scoped dyn sets sized for four (2 leases x PORT_ELEMS_PER_LEASE). The kernel would refuse
+    that transaction (ENFILE) and the subject keep its wider policy; instead the narrowing keeps
+    what fits (the first lease, on its three ports) and revokes the other."""
+    ports: list[object] = [22, 5432, 7000]
+
+    def policy(*, whole: bool) -> dict[str, object]:
+        rules: list[dict[str, object]] = []
+        for name in ("example.test", "api.example.test"):
+            if whole:
+                rules.append({"action": "allow", "target": name})
+            rules.append({"action": "allow", "target": name, "protocol": "tcp", "ports": ports})
+        return deny_default(*rules)
+
+    env = {"EGRESSD_MAX_LEASES_PER_SUBJECT": "2"}
+    with Daemon(topo, table="egt-ports-budget", port=18383, env=env).running() as d:
+        activate(d, policy(whole=True))
+        assert topo.dig(1, "example.test") == ("NOERROR", [EX_IP])
+        assert topo.dig(1, "api.example.test") == ("NOERROR", [API_IP])
+        assert probe(topo, 1, "tcp", EX_IP, 5433) and probe(topo, 1, "tcp", API_IP, 5433)
+        # A flow to each address on a port the narrowed rule still allows: only the budget
+        # revokes the second lease, whose flow must be cut like any revoked lease's.
+        holders = {
+            ip: topo.spawn(topo.sb(1), "python3", "-c", _HOLD, ip, "22", "6", ready_line="up")
+            for ip in (EX_IP, API_IP)
+        }
+        time.sleep(0.6)
+        narrow = json.dumps(policy(whole=False))
+        code, body = d.post(envelope("SET_BINDING", "sb1", ip=Topology.sb_ip(1), policy=narrow))
+        wide = probe(topo, 1, "tcp", EX_IP, 5433) or probe(topo, 1, "tcp", API_IP, 5433)
+        verdicts = {ip: holder.communicate(timeout=30)[0].split() for ip, holder in holders.items()}
+        assert (code, body) == (200, "{}"), (
+            f"narrowing refused ({code} {body}); healthz {d.get('/healthz')}; old wide policy still in force: {wide}; "
+            + d.log_text()[-1500:]
+        )
+        assert d.get("/healthz")[0] == 200
+        assert not wide, "the whole rule's ports stayed open after the narrowing"
+        assert probe(topo, 1, "tcp", EX_IP, 22) and probe(topo, 1, "tcp", EX_IP, 7000)
+        assert not any(probe(topo, 1, "tcp", API_IP, p) for p in (22, 5432, 7000)), (
+            "a lease over the budget stayed"
+        )
+        assert verdicts[API_IP][-1] == "dead", f"the revoked lease's flow survived: {verdicts}"
+        assert verdicts[EX_IP][1::2] and "dead" not in verdicts[EX_IP], (
+            f"the kept lease's flow was cut: {verdicts}"
+        )

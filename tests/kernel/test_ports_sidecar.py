@@ -161,3 +161,45 @@ def test_port_ranges_take_the_hash_path_and_follow_a_change_of_the_shared_ranges
     sidecar.set_policy(ranged("5000-5999"))  # wider again
     assert probe(ptopo, 1, "tcp", CDN_IP, 5433)
     assert probe(ptopo, 1, "tcp", EX_IP, 7000) and not probe(ptopo, 1, "tcp", EX_IP, 5433)
+
+
+def test_a_narrowing_past_the_port_element_budget_revokes_what_does_not_fit(
+    sidecar: Sidecar, ptopo: Topology
+) -> None:
+    """The fleet's test of the same name in the sidecar: two leases learned whole, narrowed to
+    three single ports each, six port elements for sets sized for four. The kernel would refuse
+    the rebuild (ENFILE) and the wider policy stay; instead the first lease keeps its three
+    ports and the other is revoked."""
+
+    def wide_or_not(*, whole: bool) -> dict[str, object]:
+        rules: list[dict[str, object]] = []
+        for name in ("example.test", "api.example.test"):
+            if whole:
+                rules.append({"action": "allow", "target": name})
+            rules.append({"action": "allow", "target": name, "protocol": "tcp", "ports": [22, 5432, 7000]})
+        return {"defaultAction": "deny", "egress": rules}
+
+    sidecar.env["EGRESSD_MAX_LEASES_PER_SUBJECT"] = "2"
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(wide_or_not(whole=True))
+    sidecar.start()
+    assert sidecar.dig("example.test") == ("NOERROR", [EX_IP])
+    assert sidecar.dig("api.example.test") == ("NOERROR", [CDN_IP])
+    assert probe(ptopo, 1, "tcp", EX_IP, 5433) and probe(ptopo, 1, "tcp", CDN_IP, 5433)
+    holders = {
+        ip: ptopo.spawn(ptopo.sb(1), "python3", "-c", _HOLD, ip, "22", "8", ready_line="up")
+        for ip in (EX_IP, CDN_IP)
+    }
+    time.sleep(0.6)
+    code, text = sidecar.api("POST", "/policy", wide_or_not(whole=False))
+    wide = probe(ptopo, 1, "tcp", EX_IP, 5433) or probe(ptopo, 1, "tcp", CDN_IP, 5433)
+    verdicts = {ip: holder.communicate(timeout=30)[0].split() for ip, holder in holders.items()}
+    assert code == 200, f"narrowing refused ({code} {text}); old wide policy still in force: {wide}"
+    assert not wide, "the whole rule's ports stayed open after the narrowing"
+    assert probe(ptopo, 1, "tcp", EX_IP, 22) and probe(ptopo, 1, "tcp", EX_IP, 7000)
+    assert not any(probe(ptopo, 1, "tcp", CDN_IP, p) for p in (22, 5432, 7000)), (
+        "a lease over the budget stayed"
+    )
+    assert verdicts[CDN_IP][-1] == "dead", f"the revoked lease's flow survived: {verdicts}"
+    assert verdicts[EX_IP][1::2] and "dead" not in verdicts[EX_IP], (
+        f"the kept lease's flow was cut: {verdicts}"
+    )

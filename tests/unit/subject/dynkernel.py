@@ -6,7 +6,11 @@ shows them on a real kernel):
 * a pipapo element (a port range) that partly overlaps one the set holds is refused
   (``File exists``); the same element again renews its timeout;
 * deleting an element the set does not hold (never written, deleted, or expired) is refused
-  (``No such file or directory``).
+  (``No such file or directory``);
+* with ``port_size`` (the port-scoped sets' ``size``, egressd.subject.leases.port_elems_cap), an
+  add that takes a port-scoped set past it is refused (``ENFILE``). Counted over what was
+  written and not deleted or flushed, expired or not: the kernel counts an expired element
+  until its garbage collection removes it, so this refuses no later than nf_tables would.
 
 Besides what is live, it keeps what was *written* and not deleted or flushed (expired or not):
 the lease book's ``held`` promises exactly that for the port-scoped elements."""
@@ -39,10 +43,13 @@ class DynKernel:
     now: float = 0.0
     live: dict[str, dict[Key, float]] = field(default_factory=dict)  # set -> key -> expiry
     written: dict[str, set[Key]] = field(default_factory=dict)  # set -> keys not deleted/flushed
+    port_size: int = 0  # the port-scoped sets' size (0: unbounded)
 
     def apply(self, batch: NetlinkBatch, now: float) -> None:
         """One transaction at ``now``: every op, or (NftError) nothing."""
-        work = DynKernel(self.nft_id, now, {n: dict(d) for n, d in self.live.items()})
+        work = DynKernel(
+            self.nft_id, now, {n: dict(d) for n, d in self.live.items()}, port_size=self.port_size
+        )
         work.written = {n: set(keys) for n, keys in self.written.items()}
         for elems in work.live.values():  # the kernel's garbage collection
             for key in [k for k, exp in elems.items() if exp <= now]:
@@ -80,7 +87,12 @@ class DynKernel:
                 if o_net == net and o_proto == proto and o_lo <= hi and lo <= o_hi:
                     raise NftError(f"Error: Could not process rule: File exists ({key} over {other})")
         live[key] = self.now + seconds
-        self.written.setdefault(name, set()).add(key)
+        written = self.written.setdefault(name, set())
+        written.add(key)
+        if self.port_size and isinstance(key, tuple) and len(written) > self.port_size:
+            raise NftError(
+                f"Error: Could not process rule: Too many open files in system ({name} over {self.port_size})"
+            )
 
     def _delete(self, name: str, key: Key) -> None:
         live = self.live.setdefault(name, {})

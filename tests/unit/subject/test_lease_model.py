@@ -12,8 +12,10 @@ nf_tables refuses. After every step:
 (b) the book's ``held`` for each address is exactly the port elements the kernel has written for
     it and not deleted (expired ones included: the kernel step replaces them), and the kernel
     holds nothing live for an address the book's live lease does not open;
-(c) the lease cap holds in the book and the kernel, and no learn takes the book past its port
-    element budget.
+(c) the lease cap holds in the book and the kernel, and neither a learn nor a narrowing takes
+    the book past its port element budget (a narrowing that gives a lease which lost its whole
+    name its other names' elements back included), nor the kernel's port-scoped sets past
+    their size.
 
 A kernel step the model refuses fails the test too (the learn would fail closed, but only
 because the book disagreed with the kernel)."""
@@ -35,7 +37,7 @@ from egressd.engine import learning
 from egressd.fleetnft.contents import dyn_add, dyn_replace
 from egressd.policy import NetworkPolicy, parse_policy
 from egressd.policy.scope import Scope
-from egressd.subject.leases import Grant, LeaseBook, narrowed_for
+from egressd.subject.leases import Grant, LeaseBook, narrowed_for, port_elems_cap
 from egressd.subject.scopes import EMPTY, LeaseScope, lease_scope
 from tests.unit.subject.dynkernel import DynKernel, expected_port_keys
 
@@ -105,7 +107,7 @@ class ModelLease:
 class World:
     rng: random.Random
     book: LeaseBook = field(default_factory=lambda: LeaseBook(CAP))
-    kernel: DynKernel = field(default_factory=DynKernel)
+    kernel: DynKernel = field(default_factory=lambda: DynKernel(port_size=port_elems_cap(CAP)))
     allowed: frozenset[str] = frozenset(NAMES)
     leases: dict[IPAddress, ModelLease] = field(default_factory=dict)
     now: int = 0
@@ -131,11 +133,9 @@ class World:
         async def add(grants: list[Grant]) -> None:
             self.kernel.apply(dyn_add("T", self.kernel.nft_id, grants), now)
 
-        before = self.book._elems
         got = _done(learning.learn_many(self.book, self.effective, asks, now, add))
-        # (c) a learn never takes the book past its element budget (a narrowing may have: a
-        # whole lease that lost its whole name gets its other names' elements back, unbudgeted).
-        assert self.book._elems <= max(self.book.elem_cap, before), (before, self.book._elems)
+        # (c) a learn never takes the book past its element budget.
+        assert self.book._elems <= self.book.elem_cap, self.book._elems
         # The model: an answer the book took joins its address's lease, or starts a new one
         # when the lease ended (or never was); a refresh only renews a live one.
         for (leases, name), ips in zip(asks, got, strict=True):
@@ -163,7 +163,11 @@ class World:
         self.allowed = frozenset(self.rng.sample(NAMES, self.rng.randint(len(NAMES) // 2, len(NAMES))))
         narrowed = narrowed_for(self.book, self.effective, (), (), self.now)
         if not narrowed.intact:
+            # (the model kernel refuses a refill past the port-scoped sets' size, as nf_tables does)
             self.kernel.apply(dyn_replace("T", self.kernel.nft_id, narrowed.kept, ranges=True), self.now)
+        # (c) nor does a narrowing, whose kept leases' elements the refill writes.
+        assert narrowed.book._elems <= narrowed.book.elem_cap, narrowed.book._elems
+        assert narrowed.book._elems == sum(len(g.scope.ports.elements()) for g in narrowed.kept)
         self.book = narrowed.book
         kept = {g.ip for g in narrowed.kept}
         self.leases = {ip: lease for ip, lease in self.leases.items() if ip in kept}
@@ -202,9 +206,9 @@ class World:
             if not entry.scope.whole:
                 assert not {k for k in live if k[0].startswith("dyn_")}, (ip, live)
                 assert live <= expected_port_keys(ip, entry.scope.ports, book.shared), (ip, live)
-        # (c) the book counts the elements it holds (the kernel's, by (b)); the address sets
-        # hold no more addresses than the cap.
-        assert book._elems == held_total
+        # (c) the book counts the elements it holds (the kernel's, by (b)), within its budget;
+        # the address sets hold no more addresses than the cap.
+        assert book._elems == held_total <= book.elem_cap, (held_total, book.elem_cap)
         for name in self.kernel.live:
             if "_dyn_" in name or "_dynr_" in name:
                 assert self.kernel.live_count(name) <= CAP, (name, self.kernel.live[name])

@@ -9,7 +9,9 @@ from egressd.fleetnft.contents import dyn_add, dyn_replace
 from egressd.kernel.ops import AddPortElems, AddTimed, DeletePortElems, FlushSet
 from egressd.policy import NetworkPolicy, ip_sets, parse_policy
 from egressd.policy.scope import Scope
-from egressd.subject.leases import Grant, LeaseBook, admissible, narrowed_for
+from egressd.sidecarnft.ruleset import SidecarTable, dynpx_set
+from egressd.sidecarnft.ruleset import ruleset as sidecar_ruleset
+from egressd.subject.leases import Grant, LeaseBook, admissible, narrowed_for, port_elems_cap
 from egressd.subject.scopes import QUIC, WHOLE, LeaseScope, lease_scope
 
 NOW = 1000.0
@@ -119,6 +121,47 @@ def test_the_port_element_budget_trims_an_answer_like_the_lease_cap() -> None:
     assert [g.ip for g in got] == [CDN]
     book.record(got, "w.x.io", NOW)
     assert admissible(book, narrow, [(OTHER, 60)], "w.x.io", NOW, name_check=True) == []  # over the cap
+
+
+def test_a_narrowing_keeps_leases_only_while_their_port_elements_fit_the_budget() -> None:
+    """A lease taught by a name allowed on every port (no port element) and by one allowed on
+    three ports gets those three elements back when the whole name goes: the narrowing keeps
+    leases in the book's order while their elements fit (cap 2: 4 elements, the size of the
+    kernel's port-scoped dyn sets) and revokes the rest, so the refill always fits the kernel's
+    sets (else ENFILE would fail the swap and leave the wider policy in force)."""
+    every = '{"action":"allow","target":"w.x.io"}'
+    three = '{"action":"allow","target":"p.x.io","protocol":"tcp","ports":[1,3,5]}'
+    wide = pol(every, three)
+    book = LeaseBook(cap=2)
+    for ip in (CDN, OTHER):
+        for name in ("w.x.io", "p.x.io"):
+            got = admissible(book, wide, [(ip, 60)], name, NOW, name_check=True)
+            assert got == [Grant(ip, 60, WHOLE)], got  # whole: no port element to budget
+            book.record(got, name, NOW)
+    assert book._elems == 0
+    narrower = pol(three)
+    out = narrowed_for(book, narrower, (), (), NOW, name_check=True)
+    ports = Scope.of(tcp=[(1, 1), (3, 3), (5, 5)])
+    assert out.kept == (Grant(CDN, 60, LeaseScope(False, ports)),)
+    assert out.revoked == (OTHER,) and not out.intact
+    # The book is exactly what the kernel gets: OTHER is gone, its names with it.
+    assert list(out.book) == [CDN] and out.book._elems == 3 <= out.book.elem_cap
+    assert out.book.scope_of(OTHER, NOW) == LeaseScope(False, Scope.EMPTY)
+    assert not out.book.verified(OTHER, "p.x.io", NOW) and out.book.verified(CDN, "p.x.io", NOW)
+    # ... and learning does not bring it back past the budget; the kept lease renews.
+    assert admissible(out.book, narrower, [(OTHER, 60)], "p.x.io", NOW, name_check=True) == []
+    renewed = admissible(out.book, narrower, [(CDN, 60)], "p.x.io", NOW, name_check=True)
+    assert [g.ip for g in renewed] == [CDN]
+    # The refill fits the sets: the fleet's batch and the sidecar's rebuild alike.
+    size = port_elems_cap(2)
+    added = [op for op in dyn_replace("T", "s", out.kept, ranges=False).ops if isinstance(op, AddPortElems)]
+    assert added and all(len(op.elems) <= size for op in added)
+    script = sidecar_ruleset(SidecarTable(max_leases=2), narrower, out.kept)
+    (dynpx,) = [ln for ln in script.splitlines() if f"set inet opensandbox {dynpx_set('v4')} " in ln]
+    assert f"size {size};" in dynpx and dynpx.count(" . tcp . ") == 3, dynpx
+    # A narrowing that changes nothing keeps everything, within the budget.
+    again = narrowed_for(out.book, narrower, (), (), NOW, name_check=True)
+    assert again.intact and again.kept == out.kept and not again.revoked
 
 
 def test_a_name_whose_scope_is_empty_is_never_learned() -> None:
