@@ -45,6 +45,7 @@ BASIC = base64.b64encode(BASIC_PAIR.encode()).decode()
 PLACEHOLDER = "PLACEHOLDER-STREAM-41"
 SUB_SECRET = "sub-STREAM-real-08aa"
 API, H2 = "api.example.test", "h2.example.test"
+RELAYED = "multi.test"  # one of its addresses is API_IP's; the upstream has a leaf for it
 API_IP = UPSTREAM_IPS[4]  # both names resolve to 10.204.0.6; the upstream offers h2 by SNI
 MITM_PORT, HTTP_PORT, TABLE = 18481, 18490, "egt-mitms"
 DPR = "sandbox.data-plane-ready"
@@ -61,7 +62,12 @@ STREAM_PATHS = [
 
 POLICY = {
     "defaultAction": "deny",
-    "egress": [{"action": "allow", "target": API}, {"action": "allow", "target": H2}],
+    "egress": [
+        {"action": "allow", "target": API},
+        {"action": "allow", "target": H2},
+        # No binding names it: its TLS is passed through (§16), by the kernel relay (§18, issue 25).
+        {"action": "allow", "target": RELAYED},
+    ],
 }
 VAULT: dict[str, Any] = {
     "credentials": [
@@ -385,6 +391,49 @@ def test_websocket_messages_are_redacted_both_ways(topo: Topology, mitm: Daemon)
     assert out[-1]["echo"] == "echo=ping [REDACTED] pong", out  # sandbox -> upstream, echoed back
     seen = [r["ws"] for r in topo.upstream_requests()[mark:] if "ws" in r]
     assert seen == ["ping [REDACTED] pong"], seen  # what the upstream received
+
+
+def _pipes(pid: int) -> int:
+    n = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            n += fd.readlink().as_posix().startswith("pipe:")
+        except OSError:
+            continue
+    return n
+
+
+def test_a_passed_through_stream_reaches_curl_as_sent_through_the_kernel_relay(
+    topo: Topology, mitm: Daemon
+) -> None:
+    """A stream on a connection the MITM passes through unopened (its name has no binding) goes
+    by the kernel relay (egressd.mitmchild.splicerelay: the child holds its two pipes while the
+    connection is open) and reaches curl event by event, not when it ends."""
+    learn(topo, 1, RELAYED)
+    pid = mitm_pid(mitm)
+    base = _pipes(pid)
+    ident = uuid.uuid4().hex[:12]
+    url = f"https://{RELAYED}/_stream/sse?n=5&gap=400&id={ident}"
+    cmd = ["curl", "-s", "-N", "--http1.1", "--cacert", str(topo.tls_dir / "ca.pem"),
+           "--resolve", f"{RELAYED}:443:{API_IP}", "-m", "15", url]  # fmt: skip
+    proc = subprocess.Popen(["ip", "netns", "exec", topo.sb(1), *cmd], stdout=subprocess.PIPE, text=True)
+    timer = threading.Timer(20, proc.kill)
+    timer.start()
+    lines: list[tuple[float, str]] = []
+    held = -1
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append((time.time(), line.rstrip("\n")))
+            if held < 0 and line.startswith("data:"):
+                held = _pipes(pid)  # mid-stream: the relay's data and stop pipes are open
+        proc.wait()
+    finally:
+        timer.cancel()
+    assert held == base + 4, (held, base)
+    recv = [t for t, line in lines if line.startswith("data:")]
+    assert_as_produced(recv, sent_times(topo, ident))
+    assert "passthrough" in mitm.log_text() and RELAYED in mitm.log_text()
 
 
 # ---- 2 / 5. memory: bombs, large bodies, slow readers -----------------------------------------------
