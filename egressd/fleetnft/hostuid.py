@@ -29,7 +29,8 @@ chains and sets as the forward path, reached through uid-keyed verdict maps:
   traffic always goes to its own DNS port.
 * Sockets of uids outside the range (the host's own processes, egressd and its MITM child
   among them) are never touched; neither are egressd's (``own_uid``) and the DNS
-  forwarder's (SO_MARK 0x1, which needs CAP_NET_ADMIN, or CAP_NET_RAW since Linux 5.17) if the range happens to cover them.
+  forwarder's (SO_MARK 0x1, which needs CAP_NET_ADMIN, or CAP_NET_RAW since Linux 5.17) if
+  the range happens to cover them.
 """
 
 from __future__ import annotations
