@@ -223,6 +223,8 @@ class SidecarEngine:
         async with self._kernel_lock:
             self.rules_installed = await self.backend.rebuild(self.effective, dropped=await self._dropped())
             self.enforcement_ready = True
+        if self.cut_flows:
+            await self._forget_dns_flows()
         log.info(
             "egress.loaded",
             **{"opensandbox.event": "egress.loaded", "egress.default": self.user.default_action.value},
@@ -230,6 +232,17 @@ class SidecarEngine:
             table=self.table.table,
             mode=self.table.mode,
         )
+
+    async def _forget_dns_flows(self) -> None:
+        """Start-up: forget the namespace's tracked port-53 flows, so that the next packet of
+        each is judged by the redirect just installed. A flow from before it (the app's, or a
+        previous forwarder's closed socket, whose source port the app may bind) is otherwise
+        never redirected; the DNS guard refuses it, and a client that keeps its socket would
+        get no answers until the entry expires. Best effort: the guard holds either way."""
+        try:
+            await self.backend.forget_dns_flows()
+        except Exception as exc:
+            log.warning("conntrack.dns_forget_failed", error=str(exc)[:200])
 
     async def shutdown(self) -> None:
         """Remove the table (docs/reference/behaviour.md §13: shutdown deletes the sidecar table).

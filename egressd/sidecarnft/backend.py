@@ -178,6 +178,13 @@ class SidecarBackend:
         _, dst, proto, port = flow
         await conntrack_delete(["-d", str(dst), *flow_selector(proto, port)], dst.version)
 
+    async def forget_dns_flows(self) -> None:
+        """Delete every tracked udp/tcp flow to port 53 (start-up: the next packet of each is
+        NATed afresh, ``SidecarEngine._forget_dns_flows``)."""
+        for version in (4, 6):
+            for proto in ("udp", "tcp"):
+                await conntrack_delete(flow_selector(proto, 53), version)
+
     def flow_fields(self, flow: Flow) -> dict[str, str]:
         return {"destination": str(flow[1])}
 

@@ -15,6 +15,8 @@ Shape::
     chain    dns_redirect  nat hook output: mark 0x1 return; udp/tcp dport 53 redirect;
              [M] skgid MITM_GID return, loopback return, tcp dport {80,443} redirect to MITM
     chain    [M] mitm_input  filter hook input: MITM port only when redirected
+    chain    dns_guard     filter hook output (both modes): port 53 that the redirect did not
+             rewrite, bar the forwarder's own (mark 0x1) and exempt nameservers, goto denied
     chain    egress        filter hook output, policy accept iff defaultAction allow
              (mode dns+nft only): established, mark 0x1, lo, redirected DNS, IPv6 ND, 853, DoH,
              deny, dyn, allow, goto denied
@@ -69,6 +71,7 @@ FILTER_CHAIN: Final = "egress"
 #: filter chain still applies the policy to its packets.
 MITM_GID: Final = 18081
 MITM_INPUT_CHAIN: Final = "mitm_input"
+DNS_GUARD_CHAIN: Final = "dns_guard"
 #: Every refusal goes here: counted in DROPPED_COUNTER, then dropped or rejected (§15).
 DENIED_CHAIN: Final = "denied"
 DROPPED_COUNTER: Final = "dropped"
@@ -198,9 +201,9 @@ def ruleset(
     doh = split_by_family(cfg.doh_blocklist)
     lines = [f"add table inet {t}", f"delete table inet {t}", f"add table inet {t}"]
     lines += _set_declarations(cfg, policy, leases, doh)
-    if cfg.mode == "dns+nft" or cfg.mitm_port is not None:  # something refuses packets
-        lines += _denied_chain(cfg, dropped)
+    lines += _denied_chain(cfg, dropped)  # the DNS guard refuses packets in either mode
     lines += _redirect_chain(cfg, policy)
+    lines += _dns_guard_chain(cfg)
     if cfg.mitm_port is not None:
         lines += _mitm_input_chain(cfg, cfg.mitm_port)
     if cfg.mode != "dns":
@@ -316,6 +319,33 @@ def _redirect_chain(cfg: SidecarTable, policy: NetworkPolicy) -> list[str]:
             _rule(t, c, "ip6 daddr ::1 return"),
             _rule(t, c, f"tcp dport {ports} redirect to :{cfg.mitm_port}"),
         ]
+    return lines
+
+
+def _dns_guard_chain(cfg: SidecarTable) -> list[str]:
+    """Port 53 that the redirect did not rewrite is refused, in both modes.
+
+    NAT is decided on a flow's first packet only. The forwarder's upstream queries leave
+    from this namespace's own address, un-redirected (mark 0x1), and their conntrack entries
+    outlive the sockets it closes (pool overflow, a timeout, a restart) by 30-120 s. An app
+    that binds such a source port and sends to the resolver's port 53 rides that entry: its
+    query would skip the proxy, and so the DNS policy. The same holds for a flow the app
+    opened before the redirect existed. Nothing but the forwarder and the exempt nameservers
+    may send to port 53 as addressed.
+    """
+    t, c = cfg.table, DNS_GUARD_CHAIN
+    lines = [
+        f"add chain inet {t} {c} {{ type filter hook output priority 0; policy accept; }}",
+        _rule(t, c, f"meta mark {UPSTREAM_MARK:#x} return"),
+        _rule(t, c, "ct status dnat return"),
+    ]
+    for fam in ("v4", "v6"):
+        exempt = exempt_literal(cfg.nameserver_exempt, fam)
+        if exempt is not None:
+            lines.append(
+                _rule(t, c, f"{l3_of(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 return")
+            )
+    lines.append(_rule(t, c, f"meta l4proto {{ tcp, udp }} th dport 53 ct direction original {REFUSE}"))
     return lines
 
 

@@ -83,6 +83,18 @@ def _port_probes(t: str) -> list[tuple[str, str]]:
     ]
 
 
+def _guard_probes(t: str) -> list[tuple[str, str]]:
+    """The DNS guard (ruleset._dns_guard_chain): conntrack status and direction on output."""
+    return [
+        (
+            "DNS guard (conntrack status and direction on output)",
+            f"add chain inet {t} guard {{ type filter hook output priority 0; policy accept; }}\n"
+            f"add rule inet {t} guard ct status dnat return\n"
+            f"add rule inet {t} guard meta l4proto {{ tcp, udp }} th dport 53 ct direction original drop",
+        ),
+    ]
+
+
 def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
     return [
         (
@@ -173,7 +185,7 @@ def selftest_probes(
             Probe("scratch table", partial(cmd, f"add table inet {t}"), ()),
             *(
                 Probe(feature, partial(cmd, script), NftError)
-                for feature, script in (*_probes(t, dns_port), *_port_probes(t))
+                for feature, script in (*_probes(t, dns_port), *_guard_probes(t), *_port_probes(t))
             ),
         ],
         verdict=Probe("timed set element renewal", partial(probe_lease_renewal, cmd, elements, t), NftError),

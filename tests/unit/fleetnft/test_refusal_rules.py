@@ -279,12 +279,12 @@ def test_sidecar_refusals_are_counted_and_the_count_is_carried(reject: bool, mit
     assert "packets 0 bytes 0" in ruleset(cfg, DENY_ALL, dropped=-3)
 
 
-def test_sidecar_dns_mode_without_the_mitm_refuses_nothing() -> None:
+def test_sidecar_dns_mode_without_the_mitm_refuses_only_dns_the_redirect_missed() -> None:
     script = ruleset(SidecarTable(table="T", mode="dns"), DENY_ALL, dropped=5)
-    assert "denied" not in script and "dropped" not in script
-    assert "add chain inet T denied" in ruleset(
-        SidecarTable(table="T", mode="dns", mitm_port=18081), DENY_ALL
-    )
+    refusing = [(chain, body) for chain, body in rules(script) if "goto denied" in body]
+    assert refusing == [("dns_guard", "meta l4proto { tcp, udp } th dport 53 ct direction original goto denied")]
+    assert "add counter inet T dropped { packets 5 bytes 0 }" in script
+    assert "egress" not in {chain for chain, _ in rules(script)}
 
 
 async def test_the_sidecar_engine_carries_the_count_over_every_rebuild() -> None:

@@ -1,0 +1,144 @@
+"""The sidecar's DNS guard against the real kernel (docs/reference/behaviour.md §8.6, docs/security.md).
+
+The redirect to the DNS proxy is NAT, decided on a flow's first packet only. A packet that
+matches a tracked flow which was never redirected (one of the forwarder's own upstream queries,
+whose socket has since closed: a timeout, a pool overflow, a crash) would go to the resolver as
+addressed, past the DNS policy. These tests try exactly that from the app.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.kernel.sidecar import TABLE, Sidecar
+from tests.kernel.topology import DNS_UPSTREAM, Topology, cleanup_stale
+
+# Every ephemeral source port, each sending a denied name to the resolver's port 53.
+_SPRAY = (
+    "import socket\n"
+    "from dnslib import DNSRecord\n"
+    "q = DNSRecord.question('%(name)s').pack()\n"
+    "sent = 0\n"
+    "for port in range(32768, 61000):\n"
+    "    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+    "    try:\n"
+    "        s.bind(('0.0.0.0', port)); s.sendto(q, ('%(up)s', 53)); sent += 1\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "    s.close()\n"
+    "print('sent', sent)\n"
+)
+
+# The forwarder's way (SO_MARK 0x1, so not redirected; the harness is root) for one query,
+# socket closed; then the app, unmarked, from the same source port.
+_RIDE = (
+    "import socket\n"
+    "from dnslib import DNSRecord\n"
+    "f = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); f.settimeout(2)\n"
+    "f.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, 1)\n"
+    "f.bind(('0.0.0.0', 0)); port = f.getsockname()[1]\n"
+    "f.sendto(DNSRecord.question('a.test').pack(), ('%(up)s', 53)); f.recv(4096); f.close()\n"
+    "a = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); a.settimeout(2)\n"
+    "a.bind(('0.0.0.0', port))\n"
+    "try:\n"
+    "    a.sendto(DNSRecord.question('%(name)s').pack(), ('%(up)s', 53))\n"
+    "except PermissionError:\n"
+    "    print('refused')\n"  # the output hook dropped it: sendto() fails with EPERM
+    "else:\n"
+    "    try:\n"
+    "        print('answered', DNSRecord.parse(a.recv(4096)).header.rcode)\n"
+    "    except OSError:\n"
+    "        print('no answer')\n"
+)
+
+
+@pytest.fixture(scope="module")
+def gtopo() -> Iterator[Topology]:
+    cleanup_stale()
+    t = Topology(prefix=f"egg{os.getpid()}", sandboxes=1).up_()
+    try:
+        yield t
+    finally:
+        t.down()
+
+
+@pytest.fixture
+def sidecar(gtopo: Topology) -> Iterator[Sidecar]:
+    sc = Sidecar(gtopo, sb=1)
+    try:
+        yield sc
+    finally:
+        sc.cleanup()
+        gtopo.ns(sc.ns, "conntrack", "-F", check=False)  # the next test starts without our entries
+
+
+def _policy() -> str:
+    return json.dumps(
+        {
+            "defaultAction": "deny",
+            "egress": [
+                {"action": "allow", "target": "a.test"},
+                {"action": "allow", "target": "*.example.test"},
+            ],
+        }
+    )
+
+
+def _dropped(topo: Topology, sc: Sidecar) -> int:
+    out = topo.ns(sc.ns, "nft", "-j", "list", "counter", "inet", TABLE, "dropped").stdout
+    for item in json.loads(out)["nftables"]:
+        if "counter" in item:
+            return int(item["counter"]["packets"])
+    raise AssertionError(out)
+
+
+def _unredirected_dns_flows(topo: Topology, sc: Sidecar) -> list[str]:
+    """Tracked udp flows to port 53 answered from where they were sent (not the proxy)."""
+    out = topo.ns(sc.ns, "conntrack", "-L", "-p", "udp", "--dport", "53", check=False).stdout
+    return [ln for ln in out.splitlines() if "dport=53" in ln and "src=127.0.0.1" not in ln]
+
+
+@pytest.mark.parametrize("mode", ["dns", "dns+nft"])
+def test_an_app_riding_a_closed_forwarder_sockets_flow_never_reaches_the_resolver(
+    sidecar: Sidecar, gtopo: Topology, mode: str
+) -> None:
+    sidecar.env["OPENSANDBOX_EGRESS_MODE"] = mode
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = _policy()
+    sidecar.start()
+    before = _dropped(gtopo, sidecar)
+    r = sidecar.python(_RIDE % {"up": DNS_UPSTREAM, "name": "exfil-by-collision.test"})
+    # Not the proxy's NXDOMAIN either: the packet never met the redirect, the guard drops it.
+    assert r.stdout.strip() == "refused", r.stdout + r.stderr[-500:]
+    assert "exfil-by-collision.test" not in gtopo.upstream_queries()
+    assert _dropped(gtopo, sidecar) == before + 1  # counted as a refusal (§15)
+    # DNS itself still works, by the policy.
+    assert sidecar.dig("a.test")[0] == "NOERROR"
+    assert sidecar.dig("b.test")[0] == "NXDOMAIN"
+
+
+@pytest.mark.parametrize("mode", ["dns", "dns+nft"])
+def test_after_a_crash_the_old_forwarders_flows_are_no_way_past_the_proxy(
+    sidecar: Sidecar, gtopo: Topology, mode: str
+) -> None:
+    sidecar.env["OPENSANDBOX_EGRESS_MODE"] = mode
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = _policy()
+    sidecar.start()
+    # The forwarder's pooled socket: a tracked flow that was never redirected.
+    for name in ("a.test", "api.example.test"):
+        assert sidecar.dig(name)[0] == "NOERROR"
+    assert _unredirected_dns_flows(gtopo, sidecar)
+    sidecar.kill(signal.SIGKILL)  # its sockets close; their conntrack entries stay
+    sidecar.start()
+    # Forgotten at start-up: an app reusing such a port (by chance, or on purpose) is redirected
+    # like any other, rather than refused by the guard.
+    assert _unredirected_dns_flows(gtopo, sidecar) == []
+    spray = sidecar.python(_SPRAY % {"up": DNS_UPSTREAM, "name": "exfil-after-crash.test"}, timeout=120)
+    assert spray.stdout.startswith("sent"), spray.stderr[-500:]
+    time.sleep(0.5)
+    assert "exfil-after-crash.test" not in gtopo.upstream_queries()
