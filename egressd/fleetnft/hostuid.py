@@ -16,6 +16,10 @@ chains and sets as the forward path, reached through uid-keyed verdict maps:
   listed in ``uid_audit`` and their established flows pass after the deny sets.
 * DNS to port 53 of any address is REDIRECTed (nat output) to the subject's own port, known
   to the DNS proxy; in-range uids that are no subject go to the port that answers NXDOMAIN.
+  NAT is decided on a flow's first packet only, and the DNS forwarder sends (exempt, SO_MARK
+  0x1) from this same namespace and address: a uid that binds a source port of a forwarder
+  socket that has been closed rides its conntrack entry un-NATed, straight to the resolver.
+  So ``uid_out`` refuses port 53 that was not NATed, first thing after the exemptions.
   With the MITM, 80/443 (the extra ports, and the ports its http/https rules name:
   ``uid_mitm_ports``) go to the subject's own MITM port. The local (loopback) leg of a
   redirected flow is accepted only when its port belongs to the socket's uid
@@ -138,6 +142,12 @@ def _uid_out_chain(s: _Script, cfg: TableConfig) -> None:
     s.rule("output", f"meta skuid {_uid_range(cfg)} jump {UID_OUT_CHAIN}")
     o = UID_OUT_CHAIN
     _uid_exemptions(s, cfg, o)
+    # Port 53 that nat output did not redirect: a packet that rode a conntrack entry the DNS
+    # forwarder left behind (same address, a port it closed; NAT is decided on a flow's first
+    # packet only). It would reach the resolver past the DNS policy. Before uid_local: a local
+    # resolver on :53 is redirected too (docs/reference/behaviour.md §17).
+    unnated = "ct direction original ct status & dnat == 0"
+    s.rule(o, f"meta l4proto {{ tcp, udp }} th dport 53 {unnated} {UID_REFUSE}")
     # A sandbox uid sends with the pod's own addresses only. IPv6 lets any process claim another
     # (IPV6_FREEBIND needs no capability): as a network sandbox's address it would get egressd's
     # own DNS answers sent there (a lateral channel) and open conntrack entries that sandbox's

@@ -50,6 +50,9 @@ def test_output_hook_polices_only_the_uid_range() -> None:
 def test_uid_out_is_the_forward_path_on_output() -> None:
     assert chain(header(TableConfig()), "uid_out") == [
         "meta mark 0x00000001 return",
+        # Port 53 that was not redirected rode a forwarder's conntrack entry
+        # (tests/kernel/test_uid_dns_collision.py).
+        "meta l4proto { tcp, udp } th dport 53 ct direction original ct status & dnat == 0 goto uid_denied",
         # Only the host's own addresses (IPv6 lets a process claim any: tests/kernel/test_spoofing.py).
         "fib saddr type != local goto uid_denied",
         "udp sport { 15353, 16000-16256 } goto uid_denied",
@@ -68,6 +71,36 @@ def test_uid_out_is_the_forward_path_on_output() -> None:
         "ct state established,related meta skuid @uid_audit accept",
         "meta mark & 0x2 != 0x2 goto uid_denied",
     ]
+
+
+UNNATED_53 = (
+    "meta l4proto { tcp, udp } th dport 53 ct direction original ct status & dnat == 0 goto uid_denied"
+)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [TableConfig(), TableConfig(own_uid=100500), TableConfig(mitm=True, block_doh_443=True)],
+    ids=["default", "own_uid_inside", "mitm"],
+)
+def test_port_53_that_nat_did_not_redirect_is_refused_before_anything_is_accepted(cfg: TableConfig) -> None:
+    """NAT is decided on a flow's first packet only. The DNS forwarder (exempt from the redirect)
+    sends from the namespace the uid subjects share, and the un-NATed conntrack entries of the
+    sockets it closed outlive them: a uid that binds such a port rides one straight to the
+    resolver (tests/kernel/test_uid_dns_collision.py). Port 53 of an in-range uid that was not
+    NATed is refused right after the exemptions: before the local exemption (a local resolver
+    on :53 is redirected too) and before the subject's chains (a policy that opens the
+    resolver's address would pass it)."""
+    out = chain(header(cfg), "uid_out")
+    exemptions = ["meta mark 0x00000001 return"]
+    if cfg.own_uid is not None:
+        exemptions.insert(0, f"meta skuid {cfg.own_uid} return")
+    assert out[: len(exemptions) + 1] == [*exemptions, UNNATED_53]
+    assert out.count(UNNATED_53) == 1
+    assert out.index(UNNATED_53) < out.index("fib daddr type local jump uid_local")
+    assert out.index(UNNATED_53) < out.index("meta skuid vmap @uid_dispatch")
+    # The redirect itself is untouched: port 53 of every in-range uid is NATed to a DNS port.
+    assert "udp dport 53 redirect to :meta skuid map @uid_dns" in chain(header(cfg), "uid_nat")
 
 
 def test_uid_refusals_are_counted_by_the_socket_owner_then_refused_like_all() -> None:
@@ -309,7 +342,7 @@ def test_a_sandbox_uid_never_answers_from_one_of_egressds_listener_ports() -> No
     from any of egressd's listener ports are refused before anything else in uid_out."""
     cfg = dataclasses.replace(TableConfig(), mitm=True, mitm_workers=3)
     out = chain(header(cfg), "uid_out")
-    assert out[2:4] == [
+    assert out[3:5] == [
         "udp sport { 15353, 16000-16256 } goto uid_denied",
         "tcp sport { 15353, 16000-16512, 18080-18083 } goto uid_denied",
     ]
