@@ -56,6 +56,19 @@ def exempt_literal(nameservers: Iterable[IPAddress], fam: str) -> str | None:
     return "{ " + ", ".join(ips) + " }" if ips else None
 
 
+def unredirected_dns(refuse: str) -> list[str]:
+    """Rules refusing tcp/udp port 53 that the DNS redirect did not rewrite, for a chain that
+    has already let the forwarder (and, in the sidecar, the exempt nameservers) through.
+
+    NAT is decided on a flow's first packet only, so such a packet rides a tracked flow that
+    was never redirected: one the forwarder left behind (same address, a source port it has
+    closed), or one a spoofed packet set up in the other direction. Either way it would reach
+    the resolver past the DNS policy. Whatever the direction; a packet conntrack does not track
+    (invalid, untracked) has no NAT either, and ``ct status`` cannot say so for it."""
+    dns = "meta l4proto { tcp, udp } th dport 53"
+    return [f"{dns} ct state invalid,untracked {refuse}", f"{dns} ct status & dnat == 0 {refuse}"]
+
+
 def intercepted_ports(extra_ports: Iterable[int]) -> str:
     """The TCP destination ports the MITM intercepts (80, 443 and
     OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS) as an nft set literal."""

@@ -64,7 +64,7 @@ from egressd.kernel.ops import (
     NetlinkBatch,
     Op,
 )
-from egressd.nftsyntax import intercepted_ports, l3_of, split_by_family
+from egressd.nftsyntax import intercepted_ports, l3_of, split_by_family, unredirected_dns
 from egressd.subject.registry import Entry, HostBinding, KernelView
 
 UID_MARKING = "uid_marking"
@@ -142,12 +142,10 @@ def _uid_out_chain(s: _Script, cfg: TableConfig) -> None:
     s.rule("output", f"meta skuid {_uid_range(cfg)} jump {UID_OUT_CHAIN}")
     o = UID_OUT_CHAIN
     _uid_exemptions(s, cfg, o)
-    # Port 53 that nat output did not redirect: a packet that rode a conntrack entry the DNS
-    # forwarder left behind (same address, a port it closed; NAT is decided on a flow's first
-    # packet only). It would reach the resolver past the DNS policy. Before uid_local: a local
-    # resolver on :53 is redirected too (docs/reference/behaviour.md §17).
-    unnated = "ct direction original ct status & dnat == 0"
-    s.rule(o, f"meta l4proto {{ tcp, udp }} th dport 53 {unnated} {UID_REFUSE}")
+    # Port 53 that nat output did not redirect (nftsyntax.unredirected_dns). Before uid_local:
+    # a local resolver on :53 is redirected too (docs/reference/behaviour.md §17).
+    for body in unredirected_dns(UID_REFUSE):
+        s.rule(o, body)
     # A sandbox uid sends with the pod's own addresses only. IPv6 lets any process claim another
     # (IPV6_FREEBIND needs no capability): as a network sandbox's address it would get egressd's
     # own DNS answers sent there (a lateral channel) and open conntrack entries that sandbox's

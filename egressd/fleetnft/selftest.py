@@ -161,6 +161,12 @@ def _probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} pre meta mark 0x45470001 fib saddr type != local drop",
         ),
         *_match_probes(t),
+        (
+            # nftsyntax.unredirected_dns (host-uid subjects' output chain).
+            "conntrack state and status of unredirected DNS",
+            f"add rule inet {t} fwd_ meta l4proto {{ tcp, udp }} th dport 53 ct state invalid,untracked drop\n"
+            f"add rule inet {t} fwd_ meta l4proto {{ tcp, udp }} th dport 53 ct status & dnat == 0 drop",
+        ),
     ]
 
 

@@ -15,8 +15,9 @@ Shape::
     chain    dns_redirect  nat hook output: mark 0x1 return; udp/tcp dport 53 redirect;
              [M] skgid MITM_GID return, loopback return, tcp dport {80,443} redirect to MITM
     chain    [M] mitm_input  filter hook input: MITM port only when redirected
-    chain    dns_guard     filter hook output (both modes): port 53 that the redirect did not
-             rewrite, bar the forwarder's own (mark 0x1) and exempt nameservers, goto denied
+    chain    guard         filter hook output (both modes): tcp/udp from a source that is not
+             local, and port 53 that the redirect did not rewrite (bar the forwarder's mark
+             0x1 and the exempt nameservers), goto denied
     chain    egress        filter hook output, policy accept iff defaultAction allow
              (mode dns+nft only): established, mark 0x1, lo, redirected DNS, IPv6 ND, 853, DoH,
              deny, dyn, allow, goto denied
@@ -52,6 +53,7 @@ from egressd.nftsyntax import (
     set_decl,
     split_by_family,
     timeout_set_decl,
+    unredirected_dns,
 )
 from egressd.policy import NetworkPolicy, Verdict, ip_sets
 from egressd.policy.mitmports import FIXED_PORTS, named_ports
@@ -71,7 +73,7 @@ FILTER_CHAIN: Final = "egress"
 #: filter chain still applies the policy to its packets.
 MITM_GID: Final = 18081
 MITM_INPUT_CHAIN: Final = "mitm_input"
-DNS_GUARD_CHAIN: Final = "dns_guard"
+GUARD_CHAIN: Final = "guard"
 #: Every refusal goes here: counted in DROPPED_COUNTER, then dropped or rejected (§15).
 DENIED_CHAIN: Final = "denied"
 DROPPED_COUNTER: Final = "dropped"
@@ -201,9 +203,9 @@ def ruleset(
     doh = split_by_family(cfg.doh_blocklist)
     lines = [f"add table inet {t}", f"delete table inet {t}", f"add table inet {t}"]
     lines += _set_declarations(cfg, policy, leases, doh)
-    lines += _denied_chain(cfg, dropped)  # the DNS guard refuses packets in either mode
+    lines += _denied_chain(cfg, dropped)  # the guard refuses packets in either mode
     lines += _redirect_chain(cfg, policy)
-    lines += _dns_guard_chain(cfg)
+    lines += _guard_chain(cfg)
     if cfg.mitm_port is not None:
         lines += _mitm_input_chain(cfg, cfg.mitm_port)
     if cfg.mode != "dns":
@@ -322,22 +324,24 @@ def _redirect_chain(cfg: SidecarTable, policy: NetworkPolicy) -> list[str]:
     return lines
 
 
-def _dns_guard_chain(cfg: SidecarTable) -> list[str]:
-    """Port 53 that the redirect did not rewrite is refused, in both modes.
+def _guard_chain(cfg: SidecarTable) -> list[str]:
+    """What no policy opens, in both modes: a packet from an address that is not the
+    namespace's own, and port 53 that the redirect did not rewrite.
 
-    NAT is decided on a flow's first packet only. The forwarder's upstream queries leave
-    from this namespace's own address, un-redirected (mark 0x1), and their conntrack entries
-    outlive the sockets it closes (pool overflow, a timeout, a restart) by 30-120 s. An app
-    that binds such a source port and sends to the resolver's port 53 rides that entry: its
-    query would skip the proxy, and so the DNS policy. The same holds for a flow the app
-    opened before the redirect existed. Nothing but the forwarder and the exempt nameservers
-    may send to port 53 as addressed.
+    IPv6 lets any process send from another address (IPV6_FREEBIND needs no capability). A
+    "reply" spoofed from resolver:53 to the app's own address sets up a tracked flow; the
+    app's query from that port then rides it in the reply direction, never NATed, accepted as
+    established. The forwarder's upstream queries leave from the app's address un-redirected
+    too, and their tracked flows outlive the sockets it closes (a timeout, more queries than
+    its pool, a crash) by 30-120 s: an app that binds such a port rides that flow. Only the
+    forwarder and the exempt nameservers send to port 53 as addressed.
     """
-    t, c = cfg.table, DNS_GUARD_CHAIN
+    t, c = cfg.table, GUARD_CHAIN
     lines = [
         f"add chain inet {t} {c} {{ type filter hook output priority 0; policy accept; }}",
+        # tcp/udp only: IPv6 duplicate address detection and MLD send from "::".
+        _rule(t, c, f"meta l4proto {{ tcp, udp }} fib saddr type != local {REFUSE}"),
         _rule(t, c, f"meta mark {UPSTREAM_MARK:#x} return"),
-        _rule(t, c, "ct status dnat return"),
     ]
     for fam in ("v4", "v6"):
         exempt = exempt_literal(cfg.nameserver_exempt, fam)
@@ -345,7 +349,7 @@ def _dns_guard_chain(cfg: SidecarTable) -> list[str]:
             lines.append(
                 _rule(t, c, f"{l3_of(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 return")
             )
-    lines.append(_rule(t, c, f"meta l4proto {{ tcp, udp }} th dport 53 ct direction original {REFUSE}"))
+    lines += [_rule(t, c, body) for body in unredirected_dns(REFUSE)]
     return lines
 
 

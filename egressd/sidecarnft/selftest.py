@@ -84,13 +84,14 @@ def _port_probes(t: str) -> list[tuple[str, str]]:
 
 
 def _guard_probes(t: str) -> list[tuple[str, str]]:
-    """The DNS guard (ruleset._dns_guard_chain): conntrack status and direction on output."""
+    """The guard (ruleset._guard_chain): source-address type, conntrack state and status."""
     return [
         (
-            "DNS guard (conntrack status and direction on output)",
+            "output guard (fib saddr type, ct state and ct status on output)",
             f"add chain inet {t} guard {{ type filter hook output priority 0; policy accept; }}\n"
-            f"add rule inet {t} guard ct status dnat return\n"
-            f"add rule inet {t} guard meta l4proto {{ tcp, udp }} th dport 53 ct direction original drop",
+            f"add rule inet {t} guard meta l4proto {{ tcp, udp }} fib saddr type != local drop\n"
+            f"add rule inet {t} guard meta l4proto {{ tcp, udp }} th dport 53 ct state invalid,untracked drop\n"
+            f"add rule inet {t} guard meta l4proto {{ tcp, udp }} th dport 53 ct status & dnat == 0 drop",
         ),
     ]
 

@@ -19,6 +19,8 @@ import pytest
 from tests.kernel.sidecar import TABLE, Sidecar
 from tests.kernel.topology import DNS_UPSTREAM, Topology, cleanup_stale
 
+UP6 = "fd00:204::2"  # the upstream (its DNS server answers on every upstream address)
+
 # Every ephemeral source port, each sending a denied name to the resolver's port 53.
 _SPRAY = (
     "import socket\n"
@@ -142,3 +144,43 @@ def test_after_a_crash_the_old_forwarders_flows_are_no_way_past_the_proxy(
     assert spray.stdout.startswith("sent"), spray.stderr[-500:]
     time.sleep(0.5)
     assert "exfil-after-crash.test" not in gtopo.upstream_queries()
+
+
+# A spoofed "answer" first (IPV6_FREEBIND needs no capability): resolver:53 -> the app's own
+# address, over loopback. Then the app's query from that port rides the entry as its reply.
+_SPOOF = (
+    "import socket\n"
+    "from dnslib import DNSRecord\n"
+    "IPV6_FREEBIND = 78\n"
+    "me, up, port = '%(me)s', '%(up)s', 40053\n"
+    "out = []\n"
+    "try:\n"
+    "    f = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)\n"
+    "    f.setsockopt(socket.IPPROTO_IPV6, IPV6_FREEBIND, 1)\n"
+    "    f.bind((up, 53)); f.sendto(b'x', (me, port)); f.close(); out.append('spoofed')\n"
+    "except OSError as e:\n"
+    "    out.append('spoof refused')\n"
+    "a = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); a.settimeout(2)\n"
+    "a.bind((me, port))\n"
+    "try:\n"
+    "    a.sendto(DNSRecord.question('%(name)s').pack(), (up, 53))\n"
+    "    out.append('answered %%d' %% DNSRecord.parse(a.recv(4096)).header.rcode)\n"
+    "except PermissionError:\n"
+    "    out.append('refused')\n"
+    "except OSError:\n"
+    "    out.append('no answer')\n"
+    "print(', '.join(out))\n"
+)
+
+
+@pytest.mark.parametrize("mode", ["dns", "dns+nft"])
+def test_a_spoofed_answer_opens_no_way_to_the_resolver(sidecar: Sidecar, gtopo: Topology, mode: str) -> None:
+    sidecar.env["OPENSANDBOX_EGRESS_MODE"] = mode
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = _policy()
+    sidecar.start()
+    r = sidecar.python(_SPOOF % {"me": gtopo.sb_ip6(1), "up": UP6, "name": "exfil-by-spoof.test"})
+    assert r.returncode == 0, r.stderr[-500:]
+    assert "exfil-by-spoof.test" not in gtopo.upstream_queries(), r.stdout
+    # The forged packet is refused at once (its source is not this namespace's), so the query
+    # is a flow of its own: redirected, and the proxy answers NXDOMAIN by the policy.
+    assert r.stdout.strip() == "spoof refused, answered 3", r.stdout

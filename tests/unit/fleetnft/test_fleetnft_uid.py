@@ -52,7 +52,8 @@ def test_uid_out_is_the_forward_path_on_output() -> None:
         "meta mark 0x00000001 return",
         # Port 53 that was not redirected rode a forwarder's conntrack entry
         # (tests/kernel/test_uid_dns_collision.py).
-        "meta l4proto { tcp, udp } th dport 53 ct direction original ct status & dnat == 0 goto uid_denied",
+        "meta l4proto { tcp, udp } th dport 53 ct state invalid,untracked goto uid_denied",
+        "meta l4proto { tcp, udp } th dport 53 ct status & dnat == 0 goto uid_denied",
         # Only the host's own addresses (IPv6 lets a process claim any: tests/kernel/test_spoofing.py).
         "fib saddr type != local goto uid_denied",
         "udp sport { 15353, 16000-16256 } goto uid_denied",
@@ -73,9 +74,10 @@ def test_uid_out_is_the_forward_path_on_output() -> None:
     ]
 
 
-UNNATED_53 = (
-    "meta l4proto { tcp, udp } th dport 53 ct direction original ct status & dnat == 0 goto uid_denied"
-)
+UNNATED_53 = [
+    "meta l4proto { tcp, udp } th dport 53 ct state invalid,untracked goto uid_denied",
+    "meta l4proto { tcp, udp } th dport 53 ct status & dnat == 0 goto uid_denied",
+]
 
 
 @pytest.mark.parametrize(
@@ -95,10 +97,11 @@ def test_port_53_that_nat_did_not_redirect_is_refused_before_anything_is_accepte
     exemptions = ["meta mark 0x00000001 return"]
     if cfg.own_uid is not None:
         exemptions.insert(0, f"meta skuid {cfg.own_uid} return")
-    assert out[: len(exemptions) + 1] == [*exemptions, UNNATED_53]
-    assert out.count(UNNATED_53) == 1
-    assert out.index(UNNATED_53) < out.index("fib daddr type local jump uid_local")
-    assert out.index(UNNATED_53) < out.index("meta skuid vmap @uid_dispatch")
+    assert out[: len(exemptions) + 2] == [*exemptions, *UNNATED_53]
+    for rule in UNNATED_53:
+        assert out.count(rule) == 1
+        assert out.index(rule) < out.index("fib daddr type local jump uid_local")
+        assert out.index(rule) < out.index("meta skuid vmap @uid_dispatch")
     # The redirect itself is untouched: port 53 of every in-range uid is NATed to a DNS port.
     assert "udp dport 53 redirect to :meta skuid map @uid_dns" in chain(header(cfg), "uid_nat")
 
@@ -342,7 +345,8 @@ def test_a_sandbox_uid_never_answers_from_one_of_egressds_listener_ports() -> No
     from any of egressd's listener ports are refused before anything else in uid_out."""
     cfg = dataclasses.replace(TableConfig(), mitm=True, mitm_workers=3)
     out = chain(header(cfg), "uid_out")
-    assert out[3:5] == [
+    after = out.index("fib saddr type != local goto uid_denied") + 1
+    assert out[after : after + 2] == [
         "udp sport { 15353, 16000-16256 } goto uid_denied",
         "tcp sport { 15353, 16000-16512, 18080-18083 } goto uid_denied",
     ]

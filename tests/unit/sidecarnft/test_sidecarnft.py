@@ -41,10 +41,11 @@ add chain inet T dns_redirect { type nat hook output priority -100; policy accep
 add rule inet T dns_redirect meta mark 0x1 return
 add rule inet T dns_redirect udp dport 53 redirect to :15353
 add rule inet T dns_redirect tcp dport 53 redirect to :15353
-add chain inet T dns_guard { type filter hook output priority 0; policy accept; }
-add rule inet T dns_guard meta mark 0x1 return
-add rule inet T dns_guard ct status dnat return
-add rule inet T dns_guard meta l4proto { tcp, udp } th dport 53 ct direction original goto denied
+add chain inet T guard { type filter hook output priority 0; policy accept; }
+add rule inet T guard meta l4proto { tcp, udp } fib saddr type != local goto denied
+add rule inet T guard meta mark 0x1 return
+add rule inet T guard meta l4proto { tcp, udp } th dport 53 ct state invalid,untracked goto denied
+add rule inet T guard meta l4proto { tcp, udp } th dport 53 ct status & dnat == 0 goto denied
 add chain inet T egress { type filter hook output priority 0; policy drop; }
 add rule inet T egress ct state established,related accept
 add rule inet T egress meta mark 0x1 accept
