@@ -15,8 +15,8 @@ Shape::
     chain    dns_redirect  nat hook output: mark 0x1 return; udp/tcp dport 53 redirect;
              [M] skgid MITM_GID return, loopback return, tcp dport {80,443} redirect to MITM
     chain    [M] mitm_input  filter hook input: MITM port only when redirected
-    chain    guard         filter hook output (both modes): tcp/udp from a source that is not
-             local, and port 53 that the redirect did not rewrite (bar the forwarder's mark
+    chain    guard         filter hook output (both modes): a source that is not local (bar
+             0.0.0.0 and ::), and port 53 that the redirect did not rewrite (bar the forwarder's mark
              0x1 and the exempt nameservers), goto denied
     chain    egress        filter hook output, policy accept iff defaultAction allow
              (mode dns+nft only): established, mark 0x1, lo, redirected DNS, IPv6 ND, 853, DoH,
@@ -326,7 +326,8 @@ def _redirect_chain(cfg: SidecarTable, policy: NetworkPolicy) -> list[str]:
 
 def _guard_chain(cfg: SidecarTable) -> list[str]:
     """What no policy opens, in both modes: a packet from an address that is not the
-    namespace's own, and port 53 that the redirect did not rewrite.
+    namespace's own (any protocol), and port 53 that the redirect did not rewrite (the
+    forwarder and the exempt nameservers aside).
 
     IPv6 lets any process send from another address (IPV6_FREEBIND needs no capability). A
     "reply" spoofed from resolver:53 to the app's own address sets up a tracked flow; the
@@ -339,8 +340,11 @@ def _guard_chain(cfg: SidecarTable) -> list[str]:
     t, c = cfg.table, GUARD_CHAIN
     lines = [
         f"add chain inet {t} {c} {{ type filter hook output priority 0; policy accept; }}",
-        # tcp/udp only: IPv6 duplicate address detection and MLD send from "::".
-        _rule(t, c, f"meta l4proto {{ tcp, udp }} fib saddr type != local {REFUSE}"),
+        # Every protocol (a forged echo request makes the kernel's echo reply, the app's
+        # payload, that flow's reply direction), bar the unspecified address: IPv6 duplicate
+        # address detection and MLD send from "::".
+        _rule(t, c, f"ip saddr != 0.0.0.0 fib saddr type != local {REFUSE}"),
+        _rule(t, c, f"ip6 saddr != :: fib saddr type != local {REFUSE}"),
         _rule(t, c, f"meta mark {UPSTREAM_MARK:#x} return"),
     ]
     for fam in ("v4", "v6"):
@@ -350,6 +354,16 @@ def _guard_chain(cfg: SidecarTable) -> list[str]:
                 _rule(t, c, f"{l3_of(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 return")
             )
     lines += [_rule(t, c, body) for body in unredirected_dns(REFUSE)]
+    # Rewritten, but not to the proxy: another table's NAT at the same hook got there first
+    # (a container runtime's embedded DNS, say), and then ours does not run.
+    lines.append(
+        _rule(
+            t,
+            c,
+            "meta l4proto { tcp, udp } ct direction original ct original proto-dst 53 "
+            f"th dport != {cfg.dns_port} {REFUSE}",
+        )
+    )
     return lines
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 
@@ -20,6 +21,7 @@ from tests.kernel.sidecar import TABLE, Sidecar
 from tests.kernel.topology import DNS_UPSTREAM, Topology, cleanup_stale
 
 UP6 = "fd00:204::2"  # the upstream (its DNS server answers on every upstream address)
+UP6_NEVER = "fd00:204::9"  # never allowed
 
 # Every ephemeral source port, each sending a denied name to the resolver's port 53.
 _SPRAY = (
@@ -184,3 +186,93 @@ def test_a_spoofed_answer_opens_no_way_to_the_resolver(sidecar: Sidecar, gtopo: 
     # The forged packet is refused at once (its source is not this namespace's), so the query
     # is a flow of its own: redirected, and the proxy answers NXDOMAIN by the policy.
     assert r.stdout.strip() == "spoof refused, answered 3", r.stdout
+
+
+# Echo replies arriving at the upstream that carry the app's payload (a raw socket: the harness is root).
+_ECHO_LISTENER = (
+    "import socket, time\n"
+    "s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6); s.settimeout(0.2)\n"
+    "print('listening', flush=True)\n"
+    "end, n = time.time() + 4, 0\n"
+    "while time.time() < end:\n"
+    "    try:\n"
+    "        data = s.recv(4096)\n"
+    "    except OSError:\n"
+    "        continue\n"
+    "    n += data[0] == 129 and b'exfil-by-echo' in data\n"
+    "print('echo replies', n, flush=True)\n"
+)
+
+# An echo request forged from a never-allowed address to the app's own: the kernel's echo reply
+# (the app's payload) would be that flow's reply direction, accepted as established.
+_FORGED_ECHO = (
+    "import socket\n"
+    "s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM, socket.IPPROTO_ICMPV6)\n"
+    "s.setsockopt(socket.IPPROTO_IPV6, 78, 1)\n"  # IPV6_FREEBIND
+    "s.bind(('%(forged)s', 0))\n"
+    "try:\n"
+    "    s.sendto(b'\\x80\\x00\\x00\\x00\\x00\\x01\\x00\\x01exfil-by-echo', ('%(me)s', 0)); print('sent')\n"
+    "except PermissionError:\n"
+    "    print('refused')\n"
+)
+
+
+def test_a_forged_source_opens_no_established_way_out(sidecar: Sidecar, gtopo: Topology) -> None:
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = _policy()
+    sidecar.start()
+    # Ping sockets for every group (runtimes that let the app bind low ports often allow them).
+    gtopo.ns(sidecar.ns, "sysctl", "-qw", "net.ipv4.ping_group_range=0 2147483647")
+    before = _dropped(gtopo, sidecar)
+    listener = gtopo.spawn(gtopo.up, sys.executable, "-c", _ECHO_LISTENER, ready_line="listening")
+    try:
+        r = sidecar.python(_FORGED_ECHO % {"forged": UP6_NEVER, "me": gtopo.sb_ip6(1)})
+        out, _ = listener.communicate(timeout=20)
+    finally:
+        gtopo.stop(listener)
+    assert r.returncode == 0, r.stderr[-500:]
+    assert out.strip().endswith("echo replies 0"), out
+    assert _dropped(gtopo, sidecar) > before  # the forged request itself was refused (§15)
+
+
+_FOREIGN_RESOLVER = (
+    "import socket, time\n"
+    "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(('127.0.0.1', 5399)); s.settimeout(0.2)\n"
+    "print('listening', flush=True)\n"
+    "end, n = time.time() + 4, 0\n"
+    "while time.time() < end:\n"
+    "    try:\n"
+    "        n += b'exfil-foreign' in s.recv(4096)\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "print('queries', n, flush=True)\n"
+)
+
+
+@pytest.mark.parametrize("mode", ["dns", "dns+nft"])
+def test_dns_another_table_rewrites_first_is_refused(sidecar: Sidecar, gtopo: Topology, mode: str) -> None:
+    """A container runtime's embedded DNS is a NAT rule of its own at the same hook: when it
+    runs first, ours does not, and the query would go where it points, past the proxy (mode
+    dns has no other filter; in dns+nft the egress chain also refuses the destination)."""
+    sidecar.env["OPENSANDBOX_EGRESS_MODE"] = mode
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = _policy()
+    sidecar.start()
+    foreign = (
+        "table ip egressd_test_foreign {\n"
+        "  chain out { type nat hook output priority -101; policy accept;\n"
+        "    udp dport 53 dnat to 127.0.0.1:5399\n"
+        "  }\n"
+        "}\n"
+    )
+    script = gtopo.workdir / "foreign-nat.nft"
+    script.write_text(foreign)
+    gtopo.ns(sidecar.ns, "nft", "-f", str(script))
+    listener = gtopo.spawn(sidecar.ns, sys.executable, "-c", _FOREIGN_RESOLVER, ready_line="listening")
+    try:
+        before = _dropped(gtopo, sidecar)
+        assert sidecar.dig("exfil-foreign.test")[0] == "TIMEOUT"
+        out, _ = listener.communicate(timeout=20)
+    finally:
+        gtopo.stop(listener)
+        gtopo.ns(sidecar.ns, "nft", "delete", "table", "ip", "egressd_test_foreign", check=False)
+    assert out.strip().endswith("queries 0"), out
+    assert _dropped(gtopo, sidecar) > before

@@ -283,9 +283,14 @@ def test_sidecar_dns_mode_without_the_mitm_refuses_only_dns_the_redirect_missed(
     script = ruleset(SidecarTable(table="T", mode="dns"), DENY_ALL, dropped=5)
     refusing = [(chain, body) for chain, body in rules(script) if "goto denied" in body]
     assert refusing == [
-        ("guard", "meta l4proto { tcp, udp } fib saddr type != local goto denied"),
+        ("guard", "ip saddr != 0.0.0.0 fib saddr type != local goto denied"),
+        ("guard", "ip6 saddr != :: fib saddr type != local goto denied"),
         ("guard", "meta l4proto { tcp, udp } th dport 53 ct state invalid,untracked goto denied"),
         ("guard", "meta l4proto { tcp, udp } th dport 53 ct status & dnat == 0 goto denied"),
+        (
+            "guard",
+            "meta l4proto { tcp, udp } ct direction original ct original proto-dst 53 th dport != 15353 goto denied",
+        ),
     ]
     assert "add counter inet T dropped { packets 5 bytes 0 }" in script
     assert "egress" not in {chain for chain, _ in rules(script)}

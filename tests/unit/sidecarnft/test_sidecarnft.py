@@ -42,10 +42,12 @@ add rule inet T dns_redirect meta mark 0x1 return
 add rule inet T dns_redirect udp dport 53 redirect to :15353
 add rule inet T dns_redirect tcp dport 53 redirect to :15353
 add chain inet T guard { type filter hook output priority 0; policy accept; }
-add rule inet T guard meta l4proto { tcp, udp } fib saddr type != local goto denied
+add rule inet T guard ip saddr != 0.0.0.0 fib saddr type != local goto denied
+add rule inet T guard ip6 saddr != :: fib saddr type != local goto denied
 add rule inet T guard meta mark 0x1 return
 add rule inet T guard meta l4proto { tcp, udp } th dport 53 ct state invalid,untracked goto denied
 add rule inet T guard meta l4proto { tcp, udp } th dport 53 ct status & dnat == 0 goto denied
+add rule inet T guard meta l4proto { tcp, udp } ct direction original ct original proto-dst 53 th dport != 15353 goto denied
 add chain inet T egress { type filter hook output priority 0; policy drop; }
 add rule inet T egress ct state established,related accept
 add rule inet T egress meta mark 0x1 accept
