@@ -341,10 +341,12 @@ def _guard_chain(cfg: SidecarTable) -> list[str]:
     lines = [
         f"add chain inet {t} {c} {{ type filter hook output priority 0; policy accept; }}",
         # Every protocol (a forged echo request makes the kernel's echo reply, the app's
-        # payload, that flow's reply direction), bar the unspecified address: IPv6 duplicate
-        # address detection and MLD send from "::".
-        _rule(t, c, f"ip saddr != 0.0.0.0 fib saddr type != local {REFUSE}"),
-        _rule(t, c, f"ip6 saddr != :: fib saddr type != local {REFUSE}"),
+        # payload, that flow's reply direction), bar the unspecified address (IPv6 duplicate
+        # address detection and MLD send from "::"). Only packets of a socket ("meta skuid"
+        # has no value without one): EGRESSD_DENY_REJECT's TCP reset comes from the refused
+        # destination and has none.
+        _rule(t, c, f"ip saddr != 0.0.0.0 meta skuid >= 0 fib saddr type != local {REFUSE}"),
+        _rule(t, c, f"ip6 saddr != :: meta skuid >= 0 fib saddr type != local {REFUSE}"),
         _rule(t, c, f"meta mark {UPSTREAM_MARK:#x} return"),
     ]
     for fam in ("v4", "v6"):

@@ -89,7 +89,7 @@ def _guard_probes(t: str) -> list[tuple[str, str]]:
         (
             "output guard (fib saddr type, ct state and ct status on output)",
             f"add chain inet {t} guard {{ type filter hook output priority 0; policy accept; }}\n"
-            f"add rule inet {t} guard ip6 saddr != :: fib saddr type != local drop\n"
+            f"add rule inet {t} guard ip6 saddr != :: meta skuid >= 0 fib saddr type != local drop\n"
             f"add rule inet {t} guard meta l4proto {{ tcp, udp }} th dport 53 ct state invalid,untracked drop\n"
             f"add rule inet {t} guard meta l4proto {{ tcp, udp }} th dport 53 ct status & dnat == 0 drop\n"
             f"add rule inet {t} guard meta l4proto {{ tcp, udp }} ct direction original ct original proto-dst 53 "

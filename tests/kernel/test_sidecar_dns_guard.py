@@ -276,3 +276,23 @@ def test_dns_another_table_rewrites_first_is_refused(sidecar: Sidecar, gtopo: To
         gtopo.ns(sidecar.ns, "nft", "delete", "table", "ip", "egressd_test_foreign", check=False)
     assert out.strip().endswith("queries 0"), out
     assert _dropped(gtopo, sidecar) > before
+
+
+def test_the_guard_lets_the_deny_reject_reset_through(sidecar: Sidecar) -> None:
+    """EGRESSD_DENY_REJECT's TCP reset comes from the refused destination (not a local
+    address) and belongs to no socket: the source check must not swallow it."""
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = _policy()
+    sidecar.env["EGRESSD_DENY_REJECT"] = "1"
+    sidecar.start()
+    r = sidecar.python(
+        "import socket, time\n"
+        "t = time.monotonic()\n"
+        "try:\n"
+        "    socket.create_connection(('10.204.0.9', 80), timeout=5)\n"
+        "except ConnectionRefusedError:\n"
+        "    print('refused', round(time.monotonic() - t, 1))\n"
+        "except OSError as e:\n"
+        "    print('other', type(e).__name__)\n"
+    )
+    word, _, seconds = r.stdout.strip().partition(" ")
+    assert word == "refused" and float(seconds) < 2, r.stdout + r.stderr[-300:]

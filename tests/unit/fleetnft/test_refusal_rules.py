@@ -283,8 +283,8 @@ def test_sidecar_dns_mode_without_the_mitm_refuses_only_dns_the_redirect_missed(
     script = ruleset(SidecarTable(table="T", mode="dns"), DENY_ALL, dropped=5)
     refusing = [(chain, body) for chain, body in rules(script) if "goto denied" in body]
     assert refusing == [
-        ("guard", "ip saddr != 0.0.0.0 fib saddr type != local goto denied"),
-        ("guard", "ip6 saddr != :: fib saddr type != local goto denied"),
+        ("guard", "ip saddr != 0.0.0.0 meta skuid >= 0 fib saddr type != local goto denied"),
+        ("guard", "ip6 saddr != :: meta skuid >= 0 fib saddr type != local goto denied"),
         ("guard", "meta l4proto { tcp, udp } th dport 53 ct state invalid,untracked goto denied"),
         ("guard", "meta l4proto { tcp, udp } th dport 53 ct status & dnat == 0 goto denied"),
         (

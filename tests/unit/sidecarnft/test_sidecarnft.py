@@ -42,8 +42,8 @@ add rule inet T dns_redirect meta mark 0x1 return
 add rule inet T dns_redirect udp dport 53 redirect to :15353
 add rule inet T dns_redirect tcp dport 53 redirect to :15353
 add chain inet T guard { type filter hook output priority 0; policy accept; }
-add rule inet T guard ip saddr != 0.0.0.0 fib saddr type != local goto denied
-add rule inet T guard ip6 saddr != :: fib saddr type != local goto denied
+add rule inet T guard ip saddr != 0.0.0.0 meta skuid >= 0 fib saddr type != local goto denied
+add rule inet T guard ip6 saddr != :: meta skuid >= 0 fib saddr type != local goto denied
 add rule inet T guard meta mark 0x1 return
 add rule inet T guard meta l4proto { tcp, udp } th dport 53 ct state invalid,untracked goto denied
 add rule inet T guard meta l4proto { tcp, udp } th dport 53 ct status & dnat == 0 goto denied
