@@ -296,13 +296,7 @@ def _redirect_chain(cfg: SidecarTable, policy: NetworkPolicy) -> list[str]:
         f"add chain inet {t} {c} {{ type nat hook output priority -100; policy accept; }}",
         _rule(t, c, f"meta mark {UPSTREAM_MARK:#x} return"),
     ]
-    for fam in ("v4", "v6"):
-        exempt = exempt_literal(cfg.nameserver_exempt, fam)
-        if exempt is not None:
-            # The reference's per-destination RETURN: DNS to these goes out as sent.
-            lines.append(
-                _rule(t, c, f"{l3_of(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 return")
-            )
+    lines += _exempt_dns_returns(cfg, c)  # the reference's per-destination RETURN
     lines += [
         _rule(t, c, f"udp dport 53 redirect to :{cfg.dns_port}"),
         _rule(t, c, f"tcp dport 53 redirect to :{cfg.dns_port}"),
@@ -321,6 +315,17 @@ def _redirect_chain(cfg: SidecarTable, policy: NetworkPolicy) -> list[str]:
             _rule(t, c, "ip6 daddr ::1 return"),
             _rule(t, c, f"tcp dport {ports} redirect to :{cfg.mitm_port}"),
         ]
+    return lines
+
+
+def _exempt_dns_returns(cfg: SidecarTable, chain: str) -> list[str]:
+    """DNS to the exempt nameservers (OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT) goes out as sent."""
+    lines = []
+    for fam in ("v4", "v6"):
+        exempt = exempt_literal(cfg.nameserver_exempt, fam)
+        if exempt is not None:
+            body = f"{l3_of(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 return"
+            lines.append(_rule(cfg.table, chain, body))
     return lines
 
 
@@ -349,12 +354,7 @@ def _guard_chain(cfg: SidecarTable) -> list[str]:
         _rule(t, c, f"ip6 saddr != :: meta skuid >= 0 fib saddr type != local {REFUSE}"),
         _rule(t, c, f"meta mark {UPSTREAM_MARK:#x} return"),
     ]
-    for fam in ("v4", "v6"):
-        exempt = exempt_literal(cfg.nameserver_exempt, fam)
-        if exempt is not None:
-            lines.append(
-                _rule(t, c, f"{l3_of(fam)} daddr {exempt} meta l4proto {{ tcp, udp }} th dport 53 return")
-            )
+    lines += _exempt_dns_returns(cfg, c)
     lines += [_rule(t, c, body) for body in unredirected_dns(REFUSE)]
     # Rewritten, but not to the proxy: another table's NAT at the same hook got there first
     # (a container runtime's embedded DNS, say), and then ours does not run.
