@@ -69,6 +69,28 @@ def unredirected_dns(refuse: str) -> list[str]:
     return [f"{dns} ct state invalid,untracked {refuse}", f"{dns} ct status & dnat == 0 {refuse}"]
 
 
+#: The conntrack zone of the DNS forwarder's flows, in their original direction (:func:`forwarder_zone`).
+FORWARDER_ZONE: Final = 1
+#: The base chain :func:`forwarder_zone` goes in: before conntrack looks a locally generated
+#: packet up (``priority raw``, -300; conntrack is -200).
+FORWARDER_ZONE_CHAIN: Final = "{ type filter hook output priority raw; policy accept; }"
+
+
+def forwarder_zone(mark: int) -> str:
+    """The rule that tracks the DNS forwarder's flows (socket mark ``mark``) in a conntrack zone
+    of their own, in the original direction only, for a :data:`FORWARDER_ZONE_CHAIN` chain.
+
+    The forwarder sends from the same namespace and address as the subjects it serves (the
+    sidecar's app, host-uid subjects). Conntrack entries reserve no port: a subject that sends
+    to ``resolver:53`` from every ephemeral port leaves an entry, redirected to its own DNS
+    port, on each; the forwarder's next new socket gets one of those ports, and its first
+    packet, matching that entry, would be NATed to that subject's DNS proxy and answered under
+    its policy. In a zone of their own the forwarder's packets never match the subjects'
+    entries, nor theirs the forwarder's; the replies, looked up in the default zone in the
+    reply direction, still find the forwarder's."""
+    return f"meta mark {mark:#x} ct original zone set {FORWARDER_ZONE}"
+
+
 def intercepted_ports(extra_ports: Iterable[int]) -> str:
     """The TCP destination ports the MITM intercepts (80, 443 and
     OPENSANDBOX_EGRESS_MITMPROXY_EXTRA_PORTS) as an nft set literal."""

@@ -20,6 +20,10 @@ chains and sets as the forward path, reached through uid-keyed verdict maps:
   0x1) from this same namespace and address: a uid that binds a source port of a forwarder
   socket that has been closed rides its conntrack entry un-NATed, straight to the resolver.
   So ``uid_out`` refuses port 53 that was not NATed, first thing after the exemptions.
+  The other way round, a subject's redirected entries (one per source port, if it sends from
+  every one) would catch the first packet of the forwarder's next socket on such a port, NATed
+  to that subject's DNS port: ``fwd_zone`` (raw output) puts the forwarder's flows in a
+  conntrack zone of their own, original direction only (nftsyntax.forwarder_zone).
   With the MITM, 80/443 (the extra ports, and the ports its http/https rules name:
   ``uid_mitm_ports``) go to the subject's own MITM port. The local (loopback) leg of a
   redirected flow is accepted only when its port belongs to the socket's uid
@@ -64,7 +68,14 @@ from egressd.kernel.ops import (
     NetlinkBatch,
     Op,
 )
-from egressd.nftsyntax import intercepted_ports, l3_of, split_by_family, unredirected_dns
+from egressd.nftsyntax import (
+    FORWARDER_ZONE_CHAIN,
+    forwarder_zone,
+    intercepted_ports,
+    l3_of,
+    split_by_family,
+    unredirected_dns,
+)
 from egressd.subject.registry import Entry, HostBinding, KernelView
 
 UID_MARKING = "uid_marking"
@@ -82,6 +93,7 @@ UID_OUT_CHAIN = "uid_out"
 UID_LOCAL_CHAIN = "uid_local"
 UID_NAT_CHAIN = "uid_nat"
 UID_INPUT_CHAIN = "uid_input"
+FWD_ZONE_CHAIN = "fwd_zone"  # raw output: the forwarder's flows in their own conntrack zone
 FORWARDER_MARK = 0x1  # the DNS forwarder's SO_MARK (egressd/dnsproxy/forwarder.py)
 
 
@@ -108,6 +120,14 @@ def _uid_header(s: _Script, cfg: TableConfig) -> None:
     if cfg.mitm:
         _uid_input_chain(s, cfg)
     _uid_nat_chain(s, cfg)
+    _fwd_zone_chain(s)
+
+
+def _fwd_zone_chain(s: _Script) -> None:
+    """The forwarder's flows in a conntrack zone of their own (nftsyntax.forwarder_zone): a
+    subject's redirected entries cannot capture its next socket's first packet."""
+    s.obj("add", "chain", f"{FWD_ZONE_CHAIN} {FORWARDER_ZONE_CHAIN}")
+    s.rule(FWD_ZONE_CHAIN, forwarder_zone(FORWARDER_MARK))
 
 
 def _uid_range(cfg: TableConfig) -> str:

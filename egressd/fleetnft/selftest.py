@@ -17,6 +17,7 @@ from pathlib import Path
 
 from egressd.engine.selftest import Probe, Probes
 from egressd.fleetnft.contents import dyn_add
+from egressd.fleetnft.hostuid import FORWARDER_MARK
 from egressd.fleetnft.table import Names
 from egressd.kernel import renewal
 from egressd.kernel.applier import NftError
@@ -46,6 +47,7 @@ from egressd.kernel.ops import (
     VerdictRule,
 )
 from egressd.kernel.renewal import PROBE_IP, LeaseRenewal
+from egressd.nftsyntax import FORWARDER_ZONE_CHAIN, forwarder_zone
 from egressd.subject.leases import Grant
 
 
@@ -167,7 +169,16 @@ def _probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} fwd_ meta l4proto {{ tcp, udp }} th dport 53 ct state invalid,untracked drop\n"
             f"add rule inet {t} fwd_ meta l4proto {{ tcp, udp }} th dport 53 ct status & dnat == 0 drop",
         ),
+        _zone_probe(t),
     ]
+
+
+def _zone_probe(t: str) -> tuple[str, str]:
+    """nftsyntax.forwarder_zone: the DNS forwarder's flows in a conntrack zone of their own."""
+    return (
+        "directional conntrack zone (raw output chain, ct original zone set)",
+        f"add chain inet {t} fz {FORWARDER_ZONE_CHAIN}\nadd rule inet {t} fz {forwarder_zone(FORWARDER_MARK)}",
+    )
 
 
 def _match_probes(t: str) -> list[tuple[str, str]]:

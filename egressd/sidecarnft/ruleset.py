@@ -14,6 +14,8 @@ Shape::
              [D] doh_block_v4/v6 (interval)
     chain    dns_redirect  nat hook output: mark 0x1 return; udp/tcp dport 53 redirect;
              [M] skgid MITM_GID return, loopback return, tcp dport {80,443} redirect to MITM
+    chain    fwd_zone      filter hook output priority raw (both modes): mark 0x1 (the
+             forwarder) tracked in conntrack zone 1, original direction only
     chain    [M] mitm_input  filter hook input: MITM port only when redirected
     chain    guard         filter hook output (both modes): a source that is not local (bar
              0.0.0.0 and ::), and port 53 that the redirect did not rewrite (bar the forwarder's mark
@@ -43,10 +45,12 @@ from egressd.addr import IPAddress, host_network
 from egressd.kernel.ops import PortElem, port_elem_text
 from egressd.nftsyntax import (
     DYN_TIMEOUT_S,
+    FORWARDER_ZONE_CHAIN,
     ND_TYPES,
     IPNetwork,
     exempt_literal,
     family,
+    forwarder_zone,
     l3_of,
     port_set_decl,
     services_set_decl,
@@ -74,6 +78,8 @@ FILTER_CHAIN: Final = "egress"
 MITM_GID: Final = 18081
 MITM_INPUT_CHAIN: Final = "mitm_input"
 GUARD_CHAIN: Final = "guard"
+#: raw output: the forwarder's flows in a conntrack zone of their own (nftsyntax.forwarder_zone).
+FWD_ZONE_CHAIN: Final = "fwd_zone"
 #: Every refusal goes here: counted in DROPPED_COUNTER, then dropped or rejected (§15).
 DENIED_CHAIN: Final = "denied"
 DROPPED_COUNTER: Final = "dropped"
@@ -206,6 +212,7 @@ def ruleset(
     lines += _denied_chain(cfg, dropped)  # the guard refuses packets in either mode
     lines += _redirect_chain(cfg, policy)
     lines += _guard_chain(cfg)
+    lines += _fwd_zone_chain(cfg)
     if cfg.mitm_port is not None:
         lines += _mitm_input_chain(cfg, cfg.mitm_port)
     if cfg.mode != "dns":
@@ -367,6 +374,15 @@ def _guard_chain(cfg: SidecarTable) -> list[str]:
         )
     )
     return lines
+
+
+def _fwd_zone_chain(cfg: SidecarTable) -> list[str]:
+    """Both modes: the forwarder's upstream flows (mark 0x1; the deny webhook's too) in a
+    conntrack zone of their own, original direction only. The app's entries ``app:P ->
+    resolver:53`` (redirected to the proxy) would otherwise catch the first packet of the
+    forwarder's next socket on P and send the query back to the proxy (nftsyntax.forwarder_zone)."""
+    t, c = cfg.table, FWD_ZONE_CHAIN
+    return [f"add chain inet {t} {c} {FORWARDER_ZONE_CHAIN}", _rule(t, c, forwarder_zone(UPSTREAM_MARK))]
 
 
 def _mitm_input_chain(cfg: SidecarTable, port: int) -> list[str]:

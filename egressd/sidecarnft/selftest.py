@@ -16,7 +16,8 @@ from egressd.kernel import renewal
 from egressd.kernel.applier import NftError
 from egressd.kernel.netlink_dump import SetElement
 from egressd.kernel.renewal import PROBE_IP, LeaseRenewal
-from egressd.sidecarnft.ruleset import SidecarTable, dyn_add, dyn_set
+from egressd.nftsyntax import FORWARDER_ZONE_CHAIN, forwarder_zone
+from egressd.sidecarnft.ruleset import UPSTREAM_MARK, SidecarTable, dyn_add, dyn_set
 from egressd.subject.leases import Grant
 
 CAP_NET_ADMIN = 12
@@ -94,6 +95,11 @@ def _guard_probes(t: str) -> list[tuple[str, str]]:
             f"add rule inet {t} guard meta l4proto {{ tcp, udp }} th dport 53 ct status & dnat == 0 drop\n"
             f"add rule inet {t} guard meta l4proto {{ tcp, udp }} ct direction original ct original proto-dst 53 "
             "th dport != 15353 drop",
+        ),
+        (
+            # ruleset._fwd_zone_chain (nftsyntax.forwarder_zone).
+            "directional conntrack zone (raw output chain, ct original zone set)",
+            f"add chain inet {t} fz {FORWARDER_ZONE_CHAIN}\nadd rule inet {t} fz {forwarder_zone(UPSTREAM_MARK)}",
         ),
     ]
 

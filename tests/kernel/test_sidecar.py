@@ -279,7 +279,7 @@ def test_mode_dns_filters_names_only(sidecar: Sidecar, stopo: Topology) -> None:
     assert sidecar.dig("a.test")[0] == "NOERROR"
     assert sidecar.reaches(UP_X)  # no filter chain in dns mode
     chains = [i["chain"]["name"] for i in _table(stopo, sidecar) if "chain" in i]
-    assert sorted(chains) == ["denied", "dns_redirect", "guard"]  # no egress filter in mode dns
+    assert sorted(chains) == ["denied", "dns_redirect", "fwd_zone", "guard"]  # no egress filter in mode dns
 
 
 def test_invalid_policy_file_falls_back_and_changes_are_persisted(sidecar: Sidecar) -> None:

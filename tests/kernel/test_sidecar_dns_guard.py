@@ -17,11 +17,19 @@ from collections.abc import Iterator
 
 import pytest
 
+from egressd.sidecarnft.ruleset import FWD_ZONE_CHAIN
 from tests.kernel.sidecar import TABLE, Sidecar
-from tests.kernel.topology import DNS_UPSTREAM, Topology, cleanup_stale
+from tests.kernel.topology import DNS_UPSTREAM, UP_NET, ZONE, Topology, cleanup_stale
 
 UP6 = "fd00:204::2"  # the upstream (its DNS server answers on every upstream address)
 UP6_NEVER = "fd00:204::9"  # never allowed
+BURST_N = 64  # the DNS proxy's in-flight cap per client (dnsproxy/server.py)
+# Answered after a while, so a burst's questions are all in flight at once: the forwarder opens
+# sockets beyond its pool (32).
+SLOW = [
+    {"name": f"n{i}.slow.example.test", "type": "A", "value": f"{UP_NET}.5", "ttl": 30, "delay_s": 0.5}
+    for i in range(BURST_N)
+]
 
 # Every ephemeral source port, each sending a denied name to the resolver's port 53.
 _SPRAY = (
@@ -65,7 +73,7 @@ _RIDE = (
 @pytest.fixture(scope="module")
 def gtopo() -> Iterator[Topology]:
     cleanup_stale()
-    t = Topology(prefix=f"egg{os.getpid()}", sandboxes=1).up_()
+    t = Topology(prefix=f"egg{os.getpid()}", sandboxes=1, zone=[*ZONE, *SLOW]).up_()
     try:
         yield t
     finally:
@@ -108,19 +116,30 @@ def _unredirected_dns_flows(topo: Topology, sc: Sidecar) -> list[str]:
     return [ln for ln in out.splitlines() if "dport=53" in ln and "src=127.0.0.1" not in ln]
 
 
+@pytest.mark.parametrize("zone", [True, False], ids=["zone", "guard-only"])
 @pytest.mark.parametrize("mode", ["dns", "dns+nft"])
 def test_an_app_riding_a_closed_forwarder_sockets_flow_never_reaches_the_resolver(
-    sidecar: Sidecar, gtopo: Topology, mode: str
+    sidecar: Sidecar, gtopo: Topology, mode: str, zone: bool
 ) -> None:
+    """``zone``: the forwarder's flow is in its own conntrack zone, so the app's packet from its
+    port is a flow of its own, redirected (the proxy answers NXDOMAIN by the policy).
+    ``guard-only``: the zone rule taken out, the packet rides the flow and the guard refuses it
+    (defence in depth)."""
     sidecar.env["OPENSANDBOX_EGRESS_MODE"] = mode
     sidecar.env["OPENSANDBOX_EGRESS_RULES"] = _policy()
     sidecar.start()
+    if not zone:
+        gtopo.ns(sidecar.ns, "nft", "flush", "chain", "inet", TABLE, FWD_ZONE_CHAIN)
     before = _dropped(gtopo, sidecar)
     r = sidecar.python(_RIDE % {"up": DNS_UPSTREAM, "name": "exfil-by-collision.test"})
-    # Not the proxy's NXDOMAIN either: the packet never met the redirect, the guard drops it.
-    assert r.stdout.strip() == "refused", r.stdout + r.stderr[-500:]
     assert "exfil-by-collision.test" not in gtopo.upstream_queries()
-    assert _dropped(gtopo, sidecar) == before + 1  # counted as a refusal (§15)
+    if zone:
+        assert r.stdout.strip() == "answered 3", r.stdout + r.stderr[-500:]
+        assert _dropped(gtopo, sidecar) == before
+    else:
+        # Not the proxy's NXDOMAIN either: the packet never met the redirect, the guard drops it.
+        assert r.stdout.strip() == "refused", r.stdout + r.stderr[-500:]
+        assert _dropped(gtopo, sidecar) == before + 1  # counted as a refusal (§15)
     # DNS itself still works, by the policy.
     assert sidecar.dig("a.test")[0] == "NOERROR"
     assert sidecar.dig("b.test")[0] == "NXDOMAIN"
@@ -186,6 +205,31 @@ def test_a_spoofed_answer_opens_no_way_to_the_resolver(sidecar: Sidecar, gtopo: 
     # The forged packet is refused at once (its source is not this namespace's), so the query
     # is a flow of its own: redirected, and the proxy answers NXDOMAIN by the policy.
     assert r.stdout.strip() == "spoof refused, answered 3", r.stdout
+
+
+# Allowed slow questions at once, each answer judged (JSON counts by outcome). From ports below
+# the ephemeral range: a late answer to the spray would otherwise reach a burst socket that
+# reuses its port.
+_BURST = (
+    "import json, socket, time\n"
+    "from dnslib import DNSRecord\n"
+    "socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(%(n)d)]\n"
+    "for i, s in enumerate(socks):\n"
+    "    s.bind(('0.0.0.0', 20000 + i))\n"
+    "    s.sendto(DNSRecord.question(f'n{i}.slow.example.test').pack(), ('%(up)s', 53))\n"
+    "end, out = time.monotonic() + 8, {}\n"
+    "for s in socks:\n"
+    "    s.settimeout(max(0.01, end - time.monotonic()))\n"
+    "    try:\n"
+    "        r = DNSRecord.parse(s.recv(4096))\n"
+    "    except OSError:\n"
+    "        k = 'timeout'\n"
+    "    else:\n"
+    "        ok = r.header.rcode == 0 and [str(a.rdata) for a in r.rr] == ['%(want)s']\n"
+    "        k = 'ok' if ok else f'rcode-{r.header.rcode}'\n"
+    "    out[k] = out.get(k, 0) + 1\n"
+    "print(json.dumps(out))\n"
+)
 
 
 # Echo replies arriving at the upstream that carry the app's payload (a raw socket: the harness is root).
@@ -296,3 +340,22 @@ def test_the_guard_lets_the_deny_reject_reset_through(sidecar: Sidecar) -> None:
     )
     word, _, seconds = r.stdout.strip().partition(" ")
     assert word == "refused" and float(seconds) < 2, r.stdout + r.stderr[-300:]
+
+
+@pytest.mark.parametrize("mode", ["dns", "dns+nft"])
+def test_the_apps_spray_does_not_capture_the_forwarders_next_sockets(
+    sidecar: Sidecar, gtopo: Topology, mode: str
+) -> None:
+    """The app's entries ``app:P -> resolver:53`` (redirected to the proxy), one per ephemeral
+    port, must not catch the first packet of the forwarder's next socket on P: that query would
+    loop back to the proxy. The forwarder's flows are in their own conntrack zone
+    (nftsyntax.forwarder_zone)."""
+    sidecar.env["OPENSANDBOX_EGRESS_MODE"] = mode
+    sidecar.env["OPENSANDBOX_EGRESS_RULES"] = _policy()
+    sidecar.env["EGRESSD_DNS_QPS_PER_SUBJECT"] = "0"  # the spray would spend the budget (§14.3)
+    sidecar.start()
+    spray = sidecar.python(_SPRAY % {"up": DNS_UPSTREAM, "name": "b.test"}, timeout=120)
+    assert spray.stdout.startswith("sent"), spray.stderr[-500:]
+    r = sidecar.python(_BURST % {"n": BURST_N, "up": DNS_UPSTREAM, "want": f"{UP_NET}.5"})
+    assert r.returncode == 0, r.stderr[-500:]
+    assert json.loads(r.stdout) == {"ok": BURST_N}, r.stdout

@@ -145,6 +145,13 @@ def test_the_flow_judge_decides_by_port_and_protocol() -> None:
             "src=10.204.0.6 dst=10.203.0.11 type=0 code=0 id=7 mark=0 use=1",
             ("10.204.0.6", "icmp", None),
         ),
+        (
+            # The DNS forwarder's flows carry a directional zone (nftsyntax.forwarder_zone),
+            # printed after the original tuple.
+            "ipv4     2 udp      17 29 src=10.203.0.11 dst=10.204.0.2 sport=39720 dport=53 zone-orig=1 "
+            "[UNREPLIED] src=10.204.0.2 dst=10.203.0.11 sport=53 dport=39720 mark=0 use=2",
+            ("10.204.0.2", "udp", 53),
+        ),
     ],
 )
 def test_conntrack_lines_give_protocol_and_destination_port(

@@ -48,6 +48,8 @@ add rule inet T guard meta mark 0x1 return
 add rule inet T guard meta l4proto { tcp, udp } th dport 53 ct state invalid,untracked goto denied
 add rule inet T guard meta l4proto { tcp, udp } th dport 53 ct status & dnat == 0 goto denied
 add rule inet T guard meta l4proto { tcp, udp } ct direction original ct original proto-dst 53 th dport != 15353 goto denied
+add chain inet T fwd_zone { type filter hook output priority raw; policy accept; }
+add rule inet T fwd_zone meta mark 0x1 ct original zone set 1
 add chain inet T egress { type filter hook output priority 0; policy drop; }
 add rule inet T egress ct state established,related accept
 add rule inet T egress meta mark 0x1 accept
