@@ -203,7 +203,10 @@ def test_a_uid_subject_cannot_ride_a_forwarder_conntrack_entry_to_the_resolver(
             assert not reached, f"{len(reached)} queries for the denied name reached the upstream resolver"
             if zone:
                 # Every spray packet was redirected: none met a forwarder entry.
-                assert dropped(cdaemon, "ua") == before
+                after = dropped(cdaemon, "ua")
+                assert after == before, (
+                    f"{after - before} spray packets refused; conntrack: {ctopo.ns(ctopo.pod, 'conntrack', '-S', check=False).stdout}"
+                )
             else:
                 # Not vacuous: packets collided and were refused in uid_out (the redirected rest passes).
                 assert dropped(cdaemon, "ua") > before
