@@ -476,6 +476,7 @@ HEADER_CHAINS = {
     "uid_nat",
     "nat_out",
     "uid_denied",
+    "fwd_zone",  # the DNS forwarder's conntrack zone (docs/reference/behaviour.md §17)
 }
 MITM_HEADER_CHAINS = {"uid_input"}
 HEADER_COUNTERS = {"unattributed_dropped"}
