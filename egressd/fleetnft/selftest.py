@@ -47,7 +47,7 @@ from egressd.kernel.ops import (
     VerdictRule,
 )
 from egressd.kernel.renewal import PROBE_IP, LeaseRenewal
-from egressd.nftsyntax import FORWARDER_ZONE_CHAIN, forwarder_zone
+from egressd.nftsyntax import FORWARDER_ZONE_CHAIN, forwarder_zone, unredirected_dns
 from egressd.subject.leases import Grant
 
 
@@ -166,8 +166,7 @@ def _probes(t: str) -> list[tuple[str, str]]:
         (
             # nftsyntax.unredirected_dns (host-uid subjects' output chain).
             "conntrack state and status of unredirected DNS",
-            f"add rule inet {t} fwd_ meta l4proto {{ tcp, udp }} th dport 53 ct state invalid,untracked drop\n"
-            f"add rule inet {t} fwd_ meta l4proto {{ tcp, udp }} th dport 53 ct status & dnat == 0 drop",
+            "\n".join(f"add rule inet {t} fwd_ {body}" for body in unredirected_dns("drop")),
         ),
         _zone_probe(t),
     ]

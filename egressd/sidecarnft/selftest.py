@@ -16,7 +16,7 @@ from egressd.kernel import renewal
 from egressd.kernel.applier import NftError
 from egressd.kernel.netlink_dump import SetElement
 from egressd.kernel.renewal import PROBE_IP, LeaseRenewal
-from egressd.nftsyntax import FORWARDER_ZONE_CHAIN, forwarder_zone
+from egressd.nftsyntax import FORWARDER_ZONE_CHAIN, forwarder_zone, unredirected_dns
 from egressd.sidecarnft.ruleset import UPSTREAM_MARK, SidecarTable, dyn_add, dyn_set
 from egressd.subject.leases import Grant
 
@@ -91,9 +91,8 @@ def _guard_probes(t: str) -> list[tuple[str, str]]:
             "output guard (fib saddr type, ct state and ct status on output)",
             f"add chain inet {t} guard {{ type filter hook output priority 0; policy accept; }}\n"
             f"add rule inet {t} guard ip6 saddr != :: meta skuid >= 0 fib saddr type != local drop\n"
-            f"add rule inet {t} guard meta l4proto {{ tcp, udp }} th dport 53 ct state invalid,untracked drop\n"
-            f"add rule inet {t} guard meta l4proto {{ tcp, udp }} th dport 53 ct status & dnat == 0 drop\n"
-            f"add rule inet {t} guard meta l4proto {{ tcp, udp }} ct direction original ct original proto-dst 53 "
+            + "".join(f"add rule inet {t} guard {body}\n" for body in unredirected_dns("drop"))
+            + f"add rule inet {t} guard meta l4proto {{ tcp, udp }} ct direction original ct original proto-dst 53 "
             "th dport != 15353 drop",
         ),
         (
