@@ -18,6 +18,9 @@ from egressd.policy import format_element, normalise_networks
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
+#: The DNS forwarder's socket mark (SO_MARK) on its upstream queries: both tables exempt its
+#: packets from the DNS redirect and the filters, and track its flows in FORWARDER_ZONE.
+FORWARDER_MARK: Final = 0x1
 #: How long a DNS-learned address stays in a dyn set at most (the sets' timeout), in seconds.
 DYN_TIMEOUT_S: Final = 360
 #: The ICMPv6 neighbour discovery a sandbox needs with its gateway (IPv4's ARP never enters an

@@ -13,8 +13,9 @@ from dnslib import DNSRecord
 
 from egressd.dnsproxy.decide import final_rcode
 from egressd.dnsproxy.upstreams import Upstream
+from egressd.nftsyntax import FORWARDER_MARK
 
-UPSTREAM_MARK = 0x1  # exempt from the sidecar's OUTPUT redirect/filter; not the fleet allow mark
+UPSTREAM_MARK = FORWARDER_MARK  # exempt from the tables' DNS redirect/filters; not the fleet allow mark
 _MAX_UDP = 65535
 _POOL_PER_UPSTREAM = 32
 

@@ -64,8 +64,11 @@ from egressd.fleetnft.table import (
 from egressd.kernel.listeners import OWNER_MARK
 from egressd.kernel.ops import ALLOW_MARK
 from egressd.nftsyntax import (
+    FORWARDER_MARK,
+    FORWARDER_ZONE_CHAIN,
     ND_TYPES,
     exempt_literal,
+    forwarder_zone,
     intercepted_ports,
     l3_of,
     port_set_decl,
@@ -102,7 +105,20 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     _filter_chains(s, cfg, doh)
     _nat_chain(s, cfg)
     _uid_header(s, cfg)
+    _fwd_zone_chain(s)
     return s.text()
+
+
+#: raw output: the DNS forwarder's flows in a conntrack zone of their own.
+FWD_ZONE_CHAIN = "fwd_zone"
+
+
+def _fwd_zone_chain(s: _Script) -> None:
+    """The forwarder serves every subject from the pod's namespace (nftsyntax.forwarder_zone):
+    in a zone of their own its flows cannot be captured by a host-uid subject's redirected
+    entries on the same ports, nor theirs by its."""
+    s.obj("add", "chain", f"{FWD_ZONE_CHAIN} {FORWARDER_ZONE_CHAIN}")
+    s.rule(FWD_ZONE_CHAIN, forwarder_zone(FORWARDER_MARK))
 
 
 def _header_objects(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> None:

@@ -69,8 +69,7 @@ from egressd.kernel.ops import (
     Op,
 )
 from egressd.nftsyntax import (
-    FORWARDER_ZONE_CHAIN,
-    forwarder_zone,
+    FORWARDER_MARK,
     intercepted_ports,
     l3_of,
     split_by_family,
@@ -93,8 +92,6 @@ UID_OUT_CHAIN = "uid_out"
 UID_LOCAL_CHAIN = "uid_local"
 UID_NAT_CHAIN = "uid_nat"
 UID_INPUT_CHAIN = "uid_input"
-FWD_ZONE_CHAIN = "fwd_zone"  # raw output: the forwarder's flows in their own conntrack zone
-FORWARDER_MARK = 0x1  # the DNS forwarder's SO_MARK (egressd/dnsproxy/forwarder.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,14 +117,6 @@ def _uid_header(s: _Script, cfg: TableConfig) -> None:
     if cfg.mitm:
         _uid_input_chain(s, cfg)
     _uid_nat_chain(s, cfg)
-    _fwd_zone_chain(s)
-
-
-def _fwd_zone_chain(s: _Script) -> None:
-    """The forwarder's flows in a conntrack zone of their own (nftsyntax.forwarder_zone): a
-    subject's redirected entries cannot capture its next socket's first packet."""
-    s.obj("add", "chain", f"{FWD_ZONE_CHAIN} {FORWARDER_ZONE_CHAIN}")
-    s.rule(FWD_ZONE_CHAIN, forwarder_zone(FORWARDER_MARK))
 
 
 def _uid_range(cfg: TableConfig) -> str:

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from egressd.engine.selftest import Probe, Probes
 from egressd.fleetnft.contents import dyn_add
-from egressd.fleetnft.hostuid import FORWARDER_MARK
 from egressd.fleetnft.table import Names
 from egressd.kernel import renewal
 from egressd.kernel.applier import NftError
@@ -47,7 +46,7 @@ from egressd.kernel.ops import (
     VerdictRule,
 )
 from egressd.kernel.renewal import PROBE_IP, LeaseRenewal
-from egressd.nftsyntax import FORWARDER_ZONE_CHAIN, forwarder_zone, unredirected_dns
+from egressd.nftsyntax import FORWARDER_MARK, FORWARDER_ZONE_CHAIN, forwarder_zone, unredirected_dns
 from egressd.subject.leases import Grant
 
 

@@ -173,16 +173,26 @@ async def flush_source(ip: IPAddress, table: Path = CONNTRACK_TABLE) -> None:
 
 
 async def conntrack_delete(selector: list[str], version: int) -> None:
+    await _conntrack("-D", selector, version)
+
+
+async def conntrack_mark(selector: list[str], version: int, bit: int) -> None:
+    """Set ``bit`` in the conntrack mark of the entries ``selector`` matches (other bits kept).
+    An entry that already carries it is not updated, which conntrack-tools reports as exit 1."""
+    await _conntrack("-U", [*selector, "--mark", f"{bit:#x}/{bit:#x}"], version)
+
+
+async def _conntrack(op: str, args: list[str], version: int) -> None:
     exe = shutil.which("conntrack")
     if exe is None:
         raise ConntrackError("conntrack binary not found")
     family = "ipv4" if version == 4 else "ipv6"
     proc = await asyncio.create_subprocess_exec(
         exe,
-        "-D",
+        op,
         "-f",
         family,
-        *selector,
+        *args,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -191,9 +201,9 @@ async def conntrack_delete(selector: list[str], version: int) -> None:
     except TimeoutError:
         proc.kill()
         await proc.wait()
-        raise ConntrackError("conntrack -D timed out") from None
-    # Exit 1 with "0 flow entries" just means there was nothing to cut.
+        raise ConntrackError(f"conntrack {op} timed out") from None
+    # Exit 1 with "0 flow entries" just means there was nothing to do.
     if proc.returncode not in (0, 1):
         raise ConntrackError(
-            f"conntrack -D exited {proc.returncode}: {err.decode(errors='replace').strip()[:200]}"
+            f"conntrack {op} exited {proc.returncode}: {err.decode(errors='replace').strip()[:200]}"
         )

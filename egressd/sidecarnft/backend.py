@@ -23,6 +23,7 @@ from egressd.engine.selftest import Probes, no_probes
 from egressd.kernel.conntrack import (
     Dest,
     conntrack_delete,
+    conntrack_mark,
     flow_selector,
     original_flow,
     original_tuple,
@@ -31,7 +32,14 @@ from egressd.kernel.conntrack import (
 )
 from egressd.policy import NetworkPolicy, ip_sets
 from egressd.policy.ipsets import Prefix
-from egressd.sidecarnft.ruleset import DROPPED_COUNTER, SidecarTable, delete_table, dyn_add, ruleset
+from egressd.sidecarnft.ruleset import (
+    DROPPED_COUNTER,
+    REVOKED_FLOW_MARK,
+    SidecarTable,
+    delete_table,
+    dyn_add,
+    ruleset,
+)
 from egressd.subject.leases import Grant
 from egressd.subject.model import nft_id, subject_for_uid
 
@@ -57,15 +65,26 @@ def answered_by_proxy(line: str, dest: Dest) -> bool:
     return answered_from is not None and answered_from.is_loopback
 
 
+def revoked(line: str) -> bool:
+    """Was this tracked flow already cut (its conntrack mark carries REVOKED_FLOW_MARK)?"""
+    for field in line.split():
+        if field.startswith("mark="):
+            try:
+                return bool(int(field[5:], 0) & REVOKED_FLOW_MARK)
+            except ValueError:
+                return False
+    return False
+
+
 def outbound_flows(conntrack_text: str, local: Iterable[IPAddress]) -> set[Dest]:
     """Original (destination, protocol, port) of tracked flows, minus those to the namespace's
-    own addresses and the DNS the local proxy answers (pure): a narrowing judges them by port
-    and protocol too (§18)."""
+    own addresses, the DNS the local proxy answers and the flows already cut (pure): a
+    narrowing judges them by port and protocol too (§18)."""
     own = set(local)
     out: set[Dest] = set()
     for line in conntrack_text.splitlines():
         t = original_flow(line)
-        if t is None:
+        if t is None or revoked(line):
             continue
         dst = t[1][0]
         if dst in own or dst.is_loopback or answered_by_proxy(line, t[1]):
@@ -175,8 +194,13 @@ class SidecarBackend:
         return {uid: flows for uid in sources}
 
     async def cut_flow(self, flow: Flow) -> None:
+        """Mark the flows to ``flow``'s destination (and protocol and port) as cut, keeping
+        their entries: the egress chain accepts established packets only without the mark, so
+        the app's next packets are judged as a new flow's and refused. A deleted entry would be
+        rebuilt by the upstream's next packet, inbound, with the app's side as its reply
+        direction, and so "established" again (a streamed download outlived the narrowing)."""
         _, dst, proto, port = flow
-        await conntrack_delete(["-d", str(dst), *flow_selector(proto, port)], dst.version)
+        await conntrack_mark(["-d", str(dst), *flow_selector(proto, port)], dst.version, REVOKED_FLOW_MARK)
 
     async def forget_dns_flows(self) -> None:
         """Delete every tracked udp/tcp flow to port 53 (start-up: the next packet of each is

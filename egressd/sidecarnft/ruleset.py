@@ -21,7 +21,8 @@ Shape::
              0.0.0.0 and ::), and port 53 that the redirect did not rewrite (bar the forwarder's mark
              0x1 and the exempt nameservers), goto denied
     chain    egress        filter hook output, policy accept iff defaultAction allow
-             (mode dns+nft only): established, mark 0x1, lo, redirected DNS, IPv6 ND, 853, DoH,
+             (mode dns+nft only): established (bar flows cut: REVOKED_FLOW_MARK), mark 0x1, lo,
+             redirected DNS, IPv6 ND, 853, DoH,
              deny, dyn, allow, goto denied
     chain    denied        every refusal (docs/reference/behaviour.md §15): counter "dropped", then drop, or with
              EGRESSD_DENY_REJECT a TCP reset / ICMP admin-prohibited
@@ -45,6 +46,7 @@ from egressd.addr import IPAddress, host_network
 from egressd.kernel.ops import PortElem, port_elem_text
 from egressd.nftsyntax import (
     DYN_TIMEOUT_S,
+    FORWARDER_MARK,
     FORWARDER_ZONE_CHAIN,
     ND_TYPES,
     IPNetwork,
@@ -69,7 +71,7 @@ from egressd.subject.ranges import on_hash_path, pipapo_elements, shared_ranges,
 Mode = Literal["dns", "dns+nft"]
 
 #: Mark the DNS forwarder puts on its upstream sockets (SO_MARK); exempt from redirect and filter.
-UPSTREAM_MARK: Final = 0x1
+UPSTREAM_MARK: Final = FORWARDER_MARK
 REDIRECT_CHAIN: Final = "dns_redirect"
 FILTER_CHAIN: Final = "egress"
 #: Group id the MITM child runs with: its own upstream connections are not intercepted again
@@ -84,6 +86,16 @@ FWD_ZONE_CHAIN: Final = "fwd_zone"
 DENIED_CHAIN: Final = "denied"
 DROPPED_COUNTER: Final = "dropped"
 REFUSE: Final = f"goto {DENIED_CHAIN}"
+#: Conntrack mark bit a narrowing's cut sets on a flow the new policy refuses (§14.1): the
+#: flow's entry stays, so its packets are judged like a new flow's from then on. Deleting
+#: the entry instead let the upstream's next packet start a reverse entry (upstream -> app)
+#: that made the app's own packets "established" again. One bit, so that a mark another
+#: tool of the pod sets on other flows neither hides nor fakes a cut.
+REVOKED_FLOW_MARK: Final = 0x40000000
+#: The egress chain's first rule (and the self-test's): established flows, bar those cut.
+ESTABLISHED_UNLESS_CUT: Final = (
+    f"ct state established,related ct mark & {REVOKED_FLOW_MARK:#x} != {REVOKED_FLOW_MARK:#x} accept"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,7 +418,7 @@ def _filter_chain(cfg: SidecarTable, policy: NetworkPolicy, doh: dict[str, list[
     def rule(body: str) -> None:
         lines.append(_rule(t, f, body))
 
-    rule("ct state established,related accept")
+    rule(ESTABLISHED_UNLESS_CUT)
     rule(f"meta mark {UPSTREAM_MARK:#x} accept")
     if cfg.mitm_port is not None:
         # Redirected to the MITM (its output interface is still the original route's, so

@@ -17,7 +17,7 @@ from egressd.kernel.applier import NftError
 from egressd.kernel.netlink_dump import SetElement
 from egressd.kernel.renewal import PROBE_IP, LeaseRenewal
 from egressd.nftsyntax import FORWARDER_ZONE_CHAIN, forwarder_zone, unredirected_dns
-from egressd.sidecarnft.ruleset import UPSTREAM_MARK, SidecarTable, dyn_add, dyn_set
+from egressd.sidecarnft.ruleset import ESTABLISHED_UNLESS_CUT, UPSTREAM_MARK, SidecarTable, dyn_add, dyn_set
 from egressd.subject.leases import Grant
 
 CAP_NET_ADMIN = 12
@@ -118,7 +118,7 @@ def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
         (
             "output-hook filter chain",
             f"add chain inet {t} out {{ type filter hook output priority 0; policy accept; }}\n"
-            f"add rule inet {t} out ct state established,related accept\n"
+            f"add rule inet {t} out {ESTABLISHED_UNLESS_CUT}\n"
             f"add rule inet {t} out meta mark 0x1 accept\n"
             f'add rule inet {t} out oifname "lo" accept\n'
             f"add rule inet {t} out ip daddr @iv4 tcp dport 443 drop\n"

@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-from egressd.fleetnft.hostuid import FORWARDER_MARK, FWD_ZONE_CHAIN
-from egressd.nftsyntax import forwarder_zone
+from egressd.fleetnft.header import FWD_ZONE_CHAIN
+from egressd.nftsyntax import FORWARDER_MARK, forwarder_zone
 from tests.kernel.test_uid_subjects import (
     DNS_BASE,
     MAX_SUBJECTS,

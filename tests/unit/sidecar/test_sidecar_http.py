@@ -530,6 +530,27 @@ def test_outbound_flows_leave_the_dns_the_proxy_answers() -> None:
     assert got == {(ip_address("10.204.0.2"), "udp", 53), (ip_address("10.203.0.1"), "tcp", 443)}
 
 
+def test_outbound_flows_leave_the_flows_already_cut() -> None:
+    """A cut marks a flow (REVOKED_FLOW_MARK) and keeps its entry: the second look must not
+    find it again (it would log a late cut that never was), whatever other mark bits it has."""
+    from egressd.sidecarnft.backend import outbound_flows, revoked
+    from egressd.sidecarnft.ruleset import REVOKED_FLOW_MARK
+
+    def line(sport: int, mark: int) -> str:
+        return (
+            f"ipv4 2 tcp 6 300 ESTABLISHED src=10.203.0.11 dst=10.204.0.6 sport={sport} dport=22 "
+            f"src=10.204.0.6 dst=10.203.0.11 sport=22 dport={sport} [ASSURED] mark={mark} zone=0 use=2"
+        )
+
+    assert revoked(line(1, REVOKED_FLOW_MARK)) and revoked(line(1, REVOKED_FLOW_MARK | 0x5))
+    assert not revoked(line(1, 0)) and not revoked(line(1, 0x5)) and not revoked("mark=x")
+    own = [ip_address("10.203.0.11")]
+    assert outbound_flows(line(1, REVOKED_FLOW_MARK | 0x5), own) == set()
+    assert outbound_flows("\n".join([line(1, REVOKED_FLOW_MARK), line(2, 0x5)]), own) == {
+        (ip_address("10.204.0.6"), "tcp", 22)
+    }
+
+
 async def test_allows_ip_mirrors_the_ruleset(aiohttp_client: Any, tmp_path: Path) -> None:
     env = await make_env(
         aiohttp_client,
