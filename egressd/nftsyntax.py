@@ -79,7 +79,7 @@ FORWARDER_ZONE: Final = 1
 FORWARDER_ZONE_CHAIN: Final = "{ type filter hook output priority raw; policy accept; }"
 
 
-def forwarder_zone(mark: int) -> str:
+def forwarder_zone(mark: int, uid: int | None = None) -> str:
     """The rule that tracks the DNS forwarder's flows (socket mark ``mark``) in a conntrack zone
     of their own, in the original direction only, for a :data:`FORWARDER_ZONE_CHAIN` chain.
 
@@ -90,8 +90,13 @@ def forwarder_zone(mark: int) -> str:
     packet, matching that entry, would be NATed to that subject's DNS proxy and answered under
     its policy. In a zone of their own the forwarder's packets never match the subjects'
     entries, nor theirs the forwarder's; the replies, looked up in the default zone in the
-    reply direction, still find the forwarder's."""
-    return f"meta mark {mark:#x} ct original zone set {FORWARDER_ZONE}"
+    reply direction, still find the forwarder's.
+
+    ``uid``: the forwarder's socket owner (egressd's uid), where the subjects are told from it
+    by uid (the fleet's host-uid subjects): a subject that may set the mark (CAP_NET_RAW)
+    cannot put its own redirected flows in the forwarder's zone to catch its sockets there."""
+    owner = f"meta skuid {uid} " if uid is not None else ""
+    return f"meta mark {mark:#x} {owner}ct original zone set {FORWARDER_ZONE}"
 
 
 def intercepted_ports(extra_ports: Iterable[int]) -> str:

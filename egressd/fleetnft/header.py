@@ -105,7 +105,7 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
     _filter_chains(s, cfg, doh)
     _nat_chain(s, cfg)
     _uid_header(s, cfg)
-    _fwd_zone_chain(s)
+    _fwd_zone_chain(s, cfg)
     return s.text()
 
 
@@ -113,12 +113,12 @@ def header_script(cfg: TableConfig, *, delete_existing: bool) -> str:
 FWD_ZONE_CHAIN = "fwd_zone"
 
 
-def _fwd_zone_chain(s: _Script) -> None:
+def _fwd_zone_chain(s: _Script, cfg: TableConfig) -> None:
     """The forwarder serves every subject from the pod's namespace (nftsyntax.forwarder_zone):
     in a zone of their own its flows cannot be captured by a host-uid subject's redirected
     entries on the same ports, nor theirs by its."""
     s.obj("add", "chain", f"{FWD_ZONE_CHAIN} {FORWARDER_ZONE_CHAIN}")
-    s.rule(FWD_ZONE_CHAIN, forwarder_zone(FORWARDER_MARK))
+    s.rule(FWD_ZONE_CHAIN, forwarder_zone(FORWARDER_MARK, cfg.own_uid))
 
 
 def _header_objects(s: _Script, cfg: TableConfig, doh: dict[str, list[str]]) -> None:

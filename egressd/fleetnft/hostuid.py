@@ -36,9 +36,9 @@ chains and sets as the forward path, reached through uid-keyed verdict maps:
 * OPENSANDBOX_EGRESS_NAMESERVER_EXEMPT is for network subjects: a uid subject's port-53
   traffic always goes to its own DNS port.
 * Sockets of uids outside the range (the host's own processes, egressd and its MITM child
-  among them) are never touched; neither are egressd's (``own_uid``) and the DNS
-  forwarder's (SO_MARK 0x1, which needs CAP_NET_ADMIN, or CAP_NET_RAW since Linux 5.17) if
-  the range happens to cover them.
+  among them) are never touched; neither are egressd's (``own_uid``: the DNS forwarder and
+  the MITM run as it) if the range happens to cover it. The forwarder's mark (SO_MARK 0x1)
+  exempts nothing here: a sandbox process with CAP_NET_RAW may set it (Linux 5.17 on).
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ from egressd.kernel.ops import (
     Op,
 )
 from egressd.nftsyntax import (
-    FORWARDER_MARK,
     intercepted_ports,
     l3_of,
     split_by_family,
@@ -104,9 +103,11 @@ class UidSubjectNft:
 
 
 def _uid_exemptions(s: _Script, cfg: TableConfig, chain: str) -> None:
+    """egressd's own sockets, the DNS forwarder's and the MITM's among them, if the range
+    covers its uid. By uid, never by the forwarder's mark: a sandbox process with CAP_NET_RAW
+    sets SO_MARK (Linux 5.17 on) and would pass for the forwarder, past redirect and policy."""
     if cfg.own_uid is not None and cfg.own_uid in cfg.uids.uid_range:
         s.rule(chain, f"meta skuid {cfg.own_uid} return")
-    s.rule(chain, f"meta mark {FORWARDER_MARK:#010x} return")
 
 
 def _uid_header(s: _Script, cfg: TableConfig) -> None:

@@ -106,18 +106,21 @@ print(ok)
 )
 
 # Every ephemeral source port in turn, to the resolver's port 53: the few that collide with a
-# forwarder entry are not redirected.
+# forwarder entry are not redirected. A third argument: each socket carries the forwarder's
+# mark (SO_MARK 0x1; the process needs CAP_NET_RAW).
 SPRAY = (
     _QUERY
     + r"""
 import socket, sys
-server, name = sys.argv[1], sys.argv[2]
+server, name, marked = sys.argv[1], sys.argv[2], len(sys.argv) > 3
 lo, hi = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
 q = query(name, 0x4242)
 sent = 0
 for p in range(lo, hi + 1):
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
+        if marked:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, 1)
         s.bind(("0.0.0.0", p))
         s.sendto(q, (server, 53))
         sent += 1
@@ -168,7 +171,14 @@ def zone_rule(d: Daemon, *, present: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        d.nft("add", "rule", "inet", d.table, FWD_ZONE_CHAIN, *forwarder_zone(FORWARDER_MARK).split())
+        d.nft(
+            "add",
+            "rule",
+            "inet",
+            d.table,
+            FWD_ZONE_CHAIN,
+            *forwarder_zone(FORWARDER_MARK, os.getuid()).split(),
+        )
 
 
 @pytest.mark.parametrize("zone", [True, False], ids=["zone", "guard-only"])
@@ -250,14 +260,17 @@ print(json.dumps(out))
 )
 
 
+@pytest.mark.parametrize("marked", [False, True], ids=["plain", "marked"])
 def test_a_uid_subjects_spray_cannot_capture_the_forwarders_queries_of_another_subject(
-    ctopo: Topology, cdaemon: Daemon
+    ctopo: Topology, cdaemon: Daemon, marked: bool
 ) -> None:
     """The reverse collision: a subject's own (redirected) conntrack entries ``host:P ->
     resolver:53``, one per ephemeral port, must not catch the forwarder's next socket on P (its
     first packet would be NATed to that subject's DNS port and answered under its policy: a
     denial for every other subject). The forwarder's flows are in their own conntrack zone in
-    the original direction (nftsyntax.forwarder_zone)."""
+    the original direction (nftsyntax.forwarder_zone). ``marked``: the spraying subject has
+    CAP_NET_RAW and marks its sockets like the forwarder's, so the zone is chosen by the
+    socket's owner (egressd's uid), not by the mark alone."""
     bind(
         cdaemon,
         "ua",
@@ -268,7 +281,21 @@ def test_a_uid_subjects_spray_cannot_capture_the_forwarders_queries_of_another_s
     try:
         assert dig(ctopo, B, "n0.slow.example.test")[0] == "NXDOMAIN"
         ctopo.ns(ctopo.pod, "conntrack", "-F", check=False)  # only this topology's namespace
-        spray = as_uid(ctopo, B, SYSTEM_PYTHON, "-c", SPRAY, DNS_UPSTREAM, "n0.slow.example.test", timeout=60)
+        args = (
+            SYSTEM_PYTHON,
+            "-c",
+            SPRAY,
+            DNS_UPSTREAM,
+            "n0.slow.example.test",
+            *(("marked",) if marked else ()),
+        )
+        caps = ("--inh-caps=+net_raw", "--ambient-caps=+net_raw") if marked else ()
+        spray = ctopo.ns(
+            ctopo.pod,
+            *("setpriv", f"--reuid={B}", f"--regid={B}", "--clear-groups", *caps, *args),
+            check=False,
+            timeout=60,
+        )
         assert spray.returncode == 0, spray.stderr
         assert int(spray.stdout) > 10000, spray.stdout  # most ephemeral ports hold an entry of B's
         burst = as_uid(

@@ -49,7 +49,6 @@ def test_output_hook_polices_only_the_uid_range() -> None:
 
 def test_uid_out_is_the_forward_path_on_output() -> None:
     assert chain(header(TableConfig()), "uid_out") == [
-        "meta mark 0x00000001 return",
         # Port 53 that was not redirected rode a forwarder's conntrack entry
         # (tests/kernel/test_uid_dns_collision.py).
         "meta l4proto { tcp, udp } th dport 53 ct state invalid,untracked goto uid_denied",
@@ -94,9 +93,7 @@ def test_port_53_that_nat_did_not_redirect_is_refused_before_anything_is_accepte
     on :53 is redirected too) and before the subject's chains (a policy that opens the
     resolver's address would pass it)."""
     out = chain(header(cfg), "uid_out")
-    exemptions = ["meta mark 0x00000001 return"]
-    if cfg.own_uid is not None:
-        exemptions.insert(0, f"meta skuid {cfg.own_uid} return")
+    exemptions = [f"meta skuid {cfg.own_uid} return"] if cfg.own_uid is not None else []
     assert out[: len(exemptions) + 2] == [*exemptions, *UNNATED_53]
     for rule in UNNATED_53:
         assert out.count(rule) == 1
@@ -123,12 +120,22 @@ def test_own_uid_is_exempt_only_inside_the_range() -> None:
     assert chain(inside, "uid_out")[0] == "meta skuid 100500 return"
     assert chain(inside, "uid_nat")[0] == "meta skuid 100500 return"
     outside = header(TableConfig(own_uid=0))
-    assert not any("meta skuid 0 " in line for line in outside)
+    assert not any("meta skuid 0 " in line for c in ("uid_out", "uid_nat") for line in chain(outside, c))
+
+
+def test_the_forwarders_mark_exempts_no_uid_and_zones_only_egressds_sockets() -> None:
+    """A sandbox process with CAP_NET_RAW may set SO_MARK 0x1 (Linux 5.17 on): the mark
+    alone must neither skip a uid's redirect and policy, nor put its flows in the forwarder's
+    conntrack zone (tests/kernel/test_uid_mark_forgery.py)."""
+    for cfg in (TableConfig(), TableConfig(own_uid=0), TableConfig(own_uid=100500)):
+        lines = header(cfg)
+        for c in ("uid_out", "uid_nat"):
+            assert not any("meta mark 0x00000001" in line for line in chain(lines, c)), (c, cfg.own_uid)
+    assert chain(header(TableConfig(own_uid=0)), "fwd_zone") == ["meta mark 0x1 meta skuid 0 ct original zone set 1"]
 
 
 def test_dns_redirect_per_uid_and_unknown_uids_to_the_nxdomain_port() -> None:
     assert chain(header(TableConfig()), "uid_nat") == [
-        "meta mark 0x00000001 return",
         "udp dport 53 redirect to :meta skuid map @uid_dns",
         "tcp dport 53 redirect to :meta skuid map @uid_dns",
         "udp dport 53 redirect to :16256",
