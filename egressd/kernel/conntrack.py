@@ -202,8 +202,15 @@ async def _conntrack(op: str, args: list[str], version: int) -> None:
         proc.kill()
         await proc.wait()
         raise ConntrackError(f"conntrack {op} timed out") from None
-    # Exit 1 with "0 flow entries" just means there was nothing to do.
-    if proc.returncode not in (0, 1):
-        raise ConntrackError(
-            f"conntrack {op} exited {proc.returncode}: {err.decode(errors='replace').strip()[:200]}"
-        )
+    text = err.decode(errors="replace")
+    if proc.returncode is None or not conntrack_succeeded(proc.returncode, text):
+        raise ConntrackError(f"conntrack {op} exited {proc.returncode}: {text.strip()[:200]}")
+
+
+def conntrack_succeeded(returncode: int, stderr: str) -> bool:
+    """conntrack-tools exits 1 both when nothing matched (or, with ``-U``, nothing changed:
+    "0 flow entries have been updated") and when the kernel refused (EPERM: "Operation
+    failed"); only the summary line without a failure tells the first apart."""
+    if returncode == 0:
+        return True
+    return returncode == 1 and "flow entries have been" in stderr and "Operation failed" not in stderr

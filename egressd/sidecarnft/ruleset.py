@@ -17,6 +17,8 @@ Shape::
     chain    fwd_zone      filter hook output priority raw (both modes): mark 0x1 (the
              forwarder) tracked in conntrack zone 1, original direction only
     chain    [M] mitm_input  filter hook input: MITM port only when redirected
+    chain    inbound       filter hook input (mode dns+nft only): TCP from outside that is new
+             and not a SYN dropped (no flow picked up mid-stream in reverse)
     chain    guard         filter hook output (both modes): a source that is not local (bar
              0.0.0.0 and ::), and port 53 that the redirect did not rewrite (bar the forwarder's mark
              0x1 and the exempt nameservers), goto denied
@@ -79,6 +81,10 @@ FILTER_CHAIN: Final = "egress"
 #: filter chain still applies the policy to its packets.
 MITM_GID: Final = 18081
 MITM_INPUT_CHAIN: Final = "mitm_input"
+#: filter input (mode dns+nft): no TCP flow is picked up mid-stream from outside.
+INBOUND_CHAIN: Final = "inbound"
+#: The inbound chain's rule (and the self-test's): a new TCP packet from outside opens with a SYN.
+NO_MIDSTREAM_PICKUP: Final = "ct state new tcp flags & (fin | syn | rst | ack) != syn drop"
 GUARD_CHAIN: Final = "guard"
 #: raw output: the forwarder's flows in a conntrack zone of their own (nftsyntax.forwarder_zone).
 FWD_ZONE_CHAIN: Final = "fwd_zone"
@@ -228,6 +234,7 @@ def ruleset(
     if cfg.mitm_port is not None:
         lines += _mitm_input_chain(cfg, cfg.mitm_port)
     if cfg.mode != "dns":
+        lines += _inbound_chain(cfg)
         lines += _filter_chain(cfg, policy, doh)
     return "\n".join(lines) + "\n"
 
@@ -405,6 +412,20 @@ def _mitm_input_chain(cfg: SidecarTable, port: int) -> list[str]:
         f"add chain inet {t} {c} {{ type filter hook input priority 0; policy accept; }}",
         _rule(t, c, f"tcp dport {port} ct status dnat accept"),
         _rule(t, c, f"tcp dport {port} {REFUSE}"),
+    ]
+
+
+def _inbound_chain(cfg: SidecarTable) -> list[str]:
+    """A TCP packet from outside that conntrack does not know is dropped unless it opens a
+    connection (a SYN). Otherwise conntrack picks it up as a new flow in reverse (peer -> app)
+    whose reply direction, the app's packets, the egress chain accepts as established: a flow
+    whose entry is gone (a cut flow's, ended by a peer's RST the app ignored, or expired)
+    would come back on its own 4-tuple at the peer's next packet, unjudged and unmarked.
+    A connection the peer opens is ingress, which the sidecar does not police (§8.6)."""
+    t, c = cfg.table, INBOUND_CHAIN
+    return [
+        f"add chain inet {t} {c} {{ type filter hook input priority 0; policy accept; }}",
+        _rule(t, c, NO_MIDSTREAM_PICKUP),
     ]
 
 

@@ -17,7 +17,14 @@ from egressd.kernel.applier import NftError
 from egressd.kernel.netlink_dump import SetElement
 from egressd.kernel.renewal import PROBE_IP, LeaseRenewal
 from egressd.nftsyntax import FORWARDER_ZONE_CHAIN, forwarder_zone, unredirected_dns
-from egressd.sidecarnft.ruleset import ESTABLISHED_UNLESS_CUT, UPSTREAM_MARK, SidecarTable, dyn_add, dyn_set
+from egressd.sidecarnft.ruleset import (
+    ESTABLISHED_UNLESS_CUT,
+    NO_MIDSTREAM_PICKUP,
+    UPSTREAM_MARK,
+    SidecarTable,
+    dyn_add,
+    dyn_set,
+)
 from egressd.subject.leases import Grant
 
 CAP_NET_ADMIN = 12
@@ -146,6 +153,11 @@ def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
             f"add chain inet {t} mi {{ type filter hook input priority 0; policy accept; }}\n"
             f"add rule inet {t} mi tcp dport 18081 ct status dnat accept\n"
             f"add rule inet {t} mi tcp dport 18081 drop",
+        ),
+        (
+            "no TCP flow picked up mid-stream from outside (input hook, ct state and TCP flags)",
+            f"add chain inet {t} ib {{ type filter hook input priority 0; policy accept; }}\n"
+            f"add rule inet {t} ib {NO_MIDSTREAM_PICKUP}",
         ),
         (
             # docs/reference/behaviour.md §15: every refusal is counted in a named counter (given a start value:

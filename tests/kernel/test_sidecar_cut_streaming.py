@@ -6,7 +6,13 @@ The sidecar's table hooks output only: the upstream's packets reach the app unfi
 the cut deleted the flow's conntrack entry, the upstream's next packet started a new entry in
 reverse (upstream -> app), so the app's own packets were its reply direction, "established",
 and accepted: a streamed download, or a channel out, outlived the narrowing. Now the cut marks
-the entry and the egress chain judges marked flows' packets like a new flow's."""
+the entry (conntrack mark 0x40000000, egressd/sidecarnft/backend.py ``cut_flow``) and the
+egress chain judges marked flows' packets like a new flow's.
+
+The upstream runs the "chatter" server of tests/kernel/streaming.py, which streams to every
+client and logs what it receives from one; the app keeps one flow to the address the
+narrowing refuses and one to an address it keeps (:func:`tests.kernel.streaming.check`).
+"""
 
 from __future__ import annotations
 
@@ -18,15 +24,27 @@ from collections.abc import Iterator
 import pytest
 
 from tests.kernel.sidecar import Sidecar
-from tests.kernel.streaming import STREAM_SERVER, TCP_READER, UDP_TALKER
+from tests.kernel.streaming import (
+    MARGIN_S,
+    NARROW_AFTER_S,
+    check,
+    conntrack,
+    finish,
+    start_chatter,
+    start_reader,
+)
 from tests.kernel.topology import UP_NET, UPSTREAM_IPS, Topology, cleanup_stale
 
-CDN_IP = f"{UP_NET}.6"  # api.example.test
-TCP_PORT = 9107
-UDP_PORT = 9108
-RUN_S = 6.0
+CUT_IP = f"{UP_NET}.6"  # api.example.test: refused by the narrowing
+KEPT_IP = f"{UP_NET}.5"  # example.test: still allowed
 
-ALLOWED = {"defaultAction": "deny", "egress": [{"action": "allow", "target": "api.example.test"}]}
+ALLOWED = {
+    "defaultAction": "deny",
+    "egress": [
+        {"action": "allow", "target": "api.example.test"},
+        {"action": "allow", "target": "example.test"},
+    ],
+}
 NARROWED = {"defaultAction": "deny", "egress": [{"action": "allow", "target": "example.test"}]}
 
 
@@ -35,16 +53,7 @@ def stopo() -> Iterator[Topology]:
     cleanup_stale()
     t = Topology(prefix=f"egs{os.getpid()}", sandboxes=1).up_()
     try:
-        t.spawn(
-            t.up,
-            "python3",
-            "-c",
-            STREAM_SERVER,
-            ",".join(UPSTREAM_IPS),
-            str(TCP_PORT),
-            str(UDP_PORT),
-            ready_line="ready",
-        )
+        start_chatter(t, UPSTREAM_IPS)
         yield t
     finally:
         t.down()
@@ -56,38 +65,33 @@ def sidecar(stopo: Topology) -> Iterator[Sidecar]:
     sc.env["OPENSANDBOX_EGRESS_RULES"] = json.dumps(ALLOWED)
     try:
         sc.start()
-        assert sc.dig("api.example.test") == ("NOERROR", [CDN_IP])
+        assert sc.dig("api.example.test") == ("NOERROR", [CUT_IP])
+        assert sc.dig("example.test") == ("NOERROR", [KEPT_IP])
         yield sc
     finally:
         sc.cleanup()
 
 
+def narrow_and_check(sidecar: Sidecar, topo: Topology, proto: str) -> None:
+    cut = start_reader(topo, topo.sb(1), proto, CUT_IP)
+    kept = start_reader(topo, topo.sb(1), proto, KEPT_IP)
+    time.sleep(NARROW_AFTER_S)
+    sidecar.set_policy(NARROWED)
+    narrowed = time.time()
+    time.sleep(MARGIN_S + 1.0)
+    ct = conntrack(topo, topo.sb(1), proto)
+    # UDP: the upstream's datagrams keep reaching the app (inbound is not filtered); none of
+    # the app's may reach the upstream. TCP: with the app's ACKs refused the upstream stalls.
+    check(finish(topo, cut), finish(topo, kept), narrowed, ct, inbound_cut=proto == "tcp")
+
+
 def test_a_cut_tcp_stream_stays_cut_while_the_upstream_keeps_sending(
     sidecar: Sidecar, stopo: Topology
 ) -> None:
-    reader = stopo.spawn(
-        stopo.sb(1), "python3", "-c", TCP_READER, CDN_IP, str(TCP_PORT), str(RUN_S), ready_line="up"
-    )
-    time.sleep(1.0)
-    sidecar.set_policy(NARROWED)
-    verdicts = reader.communicate(timeout=30)[0].split()
-    assert "ok" in verdicts[:5], f"the stream never flowed: {verdicts}"
-    # The upstream's data in flight may still arrive for a moment; then nothing, to the end
-    # ("dead" is a second without data, so three of them are the run's last three seconds).
-    assert verdicts[-3:] == ["dead"] * 3, f"the cut TCP stream went on: {verdicts}"
+    narrow_and_check(sidecar, stopo, "tcp")
 
 
 def test_a_cut_udp_flow_carries_nothing_out_while_the_upstream_keeps_sending(
     sidecar: Sidecar, stopo: Topology
 ) -> None:
-    talker = stopo.spawn(
-        stopo.sb(1), "python3", "-c", UDP_TALKER, CDN_IP, str(UDP_PORT), str(RUN_S), ready_line="up"
-    )
-    time.sleep(1.0)
-    sidecar.set_policy(NARROWED)
-    rounds = [tuple(map(int, line.split())) for line in talker.communicate(timeout=30)[0].splitlines()]
-    answered = [n for n, acked in rounds if acked]
-    assert answered and answered[0] <= 3, f"the flow never worked: {rounds[:10]}"
-    # About 20 rounds a second; the last two seconds are well past the change and its cut.
-    late = [n for n, acked in rounds[-40:] if acked]
-    assert not late, f"the app's datagrams still reached the upstream after the cut: {late}"
+    narrow_and_check(sidecar, stopo, "udp")

@@ -53,3 +53,30 @@ def test_flows_from_keeps_only_the_given_sources(tmp_path: Path) -> None:
     }
     assert conntrack.flows_from(V4.splitlines(), {ip_address("10.203.0.1")}) == {}
     assert asyncio.run(conntrack.read_flows(want, tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize(
+    ("code", "stderr", "ok"),
+    [
+        (0, "conntrack v1.4.7 (conntrack-tools): 2 flow entries have been deleted.\n", True),
+        (1, "conntrack v1.4.7 (conntrack-tools): 0 flow entries have been deleted.\n", True),
+        (1, "conntrack v1.4.7 (conntrack-tools): 0 flow entries have been updated.\n", True),
+        # The kernel refused: the same exit code, and a cut that did nothing must say so.
+        (
+            1,
+            "conntrack v1.4.7 (conntrack-tools): Operation failed: sorry, you must be root or get "
+            "CAP_NET_ADMIN capability to do this\n",
+            False,
+        ),
+        (
+            1,
+            "conntrack v1.4.7 (conntrack-tools): Operation failed: invalid parameters\n"
+            "conntrack v1.4.7 (conntrack-tools): 0 flow entries have been updated.\n",
+            False,
+        ),
+        (1, "", False),
+        (2, "conntrack v1.4.7 (conntrack-tools): 0 flow entries have been deleted.\n", False),
+    ],
+)
+def test_exit_1_is_success_only_with_the_summary_and_no_failure(code: int, stderr: str, ok: bool) -> None:
+    assert conntrack.conntrack_succeeded(code, stderr) is ok

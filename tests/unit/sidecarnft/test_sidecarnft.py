@@ -50,6 +50,8 @@ add rule inet T guard meta l4proto { tcp, udp } th dport 53 ct status & dnat == 
 add rule inet T guard meta l4proto { tcp, udp } ct direction original ct original proto-dst 53 th dport != 15353 goto denied
 add chain inet T fwd_zone { type filter hook output priority raw; policy accept; }
 add rule inet T fwd_zone meta mark 0x1 ct original zone set 1
+add chain inet T inbound { type filter hook input priority 0; policy accept; }
+add rule inet T inbound ct state new tcp flags & (fin | syn | rst | ack) != syn drop
 add chain inet T egress { type filter hook output priority 0; policy drop; }
 add rule inet T egress ct state established,related ct mark & 0x40000000 != 0x40000000 accept
 add rule inet T egress meta mark 0x1 accept
@@ -148,6 +150,7 @@ def test_domain_rules_do_not_touch_the_ip_sets() -> None:
 def test_mode_dns_has_no_filter_chain_but_keeps_the_redirect() -> None:
     script = ruleset(SidecarTable(table="T", mode="dns"), parse_policy(P1))
     assert "egress" not in script
+    assert "inbound" not in script  # nothing is cut in mode dns, so nothing can come back
     assert "add rule inet T dns_redirect udp dport 53 redirect to :15353" in script
     assert "add rule inet T dns_redirect meta mark 0x1 return" in script
 
