@@ -175,7 +175,7 @@ def _zone_probe(t: str) -> tuple[str, str]:
     """nftsyntax.forwarder_zone: the DNS forwarder's flows in a conntrack zone of their own."""
     return (
         "directional conntrack zone (raw output chain, ct original zone set)",
-        f"add chain inet {t} fz {FORWARDER_ZONE_CHAIN}\nadd rule inet {t} fz {forwarder_zone(FORWARDER_MARK)}",
+        f"add chain inet {t} fz {FORWARDER_ZONE_CHAIN}\nadd rule inet {t} fz {forwarder_zone(FORWARDER_MARK, 0)}",
     )
 
 

@@ -23,7 +23,8 @@ Shape::
              0.0.0.0 and ::), and port 53 that the redirect did not rewrite (bar the forwarder's mark
              0x1 and the exempt nameservers), goto denied
     chain    egress        filter hook output, policy accept iff defaultAction allow
-             (mode dns+nft only): established (bar flows cut: REVOKED_FLOW_MARK), mark 0x1, lo,
+             (mode dns+nft only): the app's TCP answers on a peer's flow not yet assured refused;
+             established (bar flows cut: REVOKED_FLOW_MARK), mark 0x1, lo,
              redirected DNS, IPv6 ND, 853, DoH,
              deny, dyn, allow, goto denied
     chain    denied        every refusal (docs/reference/behaviour.md §15): counter "dropped", then drop, or with
@@ -98,7 +99,13 @@ REFUSE: Final = f"goto {DENIED_CHAIN}"
 #: that made the app's own packets "established" again. One bit, so that a mark another
 #: tool of the pod sets on other flows neither hides nor fakes a cut.
 REVOKED_FLOW_MARK: Final = 0x40000000
-#: The egress chain's first rule (and the self-test's): established flows, bar those cut.
+#: The egress chain's first rule (and the self-test's): the app's TCP in the reply direction of
+#: a flow a peer started is refused until the flow is assured (its handshake done), bar the
+#: app's own SYN-ACK and RST. A peer's SYN on the 4-tuple of a connection a narrowing cut (its
+#: marked entry ended) starts an unmarked entry whose reply direction, the app's old
+#: connection still writing, conntrack calls established while it waits for a SYN-ACK.
+UNASSURED_REPLY_REFUSED: Final = f"ct direction reply ct status & assured == 0 tcp flags & (syn | rst) == 0 {REFUSE}"
+#: The egress chain's next rule (and the self-test's): established flows, bar those cut.
 ESTABLISHED_UNLESS_CUT: Final = (
     f"ct state established,related ct mark & {REVOKED_FLOW_MARK:#x} != {REVOKED_FLOW_MARK:#x} accept"
 )
@@ -439,6 +446,7 @@ def _filter_chain(cfg: SidecarTable, policy: NetworkPolicy, doh: dict[str, list[
     def rule(body: str) -> None:
         lines.append(_rule(t, f, body))
 
+    rule(UNASSURED_REPLY_REFUSED)
     rule(ESTABLISHED_UNLESS_CUT)
     rule(f"meta mark {UPSTREAM_MARK:#x} accept")
     if cfg.mitm_port is not None:

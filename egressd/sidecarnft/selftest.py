@@ -20,6 +20,8 @@ from egressd.nftsyntax import FORWARDER_ZONE_CHAIN, forwarder_zone, unredirected
 from egressd.sidecarnft.ruleset import (
     ESTABLISHED_UNLESS_CUT,
     NO_MIDSTREAM_PICKUP,
+    REFUSE,
+    UNASSURED_REPLY_REFUSED,
     UPSTREAM_MARK,
     SidecarTable,
     dyn_add,
@@ -110,6 +112,17 @@ def _guard_probes(t: str) -> list[tuple[str, str]]:
     ]
 
 
+def _inbound_probes(t: str) -> list[tuple[str, str]]:
+    """The inbound chain (ruleset._inbound_chain): no TCP flow picked up mid-stream."""
+    return [
+        (
+            "no TCP flow picked up mid-stream from outside (input hook, ct state and TCP flags)",
+            f"add chain inet {t} ib {{ type filter hook input priority 0; policy accept; }}\n"
+            f"add rule inet {t} ib {NO_MIDSTREAM_PICKUP}",
+        ),
+    ]
+
+
 def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
     return [
         (
@@ -125,6 +138,7 @@ def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
         (
             "output-hook filter chain",
             f"add chain inet {t} out {{ type filter hook output priority 0; policy accept; }}\n"
+            f"add rule inet {t} out {UNASSURED_REPLY_REFUSED.removesuffix(REFUSE)}drop\n"
             f"add rule inet {t} out {ESTABLISHED_UNLESS_CUT}\n"
             f"add rule inet {t} out meta mark 0x1 accept\n"
             f'add rule inet {t} out oifname "lo" accept\n'
@@ -153,11 +167,6 @@ def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
             f"add chain inet {t} mi {{ type filter hook input priority 0; policy accept; }}\n"
             f"add rule inet {t} mi tcp dport 18081 ct status dnat accept\n"
             f"add rule inet {t} mi tcp dport 18081 drop",
-        ),
-        (
-            "no TCP flow picked up mid-stream from outside (input hook, ct state and TCP flags)",
-            f"add chain inet {t} ib {{ type filter hook input priority 0; policy accept; }}\n"
-            f"add rule inet {t} ib {NO_MIDSTREAM_PICKUP}",
         ),
         (
             # docs/reference/behaviour.md §15: every refusal is counted in a named counter (given a start value:
@@ -205,7 +214,12 @@ def selftest_probes(
             Probe("scratch table", partial(cmd, f"add table inet {t}"), ()),
             *(
                 Probe(feature, partial(cmd, script), NftError)
-                for feature, script in (*_probes(t, dns_port), *_guard_probes(t), *_port_probes(t))
+                for feature, script in (
+                    *_probes(t, dns_port),
+                    *_guard_probes(t),
+                    *_inbound_probes(t),
+                    *_port_probes(t),
+                )
             ),
         ],
         verdict=Probe("timed set element renewal", partial(probe_lease_renewal, cmd, elements, t), NftError),

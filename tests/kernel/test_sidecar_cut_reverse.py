@@ -7,7 +7,9 @@ delayed-ACKed newer bytes, so the RST's sequence number is in conntrack's window
 app's) waits for it to expire, then sends again: conntrack would pick its next packet up as a
 new flow in reverse (peer -> app), unmarked, whose reply direction, the app's packets, the
 egress chain accepts as established. The sidecar's ``inbound`` chain drops a TCP packet from
-outside that is new and not a SYN, so no such entry forms (found by an attacker review).
+outside that is new and not a SYN, so no such entry forms; a peer's SYN on the old 4-tuple does
+start one, and the egress chain refuses the app's TCP on a peer's flow until its handshake is
+done (found by attacker reviews).
 
 A flow the peer opens (a SYN to a listener, a datagram, a simultaneous open) is ingress: the
 sidecar hooks the app's output and does not decide who may reach the app (docs/security.md,
@@ -189,6 +191,67 @@ def test_a_cut_flow_ended_by_the_peers_rst_does_not_come_back_in_reverse(
             up.kill()
 
 
+# Same upstream as the RST test, but ~13 s after its RST (the CLOSE entry has expired) it
+# sends one SYN on the old 4-tuple, reverse direction (peer -> app): a "new" SYN the inbound
+# chain lets through, whose entry makes the app's packets its reply direction.
+UP_SYN = UP_RST.replace(
+    "time.sleep(60)\n",
+    """
+def syn(dst, dp, seq):
+    hdr = struct.pack("!HHIIBBHHH", port, dp, seq, 0, 5 << 4, 0x02, 64240, 0, 0)
+    ph = socket.inet_aton(me) + socket.inet_aton(dst) + struct.pack("!BBH", 0, 6, len(hdr))
+    hdr = hdr[:16] + struct.pack("!H", csum(ph + hdr)) + hdr[18:]
+    r = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP); r.bind((me, 0)); r.sendto(hdr, (dst, 0))
+time.sleep(13)
+syn(dst, dp, a_seq + 100000)
+log("sent SYN on the old 4-tuple")
+for i in range(8):
+    time.sleep(12); syn(dst, dp, a_seq + 100000)
+time.sleep(60)
+""",
+)
+
+
+def test_a_peers_syn_on_the_old_4_tuple_does_not_revive_a_cut_flow(sidecar: Sidecar, rtopo: Topology) -> None:
+    """The peer's SYN starts an unmarked entry (peer -> app, SYN_SENT) whose reply direction is
+    the app's old connection; conntrack calls those packets established. The egress chain
+    refuses the app's TCP on a peer's flow until its handshake is done (ct status assured),
+    bar a SYN-ACK or RST (found by an attacker review)."""
+    port = 7111
+    up = subprocess.Popen(
+        ["ip", "netns", "exec", rtopo.up, "python3", "-c", UP_SYN, CDN_IP, str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert up.stdout is not None and "ready" in up.stdout.readline()
+        app = rtopo.spawn(
+            rtopo.sb(1), "python3", "-c", APP_RST, CDN_IP, str(port), "55", "40", ready_line="up"
+        )
+        time.sleep(0.5)
+        sidecar.set_policy(NARROWED)
+        time.sleep(2.0)
+        assert "mark=1073741824" in _ct(rtopo, port), "the cut did not mark the flow"
+        assert up.stdin is not None
+        up.stdin.write("go\n")
+        up.stdin.flush()
+        seen = []
+        for _ in range(13):
+            time.sleep(4)
+            seen.append(_ct(rtopo, port))
+        app_out = app.communicate(timeout=30)[0]
+        up.kill()
+        up_out = up.communicate(timeout=5)[0]
+        report = f"UP:\n{up_out}\nAPP:\n{app_out}\nCT:\n" + "\n--\n".join(seen)
+        assert "app sent EXFIL" in app_out, report
+        assert "EXFIL" not in up_out, report
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
 # ---- ingress: flows the peer opens ---------------------------------------------------------
 
 # The app: listens on TCP and UDP, and simultaneously "connects" (simultaneous open) from a
@@ -274,3 +337,53 @@ def test_flows_a_never_allowed_peer_opens_are_not_policed(sidecar: Sidecar, rtop
     assert not sidecar.reaches(NEVER_IP, 80)
     peer_out, _ = _run_pair(rtopo, NEVER_IP)
     assert "EXFIL" not in peer_out, f"data reached a never-allowed host: {peer_out}"
+
+
+# ---- what the refusals must not break: a connection a peer opens to the app ----------------
+
+SERVE = r"""
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 7201)); s.listen(4); s.settimeout(20)
+print("up", flush=True)
+c, _ = s.accept(); c.settimeout(10)
+for _ in range(10):  # ten exchanges, then a large answer
+    want, got = 65536, b""
+    while len(got) < want:
+        got += c.recv(want - len(got))
+    c.sendall(got[::-1])
+c.sendall(bytes(range(256)) * 16384)  # 4 MiB
+c.close()
+print("served", flush=True)
+"""
+
+CLIENT = r"""
+import socket, sys
+c = socket.create_connection((sys.argv[1], 7201), timeout=10)
+ok = 0
+for i in range(10):
+    msg = bytes([i]) * 65535 + b"!"
+    c.sendall(msg)
+    want, got = len(msg), b""
+    while len(got) < want:
+        got += c.recv(want - len(got))
+    ok += got == msg[::-1]
+big = b""
+while True:
+    d = c.recv(1 << 20)
+    if not d:
+        break
+    big += d
+print(ok, big == bytes(range(256)) * 16384, flush=True)
+"""
+
+
+def test_a_connection_a_peer_opens_to_the_app_still_works(sidecar: Sidecar, rtopo: Topology) -> None:
+    """The sandbox serves (its API, its exposed ports): a peer the egress policy never names
+    connects to a listener of the app, and every byte goes both ways. The refusals above
+    (no mid-stream pickup, no answer on a flow whose handshake is not done) must not touch it."""
+    assert not sidecar.reaches(NEVER_IP, 80)
+    server = rtopo.spawn(rtopo.sb(1), "python3", "-c", SERVE, rtopo.sb_ip(1), ready_line="up")
+    client = rtopo.ns(rtopo.up, "python3", "-c", CLIENT, rtopo.sb_ip(1), timeout=40, check=False)
+    assert client.stdout.split() == ["10", "True"], client.stdout + client.stderr
+    assert "served" in server.communicate(timeout=20)[0]

@@ -53,6 +53,7 @@ add rule inet T fwd_zone meta mark 0x1 ct original zone set 1
 add chain inet T inbound { type filter hook input priority 0; policy accept; }
 add rule inet T inbound ct state new tcp flags & (fin | syn | rst | ack) != syn drop
 add chain inet T egress { type filter hook output priority 0; policy drop; }
+add rule inet T egress ct direction reply ct status & assured == 0 tcp flags & (syn | rst) == 0 goto denied
 add rule inet T egress ct state established,related ct mark & 0x40000000 != 0x40000000 accept
 add rule inet T egress meta mark 0x1 accept
 add rule inet T egress oifname "lo" accept
