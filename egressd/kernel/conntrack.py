@@ -210,7 +210,9 @@ async def _conntrack(op: str, args: list[str], version: int) -> None:
 def conntrack_succeeded(returncode: int, stderr: str) -> bool:
     """conntrack-tools exits 1 both when nothing matched (or, with ``-U``, nothing changed:
     "0 flow entries have been updated") and when the kernel refused (EPERM: "Operation
-    failed"); only the summary line without a failure tells the first apart."""
-    if returncode == 0:
-        return True
-    return returncode == 1 and "flow entries have been" in stderr and "Operation failed" not in stderr
+    failed"); it also goes on past an entry it failed to update and exits 0 if another one
+    worked. So any "Operation failed" is a failure, and exit 1 is success only with the
+    summary line."""
+    if "Operation failed" in stderr:
+        return False
+    return returncode == 0 or (returncode == 1 and "flow entries have been" in stderr)

@@ -76,15 +76,26 @@ def revoked(line: str) -> bool:
     return False
 
 
+def zoned(line: str) -> bool:
+    """Is this tracked flow in a conntrack zone other than the default (``zone-orig=1``: the DNS
+    forwarder's, nftsyntax.forwarder_zone)? Its packets carry mark 0x1, which the egress chain
+    accepts whatever the policy, and conntrack-tools cannot update an entry outside zone 0 by
+    its tuple alone: a cut would only fail on it."""
+    return any(
+        field.startswith(("zone=", "zone-orig=", "zone-reply=")) and field.partition("=")[2] not in ("", "0")
+        for field in line.split()
+    )
+
+
 def outbound_flows(conntrack_text: str, local: Iterable[IPAddress]) -> set[Dest]:
     """Original (destination, protocol, port) of tracked flows, minus those to the namespace's
-    own addresses, the DNS the local proxy answers and the flows already cut (pure): a
-    narrowing judges them by port and protocol too (§18)."""
+    own addresses, the DNS the local proxy answers, the forwarder's (zone 1) and the flows
+    already cut (pure): a narrowing judges them by port and protocol too (§18)."""
     own = set(local)
     out: set[Dest] = set()
     for line in conntrack_text.splitlines():
         t = original_flow(line)
-        if t is None or revoked(line):
+        if t is None or revoked(line) or zoned(line):
             continue
         dst = t[1][0]
         if dst in own or dst.is_loopback or answered_by_proxy(line, t[1]):

@@ -18,13 +18,13 @@ Shape::
              forwarder) tracked in conntrack zone 1, original direction only
     chain    [M] mitm_input  filter hook input: MITM port only when redirected
     chain    inbound       filter hook input (mode dns+nft only): TCP from outside that is new
-             and not a SYN dropped (no flow picked up mid-stream in reverse)
+             and not a SYN marked PICKED_UP_MARK (its app side is judged, not "established")
     chain    guard         filter hook output (both modes): a source that is not local (bar
              0.0.0.0 and ::), and port 53 that the redirect did not rewrite (bar the forwarder's mark
              0x1 and the exempt nameservers), goto denied
     chain    egress        filter hook output, policy accept iff defaultAction allow
              (mode dns+nft only): the app's TCP answers on a peer's flow not yet assured refused;
-             established (bar flows cut: REVOKED_FLOW_MARK), mark 0x1, lo,
+             established (bar flows cut or picked up: REVOKED_FLOW_MARK, PICKED_UP_MARK), mark 0x1, lo,
              redirected DNS, IPv6 ND, 853, DoH,
              deny, dyn, allow, goto denied
     chain    denied        every refusal (docs/reference/behaviour.md §15): counter "dropped", then drop, or with
@@ -82,10 +82,8 @@ FILTER_CHAIN: Final = "egress"
 #: filter chain still applies the policy to its packets.
 MITM_GID: Final = 18081
 MITM_INPUT_CHAIN: Final = "mitm_input"
-#: filter input (mode dns+nft): no TCP flow is picked up mid-stream from outside.
+#: filter input (mode dns+nft): a TCP flow picked up mid-stream from outside is marked.
 INBOUND_CHAIN: Final = "inbound"
-#: The inbound chain's rule (and the self-test's): a new TCP packet from outside opens with a SYN.
-NO_MIDSTREAM_PICKUP: Final = "ct state new tcp flags & (fin | syn | rst | ack) != syn drop"
 GUARD_CHAIN: Final = "guard"
 #: raw output: the forwarder's flows in a conntrack zone of their own (nftsyntax.forwarder_zone).
 FWD_ZONE_CHAIN: Final = "fwd_zone"
@@ -99,15 +97,29 @@ REFUSE: Final = f"goto {DENIED_CHAIN}"
 #: that made the app's own packets "established" again. One bit, so that a mark another
 #: tool of the pod sets on other flows neither hides nor fakes a cut.
 REVOKED_FLOW_MARK: Final = 0x40000000
+#: Conntrack mark bit the inbound chain sets on a TCP flow that conntrack picked up mid-stream
+#: from outside (its first packet was no SYN: an entry that ended, a cut flow's among them, or
+#: one from before the table). Its reply direction is the app's packets, which conntrack calls
+#: established: with the bit they are judged by the policy (the peer's address) instead, so a
+#: cut flow stays cut and an allowed one goes on.
+PICKED_UP_MARK: Final = 0x20000000
+#: The inbound chain's rule (and the self-test's).
+MARK_MIDSTREAM_PICKUP: Final = (
+    f"ct state new tcp flags & (fin | syn | rst | ack) != syn ct mark set ct mark | {PICKED_UP_MARK:#x}"
+)
 #: The egress chain's first rule (and the self-test's): the app's TCP in the reply direction of
-#: a flow a peer started is refused until the flow is assured (its handshake done), bar the
-#: app's own SYN-ACK and RST. A peer's SYN on the 4-tuple of a connection a narrowing cut (its
-#: marked entry ended) starts an unmarked entry whose reply direction, the app's old
+#: a flow a peer started with a SYN is refused until the flow is assured (its handshake done),
+#: bar the app's own SYN-ACK and RST. A peer's SYN on the 4-tuple of a connection a narrowing
+#: cut (its marked entry ended) starts an unmarked entry whose reply direction, the app's old
 #: connection still writing, conntrack calls established while it waits for a SYN-ACK.
-UNASSURED_REPLY_REFUSED: Final = f"ct direction reply ct status & assured == 0 tcp flags & (syn | rst) == 0 {REFUSE}"
-#: The egress chain's next rule (and the self-test's): established flows, bar those cut.
-ESTABLISHED_UNLESS_CUT: Final = (
-    f"ct state established,related ct mark & {REVOKED_FLOW_MARK:#x} != {REVOKED_FLOW_MARK:#x} accept"
+UNASSURED_REPLY_REFUSED: Final = (
+    f"ct direction reply ct status & assured == 0 ct mark & {PICKED_UP_MARK:#x} == 0 "
+    f"tcp flags & (syn | rst) == 0 {REFUSE}"
+)
+#: The egress chain's next rule (and the self-test's): established flows, bar those cut or
+#: picked up mid-stream, which the rest of the chain judges like new ones.
+ESTABLISHED_UNLESS_MARKED: Final = (
+    f"ct state established,related ct mark & {REVOKED_FLOW_MARK | PICKED_UP_MARK:#x} == 0 accept"
 )
 
 
@@ -423,16 +435,17 @@ def _mitm_input_chain(cfg: SidecarTable, port: int) -> list[str]:
 
 
 def _inbound_chain(cfg: SidecarTable) -> list[str]:
-    """A TCP packet from outside that conntrack does not know is dropped unless it opens a
-    connection (a SYN). Otherwise conntrack picks it up as a new flow in reverse (peer -> app)
-    whose reply direction, the app's packets, the egress chain accepts as established: a flow
-    whose entry is gone (a cut flow's, ended by a peer's RST the app ignored, or expired)
-    would come back on its own 4-tuple at the peer's next packet, unjudged and unmarked.
-    A connection the peer opens is ingress, which the sidecar does not police (§8.6)."""
+    """A TCP packet from outside that conntrack does not know and that opens nothing (no SYN)
+    is picked up as a new flow in reverse (peer -> app), whose reply direction, the app's
+    packets, the egress chain would accept as established: a flow whose entry is gone (a cut
+    flow's, ended by a peer's RST the app ignored, or expired) would come back on its own
+    4-tuple at the peer's next packet, unjudged and unmarked. Marked here, the app's packets on
+    it are judged by the policy. A connection the peer opens is ingress, which the sidecar
+    does not police (§8.6)."""
     t, c = cfg.table, INBOUND_CHAIN
     return [
         f"add chain inet {t} {c} {{ type filter hook input priority 0; policy accept; }}",
-        _rule(t, c, NO_MIDSTREAM_PICKUP),
+        _rule(t, c, MARK_MIDSTREAM_PICKUP),
     ]
 
 
@@ -447,7 +460,7 @@ def _filter_chain(cfg: SidecarTable, policy: NetworkPolicy, doh: dict[str, list[
         lines.append(_rule(t, f, body))
 
     rule(UNASSURED_REPLY_REFUSED)
-    rule(ESTABLISHED_UNLESS_CUT)
+    rule(ESTABLISHED_UNLESS_MARKED)
     rule(f"meta mark {UPSTREAM_MARK:#x} accept")
     if cfg.mitm_port is not None:
         # Redirected to the MITM (its output interface is still the original route's, so

@@ -18,8 +18,8 @@ from egressd.kernel.netlink_dump import SetElement
 from egressd.kernel.renewal import PROBE_IP, LeaseRenewal
 from egressd.nftsyntax import FORWARDER_ZONE_CHAIN, forwarder_zone, unredirected_dns
 from egressd.sidecarnft.ruleset import (
-    ESTABLISHED_UNLESS_CUT,
-    NO_MIDSTREAM_PICKUP,
+    ESTABLISHED_UNLESS_MARKED,
+    MARK_MIDSTREAM_PICKUP,
     REFUSE,
     UNASSURED_REPLY_REFUSED,
     UPSTREAM_MARK,
@@ -113,12 +113,12 @@ def _guard_probes(t: str) -> list[tuple[str, str]]:
 
 
 def _inbound_probes(t: str) -> list[tuple[str, str]]:
-    """The inbound chain (ruleset._inbound_chain): no TCP flow picked up mid-stream."""
+    """The inbound chain (ruleset._inbound_chain): a TCP flow picked up mid-stream is marked."""
     return [
         (
-            "no TCP flow picked up mid-stream from outside (input hook, ct state and TCP flags)",
+            "TCP flows picked up mid-stream from outside marked (input hook, TCP flags, ct mark set)",
             f"add chain inet {t} ib {{ type filter hook input priority 0; policy accept; }}\n"
-            f"add rule inet {t} ib {NO_MIDSTREAM_PICKUP}",
+            f"add rule inet {t} ib {MARK_MIDSTREAM_PICKUP}",
         ),
     ]
 
@@ -139,7 +139,7 @@ def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
             "output-hook filter chain",
             f"add chain inet {t} out {{ type filter hook output priority 0; policy accept; }}\n"
             f"add rule inet {t} out {UNASSURED_REPLY_REFUSED.removesuffix(REFUSE)}drop\n"
-            f"add rule inet {t} out {ESTABLISHED_UNLESS_CUT}\n"
+            f"add rule inet {t} out {ESTABLISHED_UNLESS_MARKED}\n"
             f"add rule inet {t} out meta mark 0x1 accept\n"
             f'add rule inet {t} out oifname "lo" accept\n'
             f"add rule inet {t} out ip daddr @iv4 tcp dport 443 drop\n"

@@ -6,10 +6,11 @@ ends the entry (a RST conntrack takes while the app's stack ignores it: the app 
 delayed-ACKed newer bytes, so the RST's sequence number is in conntrack's window but not the
 app's) waits for it to expire, then sends again: conntrack would pick its next packet up as a
 new flow in reverse (peer -> app), unmarked, whose reply direction, the app's packets, the
-egress chain accepts as established. The sidecar's ``inbound`` chain drops a TCP packet from
-outside that is new and not a SYN, so no such entry forms; a peer's SYN on the old 4-tuple does
-start one, and the egress chain refuses the app's TCP on a peer's flow until its handshake is
-done (found by attacker reviews).
+egress chain accepts as established. The sidecar's ``inbound`` chain marks such a pickup
+(conntrack mark bit 0x20000000), and the egress chain judges the app's packets on it by the
+policy; a peer's SYN on the old 4-tuple starts an unmarked entry, and the egress chain refuses
+the app's TCP on a flow a peer started until its handshake is done (found by attacker reviews).
+A flow picked up from an allowed peer goes on (the last test).
 
 A flow the peer opens (a SYN to a listener, a datagram, a simultaneous open) is ingress: the
 sidecar hooks the app's output and does not decide who may reach the app (docs/security.md,
@@ -149,6 +150,24 @@ def _ct(rtopo: Topology, port: int) -> str:
     return "\n".join(ln for ln in r.stdout.splitlines() if f"port={port}" in ln)
 
 
+def _started_by_peer(snapshots: list[str], state: str) -> list[str]:
+    """Entries in ``state`` whose original direction is the peer's (peer -> app)."""
+    return [
+        ln
+        for snap in snapshots
+        for ln in snap.splitlines()
+        if f" {state} " in f" {ln} " and ln.split("src=", 1)[-1].startswith(f"{CDN_IP} ")
+    ]
+
+
+def _narrow_and_wait_for_the_mark(sidecar: Sidecar, rtopo: Topology, port: int) -> None:
+    sidecar.set_policy(NARROWED)
+    deadline = time.monotonic() + 10
+    while "mark=1073741824" not in _ct(rtopo, port):
+        assert time.monotonic() < deadline, f"the cut did not mark the flow: {_ct(rtopo, port)}"
+        time.sleep(0.2)
+
+
 def test_a_cut_flow_ended_by_the_peers_rst_does_not_come_back_in_reverse(
     sidecar: Sidecar, rtopo: Topology
 ) -> None:
@@ -167,9 +186,7 @@ def test_a_cut_flow_ended_by_the_peers_rst_does_not_come_back_in_reverse(
             rtopo.sb(1), "python3", "-c", APP_RST, CDN_IP, str(port), "55", "40", ready_line="up"
         )
         time.sleep(0.5)
-        sidecar.set_policy(NARROWED)
-        time.sleep(2.0)
-        assert "mark=1073741824" in _ct(rtopo, port), "the cut did not mark the flow"
+        _narrow_and_wait_for_the_mark(sidecar, rtopo, port)
         assert up.stdin is not None
         up.stdin.write("go\n")
         up.stdin.flush()
@@ -181,10 +198,15 @@ def test_a_cut_flow_ended_by_the_peers_rst_does_not_come_back_in_reverse(
         app_out = app.communicate(timeout=30)[0]
         up.kill()
         up_out = up.communicate(timeout=5)[0]
-        assert "app sent EXFIL" in app_out, f"the app never tried: {app_out}"
+        report = f"UP:\n{up_out}\nAPP:\n{app_out}\nconntrack every 4 s:\n" + "\n".join(seen)
+        assert "app sent EXFIL" in app_out, f"the app never tried: {report}"
+        # The attack happened: the RST closed the marked entry, and the peer's retransmission
+        # was picked up in reverse, where the inbound chain marked it.
+        assert any(" CLOSE " in snap and "mark=1073741824" in snap for snap in seen), report
+        picked = _started_by_peer(seen, "ESTABLISHED")
+        assert picked and all("mark=536870912" in ln for ln in picked), report
         assert "EXFIL" not in up_out, (
-            "the app's data reached the narrowed upstream on the cut flow's own 4-tuple:\n"
-            f"UP:\n{up_out}\nAPP:\n{app_out}\nconntrack every 4 s:\n" + "\n".join(seen)
+            "the app's data reached the narrowed upstream on the cut flow's own 4-tuple:\n" + report
         )
     finally:
         if up.poll() is None:
@@ -231,9 +253,7 @@ def test_a_peers_syn_on_the_old_4_tuple_does_not_revive_a_cut_flow(sidecar: Side
             rtopo.sb(1), "python3", "-c", APP_RST, CDN_IP, str(port), "55", "40", ready_line="up"
         )
         time.sleep(0.5)
-        sidecar.set_policy(NARROWED)
-        time.sleep(2.0)
-        assert "mark=1073741824" in _ct(rtopo, port), "the cut did not mark the flow"
+        _narrow_and_wait_for_the_mark(sidecar, rtopo, port)
         assert up.stdin is not None
         up.stdin.write("go\n")
         up.stdin.flush()
@@ -246,6 +266,9 @@ def test_a_peers_syn_on_the_old_4_tuple_does_not_revive_a_cut_flow(sidecar: Side
         up_out = up.communicate(timeout=5)[0]
         report = f"UP:\n{up_out}\nAPP:\n{app_out}\nCT:\n" + "\n--\n".join(seen)
         assert "app sent EXFIL" in app_out, report
+        # The attack happened: the peer's SYN started an entry of its own (SYN_SENT), unmarked.
+        started = _started_by_peer(seen, "SYN_SENT")
+        assert started and not any("mark=1073741824" in ln for ln in started), report
         assert "EXFIL" not in up_out, report
     finally:
         if up.poll() is None:

@@ -30,6 +30,7 @@ from tests.kernel.streaming import (
     check,
     conntrack,
     finish,
+    port_of,
     start_chatter,
     start_reader,
 )
@@ -95,3 +96,43 @@ def test_a_cut_udp_flow_carries_nothing_out_while_the_upstream_keeps_sending(
     sidecar: Sidecar, stopo: Topology
 ) -> None:
     narrow_and_check(sidecar, stopo, "udp")
+
+
+# A download only: the app reads and never writes (its kernel still ACKs), one verdict a second.
+_DOWNLOAD = r"""
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1.0)
+print("up", flush=True)
+end = time.time() + float(sys.argv[3])
+while time.time() < end:
+    got, until = 0, time.time() + 1.0
+    while time.time() < until:
+        try:
+            got += len(s.recv(65536))
+        except OSError:
+            pass
+    print("ok" if got else "dead", flush=True)
+"""
+
+
+def test_an_allowed_download_whose_entry_is_gone_goes_on(sidecar: Sidecar, stopo: Topology) -> None:
+    """What the inbound chain must not break: the flow's conntrack entry disappears (as after
+    ``conntrack -F``, or an expiry) during a download, and the app never writes, so the
+    upstream's next packet is picked up in reverse. Marked, the app's ACKs on it are judged by
+    the policy: this destination is allowed, so the download goes on (dropping the pickup
+    would stall it for good)."""
+    reader = stopo.spawn(
+        stopo.sb(1), "python3", "-c", _DOWNLOAD, KEPT_IP, str(port_of("tcp")), "8", ready_line="up"
+    )
+    time.sleep(1.5)
+    # Until the upstream's packet is the one conntrack picks up (the app's delayed ACK may come
+    # first and start the entry from the app's side, which proves nothing here).
+    for _ in range(10):
+        stopo.ns(stopo.sb(1), "conntrack", "-D", "-p", "tcp", "--dport", str(port_of("tcp")), check=False)
+        time.sleep(0.3)
+        ct = conntrack(stopo, stopo.sb(1), "tcp")
+        if "mark=536870912" in ct:
+            break
+    verdicts = reader.communicate(timeout=30)[0].split()
+    assert verdicts[:1] == ["ok"] and verdicts[-3:] == ["ok"] * 3, f"{verdicts}\nconntrack:\n{ct}"
+    assert "mark=536870912" in ct, f"the flow was not picked up from outside: {ct}"

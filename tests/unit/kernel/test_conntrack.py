@@ -75,6 +75,13 @@ def test_flows_from_keeps_only_the_given_sources(tmp_path: Path) -> None:
             False,
         ),
         (1, "", False),
+        # One entry refused, another updated: exit 0, and still a failure to report.
+        (
+            0,
+            "conntrack v1.4.7 (conntrack-tools): Operation failed: No such file or directory\n"
+            "conntrack v1.4.7 (conntrack-tools): 1 flow entries have been updated.\n",
+            False,
+        ),
         (2, "conntrack v1.4.7 (conntrack-tools): 0 flow entries have been deleted.\n", False),
     ],
 )

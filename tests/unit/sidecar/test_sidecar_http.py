@@ -551,6 +551,25 @@ def test_outbound_flows_leave_the_flows_already_cut() -> None:
     }
 
 
+def test_outbound_flows_leave_the_forwarders_zone() -> None:
+    """The DNS forwarder's flows are in conntrack zone 1 (original direction): mark 0x1 passes
+    them whatever the policy, and conntrack-tools cannot update them by tuple, so a narrowing
+    whose deny covers a resolver must not offer them for a cut (it would log a failure each time)."""
+    from egressd.sidecarnft.backend import outbound_flows, zoned
+
+    def line(zone: str) -> str:
+        return (
+            "ipv4 2 udp 17 29 src=10.203.0.11 dst=10.0.0.53 sport=40001 dport=53 "
+            f"src=10.0.0.53 dst=10.203.0.11 sport=53 dport=40001 mark=0 {zone} use=2"
+        )
+
+    assert zoned(line("zone-orig=1")) and zoned(line("zone=3")) and zoned(line("zone-reply=2"))
+    assert not zoned(line("zone=0")) and not zoned(line(""))
+    own = [ip_address("10.203.0.11")]
+    assert outbound_flows(line("zone-orig=1"), own) == set()
+    assert outbound_flows(line("zone=0"), own) == {(ip_address("10.0.0.53"), "udp", 53)}
+
+
 async def test_allows_ip_mirrors_the_ruleset(aiohttp_client: Any, tmp_path: Path) -> None:
     env = await make_env(
         aiohttp_client,

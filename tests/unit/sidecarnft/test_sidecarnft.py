@@ -51,10 +51,10 @@ add rule inet T guard meta l4proto { tcp, udp } ct direction original ct origina
 add chain inet T fwd_zone { type filter hook output priority raw; policy accept; }
 add rule inet T fwd_zone meta mark 0x1 ct original zone set 1
 add chain inet T inbound { type filter hook input priority 0; policy accept; }
-add rule inet T inbound ct state new tcp flags & (fin | syn | rst | ack) != syn drop
+add rule inet T inbound ct state new tcp flags & (fin | syn | rst | ack) != syn ct mark set ct mark | 0x20000000
 add chain inet T egress { type filter hook output priority 0; policy drop; }
-add rule inet T egress ct direction reply ct status & assured == 0 tcp flags & (syn | rst) == 0 goto denied
-add rule inet T egress ct state established,related ct mark & 0x40000000 != 0x40000000 accept
+add rule inet T egress ct direction reply ct status & assured == 0 ct mark & 0x20000000 == 0 tcp flags & (syn | rst) == 0 goto denied
+add rule inet T egress ct state established,related ct mark & 0x60000000 == 0 accept
 add rule inet T egress meta mark 0x1 accept
 add rule inet T egress oifname "lo" accept
 add rule inet T egress ip daddr 127.0.0.1 meta l4proto { tcp, udp } th dport 15353 accept
