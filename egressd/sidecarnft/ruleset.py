@@ -73,8 +73,6 @@ from egressd.subject.ranges import on_hash_path, pipapo_elements, shared_ranges,
 
 Mode = Literal["dns", "dns+nft"]
 
-#: Mark the DNS forwarder puts on its upstream sockets (SO_MARK); exempt from redirect and filter.
-UPSTREAM_MARK: Final = FORWARDER_MARK
 REDIRECT_CHAIN: Final = "dns_redirect"
 FILTER_CHAIN: Final = "egress"
 #: Group id the MITM child runs with: its own upstream connections are not intercepted again
@@ -339,7 +337,7 @@ def _redirect_chain(cfg: SidecarTable, policy: NetworkPolicy) -> list[str]:
     t, c = cfg.table, REDIRECT_CHAIN
     lines = [
         f"add chain inet {t} {c} {{ type nat hook output priority -100; policy accept; }}",
-        _rule(t, c, f"meta mark {UPSTREAM_MARK:#x} return"),
+        _rule(t, c, f"meta mark {FORWARDER_MARK:#x} return"),
     ]
     lines += _exempt_dns_returns(cfg, c)  # the reference's per-destination RETURN
     lines += [
@@ -397,7 +395,7 @@ def _guard_chain(cfg: SidecarTable) -> list[str]:
         # destination and has none.
         _rule(t, c, f"ip saddr != 0.0.0.0 meta skuid >= 0 fib saddr type != local {REFUSE}"),
         _rule(t, c, f"ip6 saddr != :: meta skuid >= 0 fib saddr type != local {REFUSE}"),
-        _rule(t, c, f"meta mark {UPSTREAM_MARK:#x} return"),
+        _rule(t, c, f"meta mark {FORWARDER_MARK:#x} return"),
     ]
     lines += _exempt_dns_returns(cfg, c)
     lines += [_rule(t, c, body) for body in unredirected_dns(REFUSE)]
@@ -420,7 +418,7 @@ def _fwd_zone_chain(cfg: SidecarTable) -> list[str]:
     resolver:53`` (redirected to the proxy) would otherwise catch the first packet of the
     forwarder's next socket on P and send the query back to the proxy (nftsyntax.forwarder_zone)."""
     t, c = cfg.table, FWD_ZONE_CHAIN
-    return [f"add chain inet {t} {c} {FORWARDER_ZONE_CHAIN}", _rule(t, c, forwarder_zone(UPSTREAM_MARK))]
+    return [f"add chain inet {t} {c} {FORWARDER_ZONE_CHAIN}", _rule(t, c, forwarder_zone(FORWARDER_MARK))]
 
 
 def _mitm_input_chain(cfg: SidecarTable, port: int) -> list[str]:
@@ -461,7 +459,7 @@ def _filter_chain(cfg: SidecarTable, policy: NetworkPolicy, doh: dict[str, list[
 
     rule(UNASSURED_REPLY_REFUSED)
     rule(ESTABLISHED_UNLESS_MARKED)
-    rule(f"meta mark {UPSTREAM_MARK:#x} accept")
+    rule(f"meta mark {FORWARDER_MARK:#x} accept")
     if cfg.mitm_port is not None:
         # Redirected to the MITM (its output interface is still the original route's, so
         # "lo" does not match): accepted; the policy applies to the MITM's upstream leg.

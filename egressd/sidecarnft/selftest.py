@@ -16,13 +16,12 @@ from egressd.kernel import renewal
 from egressd.kernel.applier import NftError
 from egressd.kernel.netlink_dump import SetElement
 from egressd.kernel.renewal import PROBE_IP, LeaseRenewal
-from egressd.nftsyntax import FORWARDER_ZONE_CHAIN, forwarder_zone, unredirected_dns
+from egressd.nftsyntax import FORWARDER_MARK, FORWARDER_ZONE_CHAIN, forwarder_zone, unredirected_dns
 from egressd.sidecarnft.ruleset import (
     ESTABLISHED_UNLESS_MARKED,
     MARK_MIDSTREAM_PICKUP,
     REFUSE,
     UNASSURED_REPLY_REFUSED,
-    UPSTREAM_MARK,
     SidecarTable,
     dyn_add,
     dyn_set,
@@ -107,7 +106,7 @@ def _guard_probes(t: str) -> list[tuple[str, str]]:
         (
             # ruleset._fwd_zone_chain (nftsyntax.forwarder_zone).
             "directional conntrack zone (raw output chain, ct original zone set)",
-            f"add chain inet {t} fz {FORWARDER_ZONE_CHAIN}\nadd rule inet {t} fz {forwarder_zone(UPSTREAM_MARK)}",
+            f"add chain inet {t} fz {FORWARDER_ZONE_CHAIN}\nadd rule inet {t} fz {forwarder_zone(FORWARDER_MARK)}",
         ),
     ]
 
