@@ -15,7 +15,6 @@ from egressd.dnsproxy.decide import final_rcode
 from egressd.dnsproxy.upstreams import Upstream
 from egressd.nftsyntax import FORWARDER_MARK
 
-UPSTREAM_MARK = FORWARDER_MARK  # exempt from the tables' DNS redirect/filters; not the fleet allow mark
 _MAX_UDP = 65535
 _POOL_PER_UPSTREAM = 32
 
@@ -50,7 +49,7 @@ def _matches(query: DNSRecord, reply: DNSRecord) -> bool:
 
 class Forwarder:
     def __init__(
-        self, upstreams: Sequence[Upstream], timeout: float, *, mark: int | None = UPSTREAM_MARK
+        self, upstreams: Sequence[Upstream], timeout: float, *, mark: int | None = FORWARDER_MARK
     ) -> None:
         self.upstreams = tuple(upstreams)
         self.timeout = timeout

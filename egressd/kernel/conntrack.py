@@ -82,6 +82,28 @@ def original_flow(line: str) -> tuple[IPAddress, Dest] | None:
     return t[0], (t[1], proto, dport)
 
 
+def carries_mark(line: str, bits: int) -> bool:
+    """Does this tracked flow's conntrack mark carry any of ``bits`` (e.g. the sidecar's cut)?"""
+    for field in line.split():
+        if field.startswith("mark="):
+            try:
+                return bool(int(field[5:], 0) & bits)
+            except ValueError:
+                return False
+    return False
+
+
+def zoned(line: str) -> bool:
+    """Is this tracked flow in a conntrack zone other than the default (``zone-orig=1``: the DNS
+    forwarder's, nftsyntax.forwarder_zone)? Its packets carry mark 0x1, which the egress chain
+    accepts whatever the policy, and conntrack-tools cannot update an entry outside zone 0 by
+    its tuple alone: a cut would only fail on it."""
+    return any(
+        field.startswith(("zone=", "zone-orig=", "zone-reply=")) and field.partition("=")[2] not in ("", "0")
+        for field in line.split()
+    )
+
+
 def flow_dests_from(lines: Iterable[str], sources: Collection[IPAddress]) -> dict[IPAddress, set[Dest]]:
     """Original (destination, protocol, port) of the tracked flows per original source, for
     ``sources`` only."""

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping
 import structlog
 
 from egressd.commonconfig import CommonConfig
-from egressd.dnsproxy.forwarder import UPSTREAM_MARK, Forwarder
+from egressd.dnsproxy.forwarder import Forwarder
 from egressd.dnsproxy.resolve import ForwarderResolver
 from egressd.engine.backend import Refusals
 from egressd.engine.refusals import RefusalSamples
@@ -24,6 +24,7 @@ from egressd.events.dns import DnsEvents
 from egressd.events.webhook import DenyWebhook, display_url
 from egressd.metrics import EgressMetrics
 from egressd.mitm.names import NameRefusals
+from egressd.nftsyntax import FORWARDER_MARK
 from egressd.policy.audit import safe_token
 from egressd.sidecarnft.backend import SIDECAR_NFT_ID, SIDECAR_UID, sidecar_refusals
 from egressd.subject.model import subject_for_uid
@@ -80,7 +81,7 @@ def sidecar_events(cfg: CommonConfig, metrics: EgressMetrics, forwarder: Forward
         webhook = DenyWebhook(
             cfg.deny_webhook,
             metrics,
-            socket_mark=UPSTREAM_MARK,
+            socket_mark=FORWARDER_MARK,
             resolver=ForwarderResolver(forwarder),
         )
         log.info("webhook.enabled", webhook=display_url(cfg.deny_webhook), sandbox_id=cfg.sandbox_id or None)

@@ -22,6 +22,7 @@ from egressd.engine.backend import Flow, Refusals
 from egressd.engine.selftest import Probes, no_probes
 from egressd.kernel.conntrack import (
     Dest,
+    carries_mark,
     conntrack_delete,
     conntrack_mark,
     flow_selector,
@@ -29,6 +30,7 @@ from egressd.kernel.conntrack import (
     original_tuple,
     read_table,
     reply_source,
+    zoned,
 )
 from egressd.policy import NetworkPolicy, ip_sets
 from egressd.policy.ipsets import Prefix
@@ -65,28 +67,6 @@ def answered_by_proxy(line: str, dest: Dest) -> bool:
     return answered_from is not None and answered_from.is_loopback
 
 
-def revoked(line: str) -> bool:
-    """Was this tracked flow already cut (its conntrack mark carries REVOKED_FLOW_MARK)?"""
-    for field in line.split():
-        if field.startswith("mark="):
-            try:
-                return bool(int(field[5:], 0) & REVOKED_FLOW_MARK)
-            except ValueError:
-                return False
-    return False
-
-
-def zoned(line: str) -> bool:
-    """Is this tracked flow in a conntrack zone other than the default (``zone-orig=1``: the DNS
-    forwarder's, nftsyntax.forwarder_zone)? Its packets carry mark 0x1, which the egress chain
-    accepts whatever the policy, and conntrack-tools cannot update an entry outside zone 0 by
-    its tuple alone: a cut would only fail on it."""
-    return any(
-        field.startswith(("zone=", "zone-orig=", "zone-reply=")) and field.partition("=")[2] not in ("", "0")
-        for field in line.split()
-    )
-
-
 def outbound_flows(conntrack_text: str, local: Iterable[IPAddress]) -> set[Dest]:
     """Original (destination, protocol, port) of tracked flows, minus those to the namespace's
     own addresses, the DNS the local proxy answers, the forwarder's (zone 1) and the flows
@@ -95,7 +75,7 @@ def outbound_flows(conntrack_text: str, local: Iterable[IPAddress]) -> set[Dest]
     out: set[Dest] = set()
     for line in conntrack_text.splitlines():
         t = original_flow(line)
-        if t is None or revoked(line) or zoned(line):
+        if t is None or carries_mark(line, REVOKED_FLOW_MARK) or zoned(line):
             continue
         dst = t[1][0]
         if dst in own or dst.is_loopback or answered_by_proxy(line, t[1]):

@@ -21,11 +21,12 @@ from dnslib import AAAA, CNAME, EDNS0, QTYPE, RCODE, RR, TXT, A, DNSHeader, DNSR
 import egressd.dnsproxy.forwarder as forwarder_mod
 import egressd.dnsproxy.server as server_mod
 from egressd.addr import IPAddress
-from egressd.dnsproxy.forwarder import UPSTREAM_MARK, Forwarded, Forwarder
+from egressd.dnsproxy.forwarder import Forwarded, Forwarder
 from egressd.dnsproxy.server import DnsProxy
 from egressd.dnsproxy.upstreams import Upstream
 from egressd.kernel.applier import NftError
 from egressd.metrics import EgressMetrics
+from egressd.nftsyntax import FORWARDER_MARK
 from egressd.policy import parse_policy
 from egressd.subject.model import Asker, Fence
 
@@ -833,7 +834,7 @@ def _spy_sockets(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
 def _can_set_mark() -> bool:
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, UPSTREAM_MARK)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, FORWARDER_MARK)
     except PermissionError:
         return False
     return True
@@ -856,7 +857,7 @@ async def test_default_mark_is_applied_to_udp_and_tcp_sockets(
     seen = _spy_sockets(monkeypatch)
     up = await ups.pair(answer_with(tc=True), answer_with("1.2.3.4"))
     fwd = Forwarder([up], 2.0)  # default mark
-    assert fwd.mark == UPSTREAM_MARK == 0x1
+    assert fwd.mark == FORWARDER_MARK == 0x1
     res = await fwd.forward(q())
     assert addresses(res.reply) == ["1.2.3.4"]
     assert seen == [(socket.SOCK_DGRAM, 0x1), (socket.SOCK_STREAM, 0x1)]

@@ -533,7 +533,8 @@ def test_outbound_flows_leave_the_dns_the_proxy_answers() -> None:
 def test_outbound_flows_leave_the_flows_already_cut() -> None:
     """A cut marks a flow (REVOKED_FLOW_MARK) and keeps its entry: the second look must not
     find it again (it would log a late cut that never was), whatever other mark bits it has."""
-    from egressd.sidecarnft.backend import outbound_flows, revoked
+    from egressd.kernel.conntrack import carries_mark
+    from egressd.sidecarnft.backend import outbound_flows
     from egressd.sidecarnft.ruleset import REVOKED_FLOW_MARK
 
     def line(sport: int, mark: int) -> str:
@@ -542,8 +543,10 @@ def test_outbound_flows_leave_the_flows_already_cut() -> None:
             f"src=10.204.0.6 dst=10.203.0.11 sport=22 dport={sport} [ASSURED] mark={mark} zone=0 use=2"
         )
 
-    assert revoked(line(1, REVOKED_FLOW_MARK)) and revoked(line(1, REVOKED_FLOW_MARK | 0x5))
-    assert not revoked(line(1, 0)) and not revoked(line(1, 0x5)) and not revoked("mark=x")
+    assert carries_mark(line(1, REVOKED_FLOW_MARK), REVOKED_FLOW_MARK)
+    assert carries_mark(line(1, REVOKED_FLOW_MARK | 0x5), REVOKED_FLOW_MARK)
+    assert not carries_mark(line(1, 0), REVOKED_FLOW_MARK) and not carries_mark(line(1, 0x5), REVOKED_FLOW_MARK)
+    assert not carries_mark("mark=x", REVOKED_FLOW_MARK)
     own = [ip_address("10.203.0.11")]
     assert outbound_flows(line(1, REVOKED_FLOW_MARK | 0x5), own) == set()
     assert outbound_flows("\n".join([line(1, REVOKED_FLOW_MARK), line(2, 0x5)]), own) == {
@@ -555,7 +558,8 @@ def test_outbound_flows_leave_the_forwarders_zone() -> None:
     """The DNS forwarder's flows are in conntrack zone 1 (original direction): mark 0x1 passes
     them whatever the policy, and conntrack-tools cannot update them by tuple, so a narrowing
     whose deny covers a resolver must not offer them for a cut (it would log a failure each time)."""
-    from egressd.sidecarnft.backend import outbound_flows, zoned
+    from egressd.kernel.conntrack import zoned
+    from egressd.sidecarnft.backend import outbound_flows
 
     def line(zone: str) -> str:
         return (
