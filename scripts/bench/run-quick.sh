@@ -12,7 +12,7 @@ scripts/install.sh >/dev/null || { echo "bench: install failed" >&2; exit 1; }
 PASS=0; FAIL=0
 LOGS=$(mktemp -d /tmp/egbench-quick.XXXXXX)
 trap 'rm -rf "$LOGS"' EXIT
-for b in fleet dns mitm mitm_placement vault fleet_levers fleet_ab; do
+for b in fleet dns mitm mitm_placement vault fleet_levers fleet_ab relay_ceiling request_rules; do
   script="scripts/bench/bench_$b.py"; [ -f "$script" ] || script="scripts/bench/$b.py"
   # fleet_ab against HEAD: the committed tree and the working tree side by side (identical in
   # CI, so its two columns check that the harness measures alike).
