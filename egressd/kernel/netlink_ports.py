@@ -215,20 +215,10 @@ def port_key_expressions(rule: PortRule) -> list[bytes]:
             _payload(NFT_PAYLOAD_NETWORK_HEADER, offset, addr_len(rule.fam), NFT_REG_1),
         ]
         port = _payload(NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2, port_reg)
-    # The 1-byte protocol goes through a byteorder step in an interval set's concatenation
-    # (what nft emits).
-    byteorder = _expr(
-        "byteorder",
-        _u32(NFTA_BYTEORDER_SREG, proto_reg),
-        _u32(NFTA_BYTEORDER_DREG, proto_reg),
-        _u32(NFTA_BYTEORDER_OP, NFT_BYTEORDER_HTON),
-        _u32(NFTA_BYTEORDER_LEN, 1),
-        _u32(NFTA_BYTEORDER_SIZE, 2),
-    )
     lookup = _expr("lookup", _str(NFTA_LOOKUP_SET, rule.set_name), _u32(NFTA_LOOKUP_SREG, NFT_REG_1))
     if rule.exact:  # a hash set's lookup: nft 1.0.6 loads the protocol as it is
         return [*addr, _meta(NFT_META_L4PROTO, proto_reg), port, lookup]
-    return [*addr, _meta(NFT_META_L4PROTO, proto_reg), byteorder, port, lookup]
+    return [*addr, _meta(NFT_META_L4PROTO, proto_reg), _proto_hton(proto_reg), port, lookup]
 
 
 def range_rule_expressions(rule: RangeRule, daddr_lookup: list[bytes]) -> list[bytes]:
@@ -239,16 +229,21 @@ def range_rule_expressions(rule: RangeRule, daddr_lookup: list[bytes]) -> list[b
         port = _ct(NFT_CT_PROTO_DST, NFT_REG32_01)
     else:
         port = _payload(NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2, NFT_REG32_01)
-    byteorder = _expr(
+    lookup = _expr("lookup", _str(NFTA_LOOKUP_SET, rule.services), _u32(NFTA_LOOKUP_SREG, NFT_REG_1))
+    return [*daddr_lookup, _meta(NFT_META_L4PROTO, NFT_REG_1), _proto_hton(NFT_REG_1), port, lookup]
+
+
+def _proto_hton(reg: int) -> bytes:
+    """The 1-byte protocol goes through a byteorder step in an interval set's concatenation
+    (what nft emits)."""
+    return _expr(
         "byteorder",
-        _u32(NFTA_BYTEORDER_SREG, NFT_REG_1),
-        _u32(NFTA_BYTEORDER_DREG, NFT_REG_1),
+        _u32(NFTA_BYTEORDER_SREG, reg),
+        _u32(NFTA_BYTEORDER_DREG, reg),
         _u32(NFTA_BYTEORDER_OP, NFT_BYTEORDER_HTON),
         _u32(NFTA_BYTEORDER_LEN, 1),
         _u32(NFTA_BYTEORDER_SIZE, 2),
     )
-    lookup = _expr("lookup", _str(NFTA_LOOKUP_SET, rule.services), _u32(NFTA_LOOKUP_SREG, NFT_REG_1))
-    return [*daddr_lookup, _meta(NFT_META_L4PROTO, NFT_REG_1), byteorder, port, lookup]
 
 
 def guard_expressions(guard: L4Guard) -> list[bytes]:
