@@ -31,6 +31,8 @@ ZONE6: list[dict[str, object]] = [
     {"name": "ex6.test", "type": "AAAA", "value": EX6, "ttl": 60},
     {"name": "evil6.test", "type": "AAAA", "value": DENY6, "ttl": 60},
     {"name": "good6.test", "type": "AAAA", "value": DENY6, "ttl": 60},
+    {"name": "www6.cdn6.test", "type": "CNAME", "value": "edge6.cdnhost6.test", "ttl": 60},
+    {"name": "edge6.cdnhost6.test", "type": "AAAA", "value": CDN6, "ttl": 60},
     {"name": "v4name.test", "type": "A", "value": MAPPED_V4, "ttl": 60},
     {"name": "other4.test", "type": "A", "value": MAPPED_V4, "ttl": 60},
     {"name": "mapped.test", "type": "AAAA", "value": MAPPED6_ZONE, "ttl": 60},

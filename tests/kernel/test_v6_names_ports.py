@@ -35,6 +35,7 @@ from tests.kernel.cdn import (
     requests,
     set_elements,
     tls,
+    upstream_ca,
     wait_refusal,
 )
 from tests.kernel.cdn6 import (
@@ -54,6 +55,7 @@ from tests.kernel.cdn6 import (
     learn6,
     probe,
 )
+from tests.kernel.keepalive import KeepAlive, second_reached
 from tests.kernel.topology import GATEWAY6, Daemon, Topology, envelope
 
 HTTP_PORT = 18560
@@ -359,4 +361,51 @@ def test_an_address_literal_as_the_name_is_no_name(cdn: Topology, fleet: Daemon,
         assert out["responses"] and out["responses"][0]["status"] in (400, 403), (host, out)
         assert out["responses"][0]["status"] == 403 or host == CDN6, (host, out)
     assert not tls(cdn, 2, CDN6, CDN6, host="a.cdn6.test")["ok"]
+    assert accepts(cdn, since) == [], evidence(cdn, fleet)
+
+
+def test_a_narrowing_that_takes_the_name_away_cuts_its_open_v6_tls_connection(
+    cdn: Topology, fleet: Daemon, subject: list[str]
+) -> None:
+    """tests/kernel/test_names_narrowing_cuts.py over v6: a relayed TLS connection whose name
+    a narrowing takes away is cut, although the v6 address stays open for the other name."""
+    subject.append("v6namecut")
+    bind6(fleet, 1, "v6namecut", policy(allow("a.cdn6.test"), allow("b.cdn6.test")))
+    learn6(cdn, 1, "a.cdn6.test", CDN6)
+    learn6(cdn, 1, "b.cdn6.test", CDN6)
+    client = KeepAlive(cdn, 1, "a.cdn6.test", upstream_ca(cdn), ip=CDN6)
+    try:
+        assert client.line() == {"first": 200}
+        since = mark(cdn)
+        bind6(fleet, 1, "v6namecut", policy(allow("b.cdn6.test")))
+        second = client.second()
+        assert second != 200, (second, evidence(cdn, fleet))
+        assert not second_reached(cdn, since, "a.cdn6.test")
+    finally:
+        client.stop()
+    assert tls(cdn, 1, CDN6, "b.cdn6.test")["ok"]
+
+
+def test_v6_cname_chain_other_address_and_address_rules(
+    cdn: Topology, fleet: Daemon, subject: list[str]
+) -> None:
+    """Over v6: a CNAME chain admits the query name only; an allowed name learned on one v6
+    address does not open another; an allow v6 CIDR rule admits any SNI (and none) but a
+    denied one."""
+    subject.append("v6chain")
+    bind6(fleet, 2, "v6chain", policy(allow("www6.cdn6.test"), allow("good6.test")))
+    learn6(cdn, 2, "www6.cdn6.test", CDN6)
+    assert tls(cdn, 2, CDN6, "www6.cdn6.test")["ok"]
+    since = mark(cdn)
+    assert not tls(cdn, 2, CDN6, "edge6.cdnhost6.test")["ok"]
+    assert not tls(cdn, 2, CDN6, "b.cdn6.test")["ok"]
+    assert not tls(cdn, 2, DENY6, "www6.cdn6.test")["ok"]  # learned on CDN6, not on DENY6
+    assert not tls(cdn, 2, DENY6, "good6.test")["ok"]  # allowed, not learned yet
+    assert accepts(cdn, since) == [], evidence(cdn, fleet)
+    bind6(fleet, 2, "v6chain", policy(deny("evil6.test"), allow("fd00:204::/64")))
+    assert tls(cdn, 2, DENY6, "good6.test")["ok"]
+    assert tls(cdn, 2, DENY6, None, host="good6.test")["ok"]
+    since = mark(cdn)
+    assert not tls(cdn, 2, DENY6, "evil6.test")["ok"]
+    assert http(cdn, 2, DENY6, "evil6.test")["responses"][0]["status"] == 403
     assert accepts(cdn, since) == [], evidence(cdn, fleet)

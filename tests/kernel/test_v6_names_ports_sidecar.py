@@ -21,6 +21,7 @@ from tests.kernel.cdn import (
     policy,
     requests,
     tls,
+    upstream_ca,
     wait_refusal,
 )
 from tests.kernel.cdn6 import (
@@ -40,6 +41,7 @@ from tests.kernel.cdn6 import (
     learn6,
     probe,
 )
+from tests.kernel.keepalive import KeepAlive, second_reached
 from tests.kernel.sidecar import TABLE, Sidecar
 from tests.kernel.topology import UPSTREAM_IPS6, Topology
 
@@ -248,4 +250,42 @@ def test_an_address_literal_as_the_name_is_no_name(cdn: Topology, sidecar: Sidec
         assert out["responses"] and out["responses"][0]["status"] in (400, 403), (host, out)
         assert out["responses"][0]["status"] == 403 or host == CDN6, (host, out)
     assert not tls(cdn, 1, CDN6, CDN6, host="a.cdn6.test")["ok"]
+    assert accepts(cdn, since) == [], evidence(cdn)
+
+
+def test_a_narrowing_that_takes_the_name_away_cuts_its_open_v6_tls_connection(
+    cdn: Topology, sidecar: Sidecar
+) -> None:
+    sidecar.set_policy(policy(allow("a.cdn6.test"), allow("b.cdn6.test")))
+    learn(cdn, "a.cdn6.test", CDN6)
+    learn(cdn, "b.cdn6.test", CDN6)
+    client = KeepAlive(cdn, 1, "a.cdn6.test", upstream_ca(cdn), ip=CDN6)
+    try:
+        assert client.line() == {"first": 200}
+        since = mark(cdn)
+        sidecar.set_policy(policy(allow("b.cdn6.test")))
+        second = client.second()
+        assert second != 200, (second, evidence(cdn))
+        assert not second_reached(cdn, since, "a.cdn6.test")
+    finally:
+        client.stop()
+    assert tls(cdn, 1, CDN6, "b.cdn6.test")["ok"]
+
+
+def test_v6_cname_chain_other_address_and_address_rules(cdn: Topology, sidecar: Sidecar) -> None:
+    sidecar.set_policy(policy(allow("www6.cdn6.test"), allow("good6.test")))
+    learn(cdn, "www6.cdn6.test", CDN6)
+    assert tls(cdn, 1, CDN6, "www6.cdn6.test")["ok"]
+    since = mark(cdn)
+    assert not tls(cdn, 1, CDN6, "edge6.cdnhost6.test")["ok"]
+    assert not tls(cdn, 1, CDN6, "b.cdn6.test")["ok"]
+    assert not tls(cdn, 1, DENY6, "www6.cdn6.test")["ok"]
+    assert not tls(cdn, 1, DENY6, "good6.test")["ok"]
+    assert accepts(cdn, since) == [], evidence(cdn)
+    sidecar.set_policy(policy(deny("evil6.test"), allow("fd00:204::/64")))
+    assert tls(cdn, 1, DENY6, "good6.test")["ok"]
+    assert tls(cdn, 1, DENY6, None, host="good6.test")["ok"]
+    since = mark(cdn)
+    assert not tls(cdn, 1, DENY6, "evil6.test")["ok"]
+    assert http(cdn, 1, DENY6, "evil6.test")["responses"][0]["status"] == 403
     assert accepts(cdn, since) == [], evidence(cdn)
