@@ -166,3 +166,31 @@ def conntrack(t: Topology, ns: str) -> str:
     """The namespace's conntrack table (evidence for a failure message)."""
     r = t.ns(ns, "conntrack", "-L", "-f", "ipv6", check=False)
     return r.stdout + r.stderr
+
+
+RAW = r"""
+import socket, sys, time
+ip, port, data, wait = sys.argv[1], int(sys.argv[2]), sys.argv[3].encode().decode("unicode_escape").encode("latin-1"), float(sys.argv[4])
+s = socket.create_connection((ip, port), timeout=4)
+if data:
+    s.sendall(data)
+time.sleep(wait)
+s.settimeout(3)
+got = b""
+try:
+    while True:
+        d = s.recv(65536)
+        if not d:
+            break
+        got += d
+except OSError:
+    pass
+print(repr(got[:400]))
+"""
+
+
+# One TCP connection: ``data`` (escapes decoded) sent, ``wait`` seconds, then what came back (repr).
+def raw6(t: Topology, sb: int, ip: str, port: int, data: str, wait: float = 0.5) -> str:
+    return t.ns(
+        t.sb(sb), "python3", "-c", RAW, ip, str(port), data, str(wait), check=False, timeout=30
+    ).stdout

@@ -54,6 +54,7 @@ from tests.kernel.cdn6 import (
     echo,
     learn6,
     probe,
+    raw6,
 )
 from tests.kernel.keepalive import KeepAlive, second_reached
 from tests.kernel.topology import GATEWAY6, Daemon, Topology, envelope
@@ -409,3 +410,30 @@ def test_v6_cname_chain_other_address_and_address_rules(
     assert not tls(cdn, 2, DENY6, "evil6.test")["ok"]
     assert http(cdn, 2, DENY6, "evil6.test")["responses"][0]["status"] == 403
     assert accepts(cdn, since) == [], evidence(cdn, fleet)
+
+
+def test_nameless_and_absolute_form_bytes_on_a_learned_v6_address(
+    cdn: Topology, fleet: Daemon, subject: list[str]
+) -> None:
+    """On an address open only by an ``https`` rule's lease (docs/reference/behaviour.md, "connections
+    that carry no name"): bytes that are neither TLS nor HTTP are refused (``no_sni``), a silent
+    client on 443 is only waited for; a rule without ``protocol`` admits them (the control). An
+    absolute-form request naming the other name with the allowed Host forwards nothing for the
+    other name."""
+    subject.append("v6raw")
+    bind6(fleet, 2, "v6raw", policy(allow("a.cdn6.test", protocol="https"), allow("a.cdn6.test", ports=[80])))
+    learn6(cdn, 2, "a.cdn6.test", CDN6)
+    since, log_mark = mark(cdn), len(fleet.log_text())
+    assert raw6(cdn, 2, CDN6, 443, "SSH-2.0-x\\r\\n").strip() == "b''"
+    assert raw6(cdn, 2, CDN6, 443, "", wait=2).strip() == "b''"
+    assert accepts(cdn, since) == [], evidence(cdn, fleet)
+    wait_refusal(fleet.log_text, log_mark, reason="no_sni", dst=CDN6, port=443)
+    since = mark(cdn)
+    out = raw6(cdn, 2, CDN6, 80, "GET http://b.cdn6.test/abs HTTP/1.1\\r\\nHost: a.cdn6.test\\r\\n\\r\\n")
+    seen = requests(cdn, since)
+    assert all("b.cdn6.test" not in (r.get("host", "") + r.get("path", "")) for r in seen), (out, seen)
+    bind6(fleet, 2, "v6raw", policy(allow("a.cdn6.test")))  # the control: any protocol
+    learn6(cdn, 2, "a.cdn6.test", CDN6)
+    since = mark(cdn)
+    raw6(cdn, 2, CDN6, 443, "SSH-2.0-x\\r\\n")
+    assert len(accepts(cdn, since)) == 1

@@ -40,6 +40,7 @@ from tests.kernel.cdn6 import (
     echo,
     learn6,
     probe,
+    raw6,
 )
 from tests.kernel.keepalive import KeepAlive, second_reached
 from tests.kernel.sidecar import TABLE, Sidecar
@@ -289,3 +290,17 @@ def test_v6_cname_chain_other_address_and_address_rules(cdn: Topology, sidecar: 
     assert not tls(cdn, 1, DENY6, "evil6.test")["ok"]
     assert http(cdn, 1, DENY6, "evil6.test")["responses"][0]["status"] == 403
     assert accepts(cdn, since) == [], evidence(cdn)
+
+
+def test_nameless_and_absolute_form_bytes_on_a_learned_v6_address(cdn: Topology, sidecar: Sidecar) -> None:
+    sidecar.set_policy(policy(allow("a.cdn6.test", protocol="https"), allow("a.cdn6.test", ports=[80])))
+    learn(cdn, "a.cdn6.test", CDN6)
+    since, log_mark = mark(cdn), len(sidecar.log_text())
+    assert raw6(cdn, 1, CDN6, 443, "SSH-2.0-x\\r\\n").strip() == "b''"
+    assert raw6(cdn, 1, CDN6, 443, "", wait=2).strip() == "b''"
+    assert accepts(cdn, since) == [], evidence(cdn)
+    wait_refusal(sidecar.log_text, log_mark, reason="no_sni", dst=CDN6, port=443)
+    since = mark(cdn)
+    out = raw6(cdn, 1, CDN6, 80, "GET http://b.cdn6.test/abs HTTP/1.1\\r\\nHost: a.cdn6.test\\r\\n\\r\\n")
+    seen = requests(cdn, since)
+    assert all("b.cdn6.test" not in (r.get("host", "") + r.get("path", "")) for r in seen), (out, seen)
