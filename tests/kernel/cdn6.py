@@ -194,3 +194,40 @@ def raw6(t: Topology, sb: int, ip: str, port: int, data: str, wait: float = 0.5)
     return t.ns(
         t.sb(sb), "python3", "-c", RAW, ip, str(port), data, str(wait), check=False, timeout=30
     ).stdout
+
+
+# A UDP datagram in an IPv6 atomic fragment (a Fragment header, offset 0, no more fragments:
+# RFC 6946), sent on a raw socket (CAP_NET_RAW: a sandbox root has it in its namespace); the
+# echo's answer is read on an ordinary UDP socket bound to the same source port.
+ATOMIC = r"""
+import socket, struct, sys
+host, port = sys.argv[1], int(sys.argv[2])
+rx = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM); rx.bind(("::", 0)); rx.settimeout(2.0)
+rx.connect((host, port)); src = rx.getsockname()[0]; sport = rx.getsockname()[1]
+payload = b"ping"
+length = 8 + len(payload)
+def csum(data):
+    if len(data) % 2:
+        data += b"\0"
+    s = sum(struct.unpack("!%dH" % (len(data) // 2), data))
+    while s >> 16:
+        s = (s & 0xFFFF) + (s >> 16)
+    return (~s) & 0xFFFF
+pseudo = socket.inet_pton(socket.AF_INET6, src) + socket.inet_pton(socket.AF_INET6, host) + struct.pack("!I3xB", length, 17)
+udp = struct.pack("!HHHH", sport, port, length, 0) + payload
+c = csum(pseudo + udp) or 0xFFFF
+udp = struct.pack("!HHHH", sport, port, length, c) + payload
+frag = struct.pack("!BBHI", 17, 0, 0, 0x5EC7)  # next header UDP, offset 0, M=0
+raw = socket.socket(socket.AF_INET6, socket.SOCK_RAW, 44)  # the kernel writes next header 44
+raw.sendto(frag + udp, (host, 0))
+try:
+    ok = rx.recv(16) == payload
+except OSError:
+    ok = False
+print("open" if ok else "closed")
+"""
+
+
+def atomic_udp(t: Topology, sb: int, ip: str, port: int) -> bool:
+    out = t.ns(t.sb(sb), "python3", "-c", ATOMIC, ip, str(port), check=False, timeout=15)
+    return out.stdout.strip() == "open"

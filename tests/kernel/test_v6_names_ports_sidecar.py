@@ -36,6 +36,7 @@ from tests.kernel.cdn6 import (
     NET6_A,
     NET6_B,
     ZONE6,
+    atomic_udp,
     conntrack,
     echo,
     learn6,
@@ -172,6 +173,8 @@ def test_udp_443_of_a_v6_address_open_only_by_learning_is_dropped(cdn: Topology,
     for shape in ("dstopts", "hbh", "big"):
         assert probe(cdn, 1, "udp", NET6_A, 443, shape), shape
         assert not probe(cdn, 1, "udp", EX6, 443, shape), (shape, evidence(cdn))
+    assert atomic_udp(cdn, 1, NET6_A, 443)
+    assert not atomic_udp(cdn, 1, EX6, 443), evidence(cdn)
 
 
 # ---- 4. §14.1 by port over v6 -------------------------------------------------------------------
