@@ -83,7 +83,7 @@ threading.Event().wait()
 # ``shape``: "dstopts" (a Destination Options extension header, PadN, before the transport
 # header: CAP_NET_RAW, which a sandbox root has in its namespace), "hbh" (Hop-by-Hop Options),
 # "big" (a payload over the MTU: IPv6 fragments).
-_PROBE = """
+PROBE = """
 import socket, sys
 proto, host, port, shape = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 fam = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -152,7 +152,7 @@ def echo(t: Topology) -> Iterator[subprocess.Popen[str]]:
 
 
 def probe(t: Topology, sb: int, proto: str, ip: str, port: int, shape: str = "plain") -> bool:
-    out = t.ns(t.sb(sb), "python3", "-c", _PROBE, proto, ip, str(port), shape, check=False, timeout=15).stdout
+    out = t.ns(t.sb(sb), "python3", "-c", PROBE, proto, ip, str(port), shape, check=False, timeout=15).stdout
     return out.strip() == "open"
 
 

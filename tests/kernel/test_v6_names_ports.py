@@ -16,21 +16,27 @@ records (tests/kernel/cdn6.py).
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from tests.kernel.cdn import (
+    SYSTEM_PYTHON,
     accepts,
     allow,
     cdn_topology,
+    client_argv,
     deny,
     http,
     learn,
     mark,
     mitm_env,
+    parse_client,
     policy,
     requests,
     set_elements,
@@ -49,6 +55,7 @@ from tests.kernel.cdn6 import (
     NET6,
     NET6_A,
     NET6_B,
+    PROBE,
     ZONE6,
     atomic_udp,
     conntrack,
@@ -76,7 +83,8 @@ def cdn() -> Iterator[Topology]:
 
 @pytest.fixture(scope="module")
 def fleet(cdn: Topology) -> Iterator[Daemon]:
-    d = Daemon(cdn, table="egt-v6names", port=HTTP_PORT, env=mitm_env(cdn, "v6names"))
+    env = {**mitm_env(cdn, "v6names"), "EGRESSD_UID_MAX_SUBJECTS": "2", "EGRESSD_UID_DNS_PORT_BASE": "16600"}
+    d = Daemon(cdn, table="egt-v6names", port=HTTP_PORT, env=env)
     d.start(wait=False)
     try:
         d.wait_ready(timeout=30)
@@ -441,3 +449,54 @@ def test_nameless_and_absolute_form_bytes_on_a_learned_v6_address(
     since = mark(cdn)
     raw6(cdn, 2, CDN6, 443, "SSH-2.0-x\\r\\n")
     assert len(accepts(cdn, since)) == 1
+
+
+UID_V6 = 100061  # a host-uid subject (docs/reference/behaviour.md §17)
+
+
+def as_uid(t: Topology, *cmd: str) -> subprocess.CompletedProcess[str]:
+    return t.ns(
+        t.pod,
+        "setpriv",
+        f"--reuid={UID_V6}",
+        f"--regid={UID_V6}",
+        "--clear-groups",
+        *cmd,
+        check=False,
+        timeout=30,
+    )
+
+
+def test_a_host_uid_subject_over_v6(cdn: Topology, fleet: Daemon, subject: list[str]) -> None:
+    """§17 x §18 over v6: a host-uid subject's AAAA lease opens only its rule's port, and the
+    other name on the shared v6 address is refused by SNI before the upstream."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is missing")
+    subject.append("v6uid")
+    env = envelope(
+        "SET_BINDING", "v6uid", ip=None, policy=json.dumps(policy(allow("a.cdn6.test", ports=[443])))
+    )
+    env["attachment"] = {"process": {"uid": UID_V6}}
+    assert fleet.post(env) == (200, "{}")
+    assert fleet.post(envelope("LIFECYCLE_HOOK", "v6uid", hook=DPR)) == (200, "{}")
+    r = as_uid(cdn, "dig", "@fd00:204::9", "a.cdn6.test", "AAAA", "+short", "+time=2", "+tries=1")
+    assert CDN6 in r.stdout, r
+    ok = as_uid(cdn, SYSTEM_PYTHON, *client_argv(cdn, CDN6, 443, "a.cdn6.test", ("a.cdn6.test",)))
+    assert parse_client(ok.stdout, ok.stderr)["ok"], ok
+    since = mark(cdn)
+    bad = as_uid(cdn, SYSTEM_PYTHON, *client_argv(cdn, CDN6, 443, "b.cdn6.test", ("b.cdn6.test",)))
+    assert not parse_client(bad.stdout, bad.stderr)["ok"], bad
+    plain = as_uid(cdn, SYSTEM_PYTHON, *client_argv(cdn, CDN6, 80, None, ("a.cdn6.test",)))
+    out = parse_client(plain.stdout, plain.stderr)
+    assert not out["responses"] or out["responses"][0]["status"] == 403, out
+    for proto, port in (("tcp", 7000), ("udp", 443), ("udp", 7000)):
+        got = as_uid(cdn, SYSTEM_PYTHON, "-c", PROBE, proto, CDN6, str(port), "plain").stdout.strip()
+        assert got == "closed", (proto, port, got, evidence(cdn, fleet))
+    assert accepts(cdn, since) == [], evidence(cdn, fleet)
+    # The control: the same name on every port opens TCP 7000 for the uid (the probe works).
+    env = envelope("SET_BINDING", "v6uid", ip=None, policy=json.dumps(policy(allow("a.cdn6.test"))))
+    env["attachment"] = {"process": {"uid": UID_V6}}
+    assert fleet.post(env) == (200, "{}")
+    r = as_uid(cdn, "dig", "@fd00:204::9", "a.cdn6.test", "AAAA", "+short", "+time=2", "+tries=1")
+    assert CDN6 in r.stdout, r
+    assert as_uid(cdn, SYSTEM_PYTHON, "-c", PROBE, "tcp", CDN6, "7000", "plain").stdout.strip() == "open"
