@@ -60,14 +60,21 @@ CDN_POLICY = policy(*CDN_RULES)
 
 
 def cdn_topology(
-    prefix: str, sandboxes: int, *, http_ports: str = "80,8080,853", https_ports: str = "443"
+    prefix: str,
+    sandboxes: int,
+    *,
+    http_ports: str = "80,8080,853",
+    https_ports: str = "443",
+    zone: list[dict[str, object]] | None = None,
 ) -> Topology:
+    """The CDN topology; ``zone``: another zone than :data:`ZONE` (tests/kernel/cdn6.py's, with
+    AAAA records)."""
     cleanup_stale()
     t = Topology(
         prefix=prefix,
         sandboxes=sandboxes,
         upstream_script=REPO / "tests" / "kernel" / "cdn_upstream.py",
-        zone=ZONE,
+        zone=ZONE if zone is None else zone,
         http_ports=http_ports,
         https_ports=https_ports,
     ).up_()

@@ -55,9 +55,11 @@ except Exception as exc:
 class KeepAlive:
     """The client above in sandbox ``sb``, started and read line by line."""
 
-    def __init__(self, t: Topology, sb: int, sni: str, ca: Path, settle: float = 1.0) -> None:
+    def __init__(
+        self, t: Topology, sb: int, sni: str, ca: Path, settle: float = 1.0, ip: str = CDN_IP
+    ) -> None:
         self.go = t.workdir / f"go-{sni}-{time.monotonic_ns()}"
-        argv = [sys.executable, "-c", KEEP_ALIVE, CDN_IP, sni, str(ca), str(self.go), str(settle)]
+        argv = [sys.executable, "-c", KEEP_ALIVE, ip, sni, str(ca), str(self.go), str(settle)]
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", t.sb(sb), *argv],
             stdout=subprocess.PIPE,
