@@ -1,7 +1,9 @@
-"""Cutting established flows of one source address (conntrack-tools, off the hot path).
+"""Reading and cutting tracked flows (conntrack-tools and /proc/net/nf_conntrack, off the hot path).
 
 Revoking access does not end flows the kernel already accepted (``ct state established``
-is accepted first), so a revert, rebind or removal deletes the source's conntrack entries.
+is accepted first), so a revert, rebind or removal deletes the source's conntrack entries,
+and a narrowing deletes (fleet) or marks (sidecar) the flows it no longer allows. The line
+parsers here read the table's text for both profiles.
 """
 
 from __future__ import annotations
@@ -95,9 +97,9 @@ def carries_mark(line: str, bits: int) -> bool:
 
 def zoned(line: str) -> bool:
     """Is this tracked flow in a conntrack zone other than the default (``zone-orig=1``: the DNS
-    forwarder's, nftsyntax.forwarder_zone)? Its packets carry mark 0x1, which the egress chain
-    accepts whatever the policy, and conntrack-tools cannot update an entry outside zone 0 by
-    its tuple alone: a cut would only fail on it."""
+    forwarder's, nftsyntax.forwarder_zone)? It is egressd's own traffic, which the tables pass
+    whatever the policy, and conntrack-tools cannot update an entry outside zone 0 by its tuple
+    alone: a cut would only fail on it."""
     return any(
         field.startswith(("zone=", "zone-orig=", "zone-reply=")) and field.partition("=")[2] not in ("", "0")
         for field in line.split()

@@ -139,7 +139,7 @@ def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
             f"add chain inet {t} out {{ type filter hook output priority 0; policy accept; }}\n"
             f"add rule inet {t} out {UNASSURED_REPLY_REFUSED.removesuffix(REFUSE)}drop\n"
             f"add rule inet {t} out {ESTABLISHED_UNLESS_MARKED}\n"
-            f"add rule inet {t} out meta mark 0x1 accept\n"
+            f"add rule inet {t} out meta mark {FORWARDER_MARK:#x} accept\n"
             f'add rule inet {t} out oifname "lo" accept\n'
             f"add rule inet {t} out ip daddr @iv4 tcp dport 443 drop\n"
             f"add rule inet {t} out ip6 daddr @iv6 drop\n"
@@ -149,7 +149,7 @@ def _probes(t: str, dns_port: int) -> list[tuple[str, str]]:
         (
             "DNS redirect (nat hook output)",
             f"add chain inet {t} nat {{ type nat hook output priority -100; policy accept; }}\n"
-            f"add rule inet {t} nat meta mark 0x1 return\n"
+            f"add rule inet {t} nat meta mark {FORWARDER_MARK:#x} return\n"
             f"add rule inet {t} nat udp dport 53 redirect to :{dns_port}\n"
             f"add rule inet {t} nat tcp dport 53 redirect to :{dns_port}",
         ),
